@@ -1,0 +1,102 @@
+#include "engine/env.hpp"
+
+#include <cctype>
+#include <cerrno>
+#include <cstdlib>
+
+#include "engine/error.hpp"
+
+namespace graphep::env {
+
+const StringVar kDebug({"GRAPHEP_DEBUG", Type::kString, "WARN",
+                        "log level: NONE, WARN, INFO or TRACE", nullptr, 0, 0});
+const StringVar kDebugSubsys({"GRAPHEP_DEBUG_SUBSYS", Type::kString, "ALL",
+                              "comma-separated subsystems to log (INIT,COMM,HEAP,TOPO,SYNC,GRAPH,"
+                              "TUNE,ALL); a leading ^ excludes them",
+                              nullptr, 0, 0});
+const IntVar kTimeoutMs({"GRAPHEP_TIMEOUT_MS", Type::kInt, "10000",
+                         "bound in milliseconds on every device spin-wait; on expiry the wait "
+                         "reports rank, peer, site, expected and observed values and stops",
+                         nullptr, 1, 3600000});
+const BoolVar kTrapOnTimeout({"GRAPHEP_TRAP_ON_TIMEOUT", Type::kBool, "0",
+                              "trap (kill the kernel's context) on a device wait timeout instead "
+                              "of recording the error and returning",
+                              nullptr, 0, 0});
+const ChoiceVar kForceTransport({"GRAPHEP_FORCE_TRANSPORT", Type::kChoice, "auto",
+                                 "auto: classify peers from hardware facts; remote: treat every "
+                                 "other rank as remote (NCCL transport) to test the mixed path",
+                                 "auto|remote", 0, 0});
+
+const std::vector<const Var*>& all() {
+  static const std::vector<const Var*> vars = {&kDebug, &kDebugSubsys, &kTimeoutMs,
+                                               &kTrapOnTimeout, &kForceTransport};
+  return vars;
+}
+
+const char* typeName(Type t) {
+  switch (t) {
+    case Type::kInt: return "int";
+    case Type::kBool: return "bool";
+    case Type::kString: return "string";
+    case Type::kChoice: return "choice";
+  }
+  return "?";
+}
+
+bool Var::isSet() const {
+  const char* v = std::getenv(info_.name);
+  return v != nullptr && *v != '\0';
+}
+
+std::string Var::raw() const {
+  const char* v = std::getenv(info_.name);
+  return (v != nullptr && *v != '\0') ? std::string(v) : std::string(info_.defaultValue);
+}
+
+namespace {
+std::string lower(std::string_view s) {
+  std::string out;
+  for (char c : s) {
+    if (!std::isspace(static_cast<unsigned char>(c)))
+      out.push_back(static_cast<char>(std::tolower(static_cast<unsigned char>(c))));
+  }
+  return out;
+}
+}  // namespace
+
+long long IntVar::parse(std::string_view text) const {
+  std::string t(text);
+  errno = 0;
+  char* end = nullptr;
+  long long v = std::strtoll(t.c_str(), &end, 10);
+  GRAPHEP_REQUIRE(!t.empty() && end != nullptr && *end == '\0' && errno == 0,
+                  Status::kInvalidArgument, "%s='%s' is not an integer", info_.name, t.c_str());
+  GRAPHEP_REQUIRE(v >= info_.min && v <= info_.max, Status::kInvalidArgument,
+                  "%s=%lld is out of range [%lld, %lld]", info_.name, v, info_.min, info_.max);
+  return v;
+}
+
+bool BoolVar::parse(std::string_view text) const {
+  std::string t = lower(text);
+  if (t == "1" || t == "true" || t == "yes" || t == "on") return true;
+  if (t == "0" || t == "false" || t == "no" || t == "off") return false;
+  GRAPHEP_FAIL(Status::kInvalidArgument, "%s='%.*s' is not a boolean (1/0, true/false, yes/no, on/off)",
+               info_.name, static_cast<int>(text.size()), text.data());
+}
+
+std::string ChoiceVar::parse(std::string_view text) const {
+  std::string t = lower(text);
+  std::string_view choices(info_.choices);
+  size_t pos = 0;
+  while (pos <= choices.size()) {
+    size_t bar = choices.find('|', pos);
+    std::string_view c = choices.substr(pos, bar == std::string_view::npos ? bar : bar - pos);
+    if (c == t) return t;
+    if (bar == std::string_view::npos) break;
+    pos = bar + 1;
+  }
+  GRAPHEP_FAIL(Status::kInvalidArgument, "%s='%.*s' is not one of %s", info_.name,
+               static_cast<int>(text.size()), text.data(), info_.choices);
+}
+
+}  // namespace graphep::env

@@ -1,0 +1,64 @@
+// Layout of the symmetric heap: one arena per rank, identical on every rank, carved by a bump
+// allocator in ONE function (carveHeap) that documents each region. Sizing is a dry run of the
+// same function, and the heap verifies that carving the allocated arena lands exactly on the
+// computed size.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace graphep {
+
+struct HeapConfig {
+  int numRanks = 0;
+  int numSemChannels = 8;   // counting-semaphore channels (one word per channel per source rank)
+  int numFlagChannels = 8;  // in-kernel flag channels (one inbox word per channel per peer)
+  int numEpochs = 8;        // per-operation-kind epochs
+  std::size_t userBytes = 0;       // a symmetric scratch region for callers (tests, movers)
+  std::uint32_t counterStart = 0;  // initial flag/step/epoch/total value (tests start near wrap)
+  long long timeoutMs = -1;        // device wait bound; -1 reads GRAPHEP_TIMEOUT_MS
+
+  // Throws graphep::Error naming the bad field.
+  void validate() const;
+  // Hash of every field that must agree across ranks (exchanged at setup).
+  std::uint64_t hash() const;
+};
+
+struct HeapRegion {
+  std::string name;
+  std::size_t offset;
+  std::size_t bytes;
+  std::size_t align;
+};
+
+// Offsets of the well-known regions (identical on all ranks).
+struct HeapLayout {
+  std::size_t semCount = 0, semArrived = 0, semConsumed = 0;
+  std::size_t flagInbox = 0, flagStep = 0, epochs = 0;
+  std::size_t user = 0;
+  std::size_t totalBytes = 0;
+  std::vector<HeapRegion> regions;  // in carve order
+};
+
+class BumpAllocator {
+ public:
+  explicit BumpAllocator(std::size_t capacity) : capacity_(capacity) {}
+  // Returns the offset of `count` x `elemBytes` aligned to `align` (a power of two); throws
+  // graphep::Error naming the region when it does not fit.
+  std::size_t carve(const char* name, std::size_t count, std::size_t elemBytes, std::size_t align);
+  std::size_t used() const { return used_; }
+  const std::vector<HeapRegion>& regions() const { return regions_; }
+
+ private:
+  std::size_t capacity_;
+  std::size_t used_ = 0;
+  std::vector<HeapRegion> regions_;
+};
+
+// The one place regions are carved. With capacity SIZE_MAX it is the sizing dry run.
+HeapLayout carveHeap(const HeapConfig& cfg, std::size_t capacity);
+inline std::size_t heapBytes(const HeapConfig& cfg) { return carveHeap(cfg, SIZE_MAX).totalBytes; }
+
+}  // namespace graphep

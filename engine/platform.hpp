@@ -1,0 +1,24 @@
+// The CUDA platform as graphep sees it: driver entry points resolved at run time (graphep links
+// only the runtime, so every binary starts on a machine with no driver), device counting that
+// never throws, and version queries.
+#pragma once
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+namespace graphep::detail {
+
+struct DriverApi {
+  PFN_cuStreamWaitValue32_v11070 streamWaitValue32 = nullptr;
+  PFN_cuStreamWriteValue32_v11070 streamWriteValue32 = nullptr;
+  PFN_cuGetErrorName_v6000 getErrorName = nullptr;
+  PFN_cuDeviceGetAttribute_v2000 deviceGetAttribute = nullptr;
+};
+
+// Resolved once on first use; throws graphep::Error(kNoDevice) when the driver is missing.
+const DriverApi& driver();
+
+// Name of a driver error ("CUDA_ERROR_INVALID_VALUE"), or "CUresult <n>" when unresolvable.
+const char* driverErrorName(CUresult err) noexcept;
+
+}  // namespace graphep::detail

@@ -1,0 +1,71 @@
+#include "engine/semaphore.hpp"
+
+#include "engine/error.hpp"
+#include "engine/platform.hpp"
+#include "engine/topology.hpp"
+#include "kernels/semaphore.h"
+
+namespace graphep {
+
+SemaphoreOps::SemaphoreOps(const SymmetricHeap& heap, int local)
+    : heap_(&heap), local_(local), h_(heap.syncHandle(local)) {}
+
+void SemaphoreOps::checkChannel(int channel) const {
+  GRAPHEP_REQUIRE(channel >= 0 && static_cast<std::uint32_t>(channel) < h_.numSemChannels,
+                  Status::kInvalidArgument, "semaphore channel %d is out of range [0, %u)",
+                  channel, h_.numSemChannels);
+}
+
+void SemaphoreOps::checkRank(const char* what, int r) const {
+  GRAPHEP_REQUIRE(r >= 0 && r < h_.numRanks, Status::kInvalidArgument,
+                  "semaphore %s %d is out of range [0, %d)", what, r, h_.numRanks);
+}
+
+void SemaphoreOps::signal(cudaStream_t stream, int channel, std::uint32_t peerMask) const {
+  checkChannel(channel);
+  GRAPHEP_REQUIRE(h_.numRanks == 32 || (peerMask >> h_.numRanks) == 0, Status::kInvalidArgument,
+                  "semaphore peer mask 0x%x names ranks beyond the %d in the group", peerMask,
+                  h_.numRanks);
+  for (int p = 0; p < h_.numRanks; ++p) {
+    if ((peerMask & (1u << p)) == 0) continue;
+    GRAPHEP_REQUIRE(isLoadStore(heap_->peerClass(local_, p)), Status::kNotSupported,
+                    "rank %d cannot signal rank %d's semaphore: the peer is %s (no load/store)",
+                    h_.rank, p, peerClassName(heap_->peerClass(local_, p)));
+  }
+  GRAPHEP_CUDA_CHECK(launchSemaphoreSignal(h_, static_cast<std::uint32_t>(channel), peerMask,
+                                           stream));
+}
+
+void SemaphoreOps::wait(cudaStream_t stream, int channel, int src, std::uint32_t k) const {
+  checkChannel(channel);
+  checkRank("source", src);
+  GRAPHEP_REQUIRE(k >= 1 && k < (1u << 30), Status::kInvalidArgument,
+                  "semaphore wait count %u is out of range [1, 2^30)", k);
+  const CUdeviceptr addr =
+      reinterpret_cast<CUdeviceptr>(h_.semCount + h_.semIndex(static_cast<std::uint32_t>(channel), src));
+  GRAPHEP_CU_CHECK(detail::driver().streamWaitValue32(reinterpret_cast<CUstream>(stream), addr, k,
+                                                      CU_STREAM_WAIT_VALUE_GEQ));
+}
+
+void SemaphoreOps::consume(cudaStream_t stream, int channel, int src, std::uint32_t k) const {
+  checkChannel(channel);
+  checkRank("source", src);
+  GRAPHEP_REQUIRE(k >= 1 && k < (1u << 30), Status::kInvalidArgument,
+                  "semaphore consume count %u is out of range [1, 2^30)", k);
+  GRAPHEP_CUDA_CHECK(
+      launchSemaphoreConsume(h_, static_cast<std::uint32_t>(channel), src, k, stream));
+}
+
+SemaphoreCounts SemaphoreOps::read(int channel, int src) const {
+  checkChannel(channel);
+  checkRank("source", src);
+  const std::uint32_t idx = h_.semIndex(static_cast<std::uint32_t>(channel), src);
+  SemaphoreCounts c{};
+  GRAPHEP_CUDA_CHECK(cudaSetDevice(heap_->device(local_)));
+  GRAPHEP_CUDA_CHECK(cudaMemcpy(&c.count, h_.semCount + idx, 4, cudaMemcpyDeviceToHost));
+  GRAPHEP_CUDA_CHECK(cudaMemcpy(&c.arrived, h_.semArrived + idx, 4, cudaMemcpyDeviceToHost));
+  GRAPHEP_CUDA_CHECK(cudaMemcpy(&c.consumed, h_.semConsumed + idx, 4, cudaMemcpyDeviceToHost));
+  return c;
+}
+
+}  // namespace graphep

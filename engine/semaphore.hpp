@@ -1,0 +1,50 @@
+// Counting semaphores between kernels (DESIGN.md §3), host half: capturable enqueue operations
+// for one local rank. Device half: kernels/common/semaphore.cuh.
+//
+//   rank A stream:  [producer kernel] -> signal(ch, peerMask)           (release-add 1 on B's word)
+//   rank B stream:  wait(ch, src=A, k)  -> consume(ch, src=A, k) -> [consumer kernel]
+//
+// wait() is a cuStreamWaitValue32 GEQ memop: it occupies no SM, but its ordering is invisible to
+// the CUDA scheduler, so work it orders must also be ordered by stream/graph edges.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "engine/heap.hpp"
+#include "kernels/common/sync_handle.h"
+
+namespace graphep {
+
+// Totals of one semaphore word, read on the host for diagnostics and exact-count checks.
+struct SemaphoreCounts {
+  std::uint32_t count;     // arrivals not yet consumed
+  std::uint32_t arrived;   // monotonic total of signals received
+  std::uint32_t consumed;  // monotonic total consumed
+};
+
+class SemaphoreOps {
+ public:
+  SemaphoreOps(const SymmetricHeap& heap, int local);
+
+  // Each call enqueues on `stream` (which must belong to this rank's device) and is capturable.
+  void signal(cudaStream_t stream, int channel, std::uint32_t peerMask) const;
+  void wait(cudaStream_t stream, int channel, int src, std::uint32_t k) const;
+  void consume(cudaStream_t stream, int channel, int src, std::uint32_t k) const;
+
+  // Setup/diagnostics only: synchronous read of one word's counters.
+  SemaphoreCounts read(int channel, int src) const;
+
+  const SyncHandle& handle() const { return h_; }
+
+ private:
+  void checkChannel(int channel) const;
+  void checkRank(const char* what, int r) const;
+
+  const SymmetricHeap* heap_;
+  int local_;
+  SyncHandle h_;
+};
+
+}  // namespace graphep

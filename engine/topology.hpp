@@ -1,0 +1,31 @@
+// Peer classification (DESIGN.md §2, Topology). classifyPeer is a pure function of facts gathered
+// at setup, so its rules are unit-tested on the CPU with synthetic inputs.
+#pragma once
+
+#include <graphep/types.hpp>
+
+#include <string_view>
+
+namespace graphep {
+
+struct PeerFacts {
+  bool isSelf = false;         // same global rank
+  bool sameHost = false;       // same host (hostname hash)
+  bool sameProcess = false;    // same host and pid
+  bool sameDevice = false;     // same GPU (UUID)
+  bool peerVisible = false;    // the peer's GPU is visible to this process (needed for P2P)
+  bool canAccessPeer = false;  // cudaDeviceCanAccessPeer(mine, peer's)
+  bool nativeAtomics = false;  // cudaDevP2PAttrNativeAtomicSupported(mine, peer's)
+};
+
+PeerClass classifyPeer(const PeerFacts& facts, ForceTransport force);
+
+// Parses GRAPHEP_FORCE_TRANSPORT's value ("auto" or "remote"); throws naming the bad value.
+ForceTransport parseForceTransport(std::string_view text);
+// Reads GRAPHEP_FORCE_TRANSPORT.
+ForceTransport forceTransportFromEnv();
+
+// True when the class allows plain load/store (and thus direct pointers).
+inline bool isLoadStore(PeerClass c) { return c != PeerClass::kRemote; }
+
+}  // namespace graphep

@@ -1,0 +1,51 @@
+// The host-visible device error record (host+device POD). One per rank, in pinned, mapped host
+// memory, so the host can read it while a kernel is still stuck. The first error is recorded in
+// full (state 0 -> 1 -> 2 by a system-scope CAS); later ones only bump `count`.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace graphep {
+
+enum class DeviceErrorKind : std::uint32_t {
+  kNone = 0,
+  kTimeout = 1,             // a bounded spin-wait expired
+  kSemaphoreUnderflow = 2,  // a consume found fewer arrivals than it subtracts (protocol bug)
+};
+
+// What a wait was waiting for. One code per wait site in the kernels; names in device_error.cpp.
+enum class WaitSite : std::uint32_t {
+  kNone = 0,
+  kFlag = 1,              // generic flag wait (kernels/common/flags.cuh)
+  kPingPongPing = 2,      // ping-pong responder waiting for the ping
+  kPingPongPong = 3,      // ping-pong initiator waiting for the pong
+  kSemaphoreConsume = 4,  // a semaphore consume (underflow check)
+};
+
+struct DeviceErrorRecord {
+  std::uint32_t state;  // 0: none, 1: being written, 2: complete
+  std::uint32_t kind;   // DeviceErrorKind
+  std::int32_t rank;
+  std::int32_t peer;    // -1 when not about a peer
+  std::uint32_t site;   // WaitSite
+  std::uint32_t expected;
+  std::uint32_t observed;
+  std::uint32_t count;  // errors seen, the first one included
+  std::uint64_t elapsedNs;
+  std::uint64_t address;  // device address that was waited on / consumed
+};
+
+__host__ __device__ inline const char* waitSiteName(std::uint32_t site) {
+  switch (static_cast<WaitSite>(site)) {
+    case WaitSite::kNone: return "no wait";
+    case WaitSite::kFlag: return "flag wait";
+    case WaitSite::kPingPongPing: return "ping-pong: responder waiting for ping";
+    case WaitSite::kPingPongPong: return "ping-pong: initiator waiting for pong";
+    case WaitSite::kSemaphoreConsume: return "semaphore consume";
+  }
+  return "unknown wait site";
+}
+
+}  // namespace graphep

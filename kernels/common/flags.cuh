@@ -1,0 +1,58 @@
+// Device flags with monotonic values (DESIGN.md §3).
+//
+// Producer:  payload stores -> (block barrier, by the caller) -> flagPost():
+//            fence.acq_rel.sys, then st.release.sys of the new step into the peer's inbox.
+// Consumer:  flagWait(): ld.acquire.sys polling until counterReached(observed, step), bounded by
+//            SyncHandle::timeoutNs. Values only grow (mod 2^32); flags are never reset, so the
+//            same captured graph can replay forever.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/common/device_error.cuh"
+#include "kernels/common/ptx.cuh"
+#include "kernels/common/sync_handle.h"
+
+namespace graphep {
+
+__device__ __forceinline__ void flagPost(std::uint32_t* slot, std::uint32_t value) {
+  ptx::fenceAcqRelSys();  // everything this thread wrote before is visible before the flag
+  ptx::stReleaseSys(slot, value);
+}
+
+// Spins until *slot reaches `target` (wrap-safe). Returns true on success; on timeout records the
+// error (rank, peer, site, expected, observed) and returns false (or traps when asked to). Also
+// returns false promptly once another wait of this rank has failed. `observed` gets the last
+// value read.
+__device__ inline bool flagWait(const SyncHandle& h, const std::uint32_t* slot,
+                                std::uint32_t target, std::int32_t peer, WaitSite site,
+                                std::uint32_t* observed = nullptr) {
+  std::uint32_t v = ptx::ldAcquireSys(slot);
+  if (ptx::counterReached(v, target)) {
+    if (observed) *observed = v;
+    return true;
+  }
+  const std::uint64_t start = ptx::globalTimerNs();
+  for (std::uint32_t iter = 1;; ++iter) {
+    v = ptx::ldAcquireSys(slot);
+    if (ptx::counterReached(v, target)) break;
+    if ((iter & 255u) == 0u) {
+      const std::uint64_t elapsed = ptx::globalTimerNs() - start;
+      if (elapsed > h.timeoutNs) {
+        reportDeviceError(h.error, DeviceErrorKind::kTimeout, h.rank, peer, site, target, v,
+                          elapsed, slot);
+        if (h.trapOnTimeout) __trap();
+        if (observed) *observed = v;
+        return false;
+      }
+      if (deviceErrorRaised(h.error)) {
+        if (observed) *observed = v;
+        return false;
+      }
+    }
+  }
+  if (observed) *observed = v;
+  return true;
+}
+
+}  // namespace graphep

@@ -1,0 +1,75 @@
+// Memory-ordered accesses, spelled out. Every flag, counter and semaphore access in graphep goes
+// through one of these, so the scope (.sys: visible to peer GPUs and the host) and the order
+// (acquire/release/relaxed) are explicit at each use.
+#pragma once
+
+#include <cstdint>
+
+namespace graphep::ptx {
+
+__device__ __forceinline__ std::uint32_t ldAcquireSys(const std::uint32_t* p) {
+  std::uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ std::uint32_t ldRelaxedSys(const std::uint32_t* p) {
+  std::uint32_t v;
+  asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void stReleaseSys(std::uint32_t* p, std::uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void stRelaxedSys(std::uint32_t* p, std::uint32_t v) {
+  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void redReleaseSysAdd(std::uint32_t* p, std::uint32_t v) {
+  asm volatile("red.release.sys.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void redRelaxedSysAdd(std::uint32_t* p, std::uint32_t v) {
+  asm volatile("red.relaxed.sys.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ std::uint32_t atomAcqRelSysAdd(std::uint32_t* p, std::uint32_t v) {
+  std::uint32_t old;
+  asm volatile("atom.acq_rel.sys.global.add.u32 %0, [%1], %2;"
+               : "=r"(old)
+               : "l"(p), "r"(v)
+               : "memory");
+  return old;
+}
+
+__device__ __forceinline__ std::uint32_t atomAcqRelSysCas(std::uint32_t* p, std::uint32_t cmp,
+                                                          std::uint32_t val) {
+  std::uint32_t old;
+  asm volatile("atom.acq_rel.sys.global.cas.b32 %0, [%1], %2, %3;"
+               : "=r"(old)
+               : "l"(p), "r"(cmp), "r"(val)
+               : "memory");
+  return old;
+}
+
+// Orders all prior memory accesses of this thread before all later ones, at system scope.
+__device__ __forceinline__ void fenceAcqRelSys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
+// Global nanosecond timer (coarse ticks, but monotonic across SMs): used for wait bounds only.
+__device__ __forceinline__ std::uint64_t globalTimerNs() {
+  std::uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Wrap-safe "counter has reached target": true while (int32)(observed - target) >= 0, the same
+// cyclic rule as CU_STREAM_WAIT_VALUE_GEQ, so monotonic counters may wrap past 2^32 freely as
+// long as no two compared values are 2^31 or more apart.
+__host__ __device__ __forceinline__ bool counterReached(std::uint32_t observed,
+                                                        std::uint32_t target) {
+  return static_cast<std::int32_t>(observed - target) >= 0;
+}
+
+}  // namespace graphep::ptx

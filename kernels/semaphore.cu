@@ -1,0 +1,34 @@
+// Standalone counting-semaphore kernels: signal and consume (DESIGN.md §3).
+#include "kernels/semaphore.h"
+
+#include "kernels/common/semaphore.cuh"
+
+namespace graphep {
+
+// One thread: everything the stream ran before this kernel is complete (stream order), so the
+// fence inside semaphoreSignal publishes it before the signal.
+__global__ void semaphoreSignalKernel(SyncHandle h, std::uint32_t channel,
+                                      std::uint32_t peerMask) {
+  for (int p = 0; p < h.numRanks; ++p) {
+    if (peerMask & (1u << p)) semaphoreSignal(h, channel, p);
+  }
+}
+
+__global__ void semaphoreConsumeKernel(SyncHandle h, std::uint32_t channel, std::int32_t src,
+                                       std::uint32_t k) {
+  semaphoreConsume(h, channel, src, k);
+}
+
+cudaError_t launchSemaphoreSignal(const SyncHandle& h, std::uint32_t channel,
+                                  std::uint32_t peerMask, cudaStream_t stream) {
+  semaphoreSignalKernel<<<1, 1, 0, stream>>>(h, channel, peerMask);
+  return cudaGetLastError();
+}
+
+cudaError_t launchSemaphoreConsume(const SyncHandle& h, std::uint32_t channel, std::int32_t src,
+                                   std::uint32_t k, cudaStream_t stream) {
+  semaphoreConsumeKernel<<<1, 1, 0, stream>>>(h, channel, src, k);
+  return cudaGetLastError();
+}
+
+}  // namespace graphep

@@ -1,0 +1,28 @@
+// Test kernels for the foundation suites (heap exchange, flag ping-pong, bounded waits).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/common/sync_handle.h"
+
+namespace graphep::test {
+
+// dst[i] = src[i] for i < n (either side may be a peer's memory).
+cudaError_t launchCopyWords(const std::uint32_t* src, std::uint32_t* dst, std::size_t n,
+                            cudaStream_t stream);
+
+// One round of flag ping-pong with every peer on `channel`: thread p handles peer p; the lower
+// rank pings, the higher responds. Each wait must observe exactly the expected step; anything
+// else (an extra or lost signal) or a timeout adds 1 to *errors.
+cudaError_t launchFlagPingPong(const SyncHandle& h, std::uint32_t channel,
+                               unsigned long long* errors, cudaStream_t stream);
+
+// Waits (bounded) for one more flag from `peer` on `channel` than the inbox holds now; writes 1
+// to *result on success, 0 on timeout.
+cudaError_t launchWaitForPeer(const SyncHandle& h, std::uint32_t channel, int peer, int* result,
+                              cudaStream_t stream);
+
+}  // namespace graphep::test

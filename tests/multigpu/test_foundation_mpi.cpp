@@ -1,0 +1,91 @@
+// Foundation with one process per GPU: run as `mpirun -np 2 graphep_mpi_tests`. Every process runs
+// the same bodies; cross-process peers are mapped through CUDA IPC.
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <graphep/graphep.hpp>
+
+#include "common/sync_suite.hpp"
+
+namespace graphep::test {
+namespace {
+
+int worldSize() {
+  int n = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  return n;
+}
+
+// Skips (identically on every rank) unless there are 2+ processes and each has a GPU.
+#define GRAPHEP_REQUIRE_MPI_GPUS()                                                           \
+  do {                                                                                       \
+    const char* reason = nullptr;                                                            \
+    int ok = ::graphep::cudaDeviceCountOrZero(&reason) > 0 ? 1 : 0, all = 0;                 \
+    MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);                           \
+    if (worldSize() < 2) GTEST_SKIP() << "needs mpirun -np 2 or more";                       \
+    if (!all) GTEST_SKIP() << "needs a GPU in every process" << (reason ? " (" : "")        \
+                           << (reason ? reason : "") << (reason ? ")" : "");                 \
+  } while (0)
+
+TEST(Mpi_Foundation, HeapExchange) {
+  GRAPHEP_REQUIRE_MPI_GPUS();
+  auto comm = createMpiCommunicator(-1, /*withNccl=*/false);
+  runHeapExchange(*comm, 4242);
+}
+
+TEST(Mpi_Foundation, FlagPingPongEagerNearWrap) {
+  GRAPHEP_REQUIRE_MPI_GPUS();
+  auto comm = createMpiCommunicator(-1, false);
+  runFlagPingPong(*comm, 10000, false, kNearWrap);
+}
+
+TEST(Mpi_Foundation, FlagPingPongGraphNearWrap) {
+  GRAPHEP_REQUIRE_MPI_GPUS();
+  auto comm = createMpiCommunicator(-1, false);
+  runFlagPingPong(*comm, 10000, true, kNearWrap);
+}
+
+TEST(Mpi_Foundation, SemaphorePingPongEagerNearWrap) {
+  GRAPHEP_REQUIRE_MPI_GPUS();
+  auto comm = createMpiCommunicator(-1, false);
+  runSemaphorePingPong(*comm, 10000, false, kNearWrap);
+}
+
+TEST(Mpi_Foundation, SemaphorePingPongGraphNearWrap) {
+  GRAPHEP_REQUIRE_MPI_GPUS();
+  auto comm = createMpiCommunicator(-1, false);
+  runSemaphorePingPong(*comm, 10000, true, kNearWrap);
+}
+
+TEST(Mpi_Foundation, MissingPeerTimesOutNamingThePeer) {
+  GRAPHEP_REQUIRE_MPI_GPUS();
+  auto comm = createMpiCommunicator(-1, false);
+  runMissingPeer(*comm, 0, 1, 300);
+}
+
+// The same bodies over NCCL communicators made from an MPI-broadcast unique id.
+TEST(Mpi_Foundation, NcclFromUniqueIdHeapExchangeAndPingPong) {
+  GRAPHEP_REQUIRE_MPI_GPUS();
+  auto comm = createMpiCommunicator(-1, /*withNccl=*/true);
+  ASSERT_NE(comm->ncclComm(0), nullptr);
+  auto nccl = adoptNcclComms({comm->ncclComm(0)});
+  EXPECT_EQ(nccl->worldSize(), comm->worldSize());
+  EXPECT_EQ(nccl->globalRank(0), comm->globalRank(0));
+  runHeapExchange(*nccl, 99);
+  runFlagPingPong(*nccl, 1000, true, kNearWrap);
+}
+
+}  // namespace
+}  // namespace graphep::test
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  ::testing::InitGoogleTest(&argc, argv);
+  // Every rank prints its own report (a failure on rank 1 must be visible too); the exit code is
+  // the worst over all ranks.
+  int rc = RUN_ALL_TESTS();
+  int worst = 0;
+  MPI_Allreduce(&rc, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  MPI_Finalize();
+  return worst;
+}
