@@ -44,7 +44,8 @@ std::string format(const char* fmt, ...) {
 }
 
 void throwError(Status status, const std::string& message) {
-  GRAPHEP_LOG_WARN(log::kAll, "%s: %s", statusName(status), message.c_str());
+  // INFO, not WARN: callers often catch and handle these (argument checks, probes).
+  GRAPHEP_LOG_INFO(log::kAll, "%s: %s", statusName(status), message.c_str());
   throw Error(status, message);
 }
 

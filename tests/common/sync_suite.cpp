@@ -13,6 +13,7 @@
 #include "engine/heap.hpp"
 #include "engine/semaphore.hpp"
 #include "engine/topology.hpp"
+#include "kernels/probe.h"
 
 namespace graphep::test {
 namespace {
@@ -176,7 +177,8 @@ void runFlagPingPong(Communicator& comm, int rounds, bool graph, std::uint32_t c
   comm.barrier();
 
   auto enqueue = [&](int l, cudaStream_t s) {
-    GRAPHEP_CUDA_CHECK(launchFlagPingPong(heap->syncHandle(l), kChannel,
+    // One round per launch: the test exercises the device-resident steps across launches.
+    GRAPHEP_CUDA_CHECK(launchFlagPingPong(heap->syncHandle(l), kChannel, 1,
                                           errors[static_cast<size_t>(l)], s));
   };
   std::vector<cudaGraphExec_t> execs;

@@ -14,12 +14,6 @@ namespace graphep::test {
 cudaError_t launchCopyWords(const std::uint32_t* src, std::uint32_t* dst, std::size_t n,
                             cudaStream_t stream);
 
-// One round of flag ping-pong with every peer on `channel`: thread p handles peer p; the lower
-// rank pings, the higher responds. Each wait must observe exactly the expected step; anything
-// else (an extra or lost signal) or a timeout adds 1 to *errors.
-cudaError_t launchFlagPingPong(const SyncHandle& h, std::uint32_t channel,
-                               unsigned long long* errors, cudaStream_t stream);
-
 // Waits (bounded) for one more flag from `peer` on `channel` than the inbox holds now; writes 1
 // to *result on success, 0 on timeout.
 cudaError_t launchWaitForPeer(const SyncHandle& h, std::uint32_t channel, int peer, int* result,

@@ -20,10 +20,10 @@ int worldSize() {
 #define GRAPHEP_REQUIRE_MPI_GPUS()                                                           \
   do {                                                                                       \
     const char* reason = nullptr;                                                            \
-    int ok = ::graphep::cudaDeviceCountOrZero(&reason) > 0 ? 1 : 0, all = 0;                 \
+    int ok = ::graphep::cudaDeviceCountOrZero(&reason) >= worldSize() ? 1 : 0, all = 0;               \
     MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);                           \
     if (worldSize() < 2) GTEST_SKIP() << "needs mpirun -np 2 or more";                       \
-    if (!all) GTEST_SKIP() << "needs a GPU in every process" << (reason ? " (" : "")        \
+    if (!all) GTEST_SKIP() << "needs one GPU per process (distinct GPUs)" << (reason ? " (" : "")        \
                            << (reason ? reason : "") << (reason ? ")" : "");                 \
   } while (0)
 

@@ -1,0 +1,203 @@
+#include "bench/harness.hpp"
+
+#include <nccl.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+
+#include <graphep/graphep.hpp>
+
+#include "engine/error.hpp"
+
+namespace graphep::bench {
+
+Ranks::~Ranks() {
+  for (size_t i = 0; i < streams.size(); ++i) {
+    cudaSetDevice(devices[i]);
+    cudaStreamDestroy(streams[i]);
+  }
+}
+
+std::unique_ptr<Ranks> makeTwoRanks() {
+  auto r = std::make_unique<Ranks>();
+  const char* reason = nullptr;
+  const int n = cudaDeviceCountOrZero(&reason);
+  GRAPHEP_REQUIRE(n > 0, Status::kNoDevice, "graphep-bench needs a GPU (%s)", reason);
+  r->devices = n >= 2 ? std::vector<int>{0, 1} : std::vector<int>{0, 0};
+  r->comm = createLocalGroup(r->devices);
+  if (n >= 2) r->nccl = createNcclGroup(r->devices);
+  for (int d : r->devices) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(d));
+    cudaStream_t s;
+    GRAPHEP_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    r->streams.push_back(s);
+  }
+  return r;
+}
+
+double timeIterations(Ranks& r, int warmup, int iters, const std::function<void()>& launch) {
+  const size_t n = r.devices.size();
+  for (int i = 0; i < warmup; ++i) launch();
+  std::vector<cudaEvent_t> start(n), stop(n);
+  for (size_t i = 0; i < n; ++i) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[i]));
+    GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(r.streams[i]));
+    GRAPHEP_CUDA_CHECK(cudaEventCreate(&start[i]));
+    GRAPHEP_CUDA_CHECK(cudaEventCreate(&stop[i]));
+    GRAPHEP_CUDA_CHECK(cudaEventRecord(start[i], r.streams[i]));
+  }
+  for (int i = 0; i < iters; ++i) launch();
+  double worst = 0;
+  for (size_t i = 0; i < n; ++i) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[i]));
+    GRAPHEP_CUDA_CHECK(cudaEventRecord(stop[i], r.streams[i]));
+  }
+  for (size_t i = 0; i < n; ++i) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[i]));
+    GRAPHEP_CUDA_CHECK(cudaEventSynchronize(stop[i]));
+    float ms = 0;
+    GRAPHEP_CUDA_CHECK(cudaEventElapsedTime(&ms, start[i], stop[i]));
+    worst = std::max(worst, static_cast<double>(ms));
+    cudaEventDestroy(start[i]);
+    cudaEventDestroy(stop[i]);
+  }
+  return worst * 1000.0 / std::max(iters, 1);
+}
+
+std::vector<cudaGraphExec_t> captureEach(Ranks& r,
+                                         const std::function<void(int, cudaStream_t)>& enqueue) {
+  std::vector<cudaGraphExec_t> execs;
+  for (size_t i = 0; i < r.devices.size(); ++i) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[i]));
+    GRAPHEP_CUDA_CHECK(cudaStreamBeginCapture(r.streams[i], cudaStreamCaptureModeThreadLocal));
+    enqueue(static_cast<int>(i), r.streams[i]);
+    cudaGraph_t g;
+    GRAPHEP_CUDA_CHECK(cudaStreamEndCapture(r.streams[i], &g));
+    cudaGraphExec_t e;
+    GRAPHEP_CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
+    GRAPHEP_CUDA_CHECK(cudaGraphDestroy(g));
+    execs.push_back(e);
+  }
+  return execs;
+}
+
+std::vector<cudaGraphExec_t> captureAll(Ranks& r, const std::function<void()>& enqueueAll) {
+  for (size_t i = 0; i < r.devices.size(); ++i) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[i]));
+    GRAPHEP_CUDA_CHECK(cudaStreamBeginCapture(r.streams[i], cudaStreamCaptureModeThreadLocal));
+  }
+  enqueueAll();
+  std::vector<cudaGraphExec_t> execs;
+  for (size_t i = 0; i < r.devices.size(); ++i) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[i]));
+    cudaGraph_t g;
+    GRAPHEP_CUDA_CHECK(cudaStreamEndCapture(r.streams[i], &g));
+    cudaGraphExec_t e;
+    GRAPHEP_CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
+    GRAPHEP_CUDA_CHECK(cudaGraphDestroy(g));
+    execs.push_back(e);
+  }
+  return execs;
+}
+
+void launchEach(Ranks& r, const std::vector<cudaGraphExec_t>& execs) {
+  for (size_t i = 0; i < execs.size(); ++i) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[i]));
+    GRAPHEP_CUDA_CHECK(cudaGraphLaunch(execs[i], r.streams[i]));
+  }
+}
+
+void destroyEach(Ranks& r, std::vector<cudaGraphExec_t>& execs) {
+  for (size_t i = 0; i < execs.size(); ++i) {
+    cudaSetDevice(r.devices[i]);
+    cudaGraphExecDestroy(execs[i]);
+  }
+  execs.clear();
+}
+
+namespace {
+// Peer copy bandwidth 0 -> 1 with the copy engine: the link limit printed in the header.
+double peerCopyGBs(const Ranks& r) {
+  if (r.devices[0] == r.devices[1]) return 0;
+  const size_t bytes = size_t{256} << 20;
+  void *a = nullptr, *b = nullptr;
+  GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[1]));
+  GRAPHEP_CUDA_CHECK(cudaMalloc(&b, bytes));
+  GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[0]));
+  GRAPHEP_CUDA_CHECK(cudaMalloc(&a, bytes));
+  GRAPHEP_CUDA_CHECK(cudaMemset(a, 1, bytes));
+  cudaEvent_t s, e;
+  GRAPHEP_CUDA_CHECK(cudaEventCreate(&s));
+  GRAPHEP_CUDA_CHECK(cudaEventCreate(&e));
+  GRAPHEP_CUDA_CHECK(cudaMemcpyPeerAsync(b, r.devices[1], a, r.devices[0], bytes, r.streams[0]));
+  GRAPHEP_CUDA_CHECK(cudaEventRecord(s, r.streams[0]));
+  const int reps = 5;
+  for (int i = 0; i < reps; ++i)
+    GRAPHEP_CUDA_CHECK(cudaMemcpyPeerAsync(b, r.devices[1], a, r.devices[0], bytes, r.streams[0]));
+  GRAPHEP_CUDA_CHECK(cudaEventRecord(e, r.streams[0]));
+  GRAPHEP_CUDA_CHECK(cudaEventSynchronize(e));
+  float ms = 0;
+  GRAPHEP_CUDA_CHECK(cudaEventElapsedTime(&ms, s, e));
+  cudaEventDestroy(s);
+  cudaEventDestroy(e);
+  cudaFree(a);
+  cudaSetDevice(r.devices[1]);
+  cudaFree(b);
+  return static_cast<double>(bytes) * reps / (ms * 1e-3) / 1e9;
+}
+}  // namespace
+
+void printHeader(const Options& o, const Ranks& r) {
+  int nccl = 0;
+  ncclGetVersion(&nccl);
+  std::printf("# graphep-bench %s  op=%s  graph=%d  iters=%d  warmup=%d  NCCL %d\n",
+              versionString(), o.op.c_str(), o.graph ? 1 : 0, o.iters, o.warmup, nccl);
+  for (size_t i = 0; i < r.devices.size(); ++i) {
+    cudaDeviceProp p{};
+    cudaGetDeviceProperties(&p, r.devices[i]);
+    std::printf("#  rank %zu: device %d %s (%d SMs)\n", i, r.devices[i], p.name,
+                p.multiProcessorCount);
+  }
+  if (r.devices[0] != r.devices[1]) {
+    int atomics = 0, can = 0;
+    cudaDeviceCanAccessPeer(&can, r.devices[0], r.devices[1]);
+    cudaDeviceGetP2PAttribute(&atomics, cudaDevP2PAttrNativeAtomicSupported, r.devices[0],
+                              r.devices[1]);
+    std::printf("#  link 0->1: p2p=%d native-atomics=%d, copy-engine peer copy 256 MiB: %.1f GB/s\n",
+                can, atomics, peerCopyGBs(r));
+  } else {
+    std::printf("#  2 emulated ranks on one GPU: no NCCL baseline (NCCL refuses two ranks on one GPU)\n");
+  }
+  std::printf("#\n# %-10s %-28s %12s %10s %10s %8s %12s %8s\n", "op", "variant", "size", "time",
+              "algbw", "#wrong", "nccl", "ratio");
+  std::printf("# %-10s %-28s %12s %10s %10s %8s %12s %8s\n", "", "", "(B)", "(us)", "(GB/s)", "",
+              "(us)", "(x)");
+}
+
+void printRow(const Row& row) {
+  char nccl[32] = "n/a", ratio[32] = "n/a";
+  if (row.ncclUs > 0) {
+    std::snprintf(nccl, sizeof(nccl), "%.2f", row.ncclUs);
+    std::snprintf(ratio, sizeof(ratio), "%.2f", row.ncclUs / row.timeUs);
+  }
+  std::printf("  %-10s %-28s %12zu %10.2f %10.2f %8lld %12s %8s  %s\n", row.op.c_str(),
+              row.variant.c_str(), row.bytes, row.timeUs, row.algbwGBs, row.wrong, nccl, ratio,
+              row.note.c_str());
+  std::fflush(stdout);
+}
+
+void writeJson(const std::string& path, const Options& o, const std::vector<Row>& rows) {
+  std::ofstream f(path);
+  GRAPHEP_REQUIRE(f.good(), Status::kSystemError, "cannot write --json file '%s'", path.c_str());
+  f << "{\"graphep\":\"" << versionString() << "\",\"op\":\"" << o.op << "\",\"rows\":[";
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const Row& r = rows[i];
+    f << (i ? "," : "") << "{\"op\":\"" << r.op << "\",\"variant\":\"" << r.variant
+      << "\",\"bytes\":" << r.bytes << ",\"time_us\":" << r.timeUs << ",\"algbw_gbs\":"
+      << r.algbwGBs << ",\"wrong\":" << r.wrong << ",\"nccl_us\":" << r.ncclUs << "}";
+  }
+  f << "]}\n";
+}
+
+}  // namespace graphep::bench

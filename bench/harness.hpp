@@ -1,0 +1,68 @@
+// The graphep-bench harness: nccl-tests-style flags, a fixed-width table with a correctness
+// column beside every timing, an NCCL baseline in the same run, optional JSON output.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <graphep/comm.hpp>
+
+namespace graphep::bench {
+
+struct Options {
+  std::string op = "pingpong";
+  std::size_t minBytes = 1024, maxBytes = 1 << 20;  // -b -e
+  double factor = 2.0;                              // -f
+  int iters = 20;                                   // -n
+  int warmup = 5;                                   // -w
+  bool check = true;                                // -c
+  bool graph = true;                                // -G
+  int sms = 0;                                      // --sms (0: operation default)
+  std::string json;                                 // --json FILE
+};
+
+struct Row {
+  std::string op, variant;
+  std::size_t bytes = 0;
+  double timeUs = 0;        // graphep, per operation
+  double algbwGBs = 0;      // 0 when not meaningful (latency rows)
+  long long wrong = 0;      // mismatching elements / lost signals
+  double ncclUs = 0;        // baseline through NCCL in the same run; 0 when not available
+  std::string note;
+};
+
+// The ranks a single-process benchmark drives: 2 GPUs when present (then NCCL comms too), else
+// 2 emulated ranks on GPU 0 (no NCCL baseline: NCCL refuses two ranks on one GPU).
+struct Ranks {
+  std::unique_ptr<Communicator> comm;       // local group
+  std::unique_ptr<Communicator> nccl;       // createNcclGroup, or null
+  std::vector<int> devices;
+  std::vector<cudaStream_t> streams;
+  ~Ranks();
+};
+std::unique_ptr<Ranks> makeTwoRanks();
+
+// Times `launch()` (which enqueues one iteration on every rank's stream) with events on every
+// stream; returns microseconds per iteration (the slowest rank).
+double timeIterations(Ranks& r, int warmup, int iters, const std::function<void()>& launch);
+
+// Captures `enqueue(rankIndex, stream)` for every rank into one graph per rank.
+std::vector<cudaGraphExec_t> captureEach(Ranks& r, const std::function<void(int, cudaStream_t)>& enqueue);
+// Captures enqueueAll(), which enqueues onto all ranks' streams at once (e.g. grouped NCCL calls).
+std::vector<cudaGraphExec_t> captureAll(Ranks& r, const std::function<void()>& enqueueAll);
+void launchEach(Ranks& r, const std::vector<cudaGraphExec_t>& execs);
+void destroyEach(Ranks& r, std::vector<cudaGraphExec_t>& execs);
+
+void printHeader(const Options& o, const Ranks& r);
+void printRow(const Row& row);
+void writeJson(const std::string& path, const Options& o, const std::vector<Row>& rows);
+
+// Operations: each returns its rows.
+std::vector<Row> runPingPong(const Options& o, Ranks& r);
+
+}  // namespace graphep::bench

@@ -1,0 +1,81 @@
+// graphep-bench [op] [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-c 0|1] [-G 0|1]
+//               [--sms N] [--json FILE]
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <string>
+
+#include "bench/harness.hpp"
+#include "engine/error.hpp"
+
+namespace {
+
+std::size_t parseSize(const char* s) {
+  char* end = nullptr;
+  double v = std::strtod(s, &end);
+  std::string unit(end ? end : "");
+  double mul = 1;
+  if (unit == "K" || unit == "k") mul = 1024;
+  else if (unit == "M" || unit == "m") mul = 1024.0 * 1024;
+  else if (unit == "G" || unit == "g") mul = 1024.0 * 1024 * 1024;
+  else
+    GRAPHEP_REQUIRE(unit.empty(), graphep::Status::kInvalidArgument,
+                    "size '%s' has an unknown unit (use K, M or G)", s);
+  return static_cast<std::size_t>(v * mul);
+}
+
+int usage() {
+  std::fprintf(stderr,
+               "usage: graphep-bench [pingpong] [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] "
+               "[-w WARMUP] [-c 0|1] [-G 0|1] [--sms N] [--json FILE]\n");
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace graphep::bench;
+  Options o;
+  try {
+    for (int i = 1; i < argc; ++i) {
+      const std::string a = argv[i];
+      auto next = [&]() -> const char* {
+        GRAPHEP_REQUIRE(i + 1 < argc, graphep::Status::kInvalidArgument, "%s needs a value",
+                        a.c_str());
+        return argv[++i];
+      };
+      if (a == "-b") o.minBytes = parseSize(next());
+      else if (a == "-e") o.maxBytes = parseSize(next());
+      else if (a == "-f") o.factor = std::atof(next());
+      else if (a == "-n") o.iters = std::atoi(next());
+      else if (a == "-w") o.warmup = std::atoi(next());
+      else if (a == "-c") o.check = std::atoi(next()) != 0;
+      else if (a == "-G") o.graph = std::atoi(next()) != 0;
+      else if (a == "--sms") o.sms = std::atoi(next());
+      else if (a == "--json") o.json = next();
+      else if (a == "-h" || a == "--help") return usage();
+      else if (a[0] != '-') o.op = a;
+      else return usage();
+    }
+    GRAPHEP_REQUIRE(o.iters > 0 && o.warmup >= 0, graphep::Status::kInvalidArgument,
+                    "-n %d / -w %d: iterations must be positive", o.iters, o.warmup);
+    auto ranks = makeTwoRanks();
+    printHeader(o, *ranks);
+    std::vector<Row> rows;
+    if (o.op == "pingpong") {
+      rows = runPingPong(o, *ranks);
+    } else {
+      GRAPHEP_FAIL(graphep::Status::kInvalidArgument, "unknown operation '%s' (known: pingpong)",
+                   o.op.c_str());
+    }
+    long long wrong = 0;
+    for (const Row& r : rows) wrong += r.wrong;
+    if (!o.json.empty()) writeJson(o.json, o, rows);
+    std::printf("# total #wrong: %lld\n", wrong);
+    return wrong == 0 ? 0 : 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "graphep-bench: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,21 @@
+// Link probes: flag ping-pong between every pair of ranks (kernels/probe.cu). Used by the tests
+// to prove lossless, wrap-safe signalling and by graphep-bench to measure flag round-trip latency.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/common/sync_handle.h"
+
+namespace graphep {
+
+// `rounds` rounds of flag ping-pong with every peer on `channel`, inside one kernel: thread p
+// handles peer p; the lower rank pings, the higher responds. Steps come from the device-resident
+// counters (flagStep), so the same launch can be captured and replayed forever. Every wait must
+// observe exactly the expected step: anything else (an extra or lost signal) or a timeout adds 1
+// to *errors. Capturable. Needs every peer's matching launch to be resident at the same time.
+cudaError_t launchFlagPingPong(const SyncHandle& h, std::uint32_t channel, std::uint32_t rounds,
+                               unsigned long long* errors, cudaStream_t stream);
+
+}  // namespace graphep

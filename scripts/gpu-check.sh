@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Builds Release and runs every test (unit, 1-GPU emulated ranks, 2 GPUs in one process, 2
+# processes under mpirun) and a quick benchmark, in one command. Logs go to the directory given
+# as the first argument; a summary is printed last.
+#
+#   scripts/gpu-check.sh LOG_DIR [BUILD_DIR]
+#
+# Reuses BUILD_DIR (default build-gpu) when it exists, so a warm machine rebuilds incrementally.
+set -uo pipefail
+out=${1:?usage: scripts/gpu-check.sh LOG_DIR [BUILD_DIR]}
+build=${2:-build-gpu}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export PATH=/usr/local/cuda/bin:$PATH
+
+status=0
+step() { echo "== $1"; }
+
+step "machine"
+{ date -u; git rev-parse HEAD 2>/dev/null; nvidia-smi; nvidia-smi topo -m; } >"$out/machine.log" 2>&1
+
+step "configure + build ($build)"
+gen=""
+command -v ninja >/dev/null && gen="-G Ninja"
+if ! { cmake -S . -B "$build" $gen -DCMAKE_BUILD_TYPE=Release && cmake --build "$build" --parallel; } \
+    >"$out/build.log" 2>&1; then
+  tail -40 "$out/build.log"
+  echo "BUILD FAILED"
+  exit 1
+fi
+grep -E "warning" "$out/build.log" | head -20
+
+step "graphep-info"
+"$build/graphep-info" >"$out/info.log" 2>&1 || status=1
+head -30 "$out/info.log"
+
+step "tests (ctest, all labels)"
+ctest --test-dir "$build" --output-on-failure --timeout 900 ${GRAPHEP_CTEST_ARGS:-} \
+  >"$out/ctest.log" 2>&1 || status=1
+grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|\(Skipped\)|Not Run" "$out/ctest.log" | head -60
+
+step "benchmark: pingpong"
+"$build/bench/graphep-bench" pingpong -n 50 -w 10 --json "$out/bench_pingpong.json" \
+  >"$out/bench.log" 2>&1 || status=1
+cat "$out/bench.log"
+
+echo "== summary: status=$status (logs in $out)"
+exit $status
