@@ -187,6 +187,11 @@ void printRow(const Row& row) {
   std::fflush(stdout);
 }
 
+void progress(const char* what) {
+  std::fprintf(stderr, "# ... %s\n", what);
+  std::fflush(stderr);
+}
+
 void writeJson(const std::string& path, const Options& o, const std::vector<Row>& rows) {
   std::ofstream f(path);
   GRAPHEP_REQUIRE(f.good(), Status::kSystemError, "cannot write --json file '%s'", path.c_str());

@@ -60,6 +60,8 @@ void destroyEach(Ranks& r, std::vector<cudaGraphExec_t>& execs);
 
 void printHeader(const Options& o, const Ranks& r);
 void printRow(const Row& row);
+// A progress line on stderr (long sweeps and hangs show where they are).
+void progress(const char* what);
 void writeJson(const std::string& path, const Options& o, const std::vector<Row>& rows);
 
 // Operations: each returns its rows.

@@ -37,6 +37,7 @@ int usage() {
 int main(int argc, char** argv) {
   using namespace graphep::bench;
   Options o;
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // rows appear as they are measured, even into a file
   try {
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];

@@ -77,10 +77,12 @@ std::vector<Row> runPingPong(const Options& o, Ranks& r) {
     GRAPHEP_CUDA_CHECK(cudaMemset(errors[i], 0, sizeof(unsigned long long)));
   }
   long long ncclWrong = 0;
+  progress("nccl baseline");
   const double ncclUs = ncclRoundTripUs(o, r, &ncclWrong);
   std::vector<Row> rows;
 
   {  // flag-in-kernel
+    progress("flag-in-kernel");
     auto execs = captureEach(r, [&](int i, cudaStream_t s) {
       GRAPHEP_CUDA_CHECK(launchFlagPingPong(heap->syncHandle(i), 0, kInKernelRounds, errors[i], s));
     });
@@ -90,6 +92,7 @@ std::vector<Row> runPingPong(const Options& o, Ranks& r) {
                     readErrors(r, errors), ncclUs, "per round trip"});
   }
   {  // flag-per-launch
+    progress("flag-per-launch");
     auto execs = captureEach(r, [&](int i, cudaStream_t s) {
       for (int k = 0; k < kRoundsPerGraph; ++k)
         GRAPHEP_CUDA_CHECK(launchFlagPingPong(heap->syncHandle(i), 1, 1, errors[i], s));
@@ -100,6 +103,7 @@ std::vector<Row> runPingPong(const Options& o, Ranks& r) {
                     readErrors(r, errors), ncclUs, "per round trip, 1 launch each"});
   }
   {  // semaphore
+    progress("semaphore");
     std::vector<SemaphoreOps> ops{SemaphoreOps(*heap, 0), SemaphoreOps(*heap, 1)};
     constexpr int kCh = 0;
     auto execs = captureEach(r, [&](int i, cudaStream_t s) {

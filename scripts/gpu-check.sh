@@ -38,13 +38,15 @@ step "graphep-info"
 head -30 "$out/info.log"
 
 step "tests (ctest, all labels)"
-ctest --test-dir "$build" --output-on-failure --timeout 900 ${GRAPHEP_CTEST_ARGS:-} \
+timeout -s INT ${GRAPHEP_CTEST_BUDGET:-330} \
+  ctest --test-dir "$build" --output-on-failure --timeout 75 ${GRAPHEP_CTEST_ARGS:-} \
   >"$out/ctest.log" 2>&1 || status=1
 grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|\(Skipped\)|Not Run" "$out/ctest.log" | head -60
 
 step "benchmark: pingpong"
-"$build/bench/graphep-bench" pingpong -n 50 -w 10 --json "$out/bench_pingpong.json" \
-  >"$out/bench.log" 2>&1 || status=1
+GRAPHEP_DEBUG=INFO NCCL_DEBUG=WARN timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-60} \
+  "$build/bench/graphep-bench" pingpong -n 50 -w 10 --json "$out/bench_pingpong.json" \
+  >"$out/bench.log" 2>&1 || { echo "bench failed or timed out (rc=$?)"; status=1; }
 cat "$out/bench.log"
 
 echo "== summary: status=$status (logs in $out)"
