@@ -88,14 +88,21 @@ std::vector<cudaGraphExec_t> captureAll(Ranks& r, const std::function<void()>& e
     GRAPHEP_CUDA_CHECK(cudaStreamBeginCapture(r.streams[i], cudaStreamCaptureModeThreadLocal));
   }
   enqueueAll();
-  std::vector<cudaGraphExec_t> execs;
+  // End every capture before instantiating: instantiation is not permitted while another stream
+  // of this thread is still capturing.
+  std::vector<cudaGraph_t> graphs;
   for (size_t i = 0; i < r.devices.size(); ++i) {
     GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[i]));
     cudaGraph_t g;
     GRAPHEP_CUDA_CHECK(cudaStreamEndCapture(r.streams[i], &g));
+    graphs.push_back(g);
+  }
+  std::vector<cudaGraphExec_t> execs;
+  for (size_t i = 0; i < r.devices.size(); ++i) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[i]));
     cudaGraphExec_t e;
-    GRAPHEP_CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
-    GRAPHEP_CUDA_CHECK(cudaGraphDestroy(g));
+    GRAPHEP_CUDA_CHECK(cudaGraphInstantiate(&e, graphs[i], 0));
+    GRAPHEP_CUDA_CHECK(cudaGraphDestroy(graphs[i]));
     execs.push_back(e);
   }
   return execs;
@@ -121,6 +128,11 @@ namespace {
 double peerCopyGBs(const Ranks& r) {
   if (r.devices[0] == r.devices[1]) return 0;
   const size_t bytes = size_t{256} << 20;
+  // Without peer access the copy is staged through host memory: enable it first.
+  GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[0]));
+  cudaError_t pe = cudaDeviceEnablePeerAccess(r.devices[1], 0);
+  if (pe != cudaSuccess && pe != cudaErrorPeerAccessAlreadyEnabled) GRAPHEP_CUDA_CHECK(pe);
+  cudaGetLastError();
   void *a = nullptr, *b = nullptr;
   GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[1]));
   GRAPHEP_CUDA_CHECK(cudaMalloc(&b, bytes));

@@ -73,6 +73,7 @@ std::vector<Row> runPingPong(const Options& o, Ranks& r) {
   std::vector<unsigned long long*> errors(2);
   for (int i = 0; i < 2; ++i) {
     GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[i]));
+    GRAPHEP_CUDA_CHECK(preloadProbeKernels());
     GRAPHEP_CUDA_CHECK(cudaMalloc(&errors[i], sizeof(unsigned long long)));
     GRAPHEP_CUDA_CHECK(cudaMemset(errors[i], 0, sizeof(unsigned long long)));
   }

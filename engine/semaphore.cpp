@@ -8,7 +8,12 @@
 namespace graphep {
 
 SemaphoreOps::SemaphoreOps(const SymmetricHeap& heap, int local)
-    : heap_(&heap), local_(local), h_(heap.syncHandle(local)) {}
+    : heap_(&heap), local_(local), h_(heap.syncHandle(local)) {
+  // Setup: resolve the driver entry points and load the kernels now, never on the run path.
+  detail::driver();
+  GRAPHEP_CUDA_CHECK(cudaSetDevice(heap.device(local)));
+  GRAPHEP_CUDA_CHECK(preloadSemaphoreKernels());
+}
 
 void SemaphoreOps::checkChannel(int channel) const {
   GRAPHEP_REQUIRE(channel >= 0 && static_cast<std::uint32_t>(channel) < h_.numSemChannels,

@@ -26,6 +26,7 @@ struct SemaphoreCounts {
 
 class SemaphoreOps {
  public:
+  // Setup (not capturable): resolves driver entry points and loads the semaphore kernels.
   SemaphoreOps(const SymmetricHeap& heap, int local);
 
   // Each call enqueues on `stream` (which must belong to this rank's device) and is capturable.

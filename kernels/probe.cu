@@ -43,4 +43,9 @@ cudaError_t launchFlagPingPong(const SyncHandle& h, std::uint32_t channel, std::
   return cudaGetLastError();
 }
 
+cudaError_t preloadProbeKernels() {
+  cudaFuncAttributes a{};
+  return cudaFuncGetAttributes(&a, flagPingPongKernel);
+}
+
 }  // namespace graphep

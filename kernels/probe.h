@@ -18,4 +18,7 @@ namespace graphep {
 cudaError_t launchFlagPingPong(const SyncHandle& h, std::uint32_t channel, std::uint32_t rounds,
                                unsigned long long* errors, cudaStream_t stream);
 
+// Loads the probe kernel on the current device (setup only; see preloadSemaphoreKernels).
+cudaError_t preloadProbeKernels();
+
 }  // namespace graphep

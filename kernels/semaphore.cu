@@ -31,4 +31,11 @@ cudaError_t launchSemaphoreConsume(const SyncHandle& h, std::uint32_t channel, s
   return cudaGetLastError();
 }
 
+cudaError_t preloadSemaphoreKernels() {
+  cudaFuncAttributes a{};
+  cudaError_t e = cudaFuncGetAttributes(&a, semaphoreSignalKernel);
+  if (e != cudaSuccess) return e;
+  return cudaFuncGetAttributes(&a, semaphoreConsumeKernel);
+}
+
 }  // namespace graphep

@@ -170,6 +170,7 @@ void runFlagPingPong(Communicator& comm, int rounds, bool graph, std::uint32_t c
   std::vector<unsigned long long*> errors(static_cast<size_t>(L));
   for (int l = 0; l < L; ++l) {
     GRAPHEP_CUDA_CHECK(cudaSetDevice(heap->device(l)));
+    GRAPHEP_CUDA_CHECK(preloadProbeKernels());
     GRAPHEP_CUDA_CHECK(cudaMalloc(&errors[static_cast<size_t>(l)], sizeof(unsigned long long)));
     GRAPHEP_CUDA_CHECK(cudaMemset(errors[static_cast<size_t>(l)], 0, sizeof(unsigned long long)));
   }
