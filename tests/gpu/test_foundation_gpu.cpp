@@ -1,6 +1,9 @@
 // Foundation on one GPU with 4 emulated ranks (a local group with a repeated device).
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <cstdio>
+
 #include <graphep/graphep.hpp>
 
 #include "common/gpu_env.hpp"
@@ -35,6 +38,18 @@ TEST(Gpu1_Sync, SemaphorePingPongEagerNearWrap) {
   GRAPHEP_REQUIRE_GPUS(1);
   auto comm = fourOnOne();
   runSemaphorePingPong(*comm, 10000, /*graph=*/false, kNearWrap);
+}
+
+// A short eager run that reports its time per round: same-GPU stream waits are the slow case.
+TEST(Gpu1_Sync, SemaphorePingPongEagerShortTimed) {
+  GRAPHEP_REQUIRE_GPUS(1);
+  auto comm = fourOnOne();
+  const auto t0 = std::chrono::steady_clock::now();
+  runSemaphorePingPong(*comm, 100, /*graph=*/false, kNearWrap);
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("[ timing   ] 100 eager semaphore rounds, 4 ranks on 1 GPU: %.1f ms (%.3f ms/round)\n",
+              ms, ms / 100);
 }
 
 TEST(Gpu1_Sync, SemaphorePingPongGraphNearWrap) {
