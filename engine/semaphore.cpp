@@ -13,6 +13,9 @@ SemaphoreOps::SemaphoreOps(const SymmetricHeap& heap, int local)
   detail::driver();
   GRAPHEP_CUDA_CHECK(cudaSetDevice(heap.device(local)));
   GRAPHEP_CUDA_CHECK(preloadSemaphoreKernels());
+  for (int l = 0; l < heap.numLocalRanks(); ++l) {
+    if (l != local && heap.device(l) == heap.device(local)) sharesDevice_ = true;
+  }
 }
 
 void SemaphoreOps::checkChannel(int channel) const {
@@ -46,6 +49,13 @@ void SemaphoreOps::wait(cudaStream_t stream, int channel, int src, std::uint32_t
   checkRank("source", src);
   GRAPHEP_REQUIRE(k >= 1 && k < (1u << 30), Status::kInvalidArgument,
                   "semaphore wait count %u is out of range [1, 2^30)", k);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  GRAPHEP_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture == cudaStreamCaptureStatusNone && sharesDevice_) {
+    GRAPHEP_CUDA_CHECK(
+        launchSemaphoreWait(h_, static_cast<std::uint32_t>(channel), src, k, stream));
+    return;
+  }
   const CUdeviceptr addr =
       reinterpret_cast<CUdeviceptr>(h_.semCount + h_.semIndex(static_cast<std::uint32_t>(channel), src));
   GRAPHEP_CU_CHECK(detail::driver().streamWaitValue32(reinterpret_cast<CUstream>(stream), addr, k,

@@ -6,6 +6,13 @@
 //
 // wait() is a cuStreamWaitValue32 GEQ memop: it occupies no SM, but its ordering is invisible to
 // the CUDA scheduler, so work it orders must also be ordered by stream/graph edges.
+//
+// Exception, measured on H100 and H200 (driver 580, CUDA 13.0): an EAGER memop wait that blocks
+// stalls the other streams of the same GPU, so ranks sharing one GPU (emulated ranks) deadlock
+// when one waits for another (even 100 rounds of ping-pong never finish). Captured memop nodes do
+// not (10,000 graph-replayed rounds pass in about 1 s). So, when the stream is not capturing and
+// this rank's GPU hosts other local ranks, wait() launches a one-thread bounded spin kernel
+// instead; captured waits are always memops.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -45,6 +52,7 @@ class SemaphoreOps {
 
   const SymmetricHeap* heap_;
   int local_;
+  bool sharesDevice_ = false;  // another local rank runs on this rank's GPU
   SyncHandle h_;
 };
 

@@ -1,6 +1,7 @@
 // Standalone counting-semaphore kernels: signal and consume (DESIGN.md §3).
 #include "kernels/semaphore.h"
 
+#include "kernels/common/flags.cuh"
 #include "kernels/common/semaphore.cuh"
 
 namespace graphep {
@@ -19,6 +20,20 @@ __global__ void semaphoreConsumeKernel(SyncHandle h, std::uint32_t channel, std:
   semaphoreConsume(h, channel, src, k);
 }
 
+__global__ void semaphoreWaitKernel(SyncHandle h, std::uint32_t channel, std::int32_t src,
+                                    std::uint32_t k) {
+  // Counts stay far below 2^31, so a plain unsigned comparison is the semaphore's GEQ.
+  boundedWait(
+      h, h.semCount + h.semIndex(channel, src), k, [k](std::uint32_t v) { return v >= k; }, src,
+      WaitSite::kSemaphoreWait, nullptr);
+}
+
+cudaError_t launchSemaphoreWait(const SyncHandle& h, std::uint32_t channel, std::int32_t src,
+                                std::uint32_t k, cudaStream_t stream) {
+  semaphoreWaitKernel<<<1, 1, 0, stream>>>(h, channel, src, k);
+  return cudaGetLastError();
+}
+
 cudaError_t launchSemaphoreSignal(const SyncHandle& h, std::uint32_t channel,
                                   std::uint32_t peerMask, cudaStream_t stream) {
   semaphoreSignalKernel<<<1, 1, 0, stream>>>(h, channel, peerMask);
@@ -33,9 +48,13 @@ cudaError_t launchSemaphoreConsume(const SyncHandle& h, std::uint32_t channel, s
 
 cudaError_t preloadSemaphoreKernels() {
   cudaFuncAttributes a{};
-  cudaError_t e = cudaFuncGetAttributes(&a, semaphoreSignalKernel);
-  if (e != cudaSuccess) return e;
-  return cudaFuncGetAttributes(&a, semaphoreConsumeKernel);
+  for (const void* fn : {reinterpret_cast<const void*>(semaphoreSignalKernel),
+                         reinterpret_cast<const void*>(semaphoreConsumeKernel),
+                         reinterpret_cast<const void*>(semaphoreWaitKernel)}) {
+    cudaError_t e = cudaFuncGetAttributes(&a, fn);
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
 }
 
 }  // namespace graphep

@@ -19,7 +19,13 @@ cudaError_t launchSemaphoreSignal(const SyncHandle& h, std::uint32_t channel,
 cudaError_t launchSemaphoreConsume(const SyncHandle& h, std::uint32_t channel, std::int32_t src,
                                    std::uint32_t k, cudaStream_t stream);
 
-// Loads both kernels on the current device. Setup only: with lazy module loading (the CUDA 12+
+// Waits (bounded, reporting on timeout) until this rank's (channel, src) semaphore holds >= k.
+// The eager stand-in for cuStreamWaitValue32 where several ranks share one GPU: see
+// SemaphoreOps::wait.
+cudaError_t launchSemaphoreWait(const SyncHandle& h, std::uint32_t channel, std::int32_t src,
+                                std::uint32_t k, cudaStream_t stream);
+
+// Loads the kernels on the current device. Setup only: with lazy module loading (the CUDA 12+
 // default) a kernel's first launch loads it, which waits for the context, so a first launch queued
 // behind a stream-memop wait that needs another stream's kernel deadlocks (seen with 4 emulated
 // ranks on one GPU). Loading at setup keeps the run path free of it.

@@ -22,6 +22,7 @@ enum class WaitSite : std::uint32_t {
   kPingPongPing = 2,      // ping-pong responder waiting for the ping
   kPingPongPong = 3,      // ping-pong initiator waiting for the pong
   kSemaphoreConsume = 4,  // a semaphore consume (underflow check)
+  kSemaphoreWait = 5,     // an eager semaphore wait done by a kernel (ranks sharing a GPU)
 };
 
 struct DeviceErrorRecord {
@@ -44,6 +45,7 @@ __host__ __device__ inline const char* waitSiteName(std::uint32_t site) {
     case WaitSite::kPingPongPing: return "ping-pong: responder waiting for ping";
     case WaitSite::kPingPongPong: return "ping-pong: initiator waiting for pong";
     case WaitSite::kSemaphoreConsume: return "semaphore consume";
+    case WaitSite::kSemaphoreWait: return "semaphore wait";
   }
   return "unknown wait site";
 }

@@ -20,39 +20,47 @@ __device__ __forceinline__ void flagPost(std::uint32_t* slot, std::uint32_t valu
   ptx::stReleaseSys(slot, value);
 }
 
-// Spins until *slot reaches `target` (wrap-safe). Returns true on success; on timeout records the
-// error (rank, peer, site, expected, observed) and returns false (or traps when asked to). Also
-// returns false promptly once another wait of this rank has failed. `observed` gets the last
-// value read.
-__device__ inline bool flagWait(const SyncHandle& h, const std::uint32_t* slot,
-                                std::uint32_t target, std::int32_t peer, WaitSite site,
-                                std::uint32_t* observed = nullptr) {
+// Spins until reached(*slot) holds, bounded by SyncHandle::timeoutNs. Returns true on success; on
+// timeout records the error (rank, peer, site, expected, observed) and returns false (or traps
+// when asked to). Also returns false promptly once another wait of this rank has failed.
+// `observed` gets the last value read.
+template <class Reached>
+__device__ inline bool boundedWait(const SyncHandle& h, const std::uint32_t* slot,
+                                   std::uint32_t target, Reached reached, std::int32_t peer,
+                                   WaitSite site, std::uint32_t* observed) {
   std::uint32_t v = ptx::ldAcquireSys(slot);
-  if (ptx::counterReached(v, target)) {
-    if (observed) *observed = v;
-    return true;
-  }
-  const std::uint64_t start = ptx::globalTimerNs();
-  for (std::uint32_t iter = 1;; ++iter) {
-    v = ptx::ldAcquireSys(slot);
-    if (ptx::counterReached(v, target)) break;
-    if ((iter & 255u) == 0u) {
-      const std::uint64_t elapsed = ptx::globalTimerNs() - start;
-      if (elapsed > h.timeoutNs) {
-        reportDeviceError(h.error, DeviceErrorKind::kTimeout, h.rank, peer, site, target, v,
-                          elapsed, slot);
-        if (h.trapOnTimeout) __trap();
-        if (observed) *observed = v;
-        return false;
-      }
-      if (deviceErrorRaised(h.error)) {
-        if (observed) *observed = v;
-        return false;
+  if (!reached(v)) {
+    const std::uint64_t start = ptx::globalTimerNs();
+    for (std::uint32_t iter = 1;; ++iter) {
+      v = ptx::ldAcquireSys(slot);
+      if (reached(v)) break;
+      if ((iter & 255u) == 0u) {
+        const std::uint64_t elapsed = ptx::globalTimerNs() - start;
+        if (elapsed > h.timeoutNs) {
+          reportDeviceError(h.error, DeviceErrorKind::kTimeout, h.rank, peer, site, target, v,
+                            elapsed, slot);
+          if (h.trapOnTimeout) __trap();
+          if (observed) *observed = v;
+          return false;
+        }
+        if (deviceErrorRaised(h.error)) {
+          if (observed) *observed = v;
+          return false;
+        }
       }
     }
   }
   if (observed) *observed = v;
   return true;
+}
+
+// Waits until the monotonic flag *slot reaches `target` (wrap-safe).
+__device__ inline bool flagWait(const SyncHandle& h, const std::uint32_t* slot,
+                                std::uint32_t target, std::int32_t peer, WaitSite site,
+                                std::uint32_t* observed = nullptr) {
+  return boundedWait(
+      h, slot, target, [target](std::uint32_t v) { return ptx::counterReached(v, target); }, peer,
+      site, observed);
 }
 
 }  // namespace graphep
