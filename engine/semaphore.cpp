@@ -24,9 +24,12 @@ void SemaphoreOps::checkChannel(int channel) const {
                   channel, h_.numSemChannels);
 }
 
-void SemaphoreOps::checkRank(const char* what, int r) const {
-  GRAPHEP_REQUIRE(r >= 0 && r < h_.numRanks, Status::kInvalidArgument,
-                  "semaphore %s %d is out of range [0, %d)", what, r, h_.numRanks);
+void SemaphoreOps::checkWord(const char* op, int channel, int src, std::uint32_t k) const {
+  checkChannel(channel);
+  GRAPHEP_REQUIRE(src >= 0 && src < h_.numRanks, Status::kInvalidArgument,
+                  "semaphore %s: source rank %d is out of range [0, %d)", op, src, h_.numRanks);
+  GRAPHEP_REQUIRE(k >= 1 && k < (1u << 30), Status::kInvalidArgument,
+                  "semaphore %s count %u is out of range [1, 2^30)", op, k);
 }
 
 void SemaphoreOps::signal(cudaStream_t stream, int channel, std::uint32_t peerMask) const {
@@ -45,10 +48,7 @@ void SemaphoreOps::signal(cudaStream_t stream, int channel, std::uint32_t peerMa
 }
 
 void SemaphoreOps::wait(cudaStream_t stream, int channel, int src, std::uint32_t k) const {
-  checkChannel(channel);
-  checkRank("source", src);
-  GRAPHEP_REQUIRE(k >= 1 && k < (1u << 30), Status::kInvalidArgument,
-                  "semaphore wait count %u is out of range [1, 2^30)", k);
+  checkWord("wait", channel, src, k);
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   GRAPHEP_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
   if (capture == cudaStreamCaptureStatusNone && sharesDevice_) {
@@ -63,17 +63,13 @@ void SemaphoreOps::wait(cudaStream_t stream, int channel, int src, std::uint32_t
 }
 
 void SemaphoreOps::consume(cudaStream_t stream, int channel, int src, std::uint32_t k) const {
-  checkChannel(channel);
-  checkRank("source", src);
-  GRAPHEP_REQUIRE(k >= 1 && k < (1u << 30), Status::kInvalidArgument,
-                  "semaphore consume count %u is out of range [1, 2^30)", k);
+  checkWord("consume", channel, src, k);
   GRAPHEP_CUDA_CHECK(
       launchSemaphoreConsume(h_, static_cast<std::uint32_t>(channel), src, k, stream));
 }
 
 SemaphoreCounts SemaphoreOps::read(int channel, int src) const {
-  checkChannel(channel);
-  checkRank("source", src);
+  checkWord("read", channel, src, 1);
   const std::uint32_t idx = h_.semIndex(static_cast<std::uint32_t>(channel), src);
   SemaphoreCounts c{};
   GRAPHEP_CUDA_CHECK(cudaSetDevice(heap_->device(local_)));

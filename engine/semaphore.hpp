@@ -48,7 +48,7 @@ class SemaphoreOps {
 
  private:
   void checkChannel(int channel) const;
-  void checkRank(const char* what, int r) const;
+  void checkWord(const char* op, int channel, int src, std::uint32_t k) const;
 
   const SymmetricHeap* heap_;
   int local_;

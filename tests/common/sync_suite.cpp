@@ -90,6 +90,33 @@ void destroyExecs(const SymmetricHeap& heap, std::vector<cudaGraphExec_t>& execs
   execs.clear();
 }
 
+// Runs `rounds` rounds of `enqueue(local, stream)` on every local rank: eagerly, or by capturing one
+// round per rank once (pinning the heap) and replaying it. Ends with every device synchronised and
+// a barrier across processes.
+template <class F>
+void runRounds(SymmetricHeap& heap, Streams& st, int rounds, bool graph, F&& enqueue) {
+  std::vector<cudaGraphExec_t> execs;
+  SymmetricHeap::Pin pin;
+  if (graph) {
+    execs = captureRound(heap, st, enqueue);
+    pin = heap.pin();
+  }
+  for (int r = 0; r < rounds; ++r) {
+    for (int l = 0; l < heap.numLocalRanks(); ++l) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(heap.device(l)));
+      if (graph) {
+        GRAPHEP_CUDA_CHECK(cudaGraphLaunch(execs[static_cast<size_t>(l)],
+                                           st.streams[static_cast<size_t>(l)]));
+      } else {
+        enqueue(l, st.streams[static_cast<size_t>(l)]);
+      }
+    }
+  }
+  syncAll(heap);
+  heap.comm().barrier();
+  destroyExecs(heap, execs);
+}
+
 }  // namespace
 
 void runHeapExchange(Communicator& comm, std::uint64_t seed) {
@@ -177,31 +204,11 @@ void runFlagPingPong(Communicator& comm, int rounds, bool graph, std::uint32_t c
   syncAll(*heap);
   comm.barrier();
 
-  auto enqueue = [&](int l, cudaStream_t s) {
+  runRounds(*heap, st, rounds, graph, [&](int l, cudaStream_t s) {
     // One round per launch: the test exercises the device-resident steps across launches.
     GRAPHEP_CUDA_CHECK(launchFlagPingPong(heap->syncHandle(l), kChannel, 1,
                                           errors[static_cast<size_t>(l)], s));
-  };
-  std::vector<cudaGraphExec_t> execs;
-  SymmetricHeap::Pin pin;
-  if (graph) {
-    execs = captureRound(*heap, st, enqueue);
-    pin = heap->pin();
-  }
-  for (int r = 0; r < rounds; ++r) {
-    for (int l = 0; l < L; ++l) {
-      GRAPHEP_CUDA_CHECK(cudaSetDevice(heap->device(l)));
-      if (graph) {
-        GRAPHEP_CUDA_CHECK(cudaGraphLaunch(execs[static_cast<size_t>(l)],
-                                           st.streams[static_cast<size_t>(l)]));
-      } else {
-        enqueue(l, st.streams[static_cast<size_t>(l)]);
-      }
-    }
-  }
-  syncAll(*heap);
-  comm.barrier();
-  destroyExecs(*heap, execs);
+  });
 
   const std::uint32_t expected = counterStart + static_cast<std::uint32_t>(rounds);
   for (int l = 0; l < L; ++l) {
@@ -257,27 +264,7 @@ void runSemaphorePingPong(Communicator& comm, int rounds, bool graph,
   };
   syncAll(*heap);
   comm.barrier();
-
-  std::vector<cudaGraphExec_t> execs;
-  SymmetricHeap::Pin pin;
-  if (graph) {
-    execs = captureRound(*heap, st, enqueue);
-    pin = heap->pin();
-  }
-  for (int r = 0; r < rounds; ++r) {
-    for (int l = 0; l < L; ++l) {
-      GRAPHEP_CUDA_CHECK(cudaSetDevice(heap->device(l)));
-      if (graph) {
-        GRAPHEP_CUDA_CHECK(cudaGraphLaunch(execs[static_cast<size_t>(l)],
-                                           st.streams[static_cast<size_t>(l)]));
-      } else {
-        enqueue(l, st.streams[static_cast<size_t>(l)]);
-      }
-    }
-  }
-  syncAll(*heap);
-  comm.barrier();
-  destroyExecs(*heap, execs);
+  runRounds(*heap, st, rounds, graph, enqueue);
 
   const std::uint32_t expected = counterStart + static_cast<std::uint32_t>(rounds);
   for (int l = 0; l < L; ++l) {

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <cstdio>
 
 #include <graphep/graphep.hpp>
@@ -9,6 +10,7 @@
 #include "common/gpu_env.hpp"
 #include "common/sync_suite.hpp"
 #include "engine/heap.hpp"
+#include "engine/semaphore.hpp"
 
 namespace graphep::test {
 namespace {
@@ -105,6 +107,40 @@ TEST(Gpu1_Heap, PeerClassesOfEmulatedRanks) {
       EXPECT_EQ(heap->peerClass(l, p), l == p ? PeerClass::kSelf : PeerClass::kSameDevice);
       EXPECT_EQ(heap->peerBase(l, p), heap->base(p)) << "emulated ranks share one address space";
     }
+  }
+}
+
+TEST(Gpu1_Heap, ForcedRemotePeersAreNotMapped) {
+  GRAPHEP_REQUIRE_GPUS(1);
+  auto comm = fourOnOne();
+  ::setenv("GRAPHEP_FORCE_TRANSPORT", "remote", 1);
+  HeapConfig cfg;
+  cfg.numRanks = 4;
+  std::unique_ptr<SymmetricHeap> heap;
+  try {
+    heap = SymmetricHeap::create(*comm, cfg);
+  } catch (...) {
+    ::unsetenv("GRAPHEP_FORCE_TRANSPORT");
+    throw;
+  }
+  ::unsetenv("GRAPHEP_FORCE_TRANSPORT");
+  for (int l = 0; l < 4; ++l) {
+    for (int p = 0; p < 4; ++p) {
+      EXPECT_EQ(heap->peerClass(l, p), l == p ? PeerClass::kSelf : PeerClass::kRemote);
+      EXPECT_EQ(heap->peerBase(l, p) == nullptr, l != p) << l << " -> " << p;
+    }
+  }
+  const SyncHandle h = heap->syncHandle(0);
+  EXPECT_EQ(h.peerFlagInbox[1], nullptr);
+  EXPECT_NE(h.peerFlagInbox[0], nullptr);
+  // Load/store signalling to a remote peer is refused with a message naming the peer class.
+  SemaphoreOps ops(*heap, 0);
+  try {
+    ops.signal(nullptr, 0, 1u << 1);
+    FAIL() << "signalling a remote peer must be refused";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::kNotSupported);
+    EXPECT_NE(std::string(e.what()).find("remote"), std::string::npos) << e.what();
   }
 }
 

@@ -6,6 +6,7 @@
 #include <graphep/graphep.hpp>
 
 #include "common/sync_suite.hpp"
+#include "engine/heap.hpp"
 
 namespace graphep::test {
 namespace {
@@ -61,6 +62,25 @@ TEST(Mpi_Foundation, MissingPeerTimesOutNamingThePeer) {
   GRAPHEP_REQUIRE_MPI_GPUS();
   auto comm = createMpiCommunicator(-1, false);
   runMissingPeer(*comm, 0, 1, 300);
+}
+
+// Ranks that disagree on the heap config fail at setup, on every rank, naming both sizes.
+TEST(Mpi_Foundation, MismatchedConfigsAreRejectedOnEveryRank) {
+  GRAPHEP_REQUIRE_MPI_GPUS();
+  auto comm = createMpiCommunicator(-1, false);
+  HeapConfig cfg;
+  cfg.numRanks = comm->worldSize();
+  cfg.userBytes = comm->globalRank(0) == 0 ? 4096 : (std::size_t{1} << 20);
+  try {
+    SymmetricHeap::create(*comm, cfg);
+    FAIL() << "mismatched configs must be rejected";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("heap config differs across ranks"), std::string::npos)
+        << e.what();
+  }
+  comm->barrier();
+  runHeapExchange(*comm, 31337);  // the communicator is still usable afterwards
 }
 
 // The same bodies over NCCL communicators made from an MPI-broadcast unique id.
