@@ -66,5 +66,6 @@ void writeJson(const std::string& path, const Options& o, const std::vector<Row>
 
 // Operations: each returns its rows.
 std::vector<Row> runPingPong(const Options& o, Ranks& r);
+std::vector<Row> runSendRecv(const Options& o, Ranks& r);
 
 }  // namespace graphep::bench

@@ -27,7 +27,7 @@ std::size_t parseSize(const char* s) {
 
 int usage() {
   std::fprintf(stderr,
-               "usage: graphep-bench [pingpong] [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] "
+               "usage: graphep-bench [pingpong|sendrecv] [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] "
                "[-w WARMUP] [-c 0|1] [-G 0|1] [--sms N] [--json FILE]\n");
   return 2;
 }
@@ -66,9 +66,11 @@ int main(int argc, char** argv) {
     std::vector<Row> rows;
     if (o.op == "pingpong") {
       rows = runPingPong(o, *ranks);
+    } else if (o.op == "sendrecv") {
+      rows = runSendRecv(o, *ranks);
     } else {
-      GRAPHEP_FAIL(graphep::Status::kInvalidArgument, "unknown operation '%s' (known: pingpong)",
-                   o.op.c_str());
+      GRAPHEP_FAIL(graphep::Status::kInvalidArgument,
+                   "unknown operation '%s' (known: pingpong, sendrecv)", o.op.c_str());
     }
     long long wrong = 0;
     for (const Row& r : rows) wrong += r.wrong;

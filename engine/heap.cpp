@@ -129,10 +129,14 @@ void SymmetricHeap::build() {
     const std::size_t S = static_cast<std::size_t>(cfg_.numSemChannels) * cfg_.numRanks;
     const std::size_t F = static_cast<std::size_t>(cfg_.numFlagChannels) * cfg_.numRanks;
     const std::size_t E = static_cast<std::size_t>(cfg_.numEpochs);
-    const std::vector<std::uint32_t> start(std::max({S, F, E}), cfg_.counterStart);
+    const std::size_t M = static_cast<std::size_t>(cfg_.moverBlocks) * cfg_.numRanks;
+    const std::vector<std::uint32_t> start(std::max({S, F, E, M}), cfg_.counterStart);
     for (auto [off, n] : {std::pair{layout_.semArrived, S}, std::pair{layout_.semConsumed, S},
                           std::pair{layout_.flagInbox, F}, std::pair{layout_.flagStep, F},
-                          std::pair{layout_.epochs, E}}) {
+                          std::pair{layout_.epochs, E}, std::pair{layout_.moverHead, M},
+                          std::pair{layout_.moverTail, M}, std::pair{layout_.moverReady, M},
+                          std::pair{layout_.moverSendStep, M},
+                          std::pair{layout_.moverRecvStep, M}}) {
       GRAPHEP_CUDA_CHECK(cudaMemcpy(r.base + off, start.data(), n * sizeof(std::uint32_t),
                                     cudaMemcpyHostToDevice));
     }

@@ -17,6 +17,15 @@ void HeapConfig::validate() const {
                   "HeapConfig.numEpochs=%d is out of range [1, 64]", numEpochs);
   GRAPHEP_REQUIRE(userBytes <= (std::size_t{1} << 40), Status::kInvalidArgument,
                   "HeapConfig.userBytes=%zu exceeds 1 TiB", userBytes);
+  GRAPHEP_REQUIRE(moverBlocks >= 1 && moverBlocks <= 64, Status::kInvalidArgument,
+                  "HeapConfig.moverBlocks=%d is out of range [1, 64]", moverBlocks);
+  GRAPHEP_REQUIRE(moverSlots >= 1 && moverSlots <= 64 && (moverSlots & (moverSlots - 1)) == 0,
+                  Status::kInvalidArgument,
+                  "HeapConfig.moverSlots=%d is not a power of two in [1, 64]", moverSlots);
+  GRAPHEP_REQUIRE(moverSlotBytes % 16 == 0 && moverSlotBytes <= (std::size_t{64} << 20),
+                  Status::kInvalidArgument,
+                  "HeapConfig.moverSlotBytes=%zu is not a multiple of 16 in [0, 64 MiB]",
+                  moverSlotBytes);
   GRAPHEP_REQUIRE(timeoutMs == -1 || (timeoutMs >= 1 && timeoutMs <= 3600000),
                   Status::kInvalidArgument,
                   "HeapConfig.timeoutMs=%lld is neither -1 nor in [1, 3600000]", timeoutMs);
@@ -37,6 +46,9 @@ std::uint64_t HeapConfig::hash() const {
   mix(static_cast<std::uint64_t>(numEpochs));
   mix(userBytes);
   mix(counterStart);
+  mix(static_cast<std::uint64_t>(moverBlocks));
+  mix(static_cast<std::uint64_t>(moverSlots));
+  mix(moverSlotBytes);
   return h;
 }
 
@@ -80,8 +92,25 @@ HeapLayout carveHeap(const HeapConfig& cfg, std::size_t capacity) {
   l.flagStep = a.carve("flagStep", F * R, kU32, 256);
   // epochs: E x u32. Local monotonic per-operation epochs, advanced by the graphs themselves.
   l.epochs = a.carve("epochs", E, kU32, 256);
+  // Data-mover channels (kernels/sendrecv.cu), B = moverBlocks channels per peer:
+  // moverHead: R source peers x B x u32. The peer's sender posts chunks written (monotonic).
+  const std::size_t B = static_cast<std::size_t>(cfg.moverBlocks);
+  l.moverHead = a.carve("moverHead", R * B, kU32, 256);
+  // moverTail: R destination peers x B x u32. The peer's receiver posts chunks consumed (slots
+  // free again), monotonic.
+  l.moverTail = a.carve("moverTail", R * B, kU32, 256);
+  // moverReady: R destination peers x B x u32. Zero-copy: the peer's receiver posts the step at
+  // which its launch starts (its destination may be overwritten), monotonic.
+  l.moverReady = a.carve("moverReady", R * B, kU32, 256);
+  // moverSendStep / moverRecvStep: R peers x B x u32. Local monotonic chunk counters.
+  l.moverSendStep = a.carve("moverSendStep", R * B, kU32, 256);
+  l.moverRecvStep = a.carve("moverRecvStep", R * B, kU32, 256);
   // user: userBytes x u8. Symmetric scratch for callers; 4 KiB aligned for vector access.
   l.user = a.carve("user", cfg.userBytes, 1, 4096);
+  // staging: R source peers x B x moverSlots x moverSlotBytes. The peer's sender writes chunks
+  // here; this rank's receiver copies them out.
+  l.staging = a.carve("staging", R * B * static_cast<std::size_t>(cfg.moverSlots),
+                      cfg.moverSlotBytes, 4096);
 
   // Round the arena to 4 KiB so the allocation size is a page multiple.
   l.totalBytes = (a.used() + 4095) & ~std::size_t{4095};

@@ -17,6 +17,9 @@ struct HeapConfig {
   int numFlagChannels = 8;  // in-kernel flag channels (one inbox word per channel per peer)
   int numEpochs = 8;        // per-operation-kind epochs
   std::size_t userBytes = 0;       // a symmetric scratch region for callers (tests, movers)
+  int moverBlocks = 16;            // data-mover channels (CTAs) per peer
+  int moverSlots = 4;              // staging slots per (peer, channel); a power of two
+  std::size_t moverSlotBytes = 0;  // bytes per staging slot (multiple of 16); 0: no staging
   std::uint32_t counterStart = 0;  // initial flag/step/epoch/total value (tests start near wrap)
   long long timeoutMs = -1;        // device wait bound; -1 reads GRAPHEP_TIMEOUT_MS
 
@@ -37,7 +40,9 @@ struct HeapRegion {
 struct HeapLayout {
   std::size_t semCount = 0, semArrived = 0, semConsumed = 0;
   std::size_t flagInbox = 0, flagStep = 0, epochs = 0;
+  std::size_t moverHead = 0, moverTail = 0, moverReady = 0, moverSendStep = 0, moverRecvStep = 0;
   std::size_t user = 0;
+  std::size_t staging = 0;
   std::size_t totalBytes = 0;
   std::vector<HeapRegion> regions;  // in carve order
 };

@@ -45,9 +45,15 @@ grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|\(Skipped\)|Not Run" "
 
 step "benchmark: pingpong"
 GRAPHEP_DEBUG=INFO NCCL_DEBUG=WARN timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-60} \
-  "$build/bench/graphep-bench" pingpong -n 50 -w 10 --json "$out/bench_pingpong.json" \
-  >"$out/bench.log" 2>&1 || { echo "bench failed or timed out (rc=$?)"; status=1; }
+  "$build/bench/graphep-bench" pingpong -n 50 -w 10 >"$out/bench.log" 2>&1 || { echo "bench failed or timed out (rc=$?)"; status=1; }
 cat "$out/bench.log"
+
+step "benchmark: sendrecv sweep"
+timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-60} \
+  "$build/bench/graphep-bench" sendrecv -b 1K -e 1G -f 4 -n 20 -w 5 \
+  --json "$out/bench_sendrecv.json" >"$out/bench_sendrecv.log" 2>&1 \
+  || { echo "sendrecv bench failed or timed out (rc=$?)"; status=1; }
+grep -v "^# \.\.\." "$out/bench_sendrecv.log"
 
 echo "== summary: status=$status (logs in $out)"
 exit $status

@@ -23,6 +23,9 @@ enum class WaitSite : std::uint32_t {
   kPingPongPong = 3,      // ping-pong initiator waiting for the pong
   kSemaphoreConsume = 4,  // a semaphore consume (underflow check)
   kSemaphoreWait = 5,     // an eager semaphore wait done by a kernel (ranks sharing a GPU)
+  kMoverSlotFree = 6,     // sendrecv sender waiting for a free staging slot (tail)
+  kMoverData = 7,         // sendrecv receiver waiting for a chunk (head)
+  kMoverReady = 8,        // zero-copy sender waiting for the receiver to start (ready)
 };
 
 struct DeviceErrorRecord {
@@ -46,6 +49,9 @@ __host__ __device__ inline const char* waitSiteName(std::uint32_t site) {
     case WaitSite::kPingPongPong: return "ping-pong: initiator waiting for pong";
     case WaitSite::kSemaphoreConsume: return "semaphore consume";
     case WaitSite::kSemaphoreWait: return "semaphore wait";
+    case WaitSite::kMoverSlotFree: return "sendrecv: sender waiting for a free staging slot";
+    case WaitSite::kMoverData: return "sendrecv: receiver waiting for data";
+    case WaitSite::kMoverReady: return "sendrecv: zero-copy sender waiting for the receiver";
   }
   return "unknown wait site";
 }

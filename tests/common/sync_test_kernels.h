@@ -20,3 +20,15 @@ cudaError_t launchWaitForPeer(const SyncHandle& h, std::uint32_t channel, int pe
                               cudaStream_t stream);
 
 }  // namespace graphep::test
+
+namespace graphep::test {
+
+// Byte i of rank `rank`'s data for `seed`: a hash, so any size and alignment can be generated and
+// checked on the device.
+cudaError_t launchFillPattern(void* dst, std::size_t bytes, std::uint64_t seed, int rank,
+                              cudaStream_t stream);
+// Adds to *wrong the number of bytes of p that differ from rank's pattern for seed.
+cudaError_t launchCountMismatches(const void* p, std::size_t bytes, std::uint64_t seed, int rank,
+                                  unsigned long long* wrong, cudaStream_t stream);
+
+}  // namespace graphep::test

@@ -5,6 +5,8 @@
 
 #include <graphep/graphep.hpp>
 
+#include "common/mover_cases.hpp"
+#include "common/mover_suite.hpp"
 #include "common/sync_suite.hpp"
 #include "engine/heap.hpp"
 
@@ -62,6 +64,14 @@ TEST(Mpi_Foundation, MissingPeerTimesOutNamingThePeer) {
   GRAPHEP_REQUIRE_MPI_GPUS();
   auto comm = createMpiCommunicator(-1, false);
   runMissingPeer(*comm, 0, 1, 300);
+}
+
+TEST(Mpi_SendRecv, CasesAndReplays) {
+  GRAPHEP_REQUIRE_MPI_GPUS();
+  auto comm = createMpiCommunicator(-1, false);
+  runSendRecvCases(*comm, standardSendRecvCases(std::size_t{64} << 20));
+  runSendRecvReplays(*comm, std::size_t{1} << 20, 1000, false);
+  runSendRecvReplays(*comm, (std::size_t{1} << 20) + 3, 1000, true);
 }
 
 // Ranks that disagree on the heap config fail at setup, on every rank, naming both sizes.

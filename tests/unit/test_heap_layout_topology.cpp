@@ -18,7 +18,7 @@ void expectWellFormed(const HeapConfig& cfg) {
   EXPECT_EQ(l.totalBytes, size);
   EXPECT_EQ(size % 4096, 0u);
   std::vector<HeapRegion> r = l.regions;
-  ASSERT_EQ(r.size(), 7u);
+  ASSERT_EQ(r.size(), 13u);
   std::sort(r.begin(), r.end(), [](auto& a, auto& b) { return a.offset < b.offset; });
   for (std::size_t i = 0; i < r.size(); ++i) {
     EXPECT_EQ(r[i].offset % r[i].align, 0u) << r[i].name;
@@ -58,8 +58,17 @@ TEST(Unit_HeapLayout, ClosedFormSize) {
   EXPECT_EQ(l.flagInbox, 768u);
   EXPECT_EQ(l.flagStep, 1024u);
   EXPECT_EQ(l.epochs, 1280u);
-  EXPECT_EQ(l.user, 4096u);   // 1312 rounded up to the 4 KiB alignment
-  EXPECT_EQ(l.totalBytes, 16384u);  // 4096 + 10000 = 14096 -> 16384
+  // Mover channels: 8 ranks x 16 blocks x 4 B = 512 B each, 256-aligned after epochs (1312).
+  EXPECT_EQ(l.moverHead, 1536u);
+  EXPECT_EQ(l.moverTail, 2048u);
+  EXPECT_EQ(l.moverReady, 2560u);
+  EXPECT_EQ(l.moverSendStep, 3072u);
+  EXPECT_EQ(l.moverRecvStep, 3584u);
+  EXPECT_EQ(l.user, 4096u);     // 4096 rounded up to the 4 KiB alignment
+  EXPECT_EQ(l.staging, 16384u);  // 4096 + 10000 = 14096 -> 16384, no staging bytes
+  EXPECT_EQ(l.totalBytes, 16384u);
+  cfg.moverSlotBytes = 65536;    // 8 x 16 x 4 slots x 64 KiB = 32 MiB of staging
+  EXPECT_EQ(carveHeap(cfg, SIZE_MAX).totalBytes, 16384u + (std::size_t{32} << 20));
 }
 
 TEST(Unit_HeapLayout, ValidationNamesTheField) {
@@ -77,6 +86,17 @@ TEST(Unit_HeapLayout, ValidationNamesTheField) {
   EXPECT_THROW(cfg.validate(), Error);
   cfg.timeoutMs = -1;
   cfg.numSemChannels = 0;
+  EXPECT_THROW(cfg.validate(), Error);
+  cfg.numSemChannels = 8;
+  cfg.moverSlots = 3;
+  try {
+    cfg.validate();
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("moverSlots=3"), std::string::npos) << e.what();
+  }
+  cfg.moverSlots = 4;
+  cfg.moverSlotBytes = 100;
   EXPECT_THROW(cfg.validate(), Error);
 }
 

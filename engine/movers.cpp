@@ -1,0 +1,124 @@
+#include "engine/movers.hpp"
+
+#include "engine/error.hpp"
+#include "engine/topology.hpp"
+
+namespace graphep {
+
+Movers::Movers(const SymmetricHeap& heap, int local, int warpsPerRole)
+    : heap_(&heap), local_(local), warpsPerRole_(warpsPerRole) {
+  GRAPHEP_REQUIRE(warpsPerRole >= 1 && warpsPerRole <= kMaxWarpsPerRole, Status::kInvalidArgument,
+                  "warpsPerRole=%d is out of range [1, %d]", warpsPerRole, kMaxWarpsPerRole);
+  GRAPHEP_CUDA_CHECK(cudaSetDevice(heap.device(local)));
+  GRAPHEP_CUDA_CHECK(preloadSendRecvKernels());
+}
+
+int Movers::channelsFor(std::size_t bytes) const {
+  const std::size_t perChannel = std::size_t{256} << 10;
+  const std::size_t want = (bytes + perChannel - 1) / perChannel;
+  const int cap = heap_->config().moverBlocks;
+  return want < 1 ? 1 : (want > static_cast<std::size_t>(cap) ? cap : static_cast<int>(want));
+}
+
+SendRecvParams Movers::params(const SendRecvArgs& a) const {
+  const HeapConfig& cfg = heap_->config();
+  const HeapLayout& L = heap_->layout();
+  const int R = cfg.numRanks;
+  const int me = heap_->rank(local_);
+  const int B = cfg.moverBlocks;
+  auto checkPeer = [&](const char* role, int peer) {
+    GRAPHEP_REQUIRE(peer >= -1 && peer < R, Status::kInvalidArgument,
+                    "sendRecv: %s peer %d is out of range [-1, %d)", role, peer, R);
+    if (peer >= 0) {
+      GRAPHEP_REQUIRE(isLoadStore(heap_->peerClass(local_, peer)), Status::kNotSupported,
+                      "sendRecv: rank %d reaches %s peer %d only as %s; the NCCL transport is not "
+                      "available to sendRecv yet",
+                      me, role, peer, peerClassName(heap_->peerClass(local_, peer)));
+    }
+  };
+  checkPeer("send", a.sendPeer);
+  checkPeer("receive", a.recvPeer);
+  const bool sendZeroCopy = a.sendToUserOffset >= 0;
+  const std::size_t bytesForChannels = a.sendPeer >= 0 ? a.sendBytes : a.recvBytes;
+  const int channels = a.numChannels > 0 ? a.numChannels : channelsFor(bytesForChannels);
+  GRAPHEP_REQUIRE(channels >= 1 && channels <= B, Status::kInvalidArgument,
+                  "sendRecv: numChannels=%d is out of range [1, %d] (HeapConfig.moverBlocks)",
+                  channels, B);
+  const bool needStaging = (a.sendPeer >= 0 && !sendZeroCopy && a.sendBytes > 0) ||
+                           (a.recvPeer >= 0 && !a.recvZeroCopy && a.recvBytes > 0);
+  GRAPHEP_REQUIRE(!needStaging || cfg.moverSlotBytes > 0, Status::kInvalidArgument,
+                  "sendRecv: staged transfers need HeapConfig.moverSlotBytes > 0 (it is 0)");
+  GRAPHEP_REQUIRE(cfg.moverSlotBytes <= UINT32_MAX, Status::kInvalidArgument,
+                  "HeapConfig.moverSlotBytes=%zu exceeds 4 GiB", cfg.moverSlotBytes);
+
+  SendRecvParams p{};
+  p.sync = heap_->syncHandle(local_);
+  p.numChannels = static_cast<std::uint32_t>(channels);
+  p.numSlots = static_cast<std::uint32_t>(cfg.moverSlots);
+  // A zero slot size is only possible when nothing is staged; chunks then cover a whole range.
+  p.slotBytes = cfg.moverSlotBytes > 0 ? static_cast<std::uint32_t>(cfg.moverSlotBytes) : (1u << 30);
+  p.warpsPerRole = static_cast<std::uint32_t>(warpsPerRole_);
+  auto u32 = [](char* base, std::size_t off) {
+    return reinterpret_cast<std::uint32_t*>(base + off);
+  };
+  char* mine = heap_->base(local_);
+
+  p.sendPeer = a.sendPeer;
+  if (a.sendPeer >= 0) {
+    GRAPHEP_REQUIRE(a.sendBytes == 0 || a.src != nullptr, Status::kInvalidArgument,
+                    "sendRecv: src is null with sendBytes=%zu", a.sendBytes);
+    char* peer = heap_->peerBase(local_, a.sendPeer);
+    const std::size_t ch = static_cast<std::size_t>(me) * B;  // my channels in the peer's tables
+    const std::size_t chPeer = static_cast<std::size_t>(a.sendPeer) * B;
+    p.src = static_cast<const char*>(a.src);
+    p.sendBytes = a.sendBytes;
+    p.sendStaging = peer + L.staging + ch * cfg.moverSlots * cfg.moverSlotBytes;
+    if (sendZeroCopy) {
+      GRAPHEP_REQUIRE(static_cast<std::size_t>(a.sendToUserOffset) + a.sendBytes <= cfg.userBytes,
+                      Status::kInvalidArgument,
+                      "sendRecv: zero-copy send of %zu bytes at user offset %lld exceeds the "
+                      "%zu-byte user region",
+                      a.sendBytes, a.sendToUserOffset, cfg.userBytes);
+      p.sendDirect = peer + L.user + a.sendToUserOffset;
+    }
+    p.sendHead = u32(peer, L.moverHead) + ch;
+    p.sendTail = u32(mine, L.moverTail) + chPeer;
+    p.sendReady = u32(mine, L.moverReady) + chPeer;
+    p.sendStep = u32(mine, L.moverSendStep) + chPeer;
+  }
+
+  p.recvPeer = a.recvPeer;
+  if (a.recvPeer >= 0) {
+    GRAPHEP_REQUIRE(a.recvBytes == 0 || a.dst != nullptr, Status::kInvalidArgument,
+                    "sendRecv: dst is null with recvBytes=%zu", a.recvBytes);
+    char* peer = heap_->peerBase(local_, a.recvPeer);
+    const std::size_t ch = static_cast<std::size_t>(me) * B;
+    const std::size_t chPeer = static_cast<std::size_t>(a.recvPeer) * B;
+    p.dst = static_cast<char*>(a.dst);
+    p.recvBytes = a.recvBytes;
+    if (a.recvZeroCopy) {
+      const char* user = heap_->user(local_);
+      const char* d = static_cast<const char*>(a.dst);
+      GRAPHEP_REQUIRE(a.recvBytes == 0 ||
+                          (d >= user && d + a.recvBytes <= user + cfg.userBytes),
+                      Status::kInvalidArgument,
+                      "sendRecv: zero-copy dst [%p, +%zu) is not inside this rank's user region",
+                      a.dst, a.recvBytes);
+      p.recvDirect = 1;
+    }
+    p.recvStaging = mine + L.staging + chPeer * cfg.moverSlots * cfg.moverSlotBytes;
+    p.recvHead = u32(mine, L.moverHead) + chPeer;
+    p.recvTail = u32(peer, L.moverTail) + ch;
+    p.recvReady = u32(peer, L.moverReady) + ch;
+    p.recvStep = u32(mine, L.moverRecvStep) + chPeer;
+  }
+  return p;
+}
+
+void Movers::sendRecv(cudaStream_t stream, const SendRecvArgs& args) const {
+  const SendRecvParams p = params(args);
+  if (p.sendPeer < 0 && p.recvPeer < 0) return;
+  GRAPHEP_CUDA_CHECK(launchSendRecv(p, stream));
+}
+
+}  // namespace graphep

@@ -1,0 +1,51 @@
+// Data movers, host half (kernels/sendrecv.cu is the device half): validates arguments (errors
+// name the value), chooses channel counts, and builds the by-value kernel params from the
+// symmetric heap. Every enqueue is capturable; construction is setup.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+#include "engine/heap.hpp"
+#include "kernels/sendrecv.h"
+
+namespace graphep {
+
+struct SendRecvArgs {
+  int sendPeer = -1;              // -1: receive only
+  const void* src = nullptr;
+  std::size_t sendBytes = 0;
+  // Zero-copy send: >= 0 is the offset in sendPeer's user region where the bytes land (the
+  // receiver must pass recvZeroCopy with dst at that same offset of its own user region).
+  long long sendToUserOffset = -1;
+
+  int recvPeer = -1;              // -1: send only
+  void* dst = nullptr;
+  std::size_t recvBytes = 0;
+  bool recvZeroCopy = false;      // recvPeer writes into dst directly (dst in the user region)
+
+  int numChannels = 0;            // 0: chosen from the size (fewer, larger steps when small)
+};
+
+class Movers {
+ public:
+  // Setup: loads the kernels. warpsPerRole: warps of each role (sender, receiver) per CTA.
+  Movers(const SymmetricHeap& heap, int local, int warpsPerRole = 4);
+
+  // Capturable. Both ends of each transfer must pass the same byte count, channel count and mode.
+  void sendRecv(cudaStream_t stream, const SendRecvArgs& args) const;
+
+  // The channel count used for `bytes` when the caller passes 0: about one channel per 256 KiB,
+  // capped by the heap's moverBlocks.
+  int channelsFor(std::size_t bytes) const;
+
+  SendRecvParams params(const SendRecvArgs& args) const;
+
+ private:
+  const SymmetricHeap* heap_;
+  int local_;
+  int warpsPerRole_;
+};
+
+}  // namespace graphep

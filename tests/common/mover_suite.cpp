@@ -1,0 +1,199 @@
+#include "common/mover_suite.hpp"
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <string>
+
+#include "common/sync_suite.hpp"
+#include "common/sync_test_kernels.h"
+#include "engine/error.hpp"
+#include "engine/heap.hpp"
+#include "engine/movers.hpp"
+
+namespace graphep::test {
+namespace {
+
+constexpr unsigned char kPoison = 0xa5;
+constexpr std::size_t kSlack = 64;  // poisoned bytes after every destination: overruns show
+
+struct RankBuffers {
+  char* src = nullptr;
+  char* dst = nullptr;  // staged destination (cudaMalloc); zero-copy uses the user region
+  unsigned long long* wrong = nullptr;
+  cudaStream_t stream = nullptr;
+};
+
+struct Fixture {
+  Fixture(Communicator& comm, std::size_t maxBytes, std::size_t slotBytes, std::uint32_t start) {
+    HeapConfig cfg;
+    cfg.numRanks = comm.worldSize();
+    cfg.userBytes = maxBytes + kSlack;
+    cfg.moverSlotBytes = slotBytes;
+    cfg.counterStart = start;
+    heap = SymmetricHeap::create(comm, cfg);
+    for (int l = 0; l < heap->numLocalRanks(); ++l) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(heap->device(l)));
+      movers.emplace_back(*heap, l);
+      RankBuffers b;
+      GRAPHEP_CUDA_CHECK(cudaMalloc(&b.src, maxBytes + kSlack));
+      GRAPHEP_CUDA_CHECK(cudaMalloc(&b.dst, maxBytes + kSlack));
+      GRAPHEP_CUDA_CHECK(cudaMalloc(&b.wrong, sizeof(unsigned long long)));
+      GRAPHEP_CUDA_CHECK(cudaStreamCreateWithFlags(&b.stream, cudaStreamNonBlocking));
+      bufs.push_back(b);
+    }
+  }
+  ~Fixture() {
+    for (int l = 0; l < static_cast<int>(bufs.size()); ++l) {
+      cudaSetDevice(heap->device(l));
+      cudaFree(bufs[l].src);
+      cudaFree(bufs[l].dst);
+      cudaFree(bufs[l].wrong);
+      cudaStreamDestroy(bufs[l].stream);
+    }
+  }
+  void syncAll() {
+    for (int l = 0; l < heap->numLocalRanks(); ++l) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(heap->device(l)));
+      GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
+    }
+    heap->comm().barrier();
+  }
+  std::unique_ptr<SymmetricHeap> heap;
+  std::vector<Movers> movers;
+  std::vector<RankBuffers> bufs;
+};
+
+// Who sends to whom: a ring step, or only 0 -> 1.
+SendRecvArgs argsFor(const Fixture& f, int l, const SendRecvCase& c, char* dst) {
+  const int R = f.heap->worldSize();
+  const int me = f.heap->rank(l);
+  SendRecvArgs a;
+  a.numChannels = c.numChannels;
+  const bool sends = !c.unidirectional || me == 0;
+  const bool recvs = !c.unidirectional || me == 1;
+  if (sends) {
+    a.sendPeer = (me + 1) % R;
+    a.src = f.bufs[static_cast<size_t>(l)].src;
+    a.sendBytes = c.bytes;
+    if (c.zeroCopy) a.sendToUserOffset = 0;
+  }
+  if (recvs) {
+    a.recvPeer = (me + R - 1) % R;
+    a.dst = dst;
+    a.recvBytes = c.bytes;
+    a.recvZeroCopy = c.zeroCopy;
+  }
+  return a;
+}
+
+char* dstFor(const Fixture& f, int l, bool zeroCopy) {
+  return zeroCopy ? f.heap->user(l) : f.bufs[static_cast<size_t>(l)].dst;
+}
+
+}  // namespace
+
+void runSendRecvCases(Communicator& comm, const std::vector<SendRecvCase>& cases,
+                      std::size_t slotBytes) {
+  std::size_t maxBytes = 16;
+  for (const auto& c : cases) maxBytes = std::max(maxBytes, c.bytes);
+  Fixture f(comm, maxBytes, slotBytes, 0);
+  const int L = f.heap->numLocalRanks();
+  const int R = f.heap->worldSize();
+  for (size_t ci = 0; ci < cases.size(); ++ci) {
+    const SendRecvCase& c = cases[ci];
+    const std::uint64_t seed = 1000 + ci * 7919;
+    SCOPED_TRACE("bytes=" + std::to_string(c.bytes) + (c.zeroCopy ? " zero-copy" : " staged") +
+                 (c.unidirectional ? " unidirectional" : " ring") +
+                 " channels=" + std::to_string(c.numChannels));
+    for (int l = 0; l < L; ++l) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+      const auto& b = f.bufs[static_cast<size_t>(l)];
+      GRAPHEP_CUDA_CHECK(launchFillPattern(b.src, c.bytes, seed, f.heap->rank(l), b.stream));
+      GRAPHEP_CUDA_CHECK(cudaMemsetAsync(dstFor(f, l, c.zeroCopy), kPoison, c.bytes + kSlack, b.stream));
+      GRAPHEP_CUDA_CHECK(cudaMemsetAsync(b.wrong, 0, sizeof(unsigned long long), b.stream));
+    }
+    f.syncAll();
+    for (int l = 0; l < L; ++l) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+      f.movers[static_cast<size_t>(l)].sendRecv(f.bufs[static_cast<size_t>(l)].stream,
+                                                argsFor(f, l, c, dstFor(f, l, c.zeroCopy)));
+    }
+    f.syncAll();
+    for (int l = 0; l < L; ++l) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+      const int me = f.heap->rank(l);
+      const auto& b = f.bufs[static_cast<size_t>(l)];
+      const bool recvs = !c.unidirectional || me == 1;
+      char* dst = dstFor(f, l, c.zeroCopy);
+      if (recvs) {
+        GRAPHEP_CUDA_CHECK(
+            launchCountMismatches(dst, c.bytes, seed, (me + R - 1) % R, b.wrong, b.stream));
+      }
+      GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(b.stream));
+      unsigned long long wrong = 0;
+      GRAPHEP_CUDA_CHECK(cudaMemcpy(&wrong, b.wrong, sizeof(wrong), cudaMemcpyDeviceToHost));
+      EXPECT_EQ(wrong, 0ull) << "rank " << me << ": " << wrong << " of " << c.bytes
+                             << " bytes wrong";
+      // Nothing beyond the destination range may be touched (and a rank that receives nothing
+      // keeps its whole destination poisoned).
+      std::vector<unsigned char> tail(kSlack + (recvs ? 0 : c.bytes));
+      GRAPHEP_CUDA_CHECK(cudaMemcpy(tail.data(), dst + (recvs ? c.bytes : 0), tail.size(),
+                                    cudaMemcpyDeviceToHost));
+      const long long touched = std::count_if(tail.begin(), tail.end(),
+                                              [](unsigned char x) { return x != kPoison; });
+      EXPECT_EQ(touched, 0) << "rank " << me << ": " << touched << " bytes outside the range written";
+      EXPECT_EQ(f.heap->errorMessage(l), "") << "rank " << me;
+    }
+    f.heap->comm().barrier();
+  }
+}
+
+void runSendRecvReplays(Communicator& comm, std::size_t bytes, int replays, bool zeroCopy) {
+  Fixture f(comm, bytes, std::size_t{64} << 10, kNearWrap);
+  const int L = f.heap->numLocalRanks();
+  const int R = f.heap->worldSize();
+  const SendRecvCase c{bytes, zeroCopy, false, 0};
+  std::vector<cudaGraphExec_t> execs(static_cast<size_t>(L));
+  for (int l = 0; l < L; ++l) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+    auto& b = f.bufs[static_cast<size_t>(l)];
+    GRAPHEP_CUDA_CHECK(cudaMemset(b.wrong, 0, sizeof(unsigned long long)));
+    GRAPHEP_CUDA_CHECK(cudaStreamBeginCapture(b.stream, cudaStreamCaptureModeThreadLocal));
+    f.movers[static_cast<size_t>(l)].sendRecv(b.stream, argsFor(f, l, c, dstFor(f, l, zeroCopy)));
+    cudaGraph_t g;
+    GRAPHEP_CUDA_CHECK(cudaStreamEndCapture(b.stream, &g));
+    GRAPHEP_CUDA_CHECK(cudaGraphInstantiate(&execs[static_cast<size_t>(l)], g, 0));
+    GRAPHEP_CUDA_CHECK(cudaGraphDestroy(g));
+  }
+  SymmetricHeap::Pin pin = f.heap->pin();
+  f.syncAll();
+  for (int i = 0; i < replays; ++i) {
+    const std::uint64_t seed = 77 + static_cast<std::uint64_t>(i) * 131;
+    for (int l = 0; l < L; ++l) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+      const auto& b = f.bufs[static_cast<size_t>(l)];
+      const int me = f.heap->rank(l);
+      char* dst = dstFor(f, l, zeroCopy);
+      GRAPHEP_CUDA_CHECK(launchFillPattern(b.src, bytes, seed, me, b.stream));
+      GRAPHEP_CUDA_CHECK(cudaMemsetAsync(dst, kPoison, bytes, b.stream));
+      GRAPHEP_CUDA_CHECK(cudaGraphLaunch(execs[static_cast<size_t>(l)], b.stream));
+      GRAPHEP_CUDA_CHECK(launchCountMismatches(dst, bytes, seed, (me + R - 1) % R, b.wrong, b.stream));
+    }
+  }
+  f.syncAll();
+  for (int l = 0; l < L; ++l) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+    unsigned long long wrong = 0;
+    GRAPHEP_CUDA_CHECK(cudaMemcpy(&wrong, f.bufs[static_cast<size_t>(l)].wrong, sizeof(wrong),
+                                  cudaMemcpyDeviceToHost));
+    EXPECT_EQ(wrong, 0ull) << "rank " << f.heap->rank(l) << ": " << wrong << " bytes wrong over "
+                           << replays << " replays of " << bytes << " bytes";
+    EXPECT_EQ(f.heap->errorMessage(l), "") << "rank " << f.heap->rank(l);
+    cudaGraphExecDestroy(execs[static_cast<size_t>(l)]);
+  }
+  f.heap->comm().barrier();
+}
+
+}  // namespace graphep::test

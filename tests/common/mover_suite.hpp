@@ -1,0 +1,31 @@
+// Data-mover test bodies shared by every configuration (emulated ranks on one GPU, 2 GPUs in one
+// process, one process per GPU). Each rank sends to rank+1 and receives from rank-1 (a ring step;
+// with 2 ranks, a bidirectional exchange), or only rank 0 -> rank 1 (unidirectional). Data is
+// generated and checked on the device; destinations are poisoned first; every byte is compared.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include <graphep/comm.hpp>
+
+namespace graphep::test {
+
+struct SendRecvCase {
+  std::size_t bytes;
+  bool zeroCopy = false;
+  bool unidirectional = false;
+  int numChannels = 0;  // 0: adaptive
+};
+
+// Runs every case once (eagerly), counting wrong bytes per rank; EXPECTs zero.
+void runSendRecvCases(Communicator& comm, const std::vector<SendRecvCase>& cases,
+                      std::size_t slotBytes = std::size_t{64} << 10);
+
+// Captures one sendRecv of `bytes` per rank and replays it `replays` times, refilling the source
+// with a new seed and poisoning the destination before each replay (outside the graph), and
+// counting wrong bytes after each replay on the device. EXPECTs zero over all replays.
+void runSendRecvReplays(Communicator& comm, std::size_t bytes, int replays, bool zeroCopy);
+
+}  // namespace graphep::test

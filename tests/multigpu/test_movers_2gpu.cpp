@@ -1,0 +1,27 @@
+// sendrecv on 2 GPUs in one process (NVLink peers), sizes up to 1 GiB.
+#include <gtest/gtest.h>
+
+#include <graphep/graphep.hpp>
+
+#include "common/gpu_env.hpp"
+#include "common/mover_cases.hpp"
+#include "common/mover_suite.hpp"
+
+namespace graphep::test {
+namespace {
+
+TEST(Gpu2_SendRecv, LocalGroupUpTo1GiB) {
+  GRAPHEP_REQUIRE_GPUS(2);
+  auto comm = createLocalGroup({0, 1});
+  runSendRecvCases(*comm, standardSendRecvCases(std::size_t{1} << 30));
+}
+
+TEST(Gpu2_SendRecv, GraphReplaysStagedAndZeroCopy) {
+  GRAPHEP_REQUIRE_GPUS(2);
+  auto comm = createLocalGroup({0, 1});
+  runSendRecvReplays(*comm, std::size_t{1} << 20, 1000, false);
+  runSendRecvReplays(*comm, (std::size_t{1} << 20) + 3, 1000, true);
+}
+
+}  // namespace
+}  // namespace graphep::test
