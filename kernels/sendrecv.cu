@@ -18,17 +18,26 @@ __device__ std::uint32_t numChunks(std::uint64_t bytes, std::uint32_t slotBytes)
   return static_cast<std::uint32_t>((bytes + slotBytes - 1) / slotBytes);
 }
 
+// Zero-copy launches take at least one step even when empty, so each launch has its own ready
+// value (see sendRole).
+__device__ std::uint32_t zeroCopySteps(std::uint64_t bytes, std::uint32_t slotBytes) {
+  const std::uint32_t n = numChunks(bytes, slotBytes);
+  return n > 0 ? n : 1u;
+}
+
 __device__ void sendRole(const SendRecvParams& p, std::uint32_t c, int tid, int nthreads,
                          int* abortFlag) {
   std::uint64_t begin, end;
   channelRange(p.sendBytes, p.numChannels, c, &begin, &end);
-  const std::uint32_t n = numChunks(end - begin, p.slotBytes);
   const std::uint32_t step0 = p.sendStep[c];
   if (p.sendDirect != nullptr) {
-    // Zero-copy: wait until the receiver has started this launch (its destination is free), then
-    // write the whole range and publish the final step once.
+    // Zero-copy: every launch advances the steps by at least one, so "ready >= step0 + 1" is
+    // posted by this launch's receiver and by nothing earlier (not even the initial value): the
+    // destination is written only after the receiver's stream finished with it.
+    const std::uint32_t n = zeroCopySteps(end - begin, p.slotBytes);
     if (tid == 0) {
-      *abortFlag = flagWait(p.sync, p.sendReady + c, step0, p.sendPeer, WaitSite::kMoverReady) ? 0 : 1;
+      *abortFlag =
+          flagWait(p.sync, p.sendReady + c, step0 + 1u, p.sendPeer, WaitSite::kMoverReady) ? 0 : 1;
     }
     roleBarrier(kSendBarrier, nthreads);
     if (*abortFlag) return;
@@ -40,6 +49,7 @@ __device__ void sendRole(const SendRecvParams& p, std::uint32_t c, int tid, int 
     }
     return;
   }
+  const std::uint32_t n = numChunks(end - begin, p.slotBytes);
   char* slots = p.sendStaging + static_cast<std::uint64_t>(c) * p.numSlots * p.slotBytes;
   for (std::uint32_t k = 0; k < n; ++k) {
     const std::uint32_t s = step0 + k;
@@ -67,12 +77,12 @@ __device__ void recvRole(const SendRecvParams& p, std::uint32_t c, int tid, int 
                          int* abortFlag) {
   std::uint64_t begin, end;
   channelRange(p.recvBytes, p.numChannels, c, &begin, &end);
-  const std::uint32_t n = numChunks(end - begin, p.slotBytes);
   const std::uint32_t step0 = p.recvStep[c];
   if (p.recvDirect) {
+    const std::uint32_t n = zeroCopySteps(end - begin, p.slotBytes);
     if (tid == 0) {
       // Everything this stream ran before is done with dst: the sender may overwrite it.
-      flagPost(p.recvReady + c, step0);
+      flagPost(p.recvReady + c, step0 + 1u);
       const bool ok = flagWait(p.sync, p.recvHead + c, step0 + n, p.recvPeer, WaitSite::kMoverData);
       // No slot was used: keep the tail in step for later staged launches on this channel.
       if (ok) flagPost(p.recvTail + c, step0 + n);
@@ -80,6 +90,7 @@ __device__ void recvRole(const SendRecvParams& p, std::uint32_t c, int tid, int 
     }
     return;
   }
+  const std::uint32_t n = numChunks(end - begin, p.slotBytes);
   const char* slots = p.recvStaging + static_cast<std::uint64_t>(c) * p.numSlots * p.slotBytes;
   for (std::uint32_t k = 0; k < n; ++k) {
     const std::uint32_t s = step0 + k;

@@ -35,6 +35,7 @@ struct Fixture {
     heap = SymmetricHeap::create(comm, cfg);
     for (int l = 0; l < heap->numLocalRanks(); ++l) {
       GRAPHEP_CUDA_CHECK(cudaSetDevice(heap->device(l)));
+      GRAPHEP_CUDA_CHECK(preloadTestKernels());
       movers.emplace_back(*heap, l);
       RankBuffers b;
       GRAPHEP_CUDA_CHECK(cudaMalloc(&b.src, maxBytes + kSlack));

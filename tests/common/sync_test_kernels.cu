@@ -72,6 +72,18 @@ cudaError_t launchFillPattern(void* dst, std::size_t bytes, std::uint64_t seed, 
   return cudaGetLastError();
 }
 
+cudaError_t preloadTestKernels() {
+  cudaFuncAttributes a{};
+  for (const void* fn : {reinterpret_cast<const void*>(fillPatternKernel),
+                         reinterpret_cast<const void*>(countMismatchKernel),
+                         reinterpret_cast<const void*>(copyWordsKernel),
+                         reinterpret_cast<const void*>(waitForPeerKernel)}) {
+    cudaError_t e = cudaFuncGetAttributes(&a, fn);
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
 cudaError_t launchCountMismatches(const void* p, std::size_t bytes, std::uint64_t seed, int rank,
                                   unsigned long long* wrong, cudaStream_t stream) {
   if (bytes == 0) return cudaSuccess;

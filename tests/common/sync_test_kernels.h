@@ -27,6 +27,11 @@ namespace graphep::test {
 // checked on the device.
 cudaError_t launchFillPattern(void* dst, std::size_t bytes, std::uint64_t seed, int rank,
                               cudaStream_t stream);
+// Loads the test kernels on the current device. Call at setup: under lazy module loading a
+// kernel's first launch, queued while another rank's spinning kernel waits for a launch this
+// thread has not made yet, stalls until that wait times out (seen with 4 emulated ranks).
+cudaError_t preloadTestKernels();
+
 // Adds to *wrong the number of bytes of p that differ from rank's pattern for seed.
 cudaError_t launchCountMismatches(const void* p, std::size_t bytes, std::uint64_t seed, int rank,
                                   unsigned long long* wrong, cudaStream_t stream);
