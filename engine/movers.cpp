@@ -106,6 +106,21 @@ SendRecvParams Movers::params(const SendRecvArgs& a) const {
                       a.dst, a.recvBytes);
       p.recvDirect = 1;
     }
+    p.consume = a.consume;
+    if (a.consume != Consume::kCopy) {
+      GRAPHEP_REQUIRE(a.consume == Consume::kAddF32 || a.consume == Consume::kAddBf16,
+                      Status::kInvalidArgument, "sendRecv: consume=%u is not a known reduction",
+                      static_cast<unsigned>(a.consume));
+      GRAPHEP_REQUIRE(!a.recvZeroCopy, Status::kInvalidArgument,
+                      "sendRecv: a reducing receive cannot be zero-copy");
+      const std::uint32_t elem = consumeElemBytes(a.consume);
+      GRAPHEP_REQUIRE(a.recvBytes % elem == 0, Status::kInvalidArgument,
+                      "sendRecv: recvBytes=%zu is not a multiple of the %u-byte element",
+                      a.recvBytes, elem);
+      GRAPHEP_REQUIRE(a.recvBytes == 0 || a.addend != nullptr, Status::kInvalidArgument,
+                      "sendRecv: a reducing receive of %zu bytes needs an addend", a.recvBytes);
+      p.recvAddend = static_cast<const char*>(a.addend);
+    }
     p.recvStaging = mine + L.staging + chPeer * cfg.moverSlots * cfg.moverSlotBytes;
     p.recvHead = u32(mine, L.moverHead) + chPeer;
     p.recvTail = u32(peer, L.moverTail) + ch;
@@ -113,6 +128,85 @@ SendRecvParams Movers::params(const SendRecvArgs& a) const {
     p.recvStep = u32(mine, L.moverRecvStep) + chPeer;
   }
   return p;
+}
+
+void Movers::allGatherRing(cudaStream_t stream, const void* in, void* out,
+                           std::size_t chunkBytes, bool zeroCopy) const {
+  const int R = heap_->worldSize();
+  const int me = heap_->rank(local_);
+  char* o = static_cast<char*>(out);
+  GRAPHEP_REQUIRE(chunkBytes == 0 || (in != nullptr && out != nullptr), Status::kInvalidArgument,
+                  "allGatherRing: null buffer with chunkBytes=%zu", chunkBytes);
+  long long outOffset = -1;
+  if (zeroCopy) {
+    const char* user = heap_->user(local_);
+    GRAPHEP_REQUIRE(o >= user && o + chunkBytes * R <= user + heap_->config().userBytes,
+                    Status::kInvalidArgument,
+                    "allGatherRing: zero-copy out [%p, +%zu) is not inside the user region", out,
+                    chunkBytes * R);
+    outOffset = o - user;
+  }
+  char* mine = o + chunkBytes * static_cast<std::size_t>(me);
+  if (in != mine && chunkBytes > 0) {
+    GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(mine, in, chunkBytes, cudaMemcpyDeviceToDevice, stream));
+  }
+  const int next = (me + 1) % R, prev = (me + R - 1) % R;
+  for (int k = 0; k < R - 1; ++k) {
+    const std::size_t js = static_cast<std::size_t>((me - k + R) % R);
+    const std::size_t jr = static_cast<std::size_t>((me - k - 1 + 2 * R) % R);
+    SendRecvArgs a;
+    a.sendPeer = next;
+    a.src = o + js * chunkBytes;
+    a.sendBytes = chunkBytes;
+    a.recvPeer = prev;
+    a.dst = o + jr * chunkBytes;
+    a.recvBytes = chunkBytes;
+    if (zeroCopy) {
+      a.sendToUserOffset = outOffset + static_cast<long long>(js * chunkBytes);
+      a.recvZeroCopy = true;
+    }
+    sendRecv(stream, a);  // stream order: step k+1 forwards what step k received
+  }
+}
+
+void Movers::reduceScatterRing(cudaStream_t stream, const void* in, void* out, void* scratch,
+                               std::size_t count, Consume addKind) const {
+  GRAPHEP_REQUIRE(addKind == Consume::kAddF32 || addKind == Consume::kAddBf16,
+                  Status::kInvalidArgument,
+                  "reduceScatterRing: consume=%u is not a reduction (kAddF32 or kAddBf16)",
+                  static_cast<unsigned>(addKind));
+  const int R = heap_->worldSize();
+  const int me = heap_->rank(local_);
+  const std::size_t chunk = count * consumeElemBytes(addKind);
+  const char* input = static_cast<const char*>(in);
+  GRAPHEP_REQUIRE(count == 0 || (in != nullptr && out != nullptr && (R == 1 || scratch != nullptr)),
+                  Status::kInvalidArgument, "reduceScatterRing: null buffer with count=%zu", count);
+  GRAPHEP_REQUIRE(scratch != out && scratch != in, Status::kInvalidArgument,
+                  "reduceScatterRing: scratch must not alias in or out");
+  if (R == 1) {
+    if (chunk > 0 && in != out) {
+      GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(out, in, chunk, cudaMemcpyDeviceToDevice, stream));
+    }
+    return;
+  }
+  const int next = (me + 1) % R, prev = (me + R - 1) % R;
+  // Step k receives chunk jr = me-2-k, adds this rank's input of jr, and stores the partial in
+  // B_k; step k+1 sends B_k on. B alternates so the last step (k = R-2, jr = me) lands in out.
+  auto partial = [&](int k) { return ((R - 2 - k) % 2 == 0) ? static_cast<char*>(out) : static_cast<char*>(scratch); };
+  for (int k = 0; k < R - 1; ++k) {
+    const std::size_t js = static_cast<std::size_t>(((me - 1 - k) % R + R) % R);
+    const std::size_t jr = static_cast<std::size_t>(((me - 2 - k) % R + R) % R);
+    SendRecvArgs a;
+    a.sendPeer = next;
+    a.src = k == 0 ? input + js * chunk : partial(k - 1);
+    a.sendBytes = chunk;
+    a.recvPeer = prev;
+    a.dst = partial(k);
+    a.recvBytes = chunk;
+    a.consume = addKind;
+    a.addend = input + jr * chunk;
+    sendRecv(stream, a);
+  }
 }
 
 void Movers::sendRecv(cudaStream_t stream, const SendRecvArgs& args) const {

@@ -24,6 +24,9 @@ struct SendRecvArgs {
   void* dst = nullptr;
   std::size_t recvBytes = 0;
   bool recvZeroCopy = false;      // recvPeer writes into dst directly (dst in the user region)
+  // Reduce on arrival: dst = received + addend (fp32 or bf16, summed in fp32). Staged only.
+  Consume consume = Consume::kCopy;
+  const void* addend = nullptr;
 
   int numChannels = 0;            // 0: chosen from the size (fewer, larger steps when small)
 };
@@ -39,6 +42,19 @@ class Movers {
   // The channel count used for `bytes` when the caller passes 0: about one channel per 256 KiB,
   // capped by the heap's moverBlocks.
   int channelsFor(std::size_t bytes) const;
+
+  // Ring all-gather over every rank (send to rank+1, receive from rank-1; R-1 sendRecv steps):
+  // out holds R chunks of chunkBytes and ends with chunk q = rank q's `in`. `in` may alias
+  // out + rank * chunkBytes. zeroCopy: out lies at the same offset of every rank's user region
+  // and chunks are written straight into the next rank's out. Capturable; collective.
+  void allGatherRing(cudaStream_t stream, const void* in, void* out, std::size_t chunkBytes,
+                     bool zeroCopy = false) const;
+
+  // Ring reduce-scatter (sum) over every rank: `in` holds R chunks of `count` elements; out gets
+  // chunk `rank` summed over all ranks (fp32 accumulation per step). scratch: `count` elements,
+  // distinct from in and out. Capturable; collective.
+  void reduceScatterRing(cudaStream_t stream, const void* in, void* out, void* scratch,
+                         std::size_t count, Consume addKind) const;
 
   SendRecvParams params(const SendRecvArgs& args) const;
 

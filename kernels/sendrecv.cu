@@ -73,6 +73,21 @@ __device__ void sendRole(const SendRecvParams& p, std::uint32_t c, int tid, int 
   if (tid == 0) p.sendStep[c] = step0 + n;
 }
 
+// The consume hook: what the receiver does with one chunk (slot -> dst at `off`).
+template <Consume kConsume>
+__device__ __forceinline__ void consumeChunk(const SendRecvParams& p, const char* slot,
+                                             std::uint64_t off, std::uint64_t len, int tid,
+                                             int nthreads) {
+  if constexpr (kConsume == Consume::kCopy) {
+    copyBytes<LoadKind::kCacheGlobal>(p.dst + off, slot, len, tid, nthreads);
+  } else if constexpr (kConsume == Consume::kAddF32) {
+    addElems<float>(p.dst + off, slot, p.recvAddend + off, len, tid, nthreads);
+  } else {
+    addElems<__nv_bfloat16>(p.dst + off, slot, p.recvAddend + off, len, tid, nthreads);
+  }
+}
+
+template <Consume kConsume>
 __device__ void recvRole(const SendRecvParams& p, std::uint32_t c, int tid, int nthreads,
                          int* abortFlag) {
   std::uint64_t begin, end;
@@ -102,9 +117,8 @@ __device__ void recvRole(const SendRecvParams& p, std::uint32_t c, int tid, int 
     if (*abortFlag) return;
     const std::uint64_t off = begin + static_cast<std::uint64_t>(k) * p.slotBytes;
     const std::uint64_t len = end - off < p.slotBytes ? end - off : p.slotBytes;
-    copyBytes<LoadKind::kCacheGlobal>(
-        p.dst + off, slots + static_cast<std::uint64_t>(s & (p.numSlots - 1)) * p.slotBytes, len,
-        tid, nthreads);
+    consumeChunk<kConsume>(p, slots + static_cast<std::uint64_t>(s & (p.numSlots - 1)) * p.slotBytes,
+                           off, len, tid, nthreads);
     // All reads of the slot precede the barrier; the fence in flagPost orders them before the
     // release that hands the slot back to the sender.
     roleBarrier(kRecvBarrier, nthreads);
@@ -113,6 +127,7 @@ __device__ void recvRole(const SendRecvParams& p, std::uint32_t c, int tid, int 
   if (tid == 0) p.recvStep[c] = step0 + n;
 }
 
+template <Consume kConsume>
 __global__ void __launch_bounds__(2 * kMaxWarpsPerRole * 32)
     sendRecvKernel(const __grid_constant__ SendRecvParams p) {
   __shared__ int abortFlag[2];
@@ -121,7 +136,9 @@ __global__ void __launch_bounds__(2 * kMaxWarpsPerRole * 32)
   if (t < roleThreads) {
     if (p.sendPeer >= 0) sendRole(p, blockIdx.x, t, roleThreads, &abortFlag[0]);
   } else if (t < 2 * roleThreads) {
-    if (p.recvPeer >= 0) recvRole(p, blockIdx.x, t - roleThreads, roleThreads, &abortFlag[1]);
+    if (p.recvPeer >= 0) {
+      recvRole<kConsume>(p, blockIdx.x, t - roleThreads, roleThreads, &abortFlag[1]);
+    }
   }
 }
 
@@ -133,13 +150,32 @@ cudaError_t launchSendRecv(const SendRecvParams& p, cudaStream_t stream) {
       p.slotBytes % 16 != 0) {
     return cudaErrorInvalidValue;
   }
-  sendRecvKernel<<<p.numChannels, 2 * p.warpsPerRole * 32, 0, stream>>>(p);
+  const dim3 grid(p.numChannels), block(2 * p.warpsPerRole * 32);
+  switch (p.consume) {
+    case Consume::kCopy:
+      sendRecvKernel<Consume::kCopy><<<grid, block, 0, stream>>>(p);
+      break;
+    case Consume::kAddF32:
+      sendRecvKernel<Consume::kAddF32><<<grid, block, 0, stream>>>(p);
+      break;
+    case Consume::kAddBf16:
+      sendRecvKernel<Consume::kAddBf16><<<grid, block, 0, stream>>>(p);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
   return cudaGetLastError();
 }
 
 cudaError_t preloadSendRecvKernels() {
   cudaFuncAttributes a{};
-  return cudaFuncGetAttributes(&a, sendRecvKernel);
+  for (const void* fn : {reinterpret_cast<const void*>(sendRecvKernel<Consume::kCopy>),
+                         reinterpret_cast<const void*>(sendRecvKernel<Consume::kAddF32>),
+                         reinterpret_cast<const void*>(sendRecvKernel<Consume::kAddBf16>)}) {
+    const cudaError_t e = cudaFuncGetAttributes(&a, fn);
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
 }
 
 }  // namespace graphep

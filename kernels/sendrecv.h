@@ -22,6 +22,15 @@ namespace graphep {
 
 inline constexpr int kMaxWarpsPerRole = 8;
 
+// What the receiver does with each arriving chunk (the consume hook). Reductions read `addend` at
+// the same offset as dst and write dst = chunk + addend, accumulating in fp32.
+enum class Consume : std::uint32_t { kCopy = 0, kAddF32 = 1, kAddBf16 = 2 };
+
+// Element size of a consume kind (1 for copies).
+__host__ __device__ inline std::uint32_t consumeElemBytes(Consume c) {
+  return c == Consume::kAddF32 ? 4u : (c == Consume::kAddBf16 ? 2u : 1u);
+}
+
 // Bytes of `bytes` that channel `b` of `numChannels` moves: contiguous, 16-byte-aligned splits.
 __host__ __device__ inline void channelRange(std::uint64_t bytes, std::uint32_t numChannels,
                                              std::uint32_t b, std::uint64_t* begin,
@@ -56,6 +65,8 @@ struct SendRecvParams {
   char* dst;
   std::uint64_t recvBytes;
   std::int32_t recvDirect;         // zero-copy: recvPeer writes into dst itself
+  Consume consume;                 // copy, or reduce with recvAddend (staged only)
+  const char* recvAddend;          // reductions: this rank's operand, same layout as dst
   const char* recvStaging;         // this rank's staging for source = recvPeer
   const std::uint32_t* recvHead;   // this rank's head flags from recvPeer: [channel]
   std::uint32_t* recvTail;         // recvPeer's tail flags for this rank: [channel]

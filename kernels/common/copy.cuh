@@ -4,6 +4,8 @@
 // kLoadCg selects ld.global.cg for them.
 #pragma once
 
+#include <cuda_bf16.h>
+
 #include <cstdint>
 
 namespace graphep {
@@ -54,6 +56,48 @@ __device__ __forceinline__ void copyBytes(void* dstPtr, const void* srcPtr, std:
   for (std::uint64_t j = vecBytes + static_cast<std::uint64_t>(tid); j < bytes;
        j += static_cast<std::uint64_t>(nthreads)) {
     dst[j] = loadByte<kLoad>(src + j);
+  }
+}
+
+// dst = a + b elementwise for fp32 (T = float) or bf16 (T = __nv_bfloat16, summed in fp32 and
+// rounded once). `a` is loaded with ld.global.cg (staging written by a peer). Byte counts are
+// whole elements; 16-byte vectors when all three pointers allow it.
+template <class T>
+__device__ __forceinline__ void addElems(void* dstPtr, const void* aPtr, const void* bPtr,
+                                         std::uint64_t bytes, int tid, int nthreads) {
+  const std::uint64_t n = bytes / sizeof(T);
+  auto* dst = static_cast<T*>(dstPtr);
+  const auto* a = static_cast<const T*>(aPtr);
+  const auto* b = static_cast<const T*>(bPtr);
+  std::uint64_t done = 0;
+  if (((reinterpret_cast<std::uintptr_t>(dst) | reinterpret_cast<std::uintptr_t>(a) |
+        reinterpret_cast<std::uintptr_t>(b)) & 15u) == 0) {
+    constexpr int kPer = 16 / sizeof(T);
+    const std::uint64_t nvec = n / kPer;
+    for (std::uint64_t i = static_cast<std::uint64_t>(tid); i < nvec;
+         i += static_cast<std::uint64_t>(nthreads)) {
+      const uint4 va = __ldcg(reinterpret_cast<const uint4*>(a) + i);
+      const uint4 vb = reinterpret_cast<const uint4*>(b)[i];
+      uint4 out;
+      const T* ea = reinterpret_cast<const T*>(&va);
+      const T* eb = reinterpret_cast<const T*>(&vb);
+      T* eo = reinterpret_cast<T*>(&out);
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) eo[k] = T(static_cast<float>(ea[k]) + static_cast<float>(eb[k]));
+      reinterpret_cast<uint4*>(dst)[i] = out;
+    }
+    done = nvec * kPer;
+  }
+  for (std::uint64_t i = done + static_cast<std::uint64_t>(tid); i < n;
+       i += static_cast<std::uint64_t>(nthreads)) {
+    T va;
+    if constexpr (sizeof(T) == 4) {
+      va = __ldcg(reinterpret_cast<const float*>(a) + i);
+    } else {
+      const unsigned short raw = __ldcg(reinterpret_cast<const unsigned short*>(a) + i);
+      va = *reinterpret_cast<const T*>(&raw);
+    }
+    dst[i] = T(static_cast<float>(va) + static_cast<float>(b[i]));
   }
 }
 

@@ -197,4 +197,124 @@ void runSendRecvReplays(Communicator& comm, std::size_t bytes, int replays, bool
   f.heap->comm().barrier();
 }
 
+namespace {
+
+// Runs `enqueue` once per rank per run: eagerly when replays == 1, else captured once and
+// replayed. Before each run `prepare(l, stream, seed)` refreshes inputs (outside any graph); after
+// each run `check(l, stream, seed)` counts wrong results on the device.
+template <class Enqueue, class Prepare, class Check>
+void runChecked(Fixture& f, int replays, Enqueue enqueue, Prepare prepare, Check check) {
+  const int L = f.heap->numLocalRanks();
+  std::vector<cudaGraphExec_t> execs;
+  SymmetricHeap::Pin pin;
+  for (int l = 0; l < L; ++l) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+    GRAPHEP_CUDA_CHECK(cudaMemset(f.bufs[static_cast<size_t>(l)].wrong, 0, sizeof(unsigned long long)));
+  }
+  if (replays > 1) {
+    for (int l = 0; l < L; ++l) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+      cudaStream_t s = f.bufs[static_cast<size_t>(l)].stream;
+      GRAPHEP_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+      enqueue(l, s);
+      cudaGraph_t g;
+      GRAPHEP_CUDA_CHECK(cudaStreamEndCapture(s, &g));
+      cudaGraphExec_t e;
+      GRAPHEP_CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
+      GRAPHEP_CUDA_CHECK(cudaGraphDestroy(g));
+      execs.push_back(e);
+    }
+    pin = f.heap->pin();
+  }
+  f.syncAll();
+  for (int i = 0; i < replays; ++i) {
+    const std::uint64_t seed = 4242 + static_cast<std::uint64_t>(i) * 977;
+    for (int l = 0; l < L; ++l) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+      cudaStream_t s = f.bufs[static_cast<size_t>(l)].stream;
+      prepare(l, s, seed);
+      if (replays > 1) {
+        GRAPHEP_CUDA_CHECK(cudaGraphLaunch(execs[static_cast<size_t>(l)], s));
+      } else {
+        enqueue(l, s);
+      }
+      check(l, s, seed);
+    }
+  }
+  f.syncAll();
+  for (int l = 0; l < L; ++l) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+    unsigned long long wrong = 0;
+    GRAPHEP_CUDA_CHECK(cudaMemcpy(&wrong, f.bufs[static_cast<size_t>(l)].wrong, sizeof(wrong),
+                                  cudaMemcpyDeviceToHost));
+    EXPECT_EQ(wrong, 0ull) << "rank " << f.heap->rank(l) << ": " << wrong << " wrong over "
+                           << replays << " run(s)";
+    EXPECT_EQ(f.heap->errorMessage(l), "") << "rank " << f.heap->rank(l);
+    if (!execs.empty()) cudaGraphExecDestroy(execs[static_cast<size_t>(l)]);
+  }
+  f.heap->comm().barrier();
+}
+
+}  // namespace
+
+void runAllGatherRing(Communicator& comm, std::size_t chunkBytes, bool zeroCopy, int replays) {
+  const int R = comm.worldSize();
+  const std::size_t total = chunkBytes * static_cast<std::size_t>(R);
+  Fixture f(comm, total, std::size_t{64} << 10, kNearWrap);
+  auto out = [&](int l) { return zeroCopy ? f.heap->user(l) : f.bufs[static_cast<size_t>(l)].dst; };
+  runChecked(
+      f, replays,
+      [&](int l, cudaStream_t s) {
+        f.movers[static_cast<size_t>(l)].allGatherRing(s, f.bufs[static_cast<size_t>(l)].src, out(l),
+                                                       chunkBytes, zeroCopy);
+      },
+      [&](int l, cudaStream_t s, std::uint64_t seed) {
+        GRAPHEP_CUDA_CHECK(launchFillPattern(f.bufs[static_cast<size_t>(l)].src, chunkBytes, seed,
+                                             f.heap->rank(l), s));
+        GRAPHEP_CUDA_CHECK(cudaMemsetAsync(out(l), kPoison, total, s));
+      },
+      [&](int l, cudaStream_t s, std::uint64_t seed) {
+        for (int q = 0; q < R; ++q) {
+          GRAPHEP_CUDA_CHECK(launchCountMismatches(out(l) + chunkBytes * static_cast<std::size_t>(q),
+                                                   chunkBytes, seed, q,
+                                                   f.bufs[static_cast<size_t>(l)].wrong, s));
+        }
+      });
+}
+
+void runReduceScatterRing(Communicator& comm, std::size_t count, bool bf16, int replays) {
+  const int R = comm.worldSize();
+  const std::size_t elem = bf16 ? 2 : 4;
+  const std::size_t chunk = count * elem;
+  Fixture f(comm, chunk * static_cast<std::size_t>(R), std::size_t{64} << 10, kNearWrap);
+  std::vector<char*> scratch(static_cast<size_t>(f.heap->numLocalRanks()));
+  for (int l = 0; l < f.heap->numLocalRanks(); ++l) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&scratch[static_cast<size_t>(l)], chunk + 16));
+  }
+  const Consume kind = bf16 ? Consume::kAddBf16 : Consume::kAddF32;
+  runChecked(
+      f, replays,
+      [&](int l, cudaStream_t s) {
+        f.movers[static_cast<size_t>(l)].reduceScatterRing(s, f.bufs[static_cast<size_t>(l)].src,
+                                                           f.bufs[static_cast<size_t>(l)].dst,
+                                                           scratch[static_cast<size_t>(l)], count,
+                                                           kind);
+      },
+      [&](int l, cudaStream_t s, std::uint64_t seed) {
+        GRAPHEP_CUDA_CHECK(launchFillElems(f.bufs[static_cast<size_t>(l)].src, count * R, bf16, seed,
+                                           f.heap->rank(l), s));
+        GRAPHEP_CUDA_CHECK(cudaMemsetAsync(f.bufs[static_cast<size_t>(l)].dst, kPoison, chunk, s));
+      },
+      [&](int l, cudaStream_t s, std::uint64_t seed) {
+        GRAPHEP_CUDA_CHECK(launchCountSumMismatches(f.bufs[static_cast<size_t>(l)].dst, count, bf16,
+                                                    seed, R, count * f.heap->rank(l),
+                                                    f.bufs[static_cast<size_t>(l)].wrong, s));
+      });
+  for (int l = 0; l < f.heap->numLocalRanks(); ++l) {
+    cudaSetDevice(f.heap->device(l));
+    cudaFree(scratch[static_cast<size_t>(l)]);
+  }
+}
+
 }  // namespace graphep::test

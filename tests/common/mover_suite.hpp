@@ -28,4 +28,13 @@ void runSendRecvCases(Communicator& comm, const std::vector<SendRecvCase>& cases
 // counting wrong bytes after each replay on the device. EXPECTs zero over all replays.
 void runSendRecvReplays(Communicator& comm, std::size_t bytes, int replays, bool zeroCopy);
 
+// Ring all-gather of `chunkBytes` per rank (staged or zero-copy into the user region). With
+// replays > 1 the R-1 steps are captured once per rank and replayed with fresh data each time;
+// every chunk on every rank is checked after every run.
+void runAllGatherRing(Communicator& comm, std::size_t chunkBytes, bool zeroCopy, int replays);
+
+// Ring reduce-scatter (sum) of `count` elements per rank, fp32 or bf16, checked bit for bit
+// (inputs are chosen so every partial sum is exact). replays as above.
+void runReduceScatterRing(Communicator& comm, std::size_t count, bool bf16, int replays);
+
 }  // namespace graphep::test

@@ -37,3 +37,17 @@ cudaError_t launchCountMismatches(const void* p, std::size_t bytes, std::uint64_
                                   unsigned long long* wrong, cudaStream_t stream);
 
 }  // namespace graphep::test
+
+namespace graphep::test {
+
+// Element i of rank's input: small integers (bf16) or multiples of 1/64 (fp32), so sums over up to
+// 32 ranks are exact in both types and reductions can be checked bit for bit.
+cudaError_t launchFillElems(void* dst, std::size_t count, bool bf16, std::uint64_t seed, int rank,
+                            cudaStream_t stream);
+// Adds to *wrong the elements of out[0, count) that differ from sum over ranks s < numRanks of
+// element (firstIndex + i) of rank s's input.
+cudaError_t launchCountSumMismatches(const void* out, std::size_t count, bool bf16,
+                                     std::uint64_t seed, int numRanks, std::size_t firstIndex,
+                                     unsigned long long* wrong, cudaStream_t stream);
+
+}  // namespace graphep::test

@@ -1,6 +1,9 @@
 // sendrecv on one GPU with 4 and 8 emulated ranks.
 #include <gtest/gtest.h>
 
+#include <string>
+#include <vector>
+
 #include <graphep/graphep.hpp>
 
 #include "common/gpu_env.hpp"
@@ -27,6 +30,34 @@ TEST(Gpu1_SendRecv, GraphReplaysStagedAndZeroCopy) {
   auto comm = createLocalGroup({0, 0, 0, 0});
   runSendRecvReplays(*comm, std::size_t{1} << 20, 1000, /*zeroCopy=*/false);
   runSendRecvReplays(*comm, (std::size_t{1} << 20) + 3, 1000, /*zeroCopy=*/true);
+}
+
+TEST(Gpu1_Ring, AllGatherEmulatedRanks) {
+  GRAPHEP_REQUIRE_GPUS(1);
+  for (int ranks : {4, 8}) {
+    auto comm = createLocalGroup(std::vector<int>(static_cast<size_t>(ranks), 0));
+    for (std::size_t chunk : {std::size_t{0}, std::size_t{3}, std::size_t{4095},
+                              std::size_t{1} << 20}) {
+      SCOPED_TRACE("ranks=" + std::to_string(ranks) + " chunk=" + std::to_string(chunk));
+      runAllGatherRing(*comm, chunk, false, 1);
+      runAllGatherRing(*comm, chunk, true, 1);
+    }
+    runAllGatherRing(*comm, (std::size_t{256} << 10) + 16, true, 100);
+  }
+}
+
+TEST(Gpu1_Ring, ReduceScatterEmulatedRanks) {
+  GRAPHEP_REQUIRE_GPUS(1);
+  for (int ranks : {4, 8}) {
+    auto comm = createLocalGroup(std::vector<int>(static_cast<size_t>(ranks), 0));
+    for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{1001},
+                              std::size_t{1} << 18}) {
+      SCOPED_TRACE("ranks=" + std::to_string(ranks) + " count=" + std::to_string(count));
+      runReduceScatterRing(*comm, count, false, 1);
+      runReduceScatterRing(*comm, count, true, 1);
+    }
+    runReduceScatterRing(*comm, 65536 + 7, true, 100);
+  }
 }
 
 }  // namespace

@@ -23,5 +23,20 @@ TEST(Gpu2_SendRecv, GraphReplaysStagedAndZeroCopy) {
   runSendRecvReplays(*comm, (std::size_t{1} << 20) + 3, 1000, true);
 }
 
+TEST(Gpu2_Ring, AllGatherAndReduceScatter) {
+  GRAPHEP_REQUIRE_GPUS(2);
+  auto comm = createLocalGroup({0, 1});
+  for (std::size_t chunk : {std::size_t{1}, std::size_t{4095}, std::size_t{64} << 20}) {
+    runAllGatherRing(*comm, chunk, false, 1);
+    runAllGatherRing(*comm, chunk, true, 1);
+  }
+  runAllGatherRing(*comm, std::size_t{1} << 20, true, 1000);
+  for (std::size_t count : {std::size_t{1}, std::size_t{1001}, std::size_t{16} << 20}) {
+    runReduceScatterRing(*comm, count, false, 1);
+    runReduceScatterRing(*comm, count, true, 1);
+  }
+  runReduceScatterRing(*comm, (std::size_t{1} << 18) + 3, false, 1000);
+}
+
 }  // namespace
 }  // namespace graphep::test
