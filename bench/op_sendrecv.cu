@@ -55,7 +55,7 @@ std::vector<Row> runSendRecv(const Options& o, Ranks& r) {
   cfg.userBytes = o.maxBytes;
   cfg.moverSlotBytes = std::size_t{64} << 10;
   auto heap = SymmetricHeap::create(*r.comm, cfg);
-  std::vector<Movers> movers{Movers(*heap, 0), Movers(*heap, 1)};
+  std::vector<Movers> movers = Movers::createAll(*heap);
   std::vector<char*> src(2), dst(2);
   unsigned long long* wrong[2];
   unsigned salt[2] = {0x1234u, 0xbeefu};

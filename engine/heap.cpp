@@ -234,6 +234,29 @@ void SymmetricHeap::build() {
                        f.sameProcess ? " (same process)" : "");
     }
   }
+  // Every pair must agree on whether it has load/store access: a rank storing into a peer that
+  // expects NCCL (or the reverse) would deadlock. Mismatches come from per-process environments
+  // (GRAPHEP_FORCE_TRANSPORT set on some ranks only) or asymmetric P2P support.
+  std::vector<std::uint8_t> myRows(static_cast<size_t>(nLocal) * world);
+  for (int l = 0; l < nLocal; ++l) {
+    for (int p = 0; p < world; ++p) {
+      myRows[static_cast<size_t>(l) * world + p] =
+          isLoadStore(ranks_[static_cast<size_t>(l)].classes[static_cast<size_t>(p)]) ? 1 : 0;
+    }
+  }
+  std::vector<std::uint8_t> rows(static_cast<size_t>(world) * world);
+  comm_->allgather(myRows.data(), rows.data(), static_cast<size_t>(world));
+  for (int a = 0; a < world; ++a) {
+    for (int b = 0; b < world; ++b) {
+      GRAPHEP_REQUIRE(rows[static_cast<size_t>(a) * world + b] == rows[static_cast<size_t>(b) * world + a],
+                      Status::kInvalidArgument,
+                      "rank %d %s rank %d by load/store but rank %d %s: classification must be "
+                      "symmetric (is GRAPHEP_FORCE_TRANSPORT set on some ranks only?)",
+                      a, rows[static_cast<size_t>(a) * world + b] ? "reaches" : "does not reach", b,
+                      b, rows[static_cast<size_t>(b) * world + a] ? "reaches it" : "does not reach it");
+    }
+  }
+
   GRAPHEP_LOG_INFO(log::kHeap, "symmetric heap: %zu bytes per rank, %d local rank(s) of %d",
                    layout_.totalBytes, nLocal, world);
   // No peer may signal into an arena before its owner finished initialising it.

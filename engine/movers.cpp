@@ -13,6 +13,62 @@ Movers::Movers(const SymmetricHeap& heap, int local, int warpsPerRole)
   GRAPHEP_CUDA_CHECK(preloadSendRecvKernels());
 }
 
+std::vector<Movers> Movers::createAll(const SymmetricHeap& heap, int warpsPerRole) {
+  std::vector<Movers> all;
+  for (int l = 0; l < heap.numLocalRanks(); ++l) all.push_back(Movers(heap, l, warpsPerRole));
+  // Warm-up: one small and one large exchange with every remote peer, all local ranks in one
+  // NCCL group, outside any capture.
+  bool anyRemote = false;
+  for (int l = 0; l < heap.numLocalRanks(); ++l) {
+    for (int p = 0; p < heap.worldSize(); ++p) anyRemote |= all[static_cast<size_t>(l)].remote(p);
+  }
+  if (anyRemote) {
+    for (std::size_t bytes : {std::size_t{16}, std::size_t{1} << 20}) {
+      std::vector<void*> bufs;
+      std::vector<cudaStream_t> streams;
+      for (int l = 0; l < heap.numLocalRanks(); ++l) {
+        GRAPHEP_CUDA_CHECK(cudaSetDevice(heap.device(l)));
+        void* b = nullptr;
+        GRAPHEP_CUDA_CHECK(cudaMalloc(&b, 2 * bytes * static_cast<std::size_t>(heap.worldSize())));
+        cudaStream_t s;
+        GRAPHEP_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+        bufs.push_back(b);
+        streams.push_back(s);
+      }
+      GRAPHEP_NCCL_CHECK(ncclGroupStart());
+      for (int l = 0; l < heap.numLocalRanks(); ++l) {
+        char* b = static_cast<char*>(bufs[static_cast<size_t>(l)]);
+        for (int p = 0; p < heap.worldSize(); ++p) {
+          if (!all[static_cast<size_t>(l)].remote(p)) continue;
+          ncclComm_t c = all[static_cast<size_t>(l)].nccl(p);
+          GRAPHEP_NCCL_CHECK(ncclSend(b + 2 * bytes * p, bytes, ncclChar, p, c, streams[static_cast<size_t>(l)]));
+          GRAPHEP_NCCL_CHECK(ncclRecv(b + 2 * bytes * p + bytes, bytes, ncclChar, p, c, streams[static_cast<size_t>(l)]));
+        }
+      }
+      GRAPHEP_NCCL_CHECK(ncclGroupEnd());
+      for (int l = 0; l < heap.numLocalRanks(); ++l) {
+        GRAPHEP_CUDA_CHECK(cudaSetDevice(heap.device(l)));
+        GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(streams[static_cast<size_t>(l)]));
+        GRAPHEP_CUDA_CHECK(cudaStreamDestroy(streams[static_cast<size_t>(l)]));
+        GRAPHEP_CUDA_CHECK(cudaFree(bufs[static_cast<size_t>(l)]));
+      }
+    }
+  }
+  heap.comm().barrier();
+  return all;
+}
+
+bool Movers::remote(int peer) const { return !isLoadStore(heap_->peerClass(local_, peer)); }
+
+ncclComm_t Movers::nccl(int peer) const {
+  ncclComm_t c = heap_->comm().ncclComm(local_);
+  GRAPHEP_REQUIRE(c != nullptr, Status::kNotSupported,
+                  "rank %d reaches rank %d only as a remote peer, but its '%s' communicator has "
+                  "no NCCL communicator to carry the data",
+                  heap_->rank(local_), peer, heap_->comm().kind());
+  return c;
+}
+
 int Movers::channelsFor(std::size_t bytes) const {
   const std::size_t perChannel = std::size_t{256} << 10;
   const std::size_t want = (bytes + perChannel - 1) / perChannel;
@@ -29,12 +85,6 @@ SendRecvParams Movers::params(const SendRecvArgs& a) const {
   auto checkPeer = [&](const char* role, int peer) {
     GRAPHEP_REQUIRE(peer >= -1 && peer < R, Status::kInvalidArgument,
                     "sendRecv: %s peer %d is out of range [-1, %d)", role, peer, R);
-    if (peer >= 0) {
-      GRAPHEP_REQUIRE(isLoadStore(heap_->peerClass(local_, peer)), Status::kNotSupported,
-                      "sendRecv: rank %d reaches %s peer %d only as %s; the NCCL transport is not "
-                      "available to sendRecv yet",
-                      me, role, peer, peerClassName(heap_->peerClass(local_, peer)));
-    }
   };
   checkPeer("send", a.sendPeer);
   checkPeer("receive", a.recvPeer);
@@ -44,8 +94,13 @@ SendRecvParams Movers::params(const SendRecvArgs& a) const {
   GRAPHEP_REQUIRE(channels >= 1 && channels <= B, Status::kInvalidArgument,
                   "sendRecv: numChannels=%d is out of range [1, %d] (HeapConfig.moverBlocks)",
                   channels, B);
-  const bool needStaging = (a.sendPeer >= 0 && !sendZeroCopy && a.sendBytes > 0) ||
-                           (a.recvPeer >= 0 && !a.recvZeroCopy && a.recvBytes > 0);
+  const bool needStaging = (a.sendPeer >= 0 && !remote(a.sendPeer) && !sendZeroCopy && a.sendBytes > 0) ||
+                           (a.recvPeer >= 0 && !remote(a.recvPeer) && !a.recvZeroCopy && a.recvBytes > 0);
+  GRAPHEP_REQUIRE(a.recvPeer < 0 || !remote(a.recvPeer) || a.consume == Consume::kCopy,
+                  Status::kNotSupported,
+                  "sendRecv: a reducing receive from remote rank %d is not supported (NCCL delivers "
+                  "plain bytes)",
+                  a.recvPeer);
   GRAPHEP_REQUIRE(!needStaging || cfg.moverSlotBytes > 0, Status::kInvalidArgument,
                   "sendRecv: staged transfers need HeapConfig.moverSlotBytes > 0 (it is 0)");
   GRAPHEP_REQUIRE(cfg.moverSlotBytes <= UINT32_MAX, Status::kInvalidArgument,
@@ -63,8 +118,9 @@ SendRecvParams Movers::params(const SendRecvArgs& a) const {
   };
   char* mine = heap_->base(local_);
 
-  p.sendPeer = a.sendPeer;
-  if (a.sendPeer >= 0) {
+  // Remote roles are served by NCCL (sendRecv); the kernel sees them as disabled.
+  p.sendPeer = a.sendPeer >= 0 && !remote(a.sendPeer) ? a.sendPeer : -1;
+  if (p.sendPeer >= 0) {
     GRAPHEP_REQUIRE(a.sendBytes == 0 || a.src != nullptr, Status::kInvalidArgument,
                     "sendRecv: src is null with sendBytes=%zu", a.sendBytes);
     char* peer = heap_->peerBase(local_, a.sendPeer);
@@ -87,8 +143,8 @@ SendRecvParams Movers::params(const SendRecvArgs& a) const {
     p.sendStep = u32(mine, L.moverSendStep) + chPeer;
   }
 
-  p.recvPeer = a.recvPeer;
-  if (a.recvPeer >= 0) {
+  p.recvPeer = a.recvPeer >= 0 && !remote(a.recvPeer) ? a.recvPeer : -1;
+  if (p.recvPeer >= 0) {
     GRAPHEP_REQUIRE(a.recvBytes == 0 || a.dst != nullptr, Status::kInvalidArgument,
                     "sendRecv: dst is null with recvBytes=%zu", a.recvBytes);
     char* peer = heap_->peerBase(local_, a.recvPeer);
@@ -211,8 +267,21 @@ void Movers::reduceScatterRing(cudaStream_t stream, const void* in, void* out, v
 
 void Movers::sendRecv(cudaStream_t stream, const SendRecvArgs& args) const {
   const SendRecvParams p = params(args);
-  if (p.sendPeer < 0 && p.recvPeer < 0) return;
-  GRAPHEP_CUDA_CHECK(launchSendRecv(p, stream));
+  if (p.sendPeer >= 0 || p.recvPeer >= 0) GRAPHEP_CUDA_CHECK(launchSendRecv(p, stream));
+  const bool ncclSendRole = args.sendPeer >= 0 && remote(args.sendPeer) && args.sendBytes > 0;
+  const bool ncclRecvRole = args.recvPeer >= 0 && remote(args.recvPeer) && args.recvBytes > 0;
+  if (!ncclSendRole && !ncclRecvRole) return;
+  // After the kernel on the same stream; grouped so a send and a receive cannot block each other.
+  GRAPHEP_NCCL_CHECK(ncclGroupStart());
+  if (ncclSendRole) {
+    GRAPHEP_NCCL_CHECK(ncclSend(args.src, args.sendBytes, ncclChar, args.sendPeer,
+                                nccl(args.sendPeer), stream));
+  }
+  if (ncclRecvRole) {
+    GRAPHEP_NCCL_CHECK(ncclRecv(args.dst, args.recvBytes, ncclChar, args.recvPeer,
+                                nccl(args.recvPeer), stream));
+  }
+  GRAPHEP_NCCL_CHECK(ncclGroupEnd());
 }
 
 }  // namespace graphep

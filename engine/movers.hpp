@@ -5,7 +5,10 @@
 
 #include <cuda_runtime.h>
 
+#include <nccl.h>
+
 #include <cstddef>
+#include <vector>
 
 #include "engine/heap.hpp"
 #include "kernels/sendrecv.h"
@@ -31,10 +34,16 @@ struct SendRecvArgs {
   int numChannels = 0;            // 0: chosen from the size (fewer, larger steps when small)
 };
 
+// Peers classified remote (no load/store) are reached through NCCL send/recv on the same stream,
+// after the kernel that serves the load/store roles: the communicator must carry NCCL comms. A
+// thread that drives several local ranks wraps its per-rank calls in ncclGroupStart/ncclGroupEnd
+// (NCCL's rule for several GPUs per thread); each call's own group nests inside it.
 class Movers {
  public:
-  // Setup: loads the kernels. warpsPerRole: warps of each role (sender, receiver) per CTA.
-  Movers(const SymmetricHeap& heap, int local, int warpsPerRole = 4);
+  // Setup, collective over the heap's communicator: loads the kernels on every local rank's GPU
+  // and warms up the NCCL connection to every remote peer (so capture never sets one up).
+  // warpsPerRole: warps of each role (sender, receiver) per CTA.
+  static std::vector<Movers> createAll(const SymmetricHeap& heap, int warpsPerRole = 4);
 
   // Capturable. Both ends of each transfer must pass the same byte count, channel count and mode.
   void sendRecv(cudaStream_t stream, const SendRecvArgs& args) const;
@@ -59,6 +68,10 @@ class Movers {
   SendRecvParams params(const SendRecvArgs& args) const;
 
  private:
+  Movers(const SymmetricHeap& heap, int local, int warpsPerRole);
+  bool remote(int peer) const;
+  ncclComm_t nccl(int peer) const;
+
   const SymmetricHeap* heap_;
   int local_;
   int warpsPerRole_;

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <string>
 
+#include "common/nccl_comms.hpp"
 #include "common/sync_suite.hpp"
 #include "common/sync_test_kernels.h"
 #include "engine/error.hpp"
@@ -36,7 +37,6 @@ struct Fixture {
     for (int l = 0; l < heap->numLocalRanks(); ++l) {
       GRAPHEP_CUDA_CHECK(cudaSetDevice(heap->device(l)));
       GRAPHEP_CUDA_CHECK(preloadTestKernels());
-      movers.emplace_back(*heap, l);
       RankBuffers b;
       GRAPHEP_CUDA_CHECK(cudaMalloc(&b.src, maxBytes + kSlack));
       GRAPHEP_CUDA_CHECK(cudaMalloc(&b.dst, maxBytes + kSlack));
@@ -44,6 +44,7 @@ struct Fixture {
       GRAPHEP_CUDA_CHECK(cudaStreamCreateWithFlags(&b.stream, cudaStreamNonBlocking));
       bufs.push_back(b);
     }
+    movers = Movers::createAll(*heap);
   }
   ~Fixture() {
     for (int l = 0; l < static_cast<int>(bufs.size()); ++l) {
@@ -116,10 +117,13 @@ void runSendRecvCases(Communicator& comm, const std::vector<SendRecvCase>& cases
       GRAPHEP_CUDA_CHECK(cudaMemsetAsync(b.wrong, 0, sizeof(unsigned long long), b.stream));
     }
     f.syncAll();
-    for (int l = 0; l < L; ++l) {
-      GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
-      f.movers[static_cast<size_t>(l)].sendRecv(f.bufs[static_cast<size_t>(l)].stream,
-                                                argsFor(f, l, c, dstFor(f, l, c.zeroCopy)));
+    {
+      NcclGroupIfAny group(comm);
+      for (int l = 0; l < L; ++l) {
+        GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+        f.movers[static_cast<size_t>(l)].sendRecv(f.bufs[static_cast<size_t>(l)].stream,
+                                                  argsFor(f, l, c, dstFor(f, l, c.zeroCopy)));
+      }
     }
     f.syncAll();
     for (int l = 0; l < L; ++l) {

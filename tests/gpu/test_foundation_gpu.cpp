@@ -8,6 +8,7 @@
 #include <graphep/graphep.hpp>
 
 #include "common/gpu_env.hpp"
+#include "common/nccl_comms.hpp"
 #include "common/sync_suite.hpp"
 #include "engine/heap.hpp"
 #include "engine/semaphore.hpp"
@@ -113,17 +114,13 @@ TEST(Gpu1_Heap, PeerClassesOfEmulatedRanks) {
 TEST(Gpu1_Heap, ForcedRemotePeersAreNotMapped) {
   GRAPHEP_REQUIRE_GPUS(1);
   auto comm = fourOnOne();
-  ::setenv("GRAPHEP_FORCE_TRANSPORT", "remote", 1);
   HeapConfig cfg;
   cfg.numRanks = 4;
   std::unique_ptr<SymmetricHeap> heap;
-  try {
+  {
+    ScopedEnv force("GRAPHEP_FORCE_TRANSPORT", "remote");
     heap = SymmetricHeap::create(*comm, cfg);
-  } catch (...) {
-    ::unsetenv("GRAPHEP_FORCE_TRANSPORT");
-    throw;
   }
-  ::unsetenv("GRAPHEP_FORCE_TRANSPORT");
   for (int l = 0; l < 4; ++l) {
     for (int p = 0; p < 4; ++p) {
       EXPECT_EQ(heap->peerClass(l, p), l == p ? PeerClass::kSelf : PeerClass::kRemote);

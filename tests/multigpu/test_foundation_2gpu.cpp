@@ -7,24 +7,12 @@
 #include <graphep/graphep.hpp>
 
 #include "common/gpu_env.hpp"
+#include "common/nccl_comms.hpp"
 #include "common/sync_suite.hpp"
 #include "engine/heap.hpp"
 
 namespace graphep::test {
 namespace {
-
-// Owns two NCCL comms made by ncclCommInitAll, as an embedding application would.
-struct CallerNcclComms {
-  CallerNcclComms() {
-    int devs[2] = {0, 1};
-    if (ncclCommInitAll(comms.data(), 2, devs) != ncclSuccess) comms = {nullptr, nullptr};
-  }
-  ~CallerNcclComms() {
-    for (ncclComm_t c : comms)
-      if (c) ncclCommDestroy(c);
-  }
-  std::vector<ncclComm_t> comms{nullptr, nullptr};
-};
 
 enum class TwoGpuKind { kLocalGroup, kAdoptedNccl };
 

@@ -7,6 +7,7 @@
 
 #include "common/mover_cases.hpp"
 #include "common/mover_suite.hpp"
+#include "common/nccl_comms.hpp"
 #include "common/sync_suite.hpp"
 #include "engine/heap.hpp"
 
@@ -72,6 +73,23 @@ TEST(Mpi_SendRecv, CasesAndReplays) {
   runSendRecvCases(*comm, standardSendRecvCases(std::size_t{64} << 20));
   runSendRecvReplays(*comm, std::size_t{1} << 20, 1000, false);
   runSendRecvReplays(*comm, (std::size_t{1} << 20) + 3, 1000, true);
+}
+
+TEST(Mpi_SendRecv, ForcedRemoteThroughNccl) {
+  GRAPHEP_REQUIRE_MPI_GPUS();
+  auto comm = createMpiCommunicator(-1, /*withNccl=*/true);
+  ScopedEnv force("GRAPHEP_FORCE_TRANSPORT", "remote");
+  runSendRecvCases(*comm, standardSendRecvCases(std::size_t{64} << 20));
+  runSendRecvReplays(*comm, std::size_t{1} << 20, 200, false);
+}
+
+TEST(Mpi_Ring, AllGatherAndReduceScatter) {
+  GRAPHEP_REQUIRE_MPI_GPUS();
+  auto comm = createMpiCommunicator(-1, false);
+  runAllGatherRing(*comm, (std::size_t{1} << 20) + 16, true, 100);
+  runAllGatherRing(*comm, 4095, false, 1);
+  runReduceScatterRing(*comm, 1001, true, 1);
+  runReduceScatterRing(*comm, std::size_t{1} << 18, false, 100);
 }
 
 // Ranks that disagree on the heap config fail at setup, on every rank, naming both sizes.

@@ -6,6 +6,7 @@
 #include "common/gpu_env.hpp"
 #include "common/mover_cases.hpp"
 #include "common/mover_suite.hpp"
+#include "common/nccl_comms.hpp"
 
 namespace graphep::test {
 namespace {
@@ -21,6 +22,17 @@ TEST(Gpu2_SendRecv, GraphReplaysStagedAndZeroCopy) {
   auto comm = createLocalGroup({0, 1});
   runSendRecvReplays(*comm, std::size_t{1} << 20, 1000, false);
   runSendRecvReplays(*comm, (std::size_t{1} << 20) + 3, 1000, true);
+}
+
+// GRAPHEP_FORCE_TRANSPORT=remote: every byte goes through NCCL send/recv (eager and captured).
+TEST(Gpu2_SendRecv, ForcedRemoteThroughAdoptedNccl) {
+  GRAPHEP_REQUIRE_GPUS(2);
+  CallerNcclComms nccl;
+  ASSERT_NE(nccl.comms[0], nullptr) << "ncclCommInitAll failed";
+  auto comm = adoptNcclComms(nccl.comms);
+  ScopedEnv force("GRAPHEP_FORCE_TRANSPORT", "remote");
+  runSendRecvCases(*comm, standardSendRecvCases(std::size_t{64} << 20));
+  runSendRecvReplays(*comm, std::size_t{1} << 20, 200, false);
 }
 
 TEST(Gpu2_Ring, AllGatherAndReduceScatter) {

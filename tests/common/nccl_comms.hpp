@@ -1,0 +1,69 @@
+// Test helpers around NCCL communicators owned by the test (the embedding application's role).
+#pragma once
+
+#include <nccl.h>
+
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include <graphep/comm.hpp>
+
+namespace graphep::test {
+
+// Two NCCL comms made by ncclCommInitAll over devices 0 and 1, as an embedding application would.
+struct CallerNcclComms {
+  CallerNcclComms() {
+    int devs[2] = {0, 1};
+    if (ncclCommInitAll(comms.data(), 2, devs) != ncclSuccess) comms = {nullptr, nullptr};
+  }
+  ~CallerNcclComms() {
+    for (ncclComm_t c : comms)
+      if (c) ncclCommDestroy(c);
+  }
+  std::vector<ncclComm_t> comms{nullptr, nullptr};
+};
+
+// Sets an environment variable for the lifetime of the object (restores the old value after).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* old = std::getenv(name);
+    if (old) {
+      hadOld_ = true;
+      old_ = old;
+    }
+    ::setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (hadOld_) {
+      ::setenv(name_, old_.c_str(), 1);
+    } else {
+      ::unsetenv(name_);
+    }
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  bool hadOld_ = false;
+  std::string old_;
+};
+
+// Brackets calls for several local ranks in one NCCL group when the communicator carries NCCL
+// comms (NCCL's rule for one thread driving several GPUs); a no-op otherwise.
+class NcclGroupIfAny {
+ public:
+  explicit NcclGroupIfAny(const Communicator& comm) : active_(comm.ncclComm(0) != nullptr) {
+    if (active_) ncclGroupStart();
+  }
+  ~NcclGroupIfAny() {
+    if (active_) ncclGroupEnd();
+  }
+
+ private:
+  bool active_;
+};
+
+}  // namespace graphep::test
