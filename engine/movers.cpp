@@ -76,93 +76,118 @@ int Movers::channelsFor(std::size_t bytes) const {
   return want < 1 ? 1 : (want > static_cast<std::size_t>(cap) ? cap : static_cast<int>(want));
 }
 
-SendRecvParams Movers::params(const SendRecvArgs& a) const {
+SendLink Movers::sendLink(int peer) const {
   const HeapConfig& cfg = heap_->config();
   const HeapLayout& L = heap_->layout();
+  const std::size_t B = static_cast<std::size_t>(cfg.moverBlocks);
+  char* mine = heap_->base(local_);
+  char* theirs = heap_->peerBase(local_, peer);
+  const std::size_t asSource = static_cast<std::size_t>(heap_->rank(local_)) * B;  // in the peer's tables
+  const std::size_t asPeer = static_cast<std::size_t>(peer) * B;                    // in my tables
+  auto u32 = [](char* base, std::size_t off) { return reinterpret_cast<std::uint32_t*>(base + off); };
+  SendLink l{};
+  l.peer = peer;
+  l.staging = theirs + L.staging + asSource * cfg.moverSlots * cfg.moverSlotBytes;
+  l.head = u32(theirs, L.moverHead) + asSource;
+  l.tail = u32(mine, L.moverTail) + asPeer;
+  l.ready = u32(mine, L.moverReady) + asPeer;
+  l.step = u32(mine, L.moverSendStep) + asPeer;
+  return l;
+}
+
+RecvLink Movers::recvLink(int peer) const {
+  const HeapConfig& cfg = heap_->config();
+  const HeapLayout& L = heap_->layout();
+  const std::size_t B = static_cast<std::size_t>(cfg.moverBlocks);
+  char* mine = heap_->base(local_);
+  char* theirs = heap_->peerBase(local_, peer);
+  const std::size_t asDest = static_cast<std::size_t>(heap_->rank(local_)) * B;  // in the peer's tables
+  const std::size_t asPeer = static_cast<std::size_t>(peer) * B;                  // in my tables
+  auto u32 = [](char* base, std::size_t off) { return reinterpret_cast<std::uint32_t*>(base + off); };
+  RecvLink l{};
+  l.peer = peer;
+  l.consume = Consume::kCopy;
+  l.staging = mine + L.staging + asPeer * cfg.moverSlots * cfg.moverSlotBytes;
+  l.head = u32(mine, L.moverHead) + asPeer;
+  l.tail = u32(theirs, L.moverTail) + asDest;
+  l.ready = u32(theirs, L.moverReady) + asDest;
+  l.step = u32(mine, L.moverRecvStep) + asPeer;
+  return l;
+}
+
+PipeShape Movers::shape(int channels) const {
+  const HeapConfig& cfg = heap_->config();
+  GRAPHEP_REQUIRE(channels >= 1 && channels <= cfg.moverBlocks, Status::kInvalidArgument,
+                  "numChannels=%d is out of range [1, %d] (HeapConfig.moverBlocks)", channels,
+                  cfg.moverBlocks);
+  GRAPHEP_REQUIRE(cfg.moverSlotBytes <= UINT32_MAX, Status::kInvalidArgument,
+                  "HeapConfig.moverSlotBytes=%zu exceeds 4 GiB", cfg.moverSlotBytes);
+  PipeShape sh{};
+  sh.numChannels = static_cast<std::uint32_t>(channels);
+  sh.numSlots = static_cast<std::uint32_t>(cfg.moverSlots);
+  // With no staging configured only zero-copy and NCCL transfers run; chunks then only count steps.
+  sh.slotBytes = cfg.moverSlotBytes > 0 ? static_cast<std::uint32_t>(cfg.moverSlotBytes) : (1u << 30);
+  return sh;
+}
+
+SendRecvParams Movers::params(const SendRecvArgs& a) const {
+  const HeapConfig& cfg = heap_->config();
   const int R = cfg.numRanks;
-  const int me = heap_->rank(local_);
-  const int B = cfg.moverBlocks;
-  auto checkPeer = [&](const char* role, int peer) {
+  for (auto [role, peer] : {std::pair{"send", a.sendPeer}, std::pair{"receive", a.recvPeer}}) {
     GRAPHEP_REQUIRE(peer >= -1 && peer < R, Status::kInvalidArgument,
                     "sendRecv: %s peer %d is out of range [-1, %d)", role, peer, R);
-  };
-  checkPeer("send", a.sendPeer);
-  checkPeer("receive", a.recvPeer);
+  }
+  const bool sendNvl = a.sendPeer >= 0 && !remote(a.sendPeer);
+  const bool recvNvl = a.recvPeer >= 0 && !remote(a.recvPeer);
   const bool sendZeroCopy = a.sendToUserOffset >= 0;
   const std::size_t bytesForChannels = a.sendPeer >= 0 ? a.sendBytes : a.recvBytes;
-  const int channels = a.numChannels > 0 ? a.numChannels : channelsFor(bytesForChannels);
-  GRAPHEP_REQUIRE(channels >= 1 && channels <= B, Status::kInvalidArgument,
-                  "sendRecv: numChannels=%d is out of range [1, %d] (HeapConfig.moverBlocks)",
-                  channels, B);
-  const bool needStaging = (a.sendPeer >= 0 && !remote(a.sendPeer) && !sendZeroCopy && a.sendBytes > 0) ||
-                           (a.recvPeer >= 0 && !remote(a.recvPeer) && !a.recvZeroCopy && a.recvBytes > 0);
-  GRAPHEP_REQUIRE(a.recvPeer < 0 || !remote(a.recvPeer) || a.consume == Consume::kCopy,
-                  Status::kNotSupported,
+  const bool needStaging = (sendNvl && !sendZeroCopy && a.sendBytes > 0) ||
+                           (recvNvl && !a.recvZeroCopy && a.recvBytes > 0);
+  GRAPHEP_REQUIRE(!needStaging || cfg.moverSlotBytes > 0, Status::kInvalidArgument,
+                  "sendRecv: staged transfers need HeapConfig.moverSlotBytes > 0 (it is 0)");
+  GRAPHEP_REQUIRE(a.recvPeer < 0 || recvNvl || a.consume == Consume::kCopy, Status::kNotSupported,
                   "sendRecv: a reducing receive from remote rank %d is not supported (NCCL delivers "
                   "plain bytes)",
                   a.recvPeer);
-  GRAPHEP_REQUIRE(!needStaging || cfg.moverSlotBytes > 0, Status::kInvalidArgument,
-                  "sendRecv: staged transfers need HeapConfig.moverSlotBytes > 0 (it is 0)");
-  GRAPHEP_REQUIRE(cfg.moverSlotBytes <= UINT32_MAX, Status::kInvalidArgument,
-                  "HeapConfig.moverSlotBytes=%zu exceeds 4 GiB", cfg.moverSlotBytes);
 
   SendRecvParams p{};
   p.sync = heap_->syncHandle(local_);
-  p.numChannels = static_cast<std::uint32_t>(channels);
-  p.numSlots = static_cast<std::uint32_t>(cfg.moverSlots);
-  // A zero slot size is only possible when nothing is staged; chunks then cover a whole range.
-  p.slotBytes = cfg.moverSlotBytes > 0 ? static_cast<std::uint32_t>(cfg.moverSlotBytes) : (1u << 30);
+  p.shape = shape(a.numChannels > 0 ? a.numChannels : channelsFor(bytesForChannels));
   p.warpsPerRole = static_cast<std::uint32_t>(warpsPerRole_);
-  auto u32 = [](char* base, std::size_t off) {
-    return reinterpret_cast<std::uint32_t*>(base + off);
-  };
-  char* mine = heap_->base(local_);
-
   // Remote roles are served by NCCL (sendRecv); the kernel sees them as disabled.
-  p.sendPeer = a.sendPeer >= 0 && !remote(a.sendPeer) ? a.sendPeer : -1;
-  if (p.sendPeer >= 0) {
+  p.send.peer = -1;
+  p.recv.peer = -1;
+  if (sendNvl) {
     GRAPHEP_REQUIRE(a.sendBytes == 0 || a.src != nullptr, Status::kInvalidArgument,
                     "sendRecv: src is null with sendBytes=%zu", a.sendBytes);
-    char* peer = heap_->peerBase(local_, a.sendPeer);
-    const std::size_t ch = static_cast<std::size_t>(me) * B;  // my channels in the peer's tables
-    const std::size_t chPeer = static_cast<std::size_t>(a.sendPeer) * B;
-    p.src = static_cast<const char*>(a.src);
-    p.sendBytes = a.sendBytes;
-    p.sendStaging = peer + L.staging + ch * cfg.moverSlots * cfg.moverSlotBytes;
+    p.send = sendLink(a.sendPeer);
+    p.send.src = static_cast<const char*>(a.src);
+    p.send.bytes = a.sendBytes;
     if (sendZeroCopy) {
       GRAPHEP_REQUIRE(static_cast<std::size_t>(a.sendToUserOffset) + a.sendBytes <= cfg.userBytes,
                       Status::kInvalidArgument,
                       "sendRecv: zero-copy send of %zu bytes at user offset %lld exceeds the "
                       "%zu-byte user region",
                       a.sendBytes, a.sendToUserOffset, cfg.userBytes);
-      p.sendDirect = peer + L.user + a.sendToUserOffset;
+      p.send.direct = heap_->peerUser(local_, a.sendPeer) + a.sendToUserOffset;
     }
-    p.sendHead = u32(peer, L.moverHead) + ch;
-    p.sendTail = u32(mine, L.moverTail) + chPeer;
-    p.sendReady = u32(mine, L.moverReady) + chPeer;
-    p.sendStep = u32(mine, L.moverSendStep) + chPeer;
   }
-
-  p.recvPeer = a.recvPeer >= 0 && !remote(a.recvPeer) ? a.recvPeer : -1;
-  if (p.recvPeer >= 0) {
+  if (recvNvl) {
     GRAPHEP_REQUIRE(a.recvBytes == 0 || a.dst != nullptr, Status::kInvalidArgument,
                     "sendRecv: dst is null with recvBytes=%zu", a.recvBytes);
-    char* peer = heap_->peerBase(local_, a.recvPeer);
-    const std::size_t ch = static_cast<std::size_t>(me) * B;
-    const std::size_t chPeer = static_cast<std::size_t>(a.recvPeer) * B;
-    p.dst = static_cast<char*>(a.dst);
-    p.recvBytes = a.recvBytes;
+    p.recv = recvLink(a.recvPeer);
+    p.recv.dst = static_cast<char*>(a.dst);
+    p.recv.bytes = a.recvBytes;
     if (a.recvZeroCopy) {
       const char* user = heap_->user(local_);
       const char* d = static_cast<const char*>(a.dst);
-      GRAPHEP_REQUIRE(a.recvBytes == 0 ||
-                          (d >= user && d + a.recvBytes <= user + cfg.userBytes),
+      GRAPHEP_REQUIRE(a.recvBytes == 0 || (d >= user && d + a.recvBytes <= user + cfg.userBytes),
                       Status::kInvalidArgument,
                       "sendRecv: zero-copy dst [%p, +%zu) is not inside this rank's user region",
                       a.dst, a.recvBytes);
-      p.recvDirect = 1;
+      p.recv.direct = 1;
     }
-    p.consume = a.consume;
+    p.recv.consume = a.consume;
     if (a.consume != Consume::kCopy) {
       GRAPHEP_REQUIRE(a.consume == Consume::kAddF32 || a.consume == Consume::kAddBf16,
                       Status::kInvalidArgument, "sendRecv: consume=%u is not a known reduction",
@@ -175,13 +200,8 @@ SendRecvParams Movers::params(const SendRecvArgs& a) const {
                       a.recvBytes, elem);
       GRAPHEP_REQUIRE(a.recvBytes == 0 || a.addend != nullptr, Status::kInvalidArgument,
                       "sendRecv: a reducing receive of %zu bytes needs an addend", a.recvBytes);
-      p.recvAddend = static_cast<const char*>(a.addend);
+      p.recv.addend = static_cast<const char*>(a.addend);
     }
-    p.recvStaging = mine + L.staging + chPeer * cfg.moverSlots * cfg.moverSlotBytes;
-    p.recvHead = u32(mine, L.moverHead) + chPeer;
-    p.recvTail = u32(peer, L.moverTail) + ch;
-    p.recvReady = u32(peer, L.moverReady) + ch;
-    p.recvStep = u32(mine, L.moverRecvStep) + chPeer;
   }
   return p;
 }
@@ -267,7 +287,7 @@ void Movers::reduceScatterRing(cudaStream_t stream, const void* in, void* out, v
 
 void Movers::sendRecv(cudaStream_t stream, const SendRecvArgs& args) const {
   const SendRecvParams p = params(args);
-  if (p.sendPeer >= 0 || p.recvPeer >= 0) GRAPHEP_CUDA_CHECK(launchSendRecv(p, stream));
+  if (p.send.peer >= 0 || p.recv.peer >= 0) GRAPHEP_CUDA_CHECK(launchSendRecv(p, stream));
   const bool ncclSendRole = args.sendPeer >= 0 && remote(args.sendPeer) && args.sendBytes > 0;
   const bool ncclRecvRole = args.recvPeer >= 0 && remote(args.recvPeer) && args.recvBytes > 0;
   if (!ncclSendRole && !ncclRecvRole) return;

@@ -70,6 +70,9 @@ class Movers {
  private:
   Movers(const SymmetricHeap& heap, int local, int warpsPerRole);
   bool remote(int peer) const;
+  SendLink sendLink(int peer) const;  // channel tables of this rank -> peer
+  RecvLink recvLink(int peer) const;  // channel tables of peer -> this rank
+  PipeShape shape(int channels) const;
   ncclComm_t nccl(int peer) const;
 
   const SymmetricHeap* heap_;

@@ -1,0 +1,138 @@
+// Pipelined point-to-point roles shared by the data movers (sendrecv, alltoallv): one channel of
+// one link, run by the warps of one role, which synchronise only among themselves (named barrier
+// `barrierId`, never a CTA-wide barrier).
+//
+//   sender:   wait tail >= s + 1 - slots | put chunk s into slot s % slots | signal head = s + 1
+//   receiver: wait head >= s + 1 | consume slot into dst | signal tail = s + 1
+//   zero-copy sender:   wait ready >= s0 + 1 | put the whole range into the peer's dst |
+//                       signal head = s0 + n
+//   zero-copy receiver: signal ready = s0 + 1 | wait head >= s0 + n | signal tail = s0 + n
+// s counts chunks on this (peer, channel) across launches and lives in device memory; n >= 1 for
+// zero-copy so every zero-copy launch has its own ready value. Both ends must derive the same n.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "kernels/common/copy.cuh"
+#include "kernels/common/pipe.h"
+#include "kernels/common/sync_handle.h"
+#include "kernels/common/transport.cuh"
+
+namespace graphep {
+
+__device__ __forceinline__ void roleBarrier(int id, int nthreads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(nthreads) : "memory");
+}
+
+__device__ __forceinline__ std::uint32_t pipeChunks(std::uint64_t bytes, std::uint32_t slotBytes) {
+  return static_cast<std::uint32_t>((bytes + slotBytes - 1) / slotBytes);
+}
+
+// The consume hook for one chunk (slot -> dst + off).
+template <Consume kConsume>
+__device__ __forceinline__ void consumeChunk(const RecvLink& l, const char* slot,
+                                             std::uint64_t off, std::uint64_t len, int tid,
+                                             int nthreads) {
+  if constexpr (kConsume == Consume::kCopy) {
+    copyBytes<LoadKind::kCacheGlobal>(l.dst + off, slot, len, tid, nthreads);
+  } else if constexpr (kConsume == Consume::kAddF32) {
+    addElems<float>(l.dst + off, slot, l.addend + off, len, tid, nthreads);
+  } else {
+    addElems<__nv_bfloat16>(l.dst + off, slot, l.addend + off, len, tid, nthreads);
+  }
+}
+
+// Sender role for channel c. `abortFlag` is a shared word owned by this role.
+template <class Transport>
+__device__ void pipeSend(const SyncHandle& sync, const PipeShape& shape, const SendLink& l,
+                         std::uint32_t c, int barrierId, int tid, int nthreads, int* abortFlag) {
+  std::uint64_t begin, end;
+  channelRange(l.bytes, shape.numChannels, c, &begin, &end);
+  const std::uint32_t step0 = l.step[c];
+  if (l.direct != nullptr) {
+    std::uint32_t n = pipeChunks(end - begin, shape.slotBytes);
+    n = n > 0 ? n : 1u;
+    if (tid == 0) {
+      *abortFlag =
+          Transport::wait(sync, l.ready + c, step0 + 1u, l.peer, WaitSite::kMoverReady) ? 0 : 1;
+    }
+    roleBarrier(barrierId, nthreads);
+    if (*abortFlag) return;
+    Transport::put(l.direct + begin, l.src + begin, end - begin, tid, nthreads);
+    roleBarrier(barrierId, nthreads);
+    if (tid == 0) {
+      Transport::signal(l.head + c, step0 + n);
+      l.step[c] = step0 + n;
+    }
+    return;
+  }
+  const std::uint32_t n = pipeChunks(end - begin, shape.slotBytes);
+  char* slots = l.staging + static_cast<std::uint64_t>(c) * shape.numSlots * shape.slotBytes;
+  for (std::uint32_t k = 0; k < n; ++k) {
+    const std::uint32_t s = step0 + k;
+    if (tid == 0) {
+      // Slot s % numSlots is free once the receiver consumed chunk s - numSlots.
+      *abortFlag = Transport::wait(sync, l.tail + c, s + 1u - shape.numSlots, l.peer,
+                                   WaitSite::kMoverSlotFree)
+                       ? 0
+                       : 1;
+    }
+    roleBarrier(barrierId, nthreads);
+    if (*abortFlag) return;
+    const std::uint64_t off = begin + static_cast<std::uint64_t>(k) * shape.slotBytes;
+    const std::uint64_t len = end - off < shape.slotBytes ? end - off : shape.slotBytes;
+    Transport::put(slots + static_cast<std::uint64_t>(s & (shape.numSlots - 1)) * shape.slotBytes,
+                   l.src + off, len, tid, nthreads);
+    // Every thread's stores precede the barrier; thread 0's fence + release publish them.
+    roleBarrier(barrierId, nthreads);
+    if (tid == 0) Transport::signal(l.head + c, s + 1u);
+  }
+  if (tid == 0) l.step[c] = step0 + n;
+}
+
+// Receiver role for channel c.
+template <class Transport, Consume kConsume>
+__device__ void pipeRecv(const SyncHandle& sync, const PipeShape& shape, const RecvLink& l,
+                         std::uint32_t c, int barrierId, int tid, int nthreads, int* abortFlag) {
+  std::uint64_t begin, end;
+  channelRange(l.bytes, shape.numChannels, c, &begin, &end);
+  const std::uint32_t step0 = l.step[c];
+  if (l.direct) {
+    std::uint32_t n = pipeChunks(end - begin, shape.slotBytes);
+    n = n > 0 ? n : 1u;
+    if (tid == 0) {
+      // Everything this stream ran before is done with dst: the sender may overwrite it.
+      Transport::signal(l.ready + c, step0 + 1u);
+      const bool ok = Transport::wait(sync, l.head + c, step0 + n, l.peer, WaitSite::kMoverData);
+      // No slot was used: keep the tail in step for later staged launches on this channel.
+      if (ok) Transport::signal(l.tail + c, step0 + n);
+      l.step[c] = step0 + n;
+    }
+    return;
+  }
+  const std::uint32_t n = pipeChunks(end - begin, shape.slotBytes);
+  const char* slots = l.staging + static_cast<std::uint64_t>(c) * shape.numSlots * shape.slotBytes;
+  for (std::uint32_t k = 0; k < n; ++k) {
+    const std::uint32_t s = step0 + k;
+    if (tid == 0) {
+      *abortFlag =
+          Transport::wait(sync, l.head + c, s + 1u, l.peer, WaitSite::kMoverData) ? 0 : 1;
+    }
+    roleBarrier(barrierId, nthreads);
+    if (*abortFlag) return;
+    const std::uint64_t off = begin + static_cast<std::uint64_t>(k) * shape.slotBytes;
+    const std::uint64_t len = end - off < shape.slotBytes ? end - off : shape.slotBytes;
+    consumeChunk<kConsume>(
+        l, slots + static_cast<std::uint64_t>(s & (shape.numSlots - 1)) * shape.slotBytes, off,
+        len, tid, nthreads);
+    // All reads of the slot precede the barrier; the fence in signal orders them before the
+    // release that hands the slot back to the sender.
+    roleBarrier(barrierId, nthreads);
+    if (tid == 0) Transport::signal(l.tail + c, s + 1u);
+  }
+  if (tid == 0) l.step[c] = step0 + n;
+}
+
+}  // namespace graphep

@@ -1,0 +1,62 @@
+// Plain (host + device) types of the pipelined point-to-point protocol; the device roles that use
+// them are in kernels/common/pipe.cuh.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace graphep {
+
+// What the receiver does with each arriving chunk (the consume hook).
+enum class Consume : std::uint32_t { kCopy = 0, kAddF32 = 1, kAddBf16 = 2 };
+
+__host__ __device__ inline std::uint32_t consumeElemBytes(Consume c) {
+  return c == Consume::kAddF32 ? 4u : (c == Consume::kAddBf16 ? 2u : 1u);
+}
+
+// Bytes of `bytes` that channel `b` of `numChannels` moves: contiguous, 16-byte-aligned splits.
+__host__ __device__ inline void channelRange(std::uint64_t bytes, std::uint32_t numChannels,
+                                             std::uint32_t b, std::uint64_t* begin,
+                                             std::uint64_t* end) {
+  std::uint64_t per = (bytes + numChannels - 1) / numChannels;
+  per = (per + 15) & ~std::uint64_t{15};
+  const std::uint64_t lo = static_cast<std::uint64_t>(b) * per;
+  *begin = lo < bytes ? lo : bytes;
+  *end = *begin + per < bytes ? *begin + per : bytes;
+}
+
+struct PipeShape {
+  std::uint32_t numChannels;  // channels the link's bytes are split over
+  std::uint32_t numSlots;     // staging slots per channel (power of two)
+  std::uint32_t slotBytes;    // staging slot size (multiple of 16)
+};
+
+// One direction of one link as the sender sees it (pointers already offset to this link).
+struct SendLink {
+  std::int32_t peer;
+  const char* src;
+  std::uint64_t bytes;
+  char* staging;             // peer's slots for this rank: [channel][slot][slotBytes]
+  char* direct;              // zero-copy destination in the peer's memory, or nullptr
+  std::uint32_t* head;       // peer's head flags for this rank: [channel]
+  const std::uint32_t* tail;   // local tail flags from the peer: [channel]
+  const std::uint32_t* ready;  // local ready flags from the peer: [channel]
+  std::uint32_t* step;       // local steps toward the peer: [channel]
+};
+
+struct RecvLink {
+  std::int32_t peer;
+  char* dst;
+  std::uint64_t bytes;
+  std::int32_t direct;       // zero-copy: the peer writes into dst itself
+  Consume consume;
+  const char* addend;        // reductions: this rank's operand, same layout as dst
+  const char* staging;       // local slots from the peer: [channel][slot][slotBytes]
+  const std::uint32_t* head; // local head flags from the peer: [channel]
+  std::uint32_t* tail;       // peer's tail flags for this rank: [channel]
+  std::uint32_t* ready;      // peer's ready flags for this rank: [channel]
+  std::uint32_t* step;       // local steps from the peer: [channel]
+};
+
+}  // namespace graphep
