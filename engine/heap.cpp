@@ -385,6 +385,11 @@ std::string describeDeviceError(const DeviceErrorRecord& rec) {
           "rank %d consumed %u from its semaphore for peer %d, which held only %u: a consume ran "
           "without its stream wait (%u error(s) in total)",
           rec.rank, rec.expected, rec.peer, rec.observed, rec.count);
+    case DeviceErrorKind::kOutOfBounds:
+      return detail::format(
+          "rank %d: the transfer for peer %d ends at byte %u but the buffer holds %u; it was "
+          "dropped, nothing was written (%u error(s) in total)",
+          rec.rank, rec.peer, rec.observed, rec.expected, rec.count);
     case DeviceErrorKind::kNone:
       break;
   }

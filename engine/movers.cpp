@@ -1,5 +1,7 @@
 #include "engine/movers.hpp"
 
+#include <algorithm>
+
 #include "engine/error.hpp"
 #include "engine/topology.hpp"
 
@@ -11,6 +13,7 @@ Movers::Movers(const SymmetricHeap& heap, int local, int warpsPerRole)
                   "warpsPerRole=%d is out of range [1, %d]", warpsPerRole, kMaxWarpsPerRole);
   GRAPHEP_CUDA_CHECK(cudaSetDevice(heap.device(local)));
   GRAPHEP_CUDA_CHECK(preloadSendRecvKernels());
+  GRAPHEP_CUDA_CHECK(preloadAllToAllvKernels());
 }
 
 std::vector<Movers> Movers::createAll(const SymmetricHeap& heap, int warpsPerRole) {
@@ -283,6 +286,67 @@ void Movers::reduceScatterRing(cudaStream_t stream, const void* in, void* out, v
     a.addend = input + jr * chunk;
     sendRecv(stream, a);
   }
+}
+
+AllToAllvParams Movers::allToAllvParams(const AllToAllvArgs& a) const {
+  const HeapConfig& cfg = heap_->config();
+  const int R = cfg.numRanks;
+  const int me = heap_->rank(local_);
+  GRAPHEP_REQUIRE(a.sendCounts && a.sendOffsets && a.recvCounts && a.recvOffsets,
+                  Status::kInvalidArgument,
+                  "allToAllv: counts and offsets must be device arrays of %d entries (one is null)", R);
+  GRAPHEP_REQUIRE((a.srcBytes == 0 || a.src) && (a.dstBytes == 0 || a.dst), Status::kInvalidArgument,
+                  "allToAllv: null src or dst with capacities %zu / %zu bytes", a.srcBytes,
+                  a.dstBytes);
+  GRAPHEP_REQUIRE(cfg.moverSlotBytes > 0, Status::kInvalidArgument,
+                  "allToAllv: needs HeapConfig.moverSlotBytes > 0 (it is 0)");
+  GRAPHEP_REQUIRE(a.channelsPerPeer >= 0 && a.channelsPerPeer <= cfg.moverBlocks,
+                  Status::kInvalidArgument,
+                  "allToAllv: channelsPerPeer=%d is out of range [0, %d] (HeapConfig.moverBlocks)",
+                  a.channelsPerPeer, cfg.moverBlocks);
+  AllToAllvParams p{};
+  p.sync = heap_->syncHandle(local_);
+  const PipeShape sh = shape(1);
+  p.numSlots = sh.numSlots;
+  p.slotBytes = sh.slotBytes;
+  p.warpsPerRole = static_cast<std::uint32_t>(warpsPerRole_);
+  p.minBytesPerChannel = std::size_t{256} << 10;
+  p.src = static_cast<const char*>(a.src);
+  p.dst = static_cast<char*>(a.dst);
+  p.srcBytes = a.srcBytes;
+  p.dstBytes = a.dstBytes;
+  p.sendCounts = a.sendCounts;
+  p.sendOffsets = a.sendOffsets;
+  p.recvCounts = a.recvCounts;
+  p.recvOffsets = a.recvOffsets;
+  const std::size_t maxBytes = a.maxBytesPerPeer > 0 ? a.maxBytesPerPeer : std::max(a.srcBytes, a.dstBytes);
+  const int full = a.channelsPerPeer > 0 ? a.channelsPerPeer : channelsFor(maxBytes);
+  int next = 0;
+  for (int q = 0; q < R; ++q) {
+    const PeerClass c = heap_->peerClass(local_, q);
+    GRAPHEP_REQUIRE(isLoadStore(c), Status::kNotSupported,
+                    "allToAllv: rank %d reaches rank %d only as %s; alltoallv over NCCL is not "
+                    "supported yet",
+                    me, q, peerClassName(c));
+    // Per-class channel counts: local copies and peers sharing this GPU need few CTAs (they
+    // share its SMs and bandwidth); NVLink / PCIe peers get the full count.
+    int ch = full;
+    if (c == PeerClass::kSelf || c == PeerClass::kSameDevice) ch = std::min(full, 4);
+    p.firstChannel[q] = static_cast<std::uint16_t>(next);
+    next += ch;
+    p.send[q].peer = -1;
+    p.recv[q].peer = -1;
+    if (c != PeerClass::kSelf) {
+      p.send[q] = sendLink(q);
+      p.recv[q] = recvLink(q);
+    }
+  }
+  p.firstChannel[R] = static_cast<std::uint16_t>(next);
+  return p;
+}
+
+void Movers::allToAllv(cudaStream_t stream, const AllToAllvArgs& args) const {
+  GRAPHEP_CUDA_CHECK(launchAllToAllv(allToAllvParams(args), stream));
 }
 
 void Movers::sendRecv(cudaStream_t stream, const SendRecvArgs& args) const {

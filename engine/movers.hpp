@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "engine/heap.hpp"
+#include "kernels/alltoallv.h"
 #include "kernels/sendrecv.h"
 
 namespace graphep {
@@ -32,6 +33,22 @@ struct SendRecvArgs {
   const void* addend = nullptr;
 
   int numChannels = 0;            // 0: chosen from the size (fewer, larger steps when small)
+};
+
+// alltoallv arguments: counts and offsets (bytes) live in device memory, one entry per rank, and
+// are read when the kernel runs, so they may change between graph replays. Both ends of each pair
+// must agree (sendCounts[p] on rank r == recvCounts[r] on rank p), as a count exchange provides.
+struct AllToAllvArgs {
+  const void* src = nullptr;
+  std::size_t srcBytes = 0;  // capacity of src: a count/offset beyond it is dropped and reported
+  void* dst = nullptr;
+  std::size_t dstBytes = 0;  // capacity of dst, likewise
+  const std::uint64_t* sendCounts = nullptr;
+  const std::uint64_t* sendOffsets = nullptr;
+  const std::uint64_t* recvCounts = nullptr;
+  const std::uint64_t* recvOffsets = nullptr;
+  std::size_t maxBytesPerPeer = 0;  // sizes the channel counts (0: the larger capacity)
+  int channelsPerPeer = 0;          // 0: from maxBytesPerPeer and each peer's topology class
 };
 
 // Peers classified remote (no load/store) are reached through NCCL send/recv on the same stream,
@@ -66,6 +83,11 @@ class Movers {
                          std::size_t count, Consume addKind) const;
 
   SendRecvParams params(const SendRecvArgs& args) const;
+
+  // Capturable. Peers without load/store access are not supported yet (their counts are only
+  // known on the device; NCCL needs them on the host): an error names the peer.
+  void allToAllv(cudaStream_t stream, const AllToAllvArgs& args) const;
+  AllToAllvParams allToAllvParams(const AllToAllvArgs& args) const;
 
  private:
   Movers(const SymmetricHeap& heap, int local, int warpsPerRole);

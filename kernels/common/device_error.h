@@ -13,6 +13,7 @@ enum class DeviceErrorKind : std::uint32_t {
   kNone = 0,
   kTimeout = 1,             // a bounded spin-wait expired
   kSemaphoreUnderflow = 2,  // a consume found fewer arrivals than it subtracts (protocol bug)
+  kOutOfBounds = 3,         // a device-resident count/offset pointed past its buffer: dropped
 };
 
 // What a wait was waiting for. One code per wait site in the kernels; names in device_error.cpp.
@@ -26,6 +27,7 @@ enum class WaitSite : std::uint32_t {
   kMoverSlotFree = 6,     // sendrecv sender waiting for a free staging slot (tail)
   kMoverData = 7,         // sendrecv receiver waiting for a chunk (head)
   kMoverReady = 8,        // zero-copy sender waiting for the receiver to start (ready)
+  kAllToAllvBounds = 9,   // alltoallv count/offset check (expected = capacity, observed = end)
 };
 
 struct DeviceErrorRecord {
@@ -52,6 +54,7 @@ __host__ __device__ inline const char* waitSiteName(std::uint32_t site) {
     case WaitSite::kMoverSlotFree: return "sendrecv: sender waiting for a free staging slot";
     case WaitSite::kMoverData: return "sendrecv: receiver waiting for data";
     case WaitSite::kMoverReady: return "sendrecv: zero-copy sender waiting for the receiver";
+    case WaitSite::kAllToAllvBounds: return "alltoallv: count and offset within the buffer";
   }
   return "unknown wait site";
 }

@@ -321,4 +321,161 @@ void runReduceScatterRing(Communicator& comm, std::size_t count, bool bf16, int 
   }
 }
 
+namespace {
+
+std::vector<std::vector<std::uint64_t>> countMatrix(CountPattern pattern, int R, std::size_t maxPerPeer,
+                                                    std::uint64_t seed) {
+  std::vector<std::vector<std::uint64_t>> m(static_cast<size_t>(R), std::vector<std::uint64_t>(static_cast<size_t>(R)));
+  std::uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (int a = 0; a < R; ++a) {
+    for (int b = 0; b < R; ++b) {
+      x ^= x << 13;
+      x ^= x >> 7;
+      x ^= x << 17;
+      std::uint64_t v = 0;
+      switch (pattern) {
+        case CountPattern::kEqual: v = maxPerPeer; break;
+        case CountPattern::kRandom: v = x % (maxPerPeer + 1); break;
+        case CountPattern::kSomePairsZero: v = ((a + 2 * b) % 3 == 0) ? 0 : x % (maxPerPeer + 1); break;
+        case CountPattern::kEmpty: v = 0; break;
+      }
+      m[static_cast<size_t>(a)][static_cast<size_t>(b)] = v;
+    }
+  }
+  return m;
+}
+
+// Device count/offset arrays of one rank: sendCounts | sendOffsets | recvCounts | recvOffsets.
+struct CountArrays {
+  std::uint64_t* d = nullptr;
+  std::vector<std::uint64_t> host;
+};
+
+// Offsets are packed prefix sums, or q * stride when stride > 0.
+void uploadCounts(CountArrays& ca, const std::vector<std::vector<std::uint64_t>>& m, int me,
+                  cudaStream_t stream, std::uint64_t stride = 0) {
+  const int R = static_cast<int>(m.size());
+  ca.host.assign(4 * static_cast<size_t>(R), 0);
+  std::uint64_t so = 0, ro = 0;
+  for (int q = 0; q < R; ++q) {
+    ca.host[static_cast<size_t>(q)] = m[static_cast<size_t>(me)][static_cast<size_t>(q)];
+    ca.host[static_cast<size_t>(R + q)] = stride > 0 ? q * stride : so;
+    so += m[static_cast<size_t>(me)][static_cast<size_t>(q)];
+    ca.host[static_cast<size_t>(2 * R + q)] = m[static_cast<size_t>(q)][static_cast<size_t>(me)];
+    ca.host[static_cast<size_t>(3 * R + q)] = stride > 0 ? q * stride : ro;
+    ro += m[static_cast<size_t>(q)][static_cast<size_t>(me)];
+  }
+  // Pageable source: the copy is staged before the call returns, so the vector may change after.
+  GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(ca.d, ca.host.data(), ca.host.size() * 8, cudaMemcpyHostToDevice, stream));
+}
+
+}  // namespace
+
+void runAllToAllv(Communicator& comm, CountPattern pattern, std::size_t maxPerPeer, int replays) {
+  const int R = comm.worldSize();
+  const std::size_t cap = maxPerPeer * static_cast<std::size_t>(R);
+  Fixture f(comm, cap, std::size_t{64} << 10, kNearWrap);
+  const int L = f.heap->numLocalRanks();
+  std::vector<CountArrays> ca(static_cast<size_t>(L));
+  for (int l = 0; l < L; ++l) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&ca[static_cast<size_t>(l)].d, 4 * static_cast<size_t>(R) * 8));
+  }
+  std::vector<std::vector<std::uint64_t>> m;
+  auto args = [&](int l) {
+    AllToAllvArgs a;
+    const std::uint64_t* d = ca[static_cast<size_t>(l)].d;
+    a.src = f.bufs[static_cast<size_t>(l)].src;
+    a.srcBytes = cap;
+    a.dst = f.bufs[static_cast<size_t>(l)].dst;
+    a.dstBytes = cap;
+    a.sendCounts = d;
+    a.sendOffsets = d + R;
+    a.recvCounts = d + 2 * R;
+    a.recvOffsets = d + 3 * R;
+    a.maxBytesPerPeer = maxPerPeer;
+    return a;
+  };
+  std::uint64_t lastSeed = ~0ull;
+  runChecked(
+      f, replays,
+      [&](int l, cudaStream_t s) { f.movers[static_cast<size_t>(l)].allToAllv(s, args(l)); },
+      [&](int l, cudaStream_t s, std::uint64_t seed) {
+        if (seed != lastSeed) {
+          m = countMatrix(pattern, R, maxPerPeer, seed);
+          lastSeed = seed;
+        }
+        const int me = f.heap->rank(l);
+        uploadCounts(ca[static_cast<size_t>(l)], m, me, s);
+        const auto& h = ca[static_cast<size_t>(l)].host;
+        for (int q = 0; q < R; ++q) {
+          GRAPHEP_CUDA_CHECK(launchFillPattern(f.bufs[static_cast<size_t>(l)].src + h[static_cast<size_t>(R + q)],
+                                               h[static_cast<size_t>(q)], seed, me * 64 + q, s));
+        }
+        GRAPHEP_CUDA_CHECK(cudaMemsetAsync(f.bufs[static_cast<size_t>(l)].dst, kPoison, cap + kSlack, s));
+      },
+      [&](int l, cudaStream_t s, std::uint64_t seed) {
+        const int me = f.heap->rank(l);
+        const auto& h = ca[static_cast<size_t>(l)].host;
+        for (int q = 0; q < R; ++q) {
+          GRAPHEP_CUDA_CHECK(launchCountMismatches(
+              f.bufs[static_cast<size_t>(l)].dst + h[static_cast<size_t>(3 * R + q)], h[static_cast<size_t>(2 * R + q)],
+              seed, q * 64 + me, f.bufs[static_cast<size_t>(l)].wrong, s));
+        }
+      });
+  for (int l = 0; l < L; ++l) {
+    cudaSetDevice(f.heap->device(l));
+    cudaFree(ca[static_cast<size_t>(l)].d);
+  }
+}
+
+void runAllToAllvOutOfBounds(Communicator& comm) {
+  const int R = comm.worldSize();
+  const std::size_t perPeer = 4096;
+  const std::size_t cap = perPeer * static_cast<std::size_t>(R);
+  Fixture f(comm, cap, std::size_t{64} << 10, 0);
+  const int L = f.heap->numLocalRanks();
+  auto m = countMatrix(CountPattern::kEqual, R, perPeer, 1);
+  // Rank 0 -> rank 1 asks for more than either buffer holds.
+  m[0][1] = cap + 1;
+  std::vector<CountArrays> ca(static_cast<size_t>(L));
+  for (int l = 0; l < L; ++l) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&ca[static_cast<size_t>(l)].d, 4 * static_cast<size_t>(R) * 8));
+    uploadCounts(ca[static_cast<size_t>(l)], m, f.heap->rank(l), f.bufs[static_cast<size_t>(l)].stream,
+                 perPeer);
+    GRAPHEP_CUDA_CHECK(cudaMemsetAsync(f.bufs[static_cast<size_t>(l)].dst, kPoison, cap + kSlack,
+                                       f.bufs[static_cast<size_t>(l)].stream));
+  }
+  f.syncAll();
+  for (int l = 0; l < L; ++l) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+    const std::uint64_t* d = ca[static_cast<size_t>(l)].d;
+    AllToAllvArgs a;
+    a.src = f.bufs[static_cast<size_t>(l)].src;
+    a.srcBytes = cap;
+    a.dst = f.bufs[static_cast<size_t>(l)].dst;
+    a.dstBytes = cap;
+    a.sendCounts = d;
+    a.sendOffsets = d + R;
+    a.recvCounts = d + 2 * R;
+    a.recvOffsets = d + 3 * R;
+    f.movers[static_cast<size_t>(l)].allToAllv(f.bufs[static_cast<size_t>(l)].stream, a);
+  }
+  f.syncAll();
+  for (int l = 0; l < L; ++l) {
+    const int me = f.heap->rank(l);
+    const DeviceErrorRecord rec = f.heap->errorRecord(l);
+    if (me == 0 || me == 1) {
+      EXPECT_EQ(rec.kind, static_cast<std::uint32_t>(DeviceErrorKind::kOutOfBounds)) << "rank " << me;
+      EXPECT_EQ(rec.peer, me == 0 ? 1 : 0) << "rank " << me;
+      EXPECT_NE(f.heap->errorMessage(l).find("dropped"), std::string::npos) << f.heap->errorMessage(l);
+    } else {
+      EXPECT_EQ(f.heap->errorMessage(l), "") << "rank " << me;
+    }
+    cudaSetDevice(f.heap->device(l));
+    cudaFree(ca[static_cast<size_t>(l)].d);
+  }
+}
+
 }  // namespace graphep::test

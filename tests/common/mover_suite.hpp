@@ -37,4 +37,15 @@ void runAllGatherRing(Communicator& comm, std::size_t chunkBytes, bool zeroCopy,
 // (inputs are chosen so every partial sum is exact). replays as above.
 void runReduceScatterRing(Communicator& comm, std::size_t count, bool bf16, int replays);
 
+enum class CountPattern { kEqual, kRandom, kSomePairsZero, kEmpty };
+
+// alltoallv with counts drawn per run from `pattern` (up to maxPerPeer bytes per pair, packed
+// offsets, so segments are unaligned). With replays > 1 one captured graph per rank is replayed
+// with new counts (written into the device count arrays) and new data every time.
+void runAllToAllv(Communicator& comm, CountPattern pattern, std::size_t maxPerPeer, int replays);
+
+// A count that overflows both the sender's and the receiver's buffer is dropped on both sides
+// (nothing written, no hang) and reported with kOutOfBounds naming the peer.
+void runAllToAllvOutOfBounds(Communicator& comm);
+
 }  // namespace graphep::test

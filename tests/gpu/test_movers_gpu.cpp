@@ -60,5 +60,25 @@ TEST(Gpu1_Ring, ReduceScatterEmulatedRanks) {
   }
 }
 
+TEST(Gpu1_AllToAllv, EmulatedRanksPatternsAndReplays) {
+  GRAPHEP_REQUIRE_GPUS(1);
+  for (int ranks : {4, 8}) {
+    auto comm = createLocalGroup(std::vector<int>(static_cast<size_t>(ranks), 0));
+    for (CountPattern pat : {CountPattern::kEqual, CountPattern::kRandom, CountPattern::kSomePairsZero,
+                             CountPattern::kEmpty}) {
+      SCOPED_TRACE("ranks=" + std::to_string(ranks) + " pattern=" + std::to_string(static_cast<int>(pat)));
+      runAllToAllv(*comm, pat, (std::size_t{64} << 10) + 5, 1);
+    }
+    runAllToAllv(*comm, CountPattern::kRandom, std::size_t{1} << 20, 1);
+    runAllToAllv(*comm, CountPattern::kSomePairsZero, (std::size_t{16} << 10) + 3, 200);
+  }
+}
+
+TEST(Gpu1_AllToAllv, OverflowingCountIsDroppedAndReported) {
+  GRAPHEP_REQUIRE_GPUS(1);
+  auto comm = createLocalGroup({0, 0, 0, 0});
+  runAllToAllvOutOfBounds(*comm);
+}
+
 }  // namespace
 }  // namespace graphep::test

@@ -92,6 +92,14 @@ TEST(Mpi_Ring, AllGatherAndReduceScatter) {
   runReduceScatterRing(*comm, std::size_t{1} << 18, false, 100);
 }
 
+TEST(Mpi_AllToAllv, PatternsAndReplays) {
+  GRAPHEP_REQUIRE_MPI_GPUS();
+  auto comm = createMpiCommunicator(-1, false);
+  runAllToAllv(*comm, CountPattern::kRandom, (std::size_t{1} << 20) + 1, 1);
+  runAllToAllv(*comm, CountPattern::kSomePairsZero, (std::size_t{64} << 10) + 3, 1000);
+  runAllToAllvOutOfBounds(*comm);
+}
+
 // Ranks that disagree on the heap config fail at setup, on every rank, naming both sizes.
 TEST(Mpi_Foundation, MismatchedConfigsAreRejectedOnEveryRank) {
   GRAPHEP_REQUIRE_MPI_GPUS();

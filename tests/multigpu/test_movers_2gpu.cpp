@@ -35,6 +35,19 @@ TEST(Gpu2_SendRecv, ForcedRemoteThroughAdoptedNccl) {
   runSendRecvReplays(*comm, std::size_t{1} << 20, 200, false);
 }
 
+TEST(Gpu2_AllToAllv, PatternsSizesAndReplays) {
+  GRAPHEP_REQUIRE_GPUS(2);
+  auto comm = createLocalGroup({0, 1});
+  for (std::size_t perPeer : {std::size_t{1}, std::size_t{4095}, std::size_t{1} << 20,
+                              std::size_t{64} << 20}) {
+    runAllToAllv(*comm, CountPattern::kEqual, perPeer, 1);
+    runAllToAllv(*comm, CountPattern::kRandom, perPeer, 1);
+  }
+  runAllToAllv(*comm, CountPattern::kEmpty, 4096, 1);
+  runAllToAllv(*comm, CountPattern::kSomePairsZero, (std::size_t{256} << 10) + 9, 1000);
+  runAllToAllvOutOfBounds(*comm);
+}
+
 TEST(Gpu2_Ring, AllGatherAndReduceScatter) {
   GRAPHEP_REQUIRE_GPUS(2);
   auto comm = createLocalGroup({0, 1});

@@ -1,0 +1,107 @@
+// alltoallv kernel family (see kernels/alltoallv.h), its launcher below.
+#include "kernels/alltoallv.h"
+
+#include "kernels/common/pipe.cuh"
+
+namespace graphep {
+namespace {
+
+constexpr int kSendBarrier = 1;
+constexpr int kRecvBarrier = 2;
+
+// Channels a transfer of `bytes` uses out of `avail`.
+__device__ __forceinline__ std::uint32_t activeChannels(std::uint64_t bytes, std::uint64_t minBytes,
+                                                        std::uint32_t avail) {
+  const std::uint64_t want = (bytes + minBytes - 1) / minBytes;
+  return static_cast<std::uint32_t>(want < 1 ? 1 : (want > avail ? avail : want));
+}
+
+// A count that does not fit its buffer is dropped (treated as 0) and reported once per rank.
+__device__ std::uint64_t checkedCount(const AllToAllvParams& p, std::uint64_t offset,
+                                      std::uint64_t count, std::uint64_t capacity,
+                                      std::int32_t peer, bool report) {
+  if (offset <= capacity && count <= capacity - offset) return count;
+  if (report) {
+    reportDeviceError(p.sync.error, DeviceErrorKind::kOutOfBounds, p.sync.rank, peer,
+                      WaitSite::kAllToAllvBounds,
+                      static_cast<std::uint32_t>(capacity > 0xffffffffull ? 0xffffffffull : capacity),
+                      static_cast<std::uint32_t>((offset + count) > 0xffffffffull ? 0xffffffffull
+                                                                                   : offset + count),
+                      0, nullptr);
+  }
+  return 0;
+}
+
+__global__ void __launch_bounds__(2 * 8 * 32)
+    allToAllvKernel(const __grid_constant__ AllToAllvParams p) {
+  __shared__ int abortFlag[2];
+  const int R = p.sync.numRanks;
+  int peer = 0;
+  while (peer + 1 <= R && blockIdx.x >= p.firstChannel[peer + 1]) ++peer;
+  if (peer >= R) return;
+  const std::uint32_t avail = p.firstChannel[peer + 1] - p.firstChannel[peer];
+  const std::uint32_t c = blockIdx.x - p.firstChannel[peer];
+  const int roleThreads = static_cast<int>(p.warpsPerRole) * 32;
+  const int t = static_cast<int>(threadIdx.x);
+  const bool sender = t < roleThreads;
+  const int tid = sender ? t : t - roleThreads;
+  if (t >= 2 * roleThreads) return;
+
+  if (peer == p.sync.rank) {
+    // Own block: a local copy by the sender role's warps, split over this peer's channels.
+    if (!sender) return;
+    const std::uint64_t off = p.sendOffsets[peer];
+    const std::uint64_t dOff = p.recvOffsets[peer];
+    std::uint64_t bytes = checkedCount(p, off, p.sendCounts[peer], p.srcBytes, peer, c == 0 && tid == 0);
+    bytes = checkedCount(p, dOff, bytes, p.dstBytes, peer, c == 0 && tid == 0);
+    const std::uint32_t n = activeChannels(bytes, p.minBytesPerChannel, avail);
+    if (c >= n) return;
+    std::uint64_t begin, end;
+    channelRange(bytes, n, c, &begin, &end);
+    copyBytes<LoadKind::kDefault>(p.dst + dOff + begin, p.src + off + begin, end - begin, tid,
+                                  roleThreads);
+    return;
+  }
+
+  PipeShape shape{0, p.numSlots, p.slotBytes};
+  if (sender) {
+    if (p.send[peer].peer < 0) return;
+    SendLink l = p.send[peer];
+    const std::uint64_t off = p.sendOffsets[peer];
+    l.bytes = checkedCount(p, off, p.sendCounts[peer], p.srcBytes, peer, c == 0 && tid == 0);
+    l.src = p.src + off;
+    shape.numChannels = activeChannels(l.bytes, p.minBytesPerChannel, avail);
+    if (c >= shape.numChannels) return;
+    pipeSend<NvlTransport>(p.sync, shape, l, c, kSendBarrier, tid, roleThreads, &abortFlag[0]);
+  } else {
+    if (p.recv[peer].peer < 0) return;
+    RecvLink l = p.recv[peer];
+    const std::uint64_t off = p.recvOffsets[peer];
+    l.bytes = checkedCount(p, off, p.recvCounts[peer], p.dstBytes, peer, c == 0 && tid == 0);
+    l.dst = p.dst + off;
+    shape.numChannels = activeChannels(l.bytes, p.minBytesPerChannel, avail);
+    if (c >= shape.numChannels) return;
+    pipeRecv<NvlTransport, Consume::kCopy>(p.sync, shape, l, c, kRecvBarrier, tid, roleThreads,
+                                           &abortFlag[1]);
+  }
+}
+
+}  // namespace
+
+cudaError_t launchAllToAllv(const AllToAllvParams& p, cudaStream_t stream) {
+  const unsigned blocks = p.firstChannel[p.sync.numRanks];
+  if (p.warpsPerRole < 1 || p.warpsPerRole > 8 || blocks == 0 || p.minBytesPerChannel == 0 ||
+      p.numSlots < 1 || (p.numSlots & (p.numSlots - 1)) != 0 || p.slotBytes % 16 != 0 ||
+      p.slotBytes == 0) {
+    return cudaErrorInvalidValue;
+  }
+  allToAllvKernel<<<blocks, 2 * p.warpsPerRole * 32, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t preloadAllToAllvKernels() {
+  cudaFuncAttributes a{};
+  return cudaFuncGetAttributes(&a, allToAllvKernel);
+}
+
+}  // namespace graphep

@@ -1,0 +1,43 @@
+// alltoallv: every rank sends sendCounts[p] bytes from src + sendOffsets[p] to each rank p and
+// receives recvCounts[p] bytes into dst + recvOffsets[p], with counts and offsets read from
+// device memory when the kernel runs (graph-capturable; they may change between replays).
+//
+// Grid: for each peer p, channels firstChannel[p] .. firstChannel[p+1]-1 (the count per peer is
+// chosen on the host from the peer's topology class). A peer's transfer of B bytes uses only
+// ceil(B / minBytesPerChannel) of its channels (at most all): the rest are masked at run time.
+// Both ends derive the same number from the same count. The rank's own block is a local copy.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include <graphep/types.hpp>
+
+#include "kernels/common/pipe.h"
+#include "kernels/common/sync_handle.h"
+
+namespace graphep {
+
+struct AllToAllvParams {
+  SyncHandle sync;
+  std::uint32_t numSlots, slotBytes, warpsPerRole;
+  std::uint64_t minBytesPerChannel;
+  std::uint16_t firstChannel[kMaxRanks + 1];  // CTA ranges per peer
+
+  const char* src;
+  char* dst;
+  std::uint64_t srcBytes, dstBytes;  // capacities: a count past them is dropped and reported
+  const std::uint64_t* sendCounts;   // device, [numRanks] bytes
+  const std::uint64_t* sendOffsets;
+  const std::uint64_t* recvCounts;
+  const std::uint64_t* recvOffsets;
+
+  SendLink send[kMaxRanks];  // channel tables per peer (src/bytes filled in by the kernel)
+  RecvLink recv[kMaxRanks];
+};
+
+cudaError_t launchAllToAllv(const AllToAllvParams& p, cudaStream_t stream);
+cudaError_t preloadAllToAllvKernels();
+
+}  // namespace graphep
