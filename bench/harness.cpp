@@ -181,10 +181,10 @@ void printHeader(const Options& o, const Ranks& r) {
   } else {
     std::printf("#  2 emulated ranks on one GPU: no NCCL baseline (NCCL refuses two ranks on one GPU)\n");
   }
-  std::printf("#\n# %-10s %-28s %12s %10s %10s %8s %12s %8s\n", "op", "variant", "size", "time",
-              "algbw", "#wrong", "nccl", "ratio");
-  std::printf("# %-10s %-28s %12s %10s %10s %8s %12s %8s\n", "", "", "(B)", "(us)", "(GB/s)", "",
-              "(us)", "(x)");
+  std::printf("#\n# %-10s %-28s %12s %10s %10s %10s %8s %12s %8s\n", "op", "variant", "size",
+              "time", "algbw", "busbw", "#wrong", "nccl", "ratio");
+  std::printf("# %-10s %-28s %12s %10s %10s %10s %8s %12s %8s\n", "", "", "(B)", "(us)", "(GB/s)",
+              "(GB/s)", "", "(us)", "(x)");
 }
 
 void printRow(const Row& row) {
@@ -193,9 +193,9 @@ void printRow(const Row& row) {
     std::snprintf(nccl, sizeof(nccl), "%.2f", row.ncclUs);
     std::snprintf(ratio, sizeof(ratio), "%.2f", row.ncclUs / row.timeUs);
   }
-  std::printf("  %-10s %-28s %12zu %10.2f %10.2f %8lld %12s %8s  %s\n", row.op.c_str(),
-              row.variant.c_str(), row.bytes, row.timeUs, row.algbwGBs, row.wrong, nccl, ratio,
-              row.note.c_str());
+  std::printf("  %-10s %-28s %12zu %10.2f %10.2f %10.2f %8lld %12s %8s  %s\n", row.op.c_str(),
+              row.variant.c_str(), row.bytes, row.timeUs, row.algbwGBs, row.busbwGBs, row.wrong,
+              nccl, ratio, row.note.c_str());
   std::fflush(stdout);
 }
 
@@ -212,7 +212,7 @@ void writeJson(const std::string& path, const Options& o, const std::vector<Row>
     const Row& r = rows[i];
     f << (i ? "," : "") << "{\"op\":\"" << r.op << "\",\"variant\":\"" << r.variant
       << "\",\"bytes\":" << r.bytes << ",\"time_us\":" << r.timeUs << ",\"algbw_gbs\":"
-      << r.algbwGBs << ",\"wrong\":" << r.wrong << ",\"nccl_us\":" << r.ncclUs << "}";
+       << r.algbwGBs << ",\"busbw_gbs\":" << r.busbwGBs << ",\"wrong\":" << r.wrong << ",\"nccl_us\":" << r.ncclUs << "}";
   }
   f << "]}\n";
 }

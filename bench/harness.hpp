@@ -24,13 +24,25 @@ struct Options {
   bool graph = true;                                // -G
   int sms = 0;                                      // --sms (0: operation default)
   std::string json;                                 // --json FILE
+  int warpsPerRole = 4;                             // --warps (movers: warps per role per CTA)
+  std::size_t slotBytes = std::size_t{64} << 10;    // --slot (movers: staging slot size)
+  int numSlots = 4;                                 // --slots (movers: slots per channel)
 };
+
+}  // namespace graphep::bench
+
+namespace graphep {
+struct HeapConfig;
+}
+
+namespace graphep::bench {
 
 struct Row {
   std::string op, variant;
   std::size_t bytes = 0;
   double timeUs = 0;        // graphep, per operation
   double algbwGBs = 0;      // 0 when not meaningful (latency rows)
+  double busbwGBs = 0;      // nccl-tests bus bandwidth (bench/README.md)
   long long wrong = 0;      // mismatching elements / lost signals
   double ncclUs = 0;        // baseline through NCCL in the same run; 0 when not available
   std::string note;
@@ -64,8 +76,18 @@ void printRow(const Row& row);
 void progress(const char* what);
 void writeJson(const std::string& path, const Options& o, const std::vector<Row>& rows);
 
+// Data patterns: byte i of a buffer for `salt` (fill on the device, count mismatches on the
+// device; checkBytes synchronises rank i's stream and returns the count).
+void fillBytes(void* p, std::size_t bytes, unsigned salt, cudaStream_t stream);
+long long checkBytes(Ranks& r, int i, const void* p, std::size_t bytes, unsigned salt);
+
+// Mover options (--sms, --warps, --slot, --slots) applied to a heap config.
+void applyMoverOptions(const Options& o, HeapConfig* cfg);
+
 // Operations: each returns its rows.
 std::vector<Row> runPingPong(const Options& o, Ranks& r);
 std::vector<Row> runSendRecv(const Options& o, Ranks& r);
+std::vector<Row> runAllGather(const Options& o, Ranks& r);
+std::vector<Row> runAllToAllv(const Options& o, Ranks& r);
 
 }  // namespace graphep::bench

@@ -1,5 +1,5 @@
 // graphep-bench [op] [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-c 0|1] [-G 0|1]
-//               [--sms N] [--json FILE]
+//               [--sms N] [--warps N] [--slot BYTES] [--slots N] [--json FILE]
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -27,8 +27,9 @@ std::size_t parseSize(const char* s) {
 
 int usage() {
   std::fprintf(stderr,
-               "usage: graphep-bench [pingpong|sendrecv] [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] "
-               "[-w WARMUP] [-c 0|1] [-G 0|1] [--sms N] [--json FILE]\n");
+               "usage: graphep-bench [pingpong|sendrecv|allgather|alltoallv] [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] "
+               "[-w WARMUP] [-c 0|1] [-G 0|1] [--sms N] [--warps N] [--slot BYTES] [--slots N] "
+               "[--json FILE]\n");
   return 2;
 }
 
@@ -54,6 +55,9 @@ int main(int argc, char** argv) {
       else if (a == "-c") o.check = std::atoi(next()) != 0;
       else if (a == "-G") o.graph = std::atoi(next()) != 0;
       else if (a == "--sms") o.sms = std::atoi(next());
+      else if (a == "--warps") o.warpsPerRole = std::atoi(next());
+      else if (a == "--slot") o.slotBytes = parseSize(next());
+      else if (a == "--slots") o.numSlots = std::atoi(next());
       else if (a == "--json") o.json = next();
       else if (a == "-h" || a == "--help") return usage();
       else if (a[0] != '-') o.op = a;
@@ -68,9 +72,13 @@ int main(int argc, char** argv) {
       rows = runPingPong(o, *ranks);
     } else if (o.op == "sendrecv") {
       rows = runSendRecv(o, *ranks);
+    } else if (o.op == "allgather") {
+      rows = runAllGather(o, *ranks);
+    } else if (o.op == "alltoallv") {
+      rows = runAllToAllv(o, *ranks);
     } else {
       GRAPHEP_FAIL(graphep::Status::kInvalidArgument,
-                   "unknown operation '%s' (known: pingpong, sendrecv)", o.op.c_str());
+                   "unknown operation '%s' (known: pingpong, sendrecv, allgather, alltoallv)", o.op.c_str());
     }
     long long wrong = 0;
     for (const Row& r : rows) wrong += r.wrong;

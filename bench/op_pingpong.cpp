@@ -89,7 +89,7 @@ std::vector<Row> runPingPong(const Options& o, Ranks& r) {
     });
     const double us = timeIterations(r, o.warmup, o.iters, [&] { launchEach(r, execs); });
     destroyEach(r, execs);
-    rows.push_back({"pingpong", "flag-in-kernel", 4, us / kInKernelRounds, 0,
+    rows.push_back({"pingpong", "flag-in-kernel", 4, us / kInKernelRounds, 0, 0,
                     readErrors(r, errors), ncclUs, "per round trip"});
   }
   {  // flag-per-launch
@@ -100,7 +100,7 @@ std::vector<Row> runPingPong(const Options& o, Ranks& r) {
     });
     const double us = timeIterations(r, o.warmup, o.iters, [&] { launchEach(r, execs); });
     destroyEach(r, execs);
-    rows.push_back({"pingpong", "flag-per-launch", 4, us / kRoundsPerGraph, 0,
+    rows.push_back({"pingpong", "flag-per-launch", 4, us / kRoundsPerGraph, 0, 0,
                     readErrors(r, errors), ncclUs, "per round trip, 1 launch each"});
   }
   {  // semaphore
@@ -133,7 +133,7 @@ std::vector<Row> runPingPong(const Options& o, Ranks& r) {
       wrong += std::llabs(static_cast<long long>(c.arrived) - expected);
       wrong += std::llabs(static_cast<long long>(c.consumed) - expected);
     }
-    rows.push_back({"pingpong", "semaphore", 4, us / kRoundsPerGraph, 0, wrong, ncclUs,
+    rows.push_back({"pingpong", "semaphore", 4, us / kRoundsPerGraph, 0, 0, wrong, ncclUs,
                     "per round trip: signal+wait+consume each way"});
   }
   for (int i = 0; i < 2; ++i) {
@@ -142,7 +142,7 @@ std::vector<Row> runPingPong(const Options& o, Ranks& r) {
     cudaSetDevice(r.devices[i]);
     cudaFree(errors[i]);
   }
-  if (ncclUs > 0) rows.push_back({"pingpong", "nccl-sendrecv (baseline)", 4, ncclUs, 0, ncclWrong,
+  if (ncclUs > 0) rows.push_back({"pingpong", "nccl-sendrecv (baseline)", 4, ncclUs, 0, 0, ncclWrong,
                                   ncclUs, "grouped send/recv each way"});
   for (const Row& row : rows) printRow(row);
   return rows;

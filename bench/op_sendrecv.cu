@@ -14,58 +14,21 @@
 #include "engine/movers.hpp"
 
 namespace graphep::bench {
-namespace {
-
-// Device-side fill with a rank- and size-dependent byte pattern, and a mismatch count.
-__global__ void fillKernel(unsigned char* p, std::size_t n, unsigned salt) {
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x)
-    p[i] = static_cast<unsigned char>((i * 2654435761u + salt) >> 7);
-}
-__global__ void checkKernel(const unsigned char* p, std::size_t n, unsigned salt,
-                            unsigned long long* wrong) {
-  unsigned long long bad = 0;
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x)
-    bad += p[i] != static_cast<unsigned char>((i * 2654435761u + salt) >> 7);
-  if (bad) atomicAdd(wrong, bad);
-}
-
-long long verify(Ranks& r, const std::vector<char*>& dst, std::size_t bytes,
-                 unsigned long long* wrongBuf[2], unsigned saltOf[2]) {
-  long long total = 0;
-  for (int i = 0; i < 2; ++i) {
-    GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[i]));
-    GRAPHEP_CUDA_CHECK(cudaMemset(wrongBuf[i], 0, sizeof(unsigned long long)));
-    if (bytes > 0) checkKernel<<<1024, 256, 0, r.streams[i]>>>(
-        reinterpret_cast<unsigned char*>(dst[i]), bytes, saltOf[1 - i], wrongBuf[i]);
-    GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(r.streams[i]));
-    unsigned long long w = 0;
-    GRAPHEP_CUDA_CHECK(cudaMemcpy(&w, wrongBuf[i], sizeof(w), cudaMemcpyDeviceToHost));
-    total += static_cast<long long>(w);
-  }
-  return total;
-}
-
-}  // namespace
 
 std::vector<Row> runSendRecv(const Options& o, Ranks& r) {
   HeapConfig cfg;
   cfg.numRanks = 2;
   cfg.userBytes = o.maxBytes;
-  cfg.moverSlotBytes = std::size_t{64} << 10;
+  applyMoverOptions(o, &cfg);
   auto heap = SymmetricHeap::create(*r.comm, cfg);
-  std::vector<Movers> movers = Movers::createAll(*heap);
+  std::vector<Movers> movers = Movers::createAll(*heap, o.warpsPerRole);
   std::vector<char*> src(2), dst(2);
-  unsigned long long* wrong[2];
   unsigned salt[2] = {0x1234u, 0xbeefu};
   for (int i = 0; i < 2; ++i) {
     GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[i]));
     GRAPHEP_CUDA_CHECK(cudaMalloc(&src[i], std::max<std::size_t>(o.maxBytes, 16)));
     GRAPHEP_CUDA_CHECK(cudaMalloc(&dst[i], std::max<std::size_t>(o.maxBytes, 16)));
-    GRAPHEP_CUDA_CHECK(cudaMalloc(&wrong[i], sizeof(unsigned long long)));
-    fillKernel<<<1024, 256, 0, r.streams[i]>>>(reinterpret_cast<unsigned char*>(src[i]),
-                                                o.maxBytes, salt[i]);
+    fillBytes(src[i], o.maxBytes, salt[i], r.streams[i]);
     GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(r.streams[i]));
   }
   std::vector<Row> rows;
@@ -109,10 +72,14 @@ std::vector<Row> runSendRecv(const Options& o, Ranks& r) {
       });
       const double us = timeIterations(r, o.warmup, o.iters, [&] { launchEach(r, execs); });
       destroyEach(r, execs);
-      std::vector<char*> out{zeroCopy ? heap->user(0) : dst[0], zeroCopy ? heap->user(1) : dst[1]};
-      const long long w = o.check ? verify(r, out, bytes, wrong, salt) : 0;
-      Row row{"sendrecv", std::string(zeroCopy ? "zero-copy" : "staged") + " ch=" + std::to_string(channels),
-              bytes, us, us > 0 ? static_cast<double>(bytes) / (us * 1e3) : 0, w, ncclUs, ""};
+      long long w = 0;
+      for (int i = 0; o.check && i < 2; ++i) {
+        w += checkBytes(r, i, zeroCopy ? heap->user(i) : dst[i], bytes, salt[1 - i]);
+      }
+      const double algbw = us > 0 ? static_cast<double>(bytes) / (us * 1e3) : 0;
+      Row row{"sendrecv",
+              std::string(zeroCopy ? "zero-copy" : "staged") + " ch=" + std::to_string(channels),
+              bytes, us, algbw, algbw, w, ncclUs, ""};
       printRow(row);
       rows.push_back(row);
     }
@@ -125,7 +92,6 @@ std::vector<Row> runSendRecv(const Options& o, Ranks& r) {
     cudaSetDevice(r.devices[i]);
     cudaFree(src[i]);
     cudaFree(dst[i]);
-    cudaFree(wrong[i]);
   }
   return rows;
 }

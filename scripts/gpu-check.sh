@@ -48,12 +48,14 @@ GRAPHEP_DEBUG=INFO NCCL_DEBUG=WARN timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-60} \
   "$build/bench/graphep-bench" pingpong -n 50 -w 10 >"$out/bench.log" 2>&1 || { echo "bench failed or timed out (rc=$?)"; status=1; }
 cat "$out/bench.log"
 
-step "benchmark: sendrecv sweep"
-timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-60} \
-  "$build/bench/graphep-bench" sendrecv -b 1K -e 1G -f 4 -n 20 -w 5 \
-  --json "$out/bench_sendrecv.json" >"$out/bench_sendrecv.log" 2>&1 \
-  || { echo "sendrecv bench failed or timed out (rc=$?)"; status=1; }
-grep -v "^# \.\.\." "$out/bench_sendrecv.log"
+step "benchmark: movers (sendrecv, allgather, alltoallv sweeps)"
+: >"$out/bench_movers.log"
+for op in sendrecv allgather alltoallv; do
+  timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-60} \
+    "$build/bench/graphep-bench" $op -b 1K -e 1G -f 4 -n 20 -w 5 ${GRAPHEP_BENCH_ARGS:-} \
+    >>"$out/bench_movers.log" 2>&1 || { echo "$op bench failed or timed out (rc=$?)"; status=1; }
+done
+grep -v "^# \.\.\.\|INFO" "$out/bench_movers.log" | grep -E "^  |failed" || true
 
 echo "== summary: status=$status (logs in $out)"
 exit $status

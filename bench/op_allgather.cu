@@ -1,0 +1,83 @@
+// allgather: S = total output bytes per rank (nccl-tests convention); each of the R ranks
+// contributes S / R. algbw = S / time, busbw = algbw * (R - 1) / R.
+//   ring staged / ring zero-copy   Movers::allGatherRing (R - 1 sendRecv steps)
+//   baseline                       ncclAllGather, captured in a graph
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <string>
+
+#include "bench/harness.hpp"
+#include "engine/error.hpp"
+#include "engine/heap.hpp"
+#include "engine/movers.hpp"
+
+namespace graphep::bench {
+
+std::vector<Row> runAllGather(const Options& o, Ranks& r) {
+  const int R = 2;
+  HeapConfig cfg;
+  cfg.numRanks = R;
+  cfg.userBytes = o.maxBytes;
+  applyMoverOptions(o, &cfg);
+  auto heap = SymmetricHeap::create(*r.comm, cfg);
+  std::vector<Movers> movers = Movers::createAll(*heap, o.warpsPerRole);
+  std::vector<char*> in(R), out(R);
+  const unsigned salt[2] = {0x51u, 0xa7u};
+  for (int i = 0; i < R; ++i) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[static_cast<size_t>(i)]));
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&in[static_cast<size_t>(i)], std::max<std::size_t>(o.maxBytes / R, 16)));
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&out[static_cast<size_t>(i)], std::max<std::size_t>(o.maxBytes, 16)));
+    fillBytes(in[static_cast<size_t>(i)], o.maxBytes / R, salt[i], r.streams[static_cast<size_t>(i)]);
+    GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(r.streams[static_cast<size_t>(i)]));
+  }
+  std::vector<Row> rows;
+  for (std::size_t total = o.minBytes; total <= o.maxBytes;
+       total = std::max<std::size_t>(total + 1, static_cast<std::size_t>(total * o.factor))) {
+    const std::size_t chunk = total / R;
+    progress(("allgather " + std::to_string(total)).c_str());
+    double ncclUs = 0;
+    if (r.nccl) {
+      auto execs = captureAll(r, [&] {
+        GRAPHEP_NCCL_CHECK(ncclGroupStart());
+        for (int i = 0; i < R; ++i) {
+          GRAPHEP_NCCL_CHECK(ncclAllGather(in[static_cast<size_t>(i)], out[static_cast<size_t>(i)], chunk,
+                                           ncclChar, r.nccl->ncclComm(i), r.streams[static_cast<size_t>(i)]));
+        }
+        GRAPHEP_NCCL_CHECK(ncclGroupEnd());
+      });
+      ncclUs = timeIterations(r, o.warmup, o.iters, [&] { launchEach(r, execs); });
+      destroyEach(r, execs);
+    }
+    for (bool zeroCopy : {false, true}) {
+      auto target = [&](int i) { return zeroCopy ? heap->user(i) : out[static_cast<size_t>(i)]; };
+      for (int i = 0; i < R; ++i) {  // the NCCL run filled `out`: poison so graphep must write it
+        GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[static_cast<size_t>(i)]));
+        GRAPHEP_CUDA_CHECK(cudaMemset(target(i), 0xa5, chunk * R));
+      }
+      auto execs = captureEach(r, [&](int i, cudaStream_t s) {
+        movers[static_cast<size_t>(i)].allGatherRing(s, in[static_cast<size_t>(i)], target(i), chunk, zeroCopy);
+      });
+      const double us = timeIterations(r, o.warmup, o.iters, [&] { launchEach(r, execs); });
+      destroyEach(r, execs);
+      long long w = 0;
+      for (int i = 0; o.check && i < R; ++i) {
+        for (int q = 0; q < R; ++q) w += checkBytes(r, i, target(i) + chunk * q, chunk, salt[q]);
+      }
+      const double algbw = us > 0 ? static_cast<double>(chunk * R) / (us * 1e3) : 0;
+      Row row{"allgather", std::string(zeroCopy ? "ring zero-copy" : "ring staged"), chunk * R, us,
+              algbw, algbw * (R - 1) / R, w, ncclUs, ""};
+      printRow(row);
+      rows.push_back(row);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    cudaSetDevice(r.devices[static_cast<size_t>(i)]);
+    cudaFree(in[static_cast<size_t>(i)]);
+    cudaFree(out[static_cast<size_t>(i)]);
+  }
+  return rows;
+}
+
+}  // namespace graphep::bench

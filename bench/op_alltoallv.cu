@@ -1,0 +1,116 @@
+// alltoallv with equal counts: S = bytes each rank sends in total, S / R to every rank (itself
+// included). algbw = S / time, busbw = algbw * (R - 1) / R (nccl-tests alltoall).
+//   graphep     Movers::allToAllv, counts and offsets in device memory
+//   baseline    NCCL grouped ncclSend/ncclRecv to every rank (nccl-tests' alltoall), in a graph
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "bench/harness.hpp"
+#include "engine/error.hpp"
+#include "engine/heap.hpp"
+#include "engine/movers.hpp"
+
+namespace graphep::bench {
+
+std::vector<Row> runAllToAllv(const Options& o, Ranks& r) {
+  const int R = 2;
+  HeapConfig cfg;
+  cfg.numRanks = R;
+  applyMoverOptions(o, &cfg);
+  auto heap = SymmetricHeap::create(*r.comm, cfg);
+  std::vector<Movers> movers = Movers::createAll(*heap, o.warpsPerRole);
+  std::vector<char*> src(R), dst(R);
+  std::vector<std::uint64_t*> counts(R);  // sendCounts | sendOffsets | recvCounts | recvOffsets
+  const std::size_t cap = std::max<std::size_t>(o.maxBytes, 16);
+  for (int i = 0; i < R; ++i) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[static_cast<size_t>(i)]));
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&src[static_cast<size_t>(i)], cap));
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&dst[static_cast<size_t>(i)], cap));
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&counts[static_cast<size_t>(i)], 4 * R * sizeof(std::uint64_t)));
+  }
+  // Segment (q -> i) of a size-S run is filled with salt 0x100 * q + i from index 0.
+  auto salt = [](int q, int i) { return 0x100u * static_cast<unsigned>(q) + static_cast<unsigned>(i); };
+  std::vector<Row> rows;
+  for (std::size_t total = o.minBytes; total <= o.maxBytes;
+       total = std::max<std::size_t>(total + 1, static_cast<std::size_t>(total * o.factor))) {
+    const std::size_t per = total / R;
+    progress(("alltoallv " + std::to_string(total)).c_str());
+    for (int i = 0; i < R; ++i) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[static_cast<size_t>(i)]));
+      std::vector<std::uint64_t> h(4 * static_cast<size_t>(R));
+      for (int q = 0; q < R; ++q) {
+        h[static_cast<size_t>(q)] = per;
+        h[static_cast<size_t>(R + q)] = per * q;
+        h[static_cast<size_t>(2 * R + q)] = per;
+        h[static_cast<size_t>(3 * R + q)] = per * q;
+        fillBytes(src[static_cast<size_t>(i)] + per * q, per, salt(i, q), r.streams[static_cast<size_t>(i)]);
+      }
+      GRAPHEP_CUDA_CHECK(cudaMemcpy(counts[static_cast<size_t>(i)], h.data(), h.size() * 8, cudaMemcpyHostToDevice));
+      GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(r.streams[static_cast<size_t>(i)]));
+    }
+    double ncclUs = 0;
+    if (r.nccl) {
+      auto execs = captureAll(r, [&] {
+        GRAPHEP_NCCL_CHECK(ncclGroupStart());
+        for (int i = 0; i < R; ++i) {
+          for (int q = 0; q < R; ++q) {
+            GRAPHEP_NCCL_CHECK(ncclSend(src[static_cast<size_t>(i)] + per * q, per, ncclChar, q,
+                                        r.nccl->ncclComm(i), r.streams[static_cast<size_t>(i)]));
+            GRAPHEP_NCCL_CHECK(ncclRecv(dst[static_cast<size_t>(i)] + per * q, per, ncclChar, q,
+                                        r.nccl->ncclComm(i), r.streams[static_cast<size_t>(i)]));
+          }
+        }
+        GRAPHEP_NCCL_CHECK(ncclGroupEnd());
+      });
+      ncclUs = timeIterations(r, o.warmup, o.iters, [&] { launchEach(r, execs); });
+      destroyEach(r, execs);
+    }
+    for (int i = 0; i < R; ++i) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[static_cast<size_t>(i)]));
+      GRAPHEP_CUDA_CHECK(cudaMemset(dst[static_cast<size_t>(i)], 0xa5, cap));
+    }
+    auto execs = captureEach(r, [&](int i, cudaStream_t s) {
+      AllToAllvArgs a;
+      const std::uint64_t* d = counts[static_cast<size_t>(i)];
+      a.src = src[static_cast<size_t>(i)];
+      a.srcBytes = cap;
+      a.dst = dst[static_cast<size_t>(i)];
+      a.dstBytes = cap;
+      a.sendCounts = d;
+      a.sendOffsets = d + R;
+      a.recvCounts = d + 2 * R;
+      a.recvOffsets = d + 3 * R;
+      a.maxBytesPerPeer = per;
+      a.channelsPerPeer = o.sms;
+      movers[static_cast<size_t>(i)].allToAllv(s, a);
+    });
+    const double us = timeIterations(r, o.warmup, o.iters, [&] { launchEach(r, execs); });
+    destroyEach(r, execs);
+    long long w = 0;
+    for (int i = 0; o.check && i < R; ++i) {
+      for (int q = 0; q < R; ++q) w += checkBytes(r, i, dst[static_cast<size_t>(i)] + per * q, per, salt(q, i));
+    }
+    const double algbw = us > 0 ? static_cast<double>(per * R) / (us * 1e3) : 0;
+    Row row{"alltoallv", "equal counts", per * R, us, algbw, algbw * (R - 1) / R, w, ncclUs, ""};
+    printRow(row);
+    rows.push_back(row);
+    for (int i = 0; i < R; ++i) {
+      const std::string err = heap->errorMessage(i);
+      GRAPHEP_REQUIRE(err.empty(), Status::kRemoteError, "device error: %s", err.c_str());
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    cudaSetDevice(r.devices[static_cast<size_t>(i)]);
+    cudaFree(src[static_cast<size_t>(i)]);
+    cudaFree(dst[static_cast<size_t>(i)]);
+    cudaFree(counts[static_cast<size_t>(i)]);
+  }
+  return rows;
+}
+
+}  // namespace graphep::bench
