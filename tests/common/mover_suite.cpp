@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <string>
 
+#include "common/graph_util.hpp"
 #include "common/nccl_comms.hpp"
 #include "common/sync_suite.hpp"
 #include "common/sync_test_kernels.h"
@@ -165,12 +166,9 @@ void runSendRecvReplays(Communicator& comm, std::size_t bytes, int replays, bool
     GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
     auto& b = f.bufs[static_cast<size_t>(l)];
     GRAPHEP_CUDA_CHECK(cudaMemset(b.wrong, 0, sizeof(unsigned long long)));
-    GRAPHEP_CUDA_CHECK(cudaStreamBeginCapture(b.stream, cudaStreamCaptureModeThreadLocal));
-    f.movers[static_cast<size_t>(l)].sendRecv(b.stream, argsFor(f, l, c, dstFor(f, l, zeroCopy)));
-    cudaGraph_t g;
-    GRAPHEP_CUDA_CHECK(cudaStreamEndCapture(b.stream, &g));
-    GRAPHEP_CUDA_CHECK(cudaGraphInstantiate(&execs[static_cast<size_t>(l)], g, 0));
-    GRAPHEP_CUDA_CHECK(cudaGraphDestroy(g));
+    execs[static_cast<size_t>(l)] = captureOnStream(b.stream, [&](cudaStream_t s) {
+      f.movers[static_cast<size_t>(l)].sendRecv(s, argsFor(f, l, c, dstFor(f, l, zeroCopy)));
+    });
   }
   SymmetricHeap::Pin pin = f.heap->pin();
   f.syncAll();
@@ -218,15 +216,8 @@ void runChecked(Fixture& f, int replays, Enqueue enqueue, Prepare prepare, Check
   if (replays > 1) {
     for (int l = 0; l < L; ++l) {
       GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
-      cudaStream_t s = f.bufs[static_cast<size_t>(l)].stream;
-      GRAPHEP_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-      enqueue(l, s);
-      cudaGraph_t g;
-      GRAPHEP_CUDA_CHECK(cudaStreamEndCapture(s, &g));
-      cudaGraphExec_t e;
-      GRAPHEP_CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
-      GRAPHEP_CUDA_CHECK(cudaGraphDestroy(g));
-      execs.push_back(e);
+      execs.push_back(captureOnStream(f.bufs[static_cast<size_t>(l)].stream,
+                                      [&](cudaStream_t s) { enqueue(l, s); }));
     }
     pin = f.heap->pin();
   }
@@ -369,6 +360,20 @@ void uploadCounts(CountArrays& ca, const std::vector<std::vector<std::uint64_t>>
   GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(ca.d, ca.host.data(), ca.host.size() * 8, cudaMemcpyHostToDevice, stream));
 }
 
+AllToAllvArgs allToAllvArgs(const Fixture& f, int l, const CountArrays& ca, std::size_t cap) {
+  const int R = f.heap->worldSize();
+  AllToAllvArgs a;
+  a.src = f.bufs[static_cast<size_t>(l)].src;
+  a.srcBytes = cap;
+  a.dst = f.bufs[static_cast<size_t>(l)].dst;
+  a.dstBytes = cap;
+  a.sendCounts = ca.d;
+  a.sendOffsets = ca.d + R;
+  a.recvCounts = ca.d + 2 * R;
+  a.recvOffsets = ca.d + 3 * R;
+  return a;
+}
+
 }  // namespace
 
 void runAllToAllv(Communicator& comm, CountPattern pattern, std::size_t maxPerPeer, int replays) {
@@ -383,16 +388,7 @@ void runAllToAllv(Communicator& comm, CountPattern pattern, std::size_t maxPerPe
   }
   std::vector<std::vector<std::uint64_t>> m;
   auto args = [&](int l) {
-    AllToAllvArgs a;
-    const std::uint64_t* d = ca[static_cast<size_t>(l)].d;
-    a.src = f.bufs[static_cast<size_t>(l)].src;
-    a.srcBytes = cap;
-    a.dst = f.bufs[static_cast<size_t>(l)].dst;
-    a.dstBytes = cap;
-    a.sendCounts = d;
-    a.sendOffsets = d + R;
-    a.recvCounts = d + 2 * R;
-    a.recvOffsets = d + 3 * R;
+    AllToAllvArgs a = allToAllvArgs(f, l, ca[static_cast<size_t>(l)], cap);
     a.maxBytesPerPeer = maxPerPeer;
     return a;
   };
@@ -450,17 +446,8 @@ void runAllToAllvOutOfBounds(Communicator& comm) {
   f.syncAll();
   for (int l = 0; l < L; ++l) {
     GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
-    const std::uint64_t* d = ca[static_cast<size_t>(l)].d;
-    AllToAllvArgs a;
-    a.src = f.bufs[static_cast<size_t>(l)].src;
-    a.srcBytes = cap;
-    a.dst = f.bufs[static_cast<size_t>(l)].dst;
-    a.dstBytes = cap;
-    a.sendCounts = d;
-    a.sendOffsets = d + R;
-    a.recvCounts = d + 2 * R;
-    a.recvOffsets = d + 3 * R;
-    f.movers[static_cast<size_t>(l)].allToAllv(f.bufs[static_cast<size_t>(l)].stream, a);
+    f.movers[static_cast<size_t>(l)].allToAllv(f.bufs[static_cast<size_t>(l)].stream,
+                                               allToAllvArgs(f, l, ca[static_cast<size_t>(l)], cap));
   }
   f.syncAll();
   for (int l = 0; l < L; ++l) {

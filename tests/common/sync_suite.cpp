@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "common/graph_util.hpp"
 #include "common/sync_test_kernels.h"
 #include "engine/error.hpp"
 #include "engine/heap.hpp"
@@ -69,15 +70,8 @@ std::vector<cudaGraphExec_t> captureRound(const SymmetricHeap& heap, Streams& st
   std::vector<cudaGraphExec_t> execs;
   for (int l = 0; l < heap.numLocalRanks(); ++l) {
     GRAPHEP_CUDA_CHECK(cudaSetDevice(heap.device(l)));
-    cudaStream_t s = st.streams[static_cast<size_t>(l)];
-    GRAPHEP_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-    enqueue(l, s);
-    cudaGraph_t g;
-    GRAPHEP_CUDA_CHECK(cudaStreamEndCapture(s, &g));
-    cudaGraphExec_t e;
-    GRAPHEP_CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
-    GRAPHEP_CUDA_CHECK(cudaGraphDestroy(g));
-    execs.push_back(e);
+    execs.push_back(captureOnStream(st.streams[static_cast<size_t>(l)],
+                                    [&](cudaStream_t s) { enqueue(l, s); }));
   }
   return execs;
 }
