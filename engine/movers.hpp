@@ -47,6 +47,8 @@ struct AllToAllvArgs {
   const std::uint64_t* sendOffsets = nullptr;
   const std::uint64_t* recvCounts = nullptr;
   const std::uint64_t* recvOffsets = nullptr;
+  // Channel counts. Both ends of a link derive its active channels from them, so they must be
+  // equal on every rank (as the buffers' capacities are, in an engine built from one config).
   std::size_t maxBytesPerPeer = 0;  // sizes the channel counts (0: the larger capacity)
   int channelsPerPeer = 0;          // 0: from maxBytesPerPeer and each peer's topology class
 };
