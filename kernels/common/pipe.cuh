@@ -26,10 +26,6 @@ __device__ __forceinline__ void roleBarrier(int id, int nthreads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(nthreads) : "memory");
 }
 
-__device__ __forceinline__ std::uint32_t pipeChunks(std::uint64_t bytes, std::uint32_t slotBytes) {
-  return static_cast<std::uint32_t>((bytes + slotBytes - 1) / slotBytes);
-}
-
 // The consume hook for one chunk (slot -> dst + off).
 template <Consume kConsume>
 __device__ __forceinline__ void consumeChunk(const RecvLink& l, const char* slot,
@@ -52,11 +48,12 @@ __device__ void pipeSend(const SyncHandle& sync, const PipeShape& shape, const S
   channelRange(l.bytes, shape.numChannels, c, &begin, &end);
   const std::uint32_t step0 = l.step[c];
   if (l.direct != nullptr) {
-    std::uint32_t n = pipeChunks(end - begin, shape.slotBytes);
-    n = n > 0 ? n : 1u;
+    const std::uint32_t n = zeroCopySteps(end - begin, shape.slotBytes);
     if (tid == 0) {
-      *abortFlag =
-          Transport::wait(sync, l.ready + c, step0 + 1u, l.peer, WaitSite::kMoverReady) ? 0 : 1;
+      *abortFlag = Transport::wait(sync, l.ready + c, readyValue(step0), l.peer,
+                                   WaitSite::kMoverReady)
+                       ? 0
+                       : 1;
     }
     roleBarrier(barrierId, nthreads);
     if (*abortFlag) return;
@@ -74,7 +71,7 @@ __device__ void pipeSend(const SyncHandle& sync, const PipeShape& shape, const S
     const std::uint32_t s = step0 + k;
     if (tid == 0) {
       // Slot s % numSlots is free once the receiver consumed chunk s - numSlots.
-      *abortFlag = Transport::wait(sync, l.tail + c, s + 1u - shape.numSlots, l.peer,
+      *abortFlag = Transport::wait(sync, l.tail + c, slotFreeTarget(s, shape.numSlots), l.peer,
                                    WaitSite::kMoverSlotFree)
                        ? 0
                        : 1;
@@ -83,7 +80,7 @@ __device__ void pipeSend(const SyncHandle& sync, const PipeShape& shape, const S
     if (*abortFlag) return;
     const std::uint64_t off = begin + static_cast<std::uint64_t>(k) * shape.slotBytes;
     const std::uint64_t len = end - off < shape.slotBytes ? end - off : shape.slotBytes;
-    Transport::put(slots + static_cast<std::uint64_t>(s & (shape.numSlots - 1)) * shape.slotBytes,
+    Transport::put(slots + static_cast<std::uint64_t>(slotOf(s, shape.numSlots)) * shape.slotBytes,
                    l.src + off, len, tid, nthreads);
     // Every thread's stores precede the barrier; thread 0's fence + release publish them.
     roleBarrier(barrierId, nthreads);
@@ -100,11 +97,10 @@ __device__ void pipeRecv(const SyncHandle& sync, const PipeShape& shape, const R
   channelRange(l.bytes, shape.numChannels, c, &begin, &end);
   const std::uint32_t step0 = l.step[c];
   if (l.direct) {
-    std::uint32_t n = pipeChunks(end - begin, shape.slotBytes);
-    n = n > 0 ? n : 1u;
+    const std::uint32_t n = zeroCopySteps(end - begin, shape.slotBytes);
     if (tid == 0) {
       // Everything this stream ran before is done with dst: the sender may overwrite it.
-      Transport::signal(l.ready + c, step0 + 1u);
+      Transport::signal(l.ready + c, readyValue(step0));
       const bool ok = Transport::wait(sync, l.head + c, step0 + n, l.peer, WaitSite::kMoverData);
       // No slot was used: keep the tail in step for later staged launches on this channel.
       if (ok) Transport::signal(l.tail + c, step0 + n);
@@ -125,7 +121,7 @@ __device__ void pipeRecv(const SyncHandle& sync, const PipeShape& shape, const R
     const std::uint64_t off = begin + static_cast<std::uint64_t>(k) * shape.slotBytes;
     const std::uint64_t len = end - off < shape.slotBytes ? end - off : shape.slotBytes;
     consumeChunk<kConsume>(
-        l, slots + static_cast<std::uint64_t>(s & (shape.numSlots - 1)) * shape.slotBytes, off,
+        l, slots + static_cast<std::uint64_t>(slotOf(s, shape.numSlots)) * shape.slotBytes, off,
         len, tid, nthreads);
     // All reads of the slot precede the barrier; the fence in signal orders them before the
     // release that hands the slot back to the sender.

@@ -26,6 +26,27 @@ __host__ __device__ inline void channelRange(std::uint64_t bytes, std::uint32_t 
   *end = *begin + per < bytes ? *begin + per : bytes;
 }
 
+// The protocol's arithmetic, shared by the device roles (pipe.cuh) and the host model test.
+// Chunks a range of `bytes` takes in staged mode.
+__host__ __device__ inline std::uint32_t pipeChunks(std::uint64_t bytes, std::uint32_t slotBytes) {
+  return static_cast<std::uint32_t>((bytes + slotBytes - 1) / slotBytes);
+}
+// Steps a zero-copy launch takes: at least one, so every launch has its own ready value.
+__host__ __device__ inline std::uint32_t zeroCopySteps(std::uint64_t bytes, std::uint32_t slotBytes) {
+  const std::uint32_t n = pipeChunks(bytes, slotBytes);
+  return n > 0 ? n : 1u;
+}
+// Tail value the sender needs before writing chunk s: slot s % numSlots was consumed.
+__host__ __device__ inline std::uint32_t slotFreeTarget(std::uint32_t s, std::uint32_t numSlots) {
+  return s + 1u - numSlots;
+}
+// Slot of chunk s (numSlots is a power of two, so this survives the 32-bit wrap).
+__host__ __device__ inline std::uint32_t slotOf(std::uint32_t s, std::uint32_t numSlots) {
+  return s & (numSlots - 1u);
+}
+// Ready value a zero-copy receiver posts at the start of a launch whose first step is step0.
+__host__ __device__ inline std::uint32_t readyValue(std::uint32_t step0) { return step0 + 1u; }
+
 struct PipeShape {
   std::uint32_t numChannels;  // channels the link's bytes are split over
   std::uint32_t numSlots;     // staging slots per channel (power of two)

@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "kernels/common/counter.h"
+
 namespace graphep::ptx {
 
 __device__ __forceinline__ std::uint32_t ldAcquireSys(const std::uint32_t* p) {
@@ -64,12 +66,6 @@ __device__ __forceinline__ std::uint64_t globalTimerNs() {
   return t;
 }
 
-// Wrap-safe "counter has reached target": true while (int32)(observed - target) >= 0, the same
-// cyclic rule as CU_STREAM_WAIT_VALUE_GEQ, so monotonic counters may wrap past 2^32 freely as
-// long as no two compared values are 2^31 or more apart.
-__host__ __device__ __forceinline__ bool counterReached(std::uint32_t observed,
-                                                        std::uint32_t target) {
-  return static_cast<std::int32_t>(observed - target) >= 0;
-}
+using graphep::counterReached;
 
 }  // namespace graphep::ptx
