@@ -20,6 +20,7 @@ struct HeapConfig {
   int moverBlocks = 16;            // data-mover channels (CTAs) per peer
   int moverSlots = 4;              // staging slots per (peer, channel); a power of two
   std::size_t moverSlotBytes = 0;  // bytes per staging slot (multiple of 16); 0: no staging
+  std::size_t moverLLBytes = 8192; // largest transfer sent in LL mode (multiple of 8); 0: never
   std::uint32_t counterStart = 0;  // initial flag/step/epoch/total value (tests start near wrap)
   long long timeoutMs = -1;        // device wait bound; -1 reads GRAPHEP_TIMEOUT_MS
 
@@ -43,6 +44,7 @@ struct HeapLayout {
   std::size_t moverHead = 0, moverTail = 0, moverReady = 0, moverSendStep = 0, moverRecvStep = 0;
   std::size_t user = 0;
   std::size_t staging = 0;
+  std::size_t ll = 0;
   std::size_t totalBytes = 0;
   std::vector<HeapRegion> regions;  // in carve order
 };

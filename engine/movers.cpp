@@ -95,6 +95,8 @@ SendLink Movers::sendLink(int peer) const {
   l.tail = u32(mine, L.moverTail) + asPeer;
   l.ready = u32(mine, L.moverReady) + asPeer;
   l.step = u32(mine, L.moverSendStep) + asPeer;
+  l.llHalf = llHalfBytes(cfg.moverLLBytes);
+  l.llRegion = theirs + L.ll + static_cast<std::size_t>(heap_->rank(local_)) * 2 * l.llHalf;
   return l;
 }
 
@@ -115,6 +117,8 @@ RecvLink Movers::recvLink(int peer) const {
   l.tail = u32(theirs, L.moverTail) + asDest;
   l.ready = u32(theirs, L.moverReady) + asDest;
   l.step = u32(mine, L.moverRecvStep) + asPeer;
+  l.llHalf = llHalfBytes(cfg.moverLLBytes);
+  l.llRegion = mine + L.ll + static_cast<std::size_t>(peer) * 2 * l.llHalf;
   return l;
 }
 
@@ -144,8 +148,12 @@ SendRecvParams Movers::params(const SendRecvArgs& a) const {
   const bool recvNvl = a.recvPeer >= 0 && !remote(a.recvPeer);
   const bool sendZeroCopy = a.sendToUserOffset >= 0;
   const std::size_t bytesForChannels = a.sendPeer >= 0 ? a.sendBytes : a.recvBytes;
-  const bool needStaging = (sendNvl && !sendZeroCopy && a.sendBytes > 0) ||
-                           (recvNvl && !a.recvZeroCopy && a.recvBytes > 0);
+  // LL mode for small transfers: both ends decide from the byte count alone (and the zero-copy
+  // flag, which both ends pass alike), so they always agree.
+  const bool sendLL = sendNvl && !sendZeroCopy && a.sendBytes <= cfg.moverLLBytes;
+  const bool recvLL = recvNvl && !a.recvZeroCopy && a.recvBytes <= cfg.moverLLBytes;
+  const bool needStaging = (sendNvl && !sendZeroCopy && !sendLL && a.sendBytes > 0) ||
+                           (recvNvl && !a.recvZeroCopy && !recvLL && a.recvBytes > 0);
   GRAPHEP_REQUIRE(!needStaging || cfg.moverSlotBytes > 0, Status::kInvalidArgument,
                   "sendRecv: staged transfers need HeapConfig.moverSlotBytes > 0 (it is 0)");
   GRAPHEP_REQUIRE(a.recvPeer < 0 || recvNvl || a.consume == Consume::kCopy, Status::kNotSupported,
@@ -166,6 +174,7 @@ SendRecvParams Movers::params(const SendRecvArgs& a) const {
     p.send = sendLink(a.sendPeer);
     p.send.src = static_cast<const char*>(a.src);
     p.send.bytes = a.sendBytes;
+    p.send.ll = sendLL ? 1 : 0;
     if (sendZeroCopy) {
       GRAPHEP_REQUIRE(static_cast<std::size_t>(a.sendToUserOffset) + a.sendBytes <= cfg.userBytes,
                       Status::kInvalidArgument,
@@ -181,6 +190,7 @@ SendRecvParams Movers::params(const SendRecvArgs& a) const {
     p.recv = recvLink(a.recvPeer);
     p.recv.dst = static_cast<char*>(a.dst);
     p.recv.bytes = a.recvBytes;
+    p.recv.ll = recvLL ? 1 : 0;
     if (a.recvZeroCopy) {
       const char* user = heap_->user(local_);
       const char* d = static_cast<const char*>(a.dst);

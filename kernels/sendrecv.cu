@@ -16,12 +16,23 @@ __global__ void __launch_bounds__(2 * kMaxWarpsPerRole * 32)
   const int roleThreads = static_cast<int>(p.warpsPerRole) * 32;
   const int t = static_cast<int>(threadIdx.x);
   if (t < roleThreads) {
-    if (p.send.peer >= 0) {
+    if (p.send.peer < 0) return;
+    if (p.send.ll) {
+      if (blockIdx.x == 0) {
+        pipeSendLL<NvlTransport>(p.sync, p.send, kSendBarrier, t, roleThreads, &abortFlag[0]);
+      }
+    } else {
       pipeSend<NvlTransport>(p.sync, p.shape, p.send, blockIdx.x, kSendBarrier, t, roleThreads,
                              &abortFlag[0]);
     }
   } else if (t < 2 * roleThreads) {
-    if (p.recv.peer >= 0) {
+    if (p.recv.peer < 0) return;
+    if (p.recv.ll) {
+      if (blockIdx.x == 0) {
+        pipeRecvLL<NvlTransport, kConsume>(p.sync, p.recv, kRecvBarrier, t - roleThreads,
+                                           roleThreads, &abortFlag[1]);
+      }
+    } else {
       pipeRecv<NvlTransport, kConsume>(p.sync, p.shape, p.recv, blockIdx.x, kRecvBarrier,
                                        t - roleThreads, roleThreads, &abortFlag[1]);
     }

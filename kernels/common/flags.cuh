@@ -20,38 +20,47 @@ __device__ __forceinline__ void flagPost(std::uint32_t* slot, std::uint32_t valu
   ptx::stReleaseSys(slot, value);
 }
 
-// Spins until reached(*slot) holds, bounded by SyncHandle::timeoutNs. Returns true on success; on
-// timeout records the error (rank, peer, site, expected, observed) and returns false (or traps
-// when asked to). Also returns false promptly once another wait of this rank has failed.
-// `observed` gets the last value read.
+// Polls until poll(&observed) returns true, bounded by SyncHandle::timeoutNs. Returns true on
+// success; on timeout records the error (rank, peer, site, expected = target, observed, address)
+// and returns false (or traps when asked to). Also returns false promptly once another wait of
+// this rank has failed.
+template <class Poll>
+__device__ inline bool boundedPoll(const SyncHandle& h, Poll poll, std::uint32_t target,
+                                   std::int32_t peer, WaitSite site, const void* address) {
+  std::uint32_t v = 0;
+  if (poll(&v)) return true;
+  const std::uint64_t start = ptx::globalTimerNs();
+  for (std::uint32_t iter = 1;; ++iter) {
+    if (poll(&v)) return true;
+    if ((iter & 255u) == 0u) {
+      const std::uint64_t elapsed = ptx::globalTimerNs() - start;
+      if (elapsed > h.timeoutNs) {
+        reportDeviceError(h.error, DeviceErrorKind::kTimeout, h.rank, peer, site, target, v,
+                          elapsed, address);
+        if (h.trapOnTimeout) __trap();
+        return false;
+      }
+      if (deviceErrorRaised(h.error)) return false;
+    }
+  }
+}
+
+// Spins until reached(*slot) holds (acquire loads); `observed` gets the last value read.
 template <class Reached>
 __device__ inline bool boundedWait(const SyncHandle& h, const std::uint32_t* slot,
                                    std::uint32_t target, Reached reached, std::int32_t peer,
                                    WaitSite site, std::uint32_t* observed) {
-  std::uint32_t v = ptx::ldAcquireSys(slot);
-  if (!reached(v)) {
-    const std::uint64_t start = ptx::globalTimerNs();
-    for (std::uint32_t iter = 1;; ++iter) {
-      v = ptx::ldAcquireSys(slot);
-      if (reached(v)) break;
-      if ((iter & 255u) == 0u) {
-        const std::uint64_t elapsed = ptx::globalTimerNs() - start;
-        if (elapsed > h.timeoutNs) {
-          reportDeviceError(h.error, DeviceErrorKind::kTimeout, h.rank, peer, site, target, v,
-                            elapsed, slot);
-          if (h.trapOnTimeout) __trap();
-          if (observed) *observed = v;
-          return false;
-        }
-        if (deviceErrorRaised(h.error)) {
-          if (observed) *observed = v;
-          return false;
-        }
-      }
-    }
-  }
-  if (observed) *observed = v;
-  return true;
+  std::uint32_t last = 0;
+  const bool ok = boundedPoll(
+      h,
+      [&](std::uint32_t* v) {
+        *v = ptx::ldAcquireSys(slot);
+        last = *v;
+        return reached(*v);
+      },
+      target, peer, site, slot);
+  if (observed) *observed = last;
+  return ok;
 }
 
 // Waits until the monotonic flag *slot reaches `target` (wrap-safe).

@@ -131,4 +131,108 @@ __device__ void pipeRecv(const SyncHandle& sync, const PipeShape& shape, const R
   if (tid == 0) l.step[c] = step0 + n;
 }
 
+// --- LL mode (small transfers; see llFlag in pipe.h) ---------------------------------------------
+
+// The 8 data bytes of line i of a `bytes`-long buffer (zero-padded past the end).
+__device__ __forceinline__ uint2 llGather(const char* src, std::uint64_t bytes, std::uint64_t i) {
+  const std::uint64_t off = i * 8;
+  if (off + 8 <= bytes && (reinterpret_cast<std::uintptr_t>(src + off) & 7u) == 0) {
+    return *reinterpret_cast<const uint2*>(src + off);
+  }
+  unsigned char b[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int k = 0; k < 8 && off + k < bytes; ++k) b[k] = static_cast<unsigned char>(src[off + k]);
+  uint2 v;
+  memcpy(&v, b, 8);
+  return v;
+}
+
+// Consumes the 8 data bytes of line i into dst (with the reduction when asked).
+template <Consume kConsume>
+__device__ __forceinline__ void llScatter(const RecvLink& l, std::uint64_t i, uint2 data) {
+  const std::uint64_t off = i * 8;
+  const std::uint64_t n = l.bytes - off < 8 ? l.bytes - off : 8;
+  if constexpr (kConsume == Consume::kAddF32) {
+    float a[2], b[2];
+    memcpy(a, &data, 8);
+    for (std::uint64_t k = 0; k < n / 4; ++k) {
+      memcpy(&b[k], l.addend + off + 4 * k, 4);
+      const float r = a[k] + b[k];
+      memcpy(l.dst + off + 4 * k, &r, 4);
+    }
+  } else if constexpr (kConsume == Consume::kAddBf16) {
+    __nv_bfloat16 a[4], b[4];
+    memcpy(a, &data, 8);
+    for (std::uint64_t k = 0; k < n / 2; ++k) {
+      memcpy(&b[k], l.addend + off + 2 * k, 2);
+      const __nv_bfloat16 r = __float2bfloat16(__bfloat162float(a[k]) + __bfloat162float(b[k]));
+      memcpy(l.dst + off + 2 * k, &r, 2);
+    }
+  } else {
+    if (n == 8 && (reinterpret_cast<std::uintptr_t>(l.dst + off) & 7u) == 0) {
+      *reinterpret_cast<uint2*>(l.dst + off) = data;
+    } else {
+      unsigned char b[8];
+      memcpy(b, &data, 8);
+      for (std::uint64_t k = 0; k < n; ++k) l.dst[off + k] = static_cast<char>(b[k]);
+    }
+  }
+}
+
+// LL sender (channel 0): wait until the half is free, then write every line with the step's flag.
+template <class Transport>
+__device__ void pipeSendLL(const SyncHandle& sync, const SendLink& l, int barrierId, int tid,
+                           int nthreads, int* abortFlag) {
+  const std::uint32_t s = l.step[0];
+  if (tid == 0) {
+    *abortFlag =
+        Transport::wait(sync, l.tail, slotFreeTarget(s, 2), l.peer, WaitSite::kMoverSlotFree) ? 0 : 1;
+  }
+  roleBarrier(barrierId, nthreads);
+  if (*abortFlag) return;
+  const std::uint32_t flag = llFlag(s);
+  auto* lines = reinterpret_cast<uint4*>(l.llRegion + slotOf(s, 2) * l.llHalf);
+  const std::uint64_t n = llLines(l.bytes);
+  for (std::uint64_t i = static_cast<std::uint64_t>(tid); i < n; i += static_cast<std::uint64_t>(nthreads)) {
+    const uint2 d = llGather(l.src, l.bytes, i);
+    ptx::stVolatileV4(lines + i, make_uint4(d.x, flag, d.y, flag));
+  }
+  roleBarrier(barrierId, nthreads);  // every thread read the step before it moves on
+  if (tid == 0) l.step[0] = s + 1u;
+}
+
+// LL receiver (channel 0): poll each line until it carries this step's flag, consume it, then hand
+// the half back with the tail flag.
+template <class Transport, Consume kConsume>
+__device__ void pipeRecvLL(const SyncHandle& sync, const RecvLink& l, int barrierId, int tid,
+                           int nthreads, int* abortFlag) {
+  const std::uint32_t s = l.step[0];
+  const std::uint32_t flag = llFlag(s);
+  const auto* lines = reinterpret_cast<const uint4*>(l.llRegion + slotOf(s, 2) * l.llHalf);
+  const std::uint64_t n = llLines(l.bytes);
+  if (tid == 0) *abortFlag = 0;
+  roleBarrier(barrierId, nthreads);
+  for (std::uint64_t i = static_cast<std::uint64_t>(tid); i < n; i += static_cast<std::uint64_t>(nthreads)) {
+    uint4 v{};
+    const bool ok = boundedPoll(
+        sync,
+        [&](std::uint32_t* seen) {
+          v = ptx::ldVolatileV4(lines + i);
+          *seen = v.y;
+          return v.y == flag && v.w == flag;
+        },
+        flag, l.peer, WaitSite::kMoverData, lines + i);
+    if (!ok) {
+      *abortFlag = 1;
+      break;
+    }
+    llScatter<kConsume>(l, i, make_uint2(v.x, v.z));
+  }
+  roleBarrier(barrierId, nthreads);
+  if (tid == 0) {
+    // All lines of this half were read: the sender may reuse it two steps later.
+    if (!*abortFlag) Transport::signal(l.tail, s + 1u);
+    l.step[0] = s + 1u;
+  }
+}
+
 }  // namespace graphep

@@ -47,6 +47,21 @@ __host__ __device__ inline std::uint32_t slotOf(std::uint32_t s, std::uint32_t n
 // Ready value a zero-copy receiver posts at the start of a launch whose first step is step0.
 __host__ __device__ inline std::uint32_t readyValue(std::uint32_t step0) { return step0 + 1u; }
 
+// LL (low-latency) mode for small transfers: one step per launch, data written as 16-byte lines
+// {data, flag, data, flag} into one of two halves (slotOf(step, 2)) of the receiver's LL region;
+// the flag says which step wrote the line, so no head flag and no fence are needed. Flag values
+// are never 0 (the region starts zeroed): step + 1, with 0 remapped to 1 (1 cannot occur
+// otherwise in that half, whose steps all have the same parity).
+__host__ __device__ inline std::uint32_t llFlag(std::uint32_t step) {
+  const std::uint32_t f = step + 1u;
+  return f == 0u ? 1u : f;
+}
+// LL lines (8 data bytes each) for `bytes`, and the bytes of one LL half for a data capacity.
+__host__ __device__ inline std::uint64_t llLines(std::uint64_t bytes) { return (bytes + 7) / 8; }
+__host__ __device__ inline std::uint64_t llHalfBytes(std::uint64_t capacity) {
+  return llLines(capacity) * 16;
+}
+
 struct PipeShape {
   std::uint32_t numChannels;  // channels the link's bytes are split over
   std::uint32_t numSlots;     // staging slots per channel (power of two)
@@ -56,6 +71,7 @@ struct PipeShape {
 // One direction of one link as the sender sees it (pointers already offset to this link).
 struct SendLink {
   std::int32_t peer;
+  std::int32_t ll;           // LL mode (small transfer): write lines into llRegion
   const char* src;
   std::uint64_t bytes;
   char* staging;             // peer's slots for this rank: [channel][slot][slotBytes]
@@ -64,10 +80,13 @@ struct SendLink {
   const std::uint32_t* tail;   // local tail flags from the peer: [channel]
   const std::uint32_t* ready;  // local ready flags from the peer: [channel]
   std::uint32_t* step;       // local steps toward the peer: [channel]
+  char* llRegion;            // peer's LL region for this rank: 2 halves of llHalf bytes
+  std::uint64_t llHalf;
 };
 
 struct RecvLink {
   std::int32_t peer;
+  std::int32_t ll;           // LL mode: poll lines in llRegion
   char* dst;
   std::uint64_t bytes;
   std::int32_t direct;       // zero-copy: the peer writes into dst itself
@@ -78,6 +97,8 @@ struct RecvLink {
   std::uint32_t* tail;       // peer's tail flags for this rank: [channel]
   std::uint32_t* ready;      // peer's ready flags for this rank: [channel]
   std::uint32_t* step;       // local steps from the peer: [channel]
+  const char* llRegion;      // local LL region for the peer: 2 halves of llHalf bytes
+  std::uint64_t llHalf;
 };
 
 }  // namespace graphep

@@ -56,6 +56,23 @@ __device__ __forceinline__ std::uint32_t atomAcqRelSysCas(std::uint32_t* p, std:
   return old;
 }
 
+// 16-byte LL line accesses: volatile (= relaxed.sys on sm_70+), one transaction each, so a line's
+// data and flags arrive together.
+__device__ __forceinline__ uint4 ldVolatileV4(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void stVolatileV4(uint4* p, uint4 v) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
 // Orders all prior memory accesses of this thread before all later ones, at system scope.
 __device__ __forceinline__ void fenceAcqRelSys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 

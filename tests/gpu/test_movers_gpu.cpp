@@ -30,6 +30,7 @@ TEST(Gpu1_SendRecv, GraphReplaysStagedAndZeroCopy) {
   auto comm = createLocalGroup({0, 0, 0, 0});
   runSendRecvReplays(*comm, std::size_t{1} << 20, 1000, /*zeroCopy=*/false);
   runSendRecvReplays(*comm, (std::size_t{1} << 20) + 3, 1000, /*zeroCopy=*/true);
+  runSendRecvReplays(*comm, 4093, 1000, /*zeroCopy=*/false);  // LL mode across the wrap
 }
 
 TEST(Gpu1_Ring, AllGatherEmulatedRanks) {

@@ -73,6 +73,7 @@ TEST(Mpi_SendRecv, CasesAndReplays) {
   runSendRecvCases(*comm, standardSendRecvCases(std::size_t{64} << 20));
   runSendRecvReplays(*comm, std::size_t{1} << 20, 1000, false);
   runSendRecvReplays(*comm, (std::size_t{1} << 20) + 3, 1000, true);
+  runSendRecvReplays(*comm, 100, 1000, false);  // LL mode
 }
 
 TEST(Mpi_SendRecv, ForcedRemoteThroughNccl) {

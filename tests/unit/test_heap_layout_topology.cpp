@@ -18,7 +18,7 @@ void expectWellFormed(const HeapConfig& cfg) {
   EXPECT_EQ(l.totalBytes, size);
   EXPECT_EQ(size % 4096, 0u);
   std::vector<HeapRegion> r = l.regions;
-  ASSERT_EQ(r.size(), 13u);
+  ASSERT_EQ(r.size(), 14u);
   std::sort(r.begin(), r.end(), [](auto& a, auto& b) { return a.offset < b.offset; });
   for (std::size_t i = 0; i < r.size(); ++i) {
     EXPECT_EQ(r[i].offset % r[i].align, 0u) << r[i].name;
@@ -66,9 +66,11 @@ TEST(Unit_HeapLayout, ClosedFormSize) {
   EXPECT_EQ(l.moverRecvStep, 3584u);
   EXPECT_EQ(l.user, 4096u);     // 4096 rounded up to the 4 KiB alignment
   EXPECT_EQ(l.staging, 16384u);  // 4096 + 10000 = 14096 -> 16384, no staging bytes
-  EXPECT_EQ(l.totalBytes, 16384u);
+  EXPECT_EQ(l.ll, 16384u);       // 8 ranks x 2 halves x 16 KiB (8 KiB of data as 16-byte lines)
+  EXPECT_EQ(l.totalBytes, 16384u + 8 * 2 * 16384u);
   cfg.moverSlotBytes = 65536;    // 8 x 16 x 4 slots x 64 KiB = 32 MiB of staging
-  EXPECT_EQ(carveHeap(cfg, SIZE_MAX).totalBytes, 16384u + (std::size_t{32} << 20));
+  EXPECT_EQ(carveHeap(cfg, SIZE_MAX).totalBytes,
+            16384u + (std::size_t{32} << 20) + 8 * 2 * 16384u);
 }
 
 TEST(Unit_HeapLayout, ValidationNamesTheField) {
@@ -97,6 +99,9 @@ TEST(Unit_HeapLayout, ValidationNamesTheField) {
   }
   cfg.moverSlots = 4;
   cfg.moverSlotBytes = 100;
+  EXPECT_THROW(cfg.validate(), Error);
+  cfg.moverSlotBytes = 0;
+  cfg.moverLLBytes = 12;
   EXPECT_THROW(cfg.validate(), Error);
 }
 

@@ -1,10 +1,11 @@
 // Model check of the pipelined point-to-point protocol (kernels/common/pipe.cuh) on the CPU.
 //
-// One link (sender S -> receiver R, one channel) runs a sequence of launches, each staged or
-// zero-copy with a random size, counters starting just below the 32-bit wrap. Each side is a
+// One link (sender S -> receiver R, one channel) runs a sequence of launches, each staged,
+// zero-copy or LL with a random size, counters starting just below the 32-bit wrap. Each side is a
 // state machine whose atomic actions follow the device roles and use the same rule functions
 // (kernels/common/pipe.h); a random scheduler interleaves them. The model flags:
-//   - a staged write into a slot whose previous chunk was not consumed yet,
+//   - a staged write into a slot (or an LL write into a half) not consumed yet,
+//   - an LL receive completing on lines of another step,
 //   - a receiver consuming a slot that does not hold the chunk it expects,
 //   - a zero-copy write into dst before R's launch started (R's stream may still use dst),
 //   - a zero-copy receive completing before S wrote the launch's data,
@@ -29,9 +30,11 @@ struct Rules {
 };
 const Rules kRealRules{readyValue, zeroCopySteps};
 
+enum class Mode { kStaged, kZeroCopy, kLL };
+
 struct Launch {
   std::uint64_t bytes;
-  bool zeroCopy;
+  Mode mode;
 };
 
 // Returns "" when every interleaving explored was clean, else the first violation.
@@ -40,6 +43,8 @@ std::string runModel(const Rules& rules, std::uint32_t numSlots, std::uint32_t s
   std::uint32_t head = start, tail = start, ready = start;  // shared flags
   std::uint32_t sendStep = start, recvStep = start;
   std::vector<std::optional<std::uint64_t>> slots(numSlots);  // unconsumed chunk ids
+  // LL halves: the step whose lines a half holds (the flag), unconsumed.
+  std::vector<std::optional<std::uint32_t>> llHalves(2);
   std::uint64_t sentChunks = 0, recvChunks = 0;               // unwrapped, for slot contents
   const std::size_t L = launches.size();
   std::vector<bool> zcWritten(L, false), recvStarted(L, false);
@@ -56,7 +61,9 @@ std::string runModel(const Rules& rules, std::uint32_t numSlots, std::uint32_t s
     // Enabled actions.
     bool sendCan = false, recvCan = false;
     if (sk < L) {
-      if (launches[sk].zeroCopy) {
+      if (launches[sk].mode == Mode::kLL) {
+        sendCan = counterReached(tail, slotFreeTarget(sStep0, 2));
+      } else if (launches[sk].mode == Mode::kZeroCopy) {
         sendCan = counterReached(ready, rules.readyTarget(sStep0));
       } else if (si < staged(sk)) {
         sendCan = counterReached(tail, slotFreeTarget(sStep0 + si, numSlots));
@@ -65,7 +72,11 @@ std::string runModel(const Rules& rules, std::uint32_t numSlots, std::uint32_t s
       }
     }
     if (rk < L) {
-      if (launches[rk].zeroCopy) {
+      if (launches[rk].mode == Mode::kLL) {
+        // The receiver can finish once the half holds lines flagged for its step.
+        const auto& half = llHalves[slotOf(rStep0, 2)];
+        recvCan = launches[rk].bytes == 0 || (half.has_value() && llFlag(*half) == llFlag(rStep0));
+      } else if (launches[rk].mode == Mode::kZeroCopy) {
         recvCan = !rStartedThis ||
                   counterReached(head, rStep0 + rules.zeroCopySteps(launches[rk].bytes, slotBytes));
       } else if (ri < staged(rk)) {
@@ -81,7 +92,20 @@ std::string runModel(const Rules& rules, std::uint32_t numSlots, std::uint32_t s
     const bool pickSend = sendCan && (!recvCan || (rng() & 1u));
     if (pickSend) {
       const Launch& l = launches[sk];
-      if (l.zeroCopy) {
+      if (l.mode == Mode::kLL) {
+        auto& half = llHalves[slotOf(sStep0, 2)];
+        if (l.bytes > 0) {
+          if (half.has_value()) {
+            return "LL launch " + std::to_string(sk) + " overwrote the unconsumed lines of step " +
+                   std::to_string(*half);
+          }
+          half = sStep0;
+        }
+        sendStep = sStep0 + 1u;
+        ++sk;
+        si = 0;
+        sStep0 = sendStep;
+      } else if (l.mode == Mode::kZeroCopy) {
         if (!recvStarted[sk]) {
           return "zero-copy launch " + std::to_string(sk) +
                  " wrote dst before the receiver's launch started";
@@ -112,7 +136,21 @@ std::string runModel(const Rules& rules, std::uint32_t numSlots, std::uint32_t s
       }
     } else {
       const Launch& l = launches[rk];
-      if (l.zeroCopy) {
+      if (l.mode == Mode::kLL) {
+        auto& half = llHalves[slotOf(rStep0, 2)];
+        if (l.bytes > 0) {
+          if (!half.has_value() || *half != rStep0) {
+            return "LL receive " + std::to_string(rk) + " read lines of the wrong step";
+          }
+          half.reset();
+        }
+        tail = rStep0 + 1u;
+        recvStep = rStep0 + 1u;
+        ++rk;
+        ri = 0;
+        rStep0 = recvStep;
+        rStartedThis = false;
+      } else if (l.mode == Mode::kZeroCopy) {
         if (!rStartedThis) {
           ready = rules.readyTarget(rStep0);
           recvStarted[rk] = true;
@@ -154,12 +192,11 @@ std::string runModel(const Rules& rules, std::uint32_t numSlots, std::uint32_t s
   return "model did not finish";
 }
 
-std::vector<Launch> randomLaunches(std::mt19937& rng, std::size_t n, std::uint32_t slotBytes,
-                                   bool allowZeroCopy) {
+std::vector<Launch> randomLaunches(std::mt19937& rng, std::size_t n, std::uint32_t slotBytes) {
   std::vector<Launch> v;
   for (std::size_t i = 0; i < n; ++i) {
     const std::uint64_t bytes = rng() % 4 == 0 ? 0 : rng() % (12 * slotBytes);
-    v.push_back({bytes, allowZeroCopy && (rng() % 2 == 0)});
+    v.push_back({bytes, static_cast<Mode>(rng() % 3)});
   }
   return v;
 }
@@ -168,7 +205,7 @@ TEST(Unit_PipeProtocol, RandomInterleavingsAcrossTheWrapAreClean) {
   std::mt19937 rng(12345);
   for (std::uint32_t slots : {1u, 2u, 4u, 8u}) {
     for (int trial = 0; trial < 1500; ++trial) {
-      const auto launches = randomLaunches(rng, 24, 16, true);
+      const auto launches = randomLaunches(rng, 24, 16);
       const std::string err = runModel(kRealRules, slots, 16, launches, 0xffffffffu - 40u, rng);
       ASSERT_EQ(err, "") << "slots=" << slots << " trial=" << trial;
     }
@@ -177,12 +214,23 @@ TEST(Unit_PipeProtocol, RandomInterleavingsAcrossTheWrapAreClean) {
 
 // The rule the first version used (wait for ready >= step0, zero-copy launches of no chunk take no
 // step) lets the sender write dst before the receiver's launch started: the model must see it.
+TEST(Unit_PipeProtocol, LlFlagsAreNeverZeroAndUniquePerHalf) {
+  EXPECT_EQ(llFlag(0xffffffffu), 1u);
+  EXPECT_EQ(llFlag(0u), 1u);  // even half: flags are odd; odd half: the remapped 1 is unique
+  for (std::uint32_t s : {0xfffffff0u, 0xfffffffeu, 0xffffffffu, 0u, 1u, 2u}) {
+    EXPECT_NE(llFlag(s), 0u);
+    EXPECT_NE(llFlag(s), llFlag(s + 2u)) << "consecutive uses of one half must differ";
+  }
+  EXPECT_EQ(llHalfBytes(8192), 16384u);
+  EXPECT_EQ(llLines(1), 1u);
+}
+
 TEST(Unit_PipeProtocol, ModelCatchesTheOldZeroCopyRule) {
   const Rules old{[](std::uint32_t step0) { return step0; }, pipeChunks};
   std::mt19937 rng(7);
   int caught = 0;
   for (int trial = 0; trial < 200; ++trial) {
-    const auto launches = randomLaunches(rng, 8, 16, true);
+    const auto launches = randomLaunches(rng, 8, 16);
     if (!runModel(old, 4, 16, launches, 0xffffffffu - 5u, rng).empty()) ++caught;
   }
   EXPECT_GT(caught, 0) << "the model failed to detect a known race";
