@@ -139,41 +139,38 @@ __device__ __forceinline__ uint2 llGather(const char* src, std::uint64_t bytes, 
   if (off + 8 <= bytes && (reinterpret_cast<std::uintptr_t>(src + off) & 7u) == 0) {
     return *reinterpret_cast<const uint2*>(src + off);
   }
-  unsigned char b[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  for (int k = 0; k < 8 && off + k < bytes; ++k) b[k] = static_cast<unsigned char>(src[off + k]);
-  uint2 v;
-  memcpy(&v, b, 8);
-  return v;
+  std::uint64_t v = 0;
+  for (int k = 0; k < 8 && off + k < bytes; ++k) {
+    v |= static_cast<std::uint64_t>(static_cast<unsigned char>(src[off + k])) << (8 * k);
+  }
+  return make_uint2(static_cast<std::uint32_t>(v), static_cast<std::uint32_t>(v >> 32));
 }
 
-// Consumes the 8 data bytes of line i into dst (with the reduction when asked).
+// Consumes the 8 data bytes of line i into dst (with the reduction when asked). Reductions read
+// and write whole elements (byte counts are element multiples).
 template <Consume kConsume>
 __device__ __forceinline__ void llScatter(const RecvLink& l, std::uint64_t i, uint2 data) {
   const std::uint64_t off = i * 8;
   const std::uint64_t n = l.bytes - off < 8 ? l.bytes - off : 8;
+  const std::uint64_t v = static_cast<std::uint64_t>(data.x) | (static_cast<std::uint64_t>(data.y) << 32);
   if constexpr (kConsume == Consume::kAddF32) {
-    float a[2], b[2];
-    memcpy(a, &data, 8);
     for (std::uint64_t k = 0; k < n / 4; ++k) {
-      memcpy(&b[k], l.addend + off + 4 * k, 4);
-      const float r = a[k] + b[k];
-      memcpy(l.dst + off + 4 * k, &r, 4);
+      const float a = __uint_as_float(static_cast<std::uint32_t>(v >> (32 * k)));
+      const float b = reinterpret_cast<const float*>(l.addend + off)[k];
+      reinterpret_cast<float*>(l.dst + off)[k] = a + b;
     }
   } else if constexpr (kConsume == Consume::kAddBf16) {
-    __nv_bfloat16 a[4], b[4];
-    memcpy(a, &data, 8);
     for (std::uint64_t k = 0; k < n / 2; ++k) {
-      memcpy(&b[k], l.addend + off + 2 * k, 2);
-      const __nv_bfloat16 r = __float2bfloat16(__bfloat162float(a[k]) + __bfloat162float(b[k]));
-      memcpy(l.dst + off + 2 * k, &r, 2);
+      const __nv_bfloat16 a = __ushort_as_bfloat16(static_cast<unsigned short>(v >> (16 * k)));
+      const __nv_bfloat16 b = reinterpret_cast<const __nv_bfloat16*>(l.addend + off)[k];
+      reinterpret_cast<__nv_bfloat16*>(l.dst + off)[k] =
+          __float2bfloat16(__bfloat162float(a) + __bfloat162float(b));
     }
   } else {
     if (n == 8 && (reinterpret_cast<std::uintptr_t>(l.dst + off) & 7u) == 0) {
       *reinterpret_cast<uint2*>(l.dst + off) = data;
     } else {
-      unsigned char b[8];
-      memcpy(b, &data, 8);
-      for (std::uint64_t k = 0; k < n; ++k) l.dst[off + k] = static_cast<char>(b[k]);
+      for (std::uint64_t k = 0; k < n; ++k) l.dst[off + k] = static_cast<char>(v >> (8 * k));
     }
   }
 }
