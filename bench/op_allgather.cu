@@ -22,7 +22,9 @@ std::vector<Row> runAllGather(const Options& o, Ranks& r) {
   cfg.userBytes = o.maxBytes;
   applyMoverOptions(o, &cfg);
   auto heap = SymmetricHeap::create(*r.comm, cfg);
-  std::vector<Movers> movers = Movers::createAll(*heap, o.warpsPerRole);
+  MoverOptions mo;
+  mo.warpsPerRole = o.warpsPerRole;
+  std::vector<Movers> movers = Movers::createAll(*heap, mo);
   std::vector<char*> in(R), out(R);
   const unsigned salt[2] = {0x51u, 0xa7u};
   for (int i = 0; i < R; ++i) {

@@ -23,7 +23,9 @@ std::vector<Row> runAllToAllv(const Options& o, Ranks& r) {
   cfg.numRanks = R;
   applyMoverOptions(o, &cfg);
   auto heap = SymmetricHeap::create(*r.comm, cfg);
-  std::vector<Movers> movers = Movers::createAll(*heap, o.warpsPerRole);
+  MoverOptions mo;
+  mo.warpsPerRole = o.warpsPerRole;
+  std::vector<Movers> movers = Movers::createAll(*heap, mo);
   std::vector<char*> src(R), dst(R);
   std::vector<std::uint64_t*> counts(R);  // sendCounts | sendOffsets | recvCounts | recvOffsets
   const std::size_t cap = std::max<std::size_t>(o.maxBytes, 16);

@@ -21,7 +21,9 @@ std::vector<Row> runSendRecv(const Options& o, Ranks& r) {
   cfg.userBytes = o.maxBytes;
   applyMoverOptions(o, &cfg);
   auto heap = SymmetricHeap::create(*r.comm, cfg);
-  std::vector<Movers> movers = Movers::createAll(*heap, o.warpsPerRole);
+  MoverOptions mo;
+  mo.warpsPerRole = o.warpsPerRole;
+  std::vector<Movers> movers = Movers::createAll(*heap, mo);
   std::vector<char*> src(2), dst(2);
   unsigned salt[2] = {0x1234u, 0xbeefu};
   for (int i = 0; i < 2; ++i) {

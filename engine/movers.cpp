@@ -7,18 +7,31 @@
 
 namespace graphep {
 
-Movers::Movers(const SymmetricHeap& heap, int local, int warpsPerRole)
-    : heap_(&heap), local_(local), warpsPerRole_(warpsPerRole) {
-  GRAPHEP_REQUIRE(warpsPerRole >= 1 && warpsPerRole <= kMaxWarpsPerRole, Status::kInvalidArgument,
-                  "warpsPerRole=%d is out of range [1, %d]", warpsPerRole, kMaxWarpsPerRole);
+Movers::Movers(const SymmetricHeap& heap, int local, const MoverOptions& options)
+    : heap_(&heap), local_(local), warpsPerRole_(options.warpsPerRole) {
+  GRAPHEP_REQUIRE(warpsPerRole_ >= 1 && warpsPerRole_ <= kMaxWarpsPerRole, Status::kInvalidArgument,
+                  "MoverOptions.warpsPerRole=%d is out of range [1, %d]", warpsPerRole_,
+                  kMaxWarpsPerRole);
   GRAPHEP_CUDA_CHECK(cudaSetDevice(heap.device(local)));
+  bool anyRemote = false;
+  for (int p = 0; p < heap.worldSize(); ++p) anyRemote |= remote(p);
+  if (anyRemote && options.maxRemoteBytesPerPeer > 0) {
+    remoteCap_ = (options.maxRemoteBytesPerPeer + 15) & ~std::size_t{15};
+    void* stage = nullptr;
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&stage, 2 * remoteCap_ * static_cast<std::size_t>(heap.worldSize())));
+    const int device = heap.device(local);
+    remoteStage_ = std::shared_ptr<char>(static_cast<char*>(stage), [device](char* q) {
+      cudaSetDevice(device);
+      cudaFree(q);
+    });
+  }
   GRAPHEP_CUDA_CHECK(preloadSendRecvKernels());
   GRAPHEP_CUDA_CHECK(preloadAllToAllvKernels());
 }
 
-std::vector<Movers> Movers::createAll(const SymmetricHeap& heap, int warpsPerRole) {
+std::vector<Movers> Movers::createAll(const SymmetricHeap& heap, const MoverOptions& options) {
   std::vector<Movers> all;
-  for (int l = 0; l < heap.numLocalRanks(); ++l) all.push_back(Movers(heap, l, warpsPerRole));
+  for (int l = 0; l < heap.numLocalRanks(); ++l) all.push_back(Movers(heap, l, options));
   // Warm-up: one small and one large exchange with every remote peer, all local ranks in one
   // NCCL group, outside any capture.
   bool anyRemote = false;
@@ -26,7 +39,9 @@ std::vector<Movers> Movers::createAll(const SymmetricHeap& heap, int warpsPerRol
     for (int p = 0; p < heap.worldSize(); ++p) anyRemote |= all[static_cast<size_t>(l)].remote(p);
   }
   if (anyRemote) {
-    for (std::size_t bytes : {std::size_t{16}, std::size_t{1} << 20}) {
+    std::vector<std::size_t> sizes{std::size_t{16}, std::size_t{1} << 20};
+    if (all[0].remoteCap_ > 0) sizes.push_back(all[0].remoteCap_);
+    for (std::size_t bytes : sizes) {
       std::vector<void*> bufs;
       std::vector<cudaStream_t> streams;
       for (int l = 0; l < heap.numLocalRanks(); ++l) {
@@ -332,21 +347,30 @@ AllToAllvParams Movers::allToAllvParams(const AllToAllvArgs& a) const {
   const std::size_t maxBytes = a.maxBytesPerPeer > 0 ? a.maxBytesPerPeer : std::max(a.srcBytes, a.dstBytes);
   const int full = a.channelsPerPeer > 0 ? a.channelsPerPeer : channelsFor(maxBytes);
   int next = 0;
+  p.remoteCap = remoteCap_;
+  if (remoteStage_) {
+    p.remoteSend = remoteStage_.get();
+    p.remoteRecv = remoteStage_.get() + remoteCap_ * static_cast<std::size_t>(R);
+  }
   for (int q = 0; q < R; ++q) {
     const PeerClass c = heap_->peerClass(local_, q);
-    GRAPHEP_REQUIRE(isLoadStore(c), Status::kNotSupported,
-                    "allToAllv: rank %d reaches rank %d only as %s; alltoallv over NCCL is not "
-                    "supported yet",
+    GRAPHEP_REQUIRE(isLoadStore(c) || remoteCap_ > 0, Status::kNotSupported,
+                    "allToAllv: rank %d reaches rank %d only as %s, and "
+                    "MoverOptions.maxRemoteBytesPerPeer is 0 (set it to stage NCCL messages)",
                     me, q, peerClassName(c));
-    // Per-class channel counts: local copies and peers sharing this GPU need few CTAs (they
-    // share its SMs and bandwidth); NVLink / PCIe peers get the full count.
+    // Per-class channel counts: local copies, peers sharing this GPU and remote peers' staged
+    // copies need few CTAs; NVLink / PCIe peers get the full count.
     int ch = full;
-    if (c == PeerClass::kSelf || c == PeerClass::kSameDevice) ch = std::min(full, 4);
+    if (c == PeerClass::kSelf || c == PeerClass::kSameDevice || c == PeerClass::kRemote) {
+      ch = std::min(full, 4);
+    }
     p.firstChannel[q] = static_cast<std::uint16_t>(next);
     next += ch;
     p.send[q].peer = -1;
     p.recv[q].peer = -1;
-    if (c != PeerClass::kSelf) {
+    if (c == PeerClass::kRemote) {
+      p.remoteMask |= 1u << q;
+    } else if (c != PeerClass::kSelf) {
       p.send[q] = sendLink(q);
       p.recv[q] = recvLink(q);
     }
@@ -356,7 +380,21 @@ AllToAllvParams Movers::allToAllvParams(const AllToAllvArgs& a) const {
 }
 
 void Movers::allToAllv(cudaStream_t stream, const AllToAllvArgs& args) const {
-  GRAPHEP_CUDA_CHECK(launchAllToAllv(allToAllvParams(args), stream));
+  const AllToAllvParams p = allToAllvParams(args);
+  if (p.remoteMask != 0) {
+    // Remote peers: gather their segments into fixed-capacity stages, exchange the stages through
+    // NCCL, and let the alltoallv kernel scatter the received stages by their device counts.
+    GRAPHEP_CUDA_CHECK(launchAllToAllvGather(p, stream));
+    GRAPHEP_NCCL_CHECK(ncclGroupStart());
+    for (int q = 0; q < heap_->worldSize(); ++q) {
+      if ((p.remoteMask & (1u << q)) == 0) continue;
+      GRAPHEP_NCCL_CHECK(ncclSend(p.remoteSend + remoteCap_ * q, remoteCap_, ncclChar, q, nccl(q), stream));
+      GRAPHEP_NCCL_CHECK(ncclRecv(const_cast<char*>(p.remoteRecv) + remoteCap_ * q, remoteCap_,
+                                  ncclChar, q, nccl(q), stream));
+    }
+    GRAPHEP_NCCL_CHECK(ncclGroupEnd());
+  }
+  GRAPHEP_CUDA_CHECK(launchAllToAllv(p, stream));
 }
 
 void Movers::sendRecv(cudaStream_t stream, const SendRecvArgs& args) const {

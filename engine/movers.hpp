@@ -8,6 +8,7 @@
 #include <nccl.h>
 
 #include <cstddef>
+#include <memory>
 #include <vector>
 
 #include "engine/heap.hpp"
@@ -53,16 +54,24 @@ struct AllToAllvArgs {
   int channelsPerPeer = 0;          // 0: from maxBytesPerPeer and each peer's topology class
 };
 
+struct MoverOptions {
+  int warpsPerRole = 4;  // warps of each role (sender, receiver) per CTA, 1..8
+  // alltoallv to remote peers moves fixed-capacity messages (its counts live on the device, NCCL
+  // needs sizes on the host): this many bytes per peer, staged in buffers allocated at setup.
+  // 0: alltoallv refuses remote peers.
+  std::size_t maxRemoteBytesPerPeer = 0;
+};
+
 // Peers classified remote (no load/store) are reached through NCCL send/recv on the same stream,
 // after the kernel that serves the load/store roles: the communicator must carry NCCL comms. A
 // thread that drives several local ranks wraps its per-rank calls in ncclGroupStart/ncclGroupEnd
 // (NCCL's rule for several GPUs per thread); each call's own group nests inside it.
 class Movers {
  public:
-  // Setup, collective over the heap's communicator: loads the kernels on every local rank's GPU
-  // and warms up the NCCL connection to every remote peer (so capture never sets one up).
-  // warpsPerRole: warps of each role (sender, receiver) per CTA.
-  static std::vector<Movers> createAll(const SymmetricHeap& heap, int warpsPerRole = 4);
+  // Setup, collective over the heap's communicator: loads the kernels on every local rank's GPU,
+  // allocates the remote staging of alltoallv, and warms up the NCCL connection to every remote
+  // peer at every message size the run path uses (so capture never sets one up).
+  static std::vector<Movers> createAll(const SymmetricHeap& heap, const MoverOptions& options = {});
 
   // Capturable. Both ends of each transfer must pass the same byte count, channel count and mode.
   void sendRecv(cudaStream_t stream, const SendRecvArgs& args) const;
@@ -86,13 +95,13 @@ class Movers {
 
   SendRecvParams params(const SendRecvArgs& args) const;
 
-  // Capturable. Peers without load/store access are not supported yet (their counts are only
-  // known on the device; NCCL needs them on the host): an error names the peer.
+  // Capturable. Peers without load/store access exchange MoverOptions.maxRemoteBytesPerPeer bytes
+  // through NCCL whatever the count (a count beyond it is dropped and reported).
   void allToAllv(cudaStream_t stream, const AllToAllvArgs& args) const;
   AllToAllvParams allToAllvParams(const AllToAllvArgs& args) const;
 
  private:
-  Movers(const SymmetricHeap& heap, int local, int warpsPerRole);
+  Movers(const SymmetricHeap& heap, int local, const MoverOptions& options);
   bool remote(int peer) const;
   SendLink sendLink(int peer) const;  // channel tables of this rank -> peer
   RecvLink recvLink(int peer) const;  // channel tables of peer -> this rank
@@ -102,6 +111,8 @@ class Movers {
   const SymmetricHeap* heap_;
   int local_;
   int warpsPerRole_;
+  std::size_t remoteCap_ = 0;
+  std::shared_ptr<char> remoteStage_;  // [2][worldSize][remoteCap_]: send stages, receive stages
 };
 
 }  // namespace graphep

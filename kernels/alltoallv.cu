@@ -63,6 +63,22 @@ __global__ void __launch_bounds__(2 * 8 * 32)
     return;
   }
 
+  if (p.remoteMask & (1u << peer)) {
+    // Remote peer: its bytes arrived in the receive stage (NCCL ran before this kernel on the
+    // stream); the receiver role's warps unpack them.
+    if (sender) return;
+    const std::uint64_t off = p.recvOffsets[peer];
+    std::uint64_t bytes = checkedCount(p, 0, p.recvCounts[peer], p.remoteCap, peer, c == 0 && tid == 0);
+    bytes = checkedCount(p, off, bytes, p.dstBytes, peer, c == 0 && tid == 0);
+    const std::uint32_t n = activeChannels(bytes, p.minBytesPerChannel, avail);
+    if (c >= n) return;
+    std::uint64_t begin, end;
+    channelRange(bytes, n, c, &begin, &end);
+    copyBytes<LoadKind::kDefault>(p.dst + off + begin, p.remoteRecv + p.remoteCap * peer + begin,
+                                  end - begin, tid, roleThreads);
+    return;
+  }
+
   PipeShape shape{0, p.numSlots, p.slotBytes};
   if (sender) {
     if (p.send[peer].peer < 0) return;
@@ -86,7 +102,30 @@ __global__ void __launch_bounds__(2 * 8 * 32)
   }
 }
 
+// One CTA per (remote peer, channel): copy the peer's segment into its fixed-capacity stage.
+__global__ void __launch_bounds__(256) allToAllvGatherKernel(const __grid_constant__ AllToAllvParams p) {
+  constexpr std::uint32_t kChannels = 4;
+  const int peer = static_cast<int>(blockIdx.x / kChannels);
+  const std::uint32_t c = blockIdx.x % kChannels;
+  if (peer >= p.sync.numRanks || (p.remoteMask & (1u << peer)) == 0) return;
+  const std::uint64_t off = p.sendOffsets[peer];
+  const bool report = c == 0 && threadIdx.x == 0;
+  std::uint64_t bytes = checkedCount(p, off, p.sendCounts[peer], p.srcBytes, peer, report);
+  bytes = checkedCount(p, 0, bytes, p.remoteCap, peer, report);
+  std::uint64_t begin, end;
+  channelRange(bytes, kChannels, c, &begin, &end);
+  copyBytes<LoadKind::kDefault>(p.remoteSend + p.remoteCap * peer + begin, p.src + off + begin,
+                                end - begin, static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x));
+}
+
 }  // namespace
+
+cudaError_t launchAllToAllvGather(const AllToAllvParams& p, cudaStream_t stream) {
+  if (p.remoteMask == 0) return cudaSuccess;
+  if (p.remoteSend == nullptr || p.remoteCap == 0) return cudaErrorInvalidValue;
+  allToAllvGatherKernel<<<p.sync.numRanks * 4, 256, 0, stream>>>(p);
+  return cudaGetLastError();
+}
 
 cudaError_t launchAllToAllv(const AllToAllvParams& p, cudaStream_t stream) {
   const unsigned blocks = p.firstChannel[p.sync.numRanks];
@@ -101,7 +140,9 @@ cudaError_t launchAllToAllv(const AllToAllvParams& p, cudaStream_t stream) {
 
 cudaError_t preloadAllToAllvKernels() {
   cudaFuncAttributes a{};
-  return cudaFuncGetAttributes(&a, allToAllvKernel);
+  const cudaError_t e = cudaFuncGetAttributes(&a, allToAllvKernel);
+  if (e != cudaSuccess) return e;
+  return cudaFuncGetAttributes(&a, allToAllvGatherKernel);
 }
 
 }  // namespace graphep

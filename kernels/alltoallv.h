@@ -35,9 +35,19 @@ struct AllToAllvParams {
 
   SendLink send[kMaxRanks];  // channel tables per peer (src/bytes filled in by the kernel)
   RecvLink recv[kMaxRanks];
+
+  // Remote peers (bit p of remoteMask): fixed-capacity NCCL messages through stages of remoteCap
+  // bytes per peer. The gather kernel packs src segments into remoteSend + p * remoteCap; the
+  // alltoallv kernel unpacks remoteRecv + p * remoteCap into dst.
+  std::uint32_t remoteMask;
+  std::uint64_t remoteCap;
+  char* remoteSend;
+  const char* remoteRecv;
 };
 
 cudaError_t launchAllToAllv(const AllToAllvParams& p, cudaStream_t stream);
+// Packs each remote peer's segment into its send stage (runs before the NCCL exchange).
+cudaError_t launchAllToAllvGather(const AllToAllvParams& p, cudaStream_t stream);
 cudaError_t preloadAllToAllvKernels();
 
 }  // namespace graphep

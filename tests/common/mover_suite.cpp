@@ -45,7 +45,9 @@ struct Fixture {
       GRAPHEP_CUDA_CHECK(cudaStreamCreateWithFlags(&b.stream, cudaStreamNonBlocking));
       bufs.push_back(b);
     }
-    movers = Movers::createAll(*heap);
+    MoverOptions options;
+    options.maxRemoteBytesPerPeer = maxBytes;  // used only where peers are remote
+    movers = Movers::createAll(*heap, options);
   }
   ~Fixture() {
     for (int l = 0; l < static_cast<int>(bufs.size()); ++l) {

@@ -84,6 +84,14 @@ TEST(Mpi_SendRecv, ForcedRemoteThroughNccl) {
   runSendRecvReplays(*comm, std::size_t{1} << 20, 200, false);
 }
 
+TEST(Mpi_AllToAllv, ForcedRemoteThroughNccl) {
+  GRAPHEP_REQUIRE_MPI_GPUS();
+  auto comm = createMpiCommunicator(-1, /*withNccl=*/true);
+  ScopedEnv force("GRAPHEP_FORCE_TRANSPORT", "remote");
+  runAllToAllv(*comm, CountPattern::kRandom, (std::size_t{64} << 10) + 3, 1);
+  runAllToAllv(*comm, CountPattern::kSomePairsZero, std::size_t{16} << 10, 200);
+}
+
 TEST(Mpi_Ring, AllGatherAndReduceScatter) {
   GRAPHEP_REQUIRE_MPI_GPUS();
   auto comm = createMpiCommunicator(-1, false);

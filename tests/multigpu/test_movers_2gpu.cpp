@@ -49,6 +49,18 @@ TEST(Gpu2_AllToAllv, PatternsSizesAndReplays) {
   runAllToAllvOutOfBounds(*comm);
 }
 
+// alltoallv with every peer remote: fixed-capacity stages through NCCL. Graph replays only: one
+// thread issuing eager NCCL groups for two ranks one after the other may block in the first.
+TEST(Gpu2_AllToAllv, ForcedRemoteThroughAdoptedNccl) {
+  GRAPHEP_REQUIRE_GPUS(2);
+  CallerNcclComms nccl;
+  ASSERT_NE(nccl.comms[0], nullptr) << "ncclCommInitAll failed";
+  auto comm = adoptNcclComms(nccl.comms);
+  ScopedEnv force("GRAPHEP_FORCE_TRANSPORT", "remote");
+  runAllToAllv(*comm, CountPattern::kRandom, (std::size_t{64} << 10) + 3, 200);
+  runAllToAllv(*comm, CountPattern::kSomePairsZero, std::size_t{1} << 20, 50);
+}
+
 TEST(Gpu2_Ring, AllGatherAndReduceScatter) {
   GRAPHEP_REQUIRE_GPUS(2);
   auto comm = createLocalGroup({0, 1});
