@@ -32,8 +32,9 @@ Movers::Movers(const SymmetricHeap& heap, int local, const MoverOptions& options
 std::vector<Movers> Movers::createAll(const SymmetricHeap& heap, const MoverOptions& options) {
   std::vector<Movers> all;
   for (int l = 0; l < heap.numLocalRanks(); ++l) all.push_back(Movers(heap, l, options));
-  // Warm-up: one small and one large exchange with every remote peer, all local ranks in one
-  // NCCL group, outside any capture.
+  // Warm-up, outside any capture: exchanges of 16 B, 1 MiB and the alltoallv stage size with every
+  // remote peer, all local ranks in one NCCL group, so NCCL sets up its connections (and the
+  // channels larger messages use) now rather than inside a captured graph.
   bool anyRemote = false;
   for (int l = 0; l < heap.numLocalRanks(); ++l) {
     for (int p = 0; p < heap.worldSize(); ++p) anyRemote |= all[static_cast<size_t>(l)].remote(p);
