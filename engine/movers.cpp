@@ -163,7 +163,6 @@ SendRecvParams Movers::params(const SendRecvArgs& a) const {
   const bool sendNvl = a.sendPeer >= 0 && !remote(a.sendPeer);
   const bool recvNvl = a.recvPeer >= 0 && !remote(a.recvPeer);
   const bool sendZeroCopy = a.sendToUserOffset >= 0;
-  const std::size_t bytesForChannels = a.sendPeer >= 0 ? a.sendBytes : a.recvBytes;
   // LL mode for small transfers: both ends decide from the byte count alone (and the zero-copy
   // flag, which both ends pass alike), so they always agree.
   const bool sendLL = sendNvl && !sendZeroCopy && a.sendBytes <= cfg.moverLLBytes;
@@ -179,7 +178,9 @@ SendRecvParams Movers::params(const SendRecvArgs& a) const {
 
   SendRecvParams p{};
   p.sync = heap_->syncHandle(local_);
-  p.shape = shape(a.numChannels > 0 ? a.numChannels : channelsFor(bytesForChannels));
+  // Each direction's channel count comes from its own bytes, which both ends of that link know.
+  p.sendShape = shape(a.numChannels > 0 ? a.numChannels : channelsFor(a.sendBytes));
+  p.recvShape = shape(a.numChannels > 0 ? a.numChannels : channelsFor(a.recvBytes));
   p.warpsPerRole = static_cast<std::uint32_t>(warpsPerRole_);
   // Remote roles are served by NCCL (sendRecv); the kernel sees them as disabled.
   p.send.peer = -1;

@@ -33,7 +33,10 @@ struct SendRecvArgs {
   Consume consume = Consume::kCopy;
   const void* addend = nullptr;
 
-  int numChannels = 0;            // 0: chosen from the size (fewer, larger steps when small)
+  // Channels (CTAs) per direction. 0: each direction chooses from its own byte count (fewer,
+  // larger steps when small). A value > 0 applies to both directions, and the peer must pass the
+  // same value for the same link.
+  int numChannels = 0;
 };
 
 // alltoallv arguments: counts and offsets (bytes) live in device memory, one entry per rank, and
@@ -73,7 +76,8 @@ class Movers {
   // peer at every message size the run path uses (so capture never sets one up).
   static std::vector<Movers> createAll(const SymmetricHeap& heap, const MoverOptions& options = {});
 
-  // Capturable. Both ends of each transfer must pass the same byte count, channel count and mode.
+  // Capturable. Both ends of each transfer must pass the same byte count, channel count and mode
+  // (directions are independent: sendBytes and recvBytes may differ).
   void sendRecv(cudaStream_t stream, const SendRecvArgs& args) const;
 
   // The channel count used for `bytes` when the caller passes 0: about one channel per 256 KiB,

@@ -16,24 +16,24 @@ __global__ void __launch_bounds__(2 * kMaxWarpsPerRole * 32)
   const int roleThreads = static_cast<int>(p.warpsPerRole) * 32;
   const int t = static_cast<int>(threadIdx.x);
   if (t < roleThreads) {
-    if (p.send.peer < 0) return;
+    if (p.send.peer < 0 || blockIdx.x >= p.sendShape.numChannels) return;
     if (p.send.ll) {
       if (blockIdx.x == 0) {
         pipeSendLL<NvlTransport>(p.sync, p.send, kSendBarrier, t, roleThreads, &abortFlag[0]);
       }
     } else {
-      pipeSend<NvlTransport>(p.sync, p.shape, p.send, blockIdx.x, kSendBarrier, t, roleThreads,
-                             &abortFlag[0]);
+      pipeSend<NvlTransport>(p.sync, p.sendShape, p.send, blockIdx.x, kSendBarrier, t,
+                             roleThreads, &abortFlag[0]);
     }
   } else if (t < 2 * roleThreads) {
-    if (p.recv.peer < 0) return;
+    if (p.recv.peer < 0 || blockIdx.x >= p.recvShape.numChannels) return;
     if (p.recv.ll) {
       if (blockIdx.x == 0) {
         pipeRecvLL<NvlTransport, kConsume>(p.sync, p.recv, kRecvBarrier, t - roleThreads,
                                            roleThreads, &abortFlag[1]);
       }
     } else {
-      pipeRecv<NvlTransport, kConsume>(p.sync, p.shape, p.recv, blockIdx.x, kRecvBarrier,
+      pipeRecv<NvlTransport, kConsume>(p.sync, p.recvShape, p.recv, blockIdx.x, kRecvBarrier,
                                        t - roleThreads, roleThreads, &abortFlag[1]);
     }
   }
@@ -42,13 +42,17 @@ __global__ void __launch_bounds__(2 * kMaxWarpsPerRole * 32)
 }  // namespace
 
 cudaError_t launchSendRecv(const SendRecvParams& p, cudaStream_t stream) {
-  const PipeShape& s = p.shape;
-  if (p.warpsPerRole < 1 || p.warpsPerRole > kMaxWarpsPerRole || s.numChannels < 1 ||
-      s.numSlots < 1 || (s.numSlots & (s.numSlots - 1)) != 0 || s.slotBytes == 0 ||
-      s.slotBytes % 16 != 0) {
-    return cudaErrorInvalidValue;
+  for (const PipeShape& s : {p.sendShape, p.recvShape}) {
+    if (s.numChannels < 1 || s.numSlots < 1 || (s.numSlots & (s.numSlots - 1)) != 0 ||
+        s.slotBytes == 0 || s.slotBytes % 16 != 0) {
+      return cudaErrorInvalidValue;
+    }
   }
-  const dim3 grid(s.numChannels), block(2 * p.warpsPerRole * 32);
+  if (p.warpsPerRole < 1 || p.warpsPerRole > kMaxWarpsPerRole) return cudaErrorInvalidValue;
+  const unsigned channels = p.sendShape.numChannels > p.recvShape.numChannels
+                                ? p.sendShape.numChannels
+                                : p.recvShape.numChannels;
+  const dim3 grid(channels), block(2 * p.warpsPerRole * 32);
   switch (p.recv.consume) {
     case Consume::kCopy:
       sendRecvKernel<Consume::kCopy><<<grid, block, 0, stream>>>(p);

@@ -21,13 +21,16 @@ inline constexpr int kMaxWarpsPerRole = 8;
 
 struct SendRecvParams {
   SyncHandle sync;             // rank, wait bound, error record
-  PipeShape shape;             // channels (CTAs), slots, slot size: identical at both ends
+  // Each direction has its own channel count, derived from its own byte count so that both ends
+  // of a link agree; the grid is the larger of the two. Slots and slot size come from the heap.
+  PipeShape sendShape;
+  PipeShape recvShape;
   std::uint32_t warpsPerRole;  // 1..kMaxWarpsPerRole
   SendLink send;               // send.peer < 0: no send role
   RecvLink recv;               // recv.peer < 0: no receive role
 };
 
-// Launches one CTA of 2 * warpsPerRole warps per channel. The caller (engine/movers.cpp) has
+// Launches one CTA of 2 * warpsPerRole warps per channel (of the direction with more channels). The caller (engine/movers.cpp) has
 // validated every field; this returns cudaErrorInvalidValue for a configuration it cannot run.
 cudaError_t launchSendRecv(const SendRecvParams& p, cudaStream_t stream);
 

@@ -19,6 +19,9 @@ inline std::vector<SendRecvCase> standardSendRecvCases(std::size_t maxBytes) {
   }
   cases.push_back({(std::size_t{1} << 20) + 5, false, false, 1});   // one channel, odd size
   cases.push_back({(std::size_t{3} << 20) + 13, false, false, 16});  // every channel, odd size
+  // Every rank sends a different size: LL, single-channel and multi-channel staged directions mix.
+  cases.push_back({4000, false, false, 0, (std::size_t{300} << 10) + 7});
+  cases.push_back({4000, true, false, 0, (std::size_t{300} << 10) + 7});
   return cases;
 }
 

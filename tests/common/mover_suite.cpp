@@ -78,16 +78,17 @@ SendRecvArgs argsFor(const Fixture& f, int l, const SendRecvCase& c, char* dst) 
   a.numChannels = c.numChannels;
   const bool sends = !c.unidirectional || me == 0;
   const bool recvs = !c.unidirectional || me == 1;
+  const int prev = (me + R - 1) % R;
   if (sends) {
     a.sendPeer = (me + 1) % R;
     a.src = f.bufs[static_cast<size_t>(l)].src;
-    a.sendBytes = c.bytes;
+    a.sendBytes = c.bytes + c.sizeStep * static_cast<std::size_t>(me);
     if (c.zeroCopy) a.sendToUserOffset = 0;
   }
   if (recvs) {
-    a.recvPeer = (me + R - 1) % R;
+    a.recvPeer = prev;
     a.dst = dst;
-    a.recvBytes = c.bytes;
+    a.recvBytes = c.bytes + c.sizeStep * static_cast<std::size_t>(prev);
     a.recvZeroCopy = c.zeroCopy;
   }
   return a;
@@ -101,22 +102,24 @@ char* dstFor(const Fixture& f, int l, bool zeroCopy) {
 
 void runSendRecvCases(Communicator& comm, const std::vector<SendRecvCase>& cases,
                       std::size_t slotBytes) {
+  const int R = comm.worldSize();
   std::size_t maxBytes = 16;
-  for (const auto& c : cases) maxBytes = std::max(maxBytes, c.bytes);
+  for (const auto& c : cases) maxBytes = std::max(maxBytes, c.bytes + c.sizeStep * (R - 1));
   Fixture f(comm, maxBytes, slotBytes, 0);
   const int L = f.heap->numLocalRanks();
-  const int R = f.heap->worldSize();
   for (size_t ci = 0; ci < cases.size(); ++ci) {
     const SendRecvCase& c = cases[ci];
     const std::uint64_t seed = 1000 + ci * 7919;
-    SCOPED_TRACE("bytes=" + std::to_string(c.bytes) + (c.zeroCopy ? " zero-copy" : " staged") +
+    SCOPED_TRACE("bytes=" + std::to_string(c.bytes) + " step=" + std::to_string(c.sizeStep) +
+                 (c.zeroCopy ? " zero-copy" : " staged") +
                  (c.unidirectional ? " unidirectional" : " ring") +
                  " channels=" + std::to_string(c.numChannels));
     for (int l = 0; l < L; ++l) {
       GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
       const auto& b = f.bufs[static_cast<size_t>(l)];
-      GRAPHEP_CUDA_CHECK(launchFillPattern(b.src, c.bytes, seed, f.heap->rank(l), b.stream));
-      GRAPHEP_CUDA_CHECK(cudaMemsetAsync(dstFor(f, l, c.zeroCopy), kPoison, c.bytes + kSlack, b.stream));
+      const std::size_t mine = c.bytes + c.sizeStep * static_cast<std::size_t>(f.heap->rank(l));
+      GRAPHEP_CUDA_CHECK(launchFillPattern(b.src, mine, seed, f.heap->rank(l), b.stream));
+      GRAPHEP_CUDA_CHECK(cudaMemsetAsync(dstFor(f, l, c.zeroCopy), kPoison, maxBytes + kSlack, b.stream));
       GRAPHEP_CUDA_CHECK(cudaMemsetAsync(b.wrong, 0, sizeof(unsigned long long), b.stream));
     }
     f.syncAll();
@@ -134,21 +137,21 @@ void runSendRecvCases(Communicator& comm, const std::vector<SendRecvCase>& cases
       const int me = f.heap->rank(l);
       const auto& b = f.bufs[static_cast<size_t>(l)];
       const bool recvs = !c.unidirectional || me == 1;
+      const int prev = (me + R - 1) % R;
+      const std::size_t got = recvs ? c.bytes + c.sizeStep * static_cast<std::size_t>(prev) : 0;
       char* dst = dstFor(f, l, c.zeroCopy);
       if (recvs) {
-        GRAPHEP_CUDA_CHECK(
-            launchCountMismatches(dst, c.bytes, seed, (me + R - 1) % R, b.wrong, b.stream));
+        GRAPHEP_CUDA_CHECK(launchCountMismatches(dst, got, seed, prev, b.wrong, b.stream));
       }
       GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(b.stream));
       unsigned long long wrong = 0;
       GRAPHEP_CUDA_CHECK(cudaMemcpy(&wrong, b.wrong, sizeof(wrong), cudaMemcpyDeviceToHost));
-      EXPECT_EQ(wrong, 0ull) << "rank " << me << ": " << wrong << " of " << c.bytes
+      EXPECT_EQ(wrong, 0ull) << "rank " << me << ": " << wrong << " of " << got
                              << " bytes wrong";
-      // Nothing beyond the destination range may be touched (and a rank that receives nothing
-      // keeps its whole destination poisoned).
+      // Nothing beyond the received range may be touched (a rank that receives nothing keeps
+      // its whole destination poisoned).
       std::vector<unsigned char> tail(kSlack + (recvs ? 0 : c.bytes));
-      GRAPHEP_CUDA_CHECK(cudaMemcpy(tail.data(), dst + (recvs ? c.bytes : 0), tail.size(),
-                                    cudaMemcpyDeviceToHost));
+      GRAPHEP_CUDA_CHECK(cudaMemcpy(tail.data(), dst + got, tail.size(), cudaMemcpyDeviceToHost));
       const long long touched = std::count_if(tail.begin(), tail.end(),
                                               [](unsigned char x) { return x != kPoison; });
       EXPECT_EQ(touched, 0) << "rank " << me << ": " << touched << " bytes outside the range written";

@@ -17,6 +17,9 @@ struct SendRecvCase {
   bool zeroCopy = false;
   bool unidirectional = false;
   int numChannels = 0;  // 0: adaptive
+  // Rank r sends bytes + sizeStep * r (so a rank's two directions differ in size, mode and
+  // channel count).
+  std::size_t sizeStep = 0;
 };
 
 // Runs every case once (eagerly), counting wrong bytes per rank; EXPECTs zero.
