@@ -19,14 +19,22 @@ Ranks::~Ranks() {
   }
 }
 
-std::unique_ptr<Ranks> makeTwoRanks() {
+std::unique_ptr<Ranks> makeRanks(bool mpi) {
   auto r = std::make_unique<Ranks>();
   const char* reason = nullptr;
   const int n = cudaDeviceCountOrZero(&reason);
   GRAPHEP_REQUIRE(n > 0, Status::kNoDevice, "graphep-bench needs a GPU (%s)", reason);
-  r->devices = n >= 2 ? std::vector<int>{0, 1} : std::vector<int>{0, 0};
-  r->comm = createLocalGroup(r->devices);
-  if (n >= 2) r->nccl = createNcclGroup(r->devices);
+  if (mpi) {
+    r->mpi = true;
+    r->comm = createMpiCommunicator(-1, /*withNccl=*/true);
+    GRAPHEP_REQUIRE(r->comm->worldSize() == 2, Status::kInvalidArgument,
+                    "graphep-bench runs 2 ranks; mpirun started %d", r->comm->worldSize());
+    r->devices = {r->comm->device(0)};
+  } else {
+    r->devices = n >= 2 ? std::vector<int>{0, 1} : std::vector<int>{0, 0};
+    r->comm = createLocalGroup(r->devices);
+    if (n >= 2) r->ncclGroup = createNcclGroup(r->devices);
+  }
   for (int d : r->devices) {
     GRAPHEP_CUDA_CHECK(cudaSetDevice(d));
     cudaStream_t s;
@@ -47,6 +55,7 @@ double timeIterations(Ranks& r, int warmup, int iters, const std::function<void(
     GRAPHEP_CUDA_CHECK(cudaEventCreate(&stop[i]));
     GRAPHEP_CUDA_CHECK(cudaEventRecord(start[i], r.streams[i]));
   }
+  r.comm->barrier();  // processes start the timed region together
   for (int i = 0; i < iters; ++i) launch();
   double worst = 0;
   for (size_t i = 0; i < n; ++i) {
@@ -62,6 +71,10 @@ double timeIterations(Ranks& r, int warmup, int iters, const std::function<void(
     cudaEventDestroy(start[i]);
     cudaEventDestroy(stop[i]);
   }
+  // The slowest rank anywhere: gather every local worst.
+  std::vector<double> mine(n, worst), all(static_cast<size_t>(r.comm->worldSize()));
+  r.comm->allgather(mine.data(), all.data(), sizeof(double));
+  for (double w : all) worst = std::max(worst, w);
   return worst * 1000.0 / std::max(iters, 1);
 }
 
@@ -108,6 +121,16 @@ std::vector<cudaGraphExec_t> captureAll(Ranks& r, const std::function<void()>& e
   return execs;
 }
 
+long long totalOverRanks(Ranks& r, long long mine) {
+  std::vector<long long> local(static_cast<size_t>(r.numLocal()), 0);
+  local[0] = mine;
+  std::vector<long long> all(static_cast<size_t>(r.comm->worldSize()));
+  r.comm->allgather(local.data(), all.data(), sizeof(long long));
+  long long total = 0;
+  for (long long v : all) total += v;
+  return total;
+}
+
 void launchEach(Ranks& r, const std::vector<cudaGraphExec_t>& execs) {
   for (size_t i = 0; i < execs.size(); ++i) {
     GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[i]));
@@ -124,9 +147,16 @@ void destroyEach(Ranks& r, std::vector<cudaGraphExec_t>& execs) {
 }
 
 namespace {
+bool gPrinter = true;
+}  // namespace
+
+void setPrinter(bool printer) { gPrinter = printer; }
+bool isPrinter() { return gPrinter; }
+
+namespace {
 // Peer copy bandwidth 0 -> 1 with the copy engine: the link limit printed in the header.
 double peerCopyGBs(const Ranks& r) {
-  if (r.devices[0] == r.devices[1]) return 0;
+  if (r.numLocal() < 2 || r.devices[0] == r.devices[1]) return 0;
   const size_t bytes = size_t{256} << 20;
   // Without peer access the copy is staged through host memory: enable it first.
   GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[0]));
@@ -161,23 +191,27 @@ double peerCopyGBs(const Ranks& r) {
 }  // namespace
 
 void printHeader(const Options& o, const Ranks& r) {
+  if (!gPrinter) return;
+  const double link = peerCopyGBs(r);  // in-process 2 GPUs only; 0 otherwise
   int nccl = 0;
   ncclGetVersion(&nccl);
   std::printf("# graphep-bench %s  op=%s  graph=%d  iters=%d  warmup=%d  NCCL %d\n",
               versionString(), o.op.c_str(), o.graph ? 1 : 0, o.iters, o.warmup, nccl);
-  for (size_t i = 0; i < r.devices.size(); ++i) {
+  for (int i = 0; i < r.numLocal(); ++i) {
     cudaDeviceProp p{};
-    cudaGetDeviceProperties(&p, r.devices[i]);
-    std::printf("#  rank %zu: device %d %s (%d SMs)\n", i, r.devices[i], p.name,
-                p.multiProcessorCount);
+    cudaGetDeviceProperties(&p, r.devices[static_cast<size_t>(i)]);
+    std::printf("#  rank %d: device %d %s (%d SMs)\n", r.rank(i), r.devices[static_cast<size_t>(i)],
+                p.name, p.multiProcessorCount);
   }
-  if (r.devices[0] != r.devices[1]) {
+  if (r.mpi) {
+    std::printf("#  mpirun: 2 processes, one GPU each (rank 1 prints nothing)\n");
+  } else if (r.devices[0] != r.devices[1]) {
     int atomics = 0, can = 0;
     cudaDeviceCanAccessPeer(&can, r.devices[0], r.devices[1]);
     cudaDeviceGetP2PAttribute(&atomics, cudaDevP2PAttrNativeAtomicSupported, r.devices[0],
                               r.devices[1]);
     std::printf("#  link 0->1: p2p=%d native-atomics=%d, copy-engine peer copy 256 MiB: %.1f GB/s\n",
-                can, atomics, peerCopyGBs(r));
+                can, atomics, link);
   } else {
     std::printf("#  2 emulated ranks on one GPU: no NCCL baseline (NCCL refuses two ranks on one GPU)\n");
   }
@@ -188,6 +222,7 @@ void printHeader(const Options& o, const Ranks& r) {
 }
 
 void printRow(const Row& row) {
+  if (!gPrinter) return;
   char nccl[32] = "n/a", ratio[32] = "n/a";
   if (row.ncclUs > 0) {
     std::snprintf(nccl, sizeof(nccl), "%.2f", row.ncclUs);
@@ -200,11 +235,13 @@ void printRow(const Row& row) {
 }
 
 void progress(const char* what) {
+  if (!gPrinter) return;
   std::fprintf(stderr, "# ... %s\n", what);
   std::fflush(stderr);
 }
 
 void writeJson(const std::string& path, const Options& o, const std::vector<Row>& rows) {
+  if (!gPrinter) return;
   std::ofstream f(path);
   GRAPHEP_REQUIRE(f.good(), Status::kSystemError, "cannot write --json file '%s'", path.c_str());
   f << "{\"graphep\":\"" << versionString() << "\",\"op\":\"" << o.op << "\",\"rows\":[";

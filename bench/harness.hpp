@@ -48,19 +48,30 @@ struct Row {
   std::string note;
 };
 
-// The ranks a single-process benchmark drives: 2 GPUs when present (then NCCL comms too), else
-// 2 emulated ranks on GPU 0 (no NCCL baseline: NCCL refuses two ranks on one GPU).
+// The 2 ranks a benchmark drives. In one process (the default): 2 GPUs when present (then NCCL
+// comms too), else 2 emulated ranks on GPU 0 (no NCCL baseline: NCCL refuses two ranks on one
+// GPU). Under `mpirun -np 2`: one rank per process, NCCL from an MPI-broadcast unique id.
+// Index i below is a local rank of this process; rank(i) its global rank (0 or 1).
 struct Ranks {
-  std::unique_ptr<Communicator> comm;       // local group
-  std::unique_ptr<Communicator> nccl;       // createNcclGroup, or null
-  std::vector<int> devices;
-  std::vector<cudaStream_t> streams;
+  std::unique_ptr<Communicator> comm;       // local group, or MPI (one rank per process)
+  std::unique_ptr<Communicator> ncclGroup;  // in-process NCCL comms over 2 GPUs, or null
+  std::vector<int> devices;                 // per local rank
+  std::vector<cudaStream_t> streams;        // per local rank
+  bool mpi = false;
+  int numLocal() const { return static_cast<int>(devices.size()); }
+  int rank(int i) const { return comm->globalRank(i); }
+  ncclComm_t ncclComm(int i) const {
+    return mpi ? comm->ncclComm(i) : (ncclGroup ? ncclGroup->ncclComm(i) : nullptr);
+  }
+  bool hasNccl() const { return ncclComm(0) != nullptr; }
   ~Ranks();
 };
-std::unique_ptr<Ranks> makeTwoRanks();
+// mpi: one rank per process under mpirun (MPI already initialised by the caller).
+std::unique_ptr<Ranks> makeRanks(bool mpi);
 
-// Times `launch()` (which enqueues one iteration on every rank's stream) with events on every
-// stream; returns microseconds per iteration (the slowest rank).
+// Times `launch()` (which enqueues one iteration on every local rank's stream) with events on
+// every stream, after a barrier across processes; returns microseconds per iteration of the
+// slowest rank (across processes too).
 double timeIterations(Ranks& r, int warmup, int iters, const std::function<void()>& launch);
 
 // Captures `enqueue(rankIndex, stream)` for every rank into one graph per rank.
@@ -70,6 +81,9 @@ std::vector<cudaGraphExec_t> captureAll(Ranks& r, const std::function<void()>& e
 void launchEach(Ranks& r, const std::vector<cudaGraphExec_t>& execs);
 void destroyEach(Ranks& r, std::vector<cudaGraphExec_t>& execs);
 
+// Output goes through the process that holds global rank 0 (setPrinter), one line per row.
+void setPrinter(bool printer);
+bool isPrinter();
 void printHeader(const Options& o, const Ranks& r);
 void printRow(const Row& row);
 // A progress line on stderr (long sweeps and hangs show where they are).
@@ -80,6 +94,10 @@ void writeJson(const std::string& path, const Options& o, const std::vector<Row>
 // device; checkBytes synchronises rank i's stream and returns the count).
 void fillBytes(void* p, std::size_t bytes, unsigned salt, cudaStream_t stream);
 long long checkBytes(Ranks& r, int i, const void* p, std::size_t bytes, unsigned salt);
+
+// Sum of a count over every process (each passes its own local total): rows show all ranks'
+// wrong elements under mpirun too.
+long long totalOverRanks(Ranks& r, long long mine);
 
 // Mover options (--sms, --warps, --slot, --slots) applied to a heap config.
 void applyMoverOptions(const Options& o, HeapConfig* cfg);

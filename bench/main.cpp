@@ -9,6 +9,10 @@
 #include "bench/harness.hpp"
 #include "engine/error.hpp"
 
+#if defined(GRAPHEP_BENCH_MPI)
+#include <mpi.h>
+#endif
+
 namespace {
 
 std::size_t parseSize(const char* s) {
@@ -35,7 +39,39 @@ int usage() {
 
 }  // namespace
 
+// True when started by mpirun/srun with more than one process.
+bool launchedByMpi() {
+  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS"}) {
+    const char* v = std::getenv(var);
+    if (v != nullptr && std::atoi(v) > 1) return true;
+  }
+  return false;
+}
+
+int run(int argc, char** argv, bool mpi);
+
 int main(int argc, char** argv) {
+  const bool mpi = launchedByMpi();
+#if defined(GRAPHEP_BENCH_MPI)
+  if (mpi) MPI_Init(&argc, &argv);
+  int rc = run(argc, argv, mpi);
+  if (mpi) {
+    int worst = 0;
+    MPI_Allreduce(&rc, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    MPI_Finalize();
+    rc = worst;
+  }
+  return rc;
+#else
+  if (mpi) {
+    std::fprintf(stderr, "graphep-bench: started by mpirun, but built without MPI\n");
+    return 2;
+  }
+  return run(argc, argv, false);
+#endif
+}
+
+int run(int argc, char** argv, bool mpi) {
   using namespace graphep::bench;
   Options o;
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // rows appear as they are measured, even into a file
@@ -65,7 +101,8 @@ int main(int argc, char** argv) {
     }
     GRAPHEP_REQUIRE(o.iters > 0 && o.warmup >= 0, graphep::Status::kInvalidArgument,
                     "-n %d / -w %d: iterations must be positive", o.iters, o.warmup);
-    auto ranks = makeTwoRanks();
+    auto ranks = makeRanks(mpi);
+    setPrinter(ranks->rank(0) == 0);
     printHeader(o, *ranks);
     std::vector<Row> rows;
     if (o.op == "pingpong") {
@@ -83,7 +120,7 @@ int main(int argc, char** argv) {
     long long wrong = 0;
     for (const Row& r : rows) wrong += r.wrong;
     if (!o.json.empty()) writeJson(o.json, o, rows);
-    std::printf("# total #wrong: %lld\n", wrong);
+    if (isPrinter()) std::printf("# total #wrong: %lld\n", wrong);
     return wrong == 0 ? 0 : 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "graphep-bench: %s\n", e.what());

@@ -25,13 +25,13 @@ std::vector<Row> runAllGather(const Options& o, Ranks& r) {
   MoverOptions mo;
   mo.warpsPerRole = o.warpsPerRole;
   std::vector<Movers> movers = Movers::createAll(*heap, mo);
-  std::vector<char*> in(R), out(R);
+  std::vector<char*> in(static_cast<size_t>(r.numLocal())), out(static_cast<size_t>(r.numLocal()));
   const unsigned salt[2] = {0x51u, 0xa7u};
-  for (int i = 0; i < R; ++i) {
+  for (int i = 0; i < r.numLocal(); ++i) {
     GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[static_cast<size_t>(i)]));
     GRAPHEP_CUDA_CHECK(cudaMalloc(&in[static_cast<size_t>(i)], std::max<std::size_t>(o.maxBytes / R, 16)));
     GRAPHEP_CUDA_CHECK(cudaMalloc(&out[static_cast<size_t>(i)], std::max<std::size_t>(o.maxBytes, 16)));
-    fillBytes(in[static_cast<size_t>(i)], o.maxBytes / R, salt[i], r.streams[static_cast<size_t>(i)]);
+    fillBytes(in[static_cast<size_t>(i)], o.maxBytes / R, salt[r.rank(i)], r.streams[static_cast<size_t>(i)]);
     GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(r.streams[static_cast<size_t>(i)]));
   }
   std::vector<Row> rows;
@@ -40,12 +40,12 @@ std::vector<Row> runAllGather(const Options& o, Ranks& r) {
     const std::size_t chunk = total / R;
     progress(("allgather " + std::to_string(total)).c_str());
     double ncclUs = 0;
-    if (r.nccl) {
+    if (r.hasNccl()) {
       auto execs = captureAll(r, [&] {
         GRAPHEP_NCCL_CHECK(ncclGroupStart());
-        for (int i = 0; i < R; ++i) {
+        for (int i = 0; i < r.numLocal(); ++i) {
           GRAPHEP_NCCL_CHECK(ncclAllGather(in[static_cast<size_t>(i)], out[static_cast<size_t>(i)], chunk,
-                                           ncclChar, r.nccl->ncclComm(i), r.streams[static_cast<size_t>(i)]));
+                                           ncclChar, r.ncclComm(i), r.streams[static_cast<size_t>(i)]));
         }
         GRAPHEP_NCCL_CHECK(ncclGroupEnd());
       });
@@ -54,7 +54,7 @@ std::vector<Row> runAllGather(const Options& o, Ranks& r) {
     }
     for (bool zeroCopy : {false, true}) {
       auto target = [&](int i) { return zeroCopy ? heap->user(i) : out[static_cast<size_t>(i)]; };
-      for (int i = 0; i < R; ++i) {  // the NCCL run filled `out`: poison so graphep must write it
+      for (int i = 0; i < r.numLocal(); ++i) {  // the NCCL run filled `out`: poison so graphep must write it
         GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[static_cast<size_t>(i)]));
         GRAPHEP_CUDA_CHECK(cudaMemset(target(i), 0xa5, chunk * R));
       }
@@ -64,17 +64,17 @@ std::vector<Row> runAllGather(const Options& o, Ranks& r) {
       const double us = timeIterations(r, o.warmup, o.iters, [&] { launchEach(r, execs); });
       destroyEach(r, execs);
       long long w = 0;
-      for (int i = 0; o.check && i < R; ++i) {
+      for (int i = 0; o.check && i < r.numLocal(); ++i) {
         for (int q = 0; q < R; ++q) w += checkBytes(r, i, target(i) + chunk * q, chunk, salt[q]);
       }
       const double algbw = us > 0 ? static_cast<double>(chunk * R) / (us * 1e3) : 0;
       Row row{"allgather", std::string(zeroCopy ? "ring zero-copy" : "ring staged"), chunk * R, us,
-              algbw, algbw * (R - 1) / R, w, ncclUs, ""};
+              algbw, algbw * (R - 1) / R, totalOverRanks(r, w), ncclUs, ""};
       printRow(row);
       rows.push_back(row);
     }
   }
-  for (int i = 0; i < R; ++i) {
+  for (int i = 0; i < r.numLocal(); ++i) {
     cudaSetDevice(r.devices[static_cast<size_t>(i)]);
     cudaFree(in[static_cast<size_t>(i)]);
     cudaFree(out[static_cast<size_t>(i)]);

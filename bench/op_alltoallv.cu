@@ -26,10 +26,10 @@ std::vector<Row> runAllToAllv(const Options& o, Ranks& r) {
   MoverOptions mo;
   mo.warpsPerRole = o.warpsPerRole;
   std::vector<Movers> movers = Movers::createAll(*heap, mo);
-  std::vector<char*> src(R), dst(R);
-  std::vector<std::uint64_t*> counts(R);  // sendCounts | sendOffsets | recvCounts | recvOffsets
+  std::vector<char*> src(static_cast<size_t>(r.numLocal())), dst(static_cast<size_t>(r.numLocal()));
+  std::vector<std::uint64_t*> counts(static_cast<size_t>(r.numLocal()));  // sendCounts | sendOffsets | recvCounts | recvOffsets
   const std::size_t cap = std::max<std::size_t>(o.maxBytes, 16);
-  for (int i = 0; i < R; ++i) {
+  for (int i = 0; i < r.numLocal(); ++i) {
     GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[static_cast<size_t>(i)]));
     GRAPHEP_CUDA_CHECK(cudaMalloc(&src[static_cast<size_t>(i)], cap));
     GRAPHEP_CUDA_CHECK(cudaMalloc(&dst[static_cast<size_t>(i)], cap));
@@ -42,7 +42,7 @@ std::vector<Row> runAllToAllv(const Options& o, Ranks& r) {
        total = std::max<std::size_t>(total + 1, static_cast<std::size_t>(total * o.factor))) {
     const std::size_t per = total / R;
     progress(("alltoallv " + std::to_string(total)).c_str());
-    for (int i = 0; i < R; ++i) {
+    for (int i = 0; i < r.numLocal(); ++i) {
       GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[static_cast<size_t>(i)]));
       std::vector<std::uint64_t> h(4 * static_cast<size_t>(R));
       for (int q = 0; q < R; ++q) {
@@ -50,21 +50,21 @@ std::vector<Row> runAllToAllv(const Options& o, Ranks& r) {
         h[static_cast<size_t>(R + q)] = per * q;
         h[static_cast<size_t>(2 * R + q)] = per;
         h[static_cast<size_t>(3 * R + q)] = per * q;
-        fillBytes(src[static_cast<size_t>(i)] + per * q, per, salt(i, q), r.streams[static_cast<size_t>(i)]);
+        fillBytes(src[static_cast<size_t>(i)] + per * q, per, salt(r.rank(i), q), r.streams[static_cast<size_t>(i)]);
       }
       GRAPHEP_CUDA_CHECK(cudaMemcpy(counts[static_cast<size_t>(i)], h.data(), h.size() * 8, cudaMemcpyHostToDevice));
       GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(r.streams[static_cast<size_t>(i)]));
     }
     double ncclUs = 0;
-    if (r.nccl) {
+    if (r.hasNccl()) {
       auto execs = captureAll(r, [&] {
         GRAPHEP_NCCL_CHECK(ncclGroupStart());
-        for (int i = 0; i < R; ++i) {
+        for (int i = 0; i < r.numLocal(); ++i) {
           for (int q = 0; q < R; ++q) {
             GRAPHEP_NCCL_CHECK(ncclSend(src[static_cast<size_t>(i)] + per * q, per, ncclChar, q,
-                                        r.nccl->ncclComm(i), r.streams[static_cast<size_t>(i)]));
+                                        r.ncclComm(i), r.streams[static_cast<size_t>(i)]));
             GRAPHEP_NCCL_CHECK(ncclRecv(dst[static_cast<size_t>(i)] + per * q, per, ncclChar, q,
-                                        r.nccl->ncclComm(i), r.streams[static_cast<size_t>(i)]));
+                                        r.ncclComm(i), r.streams[static_cast<size_t>(i)]));
           }
         }
         GRAPHEP_NCCL_CHECK(ncclGroupEnd());
@@ -72,7 +72,7 @@ std::vector<Row> runAllToAllv(const Options& o, Ranks& r) {
       ncclUs = timeIterations(r, o.warmup, o.iters, [&] { launchEach(r, execs); });
       destroyEach(r, execs);
     }
-    for (int i = 0; i < R; ++i) {
+    for (int i = 0; i < r.numLocal(); ++i) {
       GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[static_cast<size_t>(i)]));
       GRAPHEP_CUDA_CHECK(cudaMemset(dst[static_cast<size_t>(i)], 0xa5, cap));
     }
@@ -94,19 +94,19 @@ std::vector<Row> runAllToAllv(const Options& o, Ranks& r) {
     const double us = timeIterations(r, o.warmup, o.iters, [&] { launchEach(r, execs); });
     destroyEach(r, execs);
     long long w = 0;
-    for (int i = 0; o.check && i < R; ++i) {
-      for (int q = 0; q < R; ++q) w += checkBytes(r, i, dst[static_cast<size_t>(i)] + per * q, per, salt(q, i));
+    for (int i = 0; o.check && i < r.numLocal(); ++i) {
+      for (int q = 0; q < R; ++q) w += checkBytes(r, i, dst[static_cast<size_t>(i)] + per * q, per, salt(q, r.rank(i)));
     }
     const double algbw = us > 0 ? static_cast<double>(per * R) / (us * 1e3) : 0;
-    Row row{"alltoallv", "equal counts", per * R, us, algbw, algbw * (R - 1) / R, w, ncclUs, ""};
+    Row row{"alltoallv", "equal counts", per * R, us, algbw, algbw * (R - 1) / R, totalOverRanks(r, w), ncclUs, ""};
     printRow(row);
     rows.push_back(row);
-    for (int i = 0; i < R; ++i) {
+    for (int i = 0; i < r.numLocal(); ++i) {
       const std::string err = heap->errorMessage(i);
       GRAPHEP_REQUIRE(err.empty(), Status::kRemoteError, "device error: %s", err.c_str());
     }
   }
-  for (int i = 0; i < R; ++i) {
+  for (int i = 0; i < r.numLocal(); ++i) {
     cudaSetDevice(r.devices[static_cast<size_t>(i)]);
     cudaFree(src[static_cast<size_t>(i)]);
     cudaFree(dst[static_cast<size_t>(i)]);

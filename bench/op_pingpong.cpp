@@ -6,6 +6,8 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <vector>
+
 #include "bench/harness.hpp"
 #include "engine/error.hpp"
 #include "engine/heap.hpp"
@@ -31,35 +33,48 @@ long long readErrors(Ranks& r, const std::vector<unsigned long long*>& errors) {
 }
 
 double ncclRoundTripUs(const Options& o, Ranks& r, long long* wrong) {
-  if (!r.nccl) return 0;
-  std::int32_t* buf[2][2];  // [rank][0: send, 1: recv]
-  for (int i = 0; i < 2; ++i) {
-    GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[i]));
-    for (int j = 0; j < 2; ++j) GRAPHEP_CUDA_CHECK(cudaMalloc(&buf[i][j], sizeof(std::int32_t)));
-    const std::int32_t v = 0x1234 + i;
-    GRAPHEP_CUDA_CHECK(cudaMemcpy(buf[i][0], &v, sizeof(v), cudaMemcpyHostToDevice));
-    GRAPHEP_CUDA_CHECK(cudaMemset(buf[i][1], 0xff, sizeof(std::int32_t)));
+  if (!r.hasNccl()) return 0;
+  const int L = r.numLocal();
+  std::vector<std::int32_t*> sendBuf(static_cast<size_t>(L)), recvBuf(static_cast<size_t>(L));
+  for (int i = 0; i < L; ++i) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[static_cast<size_t>(i)]));
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&sendBuf[static_cast<size_t>(i)], sizeof(std::int32_t)));
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&recvBuf[static_cast<size_t>(i)], sizeof(std::int32_t)));
+    const std::int32_t v = 0x1234 + r.rank(i);
+    GRAPHEP_CUDA_CHECK(cudaMemcpy(sendBuf[static_cast<size_t>(i)], &v, sizeof(v), cudaMemcpyHostToDevice));
+    GRAPHEP_CUDA_CHECK(cudaMemset(recvBuf[static_cast<size_t>(i)], 0xff, sizeof(std::int32_t)));
   }
+  // One round trip: rank 0 -> rank 1, then rank 1 -> rank 0 (each half one NCCL group over the
+  // local ranks of this process).
+  auto half = [&](int from) {
+    GRAPHEP_NCCL_CHECK(ncclGroupStart());
+    for (int i = 0; i < L; ++i) {
+      const int g = r.rank(i);
+      if (g == from) {
+        GRAPHEP_NCCL_CHECK(ncclSend(sendBuf[static_cast<size_t>(i)], 1, ncclInt32, 1 - g,
+                                    r.ncclComm(i), r.streams[static_cast<size_t>(i)]));
+      } else {
+        GRAPHEP_NCCL_CHECK(ncclRecv(recvBuf[static_cast<size_t>(i)], 1, ncclInt32, 1 - g,
+                                    r.ncclComm(i), r.streams[static_cast<size_t>(i)]));
+      }
+    }
+    GRAPHEP_NCCL_CHECK(ncclGroupEnd());
+  };
   auto execs = captureAll(r, [&] {
     for (int k = 0; k < kRoundsPerGraph; ++k) {
-      GRAPHEP_NCCL_CHECK(ncclGroupStart());
-      GRAPHEP_NCCL_CHECK(ncclSend(buf[0][0], 1, ncclInt32, 1, r.nccl->ncclComm(0), r.streams[0]));
-      GRAPHEP_NCCL_CHECK(ncclRecv(buf[1][1], 1, ncclInt32, 0, r.nccl->ncclComm(1), r.streams[1]));
-      GRAPHEP_NCCL_CHECK(ncclGroupEnd());
-      GRAPHEP_NCCL_CHECK(ncclGroupStart());
-      GRAPHEP_NCCL_CHECK(ncclSend(buf[1][0], 1, ncclInt32, 0, r.nccl->ncclComm(1), r.streams[1]));
-      GRAPHEP_NCCL_CHECK(ncclRecv(buf[0][1], 1, ncclInt32, 1, r.nccl->ncclComm(0), r.streams[0]));
-      GRAPHEP_NCCL_CHECK(ncclGroupEnd());
+      half(0);
+      half(1);
     }
   });
   const double us = timeIterations(r, o.warmup, o.iters, [&] { launchEach(r, execs); });
   destroyEach(r, execs);
-  for (int i = 0; i < 2; ++i) {
-    GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[i]));
+  for (int i = 0; i < L; ++i) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[static_cast<size_t>(i)]));
     std::int32_t got = 0;
-    GRAPHEP_CUDA_CHECK(cudaMemcpy(&got, buf[i][1], sizeof(got), cudaMemcpyDeviceToHost));
-    *wrong += got != 0x1234 + (1 - i);
-    for (int j = 0; j < 2; ++j) cudaFree(buf[i][j]);
+    GRAPHEP_CUDA_CHECK(cudaMemcpy(&got, recvBuf[static_cast<size_t>(i)], sizeof(got), cudaMemcpyDeviceToHost));
+    *wrong += got != 0x1234 + (1 - r.rank(i));
+    cudaFree(sendBuf[static_cast<size_t>(i)]);
+    cudaFree(recvBuf[static_cast<size_t>(i)]);
   }
   return us / kRoundsPerGraph;
 }
@@ -70,9 +85,10 @@ std::vector<Row> runPingPong(const Options& o, Ranks& r) {
   HeapConfig cfg;
   cfg.numRanks = 2;
   auto heap = SymmetricHeap::create(*r.comm, cfg);
-  std::vector<unsigned long long*> errors(2);
-  for (int i = 0; i < 2; ++i) {
-    GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[i]));
+  const int L = r.numLocal();
+  std::vector<unsigned long long*> errors(static_cast<size_t>(L));
+  for (int i = 0; i < L; ++i) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[static_cast<size_t>(i)]));
     GRAPHEP_CUDA_CHECK(preloadProbeKernels());
     GRAPHEP_CUDA_CHECK(cudaMalloc(&errors[i], sizeof(unsigned long long)));
     GRAPHEP_CUDA_CHECK(cudaMemset(errors[i], 0, sizeof(unsigned long long)));
@@ -90,7 +106,7 @@ std::vector<Row> runPingPong(const Options& o, Ranks& r) {
     const double us = timeIterations(r, o.warmup, o.iters, [&] { launchEach(r, execs); });
     destroyEach(r, execs);
     rows.push_back({"pingpong", "flag-in-kernel", 4, us / kInKernelRounds, 0, 0,
-                    readErrors(r, errors), ncclUs, "per round trip"});
+                    totalOverRanks(r, readErrors(r, errors)), ncclUs, "per round trip"});
   }
   {  // flag-per-launch
     progress("flag-per-launch");
@@ -101,22 +117,25 @@ std::vector<Row> runPingPong(const Options& o, Ranks& r) {
     const double us = timeIterations(r, o.warmup, o.iters, [&] { launchEach(r, execs); });
     destroyEach(r, execs);
     rows.push_back({"pingpong", "flag-per-launch", 4, us / kRoundsPerGraph, 0, 0,
-                    readErrors(r, errors), ncclUs, "per round trip, 1 launch each"});
+                    totalOverRanks(r, readErrors(r, errors)), ncclUs, "per round trip, 1 launch each"});
   }
   {  // semaphore
     progress("semaphore");
-    std::vector<SemaphoreOps> ops{SemaphoreOps(*heap, 0), SemaphoreOps(*heap, 1)};
+    std::vector<SemaphoreOps> ops;
+    for (int i = 0; i < L; ++i) ops.emplace_back(*heap, i);
     constexpr int kCh = 0;
     auto execs = captureEach(r, [&](int i, cudaStream_t s) {
+      const SemaphoreOps& op = ops[static_cast<size_t>(i)];
+      const int g = r.rank(i);
       for (int k = 0; k < kRoundsPerGraph; ++k) {
-        if (i == 0) {
-          ops[0].signal(s, kCh, 1u << 1);
-          ops[0].wait(s, kCh, 1, 1);
-          ops[0].consume(s, kCh, 1, 1);
+        if (g == 0) {
+          op.signal(s, kCh, 1u << 1);
+          op.wait(s, kCh, 1, 1);
+          op.consume(s, kCh, 1, 1);
         } else {
-          ops[1].wait(s, kCh, 0, 1);
-          ops[1].consume(s, kCh, 0, 1);
-          ops[1].signal(s, kCh, 1u << 0);
+          op.wait(s, kCh, 0, 1);
+          op.consume(s, kCh, 0, 1);
+          op.signal(s, kCh, 1u << 0);
         }
       }
     });
@@ -125,24 +144,24 @@ std::vector<Row> runPingPong(const Options& o, Ranks& r) {
     long long wrong = 0;
     const std::uint32_t expected =
         static_cast<std::uint32_t>((o.warmup + o.iters) * kRoundsPerGraph);
-    for (int i = 0; i < 2; ++i) {
-      GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[i]));
+    for (int i = 0; i < L; ++i) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[static_cast<size_t>(i)]));
       GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
-      const SemaphoreCounts c = ops[static_cast<size_t>(i)].read(kCh, 1 - i);
+      const SemaphoreCounts c = ops[static_cast<size_t>(i)].read(kCh, 1 - r.rank(i));
       wrong += c.count != 0;
       wrong += std::llabs(static_cast<long long>(c.arrived) - expected);
       wrong += std::llabs(static_cast<long long>(c.consumed) - expected);
     }
-    rows.push_back({"pingpong", "semaphore", 4, us / kRoundsPerGraph, 0, 0, wrong, ncclUs,
+    rows.push_back({"pingpong", "semaphore", 4, us / kRoundsPerGraph, 0, 0, totalOverRanks(r, wrong), ncclUs,
                     "per round trip: signal+wait+consume each way"});
   }
-  for (int i = 0; i < 2; ++i) {
+  for (int i = 0; i < L; ++i) {
     const std::string err = heap->errorMessage(i);
     GRAPHEP_REQUIRE(err.empty(), Status::kRemoteError, "device error: %s", err.c_str());
-    cudaSetDevice(r.devices[i]);
-    cudaFree(errors[i]);
+    cudaSetDevice(r.devices[static_cast<size_t>(i)]);
+    cudaFree(errors[static_cast<size_t>(i)]);
   }
-  if (ncclUs > 0) rows.push_back({"pingpong", "nccl-sendrecv (baseline)", 4, ncclUs, 0, 0, ncclWrong,
+  if (ncclUs > 0) rows.push_back({"pingpong", "nccl-sendrecv (baseline)", 4, ncclUs, 0, 0, totalOverRanks(r, ncclWrong),
                                   ncclUs, "grouped send/recv each way"});
   for (const Row& row : rows) printRow(row);
   return rows;

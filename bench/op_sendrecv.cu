@@ -24,13 +24,13 @@ std::vector<Row> runSendRecv(const Options& o, Ranks& r) {
   MoverOptions mo;
   mo.warpsPerRole = o.warpsPerRole;
   std::vector<Movers> movers = Movers::createAll(*heap, mo);
-  std::vector<char*> src(2), dst(2);
+  std::vector<char*> src(static_cast<size_t>(r.numLocal())), dst(static_cast<size_t>(r.numLocal()));
   unsigned salt[2] = {0x1234u, 0xbeefu};
-  for (int i = 0; i < 2; ++i) {
+  for (int i = 0; i < r.numLocal(); ++i) {
     GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[i]));
     GRAPHEP_CUDA_CHECK(cudaMalloc(&src[i], std::max<std::size_t>(o.maxBytes, 16)));
     GRAPHEP_CUDA_CHECK(cudaMalloc(&dst[i], std::max<std::size_t>(o.maxBytes, 16)));
-    fillBytes(src[i], o.maxBytes, salt[i], r.streams[i]);
+    fillBytes(src[i], o.maxBytes, salt[r.rank(i)], r.streams[i]);
     GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(r.streams[i]));
   }
   std::vector<Row> rows;
@@ -40,12 +40,12 @@ std::vector<Row> runSendRecv(const Options& o, Ranks& r) {
     const int channels = o.sms > 0 ? o.sms : movers[0].channelsFor(bytes);
     // NCCL baseline.
     double ncclUs = 0;
-    if (r.nccl) {
+    if (r.hasNccl()) {
       auto execs = captureAll(r, [&] {
         GRAPHEP_NCCL_CHECK(ncclGroupStart());
-        for (int i = 0; i < 2; ++i) {
-          GRAPHEP_NCCL_CHECK(ncclSend(src[i], bytes, ncclChar, 1 - i, r.nccl->ncclComm(i), r.streams[i]));
-          GRAPHEP_NCCL_CHECK(ncclRecv(dst[i], bytes, ncclChar, 1 - i, r.nccl->ncclComm(i), r.streams[i]));
+        for (int i = 0; i < r.numLocal(); ++i) {
+          GRAPHEP_NCCL_CHECK(ncclSend(src[i], bytes, ncclChar, 1 - r.rank(i), r.ncclComm(i), r.streams[i]));
+          GRAPHEP_NCCL_CHECK(ncclRecv(dst[i], bytes, ncclChar, 1 - r.rank(i), r.ncclComm(i), r.streams[i]));
         }
         GRAPHEP_NCCL_CHECK(ncclGroupEnd());
       });
@@ -53,16 +53,16 @@ std::vector<Row> runSendRecv(const Options& o, Ranks& r) {
       destroyEach(r, execs);
     }
     for (bool zeroCopy : {false, true}) {
-      for (int i = 0; i < 2; ++i) {
+      for (int i = 0; i < r.numLocal(); ++i) {
         GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[i]));
         GRAPHEP_CUDA_CHECK(cudaMemset(zeroCopy ? heap->user(i) : dst[i], 0xa5, bytes));
       }
       auto execs = captureEach(r, [&](int i, cudaStream_t s) {
         SendRecvArgs a;
-        a.sendPeer = 1 - i;
+        a.sendPeer = 1 - r.rank(i);
         a.src = src[i];
         a.sendBytes = bytes;
-        a.recvPeer = 1 - i;
+        a.recvPeer = 1 - r.rank(i);
         a.dst = zeroCopy ? heap->user(i) : dst[i];
         a.recvBytes = bytes;
         a.numChannels = channels;
@@ -75,22 +75,22 @@ std::vector<Row> runSendRecv(const Options& o, Ranks& r) {
       const double us = timeIterations(r, o.warmup, o.iters, [&] { launchEach(r, execs); });
       destroyEach(r, execs);
       long long w = 0;
-      for (int i = 0; o.check && i < 2; ++i) {
-        w += checkBytes(r, i, zeroCopy ? heap->user(i) : dst[i], bytes, salt[1 - i]);
+      for (int i = 0; o.check && i < r.numLocal(); ++i) {
+        w += checkBytes(r, i, zeroCopy ? heap->user(i) : dst[i], bytes, salt[1 - r.rank(i)]);
       }
       const double algbw = us > 0 ? static_cast<double>(bytes) / (us * 1e3) : 0;
       Row row{"sendrecv",
               std::string(zeroCopy ? "zero-copy" : "staged") + " ch=" + std::to_string(channels),
-              bytes, us, algbw, algbw, w, ncclUs, ""};
+              bytes, us, algbw, algbw, totalOverRanks(r, w), ncclUs, ""};
       printRow(row);
       rows.push_back(row);
     }
-    for (int i = 0; i < 2; ++i) {
+    for (int i = 0; i < r.numLocal(); ++i) {
       const std::string err = heap->errorMessage(i);
       GRAPHEP_REQUIRE(err.empty(), Status::kRemoteError, "device error: %s", err.c_str());
     }
   }
-  for (int i = 0; i < 2; ++i) {
+  for (int i = 0; i < r.numLocal(); ++i) {
     cudaSetDevice(r.devices[i]);
     cudaFree(src[i]);
     cudaFree(dst[i]);

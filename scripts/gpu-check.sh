@@ -55,7 +55,12 @@ for op in sendrecv allgather alltoallv; do
     "$build/bench/graphep-bench" $op -b 1K -e 1G -f 4 -n 20 -w 5 ${GRAPHEP_BENCH_ARGS:-} \
     >>"$out/bench_movers.log" 2>&1 || { echo "$op bench failed or timed out (rc=$?)"; status=1; }
 done
-grep -v "^# \.\.\.\|INFO" "$out/bench_movers.log" | grep -E "^  |failed" || true
+if command -v mpirun >/dev/null; then  # one rank per process
+  timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-60} mpirun --allow-run-as-root --oversubscribe -np 2 \
+    -x NCCL_NVLS_ENABLE "$build/bench/graphep-bench" sendrecv -b 1K -e 64M -f 8 -n 10 -w 3 \
+    >>"$out/bench_movers.log" 2>&1 || { echo "mpirun sendrecv bench failed (rc=$?)"; status=1; }
+fi
+grep -v "^# \.\.\.\|INFO" "$out/bench_movers.log" | grep -E "^  |failed|mpirun" || true
 
 echo "== summary: status=$status (logs in $out)"
 exit $status
