@@ -161,49 +161,6 @@ void runSendRecvCases(Communicator& comm, const std::vector<SendRecvCase>& cases
   }
 }
 
-void runSendRecvReplays(Communicator& comm, std::size_t bytes, int replays, bool zeroCopy) {
-  Fixture f(comm, bytes, std::size_t{64} << 10, kNearWrap);
-  const int L = f.heap->numLocalRanks();
-  const int R = f.heap->worldSize();
-  const SendRecvCase c{bytes, zeroCopy, false, 0};
-  std::vector<cudaGraphExec_t> execs(static_cast<size_t>(L));
-  for (int l = 0; l < L; ++l) {
-    GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
-    auto& b = f.bufs[static_cast<size_t>(l)];
-    GRAPHEP_CUDA_CHECK(cudaMemset(b.wrong, 0, sizeof(unsigned long long)));
-    execs[static_cast<size_t>(l)] = captureOnStream(b.stream, [&](cudaStream_t s) {
-      f.movers[static_cast<size_t>(l)].sendRecv(s, argsFor(f, l, c, dstFor(f, l, zeroCopy)));
-    });
-  }
-  SymmetricHeap::Pin pin = f.heap->pin();
-  f.syncAll();
-  for (int i = 0; i < replays; ++i) {
-    const std::uint64_t seed = 77 + static_cast<std::uint64_t>(i) * 131;
-    for (int l = 0; l < L; ++l) {
-      GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
-      const auto& b = f.bufs[static_cast<size_t>(l)];
-      const int me = f.heap->rank(l);
-      char* dst = dstFor(f, l, zeroCopy);
-      GRAPHEP_CUDA_CHECK(launchFillPattern(b.src, bytes, seed, me, b.stream));
-      GRAPHEP_CUDA_CHECK(cudaMemsetAsync(dst, kPoison, bytes, b.stream));
-      GRAPHEP_CUDA_CHECK(cudaGraphLaunch(execs[static_cast<size_t>(l)], b.stream));
-      GRAPHEP_CUDA_CHECK(launchCountMismatches(dst, bytes, seed, (me + R - 1) % R, b.wrong, b.stream));
-    }
-  }
-  f.syncAll();
-  for (int l = 0; l < L; ++l) {
-    GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
-    unsigned long long wrong = 0;
-    GRAPHEP_CUDA_CHECK(cudaMemcpy(&wrong, f.bufs[static_cast<size_t>(l)].wrong, sizeof(wrong),
-                                  cudaMemcpyDeviceToHost));
-    EXPECT_EQ(wrong, 0ull) << "rank " << f.heap->rank(l) << ": " << wrong << " bytes wrong over "
-                           << replays << " replays of " << bytes << " bytes";
-    EXPECT_EQ(f.heap->errorMessage(l), "") << "rank " << f.heap->rank(l);
-    cudaGraphExecDestroy(execs[static_cast<size_t>(l)]);
-  }
-  f.heap->comm().barrier();
-}
-
 namespace {
 
 // Runs `enqueue` once per rank per run: eagerly when replays == 1, else captured once and
@@ -256,6 +213,27 @@ void runChecked(Fixture& f, int replays, Enqueue enqueue, Prepare prepare, Check
 }
 
 }  // namespace
+
+void runSendRecvReplays(Communicator& comm, std::size_t bytes, int replays, bool zeroCopy) {
+  Fixture f(comm, bytes, std::size_t{64} << 10, kNearWrap);
+  const int R = f.heap->worldSize();
+  const SendRecvCase c{bytes, zeroCopy, false, 0};
+  runChecked(
+      f, replays,
+      [&](int l, cudaStream_t s) {
+        f.movers[static_cast<size_t>(l)].sendRecv(s, argsFor(f, l, c, dstFor(f, l, zeroCopy)));
+      },
+      [&](int l, cudaStream_t s, std::uint64_t seed) {
+        GRAPHEP_CUDA_CHECK(launchFillPattern(f.bufs[static_cast<size_t>(l)].src, bytes, seed,
+                                             f.heap->rank(l), s));
+        GRAPHEP_CUDA_CHECK(cudaMemsetAsync(dstFor(f, l, zeroCopy), kPoison, bytes, s));
+      },
+      [&](int l, cudaStream_t s, std::uint64_t seed) {
+        GRAPHEP_CUDA_CHECK(launchCountMismatches(dstFor(f, l, zeroCopy), bytes, seed,
+                                                 (f.heap->rank(l) + R - 1) % R,
+                                                 f.bufs[static_cast<size_t>(l)].wrong, s));
+      });
+}
 
 void runAllGatherRing(Communicator& comm, std::size_t chunkBytes, bool zeroCopy, int replays) {
   const int R = comm.worldSize();
