@@ -121,6 +121,28 @@ std::vector<cudaGraphExec_t> captureAll(Ranks& r, const std::function<void()>& e
   return execs;
 }
 
+MoverBench makeMoverBench(const Options& o, Ranks& r, std::size_t userBytes) {
+  HeapConfig cfg;
+  cfg.numRanks = r.comm->worldSize();
+  cfg.userBytes = userBytes;
+  cfg.moverSlotBytes = o.slotBytes;
+  cfg.moverSlots = o.numSlots;
+  cfg.moverBlocks = std::max(16, o.sms);
+  MoverBench b;
+  b.heap = SymmetricHeap::create(*r.comm, cfg);
+  MoverOptions mo;
+  mo.warpsPerRole = o.warpsPerRole;
+  b.movers = Movers::createAll(*b.heap, mo);
+  return b;
+}
+
+void requireNoDeviceError(const SymmetricHeap& heap) {
+  for (int i = 0; i < heap.numLocalRanks(); ++i) {
+    const std::string err = heap.errorMessage(i);
+    GRAPHEP_REQUIRE(err.empty(), Status::kRemoteError, "device error: %s", err.c_str());
+  }
+}
+
 long long totalOverRanks(Ranks& r, long long mine) {
   std::vector<long long> local(static_cast<size_t>(r.numLocal()), 0);
   local[0] = mine;

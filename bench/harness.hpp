@@ -12,6 +12,9 @@
 
 #include <graphep/comm.hpp>
 
+#include "engine/heap.hpp"
+#include "engine/movers.hpp"
+
 namespace graphep::bench {
 
 struct Options {
@@ -29,13 +32,7 @@ struct Options {
   int numSlots = 4;                                 // --slots (movers: slots per channel)
 };
 
-}  // namespace graphep::bench
 
-namespace graphep {
-struct HeapConfig;
-}
-
-namespace graphep::bench {
 
 struct Row {
   std::string op, variant;
@@ -99,8 +96,16 @@ long long checkBytes(Ranks& r, int i, const void* p, std::size_t bytes, unsigned
 // wrong elements under mpirun too.
 long long totalOverRanks(Ranks& r, long long mine);
 
-// Mover options (--sms, --warps, --slot, --slots) applied to a heap config.
-void applyMoverOptions(const Options& o, HeapConfig* cfg);
+// The heap and movers of a mover benchmark, built from --sms, --warps, --slot, --slots, with a
+// `userBytes` symmetric user region (zero-copy destinations).
+struct MoverBench {
+  std::unique_ptr<SymmetricHeap> heap;
+  std::vector<Movers> movers;
+};
+MoverBench makeMoverBench(const Options& o, Ranks& r, std::size_t userBytes);
+
+// Throws naming the first device error any local rank recorded (a timeout, a dropped count).
+void requireNoDeviceError(const SymmetricHeap& heap);
 
 // Operations: each returns its rows.
 std::vector<Row> runPingPong(const Options& o, Ranks& r);

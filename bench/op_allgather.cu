@@ -17,14 +17,9 @@ namespace graphep::bench {
 
 std::vector<Row> runAllGather(const Options& o, Ranks& r) {
   const int R = 2;
-  HeapConfig cfg;
-  cfg.numRanks = R;
-  cfg.userBytes = o.maxBytes;
-  applyMoverOptions(o, &cfg);
-  auto heap = SymmetricHeap::create(*r.comm, cfg);
-  MoverOptions mo;
-  mo.warpsPerRole = o.warpsPerRole;
-  std::vector<Movers> movers = Movers::createAll(*heap, mo);
+  MoverBench mb = makeMoverBench(o, r, o.maxBytes);
+  auto& heap = mb.heap;
+  auto& movers = mb.movers;
   std::vector<char*> in(static_cast<size_t>(r.numLocal())), out(static_cast<size_t>(r.numLocal()));
   const unsigned salt[2] = {0x51u, 0xa7u};
   for (int i = 0; i < r.numLocal(); ++i) {
@@ -73,6 +68,7 @@ std::vector<Row> runAllGather(const Options& o, Ranks& r) {
       printRow(row);
       rows.push_back(row);
     }
+    requireNoDeviceError(*heap);
   }
   for (int i = 0; i < r.numLocal(); ++i) {
     cudaSetDevice(r.devices[static_cast<size_t>(i)]);

@@ -19,13 +19,9 @@ namespace graphep::bench {
 
 std::vector<Row> runAllToAllv(const Options& o, Ranks& r) {
   const int R = 2;
-  HeapConfig cfg;
-  cfg.numRanks = R;
-  applyMoverOptions(o, &cfg);
-  auto heap = SymmetricHeap::create(*r.comm, cfg);
-  MoverOptions mo;
-  mo.warpsPerRole = o.warpsPerRole;
-  std::vector<Movers> movers = Movers::createAll(*heap, mo);
+  MoverBench mb = makeMoverBench(o, r, 0);
+  auto& heap = mb.heap;
+  auto& movers = mb.movers;
   std::vector<char*> src(static_cast<size_t>(r.numLocal())), dst(static_cast<size_t>(r.numLocal()));
   std::vector<std::uint64_t*> counts(static_cast<size_t>(r.numLocal()));  // sendCounts | sendOffsets | recvCounts | recvOffsets
   const std::size_t cap = std::max<std::size_t>(o.maxBytes, 16);
@@ -101,10 +97,7 @@ std::vector<Row> runAllToAllv(const Options& o, Ranks& r) {
     Row row{"alltoallv", "equal counts", per * R, us, algbw, algbw * (R - 1) / R, totalOverRanks(r, w), ncclUs, ""};
     printRow(row);
     rows.push_back(row);
-    for (int i = 0; i < r.numLocal(); ++i) {
-      const std::string err = heap->errorMessage(i);
-      GRAPHEP_REQUIRE(err.empty(), Status::kRemoteError, "device error: %s", err.c_str());
-    }
+    requireNoDeviceError(*heap);
   }
   for (int i = 0; i < r.numLocal(); ++i) {
     cudaSetDevice(r.devices[static_cast<size_t>(i)]);

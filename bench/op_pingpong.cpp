@@ -155,9 +155,8 @@ std::vector<Row> runPingPong(const Options& o, Ranks& r) {
     rows.push_back({"pingpong", "semaphore", 4, us / kRoundsPerGraph, 0, 0, totalOverRanks(r, wrong), ncclUs,
                     "per round trip: signal+wait+consume each way"});
   }
+  requireNoDeviceError(*heap);
   for (int i = 0; i < L; ++i) {
-    const std::string err = heap->errorMessage(i);
-    GRAPHEP_REQUIRE(err.empty(), Status::kRemoteError, "device error: %s", err.c_str());
     cudaSetDevice(r.devices[static_cast<size_t>(i)]);
     cudaFree(errors[static_cast<size_t>(i)]);
   }

@@ -16,14 +16,9 @@
 namespace graphep::bench {
 
 std::vector<Row> runSendRecv(const Options& o, Ranks& r) {
-  HeapConfig cfg;
-  cfg.numRanks = 2;
-  cfg.userBytes = o.maxBytes;
-  applyMoverOptions(o, &cfg);
-  auto heap = SymmetricHeap::create(*r.comm, cfg);
-  MoverOptions mo;
-  mo.warpsPerRole = o.warpsPerRole;
-  std::vector<Movers> movers = Movers::createAll(*heap, mo);
+  MoverBench mb = makeMoverBench(o, r, o.maxBytes);
+  auto& heap = mb.heap;
+  auto& movers = mb.movers;
   std::vector<char*> src(static_cast<size_t>(r.numLocal())), dst(static_cast<size_t>(r.numLocal()));
   unsigned salt[2] = {0x1234u, 0xbeefu};
   for (int i = 0; i < r.numLocal(); ++i) {
@@ -85,10 +80,7 @@ std::vector<Row> runSendRecv(const Options& o, Ranks& r) {
       printRow(row);
       rows.push_back(row);
     }
-    for (int i = 0; i < r.numLocal(); ++i) {
-      const std::string err = heap->errorMessage(i);
-      GRAPHEP_REQUIRE(err.empty(), Status::kRemoteError, "device error: %s", err.c_str());
-    }
+    requireNoDeviceError(*heap);
   }
   for (int i = 0; i < r.numLocal(); ++i) {
     cudaSetDevice(r.devices[i]);

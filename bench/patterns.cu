@@ -5,7 +5,6 @@
 
 #include "bench/harness.hpp"
 #include "engine/error.hpp"
-#include "engine/heap_layout.hpp"
 
 namespace graphep::bench {
 namespace {
@@ -52,12 +51,6 @@ long long checkBytes(Ranks& r, int i, const void* p, std::size_t bytes, unsigned
   GRAPHEP_CUDA_CHECK(cudaMemcpy(&w, wrong, sizeof(w), cudaMemcpyDeviceToHost));
   GRAPHEP_CUDA_CHECK(cudaFree(wrong));
   return static_cast<long long>(w);
-}
-
-void applyMoverOptions(const Options& o, HeapConfig* cfg) {
-  cfg->moverSlotBytes = o.slotBytes;
-  cfg->moverSlots = o.numSlots;
-  cfg->moverBlocks = std::max(16, o.sms);
 }
 
 }  // namespace graphep::bench
