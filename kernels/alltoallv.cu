@@ -32,7 +32,7 @@ __device__ std::uint64_t checkedCount(const AllToAllvParams& p, std::uint64_t of
   return 0;
 }
 
-__global__ void __launch_bounds__(2 * 8 * 32)
+__global__ void __launch_bounds__(2 * kMaxWarpsPerRole * 32)
     allToAllvKernel(const __grid_constant__ AllToAllvParams p) {
   __shared__ int abortFlag[2];
   const int R = p.sync.numRanks;
@@ -129,7 +129,7 @@ cudaError_t launchAllToAllvGather(const AllToAllvParams& p, cudaStream_t stream)
 
 cudaError_t launchAllToAllv(const AllToAllvParams& p, cudaStream_t stream) {
   const unsigned blocks = p.firstChannel[p.sync.numRanks];
-  if (p.warpsPerRole < 1 || p.warpsPerRole > 8 || blocks == 0 || p.minBytesPerChannel == 0 ||
+  if (p.warpsPerRole < 1 || p.warpsPerRole > kMaxWarpsPerRole || blocks == 0 || p.minBytesPerChannel == 0 ||
       p.numSlots < 1 || (p.numSlots & (p.numSlots - 1)) != 0 || p.slotBytes % 16 != 0 ||
       p.slotBytes == 0) {
     return cudaErrorInvalidValue;

@@ -17,8 +17,6 @@
 
 namespace graphep {
 
-inline constexpr int kMaxWarpsPerRole = 8;
-
 struct SendRecvParams {
   SyncHandle sync;             // rank, wait bound, error record
   // Each direction has its own channel count, derived from its own byte count so that both ends

@@ -8,6 +8,9 @@
 
 namespace graphep {
 
+// Warps per role (sender, receiver) in one mover CTA, at most: CTAs have 2 * this many warps.
+inline constexpr int kMaxWarpsPerRole = 8;
+
 // What the receiver does with each arriving chunk (the consume hook).
 enum class Consume : std::uint32_t { kCopy = 0, kAddF32 = 1, kAddBf16 = 2 };
 
