@@ -97,15 +97,15 @@ class Movers {
   void reduceScatterRing(cudaStream_t stream, const void* in, void* out, void* scratch,
                          std::size_t count, Consume addKind) const;
 
-  SendRecvParams params(const SendRecvArgs& args) const;
-
   // Capturable. Peers without load/store access exchange MoverOptions.maxRemoteBytesPerPeer bytes
   // through NCCL whatever the count (a count beyond it is dropped and reported).
   void allToAllv(cudaStream_t stream, const AllToAllvArgs& args) const;
-  AllToAllvParams allToAllvParams(const AllToAllvArgs& args) const;
 
  private:
   Movers(const SymmetricHeap& heap, int local, const MoverOptions& options);
+  // Validate the arguments (errors name the values) and build the kernels' by-value params.
+  SendRecvParams params(const SendRecvArgs& args) const;
+  AllToAllvParams allToAllvParams(const AllToAllvArgs& args) const;
   bool remote(int peer) const;
   SendLink sendLink(int peer) const;  // channel tables of this rank -> peer
   RecvLink recvLink(int peer) const;  // channel tables of peer -> this rank

@@ -44,8 +44,6 @@ class SemaphoreOps {
   // Setup/diagnostics only: synchronous read of one word's counters.
   SemaphoreCounts read(int channel, int src) const;
 
-  const SyncHandle& handle() const { return h_; }
-
  private:
   void checkChannel(int channel) const;
   void checkWord(const char* op, int channel, int src, std::uint32_t k) const;
