@@ -121,6 +121,25 @@ std::vector<cudaGraphExec_t> captureAll(Ranks& r, const std::function<void()>& e
   return execs;
 }
 
+std::vector<cudaGraphExec_t> captureOps(const Options& o, Ranks& r,
+                                        const std::function<void(int, cudaStream_t)>& enqueue) {
+  return captureEach(r, [&](int i, cudaStream_t s) {
+    for (int k = 0; k < o.opsPerGraph; ++k) enqueue(i, s);
+  });
+}
+
+std::vector<cudaGraphExec_t> captureOpsAll(const Options& o, Ranks& r, const std::function<void()>& enqueueAll) {
+  return captureAll(r, [&] {
+    for (int k = 0; k < o.opsPerGraph; ++k) enqueueAll();
+  });
+}
+
+double timeOps(const Options& o, Ranks& r, std::vector<cudaGraphExec_t>& execs) {
+  const double us = timeIterations(r, o.warmup, o.iters, [&] { launchEach(r, execs); });
+  destroyEach(r, execs);
+  return us / o.opsPerGraph;
+}
+
 MoverBench makeMoverBench(const Options& o, Ranks& r, std::size_t userBytes) {
   HeapConfig cfg;
   cfg.numRanks = r.comm->worldSize();
@@ -217,8 +236,8 @@ void printHeader(const Options& o, const Ranks& r) {
   const double link = peerCopyGBs(r);  // in-process 2 GPUs only; 0 otherwise
   int nccl = 0;
   ncclGetVersion(&nccl);
-  std::printf("# graphep-bench %s  op=%s  graph=%d  iters=%d  warmup=%d  NCCL %d\n",
-              versionString(), o.op.c_str(), o.graph ? 1 : 0, o.iters, o.warmup, nccl);
+  std::printf("# graphep-bench %s  op=%s  ops/graph=%d  graph launches=%d  warmup=%d  NCCL %d\n",
+              versionString(), o.op.c_str(), o.opsPerGraph, o.iters, o.warmup, nccl);
   for (int i = 0; i < r.numLocal(); ++i) {
     cudaDeviceProp p{};
     cudaGetDeviceProperties(&p, r.devices[static_cast<size_t>(i)]);

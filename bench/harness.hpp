@@ -24,7 +24,7 @@ struct Options {
   int iters = 20;                                   // -n
   int warmup = 5;                                   // -w
   bool check = true;                                // -c
-  bool graph = true;                                // -G
+  int opsPerGraph = 10;                             // -G (operations captured back to back per graph)
   int sms = 0;                                      // --sms (0: operation default)
   std::string json;                                 // --json FILE
   int warpsPerRole = 4;                             // --warps (movers: warps per role per CTA)
@@ -76,6 +76,16 @@ std::vector<cudaGraphExec_t> captureEach(Ranks& r, const std::function<void(int,
 // Captures enqueueAll(), which enqueues onto all ranks' streams at once (e.g. grouped NCCL calls).
 std::vector<cudaGraphExec_t> captureAll(Ranks& r, const std::function<void()>& enqueueAll);
 void launchEach(Ranks& r, const std::vector<cudaGraphExec_t>& execs);
+
+// Operation timing as nccl-tests does it in graph mode: o.opsPerGraph back-to-back copies of the
+// operation are captured into one graph per rank (so host launch cost is amortised), and the time
+// per operation is the graph's time divided by o.opsPerGraph. captureOpsAll is for enqueues that
+// drive every rank at once (grouped NCCL calls).
+std::vector<cudaGraphExec_t> captureOps(const Options& o, Ranks& r,
+                                        const std::function<void(int, cudaStream_t)>& enqueue);
+std::vector<cudaGraphExec_t> captureOpsAll(const Options& o, Ranks& r, const std::function<void()>& enqueueAll);
+// Times the graphs (o.warmup + o.iters launches), destroys them, returns microseconds per operation.
+double timeOps(const Options& o, Ranks& r, std::vector<cudaGraphExec_t>& execs);
 void destroyEach(Ranks& r, std::vector<cudaGraphExec_t>& execs);
 
 // Output goes through the process that holds global rank 0 (setPrinter), one line per row.

@@ -36,7 +36,7 @@ std::vector<Row> runAllGather(const Options& o, Ranks& r) {
     progress(("allgather " + std::to_string(total)).c_str());
     double ncclUs = 0;
     if (r.hasNccl()) {
-      auto execs = captureAll(r, [&] {
+      auto execs = captureOpsAll(o, r, [&] {
         GRAPHEP_NCCL_CHECK(ncclGroupStart());
         for (int i = 0; i < r.numLocal(); ++i) {
           GRAPHEP_NCCL_CHECK(ncclAllGather(in[static_cast<size_t>(i)], out[static_cast<size_t>(i)], chunk,
@@ -44,8 +44,7 @@ std::vector<Row> runAllGather(const Options& o, Ranks& r) {
         }
         GRAPHEP_NCCL_CHECK(ncclGroupEnd());
       });
-      ncclUs = timeIterations(r, o.warmup, o.iters, [&] { launchEach(r, execs); });
-      destroyEach(r, execs);
+      ncclUs = timeOps(o, r, execs);
     }
     for (bool zeroCopy : {false, true}) {
       auto target = [&](int i) { return zeroCopy ? heap->user(i) : out[static_cast<size_t>(i)]; };
@@ -53,11 +52,10 @@ std::vector<Row> runAllGather(const Options& o, Ranks& r) {
         GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[static_cast<size_t>(i)]));
         GRAPHEP_CUDA_CHECK(cudaMemset(target(i), 0xa5, chunk * R));
       }
-      auto execs = captureEach(r, [&](int i, cudaStream_t s) {
+      auto execs = captureOps(o, r, [&](int i, cudaStream_t s) {
         movers[static_cast<size_t>(i)].allGatherRing(s, in[static_cast<size_t>(i)], target(i), chunk, zeroCopy);
       });
-      const double us = timeIterations(r, o.warmup, o.iters, [&] { launchEach(r, execs); });
-      destroyEach(r, execs);
+      const double us = timeOps(o, r, execs);
       long long w = 0;
       for (int i = 0; o.check && i < r.numLocal(); ++i) {
         for (int q = 0; q < R; ++q) w += checkBytes(r, i, target(i) + chunk * q, chunk, salt[q]);

@@ -53,7 +53,7 @@ std::vector<Row> runAllToAllv(const Options& o, Ranks& r) {
     }
     double ncclUs = 0;
     if (r.hasNccl()) {
-      auto execs = captureAll(r, [&] {
+      auto execs = captureOpsAll(o, r, [&] {
         GRAPHEP_NCCL_CHECK(ncclGroupStart());
         for (int i = 0; i < r.numLocal(); ++i) {
           for (int q = 0; q < R; ++q) {
@@ -65,14 +65,13 @@ std::vector<Row> runAllToAllv(const Options& o, Ranks& r) {
         }
         GRAPHEP_NCCL_CHECK(ncclGroupEnd());
       });
-      ncclUs = timeIterations(r, o.warmup, o.iters, [&] { launchEach(r, execs); });
-      destroyEach(r, execs);
+      ncclUs = timeOps(o, r, execs);
     }
     for (int i = 0; i < r.numLocal(); ++i) {
       GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[static_cast<size_t>(i)]));
       GRAPHEP_CUDA_CHECK(cudaMemset(dst[static_cast<size_t>(i)], 0xa5, cap));
     }
-    auto execs = captureEach(r, [&](int i, cudaStream_t s) {
+    auto execs = captureOps(o, r, [&](int i, cudaStream_t s) {
       AllToAllvArgs a;
       const std::uint64_t* d = counts[static_cast<size_t>(i)];
       a.src = src[static_cast<size_t>(i)];
@@ -87,8 +86,7 @@ std::vector<Row> runAllToAllv(const Options& o, Ranks& r) {
       a.channelsPerPeer = o.sms;
       movers[static_cast<size_t>(i)].allToAllv(s, a);
     });
-    const double us = timeIterations(r, o.warmup, o.iters, [&] { launchEach(r, execs); });
-    destroyEach(r, execs);
+    const double us = timeOps(o, r, execs);
     long long w = 0;
     for (int i = 0; o.check && i < r.numLocal(); ++i) {
       for (int q = 0; q < R; ++q) w += checkBytes(r, i, dst[static_cast<size_t>(i)] + per * q, per, salt(q, r.rank(i)));

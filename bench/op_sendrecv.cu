@@ -36,7 +36,7 @@ std::vector<Row> runSendRecv(const Options& o, Ranks& r) {
     // NCCL baseline.
     double ncclUs = 0;
     if (r.hasNccl()) {
-      auto execs = captureAll(r, [&] {
+      auto execs = captureOpsAll(o, r, [&] {
         GRAPHEP_NCCL_CHECK(ncclGroupStart());
         for (int i = 0; i < r.numLocal(); ++i) {
           GRAPHEP_NCCL_CHECK(ncclSend(src[i], bytes, ncclChar, 1 - r.rank(i), r.ncclComm(i), r.streams[i]));
@@ -44,15 +44,14 @@ std::vector<Row> runSendRecv(const Options& o, Ranks& r) {
         }
         GRAPHEP_NCCL_CHECK(ncclGroupEnd());
       });
-      ncclUs = timeIterations(r, o.warmup, o.iters, [&] { launchEach(r, execs); });
-      destroyEach(r, execs);
+      ncclUs = timeOps(o, r, execs);
     }
     for (bool zeroCopy : {false, true}) {
       for (int i = 0; i < r.numLocal(); ++i) {
         GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[i]));
         GRAPHEP_CUDA_CHECK(cudaMemset(zeroCopy ? heap->user(i) : dst[i], 0xa5, bytes));
       }
-      auto execs = captureEach(r, [&](int i, cudaStream_t s) {
+      auto execs = captureOps(o, r, [&](int i, cudaStream_t s) {
         SendRecvArgs a;
         a.sendPeer = 1 - r.rank(i);
         a.src = src[i];
@@ -67,8 +66,7 @@ std::vector<Row> runSendRecv(const Options& o, Ranks& r) {
         }
         movers[static_cast<size_t>(i)].sendRecv(s, a);
       });
-      const double us = timeIterations(r, o.warmup, o.iters, [&] { launchEach(r, execs); });
-      destroyEach(r, execs);
+      const double us = timeOps(o, r, execs);
       long long w = 0;
       for (int i = 0; o.check && i < r.numLocal(); ++i) {
         w += checkBytes(r, i, zeroCopy ? heap->user(i) : dst[i], bytes, salt[1 - r.rank(i)]);

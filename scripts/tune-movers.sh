@@ -18,7 +18,7 @@ for warps in 4 8; do
     for slots in 4 8; do
       for sms in 16 32; do
         echo "# warps=$warps slot=$slot slots=$slots sms=$sms" >>"$log"
-        timeout -s KILL 40 "$bench" sendrecv -b 64K -e 256M -f 64 -n 10 -w 3 --warps $warps \
+        timeout -s KILL 40 "$bench" sendrecv -b 1K -e 256M -f 64 -n 10 -w 3 --warps $warps \
           --slot $slot --slots $slots --sms $sms 2>/dev/null | grep -E "^  " \
           | sed "s/^/w=$warps slot=$slot slots=$slots sms=$sms /" >>"$log" || echo "# failed" >>"$log"
       done

@@ -30,7 +30,7 @@ __device__ __forceinline__ unsigned char loadByte(const unsigned char* p) {
   }
 }
 
-template <LoadKind kLoad, int kUnroll = 4>
+template <LoadKind kLoad, int kUnroll = 8>
 __device__ __forceinline__ void copyBytes(void* dstPtr, const void* srcPtr, std::uint64_t bytes,
                                           int tid, int nthreads) {
   auto* dst = static_cast<unsigned char*>(dstPtr);
