@@ -27,9 +27,9 @@ void HeapConfig::validate() const {
                   Status::kInvalidArgument,
                   "HeapConfig.moverSlotBytes=%zu is not a multiple of 16 in [0, 64 MiB]",
                   moverSlotBytes);
-  GRAPHEP_REQUIRE(moverLLBytes % 8 == 0 && moverLLBytes <= (std::size_t{1} << 20),
+  GRAPHEP_REQUIRE(moverLLBytes % 16 == 0 && moverLLBytes <= (std::size_t{1} << 20),
                   Status::kInvalidArgument,
-                  "HeapConfig.moverLLBytes=%zu is not a multiple of 8 in [0, 1 MiB]", moverLLBytes);
+                  "HeapConfig.moverLLBytes=%zu is not a multiple of 16 in [0, 1 MiB]", moverLLBytes);
   GRAPHEP_REQUIRE(timeoutMs == -1 || (timeoutMs >= 1 && timeoutMs <= 3600000),
                   Status::kInvalidArgument,
                   "HeapConfig.timeoutMs=%lld is neither -1 nor in [1, 3600000]", timeoutMs);
@@ -116,9 +116,10 @@ HeapLayout carveHeap(const HeapConfig& cfg, std::size_t capacity) {
   // here; this rank's receiver copies them out.
   l.staging = a.carve("staging", R * B * static_cast<std::size_t>(cfg.moverSlots),
                       cfg.moverSlotBytes, 4096);
-  // ll: R source peers x 2 halves x llHalfBytes(moverLLBytes). The peer's sender writes 16-byte
-  // {data, flag, data, flag} lines here in LL mode; zeroed at setup (0 is never a valid flag).
-  l.ll = a.carve("ll", R * 2, static_cast<std::size_t>(llHalfBytes(cfg.moverLLBytes)), 4096);
+  // ll: R source peers x B x 2 halves x llHalfBytes(moverLLBytes). The peer's sender writes
+  // 16-byte {data, flag, data, flag} lines here in LL mode, each channel in its own pair of halves
+  // (so channel counts may differ between launches); zeroed at setup (0 is never a valid flag).
+  l.ll = a.carve("ll", R * B * 2, static_cast<std::size_t>(llHalfBytes(cfg.moverLLBytes)), 4096);
 
   // Round the arena to 4 KiB so the allocation size is a page multiple.
   l.totalBytes = (a.used() + 4095) & ~std::size_t{4095};

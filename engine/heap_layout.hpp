@@ -20,7 +20,9 @@ struct HeapConfig {
   int moverBlocks = 16;            // data-mover channels (CTAs) per peer
   int moverSlots = 4;              // staging slots per (peer, channel); a power of two
   std::size_t moverSlotBytes = 0;  // bytes per staging slot (multiple of 16); 0: no staging
-  std::size_t moverLLBytes = 8192; // largest transfer sent in LL mode (multiple of 8); 0: never
+  // LL (low-latency) capacity per (peer, channel), a multiple of 16; 0: never LL. Transfers of up
+  // to moverLLBytes * moverBlocks bytes go as LL lines over ceil(bytes / moverLLBytes) channels.
+  std::size_t moverLLBytes = 4096;
   std::uint32_t counterStart = 0;  // initial flag/step/epoch/total value (tests start near wrap)
   long long timeoutMs = -1;        // device wait bound; -1 reads GRAPHEP_TIMEOUT_MS
 

@@ -88,8 +88,20 @@ ncclComm_t Movers::nccl(int peer) const {
   return c;
 }
 
+int Movers::llChannelsFor(std::size_t bytes, int numChannels) const {
+  const HeapConfig& cfg = heap_->config();
+  if (cfg.moverLLBytes == 0) return 0;
+  if (numChannels > 0) {  // the caller's count, if every channel's range fits its LL halves
+    std::uint64_t begin, end;
+    channelRange(bytes, static_cast<std::uint32_t>(numChannels), 0, &begin, &end);
+    return end - begin <= cfg.moverLLBytes ? numChannels : 0;
+  }
+  const std::uint32_t n = llChannels(bytes, cfg.moverLLBytes);
+  return n <= static_cast<std::uint32_t>(cfg.moverBlocks) ? static_cast<int>(n) : 0;
+}
+
 int Movers::channelsFor(std::size_t bytes) const {
-  const std::size_t perChannel = std::size_t{256} << 10;
+  const std::size_t perChannel = kBytesPerChannel;
   const std::size_t want = (bytes + perChannel - 1) / perChannel;
   const int cap = heap_->config().moverBlocks;
   return want < 1 ? 1 : (want > static_cast<std::size_t>(cap) ? cap : static_cast<int>(want));
@@ -112,7 +124,7 @@ SendLink Movers::sendLink(int peer) const {
   l.ready = u32(mine, L.moverReady) + asPeer;
   l.step = u32(mine, L.moverSendStep) + asPeer;
   l.llHalf = llHalfBytes(cfg.moverLLBytes);
-  l.llRegion = theirs + L.ll + static_cast<std::size_t>(heap_->rank(local_)) * 2 * l.llHalf;
+  l.llRegion = theirs + L.ll + static_cast<std::size_t>(heap_->rank(local_)) * B * 2 * l.llHalf;
   return l;
 }
 
@@ -134,7 +146,7 @@ RecvLink Movers::recvLink(int peer) const {
   l.ready = u32(theirs, L.moverReady) + asDest;
   l.step = u32(mine, L.moverRecvStep) + asPeer;
   l.llHalf = llHalfBytes(cfg.moverLLBytes);
-  l.llRegion = mine + L.ll + static_cast<std::size_t>(peer) * 2 * l.llHalf;
+  l.llRegion = mine + L.ll + static_cast<std::size_t>(peer) * B * 2 * l.llHalf;
   return l;
 }
 
@@ -163,10 +175,12 @@ SendRecvParams Movers::params(const SendRecvArgs& a) const {
   const bool sendNvl = a.sendPeer >= 0 && !remote(a.sendPeer);
   const bool recvNvl = a.recvPeer >= 0 && !remote(a.recvPeer);
   const bool sendZeroCopy = a.sendToUserOffset >= 0;
-  // LL mode for small transfers: both ends decide from the byte count alone (and the zero-copy
-  // flag, which both ends pass alike), so they always agree.
-  const bool sendLL = sendNvl && !sendZeroCopy && a.sendBytes <= cfg.moverLLBytes;
-  const bool recvLL = recvNvl && !a.recvZeroCopy && a.recvBytes <= cfg.moverLLBytes;
+  // LL mode for small transfers: both ends decide from the byte count and channel count alone
+  // (and the zero-copy flag, which both ends pass alike), so they always agree.
+  const int sendLLChannels = sendNvl && !sendZeroCopy ? llChannelsFor(a.sendBytes, a.numChannels) : 0;
+  const int recvLLChannels = recvNvl && !a.recvZeroCopy ? llChannelsFor(a.recvBytes, a.numChannels) : 0;
+  const bool sendLL = sendLLChannels > 0;
+  const bool recvLL = recvLLChannels > 0;
   const bool needStaging = (sendNvl && !sendZeroCopy && !sendLL && a.sendBytes > 0) ||
                            (recvNvl && !a.recvZeroCopy && !recvLL && a.recvBytes > 0);
   GRAPHEP_REQUIRE(!needStaging || cfg.moverSlotBytes > 0, Status::kInvalidArgument,
@@ -179,8 +193,10 @@ SendRecvParams Movers::params(const SendRecvArgs& a) const {
   SendRecvParams p{};
   p.sync = heap_->syncHandle(local_);
   // Each direction's channel count comes from its own bytes, which both ends of that link know.
-  p.sendShape = shape(a.numChannels > 0 ? a.numChannels : channelsFor(a.sendBytes));
-  p.recvShape = shape(a.numChannels > 0 ? a.numChannels : channelsFor(a.recvBytes));
+  p.sendShape = shape(sendLL ? sendLLChannels
+                             : (a.numChannels > 0 ? a.numChannels : channelsFor(a.sendBytes)));
+  p.recvShape = shape(recvLL ? recvLLChannels
+                             : (a.numChannels > 0 ? a.numChannels : channelsFor(a.recvBytes)));
   p.warpsPerRole = static_cast<std::uint32_t>(warpsPerRole_);
   // Remote roles are served by NCCL (sendRecv); the kernel sees them as disabled.
   p.send.peer = -1;
@@ -233,6 +249,14 @@ SendRecvParams Movers::params(const SendRecvArgs& a) const {
       p.recv.addend = static_cast<const char*>(a.addend);
     }
   }
+  if (a.localBytes > 0) {
+    GRAPHEP_REQUIRE(a.localSrc != nullptr && a.localDst != nullptr, Status::kInvalidArgument,
+                    "sendRecv: a local copy of %zu bytes needs localSrc and localDst", a.localBytes);
+    p.localSrc = static_cast<const char*>(a.localSrc);
+    p.localDst = static_cast<char*>(a.localDst);
+    p.localBytes = a.localBytes;
+    p.localChannels = static_cast<std::uint32_t>(channelsFor(a.localBytes));
+  }
   return p;
 }
 
@@ -253,8 +277,10 @@ void Movers::allGatherRing(cudaStream_t stream, const void* in, void* out,
     outOffset = o - user;
   }
   char* mine = o + chunkBytes * static_cast<std::size_t>(me);
-  if (in != mine && chunkBytes > 0) {
-    GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(mine, in, chunkBytes, cudaMemcpyDeviceToDevice, stream));
+  const bool copyMine = in != mine && chunkBytes > 0;
+  if (R == 1) {
+    if (copyMine) GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(mine, in, chunkBytes, cudaMemcpyDeviceToDevice, stream));
+    return;
   }
   const int next = (me + 1) % R, prev = (me + R - 1) % R;
   for (int k = 0; k < R - 1; ++k) {
@@ -262,8 +288,15 @@ void Movers::allGatherRing(cudaStream_t stream, const void* in, void* out,
     const std::size_t jr = static_cast<std::size_t>((me - k - 1 + 2 * R) % R);
     SendRecvArgs a;
     a.sendPeer = next;
-    a.src = o + js * chunkBytes;
+    // Step 0 sends this rank's chunk straight from `in` and copies it into `out` in the same
+    // launch; later steps forward chunks received into `out`.
+    a.src = k == 0 ? in : o + js * chunkBytes;
     a.sendBytes = chunkBytes;
+    if (k == 0 && copyMine) {
+      a.localSrc = in;
+      a.localDst = mine;
+      a.localBytes = chunkBytes;
+    }
     a.recvPeer = prev;
     a.dst = o + jr * chunkBytes;
     a.recvBytes = chunkBytes;
@@ -337,7 +370,7 @@ AllToAllvParams Movers::allToAllvParams(const AllToAllvArgs& a) const {
   p.numSlots = sh.numSlots;
   p.slotBytes = sh.slotBytes;
   p.warpsPerRole = static_cast<std::uint32_t>(warpsPerRole_);
-  p.minBytesPerChannel = std::size_t{256} << 10;
+  p.minBytesPerChannel = kBytesPerChannel;
   p.src = static_cast<const char*>(a.src);
   p.dst = static_cast<char*>(a.dst);
   p.srcBytes = a.srcBytes;
@@ -360,12 +393,11 @@ AllToAllvParams Movers::allToAllvParams(const AllToAllvArgs& a) const {
                     "allToAllv: rank %d reaches rank %d only as %s, and "
                     "MoverOptions.maxRemoteBytesPerPeer is 0 (set it to stage NCCL messages)",
                     me, q, peerClassName(c));
-    // Per-class channel counts: local copies, peers sharing this GPU and remote peers' staged
-    // copies need few CTAs; NVLink / PCIe peers get the full count.
+    // Per-class channel counts: peers sharing this GPU and remote peers' staged copies need few
+    // CTAs; NVLink / PCIe peers and the rank's own block (a local copy, as large as any) get the
+    // full count.
     int ch = full;
-    if (c == PeerClass::kSelf || c == PeerClass::kSameDevice || c == PeerClass::kRemote) {
-      ch = std::min(full, 4);
-    }
+    if (c == PeerClass::kSameDevice || c == PeerClass::kRemote) ch = std::min(full, 4);
     p.firstChannel[q] = static_cast<std::uint16_t>(next);
     next += ch;
     p.send[q].peer = -1;
@@ -401,7 +433,9 @@ void Movers::allToAllv(cudaStream_t stream, const AllToAllvArgs& args) const {
 
 void Movers::sendRecv(cudaStream_t stream, const SendRecvArgs& args) const {
   const SendRecvParams p = params(args);
-  if (p.send.peer >= 0 || p.recv.peer >= 0) GRAPHEP_CUDA_CHECK(launchSendRecv(p, stream));
+  if (p.send.peer >= 0 || p.recv.peer >= 0 || p.localChannels > 0) {
+    GRAPHEP_CUDA_CHECK(launchSendRecv(p, stream));
+  }
   const bool ncclSendRole = args.sendPeer >= 0 && remote(args.sendPeer) && args.sendBytes > 0;
   const bool ncclRecvRole = args.recvPeer >= 0 && remote(args.recvPeer) && args.recvBytes > 0;
   if (!ncclSendRole && !ncclRecvRole) return;

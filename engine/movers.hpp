@@ -33,6 +33,12 @@ struct SendRecvArgs {
   Consume consume = Consume::kCopy;
   const void* addend = nullptr;
 
+  // Also copy localBytes from localSrc to localDst on this rank's GPU, in the same launch (extra
+  // CTAs, overlapped with the transfer). Neither may overlap the transfer's buffers.
+  const void* localSrc = nullptr;
+  void* localDst = nullptr;
+  std::size_t localBytes = 0;
+
   // Channels (CTAs) per direction. 0: each direction chooses from its own byte count (fewer,
   // larger steps when small). A value > 0 applies to both directions, and the peer must pass the
   // same value for the same link.
@@ -80,9 +86,12 @@ class Movers {
   // (directions are independent: sendBytes and recvBytes may differ).
   void sendRecv(cudaStream_t stream, const SendRecvArgs& args) const;
 
-  // The channel count used for `bytes` when the caller passes 0: about one channel per 256 KiB,
-  // capped by the heap's moverBlocks.
+  // The channel count used for `bytes` when the caller passes 0: one channel per kBytesPerChannel
+  // (16 KiB), capped by the heap's moverBlocks.
   int channelsFor(std::size_t bytes) const;
+  // Channels of an LL transfer of `bytes` (numChannels: the caller's count, 0 for automatic), or 0
+  // when the transfer is too large for LL mode.
+  int llChannelsFor(std::size_t bytes, int numChannels) const;
 
   // Ring all-gather over every rank (send to rank+1, receive from rank-1; R-1 sendRecv steps):
   // out holds R chunks of chunkBytes and ends with chunk q = rank q's `in`. `in` may alias

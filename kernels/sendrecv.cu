@@ -15,12 +15,21 @@ __global__ void __launch_bounds__(2 * kMaxWarpsPerRole * 32)
   __shared__ int abortFlag[2];
   const int roleThreads = static_cast<int>(p.warpsPerRole) * 32;
   const int t = static_cast<int>(threadIdx.x);
+  const std::uint32_t transferCtas = p.sendShape.numChannels > p.recvShape.numChannels
+                                         ? p.sendShape.numChannels
+                                         : p.recvShape.numChannels;
+  if (blockIdx.x >= transferCtas) {  // the local copy: every thread of the CTA
+    std::uint64_t begin, end;
+    channelRange(p.localBytes, p.localChannels, blockIdx.x - transferCtas, &begin, &end);
+    copyBytes<LoadKind::kDefault>(p.localDst + begin, p.localSrc + begin, end - begin, t,
+                                  static_cast<int>(blockDim.x));
+    return;
+  }
   if (t < roleThreads) {
     if (p.send.peer < 0 || blockIdx.x >= p.sendShape.numChannels) return;
     if (p.send.ll) {
-      if (blockIdx.x == 0) {
-        pipeSendLL<NvlTransport>(p.sync, p.send, kSendBarrier, t, roleThreads, &abortFlag[0]);
-      }
+      pipeSendLL<NvlTransport>(p.sync, p.sendShape, p.send, blockIdx.x, kSendBarrier, t,
+                               roleThreads, &abortFlag[0]);
     } else {
       pipeSend<NvlTransport>(p.sync, p.sendShape, p.send, blockIdx.x, kSendBarrier, t,
                              roleThreads, &abortFlag[0]);
@@ -28,10 +37,8 @@ __global__ void __launch_bounds__(2 * kMaxWarpsPerRole * 32)
   } else if (t < 2 * roleThreads) {
     if (p.recv.peer < 0 || blockIdx.x >= p.recvShape.numChannels) return;
     if (p.recv.ll) {
-      if (blockIdx.x == 0) {
-        pipeRecvLL<NvlTransport, kConsume>(p.sync, p.recv, kRecvBarrier, t - roleThreads,
-                                           roleThreads, &abortFlag[1]);
-      }
+      pipeRecvLL<NvlTransport, kConsume>(p.sync, p.recvShape, p.recv, blockIdx.x, kRecvBarrier,
+                                         t - roleThreads, roleThreads, &abortFlag[1]);
     } else {
       pipeRecv<NvlTransport, kConsume>(p.sync, p.recvShape, p.recv, blockIdx.x, kRecvBarrier,
                                        t - roleThreads, roleThreads, &abortFlag[1]);
@@ -52,7 +59,10 @@ cudaError_t launchSendRecv(const SendRecvParams& p, cudaStream_t stream) {
   const unsigned channels = p.sendShape.numChannels > p.recvShape.numChannels
                                 ? p.sendShape.numChannels
                                 : p.recvShape.numChannels;
-  const dim3 grid(channels), block(2 * p.warpsPerRole * 32);
+  if (p.localBytes > 0 && (p.localChannels == 0 || p.localSrc == nullptr || p.localDst == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  const dim3 grid(channels + p.localChannels), block(2 * p.warpsPerRole * 32);
   switch (p.recv.consume) {
     case Consume::kCopy:
       sendRecvKernel<Consume::kCopy><<<grid, block, 0, stream>>>(p);

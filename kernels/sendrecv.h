@@ -26,9 +26,16 @@ struct SendRecvParams {
   std::uint32_t warpsPerRole;  // 1..kMaxWarpsPerRole
   SendLink send;               // send.peer < 0: no send role
   RecvLink recv;               // recv.peer < 0: no receive role
+  // A local copy run by localChannels extra CTAs of the same launch, overlapped with the
+  // transfer (a ring all-gather's own chunk); localChannels == 0: none.
+  const char* localSrc;
+  char* localDst;
+  std::uint64_t localBytes;
+  std::uint32_t localChannels;
 };
 
-// Launches one CTA of 2 * warpsPerRole warps per channel (of the direction with more channels). The caller (engine/movers.cpp) has
+// Launches one CTA of 2 * warpsPerRole warps per channel (of the direction with more channels),
+// plus localChannels CTAs for the local copy. The caller (engine/movers.cpp) has
 // validated every field; this returns cudaErrorInvalidValue for a configuration it cannot run.
 cudaError_t launchSendRecv(const SendRecvParams& p, cudaStream_t stream);
 

@@ -175,36 +175,49 @@ __device__ __forceinline__ void llScatter(const RecvLink& l, std::uint64_t i, ui
   }
 }
 
-// LL sender (channel 0): wait until the half is free, then write every line with the step's flag.
+// LL sender for channel c of shape.numChannels: wait until the channel's half is free, then write
+// every line of the channel's byte range with the step's flag.
 template <class Transport>
-__device__ void pipeSendLL(const SyncHandle& sync, const SendLink& l, int barrierId, int tid,
-                           int nthreads, int* abortFlag) {
-  const std::uint32_t s = l.step[0];
+__device__ void pipeSendLL(const SyncHandle& sync, const PipeShape& shape, const SendLink& l,
+                           std::uint32_t c, int barrierId, int tid, int nthreads, int* abortFlag) {
+  std::uint64_t begin, end;
+  channelRange(l.bytes, shape.numChannels, c, &begin, &end);
+  const std::uint32_t s = l.step[c];
   if (tid == 0) {
-    *abortFlag =
-        Transport::wait(sync, l.tail, slotFreeTarget(s, 2), l.peer, WaitSite::kMoverSlotFree) ? 0 : 1;
+    *abortFlag = Transport::wait(sync, l.tail + c, slotFreeTarget(s, 2), l.peer,
+                                 WaitSite::kMoverSlotFree)
+                     ? 0
+                     : 1;
   }
   roleBarrier(barrierId, nthreads);
   if (*abortFlag) return;
   const std::uint32_t flag = llFlag(s);
-  auto* lines = reinterpret_cast<uint4*>(l.llRegion + slotOf(s, 2) * l.llHalf);
-  const std::uint64_t n = llLines(l.bytes);
+  auto* lines = reinterpret_cast<uint4*>(l.llRegion + (2u * c + slotOf(s, 2)) * l.llHalf);
+  const char* src = l.src + begin;
+  const std::uint64_t bytes = end - begin;
+  const std::uint64_t n = llLines(bytes);
   for (std::uint64_t i = static_cast<std::uint64_t>(tid); i < n; i += static_cast<std::uint64_t>(nthreads)) {
-    const uint2 d = llGather(l.src, l.bytes, i);
+    const uint2 d = llGather(src, bytes, i);
     ptx::stVolatileV4(lines + i, make_uint4(d.x, flag, d.y, flag));
   }
   roleBarrier(barrierId, nthreads);  // every thread read the step before it moves on
-  if (tid == 0) l.step[0] = s + 1u;
+  if (tid == 0) l.step[c] = s + 1u;
 }
 
-// LL receiver (channel 0): poll each line until it carries this step's flag, consume it, then hand
-// the half back with the tail flag.
+// LL receiver for channel c: poll each line of the channel's range until it carries this step's
+// flag, consume it, then hand the half back with the channel's tail flag.
 template <class Transport, Consume kConsume>
-__device__ void pipeRecvLL(const SyncHandle& sync, const RecvLink& l, int barrierId, int tid,
-                           int nthreads, int* abortFlag) {
-  const std::uint32_t s = l.step[0];
+__device__ void pipeRecvLL(const SyncHandle& sync, const PipeShape& shape, const RecvLink& link,
+                           std::uint32_t c, int barrierId, int tid, int nthreads, int* abortFlag) {
+  std::uint64_t begin, end;
+  channelRange(link.bytes, shape.numChannels, c, &begin, &end);
+  RecvLink l = link;  // this channel's sub-range
+  l.dst += begin;
+  if (l.addend != nullptr) l.addend += begin;
+  l.bytes = end - begin;
+  const std::uint32_t s = l.step[c];
   const std::uint32_t flag = llFlag(s);
-  const auto* lines = reinterpret_cast<const uint4*>(l.llRegion + slotOf(s, 2) * l.llHalf);
+  const auto* lines = reinterpret_cast<const uint4*>(l.llRegion + (2u * c + slotOf(s, 2)) * l.llHalf);
   const std::uint64_t n = llLines(l.bytes);
   if (tid == 0) *abortFlag = 0;
   roleBarrier(barrierId, nthreads);
@@ -227,8 +240,8 @@ __device__ void pipeRecvLL(const SyncHandle& sync, const RecvLink& l, int barrie
   roleBarrier(barrierId, nthreads);
   if (tid == 0) {
     // All lines of this half were read: the sender may reuse it two steps later.
-    if (!*abortFlag) Transport::signal(l.tail, s + 1u);
-    l.step[0] = s + 1u;
+    if (!*abortFlag) Transport::signal(l.tail + c, s + 1u);
+    l.step[c] = s + 1u;
   }
 }
 

@@ -50,8 +50,9 @@ __host__ __device__ inline std::uint32_t slotOf(std::uint32_t s, std::uint32_t n
 // Ready value a zero-copy receiver posts at the start of a launch whose first step is step0.
 __host__ __device__ inline std::uint32_t readyValue(std::uint32_t step0) { return step0 + 1u; }
 
-// LL (low-latency) mode for small transfers: one step per launch, data written as 16-byte lines
-// {data, flag, data, flag} into one of two halves (slotOf(step, 2)) of the receiver's LL region;
+// LL (low-latency) mode for small transfers: one step per launch and channel, data written as
+// 16-byte lines {data, flag, data, flag} into one of the channel's two halves (slotOf(step, 2)) of
+// the receiver's LL region;
 // the flag says which step wrote the line, so no head flag and no fence are needed. Flag values
 // are never 0 (the region starts zeroed): step + 1, with 0 remapped to 1 (1 cannot occur
 // otherwise in that half, whose steps all have the same parity).
@@ -64,6 +65,17 @@ __host__ __device__ inline std::uint64_t llLines(std::uint64_t bytes) { return (
 __host__ __device__ inline std::uint64_t llHalfBytes(std::uint64_t capacity) {
   return llLines(capacity) * 16;
 }
+
+// Channels an LL transfer of `bytes` takes when each channel carries at most llBytes: both ends
+// derive it from the byte count alone.
+__host__ __device__ inline std::uint32_t llChannels(std::uint64_t bytes, std::uint64_t llBytes) {
+  const std::uint64_t n = (bytes + llBytes - 1) / llBytes;
+  return n > 0 ? static_cast<std::uint32_t>(n) : 1u;
+}
+
+// Bytes per channel the movers aim for when they choose a channel count (sendrecv's channelsFor,
+// alltoallv's run-time masking): enough CTAs that mid-size transfers are not latency-bound.
+inline constexpr std::uint64_t kBytesPerChannel = std::uint64_t{16} << 10;
 
 struct PipeShape {
   std::uint32_t numChannels;  // channels the link's bytes are split over
@@ -83,7 +95,7 @@ struct SendLink {
   const std::uint32_t* tail;   // local tail flags from the peer: [channel]
   const std::uint32_t* ready;  // local ready flags from the peer: [channel]
   std::uint32_t* step;       // local steps toward the peer: [channel]
-  char* llRegion;            // peer's LL region for this rank: 2 halves of llHalf bytes
+  char* llRegion;            // peer's LL region for this rank: [channel][2 halves][llHalf]
   std::uint64_t llHalf;
 };
 
@@ -100,7 +112,7 @@ struct RecvLink {
   std::uint32_t* tail;       // peer's tail flags for this rank: [channel]
   std::uint32_t* ready;      // peer's ready flags for this rank: [channel]
   std::uint32_t* step;       // local steps from the peer: [channel]
-  const char* llRegion;      // local LL region for the peer: 2 halves of llHalf bytes
+  const char* llRegion;      // local LL region for the peer: [channel][2 halves][llHalf]
   std::uint64_t llHalf;
 };
 

@@ -66,11 +66,11 @@ TEST(Unit_HeapLayout, ClosedFormSize) {
   EXPECT_EQ(l.moverRecvStep, 3584u);
   EXPECT_EQ(l.user, 4096u);     // 4096 rounded up to the 4 KiB alignment
   EXPECT_EQ(l.staging, 16384u);  // 4096 + 10000 = 14096 -> 16384, no staging bytes
-  EXPECT_EQ(l.ll, 16384u);       // 8 ranks x 2 halves x 16 KiB (8 KiB of data as 16-byte lines)
-  EXPECT_EQ(l.totalBytes, 16384u + 8 * 2 * 16384u);
+  EXPECT_EQ(l.ll, 16384u);       // 8 ranks x 16 channels x 2 halves x 8 KiB (4 KiB of data as lines)
+  EXPECT_EQ(l.totalBytes, 16384u + 8 * 16 * 2 * 8192u);
   cfg.moverSlotBytes = 65536;    // 8 x 16 x 4 slots x 64 KiB = 32 MiB of staging
   EXPECT_EQ(carveHeap(cfg, SIZE_MAX).totalBytes,
-            16384u + (std::size_t{32} << 20) + 8 * 2 * 16384u);
+            16384u + (std::size_t{32} << 20) + 8 * 16 * 2 * 8192u);
 }
 
 TEST(Unit_HeapLayout, ValidationNamesTheField) {
@@ -101,7 +101,7 @@ TEST(Unit_HeapLayout, ValidationNamesTheField) {
   cfg.moverSlotBytes = 100;
   EXPECT_THROW(cfg.validate(), Error);
   cfg.moverSlotBytes = 0;
-  cfg.moverLLBytes = 12;
+  cfg.moverLLBytes = 24;  // a multiple of 8, not of 16
   EXPECT_THROW(cfg.validate(), Error);
 }
 
