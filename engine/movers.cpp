@@ -175,10 +175,36 @@ SendRecvParams Movers::params(const SendRecvArgs& a) const {
   const bool sendNvl = a.sendPeer >= 0 && !remote(a.sendPeer);
   const bool recvNvl = a.recvPeer >= 0 && !remote(a.recvPeer);
   const bool sendZeroCopy = a.sendToUserOffset >= 0;
+  const bool tiled = a.wire != Wire::kBytes;
+  GRAPHEP_REQUIRE(sendRecvSupports(a.wire, a.consume), Status::kInvalidArgument,
+                  "sendRecv: consume=%u does not apply to wire format %u (kBytes: kCopy, kAdd*, "
+                  "kWeightedAdd*; kFp8E4m3: kCopy, kFp8ToBf16)",
+                  static_cast<unsigned>(a.consume), static_cast<unsigned>(a.wire));
+  if (tiled) {
+    GRAPHEP_REQUIRE(a.sendBytes % kFp8TileSrcBytes == 0 && a.recvBytes % kFp8TileSrcBytes == 0,
+                    Status::kInvalidArgument,
+                    "sendRecv: the fp8 wire format moves whole tiles of 128 bf16: sendBytes=%zu and "
+                    "recvBytes=%zu must be multiples of %llu",
+                    a.sendBytes, a.recvBytes, static_cast<unsigned long long>(kFp8TileSrcBytes));
+    GRAPHEP_REQUIRE(!sendZeroCopy && !a.recvZeroCopy, Status::kInvalidArgument,
+                    "sendRecv: the fp8 wire format runs staged, not zero-copy");
+    GRAPHEP_REQUIRE((a.sendPeer < 0 || sendNvl) && (a.recvPeer < 0 || recvNvl), Status::kNotSupported,
+                    "sendRecv: the fp8 wire format needs load/store peers (send %d, receive %d)",
+                    a.sendPeer, a.recvPeer);
+    GRAPHEP_REQUIRE(cfg.moverSlotBytes >= kFp8TileWireBytes, Status::kInvalidArgument,
+                    "sendRecv: HeapConfig.moverSlotBytes=%zu is smaller than one %llu-byte fp8 record",
+                    cfg.moverSlotBytes, static_cast<unsigned long long>(kFp8TileWireBytes));
+    GRAPHEP_REQUIRE(a.sendBytes == 0 || (reinterpret_cast<std::uintptr_t>(a.src) & 15u) == 0,
+                    Status::kInvalidArgument, "sendRecv: fp8 src %p is not 16-byte aligned", a.src);
+    GRAPHEP_REQUIRE(a.recvBytes == 0 || (reinterpret_cast<std::uintptr_t>(a.dst) & 15u) == 0,
+                    Status::kInvalidArgument, "sendRecv: fp8 dst %p is not 16-byte aligned", a.dst);
+  }
   // LL mode for small transfers: both ends decide from the byte count and channel count alone
-  // (and the zero-copy flag, which both ends pass alike), so they always agree.
-  const int sendLLChannels = sendNvl && !sendZeroCopy ? llChannelsFor(a.sendBytes, a.numChannels) : 0;
-  const int recvLLChannels = recvNvl && !a.recvZeroCopy ? llChannelsFor(a.recvBytes, a.numChannels) : 0;
+  // (and the zero-copy flag and wire format, which both ends pass alike), so they always agree.
+  const int sendLLChannels =
+      sendNvl && !sendZeroCopy && !tiled ? llChannelsFor(a.sendBytes, a.numChannels) : 0;
+  const int recvLLChannels =
+      recvNvl && !a.recvZeroCopy && !tiled ? llChannelsFor(a.recvBytes, a.numChannels) : 0;
   const bool sendLL = sendLLChannels > 0;
   const bool recvLL = recvLLChannels > 0;
   const bool needStaging = (sendNvl && !sendZeroCopy && !sendLL && a.sendBytes > 0) ||
@@ -198,6 +224,7 @@ SendRecvParams Movers::params(const SendRecvArgs& a) const {
   p.recvShape = shape(recvLL ? recvLLChannels
                              : (a.numChannels > 0 ? a.numChannels : channelsFor(a.recvBytes)));
   p.warpsPerRole = static_cast<std::uint32_t>(warpsPerRole_);
+  p.wire = a.wire;
   // Remote roles are served by NCCL (sendRecv); the kernel sees them as disabled.
   p.send.peer = -1;
   p.recv.peer = -1;
@@ -234,10 +261,7 @@ SendRecvParams Movers::params(const SendRecvArgs& a) const {
       p.recv.direct = 1;
     }
     p.recv.consume = a.consume;
-    if (a.consume != Consume::kCopy) {
-      GRAPHEP_REQUIRE(a.consume == Consume::kAddF32 || a.consume == Consume::kAddBf16,
-                      Status::kInvalidArgument, "sendRecv: consume=%u is not a known reduction",
-                      static_cast<unsigned>(a.consume));
+    if (a.consume != Consume::kCopy && !tiled) {
       GRAPHEP_REQUIRE(!a.recvZeroCopy, Status::kInvalidArgument,
                       "sendRecv: a reducing receive cannot be zero-copy");
       const std::uint32_t elem = consumeElemBytes(a.consume);
@@ -247,6 +271,18 @@ SendRecvParams Movers::params(const SendRecvArgs& a) const {
       GRAPHEP_REQUIRE(a.recvBytes == 0 || a.addend != nullptr, Status::kInvalidArgument,
                       "sendRecv: a reducing receive of %zu bytes needs an addend", a.recvBytes);
       p.recv.addend = static_cast<const char*>(a.addend);
+      if (a.consume == Consume::kWeightedAddF32 || a.consume == Consume::kWeightedAddBf16) {
+        GRAPHEP_REQUIRE(a.rowBytes > 0 && a.rowBytes % 16 == 0, Status::kInvalidArgument,
+                        "sendRecv: weighted accumulation needs rowBytes as a positive multiple of "
+                        "16 (it is %zu)",
+                        a.rowBytes);
+        GRAPHEP_REQUIRE(a.recvBytes == 0 || a.weights != nullptr, Status::kInvalidArgument,
+                        "sendRecv: weighted accumulation of %zu bytes needs weights (one per "
+                        "%zu-byte row)",
+                        a.recvBytes, a.rowBytes);
+        p.recv.weights = a.weights;
+        p.recv.rowBytes = a.rowBytes;
+      }
     }
   }
   if (a.localBytes > 0) {

@@ -29,9 +29,19 @@ struct SendRecvArgs {
   void* dst = nullptr;
   std::size_t recvBytes = 0;
   bool recvZeroCopy = false;      // recvPeer writes into dst directly (dst in the user region)
-  // Reduce on arrival: dst = received + addend (fp32 or bf16, summed in fp32). Staged only.
+  // The consume hook (kernels/common/pipe.h): reduce on arrival, dst = received + addend, or
+  // weighted, dst = addend + weights[row] * received with row = byte offset / rowBytes (fp32 or
+  // bf16, computed in fp32). Not zero-copy. With the fp8 wire: kCopy keeps the 144-byte records,
+  // kFp8ToBf16 dequantises.
   Consume consume = Consume::kCopy;
   const void* addend = nullptr;
+  const float* weights = nullptr;  // device, one per row
+  std::size_t rowBytes = 0;        // a multiple of 16
+
+  // Wire format of both directions (both ends pass the same). kFp8E4m3: src holds bf16, sendBytes
+  // and recvBytes count bf16 source bytes (multiples of 256), dst gets recvBytes / 256 records of
+  // 144 bytes (kCopy) or recvBytes of bf16 (kFp8ToBf16); staged, load/store peers only.
+  Wire wire = Wire::kBytes;
 
   // Also copy localBytes from localSrc to localDst on this rank's GPU, in the same launch (extra
   // CTAs, overlapped with the transfer). Neither may overlap the transfer's buffers.

@@ -1,6 +1,8 @@
 // sendrecv kernel family (see kernels/sendrecv.h), its launcher below.
 #include "kernels/sendrecv.h"
 
+#include <type_traits>
+
 #include "kernels/common/pipe.cuh"
 
 namespace graphep {
@@ -9,7 +11,7 @@ namespace {
 constexpr int kSendBarrier = 1;
 constexpr int kRecvBarrier = 2;
 
-template <Consume kConsume>
+template <Wire kWire, Consume kConsume>
 __global__ void __launch_bounds__(2 * kMaxWarpsPerRole * 32)
     sendRecvKernel(const __grid_constant__ SendRecvParams p) {
   __shared__ int abortFlag[2];
@@ -27,7 +29,10 @@ __global__ void __launch_bounds__(2 * kMaxWarpsPerRole * 32)
   }
   if (t < roleThreads) {
     if (p.send.peer < 0 || blockIdx.x >= p.sendShape.numChannels) return;
-    if (p.send.ll) {
+    if constexpr (kWire == Wire::kFp8E4m3) {
+      pipeSendTiled<NvlTransport, ProduceFp8E4m3, kFp8TileSrcBytes, kFp8TileWireBytes>(
+          p.sync, p.sendShape, p.send, blockIdx.x, kSendBarrier, t, roleThreads, &abortFlag[0]);
+    } else if (p.send.ll) {
       pipeSendLL<NvlTransport>(p.sync, p.sendShape, p.send, blockIdx.x, kSendBarrier, t,
                                roleThreads, &abortFlag[0]);
     } else {
@@ -36,17 +41,47 @@ __global__ void __launch_bounds__(2 * kMaxWarpsPerRole * 32)
     }
   } else if (t < 2 * roleThreads) {
     if (p.recv.peer < 0 || blockIdx.x >= p.recvShape.numChannels) return;
-    if (p.recv.ll) {
+    const int tid = t - roleThreads;
+    if constexpr (kWire == Wire::kFp8E4m3) {
+      using Hook = std::conditional_t<kConsume == Consume::kFp8ToBf16, ConsumeFp8ToBf16, ConsumeWire>;
+      pipeRecvTiled<NvlTransport, Hook, Fp8WireRegs, loadFp8Wire, kFp8TileSrcBytes,
+                    kFp8TileWireBytes>(p.sync, p.recvShape, p.recv, blockIdx.x, kRecvBarrier, tid,
+                                       roleThreads, &abortFlag[1]);
+    } else if (p.recv.ll) {
       pipeRecvLL<NvlTransport, kConsume>(p.sync, p.recvShape, p.recv, blockIdx.x, kRecvBarrier,
-                                         t - roleThreads, roleThreads, &abortFlag[1]);
+                                         tid, roleThreads, &abortFlag[1]);
     } else {
-      pipeRecv<NvlTransport, kConsume>(p.sync, p.recvShape, p.recv, blockIdx.x, kRecvBarrier,
-                                       t - roleThreads, roleThreads, &abortFlag[1]);
+      pipeRecv<NvlTransport, kConsume>(p.sync, p.recvShape, p.recv, blockIdx.x, kRecvBarrier, tid,
+                                       roleThreads, &abortFlag[1]);
     }
   }
 }
 
+using SendRecvKernelFn = void (*)(SendRecvParams);
+
+// Every (wire format, consume hook) pair the family is built for.
+constexpr struct {
+  Wire wire;
+  Consume consume;
+  SendRecvKernelFn fn;
+} kKernels[] = {
+    {Wire::kBytes, Consume::kCopy, sendRecvKernel<Wire::kBytes, Consume::kCopy>},
+    {Wire::kBytes, Consume::kAddF32, sendRecvKernel<Wire::kBytes, Consume::kAddF32>},
+    {Wire::kBytes, Consume::kAddBf16, sendRecvKernel<Wire::kBytes, Consume::kAddBf16>},
+    {Wire::kBytes, Consume::kWeightedAddF32, sendRecvKernel<Wire::kBytes, Consume::kWeightedAddF32>},
+    {Wire::kBytes, Consume::kWeightedAddBf16, sendRecvKernel<Wire::kBytes, Consume::kWeightedAddBf16>},
+    {Wire::kFp8E4m3, Consume::kCopy, sendRecvKernel<Wire::kFp8E4m3, Consume::kCopy>},
+    {Wire::kFp8E4m3, Consume::kFp8ToBf16, sendRecvKernel<Wire::kFp8E4m3, Consume::kFp8ToBf16>},
+};
+
 }  // namespace
+
+bool sendRecvSupports(Wire wire, Consume consume) {
+  for (const auto& k : kKernels) {
+    if (k.wire == wire && k.consume == consume) return true;
+  }
+  return false;
+}
 
 cudaError_t launchSendRecv(const SendRecvParams& p, cudaStream_t stream) {
   for (const PipeShape& s : {p.sendShape, p.recvShape}) {
@@ -56,35 +91,30 @@ cudaError_t launchSendRecv(const SendRecvParams& p, cudaStream_t stream) {
     }
   }
   if (p.warpsPerRole < 1 || p.warpsPerRole > kMaxWarpsPerRole) return cudaErrorInvalidValue;
-  const unsigned channels = p.sendShape.numChannels > p.recvShape.numChannels
-                                ? p.sendShape.numChannels
-                                : p.recvShape.numChannels;
   if (p.localBytes > 0 && (p.localChannels == 0 || p.localSrc == nullptr || p.localDst == nullptr)) {
     return cudaErrorInvalidValue;
   }
-  const dim3 grid(channels + p.localChannels), block(2 * p.warpsPerRole * 32);
-  switch (p.recv.consume) {
-    case Consume::kCopy:
-      sendRecvKernel<Consume::kCopy><<<grid, block, 0, stream>>>(p);
-      break;
-    case Consume::kAddF32:
-      sendRecvKernel<Consume::kAddF32><<<grid, block, 0, stream>>>(p);
-      break;
-    case Consume::kAddBf16:
-      sendRecvKernel<Consume::kAddBf16><<<grid, block, 0, stream>>>(p);
-      break;
-    default:
-      return cudaErrorInvalidValue;
+  if (p.wire == Wire::kFp8E4m3 && (p.send.ll || p.recv.ll || p.send.direct || p.recv.direct ||
+                                   p.sendShape.slotBytes < kFp8TileWireBytes)) {
+    return cudaErrorInvalidValue;
   }
-  return cudaGetLastError();
+  const unsigned channels = p.sendShape.numChannels > p.recvShape.numChannels
+                                ? p.sendShape.numChannels
+                                : p.recvShape.numChannels;
+  const dim3 grid(channels + p.localChannels), block(2 * p.warpsPerRole * 32);
+  for (const auto& k : kKernels) {
+    if (k.wire == p.wire && k.consume == p.recv.consume) {
+      k.fn<<<grid, block, 0, stream>>>(p);
+      return cudaGetLastError();
+    }
+  }
+  return cudaErrorInvalidValue;
 }
 
 cudaError_t preloadSendRecvKernels() {
   cudaFuncAttributes a{};
-  for (const void* fn : {reinterpret_cast<const void*>(sendRecvKernel<Consume::kCopy>),
-                         reinterpret_cast<const void*>(sendRecvKernel<Consume::kAddF32>),
-                         reinterpret_cast<const void*>(sendRecvKernel<Consume::kAddBf16>)}) {
-    const cudaError_t e = cudaFuncGetAttributes(&a, fn);
+  for (const auto& k : kKernels) {
+    const cudaError_t e = cudaFuncGetAttributes(&a, reinterpret_cast<const void*>(k.fn));
     if (e != cudaSuccess) return e;
   }
   return cudaSuccess;

@@ -24,6 +24,7 @@ struct SendRecvParams {
   PipeShape sendShape;
   PipeShape recvShape;
   std::uint32_t warpsPerRole;  // 1..kMaxWarpsPerRole
+  Wire wire;                   // both directions; kFp8E4m3 runs staged (no LL, no zero-copy)
   SendLink send;               // send.peer < 0: no send role
   RecvLink recv;               // recv.peer < 0: no receive role
   // A local copy run by localChannels extra CTAs of the same launch, overlapped with the
@@ -38,6 +39,9 @@ struct SendRecvParams {
 // plus localChannels CTAs for the local copy. The caller (engine/movers.cpp) has
 // validated every field; this returns cudaErrorInvalidValue for a configuration it cannot run.
 cudaError_t launchSendRecv(const SendRecvParams& p, cudaStream_t stream);
+
+// Whether the family has a kernel for this wire format and consume hook.
+bool sendRecvSupports(Wire wire, Consume consume);
 
 // Loads the kernels on the current device (setup only; see preloadSemaphoreKernels).
 cudaError_t preloadSendRecvKernels();

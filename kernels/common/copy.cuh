@@ -59,16 +59,37 @@ __device__ __forceinline__ void copyBytes(void* dstPtr, const void* srcPtr, std:
   }
 }
 
-// dst = a + b elementwise for fp32 (T = float) or bf16 (T = __nv_bfloat16, summed in fp32 and
-// rounded once). `a` is loaded with ld.global.cg (staging written by a peer). Byte counts are
-// whole elements; 16-byte vectors when all three pointers allow it.
-template <class T>
-__device__ __forceinline__ void addElems(void* dstPtr, const void* aPtr, const void* bPtr,
-                                         std::uint64_t bytes, int tid, int nthreads) {
+// Row of byte `off` for rows of rowBytes bytes (32-bit division when both fit).
+__device__ __forceinline__ std::uint64_t rowOf(std::uint64_t off, std::uint64_t rowBytes) {
+  if ((off | rowBytes) <= 0xffffffffull) {
+    return static_cast<std::uint32_t>(off) / static_cast<std::uint32_t>(rowBytes);
+  }
+  return off / rowBytes;
+}
+
+// Element-wise reduction of a received buffer `a` (staging written by a peer: ld.global.cg) with
+// this rank's `b`, for fp32 (T = float) or bf16 (T = __nv_bfloat16), in fp32, rounded once:
+//   kWeighted = false:  dst = a + b
+//   kWeighted = true:   dst = b + weights[row] * a (one fma), row = (base + byte offset) / rowBytes
+// Byte counts are whole elements; 16-byte vectors when all three pointers allow it (weighted
+// reductions need rowBytes % 16 == 0, which the host checks, so a vector never spans two rows).
+template <class T, bool kWeighted>
+__device__ __forceinline__ void reduceElems(void* dstPtr, const void* aPtr, const void* bPtr,
+                                            std::uint64_t bytes, int tid, int nthreads,
+                                            const float* weights = nullptr,
+                                            std::uint64_t rowBytes = 1, std::uint64_t base = 0) {
   const std::uint64_t n = bytes / sizeof(T);
   auto* dst = static_cast<T*>(dstPtr);
   const auto* a = static_cast<const T*>(aPtr);
   const auto* b = static_cast<const T*>(bPtr);
+  auto combine = [&](T x, T y, std::uint64_t byteOff) -> T {
+    if constexpr (kWeighted) {
+      const float w = weights[rowOf(base + byteOff, rowBytes)];
+      return T(__fmaf_rn(w, static_cast<float>(x), static_cast<float>(y)));
+    } else {
+      return T(static_cast<float>(x) + static_cast<float>(y));
+    }
+  };
   std::uint64_t done = 0;
   if (((reinterpret_cast<std::uintptr_t>(dst) | reinterpret_cast<std::uintptr_t>(a) |
         reinterpret_cast<std::uintptr_t>(b)) & 15u) == 0) {
@@ -82,8 +103,16 @@ __device__ __forceinline__ void addElems(void* dstPtr, const void* aPtr, const v
       const T* ea = reinterpret_cast<const T*>(&va);
       const T* eb = reinterpret_cast<const T*>(&vb);
       T* eo = reinterpret_cast<T*>(&out);
+      if constexpr (kWeighted) {
+        const float w = weights[rowOf(base + i * 16, rowBytes)];
 #pragma unroll
-      for (int k = 0; k < kPer; ++k) eo[k] = T(static_cast<float>(ea[k]) + static_cast<float>(eb[k]));
+        for (int k = 0; k < kPer; ++k) {
+          eo[k] = T(__fmaf_rn(w, static_cast<float>(ea[k]), static_cast<float>(eb[k])));
+        }
+      } else {
+#pragma unroll
+        for (int k = 0; k < kPer; ++k) eo[k] = combine(ea[k], eb[k], 0);
+      }
       reinterpret_cast<uint4*>(dst)[i] = out;
     }
     done = nvec * kPer;
@@ -97,7 +126,7 @@ __device__ __forceinline__ void addElems(void* dstPtr, const void* aPtr, const v
       const unsigned short raw = __ldcg(reinterpret_cast<const unsigned short*>(a) + i);
       va = *reinterpret_cast<const T*>(&raw);
     }
-    dst[i] = T(static_cast<float>(va) + static_cast<float>(b[i]));
+    dst[i] = combine(va, b[i], i * sizeof(T));
   }
 }
 

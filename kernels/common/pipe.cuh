@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "kernels/common/copy.cuh"
+#include "kernels/common/hooks.cuh"
 #include "kernels/common/pipe.h"
 #include "kernels/common/sync_handle.h"
 #include "kernels/common/transport.cuh"
@@ -34,9 +35,16 @@ __device__ __forceinline__ void consumeChunk(const RecvLink& l, const char* slot
   if constexpr (kConsume == Consume::kCopy) {
     copyBytes<LoadKind::kCacheGlobal>(l.dst + off, slot, len, tid, nthreads);
   } else if constexpr (kConsume == Consume::kAddF32) {
-    addElems<float>(l.dst + off, slot, l.addend + off, len, tid, nthreads);
+    reduceElems<float, false>(l.dst + off, slot, l.addend + off, len, tid, nthreads);
+  } else if constexpr (kConsume == Consume::kAddBf16) {
+    reduceElems<__nv_bfloat16, false>(l.dst + off, slot, l.addend + off, len, tid, nthreads);
+  } else if constexpr (kConsume == Consume::kWeightedAddF32) {
+    reduceElems<float, true>(l.dst + off, slot, l.addend + off, len, tid, nthreads, l.weights,
+                             l.rowBytes, l.rowBase + off);
   } else {
-    addElems<__nv_bfloat16>(l.dst + off, slot, l.addend + off, len, tid, nthreads);
+    static_assert(kConsume == Consume::kWeightedAddBf16, "not a byte-format consume hook");
+    reduceElems<__nv_bfloat16, true>(l.dst + off, slot, l.addend + off, len, tid, nthreads,
+                                     l.weights, l.rowBytes, l.rowBase + off);
   }
 }
 
@@ -153,18 +161,30 @@ __device__ __forceinline__ void llScatter(const RecvLink& l, std::uint64_t i, ui
   const std::uint64_t off = i * 8;
   const std::uint64_t n = l.bytes - off < 8 ? l.bytes - off : 8;
   const std::uint64_t v = static_cast<std::uint64_t>(data.x) | (static_cast<std::uint64_t>(data.y) << 32);
-  if constexpr (kConsume == Consume::kAddF32) {
+  if constexpr (kConsume == Consume::kAddF32 || kConsume == Consume::kWeightedAddF32) {
     for (std::uint64_t k = 0; k < n / 4; ++k) {
       const float a = __uint_as_float(static_cast<std::uint32_t>(v >> (32 * k)));
       const float b = reinterpret_cast<const float*>(l.addend + off)[k];
-      reinterpret_cast<float*>(l.dst + off)[k] = a + b;
+      float r;
+      if constexpr (kConsume == Consume::kWeightedAddF32) {
+        r = __fmaf_rn(l.weights[rowOf(l.rowBase + off + 4 * k, l.rowBytes)], a, b);
+      } else {
+        r = a + b;
+      }
+      reinterpret_cast<float*>(l.dst + off)[k] = r;
     }
-  } else if constexpr (kConsume == Consume::kAddBf16) {
+  } else if constexpr (kConsume == Consume::kAddBf16 || kConsume == Consume::kWeightedAddBf16) {
     for (std::uint64_t k = 0; k < n / 2; ++k) {
       const __nv_bfloat16 a = __ushort_as_bfloat16(static_cast<unsigned short>(v >> (16 * k)));
       const __nv_bfloat16 b = reinterpret_cast<const __nv_bfloat16*>(l.addend + off)[k];
-      reinterpret_cast<__nv_bfloat16*>(l.dst + off)[k] =
-          __float2bfloat16(__bfloat162float(a) + __bfloat162float(b));
+      float r;
+      if constexpr (kConsume == Consume::kWeightedAddBf16) {
+        r = __fmaf_rn(l.weights[rowOf(l.rowBase + off + 2 * k, l.rowBytes)], __bfloat162float(a),
+                      __bfloat162float(b));
+      } else {
+        r = __bfloat162float(a) + __bfloat162float(b);
+      }
+      reinterpret_cast<__nv_bfloat16*>(l.dst + off)[k] = __float2bfloat16(r);
     }
   } else {
     if (n == 8 && (reinterpret_cast<std::uintptr_t>(l.dst + off) & 7u) == 0) {
@@ -214,6 +234,7 @@ __device__ void pipeRecvLL(const SyncHandle& sync, const PipeShape& shape, const
   RecvLink l = link;  // this channel's sub-range
   l.dst += begin;
   if (l.addend != nullptr) l.addend += begin;
+  l.rowBase += begin;
   l.bytes = end - begin;
   const std::uint32_t s = l.step[c];
   const std::uint32_t flag = llFlag(s);
@@ -243,6 +264,99 @@ __device__ void pipeRecvLL(const SyncHandle& sync, const PipeShape& shape, const
     if (!*abortFlag) Transport::signal(l.tail + c, s + 1u);
     l.step[c] = s + 1u;
   }
+}
+
+// --- Tiled wire formats (hooks.cuh): staged, a chunk is a whole number of wire tiles ------------
+// l.bytes counts source bytes (whole tiles of kSrcTile bytes); both ends derive the same tiles per
+// channel and per chunk from it and the slot size.
+
+// Tiles of channel c when `tiles` are split over numChannels channels.
+__device__ __forceinline__ void tileRange(std::uint64_t tiles, std::uint32_t numChannels,
+                                          std::uint32_t c, std::uint64_t* begin, std::uint64_t* end) {
+  const std::uint64_t per = (tiles + numChannels - 1) / numChannels;
+  const std::uint64_t lo = static_cast<std::uint64_t>(c) * per;
+  *begin = lo < tiles ? lo : tiles;
+  *end = *begin + per < tiles ? *begin + per : tiles;
+}
+
+// Sender: `Produce` (e.g. ProduceFp8E4m3) turns each source tile into a wire tile in the slot.
+template <class Transport, class Produce, std::uint64_t kSrcTile, std::uint64_t kWireTile>
+__device__ void pipeSendTiled(const SyncHandle& sync, const PipeShape& shape, const SendLink& l,
+                              std::uint32_t c, int barrierId, int tid, int nthreads,
+                              int* abortFlag) {
+  std::uint64_t t0, t1;
+  tileRange(l.bytes / kSrcTile, shape.numChannels, c, &t0, &t1);
+  const std::uint64_t perChunk = shape.slotBytes / kWireTile;
+  const std::uint32_t n = static_cast<std::uint32_t>((t1 - t0 + perChunk - 1) / perChunk);
+  const std::uint32_t step0 = l.step[c];
+  char* slots = l.staging + static_cast<std::uint64_t>(c) * shape.numSlots * shape.slotBytes;
+  const int groups = nthreads / Produce::kThreads;
+  const int group = tid / Produce::kThreads;
+  HookCtx ctx{l.peer, c, 0, 0, tid % Produce::kThreads, l.src, nullptr};
+  for (std::uint32_t k = 0; k < n; ++k) {
+    const std::uint32_t s = step0 + k;
+    if (tid == 0) {
+      *abortFlag = Transport::wait(sync, l.tail + c, slotFreeTarget(s, shape.numSlots), l.peer,
+                                   WaitSite::kMoverSlotFree)
+                       ? 0
+                       : 1;
+    }
+    roleBarrier(barrierId, nthreads);
+    if (*abortFlag) return;
+    char* slot = slots + static_cast<std::uint64_t>(slotOf(s, shape.numSlots)) * shape.slotBytes;
+    const std::uint64_t first = t0 + static_cast<std::uint64_t>(k) * perChunk;
+    const std::uint64_t last = first + perChunk < t1 ? first + perChunk : t1;
+    ctx.step = s;
+    if (group < groups) {
+      for (std::uint64_t t = first + group; t < last; t += groups) {
+        ctx.tile = t;
+        Produce::emit(slot + (t - first) * kWireTile, ctx.lane, Produce::produce(ctx));
+      }
+    }
+    roleBarrier(barrierId, nthreads);
+    if (tid == 0) Transport::signal(l.head + c, s + 1u);
+  }
+  if (tid == 0) l.step[c] = step0 + n;
+}
+
+// Receiver: `ConsumeHook` (ConsumeWire, ConsumeFp8ToBf16) takes each wire tile to the destination.
+template <class Transport, class ConsumeHook, class WireRegs, WireRegs (*kLoad)(const char*, int),
+          std::uint64_t kSrcTile, std::uint64_t kWireTile>
+__device__ void pipeRecvTiled(const SyncHandle& sync, const PipeShape& shape, const RecvLink& l,
+                              std::uint32_t c, int barrierId, int tid, int nthreads,
+                              int* abortFlag) {
+  std::uint64_t t0, t1;
+  tileRange(l.bytes / kSrcTile, shape.numChannels, c, &t0, &t1);
+  const std::uint64_t perChunk = shape.slotBytes / kWireTile;
+  const std::uint32_t n = static_cast<std::uint32_t>((t1 - t0 + perChunk - 1) / perChunk);
+  const std::uint32_t step0 = l.step[c];
+  const char* slots = l.staging + static_cast<std::uint64_t>(c) * shape.numSlots * shape.slotBytes;
+  const int groups = nthreads / ConsumeHook::kThreads;
+  const int group = tid / ConsumeHook::kThreads;
+  HookCtx ctx{l.peer, c, 0, 0, tid % ConsumeHook::kThreads, nullptr, l.dst};
+  for (std::uint32_t k = 0; k < n; ++k) {
+    const std::uint32_t s = step0 + k;
+    if (tid == 0) {
+      *abortFlag =
+          Transport::wait(sync, l.head + c, s + 1u, l.peer, WaitSite::kMoverData) ? 0 : 1;
+    }
+    roleBarrier(barrierId, nthreads);
+    if (*abortFlag) return;
+    const char* slot =
+        slots + static_cast<std::uint64_t>(slotOf(s, shape.numSlots)) * shape.slotBytes;
+    const std::uint64_t first = t0 + static_cast<std::uint64_t>(k) * perChunk;
+    const std::uint64_t last = first + perChunk < t1 ? first + perChunk : t1;
+    ctx.step = s;
+    if (group < groups) {
+      for (std::uint64_t t = first + group; t < last; t += groups) {
+        ctx.tile = t;
+        ConsumeHook::consume(ctx, kLoad(slot + (t - first) * kWireTile, ctx.lane));
+      }
+    }
+    roleBarrier(barrierId, nthreads);
+    if (tid == 0) Transport::signal(l.tail + c, s + 1u);
+  }
+  if (tid == 0) l.step[c] = step0 + n;
 }
 
 }  // namespace graphep

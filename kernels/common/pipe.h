@@ -11,11 +11,44 @@ namespace graphep {
 // Warps per role (sender, receiver) in one mover CTA, at most: CTAs have 2 * this many warps.
 inline constexpr int kMaxWarpsPerRole = 8;
 
-// What the receiver does with each arriving chunk (the consume hook).
-enum class Consume : std::uint32_t { kCopy = 0, kAddF32 = 1, kAddBf16 = 2 };
+// The wire format of a transfer (what the sender's produce hook writes; kernels/common/hooks.cuh).
+enum class Wire : std::uint32_t {
+  kBytes = 0,    // the source bytes as they are (the copy produce hook)
+  kFp8E4m3 = 1,  // bf16 source quantised to e4m3 with one fp32 scale per 128 values
+};
 
+// kFp8E4m3: a tile is 128 bf16 values (256 source bytes) and travels as one 144-byte record:
+// 128 e4m3 bytes, the fp32 scale, 12 zero bytes (16-byte aligned records).
+inline constexpr std::uint64_t kFp8TileValues = 128;
+inline constexpr std::uint64_t kFp8TileSrcBytes = 256;
+inline constexpr std::uint64_t kFp8TileWireBytes = 144;
+
+// What the receiver does with each arriving chunk (the consume hook).
+//   kBytes wire:    kCopy, kAddF32 / kAddBf16 (dst = received + addend),
+//                   kWeightedAddF32 / kWeightedAddBf16 (dst = addend + weights[row] * received,
+//                   row = byte offset / rowBytes; one fp32 fma, rounded once)
+//   kFp8E4m3 wire:  kCopy (dst gets the 144-byte records), kFp8ToBf16 (dst gets bf16 values)
+enum class Consume : std::uint32_t {
+  kCopy = 0,
+  kAddF32 = 1,
+  kAddBf16 = 2,
+  kWeightedAddF32 = 3,
+  kWeightedAddBf16 = 4,
+  kFp8ToBf16 = 5,
+};
+
+// Element size of a byte-format reduction (byte counts must be multiples of it); 1 for copies.
 __host__ __device__ inline std::uint32_t consumeElemBytes(Consume c) {
-  return c == Consume::kAddF32 ? 4u : (c == Consume::kAddBf16 ? 2u : 1u);
+  switch (c) {
+    case Consume::kAddF32:
+    case Consume::kWeightedAddF32:
+      return 4u;
+    case Consume::kAddBf16:
+    case Consume::kWeightedAddBf16:
+      return 2u;
+    default:
+      return 1u;
+  }
 }
 
 // Bytes of `bytes` that channel `b` of `numChannels` moves: contiguous, 16-byte-aligned splits.
@@ -107,6 +140,9 @@ struct RecvLink {
   std::int32_t direct;       // zero-copy: the peer writes into dst itself
   Consume consume;
   const char* addend;        // reductions: this rank's operand, same layout as dst
+  const float* weights;      // weighted reductions: one weight per row of rowBytes bytes
+  std::uint64_t rowBytes;
+  std::uint64_t rowBase;     // byte offset of dst within those rows (0 for a whole link)
   const char* staging;       // local slots from the peer: [channel][slot][slotBytes]
   const std::uint32_t* head; // local head flags from the peer: [channel]
   std::uint32_t* tail;       // peer's tail flags for this rank: [channel]

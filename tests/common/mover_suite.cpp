@@ -1,9 +1,15 @@
 #include "common/mover_suite.hpp"
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
 #include <string>
 
 #include "common/graph_util.hpp"
@@ -446,6 +452,223 @@ void runAllToAllvOutOfBounds(Communicator& comm) {
     cudaSetDevice(f.heap->device(l));
     cudaFree(ca[static_cast<size_t>(l)].d);
   }
+}
+
+namespace {
+
+std::uint16_t bf16Bits(float x) {
+  const __nv_bfloat16 b = __float2bfloat16_rn(x);
+  std::uint16_t u;
+  std::memcpy(&u, &b, 2);
+  return u;
+}
+float bf16Value(std::uint16_t u) {
+  __nv_bfloat16 b;
+  std::memcpy(&b, &u, 2);
+  return __bfloat162float(b);
+}
+
+// Fresh inputs of one rank for one run, reproducible on every process from (seed, rank).
+struct HookInputs {
+  std::vector<unsigned char> src;     // what the rank sends
+  std::vector<unsigned char> addend;  // weighted: the rank's own operand
+  std::vector<float> weights;         // weighted: one per row
+};
+
+HookInputs hookInputs(HookCase kind, std::size_t units, std::size_t unitBytes, std::uint64_t seed,
+                      int rank) {
+  std::mt19937_64 rng(seed * 1000003u + static_cast<std::uint64_t>(rank));
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  HookInputs in;
+  const std::size_t bytes = units * unitBytes;
+  in.src.resize(bytes);
+  if (kind == HookCase::kFp8Records || kind == HookCase::kFp8Dequant) {
+    for (std::size_t t = 0; t < units; ++t) {
+      // Each tile its own magnitude (2^-8 .. 2^8), one all-zero tile, one tile with outliers.
+      const float mag = std::ldexp(1.f, static_cast<int>(rng() % 17) - 8);
+      for (std::size_t k = 0; k < 128; ++k) {
+        float x = t == 2 ? 0.f : u(rng) * mag;
+        if (t == 3 && k % 31 == 0) x *= 1000.f;
+        const std::uint16_t b = bf16Bits(x);
+        std::memcpy(&in.src[(t * 128 + k) * 2], &b, 2);
+      }
+    }
+    return in;
+  }
+  const bool bf16 = kind == HookCase::kWeightedBf16;
+  in.addend.resize(bytes);
+  for (std::size_t i = 0; i < bytes / (bf16 ? 2 : 4); ++i) {
+    const float a = u(rng) * 4.f, b = u(rng) * 4.f;
+    if (bf16) {
+      const std::uint16_t x = bf16Bits(a), y = bf16Bits(b);
+      std::memcpy(&in.src[2 * i], &x, 2);
+      std::memcpy(&in.addend[2 * i], &y, 2);
+    } else {
+      std::memcpy(&in.src[4 * i], &a, 4);
+      std::memcpy(&in.addend[4 * i], &b, 4);
+    }
+  }
+  in.weights.resize(units);
+  for (float& w : in.weights) w = (u(rng) + 1.f) * 0.5f;
+  return in;
+}
+
+// The reference of what rank `me` holds after receiving `from`'s src.
+std::vector<unsigned char> hookExpected(HookCase kind, std::size_t units, const HookInputs& from,
+                                        const HookInputs& me) {
+  std::vector<unsigned char> out;
+  if (kind == HookCase::kFp8Records || kind == HookCase::kFp8Dequant) {
+    const bool records = kind == HookCase::kFp8Records;
+    out.assign(units * (records ? 144 : 256), 0);
+    for (std::size_t t = 0; t < units; ++t) {
+      float v[128], amax = 0.f;
+      for (int k = 0; k < 128; ++k) {
+        std::uint16_t b;
+        std::memcpy(&b, &from.src[(t * 128 + k) * 2], 2);
+        v[k] = bf16Value(b);
+        amax = std::max(amax, std::fabs(v[k]));
+      }
+      const float scale = amax > 0.f ? amax / 448.f : 1.f;
+      const float inv = 1.f / scale;
+      for (int k = 0; k < 128; ++k) {
+        const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(v[k] * inv, __NV_SATFINITE, __NV_E4M3);
+        if (records) {
+          out[t * 144 + k] = q;
+        } else {
+          const float x = __half2float(__half(__nv_cvt_fp8_to_halfraw(q, __NV_E4M3))) * scale;
+          const std::uint16_t b = bf16Bits(x);
+          std::memcpy(&out[(t * 128 + k) * 2], &b, 2);
+        }
+      }
+      if (records) std::memcpy(&out[t * 144 + 128], &scale, 4);
+    }
+    return out;
+  }
+  const bool bf16 = kind == HookCase::kWeightedBf16;
+  const std::size_t elem = bf16 ? 2 : 4;
+  const std::size_t n = from.src.size() / elem;
+  const std::size_t perRow = n / units;
+  out.resize(from.src.size());
+  for (std::size_t i = 0; i < n; ++i) {
+    const float w = me.weights[i / perRow];
+    if (bf16) {
+      std::uint16_t r, a;
+      std::memcpy(&r, &from.src[2 * i], 2);
+      std::memcpy(&a, &me.addend[2 * i], 2);
+      const std::uint16_t x = bf16Bits(std::fma(w, bf16Value(r), bf16Value(a)));
+      std::memcpy(&out[2 * i], &x, 2);
+    } else {
+      float r, a;
+      std::memcpy(&r, &from.src[4 * i], 4);
+      std::memcpy(&a, &me.addend[4 * i], 4);
+      const float x = std::fma(w, r, a);
+      std::memcpy(&out[4 * i], &x, 4);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+void runHookCase(Communicator& comm, HookCase kind, std::size_t units, int replays) {
+  const int R = comm.worldSize();
+  const bool fp8 = kind == HookCase::kFp8Records || kind == HookCase::kFp8Dequant;
+  const std::size_t unitBytes = fp8 ? 256 : (kind == HookCase::kWeightedBf16 ? 14336 : 16384);
+  const std::size_t bytes = units * unitBytes;
+  const std::size_t outBytes = kind == HookCase::kFp8Records ? units * 144 : bytes;
+  Fixture f(comm, bytes, std::size_t{64} << 10, kNearWrap);
+  const int L = f.heap->numLocalRanks();
+  std::vector<char*> addend(static_cast<size_t>(L)), weights(static_cast<size_t>(L));
+  for (int l = 0; l < L; ++l) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&addend[static_cast<size_t>(l)], bytes + 16));
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&weights[static_cast<size_t>(l)], units * sizeof(float) + 16));
+  }
+  auto enqueue = [&](int l, cudaStream_t s) {
+    const int me = f.heap->rank(l);
+    SendRecvArgs a;
+    a.sendPeer = (me + 1) % R;
+    a.src = f.bufs[static_cast<size_t>(l)].src;
+    a.sendBytes = bytes;
+    a.recvPeer = (me + R - 1) % R;
+    a.dst = f.bufs[static_cast<size_t>(l)].dst;
+    a.recvBytes = bytes;
+    if (fp8) {
+      a.wire = Wire::kFp8E4m3;
+      a.consume = kind == HookCase::kFp8Dequant ? Consume::kFp8ToBf16 : Consume::kCopy;
+    } else {
+      a.consume = kind == HookCase::kWeightedBf16 ? Consume::kWeightedAddBf16 : Consume::kWeightedAddF32;
+      a.addend = addend[static_cast<size_t>(l)];
+      a.weights = reinterpret_cast<const float*>(weights[static_cast<size_t>(l)]);
+      a.rowBytes = unitBytes;
+    }
+    f.movers[static_cast<size_t>(l)].sendRecv(s, a);
+  };
+  std::vector<cudaGraphExec_t> execs;
+  SymmetricHeap::Pin pin;
+  if (replays > 1) {
+    for (int l = 0; l < L; ++l) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+      execs.push_back(captureOnStream(f.bufs[static_cast<size_t>(l)].stream,
+                                      [&](cudaStream_t s) { enqueue(l, s); }));
+    }
+    pin = f.heap->pin();
+  }
+  long long wrongTotal = 0;
+  for (int run = 0; run < replays; ++run) {
+    const std::uint64_t seed = 777 + static_cast<std::uint64_t>(run) * 131;
+    std::vector<HookInputs> inputs;
+    for (int l = 0; l < L; ++l) {
+      const int me = f.heap->rank(l);
+      inputs.push_back(hookInputs(kind, units, unitBytes, seed, me));
+      const HookInputs& in = inputs.back();
+      const RankBuffers& b = f.bufs[static_cast<size_t>(l)];
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+      GRAPHEP_CUDA_CHECK(cudaMemcpy(b.src, in.src.data(), bytes, cudaMemcpyHostToDevice));
+      if (!fp8) {
+        GRAPHEP_CUDA_CHECK(cudaMemcpy(addend[static_cast<size_t>(l)], in.addend.data(), bytes,
+                                      cudaMemcpyHostToDevice));
+        GRAPHEP_CUDA_CHECK(cudaMemcpy(weights[static_cast<size_t>(l)], in.weights.data(),
+                                      units * sizeof(float), cudaMemcpyHostToDevice));
+      }
+      GRAPHEP_CUDA_CHECK(cudaMemset(b.dst, kPoison, bytes + kSlack));
+    }
+    f.syncAll();
+    for (int l = 0; l < L; ++l) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+      cudaStream_t s = f.bufs[static_cast<size_t>(l)].stream;
+      if (replays > 1) {
+        GRAPHEP_CUDA_CHECK(cudaGraphLaunch(execs[static_cast<size_t>(l)], s));
+      } else {
+        enqueue(l, s);
+      }
+    }
+    f.syncAll();
+    for (int l = 0; l < L; ++l) {
+      const int me = f.heap->rank(l);
+      const HookInputs from = hookInputs(kind, units, unitBytes, seed, (me + R - 1) % R);
+      const std::vector<unsigned char> want = hookExpected(kind, units, from, inputs[static_cast<size_t>(l)]);
+      std::vector<unsigned char> got(outBytes + kSlack);
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+      GRAPHEP_CUDA_CHECK(cudaMemcpy(got.data(), f.bufs[static_cast<size_t>(l)].dst, got.size(),
+                                    cudaMemcpyDeviceToHost));
+      long long wrong = 0;
+      for (std::size_t i = 0; i < outBytes; ++i) wrong += got[i] != want[i];
+      for (std::size_t i = outBytes; i < got.size(); ++i) wrong += got[i] != kPoison;
+      EXPECT_EQ(wrong, 0) << "rank " << me << " run " << run << ": " << wrong << " of "
+                          << outBytes << " bytes wrong (or written past the end)";
+      wrongTotal += wrong;
+      EXPECT_EQ(f.heap->errorMessage(l), "") << "rank " << me;
+    }
+    if (wrongTotal > 0) break;  // one failing run says enough
+  }
+  for (int l = 0; l < L; ++l) {
+    cudaSetDevice(f.heap->device(l));
+    if (!execs.empty()) cudaGraphExecDestroy(execs[static_cast<size_t>(l)]);
+    cudaFree(addend[static_cast<size_t>(l)]);
+    cudaFree(weights[static_cast<size_t>(l)]);
+  }
+  f.heap->comm().barrier();
 }
 
 }  // namespace graphep::test

@@ -52,3 +52,18 @@ void runAllToAllv(Communicator& comm, CountPattern pattern, std::size_t maxPerPe
 void runAllToAllvOutOfBounds(Communicator& comm);
 
 }  // namespace graphep::test
+
+namespace graphep::test {
+
+// The produce / consume hooks through a ring sendRecv (each rank sends to rank+1), checked on the
+// host against an independent reference on fresh random data every run, byte for byte:
+//   kFp8Records    bf16 -> fp8 e4m3 + per-128 scales (produce), records kept (consume kCopy)
+//   kFp8Dequant    the same produce, dequantised to bf16 on arrival (consume kFp8ToBf16)
+//   kWeightedBf16  dst = bf16(addend + weight[row] * received), one fp32 fma (rows of 14336 B)
+//   kWeightedF32   the same in fp32 (rows of 16384 B)
+// `units` is tiles of 128 values (fp8) or rows (weighted). replays > 1: captured once per rank and
+// replayed with new data (and weights) each time.
+enum class HookCase { kFp8Records, kFp8Dequant, kWeightedBf16, kWeightedF32 };
+void runHookCase(Communicator& comm, HookCase kind, std::size_t units, int replays);
+
+}  // namespace graphep::test

@@ -9,6 +9,9 @@
 #include "common/gpu_env.hpp"
 #include "common/mover_cases.hpp"
 #include "common/mover_suite.hpp"
+#include "engine/error.hpp"
+#include "engine/heap.hpp"
+#include "engine/movers.hpp"
 
 namespace graphep::test {
 namespace {
@@ -31,6 +34,72 @@ TEST(Gpu1_SendRecv, GraphReplaysStagedAndZeroCopy) {
   runSendRecvReplays(*comm, std::size_t{1} << 20, 1000, /*zeroCopy=*/false);
   runSendRecvReplays(*comm, (std::size_t{1} << 20) + 3, 1000, /*zeroCopy=*/true);
   runSendRecvReplays(*comm, 4093, 1000, /*zeroCopy=*/false);  // LL mode across the wrap
+}
+
+// Produce / consume hooks (fp8 quantisation, weighted accumulation) against a host reference.
+TEST(Gpu1_Hooks, Fp8AndWeightedFourEmulatedRanks) {
+  GRAPHEP_REQUIRE_GPUS(1);
+  auto comm = createLocalGroup({0, 0, 0, 0});
+  for (HookCase kind : {HookCase::kFp8Records, HookCase::kFp8Dequant}) {
+    for (std::size_t tiles : {std::size_t{1}, std::size_t{37}, std::size_t{4101}}) {
+      SCOPED_TRACE("fp8 kind=" + std::to_string(static_cast<int>(kind)) + " tiles=" + std::to_string(tiles));
+      runHookCase(*comm, kind, tiles, 1);
+    }
+    runHookCase(*comm, kind, 300, 30);
+  }
+  for (HookCase kind : {HookCase::kWeightedBf16, HookCase::kWeightedF32}) {
+    for (std::size_t rows : {std::size_t{1}, std::size_t{3}, std::size_t{70}}) {
+      SCOPED_TRACE("weighted kind=" + std::to_string(static_cast<int>(kind)) + " rows=" + std::to_string(rows));
+      runHookCase(*comm, kind, rows, 1);
+    }
+    runHookCase(*comm, kind, 5, 30);
+  }
+}
+
+// Bad sendRecv arguments fail on the host with the offending value in the message; nothing is
+// launched.
+TEST(Gpu1_Movers, BadArgumentsNameTheValue) {
+  GRAPHEP_REQUIRE_GPUS(1);
+  auto comm = createLocalGroup({0, 0});
+  HeapConfig cfg;
+  cfg.numRanks = 2;
+  cfg.userBytes = 4096;
+  cfg.moverSlotBytes = 4096;
+  auto heap = SymmetricHeap::create(*comm, cfg);
+  auto movers = Movers::createAll(*heap);
+  char* buf = heap->user(0);
+  auto expectError = [&](const SendRecvArgs& a, Status status, const char* needle) {
+    try {
+      movers[0].sendRecv(nullptr, a);
+      ADD_FAILURE() << "no error; expected one naming '" << needle << "'";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.status(), status) << e.what();
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  SendRecvArgs a;
+  a.sendPeer = 1;
+  a.src = buf;
+  a.sendBytes = 100;
+  a.wire = Wire::kFp8E4m3;
+  expectError(a, Status::kInvalidArgument, "sendBytes=100");
+  a.sendBytes = 256;
+  a.sendToUserOffset = 0;
+  expectError(a, Status::kInvalidArgument, "not zero-copy");
+  a = SendRecvArgs{};
+  a.recvPeer = 1;
+  a.dst = buf;
+  a.recvBytes = 64;
+  a.consume = Consume::kFp8ToBf16;  // a consume hook of the fp8 wire on the byte wire
+  expectError(a, Status::kInvalidArgument, "consume=5");
+  a.consume = Consume::kWeightedAddBf16;
+  a.addend = buf;
+  a.rowBytes = 10;
+  expectError(a, Status::kInvalidArgument, "it is 10");
+  a.rowBytes = 32;
+  expectError(a, Status::kInvalidArgument, "needs weights");
+  a.recvPeer = 2;
+  expectError(a, Status::kInvalidArgument, "receive peer 2");
 }
 
 TEST(Gpu1_Ring, AllGatherEmulatedRanks) {

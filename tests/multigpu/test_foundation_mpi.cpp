@@ -101,6 +101,15 @@ TEST(Mpi_Ring, AllGatherAndReduceScatter) {
   runReduceScatterRing(*comm, std::size_t{1} << 18, false, 100);
 }
 
+TEST(Mpi_Hooks, Fp8AndWeighted) {
+  GRAPHEP_REQUIRE_MPI_GPUS();
+  auto comm = createMpiCommunicator(-1, false);
+  runHookCase(*comm, HookCase::kFp8Records, 4101, 1);
+  runHookCase(*comm, HookCase::kFp8Dequant, 300, 30);
+  runHookCase(*comm, HookCase::kWeightedBf16, 70, 1);
+  runHookCase(*comm, HookCase::kWeightedF32, 5, 30);
+}
+
 TEST(Mpi_AllToAllv, PatternsAndReplays) {
   GRAPHEP_REQUIRE_MPI_GPUS();
   auto comm = createMpiCommunicator(-1, false);

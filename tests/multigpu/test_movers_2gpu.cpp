@@ -1,6 +1,8 @@
 // sendrecv on 2 GPUs in one process (NVLink peers), sizes up to 1 GiB.
 #include <gtest/gtest.h>
 
+#include <string>
+
 #include <graphep/graphep.hpp>
 
 #include "common/gpu_env.hpp"
@@ -34,6 +36,25 @@ TEST(Gpu2_SendRecv, ForcedRemoteThroughAdoptedNccl) {
   ScopedEnv force("GRAPHEP_FORCE_TRANSPORT", "remote");
   runSendRecvCases(*comm, standardSendRecvCases(std::size_t{64} << 20));
   runSendRecvReplays(*comm, std::size_t{1} << 20, 200, false);
+}
+
+TEST(Gpu2_Hooks, Fp8AndWeighted) {
+  GRAPHEP_REQUIRE_GPUS(2);
+  auto comm = createLocalGroup({0, 1});
+  for (HookCase kind : {HookCase::kFp8Records, HookCase::kFp8Dequant}) {
+    for (std::size_t tiles : {std::size_t{1}, std::size_t{37}, std::size_t{4101}}) {
+      SCOPED_TRACE("fp8 kind=" + std::to_string(static_cast<int>(kind)) + " tiles=" + std::to_string(tiles));
+      runHookCase(*comm, kind, tiles, 1);
+    }
+    runHookCase(*comm, kind, 300, 30);
+  }
+  for (HookCase kind : {HookCase::kWeightedBf16, HookCase::kWeightedF32}) {
+    for (std::size_t rows : {std::size_t{1}, std::size_t{3}, std::size_t{70}}) {
+      SCOPED_TRACE("weighted kind=" + std::to_string(static_cast<int>(kind)) + " rows=" + std::to_string(rows));
+      runHookCase(*comm, kind, rows, 1);
+    }
+    runHookCase(*comm, kind, 5, 30);
+  }
 }
 
 TEST(Gpu2_AllToAllv, PatternsSizesAndReplays) {

@@ -1,0 +1,132 @@
+// Produce / consume hooks of the data movers (DESIGN.md §4). A transfer in a *tiled* wire format
+// moves tiles: the sender's produce hook reads one tile of the source and returns registers that
+// the pipe writes to the wire (a staging slot); the receiver's consume hook takes the registers
+// the pipe read from the wire and writes the destination. Both get one HookCtx. A tile is handled
+// by kThreads consecutive threads of a role (lane = thread index within the tile's group).
+//
+// The byte format (Wire::kBytes: plain copies, element-wise reductions, weighted accumulation) is
+// the degenerate case and runs on the vectorised byte paths of pipe.cuh; its consume hooks are
+// selected by Consume. Wire::kFp8E4m3 is the tiled format shipped here:
+//   produce  ProduceFp8E4m3: 128 bf16 -> 128 e4m3 bytes + one fp32 scale (amax / 448)
+//   consume  ConsumeWire (keep the record), ConsumeFp8ToBf16 (dequantise to 128 bf16)
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+#include "kernels/common/pipe.h"
+
+namespace graphep {
+
+struct HookCtx {
+  std::int32_t peer;      // the other end of the link
+  std::uint32_t channel;  // the CTA's channel (block) on the link
+  std::uint32_t step;     // the chunk's monotonic step
+  std::uint64_t tile;     // tile index within the link's transfer
+  int lane;               // thread within the tile's group, [0, kThreads)
+  const char* src;        // produce: the link's source (tile t at src + t * kSrcTileBytes)
+  char* dst;              // consume: the link's destination (tile t at dst + t * kDstTileBytes)
+};
+
+// bf16 -> fp8 e4m3 with one fp32 scale per 128 values. Wire record per tile (Fp8Record in pipe.h):
+// 128 e4m3 bytes, then the scale, then 12 zero bytes. scale = amax / 448 (1 when the tile is all
+// zeros); q = e4m3(x * (1 / scale)) rounded to nearest, saturating.
+struct ProduceFp8E4m3 {
+  static constexpr int kThreads = 16;  // 8 values per thread
+  struct Regs {
+    uint2 q;      // this lane's 8 e4m3 values
+    float scale;  // the tile's scale (every lane holds it)
+  };
+  __device__ __forceinline__ static Regs produce(const HookCtx& ctx) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(ctx.src + ctx.tile * kFp8TileSrcBytes +
+                                                      static_cast<std::uint64_t>(ctx.lane) * 16);
+    const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&raw);
+    float v[8];
+    float amax = 0.f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      v[k] = __bfloat162float(h[k]);
+      amax = fmaxf(amax, fabsf(v[k]));
+    }
+    // The 16 lanes of a tile are one aligned half-warp; reduce within it.
+    const unsigned mask = 0xffffu << (threadIdx.x & 16u);
+#pragma unroll
+    for (int o = 8; o >= 1; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, o, 16));
+    Regs r;
+    r.scale = fp8Scale(amax);
+    const float inv = 1.0f / r.scale;
+    unsigned char b[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) b[k] = fp8E4m3(v[k] * inv);
+    r.q = make_uint2(b[0] | (b[1] << 8) | (b[2] << 16) | (static_cast<unsigned>(b[3]) << 24),
+                     b[4] | (b[5] << 8) | (b[6] << 16) | (static_cast<unsigned>(b[7]) << 24));
+    return r;
+  }
+  // Writes the lane's part of the record (the wire tile).
+  __device__ __forceinline__ static void emit(char* wire, int lane, const Regs& r) {
+    *reinterpret_cast<uint2*>(wire + lane * 8) = r.q;
+    if (lane == 0) {
+      *reinterpret_cast<uint4*>(wire + kFp8TileValues) = make_uint4(__float_as_uint(r.scale), 0, 0, 0);
+    }
+  }
+  __host__ __device__ static float fp8Scale(float amax) { return amax > 0.f ? amax / 448.f : 1.f; }
+  __host__ __device__ static unsigned char fp8E4m3(float x) {
+    return static_cast<unsigned char>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3));
+  }
+};
+
+// Reads the lane's part of an fp8 record from the wire (ld.global.cg: a peer wrote it).
+struct Fp8WireRegs {
+  uint2 q;
+  float scale;
+};
+__device__ __forceinline__ Fp8WireRegs loadFp8Wire(const char* wire, int lane) {
+  Fp8WireRegs r;
+  r.q = __ldcg(reinterpret_cast<const uint2*>(wire + lane * 8));
+  r.scale = __ldcg(reinterpret_cast<const float*>(wire + kFp8TileValues));
+  return r;
+}
+
+// Keeps the fp8 record as received (the destination holds Fp8 records, kFp8TileWireBytes each).
+struct ConsumeWire {
+  static constexpr int kThreads = ProduceFp8E4m3::kThreads;
+  __device__ __forceinline__ static void consume(const HookCtx& ctx, const Fp8WireRegs& r) {
+    char* d = ctx.dst + ctx.tile * kFp8TileWireBytes;
+    *reinterpret_cast<uint2*>(d + ctx.lane * 8) = r.q;
+    if (ctx.lane == 0) {
+      *reinterpret_cast<uint4*>(d + kFp8TileValues) = make_uint4(__float_as_uint(r.scale), 0, 0, 0);
+    }
+  }
+};
+
+// Dequantises to bf16: x = bf16(float(q) * scale).
+struct ConsumeFp8ToBf16 {
+  static constexpr int kThreads = ProduceFp8E4m3::kThreads;
+  __host__ __device__ static __nv_bfloat16 dequant(unsigned char q, float scale) {
+    const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(q), __NV_E4M3);
+    return __float2bfloat16_rn(__half2float(__half(h)) * scale);
+  }
+  __device__ __forceinline__ static void consume(const HookCtx& ctx, const Fp8WireRegs& r) {
+    uint4 out;
+    __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(&out);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const unsigned word = k < 4 ? r.q.x : r.q.y;
+      o[k] = dequant(static_cast<unsigned char>(word >> (8 * (k & 3))), r.scale);
+    }
+    *reinterpret_cast<uint4*>(ctx.dst + ctx.tile * kFp8TileSrcBytes +
+                              static_cast<std::uint64_t>(ctx.lane) * 16) = out;
+  }
+};
+
+// Weighted accumulation (the byte format's weighted consume, combine's reduction):
+//   dst[i] = addend[i] + weight[row] * received[i],  row = byte offset / rowBytes,
+// computed in fp32 with one fused multiply-add and rounded once to T.
+template <class T>
+__device__ __forceinline__ T weightedAdd(T received, T addend, float weight) {
+  return T(__fmaf_rn(weight, static_cast<float>(received), static_cast<float>(addend)));
+}
+
+}  // namespace graphep
