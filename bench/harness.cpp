@@ -147,10 +147,10 @@ MoverBench makeMoverBench(const Options& o, Ranks& r, std::size_t userBytes) {
   cfg.moverSlotBytes = o.slotBytes;
   cfg.moverSlots = o.numSlots;
   cfg.moverBlocks = std::max(16, o.sms);
+  cfg.moverWarps = o.warpsPerRole;
   MoverBench b;
   b.heap = SymmetricHeap::create(*r.comm, cfg);
   MoverOptions mo;
-  mo.warpsPerRole = o.warpsPerRole;
   b.movers = Movers::createAll(*b.heap, mo);
   return b;
 }

@@ -19,6 +19,9 @@ struct HeapConfig {
   std::size_t userBytes = 0;       // a symmetric scratch region for callers (tests, movers)
   int moverBlocks = 16;            // data-mover channels (CTAs) per peer
   int moverSlots = 4;              // staging slots per (peer, channel); a power of two
+  // Warps per role (sender, receiver) in a mover CTA, 1..8. Staged transfers run one sub-pipe per
+  // warp with its own share of each slot, so every rank must use the same value (it is hashed).
+  int moverWarps = 4;
   std::size_t moverSlotBytes = 0;  // bytes per staging slot (multiple of 16); 0: no staging
   // LL (low-latency) capacity per (peer, channel), a multiple of 16; 0: never LL. Transfers of up
   // to moverLLBytes * moverBlocks bytes go as LL lines over ceil(bytes / moverLLBytes) channels.

@@ -8,10 +8,7 @@
 namespace graphep {
 
 Movers::Movers(const SymmetricHeap& heap, int local, const MoverOptions& options)
-    : heap_(&heap), local_(local), warpsPerRole_(options.warpsPerRole) {
-  GRAPHEP_REQUIRE(warpsPerRole_ >= 1 && warpsPerRole_ <= kMaxWarpsPerRole, Status::kInvalidArgument,
-                  "MoverOptions.warpsPerRole=%d is out of range [1, %d]", warpsPerRole_,
-                  kMaxWarpsPerRole);
+    : heap_(&heap), local_(local), warpsPerRole_(heap.config().moverWarps) {
   GRAPHEP_CUDA_CHECK(cudaSetDevice(heap.device(local)));
   bool anyRemote = false;
   for (int p = 0; p < heap.worldSize(); ++p) anyRemote |= remote(p);
@@ -113,12 +110,14 @@ SendLink Movers::sendLink(int peer) const {
   const std::size_t B = static_cast<std::size_t>(cfg.moverBlocks);
   char* mine = heap_->base(local_);
   char* theirs = heap_->peerBase(local_, peer);
-  const std::size_t asSource = static_cast<std::size_t>(heap_->rank(local_)) * B;  // in the peer's tables
-  const std::size_t asPeer = static_cast<std::size_t>(peer) * B;                    // in my tables
+  // Flag tables are [peer][channel][sub-pipe]: these index the peer's and this rank's rows.
+  const std::size_t asSource = static_cast<std::size_t>(heap_->rank(local_)) * B * kSubPipes;
+  const std::size_t asPeer = static_cast<std::size_t>(peer) * B * kSubPipes;
   auto u32 = [](char* base, std::size_t off) { return reinterpret_cast<std::uint32_t*>(base + off); };
   SendLink l{};
   l.peer = peer;
-  l.staging = theirs + L.staging + asSource * cfg.moverSlots * cfg.moverSlotBytes;
+  l.staging = theirs + L.staging + static_cast<std::size_t>(heap_->rank(local_)) * B *
+                                       cfg.moverSlots * cfg.moverSlotBytes;
   l.head = u32(theirs, L.moverHead) + asSource;
   l.tail = u32(mine, L.moverTail) + asPeer;
   l.ready = u32(mine, L.moverReady) + asPeer;
@@ -134,13 +133,13 @@ RecvLink Movers::recvLink(int peer) const {
   const std::size_t B = static_cast<std::size_t>(cfg.moverBlocks);
   char* mine = heap_->base(local_);
   char* theirs = heap_->peerBase(local_, peer);
-  const std::size_t asDest = static_cast<std::size_t>(heap_->rank(local_)) * B;  // in the peer's tables
-  const std::size_t asPeer = static_cast<std::size_t>(peer) * B;                  // in my tables
+  const std::size_t asDest = static_cast<std::size_t>(heap_->rank(local_)) * B * kSubPipes;
+  const std::size_t asPeer = static_cast<std::size_t>(peer) * B * kSubPipes;
   auto u32 = [](char* base, std::size_t off) { return reinterpret_cast<std::uint32_t*>(base + off); };
   RecvLink l{};
   l.peer = peer;
   l.consume = Consume::kCopy;
-  l.staging = mine + L.staging + asPeer * cfg.moverSlots * cfg.moverSlotBytes;
+  l.staging = mine + L.staging + static_cast<std::size_t>(peer) * B * cfg.moverSlots * cfg.moverSlotBytes;
   l.head = u32(mine, L.moverHead) + asPeer;
   l.tail = u32(theirs, L.moverTail) + asDest;
   l.ready = u32(theirs, L.moverReady) + asDest;
@@ -191,9 +190,12 @@ SendRecvParams Movers::params(const SendRecvArgs& a) const {
     GRAPHEP_REQUIRE((a.sendPeer < 0 || sendNvl) && (a.recvPeer < 0 || recvNvl), Status::kNotSupported,
                     "sendRecv: the fp8 wire format needs load/store peers (send %d, receive %d)",
                     a.sendPeer, a.recvPeer);
-    GRAPHEP_REQUIRE(cfg.moverSlotBytes >= kFp8TileWireBytes, Status::kInvalidArgument,
-                    "sendRecv: HeapConfig.moverSlotBytes=%zu is smaller than one %llu-byte fp8 record",
-                    cfg.moverSlotBytes, static_cast<unsigned long long>(kFp8TileWireBytes));
+    GRAPHEP_REQUIRE(cfg.moverSlotBytes / static_cast<std::size_t>(cfg.moverWarps) >= kFp8TileWireBytes,
+                    Status::kInvalidArgument,
+                    "sendRecv: HeapConfig.moverSlotBytes=%zu leaves each of the %d warps less than "
+                    "one %llu-byte fp8 record",
+                    cfg.moverSlotBytes, cfg.moverWarps,
+                    static_cast<unsigned long long>(kFp8TileWireBytes));
     GRAPHEP_REQUIRE(a.sendBytes == 0 || (reinterpret_cast<std::uintptr_t>(a.src) & 15u) == 0,
                     Status::kInvalidArgument, "sendRecv: fp8 src %p is not 16-byte aligned", a.src);
     GRAPHEP_REQUIRE(a.recvBytes == 0 || (reinterpret_cast<std::uintptr_t>(a.dst) & 15u) == 0,

@@ -74,7 +74,6 @@ struct AllToAllvArgs {
 };
 
 struct MoverOptions {
-  int warpsPerRole = 4;  // warps of each role (sender, receiver) per CTA, 1..8
   // alltoallv to remote peers moves fixed-capacity messages (its counts live on the device, NCCL
   // needs sizes on the host): this many bytes per peer, staged in buffers allocated at setup.
   // 0: alltoallv refuses remote peers.
@@ -133,7 +132,7 @@ class Movers {
 
   const SymmetricHeap* heap_;
   int local_;
-  int warpsPerRole_;
+  int warpsPerRole_;  // the heap's moverWarps
   std::size_t remoteCap_ = 0;
   std::shared_ptr<char> remoteStage_;  // [2][worldSize][remoteCap_]: send stages, receive stages
 };

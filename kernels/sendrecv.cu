@@ -31,7 +31,7 @@ __global__ void __launch_bounds__(2 * kMaxWarpsPerRole * 32)
     if (p.send.peer < 0 || blockIdx.x >= p.sendShape.numChannels) return;
     if constexpr (kWire == Wire::kFp8E4m3) {
       pipeSendTiled<NvlTransport, ProduceFp8E4m3, kFp8TileSrcBytes, kFp8TileWireBytes>(
-          p.sync, p.sendShape, p.send, blockIdx.x, kSendBarrier, t, roleThreads, &abortFlag[0]);
+          p.sync, p.sendShape, p.send, blockIdx.x, t, roleThreads);
     } else if (p.send.ll) {
       pipeSendLL<NvlTransport>(p.sync, p.sendShape, p.send, blockIdx.x, kSendBarrier, t,
                                roleThreads, &abortFlag[0]);
@@ -45,8 +45,7 @@ __global__ void __launch_bounds__(2 * kMaxWarpsPerRole * 32)
     if constexpr (kWire == Wire::kFp8E4m3) {
       using Hook = std::conditional_t<kConsume == Consume::kFp8ToBf16, ConsumeFp8ToBf16, ConsumeWire>;
       pipeRecvTiled<NvlTransport, Hook, Fp8WireRegs, loadFp8Wire, kFp8TileSrcBytes,
-                    kFp8TileWireBytes>(p.sync, p.recvShape, p.recv, blockIdx.x, kRecvBarrier, tid,
-                                       roleThreads, &abortFlag[1]);
+                    kFp8TileWireBytes>(p.sync, p.recvShape, p.recv, blockIdx.x, tid, roleThreads);
     } else if (p.recv.ll) {
       pipeRecvLL<NvlTransport, kConsume>(p.sync, p.recvShape, p.recv, blockIdx.x, kRecvBarrier,
                                          tid, roleThreads, &abortFlag[1]);
@@ -95,7 +94,7 @@ cudaError_t launchSendRecv(const SendRecvParams& p, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   }
   if (p.wire == Wire::kFp8E4m3 && (p.send.ll || p.recv.ll || p.send.direct || p.recv.direct ||
-                                   p.sendShape.slotBytes < kFp8TileWireBytes)) {
+                                   subSlotBytes(p.sendShape.slotBytes, p.warpsPerRole) < kFp8TileWireBytes)) {
     return cudaErrorInvalidValue;
   }
   const unsigned channels = p.sendShape.numChannels > p.recvShape.numChannels

@@ -58,19 +58,19 @@ TEST(Unit_HeapLayout, ClosedFormSize) {
   EXPECT_EQ(l.flagInbox, 768u);
   EXPECT_EQ(l.flagStep, 1024u);
   EXPECT_EQ(l.epochs, 1280u);
-  // Mover channels: 8 ranks x 16 blocks x 4 B = 512 B each, 256-aligned after epochs (1312).
+  // Mover flags: 8 ranks x 16 channels x 8 sub-pipes x 4 B = 4 KiB each, 256-aligned after epochs.
   EXPECT_EQ(l.moverHead, 1536u);
-  EXPECT_EQ(l.moverTail, 2048u);
-  EXPECT_EQ(l.moverReady, 2560u);
-  EXPECT_EQ(l.moverSendStep, 3072u);
-  EXPECT_EQ(l.moverRecvStep, 3584u);
-  EXPECT_EQ(l.user, 4096u);     // 4096 rounded up to the 4 KiB alignment
-  EXPECT_EQ(l.staging, 16384u);  // 4096 + 10000 = 14096 -> 16384, no staging bytes
-  EXPECT_EQ(l.ll, 16384u);       // 8 ranks x 16 channels x 2 halves x 8 KiB (4 KiB of data as lines)
-  EXPECT_EQ(l.totalBytes, 16384u + 8 * 16 * 2 * 8192u);
+  EXPECT_EQ(l.moverTail, 1536u + 4096u);
+  EXPECT_EQ(l.moverReady, 1536u + 2 * 4096u);
+  EXPECT_EQ(l.moverSendStep, 1536u + 3 * 4096u);
+  EXPECT_EQ(l.moverRecvStep, 1536u + 4 * 4096u);
+  EXPECT_EQ(l.user, 24576u);     // 1536 + 5 x 4096 = 22016, rounded up to the 4 KiB alignment
+  EXPECT_EQ(l.staging, 36864u);  // 24576 + 10000 = 34576 -> 36864, no staging bytes
+  EXPECT_EQ(l.ll, 36864u);       // 8 ranks x 16 channels x 2 halves x 8 KiB (4 KiB of data as lines)
+  EXPECT_EQ(l.totalBytes, 36864u + 8 * 16 * 2 * 8192u);
   cfg.moverSlotBytes = 65536;    // 8 x 16 x 4 slots x 64 KiB = 32 MiB of staging
   EXPECT_EQ(carveHeap(cfg, SIZE_MAX).totalBytes,
-            16384u + (std::size_t{32} << 20) + 8 * 16 * 2 * 8192u);
+            36864u + (std::size_t{32} << 20) + 8 * 16 * 2 * 8192u);
 }
 
 TEST(Unit_HeapLayout, ValidationNamesTheField) {
@@ -103,6 +103,17 @@ TEST(Unit_HeapLayout, ValidationNamesTheField) {
   cfg.moverSlotBytes = 0;
   cfg.moverLLBytes = 24;  // a multiple of 8, not of 16
   EXPECT_THROW(cfg.validate(), Error);
+  cfg.moverLLBytes = 4096;
+  cfg.moverWarps = 9;
+  try {
+    cfg.validate();
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("moverWarps=9"), std::string::npos) << e.what();
+  }
+  cfg.moverWarps = 8;
+  cfg.moverSlotBytes = 64;  // 8 bytes per warp
+  EXPECT_THROW(cfg.validate(), Error);
 }
 
 TEST(Unit_HeapLayout, HashCoversLayoutFields) {
@@ -114,6 +125,9 @@ TEST(Unit_HeapLayout, HashCoversLayoutFields) {
   EXPECT_NE(a.hash(), b.hash());
   b = a;
   b.counterStart = 7;
+  EXPECT_NE(a.hash(), b.hash());
+  b = a;
+  b.moverWarps = 8;  // staged sub-pipes per channel: both ends must agree
   EXPECT_NE(a.hash(), b.hash());
 }
 
