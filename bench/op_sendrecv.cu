@@ -32,7 +32,10 @@ std::vector<Row> runSendRecv(const Options& o, Ranks& r) {
   for (std::size_t bytes = o.minBytes; bytes <= o.maxBytes;
        bytes = std::max<std::size_t>(bytes + 1, static_cast<std::size_t>(bytes * o.factor))) {
     progress(("sendrecv " + std::to_string(bytes)).c_str());
+    // --sms fixes the channel count; 0 lets each transfer choose (LL over several channels when
+    // small). The row names the mode and channel count that actually ran.
     const int channels = o.sms > 0 ? o.sms : movers[0].channelsFor(bytes);
+    const int llChannels = movers[0].llChannelsFor(bytes, o.sms);
     // NCCL baseline.
     double ncclUs = 0;
     if (r.hasNccl()) {
@@ -59,7 +62,7 @@ std::vector<Row> runSendRecv(const Options& o, Ranks& r) {
         a.recvPeer = 1 - r.rank(i);
         a.dst = zeroCopy ? heap->user(i) : dst[i];
         a.recvBytes = bytes;
-        a.numChannels = channels;
+        a.numChannels = o.sms;
         if (zeroCopy) {
           a.sendToUserOffset = 0;
           a.recvZeroCopy = true;
@@ -73,7 +76,9 @@ std::vector<Row> runSendRecv(const Options& o, Ranks& r) {
       }
       const double algbw = us > 0 ? static_cast<double>(bytes) / (us * 1e3) : 0;
       Row row{"sendrecv",
-              std::string(zeroCopy ? "zero-copy" : "staged") + " ch=" + std::to_string(channels),
+              zeroCopy ? "zero-copy ch=" + std::to_string(channels)
+                       : (llChannels > 0 ? "LL ch=" + std::to_string(llChannels)
+                                         : "staged ch=" + std::to_string(channels)),
               bytes, us, algbw, algbw, totalOverRanks(r, w), ncclUs, ""};
       printRow(row);
       rows.push_back(row);

@@ -126,18 +126,11 @@ void SymmetricHeap::build() {
     // Zero everything (semaphore counts start at 0), then start the monotonic words at
     // counterStart: flags, steps, epochs and the semaphore totals.
     GRAPHEP_CUDA_CHECK(cudaMemset(r.base, 0, layout_.totalBytes));
-    const std::size_t S = static_cast<std::size_t>(cfg_.numSemChannels) * cfg_.numRanks;
-    const std::size_t F = static_cast<std::size_t>(cfg_.numFlagChannels) * cfg_.numRanks;
-    const std::size_t E = static_cast<std::size_t>(cfg_.numEpochs);
-    const std::size_t M = static_cast<std::size_t>(cfg_.moverBlocks) * cfg_.numRanks;
-    const std::vector<std::uint32_t> start(std::max({S, F, E, M}), cfg_.counterStart);
-    for (auto [off, n] : {std::pair{layout_.semArrived, S}, std::pair{layout_.semConsumed, S},
-                          std::pair{layout_.flagInbox, F}, std::pair{layout_.flagStep, F},
-                          std::pair{layout_.epochs, E}, std::pair{layout_.moverHead, M},
-                          std::pair{layout_.moverTail, M}, std::pair{layout_.moverReady, M},
-                          std::pair{layout_.moverSendStep, M},
-                          std::pair{layout_.moverRecvStep, M}}) {
-      GRAPHEP_CUDA_CHECK(cudaMemcpy(r.base + off, start.data(), n * sizeof(std::uint32_t),
+    // Sizes come from the carved regions themselves (heap_layout.cpp is the one place).
+    for (const HeapRegion& region : layout_.regions) {
+      if (!isMonotonicRegion(region.name)) continue;
+      const std::vector<std::uint32_t> start(region.bytes / sizeof(std::uint32_t), cfg_.counterStart);
+      GRAPHEP_CUDA_CHECK(cudaMemcpy(r.base + region.offset, start.data(), region.bytes,
                                     cudaMemcpyHostToDevice));
     }
 

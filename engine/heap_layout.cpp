@@ -80,6 +80,14 @@ std::size_t BumpAllocator::carve(const char* name, std::size_t count, std::size_
   return offset;
 }
 
+bool isMonotonicRegion(const std::string& name) {
+  for (const char* n : {"semArrived", "semConsumed", "flagInbox", "flagStep", "epochs", "moverHead",
+                        "moverTail", "moverReady", "moverSendStep", "moverRecvStep"}) {
+    if (name == n) return true;
+  }
+  return false;
+}
+
 HeapLayout carveHeap(const HeapConfig& cfg, std::size_t capacity) {
   cfg.validate();
   BumpAllocator a(capacity);

@@ -69,6 +69,10 @@ class BumpAllocator {
   std::vector<HeapRegion> regions_;
 };
 
+// Whether a region holds monotonic 32-bit words that start at HeapConfig.counterStart (flags,
+// steps, epochs, semaphore totals) rather than at 0.
+bool isMonotonicRegion(const std::string& name);
+
 // The one place regions are carved. With capacity SIZE_MAX it is the sizing dry run.
 HeapLayout carveHeap(const HeapConfig& cfg, std::size_t capacity);
 inline std::size_t heapBytes(const HeapConfig& cfg) { return carveHeap(cfg, SIZE_MAX).totalBytes; }

@@ -7,6 +7,7 @@
 #include <graphep/graphep.hpp>
 
 #include "engine/heap_layout.hpp"
+#include "kernels/common/pipe.h"
 #include "engine/topology.hpp"
 
 namespace graphep {
@@ -114,6 +115,23 @@ TEST(Unit_HeapLayout, ValidationNamesTheField) {
   cfg.moverWarps = 8;
   cfg.moverSlotBytes = 64;  // 8 bytes per warp
   EXPECT_THROW(cfg.validate(), Error);
+}
+
+// The regions whose words start at counterStart exist under the names the heap initialises.
+TEST(Unit_HeapLayout, MonotonicRegionsAreCarved) {
+  HeapConfig cfg;
+  cfg.numRanks = 4;
+  const HeapLayout l = carveHeap(cfg, SIZE_MAX);
+  int monotonic = 0;
+  std::size_t moverWords = 0;
+  for (const HeapRegion& r : l.regions) {
+    if (!isMonotonicRegion(r.name)) continue;
+    ++monotonic;
+    if (r.name == "moverTail") moverWords = r.bytes / 4;
+  }
+  EXPECT_EQ(monotonic, 10);
+  EXPECT_EQ(moverWords, 4u * 16u * kSubPipes);  // ranks x channels x sub-pipes
+  EXPECT_FALSE(isMonotonicRegion("semCount"));  // counting semaphores start at 0
 }
 
 TEST(Unit_HeapLayout, HashCoversLayoutFields) {
