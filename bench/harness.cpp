@@ -148,6 +148,7 @@ MoverBench makeMoverBench(const Options& o, Ranks& r, std::size_t userBytes) {
   cfg.moverSlots = o.numSlots;
   cfg.moverBlocks = std::max(16, o.sms);
   cfg.moverWarps = o.warpsPerRole;
+  cfg.moverLLBytes = o.llBytes;
   MoverBench b;
   b.heap = SymmetricHeap::create(*r.comm, cfg);
   MoverOptions mo;

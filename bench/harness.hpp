@@ -30,6 +30,7 @@ struct Options {
   int warpsPerRole = 4;                             // --warps (movers: warps per role per CTA)
   std::size_t slotBytes = std::size_t{64} << 10;    // --slot (movers: staging slot size)
   int numSlots = 4;                                 // --slots (movers: slots per channel)
+  std::size_t llBytes = 16384;                      // --ll (movers: LL capacity per channel)
 };
 
 

@@ -29,10 +29,6 @@ void HeapConfig::validate() const {
                   moverSlotBytes);
   GRAPHEP_REQUIRE(moverWarps >= 1 && moverWarps <= kMaxWarpsPerRole, Status::kInvalidArgument,
                   "HeapConfig.moverWarps=%d is out of range [1, %d]", moverWarps, kMaxWarpsPerRole);
-  GRAPHEP_REQUIRE(moverSlotBytes == 0 || moverSlotBytes >= 16 * static_cast<std::size_t>(moverWarps),
-                  Status::kInvalidArgument,
-                  "HeapConfig.moverSlotBytes=%zu leaves less than 16 bytes per warp (moverWarps=%d)",
-                  moverSlotBytes, moverWarps);
   GRAPHEP_REQUIRE(moverLLBytes % 16 == 0 && moverLLBytes <= (std::size_t{1} << 20),
                   Status::kInvalidArgument,
                   "HeapConfig.moverLLBytes=%zu is not a multiple of 16 in [0, 1 MiB]", moverLLBytes);
@@ -112,21 +108,19 @@ HeapLayout carveHeap(const HeapConfig& cfg, std::size_t capacity) {
   l.flagStep = a.carve("flagStep", F * R, kU32, 256);
   // epochs: E x u32. Local monotonic per-operation epochs, advanced by the graphs themselves.
   l.epochs = a.carve("epochs", E, kU32, 256);
-  // Data-mover channels (kernels/common/pipe.h), B = moverBlocks channels per peer, P = kSubPipes
-  // flag words per channel (one per staged sub-pipe; word 0 also serves zero-copy and LL):
-  // moverHead: R source peers x B x P x u32. The peer's sender posts chunks written (monotonic).
+  // Data-mover channels (kernels/common/pipe.h), B = moverBlocks channels per peer:
+  // moverHead: R source peers x B x u32. The peer's sender posts chunks written (monotonic).
   const std::size_t B = static_cast<std::size_t>(cfg.moverBlocks);
-  const std::size_t P = kSubPipes;
-  l.moverHead = a.carve("moverHead", R * B * P, kU32, 256);
-  // moverTail: R destination peers x B x P x u32. The peer's receiver posts chunks consumed
-  // (slots free again), monotonic.
-  l.moverTail = a.carve("moverTail", R * B * P, kU32, 256);
-  // moverReady: R destination peers x B x P x u32. Zero-copy: the peer's receiver posts the step
-  // at which its launch starts (its destination may be overwritten), monotonic.
-  l.moverReady = a.carve("moverReady", R * B * P, kU32, 256);
-  // moverSendStep / moverRecvStep: R peers x B x P x u32. Local monotonic chunk counters.
-  l.moverSendStep = a.carve("moverSendStep", R * B * P, kU32, 256);
-  l.moverRecvStep = a.carve("moverRecvStep", R * B * P, kU32, 256);
+  l.moverHead = a.carve("moverHead", R * B, kU32, 256);
+  // moverTail: R destination peers x B x u32. The peer's receiver posts chunks consumed (slots
+  // free again), monotonic.
+  l.moverTail = a.carve("moverTail", R * B, kU32, 256);
+  // moverReady: R destination peers x B x u32. Zero-copy: the peer's receiver posts the step at
+  // which its launch starts (its destination may be overwritten), monotonic.
+  l.moverReady = a.carve("moverReady", R * B, kU32, 256);
+  // moverSendStep / moverRecvStep: R peers x B x u32. Local monotonic chunk counters.
+  l.moverSendStep = a.carve("moverSendStep", R * B, kU32, 256);
+  l.moverRecvStep = a.carve("moverRecvStep", R * B, kU32, 256);
   // user: userBytes x u8. Symmetric scratch for callers; 4 KiB aligned for vector access.
   l.user = a.carve("user", cfg.userBytes, 1, 4096);
   // staging: R source peers x B x moverSlots x moverSlotBytes. The peer's sender writes chunks

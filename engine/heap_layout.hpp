@@ -19,13 +19,13 @@ struct HeapConfig {
   std::size_t userBytes = 0;       // a symmetric scratch region for callers (tests, movers)
   int moverBlocks = 16;            // data-mover channels (CTAs) per peer
   int moverSlots = 4;              // staging slots per (peer, channel); a power of two
-  // Warps per role (sender, receiver) in a mover CTA, 1..8. Staged transfers run one sub-pipe per
-  // warp with its own share of each slot, so every rank must use the same value (it is hashed).
+  // Warps per role (sender, receiver) in a mover CTA, 1..8. 8 suits staged transfers with large
+  // slots, 4 zero-copy and LL (docs/PERFORMANCE.md); hashed so every rank runs the same shape.
   int moverWarps = 4;
   std::size_t moverSlotBytes = 0;  // bytes per staging slot (multiple of 16); 0: no staging
   // LL (low-latency) capacity per (peer, channel), a multiple of 16; 0: never LL. Transfers of up
   // to moverLLBytes * moverBlocks bytes go as LL lines over ceil(bytes / moverLLBytes) channels.
-  std::size_t moverLLBytes = 4096;
+  std::size_t moverLLBytes = 16384;
   std::uint32_t counterStart = 0;  // initial flag/step/epoch/total value (tests start near wrap)
   long long timeoutMs = -1;        // device wait bound; -1 reads GRAPHEP_TIMEOUT_MS
 

@@ -93,8 +93,11 @@ int Movers::llChannelsFor(std::size_t bytes, int numChannels) const {
     channelRange(bytes, static_cast<std::uint32_t>(numChannels), 0, &begin, &end);
     return end - begin <= cfg.moverLLBytes ? numChannels : 0;
   }
-  const std::uint32_t n = llChannels(bytes, cfg.moverLLBytes);
-  return n <= static_cast<std::uint32_t>(cfg.moverBlocks) ? static_cast<int>(n) : 0;
+  const std::uint32_t blocks = static_cast<std::uint32_t>(cfg.moverBlocks);
+  const std::uint32_t need = llChannels(bytes, cfg.moverLLBytes);  // what the capacity requires
+  if (need > blocks) return 0;
+  const std::uint32_t want = std::min(blocks, llChannels(bytes, kLLBytesPerChannel));
+  return static_cast<int>(std::max(need, want));
 }
 
 int Movers::channelsFor(std::size_t bytes) const {
@@ -110,14 +113,12 @@ SendLink Movers::sendLink(int peer) const {
   const std::size_t B = static_cast<std::size_t>(cfg.moverBlocks);
   char* mine = heap_->base(local_);
   char* theirs = heap_->peerBase(local_, peer);
-  // Flag tables are [peer][channel][sub-pipe]: these index the peer's and this rank's rows.
-  const std::size_t asSource = static_cast<std::size_t>(heap_->rank(local_)) * B * kSubPipes;
-  const std::size_t asPeer = static_cast<std::size_t>(peer) * B * kSubPipes;
+  const std::size_t asSource = static_cast<std::size_t>(heap_->rank(local_)) * B;  // in the peer's tables
+  const std::size_t asPeer = static_cast<std::size_t>(peer) * B;                    // in my tables
   auto u32 = [](char* base, std::size_t off) { return reinterpret_cast<std::uint32_t*>(base + off); };
   SendLink l{};
   l.peer = peer;
-  l.staging = theirs + L.staging + static_cast<std::size_t>(heap_->rank(local_)) * B *
-                                       cfg.moverSlots * cfg.moverSlotBytes;
+  l.staging = theirs + L.staging + asSource * cfg.moverSlots * cfg.moverSlotBytes;
   l.head = u32(theirs, L.moverHead) + asSource;
   l.tail = u32(mine, L.moverTail) + asPeer;
   l.ready = u32(mine, L.moverReady) + asPeer;
@@ -133,13 +134,13 @@ RecvLink Movers::recvLink(int peer) const {
   const std::size_t B = static_cast<std::size_t>(cfg.moverBlocks);
   char* mine = heap_->base(local_);
   char* theirs = heap_->peerBase(local_, peer);
-  const std::size_t asDest = static_cast<std::size_t>(heap_->rank(local_)) * B * kSubPipes;
-  const std::size_t asPeer = static_cast<std::size_t>(peer) * B * kSubPipes;
+  const std::size_t asDest = static_cast<std::size_t>(heap_->rank(local_)) * B;  // in the peer's tables
+  const std::size_t asPeer = static_cast<std::size_t>(peer) * B;                  // in my tables
   auto u32 = [](char* base, std::size_t off) { return reinterpret_cast<std::uint32_t*>(base + off); };
   RecvLink l{};
   l.peer = peer;
   l.consume = Consume::kCopy;
-  l.staging = mine + L.staging + static_cast<std::size_t>(peer) * B * cfg.moverSlots * cfg.moverSlotBytes;
+  l.staging = mine + L.staging + asPeer * cfg.moverSlots * cfg.moverSlotBytes;
   l.head = u32(mine, L.moverHead) + asPeer;
   l.tail = u32(theirs, L.moverTail) + asDest;
   l.ready = u32(theirs, L.moverReady) + asDest;
@@ -190,12 +191,9 @@ SendRecvParams Movers::params(const SendRecvArgs& a) const {
     GRAPHEP_REQUIRE((a.sendPeer < 0 || sendNvl) && (a.recvPeer < 0 || recvNvl), Status::kNotSupported,
                     "sendRecv: the fp8 wire format needs load/store peers (send %d, receive %d)",
                     a.sendPeer, a.recvPeer);
-    GRAPHEP_REQUIRE(cfg.moverSlotBytes / static_cast<std::size_t>(cfg.moverWarps) >= kFp8TileWireBytes,
-                    Status::kInvalidArgument,
-                    "sendRecv: HeapConfig.moverSlotBytes=%zu leaves each of the %d warps less than "
-                    "one %llu-byte fp8 record",
-                    cfg.moverSlotBytes, cfg.moverWarps,
-                    static_cast<unsigned long long>(kFp8TileWireBytes));
+    GRAPHEP_REQUIRE(cfg.moverSlotBytes >= kFp8TileWireBytes, Status::kInvalidArgument,
+                    "sendRecv: HeapConfig.moverSlotBytes=%zu is smaller than one %llu-byte fp8 record",
+                    cfg.moverSlotBytes, static_cast<unsigned long long>(kFp8TileWireBytes));
     GRAPHEP_REQUIRE(a.sendBytes == 0 || (reinterpret_cast<std::uintptr_t>(a.src) & 15u) == 0,
                     Status::kInvalidArgument, "sendRecv: fp8 src %p is not 16-byte aligned", a.src);
     GRAPHEP_REQUIRE(a.recvBytes == 0 || (reinterpret_cast<std::uintptr_t>(a.dst) & 15u) == 0,

@@ -31,7 +31,7 @@ __global__ void __launch_bounds__(2 * kMaxWarpsPerRole * 32)
     if (p.send.peer < 0 || blockIdx.x >= p.sendShape.numChannels) return;
     if constexpr (kWire == Wire::kFp8E4m3) {
       pipeSendTiled<NvlTransport, ProduceFp8E4m3, kFp8TileSrcBytes, kFp8TileWireBytes>(
-          p.sync, p.sendShape, p.send, blockIdx.x, t, roleThreads);
+          p.sync, p.sendShape, p.send, blockIdx.x, kSendBarrier, t, roleThreads, &abortFlag[0]);
     } else if (p.send.ll) {
       pipeSendLL<NvlTransport>(p.sync, p.sendShape, p.send, blockIdx.x, kSendBarrier, t,
                                roleThreads, &abortFlag[0]);
@@ -45,7 +45,8 @@ __global__ void __launch_bounds__(2 * kMaxWarpsPerRole * 32)
     if constexpr (kWire == Wire::kFp8E4m3) {
       using Hook = std::conditional_t<kConsume == Consume::kFp8ToBf16, ConsumeFp8ToBf16, ConsumeWire>;
       pipeRecvTiled<NvlTransport, Hook, Fp8WireRegs, loadFp8Wire, kFp8TileSrcBytes,
-                    kFp8TileWireBytes>(p.sync, p.recvShape, p.recv, blockIdx.x, tid, roleThreads);
+                    kFp8TileWireBytes>(p.sync, p.recvShape, p.recv, blockIdx.x, kRecvBarrier, tid,
+                                       roleThreads, &abortFlag[1]);
     } else if (p.recv.ll) {
       pipeRecvLL<NvlTransport, kConsume>(p.sync, p.recvShape, p.recv, blockIdx.x, kRecvBarrier,
                                          tid, roleThreads, &abortFlag[1]);
@@ -94,7 +95,7 @@ cudaError_t launchSendRecv(const SendRecvParams& p, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   }
   if (p.wire == Wire::kFp8E4m3 && (p.send.ll || p.recv.ll || p.send.direct || p.recv.direct ||
-                                   subSlotBytes(p.sendShape.slotBytes, p.warpsPerRole) < kFp8TileWireBytes)) {
+                                   p.sendShape.slotBytes < kFp8TileWireBytes)) {
     return cudaErrorInvalidValue;
   }
   const unsigned channels = p.sendShape.numChannels > p.recvShape.numChannels

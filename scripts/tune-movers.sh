@@ -4,7 +4,7 @@
 #
 #   scripts/tune-movers.sh LOG_DIR [BUILD_DIR]
 #
-# The sets swept come from TUNE_WARPS, TUNE_SLOT, TUNE_SLOTS, TUNE_SMS (space-separated lists) and
+# The sets swept come from TUNE_WARPS, TUNE_SLOT, TUNE_SLOTS, TUNE_SMS, TUNE_LL (space-separated lists) and
 # the operation from TUNE_OP (sendrecv, alltoallv, allgather).
 set -uo pipefail
 out=${1:?usage: scripts/tune-movers.sh LOG_DIR [BUILD_DIR]}
@@ -22,10 +22,12 @@ for warps in ${TUNE_WARPS:-4 8}; do
   for slot in ${TUNE_SLOT:-64K 256K 1M}; do
     for slots in ${TUNE_SLOTS:-4 8}; do
       for sms in ${TUNE_SMS:-16 32}; do
-        echo "# warps=$warps slot=$slot slots=$slots sms=$sms" >>"$log"
+       for ll in ${TUNE_LL:-16K}; do
+        echo "# warps=$warps slot=$slot slots=$slots sms=$sms ll=$ll" >>"$log"
         timeout -s KILL 40 "$bench" $op -b ${TUNE_MIN:-1K} -e ${TUNE_MAX:-256M} -f ${TUNE_F:-64} -n 10 -w 3 --warps $warps \
-          --slot $slot --slots $slots --sms $sms 2>/dev/null | grep -E "^  " \
-          | sed "s/^/w=$warps slot=$slot slots=$slots sms=$sms /" >>"$log" || echo "# failed" >>"$log"
+          --slot $slot --slots $slots --sms $sms --ll $ll 2>/dev/null | grep -E "^  " \
+          | sed "s/^/w=$warps slot=$slot slots=$slots sms=$sms ll=$ll /" >>"$log" || echo "# failed" >>"$log"
+       done
       done
     done
   done

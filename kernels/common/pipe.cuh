@@ -7,11 +7,8 @@
 //   zero-copy sender:   wait ready >= s0 + 1 | put the whole range into the peer's dst |
 //                       signal head = s0 + n
 //   zero-copy receiver: signal ready = s0 + 1 | wait head >= s0 + n | signal tail = s0 + n
-// s counts chunks on this (peer, channel, sub-pipe) across launches and lives in device memory;
-// n >= 1 for zero-copy so every zero-copy launch has its own ready value. Both ends must derive
-// the same n. Staged transfers (plain and tiled) run the sender/receiver protocol once per warp of
-// the role: sub-pipe (c, w) moves warp w's share of the channel through its share of each slot
-// with its own flags, synchronising with __syncwarp only. Zero-copy and LL use sub-pipe (c, 0).
+// s counts chunks on this (peer, channel) across launches and lives in device memory; n >= 1 for
+// zero-copy so every zero-copy launch has its own ready value. Both ends must derive the same n.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -55,14 +52,13 @@ __device__ __forceinline__ void consumeChunk(const RecvLink& l, const char* slot
 template <class Transport>
 __device__ void pipeSend(const SyncHandle& sync, const PipeShape& shape, const SendLink& l,
                          std::uint32_t c, int barrierId, int tid, int nthreads, int* abortFlag) {
-  const std::uint32_t fc = subPipe(c, 0);  // the channel's first flag word
   std::uint64_t begin, end;
   channelRange(l.bytes, shape.numChannels, c, &begin, &end);
-  const std::uint32_t step0 = l.step[fc];
+  const std::uint32_t step0 = l.step[c];
   if (l.direct != nullptr) {
     const std::uint32_t n = zeroCopySteps(end - begin, shape.slotBytes);
     if (tid == 0) {
-      *abortFlag = Transport::wait(sync, l.ready + fc, readyValue(step0), l.peer,
+      *abortFlag = Transport::wait(sync, l.ready + c, readyValue(step0), l.peer,
                                    WaitSite::kMoverReady)
                        ? 0
                        : 1;
@@ -72,93 +68,75 @@ __device__ void pipeSend(const SyncHandle& sync, const PipeShape& shape, const S
     Transport::put(l.direct + begin, l.src + begin, end - begin, tid, nthreads);
     roleBarrier(barrierId, nthreads);
     if (tid == 0) {
-      Transport::signal(l.head + fc, step0 + n);
-      l.step[fc] = step0 + n;
+      Transport::signal(l.head + c, step0 + n);
+      l.step[c] = step0 + n;
     }
     return;
   }
-  // Staged: each warp of the role is its own sub-pipe (c, w) over its share of the channel's bytes
-  // and its share of every slot, with its own flags and steps, so one warp's fence and flag round
-  // trips overlap the other warps' copies. Lane 0 of the warp waits and signals.
-  const int numWarps = nthreads / 32, warp = tid / 32, lane = tid % 32;
-  std::uint64_t sb, se;
-  channelRange(end - begin, static_cast<std::uint32_t>(numWarps), static_cast<std::uint32_t>(warp), &sb, &se);
-  sb += begin;
-  se += begin;
-  const std::uint32_t sub = subPipe(c, static_cast<std::uint32_t>(warp));
-  const std::uint32_t subSlot = subSlotBytes(shape.slotBytes, static_cast<std::uint32_t>(numWarps));
-  const std::uint32_t n = pipeChunks(se - sb, subSlot);
-  const std::uint32_t s0 = l.step[sub];
-  char* slots = l.staging + static_cast<std::uint64_t>(c) * shape.numSlots * shape.slotBytes +
-                static_cast<std::uint64_t>(warp) * subSlot;
+  const std::uint32_t n = pipeChunks(end - begin, shape.slotBytes);
+  char* slots = l.staging + static_cast<std::uint64_t>(c) * shape.numSlots * shape.slotBytes;
   for (std::uint32_t k = 0; k < n; ++k) {
-    const std::uint32_t s = s0 + k;
-    bool ok = true;
-    if (lane == 0) {
-      // Sub-slot s % numSlots is free once the receiver consumed chunk s - numSlots.
-      ok = Transport::wait(sync, l.tail + sub, slotFreeTarget(s, shape.numSlots), l.peer,
-                           WaitSite::kMoverSlotFree);
+    const std::uint32_t s = step0 + k;
+    if (tid == 0) {
+      // Slot s % numSlots is free once the receiver consumed chunk s - numSlots.
+      *abortFlag = Transport::wait(sync, l.tail + c, slotFreeTarget(s, shape.numSlots), l.peer,
+                                   WaitSite::kMoverSlotFree)
+                       ? 0
+                       : 1;
     }
-    if (!__shfl_sync(0xffffffffu, ok, 0)) return;
-    const std::uint64_t off = sb + static_cast<std::uint64_t>(k) * subSlot;
-    const std::uint64_t len = se - off < subSlot ? se - off : subSlot;
+    roleBarrier(barrierId, nthreads);
+    if (*abortFlag) return;
+    const std::uint64_t off = begin + static_cast<std::uint64_t>(k) * shape.slotBytes;
+    const std::uint64_t len = end - off < shape.slotBytes ? end - off : shape.slotBytes;
     Transport::put(slots + static_cast<std::uint64_t>(slotOf(s, shape.numSlots)) * shape.slotBytes,
-                   l.src + off, len, lane, 32);
-    // Every lane's stores precede the warp barrier; lane 0's fence + release publish them.
-    __syncwarp();
-    if (lane == 0) Transport::signal(l.head + sub, s + 1u);
+                   l.src + off, len, tid, nthreads);
+    // Every thread's stores precede the barrier; thread 0's fence + release publish them.
+    roleBarrier(barrierId, nthreads);
+    if (tid == 0) Transport::signal(l.head + c, s + 1u);
   }
-  if (lane == 0) l.step[sub] = s0 + n;
+  if (tid == 0) l.step[c] = step0 + n;
 }
 
 // Receiver role for channel c.
 template <class Transport, Consume kConsume>
 __device__ void pipeRecv(const SyncHandle& sync, const PipeShape& shape, const RecvLink& l,
                          std::uint32_t c, int barrierId, int tid, int nthreads, int* abortFlag) {
-  const std::uint32_t fc = subPipe(c, 0);  // the channel's first flag word
   std::uint64_t begin, end;
   channelRange(l.bytes, shape.numChannels, c, &begin, &end);
-  const std::uint32_t step0 = l.step[fc];
+  const std::uint32_t step0 = l.step[c];
   if (l.direct) {
     const std::uint32_t n = zeroCopySteps(end - begin, shape.slotBytes);
     if (tid == 0) {
       // Everything this stream ran before is done with dst: the sender may overwrite it.
-      Transport::signal(l.ready + fc, readyValue(step0));
-      const bool ok = Transport::wait(sync, l.head + fc, step0 + n, l.peer, WaitSite::kMoverData);
+      Transport::signal(l.ready + c, readyValue(step0));
+      const bool ok = Transport::wait(sync, l.head + c, step0 + n, l.peer, WaitSite::kMoverData);
       // No slot was used: keep the tail in step for later staged launches on this channel.
-      if (ok) Transport::signal(l.tail + fc, step0 + n);
-      l.step[fc] = step0 + n;
+      if (ok) Transport::signal(l.tail + c, step0 + n);
+      l.step[c] = step0 + n;
     }
     return;
   }
-  // Staged: the sub-pipes of pipeSend, one per warp.
-  const int numWarps = nthreads / 32, warp = tid / 32, lane = tid % 32;
-  std::uint64_t sb, se;
-  channelRange(end - begin, static_cast<std::uint32_t>(numWarps), static_cast<std::uint32_t>(warp), &sb, &se);
-  sb += begin;
-  se += begin;
-  const std::uint32_t sub = subPipe(c, static_cast<std::uint32_t>(warp));
-  const std::uint32_t subSlot = subSlotBytes(shape.slotBytes, static_cast<std::uint32_t>(numWarps));
-  const std::uint32_t n = pipeChunks(se - sb, subSlot);
-  const std::uint32_t s0 = l.step[sub];
-  const char* slots = l.staging + static_cast<std::uint64_t>(c) * shape.numSlots * shape.slotBytes +
-                      static_cast<std::uint64_t>(warp) * subSlot;
+  const std::uint32_t n = pipeChunks(end - begin, shape.slotBytes);
+  const char* slots = l.staging + static_cast<std::uint64_t>(c) * shape.numSlots * shape.slotBytes;
   for (std::uint32_t k = 0; k < n; ++k) {
-    const std::uint32_t s = s0 + k;
-    bool ok = true;
-    if (lane == 0) ok = Transport::wait(sync, l.head + sub, s + 1u, l.peer, WaitSite::kMoverData);
-    if (!__shfl_sync(0xffffffffu, ok, 0)) return;
-    const std::uint64_t off = sb + static_cast<std::uint64_t>(k) * subSlot;
-    const std::uint64_t len = se - off < subSlot ? se - off : subSlot;
+    const std::uint32_t s = step0 + k;
+    if (tid == 0) {
+      *abortFlag =
+          Transport::wait(sync, l.head + c, s + 1u, l.peer, WaitSite::kMoverData) ? 0 : 1;
+    }
+    roleBarrier(barrierId, nthreads);
+    if (*abortFlag) return;
+    const std::uint64_t off = begin + static_cast<std::uint64_t>(k) * shape.slotBytes;
+    const std::uint64_t len = end - off < shape.slotBytes ? end - off : shape.slotBytes;
     consumeChunk<kConsume>(
         l, slots + static_cast<std::uint64_t>(slotOf(s, shape.numSlots)) * shape.slotBytes, off,
-        len, lane, 32);
-    // All lanes' reads of the sub-slot precede the warp barrier; the fence in signal orders them
-    // before the release that hands it back to the sender.
-    __syncwarp();
-    if (lane == 0) Transport::signal(l.tail + sub, s + 1u);
+        len, tid, nthreads);
+    // All reads of the slot precede the barrier; the fence in signal orders them before the
+    // release that hands the slot back to the sender.
+    roleBarrier(barrierId, nthreads);
+    if (tid == 0) Transport::signal(l.tail + c, s + 1u);
   }
-  if (lane == 0) l.step[sub] = s0 + n;
+  if (tid == 0) l.step[c] = step0 + n;
 }
 
 // --- LL mode (small transfers; see llFlag in pipe.h) ---------------------------------------------
@@ -222,12 +200,11 @@ __device__ __forceinline__ void llScatter(const RecvLink& l, std::uint64_t i, ui
 template <class Transport>
 __device__ void pipeSendLL(const SyncHandle& sync, const PipeShape& shape, const SendLink& l,
                            std::uint32_t c, int barrierId, int tid, int nthreads, int* abortFlag) {
-  const std::uint32_t fc = subPipe(c, 0);  // the channel's first flag word
   std::uint64_t begin, end;
   channelRange(l.bytes, shape.numChannels, c, &begin, &end);
-  const std::uint32_t s = l.step[fc];
+  const std::uint32_t s = l.step[c];
   if (tid == 0) {
-    *abortFlag = Transport::wait(sync, l.tail + fc, slotFreeTarget(s, 2), l.peer,
+    *abortFlag = Transport::wait(sync, l.tail + c, slotFreeTarget(s, 2), l.peer,
                                  WaitSite::kMoverSlotFree)
                      ? 0
                      : 1;
@@ -244,7 +221,7 @@ __device__ void pipeSendLL(const SyncHandle& sync, const PipeShape& shape, const
     ptx::stVolatileV4(lines + i, make_uint4(d.x, flag, d.y, flag));
   }
   roleBarrier(barrierId, nthreads);  // every thread read the step before it moves on
-  if (tid == 0) l.step[fc] = s + 1u;
+  if (tid == 0) l.step[c] = s + 1u;
 }
 
 // LL receiver for channel c: poll each line of the channel's range until it carries this step's
@@ -252,7 +229,6 @@ __device__ void pipeSendLL(const SyncHandle& sync, const PipeShape& shape, const
 template <class Transport, Consume kConsume>
 __device__ void pipeRecvLL(const SyncHandle& sync, const PipeShape& shape, const RecvLink& link,
                            std::uint32_t c, int barrierId, int tid, int nthreads, int* abortFlag) {
-  const std::uint32_t fc = subPipe(c, 0);  // the channel's first flag word
   std::uint64_t begin, end;
   channelRange(link.bytes, shape.numChannels, c, &begin, &end);
   RecvLink l = link;  // this channel's sub-range
@@ -260,7 +236,7 @@ __device__ void pipeRecvLL(const SyncHandle& sync, const PipeShape& shape, const
   if (l.addend != nullptr) l.addend += begin;
   l.rowBase += begin;
   l.bytes = end - begin;
-  const std::uint32_t s = l.step[fc];
+  const std::uint32_t s = l.step[c];
   const std::uint32_t flag = llFlag(s);
   const auto* lines = reinterpret_cast<const uint4*>(l.llRegion + (2u * c + slotOf(s, 2)) * l.llHalf);
   const std::uint64_t n = llLines(l.bytes);
@@ -285,8 +261,8 @@ __device__ void pipeRecvLL(const SyncHandle& sync, const PipeShape& shape, const
   roleBarrier(barrierId, nthreads);
   if (tid == 0) {
     // All lines of this half were read: the sender may reuse it two steps later.
-    if (!*abortFlag) Transport::signal(l.tail + fc, s + 1u);
-    l.step[fc] = s + 1u;
+    if (!*abortFlag) Transport::signal(l.tail + c, s + 1u);
+    l.step[c] = s + 1u;
   }
 }
 
@@ -303,93 +279,84 @@ __device__ __forceinline__ void tileRange(std::uint64_t tiles, std::uint32_t num
   *end = *begin + per < tiles ? *begin + per : tiles;
 }
 
-// The tiles of warp `warp`'s sub-pipe on channel c (per-warp sub-pipes, as in pipeSend).
-__device__ __forceinline__ void subPipeTiles(std::uint64_t tiles, std::uint32_t numChannels,
-                                             std::uint32_t c, int numWarps, int warp,
-                                             std::uint64_t* begin, std::uint64_t* end) {
-  std::uint64_t t0, t1;
-  tileRange(tiles, numChannels, c, &t0, &t1);
-  tileRange(t1 - t0, static_cast<std::uint32_t>(numWarps), static_cast<std::uint32_t>(warp), begin, end);
-  *begin += t0;
-  *end += t0;
-}
-
-// Sender: `Produce` (e.g. ProduceFp8E4m3) turns each source tile into a wire tile in the warp's
-// sub-slot. Sub-pipes per warp as in pipeSend; a warp runs 32 / Produce::kThreads tile groups.
+// Sender: `Produce` (e.g. ProduceFp8E4m3) turns each source tile into a wire tile in the slot.
 template <class Transport, class Produce, std::uint64_t kSrcTile, std::uint64_t kWireTile>
 __device__ void pipeSendTiled(const SyncHandle& sync, const PipeShape& shape, const SendLink& l,
-                              std::uint32_t c, int tid, int nthreads) {
-  const int numWarps = nthreads / 32, warp = tid / 32, lane = tid % 32;
-  std::uint64_t w0, w1;
-  subPipeTiles(l.bytes / kSrcTile, shape.numChannels, c, numWarps, warp, &w0, &w1);
-  const std::uint32_t sub = subPipe(c, static_cast<std::uint32_t>(warp));
-  const std::uint32_t subSlot = subSlotBytes(shape.slotBytes, static_cast<std::uint32_t>(numWarps));
-  const std::uint64_t perChunk = subSlot / kWireTile;
-  const std::uint32_t n = static_cast<std::uint32_t>((w1 - w0 + perChunk - 1) / perChunk);
-  const std::uint32_t s0 = l.step[sub];
-  char* slots = l.staging + static_cast<std::uint64_t>(c) * shape.numSlots * shape.slotBytes +
-                static_cast<std::uint64_t>(warp) * subSlot;
-  constexpr int kGroups = 32 / Produce::kThreads;
-  const int group = lane / Produce::kThreads;
-  HookCtx ctx{l.peer, c, 0, 0, lane % Produce::kThreads, l.src, nullptr};
+                              std::uint32_t c, int barrierId, int tid, int nthreads,
+                              int* abortFlag) {
+  std::uint64_t t0, t1;
+  tileRange(l.bytes / kSrcTile, shape.numChannels, c, &t0, &t1);
+  const std::uint64_t perChunk = shape.slotBytes / kWireTile;
+  const std::uint32_t n = static_cast<std::uint32_t>((t1 - t0 + perChunk - 1) / perChunk);
+  const std::uint32_t step0 = l.step[c];
+  char* slots = l.staging + static_cast<std::uint64_t>(c) * shape.numSlots * shape.slotBytes;
+  const int groups = nthreads / Produce::kThreads;
+  const int group = tid / Produce::kThreads;
+  HookCtx ctx{l.peer, c, 0, 0, tid % Produce::kThreads, l.src, nullptr};
   for (std::uint32_t k = 0; k < n; ++k) {
-    const std::uint32_t s = s0 + k;
-    bool ok = true;
-    if (lane == 0) {
-      ok = Transport::wait(sync, l.tail + sub, slotFreeTarget(s, shape.numSlots), l.peer,
-                           WaitSite::kMoverSlotFree);
+    const std::uint32_t s = step0 + k;
+    if (tid == 0) {
+      *abortFlag = Transport::wait(sync, l.tail + c, slotFreeTarget(s, shape.numSlots), l.peer,
+                                   WaitSite::kMoverSlotFree)
+                       ? 0
+                       : 1;
     }
-    if (!__shfl_sync(0xffffffffu, ok, 0)) return;
+    roleBarrier(barrierId, nthreads);
+    if (*abortFlag) return;
     char* slot = slots + static_cast<std::uint64_t>(slotOf(s, shape.numSlots)) * shape.slotBytes;
-    const std::uint64_t first = w0 + static_cast<std::uint64_t>(k) * perChunk;
-    const std::uint64_t last = first + perChunk < w1 ? first + perChunk : w1;
+    const std::uint64_t first = t0 + static_cast<std::uint64_t>(k) * perChunk;
+    const std::uint64_t last = first + perChunk < t1 ? first + perChunk : t1;
     ctx.step = s;
-    for (std::uint64_t t = first + group; t < last; t += kGroups) {
-      ctx.tile = t;
-      Produce::emit(slot + (t - first) * kWireTile, ctx.lane, Produce::produce(ctx));
+    if (group < groups) {
+      for (std::uint64_t t = first + group; t < last; t += groups) {
+        ctx.tile = t;
+        Produce::emit(slot + (t - first) * kWireTile, ctx.lane, Produce::produce(ctx));
+      }
     }
-    __syncwarp();
-    if (lane == 0) Transport::signal(l.head + sub, s + 1u);
+    roleBarrier(barrierId, nthreads);
+    if (tid == 0) Transport::signal(l.head + c, s + 1u);
   }
-  if (lane == 0) l.step[sub] = s0 + n;
+  if (tid == 0) l.step[c] = step0 + n;
 }
 
 // Receiver: `ConsumeHook` (ConsumeWire, ConsumeFp8ToBf16) takes each wire tile to the destination.
 template <class Transport, class ConsumeHook, class WireRegs, WireRegs (*kLoad)(const char*, int),
           std::uint64_t kSrcTile, std::uint64_t kWireTile>
 __device__ void pipeRecvTiled(const SyncHandle& sync, const PipeShape& shape, const RecvLink& l,
-                              std::uint32_t c, int tid, int nthreads) {
-  const int numWarps = nthreads / 32, warp = tid / 32, lane = tid % 32;
-  std::uint64_t w0, w1;
-  subPipeTiles(l.bytes / kSrcTile, shape.numChannels, c, numWarps, warp, &w0, &w1);
-  const std::uint32_t sub = subPipe(c, static_cast<std::uint32_t>(warp));
-  const std::uint32_t subSlot = subSlotBytes(shape.slotBytes, static_cast<std::uint32_t>(numWarps));
-  const std::uint64_t perChunk = subSlot / kWireTile;
-  const std::uint32_t n = static_cast<std::uint32_t>((w1 - w0 + perChunk - 1) / perChunk);
-  const std::uint32_t s0 = l.step[sub];
-  const char* slots = l.staging + static_cast<std::uint64_t>(c) * shape.numSlots * shape.slotBytes +
-                      static_cast<std::uint64_t>(warp) * subSlot;
-  constexpr int kGroups = 32 / ConsumeHook::kThreads;
-  const int group = lane / ConsumeHook::kThreads;
-  HookCtx ctx{l.peer, c, 0, 0, lane % ConsumeHook::kThreads, nullptr, l.dst};
+                              std::uint32_t c, int barrierId, int tid, int nthreads,
+                              int* abortFlag) {
+  std::uint64_t t0, t1;
+  tileRange(l.bytes / kSrcTile, shape.numChannels, c, &t0, &t1);
+  const std::uint64_t perChunk = shape.slotBytes / kWireTile;
+  const std::uint32_t n = static_cast<std::uint32_t>((t1 - t0 + perChunk - 1) / perChunk);
+  const std::uint32_t step0 = l.step[c];
+  const char* slots = l.staging + static_cast<std::uint64_t>(c) * shape.numSlots * shape.slotBytes;
+  const int groups = nthreads / ConsumeHook::kThreads;
+  const int group = tid / ConsumeHook::kThreads;
+  HookCtx ctx{l.peer, c, 0, 0, tid % ConsumeHook::kThreads, nullptr, l.dst};
   for (std::uint32_t k = 0; k < n; ++k) {
-    const std::uint32_t s = s0 + k;
-    bool ok = true;
-    if (lane == 0) ok = Transport::wait(sync, l.head + sub, s + 1u, l.peer, WaitSite::kMoverData);
-    if (!__shfl_sync(0xffffffffu, ok, 0)) return;
+    const std::uint32_t s = step0 + k;
+    if (tid == 0) {
+      *abortFlag =
+          Transport::wait(sync, l.head + c, s + 1u, l.peer, WaitSite::kMoverData) ? 0 : 1;
+    }
+    roleBarrier(barrierId, nthreads);
+    if (*abortFlag) return;
     const char* slot =
         slots + static_cast<std::uint64_t>(slotOf(s, shape.numSlots)) * shape.slotBytes;
-    const std::uint64_t first = w0 + static_cast<std::uint64_t>(k) * perChunk;
-    const std::uint64_t last = first + perChunk < w1 ? first + perChunk : w1;
+    const std::uint64_t first = t0 + static_cast<std::uint64_t>(k) * perChunk;
+    const std::uint64_t last = first + perChunk < t1 ? first + perChunk : t1;
     ctx.step = s;
-    for (std::uint64_t t = first + group; t < last; t += kGroups) {
-      ctx.tile = t;
-      ConsumeHook::consume(ctx, kLoad(slot + (t - first) * kWireTile, ctx.lane));
+    if (group < groups) {
+      for (std::uint64_t t = first + group; t < last; t += groups) {
+        ctx.tile = t;
+        ConsumeHook::consume(ctx, kLoad(slot + (t - first) * kWireTile, ctx.lane));
+      }
     }
-    __syncwarp();
-    if (lane == 0) Transport::signal(l.tail + sub, s + 1u);
+    roleBarrier(barrierId, nthreads);
+    if (tid == 0) Transport::signal(l.tail + c, s + 1u);
   }
-  if (lane == 0) l.step[sub] = s0 + n;
+  if (tid == 0) l.step[c] = step0 + n;
 }
 
 }  // namespace graphep

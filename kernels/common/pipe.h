@@ -11,19 +11,6 @@ namespace graphep {
 // Warps per role (sender, receiver) in one mover CTA, at most: CTAs have 2 * this many warps.
 inline constexpr int kMaxWarpsPerRole = 8;
 
-// Flag words per (peer, channel): staged transfers run one sub-pipe per warp of the role, each
-// with its own head / tail / step words (w = warp); zero-copy, LL and tiled transfers use the
-// channel's first word (w = 0). Both ends must run the same number of warps per role (the heap's
-// moverWarps, checked at setup).
-inline constexpr std::uint32_t kSubPipes = kMaxWarpsPerRole;
-__host__ __device__ inline std::uint32_t subPipe(std::uint32_t channel, std::uint32_t w) {
-  return channel * kSubPipes + w;
-}
-// A staged chunk of one sub-pipe: its share of a slot, whole 16-byte units.
-__host__ __device__ inline std::uint32_t subSlotBytes(std::uint32_t slotBytes, std::uint32_t warps) {
-  return (slotBytes / warps) & ~15u;
-}
-
 // The wire format of a transfer (what the sender's produce hook writes; kernels/common/hooks.cuh).
 enum class Wire : std::uint32_t {
   kBytes = 0,    // the source bytes as they are (the copy produce hook)
@@ -119,6 +106,10 @@ __host__ __device__ inline std::uint32_t llChannels(std::uint64_t bytes, std::ui
   return n > 0 ? static_cast<std::uint32_t>(n) : 1u;
 }
 
+// Bytes per channel an automatic LL transfer aims for (more channels poll fewer lines each);
+// the per-channel capacity (HeapConfig.moverLLBytes) bounds it from below.
+inline constexpr std::uint64_t kLLBytesPerChannel = 1024;
+
 // Bytes per channel the movers aim for when they choose a channel count (sendrecv's channelsFor,
 // alltoallv's run-time masking): enough CTAs that mid-size transfers are not latency-bound.
 inline constexpr std::uint64_t kBytesPerChannel = std::uint64_t{16} << 10;
@@ -137,10 +128,10 @@ struct SendLink {
   std::uint64_t bytes;
   char* staging;             // peer's slots for this rank: [channel][slot][slotBytes]
   char* direct;              // zero-copy destination in the peer's memory, or nullptr
-  std::uint32_t* head;       // peer's head flags for this rank: [subPipe(channel, w)]
-  const std::uint32_t* tail;   // local tail flags from the peer: [subPipe(channel, w)]
-  const std::uint32_t* ready;  // local ready flags from the peer: [subPipe(channel, 0)]
-  std::uint32_t* step;       // local steps toward the peer: [subPipe(channel, w)]
+  std::uint32_t* head;       // peer's head flags for this rank: [channel]
+  const std::uint32_t* tail;   // local tail flags from the peer: [channel]
+  const std::uint32_t* ready;  // local ready flags from the peer: [channel]
+  std::uint32_t* step;       // local steps toward the peer: [channel]
   char* llRegion;            // peer's LL region for this rank: [channel][2 halves][llHalf]
   std::uint64_t llHalf;
 };
@@ -157,10 +148,10 @@ struct RecvLink {
   std::uint64_t rowBytes;
   std::uint64_t rowBase;     // byte offset of dst within those rows (0 for a whole link)
   const char* staging;       // local slots from the peer: [channel][slot][slotBytes]
-  const std::uint32_t* head; // local head flags from the peer: [subPipe(channel, w)]
-  std::uint32_t* tail;       // peer's tail flags for this rank: [subPipe(channel, w)]
-  std::uint32_t* ready;      // peer's ready flags for this rank: [subPipe(channel, 0)]
-  std::uint32_t* step;       // local steps from the peer: [subPipe(channel, w)]
+  const std::uint32_t* head; // local head flags from the peer: [channel]
+  std::uint32_t* tail;       // peer's tail flags for this rank: [channel]
+  std::uint32_t* ready;      // peer's ready flags for this rank: [channel]
+  std::uint32_t* step;       // local steps from the peer: [channel]
   const char* llRegion;      // local LL region for the peer: [channel][2 halves][llHalf]
   std::uint64_t llHalf;
 };

@@ -24,7 +24,7 @@ TEST(Gpu2_SendRecv, GraphReplaysStagedAndZeroCopy) {
   auto comm = createLocalGroup({0, 1});
   runSendRecvReplays(*comm, std::size_t{1} << 20, 1000, false);
   runSendRecvReplays(*comm, (std::size_t{1} << 20) + 3, 1000, true);
-  runSendRecvReplays(*comm, 8192, 1000, false);  // LL mode, full capacity
+  runSendRecvReplays(*comm, std::size_t{256} << 10, 1000, false);  // LL mode, full capacity (16 x 16 KiB)
 }
 
 // GRAPHEP_FORCE_TRANSPORT=remote: every byte goes through NCCL send/recv (eager and captured).

@@ -38,12 +38,7 @@ TEST(Unit_Pipe, ConsumeElementSizes) {
   EXPECT_EQ(consumeElemBytes(Consume::kFp8ToBf16), 1u);  // tiled: whole 256-byte tiles
 }
 
-TEST(Unit_Pipe, SubPipesAndLLChannels) {
-  EXPECT_EQ(subSlotBytes(65536, 4), 16384u);
-  EXPECT_EQ(subSlotBytes(1600, 3), 528u);  // 533 rounded down to 16-byte units
-  EXPECT_EQ(subSlotBytes(4096, 8) % 16, 0u);
-  EXPECT_EQ(subPipe(0, 0), 0u);
-  EXPECT_EQ(subPipe(3, 5), 3u * kSubPipes + 5u);
+TEST(Unit_Pipe, LLChannels) {
   EXPECT_EQ(llChannels(0, 4096), 1u);
   EXPECT_EQ(llChannels(4096, 4096), 1u);
   EXPECT_EQ(llChannels(4097, 4096), 2u);
