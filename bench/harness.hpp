@@ -27,8 +27,8 @@ struct Options {
   int opsPerGraph = 10;                             // -G (operations captured back to back per graph)
   int sms = 0;                                      // --sms (0: operation default)
   std::string json;                                 // --json FILE
-  int warpsPerRole = 4;                             // --warps (movers: warps per role per CTA)
-  std::size_t slotBytes = std::size_t{64} << 10;    // --slot (movers: staging slot size)
+  int warpsPerRole = 8;                             // --warps (movers: warps per role per CTA)
+  std::size_t slotBytes = std::size_t{1} << 20;     // --slot (movers: staging slot size)
   int numSlots = 4;                                 // --slots (movers: slots per channel)
   std::size_t llBytes = 16384;                      // --ll (movers: LL capacity per channel)
 };

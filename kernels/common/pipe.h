@@ -108,7 +108,7 @@ __host__ __device__ inline std::uint32_t llChannels(std::uint64_t bytes, std::ui
 
 // Bytes per channel an automatic LL transfer aims for (more channels poll fewer lines each);
 // the per-channel capacity (HeapConfig.moverLLBytes) bounds it from below.
-inline constexpr std::uint64_t kLLBytesPerChannel = 512;
+inline constexpr std::uint64_t kLLBytesPerChannel = 1024;
 
 // Bytes per channel the movers aim for when they choose a channel count (sendrecv's channelsFor,
 // alltoallv's run-time masking): enough CTAs that mid-size transfers are not latency-bound.
