@@ -152,8 +152,21 @@ MoverBench makeMoverBench(const Options& o, Ranks& r, std::size_t userBytes) {
   MoverBench b;
   b.heap = SymmetricHeap::create(*r.comm, cfg);
   MoverOptions mo;
+  mo.profile = o.profile;
   b.movers = Movers::createAll(*b.heap, mo);
   return b;
+}
+
+void printProfile(const char* what, std::size_t bytes, const ProfileCounters& c) {
+  if (!isPrinter()) return;
+  auto per = [](const unsigned long long* v, int i) {
+    return v[3] > 0 ? static_cast<double>(v[i]) / 1e3 / static_cast<double>(v[3]) : 0.0;
+  };
+  std::printf("# profile %s %zu B, us per chunk (rank 0, thread 0 of each role): sender wait %.2f "
+              "copy %.2f publish %.2f (%llu chunks); receiver wait %.2f copy %.2f publish %.2f "
+              "(%llu chunks)\n",
+              what, bytes, per(c.send, 0), per(c.send, 1), per(c.send, 2), c.send[3], per(c.recv, 0),
+              per(c.recv, 1), per(c.recv, 2), c.recv[3]);
 }
 
 void requireNoDeviceError(const SymmetricHeap& heap) {

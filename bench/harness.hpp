@@ -31,6 +31,7 @@ struct Options {
   std::size_t slotBytes = std::size_t{1} << 20;     // --slot (movers: staging slot size)
   int numSlots = 4;                                 // --slots (movers: slots per channel)
   std::size_t llBytes = 16384;                      // --ll (movers: LL capacity per channel)
+  bool profile = false;                             // --profile (movers: staged phase times)
 };
 
 
@@ -96,6 +97,8 @@ void printHeader(const Options& o, const Ranks& r);
 void printRow(const Row& row);
 // A progress line on stderr (long sweeps and hangs show where they are).
 void progress(const char* what);
+// A comment line with a staged-transfer phase profile (MoverOptions.profile), per chunk and role.
+void printProfile(const char* what, std::size_t bytes, const ProfileCounters& c);
 void writeJson(const std::string& path, const Options& o, const std::vector<Row>& rows);
 
 // Data patterns: byte i of a buffer for `salt` (fill on the device, count mismatches on the

@@ -1,5 +1,5 @@
 // graphep-bench [op] [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-c 0|1] [-G OPS_PER_GRAPH]
-//               [--sms N] [--warps N] [--slot BYTES] [--slots N] [--ll BYTES] [--json FILE]
+//               [--sms N] [--warps N] [--slot BYTES] [--slots N] [--ll BYTES] [--profile] [--json FILE]
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -32,7 +32,7 @@ std::size_t parseSize(const char* s) {
 int usage() {
   std::fprintf(stderr,
                "usage: graphep-bench [pingpong|sendrecv|allgather|alltoallv] [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] "
-               "[-w WARMUP] [-c 0|1] [-G OPS_PER_GRAPH] [--sms N] [--warps N] [--slot BYTES] [--slots N] [--ll BYTES] "
+               "[-w WARMUP] [-c 0|1] [-G OPS_PER_GRAPH] [--sms N] [--warps N] [--slot BYTES] [--slots N] [--ll BYTES] [--profile] "
                "[--json FILE]\n");
   return 2;
 }
@@ -95,6 +95,7 @@ int run(int argc, char** argv, bool mpi) {
       else if (a == "--slot") o.slotBytes = parseSize(next());
       else if (a == "--slots") o.numSlots = std::atoi(next());
       else if (a == "--ll") o.llBytes = parseSize(next());
+      else if (a == "--profile") o.profile = true;
       else if (a == "--json") o.json = next();
       else if (a == "-h" || a == "--help") return usage();
       else if (a[0] != '-') o.op = a;

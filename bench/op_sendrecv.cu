@@ -53,6 +53,7 @@ std::vector<Row> runSendRecv(const Options& o, Ranks& r) {
       for (int i = 0; i < r.numLocal(); ++i) {
         GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[i]));
         GRAPHEP_CUDA_CHECK(cudaMemset(zeroCopy ? heap->user(i) : dst[i], 0xa5, bytes));
+        movers[static_cast<size_t>(i)].resetProfile();
       }
       auto execs = captureOps(o, r, [&](int i, cudaStream_t s) {
         SendRecvArgs a;
@@ -70,6 +71,7 @@ std::vector<Row> runSendRecv(const Options& o, Ranks& r) {
         movers[static_cast<size_t>(i)].sendRecv(s, a);
       });
       const double us = timeOps(o, r, execs);
+      if (o.profile && !zeroCopy && llChannels == 0) printProfile("sendrecv staged", bytes, movers[0].profile());
       long long w = 0;
       for (int i = 0; o.check && i < r.numLocal(); ++i) {
         w += checkBytes(r, i, zeroCopy ? heap->user(i) : dst[i], bytes, salt[1 - r.rank(i)]);

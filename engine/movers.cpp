@@ -22,6 +22,17 @@ Movers::Movers(const SymmetricHeap& heap, int local, const MoverOptions& options
       cudaFree(q);
     });
   }
+  if (options.profile) {
+    void* counters = nullptr;
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&counters, sizeof(ProfileCounters)));
+    GRAPHEP_CUDA_CHECK(cudaMemset(counters, 0, sizeof(ProfileCounters)));
+    const int device = heap.device(local);
+    profile_ = std::shared_ptr<ProfileCounters>(static_cast<ProfileCounters*>(counters),
+                                                [device](ProfileCounters* q) {
+                                                  cudaSetDevice(device);
+                                                  cudaFree(q);
+                                                });
+  }
   GRAPHEP_CUDA_CHECK(preloadSendRecvKernels());
   GRAPHEP_CUDA_CHECK(preloadAllToAllvKernels());
 }
@@ -125,6 +136,7 @@ SendLink Movers::sendLink(int peer) const {
   l.step = u32(mine, L.moverSendStep) + asPeer;
   l.llHalf = llHalfBytes(cfg.moverLLBytes);
   l.llRegion = theirs + L.ll + static_cast<std::size_t>(heap_->rank(local_)) * B * 2 * l.llHalf;
+  l.profile = profile_ ? profile_.get()->send : nullptr;
   return l;
 }
 
@@ -147,6 +159,7 @@ RecvLink Movers::recvLink(int peer) const {
   l.step = u32(mine, L.moverRecvStep) + asPeer;
   l.llHalf = llHalfBytes(cfg.moverLLBytes);
   l.llRegion = mine + L.ll + static_cast<std::size_t>(peer) * B * 2 * l.llHalf;
+  l.profile = profile_ ? profile_.get()->recv : nullptr;
   return l;
 }
 
@@ -486,6 +499,22 @@ void Movers::sendRecv(cudaStream_t stream, const SendRecvArgs& args) const {
                                 nccl(args.recvPeer), stream));
   }
   GRAPHEP_NCCL_CHECK(ncclGroupEnd());
+}
+
+ProfileCounters Movers::profile() const {
+  ProfileCounters c{};
+  if (!profile_) return c;
+  GRAPHEP_CUDA_CHECK(cudaSetDevice(heap_->device(local_)));
+  GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
+  GRAPHEP_CUDA_CHECK(cudaMemcpy(&c, profile_.get(), sizeof(c), cudaMemcpyDeviceToHost));
+  return c;
+}
+
+void Movers::resetProfile() const {
+  if (!profile_) return;
+  GRAPHEP_CUDA_CHECK(cudaSetDevice(heap_->device(local_)));
+  GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
+  GRAPHEP_CUDA_CHECK(cudaMemset(profile_.get(), 0, sizeof(ProfileCounters)));
 }
 
 }  // namespace graphep

@@ -78,6 +78,9 @@ struct MoverOptions {
   // needs sizes on the host): this many bytes per peer, staged in buffers allocated at setup.
   // 0: alltoallv refuses remote peers.
   std::size_t maxRemoteBytesPerPeer = 0;
+  // Count where staged transfers spend their time (ProfileCounters in kernels/common/pipe.h):
+  // thread 0 of each role reads the global timer at phase boundaries. For benchmarks and tuning.
+  bool profile = false;
 };
 
 // Peers classified remote (no load/store) are reached through NCCL send/recv on the same stream,
@@ -119,6 +122,12 @@ class Movers {
   // through NCCL whatever the count (a count beyond it is dropped and reported).
   void allToAllv(cudaStream_t stream, const AllToAllvArgs& args) const;
 
+  // The staged-transfer phase profile accumulated since setup or the last resetProfile()
+  // (MoverOptions.profile; all zero otherwise). Diagnostics, not a run path: synchronises the
+  // device.
+  ProfileCounters profile() const;
+  void resetProfile() const;
+
  private:
   Movers(const SymmetricHeap& heap, int local, const MoverOptions& options);
   // Validate the arguments (errors name the values) and build the kernels' by-value params.
@@ -135,6 +144,7 @@ class Movers {
   int warpsPerRole_;  // the heap's moverWarps
   std::size_t remoteCap_ = 0;
   std::shared_ptr<char> remoteStage_;  // [2][worldSize][remoteCap_]: send stages, receive stages
+  std::shared_ptr<ProfileCounters> profile_;  // device, MoverOptions.profile only
 };
 
 }  // namespace graphep

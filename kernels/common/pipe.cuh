@@ -27,6 +27,27 @@ __device__ __forceinline__ void roleBarrier(int id, int nthreads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(nthreads) : "memory");
 }
 
+// Phase clock of the optional staged-transfer profile (ProfileCounters in pipe.h): thread 0 of a
+// role marks phase boundaries; add() flushes once per launch.
+struct PhaseClock {
+  unsigned long long* out;  // nullptr: profiling off (no timer reads)
+  unsigned long long last = 0, ns[3] = {0, 0, 0};
+  __device__ explicit PhaseClock(unsigned long long* o) : out(o) {
+    if (out) last = ptx::globalTimerNs();
+  }
+  __device__ __forceinline__ void mark(int phase) {
+    if (!out) return;
+    const unsigned long long now = ptx::globalTimerNs();
+    ns[phase] += now - last;
+    last = now;
+  }
+  __device__ void flush(unsigned long long chunks) {
+    if (!out) return;
+    for (int i = 0; i < 3; ++i) atomicAdd(out + i, ns[i]);
+    atomicAdd(out + 3, chunks);
+  }
+};
+
 // The consume hook for one chunk (slot -> dst + off).
 template <Consume kConsume>
 __device__ __forceinline__ void consumeChunk(const RecvLink& l, const char* slot,
@@ -75,6 +96,7 @@ __device__ void pipeSend(const SyncHandle& sync, const PipeShape& shape, const S
   }
   const std::uint32_t n = pipeChunks(end - begin, shape.slotBytes);
   char* slots = l.staging + static_cast<std::uint64_t>(c) * shape.numSlots * shape.slotBytes;
+  PhaseClock clock(tid == 0 ? l.profile : nullptr);
   for (std::uint32_t k = 0; k < n; ++k) {
     const std::uint32_t s = step0 + k;
     if (tid == 0) {
@@ -86,14 +108,18 @@ __device__ void pipeSend(const SyncHandle& sync, const PipeShape& shape, const S
     }
     roleBarrier(barrierId, nthreads);
     if (*abortFlag) return;
+    clock.mark(0);
     const std::uint64_t off = begin + static_cast<std::uint64_t>(k) * shape.slotBytes;
     const std::uint64_t len = end - off < shape.slotBytes ? end - off : shape.slotBytes;
     Transport::put(slots + static_cast<std::uint64_t>(slotOf(s, shape.numSlots)) * shape.slotBytes,
                    l.src + off, len, tid, nthreads);
     // Every thread's stores precede the barrier; thread 0's fence + release publish them.
     roleBarrier(barrierId, nthreads);
+    clock.mark(1);
     if (tid == 0) Transport::signal(l.head + c, s + 1u);
+    clock.mark(2);
   }
+  clock.flush(n);
   if (tid == 0) l.step[c] = step0 + n;
 }
 
@@ -118,6 +144,7 @@ __device__ void pipeRecv(const SyncHandle& sync, const PipeShape& shape, const R
   }
   const std::uint32_t n = pipeChunks(end - begin, shape.slotBytes);
   const char* slots = l.staging + static_cast<std::uint64_t>(c) * shape.numSlots * shape.slotBytes;
+  PhaseClock clock(tid == 0 ? l.profile : nullptr);
   for (std::uint32_t k = 0; k < n; ++k) {
     const std::uint32_t s = step0 + k;
     if (tid == 0) {
@@ -126,6 +153,7 @@ __device__ void pipeRecv(const SyncHandle& sync, const PipeShape& shape, const R
     }
     roleBarrier(barrierId, nthreads);
     if (*abortFlag) return;
+    clock.mark(0);
     const std::uint64_t off = begin + static_cast<std::uint64_t>(k) * shape.slotBytes;
     const std::uint64_t len = end - off < shape.slotBytes ? end - off : shape.slotBytes;
     consumeChunk<kConsume>(
@@ -134,8 +162,11 @@ __device__ void pipeRecv(const SyncHandle& sync, const PipeShape& shape, const R
     // All reads of the slot precede the barrier; the fence in signal orders them before the
     // release that hands the slot back to the sender.
     roleBarrier(barrierId, nthreads);
+    clock.mark(1);
     if (tid == 0) Transport::signal(l.tail + c, s + 1u);
+    clock.mark(2);
   }
+  clock.flush(n);
   if (tid == 0) l.step[c] = step0 + n;
 }
 

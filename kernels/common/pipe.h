@@ -114,6 +114,16 @@ inline constexpr std::uint64_t kLLBytesPerChannel = 1024;
 // alltoallv's run-time masking): enough CTAs that mid-size transfers are not latency-bound.
 inline constexpr std::uint64_t kBytesPerChannel = std::uint64_t{16} << 10;
 
+// Optional phase profile of staged transfers (MoverOptions.profile): thread 0 of each role adds,
+// once per launch, the nanoseconds it spent per phase and the chunks it moved. Words:
+// [0] wait (the peer's flag and the role barrier), [1] copy (its share and the role barrier),
+// [2] publish (fence and flag store), [3] chunks; the sender's in ProfileCounters.send, the
+// receiver's in .recv.
+struct ProfileCounters {
+  unsigned long long send[4];
+  unsigned long long recv[4];
+};
+
 struct PipeShape {
   std::uint32_t numChannels;  // channels the link's bytes are split over
   std::uint32_t numSlots;     // staging slots per channel (power of two)
@@ -134,6 +144,7 @@ struct SendLink {
   std::uint32_t* step;       // local steps toward the peer: [channel]
   char* llRegion;            // peer's LL region for this rank: [channel][2 halves][llHalf]
   std::uint64_t llHalf;
+  unsigned long long* profile;  // ProfileCounters::send of this rank, or nullptr
 };
 
 struct RecvLink {
@@ -154,6 +165,7 @@ struct RecvLink {
   std::uint32_t* step;       // local steps from the peer: [channel]
   const char* llRegion;      // local LL region for the peer: [channel][2 halves][llHalf]
   std::uint64_t llHalf;
+  unsigned long long* profile;  // ProfileCounters::recv of this rank, or nullptr
 };
 
 }  // namespace graphep

@@ -76,7 +76,8 @@ __device__ __forceinline__ void stVolatileV4(uint4* p, uint4 v) {
 // Orders all prior memory accesses of this thread before all later ones, at system scope.
 __device__ __forceinline__ void fenceAcqRelSys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
-// Global nanosecond timer (coarse ticks, but monotonic across SMs): used for wait bounds only.
+// Global nanosecond timer (coarse ticks, but monotonic across SMs): wait bounds and the optional
+// phase profile of the movers.
 __device__ __forceinline__ std::uint64_t globalTimerNs() {
   std::uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
