@@ -169,6 +169,20 @@ void runSendRecvCases(Communicator& comm, const std::vector<SendRecvCase>& cases
 
 namespace {
 
+// Captures enqueue(l, stream) once per local rank (each on its own stream) and pins the heap while
+// the graphs live.
+template <class Enqueue>
+std::vector<cudaGraphExec_t> captureRanks(Fixture& f, Enqueue enqueue, SymmetricHeap::Pin* pin) {
+  std::vector<cudaGraphExec_t> execs;
+  for (int l = 0; l < f.heap->numLocalRanks(); ++l) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+    execs.push_back(captureOnStream(f.bufs[static_cast<size_t>(l)].stream,
+                                    [&](cudaStream_t s) { enqueue(l, s); }));
+  }
+  *pin = f.heap->pin();
+  return execs;
+}
+
 // Runs `enqueue` once per rank per run: eagerly when replays == 1, else captured once and
 // replayed. Before each run `prepare(l, stream, seed)` refreshes inputs (outside any graph); after
 // each run `check(l, stream, seed)` counts wrong results on the device.
@@ -181,14 +195,7 @@ void runChecked(Fixture& f, int replays, Enqueue enqueue, Prepare prepare, Check
     GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
     GRAPHEP_CUDA_CHECK(cudaMemset(f.bufs[static_cast<size_t>(l)].wrong, 0, sizeof(unsigned long long)));
   }
-  if (replays > 1) {
-    for (int l = 0; l < L; ++l) {
-      GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
-      execs.push_back(captureOnStream(f.bufs[static_cast<size_t>(l)].stream,
-                                      [&](cudaStream_t s) { enqueue(l, s); }));
-    }
-    pin = f.heap->pin();
-  }
+  if (replays > 1) execs = captureRanks(f, enqueue, &pin);
   f.syncAll();
   for (int i = 0; i < replays; ++i) {
     const std::uint64_t seed = 4242 + static_cast<std::uint64_t>(i) * 977;
@@ -457,15 +464,13 @@ void runAllToAllvOutOfBounds(Communicator& comm) {
 namespace {
 
 std::uint16_t bf16Bits(float x) {
-  const __nv_bfloat16 b = __float2bfloat16_rn(x);
-  std::uint16_t u;
-  std::memcpy(&u, &b, 2);
-  return u;
+  const __nv_bfloat16_raw r = __float2bfloat16_rn(x);
+  return r.x;
 }
 float bf16Value(std::uint16_t u) {
-  __nv_bfloat16 b;
-  std::memcpy(&b, &u, 2);
-  return __bfloat162float(b);
+  __nv_bfloat16_raw r;
+  r.x = u;
+  return __bfloat162float(__nv_bfloat16(r));
 }
 
 // Fresh inputs of one rank for one run, reproducible on every process from (seed, rank).
@@ -606,14 +611,7 @@ void runHookCase(Communicator& comm, HookCase kind, std::size_t units, int repla
   };
   std::vector<cudaGraphExec_t> execs;
   SymmetricHeap::Pin pin;
-  if (replays > 1) {
-    for (int l = 0; l < L; ++l) {
-      GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
-      execs.push_back(captureOnStream(f.bufs[static_cast<size_t>(l)].stream,
-                                      [&](cudaStream_t s) { enqueue(l, s); }));
-    }
-    pin = f.heap->pin();
-  }
+  if (replays > 1) execs = captureRanks(f, enqueue, &pin);
   long long wrongTotal = 0;
   for (int run = 0; run < replays; ++run) {
     const std::uint64_t seed = 777 + static_cast<std::uint64_t>(run) * 131;
@@ -669,6 +667,23 @@ void runHookCase(Communicator& comm, HookCase kind, std::size_t units, int repla
     cudaFree(weights[static_cast<size_t>(l)]);
   }
   f.heap->comm().barrier();
+}
+
+void runHookSuite(Communicator& comm) {
+  for (HookCase kind : {HookCase::kFp8Records, HookCase::kFp8Dequant}) {
+    for (std::size_t tiles : {std::size_t{1}, std::size_t{37}, std::size_t{4101}}) {
+      SCOPED_TRACE("fp8 kind=" + std::to_string(static_cast<int>(kind)) + " tiles=" + std::to_string(tiles));
+      runHookCase(comm, kind, tiles, 1);
+    }
+    runHookCase(comm, kind, 300, 30);
+  }
+  for (HookCase kind : {HookCase::kWeightedBf16, HookCase::kWeightedF32}) {
+    for (std::size_t rows : {std::size_t{1}, std::size_t{3}, std::size_t{70}}) {
+      SCOPED_TRACE("weighted kind=" + std::to_string(static_cast<int>(kind)) + " rows=" + std::to_string(rows));
+      runHookCase(comm, kind, rows, 1);
+    }
+    runHookCase(comm, kind, 5, 30);
+  }
 }
 
 }  // namespace graphep::test

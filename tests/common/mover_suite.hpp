@@ -65,5 +65,7 @@ namespace graphep::test {
 // replayed with new data (and weights) each time.
 enum class HookCase { kFp8Records, kFp8Dequant, kWeightedBf16, kWeightedF32 };
 void runHookCase(Communicator& comm, HookCase kind, std::size_t units, int replays);
+// Every hook case at 1, 37 and 4,101 tiles / 1, 3 and 70 rows eagerly, and 30 graph replays.
+void runHookSuite(Communicator& comm);
 
 }  // namespace graphep::test

@@ -40,20 +40,7 @@ TEST(Gpu1_SendRecv, GraphReplaysStagedAndZeroCopy) {
 TEST(Gpu1_Hooks, Fp8AndWeightedFourEmulatedRanks) {
   GRAPHEP_REQUIRE_GPUS(1);
   auto comm = createLocalGroup({0, 0, 0, 0});
-  for (HookCase kind : {HookCase::kFp8Records, HookCase::kFp8Dequant}) {
-    for (std::size_t tiles : {std::size_t{1}, std::size_t{37}, std::size_t{4101}}) {
-      SCOPED_TRACE("fp8 kind=" + std::to_string(static_cast<int>(kind)) + " tiles=" + std::to_string(tiles));
-      runHookCase(*comm, kind, tiles, 1);
-    }
-    runHookCase(*comm, kind, 300, 30);
-  }
-  for (HookCase kind : {HookCase::kWeightedBf16, HookCase::kWeightedF32}) {
-    for (std::size_t rows : {std::size_t{1}, std::size_t{3}, std::size_t{70}}) {
-      SCOPED_TRACE("weighted kind=" + std::to_string(static_cast<int>(kind)) + " rows=" + std::to_string(rows));
-      runHookCase(*comm, kind, rows, 1);
-    }
-    runHookCase(*comm, kind, 5, 30);
-  }
+  runHookSuite(*comm);
 }
 
 // Bad sendRecv arguments fail on the host with the offending value in the message; nothing is

@@ -41,20 +41,7 @@ TEST(Gpu2_SendRecv, ForcedRemoteThroughAdoptedNccl) {
 TEST(Gpu2_Hooks, Fp8AndWeighted) {
   GRAPHEP_REQUIRE_GPUS(2);
   auto comm = createLocalGroup({0, 1});
-  for (HookCase kind : {HookCase::kFp8Records, HookCase::kFp8Dequant}) {
-    for (std::size_t tiles : {std::size_t{1}, std::size_t{37}, std::size_t{4101}}) {
-      SCOPED_TRACE("fp8 kind=" + std::to_string(static_cast<int>(kind)) + " tiles=" + std::to_string(tiles));
-      runHookCase(*comm, kind, tiles, 1);
-    }
-    runHookCase(*comm, kind, 300, 30);
-  }
-  for (HookCase kind : {HookCase::kWeightedBf16, HookCase::kWeightedF32}) {
-    for (std::size_t rows : {std::size_t{1}, std::size_t{3}, std::size_t{70}}) {
-      SCOPED_TRACE("weighted kind=" + std::to_string(static_cast<int>(kind)) + " rows=" + std::to_string(rows));
-      runHookCase(*comm, kind, rows, 1);
-    }
-    runHookCase(*comm, kind, 5, 30);
-  }
+  runHookSuite(*comm);
 }
 
 TEST(Gpu2_AllToAllv, PatternsSizesAndReplays) {
