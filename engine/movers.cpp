@@ -98,17 +98,9 @@ ncclComm_t Movers::nccl(int peer) const {
 
 int Movers::llChannelsFor(std::size_t bytes, int numChannels) const {
   const HeapConfig& cfg = heap_->config();
-  if (cfg.moverLLBytes == 0) return 0;
-  if (numChannels > 0) {  // the caller's count, if every channel's range fits its LL halves
-    std::uint64_t begin, end;
-    channelRange(bytes, static_cast<std::uint32_t>(numChannels), 0, &begin, &end);
-    return end - begin <= cfg.moverLLBytes ? numChannels : 0;
-  }
-  const std::uint32_t blocks = static_cast<std::uint32_t>(cfg.moverBlocks);
-  const std::uint32_t need = llChannels(bytes, cfg.moverLLBytes);  // what the capacity requires
-  if (need > blocks) return 0;
-  const std::uint32_t want = std::min(blocks, llChannels(bytes, kLLBytesPerChannel));
-  return static_cast<int>(std::max(need, want));
+  return static_cast<int>(graphep::llChannelsFor(bytes, static_cast<std::uint32_t>(numChannels),
+                                                 cfg.moverLLBytes,
+                                                 static_cast<std::uint32_t>(cfg.moverBlocks)));
 }
 
 int Movers::channelsFor(std::size_t bytes) const {

@@ -110,6 +110,25 @@ __host__ __device__ inline std::uint32_t llChannels(std::uint64_t bytes, std::ui
 // the per-channel capacity (HeapConfig.moverLLBytes) bounds it from below.
 inline constexpr std::uint64_t kLLBytesPerChannel = 1024;
 
+// Channels of an LL transfer of `bytes`, or 0 when it does not go as LL: each channel carries at
+// most llBytes (its LL halves' capacity) and there are `blocks` channels. numChannels > 0 is the
+// caller's count (LL when every channel's range fits); 0 chooses about kLLBytesPerChannel per
+// channel. Both ends derive the same answer from the same arguments.
+__host__ __device__ inline std::uint32_t llChannelsFor(std::uint64_t bytes, std::uint32_t numChannels,
+                                                       std::uint64_t llBytes, std::uint32_t blocks) {
+  if (llBytes == 0) return 0;
+  if (numChannels > 0) {
+    std::uint64_t begin, end;
+    channelRange(bytes, numChannels, 0, &begin, &end);  // channel 0's range is the longest
+    return end - begin <= llBytes ? numChannels : 0;
+  }
+  const std::uint32_t need = llChannels(bytes, llBytes);  // what the capacity requires
+  if (need > blocks) return 0;
+  const std::uint32_t want = llChannels(bytes, kLLBytesPerChannel);
+  const std::uint32_t capped = want < blocks ? want : blocks;
+  return capped > need ? capped : need;
+}
+
 // Bytes per channel the movers aim for when they choose a channel count (sendrecv's channelsFor,
 // alltoallv's run-time masking): enough CTAs that mid-size transfers are not latency-bound.
 inline constexpr std::uint64_t kBytesPerChannel = std::uint64_t{16} << 10;

@@ -38,6 +38,33 @@ TEST(Unit_Pipe, ConsumeElementSizes) {
   EXPECT_EQ(consumeElemBytes(Consume::kFp8ToBf16), 1u);  // tiled: whole 256-byte tiles
 }
 
+TEST(Unit_Pipe, LLChannelChoice) {
+  constexpr std::uint64_t kLL = 16384;
+  constexpr std::uint32_t kBlocks = 16;
+  EXPECT_EQ(llChannelsFor(1024, 0, 0, kBlocks), 0u);        // LL disabled
+  EXPECT_EQ(llChannelsFor(0, 0, kLL, kBlocks), 1u);         // empty transfers still take a step
+  EXPECT_EQ(llChannelsFor(1024, 0, kLL, kBlocks), 1u);
+  EXPECT_EQ(llChannelsFor(4096, 0, kLL, kBlocks), 4u);      // ~1 KiB per channel
+  EXPECT_EQ(llChannelsFor(65536, 0, kLL, kBlocks), 16u);    // capped by the channels
+  EXPECT_EQ(llChannelsFor(16 * kLL, 0, kLL, kBlocks), 16u); // full capacity
+  EXPECT_EQ(llChannelsFor(16 * kLL + 1, 0, kLL, kBlocks), 0u);
+  EXPECT_EQ(llChannelsFor(16384, 4, kLL, kBlocks), 4u);     // the caller's count fits
+  EXPECT_EQ(llChannelsFor(20000, 1, kLL, kBlocks), 0u);     // one channel cannot hold it
+  // Whatever is chosen, every channel's range fits its halves.
+  for (std::uint64_t bytes = 0; bytes <= 16 * kLL + 64; bytes += 997) {
+    for (std::uint32_t asked : {0u, 1u, 3u, 16u}) {
+      const std::uint32_t n = llChannelsFor(bytes, asked, kLL, kBlocks);
+      if (n == 0) continue;
+      EXPECT_LE(n, kBlocks);
+      for (std::uint32_t c = 0; c < n; ++c) {
+        std::uint64_t b, e;
+        channelRange(bytes, n, c, &b, &e);
+        EXPECT_LE(e - b, kLL) << "bytes=" << bytes << " channels=" << n;
+      }
+    }
+  }
+}
+
 TEST(Unit_Pipe, LLChannels) {
   EXPECT_EQ(llChannels(0, 4096), 1u);
   EXPECT_EQ(llChannels(4096, 4096), 1u);
