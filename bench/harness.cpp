@@ -135,9 +135,17 @@ std::vector<cudaGraphExec_t> captureOpsAll(const Options& o, Ranks& r, const std
 }
 
 double timeOps(const Options& o, Ranks& r, std::vector<cudaGraphExec_t>& execs) {
-  const double us = timeIterations(r, o.warmup, o.iters, [&] { launchEach(r, execs); });
+  // -R repeats the timed loop and keeps the median (the slowest rank's time in each repeat, so
+  // every process takes the same value).
+  std::vector<double> times;
+  for (int k = 0; k < o.repeats; ++k) {
+    times.push_back(timeIterations(r, k == 0 ? o.warmup : 0, o.iters, [&] { launchEach(r, execs); }));
+  }
   destroyEach(r, execs);
-  return us / o.opsPerGraph;
+  std::sort(times.begin(), times.end());
+  const std::size_t n = times.size();
+  const double median = n % 2 == 1 ? times[n / 2] : 0.5 * (times[n / 2 - 1] + times[n / 2]);
+  return median / o.opsPerGraph;
 }
 
 MoverBench makeMoverBench(const Options& o, Ranks& r, std::size_t userBytes) {

@@ -23,6 +23,7 @@ struct Options {
   double factor = 2.0;                              // -f
   int iters = 20;                                   // -n
   int warmup = 5;                                   // -w
+  int repeats = 1;                                  // -R (timed loops per row; the median counts)
   bool check = true;                                // -c
   int opsPerGraph = 10;                             // -G (operations captured back to back per graph)
   int sms = 0;                                      // --sms (0: operation default)

@@ -1,4 +1,4 @@
-// graphep-bench [op] [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-c 0|1] [-G OPS_PER_GRAPH]
+// graphep-bench [op] [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-R REPEATS] [-c 0|1] [-G OPS_PER_GRAPH]
 //               [--sms N] [--warps N] [--slot BYTES] [--slots N] [--ll BYTES] [--profile] [--json FILE]
 #include <cstdio>
 #include <cstdlib>
@@ -32,7 +32,7 @@ std::size_t parseSize(const char* s) {
 int usage() {
   std::fprintf(stderr,
                "usage: graphep-bench [pingpong|sendrecv|allgather|alltoallv] [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] "
-               "[-w WARMUP] [-c 0|1] [-G OPS_PER_GRAPH] [--sms N] [--warps N] [--slot BYTES] [--slots N] [--ll BYTES] [--profile] "
+               "[-w WARMUP] [-R REPEATS] [-c 0|1] [-G OPS_PER_GRAPH] [--sms N] [--warps N] [--slot BYTES] [--slots N] [--ll BYTES] [--profile] "
                "[--json FILE]\n");
   return 2;
 }
@@ -88,6 +88,7 @@ int run(int argc, char** argv, bool mpi) {
       else if (a == "-f") o.factor = std::atof(next());
       else if (a == "-n") o.iters = std::atoi(next());
       else if (a == "-w") o.warmup = std::atoi(next());
+      else if (a == "-R") o.repeats = std::atoi(next());
       else if (a == "-c") o.check = std::atoi(next()) != 0;
       else if (a == "-G") o.opsPerGraph = std::atoi(next());
       else if (a == "--sms") o.sms = std::atoi(next());
@@ -105,6 +106,8 @@ int run(int argc, char** argv, bool mpi) {
                     "-n %d / -w %d: iterations must be positive", o.iters, o.warmup);
     GRAPHEP_REQUIRE(o.opsPerGraph >= 1, graphep::Status::kInvalidArgument,
                     "-G %d: operations per graph must be at least 1", o.opsPerGraph);
+    GRAPHEP_REQUIRE(o.repeats >= 1, graphep::Status::kInvalidArgument,
+                    "-R %d: repeats must be at least 1", o.repeats);
     auto ranks = makeRanks(mpi);
     setPrinter(ranks->rank(0) == 0);
     printHeader(o, *ranks);

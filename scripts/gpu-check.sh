@@ -20,7 +20,7 @@ status=0
 step() { echo "== $1"; }
 
 step "machine"
-{ date -u; git rev-parse HEAD 2>/dev/null; nvidia-smi; nvidia-smi topo -m; } >"$out/machine.log" 2>&1
+{ date -u; echo "tree $(scripts/tree-hash.sh) (scripts/tree-hash.sh; compare on the commit)"; nvidia-smi; nvidia-smi topo -m; } >"$out/machine.log" 2>&1
 
 step "configure + build ($build)"
 gen=""
