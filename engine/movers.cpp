@@ -8,11 +8,9 @@
 namespace graphep {
 
 Movers::Movers(const SymmetricHeap& heap, int local, const MoverOptions& options)
-    : heap_(&heap), local_(local), warpsPerRole_(heap.config().moverWarps) {
+    : heap_(&heap), local_(local), warpsPerRole_(heap.config().moverWarps), mesh_(heap, local) {
   GRAPHEP_CUDA_CHECK(cudaSetDevice(heap.device(local)));
-  bool anyRemote = false;
-  for (int p = 0; p < heap.worldSize(); ++p) anyRemote |= remote(p);
-  if (anyRemote && options.maxRemoteBytesPerPeer > 0) {
+  if (mesh_.anyRemote() && options.maxRemoteBytesPerPeer > 0) {
     remoteCap_ = (options.maxRemoteBytesPerPeer + 15) & ~std::size_t{15};
     void* stage = nullptr;
     GRAPHEP_CUDA_CHECK(cudaMalloc(&stage, 2 * remoteCap_ * static_cast<std::size_t>(heap.worldSize())));
@@ -41,60 +39,24 @@ std::vector<Movers> Movers::createAll(const SymmetricHeap& heap, const MoverOpti
   std::vector<Movers> all;
   for (int l = 0; l < heap.numLocalRanks(); ++l) all.push_back(Movers(heap, l, options));
   // Warm-up, outside any capture: exchanges of 16 B, 1 MiB and the alltoallv stage size with every
-  // remote peer, all local ranks in one NCCL group, so NCCL sets up its connections (and the
-  // channels larger messages use) now rather than inside a captured graph.
+  // remote peer, so NCCL sets up its connections (and the channels larger messages use) now rather
+  // than inside a captured graph.
+  std::vector<const MeshTransport*> meshes;
   bool anyRemote = false;
-  for (int l = 0; l < heap.numLocalRanks(); ++l) {
-    for (int p = 0; p < heap.worldSize(); ++p) anyRemote |= all[static_cast<size_t>(l)].remote(p);
+  for (const Movers& m : all) {
+    meshes.push_back(&m.mesh_);
+    anyRemote |= m.mesh_.anyRemote();
   }
   if (anyRemote) {
     std::vector<std::size_t> sizes{std::size_t{16}, std::size_t{1} << 20};
     if (all[0].remoteCap_ > 0) sizes.push_back(all[0].remoteCap_);
-    for (std::size_t bytes : sizes) {
-      std::vector<void*> bufs;
-      std::vector<cudaStream_t> streams;
-      for (int l = 0; l < heap.numLocalRanks(); ++l) {
-        GRAPHEP_CUDA_CHECK(cudaSetDevice(heap.device(l)));
-        void* b = nullptr;
-        GRAPHEP_CUDA_CHECK(cudaMalloc(&b, 2 * bytes * static_cast<std::size_t>(heap.worldSize())));
-        cudaStream_t s;
-        GRAPHEP_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-        bufs.push_back(b);
-        streams.push_back(s);
-      }
-      GRAPHEP_NCCL_CHECK(ncclGroupStart());
-      for (int l = 0; l < heap.numLocalRanks(); ++l) {
-        char* b = static_cast<char*>(bufs[static_cast<size_t>(l)]);
-        for (int p = 0; p < heap.worldSize(); ++p) {
-          if (!all[static_cast<size_t>(l)].remote(p)) continue;
-          ncclComm_t c = all[static_cast<size_t>(l)].nccl(p);
-          GRAPHEP_NCCL_CHECK(ncclSend(b + 2 * bytes * p, bytes, ncclChar, p, c, streams[static_cast<size_t>(l)]));
-          GRAPHEP_NCCL_CHECK(ncclRecv(b + 2 * bytes * p + bytes, bytes, ncclChar, p, c, streams[static_cast<size_t>(l)]));
-        }
-      }
-      GRAPHEP_NCCL_CHECK(ncclGroupEnd());
-      for (int l = 0; l < heap.numLocalRanks(); ++l) {
-        GRAPHEP_CUDA_CHECK(cudaSetDevice(heap.device(l)));
-        GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(streams[static_cast<size_t>(l)]));
-        GRAPHEP_CUDA_CHECK(cudaStreamDestroy(streams[static_cast<size_t>(l)]));
-        GRAPHEP_CUDA_CHECK(cudaFree(bufs[static_cast<size_t>(l)]));
-      }
-    }
+    MeshTransport::warmUp(heap, meshes, sizes);
   }
   heap.comm().barrier();
   return all;
 }
 
-bool Movers::remote(int peer) const { return !isLoadStore(heap_->peerClass(local_, peer)); }
-
-ncclComm_t Movers::nccl(int peer) const {
-  ncclComm_t c = heap_->comm().ncclComm(local_);
-  GRAPHEP_REQUIRE(c != nullptr, Status::kNotSupported,
-                  "rank %d reaches rank %d only as a remote peer, but its '%s' communicator has "
-                  "no NCCL communicator to carry the data",
-                  heap_->rank(local_), peer, heap_->comm().kind());
-  return c;
-}
+bool Movers::remote(int peer) const { return mesh_.route(peer) == Route::kNccl; }
 
 int Movers::llChannelsFor(std::size_t bytes, int numChannels) const {
   const HeapConfig& cfg = heap_->config();
@@ -463,9 +425,8 @@ void Movers::allToAllv(cudaStream_t stream, const AllToAllvArgs& args) const {
     GRAPHEP_NCCL_CHECK(ncclGroupStart());
     for (int q = 0; q < heap_->worldSize(); ++q) {
       if ((p.remoteMask & (1u << q)) == 0) continue;
-      GRAPHEP_NCCL_CHECK(ncclSend(p.remoteSend + remoteCap_ * q, remoteCap_, ncclChar, q, nccl(q), stream));
-      GRAPHEP_NCCL_CHECK(ncclRecv(const_cast<char*>(p.remoteRecv) + remoteCap_ * q, remoteCap_,
-                                  ncclChar, q, nccl(q), stream));
+      mesh_.nccl().put(stream, q, p.remoteSend + remoteCap_ * q, remoteCap_);
+      mesh_.nccl().get(stream, q, const_cast<char*>(p.remoteRecv) + remoteCap_ * q, remoteCap_);
     }
     GRAPHEP_NCCL_CHECK(ncclGroupEnd());
   }
@@ -482,14 +443,8 @@ void Movers::sendRecv(cudaStream_t stream, const SendRecvArgs& args) const {
   if (!ncclSendRole && !ncclRecvRole) return;
   // After the kernel on the same stream; grouped so a send and a receive cannot block each other.
   GRAPHEP_NCCL_CHECK(ncclGroupStart());
-  if (ncclSendRole) {
-    GRAPHEP_NCCL_CHECK(ncclSend(args.src, args.sendBytes, ncclChar, args.sendPeer,
-                                nccl(args.sendPeer), stream));
-  }
-  if (ncclRecvRole) {
-    GRAPHEP_NCCL_CHECK(ncclRecv(args.dst, args.recvBytes, ncclChar, args.recvPeer,
-                                nccl(args.recvPeer), stream));
-  }
+  if (ncclSendRole) mesh_.nccl().put(stream, args.sendPeer, args.src, args.sendBytes);
+  if (ncclRecvRole) mesh_.nccl().get(stream, args.recvPeer, args.dst, args.recvBytes);
   GRAPHEP_NCCL_CHECK(ncclGroupEnd());
 }
 

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "engine/heap.hpp"
+#include "engine/transport.hpp"
 #include "kernels/alltoallv.h"
 #include "kernels/sendrecv.h"
 
@@ -83,8 +84,9 @@ struct MoverOptions {
   bool profile = false;
 };
 
-// Peers classified remote (no load/store) are reached through NCCL send/recv on the same stream,
-// after the kernel that serves the load/store roles: the communicator must carry NCCL comms. A
+// Peers are routed by MeshTransport (engine/transport.hpp): those classified remote (no load/store)
+// are reached through NcclTransport (NCCL send/recv) on the same stream, after the kernel that
+// serves the load/store roles: the communicator must carry NCCL comms. A
 // thread that drives several local ranks wraps its per-rank calls in ncclGroupStart/ncclGroupEnd
 // (NCCL's rule for several GPUs per thread); each call's own group nests inside it.
 class Movers {
@@ -137,11 +139,11 @@ class Movers {
   SendLink sendLink(int peer) const;  // channel tables of this rank -> peer
   RecvLink recvLink(int peer) const;  // channel tables of peer -> this rank
   PipeShape shape(int channels) const;
-  ncclComm_t nccl(int peer) const;
 
   const SymmetricHeap* heap_;
   int local_;
   int warpsPerRole_;  // the heap's moverWarps
+  MeshTransport mesh_;  // per-peer routes: the kernels for load/store peers, NCCL for remote ones
   std::size_t remoteCap_ = 0;
   std::shared_ptr<char> remoteStage_;  // [2][worldSize][remoteCap_]: send stages, receive stages
   std::shared_ptr<ProfileCounters> profile_;  // device, MoverOptions.profile only

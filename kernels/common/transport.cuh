@@ -3,8 +3,9 @@
 //   signal  publish a monotonic value into the peer's flag (fence, then release store)
 //   wait    bounded wait until a local flag reaches a value
 // NvlTransport serves peers with load/store access (NVLink, PCIe P2P, the same GPU). Peers without
-// it are served by NCCL send/recv issued on the host side of the mover (engine/movers.cpp), which
-// routes each peer by its topology class.
+// it are served by NcclTransport (NCCL send/recv issued into the same stream, so inside the graph),
+// and MeshTransport routes each peer to one or the other by its topology class: both are the host
+// half of the seam, engine/transport.hpp.
 #pragma once
 
 #include <cstdint>

@@ -1,0 +1,58 @@
+// Host half of the transport seam (DESIGN.md §4); the device half, NvlTransport (put / signal /
+// wait over peer mappings), is kernels/common/transport.cuh.
+//
+//   MeshTransport  routes every peer by its topology class: load/store peers (self, same device,
+//                  NVLink, PCIe) to the movers' kernels and NvlTransport, remote peers to
+//                  NcclTransport, so one collective mixes both.
+//   NcclTransport  put (ncclSend) and get (ncclRecv) of whole messages to and from a remote peer on
+//                  a stream; capturable, so the messages run inside the graph. A message's signal
+//                  and wait are its completion in stream order. Sizes are fixed at capture (device
+//                  counts travel as fixed-capacity messages). Setup warms up every size the run
+//                  path uses, so capture never sets up a connection.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <nccl.h>
+
+#include <cstddef>
+#include <vector>
+
+#include "engine/heap.hpp"
+
+namespace graphep {
+
+enum class Route { kSelf, kLoadStore, kNccl };
+
+class NcclTransport {
+ public:
+  NcclTransport(const SymmetricHeap& heap, int local) : heap_(&heap), local_(local) {}
+  // Capturable. Callers pair them inside ncclGroupStart / ncclGroupEnd as NCCL requires.
+  void put(cudaStream_t stream, int peer, const void* src, std::size_t bytes) const;
+  void get(cudaStream_t stream, int peer, void* dst, std::size_t bytes) const;
+
+ private:
+  ncclComm_t comm(int peer) const;  // errors name the rank when the communicator has no NCCL
+  const SymmetricHeap* heap_;
+  int local_;
+};
+
+class MeshTransport {
+ public:
+  MeshTransport(const SymmetricHeap& heap, int local) : heap_(&heap), local_(local), nccl_(heap, local) {}
+  Route route(int peer) const;
+  bool anyRemote() const;  // any peer routed through NCCL
+  const NcclTransport& nccl() const { return nccl_; }
+
+  // Setup, collective over the heap's communicator: for each size, one exchange with every remote
+  // peer of every local rank (meshes[l] is local rank l's), all in one NCCL group, synchronised.
+  static void warmUp(const SymmetricHeap& heap, const std::vector<const MeshTransport*>& meshes,
+                     const std::vector<std::size_t>& sizes);
+
+ private:
+  const SymmetricHeap* heap_;
+  int local_;
+  NcclTransport nccl_;
+};
+
+}  // namespace graphep
