@@ -686,4 +686,155 @@ void runHookSuite(Communicator& comm) {
   }
 }
 
+void runAgainstNccl(Communicator& comm, std::size_t maxBytes) {
+  ASSERT_NE(comm.ncclComm(0), nullptr) << "runAgainstNccl needs a communicator with NCCL comms";
+  const int R = comm.worldSize();
+  const std::size_t cap = maxBytes * static_cast<std::size_t>(R);
+  Fixture f(comm, cap, std::size_t{64} << 10, 0);
+  const int L = f.heap->numLocalRanks();
+  std::vector<char*> ref(static_cast<size_t>(L)), scratch(static_cast<size_t>(L));
+  std::vector<CountArrays> ca(static_cast<size_t>(L));
+  for (int l = 0; l < L; ++l) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&ref[static_cast<size_t>(l)], cap + kSlack));
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&scratch[static_cast<size_t>(l)], maxBytes + kSlack));
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&ca[static_cast<size_t>(l)].d, 4 * static_cast<size_t>(R) * 8));
+  }
+  auto stream = [&](int l) { return f.bufs[static_cast<size_t>(l)].stream; };
+  // Runs graphep(l, stream) on every rank into `out(l)`, then nccl(l, stream, comm) in one NCCL
+  // group into ref, and counts the bytes of [0, bytes(l)) that differ.
+  auto compare = [&](const std::string& what, auto out, auto bytes, auto graphep, auto nccl) {
+    SCOPED_TRACE(what);
+    for (int l = 0; l < L; ++l) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+      GRAPHEP_CUDA_CHECK(cudaMemsetAsync(out(l), 0xa5, cap + kSlack, stream(l)));
+      GRAPHEP_CUDA_CHECK(cudaMemsetAsync(ref[static_cast<size_t>(l)], 0x5a, cap + kSlack, stream(l)));
+      GRAPHEP_CUDA_CHECK(cudaMemsetAsync(f.bufs[static_cast<size_t>(l)].wrong, 0, 8, stream(l)));
+    }
+    f.syncAll();
+    for (int l = 0; l < L; ++l) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+      graphep(l, stream(l));
+    }
+    GRAPHEP_NCCL_CHECK(ncclGroupStart());
+    for (int l = 0; l < L; ++l) nccl(l, stream(l), f.heap->comm().ncclComm(l));
+    GRAPHEP_NCCL_CHECK(ncclGroupEnd());
+    for (int l = 0; l < L; ++l) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+      GRAPHEP_CUDA_CHECK(launchCountDiffs(out(l), ref[static_cast<size_t>(l)], bytes(l),
+                                          f.bufs[static_cast<size_t>(l)].wrong, stream(l)));
+    }
+    f.syncAll();
+    for (int l = 0; l < L; ++l) {
+      unsigned long long wrong = 0;
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+      GRAPHEP_CUDA_CHECK(cudaMemcpy(&wrong, f.bufs[static_cast<size_t>(l)].wrong, 8, cudaMemcpyDeviceToHost));
+      EXPECT_EQ(wrong, 0ull) << "rank " << f.heap->rank(l) << ": " << wrong << " of " << bytes(l)
+                             << " bytes differ from NCCL";
+      EXPECT_EQ(f.heap->errorMessage(l), "") << "rank " << f.heap->rank(l);
+    }
+    f.heap->comm().barrier();
+  };
+  auto dstOf = [&](int l) { return f.bufs[static_cast<size_t>(l)].dst; };
+  auto srcOf = [&](int l) { return f.bufs[static_cast<size_t>(l)].src; };
+  std::vector<std::size_t> sizes{1, 3, 4095, std::size_t{64} << 10, std::size_t{1} << 20, maxBytes};
+  sizes.erase(std::remove_if(sizes.begin(), sizes.end(), [&](std::size_t b) { return b > maxBytes; }),
+              sizes.end());
+  sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
+  std::uint64_t seed = 90001;
+  for (std::size_t S : sizes) {
+    const std::string tag = " S=" + std::to_string(S);
+    ++seed;
+    for (int l = 0; l < L; ++l) {  // fresh data: a new seed for every size
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+      GRAPHEP_CUDA_CHECK(launchFillPattern(srcOf(l), cap, seed, f.heap->rank(l), stream(l)));
+    }
+    compare(
+        "sendrecv ring" + tag, dstOf, [&](int) { return S; },
+        [&](int l, cudaStream_t s) {
+          const int me = f.heap->rank(l);
+          SendRecvArgs a;
+          a.sendPeer = (me + 1) % R;
+          a.src = srcOf(l);
+          a.sendBytes = S;
+          a.recvPeer = (me + R - 1) % R;
+          a.dst = dstOf(l);
+          a.recvBytes = S;
+          f.movers[static_cast<size_t>(l)].sendRecv(s, a);
+        },
+        [&](int l, cudaStream_t s, ncclComm_t c) {
+          const int me = f.heap->rank(l);
+          GRAPHEP_NCCL_CHECK(ncclSend(srcOf(l), S, ncclChar, (me + 1) % R, c, s));
+          GRAPHEP_NCCL_CHECK(ncclRecv(ref[static_cast<size_t>(l)], S, ncclChar, (me + R - 1) % R, c, s));
+        });
+    for (bool zeroCopy : {false, true}) {
+      auto out = [&](int l) { return zeroCopy ? f.heap->user(l) : dstOf(l); };
+      compare(
+          std::string("all-gather ring ") + (zeroCopy ? "zero-copy" : "staged") + tag, out,
+          [&](int) { return S * static_cast<std::size_t>(R); },
+          [&](int l, cudaStream_t s) {
+            f.movers[static_cast<size_t>(l)].allGatherRing(s, srcOf(l), out(l), S, zeroCopy);
+          },
+          [&](int l, cudaStream_t s, ncclComm_t c) {
+            GRAPHEP_NCCL_CHECK(ncclAllGather(srcOf(l), ref[static_cast<size_t>(l)], S, ncclChar, c, s));
+          });
+    }
+    for (bool bf16 : {false, true}) {
+      const std::size_t elem = bf16 ? 2 : 4;
+      const std::size_t count = S / elem;
+      if (count == 0) continue;
+      for (int l = 0; l < L; ++l) {  // values whose sums are exact in both types
+        GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+        GRAPHEP_CUDA_CHECK(launchFillElems(srcOf(l), count * R, bf16, seed, f.heap->rank(l), stream(l)));
+      }
+      compare(
+          std::string("reduce-scatter ") + (bf16 ? "bf16" : "fp32") + tag, dstOf,
+          [&](int) { return count * elem; },
+          [&](int l, cudaStream_t s) {
+            f.movers[static_cast<size_t>(l)].reduceScatterRing(s, srcOf(l), dstOf(l),
+                                                               scratch[static_cast<size_t>(l)], count,
+                                                               bf16 ? Consume::kAddBf16 : Consume::kAddF32);
+          },
+          [&](int l, cudaStream_t s, ncclComm_t c) {
+            GRAPHEP_NCCL_CHECK(ncclReduceScatter(srcOf(l), ref[static_cast<size_t>(l)], count,
+                                                 bf16 ? ncclBfloat16 : ncclFloat32, ncclSum, c, s));
+          });
+    }
+    for (int l = 0; l < L; ++l) {  // src held the reductions' inputs: fresh bytes for alltoallv
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+      GRAPHEP_CUDA_CHECK(launchFillPattern(srcOf(l), cap, seed + 7, f.heap->rank(l), stream(l)));
+    }
+    const auto m = countMatrix(CountPattern::kRandom, R, S, seed);
+    for (int l = 0; l < L; ++l) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+      uploadCounts(ca[static_cast<size_t>(l)], m, f.heap->rank(l), stream(l));
+    }
+    compare(
+        "alltoallv random counts" + tag, dstOf,
+        [&](int l) {
+          std::uint64_t total = 0;
+          for (int q = 0; q < R; ++q) total += ca[static_cast<size_t>(l)].host[static_cast<size_t>(2 * R + q)];
+          return static_cast<std::size_t>(total);
+        },
+        [&](int l, cudaStream_t s) {
+          f.movers[static_cast<size_t>(l)].allToAllv(s, allToAllvArgs(f, l, ca[static_cast<size_t>(l)], cap));
+        },
+        [&](int l, cudaStream_t s, ncclComm_t c) {
+          const auto& h = ca[static_cast<size_t>(l)].host;
+          for (int q = 0; q < R; ++q) {
+            GRAPHEP_NCCL_CHECK(ncclSend(srcOf(l) + h[static_cast<size_t>(R + q)], h[static_cast<size_t>(q)],
+                                        ncclChar, q, c, s));
+            GRAPHEP_NCCL_CHECK(ncclRecv(ref[static_cast<size_t>(l)] + h[static_cast<size_t>(3 * R + q)],
+                                        h[static_cast<size_t>(2 * R + q)], ncclChar, q, c, s));
+          }
+        });
+  }
+  for (int l = 0; l < L; ++l) {
+    cudaSetDevice(f.heap->device(l));
+    cudaFree(ref[static_cast<size_t>(l)]);
+    cudaFree(scratch[static_cast<size_t>(l)]);
+    cudaFree(ca[static_cast<size_t>(l)].d);
+  }
+}
+
 }  // namespace graphep::test

@@ -68,4 +68,12 @@ void runHookCase(Communicator& comm, HookCase kind, std::size_t units, int repla
 // Every hook case at 1, 37 and 4,101 tiles / 1, 3 and 70 rows eagerly, and 30 graph replays.
 void runHookSuite(Communicator& comm);
 
+// Each mover against NCCL on the same fresh data, byte for byte (destinations poisoned with
+// different bytes first, so a byte either side leaves unwritten shows): ring sendrecv vs grouped
+// ncclSend/ncclRecv, ring all-gather (staged and zero-copy) vs ncclAllGather, ring reduce-scatter
+// (fp32, bf16; inputs whose sums are exact) vs ncclReduceScatter, alltoallv with random counts vs
+// grouped send/recv. Sizes 1, 3, 4095 bytes, 64 KiB, 1 MiB and maxBytes per rank. The
+// communicator must carry NCCL comms.
+void runAgainstNccl(Communicator& comm, std::size_t maxBytes);
+
 }  // namespace graphep::test

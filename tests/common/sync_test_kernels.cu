@@ -72,6 +72,25 @@ cudaError_t launchFillPattern(void* dst, std::size_t bytes, std::uint64_t seed, 
   return cudaGetLastError();
 }
 
+__global__ void countDiffKernel(const unsigned char* a, const unsigned char* b, std::size_t bytes,
+                                unsigned long long* wrong) {
+  unsigned long long bad = 0;
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < bytes;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    bad += a[i] != b[i];
+  }
+  if (bad) atomicAdd(wrong, bad);
+}
+
+cudaError_t launchCountDiffs(const void* a, const void* b, std::size_t bytes,
+                             unsigned long long* wrong, cudaStream_t stream) {
+  if (bytes == 0) return cudaSuccess;
+  countDiffKernel<<<gridFor(bytes), 256, 0, stream>>>(static_cast<const unsigned char*>(a),
+                                                        static_cast<const unsigned char*>(b), bytes,
+                                                        wrong);
+  return cudaGetLastError();
+}
+
 cudaError_t launchCountMismatches(const void* p, std::size_t bytes, std::uint64_t seed, int rank,
                                   unsigned long long* wrong, cudaStream_t stream) {
   if (bytes == 0) return cudaSuccess;
@@ -142,6 +161,7 @@ cudaError_t preloadTestKernels() {
   cudaFuncAttributes a{};
   for (const void* fn : {reinterpret_cast<const void*>(fillPatternKernel),
                          reinterpret_cast<const void*>(countMismatchKernel),
+                         reinterpret_cast<const void*>(countDiffKernel),
                          reinterpret_cast<const void*>(copyWordsKernel),
                          reinterpret_cast<const void*>(waitForPeerKernel),
                          reinterpret_cast<const void*>(fillElemsKernel),

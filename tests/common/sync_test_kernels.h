@@ -32,6 +32,10 @@ cudaError_t launchFillPattern(void* dst, std::size_t bytes, std::uint64_t seed, 
 // thread has not made yet, stalls until that wait times out (seen with 4 emulated ranks).
 cudaError_t preloadTestKernels();
 
+// Adds to *wrong the number of bytes where a and b differ.
+cudaError_t launchCountDiffs(const void* a, const void* b, std::size_t bytes,
+                             unsigned long long* wrong, cudaStream_t stream);
+
 // Adds to *wrong the number of bytes of p that differ from rank's pattern for seed.
 cudaError_t launchCountMismatches(const void* p, std::size_t bytes, std::uint64_t seed, int rank,
                                   unsigned long long* wrong, cudaStream_t stream);

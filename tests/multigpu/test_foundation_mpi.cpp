@@ -101,6 +101,12 @@ TEST(Mpi_Ring, AllGatherAndReduceScatter) {
   runReduceScatterRing(*comm, std::size_t{1} << 18, false, 100);
 }
 
+TEST(Mpi_Movers, BitExactAgainstNccl) {
+  GRAPHEP_REQUIRE_MPI_GPUS();
+  auto comm = createMpiCommunicator(-1, /*withNccl=*/true);
+  runAgainstNccl(*comm, std::size_t{16} << 20);
+}
+
 TEST(Mpi_Hooks, Fp8AndWeighted) {
   GRAPHEP_REQUIRE_MPI_GPUS();
   auto comm = createMpiCommunicator(-1, false);

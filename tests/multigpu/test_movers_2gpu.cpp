@@ -38,6 +38,15 @@ TEST(Gpu2_SendRecv, ForcedRemoteThroughAdoptedNccl) {
   runSendRecvReplays(*comm, std::size_t{1} << 20, 200, false);
 }
 
+// Every mover against NCCL on the same data (2 GPUs in one process, NCCL comms adopted).
+TEST(Gpu2_Movers, BitExactAgainstNccl) {
+  GRAPHEP_REQUIRE_GPUS(2);
+  CallerNcclComms nccl;
+  ASSERT_NE(nccl.comms[0], nullptr) << "ncclCommInitAll failed";
+  auto comm = adoptNcclComms(nccl.comms);
+  runAgainstNccl(*comm, std::size_t{64} << 20);
+}
+
 TEST(Gpu2_Hooks, Fp8AndWeighted) {
   GRAPHEP_REQUIRE_GPUS(2);
   auto comm = createLocalGroup({0, 1});
