@@ -6,7 +6,7 @@
 //
 // The byte format (Wire::kBytes: plain copies, element-wise reductions, weighted accumulation) is
 // the degenerate case and runs on the vectorised byte paths of pipe.cuh; its consume hooks are
-// selected by Consume. Wire::kFp8E4m3 is the tiled format shipped here:
+// selected by Consume (consumeChunk in pipe.cuh, reduceElems in copy.cuh). Wire::kFp8E4m3 is the tiled format shipped here:
 //   produce  ProduceFp8E4m3: 128 bf16 -> 128 e4m3 bytes + one fp32 scale (amax / 448)
 //   consume  ConsumeWire (keep the record), ConsumeFp8ToBf16 (dequantise to 128 bf16)
 #pragma once
@@ -26,11 +26,11 @@ struct HookCtx {
   std::uint32_t step;     // the chunk's monotonic step
   std::uint64_t tile;     // tile index within the link's transfer
   int lane;               // thread within the tile's group, [0, kThreads)
-  const char* src;        // produce: the link's source (tile t at src + t * kSrcTileBytes)
-  char* dst;              // consume: the link's destination (tile t at dst + t * kDstTileBytes)
+  const char* src;        // produce: the link's source (tile t at src + t * source tile bytes)
+  char* dst;              // consume: the link's destination (tile t at dst + t * its tile bytes)
 };
 
-// bf16 -> fp8 e4m3 with one fp32 scale per 128 values. Wire record per tile (Fp8Record in pipe.h):
+// bf16 -> fp8 e4m3 with one fp32 scale per 128 values. Wire record per tile (kFp8Tile* in pipe.h):
 // 128 e4m3 bytes, then the scale, then 12 zero bytes. scale = amax / 448 (1 when the tile is all
 // zeros); q = e4m3(x * (1 / scale)) rounded to nearest, saturating.
 struct ProduceFp8E4m3 {
@@ -120,13 +120,5 @@ struct ConsumeFp8ToBf16 {
                               static_cast<std::uint64_t>(ctx.lane) * 16) = out;
   }
 };
-
-// Weighted accumulation (the byte format's weighted consume, combine's reduction):
-//   dst[i] = addend[i] + weight[row] * received[i],  row = byte offset / rowBytes,
-// computed in fp32 with one fused multiply-add and rounded once to T.
-template <class T>
-__device__ __forceinline__ T weightedAdd(T received, T addend, float weight) {
-  return T(__fmaf_rn(weight, static_cast<float>(received), static_cast<float>(addend)));
-}
 
 }  // namespace graphep
