@@ -392,7 +392,8 @@ AllToAllvParams Movers::allToAllvParams(const AllToAllvArgs& a) const {
   }
   for (int q = 0; q < R; ++q) {
     const PeerClass c = heap_->peerClass(local_, q);
-    GRAPHEP_REQUIRE(isLoadStore(c) || remoteCap_ > 0, Status::kNotSupported,
+    const Route route = mesh_.route(q);
+    GRAPHEP_REQUIRE(route != Route::kNccl || remoteCap_ > 0, Status::kNotSupported,
                     "allToAllv: rank %d reaches rank %d only as %s, and "
                     "MoverOptions.maxRemoteBytesPerPeer is 0 (set it to stage NCCL messages)",
                     me, q, peerClassName(c));
@@ -400,14 +401,14 @@ AllToAllvParams Movers::allToAllvParams(const AllToAllvArgs& a) const {
     // CTAs; NVLink / PCIe peers and the rank's own block (a local copy, as large as any) get the
     // full count.
     int ch = full;
-    if (c == PeerClass::kSameDevice || c == PeerClass::kRemote) ch = std::min(full, 4);
+    if (c == PeerClass::kSameDevice || route == Route::kNccl) ch = std::min(full, 4);
     p.firstChannel[q] = static_cast<std::uint16_t>(next);
     next += ch;
     p.send[q].peer = -1;
     p.recv[q].peer = -1;
-    if (c == PeerClass::kRemote) {
+    if (route == Route::kNccl) {
       p.remoteMask |= 1u << q;
-    } else if (c != PeerClass::kSelf) {
+    } else if (route == Route::kLoadStore) {
       p.send[q] = sendLink(q);
       p.recv[q] = recvLink(q);
     }

@@ -7,7 +7,6 @@
 #include <graphep/graphep.hpp>
 
 #include "engine/heap_layout.hpp"
-#include "kernels/common/pipe.h"
 #include "engine/topology.hpp"
 
 namespace graphep {
