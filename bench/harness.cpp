@@ -217,45 +217,74 @@ void setPrinter(bool printer) { gPrinter = printer; }
 bool isPrinter() { return gPrinter; }
 
 namespace {
-// Peer copy bandwidth 0 -> 1 with the copy engine: the link limit printed in the header.
-double peerCopyGBs(const Ranks& r) {
-  if (r.numLocal() < 2 || r.devices[0] == r.devices[1]) return 0;
+// Copy-engine peer copy bandwidth, the link ceiling printed in the header: 0 -> 1 alone, and per
+// direction with both GPUs copying to each other at once (what a bidirectional sendrecv faces).
+struct LinkCeiling {
+  double oneWay = 0, bothWays = 0;
+};
+LinkCeiling peerCopyGBs(const Ranks& r) {
+  if (r.numLocal() < 2 || r.devices[0] == r.devices[1]) return {};
   const size_t bytes = size_t{256} << 20;
-  // Without peer access the copy is staged through host memory: enable it first.
-  GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[0]));
-  cudaError_t pe = cudaDeviceEnablePeerAccess(r.devices[1], 0);
-  if (pe != cudaSuccess && pe != cudaErrorPeerAccessAlreadyEnabled) GRAPHEP_CUDA_CHECK(pe);
-  cudaGetLastError();
-  void *a = nullptr, *b = nullptr;
-  GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[1]));
-  GRAPHEP_CUDA_CHECK(cudaMalloc(&b, bytes));
-  GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[0]));
-  GRAPHEP_CUDA_CHECK(cudaMalloc(&a, bytes));
-  GRAPHEP_CUDA_CHECK(cudaMemset(a, 1, bytes));
-  cudaEvent_t s, e;
-  GRAPHEP_CUDA_CHECK(cudaEventCreate(&s));
-  GRAPHEP_CUDA_CHECK(cudaEventCreate(&e));
-  GRAPHEP_CUDA_CHECK(cudaMemcpyPeerAsync(b, r.devices[1], a, r.devices[0], bytes, r.streams[0]));
-  GRAPHEP_CUDA_CHECK(cudaEventRecord(s, r.streams[0]));
+  void* src[2] = {};
+  void* dst[2] = {};
+  cudaEvent_t s[2], e[2];
+  for (int i = 0; i < 2; ++i) {
+    // Without peer access the copy is staged through host memory: enable it first.
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[static_cast<size_t>(i)]));
+    cudaError_t pe = cudaDeviceEnablePeerAccess(r.devices[static_cast<size_t>(1 - i)], 0);
+    if (pe != cudaSuccess && pe != cudaErrorPeerAccessAlreadyEnabled) GRAPHEP_CUDA_CHECK(pe);
+    cudaGetLastError();
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&src[i], bytes));
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&dst[i], bytes));
+    GRAPHEP_CUDA_CHECK(cudaMemset(src[i], 1 + i, bytes));
+    GRAPHEP_CUDA_CHECK(cudaEventCreate(&s[i]));
+    GRAPHEP_CUDA_CHECK(cudaEventCreate(&e[i]));
+  }
   const int reps = 5;
-  for (int i = 0; i < reps; ++i)
-    GRAPHEP_CUDA_CHECK(cudaMemcpyPeerAsync(b, r.devices[1], a, r.devices[0], bytes, r.streams[0]));
-  GRAPHEP_CUDA_CHECK(cudaEventRecord(e, r.streams[0]));
-  GRAPHEP_CUDA_CHECK(cudaEventSynchronize(e));
-  float ms = 0;
-  GRAPHEP_CUDA_CHECK(cudaEventElapsedTime(&ms, s, e));
-  cudaEventDestroy(s);
-  cudaEventDestroy(e);
-  cudaFree(a);
-  cudaSetDevice(r.devices[1]);
-  cudaFree(b);
-  return static_cast<double>(bytes) * reps / (ms * 1e-3) / 1e9;
+  // One timed batch of `reps` copies per direction in `dirs`; returns GB/s per direction.
+  auto timed = [&](int dirs) {
+    for (int i = 0; i < dirs; ++i) {  // warm-up copy, then the timed batch
+      const size_t me = static_cast<size_t>(i), peer = static_cast<size_t>(1 - i);
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[me]));
+      GRAPHEP_CUDA_CHECK(cudaMemcpyPeerAsync(dst[1 - i], r.devices[peer], src[i], r.devices[me],
+                                             bytes, r.streams[me]));
+    }
+    for (int i = 0; i < dirs; ++i) GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(r.streams[static_cast<size_t>(i)]));
+    for (int i = 0; i < dirs; ++i) {
+      const size_t me = static_cast<size_t>(i), peer = static_cast<size_t>(1 - i);
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[me]));
+      GRAPHEP_CUDA_CHECK(cudaEventRecord(s[i], r.streams[me]));
+      for (int k = 0; k < reps; ++k)
+        GRAPHEP_CUDA_CHECK(cudaMemcpyPeerAsync(dst[1 - i], r.devices[peer], src[i], r.devices[me],
+                                               bytes, r.streams[me]));
+      GRAPHEP_CUDA_CHECK(cudaEventRecord(e[i], r.streams[me]));
+    }
+    double worst = 1e300;
+    for (int i = 0; i < dirs; ++i) {
+      GRAPHEP_CUDA_CHECK(cudaEventSynchronize(e[i]));
+      float ms = 0;
+      GRAPHEP_CUDA_CHECK(cudaEventElapsedTime(&ms, s[i], e[i]));
+      worst = std::min(worst, static_cast<double>(bytes) * reps / (ms * 1e-3) / 1e9);
+    }
+    return worst;
+  };
+  LinkCeiling c;
+  c.oneWay = timed(1);
+  c.bothWays = timed(2);
+  for (int i = 0; i < 2; ++i) {
+    cudaSetDevice(r.devices[static_cast<size_t>(i)]);
+    cudaEventDestroy(s[i]);
+    cudaEventDestroy(e[i]);
+    cudaFree(src[i]);
+    cudaFree(dst[i]);
+  }
+  return c;
 }
 }  // namespace
 
 void printHeader(const Options& o, const Ranks& r) {
   if (!gPrinter) return;
-  const double link = peerCopyGBs(r);  // in-process 2 GPUs only; 0 otherwise
+  const LinkCeiling link = peerCopyGBs(r);  // in-process 2 GPUs only; 0 otherwise
   int nccl = 0;
   ncclGetVersion(&nccl);
   std::printf("# graphep-bench %s  op=%s  ops/graph=%d  graph launches=%d  warmup=%d  NCCL %d\n",
@@ -273,8 +302,9 @@ void printHeader(const Options& o, const Ranks& r) {
     cudaDeviceCanAccessPeer(&can, r.devices[0], r.devices[1]);
     cudaDeviceGetP2PAttribute(&atomics, cudaDevP2PAttrNativeAtomicSupported, r.devices[0],
                               r.devices[1]);
-    std::printf("#  link 0->1: p2p=%d native-atomics=%d, copy-engine peer copy 256 MiB: %.1f GB/s\n",
-                can, atomics, link);
+    std::printf("#  link 0<->1: p2p=%d native-atomics=%d, copy-engine peer copy 256 MiB: %.1f GB/s "
+                "one way, %.1f GB/s per direction both ways at once\n",
+                can, atomics, link.oneWay, link.bothWays);
   } else {
     std::printf("#  2 emulated ranks on one GPU: no NCCL baseline (NCCL refuses two ranks on one GPU)\n");
   }

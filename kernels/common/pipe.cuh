@@ -69,6 +69,67 @@ __device__ __forceinline__ void consumeChunk(const RecvLink& l, const char* slot
   }
 }
 
+// The staged protocol of one channel, shared by every wire format: n chunks starting at step
+// l.step[c]; fill(k, slot) writes chunk k into its slot (every thread of the role takes part), and
+// drain(k, slot) consumes it. Only the role's own warps synchronise (named barrier barrierId).
+template <class Transport, class Fill>
+__device__ void stagedSend(const SyncHandle& sync, const PipeShape& shape, const SendLink& l,
+                           std::uint32_t c, std::uint32_t n, int barrierId, int tid, int nthreads,
+                           int* abortFlag, Fill fill) {
+  const std::uint32_t step0 = l.step[c];
+  char* slots = l.staging + static_cast<std::uint64_t>(c) * shape.numSlots * shape.slotBytes;
+  PhaseClock clock(tid == 0 ? l.profile : nullptr);
+  for (std::uint32_t k = 0; k < n; ++k) {
+    const std::uint32_t s = step0 + k;
+    if (tid == 0) {
+      // Slot s % numSlots is free once the receiver consumed chunk s - numSlots.
+      *abortFlag = Transport::wait(sync, l.tail + c, slotFreeTarget(s, shape.numSlots), l.peer,
+                                   WaitSite::kMoverSlotFree)
+                       ? 0
+                       : 1;
+    }
+    roleBarrier(barrierId, nthreads);
+    if (*abortFlag) return;
+    clock.mark(0);
+    fill(k, slots + static_cast<std::uint64_t>(slotOf(s, shape.numSlots)) * shape.slotBytes);
+    // Every thread's stores precede the barrier; thread 0's fence + release publish them.
+    roleBarrier(barrierId, nthreads);
+    clock.mark(1);
+    if (tid == 0) Transport::signal(l.head + c, s + 1u);
+    clock.mark(2);
+  }
+  clock.flush(n);
+  if (tid == 0) l.step[c] = step0 + n;
+}
+
+template <class Transport, class Drain>
+__device__ void stagedRecv(const SyncHandle& sync, const PipeShape& shape, const RecvLink& l,
+                           std::uint32_t c, std::uint32_t n, int barrierId, int tid, int nthreads,
+                           int* abortFlag, Drain drain) {
+  const std::uint32_t step0 = l.step[c];
+  const char* slots = l.staging + static_cast<std::uint64_t>(c) * shape.numSlots * shape.slotBytes;
+  PhaseClock clock(tid == 0 ? l.profile : nullptr);
+  for (std::uint32_t k = 0; k < n; ++k) {
+    const std::uint32_t s = step0 + k;
+    if (tid == 0) {
+      *abortFlag =
+          Transport::wait(sync, l.head + c, s + 1u, l.peer, WaitSite::kMoverData) ? 0 : 1;
+    }
+    roleBarrier(barrierId, nthreads);
+    if (*abortFlag) return;
+    clock.mark(0);
+    drain(k, slots + static_cast<std::uint64_t>(slotOf(s, shape.numSlots)) * shape.slotBytes);
+    // All reads of the slot precede the barrier; the fence in signal orders them before the
+    // release that hands the slot back to the sender.
+    roleBarrier(barrierId, nthreads);
+    clock.mark(1);
+    if (tid == 0) Transport::signal(l.tail + c, s + 1u);
+    clock.mark(2);
+  }
+  clock.flush(n);
+  if (tid == 0) l.step[c] = step0 + n;
+}
+
 // Sender role for channel c. `abortFlag` is a shared word owned by this role.
 template <class Transport>
 __device__ void pipeSend(const SyncHandle& sync, const PipeShape& shape, const SendLink& l,
@@ -94,33 +155,12 @@ __device__ void pipeSend(const SyncHandle& sync, const PipeShape& shape, const S
     }
     return;
   }
-  const std::uint32_t n = pipeChunks(end - begin, shape.slotBytes);
-  char* slots = l.staging + static_cast<std::uint64_t>(c) * shape.numSlots * shape.slotBytes;
-  PhaseClock clock(tid == 0 ? l.profile : nullptr);
-  for (std::uint32_t k = 0; k < n; ++k) {
-    const std::uint32_t s = step0 + k;
-    if (tid == 0) {
-      // Slot s % numSlots is free once the receiver consumed chunk s - numSlots.
-      *abortFlag = Transport::wait(sync, l.tail + c, slotFreeTarget(s, shape.numSlots), l.peer,
-                                   WaitSite::kMoverSlotFree)
-                       ? 0
-                       : 1;
-    }
-    roleBarrier(barrierId, nthreads);
-    if (*abortFlag) return;
-    clock.mark(0);
-    const std::uint64_t off = begin + static_cast<std::uint64_t>(k) * shape.slotBytes;
-    const std::uint64_t len = end - off < shape.slotBytes ? end - off : shape.slotBytes;
-    Transport::put(slots + static_cast<std::uint64_t>(slotOf(s, shape.numSlots)) * shape.slotBytes,
-                   l.src + off, len, tid, nthreads);
-    // Every thread's stores precede the barrier; thread 0's fence + release publish them.
-    roleBarrier(barrierId, nthreads);
-    clock.mark(1);
-    if (tid == 0) Transport::signal(l.head + c, s + 1u);
-    clock.mark(2);
-  }
-  clock.flush(n);
-  if (tid == 0) l.step[c] = step0 + n;
+  stagedSend<Transport>(sync, shape, l, c, pipeChunks(end - begin, shape.slotBytes), barrierId, tid,
+                        nthreads, abortFlag, [&](std::uint32_t k, char* slot) {
+                          const std::uint64_t off = begin + static_cast<std::uint64_t>(k) * shape.slotBytes;
+                          const std::uint64_t len = end - off < shape.slotBytes ? end - off : shape.slotBytes;
+                          Transport::put(slot, l.src + off, len, tid, nthreads);
+                        });
 }
 
 // Receiver role for channel c.
@@ -142,32 +182,12 @@ __device__ void pipeRecv(const SyncHandle& sync, const PipeShape& shape, const R
     }
     return;
   }
-  const std::uint32_t n = pipeChunks(end - begin, shape.slotBytes);
-  const char* slots = l.staging + static_cast<std::uint64_t>(c) * shape.numSlots * shape.slotBytes;
-  PhaseClock clock(tid == 0 ? l.profile : nullptr);
-  for (std::uint32_t k = 0; k < n; ++k) {
-    const std::uint32_t s = step0 + k;
-    if (tid == 0) {
-      *abortFlag =
-          Transport::wait(sync, l.head + c, s + 1u, l.peer, WaitSite::kMoverData) ? 0 : 1;
-    }
-    roleBarrier(barrierId, nthreads);
-    if (*abortFlag) return;
-    clock.mark(0);
-    const std::uint64_t off = begin + static_cast<std::uint64_t>(k) * shape.slotBytes;
-    const std::uint64_t len = end - off < shape.slotBytes ? end - off : shape.slotBytes;
-    consumeChunk<kConsume>(
-        l, slots + static_cast<std::uint64_t>(slotOf(s, shape.numSlots)) * shape.slotBytes, off,
-        len, tid, nthreads);
-    // All reads of the slot precede the barrier; the fence in signal orders them before the
-    // release that hands the slot back to the sender.
-    roleBarrier(barrierId, nthreads);
-    clock.mark(1);
-    if (tid == 0) Transport::signal(l.tail + c, s + 1u);
-    clock.mark(2);
-  }
-  clock.flush(n);
-  if (tid == 0) l.step[c] = step0 + n;
+  stagedRecv<Transport>(sync, shape, l, c, pipeChunks(end - begin, shape.slotBytes), barrierId, tid,
+                        nthreads, abortFlag, [&](std::uint32_t k, const char* slot) {
+                          const std::uint64_t off = begin + static_cast<std::uint64_t>(k) * shape.slotBytes;
+                          const std::uint64_t len = end - off < shape.slotBytes ? end - off : shape.slotBytes;
+                          consumeChunk<kConsume>(l, slot, off, len, tid, nthreads);
+                        });
 }
 
 // --- LL mode (small transfers; see llFlag in pipe.h) ---------------------------------------------
@@ -320,34 +340,20 @@ __device__ void pipeSendTiled(const SyncHandle& sync, const PipeShape& shape, co
   const std::uint64_t perChunk = shape.slotBytes / kWireTile;
   const std::uint32_t n = static_cast<std::uint32_t>((t1 - t0 + perChunk - 1) / perChunk);
   const std::uint32_t step0 = l.step[c];
-  char* slots = l.staging + static_cast<std::uint64_t>(c) * shape.numSlots * shape.slotBytes;
   const int groups = nthreads / Produce::kThreads;
   const int group = tid / Produce::kThreads;
   HookCtx ctx{l.peer, c, 0, 0, tid % Produce::kThreads, l.src, nullptr};
-  for (std::uint32_t k = 0; k < n; ++k) {
-    const std::uint32_t s = step0 + k;
-    if (tid == 0) {
-      *abortFlag = Transport::wait(sync, l.tail + c, slotFreeTarget(s, shape.numSlots), l.peer,
-                                   WaitSite::kMoverSlotFree)
-                       ? 0
-                       : 1;
-    }
-    roleBarrier(barrierId, nthreads);
-    if (*abortFlag) return;
-    char* slot = slots + static_cast<std::uint64_t>(slotOf(s, shape.numSlots)) * shape.slotBytes;
-    const std::uint64_t first = t0 + static_cast<std::uint64_t>(k) * perChunk;
-    const std::uint64_t last = first + perChunk < t1 ? first + perChunk : t1;
-    ctx.step = s;
-    if (group < groups) {
-      for (std::uint64_t t = first + group; t < last; t += groups) {
-        ctx.tile = t;
-        Produce::emit(slot + (t - first) * kWireTile, ctx.lane, Produce::produce(ctx));
-      }
-    }
-    roleBarrier(barrierId, nthreads);
-    if (tid == 0) Transport::signal(l.head + c, s + 1u);
-  }
-  if (tid == 0) l.step[c] = step0 + n;
+  stagedSend<Transport>(sync, shape, l, c, n, barrierId, tid, nthreads, abortFlag,
+                        [&](std::uint32_t k, char* slot) {
+                          const std::uint64_t first = t0 + static_cast<std::uint64_t>(k) * perChunk;
+                          const std::uint64_t last = first + perChunk < t1 ? first + perChunk : t1;
+                          ctx.step = step0 + k;
+                          if (group >= groups) return;
+                          for (std::uint64_t t = first + group; t < last; t += groups) {
+                            ctx.tile = t;
+                            Produce::emit(slot + (t - first) * kWireTile, ctx.lane, Produce::produce(ctx));
+                          }
+                        });
 }
 
 // Receiver: `ConsumeHook` (ConsumeWire, ConsumeFp8ToBf16) takes each wire tile to the destination.
@@ -361,33 +367,20 @@ __device__ void pipeRecvTiled(const SyncHandle& sync, const PipeShape& shape, co
   const std::uint64_t perChunk = shape.slotBytes / kWireTile;
   const std::uint32_t n = static_cast<std::uint32_t>((t1 - t0 + perChunk - 1) / perChunk);
   const std::uint32_t step0 = l.step[c];
-  const char* slots = l.staging + static_cast<std::uint64_t>(c) * shape.numSlots * shape.slotBytes;
   const int groups = nthreads / ConsumeHook::kThreads;
   const int group = tid / ConsumeHook::kThreads;
   HookCtx ctx{l.peer, c, 0, 0, tid % ConsumeHook::kThreads, nullptr, l.dst};
-  for (std::uint32_t k = 0; k < n; ++k) {
-    const std::uint32_t s = step0 + k;
-    if (tid == 0) {
-      *abortFlag =
-          Transport::wait(sync, l.head + c, s + 1u, l.peer, WaitSite::kMoverData) ? 0 : 1;
-    }
-    roleBarrier(barrierId, nthreads);
-    if (*abortFlag) return;
-    const char* slot =
-        slots + static_cast<std::uint64_t>(slotOf(s, shape.numSlots)) * shape.slotBytes;
-    const std::uint64_t first = t0 + static_cast<std::uint64_t>(k) * perChunk;
-    const std::uint64_t last = first + perChunk < t1 ? first + perChunk : t1;
-    ctx.step = s;
-    if (group < groups) {
-      for (std::uint64_t t = first + group; t < last; t += groups) {
-        ctx.tile = t;
-        ConsumeHook::consume(ctx, kLoad(slot + (t - first) * kWireTile, ctx.lane));
-      }
-    }
-    roleBarrier(barrierId, nthreads);
-    if (tid == 0) Transport::signal(l.tail + c, s + 1u);
-  }
-  if (tid == 0) l.step[c] = step0 + n;
+  stagedRecv<Transport>(sync, shape, l, c, n, barrierId, tid, nthreads, abortFlag,
+                        [&](std::uint32_t k, const char* slot) {
+                          const std::uint64_t first = t0 + static_cast<std::uint64_t>(k) * perChunk;
+                          const std::uint64_t last = first + perChunk < t1 ? first + perChunk : t1;
+                          ctx.step = step0 + k;
+                          if (group >= groups) return;
+                          for (std::uint64_t t = first + group; t < last; t += groups) {
+                            ctx.tile = t;
+                            ConsumeHook::consume(ctx, kLoad(slot + (t - first) * kWireTile, ctx.lane));
+                          }
+                        });
 }
 
 }  // namespace graphep
