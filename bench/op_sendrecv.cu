@@ -1,7 +1,8 @@
 // sendrecv: bidirectional exchange of S bytes between 2 ranks (each sends S to the other),
 // graph-replayed. algbw = S / time (per direction; nccl-tests' sendrecv busbw = algbw).
 //   staged      through per-channel staging slots in the receiver's heap
-//   zero-copy   straight into the receiver's symmetric destination
+//   zero-copy   straight into the receiver's symmetric destination, by the SMs ("zero-copy") or by
+//               the copy engine ("zero-copy CE", from 64 KiB up: a memcpy between two flag launches)
 //   baseline    NCCL grouped ncclSend + ncclRecv, captured in a graph
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -49,7 +50,10 @@ std::vector<Row> runSendRecv(const Options& o, Ranks& r) {
       });
       ncclUs = timeOps(o, r, execs);
     }
-    for (bool zeroCopy : {false, true}) {
+    for (int variant = 0; variant < 3; ++variant) {
+      const bool zeroCopy = variant > 0;
+      const bool ce = variant == 2;
+      if (ce && bytes < (std::size_t{64} << 10)) continue;
       for (int i = 0; i < r.numLocal(); ++i) {
         GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[i]));
         GRAPHEP_CUDA_CHECK(cudaMemset(zeroCopy ? heap->user(i) : dst[i], 0xa5, bytes));
@@ -67,6 +71,7 @@ std::vector<Row> runSendRecv(const Options& o, Ranks& r) {
         if (zeroCopy) {
           a.sendToUserOffset = 0;
           a.recvZeroCopy = true;
+          a.zeroCopyEngine = ce ? ZeroCopyEngine::kCopyEngine : ZeroCopyEngine::kSm;
         }
         movers[static_cast<size_t>(i)].sendRecv(s, a);
       });
@@ -78,7 +83,8 @@ std::vector<Row> runSendRecv(const Options& o, Ranks& r) {
       }
       const double algbw = us > 0 ? static_cast<double>(bytes) / (us * 1e3) : 0;
       Row row{"sendrecv",
-              zeroCopy ? "zero-copy ch=" + std::to_string(channels)
+              ce         ? std::string("zero-copy CE")
+              : zeroCopy ? "zero-copy ch=" + std::to_string(channels)
                        : (llChannels > 0 ? "LL ch=" + std::to_string(llChannels)
                                          : "staged ch=" + std::to_string(channels)),
               bytes, us, algbw, algbw, totalOverRanks(r, w), ncclUs, ""};

@@ -8,7 +8,11 @@
 namespace graphep {
 
 Movers::Movers(const SymmetricHeap& heap, int local, const MoverOptions& options)
-    : heap_(&heap), local_(local), warpsPerRole_(heap.config().moverWarps), mesh_(heap, local) {
+    : heap_(&heap),
+      local_(local),
+      warpsPerRole_(heap.config().moverWarps),
+      ceMinBytes_(options.copyEngineMinBytes),
+      mesh_(heap, local) {
   GRAPHEP_CUDA_CHECK(cudaSetDevice(heap.device(local)));
   if (mesh_.anyRemote() && options.maxRemoteBytesPerPeer > 0) {
     remoteCap_ = (options.maxRemoteBytesPerPeer + 15) & ~std::size_t{15};
@@ -132,6 +136,18 @@ PipeShape Movers::shape(int channels) const {
   return sh;
 }
 
+// Whether a zero-copy direction of `bytes` goes by the copy engine (both ends decide alike).
+bool Movers::copyEngine(const SendRecvArgs& a, std::size_t bytes) const {
+  switch (a.zeroCopyEngine) {
+    case ZeroCopyEngine::kSm:
+      return false;
+    case ZeroCopyEngine::kCopyEngine:
+      return true;
+    default:
+      return ceMinBytes_ > 0 && bytes >= ceMinBytes_;
+  }
+}
+
 SendRecvParams Movers::params(const SendRecvArgs& a) const {
   const HeapConfig& cfg = heap_->config();
   const int R = cfg.numRanks;
@@ -174,6 +190,12 @@ SendRecvParams Movers::params(const SendRecvArgs& a) const {
       recvNvl && !a.recvZeroCopy && !tiled ? llChannelsFor(a.recvBytes, a.numChannels) : 0;
   const bool sendLL = sendLLChannels > 0;
   const bool recvLL = recvLLChannels > 0;
+  GRAPHEP_REQUIRE(a.zeroCopyEngine == ZeroCopyEngine::kAuto || a.zeroCopyEngine == ZeroCopyEngine::kSm ||
+                      a.zeroCopyEngine == ZeroCopyEngine::kCopyEngine,
+                  Status::kInvalidArgument, "sendRecv: zeroCopyEngine=%d is not a ZeroCopyEngine",
+                  static_cast<int>(a.zeroCopyEngine));
+  const bool sendCe = sendNvl && sendZeroCopy && copyEngine(a, a.sendBytes);
+  const bool recvCe = recvNvl && a.recvZeroCopy && copyEngine(a, a.recvBytes);
   const bool needStaging = (sendNvl && !sendZeroCopy && !sendLL && a.sendBytes > 0) ||
                            (recvNvl && !a.recvZeroCopy && !recvLL && a.recvBytes > 0);
   GRAPHEP_REQUIRE(!needStaging || cfg.moverSlotBytes > 0, Status::kInvalidArgument,
@@ -186,10 +208,13 @@ SendRecvParams Movers::params(const SendRecvArgs& a) const {
   SendRecvParams p{};
   p.sync = heap_->syncHandle(local_);
   // Each direction's channel count comes from its own bytes, which both ends of that link know.
+  // A copy-engine direction runs its flags on one channel whatever numChannels says.
   p.sendShape = shape(sendLL ? sendLLChannels
-                             : (a.numChannels > 0 ? a.numChannels : channelsFor(a.sendBytes)));
+                      : sendCe ? 1
+                               : (a.numChannels > 0 ? a.numChannels : channelsFor(a.sendBytes)));
   p.recvShape = shape(recvLL ? recvLLChannels
-                             : (a.numChannels > 0 ? a.numChannels : channelsFor(a.recvBytes)));
+                      : recvCe ? 1
+                               : (a.numChannels > 0 ? a.numChannels : channelsFor(a.recvBytes)));
   p.warpsPerRole = static_cast<std::uint32_t>(warpsPerRole_);
   p.wire = a.wire;
   // Remote roles are served by NCCL (sendRecv); the kernel sees them as disabled.
@@ -209,6 +234,7 @@ SendRecvParams Movers::params(const SendRecvArgs& a) const {
                       "%zu-byte user region",
                       a.sendBytes, a.sendToUserOffset, cfg.userBytes);
       p.send.direct = heap_->peerUser(local_, a.sendPeer) + a.sendToUserOffset;
+      if (sendCe) p.send.ce = CePhase::kBefore;
     }
   }
   if (recvNvl) {
@@ -226,6 +252,7 @@ SendRecvParams Movers::params(const SendRecvArgs& a) const {
                       "sendRecv: zero-copy dst [%p, +%zu) is not inside this rank's user region",
                       a.dst, a.recvBytes);
       p.recv.direct = 1;
+      if (recvCe) p.recv.ce = CePhase::kBefore;
     }
     p.recv.consume = a.consume;
     if (a.consume != Consume::kCopy && !tiled) {
@@ -438,6 +465,31 @@ void Movers::sendRecv(cudaStream_t stream, const SendRecvArgs& args) const {
   const SendRecvParams p = params(args);
   if (p.send.peer >= 0 || p.recv.peer >= 0 || p.localChannels > 0) {
     GRAPHEP_CUDA_CHECK(launchSendRecv(p, stream));
+  }
+  const bool sendCe = p.send.peer >= 0 && p.send.ce != CePhase::kNone;
+  const bool recvCe = p.recv.peer >= 0 && p.recv.ce != CePhase::kNone;
+  if (sendCe || recvCe) {
+    // Copy-engine zero-copy: the launch above ran every SM role and the flags before the copy
+    // (ready); the copy runs in stream order after it, and a one-CTA launch publishes it (head) and
+    // waits for the peer's copy into this rank (CePhase in kernels/common/pipe.h). Nothing in the
+    // first launch waits on a second launch, so the two ranks' sequences cannot deadlock.
+    if (sendCe) CopyEngineTransport::put(stream, p.send.direct, p.send.src, p.send.bytes);
+    SendRecvParams after = p;
+    after.localBytes = 0;
+    after.localChannels = 0;
+    if (sendCe) {
+      after.send.ce = CePhase::kAfter;
+    } else {
+      after.send.peer = -1;
+    }
+    if (recvCe) {
+      after.recv.ce = CePhase::kAfter;
+    } else {
+      after.recv.peer = -1;
+    }
+    after.sendShape = shape(1);
+    after.recvShape = shape(1);
+    GRAPHEP_CUDA_CHECK(launchSendRecv(after, stream));
   }
   const bool ncclSendRole = args.sendPeer >= 0 && remote(args.sendPeer) && args.sendBytes > 0;
   const bool ncclRecvRole = args.recvPeer >= 0 && remote(args.recvPeer) && args.recvBytes > 0;

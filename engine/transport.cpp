@@ -22,6 +22,12 @@ void NcclTransport::get(cudaStream_t stream, int peer, void* dst, std::size_t by
   GRAPHEP_NCCL_CHECK(ncclRecv(dst, bytes, ncclChar, peer, comm(peer), stream));
 }
 
+void CopyEngineTransport::put(cudaStream_t stream, void* peerDst, const void* src,
+                              std::size_t bytes) {
+  if (bytes == 0) return;
+  GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(peerDst, src, bytes, cudaMemcpyDefault, stream));
+}
+
 Route MeshTransport::route(int peer) const {
   const PeerClass c = heap_->peerClass(local_, peer);
   if (c == PeerClass::kSelf) return Route::kSelf;

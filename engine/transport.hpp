@@ -9,6 +9,10 @@
 //                  and wait are its completion in stream order. Sizes are fixed at capture (device
 //                  counts travel as fixed-capacity messages). Setup warms up every size the run
 //                  path uses, so capture never sets up a connection.
+//   CopyEngineTransport  put of a whole zero-copy transfer into a load/store peer's memory by this
+//                  GPU's copy engine (a memcpy node under capture; no SMs); its signal and wait are
+//                  the movers' kernel flags launched just before and after it (CePhase,
+//                  kernels/common/pipe.h).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -35,6 +39,12 @@ class NcclTransport {
   ncclComm_t comm(int peer) const;  // errors name the rank when the communicator has no NCCL
   const SymmetricHeap* heap_;
   int local_;
+};
+
+class CopyEngineTransport {
+ public:
+  // Capturable; the current device must be the one that owns `stream`.
+  static void put(cudaStream_t stream, void* peerDst, const void* src, std::size_t bytes);
 };
 
 class MeshTransport {

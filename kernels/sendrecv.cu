@@ -29,6 +29,10 @@ __global__ void __launch_bounds__(2 * kMaxWarpsPerRole * 32)
   }
   if (t < roleThreads) {
     if (p.send.peer < 0 || blockIdx.x >= p.sendShape.numChannels) return;
+    if (p.send.ce != CePhase::kNone) {
+      if (t == 0) pipeSendCe<NvlTransport>(p.sync, p.send);
+      return;
+    }
     if constexpr (kWire == Wire::kFp8E4m3) {
       pipeSendTiled<NvlTransport, ProduceFp8E4m3, kFp8TileSrcBytes, kFp8TileWireBytes>(
           p.sync, p.sendShape, p.send, blockIdx.x, kSendBarrier, t, roleThreads, &abortFlag[0]);
@@ -42,6 +46,10 @@ __global__ void __launch_bounds__(2 * kMaxWarpsPerRole * 32)
   } else if (t < 2 * roleThreads) {
     if (p.recv.peer < 0 || blockIdx.x >= p.recvShape.numChannels) return;
     const int tid = t - roleThreads;
+    if (p.recv.ce != CePhase::kNone) {
+      if (tid == 0) pipeRecvCe<NvlTransport>(p.sync, p.recv);
+      return;
+    }
     if constexpr (kWire == Wire::kFp8E4m3) {
       using Hook = std::conditional_t<kConsume == Consume::kFp8ToBf16, ConsumeFp8ToBf16, ConsumeWire>;
       pipeRecvTiled<NvlTransport, Hook, Fp8WireRegs, loadFp8Wire, kFp8TileSrcBytes,
@@ -92,6 +100,10 @@ cudaError_t launchSendRecv(const SendRecvParams& p, cudaStream_t stream) {
   }
   if (p.warpsPerRole < 1 || p.warpsPerRole > kMaxWarpsPerRole) return cudaErrorInvalidValue;
   if (p.localBytes > 0 && (p.localChannels == 0 || p.localSrc == nullptr || p.localDst == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  if ((p.send.ce != CePhase::kNone && (p.send.direct == nullptr || p.sendShape.numChannels != 1)) ||
+      (p.recv.ce != CePhase::kNone && (!p.recv.direct || p.recvShape.numChannels != 1))) {
     return cudaErrorInvalidValue;
   }
   if (p.wire == Wire::kFp8E4m3 && (p.send.ll || p.recv.ll || p.send.direct || p.recv.direct ||

@@ -1,6 +1,7 @@
 // sendrecv: move bytes to one peer and from one peer (they may differ: rings compose from it), over
 // per-(peer, channel) staging slots with monotonic head/tail flags, zero-copy straight into the
-// peer's symmetric destination, or (small transfers) as LL lines that carry their own flags
+// peer's symmetric destination (by the sender's warps, or by the copy engine between two launches
+// that run only the flags: CePhase), or (small transfers) as LL lines that carry their own flags
 // (kernels/common/pipe.cuh has the protocol). One launch is
 // capturable and replayable forever: the chunk steps live in device memory and only grow.
 //

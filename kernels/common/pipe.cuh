@@ -190,6 +190,35 @@ __device__ void pipeRecv(const SyncHandle& sync, const PipeShape& shape, const R
                         });
 }
 
+// --- Copy-engine zero-copy (CePhase in pipe.h): one step on channel 0, run by thread 0 ----------
+
+template <class Transport>
+__device__ void pipeSendCe(const SyncHandle& sync, const SendLink& l) {
+  const std::uint32_t step0 = l.step[0];
+  if (l.ce == CePhase::kBefore) {
+    // The receiver is done with its destination: the copy that follows this launch may write it.
+    // On a timeout the error is recorded (the copy still runs, as in-stream work cannot be skipped).
+    Transport::wait(sync, l.ready, readyValue(step0), l.peer, WaitSite::kMoverReady);
+  } else {
+    // The copy completed in stream order before this launch began: publish it.
+    Transport::signal(l.head, step0 + 1u);
+    l.step[0] = step0 + 1u;
+  }
+}
+
+template <class Transport>
+__device__ void pipeRecvCe(const SyncHandle& sync, const RecvLink& l) {
+  const std::uint32_t step0 = l.step[0];
+  if (l.ce == CePhase::kBefore) {
+    Transport::signal(l.ready, readyValue(step0));
+  } else {
+    if (Transport::wait(sync, l.head, step0 + 1u, l.peer, WaitSite::kMoverData)) {
+      Transport::signal(l.tail, step0 + 1u);  // keeps the tail in step for later staged launches
+    }
+    l.step[0] = step0 + 1u;
+  }
+}
+
 // --- LL mode (small transfers; see llFlag in pipe.h) ---------------------------------------------
 
 // The 8 data bytes of line i of a `bytes`-long buffer (zero-padded past the end).

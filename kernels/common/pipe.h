@@ -150,9 +150,17 @@ struct PipeShape {
 };
 
 // One direction of one link as the sender sees it (pointers already offset to this link).
+// Copy-engine zero-copy (CePhase): the bytes of a zero-copy transfer move in a memcpy between two
+// launches of the kernel, which run the protocol's flags around it on channel 0 as one step:
+//   kBefore  sender waits ready >= s0 + 1; receiver posts ready = s0 + 1
+//   kAfter   (after the copy, in stream order) sender posts head = s0 + 1; receiver waits for it
+//            and posts tail = s0 + 1; both advance their step to s0 + 1
+enum class CePhase : std::int32_t { kNone = 0, kBefore = 1, kAfter = 2 };
+
 struct SendLink {
   std::int32_t peer;
   std::int32_t ll;           // LL mode (small transfer): write lines into llRegion
+  CePhase ce;                // copy-engine zero-copy: this launch's phase (direct is set)
   const char* src;
   std::uint64_t bytes;
   char* staging;             // peer's slots for this rank: [channel][slot][slotBytes]
@@ -169,6 +177,7 @@ struct SendLink {
 struct RecvLink {
   std::int32_t peer;
   std::int32_t ll;           // LL mode: poll lines in llRegion
+  CePhase ce;                // copy-engine zero-copy: this launch's phase (direct is set)
   char* dst;
   std::uint64_t bytes;
   std::int32_t direct;       // zero-copy: the peer writes into dst itself

@@ -82,6 +82,7 @@ SendRecvArgs argsFor(const Fixture& f, int l, const SendRecvCase& c, char* dst) 
   const int me = f.heap->rank(l);
   SendRecvArgs a;
   a.numChannels = c.numChannels;
+  a.zeroCopyEngine = c.engine;
   const bool sends = !c.unidirectional || me == 0;
   const bool recvs = !c.unidirectional || me == 1;
   const int prev = (me + R - 1) % R;
@@ -119,7 +120,8 @@ void runSendRecvCases(Communicator& comm, const std::vector<SendRecvCase>& cases
     SCOPED_TRACE("bytes=" + std::to_string(c.bytes) + " step=" + std::to_string(c.sizeStep) +
                  (c.zeroCopy ? " zero-copy" : " staged") +
                  (c.unidirectional ? " unidirectional" : " ring") +
-                 " channels=" + std::to_string(c.numChannels));
+                 " channels=" + std::to_string(c.numChannels) +
+                 " engine=" + std::to_string(static_cast<int>(c.engine)));
     for (int l = 0; l < L; ++l) {
       GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
       const auto& b = f.bufs[static_cast<size_t>(l)];
@@ -227,10 +229,11 @@ void runChecked(Fixture& f, int replays, Enqueue enqueue, Prepare prepare, Check
 
 }  // namespace
 
-void runSendRecvReplays(Communicator& comm, std::size_t bytes, int replays, bool zeroCopy) {
+void runSendRecvReplays(Communicator& comm, std::size_t bytes, int replays, bool zeroCopy,
+                        ZeroCopyEngine engine) {
   Fixture f(comm, bytes, std::size_t{64} << 10, kNearWrap);
   const int R = f.heap->worldSize();
-  const SendRecvCase c{bytes, zeroCopy, false, 0};
+  const SendRecvCase c{bytes, zeroCopy, false, 0, 0, engine};
   runChecked(
       f, replays,
       [&](int l, cudaStream_t s) {

@@ -10,6 +10,8 @@
 
 #include <graphep/comm.hpp>
 
+#include "engine/movers.hpp"
+
 namespace graphep::test {
 
 struct SendRecvCase {
@@ -20,6 +22,7 @@ struct SendRecvCase {
   // Rank r sends bytes + sizeStep * r (so a rank's two directions differ in size, mode and
   // channel count).
   std::size_t sizeStep = 0;
+  ZeroCopyEngine engine = ZeroCopyEngine::kAuto;  // zero-copy cases: SM or copy engine
 };
 
 // Runs every case once (eagerly), counting wrong bytes per rank; EXPECTs zero.
@@ -29,7 +32,8 @@ void runSendRecvCases(Communicator& comm, const std::vector<SendRecvCase>& cases
 // Captures one sendRecv of `bytes` per rank and replays it `replays` times, refilling the source
 // with a new seed and poisoning the destination before each replay (outside the graph), and
 // counting wrong bytes after each replay on the device. EXPECTs zero over all replays.
-void runSendRecvReplays(Communicator& comm, std::size_t bytes, int replays, bool zeroCopy);
+void runSendRecvReplays(Communicator& comm, std::size_t bytes, int replays, bool zeroCopy,
+                        ZeroCopyEngine engine = ZeroCopyEngine::kAuto);
 
 // Ring all-gather of `chunkBytes` per rank (staged or zero-copy into the user region). With
 // replays > 1 the R-1 steps are captured once per rank and replayed with fresh data each time;

@@ -34,6 +34,7 @@ TEST(Gpu1_SendRecv, GraphReplaysStagedAndZeroCopy) {
   runSendRecvReplays(*comm, std::size_t{1} << 20, 1000, /*zeroCopy=*/false);
   runSendRecvReplays(*comm, (std::size_t{1} << 20) + 3, 1000, /*zeroCopy=*/true);
   runSendRecvReplays(*comm, 4093, 1000, /*zeroCopy=*/false);  // LL mode across the wrap
+  runSendRecvReplays(*comm, 4093, 1000, /*zeroCopy=*/true, ZeroCopyEngine::kCopyEngine);
 }
 
 // Produce / consume hooks (fp8 quantisation, weighted accumulation) against a host reference.
@@ -100,6 +101,7 @@ TEST(Gpu1_Ring, AllGatherEmulatedRanks) {
       runAllGatherRing(*comm, chunk, true, 1);
     }
     runAllGatherRing(*comm, (std::size_t{256} << 10) + 16, true, 100);
+    runAllGatherRing(*comm, (std::size_t{3} << 20) + 16, true, 10);  // steps by the copy engine
   }
 }
 

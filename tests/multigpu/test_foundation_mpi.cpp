@@ -74,6 +74,7 @@ TEST(Mpi_SendRecv, CasesAndReplays) {
   runSendRecvReplays(*comm, std::size_t{1} << 20, 1000, false);
   runSendRecvReplays(*comm, (std::size_t{1} << 20) + 3, 1000, true);
   runSendRecvReplays(*comm, 100, 1000, false);  // LL mode
+  runSendRecvReplays(*comm, (std::size_t{4} << 20) + 3, 1000, true);  // zero-copy by the copy engine
 }
 
 TEST(Mpi_SendRecv, ForcedRemoteThroughNccl) {
@@ -96,6 +97,7 @@ TEST(Mpi_Ring, AllGatherAndReduceScatter) {
   GRAPHEP_REQUIRE_MPI_GPUS();
   auto comm = createMpiCommunicator(-1, false);
   runAllGatherRing(*comm, (std::size_t{1} << 20) + 16, true, 100);
+  runAllGatherRing(*comm, (std::size_t{4} << 20) + 16, true, 20);  // steps by the copy engine
   runAllGatherRing(*comm, 4095, false, 1);
   runReduceScatterRing(*comm, 1001, true, 1);
   runReduceScatterRing(*comm, std::size_t{1} << 18, false, 100);

@@ -25,6 +25,7 @@ TEST(Gpu2_SendRecv, GraphReplaysStagedAndZeroCopy) {
   runSendRecvReplays(*comm, std::size_t{1} << 20, 1000, false);
   runSendRecvReplays(*comm, (std::size_t{1} << 20) + 3, 1000, true);
   runSendRecvReplays(*comm, std::size_t{256} << 10, 1000, false);  // LL mode, full capacity (16 x 16 KiB)
+  runSendRecvReplays(*comm, (std::size_t{4} << 20) + 3, 1000, true);  // zero-copy by the copy engine
 }
 
 // GRAPHEP_FORCE_TRANSPORT=remote: every byte goes through NCCL send/recv (eager and captured).
@@ -86,6 +87,7 @@ TEST(Gpu2_Ring, AllGatherAndReduceScatter) {
     runAllGatherRing(*comm, chunk, true, 1);
   }
   runAllGatherRing(*comm, std::size_t{1} << 20, true, 1000);
+  runAllGatherRing(*comm, (std::size_t{4} << 20) + 16, true, 100);  // steps by the copy engine
   for (std::size_t count : {std::size_t{1}, std::size_t{1001}, std::size_t{16} << 20}) {
     runReduceScatterRing(*comm, count, false, 1);
     runReduceScatterRing(*comm, count, true, 1);
