@@ -1,6 +1,7 @@
 // alltoallv with equal counts: S = bytes each rank sends in total, S / R to every rank (itself
 // included). algbw = S / time, busbw = algbw * (R - 1) / R (nccl-tests alltoall).
-//   graphep     Movers::allToAllv, counts and offsets in device memory
+//   graphep     Movers::allToAllv, counts and offsets in device memory: staged ("equal counts"),
+//               or zero-copy into the user region ("equal counts zero-copy")
 //   baseline    NCCL grouped ncclSend/ncclRecv to every rank (nccl-tests' alltoall), in a graph
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -19,7 +20,7 @@ namespace graphep::bench {
 
 std::vector<Row> runAllToAllv(const Options& o, Ranks& r) {
   const int R = 2;
-  MoverBench mb = makeMoverBench(o, r, 0);
+  MoverBench mb = makeMoverBench(o, r, std::max<std::size_t>(o.maxBytes, 16));  // zero-copy dst
   auto& heap = mb.heap;
   auto& movers = mb.movers;
   std::vector<char*> src(static_cast<size_t>(r.numLocal())), dst(static_cast<size_t>(r.numLocal()));
@@ -67,34 +68,39 @@ std::vector<Row> runAllToAllv(const Options& o, Ranks& r) {
       });
       ncclUs = timeOps(o, r, execs);
     }
-    for (int i = 0; i < r.numLocal(); ++i) {
-      GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[static_cast<size_t>(i)]));
-      GRAPHEP_CUDA_CHECK(cudaMemset(dst[static_cast<size_t>(i)], 0xa5, cap));
+    for (bool zeroCopy : {false, true}) {
+      auto out = [&](int i) { return zeroCopy ? heap->user(i) : dst[static_cast<size_t>(i)]; };
+      for (int i = 0; i < r.numLocal(); ++i) {
+        GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[static_cast<size_t>(i)]));
+        GRAPHEP_CUDA_CHECK(cudaMemset(out(i), 0xa5, cap));
+      }
+      auto execs = captureOps(o, r, [&](int i, cudaStream_t s) {
+        AllToAllvArgs a;
+        const std::uint64_t* d = counts[static_cast<size_t>(i)];
+        a.src = src[static_cast<size_t>(i)];
+        a.srcBytes = cap;
+        a.dst = out(i);
+        a.dstBytes = cap;
+        a.sendCounts = d;
+        a.sendOffsets = d + R;
+        a.recvCounts = d + 2 * R;
+        a.recvOffsets = d + 3 * R;
+        a.maxBytesPerPeer = per;
+        a.channelsPerPeer = o.sms;
+        a.zeroCopy = zeroCopy;
+        movers[static_cast<size_t>(i)].allToAllv(s, a);
+      });
+      const double us = timeOps(o, r, execs);
+      long long w = 0;
+      for (int i = 0; o.check && i < r.numLocal(); ++i) {
+        for (int q = 0; q < R; ++q) w += checkBytes(r, i, out(i) + per * q, per, salt(q, r.rank(i)));
+      }
+      const double algbw = us > 0 ? static_cast<double>(per * R) / (us * 1e3) : 0;
+      Row row{"alltoallv", zeroCopy ? "equal counts zero-copy" : "equal counts", per * R, us, algbw,
+              algbw * (R - 1) / R, totalOverRanks(r, w), ncclUs, ""};
+      printRow(row);
+      rows.push_back(row);
     }
-    auto execs = captureOps(o, r, [&](int i, cudaStream_t s) {
-      AllToAllvArgs a;
-      const std::uint64_t* d = counts[static_cast<size_t>(i)];
-      a.src = src[static_cast<size_t>(i)];
-      a.srcBytes = cap;
-      a.dst = dst[static_cast<size_t>(i)];
-      a.dstBytes = cap;
-      a.sendCounts = d;
-      a.sendOffsets = d + R;
-      a.recvCounts = d + 2 * R;
-      a.recvOffsets = d + 3 * R;
-      a.maxBytesPerPeer = per;
-      a.channelsPerPeer = o.sms;
-      movers[static_cast<size_t>(i)].allToAllv(s, a);
-    });
-    const double us = timeOps(o, r, execs);
-    long long w = 0;
-    for (int i = 0; o.check && i < r.numLocal(); ++i) {
-      for (int q = 0; q < R; ++q) w += checkBytes(r, i, dst[static_cast<size_t>(i)] + per * q, per, salt(q, r.rank(i)));
-    }
-    const double algbw = us > 0 ? static_cast<double>(per * R) / (us * 1e3) : 0;
-    Row row{"alltoallv", "equal counts", per * R, us, algbw, algbw * (R - 1) / R, totalOverRanks(r, w), ncclUs, ""};
-    printRow(row);
-    rows.push_back(row);
     requireNoDeviceError(*heap);
   }
   for (int i = 0; i < r.numLocal(); ++i) {

@@ -383,6 +383,11 @@ std::string describeDeviceError(const DeviceErrorRecord& rec) {
           "rank %d: the transfer for peer %d ends at byte %u but the buffer holds %u; it was "
           "dropped, nothing was written (%u error(s) in total)",
           rec.rank, rec.peer, rec.observed, rec.expected, rec.count);
+    case DeviceErrorKind::kCountMismatch:
+      return detail::format(
+          "rank %d has %u bytes for peer %d, which expects %u (%s): both ends must pass the same "
+          "count; nothing was sent (%u error(s) in total)",
+          rec.rank, rec.observed, rec.peer, rec.expected, waitSiteName(rec.site), rec.count);
     case DeviceErrorKind::kNone:
       break;
   }

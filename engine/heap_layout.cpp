@@ -121,6 +121,10 @@ HeapLayout carveHeap(const HeapConfig& cfg, std::size_t capacity) {
   // moverSendStep / moverRecvStep: R peers x B x u32. Local monotonic chunk counters.
   l.moverSendStep = a.carve("moverSendStep", R * B, kU32, 256);
   l.moverRecvStep = a.carve("moverRecvStep", R * B, kU32, 256);
+  // moverMailbox: R source peers x B x {u64 offset, u64 bytes}. A zero-copy receiver that chooses
+  // where its bytes land (alltoallv) writes the place into its sender's mailbox before the ready
+  // flag's release; the sender reads it after acquiring ready. Plain data, starts at 0.
+  l.moverMailbox = a.carve("moverMailbox", R * B * 2, sizeof(std::uint64_t), 256);
   // user: userBytes x u8. Symmetric scratch for callers; 4 KiB aligned for vector access.
   l.user = a.carve("user", cfg.userBytes, 1, 4096);
   // staging: R source peers x B x moverSlots x moverSlotBytes. The peer's sender writes chunks

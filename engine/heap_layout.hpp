@@ -48,6 +48,7 @@ struct HeapLayout {
   std::size_t semCount = 0, semArrived = 0, semConsumed = 0;
   std::size_t flagInbox = 0, flagStep = 0, epochs = 0;
   std::size_t moverHead = 0, moverTail = 0, moverReady = 0, moverSendStep = 0, moverRecvStep = 0;
+  std::size_t moverMailbox = 0;
   std::size_t user = 0;
   std::size_t staging = 0;
   std::size_t ll = 0;

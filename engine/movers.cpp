@@ -409,6 +409,16 @@ AllToAllvParams Movers::allToAllvParams(const AllToAllvArgs& a) const {
   p.sendOffsets = a.sendOffsets;
   p.recvCounts = a.recvCounts;
   p.recvOffsets = a.recvOffsets;
+  if (a.zeroCopy) {
+    const char* user = heap_->user(local_);
+    const char* d = static_cast<const char*>(a.dst);
+    GRAPHEP_REQUIRE(a.dstBytes == 0 || (d >= user && d + a.dstBytes <= user + cfg.userBytes),
+                    Status::kInvalidArgument,
+                    "allToAllv: zero-copy dst [%p, +%zu) is not inside this rank's %zu-byte user region",
+                    a.dst, a.dstBytes, cfg.userBytes);
+    p.zeroCopy = 1;
+    p.dstUserOffset = a.dstBytes == 0 ? 0 : static_cast<std::uint64_t>(d - user);
+  }
   const std::size_t maxBytes = a.maxBytesPerPeer > 0 ? a.maxBytesPerPeer : std::max(a.srcBytes, a.dstBytes);
   const int full = a.channelsPerPeer > 0 ? a.channelsPerPeer : channelsFor(maxBytes);
   int next = 0;
@@ -438,6 +448,17 @@ AllToAllvParams Movers::allToAllvParams(const AllToAllvArgs& a) const {
     } else if (route == Route::kLoadStore) {
       p.send[q] = sendLink(q);
       p.recv[q] = recvLink(q);
+      if (a.zeroCopy) {
+        const std::size_t B = static_cast<std::size_t>(cfg.moverBlocks);
+        auto mailbox = [&](char* base, int slot) {
+          return reinterpret_cast<std::uint64_t*>(base + heap_->layout().moverMailbox) +
+                 static_cast<std::size_t>(slot) * B * 2;
+        };
+        p.send[q].direct = heap_->peerUser(local_, q);
+        p.send[q].mailbox = mailbox(heap_->base(local_), q);              // q writes it
+        p.recv[q].direct = 1;
+        p.recv[q].mailbox = mailbox(heap_->peerBase(local_, q), me);      // in q's heap
+      }
     }
   }
   p.firstChannel[R] = static_cast<std::uint16_t>(next);

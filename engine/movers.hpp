@@ -82,6 +82,9 @@ struct AllToAllvArgs {
   // equal on every rank (as the buffers' capacities are, in an engine built from one config).
   std::size_t maxBytesPerPeer = 0;  // sizes the channel counts (0: the larger capacity)
   int channelsPerPeer = 0;          // 0: from maxBytesPerPeer and each peer's topology class
+  // dst lies in this rank's user region: load/store peers write straight into it (each receiving
+  // channel tells its sender where, with its ready flag), no staging. Every rank passes the same.
+  bool zeroCopy = false;
 };
 
 struct MoverOptions {

@@ -95,6 +95,7 @@ __global__ void __launch_bounds__(2 * kMaxWarpsPerRole * 32)
     const std::uint64_t off = p.recvOffsets[peer];
     l.bytes = checkedCount(p, off, p.recvCounts[peer], p.dstBytes, peer, c == 0 && tid == 0);
     l.dst = p.dst + off;
+    l.mailboxBase = p.dstUserOffset + off;
     shape.numChannels = activeChannels(l.bytes, p.minBytesPerChannel, avail);
     if (c >= shape.numChannels) return;
     pipeRecv<NvlTransport, Consume::kCopy>(p.sync, shape, l, c, kRecvBarrier, tid, roleThreads,

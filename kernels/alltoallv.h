@@ -6,6 +6,8 @@
 // chosen on the host from the peer's topology class). A peer's transfer of B bytes uses only
 // ceil(B / minBytesPerChannel) of its channels (at most all): the rest are masked at run time.
 // Both ends derive the same number from the same count. The rank's own block is a local copy.
+// Zero-copy (dst in the user region): each receiving channel publishes where its bytes land in its
+// sender's mailbox with its ready flag, and the sender writes them there directly.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -32,6 +34,12 @@ struct AllToAllvParams {
   const std::uint64_t* sendOffsets;
   const std::uint64_t* recvCounts;
   const std::uint64_t* recvOffsets;
+
+  // Zero-copy: load/store peers write straight into dst, which lies dstUserOffset bytes into this
+  // rank's user region (send[p].direct is p's user region, send[p].mailbox where p publishes the
+  // place of each channel's bytes); no staging.
+  std::uint32_t zeroCopy;
+  std::uint64_t dstUserOffset;
 
   SendLink send[kMaxRanks];  // channel tables per peer (src/bytes filled in by the kernel)
   RecvLink recv[kMaxRanks];

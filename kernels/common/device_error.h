@@ -14,6 +14,7 @@ enum class DeviceErrorKind : std::uint32_t {
   kTimeout = 1,             // a bounded spin-wait expired
   kSemaphoreUnderflow = 2,  // a consume found fewer arrivals than it subtracts (protocol bug)
   kOutOfBounds = 3,         // a device-resident count/offset pointed past its buffer: dropped
+  kCountMismatch = 4,       // the two ends of a transfer disagree on its byte count: not sent
 };
 
 // What a wait was waiting for. One code per wait site in the kernels; names in device_error.cpp.
@@ -28,6 +29,9 @@ enum class WaitSite : std::uint32_t {
   kMoverData = 7,         // sendrecv receiver waiting for a chunk (head)
   kMoverReady = 8,        // zero-copy sender waiting for the receiver to start (ready)
   kAllToAllvBounds = 9,   // alltoallv count/offset check (expected = capacity, observed = end)
+  kZeroCopyExtent = 10,   // zero-copy sender: the receiver's published byte count differs from
+                          // the sender's (kCountMismatch: expected = receiver's, observed =
+                          // sender's; nothing sent)
 };
 
 struct DeviceErrorRecord {
@@ -55,6 +59,7 @@ __host__ __device__ inline const char* waitSiteName(std::uint32_t site) {
     case WaitSite::kMoverData: return "sendrecv: receiver waiting for data";
     case WaitSite::kMoverReady: return "sendrecv: zero-copy sender waiting for the receiver";
     case WaitSite::kAllToAllvBounds: return "alltoallv: count and offset within the buffer";
+    case WaitSite::kZeroCopyExtent: return "zero-copy: receiver's and sender's byte counts agree";
   }
   return "unknown wait site";
 }

@@ -7,6 +7,8 @@
 //   zero-copy sender:   wait ready >= s0 + 1 | put the whole range into the peer's dst |
 //                       signal head = s0 + n
 //   zero-copy receiver: signal ready = s0 + 1 | wait head >= s0 + n | signal tail = s0 + n
+//   (a receiver that chooses where the bytes land, alltoallv, writes {offset, bytes} into the
+//   sender's mailbox before ready; the sender checks the bytes against its own count)
 // s counts chunks on this (peer, channel) across launches and lives in device memory; n >= 1 for
 // zero-copy so every zero-copy launch has its own ready value. Both ends must derive the same n.
 #pragma once
@@ -138,16 +140,33 @@ __device__ void pipeSend(const SyncHandle& sync, const PipeShape& shape, const S
   channelRange(l.bytes, shape.numChannels, c, &begin, &end);
   const std::uint32_t step0 = l.step[c];
   if (l.direct != nullptr) {
-    const std::uint32_t n = zeroCopySteps(end - begin, shape.slotBytes);
+    std::uint32_t n = zeroCopySteps(end - begin, shape.slotBytes);  // used by thread 0
+    __shared__ char* dstShared;  // this role's destination (from the mailbox when there is one)
     if (tid == 0) {
-      *abortFlag = Transport::wait(sync, l.ready + c, readyValue(step0), l.peer,
-                                   WaitSite::kMoverReady)
-                       ? 0
-                       : 1;
+      bool ok = Transport::wait(sync, l.ready + c, readyValue(step0), l.peer, WaitSite::kMoverReady);
+      char* dst = l.direct + begin;
+      if (ok && l.mailbox != nullptr) {
+        // Written before the ready flag this thread just acquired.
+        const volatile std::uint64_t* box = l.mailbox + 2u * c;
+        const std::uint64_t off = box[0], len = box[1];
+        if (len != end - begin) {
+          reportDeviceError(sync.error, DeviceErrorKind::kCountMismatch, sync.rank, l.peer,
+                            WaitSite::kZeroCopyExtent, static_cast<std::uint32_t>(len),
+                            static_cast<std::uint32_t>(end - begin), 0, l.mailbox + 2u * c);
+          // Send nothing, but signal the steps the receiver counts: it must not hang, and both
+          // ends' steps stay in lockstep.
+          dst = nullptr;
+          n = zeroCopySteps(len, shape.slotBytes);
+        } else {
+          dst = l.direct + off;
+        }
+      }
+      dstShared = dst;
+      *abortFlag = ok ? 0 : 1;
     }
     roleBarrier(barrierId, nthreads);
     if (*abortFlag) return;
-    Transport::put(l.direct + begin, l.src + begin, end - begin, tid, nthreads);
+    if (dstShared != nullptr) Transport::put(dstShared, l.src + begin, end - begin, tid, nthreads);
     roleBarrier(barrierId, nthreads);
     if (tid == 0) {
       Transport::signal(l.head + c, step0 + n);
@@ -173,6 +192,12 @@ __device__ void pipeRecv(const SyncHandle& sync, const PipeShape& shape, const R
   if (l.direct) {
     const std::uint32_t n = zeroCopySteps(end - begin, shape.slotBytes);
     if (tid == 0) {
+      // Where this channel's bytes land, for a sender that does not know (ordered before ready
+      // by the fence in signal).
+      if (l.mailbox != nullptr) {
+        l.mailbox[2u * c] = l.mailboxBase + begin;
+        l.mailbox[2u * c + 1u] = end - begin;
+      }
       // Everything this stream ran before is done with dst: the sender may overwrite it.
       Transport::signal(l.ready + c, readyValue(step0));
       const bool ok = Transport::wait(sync, l.head + c, step0 + n, l.peer, WaitSite::kMoverData);

@@ -165,6 +165,10 @@ struct SendLink {
   std::uint64_t bytes;
   char* staging;             // peer's slots for this rank: [channel][slot][slotBytes]
   char* direct;              // zero-copy destination in the peer's memory, or nullptr
+  // Zero-copy to a receiver that publishes where its bytes land (alltoallv): [channel] {offset
+  // from direct, bytes} in local memory, written by the receiver before its ready flag; nullptr:
+  // direct + the channel's range is the destination.
+  const std::uint64_t* mailbox;
   std::uint32_t* head;       // peer's head flags for this rank: [channel]
   const std::uint32_t* tail;   // local tail flags from the peer: [channel]
   const std::uint32_t* ready;  // local ready flags from the peer: [channel]
@@ -181,6 +185,8 @@ struct RecvLink {
   char* dst;
   std::uint64_t bytes;
   std::int32_t direct;       // zero-copy: the peer writes into dst itself
+  std::uint64_t* mailbox;    // zero-copy: the peer's mailbox for this rank ([channel][2]), or nullptr
+  std::uint64_t mailboxBase; // offset of dst from the sender's direct base (with mailbox)
   Consume consume;
   const char* addend;        // reductions: this rank's operand, same layout as dst
   const float* weights;      // weighted reductions: one weight per row of rowBytes bytes

@@ -359,13 +359,20 @@ void uploadCounts(CountArrays& ca, const std::vector<std::vector<std::uint64_t>>
   GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(ca.d, ca.host.data(), ca.host.size() * 8, cudaMemcpyHostToDevice, stream));
 }
 
-AllToAllvArgs allToAllvArgs(const Fixture& f, int l, const CountArrays& ca, std::size_t cap) {
+// The destination: the rank's own buffer, or (zero-copy) its user region.
+char* allToAllvDst(const Fixture& f, int l, bool zeroCopy) {
+  return zeroCopy ? f.heap->user(l) : f.bufs[static_cast<size_t>(l)].dst;
+}
+
+AllToAllvArgs allToAllvArgs(const Fixture& f, int l, const CountArrays& ca, std::size_t cap,
+                            bool zeroCopy) {
   const int R = f.heap->worldSize();
   AllToAllvArgs a;
   a.src = f.bufs[static_cast<size_t>(l)].src;
   a.srcBytes = cap;
-  a.dst = f.bufs[static_cast<size_t>(l)].dst;
+  a.dst = allToAllvDst(f, l, zeroCopy);
   a.dstBytes = cap;
+  a.zeroCopy = zeroCopy;
   a.sendCounts = ca.d;
   a.sendOffsets = ca.d + R;
   a.recvCounts = ca.d + 2 * R;
@@ -375,7 +382,9 @@ AllToAllvArgs allToAllvArgs(const Fixture& f, int l, const CountArrays& ca, std:
 
 }  // namespace
 
-void runAllToAllv(Communicator& comm, CountPattern pattern, std::size_t maxPerPeer, int replays) {
+void runAllToAllv(Communicator& comm, CountPattern pattern, std::size_t maxPerPeer, int replays,
+                  bool zeroCopy) {
+  SCOPED_TRACE(zeroCopy ? "alltoallv zero-copy" : "alltoallv staged");
   const int R = comm.worldSize();
   const std::size_t cap = maxPerPeer * static_cast<std::size_t>(R);
   Fixture f(comm, cap, std::size_t{64} << 10, kNearWrap);
@@ -387,7 +396,7 @@ void runAllToAllv(Communicator& comm, CountPattern pattern, std::size_t maxPerPe
   }
   std::vector<std::vector<std::uint64_t>> m;
   auto args = [&](int l) {
-    AllToAllvArgs a = allToAllvArgs(f, l, ca[static_cast<size_t>(l)], cap);
+    AllToAllvArgs a = allToAllvArgs(f, l, ca[static_cast<size_t>(l)], cap, zeroCopy);
     a.maxBytesPerPeer = maxPerPeer;
     return a;
   };
@@ -407,14 +416,14 @@ void runAllToAllv(Communicator& comm, CountPattern pattern, std::size_t maxPerPe
           GRAPHEP_CUDA_CHECK(launchFillPattern(f.bufs[static_cast<size_t>(l)].src + h[static_cast<size_t>(R + q)],
                                                h[static_cast<size_t>(q)], seed, me * 64 + q, s));
         }
-        GRAPHEP_CUDA_CHECK(cudaMemsetAsync(f.bufs[static_cast<size_t>(l)].dst, kPoison, cap + kSlack, s));
+        GRAPHEP_CUDA_CHECK(cudaMemsetAsync(allToAllvDst(f, l, zeroCopy), kPoison, cap + kSlack, s));
       },
       [&](int l, cudaStream_t s, std::uint64_t seed) {
         const int me = f.heap->rank(l);
         const auto& h = ca[static_cast<size_t>(l)].host;
         for (int q = 0; q < R; ++q) {
           GRAPHEP_CUDA_CHECK(launchCountMismatches(
-              f.bufs[static_cast<size_t>(l)].dst + h[static_cast<size_t>(3 * R + q)], h[static_cast<size_t>(2 * R + q)],
+              allToAllvDst(f, l, zeroCopy) + h[static_cast<size_t>(3 * R + q)], h[static_cast<size_t>(2 * R + q)],
               seed, q * 64 + me, f.bufs[static_cast<size_t>(l)].wrong, s));
         }
       });
@@ -424,7 +433,8 @@ void runAllToAllv(Communicator& comm, CountPattern pattern, std::size_t maxPerPe
   }
 }
 
-void runAllToAllvOutOfBounds(Communicator& comm) {
+void runAllToAllvOutOfBounds(Communicator& comm, bool zeroCopy) {
+  SCOPED_TRACE(zeroCopy ? "alltoallv zero-copy" : "alltoallv staged");
   const int R = comm.worldSize();
   const std::size_t perPeer = 4096;
   const std::size_t cap = perPeer * static_cast<std::size_t>(R);
@@ -439,14 +449,15 @@ void runAllToAllvOutOfBounds(Communicator& comm) {
     GRAPHEP_CUDA_CHECK(cudaMalloc(&ca[static_cast<size_t>(l)].d, 4 * static_cast<size_t>(R) * 8));
     uploadCounts(ca[static_cast<size_t>(l)], m, f.heap->rank(l), f.bufs[static_cast<size_t>(l)].stream,
                  perPeer);
-    GRAPHEP_CUDA_CHECK(cudaMemsetAsync(f.bufs[static_cast<size_t>(l)].dst, kPoison, cap + kSlack,
+    GRAPHEP_CUDA_CHECK(cudaMemsetAsync(allToAllvDst(f, l, zeroCopy), kPoison, cap + kSlack,
                                        f.bufs[static_cast<size_t>(l)].stream));
   }
   f.syncAll();
   for (int l = 0; l < L; ++l) {
     GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
-    f.movers[static_cast<size_t>(l)].allToAllv(f.bufs[static_cast<size_t>(l)].stream,
-                                               allToAllvArgs(f, l, ca[static_cast<size_t>(l)], cap));
+    f.movers[static_cast<size_t>(l)].allToAllv(
+        f.bufs[static_cast<size_t>(l)].stream,
+        allToAllvArgs(f, l, ca[static_cast<size_t>(l)], cap, zeroCopy));
   }
   f.syncAll();
   for (int l = 0; l < L; ++l) {
@@ -458,6 +469,59 @@ void runAllToAllvOutOfBounds(Communicator& comm) {
       EXPECT_NE(f.heap->errorMessage(l).find("dropped"), std::string::npos) << f.heap->errorMessage(l);
     } else {
       EXPECT_EQ(f.heap->errorMessage(l), "") << "rank " << me;
+    }
+    cudaSetDevice(f.heap->device(l));
+    cudaFree(ca[static_cast<size_t>(l)].d);
+  }
+}
+
+void runAllToAllvZeroCopyMismatch(Communicator& comm) {
+  const int R = comm.worldSize();
+  const std::size_t perPeer = 4096;
+  const std::size_t cap = perPeer * static_cast<std::size_t>(R);
+  Fixture f(comm, cap, std::size_t{64} << 10, 0);
+  const int L = f.heap->numLocalRanks();
+  auto m = countMatrix(CountPattern::kEqual, R, perPeer, 1);
+  std::vector<CountArrays> ca(static_cast<size_t>(L));
+  for (int l = 0; l < L; ++l) {
+    const int me = f.heap->rank(l);
+    cudaStream_t s = f.bufs[static_cast<size_t>(l)].stream;
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&ca[static_cast<size_t>(l)].d, 4 * static_cast<size_t>(R) * 8));
+    uploadCounts(ca[static_cast<size_t>(l)], m, me, s, perPeer);
+    if (me == 1) {  // rank 1 expects one byte less from rank 0 than rank 0 sends
+      const std::uint64_t fewer = perPeer - 1;
+      GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(ca[static_cast<size_t>(l)].d + 2 * R + 0, &fewer, 8,
+                                         cudaMemcpyHostToDevice, s));
+    }
+    GRAPHEP_CUDA_CHECK(cudaMemsetAsync(allToAllvDst(f, l, true), kPoison, cap + kSlack, s));
+    GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(s));
+  }
+  f.syncAll();
+  for (int l = 0; l < L; ++l) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+    f.movers[static_cast<size_t>(l)].allToAllv(
+        f.bufs[static_cast<size_t>(l)].stream, allToAllvArgs(f, l, ca[static_cast<size_t>(l)], cap, true));
+  }
+  f.syncAll();  // returns: the receiver's wait completes although nothing was sent
+  for (int l = 0; l < L; ++l) {
+    const int me = f.heap->rank(l);
+    const DeviceErrorRecord rec = f.heap->errorRecord(l);
+    if (me == 0) {
+      EXPECT_EQ(rec.kind, static_cast<std::uint32_t>(DeviceErrorKind::kCountMismatch));
+      EXPECT_EQ(rec.site, static_cast<std::uint32_t>(WaitSite::kZeroCopyExtent));
+      EXPECT_EQ(rec.peer, 1);
+      EXPECT_EQ(rec.expected, perPeer - 1);
+      EXPECT_EQ(rec.observed, perPeer);
+      EXPECT_NE(f.heap->errorMessage(l).find("expects 4095"), std::string::npos) << f.heap->errorMessage(l);
+    } else {
+      EXPECT_EQ(f.heap->errorMessage(l), "") << "rank " << me;
+    }
+    if (me == 1) {  // rank 0's segment was not written: still poisoned
+      std::vector<unsigned char> seg(perPeer - 1);
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+      GRAPHEP_CUDA_CHECK(cudaMemcpy(seg.data(), allToAllvDst(f, l, true), seg.size(), cudaMemcpyDeviceToHost));
+      EXPECT_EQ(std::count(seg.begin(), seg.end(), kPoison), static_cast<long>(seg.size()));
     }
     cudaSetDevice(f.heap->device(l));
     cudaFree(ca[static_cast<size_t>(l)].d);
@@ -752,24 +816,34 @@ void runAgainstNccl(Communicator& comm, std::size_t maxBytes) {
       GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
       GRAPHEP_CUDA_CHECK(launchFillPattern(srcOf(l), cap, seed, f.heap->rank(l), stream(l)));
     }
-    compare(
-        "sendrecv ring" + tag, dstOf, [&](int) { return S; },
-        [&](int l, cudaStream_t s) {
-          const int me = f.heap->rank(l);
-          SendRecvArgs a;
-          a.sendPeer = (me + 1) % R;
-          a.src = srcOf(l);
-          a.sendBytes = S;
-          a.recvPeer = (me + R - 1) % R;
-          a.dst = dstOf(l);
-          a.recvBytes = S;
-          f.movers[static_cast<size_t>(l)].sendRecv(s, a);
-        },
-        [&](int l, cudaStream_t s, ncclComm_t c) {
-          const int me = f.heap->rank(l);
-          GRAPHEP_NCCL_CHECK(ncclSend(srcOf(l), S, ncclChar, (me + 1) % R, c, s));
-          GRAPHEP_NCCL_CHECK(ncclRecv(ref[static_cast<size_t>(l)], S, ncclChar, (me + R - 1) % R, c, s));
-        });
+    // Staged (LL when small), zero-copy by the SMs, zero-copy by the copy engine.
+    for (int mode = 0; mode < 3; ++mode) {
+      auto out = [&](int l) { return mode > 0 ? f.heap->user(l) : dstOf(l); };
+      compare(
+          std::string("sendrecv ring ") + (mode == 0 ? "staged" : mode == 1 ? "zero-copy SM" : "zero-copy CE") + tag,
+          out, [&](int) { return S; },
+          [&](int l, cudaStream_t s) {
+            const int me = f.heap->rank(l);
+            SendRecvArgs a;
+            a.sendPeer = (me + 1) % R;
+            a.src = srcOf(l);
+            a.sendBytes = S;
+            a.recvPeer = (me + R - 1) % R;
+            a.dst = out(l);
+            a.recvBytes = S;
+            if (mode > 0) {
+              a.sendToUserOffset = 0;
+              a.recvZeroCopy = true;
+              a.zeroCopyEngine = mode == 1 ? ZeroCopyEngine::kSm : ZeroCopyEngine::kCopyEngine;
+            }
+            f.movers[static_cast<size_t>(l)].sendRecv(s, a);
+          },
+          [&](int l, cudaStream_t s, ncclComm_t c) {
+            const int me = f.heap->rank(l);
+            GRAPHEP_NCCL_CHECK(ncclSend(srcOf(l), S, ncclChar, (me + 1) % R, c, s));
+            GRAPHEP_NCCL_CHECK(ncclRecv(ref[static_cast<size_t>(l)], S, ncclChar, (me + R - 1) % R, c, s));
+          });
+    }
     for (bool zeroCopy : {false, true}) {
       auto out = [&](int l) { return zeroCopy ? f.heap->user(l) : dstOf(l); };
       compare(
@@ -812,25 +886,29 @@ void runAgainstNccl(Communicator& comm, std::size_t maxBytes) {
       GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
       uploadCounts(ca[static_cast<size_t>(l)], m, f.heap->rank(l), stream(l));
     }
-    compare(
-        "alltoallv random counts" + tag, dstOf,
-        [&](int l) {
-          std::uint64_t total = 0;
-          for (int q = 0; q < R; ++q) total += ca[static_cast<size_t>(l)].host[static_cast<size_t>(2 * R + q)];
-          return static_cast<std::size_t>(total);
-        },
-        [&](int l, cudaStream_t s) {
-          f.movers[static_cast<size_t>(l)].allToAllv(s, allToAllvArgs(f, l, ca[static_cast<size_t>(l)], cap));
-        },
-        [&](int l, cudaStream_t s, ncclComm_t c) {
-          const auto& h = ca[static_cast<size_t>(l)].host;
-          for (int q = 0; q < R; ++q) {
-            GRAPHEP_NCCL_CHECK(ncclSend(srcOf(l) + h[static_cast<size_t>(R + q)], h[static_cast<size_t>(q)],
-                                        ncclChar, q, c, s));
-            GRAPHEP_NCCL_CHECK(ncclRecv(ref[static_cast<size_t>(l)] + h[static_cast<size_t>(3 * R + q)],
-                                        h[static_cast<size_t>(2 * R + q)], ncclChar, q, c, s));
-          }
-        });
+    for (bool zeroCopy : {false, true}) {
+      compare(
+          std::string("alltoallv random counts") + (zeroCopy ? " zero-copy" : " staged") + tag,
+          [&](int l) { return allToAllvDst(f, l, zeroCopy); },
+          [&](int l) {
+            std::uint64_t total = 0;
+            for (int q = 0; q < R; ++q) total += ca[static_cast<size_t>(l)].host[static_cast<size_t>(2 * R + q)];
+            return static_cast<std::size_t>(total);
+          },
+          [&](int l, cudaStream_t s) {
+            f.movers[static_cast<size_t>(l)].allToAllv(
+                s, allToAllvArgs(f, l, ca[static_cast<size_t>(l)], cap, zeroCopy));
+          },
+          [&](int l, cudaStream_t s, ncclComm_t c) {
+            const auto& h = ca[static_cast<size_t>(l)].host;
+            for (int q = 0; q < R; ++q) {
+              GRAPHEP_NCCL_CHECK(ncclSend(srcOf(l) + h[static_cast<size_t>(R + q)], h[static_cast<size_t>(q)],
+                                          ncclChar, q, c, s));
+              GRAPHEP_NCCL_CHECK(ncclRecv(ref[static_cast<size_t>(l)] + h[static_cast<size_t>(3 * R + q)],
+                                          h[static_cast<size_t>(2 * R + q)], ncclChar, q, c, s));
+            }
+          });
+    }
   }
   for (int l = 0; l < L; ++l) {
     cudaSetDevice(f.heap->device(l));

@@ -49,11 +49,17 @@ enum class CountPattern { kEqual, kRandom, kSomePairsZero, kEmpty };
 // alltoallv with counts drawn per run from `pattern` (up to maxPerPeer bytes per pair, packed
 // offsets, so segments are unaligned). With replays > 1 one captured graph per rank is replayed
 // with new counts (written into the device count arrays) and new data every time.
-void runAllToAllv(Communicator& comm, CountPattern pattern, std::size_t maxPerPeer, int replays);
+// zeroCopy: dst is the user region and load/store peers write straight into it.
+void runAllToAllv(Communicator& comm, CountPattern pattern, std::size_t maxPerPeer, int replays,
+                  bool zeroCopy = false);
 
 // A count that overflows both the sender's and the receiver's buffer is dropped on both sides
 // (nothing written, no hang) and reported with kOutOfBounds naming the peer.
-void runAllToAllvOutOfBounds(Communicator& comm);
+void runAllToAllvOutOfBounds(Communicator& comm, bool zeroCopy = false);
+
+// Zero-copy alltoallv where rank 1 expects one byte less from rank 0 than rank 0 sends: rank 0
+// reports kCountMismatch naming rank 1 and both counts, sends nothing, and nobody hangs.
+void runAllToAllvZeroCopyMismatch(Communicator& comm);
 
 }  // namespace graphep::test
 
@@ -73,10 +79,10 @@ void runHookCase(Communicator& comm, HookCase kind, std::size_t units, int repla
 void runHookSuite(Communicator& comm);
 
 // Each mover against NCCL on the same fresh data, byte for byte (destinations poisoned with
-// different bytes first, so a byte either side leaves unwritten shows): ring sendrecv vs grouped
-// ncclSend/ncclRecv, ring all-gather (staged and zero-copy) vs ncclAllGather, ring reduce-scatter
+// different bytes first, so a byte either side leaves unwritten shows): ring sendrecv (staged,
+// zero-copy by the SMs and by the copy engine) vs grouped ncclSend/ncclRecv, ring all-gather (staged and zero-copy) vs ncclAllGather, ring reduce-scatter
 // (fp32, bf16; inputs whose sums are exact) vs ncclReduceScatter, alltoallv with random counts vs
-// grouped send/recv. Sizes 1, 3, 4095 bytes, 64 KiB, 1 MiB and maxBytes per rank. The
+// grouped send/recv (staged and zero-copy). Sizes 1, 3, 4095 bytes, 64 KiB, 1 MiB and maxBytes per rank. The
 // communicator must carry NCCL comms.
 void runAgainstNccl(Communicator& comm, std::size_t maxBytes);
 

@@ -130,6 +130,10 @@ TEST(Gpu1_AllToAllv, EmulatedRanksPatternsAndReplays) {
     }
     runAllToAllv(*comm, CountPattern::kRandom, std::size_t{1} << 20, 1);
     runAllToAllv(*comm, CountPattern::kSomePairsZero, (std::size_t{16} << 10) + 3, 200);
+    for (CountPattern pat : {CountPattern::kEqual, CountPattern::kRandom, CountPattern::kEmpty}) {
+      runAllToAllv(*comm, pat, (std::size_t{64} << 10) + 5, 1, /*zeroCopy=*/true);
+    }
+    runAllToAllv(*comm, CountPattern::kSomePairsZero, (std::size_t{16} << 10) + 3, 200, true);
   }
 }
 
@@ -137,6 +141,8 @@ TEST(Gpu1_AllToAllv, OverflowingCountIsDroppedAndReported) {
   GRAPHEP_REQUIRE_GPUS(1);
   auto comm = createLocalGroup({0, 0, 0, 0});
   runAllToAllvOutOfBounds(*comm);
+  runAllToAllvOutOfBounds(*comm, /*zeroCopy=*/true);
+  runAllToAllvZeroCopyMismatch(*comm);
 }
 
 }  // namespace

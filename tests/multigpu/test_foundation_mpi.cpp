@@ -124,6 +124,10 @@ TEST(Mpi_AllToAllv, PatternsAndReplays) {
   runAllToAllv(*comm, CountPattern::kRandom, (std::size_t{1} << 20) + 1, 1);
   runAllToAllv(*comm, CountPattern::kSomePairsZero, (std::size_t{64} << 10) + 3, 1000);
   runAllToAllvOutOfBounds(*comm);
+  runAllToAllv(*comm, CountPattern::kRandom, (std::size_t{1} << 20) + 1, 1, /*zeroCopy=*/true);
+  runAllToAllv(*comm, CountPattern::kSomePairsZero, (std::size_t{64} << 10) + 3, 1000, true);
+  runAllToAllvOutOfBounds(*comm, true);
+  runAllToAllvZeroCopyMismatch(*comm);
 }
 
 // Ranks that disagree on the heap config fail at setup, on every rank, naming both sizes.

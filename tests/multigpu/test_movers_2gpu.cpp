@@ -59,12 +59,18 @@ TEST(Gpu2_AllToAllv, PatternsSizesAndReplays) {
   auto comm = createLocalGroup({0, 1});
   for (std::size_t perPeer : {std::size_t{1}, std::size_t{4095}, std::size_t{1} << 20,
                               std::size_t{64} << 20}) {
-    runAllToAllv(*comm, CountPattern::kEqual, perPeer, 1);
-    runAllToAllv(*comm, CountPattern::kRandom, perPeer, 1);
+    for (bool zeroCopy : {false, true}) {
+      runAllToAllv(*comm, CountPattern::kEqual, perPeer, 1, zeroCopy);
+      runAllToAllv(*comm, CountPattern::kRandom, perPeer, 1, zeroCopy);
+    }
   }
   runAllToAllv(*comm, CountPattern::kEmpty, 4096, 1);
+  runAllToAllv(*comm, CountPattern::kEmpty, 4096, 1, true);
   runAllToAllv(*comm, CountPattern::kSomePairsZero, (std::size_t{256} << 10) + 9, 1000);
+  runAllToAllv(*comm, CountPattern::kSomePairsZero, (std::size_t{256} << 10) + 9, 1000, true);
   runAllToAllvOutOfBounds(*comm);
+  runAllToAllvOutOfBounds(*comm, true);
+  runAllToAllvZeroCopyMismatch(*comm);
 }
 
 // alltoallv with every peer remote: fixed-capacity stages through NCCL. Graph replays only: one

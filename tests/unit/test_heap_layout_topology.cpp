@@ -18,7 +18,7 @@ void expectWellFormed(const HeapConfig& cfg) {
   EXPECT_EQ(l.totalBytes, size);
   EXPECT_EQ(size % 4096, 0u);
   std::vector<HeapRegion> r = l.regions;
-  ASSERT_EQ(r.size(), 14u);
+  ASSERT_EQ(r.size(), 15u);
   std::sort(r.begin(), r.end(), [](auto& a, auto& b) { return a.offset < b.offset; });
   for (std::size_t i = 0; i < r.size(); ++i) {
     EXPECT_EQ(r[i].offset % r[i].align, 0u) << r[i].name;
@@ -65,13 +65,14 @@ TEST(Unit_HeapLayout, ClosedFormSize) {
   EXPECT_EQ(l.moverReady, 2560u);
   EXPECT_EQ(l.moverSendStep, 3072u);
   EXPECT_EQ(l.moverRecvStep, 3584u);
-  EXPECT_EQ(l.user, 4096u);     // 4096 rounded up to the 4 KiB alignment
-  EXPECT_EQ(l.staging, 16384u);  // 4096 + 10000 = 14096 -> 16384, no staging bytes
-  EXPECT_EQ(l.ll, 16384u);       // 8 ranks x 16 channels x 2 halves x 8 KiB (4 KiB of data as lines)
-  EXPECT_EQ(l.totalBytes, 16384u + 8 * 16 * 2 * 8192u);
+  EXPECT_EQ(l.moverMailbox, 4096u);  // 8 x 16 x 16 B = 2 KiB
+  EXPECT_EQ(l.user, 8192u);      // 6144 rounded up to the 4 KiB alignment
+  EXPECT_EQ(l.staging, 20480u);  // 8192 + 10000 = 18192 -> 20480, no staging bytes
+  EXPECT_EQ(l.ll, 20480u);       // 8 ranks x 16 channels x 2 halves x 8 KiB (4 KiB of data as lines)
+  EXPECT_EQ(l.totalBytes, 20480u + 8 * 16 * 2 * 8192u);
   cfg.moverSlotBytes = 65536;    // 8 x 16 x 4 slots x 64 KiB = 32 MiB of staging
   EXPECT_EQ(carveHeap(cfg, SIZE_MAX).totalBytes,
-            16384u + (std::size_t{32} << 20) + 8 * 16 * 2 * 8192u);
+            20480u + (std::size_t{32} << 20) + 8 * 16 * 2 * 8192u);
 }
 
 TEST(Unit_HeapLayout, ValidationNamesTheField) {
