@@ -12,6 +12,7 @@ Movers::Movers(const SymmetricHeap& heap, int local, const MoverOptions& options
       local_(local),
       warpsPerRole_(heap.config().moverWarps),
       ceMinBytes_(options.copyEngineMinBytes),
+      a2aZeroCopyMinBytes_(options.allToAllvZeroCopyMinBytes),
       mesh_(heap, local) {
   GRAPHEP_CUDA_CHECK(cudaSetDevice(heap.device(local)));
   if (mesh_.anyRemote() && options.maxRemoteBytesPerPeer > 0) {
@@ -333,6 +334,9 @@ void Movers::allGatherRing(cudaStream_t stream, const void* in, void* out,
     if (zeroCopy) {
       a.sendToUserOffset = outOffset + static_cast<long long>(js * chunkBytes);
       a.recvZeroCopy = true;
+      // Step 0's own-chunk copy would hold a copy-engine transfer back until it ends (stream
+      // order); the SMs overlap the two. Every rank decides alike (k only).
+      if (k == 0) a.zeroCopyEngine = ZeroCopyEngine::kSm;
     }
     sendRecv(stream, a);  // stream order: step k+1 forwards what step k received
   }
@@ -417,6 +421,7 @@ AllToAllvParams Movers::allToAllvParams(const AllToAllvArgs& a) const {
                     "allToAllv: zero-copy dst [%p, +%zu) is not inside this rank's %zu-byte user region",
                     a.dst, a.dstBytes, cfg.userBytes);
     p.zeroCopy = 1;
+    p.zeroCopyMinBytes = a2aZeroCopyMinBytes_;
     p.dstUserOffset = a.dstBytes == 0 ? 0 : static_cast<std::uint64_t>(d - user);
   }
   const std::size_t maxBytes = a.maxBytesPerPeer > 0 ? a.maxBytesPerPeer : std::max(a.srcBytes, a.dstBytes);

@@ -83,7 +83,8 @@ struct AllToAllvArgs {
   std::size_t maxBytesPerPeer = 0;  // sizes the channel counts (0: the larger capacity)
   int channelsPerPeer = 0;          // 0: from maxBytesPerPeer and each peer's topology class
   // dst lies in this rank's user region: load/store peers write straight into it (each receiving
-  // channel tells its sender where, with its ready flag), no staging. Every rank passes the same.
+  // channel tells its sender where, with its ready flag), no staging, for segments of at least
+  // MoverOptions.allToAllvZeroCopyMinBytes. Every rank passes the same.
   bool zeroCopy = false;
 };
 
@@ -96,9 +97,15 @@ struct MoverOptions {
   // thread 0 of each role reads the global timer at phase boundaries. For benchmarks and tuning.
   bool profile = false;
   // Zero-copy transfers of at least this many bytes to load/store peers go by the copy engine
-  // (ZeroCopyEngine::kAuto): about 390 GB/s per direction on NV18 with no SMs, against a fixed
-  // cost of two short launches around the copy. 0: never automatically. Every rank passes the same.
-  std::size_t copyEngineMinBytes = std::size_t{2} << 20;
+  // (ZeroCopyEngine::kAuto): 389 GB/s per direction on NV18 with no SMs, against a fixed cost of
+  // about 20 us for the two launches around the copy (SM zero-copy: 350 GB/s, 16 CTAs; the
+  // crossover is near 32 MiB, docs/PERFORMANCE.md). 0: never automatically. Every rank passes the
+  // same.
+  std::size_t copyEngineMinBytes = std::size_t{64} << 20;
+  // A zero-copy alltoallv (AllToAllvArgs.zeroCopy) moves a peer's segment zero-copy when it holds
+  // at least this many bytes, else staged (faster for small segments): both ends read the same
+  // count when the kernel runs, so they agree. Every rank passes the same.
+  std::size_t allToAllvZeroCopyMinBytes = std::size_t{4} << 20;
 };
 
 // Peers are routed by MeshTransport (engine/transport.hpp): those classified remote (no load/store)
@@ -162,6 +169,7 @@ class Movers {
   int local_;
   int warpsPerRole_;  // the heap's moverWarps
   std::size_t ceMinBytes_;  // MoverOptions.copyEngineMinBytes
+  std::size_t a2aZeroCopyMinBytes_;  // MoverOptions.allToAllvZeroCopyMinBytes
   MeshTransport mesh_;  // per-peer routes: the kernels for load/store peers, NCCL for remote ones
   std::size_t remoteCap_ = 0;
   std::shared_ptr<char> remoteStage_;  // [2][worldSize][remoteCap_]: send stages, receive stages

@@ -38,7 +38,9 @@ struct AllToAllvParams {
   // Zero-copy: load/store peers write straight into dst, which lies dstUserOffset bytes into this
   // rank's user region (send[p].direct is p's user region, send[p].mailbox where p publishes the
   // place of each channel's bytes); no staging.
+  // A segment of fewer than zeroCopyMinBytes goes staged (both ends read the same count).
   std::uint32_t zeroCopy;
+  std::uint64_t zeroCopyMinBytes;
   std::uint64_t dstUserOffset;
 
   SendLink send[kMaxRanks];  // channel tables per peer (src/bytes filled in by the kernel)

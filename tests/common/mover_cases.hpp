@@ -22,8 +22,9 @@ inline std::vector<SendRecvCase> standardSendRecvCases(std::size_t maxBytes) {
   // Every rank sends a different size: LL, single-channel and multi-channel staged directions mix.
   cases.push_back({4000, false, false, 0, (std::size_t{300} << 10) + 7});
   cases.push_back({4000, true, false, 0, (std::size_t{300} << 10) + 7});
-  // Zero-copy by the copy engine (from 2 MiB automatically) and by the SMs, forced both ways; the
-  // size step mixes an SM direction (4000 B) with copy-engine ones on the same ranks.
+  // Zero-copy by the copy engine (automatically from 1 MiB in these tests' fixture) and by the SMs,
+  // forced both ways; the size step mixes an SM direction (4000 B) with copy-engine ones on the
+  // same ranks.
   cases.push_back({0, true, false, 0, 0, ZeroCopyEngine::kCopyEngine});
   cases.push_back({4095, true, false, 0, 0, ZeroCopyEngine::kCopyEngine});
   cases.push_back({4095, true, true, 0, 0, ZeroCopyEngine::kCopyEngine});

@@ -53,6 +53,10 @@ struct Fixture {
     }
     MoverOptions options;
     options.maxRemoteBytesPerPeer = maxBytes;  // used only where peers are remote
+    // Lower than the defaults, so that mid-size cases cover the copy engine and zero-copy alltoallv
+    // chosen automatically (the defaults are tuned for speed, docs/PERFORMANCE.md).
+    options.copyEngineMinBytes = std::size_t{1} << 20;
+    options.allToAllvZeroCopyMinBytes = std::size_t{16} << 10;
     movers = Movers::createAll(*heap, options);
   }
   ~Fixture() {

@@ -72,7 +72,7 @@ TEST(Mpi_SendRecv, CasesAndReplays) {
   auto comm = createMpiCommunicator(-1, false);
   runSendRecvCases(*comm, standardSendRecvCases(std::size_t{64} << 20));
   runSendRecvReplays(*comm, std::size_t{1} << 20, 1000, false);
-  runSendRecvReplays(*comm, (std::size_t{1} << 20) + 3, 1000, true);
+  runSendRecvReplays(*comm, (std::size_t{1} << 20) + 3, 1000, true, ZeroCopyEngine::kSm);
   runSendRecvReplays(*comm, 100, 1000, false);  // LL mode
   runSendRecvReplays(*comm, (std::size_t{4} << 20) + 3, 1000, true);  // zero-copy by the copy engine
 }

@@ -23,7 +23,7 @@ TEST(Gpu2_SendRecv, GraphReplaysStagedAndZeroCopy) {
   GRAPHEP_REQUIRE_GPUS(2);
   auto comm = createLocalGroup({0, 1});
   runSendRecvReplays(*comm, std::size_t{1} << 20, 1000, false);
-  runSendRecvReplays(*comm, (std::size_t{1} << 20) + 3, 1000, true);
+  runSendRecvReplays(*comm, (std::size_t{1} << 20) + 3, 1000, true, ZeroCopyEngine::kSm);
   runSendRecvReplays(*comm, std::size_t{256} << 10, 1000, false);  // LL mode, full capacity (16 x 16 KiB)
   runSendRecvReplays(*comm, (std::size_t{4} << 20) + 3, 1000, true);  // zero-copy by the copy engine
 }
