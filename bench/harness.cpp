@@ -154,7 +154,7 @@ MoverBench makeMoverBench(const Options& o, Ranks& r, std::size_t userBytes) {
   cfg.userBytes = userBytes;
   cfg.moverSlotBytes = o.slotBytes;
   cfg.moverSlots = o.numSlots;
-  cfg.moverBlocks = std::max(16, o.sms);
+  cfg.moverBlocks = std::max(HeapConfig{}.moverBlocks, o.sms);
   cfg.moverWarps = o.warpsPerRole;
   cfg.moverLLBytes = o.llBytes;
   MoverBench b;

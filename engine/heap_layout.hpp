@@ -17,7 +17,9 @@ struct HeapConfig {
   int numFlagChannels = 8;  // in-kernel flag channels (one inbox word per channel per peer)
   int numEpochs = 8;        // per-operation-kind epochs
   std::size_t userBytes = 0;       // a symmetric scratch region for callers (tests, movers)
-  int moverBlocks = 16;            // data-mover channels (CTAs) per peer
+  // Data-mover channels (CTAs) per peer. 32: staged 4 MiB in 22.8 us on 32 against 28.1 on 16
+  // (SM zero-copy and LL stop at 16 automatically: kZeroCopyMaxChannels, kLLMaxChannels).
+  int moverBlocks = 32;
   int moverSlots = 4;              // staging slots per (peer, channel); a power of two
   // Warps per role (sender, receiver) in a mover CTA, 1..8; hashed so every rank runs the same
   // shape. 8: faster LL (256 KiB: 7.5 vs 9.7 us) and staged transfers, zero-copy within 2%

@@ -67,14 +67,17 @@ int Movers::llChannelsFor(std::size_t bytes, int numChannels) const {
   const HeapConfig& cfg = heap_->config();
   return static_cast<int>(graphep::llChannelsFor(bytes, static_cast<std::uint32_t>(numChannels),
                                                  cfg.moverLLBytes,
-                                                 static_cast<std::uint32_t>(cfg.moverBlocks)));
+                                                 std::min(static_cast<std::uint32_t>(cfg.moverBlocks),
+                                                          kLLMaxChannels)));
 }
 
-int Movers::channelsFor(std::size_t bytes) const {
-  const std::size_t perChannel = kBytesPerChannel;
-  const std::size_t want = (bytes + perChannel - 1) / perChannel;
-  const int cap = heap_->config().moverBlocks;
-  return want < 1 ? 1 : (want > static_cast<std::size_t>(cap) ? cap : static_cast<int>(want));
+int Movers::channelsFor(std::size_t bytes, bool zeroCopy, int peer) const {
+  std::uint32_t cap = static_cast<std::uint32_t>(heap_->config().moverBlocks);
+  if (zeroCopy) cap = std::min(cap, kZeroCopyMaxChannels);
+  if (peer >= 0 && heap_->peerClass(local_, peer) == PeerClass::kSameDevice) {
+    cap = std::min(cap, kSameDeviceMaxChannels);  // symmetric: the peer caps alike
+  }
+  return static_cast<int>(autoChannels(bytes, cap));
 }
 
 SendLink Movers::sendLink(int peer) const {
@@ -212,10 +215,10 @@ SendRecvParams Movers::params(const SendRecvArgs& a) const {
   // A copy-engine direction runs its flags on one channel whatever numChannels says.
   p.sendShape = shape(sendLL ? sendLLChannels
                       : sendCe ? 1
-                               : (a.numChannels > 0 ? a.numChannels : channelsFor(a.sendBytes)));
+                               : (a.numChannels > 0 ? a.numChannels : channelsFor(a.sendBytes, sendZeroCopy, a.sendPeer)));
   p.recvShape = shape(recvLL ? recvLLChannels
                       : recvCe ? 1
-                               : (a.numChannels > 0 ? a.numChannels : channelsFor(a.recvBytes)));
+                               : (a.numChannels > 0 ? a.numChannels : channelsFor(a.recvBytes, a.recvZeroCopy, a.recvPeer)));
   p.warpsPerRole = static_cast<std::uint32_t>(warpsPerRole_);
   p.wire = a.wire;
   // Remote roles are served by NCCL (sendRecv); the kernel sees them as disabled.
@@ -443,7 +446,9 @@ AllToAllvParams Movers::allToAllvParams(const AllToAllvArgs& a) const {
     // CTAs; NVLink / PCIe peers and the rank's own block (a local copy, as large as any) get the
     // full count.
     int ch = full;
-    if (c == PeerClass::kSameDevice || route == Route::kNccl) ch = std::min(full, 4);
+    if (c == PeerClass::kSameDevice || route == Route::kNccl) {
+      ch = std::min(full, static_cast<int>(kSameDeviceMaxChannels));
+    }
     p.firstChannel[q] = static_cast<std::uint16_t>(next);
     next += ch;
     p.send[q].peer = -1;

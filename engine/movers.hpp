@@ -125,8 +125,9 @@ class Movers {
   void sendRecv(cudaStream_t stream, const SendRecvArgs& args) const;
 
   // The channel count used for `bytes` when the caller passes 0: one channel per kBytesPerChannel
-  // (16 KiB), capped by the heap's moverBlocks.
-  int channelsFor(std::size_t bytes) const;
+  // (16 KiB), capped by the heap's moverBlocks, by kZeroCopyMaxChannels for SM zero-copy, and by
+  // kSameDeviceMaxChannels when `peer` shares this rank's GPU.
+  int channelsFor(std::size_t bytes, bool zeroCopy = false, int peer = -1) const;
   // Channels of an LL transfer of `bytes` (numChannels: the caller's count, 0 for automatic), or 0
   // when the transfer is too large for LL mode.
   int llChannelsFor(std::size_t bytes, int numChannels) const;

@@ -86,11 +86,13 @@ __global__ void __launch_bounds__(2 * kMaxWarpsPerRole * 32)
     const std::uint64_t off = p.sendOffsets[peer];
     l.bytes = checkedCount(p, off, p.sendCounts[peer], p.srcBytes, peer, c == 0 && tid == 0);
     l.src = p.src + off;
-    if (l.bytes < p.zeroCopyMinBytes) {  // staged: a small segment (the receiver decides alike)
+    const bool zeroCopy = l.direct != nullptr && l.bytes >= p.zeroCopyMinBytes;
+    if (!zeroCopy) {  // staged: a small segment (the receiver decides alike)
       l.direct = nullptr;
       l.mailbox = nullptr;
     }
-    shape.numChannels = activeChannels(l.bytes, p.minBytesPerChannel, avail);
+    shape.numChannels = activeChannels(l.bytes, p.minBytesPerChannel,
+                                       zeroCopy && avail > kZeroCopyMaxChannels ? kZeroCopyMaxChannels : avail);
     if (c >= shape.numChannels) return;
     pipeSend<NvlTransport>(p.sync, shape, l, c, kSendBarrier, tid, roleThreads, &abortFlag[0]);
   } else {
@@ -100,11 +102,13 @@ __global__ void __launch_bounds__(2 * kMaxWarpsPerRole * 32)
     l.bytes = checkedCount(p, off, p.recvCounts[peer], p.dstBytes, peer, c == 0 && tid == 0);
     l.dst = p.dst + off;
     l.mailboxBase = p.dstUserOffset + off;
-    if (l.bytes < p.zeroCopyMinBytes) {
+    const bool zeroCopy = l.direct != 0 && l.bytes >= p.zeroCopyMinBytes;
+    if (!zeroCopy) {
       l.direct = 0;
       l.mailbox = nullptr;
     }
-    shape.numChannels = activeChannels(l.bytes, p.minBytesPerChannel, avail);
+    shape.numChannels = activeChannels(l.bytes, p.minBytesPerChannel,
+                                       zeroCopy && avail > kZeroCopyMaxChannels ? kZeroCopyMaxChannels : avail);
     if (c >= shape.numChannels) return;
     pipeRecv<NvlTransport, Consume::kCopy>(p.sync, shape, l, c, kRecvBarrier, tid, roleThreads,
                                            &abortFlag[1]);

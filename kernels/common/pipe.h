@@ -107,8 +107,9 @@ __host__ __device__ inline std::uint32_t llChannels(std::uint64_t bytes, std::ui
 }
 
 // Bytes per channel an automatic LL transfer aims for (more channels poll fewer lines each);
-// the per-channel capacity (HeapConfig.moverLLBytes) bounds it from below.
-inline constexpr std::uint64_t kLLBytesPerChannel = 1024;
+// the per-channel capacity (HeapConfig.moverLLBytes) bounds it from below. 2 KiB: 4 KiB in 4.36
+// us on 2 channels against 4.52 on one and 4.64 on four (docs/PERFORMANCE.md).
+inline constexpr std::uint64_t kLLBytesPerChannel = 2048;
 
 // Channels of an LL transfer of `bytes`, or 0 when it does not go as LL: each channel carries at
 // most llBytes (its LL halves' capacity) and there are `blocks` channels. numChannels > 0 is the
@@ -132,6 +133,22 @@ __host__ __device__ inline std::uint32_t llChannelsFor(std::uint64_t bytes, std:
 // Bytes per channel the movers aim for when they choose a channel count (sendrecv's channelsFor,
 // alltoallv's run-time masking): enough CTAs that mid-size transfers are not latency-bound.
 inline constexpr std::uint64_t kBytesPerChannel = std::uint64_t{16} << 10;
+
+// Automatic channel caps below the heap's channel count (HeapConfig.moverBlocks, 32): SM zero-copy
+// and LL transfers measured no faster on more than 16 CTAs (zero-copy 4 MiB: 24.8 us on 16, 26.5
+// on 32), while staged transfers gain (4 MiB: 28.1 -> 22.8 us).
+inline constexpr std::uint32_t kZeroCopyMaxChannels = 16;
+inline constexpr std::uint32_t kLLMaxChannels = 16;
+// Ranks sharing one GPU (emulated ranks) share its SMs, and every rank's waiting CTAs must be
+// resident at once (a mover CTA of 512 threads fills an SM): few channels each.
+inline constexpr std::uint32_t kSameDeviceMaxChannels = 4;
+
+// Channels of a transfer of `bytes` when the caller leaves the choice (one per kBytesPerChannel,
+// at least one, at most `cap`): both ends derive it from the byte count alone.
+__host__ __device__ inline std::uint32_t autoChannels(std::uint64_t bytes, std::uint32_t cap) {
+  const std::uint64_t want = (bytes + kBytesPerChannel - 1) / kBytesPerChannel;
+  return want < 1 ? 1u : (want > cap ? cap : static_cast<std::uint32_t>(want));
+}
 
 // Optional phase profile of staged transfers (MoverOptions.profile): thread 0 of each role adds,
 // once per launch, the nanoseconds it spent per phase and the chunks it moved. Words:

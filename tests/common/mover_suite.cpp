@@ -481,7 +481,9 @@ void runAllToAllvOutOfBounds(Communicator& comm, bool zeroCopy) {
 
 void runAllToAllvZeroCopyMismatch(Communicator& comm) {
   const int R = comm.worldSize();
-  const std::size_t perPeer = 4096;
+  // 20000 and 19999 bytes: both above the fixture's zero-copy threshold (16 KiB) and both on 2
+  // channels of 10000 B, so only channel 1 disagrees (10000 sent, 9999 expected).
+  const std::size_t perPeer = 20000, channelBytes = 10000;
   const std::size_t cap = perPeer * static_cast<std::size_t>(R);
   Fixture f(comm, cap, std::size_t{64} << 10, 0);
   const int L = f.heap->numLocalRanks();
@@ -493,12 +495,18 @@ void runAllToAllvZeroCopyMismatch(Communicator& comm) {
     GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
     GRAPHEP_CUDA_CHECK(cudaMalloc(&ca[static_cast<size_t>(l)].d, 4 * static_cast<size_t>(R) * 8));
     uploadCounts(ca[static_cast<size_t>(l)], m, me, s, perPeer);
+    for (int q = 0; q < R; ++q) {
+      const std::size_t off = perPeer * static_cast<std::size_t>(q);
+      GRAPHEP_CUDA_CHECK(launchFillPattern(f.bufs[static_cast<size_t>(l)].src + off, perPeer, 77,
+                                           me * 64 + q, s));
+    }
     if (me == 1) {  // rank 1 expects one byte less from rank 0 than rank 0 sends
       const std::uint64_t fewer = perPeer - 1;
       GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(ca[static_cast<size_t>(l)].d + 2 * R + 0, &fewer, 8,
                                          cudaMemcpyHostToDevice, s));
     }
     GRAPHEP_CUDA_CHECK(cudaMemsetAsync(allToAllvDst(f, l, true), kPoison, cap + kSlack, s));
+    GRAPHEP_CUDA_CHECK(cudaMemsetAsync(f.bufs[static_cast<size_t>(l)].wrong, 0, 8, s));
     GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(s));
   }
   f.syncAll();
@@ -507,7 +515,7 @@ void runAllToAllvZeroCopyMismatch(Communicator& comm) {
     f.movers[static_cast<size_t>(l)].allToAllv(
         f.bufs[static_cast<size_t>(l)].stream, allToAllvArgs(f, l, ca[static_cast<size_t>(l)], cap, true));
   }
-  f.syncAll();  // returns: the receiver's wait completes although nothing was sent
+  f.syncAll();  // returns: the receiver's wait completes although channel 1 sent nothing
   for (int l = 0; l < L; ++l) {
     const int me = f.heap->rank(l);
     const DeviceErrorRecord rec = f.heap->errorRecord(l);
@@ -515,17 +523,26 @@ void runAllToAllvZeroCopyMismatch(Communicator& comm) {
       EXPECT_EQ(rec.kind, static_cast<std::uint32_t>(DeviceErrorKind::kCountMismatch));
       EXPECT_EQ(rec.site, static_cast<std::uint32_t>(WaitSite::kZeroCopyExtent));
       EXPECT_EQ(rec.peer, 1);
-      EXPECT_EQ(rec.expected, perPeer - 1);
-      EXPECT_EQ(rec.observed, perPeer);
-      EXPECT_NE(f.heap->errorMessage(l).find("expects 4095"), std::string::npos) << f.heap->errorMessage(l);
+      EXPECT_EQ(rec.expected, channelBytes - 1);
+      EXPECT_EQ(rec.observed, channelBytes);
+      EXPECT_NE(f.heap->errorMessage(l).find("expects 9999"), std::string::npos) << f.heap->errorMessage(l);
     } else {
       EXPECT_EQ(f.heap->errorMessage(l), "") << "rank " << me;
     }
-    if (me == 1) {  // rank 0's segment was not written: still poisoned
-      std::vector<unsigned char> seg(perPeer - 1);
+    if (me == 1) {
+      // Rank 0's channel 0 arrived intact; its channel 1 wrote nothing (still poisoned).
+      char* seg = allToAllvDst(f, l, true);
       GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
-      GRAPHEP_CUDA_CHECK(cudaMemcpy(seg.data(), allToAllvDst(f, l, true), seg.size(), cudaMemcpyDeviceToHost));
-      EXPECT_EQ(std::count(seg.begin(), seg.end(), kPoison), static_cast<long>(seg.size()));
+      GRAPHEP_CUDA_CHECK(launchCountMismatches(seg, channelBytes, 77, 0 * 64 + 1,
+                                               f.bufs[static_cast<size_t>(l)].wrong,
+                                               f.bufs[static_cast<size_t>(l)].stream));
+      GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(f.bufs[static_cast<size_t>(l)].stream));
+      unsigned long long wrong = 0;
+      GRAPHEP_CUDA_CHECK(cudaMemcpy(&wrong, f.bufs[static_cast<size_t>(l)].wrong, 8, cudaMemcpyDeviceToHost));
+      EXPECT_EQ(wrong, 0ull);
+      std::vector<unsigned char> rest(channelBytes - 1);
+      GRAPHEP_CUDA_CHECK(cudaMemcpy(rest.data(), seg + channelBytes, rest.size(), cudaMemcpyDeviceToHost));
+      EXPECT_EQ(std::count(rest.begin(), rest.end(), kPoison), static_cast<long>(rest.size()));
     }
     cudaSetDevice(f.heap->device(l));
     cudaFree(ca[static_cast<size_t>(l)].d);

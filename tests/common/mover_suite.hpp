@@ -58,7 +58,8 @@ void runAllToAllv(Communicator& comm, CountPattern pattern, std::size_t maxPerPe
 void runAllToAllvOutOfBounds(Communicator& comm, bool zeroCopy = false);
 
 // Zero-copy alltoallv where rank 1 expects one byte less from rank 0 than rank 0 sends: rank 0
-// reports kCountMismatch naming rank 1 and both counts, sends nothing, and nobody hangs.
+// reports kCountMismatch naming rank 1 and both channel counts, sends nothing on the channel that
+// disagrees (the others arrive intact), and nobody hangs.
 void runAllToAllvZeroCopyMismatch(Communicator& comm);
 
 }  // namespace graphep::test

@@ -52,6 +52,7 @@ TEST(Unit_HeapLayout, ClosedFormSize) {
   cfg.numEpochs = 8;          // 32 B
   cfg.userBytes = 10000;
   cfg.moverLLBytes = 4096;
+  cfg.moverBlocks = 16;
   const HeapLayout l = carveHeap(cfg, SIZE_MAX);
   EXPECT_EQ(l.semCount, 0u);
   EXPECT_EQ(l.semArrived, 256u);
@@ -129,7 +130,7 @@ TEST(Unit_HeapLayout, MonotonicRegionsAreCarved) {
     if (r.name == "moverTail") moverWords = r.bytes / 4;
   }
   EXPECT_EQ(monotonic, 10);
-  EXPECT_EQ(moverWords, 4u * 16u);  // ranks x channels
+  EXPECT_EQ(moverWords, 4u * static_cast<std::size_t>(cfg.moverBlocks));  // ranks x channels
   EXPECT_FALSE(isMonotonicRegion("semCount"));  // counting semaphores start at 0
 }
 

@@ -44,7 +44,8 @@ TEST(Unit_Pipe, LLChannelChoice) {
   EXPECT_EQ(llChannelsFor(1024, 0, 0, kBlocks), 0u);        // LL disabled
   EXPECT_EQ(llChannelsFor(0, 0, kLL, kBlocks), 1u);         // empty transfers still take a step
   EXPECT_EQ(llChannelsFor(1024, 0, kLL, kBlocks), 1u);
-  EXPECT_EQ(llChannelsFor(4096, 0, kLL, kBlocks), 4u);      // ~1 KiB per channel
+  EXPECT_EQ(llChannelsFor(4096, 0, kLL, kBlocks), 2u);      // ~2 KiB per channel
+  EXPECT_EQ(llChannelsFor(8192, 0, kLL, kBlocks), 4u);
   EXPECT_EQ(llChannelsFor(65536, 0, kLL, kBlocks), 16u);    // capped by the channels
   EXPECT_EQ(llChannelsFor(16 * kLL, 0, kLL, kBlocks), 16u); // full capacity
   EXPECT_EQ(llChannelsFor(16 * kLL + 1, 0, kLL, kBlocks), 0u);
@@ -63,6 +64,14 @@ TEST(Unit_Pipe, LLChannelChoice) {
       }
     }
   }
+}
+
+TEST(Unit_Pipe, AutoChannels) {
+  EXPECT_EQ(autoChannels(0, 32), 1u);
+  EXPECT_EQ(autoChannels(16384, 32), 1u);
+  EXPECT_EQ(autoChannels(16385, 32), 2u);
+  EXPECT_EQ(autoChannels(std::uint64_t{4} << 20, 32), 32u);
+  EXPECT_EQ(autoChannels(std::uint64_t{4} << 20, kZeroCopyMaxChannels), 16u);
 }
 
 TEST(Unit_Pipe, LLChannels) {
