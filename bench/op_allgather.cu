@@ -1,7 +1,7 @@
 // allgather: S = total output bytes per rank (nccl-tests convention); each of the R ranks
 // contributes S / R. algbw = S / time, busbw = algbw * (R - 1) / R.
-//   ring staged / ring zero-copy   Movers::allGatherRing (R - 1 sendRecv steps; zero-copy steps
-//                                  of 2 MiB and more go by the copy engine: "ring zero-copy CE")
+//   ring staged / ring zero-copy   Movers::allGatherRing (R - 1 sendRecv steps; with 2 ranks the
+//                                  one step also copies the own chunk, so it stays on the SMs)
 //   baseline                       ncclAllGather, captured in a graph
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -62,10 +62,7 @@ std::vector<Row> runAllGather(const Options& o, Ranks& r) {
         for (int q = 0; q < R; ++q) w += checkBytes(r, i, target(i) + chunk * q, chunk, salt[q]);
       }
       const double algbw = us > 0 ? static_cast<double>(chunk * R) / (us * 1e3) : 0;
-      const bool ce = zeroCopy && chunk >= MoverOptions{}.copyEngineMinBytes;  // steps by the copy engine
-      Row row{"allgather",
-              std::string(zeroCopy ? (ce ? "ring zero-copy CE" : "ring zero-copy") : "ring staged"),
-              chunk * R, us,
+      Row row{"allgather", std::string(zeroCopy ? "ring zero-copy" : "ring staged"), chunk * R, us,
               algbw, algbw * (R - 1) / R, totalOverRanks(r, w), ncclUs, ""};
       printRow(row);
       rows.push_back(row);

@@ -36,6 +36,7 @@ std::vector<Row> runSendRecv(const Options& o, Ranks& r) {
     // --sms fixes the channel count; 0 lets each transfer choose (LL over several channels when
     // small). The row names the mode and channel count that actually ran.
     const int channels = o.sms > 0 ? o.sms : movers[0].channelsFor(bytes);
+    const int zeroCopyChannels = o.sms > 0 ? o.sms : movers[0].channelsFor(bytes, /*zeroCopy=*/true);
     const int llChannels = movers[0].llChannelsFor(bytes, o.sms);
     // NCCL baseline.
     double ncclUs = 0;
@@ -84,7 +85,7 @@ std::vector<Row> runSendRecv(const Options& o, Ranks& r) {
       const double algbw = us > 0 ? static_cast<double>(bytes) / (us * 1e3) : 0;
       Row row{"sendrecv",
               ce         ? std::string("zero-copy CE")
-              : zeroCopy ? "zero-copy ch=" + std::to_string(channels)
+              : zeroCopy ? "zero-copy ch=" + std::to_string(zeroCopyChannels)
                        : (llChannels > 0 ? "LL ch=" + std::to_string(llChannels)
                                          : "staged ch=" + std::to_string(channels)),
               bytes, us, algbw, algbw, totalOverRanks(r, w), ncclUs, ""};
