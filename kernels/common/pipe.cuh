@@ -71,65 +71,58 @@ __device__ __forceinline__ void consumeChunk(const RecvLink& l, const char* slot
   }
 }
 
-// The staged protocol of one channel, shared by every wire format: n chunks starting at step
-// l.step[c]; fill(k, slot) writes chunk k into its slot (every thread of the role takes part), and
-// drain(k, slot) consumes it. Only the role's own warps synchronise (named barrier barrierId).
+// The staged protocol of one channel, shared by every wire format and both roles: n chunks from
+// step l.step[c]; for chunk s the role waits until waitFlag reaches target(s), works on slot
+// s % numSlots (every thread of the role takes part), and posts s + 1 to postFlag. Only the role's
+// own warps synchronise (named barrier barrierId).
+template <class Transport, class Slot, class Target, class Work>
+__device__ void stagedLoop(const SyncHandle& sync, const PipeShape& shape, Slot* channelSlots,
+                           const std::uint32_t* waitFlag, Target target, WaitSite site,
+                           std::uint32_t* postFlag, std::int32_t peer, std::uint32_t* stepWord,
+                           unsigned long long* profile, std::uint32_t n, int barrierId, int tid,
+                           int nthreads, int* abortFlag, Work work) {
+  const std::uint32_t step0 = *stepWord;
+  PhaseClock clock(tid == 0 ? profile : nullptr);
+  for (std::uint32_t k = 0; k < n; ++k) {
+    const std::uint32_t s = step0 + k;
+    if (tid == 0) *abortFlag = Transport::wait(sync, waitFlag, target(s), peer, site) ? 0 : 1;
+    roleBarrier(barrierId, nthreads);
+    if (*abortFlag) return;
+    clock.mark(0);
+    work(k, channelSlots + static_cast<std::uint64_t>(slotOf(s, shape.numSlots)) * shape.slotBytes);
+    // Every thread's accesses to the slot precede the barrier; thread 0's fence + release (in
+    // signal) publish them to the peer.
+    roleBarrier(barrierId, nthreads);
+    clock.mark(1);
+    if (tid == 0) Transport::signal(postFlag, s + 1u);
+    clock.mark(2);
+  }
+  clock.flush(n);
+  if (tid == 0) *stepWord = step0 + n;
+}
+
+// Sender: fill(k, slot) writes chunk k into the peer's slot once the receiver consumed the chunk
+// that used it numSlots steps before (tail), then posts head.
 template <class Transport, class Fill>
 __device__ void stagedSend(const SyncHandle& sync, const PipeShape& shape, const SendLink& l,
                            std::uint32_t c, std::uint32_t n, int barrierId, int tid, int nthreads,
                            int* abortFlag, Fill fill) {
-  const std::uint32_t step0 = l.step[c];
-  char* slots = l.staging + static_cast<std::uint64_t>(c) * shape.numSlots * shape.slotBytes;
-  PhaseClock clock(tid == 0 ? l.profile : nullptr);
-  for (std::uint32_t k = 0; k < n; ++k) {
-    const std::uint32_t s = step0 + k;
-    if (tid == 0) {
-      // Slot s % numSlots is free once the receiver consumed chunk s - numSlots.
-      *abortFlag = Transport::wait(sync, l.tail + c, slotFreeTarget(s, shape.numSlots), l.peer,
-                                   WaitSite::kMoverSlotFree)
-                       ? 0
-                       : 1;
-    }
-    roleBarrier(barrierId, nthreads);
-    if (*abortFlag) return;
-    clock.mark(0);
-    fill(k, slots + static_cast<std::uint64_t>(slotOf(s, shape.numSlots)) * shape.slotBytes);
-    // Every thread's stores precede the barrier; thread 0's fence + release publish them.
-    roleBarrier(barrierId, nthreads);
-    clock.mark(1);
-    if (tid == 0) Transport::signal(l.head + c, s + 1u);
-    clock.mark(2);
-  }
-  clock.flush(n);
-  if (tid == 0) l.step[c] = step0 + n;
+  stagedLoop<Transport>(
+      sync, shape, l.staging + static_cast<std::uint64_t>(c) * shape.numSlots * shape.slotBytes,
+      l.tail + c, [&](std::uint32_t s) { return slotFreeTarget(s, shape.numSlots); },
+      WaitSite::kMoverSlotFree, l.head + c, l.peer, l.step + c, l.profile, n, barrierId, tid,
+      nthreads, abortFlag, fill);
 }
 
+// Receiver: drain(k, slot) consumes chunk k once the sender posted it (head), then posts tail.
 template <class Transport, class Drain>
 __device__ void stagedRecv(const SyncHandle& sync, const PipeShape& shape, const RecvLink& l,
                            std::uint32_t c, std::uint32_t n, int barrierId, int tid, int nthreads,
                            int* abortFlag, Drain drain) {
-  const std::uint32_t step0 = l.step[c];
-  const char* slots = l.staging + static_cast<std::uint64_t>(c) * shape.numSlots * shape.slotBytes;
-  PhaseClock clock(tid == 0 ? l.profile : nullptr);
-  for (std::uint32_t k = 0; k < n; ++k) {
-    const std::uint32_t s = step0 + k;
-    if (tid == 0) {
-      *abortFlag =
-          Transport::wait(sync, l.head + c, s + 1u, l.peer, WaitSite::kMoverData) ? 0 : 1;
-    }
-    roleBarrier(barrierId, nthreads);
-    if (*abortFlag) return;
-    clock.mark(0);
-    drain(k, slots + static_cast<std::uint64_t>(slotOf(s, shape.numSlots)) * shape.slotBytes);
-    // All reads of the slot precede the barrier; the fence in signal orders them before the
-    // release that hands the slot back to the sender.
-    roleBarrier(barrierId, nthreads);
-    clock.mark(1);
-    if (tid == 0) Transport::signal(l.tail + c, s + 1u);
-    clock.mark(2);
-  }
-  clock.flush(n);
-  if (tid == 0) l.step[c] = step0 + n;
+  stagedLoop<Transport>(
+      sync, shape, l.staging + static_cast<std::uint64_t>(c) * shape.numSlots * shape.slotBytes,
+      l.head + c, [](std::uint32_t s) { return s + 1u; }, WaitSite::kMoverData, l.tail + c,
+      l.peer, l.step + c, l.profile, n, barrierId, tid, nthreads, abortFlag, drain);
 }
 
 // Sender role for channel c. `abortFlag` is a shared word owned by this role.
