@@ -1,5 +1,7 @@
 #include "common/mover_suite.hpp"
 
+#include "common/bf16.hpp"
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -551,15 +553,6 @@ void runAllToAllvZeroCopyMismatch(Communicator& comm) {
 
 namespace {
 
-std::uint16_t bf16Bits(float x) {
-  const __nv_bfloat16_raw r = __float2bfloat16_rn(x);
-  return r.x;
-}
-float bf16Value(std::uint16_t u) {
-  __nv_bfloat16_raw r;
-  r.x = u;
-  return __bfloat162float(__nv_bfloat16(r));
-}
 
 // Fresh inputs of one rank for one run, reproducible on every process from (seed, rank).
 struct HookInputs {

@@ -5,6 +5,7 @@
 
 #include <graphep/graphep.hpp>
 
+#include "common/moe_suite.hpp"
 #include "common/mover_cases.hpp"
 #include "common/mover_suite.hpp"
 #include "common/nccl_comms.hpp"
@@ -91,6 +92,12 @@ TEST(Mpi_AllToAllv, ForcedRemoteThroughNccl) {
   ScopedEnv force("GRAPHEP_FORCE_TRANSPORT", "remote");
   runAllToAllv(*comm, CountPattern::kRandom, (std::size_t{64} << 10) + 3, 1);
   runAllToAllv(*comm, CountPattern::kSomePairsZero, std::size_t{16} << 10, 200);
+}
+
+TEST(Mpi_Moe, Cases) {
+  GRAPHEP_REQUIRE_MPI_GPUS();
+  auto comm = createMpiCommunicator(-1, false);
+  for (const MoeCase& c : standardMoeCases(comm->worldSize(), true)) runMoeCase(*comm, c);
 }
 
 TEST(Mpi_Ring, AllGatherAndReduceScatter) {

@@ -1,0 +1,434 @@
+// Engine: the host half of MoE dispatch / combine (kernels/moe.h is the device half). Setup sizes
+// and allocates everything once; dispatch() and combine() only enqueue kernels and the movers'
+// alltoallv, all of whose sizes are the configured maxima, so they capture into graphs that
+// replay with any live token count.
+#include <graphep/moe.hpp>
+
+#include <algorithm>
+#include <cstring>
+
+#include "engine/error.hpp"
+#include "engine/heap.hpp"
+#include "engine/log.hpp"
+#include "engine/movers.hpp"
+#include "kernels/moe.h"
+
+namespace graphep {
+namespace {
+
+// Engine-wide default of the movers' staging slot: large enough for 4 KiB-row records to pipeline,
+// small enough that 32 channels x 4 slots x R peers stay a few hundred MiB at most.
+constexpr std::size_t kEngineSlotBytes = std::size_t{256} << 10;
+
+std::size_t alignUp(std::size_t v, std::size_t a) { return (v + a - 1) / a * a; }
+
+// Restores the caller's current device when it goes out of scope.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    GRAPHEP_CUDA_CHECK(cudaGetDevice(&saved_));
+    if (saved_ != device) GRAPHEP_CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~DeviceGuard() { cudaSetDevice(saved_); }
+
+ private:
+  int saved_ = 0;
+};
+
+// A pointer the kernels dereference must be device memory of this rank's GPU (or managed).
+void requireDevicePointer(const void* p, int device, const char* what) {
+  GRAPHEP_REQUIRE(p != nullptr, Status::kInvalidArgument, "%s is null", what);
+  cudaPointerAttributes a{};
+  const cudaError_t e = cudaPointerGetAttributes(&a, p);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    GRAPHEP_FAIL(Status::kInvalidArgument, "%s (%p) is not a CUDA allocation: %s", what, p,
+                 cudaGetErrorString(e));
+  }
+  GRAPHEP_REQUIRE(a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged,
+                  Status::kInvalidArgument, "%s (%p) is host memory, not device memory", what, p);
+  GRAPHEP_REQUIRE(a.type == cudaMemoryTypeManaged || a.device == device, Status::kInvalidArgument,
+                  "%s (%p) lives on device %d, but this rank runs on device %d", what, p, a.device,
+                  device);
+}
+
+}  // namespace
+
+// The engines of one createAll share the heap and the movers.
+struct EngineGroup {
+  std::unique_ptr<SymmetricHeap> heap;
+  std::vector<Movers> movers;  // destroyed before the heap they point into
+};
+
+struct Engine::Impl {
+  std::shared_ptr<EngineGroup> group;
+  int local = 0;
+  int device = 0;
+  MoeConfig cfg;
+  MoeParams p{};
+  DispatchLayout layout{};
+  AllToAllvArgs cntArgs, dispArgs, combArgs;
+  char* block = nullptr;  // every local buffer, carved from one allocation
+  ~Impl() {
+    if (block != nullptr) {
+      cudaSetDevice(device);
+      cudaFree(block);
+    }
+  }
+  const Movers& movers() const { return group->movers[static_cast<std::size_t>(local)]; }
+};
+
+long long Engine::worstCaseCapacity(const MoeConfig& cfg, int worldSize) {
+  const long long localExperts = cfg.numExperts / std::max(worldSize, 1);
+  const long long perToken = std::min<long long>(cfg.topK, localExperts);
+  return static_cast<long long>(cfg.maxTokensPerRank) * worldSize * perToken +
+         localExperts * (cfg.expertAlignment - 1);
+}
+
+void Engine::validate(const MoeConfig& c, int R) {
+  GRAPHEP_REQUIRE(R >= 1 && R <= kMaxRanks, Status::kInvalidArgument,
+                  "MoeConfig: world size %d is out of range [1, %d]", R, kMaxRanks);
+  GRAPHEP_REQUIRE(c.maxTokensPerRank >= 1 && c.maxTokensPerRank <= (1 << 20),
+                  Status::kInvalidArgument,
+                  "MoeConfig.maxTokensPerRank=%d is out of range [1, 1048576]", c.maxTokensPerRank);
+  GRAPHEP_REQUIRE(c.hidden > 0 && c.hidden % 8 == 0, Status::kInvalidArgument,
+                  "MoeConfig.hidden=%d is not a positive multiple of 8", c.hidden);
+  GRAPHEP_REQUIRE(c.dispatchType == DType::kBf16 || c.dispatchType == DType::kFp8E4m3,
+                  Status::kInvalidArgument, "MoeConfig.dispatchType=%d is not a DType",
+                  static_cast<int>(c.dispatchType));
+  GRAPHEP_REQUIRE(c.dispatchType != DType::kFp8E4m3 || c.hidden % 128 == 0,
+                  Status::kInvalidArgument,
+                  "MoeConfig.hidden=%d is not a multiple of 128 (fp8 dispatch has one scale per 128 "
+                  "values)",
+                  c.hidden);
+  GRAPHEP_REQUIRE(c.numExperts >= 1, Status::kInvalidArgument,
+                  "MoeConfig.numExperts=%d is not positive", c.numExperts);
+  GRAPHEP_REQUIRE(c.numExperts % R == 0, Status::kInvalidArgument,
+                  "MoeConfig.numExperts=%d is not divisible by the %d ranks", c.numExperts, R);
+  GRAPHEP_REQUIRE(c.topK >= 1, Status::kInvalidArgument, "MoeConfig.topK=%d is not positive", c.topK);
+  GRAPHEP_REQUIRE(c.topK <= c.numExperts, Status::kInvalidArgument,
+                  "MoeConfig.topK=%d exceeds numExperts=%d", c.topK, c.numExperts);
+  GRAPHEP_REQUIRE(c.topK <= kMoeMaxTopK, Status::kInvalidArgument,
+                  "MoeConfig.topK=%d exceeds the supported %d", c.topK, kMoeMaxTopK);
+  GRAPHEP_REQUIRE(c.expertAlignment >= 1 && c.expertAlignment <= 4096, Status::kInvalidArgument,
+                  "MoeConfig.expertAlignment=%d is out of range [1, 4096]", c.expertAlignment);
+  GRAPHEP_REQUIRE(c.smBudget >= 0 && c.smBudget <= 64, Status::kInvalidArgument,
+                  "MoeConfig.smBudget=%d is out of range [0, 64]", c.smBudget);
+  GRAPHEP_REQUIRE(c.recvCapacity >= 0, Status::kInvalidArgument,
+                  "MoeConfig.recvCapacity=%lld is negative", c.recvCapacity);
+  const long long cap = c.recvCapacity > 0 ? c.recvCapacity : worstCaseCapacity(c, R);
+  GRAPHEP_REQUIRE(cap < (1ll << 31), Status::kInvalidArgument,
+                  "MoeConfig: a receive capacity of %lld rows exceeds 2^31 - 1 (lower recvCapacity)",
+                  cap);
+  GRAPHEP_REQUIRE(static_cast<long long>(R) * c.maxTokensPerRank < (1ll << 31),
+                  Status::kInvalidArgument,
+                  "MoeConfig: %d ranks x maxTokensPerRank=%d records exceed 2^31 - 1", R,
+                  c.maxTokensPerRank);
+}
+
+std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const MoeConfig& cfg) {
+  const int R = comm.worldSize();
+  validate(cfg, R);
+  const bool fp8 = cfg.dispatchType == DType::kFp8E4m3;
+  const int L = cfg.numExperts / R;
+  const std::size_t T = static_cast<std::size_t>(cfg.maxTokensPerRank);
+  const std::size_t H = static_cast<std::size_t>(cfg.hidden);
+  const std::size_t rowBytes = H * 2;
+  const std::size_t payloadBytes = moePayloadBytes(cfg.hidden, fp8);
+  const std::size_t recBytes = alignUp(payloadBytes + moeMetaBytes(cfg.topK), 16);
+  const std::size_t cntMsgBytes = moeCountMsgBytes(L);
+  const long long capacity = cfg.recvCapacity > 0 ? cfg.recvCapacity : worstCaseCapacity(cfg, R);
+  const std::size_t cap = static_cast<std::size_t>(capacity);
+  const std::size_t Rs = static_cast<std::size_t>(R);
+
+  // The symmetric user region: what peers write (dispatch records, combine partials).
+  const std::size_t recRecvOff = 0;
+  const std::size_t combRecvOff = alignUp(recRecvOff + Rs * T * recBytes, 4096);
+  const std::size_t userBytes = alignUp(combRecvOff + Rs * T * rowBytes, 4096);
+
+  auto group = std::make_shared<EngineGroup>();
+  HeapConfig hc;
+  hc.numRanks = R;
+  hc.userBytes = userBytes;
+  hc.moverSlotBytes = kEngineSlotBytes;
+  if (cfg.smBudget > 0) hc.moverBlocks = cfg.smBudget;
+  group->heap = SymmetricHeap::create(comm, hc);
+  MoverOptions mo;
+  mo.maxRemoteBytesPerPeer = T * recBytes;  // the largest message (records >= partial rows)
+  group->movers = Movers::createAll(*group->heap, mo);
+
+  std::vector<std::unique_ptr<Engine>> engines;
+  for (int l = 0; l < group->heap->numLocalRanks(); ++l) {
+    auto impl = std::make_unique<Impl>();
+    impl->group = group;
+    impl->local = l;
+    impl->device = group->heap->device(l);
+    impl->cfg = cfg;
+    DeviceGuard guard(impl->device);
+    GRAPHEP_CUDA_CHECK(preloadMoeRouteKernels());
+    GRAPHEP_CUDA_CHECK(preloadMoeDispatchKernels());
+    GRAPHEP_CUDA_CHECK(preloadMoeCombineKernels());
+
+    // Local buffers: one allocation, carved in this order (sizes in bytes).
+    std::size_t used = 0;
+    auto carve = [&](std::size_t bytes) {
+      const std::size_t off = alignUp(used, 256);
+      used = off + std::max<std::size_t>(bytes, 1);
+      return off;
+    };
+    const std::size_t oStatus = carve(sizeof(MoeDeviceStatus));
+    const std::size_t oLive = carve(sizeof(std::int32_t));
+    const std::size_t oTokRank = carve(T * Rs * 4);
+    const std::size_t oEntry = carve(T * static_cast<std::size_t>(cfg.topK) * 4);
+    const std::size_t oExpertCount = carve(static_cast<std::size_t>(cfg.numExperts) * 4);
+    const std::size_t oRankCount = carve(Rs * 4);
+    const std::size_t oRecSend = carve(Rs * T * recBytes);
+    const std::size_t oCntSend = carve(Rs * cntMsgBytes);
+    const std::size_t oCntRecv = carve(Rs * cntMsgBytes);
+    const std::size_t oArrays = carve(12 * Rs * 8);  // 3 exchanges x {send, recv} x {counts, offsets}
+    const std::size_t oRecvRows = carve(Rs * 4);
+    const std::size_t oSrcBase = carve(Rs * static_cast<std::size_t>(L) * 4);
+    const std::size_t oOffsets = carve((static_cast<std::size_t>(L) + 1) * 4);
+    const std::size_t oCounts = carve(static_cast<std::size_t>(L) * 4);
+    const std::size_t oNumRows = carve(4);
+    const std::size_t oTotals = carve(static_cast<std::size_t>(L) * 8);
+    const std::size_t oRecvX = carve(cap * (fp8 ? H : rowBytes));
+    const std::size_t oScales = carve(fp8 ? cap * (H / 128) * 4 : 0);
+    const std::size_t oRowRank = carve(cap * 4);
+    const std::size_t oRowToken = carve(cap * 4);
+    const std::size_t oRowSlot = carve(cap * 4);
+    const std::size_t oRowWeight = carve(cap * 4);
+    const std::size_t oY = carve(cap * rowBytes);
+    const std::size_t oCombSend = carve(Rs * T * rowBytes);
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&impl->block, used));
+    GRAPHEP_CUDA_CHECK(cudaMemset(impl->block, 0, used));
+    char* b = impl->block;
+    char* user = group->heap->user(l);
+
+    MoeParams& p = impl->p;
+    p.rank = group->heap->rank(l);
+    p.numRanks = R;
+    p.hidden = cfg.hidden;
+    p.topK = cfg.topK;
+    p.numExperts = cfg.numExperts;
+    p.localExperts = L;
+    p.maxTokens = cfg.maxTokensPerRank;
+    p.fp8 = fp8 ? 1 : 0;
+    p.alignment = cfg.expertAlignment;
+    p.strict = cfg.strict ? 1 : 0;
+    p.capacity = capacity;
+    p.recBytes = recBytes;
+    p.payloadBytes = payloadBytes;
+    p.cntMsgBytes = cntMsgBytes;
+    p.status = reinterpret_cast<MoeDeviceStatus*>(b + oStatus);
+    p.liveTokens = reinterpret_cast<std::int32_t*>(b + oLive);
+    p.tokRankIdx = reinterpret_cast<std::int32_t*>(b + oTokRank);
+    p.entryIdx = reinterpret_cast<std::int32_t*>(b + oEntry);
+    p.expertCount = reinterpret_cast<std::uint32_t*>(b + oExpertCount);
+    p.rankCount = reinterpret_cast<std::uint32_t*>(b + oRankCount);
+    p.recSend = b + oRecSend;
+    p.recRecv = user + recRecvOff;
+    p.cntSend = b + oCntSend;
+    p.cntRecv = b + oCntRecv;
+    auto* arrays = reinterpret_cast<std::uint64_t*>(b + oArrays);
+    // arrays: [exchange][sendCounts | sendOffsets | recvCounts | recvOffsets][R]
+    auto arr = [&](int exchange, int which) { return arrays + (exchange * 4 + which) * Rs; };
+    p.dispSendCounts = arr(1, 0);
+    p.dispRecvCounts = arr(1, 2);
+    p.combSendCounts = arr(2, 0);
+    p.combRecvCounts = arr(2, 2);
+    p.recvRows = reinterpret_cast<std::int32_t*>(b + oRecvRows);
+    p.srcBase = reinterpret_cast<std::int32_t*>(b + oSrcBase);
+    p.expertOffsets = reinterpret_cast<std::int32_t*>(b + oOffsets);
+    p.expertCounts = reinterpret_cast<std::int32_t*>(b + oCounts);
+    p.numRecvRows = reinterpret_cast<std::int32_t*>(b + oNumRows);
+    p.expertTotals = reinterpret_cast<unsigned long long*>(b + oTotals);
+    p.recvX = b + oRecvX;
+    p.recvScales = fp8 ? reinterpret_cast<float*>(b + oScales) : nullptr;
+    p.rowSrcRank = reinterpret_cast<std::int32_t*>(b + oRowRank);
+    p.rowSrcToken = reinterpret_cast<std::int32_t*>(b + oRowToken);
+    p.rowTopkSlot = reinterpret_cast<std::int32_t*>(b + oRowSlot);
+    p.rowWeight = reinterpret_cast<float*>(b + oRowWeight);
+    p.y = b + oY;
+    p.combSend = b + oCombSend;
+    p.combRecv = user + combRecvOff;
+
+    // Constant halves of the count arrays: fixed-size count messages, and every peer's records and
+    // partials at a fixed place ([peer][maxTokens][record]); the counts are written by the kernels.
+    std::vector<std::uint64_t> h(12 * Rs, 0);
+    for (std::size_t q = 0; q < Rs; ++q) {
+      h[0 * Rs + q] = cntMsgBytes;           // count exchange: send counts
+      h[1 * Rs + q] = q * cntMsgBytes;       //                 send offsets
+      h[2 * Rs + q] = cntMsgBytes;           //                 receive counts
+      h[3 * Rs + q] = q * cntMsgBytes;       //                 receive offsets
+      h[5 * Rs + q] = q * T * recBytes;      // records: send offsets
+      h[7 * Rs + q] = q * T * recBytes;      //          receive offsets
+      h[9 * Rs + q] = q * T * rowBytes;      // partials: send offsets
+      h[11 * Rs + q] = q * T * rowBytes;     //           receive offsets
+    }
+    GRAPHEP_CUDA_CHECK(cudaMemcpy(arrays, h.data(), h.size() * 8, cudaMemcpyHostToDevice));
+
+    auto exchange = [&](int e, const void* src, std::size_t srcBytes, void* dst, std::size_t dstBytes,
+                        std::size_t perPeer, bool zeroCopy) {
+      AllToAllvArgs a;
+      a.src = src;
+      a.srcBytes = srcBytes;
+      a.dst = dst;
+      a.dstBytes = dstBytes;
+      a.sendCounts = arr(e, 0);
+      a.sendOffsets = arr(e, 1);
+      a.recvCounts = arr(e, 2);
+      a.recvOffsets = arr(e, 3);
+      a.maxBytesPerPeer = perPeer;
+      a.channelsPerPeer = cfg.smBudget;
+      a.zeroCopy = zeroCopy;
+      return a;
+    };
+    impl->cntArgs = exchange(0, p.cntSend, Rs * cntMsgBytes, b + oCntRecv, Rs * cntMsgBytes, cntMsgBytes, false);
+    impl->dispArgs = exchange(1, p.recSend, Rs * T * recBytes, user + recRecvOff, Rs * T * recBytes,
+                              T * recBytes, true);
+    impl->combArgs = exchange(2, p.combSend, Rs * T * rowBytes, user + combRecvOff, Rs * T * rowBytes,
+                              T * rowBytes, true);
+
+    DispatchLayout& v = impl->layout;
+    v.recvX = p.recvX;
+    v.recvScales = p.recvScales;
+    v.expertOffsets = p.expertOffsets;
+    v.expertCounts = p.expertCounts;
+    v.rowSrcRank = p.rowSrcRank;
+    v.rowSrcToken = p.rowSrcToken;
+    v.rowTopkSlot = p.rowTopkSlot;
+    v.rowWeight = p.rowWeight;
+    v.numRecvRows = p.numRecvRows;
+    v.expertTotals = p.expertTotals;
+    v.expertOutput = b + oY;
+    v.capacity = capacity;
+    v.hidden = cfg.hidden;
+    v.numLocalExperts = L;
+    v.firstLocalExpert = p.rank * L;
+    GRAPHEP_LOG_INFO(log::kInit,
+                "rank %d: MoE engine T_max=%d H=%d E=%d K=%d %s, capacity %lld rows, %zu B local, "
+                "%zu B symmetric heap",
+                p.rank, cfg.maxTokensPerRank, cfg.hidden, cfg.numExperts, cfg.topK,
+                fp8 ? "fp8" : "bf16", capacity, used, heapBytes(group->heap->config()));
+    engines.push_back(std::unique_ptr<Engine>(new Engine(std::move(impl))));
+  }
+  comm.barrier();
+  return engines;
+}
+
+std::unique_ptr<Engine> Engine::create(Communicator& comm, const MoeConfig& cfg) {
+  GRAPHEP_REQUIRE(comm.numLocalRanks() == 1, Status::kInvalidArgument,
+                  "Engine::create: this process drives %d ranks; use Engine::createAll",
+                  comm.numLocalRanks());
+  auto all = createAll(comm, cfg);
+  return std::move(all[0]);
+}
+
+Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Engine::~Engine() = default;
+
+int Engine::rank() const { return impl_->p.rank; }
+int Engine::worldSize() const { return impl_->p.numRanks; }
+const MoeConfig& Engine::config() const { return impl_->cfg; }
+std::size_t Engine::symmetricHeapBytes() const { return heapBytes(impl_->group->heap->config()); }
+const DispatchLayout& Engine::layout() const { return impl_->layout; }
+
+const DispatchLayout& Engine::dispatch(const DispatchArgs& a, cudaStream_t stream) {
+  Impl& m = *impl_;
+  DeviceGuard guard(m.device);
+  requireDevicePointer(a.x, m.device, "dispatch: x");
+  requireDevicePointer(a.topkIdx, m.device, "dispatch: topkIdx");
+  requireDevicePointer(a.topkWeights, m.device, "dispatch: topkWeights");
+  requireDevicePointer(a.numTokens, m.device, "dispatch: numTokens");
+  GRAPHEP_REQUIRE((reinterpret_cast<std::uintptr_t>(a.x) & 15u) == 0, Status::kInvalidArgument,
+                  "dispatch: x (%p) is not 16-byte aligned", a.x);
+  GRAPHEP_REQUIRE(a.indexType == IndexType::kInt32 || a.indexType == IndexType::kInt64,
+                  Status::kInvalidArgument, "dispatch: indexType=%d is not an IndexType",
+                  static_cast<int>(a.indexType));
+  MoeParams p = m.p;
+  p.x = a.x;
+  p.topkIdx = a.topkIdx;
+  p.int64Ids = a.indexType == IndexType::kInt64 ? 1 : 0;
+  p.topkWeights = a.topkWeights;
+  p.numTokens = a.numTokens;
+  m.p = p;  // combine reads the routing of the last dispatch
+  const Movers& movers = m.movers();
+  GRAPHEP_CUDA_CHECK(launchMoeRoute(p, stream));
+  GRAPHEP_CUDA_CHECK(launchMoePack(p, stream));
+  movers.allToAllv(stream, m.cntArgs);
+  GRAPHEP_CUDA_CHECK(launchMoeOffsets(p, stream));
+  movers.allToAllv(stream, m.dispArgs);
+  GRAPHEP_CUDA_CHECK(launchMoeExpand(p, stream));
+  return m.layout;
+}
+
+void Engine::combine(const CombineArgs& a, cudaStream_t stream) {
+  Impl& m = *impl_;
+  DeviceGuard guard(m.device);
+  MoeParams p = m.p;
+  if (a.expertOutput != nullptr) {
+    requireDevicePointer(a.expertOutput, m.device, "combine: expertOutput");
+    GRAPHEP_REQUIRE((reinterpret_cast<std::uintptr_t>(a.expertOutput) & 15u) == 0,
+                    Status::kInvalidArgument, "combine: expertOutput (%p) is not 16-byte aligned",
+                    a.expertOutput);
+    p.y = static_cast<const char*>(a.expertOutput);
+  }
+  requireDevicePointer(a.out, m.device, "combine: out");
+  GRAPHEP_REQUIRE((reinterpret_cast<std::uintptr_t>(a.out) & 15u) == 0, Status::kInvalidArgument,
+                  "combine: out (%p) is not 16-byte aligned", a.out);
+  p.out = static_cast<char*>(a.out);
+  GRAPHEP_CUDA_CHECK(launchMoeCombineReduce(p, stream));
+  m.movers().allToAllv(stream, m.combArgs);
+  GRAPHEP_CUDA_CHECK(launchMoeCombineFinal(p, stream));
+}
+
+MoeStatus Engine::status() const {
+  const Impl& m = *impl_;
+  DeviceGuard guard(m.device);
+  GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
+  MoeDeviceStatus d{};
+  GRAPHEP_CUDA_CHECK(cudaMemcpy(&d, m.p.status, sizeof(d), cudaMemcpyDeviceToHost));
+  MoeStatus s;
+  s.invalidExpertIds = d.invalidIds;
+  s.droppedRows = d.droppedRows;
+  s.clampedTokenCounts = d.clampedCounts;
+  if (d.firstInvalidSet != 0) {
+    s.firstInvalidId = d.firstInvalidId;
+    s.firstInvalidToken = d.firstInvalidToken;
+    s.firstInvalidSlot = d.firstInvalidSlot;
+  }
+  if (d.firstClampedSet != 0) s.firstClampedCount = d.firstClampedCount;
+  s.deviceError = m.group->heap->errorMessage(m.local);
+  return s;
+}
+
+void Engine::clearStatus() {
+  Impl& m = *impl_;
+  DeviceGuard guard(m.device);
+  GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
+  GRAPHEP_CUDA_CHECK(cudaMemset(m.p.status, 0, sizeof(MoeDeviceStatus)));
+  m.group->heap->clearError(m.local);
+}
+
+std::string MoeStatus::describe() const {
+  if (ok()) return "ok";
+  std::string s;
+  auto line = [&](const std::string& l) { s += (s.empty() ? "" : "\n") + l; };
+  if (invalidExpertIds > 0) {
+    line(detail::format("%llu expert id(s) outside [-1, E) skipped; the first: topk_idx[%d][%d] = %lld",
+                        invalidExpertIds, firstInvalidToken, firstInvalidSlot, firstInvalidId));
+  }
+  if (droppedRows > 0) {
+    line(detail::format("%llu received row(s) past the receive capacity dropped", droppedRows));
+  }
+  if (clampedTokenCounts > 0) {
+    line(detail::format("%llu dispatch(es) had a live token count outside [0, maxTokensPerRank]; "
+                        "the first was %d (clamped)",
+                        clampedTokenCounts, firstClampedCount));
+  }
+  if (!deviceError.empty()) line(deviceError);
+  return s;
+}
+
+}  // namespace graphep

@@ -1,0 +1,143 @@
+// MoE expert parallelism: the Engine (DESIGN.md §5). An Engine is one rank's view of a group of
+// ranks that share experts: experts are partitioned contiguously (expert e lives on rank
+// e / (numExperts / worldSize)). dispatch() sends every token to the ranks that hold its top-k
+// experts and lays the received rows out grouped by local expert; combine() brings the expert
+// outputs home and reduces them with the top-k weights.
+//
+// Setup (create) is collective and never capturable. dispatch() and combine() are capturable:
+// they never synchronise with the host, read device memory back or allocate, and every size they
+// bake into a graph is the configured maximum, so one captured graph serves any live token count.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <graphep/comm.hpp>
+
+namespace graphep {
+
+enum class DType : std::uint8_t {
+  kBf16 = 0,
+  kFp8E4m3 = 1,  // e4m3 with one fp32 scale per 128 values, quantised on the fly
+};
+
+enum class IndexType : std::uint8_t { kInt32 = 0, kInt64 = 1 };
+
+struct MoeConfig {
+  int maxTokensPerRank = 0;  // T_max: rows of x per dispatch at most
+  int hidden = 0;            // H: a multiple of 8 (of 128 for fp8)
+  int numExperts = 0;        // E: a multiple of the world size
+  int topK = 0;              // K: 1 .. min(E, 16)
+  DType dispatchType = DType::kBf16;
+  // Rows of recv_x per rank. 0: the worst case, T_max * worldSize * min(K, E / worldSize) plus the
+  // alignment padding; smaller values are allowed and rows past them are dropped and counted.
+  long long recvCapacity = 0;
+  int expertAlignment = 1;  // each local expert's rows start at a multiple of this
+  // Channels (CTAs) per peer the data movers may use; 0: the engine's default (32).
+  int smBudget = 0;
+  // Trap (kill the kernel) on bad input instead of counting it.
+  bool strict = false;
+};
+
+struct DispatchArgs {
+  const void* x = nullptr;             // [T, H] bf16, 16-byte aligned
+  const void* topkIdx = nullptr;       // [T, K] global expert ids, -1 = none
+  IndexType indexType = IndexType::kInt32;
+  const float* topkWeights = nullptr;  // [T, K]
+  const int* numTokens = nullptr;      // device scalar: the live T (clamped to [0, T_max])
+};
+
+// Views of one rank's dispatch output, valid from the dispatch until the next one (device memory
+// owned by the engine). Rows of recv_x are grouped by local expert: expert j's rows are
+// [expertOffsets[j], expertOffsets[j] + expertCounts[j]); within an expert, rows come in (source
+// rank, source token, top-k slot) order. Alignment padding rows are not written.
+struct DispatchLayout {
+  void* recvX = nullptr;              // [capacity, H] bf16 or e4m3
+  float* recvScales = nullptr;        // fp8: [capacity, H / 128]; bf16: nullptr
+  const int* expertOffsets = nullptr; // [E_local + 1]
+  const int* expertCounts = nullptr;  // [E_local]
+  const int* rowSrcRank = nullptr;    // [capacity]
+  const int* rowSrcToken = nullptr;   // [capacity]
+  const int* rowTopkSlot = nullptr;   // [capacity]
+  const float* rowWeight = nullptr;   // [capacity]
+  const int* numRecvRows = nullptr;   // device scalar: rows received (padding excluded)
+  // [E_local]: rows received per local expert since the engine was created (load balancing).
+  const unsigned long long* expertTotals = nullptr;
+  // [capacity, H] bf16, engine-owned: where experts may write their outputs for combine.
+  void* expertOutput = nullptr;
+  long long capacity = 0;
+  int hidden = 0;
+  int numLocalExperts = 0;
+  int firstLocalExpert = 0;  // global id of local expert 0
+};
+
+struct CombineArgs {
+  // [capacity, H] bf16 in the dispatch layout; nullptr: the layout's expertOutput.
+  const void* expertOutput = nullptr;
+  void* out = nullptr;  // [T_max, H] bf16; rows [0, T) of the matching dispatch are written
+};
+
+// Bad input the device counted (DESIGN.md §5): nothing was written out of bounds.
+struct MoeStatus {
+  unsigned long long invalidExpertIds = 0;  // entries with an id outside [-1, E): skipped
+  unsigned long long droppedRows = 0;       // received rows past the capacity: not written
+  unsigned long long clampedTokenCounts = 0;  // dispatches whose live count was outside [0, T_max]
+  long long firstInvalidId = 0;             // valid when invalidExpertIds > 0
+  int firstInvalidToken = -1;
+  int firstInvalidSlot = -1;
+  int firstClampedCount = 0;                // valid when clampedTokenCounts > 0
+  std::string deviceError;                  // a timeout or protocol error, "" when none
+  bool ok() const {
+    return invalidExpertIds == 0 && droppedRows == 0 && clampedTokenCounts == 0 && deviceError.empty();
+  }
+  std::string describe() const;  // one line per problem, "ok" when none
+};
+
+class Engine {
+ public:
+  // Collective over `comm`: one Engine per local rank of this process (local-rank order).
+  static std::vector<std::unique_ptr<Engine>> createAll(Communicator& comm, const MoeConfig& cfg);
+  // Collective, for a process that drives exactly one rank.
+  static std::unique_ptr<Engine> create(Communicator& comm, const MoeConfig& cfg);
+  // Throws graphep::Error naming the first bad field; createAll calls it.
+  static void validate(const MoeConfig& cfg, int worldSize);
+  // The worst-case receive capacity of a config (rows).
+  static long long worstCaseCapacity(const MoeConfig& cfg, int worldSize);
+
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  int rank() const;
+  int worldSize() const;
+  const MoeConfig& config() const;
+  // Bytes of this rank's symmetric heap (staging, flags and the receive buffers peers write).
+  std::size_t symmetricHeapBytes() const;
+
+  // Capturable. Enqueues routing, the count exchange and the data exchange on `stream` (on this
+  // rank's device); every rank of the group must call it.
+  const DispatchLayout& dispatch(const DispatchArgs& args, cudaStream_t stream);
+  // Capturable. Returns the expert outputs of the last dispatch to their source ranks and reduces
+  // them: out[t] = sum_k topkWeights[t][k] * y(row of (t, k)), fp32, bf16 out.
+  void combine(const CombineArgs& args, cudaStream_t stream);
+
+  // The layout views (valid once a dispatch ran on the stream).
+  const DispatchLayout& layout() const;
+
+  // Diagnostics, not a run path: synchronises this rank's device.
+  MoeStatus status() const;
+  void clearStatus();
+
+  struct Impl;
+
+ private:
+  explicit Engine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace graphep

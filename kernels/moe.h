@@ -1,0 +1,145 @@
+// MoE dispatch / combine, device half (engine/moe_engine.cpp is the host half; DESIGN.md §5).
+//
+// Throughput path, per rank, in stream order (every size fixed at capture, every count read from
+// device memory when the kernels run, so one captured graph serves any live token count):
+//
+//   dispatch  route     per-expert and per-rank counts, each (token, k) entry's index within its
+//                       expert's list and each token's index within a destination rank's list
+//                       (a token goes to a rank once, however many of its experts live there)
+//             pack      one record per (token, destination rank): the row (bf16, or fp8 e4m3 tiles
+//                       with per-128 scales made by the produce hook) and its metadata; the count
+//                       messages and the send counts of the movers
+//             alltoallv count messages (staged), then records (zero-copy into the peer's heap)
+//             offsets   expert offsets (with alignment padding), per-(source, expert) bases, the
+//                       receive counts of the movers, cumulative per-expert totals
+//             expand    records -> recv_x grouped by local expert, plus per-row source/weight
+//   combine   reduce    per received record: sum over its slots of weight * y[row], fp32, to bf16
+//             alltoallv partials back to their source ranks (zero-copy)
+//             final     out[t] = sum over destination ranks of the partials, fp32, to bf16
+//
+// Bad input never writes out of bounds: ids outside [-1, E) are skipped and counted, rows past the
+// capacity are dropped and counted, a live count above the maximum is clamped and counted
+// (MoeDeviceStatus); strict mode traps after counting.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/common/pipe.h"
+
+namespace graphep {
+
+inline constexpr int kMoeMaxTopK = 16;
+
+// Per-rank device status word (engine-owned device memory; Engine::status() reads it).
+struct MoeDeviceStatus {
+  unsigned long long invalidIds;     // (token, k) entries with an id < -1 or >= E: skipped
+  unsigned long long droppedRows;    // received rows past the capacity: not written
+  unsigned long long clampedCounts;  // dispatches whose live token count was < 0 or > the maximum
+  long long firstInvalidId;          // the first invalid id seen (valid when invalidIds > 0)
+  std::int32_t firstInvalidToken;
+  std::int32_t firstInvalidSlot;
+  std::int32_t firstInvalidSet;      // 0 until the first invalid entry is recorded
+  std::int32_t firstClampedCount;    // the first out-of-range live count
+  std::uint32_t firstClampedSet;
+  std::uint32_t pad;
+};
+
+// Metadata after the payload of every dispatch record (kMoeMetaBytes for topK slots).
+struct MoeRecordHeader {
+  std::int32_t token;   // source token index
+  std::int32_t nslots;  // slots below whose experts live on the destination
+  std::int32_t pad[2];
+};
+struct MoeRecordSlot {
+  std::int32_t localExpert;  // expert index on the destination rank
+  std::int32_t index;        // the entry's index within that expert's rows from this source
+  float weight;              // topk weight
+  std::int32_t k;            // top-k slot
+};
+
+__host__ __device__ inline std::uint64_t moeMetaBytes(int topK) {
+  return sizeof(MoeRecordHeader) + sizeof(MoeRecordSlot) * static_cast<std::uint64_t>(topK);
+}
+// Payload bytes of one record: bf16 row, or one 144-byte fp8 tile record per 128 values.
+__host__ __device__ inline std::uint64_t moePayloadBytes(int hidden, bool fp8) {
+  return fp8 ? static_cast<std::uint64_t>(hidden) / kFp8TileValues * kFp8TileWireBytes
+             : static_cast<std::uint64_t>(hidden) * 2;
+}
+// Count message per destination: {rows, count of expert 0 .. E_local-1} as u64, 16-byte multiple.
+__host__ __device__ inline std::uint64_t moeCountMsgBytes(int localExperts) {
+  return ((1 + static_cast<std::uint64_t>(localExperts)) * 8 + 15) & ~std::uint64_t{15};
+}
+
+struct MoeParams {
+  // Shape.
+  std::int32_t rank, numRanks, hidden, topK, numExperts, localExperts, maxTokens;
+  std::int32_t fp8;        // dispatch in fp8 e4m3 (records carry fp8 tiles)
+  std::int32_t int64Ids;   // topkIdx holds int64
+  std::int32_t alignment;  // per-expert row alignment of recv_x
+  std::int32_t strict;     // trap after counting bad input
+  std::int64_t capacity;   // rows of recv_x
+  std::uint64_t recBytes, payloadBytes, cntMsgBytes;
+
+  // Inputs (dispatch).
+  const void* x;             // [T, H] bf16
+  const void* topkIdx;       // [T, K] int32 / int64
+  const float* topkWeights;  // [T, K]
+  const int* numTokens;      // device scalar
+
+  // Routing scratch (local).
+  std::int32_t* liveTokens;   // [1] the clamped live count of the last dispatch
+  std::int32_t* tokRankIdx;   // [maxTokens, R]: index in the rank's list or -1
+  std::int32_t* entryIdx;     // [maxTokens, K]: index within the expert's list from this rank
+  std::uint32_t* expertCount; // [E]: this rank's entries per expert
+  std::uint32_t* rankCount;   // [R]: this rank's records per destination
+
+  // Records and count messages.
+  char* recSend;              // [R][maxTokens][recBytes] (local)
+  const char* recRecv;        // [R][maxTokens][recBytes] (this rank's heap: peers write it)
+  char* cntSend;              // [R][cntMsgBytes]
+  const char* cntRecv;        // [R][cntMsgBytes]
+
+  // Movers' device count arrays (bytes): dispatch records and combine partials.
+  std::uint64_t* dispSendCounts;
+  std::uint64_t* dispRecvCounts;
+  std::uint64_t* combSendCounts;
+  std::uint64_t* combRecvCounts;
+
+  // Dispatch layout (local).
+  std::int32_t* recvRows;      // [R]: records received from each source
+  std::int32_t* srcBase;       // [R][E_local]: first row of (source, expert) in recv_x
+  std::int32_t* expertOffsets; // [E_local + 1]
+  std::int32_t* expertCounts;  // [E_local]
+  std::int32_t* numRecvRows;   // [1]
+  unsigned long long* expertTotals;  // [E_local], cumulative
+  char* recvX;                 // [capacity, H] bf16 or fp8
+  float* recvScales;           // [capacity, H / 128] (fp8)
+  std::int32_t* rowSrcRank;    // [capacity]
+  std::int32_t* rowSrcToken;
+  std::int32_t* rowTopkSlot;
+  float* rowWeight;
+
+  // Combine.
+  const char* y;               // [capacity, H] bf16 expert outputs
+  char* combSend;              // [R][maxTokens][H] bf16 partials (local)
+  const char* combRecv;        // [R][maxTokens][H] bf16 partials (this rank's heap)
+  char* out;                   // [T, H] bf16
+
+  MoeDeviceStatus* status;
+};
+
+// Launchers (each returns the launch error) and setup-time kernel loading, one family per file:
+// kernels/moe_route.cu, kernels/moe_dispatch.cu (pack, offsets, expand), kernels/moe_combine.cu.
+cudaError_t launchMoeRoute(const MoeParams& p, cudaStream_t stream);
+cudaError_t preloadMoeRouteKernels();
+cudaError_t launchMoePack(const MoeParams& p, cudaStream_t stream);
+cudaError_t launchMoeOffsets(const MoeParams& p, cudaStream_t stream);
+cudaError_t launchMoeExpand(const MoeParams& p, cudaStream_t stream);
+cudaError_t preloadMoeDispatchKernels();
+cudaError_t launchMoeCombineReduce(const MoeParams& p, cudaStream_t stream);
+cudaError_t launchMoeCombineFinal(const MoeParams& p, cudaStream_t stream);
+cudaError_t preloadMoeCombineKernels();
+
+}  // namespace graphep

@@ -1,0 +1,561 @@
+#include "common/moe_suite.hpp"
+
+#include <cuda_bf16.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+
+#include "common/bf16.hpp"
+#include "common/graph_util.hpp"
+#include "engine/error.hpp"
+#include "kernels/common/hooks.cuh"
+
+namespace graphep::test {
+namespace {
+
+constexpr unsigned char kPoison = 0xff;
+
+// The expert's output for the row of (source rank, token, top-k slot): exact in bf16.
+__host__ __device__ inline float yValue(int s, int t, int k, int h) {
+  const int n = (s * 131 + t * 31 + k * 7 + h * 3) % 61 - 30;
+  return static_cast<float>(n) / 16.0f;
+}
+
+// A stand-in expert: each received row r of local expert j gets y(rowSrcRank, rowSrcToken,
+// rowTopkSlot) (reading the dispatch metadata, as a real expert reads its counts and offsets).
+__global__ void fakeExpertKernel(DispatchLayout v, int L) {
+  const long long row = blockIdx.x;
+  if (row >= v.capacity) return;
+  bool live = false;
+  for (int j = 0; j < L; ++j) {
+    if (row >= v.expertOffsets[j] && row < v.expertOffsets[j] + v.expertCounts[j]) live = true;
+  }
+  if (!live) return;
+  const int s = v.rowSrcRank[row], t = v.rowSrcToken[row], k = v.rowTopkSlot[row];
+  auto* y = static_cast<__nv_bfloat16*>(v.expertOutput) + row * v.hidden;
+  for (int h = static_cast<int>(threadIdx.x); h < v.hidden; h += static_cast<int>(blockDim.x)) {
+    y[h] = __float2bfloat16_rn(yValue(s, t, k, h));
+  }
+}
+
+struct Inputs {
+  int T = 0;                      // live count as passed (may exceed the maximum)
+  std::vector<std::uint16_t> x;   // [T_max, H] bf16 bits
+  std::vector<long long> idx;     // [T_max, K]
+  std::vector<float> w;           // [T_max, K]
+};
+
+
+Inputs makeInputs(const MoeCase& c, int R, int rank, int T, std::uint64_t seed) {
+  const MoeConfig& g = c.cfg;
+  const int Tm = g.maxTokensPerRank, H = g.hidden, K = g.topK, E = g.numExperts, L = E / R;
+  std::mt19937_64 rng(seed * 1000003ull + static_cast<std::uint64_t>(rank) * 7919ull + 17);
+  std::uniform_real_distribution<float> val(-2.f, 2.f), wd(0.1f, 1.f);
+  Inputs in;
+  in.T = T;
+  in.x.resize(static_cast<std::size_t>(Tm) * H);
+  for (auto& v : in.x) v = bf16Bits(val(rng));
+  in.idx.assign(static_cast<std::size_t>(Tm) * K, -1);
+  in.w.resize(static_cast<std::size_t>(Tm) * K);
+  for (auto& v : in.w) v = wd(rng);
+  // Pool of experts a token may pick.
+  std::vector<int> pool;
+  for (int e = 0; e < E; ++e) {
+    if (c.routing == Routing::kRankEmpty && R > 1 && e / L == R - 1) continue;
+    pool.push_back(e);
+  }
+  for (int t = 0; t < Tm; ++t) {
+    if (c.routing == Routing::kAllMasked) continue;
+    std::vector<int> p = pool;
+    std::shuffle(p.begin(), p.end(), rng);
+    if (c.routing == Routing::kSkewed) {
+      auto it = std::find(p.begin(), p.end(), 0);
+      std::iter_swap(p.begin(), it);
+    }
+    for (int k = 0; k < K && k < static_cast<int>(p.size()); ++k) {
+      in.idx[static_cast<std::size_t>(t) * K + k] = p[static_cast<std::size_t>(k)];
+    }
+    if (c.routing == Routing::kInvalidMixed) {
+      const int k = static_cast<int>(rng() % static_cast<unsigned>(K));
+      const long long bad[] = {-1, -2, E, E + 5, -1000, 1ll << 40};
+      const long long b = bad[rng() % 6];
+      if (c.indexType == IndexType::kInt32 && (b > INT32_MAX || b < INT32_MIN)) continue;
+      if (rng() % 3 == 0) in.idx[static_cast<std::size_t>(t) * K + k] = b;
+    }
+  }
+  return in;
+}
+
+int liveCount(const MoeConfig& g, int T) { return std::clamp(T, 0, g.maxTokensPerRank); }
+
+// The expected dispatch layout of rank r.
+struct RefRow {
+  int s = -1, t = -1, k = -1;
+  float w = 0;
+};
+struct RefLayout {
+  std::vector<int> counts, offsets;
+  std::vector<RefRow> rows;  // by position, [capacity]; s < 0: not written
+  int numRows = 0;
+  unsigned long long dropped = 0;
+  std::vector<long long> posOf;  // per (s, t, k) flattened: the row, or -1 (dropped / none)
+};
+
+RefLayout refLayout(const MoeCase& c, const std::vector<Inputs>& all, int r, long long cap) {
+  const MoeConfig& g = c.cfg;
+  const int R = static_cast<int>(all.size()), K = g.topK, L = g.numExperts / R;
+  const std::size_t Tm = static_cast<std::size_t>(g.maxTokensPerRank);
+  RefLayout out;
+  out.counts.assign(static_cast<std::size_t>(L), 0);
+  out.offsets.assign(static_cast<std::size_t>(L) + 1, 0);
+  out.rows.assign(static_cast<std::size_t>(cap), RefRow{});
+  out.posOf.assign(static_cast<std::size_t>(R) * Tm * K, -1);
+  std::vector<std::vector<RefRow>> lists(static_cast<std::size_t>(L));
+  for (int s = 0; s < R; ++s) {
+    const int T = liveCount(g, all[static_cast<std::size_t>(s)].T);
+    for (int t = 0; t < T; ++t) {
+      for (int k = 0; k < K; ++k) {
+        const long long e = all[static_cast<std::size_t>(s)].idx[static_cast<std::size_t>(t) * K + k];
+        if (e < 0 || e >= g.numExperts || e / L != r) continue;
+        lists[static_cast<std::size_t>(e % L)].push_back(
+            RefRow{s, t, k, all[static_cast<std::size_t>(s)].w[static_cast<std::size_t>(t) * K + k]});
+      }
+    }
+  }
+  long long off = 0;
+  for (int j = 0; j < L; ++j) {
+    const auto& list = lists[static_cast<std::size_t>(j)];
+    out.offsets[static_cast<std::size_t>(j)] = static_cast<int>(off);
+    out.counts[static_cast<std::size_t>(j)] = static_cast<int>(list.size());
+    out.numRows += static_cast<int>(list.size());
+    for (std::size_t q = 0; q < list.size(); ++q) {
+      const long long pos = off + static_cast<long long>(q);
+      const RefRow& row = list[q];
+      if (pos >= cap) {
+        ++out.dropped;
+        continue;
+      }
+      out.rows[static_cast<std::size_t>(pos)] = row;
+      out.posOf[(static_cast<std::size_t>(row.s) * Tm + static_cast<std::size_t>(row.t)) * K +
+                static_cast<std::size_t>(row.k)] = pos;
+    }
+    off += (static_cast<long long>(list.size()) + g.expertAlignment - 1) / g.expertAlignment *
+           g.expertAlignment;
+  }
+  out.offsets[static_cast<std::size_t>(L)] = static_cast<int>(off);
+  return out;
+}
+
+unsigned long long invalidCount(const MoeConfig& g, const Inputs& in) {
+  unsigned long long n = 0;
+  const int T = liveCount(g, in.T);
+  for (std::size_t i = 0; i < static_cast<std::size_t>(T) * g.topK; ++i) {
+    if (in.idx[i] < -1 || in.idx[i] >= g.numExperts) ++n;
+  }
+  return n;
+}
+
+// The host fp8 record of one bf16 row: e4m3 bytes and one scale per 128 values, as the produce
+// hook computes them.
+void quantizeRow(const std::uint16_t* row, int H, std::vector<unsigned char>* q, std::vector<float>* scales) {
+  q->resize(static_cast<std::size_t>(H));
+  scales->resize(static_cast<std::size_t>(H / 128));
+  for (int tile = 0; tile < H / 128; ++tile) {
+    float amax = 0;
+    for (int i = 0; i < 128; ++i) amax = std::max(amax, std::fabs(bf16Value(row[tile * 128 + i])));
+    const float scale = ProduceFp8E4m3::fp8Scale(amax);
+    const float inv = 1.0f / scale;
+    (*scales)[static_cast<std::size_t>(tile)] = scale;
+    for (int i = 0; i < 128; ++i) {
+      (*q)[static_cast<std::size_t>(tile * 128 + i)] = ProduceFp8E4m3::fp8E4m3(bf16Value(row[tile * 128 + i]) * inv);
+    }
+  }
+}
+
+// Device inputs of one rank.
+struct RankBuffers {
+  void* x = nullptr;
+  void* idx = nullptr;
+  float* w = nullptr;
+  int* numTokens = nullptr;
+  void* out = nullptr;
+  cudaStream_t stream = nullptr;
+};
+
+class MoeFixture {
+ public:
+  MoeFixture(Communicator& comm, const MoeCase& c) : comm_(comm), c_(c) {
+    engines_ = Engine::createAll(comm, c.cfg);
+    const MoeConfig& g = c.cfg;
+    const std::size_t Tm = static_cast<std::size_t>(g.maxTokensPerRank);
+    for (int l = 0; l < comm.numLocalRanks(); ++l) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+      RankBuffers b;
+      GRAPHEP_CUDA_CHECK(cudaMalloc(&b.x, Tm * g.hidden * 2));
+      GRAPHEP_CUDA_CHECK(cudaMalloc(&b.idx, Tm * g.topK * 8));
+      GRAPHEP_CUDA_CHECK(cudaMalloc(&b.w, Tm * g.topK * 4));
+      GRAPHEP_CUDA_CHECK(cudaMalloc(&b.numTokens, 4));
+      GRAPHEP_CUDA_CHECK(cudaMalloc(&b.out, Tm * g.hidden * 2));
+      GRAPHEP_CUDA_CHECK(cudaStreamCreateWithFlags(&b.stream, cudaStreamNonBlocking));
+      bufs_.push_back(b);
+    }
+  }
+  ~MoeFixture() {
+    for (int l = 0; l < comm_.numLocalRanks(); ++l) {
+      cudaSetDevice(comm_.device(l));
+      const RankBuffers& b = bufs_[static_cast<std::size_t>(l)];
+      cudaStreamSynchronize(b.stream);
+      cudaFree(b.x);
+      cudaFree(b.idx);
+      cudaFree(b.w);
+      cudaFree(b.numTokens);
+      cudaFree(b.out);
+      cudaStreamDestroy(b.stream);
+    }
+  }
+
+  int L() const { return comm_.numLocalRanks(); }
+  Engine& engine(int l) { return *engines_[static_cast<std::size_t>(l)]; }
+  RankBuffers& buf(int l) { return bufs_[static_cast<std::size_t>(l)]; }
+
+  // Uploads this rank's inputs and poisons every output (outside any graph).
+  void prepare(int l, const Inputs& in) {
+    const MoeConfig& g = c_.cfg;
+    RankBuffers& b = buf(l);
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm_.device(l)));
+    const std::size_t n = in.idx.size();
+    GRAPHEP_CUDA_CHECK(cudaMemcpy(b.x, in.x.data(), in.x.size() * 2, cudaMemcpyHostToDevice));
+    if (c_.indexType == IndexType::kInt64) {
+      GRAPHEP_CUDA_CHECK(cudaMemcpy(b.idx, in.idx.data(), n * 8, cudaMemcpyHostToDevice));
+    } else {
+      std::vector<std::int32_t> v(in.idx.begin(), in.idx.end());
+      GRAPHEP_CUDA_CHECK(cudaMemcpy(b.idx, v.data(), n * 4, cudaMemcpyHostToDevice));
+    }
+    GRAPHEP_CUDA_CHECK(cudaMemcpy(b.w, in.w.data(), n * 4, cudaMemcpyHostToDevice));
+    GRAPHEP_CUDA_CHECK(cudaMemcpy(b.numTokens, &in.T, 4, cudaMemcpyHostToDevice));
+    const DispatchLayout& v = engine(l).layout();
+    const std::size_t cap = static_cast<std::size_t>(v.capacity);
+    const bool fp8 = g.dispatchType == DType::kFp8E4m3;
+    GRAPHEP_CUDA_CHECK(cudaMemset(v.recvX, kPoison, cap * g.hidden * (fp8 ? 1 : 2)));
+    if (fp8) GRAPHEP_CUDA_CHECK(cudaMemset(v.recvScales, kPoison, cap * (g.hidden / 128) * 4));
+    for (const void* p : {static_cast<const void*>(v.rowSrcRank), static_cast<const void*>(v.rowSrcToken),
+                          static_cast<const void*>(v.rowTopkSlot), static_cast<const void*>(v.rowWeight)}) {
+      GRAPHEP_CUDA_CHECK(cudaMemset(const_cast<void*>(p), kPoison, cap * 4));
+    }
+    GRAPHEP_CUDA_CHECK(cudaMemset(v.expertOutput, 0, cap * g.hidden * 2));
+    GRAPHEP_CUDA_CHECK(cudaMemset(b.out, kPoison, static_cast<std::size_t>(g.maxTokensPerRank) * g.hidden * 2));
+    GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+
+  // dispatch -> fake expert -> combine on this rank's stream.
+  void enqueue(int l, cudaStream_t s) {
+    RankBuffers& b = buf(l);
+    DispatchArgs a;
+    a.x = b.x;
+    a.topkIdx = b.idx;
+    a.indexType = c_.indexType;
+    a.topkWeights = b.w;
+    a.numTokens = b.numTokens;
+    const DispatchLayout& v = engine(l).dispatch(a, s);
+    fakeExpertKernel<<<static_cast<unsigned>(v.capacity), 128, 0, s>>>(v, v.numLocalExperts);
+    GRAPHEP_CUDA_CHECK(cudaGetLastError());
+    CombineArgs ca;
+    ca.out = b.out;
+    engine(l).combine(ca, s);
+  }
+
+  void syncAll() {
+    for (int l = 0; l < L(); ++l) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(comm_.device(l)));
+      GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(buf(l).stream));
+    }
+    comm_.barrier();
+  }
+
+  // Compares rank l's outputs with the reference; returns the number of wrong values.
+  long long check(int l, const std::vector<Inputs>& all, const std::string& what) {
+    const MoeConfig& g = c_.cfg;
+    const int R = comm_.worldSize(), K = g.topK, H = g.hidden, Lx = g.numExperts / R;
+    const int r = comm_.globalRank(l);
+    const DispatchLayout& v = engine(l).layout();
+    const long long cap = v.capacity;
+    const RefLayout ref = refLayout(c_, all, r, cap);
+    const bool fp8 = g.dispatchType == DType::kFp8E4m3;
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm_.device(l)));
+    long long wrong = 0;
+    int reported = 0;
+    auto fail = [&](const std::string& m) {
+      ++wrong;
+      if (reported++ < 8) ADD_FAILURE() << what << " rank " << r << ": " << m;
+    };
+    std::vector<int> counts(static_cast<std::size_t>(Lx)), offsets(static_cast<std::size_t>(Lx) + 1);
+    int numRows = 0;
+    GRAPHEP_CUDA_CHECK(cudaMemcpy(counts.data(), v.expertCounts, counts.size() * 4, cudaMemcpyDeviceToHost));
+    GRAPHEP_CUDA_CHECK(cudaMemcpy(offsets.data(), v.expertOffsets, offsets.size() * 4, cudaMemcpyDeviceToHost));
+    GRAPHEP_CUDA_CHECK(cudaMemcpy(&numRows, v.numRecvRows, 4, cudaMemcpyDeviceToHost));
+    if (counts != ref.counts) fail("expert counts differ");
+    if (offsets != ref.offsets) fail("expert offsets differ");
+    if (numRows != ref.numRows) fail("numRecvRows " + std::to_string(numRows) + " != " + std::to_string(ref.numRows));
+    const std::size_t capz = static_cast<std::size_t>(cap);
+    std::vector<int> srank(capz), stok(capz), sslot(capz);
+    std::vector<std::uint32_t> sw(capz);
+    GRAPHEP_CUDA_CHECK(cudaMemcpy(srank.data(), v.rowSrcRank, capz * 4, cudaMemcpyDeviceToHost));
+    GRAPHEP_CUDA_CHECK(cudaMemcpy(stok.data(), v.rowSrcToken, capz * 4, cudaMemcpyDeviceToHost));
+    GRAPHEP_CUDA_CHECK(cudaMemcpy(sslot.data(), v.rowTopkSlot, capz * 4, cudaMemcpyDeviceToHost));
+    GRAPHEP_CUDA_CHECK(cudaMemcpy(sw.data(), v.rowWeight, capz * 4, cudaMemcpyDeviceToHost));
+    const std::size_t rowBytes = static_cast<std::size_t>(H) * (fp8 ? 1 : 2);
+    std::vector<unsigned char> rx(capz * rowBytes);
+    GRAPHEP_CUDA_CHECK(cudaMemcpy(rx.data(), v.recvX, rx.size(), cudaMemcpyDeviceToHost));
+    std::vector<float> rs(fp8 ? capz * (H / 128) : 0);
+    if (fp8) GRAPHEP_CUDA_CHECK(cudaMemcpy(rs.data(), v.recvScales, rs.size() * 4, cudaMemcpyDeviceToHost));
+    std::vector<unsigned char> q;
+    std::vector<float> sc;
+    for (std::size_t pos = 0; pos < capz; ++pos) {
+      const RefRow& e = ref.rows[pos];
+      const unsigned char* got = rx.data() + pos * rowBytes;
+      if (e.s < 0) {  // padding or unused: untouched
+        if (srank[pos] != -1 || stok[pos] != -1 || sslot[pos] != -1 || sw[pos] != 0xffffffffu ||
+            std::any_of(got, got + rowBytes, [](unsigned char b) { return b != kPoison; })) {
+          fail("row " + std::to_string(pos) + " was written but holds no received row");
+        }
+        continue;
+      }
+      std::uint32_t wbits;
+      std::memcpy(&wbits, &e.w, 4);
+      if (srank[pos] != e.s || stok[pos] != e.t || sslot[pos] != e.k || sw[pos] != wbits) {
+        fail("row " + std::to_string(pos) + " metadata (" + std::to_string(srank[pos]) + ", " +
+             std::to_string(stok[pos]) + ", " + std::to_string(sslot[pos]) + ") != (" +
+             std::to_string(e.s) + ", " + std::to_string(e.t) + ", " + std::to_string(e.k) + ")");
+        continue;
+      }
+      const std::uint16_t* src = all[static_cast<std::size_t>(e.s)].x.data() + static_cast<std::size_t>(e.t) * H;
+      if (fp8) {
+        quantizeRow(src, H, &q, &sc);
+        if (std::memcmp(got, q.data(), static_cast<std::size_t>(H)) != 0 ||
+            std::memcmp(rs.data() + pos * (H / 128), sc.data(), sc.size() * 4) != 0) {
+          fail("row " + std::to_string(pos) + " fp8 payload or scales differ");
+        }
+      } else if (std::memcmp(got, src, rowBytes) != 0) {
+        fail("row " + std::to_string(pos) + " payload differs");
+      }
+    }
+    // Combine: out[t] = sum_k w_k y(r, t, k) over this rank's tokens whose rows were not dropped.
+    const int T = liveCount(g, all[static_cast<std::size_t>(r)].T);
+    const std::size_t Tm = static_cast<std::size_t>(g.maxTokensPerRank);
+    std::vector<std::uint16_t> out(Tm * static_cast<std::size_t>(H));
+    GRAPHEP_CUDA_CHECK(cudaMemcpy(out.data(), buf(l).out, out.size() * 2, cudaMemcpyDeviceToHost));
+    // posOf of this rank's entries lives in the destination ranks' layouts.
+    std::vector<RefLayout> dest;
+    for (int d = 0; d < R; ++d) dest.push_back(d == r ? ref : refLayout(c_, all, d, cap));
+    const Inputs& mine = all[static_cast<std::size_t>(r)];
+    for (int t = 0; t < static_cast<int>(Tm); ++t) {
+      for (int h = 0; h < H; ++h) {
+        const std::uint16_t gotBits = out[static_cast<std::size_t>(t) * H + h];
+        if (t >= T) {
+          if (gotBits != 0xffff) fail("out row " + std::to_string(t) + " past the live count was written");
+          if (gotBits != 0xffff) break;
+          continue;
+        }
+        double sum = 0, mag = 0;
+        for (int k = 0; k < K; ++k) {
+          const long long e = mine.idx[static_cast<std::size_t>(t) * K + k];
+          if (e < 0 || e >= g.numExperts) continue;
+          const int d = static_cast<int>(e / Lx);
+          const long long pos = dest[static_cast<std::size_t>(d)].posOf[(static_cast<std::size_t>(r) * Tm + t) * K + k];
+          if (pos < 0) continue;  // dropped at the destination
+          const double term = static_cast<double>(mine.w[static_cast<std::size_t>(t) * K + k]) * yValue(r, t, k, h);
+          sum += term;
+          mag += std::fabs(term);
+        }
+        const double got = bf16Value(gotBits);
+        if (!(std::fabs(got - sum) <= mag / 256.0 + 1e-6)) {
+          fail("out[" + std::to_string(t) + "][" + std::to_string(h) + "] = " + std::to_string(got) +
+               ", reference " + std::to_string(sum));
+          break;
+        }
+      }
+    }
+    return wrong;
+  }
+
+ private:
+  Communicator& comm_;
+  MoeCase c_;
+  std::vector<std::unique_ptr<Engine>> engines_;
+  std::vector<RankBuffers> bufs_;
+};
+
+std::string describeCase(const MoeCase& c) {
+  const MoeConfig& g = c.cfg;
+  return "T_max=" + std::to_string(g.maxTokensPerRank) + " H=" + std::to_string(g.hidden) +
+         " E=" + std::to_string(g.numExperts) + " K=" + std::to_string(g.topK) +
+         (g.dispatchType == DType::kFp8E4m3 ? " fp8" : " bf16") +
+         (c.indexType == IndexType::kInt64 ? " int64" : " int32") +
+         " routing=" + std::to_string(static_cast<int>(c.routing)) +
+         " align=" + std::to_string(g.expertAlignment) + " cap=" + std::to_string(g.recvCapacity) +
+         " replays=" + std::to_string(c.replays);
+}
+
+}  // namespace
+
+void runMoeCase(Communicator& comm, const MoeCase& c) {
+  SCOPED_TRACE(describeCase(c));
+  const int R = comm.worldSize();
+  MoeFixture f(comm, c);
+  const int runs = c.replays > 0 ? c.replays : static_cast<int>(c.tokens.size());
+  std::vector<cudaGraphExec_t> execs;
+  if (c.replays > 0) {
+    for (int l = 0; l < f.L(); ++l) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+      execs.push_back(captureOnStream(f.buf(l).stream, [&](cudaStream_t s) { f.enqueue(l, s); }));
+    }
+  }
+  std::vector<unsigned long long> expectInvalid(static_cast<std::size_t>(f.L()), 0);
+  std::vector<unsigned long long> expectDropped(static_cast<std::size_t>(f.L()), 0);
+  unsigned long long expectClamped = 0;
+  std::vector<std::vector<unsigned long long>> expectTotals(static_cast<std::size_t>(f.L()));
+  for (int run = 0; run < runs; ++run) {
+    const int T = c.tokens[static_cast<std::size_t>(run) % c.tokens.size()];
+    const std::uint64_t seed = 5000 + static_cast<std::uint64_t>(run) * 31;
+    std::vector<Inputs> all;
+    for (int q = 0; q < R; ++q) all.push_back(makeInputs(c, R, q, T, seed));
+    for (int l = 0; l < f.L(); ++l) f.prepare(l, all[static_cast<std::size_t>(comm.globalRank(l))]);
+    comm.barrier();
+    for (int l = 0; l < f.L(); ++l) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+      if (c.replays > 0) {
+        GRAPHEP_CUDA_CHECK(cudaGraphLaunch(execs[static_cast<std::size_t>(l)], f.buf(l).stream));
+      } else {
+        f.enqueue(l, f.buf(l).stream);
+      }
+    }
+    f.syncAll();
+    if (T > c.cfg.maxTokensPerRank || T < 0) ++expectClamped;
+    for (int l = 0; l < f.L(); ++l) {
+      const int r = comm.globalRank(l);
+      const std::string what = "run " + std::to_string(run) + " T=" + std::to_string(T);
+      EXPECT_EQ(f.check(l, all, what), 0) << what << " rank " << r;
+      expectInvalid[static_cast<std::size_t>(l)] += invalidCount(c.cfg, all[static_cast<std::size_t>(r)]);
+      const RefLayout ref = refLayout(c, all, r, f.engine(l).layout().capacity);
+      expectDropped[static_cast<std::size_t>(l)] += ref.dropped;
+      auto& tot = expectTotals[static_cast<std::size_t>(l)];
+      tot.resize(ref.counts.size(), 0);
+      for (std::size_t j = 0; j < ref.counts.size(); ++j) tot[j] += static_cast<unsigned long long>(ref.counts[j]);
+    }
+    comm.barrier();
+  }
+  for (int l = 0; l < f.L(); ++l) {
+    const MoeStatus st = f.engine(l).status();
+    const int r = comm.globalRank(l);
+    EXPECT_EQ(st.invalidExpertIds, expectInvalid[static_cast<std::size_t>(l)]) << "rank " << r;
+    EXPECT_EQ(st.droppedRows, expectDropped[static_cast<std::size_t>(l)]) << "rank " << r;
+    EXPECT_EQ(st.clampedTokenCounts, expectClamped) << "rank " << r;
+    EXPECT_EQ(st.deviceError, "") << "rank " << r;
+    std::vector<unsigned long long> totals(expectTotals[static_cast<std::size_t>(l)].size());
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    GRAPHEP_CUDA_CHECK(cudaMemcpy(totals.data(), f.engine(l).layout().expertTotals, totals.size() * 8,
+                                  cudaMemcpyDeviceToHost));
+    EXPECT_EQ(totals, expectTotals[static_cast<std::size_t>(l)]) << "rank " << r << ": cumulative expert totals";
+    if (!execs.empty()) cudaGraphExecDestroy(execs[static_cast<std::size_t>(l)]);
+  }
+  comm.barrier();
+}
+
+std::vector<MoeCase> standardMoeCases(int R, bool large) {
+  std::vector<MoeCase> cases;
+  auto base = [&](int T, int H, int E, int K) {
+    MoeCase c;
+    c.cfg.maxTokensPerRank = T;
+    c.cfg.hidden = H;
+    c.cfg.numExperts = E;
+    c.cfg.topK = K;
+    return c;
+  };
+  {  // uniform, T varying between calls (0, T_max and a clamped count included)
+    MoeCase c = base(64, 128, 2 * R, 2);
+    c.tokens = {64, 17, 0, 64, 70};
+    cases.push_back(c);
+    c.indexType = IndexType::kInt64;
+    c.cfg.dispatchType = DType::kFp8E4m3;
+    c.tokens = {33, 64};
+    cases.push_back(c);
+  }
+  {
+    MoeCase c = base(64, 256, 4 * R, 2);
+    c.routing = Routing::kSkewed;
+    c.tokens = {64};
+    cases.push_back(c);
+    if (R > 1) {
+      c.routing = Routing::kRankEmpty;
+      c.tokens = {40};
+      cases.push_back(c);
+    }
+    c.routing = Routing::kAllMasked;
+    c.tokens = {64, 0};
+    cases.push_back(c);
+    c.routing = Routing::kInvalidMixed;
+    c.tokens = {50};
+    cases.push_back(c);
+    c.indexType = IndexType::kInt64;
+    cases.push_back(c);
+  }
+  {  // top-1 with one expert per rank; top-8 of 256 experts
+    MoeCase c = base(32, 128, R, 1);
+    c.tokens = {32};
+    cases.push_back(c);
+    if (256 % R == 0) {
+      c = base(32, 128, 256, 8);
+      c.tokens = {32, 5};
+      cases.push_back(c);
+    }
+  }
+  {  // per-expert alignment, and a capacity too small for skewed routing (rows dropped, counted)
+    MoeCase c = base(64, 128, 2 * R, 2);
+    c.cfg.expertAlignment = 16;
+    c.tokens = {64, 9};
+    cases.push_back(c);
+    c.routing = Routing::kSkewed;
+    c.cfg.recvCapacity = 40;
+    c.tokens = {64};
+    cases.push_back(c);
+  }
+  {  // fp8 at a wider row
+    MoeCase c = base(64, 2048, 4 * R, 4);
+    c.cfg.dispatchType = DType::kFp8E4m3;
+    c.tokens = {64, 31};
+    cases.push_back(c);
+  }
+  {  // one captured graph (dispatch -> expert -> combine) replayed with new data and counts
+    MoeCase c = base(64, 256, 2 * R, 2);
+    c.tokens = {64, 3, 0, 50, 64, 1};
+    c.replays = 30;
+    cases.push_back(c);
+    c.cfg.dispatchType = DType::kFp8E4m3;
+    c.replays = 12;
+    cases.push_back(c);
+  }
+  if (large) {  // the DeepSeek-V3 shape at decode size
+    MoeCase c = base(128, 7168, 256, 8);
+    c.tokens = {128, 77};
+    cases.push_back(c);
+    c.cfg.dispatchType = DType::kFp8E4m3;
+    cases.push_back(c);
+    c.cfg.dispatchType = DType::kBf16;
+    c.replays = 20;
+    c.tokens = {128, 1, 100};
+    cases.push_back(c);
+    MoeCase p = base(512, 2048, 16, 2);
+    p.routing = Routing::kSkewed;
+    p.tokens = {512};
+    cases.push_back(p);
+  }
+  return cases;
+}
+
+}  // namespace graphep::test

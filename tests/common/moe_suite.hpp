@@ -1,0 +1,44 @@
+// MoE dispatch / combine test bodies shared by every configuration (emulated ranks on one GPU, 2
+// GPUs in one process, one process per GPU). Inputs are a pure function of (seed, rank), so every
+// process builds the CPU reference of every rank; each rank checks its own results:
+//   dispatch  recv_x rows (bf16 bit for bit; fp8 e4m3 bytes and scales against the host
+//             quantisation), per-row source rank / token / top-k slot / weight, expert counts and
+//             offsets (with alignment), the received row count, cumulative expert totals, and that
+//             padding and unused rows keep their poison
+//   combine   out[t] within 2^-8 of sum_k |w_k y_k| of an fp64 reference (bf16 partials summed in
+//             fp32), rows past the live count untouched
+//   status    invalid ids, dropped rows and clamped live counts with exact counts
+// Every buffer is poisoned before every run; data is fresh for every call and every replay.
+#pragma once
+
+#include <graphep/comm.hpp>
+#include <graphep/moe.hpp>
+
+#include <vector>
+
+namespace graphep::test {
+
+enum class Routing {
+  kUniform,        // K distinct experts per token, uniformly
+  kSkewed,         // every token's first choice is expert 0
+  kRankEmpty,      // no token picks an expert of the last rank
+  kAllMasked,      // every entry is -1
+  kInvalidMixed,   // uniform, with some entries -1 and some outside [-1, E)
+};
+
+struct MoeCase {
+  MoeConfig cfg;
+  Routing routing = Routing::kUniform;
+  IndexType indexType = IndexType::kInt32;
+  // Live token counts, one dispatch + combine per entry (values above maxTokensPerRank test the
+  // clamp). Captured once and replayed when `replays` > 0 (then the counts cycle).
+  std::vector<int> tokens;
+  int replays = 0;
+};
+
+void runMoeCase(Communicator& comm, const MoeCase& c);
+
+// The case matrix of a configuration: emulated ranks get small shapes, real GPUs the large ones.
+std::vector<MoeCase> standardMoeCases(int worldSize, bool large);
+
+}  // namespace graphep::test
