@@ -196,6 +196,10 @@ class MoeFixture {
     const std::size_t Tm = static_cast<std::size_t>(g.maxTokensPerRank);
     for (int l = 0; l < comm.numLocalRanks(); ++l) {
       GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+      // Load the test's kernel now: a lazy load at its first launch would wait for the device,
+      // where this rank's dispatch already spins on peers that this thread has not enqueued yet.
+      cudaFuncAttributes attr{};
+      GRAPHEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, fakeExpertKernel));
       RankBuffers b;
       GRAPHEP_CUDA_CHECK(cudaMalloc(&b.x, Tm * g.hidden * 2));
       GRAPHEP_CUDA_CHECK(cudaMalloc(&b.idx, Tm * g.topK * 8));
@@ -374,7 +378,9 @@ class MoeFixture {
           mag += std::fabs(term);
         }
         const double got = bf16Value(gotBits);
-        if (!(std::fabs(got - sum) <= mag / 256.0 + 1e-6)) {
+        // Two bf16 roundings (the partial on the expert's rank, the sum at home), each within
+        // 2^-8 relative (8 bits of precision), bound the error by 2^-7 of the sum of magnitudes.
+        if (!(std::fabs(got - sum) <= mag / 128.0 + 1e-6)) {
           fail("out[" + std::to_string(t) + "][" + std::to_string(h) + "] = " + std::to_string(got) +
                ", reference " + std::to_string(sum));
           break;

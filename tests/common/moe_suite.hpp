@@ -5,8 +5,8 @@
 //             quantisation), per-row source rank / token / top-k slot / weight, expert counts and
 //             offsets (with alignment), the received row count, cumulative expert totals, and that
 //             padding and unused rows keep their poison
-//   combine   out[t] within 2^-8 of sum_k |w_k y_k| of an fp64 reference (bf16 partials summed in
-//             fp32), rows past the live count untouched
+//   combine   out[t] within 2^-7 of sum_k |w_k y_k| of an fp64 reference (bf16 partials summed in
+//             fp32: two bf16 roundings), rows past the live count untouched
 //   status    invalid ids, dropped rows and clamped live counts with exact counts
 // Every buffer is poisoned before every run; data is fresh for every call and every replay.
 #pragma once
