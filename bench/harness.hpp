@@ -33,6 +33,10 @@ struct Options {
   int numSlots = 4;                                 // --slots (movers: slots per channel)
   std::size_t llBytes = 16384;                      // --ll (movers: LL capacity per channel)
   bool profile = false;                             // --profile (movers: staged phase times)
+  int moeHidden = 7168;                             // --hidden (moe)
+  int moeExperts = 256;                             // --experts (moe)
+  int moeTopK = 8;                                  // --topk (moe)
+  std::string moeDtype = "both";                    // --dtype bf16|fp8|both (moe dispatch)
 };
 
 
@@ -127,5 +131,6 @@ std::vector<Row> runPingPong(const Options& o, Ranks& r);
 std::vector<Row> runSendRecv(const Options& o, Ranks& r);
 std::vector<Row> runAllGather(const Options& o, Ranks& r);
 std::vector<Row> runAllToAllv(const Options& o, Ranks& r);
+std::vector<Row> runMoe(const Options& o, Ranks& r);  // -b/-e are tokens per rank
 
 }  // namespace graphep::bench

@@ -31,9 +31,10 @@ std::size_t parseSize(const char* s) {
 
 int usage() {
   std::fprintf(stderr,
-               "usage: graphep-bench [pingpong|sendrecv|allgather|alltoallv] [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] "
+               "usage: graphep-bench [pingpong|sendrecv|allgather|alltoallv|moe] [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] "
                "[-w WARMUP] [-R REPEATS] [-c 0|1] [-G OPS_PER_GRAPH] [--sms N] [--warps N] [--slot BYTES] [--slots N] [--ll BYTES] [--profile] "
-               "[--json FILE]\n");
+               "[--json FILE]\n"
+               "       moe: -b/-e are tokens per rank; [--hidden H] [--experts E] [--topk K] [--dtype bf16|fp8|both]\n");
   return 2;
 }
 
@@ -97,6 +98,10 @@ int run(int argc, char** argv, bool mpi) {
       else if (a == "--slots") o.numSlots = std::atoi(next());
       else if (a == "--ll") o.llBytes = parseSize(next());
       else if (a == "--profile") o.profile = true;
+      else if (a == "--hidden") o.moeHidden = std::atoi(next());
+      else if (a == "--experts") o.moeExperts = std::atoi(next());
+      else if (a == "--topk") o.moeTopK = std::atoi(next());
+      else if (a == "--dtype") o.moeDtype = next();
       else if (a == "--json") o.json = next();
       else if (a == "-h" || a == "--help") return usage();
       else if (a[0] != '-') o.op = a;
@@ -120,9 +125,14 @@ int run(int argc, char** argv, bool mpi) {
       rows = runAllGather(o, *ranks);
     } else if (o.op == "alltoallv") {
       rows = runAllToAllv(o, *ranks);
+    } else if (o.op == "moe") {
+      GRAPHEP_REQUIRE(o.moeDtype == "bf16" || o.moeDtype == "fp8" || o.moeDtype == "both",
+                      graphep::Status::kInvalidArgument, "--dtype %s: expected bf16, fp8 or both",
+                      o.moeDtype.c_str());
+      rows = runMoe(o, *ranks);
     } else {
       GRAPHEP_FAIL(graphep::Status::kInvalidArgument,
-                   "unknown operation '%s' (known: pingpong, sendrecv, allgather, alltoallv)", o.op.c_str());
+                   "unknown operation '%s' (known: pingpong, sendrecv, allgather, alltoallv, moe)", o.op.c_str());
     }
     long long wrong = 0;
     for (const Row& r : rows) wrong += r.wrong;

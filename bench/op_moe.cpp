@@ -1,0 +1,179 @@
+// moe: Engine dispatch and combine, graph-replayed, for -b .. -e tokens per rank (the size column
+// is tokens here), --hidden, --experts, --topk, --dtype bf16|fp8|both. Routing is uniform (K
+// distinct experts per token) and regenerated per size; the count exchange runs inside every
+// operation (nothing cached).
+//   dispatch   Engine::dispatch alone
+//   combine    (dispatch + combine) - dispatch, from two graphs timed the same way
+// algbw = logical bandwidth: all received token bytes, the rank's own included (DeepEP's figure:
+// one row per (token, destination rank); bf16 H * 2 bytes, fp8 H + H / 128 * 4), / time.
+// busbw = NVLink bandwidth: the bytes of the records that crossed to other ranks (payload and
+// metadata) / time. Both are rank averages. #wrong: ranks whose expert counts differ from the
+// host's or whose status reports a drop.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <graphep/moe.hpp>
+
+#include "bench/harness.hpp"
+#include "engine/error.hpp"
+#include "kernels/moe.h"
+
+namespace graphep::bench {
+
+namespace {
+
+// Uniform top-K routing of every rank (every process builds all ranks' routing, so the expected
+// counts are known everywhere).
+std::vector<std::vector<std::int32_t>> routing(int R, int T, int E, int K, std::uint64_t seed) {
+  std::vector<std::vector<std::int32_t>> all(static_cast<std::size_t>(R));
+  for (int q = 0; q < R; ++q) {
+    std::mt19937_64 rng(seed + static_cast<std::uint64_t>(q) * 7919u);
+    auto& idx = all[static_cast<std::size_t>(q)];
+    idx.resize(static_cast<std::size_t>(T) * K);
+    std::vector<std::int32_t> pool(static_cast<std::size_t>(E));
+    for (int e = 0; e < E; ++e) pool[static_cast<std::size_t>(e)] = e;
+    for (int t = 0; t < T; ++t) {
+      for (int k = 0; k < K; ++k) {  // partial Fisher-Yates: K distinct experts
+        const std::size_t j = static_cast<std::size_t>(k) + rng() % static_cast<std::size_t>(E - k);
+        std::swap(pool[static_cast<std::size_t>(k)], pool[j]);
+        idx[static_cast<std::size_t>(t) * K + k] = pool[static_cast<std::size_t>(k)];
+      }
+    }
+  }
+  return all;
+}
+
+}  // namespace
+
+std::vector<Row> runMoe(const Options& o, Ranks& r) {
+  const int R = r.comm->worldSize();
+  const int H = o.moeHidden, E = o.moeExperts, K = o.moeTopK;
+  std::vector<Row> rows;
+  std::vector<bool> types;
+  if (o.moeDtype != "fp8") types.push_back(false);
+  if (o.moeDtype != "bf16") types.push_back(true);
+  for (std::size_t tokens = o.minBytes; tokens <= o.maxBytes;
+       tokens = std::max<std::size_t>(tokens + 1, static_cast<std::size_t>(tokens * o.factor))) {
+    const int T = static_cast<int>(tokens);
+    const auto idx = routing(R, T, E, K, 424242 + tokens);
+    const int L = E / R;
+    // Expected per-destination records and per-expert rows of every rank.
+    std::vector<std::vector<long long>> records(static_cast<std::size_t>(R), std::vector<long long>(static_cast<std::size_t>(R), 0));
+    std::vector<std::vector<int>> expertRows(static_cast<std::size_t>(R), std::vector<int>(static_cast<std::size_t>(L), 0));
+    for (int s = 0; s < R; ++s) {
+      for (int t = 0; t < T; ++t) {
+        std::vector<bool> hit(static_cast<std::size_t>(R), false);
+        for (int k = 0; k < K; ++k) {
+          const int e = idx[static_cast<std::size_t>(s)][static_cast<std::size_t>(t) * K + k];
+          hit[static_cast<std::size_t>(e / L)] = true;
+          ++expertRows[static_cast<std::size_t>(e / L)][static_cast<std::size_t>(e % L)];
+        }
+        for (int d = 0; d < R; ++d) records[static_cast<std::size_t>(s)][static_cast<std::size_t>(d)] += hit[static_cast<std::size_t>(d)] ? 1 : 0;
+      }
+    }
+    long long allRecords = 0, remoteRecords = 0;
+    for (int s = 0; s < R; ++s) {
+      for (int d = 0; d < R; ++d) {
+        allRecords += records[static_cast<std::size_t>(s)][static_cast<std::size_t>(d)];
+        if (s != d) remoteRecords += records[static_cast<std::size_t>(s)][static_cast<std::size_t>(d)];
+      }
+    }
+    for (bool fp8 : types) {
+      progress(("moe " + std::to_string(T) + (fp8 ? " fp8" : " bf16")).c_str());
+      MoeConfig cfg;
+      cfg.maxTokensPerRank = T;
+      cfg.hidden = H;
+      cfg.numExperts = E;
+      cfg.topK = K;
+      cfg.dispatchType = fp8 ? DType::kFp8E4m3 : DType::kBf16;
+      cfg.smBudget = o.sms;
+      auto engines = Engine::createAll(*r.comm, cfg);
+      std::vector<void*> x(static_cast<std::size_t>(r.numLocal())), ids(x.size()), w(x.size()), n(x.size()), out(x.size());
+      for (int i = 0; i < r.numLocal(); ++i) {
+        const std::size_t li = static_cast<std::size_t>(i);
+        GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[li]));
+        GRAPHEP_CUDA_CHECK(cudaMalloc(&x[li], static_cast<std::size_t>(T) * H * 2));
+        GRAPHEP_CUDA_CHECK(cudaMalloc(&ids[li], static_cast<std::size_t>(T) * K * 4));
+        GRAPHEP_CUDA_CHECK(cudaMalloc(&w[li], static_cast<std::size_t>(T) * K * 4));
+        GRAPHEP_CUDA_CHECK(cudaMalloc(&n[li], 4));
+        GRAPHEP_CUDA_CHECK(cudaMalloc(&out[li], static_cast<std::size_t>(T) * H * 2));
+        // Rows of small finite bf16 values (bit patterns 0x3c00-0x3fff: 2^-7 .. ~2).
+        std::vector<std::uint16_t> xs(static_cast<std::size_t>(T) * H);
+        std::mt19937 rng(static_cast<unsigned>(r.rank(i)) * 31u + 7u);
+        for (auto& v : xs) v = static_cast<std::uint16_t>(0x3c00u + (rng() & 0x3ffu));
+        GRAPHEP_CUDA_CHECK(cudaMemcpy(x[li], xs.data(), xs.size() * 2, cudaMemcpyHostToDevice));
+        const auto& mine = idx[static_cast<std::size_t>(r.rank(i))];
+        GRAPHEP_CUDA_CHECK(cudaMemcpy(ids[li], mine.data(), mine.size() * 4, cudaMemcpyHostToDevice));
+        std::vector<float> ws(mine.size(), 1.0f / static_cast<float>(K));
+        GRAPHEP_CUDA_CHECK(cudaMemcpy(w[li], ws.data(), ws.size() * 4, cudaMemcpyHostToDevice));
+        GRAPHEP_CUDA_CHECK(cudaMemcpy(n[li], &T, 4, cudaMemcpyHostToDevice));
+      }
+      auto dispatch = [&](int i, cudaStream_t s) {
+        const std::size_t li = static_cast<std::size_t>(i);
+        DispatchArgs a;
+        a.x = x[li];
+        a.topkIdx = ids[li];
+        a.topkWeights = static_cast<const float*>(w[li]);
+        a.numTokens = static_cast<const int*>(n[li]);
+        engines[li]->dispatch(a, s);
+      };
+      auto combine = [&](int i, cudaStream_t s) {
+        CombineArgs c;
+        c.out = out[static_cast<std::size_t>(i)];
+        engines[static_cast<std::size_t>(i)]->combine(c, s);
+      };
+      auto execs = captureOps(o, r, dispatch);
+      const double dUs = timeOps(o, r, execs);
+      execs = captureOps(o, r, [&](int i, cudaStream_t s) {
+        dispatch(i, s);
+        combine(i, s);
+      });
+      const double dcUs = timeOps(o, r, execs);
+      const double cUs = std::max(dcUs - dUs, 0.0);
+      // Check: expert counts of the last dispatch and a clean status on every local rank.
+      long long wrong = 0;
+      for (int i = 0; i < r.numLocal(); ++i) {
+        const std::size_t li = static_cast<std::size_t>(i);
+        GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[li]));
+        GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
+        std::vector<int> counts(static_cast<std::size_t>(L));
+        GRAPHEP_CUDA_CHECK(cudaMemcpy(counts.data(), engines[li]->layout().expertCounts, counts.size() * 4,
+                                      cudaMemcpyDeviceToHost));
+        if (counts != expertRows[static_cast<std::size_t>(r.rank(i))]) ++wrong;
+        if (!engines[li]->status().ok()) ++wrong;
+      }
+      wrong = totalOverRanks(r, wrong);
+      const double payload = fp8 ? H + H / 128.0 * 4 : H * 2.0;
+      const std::uint64_t recBytes = (moePayloadBytes(H, fp8) + moeMetaBytes(K) + 15) / 16 * 16;
+      const double logical = static_cast<double>(allRecords) / R * payload;
+      const double nvlink = static_cast<double>(remoteRecords) / R * static_cast<double>(recBytes);
+      const std::string heap = "heap " + std::to_string(engines[0]->symmetricHeapBytes() >> 20) + " MiB";
+      auto bw = [](double bytes, double us) { return us > 0 ? bytes / (us * 1e3) : 0.0; };
+      Row d{"moe", std::string("dispatch ") + (fp8 ? "fp8" : "bf16"), tokens, dUs, bw(logical, dUs),
+            bw(nvlink, dUs), wrong, 0, heap};
+      printRow(d);
+      rows.push_back(d);
+      if (!fp8) {  // combine moves bf16 partials whatever the dispatch type
+        const double cLogical = static_cast<double>(allRecords) / R * H * 2.0;
+        const double cNvlink = static_cast<double>(remoteRecords) / R * H * 2.0;
+        Row c{"moe", "combine bf16", tokens, cUs, bw(cLogical, cUs), bw(cNvlink, cUs), wrong, 0, heap};
+        printRow(c);
+        rows.push_back(c);
+      }
+      for (int i = 0; i < r.numLocal(); ++i) {
+        const std::size_t li = static_cast<std::size_t>(i);
+        cudaSetDevice(r.devices[li]);
+        for (void* p : {x[li], ids[li], w[li], n[li], out[li]}) cudaFree(p);
+      }
+    }
+  }
+  return rows;
+}
+
+}  // namespace graphep::bench
