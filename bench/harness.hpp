@@ -37,6 +37,7 @@ struct Options {
   int moeExperts = 256;                             // --experts (moe)
   int moeTopK = 8;                                  // --topk (moe)
   std::string moeDtype = "both";                    // --dtype bf16|fp8|both (moe dispatch)
+  std::string moePath = "auto";                     // --path auto|latency|throughput (moe)
 };
 
 

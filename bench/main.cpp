@@ -34,7 +34,7 @@ int usage() {
                "usage: graphep-bench [pingpong|sendrecv|allgather|alltoallv|moe] [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] "
                "[-w WARMUP] [-R REPEATS] [-c 0|1] [-G OPS_PER_GRAPH] [--sms N] [--warps N] [--slot BYTES] [--slots N] [--ll BYTES] [--profile] "
                "[--json FILE]\n"
-               "       moe: -b/-e are tokens per rank; [--hidden H] [--experts E] [--topk K] [--dtype bf16|fp8|both]\n");
+               "       moe: -b/-e are tokens per rank; [--hidden H] [--experts E] [--topk K] [--dtype bf16|fp8|both] [--path auto|latency|throughput]\n");
   return 2;
 }
 
@@ -102,6 +102,7 @@ int run(int argc, char** argv, bool mpi) {
       else if (a == "--experts") o.moeExperts = std::atoi(next());
       else if (a == "--topk") o.moeTopK = std::atoi(next());
       else if (a == "--dtype") o.moeDtype = next();
+      else if (a == "--path") o.moePath = next();
       else if (a == "--json") o.json = next();
       else if (a == "-h" || a == "--help") return usage();
       else if (a[0] != '-') o.op = a;
@@ -129,6 +130,9 @@ int run(int argc, char** argv, bool mpi) {
       GRAPHEP_REQUIRE(o.moeDtype == "bf16" || o.moeDtype == "fp8" || o.moeDtype == "both",
                       graphep::Status::kInvalidArgument, "--dtype %s: expected bf16, fp8 or both",
                       o.moeDtype.c_str());
+      GRAPHEP_REQUIRE(o.moePath == "auto" || o.moePath == "latency" || o.moePath == "throughput",
+                      graphep::Status::kInvalidArgument,
+                      "--path %s: expected auto, latency or throughput", o.moePath.c_str());
       rows = runMoe(o, *ranks);
     } else {
       GRAPHEP_FAIL(graphep::Status::kInvalidArgument,

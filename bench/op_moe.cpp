@@ -93,6 +93,9 @@ std::vector<Row> runMoe(const Options& o, Ranks& r) {
       cfg.topK = K;
       cfg.dispatchType = fp8 ? DType::kFp8E4m3 : DType::kBf16;
       cfg.smBudget = o.sms;
+      cfg.path = o.moePath == "latency"      ? MoePath::kLatency
+                 : o.moePath == "throughput" ? MoePath::kThroughput
+                                             : MoePath::kAuto;
       auto engines = Engine::createAll(*r.comm, cfg);
       std::vector<void*> x(static_cast<std::size_t>(r.numLocal())), ids(x.size()), w(x.size()), n(x.size()), out(x.size());
       for (int i = 0; i < r.numLocal(); ++i) {
@@ -155,14 +158,15 @@ std::vector<Row> runMoe(const Options& o, Ranks& r) {
       const double nvlink = static_cast<double>(remoteRecords) / R * static_cast<double>(recBytes);
       const std::string heap = "heap " + std::to_string(engines[0]->symmetricHeapBytes() >> 20) + " MiB";
       auto bw = [](double bytes, double us) { return us > 0 ? bytes / (us * 1e3) : 0.0; };
-      Row d{"moe", std::string("dispatch ") + (fp8 ? "fp8" : "bf16"), tokens, dUs, bw(logical, dUs),
+      const std::string path = engines[0]->path() == MoePath::kLatency ? " latency" : " throughput";
+      Row d{"moe", std::string("dispatch ") + (fp8 ? "fp8" : "bf16") + path, tokens, dUs, bw(logical, dUs),
             bw(nvlink, dUs), wrong, 0, heap};
       printRow(d);
       rows.push_back(d);
       if (!fp8) {  // combine moves bf16 partials whatever the dispatch type
         const double cLogical = static_cast<double>(allRecords) / R * H * 2.0;
         const double cNvlink = static_cast<double>(remoteRecords) / R * H * 2.0;
-        Row c{"moe", "combine bf16", tokens, cUs, bw(cLogical, cUs), bw(cNvlink, cUs), wrong, 0, heap};
+        Row c{"moe", "combine bf16" + path, tokens, cUs, bw(cLogical, cUs), bw(cNvlink, cUs), wrong, 0, heap};
         printRow(c);
         rows.push_back(c);
       }

@@ -52,6 +52,12 @@ void requireDevicePointer(const void* p, int device, const char* what) {
                   device);
 }
 
+// Whether a config fits the latency path's kernels (routing held in shared memory).
+bool latencyFits(const MoeConfig& c) {
+  return c.maxTokensPerRank <= kMoeLatencyMaxTokens &&
+         static_cast<long long>(c.maxTokensPerRank) * c.topK <= kMoeLatencyMaxEntries;
+}
+
 }  // namespace
 
 // The engines of one createAll share the heap and the movers.
@@ -68,6 +74,7 @@ struct Engine::Impl {
   MoeParams p{};
   DispatchLayout layout{};
   AllToAllvArgs cntArgs, dispArgs, combArgs;
+  MoePath path = MoePath::kThroughput;
   char* block = nullptr;  // every local buffer, carved from one allocation
   ~Impl() {
     if (block != nullptr) {
@@ -114,6 +121,15 @@ void Engine::validate(const MoeConfig& c, int R) {
                   "MoeConfig.expertAlignment=%d is out of range [1, 4096]", c.expertAlignment);
   GRAPHEP_REQUIRE(c.smBudget >= 0 && c.smBudget <= 64, Status::kInvalidArgument,
                   "MoeConfig.smBudget=%d is out of range [0, 64]", c.smBudget);
+  GRAPHEP_REQUIRE(c.numExperts / R <= kMoeMaxLocalExperts, Status::kInvalidArgument,
+                  "MoeConfig: %d experts per rank (numExperts=%d over %d ranks) exceed the supported %d",
+                  c.numExperts / R, c.numExperts, R, kMoeMaxLocalExperts);
+  GRAPHEP_REQUIRE(c.path == MoePath::kAuto || c.path == MoePath::kLatency || c.path == MoePath::kThroughput,
+                  Status::kInvalidArgument, "MoeConfig.path=%d is not a MoePath", static_cast<int>(c.path));
+  GRAPHEP_REQUIRE(c.path != MoePath::kLatency || latencyFits(c), Status::kInvalidArgument,
+                  "MoeConfig.path=kLatency needs maxTokensPerRank <= %d and maxTokensPerRank * topK <= %d "
+                  "(maxTokensPerRank=%d, topK=%d)",
+                  kMoeLatencyMaxTokens, kMoeLatencyMaxEntries, c.maxTokensPerRank, c.topK);
   GRAPHEP_REQUIRE(c.recvCapacity >= 0, Status::kInvalidArgument,
                   "MoeConfig.recvCapacity=%lld is negative", c.recvCapacity);
   const long long cap = c.recvCapacity > 0 ? c.recvCapacity : worstCaseCapacity(c, R);
@@ -141,10 +157,19 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
   const std::size_t cap = static_cast<std::size_t>(capacity);
   const std::size_t Rs = static_cast<std::size_t>(R);
 
-  // The symmetric user region: what peers write (dispatch records, combine partials).
+  // The symmetric user region: what peers write. Throughput path: dispatch records and combine
+  // partials ([R][T]); latency path (when the config fits it): double-buffered records, count
+  // messages and partials ([2][R][T]) and the two flag arrays.
+  const bool latencyCandidate = cfg.path != MoePath::kThroughput && latencyFits(cfg);
   const std::size_t recRecvOff = 0;
   const std::size_t combRecvOff = alignUp(recRecvOff + Rs * T * recBytes, 4096);
-  const std::size_t userBytes = alignUp(combRecvOff + Rs * T * rowBytes, 4096);
+  std::size_t userBytes = alignUp(combRecvOff + Rs * T * rowBytes, 4096);
+  const std::size_t llRecOff = userBytes;
+  const std::size_t llCntOff = alignUp(llRecOff + (latencyCandidate ? 2 * Rs * T * recBytes : 0), 256);
+  const std::size_t llCombOff = alignUp(llCntOff + (latencyCandidate ? 2 * Rs * cntMsgBytes : 0), 256);
+  const std::size_t llFlagOff = alignUp(llCombOff + (latencyCandidate ? 2 * Rs * T * rowBytes : 0), 256);
+  const std::size_t llCombFlagOff = alignUp(llFlagOff + Rs * 4, 256);
+  if (latencyCandidate) userBytes = alignUp(llCombFlagOff + Rs * 4, 4096);
 
   auto group = std::make_shared<EngineGroup>();
   HeapConfig hc;
@@ -157,6 +182,16 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
   mo.maxRemoteBytesPerPeer = T * recBytes;  // the largest message (records >= partial rows)
   group->movers = Movers::createAll(*group->heap, mo);
 
+  // The latency path needs load/store access to every peer (it writes their memory directly).
+  bool allLoadStore = true;
+  for (int l = 0; l < group->heap->numLocalRanks(); ++l) {
+    for (int q = 0; q < R; ++q) allLoadStore &= group->heap->peerClass(l, q) != PeerClass::kRemote;
+  }
+  GRAPHEP_REQUIRE(cfg.path != MoePath::kLatency || allLoadStore, Status::kNotSupported,
+                  "MoeConfig.path=kLatency needs load/store access to every peer; some are reached "
+                  "only through NCCL (use kAuto or kThroughput)");
+  const MoePath path = latencyCandidate && allLoadStore ? MoePath::kLatency : MoePath::kThroughput;
+
   std::vector<std::unique_ptr<Engine>> engines;
   for (int l = 0; l < group->heap->numLocalRanks(); ++l) {
     auto impl = std::make_unique<Impl>();
@@ -164,7 +199,9 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     impl->local = l;
     impl->device = group->heap->device(l);
     impl->cfg = cfg;
+    impl->path = path;
     DeviceGuard guard(impl->device);
+    GRAPHEP_CUDA_CHECK(preloadMoeLatencyKernels());
     GRAPHEP_CUDA_CHECK(preloadMoeRouteKernels());
     GRAPHEP_CUDA_CHECK(preloadMoeDispatchKernels());
     GRAPHEP_CUDA_CHECK(preloadMoeCombineKernels());
@@ -200,6 +237,8 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     const std::size_t oRowWeight = carve(cap * 4);
     const std::size_t oY = carve(cap * rowBytes);
     const std::size_t oCombSend = carve(Rs * T * rowBytes);
+    const std::size_t oLlSteps = carve(2 * 4);
+    const std::size_t oLlDone = carve((3 + Rs) * 4);
     GRAPHEP_CUDA_CHECK(cudaMalloc(&impl->block, used));
     GRAPHEP_CUDA_CHECK(cudaMemset(impl->block, 0, used));
     char* b = impl->block;
@@ -252,6 +291,17 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     p.y = b + oY;
     p.combSend = b + oCombSend;
     p.combRecv = user + combRecvOff;
+    for (int q = 0; q < R; ++q) {
+      p.peerUser[q] = q == p.rank ? user : group->heap->peerUser(l, q);  // nullptr when remote
+    }
+    p.llRecOff = llRecOff;
+    p.llCntOff = llCntOff;
+    p.llCombOff = llCombOff;
+    p.llFlagOff = llFlagOff;
+    p.llCombFlagOff = llCombFlagOff;
+    p.llSteps = reinterpret_cast<std::uint32_t*>(b + oLlSteps);
+    p.llDone = reinterpret_cast<std::uint32_t*>(b + oLlDone);
+    p.sync = group->heap->syncHandle(l);
 
     // Constant halves of the count arrays: fixed-size count messages, and every peer's records and
     // partials at a fixed place ([peer][maxTokens][record]); the counts are written by the kernels.
@@ -307,10 +357,11 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     v.numLocalExperts = L;
     v.firstLocalExpert = p.rank * L;
     GRAPHEP_LOG_INFO(log::kInit,
-                "rank %d: MoE engine T_max=%d H=%d E=%d K=%d %s, capacity %lld rows, %zu B local, "
-                "%zu B symmetric heap",
+                "rank %d: MoE engine T_max=%d H=%d E=%d K=%d %s, %s path, capacity %lld rows, %zu B "
+                "local, %zu B symmetric heap",
                 p.rank, cfg.maxTokensPerRank, cfg.hidden, cfg.numExperts, cfg.topK,
-                fp8 ? "fp8" : "bf16", capacity, used, heapBytes(group->heap->config()));
+                fp8 ? "fp8" : "bf16", path == MoePath::kLatency ? "latency" : "throughput", capacity,
+                used, heapBytes(group->heap->config()));
     engines.push_back(std::unique_ptr<Engine>(new Engine(std::move(impl))));
   }
   comm.barrier();
@@ -330,6 +381,7 @@ Engine::~Engine() = default;
 
 int Engine::rank() const { return impl_->p.rank; }
 int Engine::worldSize() const { return impl_->p.numRanks; }
+MoePath Engine::path() const { return impl_->path; }
 const MoeConfig& Engine::config() const { return impl_->cfg; }
 std::size_t Engine::symmetricHeapBytes() const { return heapBytes(impl_->group->heap->config()); }
 const DispatchLayout& Engine::layout() const { return impl_->layout; }
@@ -353,6 +405,11 @@ const DispatchLayout& Engine::dispatch(const DispatchArgs& a, cudaStream_t strea
   p.topkWeights = a.topkWeights;
   p.numTokens = a.numTokens;
   m.p = p;  // combine reads the routing of the last dispatch
+  if (m.path == MoePath::kLatency) {
+    GRAPHEP_CUDA_CHECK(launchMoeLatencyDispatch(p, stream));
+    GRAPHEP_CUDA_CHECK(launchMoeLatencyReceive(p, stream));
+    return m.layout;
+  }
   const Movers& movers = m.movers();
   GRAPHEP_CUDA_CHECK(launchMoeRoute(p, stream));
   GRAPHEP_CUDA_CHECK(launchMoePack(p, stream));
@@ -378,6 +435,11 @@ void Engine::combine(const CombineArgs& a, cudaStream_t stream) {
   GRAPHEP_REQUIRE((reinterpret_cast<std::uintptr_t>(a.out) & 15u) == 0, Status::kInvalidArgument,
                   "combine: out (%p) is not 16-byte aligned", a.out);
   p.out = static_cast<char*>(a.out);
+  if (m.path == MoePath::kLatency) {
+    GRAPHEP_CUDA_CHECK(launchMoeLatencyCombine(p, stream));
+    GRAPHEP_CUDA_CHECK(launchMoeLatencyCombineReceive(p, stream));
+    return;
+  }
   GRAPHEP_CUDA_CHECK(launchMoeCombineReduce(p, stream));
   m.movers().allToAllv(stream, m.combArgs);
   GRAPHEP_CUDA_CHECK(launchMoeCombineFinal(p, stream));

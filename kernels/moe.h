@@ -26,11 +26,15 @@
 
 #include <cstdint>
 
+#include <graphep/types.hpp>
+
 #include "kernels/common/pipe.h"
+#include "kernels/common/sync_handle.h"
 
 namespace graphep {
 
 inline constexpr int kMoeMaxTopK = 16;
+inline constexpr int kMoeMaxLocalExperts = 1024;
 
 // Per-rank device status word (engine-owned device memory; Engine::status() reads it).
 struct MoeDeviceStatus {
@@ -128,6 +132,17 @@ struct MoeParams {
   char* out;                   // [T, H] bf16
 
   MoeDeviceStatus* status;
+
+  // Latency path (kernels/moe_latency.cu). Regions of every rank's symmetric user region, at the
+  // same offsets on every rank: llRec [2][R][maxTokens][recBytes] records from each source,
+  // llCnt [2][R][cntMsgBytes] their count messages, llComb [2][R][maxTokens][H] bf16 partials from
+  // each destination, llFlag / llCombFlag [R] u32 monotonic flags (from each source / destination).
+  // [2]: by the parity of the operation's step, so consecutive operations never share a buffer.
+  char* peerUser[kMaxRanks];  // every rank's user region as this rank sees it (its own included)
+  std::uint64_t llRecOff, llCntOff, llCombOff, llFlagOff, llCombFlagOff;
+  std::uint32_t* llSteps;     // local [2]: dispatch and combine steps (monotonic)
+  std::uint32_t* llDone;      // local [3 + R]: last-CTA counters of the latency kernels
+  SyncHandle sync;            // bounded waits (timeout, error record)
 };
 
 // Launchers (each returns the launch error) and setup-time kernel loading, one family per file:
@@ -141,5 +156,14 @@ cudaError_t preloadMoeDispatchKernels();
 cudaError_t launchMoeCombineReduce(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeCombineFinal(const MoeParams& p, cudaStream_t stream);
 cudaError_t preloadMoeCombineKernels();
+// Latency path: send (route + records straight into the destinations' per-source slots + count
+// message + flag), receive (wait + layout + expand), combine send, combine receive.
+inline constexpr int kMoeLatencyMaxTokens = 256;
+inline constexpr int kMoeLatencyMaxEntries = 4096;  // tokens x top-k
+cudaError_t launchMoeLatencyDispatch(const MoeParams& p, cudaStream_t stream);
+cudaError_t launchMoeLatencyReceive(const MoeParams& p, cudaStream_t stream);
+cudaError_t launchMoeLatencyCombine(const MoeParams& p, cudaStream_t stream);
+cudaError_t launchMoeLatencyCombineReceive(const MoeParams& p, cudaStream_t stream);
+cudaError_t preloadMoeLatencyKernels();
 
 }  // namespace graphep

@@ -1,8 +1,6 @@
 // MoE dispatch layout kernel family (see kernels/moe.h): pack (records and count messages), offsets
 // (expert offsets and per-source bases from the received count messages) and expand (records into
 // recv_x grouped by local expert); launchers below.
-#include "kernels/common/copy.cuh"
-#include "kernels/common/hooks.cuh"
 #include "kernels/common/moe.cuh"
 
 namespace graphep {
@@ -10,13 +8,6 @@ namespace {
 
 constexpr int kThreads = 128;  // pack / expand: one CTA per record
 constexpr int kOffsetsThreads = 256;
-
-__device__ __forceinline__ const MoeRecordHeader* recordHeader(const MoeParams& p, const char* rec) {
-  return reinterpret_cast<const MoeRecordHeader*>(rec + p.payloadBytes);
-}
-__device__ __forceinline__ const MoeRecordSlot* recordSlots(const MoeParams& p, const char* rec) {
-  return reinterpret_cast<const MoeRecordSlot*>(rec + p.payloadBytes + sizeof(MoeRecordHeader));
-}
 
 // Grid: maxTokens + 1 CTAs. CTA t < T writes token t's record for every rank it goes to; the last
 // CTA writes the count messages and the movers' send counts (it runs whatever T is).
@@ -36,83 +27,31 @@ __global__ void __launch_bounds__(kThreads) moePackKernel(const __grid_constant_
   }
   const int t = static_cast<int>(blockIdx.x);
   if (t >= *p.liveTokens) return;
-  const char* row = static_cast<const char*>(p.x) + static_cast<std::uint64_t>(t) * rowBytes;
   for (int r = 0; r < p.numRanks; ++r) {
     const int i = p.tokRankIdx[static_cast<std::uint64_t>(t) * p.numRanks + r];
     if (i < 0) continue;
-    char* rec = p.recSend + (static_cast<std::uint64_t>(r) * p.maxTokens + i) * p.recBytes;
-    if (p.fp8) {
-      // The produce hook: each aligned half-warp quantises one 128-value tile at a time.
-      constexpr int kLanes = ProduceFp8E4m3::kThreads;
-      const int tiles = p.hidden / static_cast<int>(kFp8TileValues);
-      HookCtx ctx{r, blockIdx.x, 0, 0, tid % kLanes, row, nullptr};
-      for (int tile = tid / kLanes; tile < tiles; tile += kThreads / kLanes) {
-        ctx.tile = static_cast<std::uint64_t>(tile);
-        ProduceFp8E4m3::emit(rec + static_cast<std::uint64_t>(tile) * kFp8TileWireBytes, ctx.lane,
-                             ProduceFp8E4m3::produce(ctx));
-      }
-    } else {
-      copyBytes<LoadKind::kDefault>(rec, row, rowBytes, tid, kThreads);
-    }
-    if (tid == 0) {
-      auto* hdr = reinterpret_cast<MoeRecordHeader*>(rec + p.payloadBytes);
-      auto* slots = reinterpret_cast<MoeRecordSlot*>(rec + p.payloadBytes + sizeof(MoeRecordHeader));
-      int n = 0;
-      for (int k = 0; k < p.topK; ++k) {
-        const std::uint64_t e = static_cast<std::uint64_t>(t) * p.topK + k;
-        const long long id = moeReadId(p, e);
-        if (!moeValidId(p, id) || id / p.localExperts != r) continue;
-        slots[n++] = MoeRecordSlot{static_cast<std::int32_t>(id % p.localExperts), p.entryIdx[e],
-                                   p.topkWeights[e], k};
-      }
-      *hdr = MoeRecordHeader{t, n, {0, 0}};
-    }
+    moeWriteRecord(p, p.recSend + (static_cast<std::uint64_t>(r) * p.maxTokens + i) * p.recBytes, t, r,
+                   p.entryIdx + static_cast<std::uint64_t>(t) * p.topK, tid, kThreads);
   }
 }
 
-// One CTA: from the received count messages, the rows per source (the movers' receive counts and
-// the combine's send counts), expert counts and offsets (aligned), per-(source, expert) bases and
-// the cumulative per-expert totals.
+// One CTA: the receive layout from the received count messages (moePublishLayout), and the
+// movers' receive counts of the records and send counts of the combine partials.
 __global__ void __launch_bounds__(kOffsetsThreads) moeOffsetsKernel(const __grid_constant__ MoeParams p) {
+  __shared__ std::int32_t counts[kMoeMaxLocalExperts];
+  __shared__ std::int32_t offsets[kMoeMaxLocalExperts + 1];
   const int tid = static_cast<int>(threadIdx.x);
-  const int L = p.localExperts;
-  const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.hidden) * 2;
-  auto msg = [&](int s) {
-    return reinterpret_cast<const std::uint64_t*>(p.cntRecv + static_cast<std::uint64_t>(s) * p.cntMsgBytes);
+  auto msg = [&](int q) {
+    return reinterpret_cast<const std::uint64_t*>(p.cntRecv + static_cast<std::uint64_t>(q) * p.cntMsgBytes);
   };
-  for (int s = tid; s < p.numRanks; s += kOffsetsThreads) {
-    // A source sends at most maxTokens records (one per token); its count is trusted to that bound.
-    std::uint64_t rows = msg(s)[0];
-    if (rows > static_cast<std::uint64_t>(p.maxTokens)) rows = static_cast<std::uint64_t>(p.maxTokens);
-    p.recvRows[s] = static_cast<std::int32_t>(rows);
-    p.dispRecvCounts[s] = rows * p.recBytes;
-    p.combSendCounts[s] = rows * rowBytes;
-  }
-  for (int j = tid; j < L; j += kOffsetsThreads) {
-    std::uint64_t total = 0;
-    for (int s = 0; s < p.numRanks; ++s) total += msg(s)[1 + j];
-    p.expertCounts[j] = static_cast<std::int32_t>(total);
-    p.expertTotals[j] += total;
-  }
-  __syncthreads();
-  if (tid == 0) {
-    long long off = 0, rows = 0;
-    for (int j = 0; j < L; ++j) {
-      p.expertOffsets[j] = static_cast<std::int32_t>(off);
-      const long long c = p.expertCounts[j];
-      rows += c;
-      off += (c + p.alignment - 1) / p.alignment * p.alignment;
-    }
-    p.expertOffsets[L] = static_cast<std::int32_t>(off);
-    *p.numRecvRows = static_cast<std::int32_t>(rows);
-  }
-  __syncthreads();
-  for (int j = tid; j < L; j += kOffsetsThreads) {
-    long long base = p.expertOffsets[j];
-    for (int s = 0; s < p.numRanks; ++s) {
-      p.srcBase[s * L + j] = static_cast<std::int32_t>(base);
-      base += static_cast<long long>(msg(s)[1 + j]);
-    }
+  moeExpertOffsets(p, msg, counts, offsets, tid, kOffsetsThreads);
+  moePublishLayout(p, msg, counts, offsets, tid, kOffsetsThreads);
+  __syncthreads();  // recvRows is written above
+  const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.hidden) * 2;
+  for (int q = tid; q < p.numRanks; q += kOffsetsThreads) {
+    const std::uint64_t rows = static_cast<std::uint64_t>(p.recvRows[q]);
+    p.dispRecvCounts[q] = rows * p.recBytes;
+    p.combSendCounts[q] = rows * rowBytes;
   }
 }
 
@@ -125,39 +64,7 @@ __global__ void __launch_bounds__(kThreads) moeExpandKernel(const __grid_constan
   const int i = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.maxTokens));
   if (s >= p.numRanks || i >= p.recvRows[s]) return;
   const char* rec = p.recRecv + (static_cast<std::uint64_t>(s) * p.maxTokens + i) * p.recBytes;
-  const MoeRecordHeader* hdr = recordHeader(p, rec);
-  const MoeRecordSlot* slots = recordSlots(p, rec);
-  const int nslots = hdr->nslots < p.topK ? hdr->nslots : p.topK;
-  const std::uint64_t H = static_cast<std::uint64_t>(p.hidden);
-  for (int sl = 0; sl < nslots; ++sl) {
-    const MoeRecordSlot slot = slots[sl];
-    if (slot.localExpert < 0 || slot.localExpert >= p.localExperts) continue;  // not from graphep
-    const long long pos = static_cast<long long>(p.srcBase[s * p.localExperts + slot.localExpert]) + slot.index;
-    if (pos < 0 || pos >= p.capacity) {
-      if (tid == 0) moeReportDroppedRow(p, pos);
-      continue;
-    }
-    const std::uint64_t row = static_cast<std::uint64_t>(pos);
-    if (p.fp8) {
-      // Unpack the wire tiles: 128 e4m3 bytes into recv_x, the scale into recv_scales.
-      constexpr int kLanes = ProduceFp8E4m3::kThreads;
-      const int tiles = p.hidden / static_cast<int>(kFp8TileValues);
-      const int lane = tid % kLanes;
-      for (int tile = tid / kLanes; tile < tiles; tile += kThreads / kLanes) {
-        const Fp8WireRegs w = loadFp8Wire(rec + static_cast<std::uint64_t>(tile) * kFp8TileWireBytes, lane);
-        *reinterpret_cast<uint2*>(p.recvX + row * H + static_cast<std::uint64_t>(tile) * kFp8TileValues + lane * 8) = w.q;
-        if (lane == 0) p.recvScales[row * (H / kFp8TileValues) + tile] = w.scale;
-      }
-    } else {
-      copyBytes<LoadKind::kDefault>(p.recvX + row * H * 2, rec, H * 2, tid, kThreads);
-    }
-    if (tid == 0) {
-      p.rowSrcRank[row] = s;
-      p.rowSrcToken[row] = hdr->token;
-      p.rowTopkSlot[row] = slot.k;
-      p.rowWeight[row] = slot.weight;
-    }
-  }
+  moeExpandRecord(p, s, rec, p.srcBase + s * p.localExperts, tid, kThreads);
 }
 
 }  // namespace

@@ -28,6 +28,15 @@ enum class DType : std::uint8_t {
 
 enum class IndexType : std::uint8_t { kInt32 = 0, kInt64 = 1 };
 
+// How dispatch and combine move data (DESIGN.md §5).
+enum class MoePath : std::uint8_t {
+  kAuto = 0,        // latency when maxTokensPerRank <= 256 and every peer has load/store access
+  kLatency = 1,     // decode: records written straight into per-source slots with the counts, one
+                    // flag round per operation, two kernels each (maxTokensPerRank <= 256,
+                    // maxTokensPerRank * topK <= 4096, load/store peers only)
+  kThroughput = 2,  // prefill: counts first, then the pipelined alltoallv movers
+};
+
 struct MoeConfig {
   int maxTokensPerRank = 0;  // T_max: rows of x per dispatch at most
   int hidden = 0;            // H: a multiple of 8 (of 128 for fp8)
@@ -42,6 +51,7 @@ struct MoeConfig {
   int smBudget = 0;
   // Trap (kill the kernel) on bad input instead of counting it.
   bool strict = false;
+  MoePath path = MoePath::kAuto;
 };
 
 struct DispatchArgs {
@@ -115,6 +125,7 @@ class Engine {
 
   int rank() const;
   int worldSize() const;
+  MoePath path() const;  // the path chosen at setup (never kAuto)
   const MoeConfig& config() const;
   // Bytes of this rank's symmetric heap (staging, flags and the receive buffers peers write).
   std::size_t symmetricHeapBytes() const;

@@ -32,6 +32,8 @@ enum class WaitSite : std::uint32_t {
   kZeroCopyExtent = 10,   // zero-copy sender: the receiver's published byte count differs from
                           // the sender's (kCountMismatch: expected = receiver's, observed =
                           // sender's; nothing sent)
+  kMoeDispatch = 11,      // MoE latency dispatch: waiting for a source's records and count message
+  kMoeCombine = 12,       // MoE latency combine: waiting for a destination's partials
 };
 
 struct DeviceErrorRecord {
@@ -60,6 +62,8 @@ __host__ __device__ inline const char* waitSiteName(std::uint32_t site) {
     case WaitSite::kMoverReady: return "sendrecv: zero-copy sender waiting for the receiver";
     case WaitSite::kAllToAllvBounds: return "alltoallv: count and offset within the buffer";
     case WaitSite::kZeroCopyExtent: return "zero-copy: receiver's and sender's byte counts agree";
+    case WaitSite::kMoeDispatch: return "moe dispatch: waiting for a source's records";
+    case WaitSite::kMoeCombine: return "moe combine: waiting for a destination's partials";
   }
   return "unknown wait site";
 }

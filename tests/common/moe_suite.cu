@@ -405,7 +405,8 @@ std::string describeCase(const MoeCase& c) {
          (c.indexType == IndexType::kInt64 ? " int64" : " int32") +
          " routing=" + std::to_string(static_cast<int>(c.routing)) +
          " align=" + std::to_string(g.expertAlignment) + " cap=" + std::to_string(g.recvCapacity) +
-         " replays=" + std::to_string(c.replays);
+         " replays=" + std::to_string(c.replays) +
+         " path=" + std::to_string(static_cast<int>(c.cfg.path));
 }
 
 }  // namespace
@@ -546,7 +547,14 @@ std::vector<MoeCase> standardMoeCases(int R, bool large) {
     c.replays = 12;
     cases.push_back(c);
   }
-  if (large) {  // the DeepSeek-V3 shape at decode size
+  // Every case so far on both paths: kAuto picks the latency path for these sizes.
+  const std::size_t n = cases.size();
+  for (std::size_t q = 0; q < n; ++q) {
+    MoeCase c = cases[q];
+    c.cfg.path = MoePath::kThroughput;
+    cases.push_back(c);
+  }
+  if (large) {  // the DeepSeek-V3 shape at decode size, both paths
     MoeCase c = base(128, 7168, 256, 8);
     c.tokens = {128, 77};
     cases.push_back(c);
@@ -555,6 +563,8 @@ std::vector<MoeCase> standardMoeCases(int R, bool large) {
     c.cfg.dispatchType = DType::kBf16;
     c.replays = 20;
     c.tokens = {128, 1, 100};
+    cases.push_back(c);
+    c.cfg.path = MoePath::kThroughput;
     cases.push_back(c);
     MoeCase p = base(512, 2048, 16, 2);
     p.routing = Routing::kSkewed;

@@ -38,7 +38,8 @@ struct MoeCase {
 
 void runMoeCase(Communicator& comm, const MoeCase& c);
 
-// The case matrix of a configuration: emulated ranks get small shapes, real GPUs the large ones.
+// The case matrix of a configuration: emulated ranks get small shapes, real GPUs the large ones;
+// every small case runs on the latency path (kAuto) and on the throughput path.
 std::vector<MoeCase> standardMoeCases(int worldSize, bool large);
 
 }  // namespace graphep::test
