@@ -302,6 +302,12 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     p.llSteps = reinterpret_cast<std::uint32_t*>(b + oLlSteps);
     p.llDone = reinterpret_cast<std::uint32_t*>(b + oLlDone);
     p.sync = group->heap->syncHandle(l);
+    // Waiting grids: one CTA per record slot / token when no peer shares this GPU; 64 otherwise
+    // (emulated ranks' waiting CTAs must leave room for the kernels they wait for).
+    bool sharesGpu = false;
+    for (int q = 0; q < R; ++q) sharesGpu |= group->heap->peerClass(l, q) == PeerClass::kSameDevice;
+    p.llRecvCtas = sharesGpu ? 64 : R * cfg.maxTokensPerRank;
+    p.llCombRecvCtas = sharesGpu ? 64 : cfg.maxTokensPerRank;
 
     // Constant halves of the count arrays: fixed-size count messages, and every peer's records and
     // partials at a fixed place ([peer][maxTokens][record]); the counts are written by the kernels.

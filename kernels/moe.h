@@ -142,6 +142,10 @@ struct MoeParams {
   std::uint64_t llRecOff, llCntOff, llCombOff, llFlagOff, llCombFlagOff;
   std::uint32_t* llSteps;     // local [2]: dispatch and combine steps (monotonic)
   std::uint32_t* llDone;      // local [3 + R]: last-CTA counters of the latency kernels
+  // CTAs of the two latency kernels that wait for peers: one per record / token when every peer
+  // has its own GPU; few (looping) when ranks share a GPU, whose waiting CTAs must leave room for
+  // the peers' kernels they wait for.
+  std::int32_t llRecvCtas, llCombRecvCtas;
   SyncHandle sync;            // bounded waits (timeout, error record)
 };
 

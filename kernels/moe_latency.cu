@@ -24,11 +24,8 @@ namespace graphep {
 namespace {
 
 constexpr int kSendThreads = 256;
+constexpr int kRecvThreads = 256;
 constexpr int kThreads = 128;
-// CTAs of the two kernels that wait for peers. Ranks that share a GPU (emulated ranks) need each
-// other's kernels resident while they wait, so the waiting grids stay small and loop over their
-// work.
-constexpr int kWaitCtas = 64;
 
 __device__ __forceinline__ std::uint64_t llSlot(const MoeParams& p, int parity, int src, int i,
                                                 std::uint64_t bytes) {
@@ -161,8 +158,8 @@ __device__ bool waitAll(const MoeParams& p, const std::uint32_t* flags, std::uin
   return failed == 0;
 }
 
-// Grid: kWaitCtas CTAs looping over the (source, record slot) pairs.
-__global__ void __launch_bounds__(kThreads) moeLatencyReceiveKernel(const __grid_constant__ MoeParams p) {
+// Grid: p.llRecvCtas CTAs looping over the (source, record slot) pairs.
+__global__ void __launch_bounds__(kRecvThreads) moeLatencyReceiveKernel(const __grid_constant__ MoeParams p) {
   __shared__ std::int32_t counts[kMoeMaxLocalExperts];
   __shared__ std::int32_t offsets[kMoeMaxLocalExperts + 1];
   __shared__ std::int32_t base[kMoeMaxLocalExperts];
@@ -172,21 +169,21 @@ __global__ void __launch_bounds__(kThreads) moeLatencyReceiveKernel(const __grid
   const auto* flags = reinterpret_cast<const std::uint32_t*>(p.peerUser[p.rank] + p.llFlagOff);
   if (waitAll(p, flags, step + 1u, WaitSite::kMoeDispatch)) {
     auto msg = [&](int q) { return llMsg(p, parity, q); };
-    moeExpertOffsets(p, msg, counts, offsets, tid, kThreads);
-    if (blockIdx.x == 0) moePublishLayout(p, msg, counts, offsets, tid, kThreads);
+    moeExpertOffsets(p, msg, counts, offsets, tid, kRecvThreads);
+    if (blockIdx.x == 0) moePublishLayout(p, msg, counts, offsets, tid, kRecvThreads);
     const int slots = p.numRanks * p.maxTokens;
     for (int b = static_cast<int>(blockIdx.x); b < slots; b += static_cast<int>(gridDim.x)) {
       const int s = b / p.maxTokens, i = b % p.maxTokens;
       if (static_cast<std::uint64_t>(i) >= msg(s)[0]) continue;  // block-uniform
       __syncthreads();  // the previous record's readers of `base` are done
-      for (int j = tid; j < p.localExperts; j += kThreads) {
+      for (int j = tid; j < p.localExperts; j += kRecvThreads) {
         long long acc = offsets[j];
         for (int q = 0; q < s; ++q) acc += static_cast<long long>(msg(q)[1 + j]);
         base[j] = static_cast<std::int32_t>(acc);
       }
       __syncthreads();
       moeExpandRecord(p, s, p.peerUser[p.rank] + p.llRecOff + llSlot(p, parity, s, i, p.recBytes), base,
-                      tid, kThreads);
+                      tid, kRecvThreads);
     }
   }
   if (lastBlock(&p.llDone[1]) && tid == 0) p.llSteps[0] = step + 1u;
@@ -220,7 +217,7 @@ __global__ void __launch_bounds__(kThreads) moeLatencyCombineKernel(const __grid
   }
 }
 
-// Grid: kWaitCtas CTAs looping over the tokens.
+// Grid: p.llCombRecvCtas CTAs looping over the tokens.
 __global__ void __launch_bounds__(kThreads) moeLatencyCombineReceiveKernel(const __grid_constant__ MoeParams p) {
   const int tid = static_cast<int>(threadIdx.x);
   const std::uint32_t cstep = p.llSteps[1];
@@ -254,7 +251,8 @@ cudaError_t launchMoeLatencyDispatch(const MoeParams& p, cudaStream_t stream) {
 }
 
 cudaError_t launchMoeLatencyReceive(const MoeParams& p, cudaStream_t stream) {
-  moeLatencyReceiveKernel<<<kWaitCtas, kThreads, 0, stream>>>(p);
+  if (p.llRecvCtas < 1) return cudaErrorInvalidValue;
+  moeLatencyReceiveKernel<<<static_cast<unsigned>(p.llRecvCtas), kRecvThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -264,7 +262,8 @@ cudaError_t launchMoeLatencyCombine(const MoeParams& p, cudaStream_t stream) {
 }
 
 cudaError_t launchMoeLatencyCombineReceive(const MoeParams& p, cudaStream_t stream) {
-  moeLatencyCombineReceiveKernel<<<kWaitCtas, kThreads, 0, stream>>>(p);
+  if (p.llCombRecvCtas < 1) return cudaErrorInvalidValue;
+  moeLatencyCombineReceiveKernel<<<static_cast<unsigned>(p.llCombRecvCtas), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
