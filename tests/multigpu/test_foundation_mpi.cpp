@@ -100,6 +100,19 @@ TEST(Mpi_Moe, Cases) {
   for (const MoeCase& c : standardMoeCases(comm->worldSize(), true)) runMoeCase(*comm, c);
 }
 
+// Every peer classified remote: the engine takes the throughput path and the movers carry the
+// count messages, records and partials through NCCL (fixed-capacity messages).
+TEST(Mpi_Moe, ForcedRemoteThroughNccl) {
+  GRAPHEP_REQUIRE_MPI_GPUS();
+  auto comm = createMpiCommunicator(-1, /*withNccl=*/true);
+  ScopedEnv force("GRAPHEP_FORCE_TRANSPORT", "remote");
+  const std::vector<MoeCase> all = standardMoeCases(comm->worldSize(), false);
+  // Uniform bf16 (T varying, clamped), fp8 with int64 ids, skewed, invalid ids.
+  for (std::size_t q : {std::size_t{0}, std::size_t{1}, std::size_t{2}, std::size_t{5}}) {
+    if (q < all.size()) runMoeCase(*comm, all[q]);
+  }
+}
+
 TEST(Mpi_Ring, AllGatherAndReduceScatter) {
   GRAPHEP_REQUIRE_MPI_GPUS();
   auto comm = createMpiCommunicator(-1, false);
