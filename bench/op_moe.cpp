@@ -49,6 +49,44 @@ std::vector<std::vector<std::int32_t>> routing(int R, int T, int E, int K, std::
   return all;
 }
 
+// --profile: one eager dispatch + combine at a time, five times, and the median span of every
+// engine kernel on this process's first rank (microseconds from the first kernel's start; the
+// gaps between kernels hold the launches and the movers' exchanges).
+template <class Dispatch, class Combine>
+void printTimeline(Ranks& r, std::vector<std::unique_ptr<Engine>>& engines, Dispatch dispatch,
+                   Combine combine, std::size_t tokens, bool fp8) {
+  constexpr int kRuns = 5;
+  std::vector<std::vector<MoeKernelSpan>> runs;
+  for (int run = 0; run < kRuns; ++run) {
+    for (auto& e : engines) e->resetTimeline();
+    r.comm->barrier();
+    for (int i = 0; i < r.numLocal(); ++i) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[static_cast<std::size_t>(i)]));
+      dispatch(i, r.streams[static_cast<std::size_t>(i)]);
+      combine(i, r.streams[static_cast<std::size_t>(i)]);
+    }
+    runs.push_back(engines[0]->timeline());
+    for (int i = 1; i < r.numLocal(); ++i) engines[static_cast<std::size_t>(i)]->timeline();  // sync
+    r.comm->barrier();
+  }
+  if (!isPrinter() || runs.empty()) return;
+  std::printf("# timeline %zu tokens %s (rank 0, eager, median of %d; us from the first kernel):",
+              tokens, fp8 ? "fp8" : "bf16", kRuns);
+  for (std::size_t k = 0; k < runs[0].size(); ++k) {
+    std::vector<double> start, end;
+    for (const auto& run : runs) {
+      if (k < run.size()) {
+        start.push_back(run[k].startUs);
+        end.push_back(run[k].endUs);
+      }
+    }
+    std::sort(start.begin(), start.end());
+    std::sort(end.begin(), end.end());
+    std::printf(" %s %.1f-%.1f;", runs[0][k].kernel, start[start.size() / 2], end[end.size() / 2]);
+  }
+  std::printf("\n");
+}
+
 }  // namespace
 
 std::vector<Row> runMoe(const Options& o, Ranks& r) {
@@ -93,6 +131,7 @@ std::vector<Row> runMoe(const Options& o, Ranks& r) {
       cfg.topK = K;
       cfg.dispatchType = fp8 ? DType::kFp8E4m3 : DType::kBf16;
       cfg.smBudget = o.sms;
+      cfg.profile = o.profile;
       cfg.path = o.moePath == "latency"      ? MoePath::kLatency
                  : o.moePath == "throughput" ? MoePath::kThroughput
                                              : MoePath::kAuto;
@@ -170,6 +209,7 @@ std::vector<Row> runMoe(const Options& o, Ranks& r) {
         printRow(c);
         rows.push_back(c);
       }
+      if (o.profile) printTimeline(r, engines, dispatch, combine, tokens, fp8);
       for (int i = 0; i < r.numLocal(); ++i) {
         const std::size_t li = static_cast<std::size_t>(i);
         cudaSetDevice(r.devices[li]);

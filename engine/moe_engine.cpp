@@ -239,6 +239,8 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     const std::size_t oCombSend = carve(Rs * T * rowBytes);
     const std::size_t oLlSteps = carve(2 * 4);
     const std::size_t oLlDone = carve((3 + Rs) * 4);
+    constexpr std::size_t kStamps = 2 * static_cast<std::size_t>(MoeKernel::kCount);
+    const std::size_t oTimeline = carve(cfg.profile ? kStamps * 8 : 0);
     GRAPHEP_CUDA_CHECK(cudaMalloc(&impl->block, used));
     GRAPHEP_CUDA_CHECK(cudaMemset(impl->block, 0, used));
     char* b = impl->block;
@@ -302,6 +304,7 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     p.llSteps = reinterpret_cast<std::uint32_t*>(b + oLlSteps);
     p.llDone = reinterpret_cast<std::uint32_t*>(b + oLlDone);
     p.sync = group->heap->syncHandle(l);
+    p.timeline = cfg.profile ? reinterpret_cast<unsigned long long*>(b + oTimeline) : nullptr;
     // Waiting grids: one CTA per record slot / token when no peer shares this GPU; 64 otherwise
     // (emulated ranks' waiting CTAs must leave room for the kernels they wait for).
     bool sharesGpu = false;
@@ -369,6 +372,7 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
                 fp8 ? "fp8" : "bf16", path == MoePath::kLatency ? "latency" : "throughput", capacity,
                 used, heapBytes(group->heap->config()));
     engines.push_back(std::unique_ptr<Engine>(new Engine(std::move(impl))));
+    engines.back()->resetTimeline();
   }
   comm.barrier();
   return engines;
@@ -477,6 +481,61 @@ void Engine::clearStatus() {
   GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
   GRAPHEP_CUDA_CHECK(cudaMemset(m.p.status, 0, sizeof(MoeDeviceStatus)));
   m.group->heap->clearError(m.local);
+}
+
+namespace {
+const char* kernelName(MoeKernel k) {
+  switch (k) {
+    case MoeKernel::kRoute: return "route";
+    case MoeKernel::kPack: return "pack";
+    case MoeKernel::kOffsets: return "offsets";
+    case MoeKernel::kExpand: return "expand";
+    case MoeKernel::kCombineReduce: return "combine reduce";
+    case MoeKernel::kCombineFinal: return "combine final";
+    case MoeKernel::kLatencyDispatch: return "latency dispatch";
+    case MoeKernel::kLatencyReceive: return "latency receive";
+    case MoeKernel::kLatencyCombine: return "latency combine";
+    case MoeKernel::kLatencyCombineReceive: return "latency combine receive";
+    case MoeKernel::kCount: break;
+  }
+  return "?";
+}
+}  // namespace
+
+std::vector<MoeKernelSpan> Engine::timeline() const {
+  const Impl& m = *impl_;
+  std::vector<MoeKernelSpan> spans;
+  if (m.p.timeline == nullptr) return spans;
+  DeviceGuard guard(m.device);
+  GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
+  constexpr int kN = static_cast<int>(MoeKernel::kCount);
+  unsigned long long t[2 * kN];
+  GRAPHEP_CUDA_CHECK(cudaMemcpy(t, m.p.timeline, sizeof(t), cudaMemcpyDeviceToHost));
+  unsigned long long first = ~0ull;
+  for (int k = 0; k < kN; ++k) {
+    if (t[2 * k + 1] != 0) first = std::min(first, t[2 * k]);
+  }
+  for (int k = 0; k < kN; ++k) {
+    if (t[2 * k + 1] == 0) continue;  // did not run
+    spans.push_back(MoeKernelSpan{kernelName(static_cast<MoeKernel>(k)),
+                                  static_cast<double>(t[2 * k] - first) / 1e3,
+                                  static_cast<double>(t[2 * k + 1] - first) / 1e3});
+  }
+  return spans;
+}
+
+void Engine::resetTimeline() {
+  const Impl& m = *impl_;
+  if (m.p.timeline == nullptr) return;
+  DeviceGuard guard(m.device);
+  GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
+  constexpr int kN = static_cast<int>(MoeKernel::kCount);
+  unsigned long long t[2 * kN];
+  for (int k = 0; k < kN; ++k) {
+    t[2 * k] = ~0ull;  // min of entry times
+    t[2 * k + 1] = 0;  // max of exit times
+  }
+  GRAPHEP_CUDA_CHECK(cudaMemcpy(m.p.timeline, t, sizeof(t), cudaMemcpyHostToDevice));
 }
 
 std::string MoeStatus::describe() const {

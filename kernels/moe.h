@@ -76,6 +76,14 @@ __host__ __device__ inline std::uint64_t moeCountMsgBytes(int localExperts) {
   return ((1 + static_cast<std::uint64_t>(localExperts)) * 8 + 15) & ~std::uint64_t{15};
 }
 
+// Kernels of the engine that can stamp a timeline (MoeConfig.profile): each CTA takes the minimum
+// of its entry times and the maximum of its exit times into timeline[2 * kernel], [2 * kernel + 1]
+// (global timer, ns), so one launch's span is readable after it (Engine::timeline()).
+enum class MoeKernel : int {
+  kRoute = 0, kPack, kOffsets, kExpand, kCombineReduce, kCombineFinal,
+  kLatencyDispatch, kLatencyReceive, kLatencyCombine, kLatencyCombineReceive, kCount
+};
+
 struct MoeParams {
   // Shape.
   std::int32_t rank, numRanks, hidden, topK, numExperts, localExperts, maxTokens;
@@ -147,6 +155,8 @@ struct MoeParams {
   // the peers' kernels they wait for.
   std::int32_t llRecvCtas, llCombRecvCtas;
   SyncHandle sync;            // bounded waits (timeout, error record)
+
+  unsigned long long* timeline;  // [2 * MoeKernel::kCount], or nullptr (profiling off)
 };
 
 // Launchers (each returns the launch error) and setup-time kernel loading, one family per file:

@@ -10,6 +10,7 @@ constexpr int kThreads = 128;
 
 // Grid: R * maxTokens CTAs, one per (source, received record).
 __global__ void __launch_bounds__(kThreads) moeCombineReduceKernel(const __grid_constant__ MoeParams p) {
+  const MoeStamp stamp(p, MoeKernel::kCombineReduce);
   const int s = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.maxTokens));
   const int i = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.maxTokens));
   if (s >= p.numRanks || i >= p.recvRows[s]) return;
@@ -21,6 +22,7 @@ __global__ void __launch_bounds__(kThreads) moeCombineReduceKernel(const __grid_
 
 // Grid: maxTokens CTAs, one per token; tokens past the live count exit.
 __global__ void __launch_bounds__(kThreads) moeCombineFinalKernel(const __grid_constant__ MoeParams p) {
+  const MoeStamp stamp(p, MoeKernel::kCombineFinal);
   const int t = static_cast<int>(blockIdx.x);
   if (t >= *p.liveTokens) return;
   const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.hidden) * 2;

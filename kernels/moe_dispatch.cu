@@ -12,6 +12,7 @@ constexpr int kOffsetsThreads = 256;
 // Grid: maxTokens + 1 CTAs. CTA t < T writes token t's record for every rank it goes to; the last
 // CTA writes the count messages and the movers' send counts (it runs whatever T is).
 __global__ void __launch_bounds__(kThreads) moePackKernel(const __grid_constant__ MoeParams p) {
+  const MoeStamp stamp(p, MoeKernel::kPack);
   const int tid = static_cast<int>(threadIdx.x);
   const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.hidden) * 2;
   if (blockIdx.x == gridDim.x - 1) {
@@ -38,6 +39,7 @@ __global__ void __launch_bounds__(kThreads) moePackKernel(const __grid_constant_
 // One CTA: the receive layout from the received count messages (moePublishLayout), and the
 // movers' receive counts of the records and send counts of the combine partials.
 __global__ void __launch_bounds__(kOffsetsThreads) moeOffsetsKernel(const __grid_constant__ MoeParams p) {
+  const MoeStamp stamp(p, MoeKernel::kOffsets);
   __shared__ std::int32_t counts[kMoeMaxLocalExperts];
   __shared__ std::int32_t offsets[kMoeMaxLocalExperts + 1];
   const int tid = static_cast<int>(threadIdx.x);
@@ -59,6 +61,7 @@ __global__ void __launch_bounds__(kOffsetsThreads) moeOffsetsKernel(const __grid
 // slot of a record puts a copy of its row at srcBase[source][expert] + index (dropped and counted
 // past the capacity).
 __global__ void __launch_bounds__(kThreads) moeExpandKernel(const __grid_constant__ MoeParams p) {
+  const MoeStamp stamp(p, MoeKernel::kExpand);
   const int tid = static_cast<int>(threadIdx.x);
   const int s = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.maxTokens));
   const int i = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.maxTokens));

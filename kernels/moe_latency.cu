@@ -50,6 +50,7 @@ __device__ bool lastBlock(std::uint32_t* counter) {
 }
 
 __global__ void __launch_bounds__(kSendThreads) moeLatencyDispatchKernel(const __grid_constant__ MoeParams p) {
+  const MoeStamp stamp(p, MoeKernel::kLatencyDispatch);
   __shared__ std::int32_t ids[kMoeLatencyMaxEntries];
   __shared__ std::uint32_t masks[kMoeLatencyMaxTokens];
   __shared__ std::int32_t entryIdx[kMoeMaxTopK];
@@ -160,6 +161,7 @@ __device__ bool waitAll(const MoeParams& p, const std::uint32_t* flags, std::uin
 
 // Grid: p.llRecvCtas CTAs looping over the (source, record slot) pairs.
 __global__ void __launch_bounds__(kRecvThreads) moeLatencyReceiveKernel(const __grid_constant__ MoeParams p) {
+  const MoeStamp stamp(p, MoeKernel::kLatencyReceive);
   __shared__ std::int32_t counts[kMoeMaxLocalExperts];
   __shared__ std::int32_t offsets[kMoeMaxLocalExperts + 1];
   __shared__ std::int32_t base[kMoeMaxLocalExperts];
@@ -191,6 +193,7 @@ __global__ void __launch_bounds__(kRecvThreads) moeLatencyReceiveKernel(const __
 
 // Grid: R * maxTokens CTAs, one per (source, received record slot).
 __global__ void __launch_bounds__(kThreads) moeLatencyCombineKernel(const __grid_constant__ MoeParams p) {
+  const MoeStamp stamp(p, MoeKernel::kLatencyCombine);
   const int tid = static_cast<int>(threadIdx.x);
   const int s = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.maxTokens));
   const int i = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.maxTokens));
@@ -219,6 +222,7 @@ __global__ void __launch_bounds__(kThreads) moeLatencyCombineKernel(const __grid
 
 // Grid: p.llCombRecvCtas CTAs looping over the tokens.
 __global__ void __launch_bounds__(kThreads) moeLatencyCombineReceiveKernel(const __grid_constant__ MoeParams p) {
+  const MoeStamp stamp(p, MoeKernel::kLatencyCombineReceive);
   const int tid = static_cast<int>(threadIdx.x);
   const std::uint32_t cstep = p.llSteps[1];
   const int cparity = static_cast<int>(cstep & 1u);

@@ -25,6 +25,7 @@ __device__ bool tokenGoesTo(const MoeParams& p, int t, int r) {
 }
 
 __global__ void __launch_bounds__(kThreads) moeRouteKernel(const __grid_constant__ MoeParams p) {
+  const MoeStamp stamp(p, MoeKernel::kRoute);
   __shared__ typename Scan::TempStorage temp;
   const int raw = *p.numTokens;
   const int T = raw < 0 ? 0 : (raw > p.maxTokens ? p.maxTokens : raw);

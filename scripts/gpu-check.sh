@@ -64,12 +64,12 @@ grep -v "^# \.\.\.\|INFO" "$out/bench_movers.log" | grep -E "^  |failed|mpirun" 
 
 step "benchmark: moe dispatch/combine (H=7168, top-8 of 256 experts)"
 timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-60} \
-  "$build/bench/graphep-bench" moe -b 128 -e 4096 -f 32 -n 10 -w 3 ${GRAPHEP_BENCH_ARGS:-} \
+  "$build/bench/graphep-bench" moe -b 128 -e 4096 -f 32 -n 10 -w 3 --profile ${GRAPHEP_BENCH_ARGS:-} \
   >"$out/bench_moe.log" 2>&1 || { echo "moe bench failed or timed out (rc=$?)"; status=1; }
 timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-60} \
   "$build/bench/graphep-bench" moe -b 128 -e 128 --path throughput -n 10 -w 3 ${GRAPHEP_BENCH_ARGS:-} \
   >>"$out/bench_moe.log" 2>&1 || { echo "moe bench (throughput at 128) failed (rc=$?)"; status=1; }
-grep -E "^  |failed" "$out/bench_moe.log" || true
+grep -E "^  |^# timeline|failed" "$out/bench_moe.log" || true
 
 echo "== summary: status=$status (logs in $out)"
 exit $status

@@ -52,6 +52,17 @@ struct MoeConfig {
   // Trap (kill the kernel) on bad input instead of counting it.
   bool strict = false;
   MoePath path = MoePath::kAuto;
+  // Every engine kernel stamps its span (first CTA in, last CTA out) for Engine::timeline():
+  // diagnostics, a few atomics per CTA.
+  bool profile = false;
+};
+
+// One kernel's span in the last operations since Engine::resetTimeline(), in microseconds from the
+// earliest stamp (MoeConfig.profile).
+struct MoeKernelSpan {
+  const char* kernel;
+  double startUs;
+  double endUs;
 };
 
 struct DispatchArgs {
@@ -143,6 +154,11 @@ class Engine {
   // Diagnostics, not a run path: synchronises this rank's device.
   MoeStatus status() const;
   void clearStatus();
+  // The kernels that ran since the last resetTimeline() (MoeConfig.profile; empty otherwise), in
+  // launch order of the engine's kernels, each once: run one operation between the two calls to
+  // read its timeline. Synchronises this rank's device.
+  std::vector<MoeKernelSpan> timeline() const;
+  void resetTimeline();
 
   struct Impl;
 

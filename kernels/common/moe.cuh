@@ -9,9 +9,28 @@
 
 #include "kernels/common/copy.cuh"
 #include "kernels/common/hooks.cuh"
+#include "kernels/common/ptx.cuh"
 #include "kernels/moe.h"
 
 namespace graphep {
+
+// Stamps a kernel's span into the timeline when profiling (one per CTA, thread 0): the entry time
+// on construction, the exit time on destruction (every return path).
+class MoeStamp {
+ public:
+  __device__ MoeStamp(const MoeParams& p, MoeKernel k)
+      : slot_(p.timeline != nullptr && threadIdx.x == 0 ? p.timeline + 2 * static_cast<int>(k) : nullptr) {
+    if (slot_ != nullptr) atomicMin(slot_, static_cast<unsigned long long>(ptx::globalTimerNs()));
+  }
+  __device__ ~MoeStamp() {
+    if (slot_ != nullptr) atomicMax(slot_ + 1, static_cast<unsigned long long>(ptx::globalTimerNs()));
+  }
+  MoeStamp(const MoeStamp&) = delete;
+  MoeStamp& operator=(const MoeStamp&) = delete;
+
+ private:
+  unsigned long long* slot_;
+};
 
 // Expert id of flattened (token, k) entry n.
 __device__ __forceinline__ long long moeReadId(const MoeParams& p, std::uint64_t n) {

@@ -469,6 +469,15 @@ void runMoeCase(Communicator& comm, const MoeCase& c) {
     GRAPHEP_CUDA_CHECK(cudaMemcpy(totals.data(), f.engine(l).layout().expertTotals, totals.size() * 8,
                                   cudaMemcpyDeviceToHost));
     EXPECT_EQ(totals, expectTotals[static_cast<std::size_t>(l)]) << "rank " << r << ": cumulative expert totals";
+    if (c.cfg.profile) {  // every kernel of the path ran, in order, each span well formed
+      const std::vector<MoeKernelSpan> spans = f.engine(l).timeline();
+      const std::size_t want = f.engine(l).path() == MoePath::kLatency ? 4u : 6u;
+      EXPECT_EQ(spans.size(), want) << "rank " << r;
+      for (std::size_t k = 0; k < spans.size(); ++k) {
+        EXPECT_LE(spans[k].startUs, spans[k].endUs) << spans[k].kernel;
+        if (k > 0) EXPECT_LE(spans[k - 1].startUs, spans[k].startUs) << spans[k].kernel;
+      }
+    }
     if (!execs.empty()) cudaGraphExecDestroy(execs[static_cast<std::size_t>(l)]);
   }
   comm.barrier();
@@ -542,7 +551,9 @@ std::vector<MoeCase> standardMoeCases(int R, bool large) {
     MoeCase c = base(64, 256, 2 * R, 2);
     c.tokens = {64, 3, 0, 50, 64, 1};
     c.replays = 30;
+    c.cfg.profile = true;  // and the kernel timeline stamps
     cases.push_back(c);
+    c.cfg.profile = false;
     c.cfg.dispatchType = DType::kFp8E4m3;
     c.replays = 12;
     cases.push_back(c);
