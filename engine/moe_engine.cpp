@@ -11,6 +11,7 @@
 #include "engine/heap.hpp"
 #include "engine/log.hpp"
 #include "engine/movers.hpp"
+#include "engine/topology.hpp"
 #include "kernels/moe.h"
 
 namespace graphep {
@@ -56,6 +57,58 @@ void requireDevicePointer(const void* p, int device, const char* what) {
 bool latencyFits(const MoeConfig& c) {
   return c.maxTokensPerRank <= kMoeLatencyMaxTokens &&
          static_cast<long long>(c.maxTokensPerRank) * c.topK <= kMoeLatencyMaxEntries;
+}
+
+// Byte sizes of one config's records and messages.
+struct MoeSizes {
+  std::size_t R, T, rowBytes, payloadBytes, recBytes, cntMsgBytes;
+};
+
+// Where a path's peer-written buffers sit in the heap's user region (the same on every rank), and
+// the heap that holds them: only the chosen path's buffers, and staging only for the throughput
+// path's movers.
+struct PathHeap {
+  // Throughput: [R][T] records and partials. Latency: [2][R][T] records, [2][R] count messages,
+  // [2][R][T] partials and the two [R] flag arrays.
+  std::size_t recRecv = 0, combRecv = 0;
+  std::size_t llRec = 0, llCnt = 0, llComb = 0, llFlag = 0, llCombFlag = 0;
+  HeapConfig heap;
+};
+
+PathHeap pathHeap(MoePath path, const MoeSizes& z, const MoeConfig& cfg) {
+  PathHeap h;
+  std::size_t end = 0;
+  if (path == MoePath::kLatency) {
+    h.llRec = 0;
+    h.llCnt = alignUp(h.llRec + 2 * z.R * z.T * z.recBytes, 256);
+    h.llComb = alignUp(h.llCnt + 2 * z.R * z.cntMsgBytes, 256);
+    h.llFlag = alignUp(h.llComb + 2 * z.R * z.T * z.rowBytes, 256);
+    h.llCombFlag = alignUp(h.llFlag + z.R * 4, 256);
+    end = h.llCombFlag + z.R * 4;
+  } else {
+    h.recRecv = 0;
+    h.combRecv = alignUp(h.recRecv + z.R * z.T * z.recBytes, 4096);
+    end = h.combRecv + z.R * z.T * z.rowBytes;
+  }
+  h.heap.numRanks = static_cast<int>(z.R);
+  h.heap.userBytes = alignUp(end, 4096);
+  h.heap.moverSlotBytes = path == MoePath::kThroughput ? kEngineSlotBytes : 0;
+  if (cfg.smBudget > 0) h.heap.moverBlocks = cfg.smBudget;
+  return h;
+}
+
+// Collective: whether every local rank of every process reaches every peer by load/store (the
+// latency path writes peers' memory directly). Every rank gets the same answer.
+bool everyPeerLoadStore(Communicator& comm, const SymmetricHeap& heap) {
+  std::vector<unsigned char> mine(static_cast<std::size_t>(heap.numLocalRanks()), 1);
+  for (int l = 0; l < heap.numLocalRanks(); ++l) {
+    for (int q = 0; q < heap.worldSize(); ++q) {
+      if (!isLoadStore(heap.peerClass(l, q))) mine[static_cast<std::size_t>(l)] = 0;
+    }
+  }
+  std::vector<unsigned char> all(static_cast<std::size_t>(heap.worldSize()), 0);
+  comm.allgather(mine.data(), all.data(), 1);
+  return std::all_of(all.begin(), all.end(), [](unsigned char v) { return v != 0; });
 }
 
 }  // namespace
@@ -156,41 +209,28 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
   const long long capacity = cfg.recvCapacity > 0 ? cfg.recvCapacity : worstCaseCapacity(cfg, R);
   const std::size_t cap = static_cast<std::size_t>(capacity);
   const std::size_t Rs = static_cast<std::size_t>(R);
+  const MoeSizes sizes{Rs, T, rowBytes, payloadBytes, recBytes, cntMsgBytes};
 
-  // The symmetric user region: what peers write. Throughput path: dispatch records and combine
-  // partials ([R][T]); latency path (when the config fits it): double-buffered records, count
-  // messages and partials ([2][R][T]) and the two flag arrays.
+  // The heap is sized for the latency path when the config fits it; peer classes (known once the
+  // heap exists) decide, on every rank alike, whether it stays there or falls back to the
+  // throughput path, whose heap replaces it.
   const bool latencyCandidate = cfg.path != MoePath::kThroughput && latencyFits(cfg);
-  const std::size_t recRecvOff = 0;
-  const std::size_t combRecvOff = alignUp(recRecvOff + Rs * T * recBytes, 4096);
-  std::size_t userBytes = alignUp(combRecvOff + Rs * T * rowBytes, 4096);
-  const std::size_t llRecOff = userBytes;
-  const std::size_t llCntOff = alignUp(llRecOff + (latencyCandidate ? 2 * Rs * T * recBytes : 0), 256);
-  const std::size_t llCombOff = alignUp(llCntOff + (latencyCandidate ? 2 * Rs * cntMsgBytes : 0), 256);
-  const std::size_t llFlagOff = alignUp(llCombOff + (latencyCandidate ? 2 * Rs * T * rowBytes : 0), 256);
-  const std::size_t llCombFlagOff = alignUp(llFlagOff + Rs * 4, 256);
-  if (latencyCandidate) userBytes = alignUp(llCombFlagOff + Rs * 4, 4096);
-
+  PathHeap ph = pathHeap(latencyCandidate ? MoePath::kLatency : MoePath::kThroughput, sizes, cfg);
   auto group = std::make_shared<EngineGroup>();
-  HeapConfig hc;
-  hc.numRanks = R;
-  hc.userBytes = userBytes;
-  hc.moverSlotBytes = kEngineSlotBytes;
-  if (cfg.smBudget > 0) hc.moverBlocks = cfg.smBudget;
-  group->heap = SymmetricHeap::create(comm, hc);
-  MoverOptions mo;
-  mo.maxRemoteBytesPerPeer = T * recBytes;  // the largest message (records >= partial rows)
-  group->movers = Movers::createAll(*group->heap, mo);
-
-  // The latency path needs load/store access to every peer (it writes their memory directly).
-  bool allLoadStore = true;
-  for (int l = 0; l < group->heap->numLocalRanks(); ++l) {
-    for (int q = 0; q < R; ++q) allLoadStore &= group->heap->peerClass(l, q) != PeerClass::kRemote;
-  }
+  group->heap = SymmetricHeap::create(comm, ph.heap);
+  const bool allLoadStore = everyPeerLoadStore(comm, *group->heap);
   GRAPHEP_REQUIRE(cfg.path != MoePath::kLatency || allLoadStore, Status::kNotSupported,
                   "MoeConfig.path=kLatency needs load/store access to every peer; some are reached "
                   "only through NCCL (use kAuto or kThroughput)");
   const MoePath path = latencyCandidate && allLoadStore ? MoePath::kLatency : MoePath::kThroughput;
+  if (latencyCandidate && path == MoePath::kThroughput) {
+    ph = pathHeap(path, sizes, cfg);
+    group->heap->reallocate(ph.heap);
+  }
+  const bool throughput = path == MoePath::kThroughput;
+  MoverOptions mo;
+  mo.maxRemoteBytesPerPeer = T * recBytes;  // the largest message (records >= partial rows)
+  group->movers = Movers::createAll(*group->heap, mo);
 
   std::vector<std::unique_ptr<Engine>> engines;
   for (int l = 0; l < group->heap->numLocalRanks(); ++l) {
@@ -216,13 +256,14 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     const std::size_t oStatus = carve(sizeof(MoeDeviceStatus));
     const std::size_t oLive = carve(sizeof(std::int32_t));
     const std::size_t oTokRank = carve(T * Rs * 4);
-    const std::size_t oEntry = carve(T * static_cast<std::size_t>(cfg.topK) * 4);
-    const std::size_t oExpertCount = carve(static_cast<std::size_t>(cfg.numExperts) * 4);
-    const std::size_t oRankCount = carve(Rs * 4);
-    const std::size_t oRecSend = carve(Rs * T * recBytes);
-    const std::size_t oCntSend = carve(Rs * cntMsgBytes);
-    const std::size_t oCntRecv = carve(Rs * cntMsgBytes);
-    const std::size_t oArrays = carve(12 * Rs * 8);  // 3 exchanges x {send, recv} x {counts, offsets}
+    // Throughput path only (the latency path routes in shared memory and writes peers directly).
+    const std::size_t oEntry = carve(throughput ? T * static_cast<std::size_t>(cfg.topK) * 4 : 0);
+    const std::size_t oExpertCount = carve(throughput ? static_cast<std::size_t>(cfg.numExperts) * 4 : 0);
+    const std::size_t oRankCount = carve(throughput ? Rs * 4 : 0);
+    const std::size_t oRecSend = carve(throughput ? Rs * T * recBytes : 0);
+    const std::size_t oCntSend = carve(throughput ? Rs * cntMsgBytes : 0);
+    const std::size_t oCntRecv = carve(throughput ? Rs * cntMsgBytes : 0);
+    const std::size_t oArrays = carve(throughput ? 12 * Rs * 8 : 0);  // 3 exchanges x {send, recv} x {counts, offsets}
     const std::size_t oRecvRows = carve(Rs * 4);
     const std::size_t oSrcBase = carve(Rs * static_cast<std::size_t>(L) * 4);
     const std::size_t oOffsets = carve((static_cast<std::size_t>(L) + 1) * 4);
@@ -236,9 +277,10 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     const std::size_t oRowSlot = carve(cap * 4);
     const std::size_t oRowWeight = carve(cap * 4);
     const std::size_t oY = carve(cap * rowBytes);
-    const std::size_t oCombSend = carve(Rs * T * rowBytes);
-    const std::size_t oLlSteps = carve(2 * 4);
-    const std::size_t oLlDone = carve((3 + Rs) * 4);
+    const std::size_t oCombSend = carve(throughput ? Rs * T * rowBytes : 0);
+    // Latency path only.
+    const std::size_t oLlSteps = carve(throughput ? 0 : 2 * 4);
+    const std::size_t oLlDone = carve(throughput ? 0 : (3 + Rs) * 4);
     constexpr std::size_t kStamps = 2 * static_cast<std::size_t>(MoeKernel::kCount);
     const std::size_t oTimeline = carve(cfg.profile ? kStamps * 8 : 0);
     GRAPHEP_CUDA_CHECK(cudaMalloc(&impl->block, used));
@@ -268,7 +310,7 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     p.expertCount = reinterpret_cast<std::uint32_t*>(b + oExpertCount);
     p.rankCount = reinterpret_cast<std::uint32_t*>(b + oRankCount);
     p.recSend = b + oRecSend;
-    p.recRecv = user + recRecvOff;
+    p.recRecv = throughput ? user + ph.recRecv : nullptr;
     p.cntSend = b + oCntSend;
     p.cntRecv = b + oCntRecv;
     auto* arrays = reinterpret_cast<std::uint64_t*>(b + oArrays);
@@ -292,15 +334,15 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     p.rowWeight = reinterpret_cast<float*>(b + oRowWeight);
     p.y = b + oY;
     p.combSend = b + oCombSend;
-    p.combRecv = user + combRecvOff;
+    p.combRecv = throughput ? user + ph.combRecv : nullptr;
     for (int q = 0; q < R; ++q) {
       p.peerUser[q] = q == p.rank ? user : group->heap->peerUser(l, q);  // nullptr when remote
     }
-    p.llRecOff = llRecOff;
-    p.llCntOff = llCntOff;
-    p.llCombOff = llCombOff;
-    p.llFlagOff = llFlagOff;
-    p.llCombFlagOff = llCombFlagOff;
+    p.llRecOff = ph.llRec;
+    p.llCntOff = ph.llCnt;
+    p.llCombOff = ph.llComb;
+    p.llFlagOff = ph.llFlag;
+    p.llCombFlagOff = ph.llCombFlag;
     p.llSteps = reinterpret_cast<std::uint32_t*>(b + oLlSteps);
     p.llDone = reinterpret_cast<std::uint32_t*>(b + oLlDone);
     p.sync = group->heap->syncHandle(l);
@@ -312,42 +354,44 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     p.llRecvCtas = sharesGpu ? 64 : R * cfg.maxTokensPerRank;
     p.llCombRecvCtas = sharesGpu ? 64 : cfg.maxTokensPerRank;
 
-    // Constant halves of the count arrays: fixed-size count messages, and every peer's records and
-    // partials at a fixed place ([peer][maxTokens][record]); the counts are written by the kernels.
-    std::vector<std::uint64_t> h(12 * Rs, 0);
-    for (std::size_t q = 0; q < Rs; ++q) {
-      h[0 * Rs + q] = cntMsgBytes;           // count exchange: send counts
-      h[1 * Rs + q] = q * cntMsgBytes;       //                 send offsets
-      h[2 * Rs + q] = cntMsgBytes;           //                 receive counts
-      h[3 * Rs + q] = q * cntMsgBytes;       //                 receive offsets
-      h[5 * Rs + q] = q * T * recBytes;      // records: send offsets
-      h[7 * Rs + q] = q * T * recBytes;      //          receive offsets
-      h[9 * Rs + q] = q * T * rowBytes;      // partials: send offsets
-      h[11 * Rs + q] = q * T * rowBytes;     //           receive offsets
-    }
-    GRAPHEP_CUDA_CHECK(cudaMemcpy(arrays, h.data(), h.size() * 8, cudaMemcpyHostToDevice));
+    if (throughput) {
+      // Constant halves of the count arrays: fixed-size count messages, and every peer's records and
+      // partials at a fixed place ([peer][maxTokens][record]); the counts are written by the kernels.
+      std::vector<std::uint64_t> h(12 * Rs, 0);
+      for (std::size_t q = 0; q < Rs; ++q) {
+        h[0 * Rs + q] = cntMsgBytes;           // count exchange: send counts
+        h[1 * Rs + q] = q * cntMsgBytes;       //                 send offsets
+        h[2 * Rs + q] = cntMsgBytes;           //                 receive counts
+        h[3 * Rs + q] = q * cntMsgBytes;       //                 receive offsets
+        h[5 * Rs + q] = q * T * recBytes;      // records: send offsets
+        h[7 * Rs + q] = q * T * recBytes;      //          receive offsets
+        h[9 * Rs + q] = q * T * rowBytes;      // partials: send offsets
+        h[11 * Rs + q] = q * T * rowBytes;     //           receive offsets
+      }
+      GRAPHEP_CUDA_CHECK(cudaMemcpy(arrays, h.data(), h.size() * 8, cudaMemcpyHostToDevice));
 
-    auto exchange = [&](int e, const void* src, std::size_t srcBytes, void* dst, std::size_t dstBytes,
-                        std::size_t perPeer, bool zeroCopy) {
-      AllToAllvArgs a;
-      a.src = src;
-      a.srcBytes = srcBytes;
-      a.dst = dst;
-      a.dstBytes = dstBytes;
-      a.sendCounts = arr(e, 0);
-      a.sendOffsets = arr(e, 1);
-      a.recvCounts = arr(e, 2);
-      a.recvOffsets = arr(e, 3);
-      a.maxBytesPerPeer = perPeer;
-      a.channelsPerPeer = cfg.smBudget;
-      a.zeroCopy = zeroCopy;
-      return a;
-    };
-    impl->cntArgs = exchange(0, p.cntSend, Rs * cntMsgBytes, b + oCntRecv, Rs * cntMsgBytes, cntMsgBytes, false);
-    impl->dispArgs = exchange(1, p.recSend, Rs * T * recBytes, user + recRecvOff, Rs * T * recBytes,
-                              T * recBytes, true);
-    impl->combArgs = exchange(2, p.combSend, Rs * T * rowBytes, user + combRecvOff, Rs * T * rowBytes,
-                              T * rowBytes, true);
+      auto exchange = [&](int e, const void* src, std::size_t srcBytes, void* dst, std::size_t dstBytes,
+                          std::size_t perPeer, bool zeroCopy) {
+        AllToAllvArgs a;
+        a.src = src;
+        a.srcBytes = srcBytes;
+        a.dst = dst;
+        a.dstBytes = dstBytes;
+        a.sendCounts = arr(e, 0);
+        a.sendOffsets = arr(e, 1);
+        a.recvCounts = arr(e, 2);
+        a.recvOffsets = arr(e, 3);
+        a.maxBytesPerPeer = perPeer;
+        a.channelsPerPeer = cfg.smBudget;
+        a.zeroCopy = zeroCopy;
+        return a;
+      };
+      impl->cntArgs = exchange(0, p.cntSend, Rs * cntMsgBytes, b + oCntRecv, Rs * cntMsgBytes, cntMsgBytes, false);
+      impl->dispArgs = exchange(1, p.recSend, Rs * T * recBytes, user + ph.recRecv, Rs * T * recBytes,
+                                T * recBytes, true);
+      impl->combArgs = exchange(2, p.combSend, Rs * T * rowBytes, user + ph.combRecv, Rs * T * rowBytes,
+                                T * rowBytes, true);
+    }
 
     DispatchLayout& v = impl->layout;
     v.recvX = p.recvX;
