@@ -32,14 +32,15 @@ __device__ __forceinline__ std::uint64_t llSlot(const MoeParams& p, int parity, 
   return ((static_cast<std::uint64_t>(parity) * p.numRanks + src) * p.maxTokens + i) * bytes;
 }
 
-// Block-wide "am I the last CTA to get here": every thread's prior writes (local or to peers) are
-// fenced at system scope before the count; returns the same answer in every thread.
-__device__ bool lastBlock(std::uint32_t* counter) {
+// Block-wide "am I the last of `arrivals` CTAs to get here": every thread's prior writes (local or
+// to peers) are fenced at system scope before the count; returns the same answer in every thread,
+// and the last one resets the counter for the next launch.
+__device__ bool lastBlock(std::uint32_t* counter, unsigned arrivals = gridDim.x) {
   __shared__ bool last;
   __threadfence_system();  // every thread's own stores, before the barrier hands over to thread 0
   __syncthreads();
   if (threadIdx.x == 0) {
-    last = atomicAdd(counter, 1u) == gridDim.x - 1;
+    last = atomicAdd(counter, 1u) == arrivals - 1u;
     if (last) {
       *counter = 0;  // every CTA counted: ready for the next launch
       __threadfence_system();
@@ -57,19 +58,10 @@ __global__ void __launch_bounds__(kSendThreads) moeLatencyDispatchKernel(const _
   __shared__ std::int32_t tokIdx[kMaxRanks];
   __shared__ std::int32_t hist[kMoeMaxLocalExperts];
   const int tid = static_cast<int>(threadIdx.x);
-  const int raw = *p.numTokens;
-  const int T = raw < 0 ? 0 : (raw > p.maxTokens ? p.maxTokens : raw);
+  const int T = moeLiveTokens(p, blockIdx.x == 0 && tid == 0);
   const int K = p.topK, R = p.numRanks, L = p.localExperts;
   const std::uint32_t step = p.llSteps[0];
   const int parity = static_cast<int>(step & 1u);
-  if (blockIdx.x == 0 && tid == 0) {
-    *p.liveTokens = T;
-    if (raw != T) {
-      atomicAdd(&p.status->clampedCounts, 1ull);
-      if (atomicCAS(&p.status->firstClampedSet, 0u, 1u) == 0u) p.status->firstClampedCount = raw;
-      if (p.strict) __trap();
-    }
-  }
   // Route every entry in shared memory (invalid ids: -1 here, counted by CTA 0).
   const int n = T * K;
   for (int e = tid; e < n; e += kSendThreads) {
@@ -208,15 +200,8 @@ __global__ void __launch_bounds__(kThreads) moeLatencyCombineKernel(const __grid
                     p.peerUser[s] + p.llCombOff + llSlot(p, cparity, p.rank, i, rowBytes), tid, kThreads);
   }
   // The last of source s's maxTokens CTAs posts its flag (also when it received nothing).
-  __shared__ bool last;
-  __threadfence_system();  // this thread's stores into the source's slot
-  __syncthreads();
-  if (tid == 0) {
-    last = atomicAdd(&p.llDone[3 + s], 1u) == static_cast<unsigned>(p.maxTokens) - 1u;
-    if (last) {
-      p.llDone[3 + s] = 0;
-      flagPost(reinterpret_cast<std::uint32_t*>(p.peerUser[s] + p.llCombFlagOff) + p.rank, cstep + 1u);
-    }
+  if (lastBlock(&p.llDone[3 + s], static_cast<unsigned>(p.maxTokens)) && tid == 0) {
+    flagPost(reinterpret_cast<std::uint32_t*>(p.peerUser[s] + p.llCombFlagOff) + p.rank, cstep + 1u);
   }
 }
 

@@ -27,21 +27,8 @@ __device__ bool tokenGoesTo(const MoeParams& p, int t, int r) {
 __global__ void __launch_bounds__(kThreads) moeRouteKernel(const __grid_constant__ MoeParams p) {
   const MoeStamp stamp(p, MoeKernel::kRoute);
   __shared__ typename Scan::TempStorage temp;
-  const int raw = *p.numTokens;
-  const int T = raw < 0 ? 0 : (raw > p.maxTokens ? p.maxTokens : raw);
   const int tid = static_cast<int>(threadIdx.x);
-  if (blockIdx.x == 0 && tid == 0) {
-    *p.liveTokens = T;
-    if (raw != T) {
-      atomicAdd(&p.status->clampedCounts, 1ull);
-      if (atomicCAS(&p.status->firstClampedSet, 0u, 1u) == 0u) p.status->firstClampedCount = raw;
-      if (p.strict) {
-        printf("graphep: rank %d: live token count %d is outside [0, %d] (strict mode)\n", p.rank,
-               raw, p.maxTokens);
-        __trap();
-      }
-    }
-  }
+  const int T = moeLiveTokens(p, blockIdx.x == 0 && tid == 0);
   // One pass of kThreads * kItems entries: pred(i) for i < n; returns through `assign` the index of
   // each matching entry (running + its rank among the matches) and advances `running`.
   int running = 0;

@@ -57,6 +57,27 @@ __device__ inline void moeReportInvalidId(const MoeParams& p, long long id, int 
   }
 }
 
+// The live token count of a dispatch, clamped to [0, maxTokens]. The caller that passes `record`
+// (one thread of the grid) publishes it to liveTokens and counts an out-of-range value (strict mode
+// traps); every thread may call it for the value.
+__device__ inline int moeLiveTokens(const MoeParams& p, bool record) {
+  const int raw = *p.numTokens;
+  const int T = raw < 0 ? 0 : (raw > p.maxTokens ? p.maxTokens : raw);
+  if (record) {
+    *p.liveTokens = T;
+    if (raw != T) {
+      atomicAdd(&p.status->clampedCounts, 1ull);
+      if (atomicCAS(&p.status->firstClampedSet, 0u, 1u) == 0u) p.status->firstClampedCount = raw;
+      if (p.strict) {
+        printf("graphep: rank %d: live token count %d is outside [0, %d] (strict mode)\n", p.rank,
+               raw, p.maxTokens);
+        __trap();
+      }
+    }
+  }
+  return T;
+}
+
 // A received row whose place is past the capacity: counted (strict mode traps).
 __device__ inline void moeReportDroppedRow(const MoeParams& p, long long pos) {
   atomicAdd(&p.status->droppedRows, 1ull);
