@@ -368,38 +368,48 @@ __device__ void pipeRecvLL(const SyncHandle& sync, const PipeShape& shape, const
 // l.bytes counts source bytes (whole tiles of kSrcTile bytes); both ends derive the same tiles per
 // channel and per chunk from it and the slot size.
 
-// Tiles of channel c when `tiles` are split over numChannels channels.
-__device__ __forceinline__ void tileRange(std::uint64_t tiles, std::uint32_t numChannels,
-                                          std::uint32_t c, std::uint64_t* begin, std::uint64_t* end) {
-  const std::uint64_t per = (tiles + numChannels - 1) / numChannels;
-  const std::uint64_t lo = static_cast<std::uint64_t>(c) * per;
-  *begin = lo < tiles ? lo : tiles;
-  *end = *begin + per < tiles ? *begin + per : tiles;
-}
+// The tiles of channel c (of `tiles` split over the link's channels) in chunks of one slot's worth
+// of wire tiles: both ends derive the same split from the same byte count.
+struct TiledChannel {
+  std::uint64_t t0, t1, perChunk;
+  std::uint32_t n;  // chunks
+  __device__ TiledChannel(std::uint64_t tiles, const PipeShape& shape, std::uint32_t c,
+                          std::uint64_t wireTile) {
+    const std::uint64_t per = (tiles + shape.numChannels - 1) / shape.numChannels;
+    const std::uint64_t lo = static_cast<std::uint64_t>(c) * per;
+    t0 = lo < tiles ? lo : tiles;
+    t1 = t0 + per < tiles ? t0 + per : tiles;
+    perChunk = shape.slotBytes / wireTile;
+    n = static_cast<std::uint32_t>((t1 - t0 + perChunk - 1) / perChunk);
+  }
+  // f(tile, index within the chunk) for the tiles of chunk k that thread group `group` of `groups`
+  // handles.
+  template <class F>
+  __device__ void forEach(std::uint32_t k, int group, int groups, F f) const {
+    const std::uint64_t first = t0 + static_cast<std::uint64_t>(k) * perChunk;
+    const std::uint64_t last = first + perChunk < t1 ? first + perChunk : t1;
+    if (group >= groups) return;
+    for (std::uint64_t t = first + group; t < last; t += groups) f(t, t - first);
+  }
+};
 
 // Sender: `Produce` (e.g. ProduceFp8E4m3) turns each source tile into a wire tile in the slot.
 template <class Transport, class Produce, std::uint64_t kSrcTile, std::uint64_t kWireTile>
 __device__ void pipeSendTiled(const SyncHandle& sync, const PipeShape& shape, const SendLink& l,
                               std::uint32_t c, int barrierId, int tid, int nthreads,
                               int* abortFlag) {
-  std::uint64_t t0, t1;
-  tileRange(l.bytes / kSrcTile, shape.numChannels, c, &t0, &t1);
-  const std::uint64_t perChunk = shape.slotBytes / kWireTile;
-  const std::uint32_t n = static_cast<std::uint32_t>((t1 - t0 + perChunk - 1) / perChunk);
+  const TiledChannel ch(l.bytes / kSrcTile, shape, c, kWireTile);
   const std::uint32_t step0 = l.step[c];
   const int groups = nthreads / Produce::kThreads;
   const int group = tid / Produce::kThreads;
   HookCtx ctx{l.peer, c, 0, 0, tid % Produce::kThreads, l.src, nullptr};
-  stagedSend<Transport>(sync, shape, l, c, n, barrierId, tid, nthreads, abortFlag,
+  stagedSend<Transport>(sync, shape, l, c, ch.n, barrierId, tid, nthreads, abortFlag,
                         [&](std::uint32_t k, char* slot) {
-                          const std::uint64_t first = t0 + static_cast<std::uint64_t>(k) * perChunk;
-                          const std::uint64_t last = first + perChunk < t1 ? first + perChunk : t1;
                           ctx.step = step0 + k;
-                          if (group >= groups) return;
-                          for (std::uint64_t t = first + group; t < last; t += groups) {
+                          ch.forEach(k, group, groups, [&](std::uint64_t t, std::uint64_t i) {
                             ctx.tile = t;
-                            Produce::emit(slot + (t - first) * kWireTile, ctx.lane, Produce::produce(ctx));
-                          }
+                            Produce::emit(slot + i * kWireTile, ctx.lane, Produce::produce(ctx));
+                          });
                         });
 }
 
@@ -409,24 +419,18 @@ template <class Transport, class ConsumeHook, class WireRegs, WireRegs (*kLoad)(
 __device__ void pipeRecvTiled(const SyncHandle& sync, const PipeShape& shape, const RecvLink& l,
                               std::uint32_t c, int barrierId, int tid, int nthreads,
                               int* abortFlag) {
-  std::uint64_t t0, t1;
-  tileRange(l.bytes / kSrcTile, shape.numChannels, c, &t0, &t1);
-  const std::uint64_t perChunk = shape.slotBytes / kWireTile;
-  const std::uint32_t n = static_cast<std::uint32_t>((t1 - t0 + perChunk - 1) / perChunk);
+  const TiledChannel ch(l.bytes / kSrcTile, shape, c, kWireTile);
   const std::uint32_t step0 = l.step[c];
   const int groups = nthreads / ConsumeHook::kThreads;
   const int group = tid / ConsumeHook::kThreads;
   HookCtx ctx{l.peer, c, 0, 0, tid % ConsumeHook::kThreads, nullptr, l.dst};
-  stagedRecv<Transport>(sync, shape, l, c, n, barrierId, tid, nthreads, abortFlag,
+  stagedRecv<Transport>(sync, shape, l, c, ch.n, barrierId, tid, nthreads, abortFlag,
                         [&](std::uint32_t k, const char* slot) {
-                          const std::uint64_t first = t0 + static_cast<std::uint64_t>(k) * perChunk;
-                          const std::uint64_t last = first + perChunk < t1 ? first + perChunk : t1;
                           ctx.step = step0 + k;
-                          if (group >= groups) return;
-                          for (std::uint64_t t = first + group; t < last; t += groups) {
+                          ch.forEach(k, group, groups, [&](std::uint64_t t, std::uint64_t i) {
                             ctx.tile = t;
-                            ConsumeHook::consume(ctx, kLoad(slot + (t - first) * kWireTile, ctx.lane));
-                          }
+                            ConsumeHook::consume(ctx, kLoad(slot + i * kWireTile, ctx.lane));
+                          });
                         });
 }
 
