@@ -282,14 +282,16 @@ class MoeFixture {
     comm_.barrier();
   }
 
-  // Compares rank l's outputs with the reference; returns the number of wrong values.
-  long long check(int l, const std::vector<Inputs>& all, const std::string& what) {
+  // Compares rank l's outputs with the reference (refs: every rank's expected layout); returns the
+  // number of wrong values.
+  long long check(int l, const std::vector<Inputs>& all, const std::vector<RefLayout>& refs,
+                  const std::string& what) {
     const MoeConfig& g = c_.cfg;
     const int R = comm_.worldSize(), K = g.topK, H = g.hidden, Lx = g.numExperts / R;
     const int r = comm_.globalRank(l);
     const DispatchLayout& v = engine(l).layout();
     const long long cap = v.capacity;
-    const RefLayout ref = refLayout(c_, all, r, cap);
+    const RefLayout& ref = refs[static_cast<std::size_t>(r)];
     const bool fp8 = g.dispatchType == DType::kFp8E4m3;
     GRAPHEP_CUDA_CHECK(cudaSetDevice(comm_.device(l)));
     long long wrong = 0;
@@ -355,8 +357,7 @@ class MoeFixture {
     std::vector<std::uint16_t> out(Tm * static_cast<std::size_t>(H));
     GRAPHEP_CUDA_CHECK(cudaMemcpy(out.data(), buf(l).out, out.size() * 2, cudaMemcpyDeviceToHost));
     // posOf of this rank's entries lives in the destination ranks' layouts.
-    std::vector<RefLayout> dest;
-    for (int d = 0; d < R; ++d) dest.push_back(d == r ? ref : refLayout(c_, all, d, cap));
+    const std::vector<RefLayout>& dest = refs;
     const Inputs& mine = all[static_cast<std::size_t>(r)];
     for (int t = 0; t < static_cast<int>(Tm); ++t) {
       for (int h = 0; h < H; ++h) {
@@ -444,12 +445,15 @@ void runMoeCase(Communicator& comm, const MoeCase& c) {
     }
     f.syncAll();
     if (T > c.cfg.maxTokensPerRank || T < 0) ++expectClamped;
+    // Every rank's expected layout, once per run (the capacity is the same on every rank).
+    std::vector<RefLayout> refs;
+    for (int q = 0; q < R; ++q) refs.push_back(refLayout(c, all, q, f.engine(0).layout().capacity));
     for (int l = 0; l < f.L(); ++l) {
       const int r = comm.globalRank(l);
       const std::string what = "run " + std::to_string(run) + " T=" + std::to_string(T);
-      EXPECT_EQ(f.check(l, all, what), 0) << what << " rank " << r;
+      EXPECT_EQ(f.check(l, all, refs, what), 0) << what << " rank " << r;
       expectInvalid[static_cast<std::size_t>(l)] += invalidCount(c.cfg, all[static_cast<std::size_t>(r)]);
-      const RefLayout ref = refLayout(c, all, r, f.engine(l).layout().capacity);
+      const RefLayout& ref = refs[static_cast<std::size_t>(r)];
       expectDropped[static_cast<std::size_t>(l)] += ref.dropped;
       auto& tot = expectTotals[static_cast<std::size_t>(l)];
       tot.resize(ref.counts.size(), 0);
