@@ -54,10 +54,15 @@ void requireDevicePointer(const void* p, int device, const char* what) {
 }
 
 // Whether a config fits the latency path's kernels (routing held in shared memory).
-bool latencyFits(const MoeConfig& c) {
+bool latencyFits(const MoeConfig& c, int R) {
   return c.maxTokensPerRank <= kMoeLatencyMaxTokens &&
-         static_cast<long long>(c.maxTokensPerRank) * c.topK <= kMoeLatencyMaxEntries;
+         static_cast<long long>(c.maxTokensPerRank) * c.topK <= kMoeLatencyMaxEntries &&
+         c.numExperts / R <= 4 * kMoeLatencyThreads &&
+         moeLatencySmem(c.maxTokensPerRank, c.topK, c.numExperts, R).bytes <= kMoeLatencyMaxSmem;
 }
+
+// CTAs of each latency kernel when no budget is given.
+constexpr int kLatencyDefaultCtas = 24;
 
 // Byte sizes of one config's records and messages.
 struct MoeSizes {
@@ -69,9 +74,9 @@ struct MoeSizes {
 // path's movers.
 struct PathHeap {
   // Throughput: [R][T] records and partials. Latency: [2][R][T] records, [2][R] count messages,
-  // [2][R][T] partials and the two [R] flag arrays.
+  // [2][R][T] partials and the three [R] counter arrays (kernels/moe.h, MoeParams).
   std::size_t recRecv = 0, combRecv = 0;
-  std::size_t llRec = 0, llCnt = 0, llComb = 0, llFlag = 0, llCombFlag = 0;
+  std::size_t llRec = 0, llCnt = 0, llComb = 0, llFlag = 0, llArrive = 0, llCombArrive = 0;
   HeapConfig heap;
 };
 
@@ -83,8 +88,9 @@ PathHeap pathHeap(MoePath path, const MoeSizes& z, const MoeConfig& cfg) {
     h.llCnt = alignUp(h.llRec + 2 * z.R * z.T * z.recBytes, 256);
     h.llComb = alignUp(h.llCnt + 2 * z.R * z.cntMsgBytes, 256);
     h.llFlag = alignUp(h.llComb + 2 * z.R * z.T * z.rowBytes, 256);
-    h.llCombFlag = alignUp(h.llFlag + z.R * 4, 256);
-    end = h.llCombFlag + z.R * 4;
+    h.llArrive = alignUp(h.llFlag + z.R * 4, 256);
+    h.llCombArrive = alignUp(h.llArrive + z.R * 4, 256);
+    end = h.llCombArrive + z.R * 4;
   } else {
     h.recRecv = 0;
     h.combRecv = alignUp(h.recRecv + z.R * z.T * z.recBytes, 4096);
@@ -109,6 +115,33 @@ bool everyPeerLoadStore(Communicator& comm, const SymmetricHeap& heap) {
   std::vector<unsigned char> all(static_cast<std::size_t>(heap.worldSize()), 0);
   comm.allgather(mine.data(), all.data(), 1);
   return std::all_of(all.begin(), all.end(), [](unsigned char v) { return v != 0; });
+}
+
+// Collective: the CTAs of each latency kernel, the same on every rank (the arrival counters count
+// them): the budget, lowered so that every rank sharing a GPU has all its CTAs resident at once
+// (they wait for each other), then the lowest over all ranks.
+int latencyCtas(Communicator& comm, const SymmetricHeap& heap, const MoeConfig& cfg) {
+  const int R = heap.worldSize();
+  const std::uint32_t smem = moeLatencySmem(cfg.maxTokensPerRank, cfg.topK, cfg.numExperts, R).bytes;
+  std::vector<std::int32_t> mine(static_cast<std::size_t>(heap.numLocalRanks()));
+  for (int l = 0; l < heap.numLocalRanks(); ++l) {
+    DeviceGuard guard(heap.device(l));
+    int perSm = 0, sms = 0;
+    GRAPHEP_CUDA_CHECK(moeLatencyCtasPerSm(smem, &perSm));
+    GRAPHEP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, heap.device(l)));
+    int sharing = 1;
+    for (int q = 0; q < R; ++q) sharing += heap.peerClass(l, q) == PeerClass::kSameDevice ? 1 : 0;
+    const int resident = perSm * sms / sharing;
+    GRAPHEP_REQUIRE(resident >= 1, Status::kNotSupported,
+                    "MoE latency path: %d ranks share GPU %d, which holds %d of its CTAs at once (%d per "
+                    "SM, %u B of shared memory each)",
+                    sharing, heap.device(l), perSm * sms, perSm, smem);
+    const int budget = cfg.smBudget > 0 ? cfg.smBudget : kLatencyDefaultCtas;
+    mine[static_cast<std::size_t>(l)] = std::min(budget, resident);
+  }
+  std::vector<std::int32_t> all(static_cast<std::size_t>(R), 0);
+  comm.allgather(mine.data(), all.data(), sizeof(std::int32_t));
+  return *std::min_element(all.begin(), all.end());
 }
 
 }  // namespace
@@ -179,10 +212,11 @@ void Engine::validate(const MoeConfig& c, int R) {
                   c.numExperts / R, c.numExperts, R, kMoeMaxLocalExperts);
   GRAPHEP_REQUIRE(c.path == MoePath::kAuto || c.path == MoePath::kLatency || c.path == MoePath::kThroughput,
                   Status::kInvalidArgument, "MoeConfig.path=%d is not a MoePath", static_cast<int>(c.path));
-  GRAPHEP_REQUIRE(c.path != MoePath::kLatency || latencyFits(c), Status::kInvalidArgument,
-                  "MoeConfig.path=kLatency needs maxTokensPerRank <= %d and maxTokensPerRank * topK <= %d "
-                  "(maxTokensPerRank=%d, topK=%d)",
-                  kMoeLatencyMaxTokens, kMoeLatencyMaxEntries, c.maxTokensPerRank, c.topK);
+  GRAPHEP_REQUIRE(c.path != MoePath::kLatency || latencyFits(c, R), Status::kInvalidArgument,
+                  "MoeConfig.path=kLatency needs maxTokensPerRank <= %d, maxTokensPerRank * topK <= %d and "
+                  "its routing in %u B of shared memory (maxTokensPerRank=%d, topK=%d, numExperts=%d)",
+                  kMoeLatencyMaxTokens, kMoeLatencyMaxEntries, kMoeLatencyMaxSmem, c.maxTokensPerRank, c.topK,
+                  c.numExperts);
   GRAPHEP_REQUIRE(c.recvCapacity >= 0, Status::kInvalidArgument,
                   "MoeConfig.recvCapacity=%lld is negative", c.recvCapacity);
   const long long cap = c.recvCapacity > 0 ? c.recvCapacity : worstCaseCapacity(c, R);
@@ -214,7 +248,7 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
   // The heap is sized for the latency path when the config fits it; peer classes (known once the
   // heap exists) decide, on every rank alike, whether it stays there or falls back to the
   // throughput path, whose heap replaces it.
-  const bool latencyCandidate = cfg.path != MoePath::kThroughput && latencyFits(cfg);
+  const bool latencyCandidate = cfg.path != MoePath::kThroughput && latencyFits(cfg, R);
   PathHeap ph = pathHeap(latencyCandidate ? MoePath::kLatency : MoePath::kThroughput, sizes, cfg);
   auto group = std::make_shared<EngineGroup>();
   group->heap = SymmetricHeap::create(comm, ph.heap);
@@ -228,8 +262,10 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     group->heap->reallocate(ph.heap);
   }
   const bool throughput = path == MoePath::kThroughput;
+  const int llCtas = throughput ? 0 : latencyCtas(comm, *group->heap, cfg);
   MoverOptions mo;
-  mo.maxRemoteBytesPerPeer = T * recBytes;  // the largest message (records >= partial rows)
+  // The largest message: records, or partial rows (larger than fp8 records).
+  mo.maxRemoteBytesPerPeer = T * std::max(recBytes, rowBytes);
   group->movers = Movers::createAll(*group->heap, mo);
 
   std::vector<std::unique_ptr<Engine>> engines;
@@ -280,7 +316,7 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     const std::size_t oCombSend = carve(throughput ? Rs * T * rowBytes : 0);
     // Latency path only.
     const std::size_t oLlSteps = carve(throughput ? 0 : 2 * 4);
-    const std::size_t oLlDone = carve(throughput ? 0 : (3 + Rs) * 4);
+    const std::size_t oLlDone = carve(throughput ? 0 : 2 * 4);
     constexpr std::size_t kStamps = 2 * static_cast<std::size_t>(MoeKernel::kCount);
     const std::size_t oTimeline = carve(cfg.profile ? kStamps * 8 : 0);
     GRAPHEP_CUDA_CHECK(cudaMalloc(&impl->block, used));
@@ -342,17 +378,13 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     p.llCntOff = ph.llCnt;
     p.llCombOff = ph.llComb;
     p.llFlagOff = ph.llFlag;
-    p.llCombFlagOff = ph.llCombFlag;
+    p.llArriveOff = ph.llArrive;
+    p.llCombArriveOff = ph.llCombArrive;
     p.llSteps = reinterpret_cast<std::uint32_t*>(b + oLlSteps);
     p.llDone = reinterpret_cast<std::uint32_t*>(b + oLlDone);
+    p.llCtas = llCtas;
     p.sync = group->heap->syncHandle(l);
     p.timeline = cfg.profile ? reinterpret_cast<unsigned long long*>(b + oTimeline) : nullptr;
-    // Waiting grids: one CTA per record slot / token when no peer shares this GPU; 64 otherwise
-    // (emulated ranks' waiting CTAs must leave room for the kernels they wait for).
-    bool sharesGpu = false;
-    for (int q = 0; q < R; ++q) sharesGpu |= group->heap->peerClass(l, q) == PeerClass::kSameDevice;
-    p.llRecvCtas = sharesGpu ? 64 : R * cfg.maxTokensPerRank;
-    p.llCombRecvCtas = sharesGpu ? 64 : cfg.maxTokensPerRank;
 
     if (throughput) {
       // Constant halves of the count arrays: fixed-size count messages, and every peer's records and
@@ -461,7 +493,6 @@ const DispatchLayout& Engine::dispatch(const DispatchArgs& a, cudaStream_t strea
   m.p = p;  // combine reads the routing of the last dispatch
   if (m.path == MoePath::kLatency) {
     GRAPHEP_CUDA_CHECK(launchMoeLatencyDispatch(p, stream));
-    GRAPHEP_CUDA_CHECK(launchMoeLatencyReceive(p, stream));
     return m.layout;
   }
   const Movers& movers = m.movers();
@@ -491,7 +522,6 @@ void Engine::combine(const CombineArgs& a, cudaStream_t stream) {
   p.out = static_cast<char*>(a.out);
   if (m.path == MoePath::kLatency) {
     GRAPHEP_CUDA_CHECK(launchMoeLatencyCombine(p, stream));
-    GRAPHEP_CUDA_CHECK(launchMoeLatencyCombineReceive(p, stream));
     return;
   }
   GRAPHEP_CUDA_CHECK(launchMoeCombineReduce(p, stream));

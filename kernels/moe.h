@@ -144,16 +144,17 @@ struct MoeParams {
   // Latency path (kernels/moe_latency.cu). Regions of every rank's symmetric user region, at the
   // same offsets on every rank: llRec [2][R][maxTokens][recBytes] records from each source,
   // llCnt [2][R][cntMsgBytes] their count messages, llComb [2][R][maxTokens][H] bf16 partials from
-  // each destination, llFlag / llCombFlag [R] u32 monotonic flags (from each source / destination).
+  // each destination; u32 monotonic counters [R]: llFlag (source q's count message of step s has
+  // landed: s + 1), llArrive (CTAs of source q whose records have landed: G per step), llCombArrive
+  // (CTAs of destination q whose partials have landed: G per step).
   // [2]: by the parity of the operation's step, so consecutive operations never share a buffer.
   char* peerUser[kMaxRanks];  // every rank's user region as this rank sees it (its own included)
-  std::uint64_t llRecOff, llCntOff, llCombOff, llFlagOff, llCombFlagOff;
+  std::uint64_t llRecOff, llCntOff, llCombOff, llFlagOff, llArriveOff, llCombArriveOff;
   std::uint32_t* llSteps;     // local [2]: dispatch and combine steps (monotonic)
-  std::uint32_t* llDone;      // local [3 + R]: last-CTA counters of the latency kernels
-  // CTAs of the two latency kernels that wait for peers: one per record / token when every peer
-  // has its own GPU; few (looping) when ranks share a GPU, whose waiting CTAs must leave room for
-  // the peers' kernels they wait for.
-  std::int32_t llRecvCtas, llCombRecvCtas;
+  std::uint32_t* llDone;      // local [2]: last-CTA counters of the two latency kernels
+  // G: CTAs of each latency kernel, the same on every rank (the arrival counters count them). When
+  // ranks share a GPU, all their CTAs must be resident together (they wait for each other).
+  std::int32_t llCtas;
   SyncHandle sync;            // bounded waits (timeout, error record)
 
   unsigned long long* timeline;  // [2 * MoeKernel::kCount], or nullptr (profiling off)
@@ -170,14 +171,38 @@ cudaError_t preloadMoeDispatchKernels();
 cudaError_t launchMoeCombineReduce(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeCombineFinal(const MoeParams& p, cudaStream_t stream);
 cudaError_t preloadMoeCombineKernels();
-// Latency path: send (route + records straight into the destinations' per-source slots + count
-// message + flag), receive (wait + layout + expand), combine send, combine receive.
+// Latency path: one kernel per operation, each CTA a sender then a receiver (G CTAs of
+// kMoeLatencyThreads, dynamic shared memory moeLatencySmem(...).bytes for dispatch).
 inline constexpr int kMoeLatencyMaxTokens = 256;
 inline constexpr int kMoeLatencyMaxEntries = 4096;  // tokens x top-k
+inline constexpr int kMoeLatencyThreads = 512;
+inline constexpr std::uint32_t kMoeLatencyMaxSmem = 96u << 10;
+
+// Byte offsets of the latency dispatch kernel's dynamic shared memory: the routing (ids, a bit
+// per token for each expert and for each destination rank) and the receive layout.
+struct MoeLatencySmem {
+  std::uint32_t ids, expBits, dstBits, srcBase, counts, offsets, bytes;
+};
+__host__ __device__ inline MoeLatencySmem moeLatencySmem(int maxTokens, int topK, int numExperts, int numRanks) {
+  const std::uint32_t W = (static_cast<std::uint32_t>(maxTokens) + 31u) / 32u;
+  const std::uint32_t E = static_cast<std::uint32_t>(numExperts), R = static_cast<std::uint32_t>(numRanks);
+  const std::uint32_t L = E / R;
+  MoeLatencySmem o{};
+  o.ids = 0;
+  o.expBits = o.ids + static_cast<std::uint32_t>(maxTokens) * static_cast<std::uint32_t>(topK) * 4u;
+  o.dstBits = o.expBits + E * W * 4u;  // dstBits follows expBits (one zeroing pass clears both)
+  o.srcBase = o.dstBits + R * W * 4u;
+  o.counts = o.srcBase + E * 4u;       // R x L
+  o.offsets = o.counts + L * 4u;
+  o.bytes = (o.offsets + (L + 1u) * 4u + 15u) & ~15u;
+  return o;
+}
+
 cudaError_t launchMoeLatencyDispatch(const MoeParams& p, cudaStream_t stream);
-cudaError_t launchMoeLatencyReceive(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeLatencyCombine(const MoeParams& p, cudaStream_t stream);
-cudaError_t launchMoeLatencyCombineReceive(const MoeParams& p, cudaStream_t stream);
+// Loads both kernels and allows the largest dynamic shared memory.
 cudaError_t preloadMoeLatencyKernels();
+// CTAs of the latency kernels (the lower of the two) that fit on one SM together.
+cudaError_t moeLatencyCtasPerSm(std::uint32_t smemBytes, int* ctas);
 
 }  // namespace graphep

@@ -15,9 +15,10 @@ __global__ void __launch_bounds__(kThreads) moeCombineReduceKernel(const __grid_
   const int i = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.maxTokens));
   if (s >= p.numRanks || i >= p.recvRows[s]) return;
   const std::uint64_t record = static_cast<std::uint64_t>(s) * p.maxTokens + i;
+  __shared__ MoeSlotStage stage;
   moeReduceRecord(p, p.recRecv + record * p.recBytes, p.srcBase + s * p.localExperts,
-                  p.combSend + record * static_cast<std::uint64_t>(p.hidden) * 2,
-                  static_cast<int>(threadIdx.x), kThreads);
+                  p.combSend + record * static_cast<std::uint64_t>(p.hidden) * 2, stage,
+                  MoeGroup{static_cast<int>(threadIdx.x), kThreads, 0});
 }
 
 // Grid: maxTokens CTAs, one per token; tokens past the live count exit.
@@ -26,13 +27,14 @@ __global__ void __launch_bounds__(kThreads) moeCombineFinalKernel(const __grid_c
   const int t = static_cast<int>(blockIdx.x);
   if (t >= *p.liveTokens) return;
   const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.hidden) * 2;
+  __shared__ const uint4* parts[kMaxRanks];
   moeFinalToken(
       p, t,
       [&](int r) -> const char* {
         const int i = p.tokRankIdx[static_cast<std::uint64_t>(t) * p.numRanks + r];
         return i < 0 ? nullptr : p.combRecv + (static_cast<std::uint64_t>(r) * p.maxTokens + i) * rowBytes;
       },
-      static_cast<int>(threadIdx.x), kThreads);
+      parts, MoeGroup{static_cast<int>(threadIdx.x), kThreads, 0});
 }
 
 }  // namespace

@@ -14,8 +14,8 @@ constexpr int kOffsetsThreads = 256;
 __global__ void __launch_bounds__(kThreads) moePackKernel(const __grid_constant__ MoeParams p) {
   const MoeStamp stamp(p, MoeKernel::kPack);
   const int tid = static_cast<int>(threadIdx.x);
-  const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.hidden) * 2;
   if (blockIdx.x == gridDim.x - 1) {
+    const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.hidden) * 2;
     for (int r = tid; r < p.numRanks; r += kThreads) {
       const std::uint64_t rows = p.rankCount[r];
       p.dispSendCounts[r] = rows * p.recBytes;
@@ -28,12 +28,21 @@ __global__ void __launch_bounds__(kThreads) moePackKernel(const __grid_constant_
   }
   const int t = static_cast<int>(blockIdx.x);
   if (t >= *p.liveTokens) return;
-  for (int r = 0; r < p.numRanks; ++r) {
-    const int i = p.tokRankIdx[static_cast<std::uint64_t>(t) * p.numRanks + r];
-    if (i < 0) continue;
-    moeWriteRecord(p, p.recSend + (static_cast<std::uint64_t>(r) * p.maxTokens + i) * p.recBytes, t, r,
-                   p.entryIdx + static_cast<std::uint64_t>(t) * p.topK, tid, kThreads);
+  __shared__ char* dst[kMaxRanks];
+  __shared__ int dstRank[kMaxRanks];
+  __shared__ int n;
+  if (tid == 0) {
+    n = 0;
+    for (int r = 0; r < p.numRanks; ++r) {
+      const int i = p.tokRankIdx[static_cast<std::uint64_t>(t) * p.numRanks + r];
+      if (i < 0) continue;
+      dst[n] = p.recSend + (static_cast<std::uint64_t>(r) * p.maxTokens + i) * p.recBytes;
+      dstRank[n++] = r;
+    }
   }
+  __syncthreads();
+  const std::int32_t* entryIdx = p.entryIdx + static_cast<std::uint64_t>(t) * p.topK;
+  moeWriteRecords(p, t, dst, dstRank, n, [&](int k) { return entryIdx[k]; }, MoeGroup{tid, kThreads, 0});
 }
 
 // One CTA: the receive layout from the received count messages (moePublishLayout), and the
@@ -67,7 +76,8 @@ __global__ void __launch_bounds__(kThreads) moeExpandKernel(const __grid_constan
   const int i = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.maxTokens));
   if (s >= p.numRanks || i >= p.recvRows[s]) return;
   const char* rec = p.recRecv + (static_cast<std::uint64_t>(s) * p.maxTokens + i) * p.recBytes;
-  moeExpandRecord(p, s, rec, p.srcBase + s * p.localExperts, tid, kThreads);
+  __shared__ MoeSlotStage stage;
+  moeExpandRecord(p, s, rec, p.srcBase + s * p.localExperts, stage, MoeGroup{tid, kThreads, 0});
 }
 
 }  // namespace

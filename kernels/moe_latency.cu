@@ -1,46 +1,56 @@
-// MoE latency-path kernel family (see kernels/moe.h), launchers below: two kernels per dispatch
-// and two per combine, no count round trip before the payload.
+// MoE latency-path kernel family (see kernels/moe.h), launchers below: one kernel per operation,
+// no count round trip before the payload. Every CTA is first a sender, then a receiver; a CTA of
+// kMoeLatencyThreads works on kGroups records (or tokens) at once, one per group of kGroupThreads.
 //
-//   dispatch   every CTA routes all T x K entries in shared memory (T <= 256), then writes its
-//              tokens' records straight into each destination's slot [parity][this rank][index];
-//              the last CTA to finish writes each destination's count message and posts its flag
-//              (step + 1): the count travels with the payload.
-//   receive    every CTA waits for every source's flag, derives the layout from the count
-//              messages and expands one record; CTA 0 publishes the layout views; the last CTA
-//              advances the dispatch step.
-//   combine    one CTA per received record writes its partial straight into the source's slot
-//              [parity][this rank][index]; the last CTA of each source posts that source's flag.
-//   combine    every CTA waits for every destination's flag and sums one token's partials; the
-//   receive    last CTA advances the combine step.
+//   dispatch  send     every CTA routes all T x K entries in shared memory (a bit per token for
+//                      each expert and each destination: indices are popcounts); the CTAs split
+//                      the destinations' count messages, each posted with its flag (step + 1)
+//                      before any payload; then each group writes one token's record, read once,
+//                      into every destination's slot [parity][this rank][index]; each CTA then
+//                      adds 1 to every destination's arrival counter for this rank.
+//            receive  every CTA waits for every count flag, derives the layout (CTA 0 publishes
+//                      it) and expands each source's records as soon as that source's G CTAs
+//                      have arrived (its own rank first); the last CTA advances the step.
+//   combine   send     each group reduces one received record (sum of weight x y over its slots)
+//                      straight into the source's slot [parity][this rank][index]; each CTA then
+//                      adds 1 to every source's combine arrival counter for this rank.
+//            receive  every CTA waits for G arrivals from every destination and sums one token's
+//                      partials per group; the last CTA advances the step.
 //
 // Buffers alternate by the step's parity. A rank can only start dispatch s + 2 after its combine
 // s + 1 received every destination's partials, which each destination sends after its own
 // combine s: so a destination has finished with slot parity s before any source writes it again
-// (each dispatch is followed by a combine; the engine enforces it on the host).
+// (each dispatch is followed by a combine; the engine enforces it on the host). Counters only
+// grow (mod 2^32): flags reach step + 1, arrival counters (step + 1) x G.
 #include "kernels/common/flags.cuh"
 #include "kernels/common/moe.cuh"
 
 namespace graphep {
 namespace {
 
-constexpr int kSendThreads = 256;
-constexpr int kRecvThreads = 256;
-constexpr int kThreads = 128;
+constexpr int kThreads = kMoeLatencyThreads;
+constexpr int kGroupThreads = 128;
+constexpr int kGroups = kThreads / kGroupThreads;
+constexpr int kWarps = kThreads / 32;
 
 __device__ __forceinline__ std::uint64_t llSlot(const MoeParams& p, int parity, int src, int i,
                                                 std::uint64_t bytes) {
   return ((static_cast<std::uint64_t>(parity) * p.numRanks + src) * p.maxTokens + i) * bytes;
 }
 
-// Block-wide "am I the last of `arrivals` CTAs to get here": every thread's prior writes (local or
+__device__ __forceinline__ std::uint32_t* llCounter(const MoeParams& p, int rank, std::uint64_t off) {
+  return reinterpret_cast<std::uint32_t*>(p.peerUser[rank] + off);
+}
+
+// Block-wide "am I the last of the grid's CTAs to get here": every thread's prior writes (local or
 // to peers) are fenced at system scope before the count; returns the same answer in every thread,
 // and the last one resets the counter for the next launch.
-__device__ bool lastBlock(std::uint32_t* counter, unsigned arrivals = gridDim.x) {
+__device__ bool lastBlock(std::uint32_t* counter) {
   __shared__ bool last;
   __threadfence_system();  // every thread's own stores, before the barrier hands over to thread 0
   __syncthreads();
   if (threadIdx.x == 0) {
-    last = atomicAdd(counter, 1u) == arrivals - 1u;
+    last = atomicAdd(counter, 1u) == gridDim.x - 1u;
     if (last) {
       *counter = 0;  // every CTA counted: ready for the next launch
       __threadfence_system();
@@ -50,221 +60,319 @@ __device__ bool lastBlock(std::uint32_t* counter, unsigned arrivals = gridDim.x)
   return last;
 }
 
-__global__ void __launch_bounds__(kSendThreads) moeLatencyDispatchKernel(const __grid_constant__ MoeParams p) {
-  const MoeStamp stamp(p, MoeKernel::kLatencyDispatch);
-  __shared__ std::int32_t ids[kMoeLatencyMaxEntries];
-  __shared__ std::uint32_t masks[kMoeLatencyMaxTokens];
-  __shared__ std::int32_t entryIdx[kMoeMaxTopK];
-  __shared__ std::int32_t tokIdx[kMaxRanks];
-  __shared__ std::int32_t hist[kMoeMaxLocalExperts];
-  const int tid = static_cast<int>(threadIdx.x);
-  const int T = moeLiveTokens(p, blockIdx.x == 0 && tid == 0);
-  const int K = p.topK, R = p.numRanks, L = p.localExperts;
-  const std::uint32_t step = p.llSteps[0];
-  const int parity = static_cast<int>(step & 1u);
-  // Route every entry in shared memory (invalid ids: -1 here, counted by CTA 0).
-  const int n = T * K;
-  for (int e = tid; e < n; e += kSendThreads) {
-    const long long id = moeReadId(p, static_cast<std::uint64_t>(e));
-    const bool valid = moeValidId(p, id);
-    if (!valid && id != -1 && blockIdx.x == 0) moeReportInvalidId(p, id, e / K, e % K);
-    ids[e] = valid ? static_cast<std::int32_t>(id) : -1;
-  }
+// Every thread's stores (records or partials, local or peers') are made visible at system scope,
+// then thread r < R adds 1 to rank r's counter for this rank (release).
+__device__ void arriveAtEveryRank(const MoeParams& p, std::uint64_t counterOff) {
+  __threadfence_system();
   __syncthreads();
-  for (int t = tid; t < T; t += kSendThreads) {
-    std::uint32_t m = 0;
-    for (int k = 0; k < K; ++k) {
-      const int e = ids[t * K + k];
-      if (e >= 0) m |= 1u << (e / L);
-    }
-    masks[t] = m;
-  }
-  __syncthreads();
-  for (int t = static_cast<int>(blockIdx.x); t < T; t += static_cast<int>(gridDim.x)) {
-    // Token t's index in each destination's list (tokens before it going there), and each slot's
-    // index among this rank's entries for its expert (entries before it with the same expert).
-    if (tid < R) tokIdx[tid] = 0;
-    if (tid < K) entryIdx[tid] = 0;
-    __syncthreads();
-    for (int u = tid; u < t; u += kSendThreads) {
-      for (std::uint32_t m = masks[u]; m != 0; m &= m - 1) atomicAdd(&tokIdx[__ffs(m) - 1], 1);
-    }
-    for (int e = tid; e < (t + 1) * K; e += kSendThreads) {
-      const int id = ids[e];
-      if (id < 0) continue;
-      for (int k = 0; k < K; ++k) {
-        if (e < t * K + k && ids[t * K + k] == id) atomicAdd(&entryIdx[k], 1);
-      }
-    }
-    __syncthreads();
-    for (int r = 0; r < R; ++r) {
-      const bool goes = (masks[t] >> r) & 1u;
-      if (tid == 0) p.tokRankIdx[static_cast<std::uint64_t>(t) * R + r] = goes ? tokIdx[r] : -1;
-      if (!goes) continue;
-      moeWriteRecord(p, p.peerUser[r] + p.llRecOff + llSlot(p, parity, p.rank, tokIdx[r], p.recBytes), t,
-                     r, entryIdx, tid, kSendThreads);
-    }
-    __syncthreads();  // tokIdx / entryIdx are reset for the next token
-  }
-  if (!lastBlock(&p.llDone[0])) return;
-  // The last CTA: count messages (rows and per-expert entries per destination), then the flags.
-  for (int r = 0; r < R; ++r) {
-    for (int j = tid; j < L; j += kSendThreads) hist[j] = 0;
-    if (tid == 0) tokIdx[0] = 0;
-    __syncthreads();
-    for (int e = tid; e < n; e += kSendThreads) {
-      const int id = ids[e];
-      if (id >= 0 && id / L == r) atomicAdd(&hist[id % L], 1);
-    }
-    for (int t = tid; t < T; t += kSendThreads) {
-      if ((masks[t] >> r) & 1u) atomicAdd(&tokIdx[0], 1);
-    }
-    __syncthreads();
-    auto* msg = reinterpret_cast<std::uint64_t*>(
-        p.peerUser[r] + p.llCntOff + (static_cast<std::uint64_t>(parity) * R + p.rank) * p.cntMsgBytes);
-    if (tid == 0) msg[0] = static_cast<std::uint64_t>(tokIdx[0]);
-    for (int j = tid; j < L; j += kSendThreads) msg[1 + j] = static_cast<std::uint64_t>(hist[j]);
-    __syncthreads();
-  }
-  // Everything this grid wrote precedes each flag: the other CTAs fenced before counting, this
-  // CTA's writes are ordered by the barrier above and each poster's fence + release.
-  if (tid < R) {
-    flagPost(reinterpret_cast<std::uint32_t*>(p.peerUser[tid] + p.llFlagOff) + p.rank, step + 1u);
+  if (static_cast<int>(threadIdx.x) < p.numRanks) {
+    ptx::redReleaseSysAdd(llCounter(p, static_cast<int>(threadIdx.x), counterOff) + p.rank, 1u);
   }
 }
 
-// The count message of source q for this step, in this rank's heap.
-__device__ __forceinline__ const std::uint64_t* llMsg(const MoeParams& p, int parity, int q) {
-  return reinterpret_cast<const std::uint64_t*>(p.peerUser[p.rank] + p.llCntOff +
-                                                (static_cast<std::uint64_t>(parity) * p.numRanks + q) * p.cntMsgBytes);
-}
-
-// Waits (threads q < R) until every source q posted `target` into flags[q]; false on a timeout.
-__device__ bool waitAll(const MoeParams& p, const std::uint32_t* flags, std::uint32_t target, WaitSite site) {
+// Threads q < R wait until this rank's counter for q reaches `target`; true when all did (every
+// thread gets the answer).
+__device__ bool waitEveryRank(const MoeParams& p, std::uint64_t counterOff, std::uint32_t target, WaitSite site) {
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();
-  if (static_cast<int>(threadIdx.x) < p.numRanks) {
-    if (!flagWait(p.sync, flags + threadIdx.x, target, static_cast<std::int32_t>(threadIdx.x), site)) failed = 1;
-  }
+  const int q = static_cast<int>(threadIdx.x);
+  if (q < p.numRanks && !flagWait(p.sync, llCounter(p, p.rank, counterOff) + q, target, q, site)) failed = 1;
   __syncthreads();
   return failed == 0;
 }
 
-// Grid: p.llRecvCtas CTAs looping over the (source, record slot) pairs.
-__global__ void __launch_bounds__(kRecvThreads) moeLatencyReceiveKernel(const __grid_constant__ MoeParams p) {
-  const MoeStamp stamp(p, MoeKernel::kLatencyReceive);
-  __shared__ std::int32_t counts[kMoeMaxLocalExperts];
-  __shared__ std::int32_t offsets[kMoeMaxLocalExperts + 1];
-  __shared__ std::int32_t base[kMoeMaxLocalExperts];
+// Set bits of bits[0 .. W) below bit t.
+__device__ __forceinline__ int popcBelow(const std::uint32_t* bits, int t) {
+  int c = 0;
+  for (int w = 0; w < (t >> 5); ++w) c += __popc(bits[w]);
+  if ((t & 31) != 0) c += __popc(bits[t >> 5] & ((1u << (t & 31)) - 1u));
+  return c;
+}
+
+// Exclusive prefix sum of v[0 .. n) in place (shared memory, n <= 4 * kThreads); returns the
+// total. Every thread of the CTA calls it.
+__device__ int blockExclusiveScan(std::int32_t* v, int n) {
+  __shared__ std::int32_t warpSums[kWarps];
+  const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
+  const int per = (n + kThreads - 1) / kThreads;
+  const int b = tid * per < n ? tid * per : n, e = b + per < n ? b + per : n;
+  int local = 0;
+  for (int i = b; i < e; ++i) local += v[i];
+  int x = local;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) warpSums[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    int s = lane < kWarps ? warpSums[lane] : 0;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, s, o);
+      if (lane >= o) s += y;
+    }
+    if (lane < kWarps) warpSums[lane] = s;
+  }
+  __syncthreads();
+  int run = x - local + (warp > 0 ? warpSums[warp - 1] : 0);
+  for (int i = b; i < e; ++i) {
+    const int c = v[i];
+    v[i] = run;
+    run += c;
+  }
+  const int total = warpSums[kWarps - 1];
+  __syncthreads();
+  return total;
+}
+
+__global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __grid_constant__ MoeParams p) {
+  extern __shared__ int4 smemRaw[];
+  char* sm = reinterpret_cast<char*>(smemRaw);
+  const MoeLatencySmem lay = moeLatencySmem(p.maxTokens, p.topK, p.numExperts, p.numRanks);
+  auto* ids = reinterpret_cast<std::int32_t*>(sm + lay.ids);         // [T_max * K], -1: none
+  auto* expBits = reinterpret_cast<std::uint32_t*>(sm + lay.expBits);  // [E][W]: tokens per expert
+  auto* dstBits = reinterpret_cast<std::uint32_t*>(sm + lay.dstBits);  // [R][W]: tokens per rank
+  auto* srcBase = reinterpret_cast<std::int32_t*>(sm + lay.srcBase);  // [R][L]
+  auto* counts = reinterpret_cast<std::int32_t*>(sm + lay.counts);    // [L]
+  auto* offsets = reinterpret_cast<std::int32_t*>(sm + lay.offsets);  // [L + 1]
+  __shared__ int dup;
+  __shared__ MoeSlotStage stages[kGroups];
+  __shared__ char* dsts[kGroups][kMaxRanks];
+  __shared__ int dstRanks[kGroups][kMaxRanks];
+  __shared__ int ndst[kGroups];
+
   const int tid = static_cast<int>(threadIdx.x);
+  const int K = p.topK, R = p.numRanks, L = p.localExperts, E = p.numExperts;
+  const int W = (p.maxTokens + 31) / 32;
+  const int group = tid / kGroupThreads;
+  const MoeGroup g{tid % kGroupThreads, kGroupThreads, 1 + group};
+  const int firstItem = static_cast<int>(blockIdx.x) * kGroups + group;
+  const int items = static_cast<int>(gridDim.x) * kGroups;
   const std::uint32_t step = p.llSteps[0];
   const int parity = static_cast<int>(step & 1u);
-  const auto* flags = reinterpret_cast<const std::uint32_t*>(p.peerUser[p.rank] + p.llFlagOff);
-  if (waitAll(p, flags, step + 1u, WaitSite::kMoeDispatch)) {
-    auto msg = [&](int q) { return llMsg(p, parity, q); };
-    moeExpertOffsets(p, msg, counts, offsets, tid, kRecvThreads);
-    if (blockIdx.x == 0) moePublishLayout(p, msg, counts, offsets, tid, kRecvThreads);
-    const int slots = p.numRanks * p.maxTokens;
-    for (int b = static_cast<int>(blockIdx.x); b < slots; b += static_cast<int>(gridDim.x)) {
-      const int s = b / p.maxTokens, i = b % p.maxTokens;
-      if (static_cast<std::uint64_t>(i) >= msg(s)[0]) continue;  // block-uniform
-      __syncthreads();  // the previous record's readers of `base` are done
-      for (int j = tid; j < p.localExperts; j += kRecvThreads) {
-        long long acc = offsets[j];
-        for (int q = 0; q < s; ++q) acc += static_cast<long long>(msg(q)[1 + j]);
-        base[j] = static_cast<std::int32_t>(acc);
+  const std::uint32_t arrived = (step + 1u) * gridDim.x;  // every CTA of every rank, this step
+  auto msgOf = [&](int q) {
+    return reinterpret_cast<const std::uint64_t*>(p.peerUser[p.rank] + p.llCntOff +
+                                                  (static_cast<std::uint64_t>(parity) * R + q) * p.cntMsgBytes);
+  };
+  {
+    const MoeStamp stamp(p, MoeKernel::kLatencyDispatch);
+    const int T = moeLiveTokens(p, blockIdx.x == 0 && tid == 0);
+    for (int w = tid; w < (E + R) * W; w += kThreads) expBits[w] = 0;  // and dstBits
+    if (tid == 0) dup = 0;
+    __syncthreads();
+    // Route every entry (invalid ids: -1 here, counted by CTA 0).
+    for (int e = tid; e < T * K; e += kThreads) {
+      const long long id = moeReadId(p, static_cast<std::uint64_t>(e));
+      const bool valid = moeValidId(p, id);
+      if (!valid && id != -1 && blockIdx.x == 0) moeReportInvalidId(p, id, e / K, e % K);
+      ids[e] = valid ? static_cast<std::int32_t>(id) : -1;
+      if (valid) {
+        const int t = e / K;
+        const std::uint32_t bit = 1u << (t & 31);
+        if (atomicOr(&expBits[id * W + (t >> 5)], bit) & bit) dup = 1;  // the token holds it twice
+        atomicOr(&dstBits[(id / L) * W + (t >> 5)], bit);
+      }
+    }
+    __syncthreads();
+    const bool anyDup = dup != 0;
+    // Entries of expert e before token t (and before slot k of t): a popcount unless some token
+    // holds an expert twice, then an exact count over the tokens holding e.
+    auto entriesBefore = [&](int e, int t, int k) {
+      const std::uint32_t* bits = expBits + e * W;
+      if (!anyDup) return popcBelow(bits, t);
+      int c = 0;
+      for (int u = 0; u < t; ++u) {
+        if ((bits[u >> 5] >> (u & 31)) & 1u) {
+          for (int kk = 0; kk < K; ++kk) c += ids[u * K + kk] == e;
+        }
+      }
+      for (int kk = 0; kk < k; ++kk) c += ids[t * K + kk] == e;
+      return c;
+    };
+    // Count messages first (they travel ahead of the payload): CTA c takes ranks c, c + G, ...
+    for (int r = static_cast<int>(blockIdx.x); r < R; r += static_cast<int>(gridDim.x)) {
+      auto* msg = reinterpret_cast<std::uint64_t*>(p.peerUser[r] + p.llCntOff +
+                                                   (static_cast<std::uint64_t>(parity) * R + p.rank) * p.cntMsgBytes);
+      for (int j = tid; j < L; j += kThreads) msg[1 + j] = static_cast<std::uint64_t>(entriesBefore(r * L + j, T, 0));
+      if (tid == 0) msg[0] = static_cast<std::uint64_t>(popcBelow(dstBits + r * W, T));
+      __syncthreads();
+      if (tid == 0) flagPost(llCounter(p, r, p.llFlagOff) + p.rank, step + 1u);
+    }
+    // Each token's index in each destination's list, for the combine of this dispatch.
+    if (blockIdx.x == gridDim.x - 1) {
+      for (int n = tid; n < T * R; n += kThreads) {
+        const int t = n / R, r = n % R;
+        const bool goes = (dstBits[r * W + (t >> 5)] >> (t & 31)) & 1u;
+        p.tokRankIdx[n] = goes ? popcBelow(dstBits + r * W, t) : -1;
+      }
+    }
+    // The records: one token per group, its row read once for every destination.
+    for (int t = firstItem; t < T; t += items) {
+      if (g.tid == 0) {
+        int n = 0;
+        for (int r = 0; r < R; ++r) {
+          if (!((dstBits[r * W + (t >> 5)] >> (t & 31)) & 1u)) continue;
+          dsts[group][n] = p.peerUser[r] + p.llRecOff + llSlot(p, parity, p.rank, popcBelow(dstBits + r * W, t), p.recBytes);
+          dstRanks[group][n++] = r;
+        }
+        ndst[group] = n;
+      }
+      g.sync();
+      moeWriteRecords(p, t, dsts[group], dstRanks[group], ndst[group],
+                      [&](int k) { return entriesBefore(ids[t * K + k], t, k); }, g);
+      g.sync();  // dsts is rewritten for the next token
+    }
+    arriveAtEveryRank(p, p.llArriveOff);
+  }
+  {
+    const MoeStamp stamp(p, MoeKernel::kLatencyReceive);
+    if (waitEveryRank(p, p.llFlagOff, step + 1u, WaitSite::kMoeDispatch)) {
+      // The layout: counts per (source, expert), aligned expert offsets, per-(source, expert) bases.
+      for (int n = tid; n < R * L; n += kThreads) {
+        srcBase[n] = static_cast<std::int32_t>(__ldcg(msgOf(n / L) + 1 + n % L));
       }
       __syncthreads();
-      moeExpandRecord(p, s, p.peerUser[p.rank] + p.llRecOff + llSlot(p, parity, s, i, p.recBytes), base,
-                      tid, kRecvThreads);
+      for (int j = tid; j < L; j += kThreads) {
+        int c = 0;
+        for (int q = 0; q < R; ++q) c += srcBase[q * L + j];
+        counts[j] = c;
+        offsets[j] = (c + p.alignment - 1) / p.alignment * p.alignment;
+      }
+      __syncthreads();
+      const int total = blockExclusiveScan(offsets, L);
+      if (tid == 0) offsets[L] = total;
+      for (int j = tid; j < L; j += kThreads) {
+        int base = offsets[j];
+        for (int q = 0; q < R; ++q) {
+          const int c = srcBase[q * L + j];
+          srcBase[q * L + j] = base;
+          base += c;
+        }
+      }
+      __syncthreads();
+      if (blockIdx.x == 0) {
+        for (int j = tid; j <= L; j += kThreads) {
+          p.expertOffsets[j] = offsets[j];
+          if (j == L) continue;
+          p.expertCounts[j] = counts[j];
+          p.expertTotals[j] += static_cast<unsigned long long>(counts[j]);
+        }
+        for (int n = tid; n < R * L; n += kThreads) p.srcBase[n] = srcBase[n];
+        for (int q = tid; q < R; q += kThreads) {
+          // A source sends at most maxTokens records (one per token); its count is trusted to that.
+          const std::uint64_t rows = __ldcg(msgOf(q));
+          p.recvRows[q] = static_cast<std::int32_t>(rows < static_cast<std::uint64_t>(p.maxTokens) ? rows : p.maxTokens);
+        }
+        if (tid == 0) {
+          long long rows = 0;
+          for (int j = 0; j < L; ++j) rows += counts[j];
+          *p.numRecvRows = static_cast<std::int32_t>(rows);
+        }
+      }
+      // Each source's records once its G CTAs have arrived, this rank's own first.
+      for (int k = 0; k < R; ++k) {
+        const int s = (p.rank + k) % R;
+        __shared__ int failed;
+        if (tid == 0) {
+          failed = flagWait(p.sync, llCounter(p, p.rank, p.llArriveOff) + s, arrived, s, WaitSite::kMoeDispatch) ? 0 : 1;
+        }
+        __syncthreads();
+        if (failed) break;
+        const std::uint64_t sent = __ldcg(msgOf(s));
+        const int rows = static_cast<int>(sent < static_cast<std::uint64_t>(p.maxTokens) ? sent : p.maxTokens);
+        for (int i = firstItem; i < rows; i += items) {
+          moeExpandRecord(p, s, p.peerUser[p.rank] + p.llRecOff + llSlot(p, parity, s, i, p.recBytes),
+                          srcBase + s * L, stages[group], g);
+        }
+      }
     }
   }
-  if (lastBlock(&p.llDone[1]) && tid == 0) p.llSteps[0] = step + 1u;
+  if (lastBlock(&p.llDone[0]) && tid == 0) p.llSteps[0] = step + 1u;
 }
 
-// Grid: R * maxTokens CTAs, one per (source, received record slot).
 __global__ void __launch_bounds__(kThreads) moeLatencyCombineKernel(const __grid_constant__ MoeParams p) {
-  const MoeStamp stamp(p, MoeKernel::kLatencyCombine);
+  __shared__ MoeSlotStage stages[kGroups];
+  __shared__ const uint4* parts[kGroups][kMaxRanks];
   const int tid = static_cast<int>(threadIdx.x);
-  const int s = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.maxTokens));
-  const int i = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.maxTokens));
+  const int group = tid / kGroupThreads;
+  const MoeGroup g{tid % kGroupThreads, kGroupThreads, 1 + group};
+  const int firstItem = static_cast<int>(blockIdx.x) * kGroups + group;
+  const int items = static_cast<int>(gridDim.x) * kGroups;
+  const int R = p.numRanks;
   const std::uint32_t cstep = p.llSteps[1];
+  const int cparity = static_cast<int>(cstep & 1u);
   // The records of the last dispatch (whose receive advanced the dispatch step past them).
   const int dparity = static_cast<int>((p.llSteps[0] - 1u) & 1u);
-  const int cparity = static_cast<int>(cstep & 1u);
   const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.hidden) * 2;
-  if (i < p.recvRows[s]) {
-    moeReduceRecord(p, p.peerUser[p.rank] + p.llRecOff + llSlot(p, dparity, s, i, p.recBytes),
-                    p.srcBase + s * p.localExperts,
-                    p.peerUser[s] + p.llCombOff + llSlot(p, cparity, p.rank, i, rowBytes), tid, kThreads);
+  {
+    const MoeStamp stamp(p, MoeKernel::kLatencyCombine);
+    for (int k = 1; k <= R; ++k) {  // peers first (their partials cross the link), own rank last
+      const int s = (p.rank + k) % R;
+      const int rows = p.recvRows[s];
+      for (int i = firstItem; i < rows; i += items) {
+        moeReduceRecord(p, p.peerUser[p.rank] + p.llRecOff + llSlot(p, dparity, s, i, p.recBytes),
+                        p.srcBase + s * p.localExperts,
+                        p.peerUser[s] + p.llCombOff + llSlot(p, cparity, p.rank, i, rowBytes), stages[group], g);
+      }
+    }
+    arriveAtEveryRank(p, p.llCombArriveOff);
   }
-  // The last of source s's maxTokens CTAs posts its flag (also when it received nothing).
-  if (lastBlock(&p.llDone[3 + s], static_cast<unsigned>(p.maxTokens)) && tid == 0) {
-    flagPost(reinterpret_cast<std::uint32_t*>(p.peerUser[s] + p.llCombFlagOff) + p.rank, cstep + 1u);
-  }
-}
-
-// Grid: p.llCombRecvCtas CTAs looping over the tokens.
-__global__ void __launch_bounds__(kThreads) moeLatencyCombineReceiveKernel(const __grid_constant__ MoeParams p) {
-  const MoeStamp stamp(p, MoeKernel::kLatencyCombineReceive);
-  const int tid = static_cast<int>(threadIdx.x);
-  const std::uint32_t cstep = p.llSteps[1];
-  const int cparity = static_cast<int>(cstep & 1u);
-  const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.hidden) * 2;
-  const auto* flags = reinterpret_cast<const std::uint32_t*>(p.peerUser[p.rank] + p.llCombFlagOff);
-  if (waitAll(p, flags, cstep + 1u, WaitSite::kMoeCombine)) {
-    const int T = *p.liveTokens;
-    for (int t = static_cast<int>(blockIdx.x); t < T; t += static_cast<int>(gridDim.x)) {
-      moeFinalToken(
-          p, t,
-          [&](int r) -> const char* {
-            const int i = p.tokRankIdx[static_cast<std::uint64_t>(t) * p.numRanks + r];
-            return i < 0 ? nullptr : p.peerUser[p.rank] + p.llCombOff + llSlot(p, cparity, r, i, rowBytes);
-          },
-          tid, kThreads);
+  {
+    const MoeStamp stamp(p, MoeKernel::kLatencyCombineReceive);
+    if (waitEveryRank(p, p.llCombArriveOff, (cstep + 1u) * gridDim.x, WaitSite::kMoeCombine)) {
+      const int T = *p.liveTokens;
+      for (int t = firstItem; t < T; t += items) {
+        moeFinalToken(
+            p, t,
+            [&](int r) -> const char* {
+              const int i = p.tokRankIdx[static_cast<std::uint64_t>(t) * R + r];
+              return i < 0 ? nullptr : p.peerUser[p.rank] + p.llCombOff + llSlot(p, cparity, r, i, rowBytes);
+            },
+            parts[group], g);
+      }
     }
   }
-  if (lastBlock(&p.llDone[2]) && tid == 0) p.llSteps[1] = cstep + 1u;
+  if (lastBlock(&p.llDone[1]) && tid == 0) p.llSteps[1] = cstep + 1u;
 }
 
 }  // namespace
 
 cudaError_t launchMoeLatencyDispatch(const MoeParams& p, cudaStream_t stream) {
+  const MoeLatencySmem lay = moeLatencySmem(p.maxTokens, p.topK, p.numExperts, p.numRanks);
   if (p.maxTokens > kMoeLatencyMaxTokens || p.maxTokens * p.topK > kMoeLatencyMaxEntries ||
-      p.localExperts > kMoeMaxLocalExperts || p.numRanks > 32) {
+      p.localExperts > kMoeMaxLocalExperts || p.localExperts > 4 * kThreads || p.numRanks > kMaxRanks ||
+      p.topK > kMoeMaxTopK || lay.bytes > kMoeLatencyMaxSmem || p.llCtas < 1) {
     return cudaErrorInvalidValue;
   }
-  moeLatencyDispatchKernel<<<static_cast<unsigned>(p.maxTokens), kSendThreads, 0, stream>>>(p);
-  return cudaGetLastError();
-}
-
-cudaError_t launchMoeLatencyReceive(const MoeParams& p, cudaStream_t stream) {
-  if (p.llRecvCtas < 1) return cudaErrorInvalidValue;
-  moeLatencyReceiveKernel<<<static_cast<unsigned>(p.llRecvCtas), kRecvThreads, 0, stream>>>(p);
+  moeLatencyDispatchKernel<<<static_cast<unsigned>(p.llCtas), kThreads, lay.bytes, stream>>>(p);
   return cudaGetLastError();
 }
 
 cudaError_t launchMoeLatencyCombine(const MoeParams& p, cudaStream_t stream) {
-  moeLatencyCombineKernel<<<static_cast<unsigned>(p.numRanks * p.maxTokens), kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
-}
-
-cudaError_t launchMoeLatencyCombineReceive(const MoeParams& p, cudaStream_t stream) {
-  if (p.llCombRecvCtas < 1) return cudaErrorInvalidValue;
-  moeLatencyCombineReceiveKernel<<<static_cast<unsigned>(p.llCombRecvCtas), kThreads, 0, stream>>>(p);
+  if (p.llCtas < 1) return cudaErrorInvalidValue;
+  moeLatencyCombineKernel<<<static_cast<unsigned>(p.llCtas), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
 cudaError_t preloadMoeLatencyKernels() {
+  cudaError_t e = cudaFuncSetAttribute(moeLatencyDispatchKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(kMoeLatencyMaxSmem));
+  if (e != cudaSuccess) return e;
   cudaFuncAttributes a{};
-  for (const void* f : {reinterpret_cast<const void*>(moeLatencyDispatchKernel),
-                        reinterpret_cast<const void*>(moeLatencyReceiveKernel),
-                        reinterpret_cast<const void*>(moeLatencyCombineKernel),
-                        reinterpret_cast<const void*>(moeLatencyCombineReceiveKernel)}) {
-    const cudaError_t e = cudaFuncGetAttributes(&a, f);
-    if (e != cudaSuccess) return e;
-  }
+  return cudaFuncGetAttributes(&a, moeLatencyCombineKernel);
+}
+
+cudaError_t moeLatencyCtasPerSm(std::uint32_t smemBytes, int* ctas) {
+  int d = 0, c = 0;
+  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&d, moeLatencyDispatchKernel, kThreads, smemBytes);
+  if (e != cudaSuccess) return e;
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&c, moeLatencyCombineKernel, kThreads, 0);
+  if (e != cudaSuccess) return e;
+  *ctas = d < c ? d : c;
   return cudaSuccess;
 }
 

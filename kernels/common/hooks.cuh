@@ -40,8 +40,11 @@ struct ProduceFp8E4m3 {
     float scale;  // the tile's scale (every lane holds it)
   };
   __device__ __forceinline__ static Regs produce(const HookCtx& ctx) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(ctx.src + ctx.tile * kFp8TileSrcBytes +
-                                                      static_cast<std::uint64_t>(ctx.lane) * 16);
+    return quantize(*reinterpret_cast<const uint4*>(ctx.src + ctx.tile * kFp8TileSrcBytes +
+                                                    static_cast<std::uint64_t>(ctx.lane) * 16));
+  }
+  // The lane's 8 bf16 values of a tile (16 bytes, already loaded) -> e4m3 + the tile's scale.
+  __device__ __forceinline__ static Regs quantize(const uint4 raw) {
     const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&raw);
     float v[8];
     float amax = 0.f;

@@ -143,6 +143,30 @@ __device__ inline void moePublishLayout(const MoeParams& p, Msg msg, const std::
 }
 
 // --- Record-level steps shared by the throughput and latency paths ------------------------------
+//
+// Each step is done by a group of threads of one CTA (MoeGroup: a whole CTA, or a named-barrier
+// slice of it so that a CTA works on several records at once). Every thread of the group calls the
+// step; rows move as 16-byte vectors, kMoeUnroll loads in flight per thread before any store.
+
+inline constexpr int kMoeUnroll = 8;
+
+struct MoeGroup {
+  int tid;       // thread within the group
+  int nthreads;  // threads in the group, a multiple of 32
+  int barrier;   // named barrier of the group (0 with the whole CTA)
+  __device__ __forceinline__ void sync() const {
+    asm volatile("bar.sync %0, %1;" ::"r"(barrier), "r"(nthreads) : "memory");
+  }
+};
+
+// A record's slots resolved to recv_x rows, in slot order (deterministic sums); one per group, in
+// shared memory.
+struct MoeSlotStage {
+  long long row[kMoeMaxTopK];
+  float weight[kMoeMaxTopK];
+  std::int32_t n;
+  std::int32_t token;
+};
 
 __device__ __forceinline__ const MoeRecordHeader* moeRecordHeader(const MoeParams& p, const char* rec) {
   return reinterpret_cast<const MoeRecordHeader*>(rec + p.payloadBytes);
@@ -151,39 +175,68 @@ __device__ __forceinline__ const MoeRecordSlot* moeRecordSlots(const MoeParams& 
   return reinterpret_cast<const MoeRecordSlot*>(rec + p.payloadBytes + sizeof(MoeRecordHeader));
 }
 
-// Writes token t's record for destination rank r at `rec` (local or a peer's memory): the row
-// (bf16, or fp8 tiles by the produce hook) and the metadata of the slots whose experts live on r.
-// entryIdx[k]: slot k's index within its expert's rows from this rank. Every thread of the CTA
-// (nthreads, a multiple of 16) takes part.
-__device__ inline void moeWriteRecord(const MoeParams& p, char* rec, int t, int r,
-                                      const std::int32_t* entryIdx, int tid, int nthreads) {
-  const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.hidden) * 2;
-  const char* row = static_cast<const char*>(p.x) + static_cast<std::uint64_t>(t) * rowBytes;
+// Writes token t's record to each of the n destinations dst[d] (rank dstRank[d]; local or peers'
+// memory): the row is read once (bf16 copied, or quantised once to fp8 tiles by the produce hook)
+// and stored to every destination, with the metadata of the slots whose experts live on that rank.
+// entryIndex(k): slot k's index within its expert's rows from this rank.
+template <class EntryIndex>
+__device__ inline void moeWriteRecords(const MoeParams& p, int t, char* const* dst, const int* dstRank,
+                                       int n, EntryIndex entryIndex, const MoeGroup& g) {
+  const std::uint64_t H = static_cast<std::uint64_t>(p.hidden);
+  const char* row = static_cast<const char*>(p.x) + static_cast<std::uint64_t>(t) * H * 2;
   if (p.fp8) {
-    // The produce hook: each aligned half-warp quantises one 128-value tile at a time.
+    // The produce hook: each aligned half-warp quantises one 128-value tile, kMoeUnroll at a time.
     constexpr int kLanes = ProduceFp8E4m3::kThreads;
-    const int tiles = p.hidden / static_cast<int>(kFp8TileValues);
-    HookCtx ctx{r, blockIdx.x, 0, 0, tid % kLanes, row, nullptr};
-    for (int tile = tid / kLanes; tile < tiles; tile += nthreads / kLanes) {
-      ctx.tile = static_cast<std::uint64_t>(tile);
-      ProduceFp8E4m3::emit(rec + static_cast<std::uint64_t>(tile) * kFp8TileWireBytes, ctx.lane,
-                           ProduceFp8E4m3::produce(ctx));
+    const int tiles = static_cast<int>(H / kFp8TileValues), lane = g.tid % kLanes, step = g.nthreads / kLanes;
+    for (int t0 = g.tid / kLanes; t0 < tiles; t0 += step * kMoeUnroll) {
+      uint4 raw[kMoeUnroll];
+#pragma unroll
+      for (int u = 0; u < kMoeUnroll; ++u) {
+        const int tile = t0 + u * step;
+        if (tile < tiles) {
+          raw[u] = *reinterpret_cast<const uint4*>(row + static_cast<std::uint64_t>(tile) * kFp8TileSrcBytes + lane * 16);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kMoeUnroll; ++u) {
+        const int tile = t0 + u * step;
+        if (tile >= tiles) break;  // uniform across the half-warp (its shuffles stay converged)
+        const ProduceFp8E4m3::Regs q = ProduceFp8E4m3::quantize(raw[u]);
+        for (int d = 0; d < n; ++d) {
+          ProduceFp8E4m3::emit(dst[d] + static_cast<std::uint64_t>(tile) * kFp8TileWireBytes, lane, q);
+        }
+      }
     }
   } else {
-    copyBytes<LoadKind::kDefault>(rec, row, rowBytes, tid, nthreads);
+    const auto* src = reinterpret_cast<const uint4*>(row);
+    const int vecs = static_cast<int>(H / 8);
+    for (int c0 = g.tid; c0 < vecs; c0 += g.nthreads * kMoeUnroll) {
+      uint4 v[kMoeUnroll];
+#pragma unroll
+      for (int u = 0; u < kMoeUnroll; ++u) {
+        if (c0 + u * g.nthreads < vecs) v[u] = src[c0 + u * g.nthreads];
+      }
+      for (int d = 0; d < n; ++d) {
+        auto* out = reinterpret_cast<uint4*>(dst[d]);
+#pragma unroll
+        for (int u = 0; u < kMoeUnroll; ++u) {
+          if (c0 + u * g.nthreads < vecs) out[c0 + u * g.nthreads] = v[u];
+        }
+      }
+    }
   }
-  if (tid == 0) {
-    auto* hdr = reinterpret_cast<MoeRecordHeader*>(rec + p.payloadBytes);
-    auto* slots = reinterpret_cast<MoeRecordSlot*>(rec + p.payloadBytes + sizeof(MoeRecordHeader));
-    int n = 0;
+  for (int d = g.tid; d < n; d += g.nthreads) {  // one thread per destination: its metadata
+    auto* hdr = reinterpret_cast<MoeRecordHeader*>(dst[d] + p.payloadBytes);
+    auto* slots = reinterpret_cast<MoeRecordSlot*>(dst[d] + p.payloadBytes + sizeof(MoeRecordHeader));
+    int m = 0;
     for (int k = 0; k < p.topK; ++k) {
       const std::uint64_t e = static_cast<std::uint64_t>(t) * p.topK + k;
       const long long id = moeReadId(p, e);
-      if (!moeValidId(p, id) || id / p.localExperts != r) continue;
-      slots[n++] = MoeRecordSlot{static_cast<std::int32_t>(id % p.localExperts), entryIdx[k],
+      if (!moeValidId(p, id) || id / p.localExperts != dstRank[d]) continue;
+      slots[m++] = MoeRecordSlot{static_cast<std::int32_t>(id % p.localExperts), entryIndex(k),
                                  p.topkWeights[e], k};
     }
-    *hdr = MoeRecordHeader{t, n, {0, 0}};
+    *hdr = MoeRecordHeader{t, m, {0, 0}};
   }
 }
 
@@ -196,43 +249,89 @@ __device__ __forceinline__ long long moeSlotRow(const MoeParams& p, const std::i
   return pos >= 0 && pos < p.capacity ? pos : -1;
 }
 
+// Resolves a received record's slots into `stage` (rows past the capacity left out). With
+// `expand`, also writes each row's metadata and counts the dropped rows. The record was written by
+// another CTA or GPU: read through L2. Synchronises the group before and after.
+__device__ inline void moeResolveSlots(const MoeParams& p, int s, const char* rec, const std::int32_t* srcBase,
+                                       MoeSlotStage& stage, bool expand, const MoeGroup& g) {
+  g.sync();  // the previous user of `stage` is done
+  if (g.tid < 32) {  // topK <= 16: the group's first warp, one lane per slot
+    const auto* hdr = reinterpret_cast<const int4*>(moeRecordHeader(p, rec));
+    const int4 h = __ldcg(hdr);
+    const int nslots = h.y < p.topK ? h.y : p.topK;
+    MoeRecordSlot slot{-1, 0, 0.f, 0};
+    if (g.tid < nslots) {
+      const int4 v = __ldcg(reinterpret_cast<const int4*>(moeRecordSlots(p, rec)) + g.tid);
+      slot = MoeRecordSlot{v.x, v.y, __int_as_float(v.z), v.w};
+    }
+    const long long pos = g.tid < nslots ? moeSlotRow(p, srcBase, slot) : -1;
+    const unsigned kept = __ballot_sync(0xffffffffu, pos >= 0);
+    if (pos >= 0) {
+      const int at = __popc(kept & ((1u << g.tid) - 1u));
+      stage.row[at] = pos;
+      stage.weight[at] = slot.weight;
+      if (expand) {
+        p.rowSrcRank[pos] = s;
+        p.rowSrcToken[pos] = h.x;
+        p.rowTopkSlot[pos] = slot.k;
+        p.rowWeight[pos] = slot.weight;
+      }
+    } else if (expand && g.tid < nslots && slot.localExpert >= 0 && slot.localExpert < p.localExperts) {
+      moeReportDroppedRow(p, static_cast<long long>(srcBase[slot.localExpert]) + slot.index);
+    }
+    if (g.tid == 0) {
+      stage.n = __popc(kept);
+      stage.token = h.x;
+    }
+  }
+  g.sync();
+}
+
 // Copies a received record from source s into recv_x at each of its slots' rows (rows past the
 // capacity are dropped and counted) with the per-row metadata. srcBase: [E_local] of source s.
-__device__ inline void moeExpandRecord(const MoeParams& p, int s, const char* rec,
-                                       const std::int32_t* srcBase, int tid, int nthreads) {
-  const MoeRecordHeader* hdr = moeRecordHeader(p, rec);
-  const MoeRecordSlot* slots = moeRecordSlots(p, rec);
-  const int nslots = hdr->nslots < p.topK ? hdr->nslots : p.topK;
+__device__ inline void moeExpandRecord(const MoeParams& p, int s, const char* rec, const std::int32_t* srcBase,
+                                       MoeSlotStage& stage, const MoeGroup& g) {
+  moeResolveSlots(p, s, rec, srcBase, stage, true, g);
+  const int n = stage.n;
   const std::uint64_t H = static_cast<std::uint64_t>(p.hidden);
-  for (int sl = 0; sl < nslots; ++sl) {
-    const MoeRecordSlot slot = slots[sl];
-    const long long pos = moeSlotRow(p, srcBase, slot);
-    if (pos < 0) {
-      if (tid == 0 && slot.localExpert >= 0 && slot.localExpert < p.localExperts) {
-        moeReportDroppedRow(p, static_cast<long long>(srcBase[slot.localExpert]) + slot.index);
+  if (p.fp8) {
+    // Unpack the wire tiles: 128 e4m3 bytes into recv_x, the scale into recv_scales.
+    constexpr int kLanes = ProduceFp8E4m3::kThreads;
+    const int tiles = static_cast<int>(H / kFp8TileValues), lane = g.tid % kLanes, step = g.nthreads / kLanes;
+    for (int t0 = g.tid / kLanes; t0 < tiles; t0 += step * kMoeUnroll) {
+      Fp8WireRegs w[kMoeUnroll];
+#pragma unroll
+      for (int u = 0; u < kMoeUnroll; ++u) {
+        const int tile = t0 + u * step;
+        if (tile < tiles) w[u] = loadFp8Wire(rec + static_cast<std::uint64_t>(tile) * kFp8TileWireBytes, lane);
       }
-      continue;
-    }
-    const std::uint64_t row = static_cast<std::uint64_t>(pos);
-    if (p.fp8) {
-      // Unpack the wire tiles: 128 e4m3 bytes into recv_x, the scale into recv_scales.
-      constexpr int kLanes = ProduceFp8E4m3::kThreads;
-      const int tiles = p.hidden / static_cast<int>(kFp8TileValues);
-      const int lane = tid % kLanes;
-      for (int tile = tid / kLanes; tile < tiles; tile += nthreads / kLanes) {
-        const Fp8WireRegs w = loadFp8Wire(rec + static_cast<std::uint64_t>(tile) * kFp8TileWireBytes, lane);
-        *reinterpret_cast<uint2*>(p.recvX + row * H + static_cast<std::uint64_t>(tile) * kFp8TileValues +
-                                  lane * 8) = w.q;
-        if (lane == 0) p.recvScales[row * (H / kFp8TileValues) + tile] = w.scale;
+      for (int d = 0; d < n; ++d) {
+        const std::uint64_t row = static_cast<std::uint64_t>(stage.row[d]);
+#pragma unroll
+        for (int u = 0; u < kMoeUnroll; ++u) {
+          const int tile = t0 + u * step;
+          if (tile >= tiles) break;
+          *reinterpret_cast<uint2*>(p.recvX + row * H + static_cast<std::uint64_t>(tile) * kFp8TileValues + lane * 8) = w[u].q;
+          if (lane == 0) p.recvScales[row * (H / kFp8TileValues) + tile] = w[u].scale;
+        }
       }
-    } else {
-      copyBytes<LoadKind::kCacheGlobal>(p.recvX + row * H * 2, rec, H * 2, tid, nthreads);
     }
-    if (tid == 0) {
-      p.rowSrcRank[row] = s;
-      p.rowSrcToken[row] = hdr->token;
-      p.rowTopkSlot[row] = slot.k;
-      p.rowWeight[row] = slot.weight;
+  } else {
+    const auto* src = reinterpret_cast<const uint4*>(rec);
+    const int vecs = static_cast<int>(H / 8);
+    for (int c0 = g.tid; c0 < vecs; c0 += g.nthreads * kMoeUnroll) {
+      uint4 v[kMoeUnroll];
+#pragma unroll
+      for (int u = 0; u < kMoeUnroll; ++u) {
+        if (c0 + u * g.nthreads < vecs) v[u] = __ldcg(src + c0 + u * g.nthreads);
+      }
+      for (int d = 0; d < n; ++d) {
+        auto* out = reinterpret_cast<uint4*>(p.recvX) + static_cast<std::uint64_t>(stage.row[d]) * vecs;
+#pragma unroll
+        for (int u = 0; u < kMoeUnroll; ++u) {
+          if (c0 + u * g.nthreads < vecs) out[c0 + u * g.nthreads] = v[u];
+        }
+      }
     }
   }
 }
@@ -251,40 +350,90 @@ __device__ __forceinline__ uint4 moeToBf16x8(const float (&acc)[8]) {
   return v;
 }
 
-// The combine partial of a received record from source s: sum over its slots of weight * y[row]
-// in fp32, written as bf16 to `out` (H values; local or the source's memory). Dropped rows add 0.
-__device__ inline void moeReduceRecord(const MoeParams& p, const char* rec, const std::int32_t* srcBase,
-                                       char* out, int tid, int nthreads) {
-  const MoeRecordHeader* hdr = moeRecordHeader(p, rec);
-  const MoeRecordSlot* slots = moeRecordSlots(p, rec);
-  const int nslots = hdr->nslots < p.topK ? hdr->nslots : p.topK;
-  const std::uint64_t vecs = static_cast<std::uint64_t>(p.hidden) / 8;  // 16-byte vectors per row
-  for (std::uint64_t c = static_cast<std::uint64_t>(tid); c < vecs; c += static_cast<std::uint64_t>(nthreads)) {
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int sl = 0; sl < nslots; ++sl) {
-      const MoeRecordSlot slot = slots[sl];
-      const long long pos = moeSlotRow(p, srcBase, slot);
-      if (pos < 0) continue;  // dropped at dispatch (counted there)
-      moeAddBf16x8(acc, reinterpret_cast<const uint4*>(p.y)[static_cast<std::uint64_t>(pos) * vecs + c], slot.weight);
+// out = sum over i < n of weight(i) * src(i) (rows of H bf16 values), fp32 in source order, bf16
+// out. Two sources' kUnroll / 2 vectors in flight per thread.
+template <class Src, class Weight>
+__device__ inline void moeWeightedSum(const MoeParams& p, int n, Src src, Weight weight, uint4* out,
+                                      const MoeGroup& g) {
+  constexpr int kU = kMoeUnroll / 2;
+  const int vecs = p.hidden / 8;
+  for (int c0 = g.tid; c0 < vecs; c0 += g.nthreads * kU) {
+    float acc[kU][8];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) acc[u][k] = 0.f;
     }
-    reinterpret_cast<uint4*>(out)[c] = moeToBf16x8(acc);
+    int i = 0;
+    for (; i + 1 < n; i += 2) {
+      const uint4* a = src(i);
+      const uint4* b = src(i + 1);
+      uint4 va[kU], vb[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        if (c0 + u * g.nthreads < vecs) {
+          va[u] = __ldcg(a + c0 + u * g.nthreads);
+          vb[u] = __ldcg(b + c0 + u * g.nthreads);
+        }
+      }
+      const float wa = weight(i), wb = weight(i + 1);
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        moeAddBf16x8(acc[u], va[u], wa);
+        moeAddBf16x8(acc[u], vb[u], wb);
+      }
+    }
+    if (i < n) {
+      const uint4* a = src(i);
+      uint4 va[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        if (c0 + u * g.nthreads < vecs) va[u] = __ldcg(a + c0 + u * g.nthreads);
+      }
+      const float wa = weight(i);
+#pragma unroll
+      for (int u = 0; u < kU; ++u) moeAddBf16x8(acc[u], va[u], wa);
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      if (c0 + u * g.nthreads < vecs) out[c0 + u * g.nthreads] = moeToBf16x8(acc[u]);
+    }
   }
 }
 
-// out[t] = sum over destination ranks r of the partial partial(r) (nullptr: none), fp32, bf16 out.
-template <class Partial>
-__device__ inline void moeFinalToken(const MoeParams& p, int t, Partial partial, int tid, int nthreads) {
+// The combine partial of a received record from source s: sum over its slots of weight * y[row]
+// in fp32, written as bf16 to `out` (H values; local or the source's memory). Dropped rows add 0.
+__device__ inline void moeReduceRecord(const MoeParams& p, const char* rec, const std::int32_t* srcBase,
+                                       char* out, MoeSlotStage& stage, const MoeGroup& g) {
+  moeResolveSlots(p, -1, rec, srcBase, stage, false, g);
   const std::uint64_t vecs = static_cast<std::uint64_t>(p.hidden) / 8;
-  auto* out = reinterpret_cast<uint4*>(p.out) + static_cast<std::uint64_t>(t) * vecs;
-  for (std::uint64_t c = static_cast<std::uint64_t>(tid); c < vecs; c += static_cast<std::uint64_t>(nthreads)) {
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  const auto* y = reinterpret_cast<const uint4*>(p.y);
+  moeWeightedSum(
+      p, stage.n, [&](int i) { return y + static_cast<std::uint64_t>(stage.row[i]) * vecs; },
+      [&](int i) { return stage.weight[i]; }, reinterpret_cast<uint4*>(out), g);
+}
+
+// out[t] = sum over destination ranks r of the partial partial(r) (nullptr: none), fp32 in rank
+// order, bf16 out. `parts`: the group's shared scratch of kMaxRanks pointers.
+template <class Partial>
+__device__ inline void moeFinalToken(const MoeParams& p, int t, Partial partial, const uint4** parts,
+                                     const MoeGroup& g) {
+  g.sync();  // the previous token's readers of `parts` are done
+  if (g.tid == 0) {
+    int n = 0;
     for (int r = 0; r < p.numRanks; ++r) {
       const char* part = partial(r);
-      if (part == nullptr) continue;
-      moeAddBf16x8(acc, __ldcg(reinterpret_cast<const uint4*>(part) + c), 1.0f);
+      if (part != nullptr) parts[n++] = reinterpret_cast<const uint4*>(part);
     }
-    out[c] = moeToBf16x8(acc);
+    for (int r = n; r < p.numRanks; ++r) parts[r] = nullptr;
   }
+  g.sync();
+  int n = 0;
+  while (n < p.numRanks && parts[n] != nullptr) ++n;
+  const std::uint64_t vecs = static_cast<std::uint64_t>(p.hidden) / 8;
+  moeWeightedSum(
+      p, n, [&](int i) { return parts[i]; }, [](int) { return 1.0f; },
+      reinterpret_cast<uint4*>(p.out) + static_cast<std::uint64_t>(t) * vecs, g);
 }
 
 }  // namespace graphep
