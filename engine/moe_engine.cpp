@@ -566,8 +566,10 @@ const char* kernelName(MoeKernel k) {
     case MoeKernel::kExpand: return "expand";
     case MoeKernel::kCombineReduce: return "combine reduce";
     case MoeKernel::kCombineFinal: return "combine final";
-    case MoeKernel::kLatencyDispatch: return "latency dispatch";
-    case MoeKernel::kLatencyReceive: return "latency receive";
+    case MoeKernel::kLatencyDispatch: return "latency route";
+    case MoeKernel::kLatencyRecords: return "latency records";
+    case MoeKernel::kLatencyReceive: return "latency layout";
+    case MoeKernel::kLatencyExpand: return "latency expand";
     case MoeKernel::kLatencyCombine: return "latency combine";
     case MoeKernel::kLatencyCombineReceive: return "latency combine receive";
     case MoeKernel::kCount: break;

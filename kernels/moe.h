@@ -81,7 +81,10 @@ __host__ __device__ inline std::uint64_t moeCountMsgBytes(int localExperts) {
 // (global timer, ns), so one launch's span is readable after it (Engine::timeline()).
 enum class MoeKernel : int {
   kRoute = 0, kPack, kOffsets, kExpand, kCombineReduce, kCombineFinal,
-  kLatencyDispatch, kLatencyReceive, kLatencyCombine, kLatencyCombineReceive, kCount
+  // The latency kernels' phases: dispatch (route + count messages, records, layout, expand),
+  // combine (reduce + send, receive + sum).
+  kLatencyDispatch, kLatencyRecords, kLatencyReceive, kLatencyExpand, kLatencyCombine,
+  kLatencyCombineReceive, kCount
 };
 
 struct MoeParams {

@@ -154,13 +154,29 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
   const std::uint32_t step = p.llSteps[0];
   const int parity = static_cast<int>(step & 1u);
   const std::uint32_t arrived = (step + 1u) * gridDim.x;  // every CTA of every rank, this step
+  bool layoutOk = false;
   auto msgOf = [&](int q) {
     return reinterpret_cast<const std::uint64_t*>(p.peerUser[p.rank] + p.llCntOff +
                                                   (static_cast<std::uint64_t>(parity) * R + q) * p.cntMsgBytes);
   };
+  const int T = moeLiveTokens(p, blockIdx.x == 0 && tid == 0);
+  bool anyDup = false;
+  // Entries of expert e before token t (and before slot k of t): a popcount unless some token
+  // holds an expert twice, then an exact count over the tokens holding e.
+  auto entriesBefore = [&](int e, int t, int k) {
+    const std::uint32_t* bits = expBits + e * W;
+    if (!anyDup) return popcBelow(bits, t);
+    int c = 0;
+    for (int u = 0; u < t; ++u) {
+      if ((bits[u >> 5] >> (u & 31)) & 1u) {
+        for (int kk = 0; kk < K; ++kk) c += ids[u * K + kk] == e;
+      }
+    }
+    for (int kk = 0; kk < k; ++kk) c += ids[t * K + kk] == e;
+    return c;
+  };
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyDispatch);
-    const int T = moeLiveTokens(p, blockIdx.x == 0 && tid == 0);
     for (int w = tid; w < (E + R) * W; w += kThreads) expBits[w] = 0;  // and dstBits
     if (tid == 0) dup = 0;
     __syncthreads();
@@ -178,21 +194,7 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
       }
     }
     __syncthreads();
-    const bool anyDup = dup != 0;
-    // Entries of expert e before token t (and before slot k of t): a popcount unless some token
-    // holds an expert twice, then an exact count over the tokens holding e.
-    auto entriesBefore = [&](int e, int t, int k) {
-      const std::uint32_t* bits = expBits + e * W;
-      if (!anyDup) return popcBelow(bits, t);
-      int c = 0;
-      for (int u = 0; u < t; ++u) {
-        if ((bits[u >> 5] >> (u & 31)) & 1u) {
-          for (int kk = 0; kk < K; ++kk) c += ids[u * K + kk] == e;
-        }
-      }
-      for (int kk = 0; kk < k; ++kk) c += ids[t * K + kk] == e;
-      return c;
-    };
+    anyDup = dup != 0;
     // Count messages first (they travel ahead of the payload): CTA c takes ranks c, c + G, ...
     for (int r = static_cast<int>(blockIdx.x); r < R; r += static_cast<int>(gridDim.x)) {
       auto* msg = reinterpret_cast<std::uint64_t*>(p.peerUser[r] + p.llCntOff +
@@ -210,6 +212,9 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
         p.tokRankIdx[n] = goes ? popcBelow(dstBits + r * W, t) : -1;
       }
     }
+  }
+  {
+    const MoeStamp stamp(p, MoeKernel::kLatencyRecords);
     // The records: one token per group, its row read once for every destination.
     for (int t = firstItem; t < T; t += items) {
       if (g.tid == 0) {
@@ -230,7 +235,8 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
   }
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyReceive);
-    if (waitEveryRank(p, p.llFlagOff, step + 1u, WaitSite::kMoeDispatch)) {
+    layoutOk = waitEveryRank(p, p.llFlagOff, step + 1u, WaitSite::kMoeDispatch);
+    if (layoutOk) {
       // The layout: counts per (source, expert), aligned expert offsets, per-(source, expert) bases.
       for (int n = tid; n < R * L; n += kThreads) {
         srcBase[n] = static_cast<std::int32_t>(__ldcg(msgOf(n / L) + 1 + n % L));
@@ -273,6 +279,11 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
           *p.numRecvRows = static_cast<std::int32_t>(rows);
         }
       }
+    }
+  }
+  {
+    const MoeStamp stamp(p, MoeKernel::kLatencyExpand);
+    if (layoutOk) {
       // Each source's records once its G CTAs have arrived, this rank's own first.
       for (int k = 0; k < R; ++k) {
         const int s = (p.rank + k) % R;
@@ -281,7 +292,9 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
           failed = flagWait(p.sync, llCounter(p, p.rank, p.llArriveOff) + s, arrived, s, WaitSite::kMoeDispatch) ? 0 : 1;
         }
         __syncthreads();
-        if (failed) break;
+        const bool bad = failed != 0;
+        __syncthreads();  // every thread has read it before thread 0 may rewrite it
+        if (bad) break;
         const std::uint64_t sent = __ldcg(msgOf(s));
         const int rows = static_cast<int>(sent < static_cast<std::uint64_t>(p.maxTokens) ? sent : p.maxTokens);
         for (int i = firstItem; i < rows; i += items) {

@@ -31,8 +31,8 @@ enum class IndexType : std::uint8_t { kInt32 = 0, kInt64 = 1 };
 // How dispatch and combine move data (DESIGN.md §5).
 enum class MoePath : std::uint8_t {
   kAuto = 0,        // latency when maxTokensPerRank <= 256 and every peer has load/store access
-  kLatency = 1,     // decode: records written straight into per-source slots with the counts, one
-                    // flag round per operation, two kernels each (maxTokensPerRank <= 256,
+  kLatency = 1,     // decode: records written straight into per-source slots, their counts ahead
+                    // of them, one kernel per operation (maxTokensPerRank <= 256,
                     // maxTokensPerRank * topK <= 4096, load/store peers only)
   kThroughput = 2,  // prefill: counts first, then the pipelined alltoallv movers
 };
@@ -47,7 +47,9 @@ struct MoeConfig {
   // alignment padding; smaller values are allowed and rows past them are dropped and counted.
   long long recvCapacity = 0;
   int expertAlignment = 1;  // each local expert's rows start at a multiple of this
-  // Channels (CTAs) per peer the data movers may use; 0: the engine's default (32).
+  // CTAs the engine may use: on the throughput path the data movers' channels per peer (0: 32);
+  // on the latency path the CTAs of each kernel (0: 24; lowered when ranks share a GPU, so that
+  // all their CTAs are resident at once).
   int smBudget = 0;
   // Trap (kill the kernel) on bad input instead of counting it.
   bool strict = false;

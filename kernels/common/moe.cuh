@@ -225,18 +225,25 @@ __device__ inline void moeWriteRecords(const MoeParams& p, int t, char* const* d
       }
     }
   }
-  for (int d = g.tid; d < n; d += g.nthreads) {  // one thread per destination: its metadata
-    auto* hdr = reinterpret_cast<MoeRecordHeader*>(dst[d] + p.payloadBytes);
-    auto* slots = reinterpret_cast<MoeRecordSlot*>(dst[d] + p.payloadBytes + sizeof(MoeRecordHeader));
-    int m = 0;
-    for (int k = 0; k < p.topK; ++k) {
-      const std::uint64_t e = static_cast<std::uint64_t>(t) * p.topK + k;
-      const long long id = moeReadId(p, e);
-      if (!moeValidId(p, id) || id / p.localExperts != dstRank[d]) continue;
-      slots[m++] = MoeRecordSlot{static_cast<std::int32_t>(id % p.localExperts), entryIndex(k),
-                                 p.topkWeights[e], k};
+  if (g.tid < 32) {  // the metadata: one lane per top-k slot (topK <= 16), each destination's in slot order
+    const int k = g.tid;
+    const std::uint64_t e = static_cast<std::uint64_t>(t) * p.topK + (k < p.topK ? k : 0);
+    const long long id = k < p.topK ? moeReadId(p, e) : -1;
+    const float w = k < p.topK ? p.topkWeights[e] : 0.f;
+    const bool valid = k < p.topK && moeValidId(p, id);
+    const std::int32_t index = valid ? entryIndex(k) : 0;
+    for (int d = 0; d < n; ++d) {
+      const bool here = valid && id / p.localExperts == dstRank[d];
+      const unsigned m = __ballot_sync(0xffffffffu, here);
+      if (here) {
+        auto* slots = reinterpret_cast<MoeRecordSlot*>(dst[d] + p.payloadBytes + sizeof(MoeRecordHeader));
+        slots[__popc(m & ((1u << k) - 1u))] =
+            MoeRecordSlot{static_cast<std::int32_t>(id % p.localExperts), index, w, k};
+      }
+      if (k == 0) {
+        *reinterpret_cast<MoeRecordHeader*>(dst[d] + p.payloadBytes) = MoeRecordHeader{t, __popc(m), {0, 0}};
+      }
     }
-    *hdr = MoeRecordHeader{t, m, {0, 0}};
   }
 }
 
@@ -256,14 +263,13 @@ __device__ inline void moeResolveSlots(const MoeParams& p, int s, const char* re
                                        MoeSlotStage& stage, bool expand, const MoeGroup& g) {
   g.sync();  // the previous user of `stage` is done
   if (g.tid < 32) {  // topK <= 16: the group's first warp, one lane per slot
-    const auto* hdr = reinterpret_cast<const int4*>(moeRecordHeader(p, rec));
-    const int4 h = __ldcg(hdr);
+    // The header and every slot at once (a record has room for topK slots).
+    const int4 h = __ldcg(reinterpret_cast<const int4*>(moeRecordHeader(p, rec)));
+    int4 v = make_int4(-1, 0, 0, 0);
+    if (g.tid < p.topK) v = __ldcg(reinterpret_cast<const int4*>(moeRecordSlots(p, rec)) + g.tid);
     const int nslots = h.y < p.topK ? h.y : p.topK;
     MoeRecordSlot slot{-1, 0, 0.f, 0};
-    if (g.tid < nslots) {
-      const int4 v = __ldcg(reinterpret_cast<const int4*>(moeRecordSlots(p, rec)) + g.tid);
-      slot = MoeRecordSlot{v.x, v.y, __int_as_float(v.z), v.w};
-    }
+    if (g.tid < nslots) slot = MoeRecordSlot{v.x, v.y, __int_as_float(v.z), v.w};
     const long long pos = g.tid < nslots ? moeSlotRow(p, srcBase, slot) : -1;
     const unsigned kept = __ballot_sync(0xffffffffu, pos >= 0);
     if (pos >= 0) {
@@ -291,20 +297,26 @@ __device__ inline void moeResolveSlots(const MoeParams& p, int s, const char* re
 // capacity are dropped and counted) with the per-row metadata. srcBase: [E_local] of source s.
 __device__ inline void moeExpandRecord(const MoeParams& p, int s, const char* rec, const std::int32_t* srcBase,
                                        MoeSlotStage& stage, const MoeGroup& g) {
-  moeResolveSlots(p, s, rec, srcBase, stage, true, g);
-  const int n = stage.n;
   const std::uint64_t H = static_cast<std::uint64_t>(p.hidden);
+  // Each pass loads kMoeUnroll pieces per thread, then stores them to every row; the first pass's
+  // loads are issued before the slots are resolved (they do not depend on them).
   if (p.fp8) {
-    // Unpack the wire tiles: 128 e4m3 bytes into recv_x, the scale into recv_scales.
+    // The wire tiles: 128 e4m3 bytes into recv_x, the scale into recv_scales.
     constexpr int kLanes = ProduceFp8E4m3::kThreads;
     const int tiles = static_cast<int>(H / kFp8TileValues), lane = g.tid % kLanes, step = g.nthreads / kLanes;
-    for (int t0 = g.tid / kLanes; t0 < tiles; t0 += step * kMoeUnroll) {
-      Fp8WireRegs w[kMoeUnroll];
+    Fp8WireRegs w[kMoeUnroll];
+    auto load = [&](int t0) {
 #pragma unroll
       for (int u = 0; u < kMoeUnroll; ++u) {
         const int tile = t0 + u * step;
         if (tile < tiles) w[u] = loadFp8Wire(rec + static_cast<std::uint64_t>(tile) * kFp8TileWireBytes, lane);
       }
+    };
+    int t0 = g.tid / kLanes;
+    load(t0);
+    moeResolveSlots(p, s, rec, srcBase, stage, true, g);
+    const int n = stage.n;
+    while (t0 < tiles) {
       for (int d = 0; d < n; ++d) {
         const std::uint64_t row = static_cast<std::uint64_t>(stage.row[d]);
 #pragma unroll
@@ -315,16 +327,24 @@ __device__ inline void moeExpandRecord(const MoeParams& p, int s, const char* re
           if (lane == 0) p.recvScales[row * (H / kFp8TileValues) + tile] = w[u].scale;
         }
       }
+      t0 += step * kMoeUnroll;
+      if (t0 < tiles) load(t0);
     }
   } else {
     const auto* src = reinterpret_cast<const uint4*>(rec);
     const int vecs = static_cast<int>(H / 8);
-    for (int c0 = g.tid; c0 < vecs; c0 += g.nthreads * kMoeUnroll) {
-      uint4 v[kMoeUnroll];
+    uint4 v[kMoeUnroll];
+    auto load = [&](int c0) {
 #pragma unroll
       for (int u = 0; u < kMoeUnroll; ++u) {
         if (c0 + u * g.nthreads < vecs) v[u] = __ldcg(src + c0 + u * g.nthreads);
       }
+    };
+    int c0 = g.tid;
+    load(c0);
+    moeResolveSlots(p, s, rec, srcBase, stage, true, g);
+    const int n = stage.n;
+    while (c0 < vecs) {
       for (int d = 0; d < n; ++d) {
         auto* out = reinterpret_cast<uint4*>(p.recvX) + static_cast<std::uint64_t>(stage.row[d]) * vecs;
 #pragma unroll
@@ -332,6 +352,8 @@ __device__ inline void moeExpandRecord(const MoeParams& p, int s, const char* re
           if (c0 + u * g.nthreads < vecs) out[c0 + u * g.nthreads] = v[u];
         }
       }
+      c0 += g.nthreads * kMoeUnroll;
+      if (c0 < vecs) load(c0);
     }
   }
 }
