@@ -43,6 +43,8 @@ timeout -s INT ${GRAPHEP_CTEST_BUDGET:-330} \
   >"$out/ctest.log" 2>&1 || status=1
 grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|\(Skipped\)|Not Run" "$out/ctest.log" | head -60
 
+# GRAPHEP_BENCH_ONLY=moe: only the MoE benchmarks (quick iterations on MoE work).
+if [ "${GRAPHEP_BENCH_ONLY:-}" != moe ]; then
 step "benchmark: pingpong"
 GRAPHEP_DEBUG=INFO NCCL_DEBUG=WARN timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-60} \
   "$build/bench/graphep-bench" pingpong -n 50 -w 10 >"$out/bench.log" 2>&1 || { echo "bench failed or timed out (rc=$?)"; status=1; }
@@ -61,6 +63,8 @@ if command -v mpirun >/dev/null; then  # one rank per process
     >>"$out/bench_movers.log" 2>&1 || { echo "mpirun sendrecv bench failed (rc=$?)"; status=1; }
 fi
 grep -v "^# \.\.\.\|INFO" "$out/bench_movers.log" | grep -E "^  |failed|mpirun" || true
+
+fi
 
 step "benchmark: moe dispatch/combine (H=7168, top-8 of 256 experts)"
 timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-60} \
