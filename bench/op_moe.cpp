@@ -177,6 +177,18 @@ std::vector<Row> runMoe(const Options& o, Ranks& r) {
         combine(i, s);
       });
       const double dcUs = timeOps(o, r, execs);
+      if (o.profile) {  // every phase's mean time per CTA over graph replays of dispatch + combine
+        for (auto& e : engines) e->resetTimeline();
+        timeOps(o, r, execs);
+        const std::vector<MoeKernelSpan> spans = engines[0]->timeline();
+        for (int i = 1; i < r.numLocal(); ++i) engines[static_cast<std::size_t>(i)]->timeline();  // sync
+        if (isPrinter()) {
+          std::printf("# phases %zu tokens %s (rank 0, graph replay, mean us per CTA, waits included):", tokens,
+                      fp8 ? "fp8" : "bf16");
+          for (const MoeKernelSpan& sp : spans) std::printf(" %s %.2f;", sp.kernel, sp.meanCtaUs);
+          std::printf("\n");
+        }
+      }
       const double cUs = std::max(dcUs - dUs, 0.0);
       // Check: expert counts of the last dispatch and a clean status on every local rank.
       long long wrong = 0;

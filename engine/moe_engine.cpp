@@ -317,7 +317,7 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     // Latency path only.
     const std::size_t oLlSteps = carve(throughput ? 0 : 2 * 4);
     const std::size_t oLlDone = carve(throughput ? 0 : 2 * 4);
-    constexpr std::size_t kStamps = 2 * static_cast<std::size_t>(MoeKernel::kCount);
+    constexpr std::size_t kStamps = kMoeStampWords * static_cast<std::size_t>(MoeKernel::kCount);
     const std::size_t oTimeline = carve(cfg.profile ? kStamps * 8 : 0);
     GRAPHEP_CUDA_CHECK(cudaMalloc(&impl->block, used));
     GRAPHEP_CUDA_CHECK(cudaMemset(impl->block, 0, used));
@@ -585,17 +585,19 @@ std::vector<MoeKernelSpan> Engine::timeline() const {
   DeviceGuard guard(m.device);
   GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
   constexpr int kN = static_cast<int>(MoeKernel::kCount);
-  unsigned long long t[2 * kN];
+  constexpr int kW = kMoeStampWords;
+  unsigned long long t[kW * kN];
   GRAPHEP_CUDA_CHECK(cudaMemcpy(t, m.p.timeline, sizeof(t), cudaMemcpyDeviceToHost));
   unsigned long long first = ~0ull;
   for (int k = 0; k < kN; ++k) {
-    if (t[2 * k + 1] != 0) first = std::min(first, t[2 * k]);
+    if (t[kW * k + 3] != 0) first = std::min(first, t[kW * k]);
   }
   for (int k = 0; k < kN; ++k) {
-    if (t[2 * k + 1] == 0) continue;  // did not run
-    spans.push_back(MoeKernelSpan{kernelName(static_cast<MoeKernel>(k)),
-                                  static_cast<double>(t[2 * k] - first) / 1e3,
-                                  static_cast<double>(t[2 * k + 1] - first) / 1e3});
+    const unsigned long long* w = t + kW * k;
+    if (w[3] == 0) continue;  // did not run
+    spans.push_back(MoeKernelSpan{kernelName(static_cast<MoeKernel>(k)), static_cast<double>(w[0] - first) / 1e3,
+                                  static_cast<double>(w[1] - first) / 1e3,
+                                  static_cast<double>(w[2]) / static_cast<double>(w[3]) / 1e3, w[3]});
   }
   return spans;
 }
@@ -606,10 +608,13 @@ void Engine::resetTimeline() {
   DeviceGuard guard(m.device);
   GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
   constexpr int kN = static_cast<int>(MoeKernel::kCount);
-  unsigned long long t[2 * kN];
+  constexpr int kW = kMoeStampWords;
+  unsigned long long t[kW * kN];
   for (int k = 0; k < kN; ++k) {
-    t[2 * k] = ~0ull;  // min of entry times
-    t[2 * k + 1] = 0;  // max of exit times
+    t[kW * k] = ~0ull;  // min of entry times
+    t[kW * k + 1] = 0;  // max of exit times
+    t[kW * k + 2] = 0;  // sum of CTA durations
+    t[kW * k + 3] = 0;  // CTAs
   }
   GRAPHEP_CUDA_CHECK(cudaMemcpy(m.p.timeline, t, sizeof(t), cudaMemcpyHostToDevice));
 }

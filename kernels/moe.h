@@ -87,6 +87,9 @@ enum class MoeKernel : int {
   kLatencyCombineReceive, kCount
 };
 
+// Timeline words per kernel: min entry, max exit (global timer, ns), sum of CTA durations, CTAs.
+inline constexpr int kMoeStampWords = 4;
+
 struct MoeParams {
   // Shape.
   std::int32_t rank, numRanks, hidden, topK, numExperts, localExperts, maxTokens;
@@ -160,7 +163,7 @@ struct MoeParams {
   std::int32_t llCtas;
   SyncHandle sync;            // bounded waits (timeout, error record)
 
-  unsigned long long* timeline;  // [2 * MoeKernel::kCount], or nullptr (profiling off)
+  unsigned long long* timeline;  // [kMoeStampWords * MoeKernel::kCount], or nullptr (profiling off)
 };
 
 // Launchers (each returns the launch error) and setup-time kernel loading, one family per file:

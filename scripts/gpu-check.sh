@@ -78,7 +78,7 @@ for sms in 8 16 32 64; do  # the latency path's CTAs per kernel (default 24)
     "$build/bench/graphep-bench" moe -b 128 -e 128 --sms $sms -n 10 -w 3 ${GRAPHEP_BENCH_ARGS:-} \
     2>&1 | sed "s/^  moe /  moe sms=$sms /" >>"$out/bench_moe.log" || { echo "moe bench (--sms $sms) failed"; status=1; }
 done
-grep -E "^  |^# timeline|failed" "$out/bench_moe.log" || true
+grep -E "^  |^# timeline|^# phases|failed" "$out/bench_moe.log" || true
 
 echo "== summary: status=$status (logs in $out)"
 exit $status

@@ -59,12 +59,15 @@ struct MoeConfig {
   bool profile = false;
 };
 
-// One kernel's span in the last operations since Engine::resetTimeline(), in microseconds from the
-// earliest stamp (MoeConfig.profile).
+// One kernel's (or kernel phase's) span over the operations since Engine::resetTimeline(), in
+// microseconds from the earliest stamp (MoeConfig.profile), and the mean time one CTA spent in it
+// (waits included): meaningful over graph replays too, where the span covers every replay.
 struct MoeKernelSpan {
   const char* kernel;
   double startUs;
   double endUs;
+  double meanCtaUs;
+  unsigned long long samples;  // CTA executions counted
 };
 
 struct DispatchArgs {

@@ -14,22 +14,32 @@
 
 namespace graphep {
 
-// Stamps a kernel's span into the timeline when profiling (one per CTA, thread 0): the entry time
-// on construction, the exit time on destruction (every return path).
+// Stamps a kernel's (or phase's) span into the timeline when profiling (thread 0 of each CTA):
+// the entry time on construction; on destruction (every return path) the exit time, the CTA's
+// duration added to the sum and one sample counted.
 class MoeStamp {
  public:
   __device__ MoeStamp(const MoeParams& p, MoeKernel k)
-      : slot_(p.timeline != nullptr && threadIdx.x == 0 ? p.timeline + 2 * static_cast<int>(k) : nullptr) {
-    if (slot_ != nullptr) atomicMin(slot_, static_cast<unsigned long long>(ptx::globalTimerNs()));
+      : slot_(p.timeline != nullptr && threadIdx.x == 0 ? p.timeline + kMoeStampWords * static_cast<int>(k) : nullptr) {
+    if (slot_ != nullptr) {
+      start_ = ptx::globalTimerNs();
+      atomicMin(slot_, static_cast<unsigned long long>(start_));
+    }
   }
   __device__ ~MoeStamp() {
-    if (slot_ != nullptr) atomicMax(slot_ + 1, static_cast<unsigned long long>(ptx::globalTimerNs()));
+    if (slot_ != nullptr) {
+      const std::uint64_t end = ptx::globalTimerNs();
+      atomicMax(slot_ + 1, static_cast<unsigned long long>(end));
+      atomicAdd(slot_ + 2, static_cast<unsigned long long>(end - start_));
+      atomicAdd(slot_ + 3, 1ull);
+    }
   }
   MoeStamp(const MoeStamp&) = delete;
   MoeStamp& operator=(const MoeStamp&) = delete;
 
  private:
   unsigned long long* slot_;
+  std::uint64_t start_ = 0;
 };
 
 // Expert id of flattened (token, k) entry n.
