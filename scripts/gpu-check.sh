@@ -75,7 +75,7 @@ timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-60} \
   >>"$out/bench_moe.log" 2>&1 || { echo "moe bench (throughput at 128) failed (rc=$?)"; status=1; }
 for sms in 8 16 32 64; do  # the latency path's CTAs per kernel (default 24)
   timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-60} \
-    "$build/bench/graphep-bench" moe -b 128 -e 128 --sms $sms -n 10 -w 3 ${GRAPHEP_BENCH_ARGS:-} \
+    "$build/bench/graphep-bench" moe -b 128 -e 128 --sms $sms -n 10 -w 3 --profile ${GRAPHEP_BENCH_ARGS:-} \
     2>&1 | sed "s/^  moe /  moe sms=$sms /" >>"$out/bench_moe.log" || { echo "moe bench (--sms $sms) failed"; status=1; }
 done
 grep -E "^  |^# timeline|^# phases|failed" "$out/bench_moe.log" || true
