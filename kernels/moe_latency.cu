@@ -32,6 +32,9 @@ constexpr int kThreads = kMoeLatencyThreads;
 constexpr int kGroupThreads = 128;
 constexpr int kGroups = kThreads / kGroupThreads;
 constexpr int kWarps = kThreads / 32;
+// The combine kernel: fewer threads, more registers each (four expert rows' loads in flight).
+constexpr int kCombineThreads = 384;
+constexpr int kCombineGroups = kCombineThreads / kGroupThreads;
 
 __device__ __forceinline__ std::uint64_t llSlot(const MoeParams& p, int parity, int src, int i,
                                                 std::uint64_t bytes) {
@@ -231,10 +234,10 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
                       [&](int k) { return entriesBefore(ids[t * K + k], t, k); }, g);
       g.sync();  // dsts is rewritten for the next token
     }
-    arriveAtEveryRank(p, p.llArriveOff);
   }
   {
-    const MoeStamp stamp(p, MoeKernel::kLatencyReceive);
+    const MoeStamp stamp(p, MoeKernel::kLatencyReceive);  // from the records' fence on
+    arriveAtEveryRank(p, p.llArriveOff);
     layoutOk = waitEveryRank(p, p.llFlagOff, step + 1u, WaitSite::kMoeDispatch);
     if (layoutOk) {
       // The layout: counts per (source, expert), aligned expert offsets, per-(source, expert) bases.
@@ -307,14 +310,14 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
   if (lastBlock(&p.llDone[0]) && tid == 0) p.llSteps[0] = step + 1u;
 }
 
-__global__ void __launch_bounds__(kThreads) moeLatencyCombineKernel(const __grid_constant__ MoeParams p) {
-  __shared__ MoeSlotStage stages[kGroups];
-  __shared__ const uint4* parts[kGroups][kMaxRanks];
+__global__ void __launch_bounds__(kCombineThreads) moeLatencyCombineKernel(const __grid_constant__ MoeParams p) {
+  __shared__ MoeSlotStage stages[kCombineGroups];
+  __shared__ const uint4* parts[kCombineGroups][kMaxRanks];
   const int tid = static_cast<int>(threadIdx.x);
   const int group = tid / kGroupThreads;
   const MoeGroup g{tid % kGroupThreads, kGroupThreads, 1 + group};
-  const int firstItem = static_cast<int>(blockIdx.x) * kGroups + group;
-  const int items = static_cast<int>(gridDim.x) * kGroups;
+  const int firstItem = static_cast<int>(blockIdx.x) * kCombineGroups + group;
+  const int items = static_cast<int>(gridDim.x) * kCombineGroups;
   const int R = p.numRanks;
   const std::uint32_t cstep = p.llSteps[1];
   const int cparity = static_cast<int>(cstep & 1u);
@@ -367,7 +370,7 @@ cudaError_t launchMoeLatencyDispatch(const MoeParams& p, cudaStream_t stream) {
 
 cudaError_t launchMoeLatencyCombine(const MoeParams& p, cudaStream_t stream) {
   if (p.llCtas < 1) return cudaErrorInvalidValue;
-  moeLatencyCombineKernel<<<static_cast<unsigned>(p.llCtas), kThreads, 0, stream>>>(p);
+  moeLatencyCombineKernel<<<static_cast<unsigned>(p.llCtas), kCombineThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -383,7 +386,7 @@ cudaError_t moeLatencyCtasPerSm(std::uint32_t smemBytes, int* ctas) {
   int d = 0, c = 0;
   cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&d, moeLatencyDispatchKernel, kThreads, smemBytes);
   if (e != cudaSuccess) return e;
-  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&c, moeLatencyCombineKernel, kThreads, 0);
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&c, moeLatencyCombineKernel, kCombineThreads, 0);
   if (e != cudaSuccess) return e;
   *ctas = d < c ? d : c;
   return cudaSuccess;

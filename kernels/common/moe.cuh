@@ -194,6 +194,11 @@ __device__ inline void moeWriteRecords(const MoeParams& p, int t, char* const* d
                                        int n, EntryIndex entryIndex, const MoeGroup& g) {
   const std::uint64_t H = static_cast<std::uint64_t>(p.hidden);
   const char* row = static_cast<const char*>(p.x) + static_cast<std::uint64_t>(t) * H * 2;
+  // The first warp's lanes k < topK read slot k's id and weight before the row's loads are issued.
+  const int k = g.tid;
+  const std::uint64_t e = static_cast<std::uint64_t>(t) * p.topK + (k < p.topK ? k : 0);
+  const long long id = k < p.topK ? moeReadId(p, e) : -1;
+  const float w = k < p.topK ? p.topkWeights[e] : 0.f;
   if (p.fp8) {
     // The produce hook: each aligned half-warp quantises one 128-value tile, kMoeUnroll at a time.
     constexpr int kLanes = ProduceFp8E4m3::kThreads;
@@ -236,10 +241,6 @@ __device__ inline void moeWriteRecords(const MoeParams& p, int t, char* const* d
     }
   }
   if (g.tid < 32) {  // the metadata: one lane per top-k slot (topK <= 16), each destination's in slot order
-    const int k = g.tid;
-    const std::uint64_t e = static_cast<std::uint64_t>(t) * p.topK + (k < p.topK ? k : 0);
-    const long long id = k < p.topK ? moeReadId(p, e) : -1;
-    const float w = k < p.topK ? p.topkWeights[e] : 0.f;
     const bool valid = k < p.topK && moeValidId(p, id);
     const std::int32_t index = valid ? entryIndex(k) : 0;
     for (int d = 0; d < n; ++d) {
@@ -382,8 +383,29 @@ __device__ __forceinline__ uint4 moeToBf16x8(const float (&acc)[8]) {
   return v;
 }
 
+// Adds kS sources' kU vectors (weights w) into acc: every load issued before the first add.
+template <int kS, int kU, class Src, class Weight>
+__device__ __forceinline__ void moeAccumulate(float (&acc)[kU][8], int i, int c0, int stride, int vecs, Src src,
+                                              Weight weight) {
+  uint4 v[kS][kU];
+#pragma unroll
+  for (int j = 0; j < kS; ++j) {
+    const uint4* a = src(i + j);
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      if (c0 + u * stride < vecs) v[j][u] = __ldcg(a + c0 + u * stride);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kS; ++j) {
+    const float w = weight(i + j);
+#pragma unroll
+    for (int u = 0; u < kU; ++u) moeAddBf16x8(acc[u], v[j][u], w);
+  }
+}
+
 // out = sum over i < n of weight(i) * src(i) (rows of H bf16 values), fp32 in source order, bf16
-// out. Two sources' kUnroll / 2 vectors in flight per thread.
+// out. Four sources' kU vectors in flight per thread.
 template <class Src, class Weight>
 __device__ inline void moeWeightedSum(const MoeParams& p, int n, Src src, Weight weight, uint4* out,
                                       const MoeGroup& g) {
@@ -397,35 +419,12 @@ __device__ inline void moeWeightedSum(const MoeParams& p, int n, Src src, Weight
       for (int k = 0; k < 8; ++k) acc[u][k] = 0.f;
     }
     int i = 0;
-    for (; i + 1 < n; i += 2) {
-      const uint4* a = src(i);
-      const uint4* b = src(i + 1);
-      uint4 va[kU], vb[kU];
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        if (c0 + u * g.nthreads < vecs) {
-          va[u] = __ldcg(a + c0 + u * g.nthreads);
-          vb[u] = __ldcg(b + c0 + u * g.nthreads);
-        }
-      }
-      const float wa = weight(i), wb = weight(i + 1);
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        moeAddBf16x8(acc[u], va[u], wa);
-        moeAddBf16x8(acc[u], vb[u], wb);
-      }
+    for (; i + 3 < n; i += 4) moeAccumulate<4, kU>(acc, i, c0, g.nthreads, vecs, src, weight);
+    if (i + 1 < n) {
+      moeAccumulate<2, kU>(acc, i, c0, g.nthreads, vecs, src, weight);
+      i += 2;
     }
-    if (i < n) {
-      const uint4* a = src(i);
-      uint4 va[kU];
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        if (c0 + u * g.nthreads < vecs) va[u] = __ldcg(a + c0 + u * g.nthreads);
-      }
-      const float wa = weight(i);
-#pragma unroll
-      for (int u = 0; u < kU; ++u) moeAddBf16x8(acc[u], va[u], wa);
-    }
+    if (i < n) moeAccumulate<1, kU>(acc, i, c0, g.nthreads, vecs, src, weight);
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       if (c0 + u * g.nthreads < vecs) out[c0 + u * g.nthreads] = moeToBf16x8(acc[u]);
