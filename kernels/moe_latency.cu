@@ -32,9 +32,8 @@ constexpr int kThreads = kMoeLatencyThreads;
 constexpr int kGroupThreads = 128;
 constexpr int kGroups = kThreads / kGroupThreads;
 constexpr int kWarps = kThreads / 32;
-// The combine kernel: fewer threads, more registers each (four expert rows' loads in flight).
-constexpr int kCombineThreads = 384;
-constexpr int kCombineGroups = kCombineThreads / kGroupThreads;
+constexpr int kCombineThreads = kThreads;
+constexpr int kCombineGroups = kGroups;
 
 __device__ __forceinline__ std::uint64_t llSlot(const MoeParams& p, int parity, int src, int i,
                                                 std::uint64_t bytes) {
