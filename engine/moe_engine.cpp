@@ -296,6 +296,10 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     const std::size_t oEntry = carve(throughput ? T * static_cast<std::size_t>(cfg.topK) * 4 : 0);
     const std::size_t oExpertCount = carve(throughput ? static_cast<std::size_t>(cfg.numExperts) * 4 : 0);
     const std::size_t oRankCount = carve(throughput ? Rs * 4 : 0);
+    const std::size_t W = moeRouteWords(cfg.maxTokensPerRank), Es = static_cast<std::size_t>(cfg.numExperts);
+    const std::size_t routeZero = ((Es + Rs) * W + Es * W + 1) * 4;  // bits, counts, the duplicate flag
+    const std::size_t oRouteBits = carve(throughput ? routeZero : 0);
+    const std::size_t oRoutePrefix = carve(throughput ? (Es + Rs) * W * 4 : 0);
     const std::size_t oRecSend = carve(throughput ? Rs * T * recBytes : 0);
     const std::size_t oCntSend = carve(throughput ? Rs * cntMsgBytes : 0);
     const std::size_t oCntRecv = carve(throughput ? Rs * cntMsgBytes : 0);
@@ -345,6 +349,16 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     p.entryIdx = reinterpret_cast<std::int32_t*>(b + oEntry);
     p.expertCount = reinterpret_cast<std::uint32_t*>(b + oExpertCount);
     p.rankCount = reinterpret_cast<std::uint32_t*>(b + oRankCount);
+    p.routeBits = reinterpret_cast<std::uint32_t*>(b + oRouteBits);
+    p.routeCount = p.routeBits + (Es + Rs) * W;
+    p.routeDup = p.routeCount + Es * W;
+    p.routePrefix = reinterpret_cast<std::uint32_t*>(b + oRoutePrefix);
+    p.routeZeroBytes = throughput ? routeZero : 0;
+    if (throughput) {  // the throughput kernels' CTAs: the SM budget, or one per SM
+      int sms = 0;
+      GRAPHEP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, impl->device));
+      p.ctas = cfg.smBudget > 0 ? cfg.smBudget : sms;
+    }
     p.recSend = b + oRecSend;
     p.recRecv = throughput ? user + ph.recRecv : nullptr;
     p.cntSend = b + oCntSend;

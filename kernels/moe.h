@@ -112,6 +112,18 @@ struct MoeParams {
   std::int32_t* entryIdx;     // [maxTokens, K]: index within the expert's list from this rank
   std::uint32_t* expertCount; // [E]: this rank's entries per expert
   std::uint32_t* rankCount;   // [R]: this rank's records per destination
+  // Throughput routing (kernels/moe_route.cu), W = ceil(maxTokens / 32) words per row. Zeroed
+  // before every dispatch (routeZeroBytes from routeBits): routeBits [E + R][W] (a bit per token
+  // holding the expert / going to the rank), routeCount [E][W] (entries per expert per 32 tokens),
+  // routeDup [1] (some token holds an expert twice). Then routePrefix [E + R][W]: entries (tokens)
+  // before each 32-token block.
+  std::uint32_t* routeBits;
+  std::uint32_t* routeCount;
+  std::uint32_t* routeDup;
+  std::uint32_t* routePrefix;
+  std::uint64_t routeZeroBytes;
+  // CTAs of the throughput path's kernels (kMoeThreads each; the SM budget, or the SM count).
+  std::int32_t ctas;
 
   // Records and count messages.
   char* recSend;              // [R][maxTokens][recBytes] (local)
@@ -166,8 +178,17 @@ struct MoeParams {
   unsigned long long* timeline;  // [kMoeStampWords * MoeKernel::kCount], or nullptr (profiling off)
 };
 
+// Threads per CTA of the throughput path's kernels (groups of 128 threads work on one item each).
+inline constexpr int kMoeThreads = 512;
+inline constexpr int kMoeGroupThreads = 128;
+
+__host__ __device__ inline std::uint32_t moeRouteWords(int maxTokens) {
+  return (static_cast<std::uint32_t>(maxTokens) + 31u) / 32u;
+}
+
 // Launchers (each returns the launch error) and setup-time kernel loading, one family per file:
 // kernels/moe_route.cu, kernels/moe_dispatch.cu (pack, offsets, expand), kernels/moe_combine.cu.
+// Route: zeroes the routing scratch (a memset node) and runs bits -> prefix -> assign.
 cudaError_t launchMoeRoute(const MoeParams& p, cudaStream_t stream);
 cudaError_t preloadMoeRouteKernels();
 cudaError_t launchMoePack(const MoeParams& p, cudaStream_t stream);

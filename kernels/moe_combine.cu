@@ -6,48 +6,53 @@
 namespace graphep {
 namespace {
 
-constexpr int kThreads = 128;
+constexpr int kThreads = kMoeThreads;  // kGroups records (tokens) per CTA at a time
+constexpr int kGroups = kThreads / kMoeGroupThreads;
 
-// Grid: R * maxTokens CTAs, one per (source, received record).
+// Grid: p.ctas CTAs; each group reduces one received record at a time (source-major).
 __global__ void __launch_bounds__(kThreads) moeCombineReduceKernel(const __grid_constant__ MoeParams p) {
   const MoeStamp stamp(p, MoeKernel::kCombineReduce);
-  const int s = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.maxTokens));
-  const int i = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.maxTokens));
-  if (s >= p.numRanks || i >= p.recvRows[s]) return;
-  const std::uint64_t record = static_cast<std::uint64_t>(s) * p.maxTokens + i;
-  __shared__ MoeSlotStage stage;
-  moeReduceRecord(p, p.recRecv + record * p.recBytes, p.srcBase + s * p.localExperts,
-                  p.combSend + record * static_cast<std::uint64_t>(p.hidden) * 2, stage,
-                  MoeGroup{static_cast<int>(threadIdx.x), kThreads, 0});
+  __shared__ MoeSlotStage stage[kGroups];
+  const MoeGroupSlice gs = moeGroupSlice();
+  const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.hidden) * 2;
+  for (int s = 0; s < p.numRanks; ++s) {
+    for (int i = gs.first; i < p.recvRows[s]; i += gs.stride) {
+      const std::uint64_t record = static_cast<std::uint64_t>(s) * p.maxTokens + i;
+      moeReduceRecord(p, p.recRecv + record * p.recBytes, p.srcBase + s * p.localExperts,
+                      p.combSend + record * rowBytes, stage[gs.group], gs.g);
+    }
+  }
 }
 
-// Grid: maxTokens CTAs, one per token; tokens past the live count exit.
+// Grid: p.ctas CTAs; each group sums one token's partials at a time.
 __global__ void __launch_bounds__(kThreads) moeCombineFinalKernel(const __grid_constant__ MoeParams p) {
   const MoeStamp stamp(p, MoeKernel::kCombineFinal);
-  const int t = static_cast<int>(blockIdx.x);
-  if (t >= *p.liveTokens) return;
+  __shared__ const uint4* parts[kGroups][kMaxRanks];
+  const MoeGroupSlice gs = moeGroupSlice();
   const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.hidden) * 2;
-  __shared__ const uint4* parts[kMaxRanks];
-  moeFinalToken(
-      p, t,
-      [&](int r) -> const char* {
-        const int i = p.tokRankIdx[static_cast<std::uint64_t>(t) * p.numRanks + r];
-        return i < 0 ? nullptr : p.combRecv + (static_cast<std::uint64_t>(r) * p.maxTokens + i) * rowBytes;
-      },
-      parts, MoeGroup{static_cast<int>(threadIdx.x), kThreads, 0});
+  const int T = *p.liveTokens;
+  for (int t = gs.first; t < T; t += gs.stride) {
+    moeFinalToken(
+        p, t,
+        [&](int r) -> const char* {
+          const int i = p.tokRankIdx[static_cast<std::uint64_t>(t) * p.numRanks + r];
+          return i < 0 ? nullptr : p.combRecv + (static_cast<std::uint64_t>(r) * p.maxTokens + i) * rowBytes;
+        },
+        parts[gs.group], gs.g);
+  }
 }
 
 }  // namespace
 
 cudaError_t launchMoeCombineReduce(const MoeParams& p, cudaStream_t stream) {
-  const unsigned long long blocks = static_cast<unsigned long long>(p.numRanks) * p.maxTokens;
-  if (blocks == 0 || blocks > 0x7fffffffull) return cudaErrorInvalidValue;
-  moeCombineReduceKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
+  if (p.ctas < 1) return cudaErrorInvalidValue;
+  moeCombineReduceKernel<<<static_cast<unsigned>(p.ctas), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
 cudaError_t launchMoeCombineFinal(const MoeParams& p, cudaStream_t stream) {
-  moeCombineFinalKernel<<<static_cast<unsigned>(p.maxTokens), kThreads, 0, stream>>>(p);
+  if (p.ctas < 1) return cudaErrorInvalidValue;
+  moeCombineFinalKernel<<<static_cast<unsigned>(p.ctas), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -6,13 +6,17 @@
 namespace graphep {
 namespace {
 
-constexpr int kThreads = 128;  // pack / expand: one CTA per record
+constexpr int kThreads = kMoeThreads;  // pack / expand: kGroups records per CTA at a time
+constexpr int kGroups = kThreads / kMoeGroupThreads;
 constexpr int kOffsetsThreads = 256;
 
-// Grid: maxTokens + 1 CTAs. CTA t < T writes token t's record for every rank it goes to; the last
-// CTA writes the count messages and the movers' send counts (it runs whatever T is).
+// Grid: p.ctas CTAs. Each group writes one token's record for every rank it goes to (the row read
+// once) at a time; the last CTA also writes the count messages and the movers' send counts.
 __global__ void __launch_bounds__(kThreads) moePackKernel(const __grid_constant__ MoeParams p) {
   const MoeStamp stamp(p, MoeKernel::kPack);
+  __shared__ char* dst[kGroups][kMaxRanks];
+  __shared__ int dstRank[kGroups][kMaxRanks];
+  __shared__ int ndst[kGroups];
   const int tid = static_cast<int>(threadIdx.x);
   if (blockIdx.x == gridDim.x - 1) {
     const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.hidden) * 2;
@@ -24,25 +28,26 @@ __global__ void __launch_bounds__(kThreads) moePackKernel(const __grid_constant_
       msg[0] = rows;
       for (int j = 0; j < p.localExperts; ++j) msg[1 + j] = p.expertCount[r * p.localExperts + j];
     }
-    return;
   }
-  const int t = static_cast<int>(blockIdx.x);
-  if (t >= *p.liveTokens) return;
-  __shared__ char* dst[kMaxRanks];
-  __shared__ int dstRank[kMaxRanks];
-  __shared__ int n;
-  if (tid == 0) {
-    n = 0;
-    for (int r = 0; r < p.numRanks; ++r) {
-      const int i = p.tokRankIdx[static_cast<std::uint64_t>(t) * p.numRanks + r];
-      if (i < 0) continue;
-      dst[n] = p.recSend + (static_cast<std::uint64_t>(r) * p.maxTokens + i) * p.recBytes;
-      dstRank[n++] = r;
+  const MoeGroupSlice gs = moeGroupSlice();
+  const int T = *p.liveTokens;
+  for (int t = gs.first; t < T; t += gs.stride) {
+    if (gs.g.tid == 0) {
+      int n = 0;
+      for (int r = 0; r < p.numRanks; ++r) {
+        const int i = p.tokRankIdx[static_cast<std::uint64_t>(t) * p.numRanks + r];
+        if (i < 0) continue;
+        dst[gs.group][n] = p.recSend + (static_cast<std::uint64_t>(r) * p.maxTokens + i) * p.recBytes;
+        dstRank[gs.group][n++] = r;
+      }
+      ndst[gs.group] = n;
     }
+    gs.g.sync();
+    const std::int32_t* entryIdx = p.entryIdx + static_cast<std::uint64_t>(t) * p.topK;
+    moeWriteRecords(p, t, dst[gs.group], dstRank[gs.group], ndst[gs.group], [&](int k) { return entryIdx[k]; },
+                    gs.g);
+    gs.g.sync();  // dst is rewritten for the next token
   }
-  __syncthreads();
-  const std::int32_t* entryIdx = p.entryIdx + static_cast<std::uint64_t>(t) * p.topK;
-  moeWriteRecords(p, t, dst, dstRank, n, [&](int k) { return entryIdx[k]; }, MoeGroup{tid, kThreads, 0});
 }
 
 // One CTA: the receive layout from the received count messages (moePublishLayout), and the
@@ -66,24 +71,27 @@ __global__ void __launch_bounds__(kOffsetsThreads) moeOffsetsKernel(const __grid
   }
 }
 
-// Grid: R * maxTokens CTAs, one per (source, record); records past the source's count exit. Each
-// slot of a record puts a copy of its row at srcBase[source][expert] + index (dropped and counted
-// past the capacity).
+// Grid: p.ctas CTAs; each group expands one received record at a time (source-major). Each slot of
+// a record puts a copy of its row at srcBase[source][expert] + index (dropped and counted past the
+// capacity).
 __global__ void __launch_bounds__(kThreads) moeExpandKernel(const __grid_constant__ MoeParams p) {
   const MoeStamp stamp(p, MoeKernel::kExpand);
-  const int tid = static_cast<int>(threadIdx.x);
-  const int s = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.maxTokens));
-  const int i = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.maxTokens));
-  if (s >= p.numRanks || i >= p.recvRows[s]) return;
-  const char* rec = p.recRecv + (static_cast<std::uint64_t>(s) * p.maxTokens + i) * p.recBytes;
-  __shared__ MoeSlotStage stage;
-  moeExpandRecord(p, s, rec, p.srcBase + s * p.localExperts, stage, MoeGroup{tid, kThreads, 0});
+  __shared__ MoeSlotStage stage[kGroups];
+  const MoeGroupSlice gs = moeGroupSlice();
+  for (int s = 0; s < p.numRanks; ++s) {
+    const char* recs = p.recRecv + static_cast<std::uint64_t>(s) * p.maxTokens * p.recBytes;
+    for (int i = gs.first; i < p.recvRows[s]; i += gs.stride) {
+      moeExpandRecord(p, s, recs + static_cast<std::uint64_t>(i) * p.recBytes, p.srcBase + s * p.localExperts,
+                      stage[gs.group], gs.g);
+    }
+  }
 }
 
 }  // namespace
 
 cudaError_t launchMoePack(const MoeParams& p, cudaStream_t stream) {
-  moePackKernel<<<static_cast<unsigned>(p.maxTokens) + 1, kThreads, 0, stream>>>(p);
+  if (p.ctas < 1) return cudaErrorInvalidValue;
+  moePackKernel<<<static_cast<unsigned>(p.ctas), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -93,9 +101,8 @@ cudaError_t launchMoeOffsets(const MoeParams& p, cudaStream_t stream) {
 }
 
 cudaError_t launchMoeExpand(const MoeParams& p, cudaStream_t stream) {
-  const unsigned long long blocks = static_cast<unsigned long long>(p.numRanks) * p.maxTokens;
-  if (blocks == 0 || blocks > 0x7fffffffull) return cudaErrorInvalidValue;
-  moeExpandKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
+  if (p.ctas < 1) return cudaErrorInvalidValue;
+  moeExpandKernel<<<static_cast<unsigned>(p.ctas), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

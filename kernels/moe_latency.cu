@@ -1,6 +1,6 @@
 // MoE latency-path kernel family (see kernels/moe.h), launchers below: one kernel per operation,
 // no count round trip before the payload. Every CTA is first a sender, then a receiver; a CTA of
-// kMoeLatencyThreads works on kGroups records (or tokens) at once, one per group of kGroupThreads.
+// kMoeLatencyThreads works on kGroups records (or tokens) at once, one per group of kMoeGroupThreads.
 //
 //   dispatch  send     every CTA routes all T x K entries in shared memory (a bit per token for
 //                      each expert and each destination: indices are popcounts); the CTAs split
@@ -29,11 +29,9 @@ namespace graphep {
 namespace {
 
 constexpr int kThreads = kMoeLatencyThreads;
-constexpr int kGroupThreads = 128;
-constexpr int kGroups = kThreads / kGroupThreads;
+constexpr int kGroups = kThreads / kMoeGroupThreads;
 constexpr int kWarps = kThreads / 32;
-constexpr int kCombineThreads = kThreads;
-constexpr int kCombineGroups = kGroups;
+
 
 __device__ __forceinline__ std::uint64_t llSlot(const MoeParams& p, int parity, int src, int i,
                                                 std::uint64_t bytes) {
@@ -149,10 +147,9 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
   const int tid = static_cast<int>(threadIdx.x);
   const int K = p.topK, R = p.numRanks, L = p.localExperts, E = p.numExperts;
   const int W = (p.maxTokens + 31) / 32;
-  const int group = tid / kGroupThreads;
-  const MoeGroup g{tid % kGroupThreads, kGroupThreads, 1 + group};
-  const int firstItem = static_cast<int>(blockIdx.x) * kGroups + group;
-  const int items = static_cast<int>(gridDim.x) * kGroups;
+  const MoeGroupSlice gs = moeGroupSlice();
+  const int group = gs.group, firstItem = gs.first, items = gs.stride;
+  const MoeGroup g = gs.g;
   const std::uint32_t step = p.llSteps[0];
   const int parity = static_cast<int>(step & 1u);
   const std::uint32_t arrived = (step + 1u) * gridDim.x;  // every CTA of every rank, this step
@@ -309,14 +306,13 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
   if (lastBlock(&p.llDone[0]) && tid == 0) p.llSteps[0] = step + 1u;
 }
 
-__global__ void __launch_bounds__(kCombineThreads) moeLatencyCombineKernel(const __grid_constant__ MoeParams p) {
-  __shared__ MoeSlotStage stages[kCombineGroups];
-  __shared__ const uint4* parts[kCombineGroups][kMaxRanks];
+__global__ void __launch_bounds__(kThreads) moeLatencyCombineKernel(const __grid_constant__ MoeParams p) {
+  __shared__ MoeSlotStage stages[kGroups];
+  __shared__ const uint4* parts[kGroups][kMaxRanks];
   const int tid = static_cast<int>(threadIdx.x);
-  const int group = tid / kGroupThreads;
-  const MoeGroup g{tid % kGroupThreads, kGroupThreads, 1 + group};
-  const int firstItem = static_cast<int>(blockIdx.x) * kCombineGroups + group;
-  const int items = static_cast<int>(gridDim.x) * kCombineGroups;
+  const MoeGroupSlice gs = moeGroupSlice();
+  const int group = gs.group, firstItem = gs.first, items = gs.stride;
+  const MoeGroup g = gs.g;
   const int R = p.numRanks;
   const std::uint32_t cstep = p.llSteps[1];
   const int cparity = static_cast<int>(cstep & 1u);
@@ -369,7 +365,7 @@ cudaError_t launchMoeLatencyDispatch(const MoeParams& p, cudaStream_t stream) {
 
 cudaError_t launchMoeLatencyCombine(const MoeParams& p, cudaStream_t stream) {
   if (p.llCtas < 1) return cudaErrorInvalidValue;
-  moeLatencyCombineKernel<<<static_cast<unsigned>(p.llCtas), kCombineThreads, 0, stream>>>(p);
+  moeLatencyCombineKernel<<<static_cast<unsigned>(p.llCtas), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -385,7 +381,7 @@ cudaError_t moeLatencyCtasPerSm(std::uint32_t smemBytes, int* ctas) {
   int d = 0, c = 0;
   cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&d, moeLatencyDispatchKernel, kThreads, smemBytes);
   if (e != cudaSuccess) return e;
-  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&c, moeLatencyCombineKernel, kCombineThreads, 0);
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&c, moeLatencyCombineKernel, kThreads, 0);
   if (e != cudaSuccess) return e;
   *ctas = d < c ? d : c;
   return cudaSuccess;

@@ -1,104 +1,129 @@
-// MoE routing kernel family (see kernels/moe.h), its launcher below.
+// MoE routing kernel family of the throughput path (see kernels/moe.h), its launcher below. Three
+// grid-stride kernels of p.ctas CTAs after a memset of the scratch:
 //
-// Grid: E + R CTAs. CTA e < E scans the flattened [T, K] ids for expert e: each matching entry gets
-// its index among them (entry order = token-major, so rows stay in token order) and the CTA writes
-// the count. CTA E + r scans the tokens for those with at least one valid expert on rank r: each
-// gets its index in rank r's record list (-1 otherwise), and the CTA writes the count. CTA 0 also
-// clamps the live token count and counts invalid ids.
-#include <cub/block/block_scan.cuh>
-
+//   bits    every (token, k) entry: its bit in the expert's row and in the destination rank's row,
+//           its count in the expert's 32-token block; invalid ids counted; CTA 0 clamps the live
+//           token count.
+//   prefix  one warp per row: entries (tokens, for rank rows) before each 32-token block, and the
+//           row's total (expertCount, rankCount).
+//   assign  each entry's index within its expert's entries from this rank (token-major order, so
+//           rows stay in token order): the block's prefix plus the entries before it in the block
+//           (a popcount, or an exact count when some token holds an expert twice); each token's
+//           index in each destination rank's record list, or -1.
 #include "kernels/common/moe.cuh"
 
 namespace graphep {
 namespace {
 
-constexpr int kThreads = 512;
-constexpr int kItems = 8;  // consecutive entries per thread per pass
-using Scan = cub::BlockScan<int, kThreads>;
+constexpr int kThreads = kMoeThreads;
+constexpr int kWarps = kThreads / 32;
 
-__device__ bool tokenGoesTo(const MoeParams& p, int t, int r) {
-  for (int k = 0; k < p.topK; ++k) {
-    const long long id = moeReadId(p, static_cast<std::uint64_t>(t) * p.topK + k);
-    if (moeValidId(p, id) && id / p.localExperts == r) return true;
+__device__ __forceinline__ int gridThread() { return static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x); }
+__device__ __forceinline__ int gridThreads() { return static_cast<int>(gridDim.x * blockDim.x); }
+
+__global__ void __launch_bounds__(kThreads) moeRouteBitsKernel(const __grid_constant__ MoeParams p) {
+  const MoeStamp stamp(p, MoeKernel::kRoute);
+  const int T = moeLiveTokens(p, blockIdx.x == 0 && threadIdx.x == 0);
+  const int W = static_cast<int>(moeRouteWords(p.maxTokens)), E = p.numExperts, K = p.topK;
+  for (int i = gridThread(); i < T * K; i += gridThreads()) {
+    const long long id = moeReadId(p, static_cast<std::uint64_t>(i));
+    if (!moeValidId(p, id)) {
+      if (id != -1) moeReportInvalidId(p, id, i / K, i % K);
+      continue;
+    }
+    const int t = i / K, w = t >> 5;
+    const std::uint32_t bit = 1u << (t & 31);
+    if (atomicOr(&p.routeBits[id * W + w], bit) & bit) atomicExch(p.routeDup, 1u);
+    atomicAdd(&p.routeCount[id * W + w], 1u);
+    atomicOr(&p.routeBits[(E + id / p.localExperts) * W + w], bit);
   }
-  return false;
 }
 
-__global__ void __launch_bounds__(kThreads) moeRouteKernel(const __grid_constant__ MoeParams p) {
+__global__ void __launch_bounds__(kThreads) moeRoutePrefixKernel(const __grid_constant__ MoeParams p) {
   const MoeStamp stamp(p, MoeKernel::kRoute);
-  __shared__ typename Scan::TempStorage temp;
-  const int tid = static_cast<int>(threadIdx.x);
-  const int T = moeLiveTokens(p, blockIdx.x == 0 && tid == 0);
-  // One pass of kThreads * kItems entries: pred(i) for i < n; returns through `assign` the index of
-  // each matching entry (running + its rank among the matches) and advances `running`.
-  int running = 0;
-  auto scanPass = [&](std::uint64_t base, std::uint64_t n, auto pred, auto assign) {
-    bool hit[kItems];
-    int c = 0;
+  const int W = static_cast<int>(moeRouteWords(p.maxTokens)), E = p.numExperts;
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int firstWarp = static_cast<int>(blockIdx.x) * kWarps + static_cast<int>(threadIdx.x) / 32;
+  for (int row = firstWarp; row < E + p.numRanks; row += static_cast<int>(gridDim.x) * kWarps) {
+    std::uint32_t carry = 0;
+    for (int w0 = 0; w0 < W; w0 += 32) {
+      const int w = w0 + lane;
+      std::uint32_t v = 0;
+      if (w < W) v = row < E ? p.routeCount[row * W + w] : static_cast<std::uint32_t>(__popc(p.routeBits[row * W + w]));
+      std::uint32_t incl = v;
 #pragma unroll
-    for (int u = 0; u < kItems; ++u) {
-      const std::uint64_t i = base + static_cast<std::uint64_t>(tid) * kItems + u;
-      hit[u] = i < n && pred(i);
-      c += hit[u] ? 1 : 0;
+      for (int o = 1; o < 32; o <<= 1) {
+        const std::uint32_t y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += y;
+      }
+      if (w < W) p.routePrefix[row * W + w] = carry + incl - v;
+      carry += __shfl_sync(0xffffffffu, incl, 31);
     }
-    int off = 0, agg = 0;
-    Scan(temp).ExclusiveSum(c, off, agg);
-    int idx = running + off;
-#pragma unroll
-    for (int u = 0; u < kItems; ++u) {
-      const std::uint64_t i = base + static_cast<std::uint64_t>(tid) * kItems + u;
-      if (i < n) assign(i, hit[u] ? idx : -1);
-      if (hit[u]) ++idx;
-    }
-    running += agg;
-    __syncthreads();  // temp is reused by the next pass
-  };
-
-  const int E = p.numExperts;
-  if (static_cast<int>(blockIdx.x) < E) {
-    const long long e = blockIdx.x;
-    const std::uint64_t n = static_cast<std::uint64_t>(T) * p.topK;
-    for (std::uint64_t base = 0; base < n; base += kThreads * kItems) {
-      scanPass(
-          base, n, [&](std::uint64_t i) { return moeReadId(p, i) == e; },
-          [&](std::uint64_t i, int idx) {
-            if (idx >= 0) p.entryIdx[i] = idx;
-          });
-    }
-    if (tid == 0) p.expertCount[e] = static_cast<std::uint32_t>(running);
-    if (blockIdx.x == 0) {
-      for (std::uint64_t i = tid; i < n; i += kThreads) {
-        const long long id = moeReadId(p, i);
-        if (id < -1 || id >= E) {
-          moeReportInvalidId(p, id, static_cast<int>(i / p.topK), static_cast<int>(i % p.topK));
-        }
+    if (lane == 0) {
+      if (row < E) {
+        p.expertCount[row] = carry;
+      } else {
+        p.rankCount[row - E] = carry;
       }
     }
-  } else {
-    const int r = static_cast<int>(blockIdx.x) - E;
-    for (std::uint64_t base = 0; base < static_cast<std::uint64_t>(T); base += kThreads * kItems) {
-      scanPass(
-          base, static_cast<std::uint64_t>(T),
-          [&](std::uint64_t t) { return tokenGoesTo(p, static_cast<int>(t), r); },
-          [&](std::uint64_t t, int idx) { p.tokRankIdx[t * p.numRanks + r] = idx; });
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) moeRouteAssignKernel(const __grid_constant__ MoeParams p) {
+  const MoeStamp stamp(p, MoeKernel::kRoute);
+  const int T = *p.liveTokens;
+  const int W = static_cast<int>(moeRouteWords(p.maxTokens)), E = p.numExperts, K = p.topK, R = p.numRanks;
+  const bool dup = *p.routeDup != 0;
+  for (int i = gridThread(); i < T * K; i += gridThreads()) {
+    const long long id = moeReadId(p, static_cast<std::uint64_t>(i));
+    if (!moeValidId(p, id)) continue;
+    const int t = i / K, k = i % K, w = t >> 5;
+    const std::uint32_t below = p.routeBits[id * W + w] & ((1u << (t & 31)) - 1u);
+    int idx = static_cast<int>(p.routePrefix[id * W + w]);
+    if (!dup) {
+      idx += __popc(below);
+    } else {  // exact: the entries of this expert in the block's earlier tokens and earlier slots
+      for (std::uint32_t m = below; m != 0; m &= m - 1) {
+        const int u = (w << 5) + __ffs(m) - 1;
+        for (int kk = 0; kk < K; ++kk) idx += moeReadId(p, static_cast<std::uint64_t>(u) * K + kk) == id;
+      }
+      for (int kk = 0; kk < k; ++kk) idx += moeReadId(p, static_cast<std::uint64_t>(t) * K + kk) == id;
     }
-    if (tid == 0) p.rankCount[r] = static_cast<std::uint32_t>(running);
+    p.entryIdx[i] = idx;
+  }
+  for (int n = gridThread(); n < T * R; n += gridThreads()) {
+    const int t = n / R, r = n % R, w = t >> 5;
+    const std::uint32_t bits = p.routeBits[(E + r) * W + w];
+    p.tokRankIdx[n] = (bits >> (t & 31)) & 1u
+                          ? static_cast<int>(p.routePrefix[(E + r) * W + w]) + __popc(bits & ((1u << (t & 31)) - 1u))
+                          : -1;
   }
 }
 
 }  // namespace
 
 cudaError_t launchMoeRoute(const MoeParams& p, cudaStream_t stream) {
-  if (p.numExperts < 1 || p.numRanks < 1 || p.topK < 1 || p.topK > kMoeMaxTopK) {
+  if (p.numExperts < 1 || p.numRanks < 1 || p.topK < 1 || p.topK > kMoeMaxTopK || p.ctas < 1) {
     return cudaErrorInvalidValue;
   }
-  moeRouteKernel<<<p.numExperts + p.numRanks, kThreads, 0, stream>>>(p);
+  cudaError_t e = cudaMemsetAsync(p.routeBits, 0, p.routeZeroBytes, stream);
+  if (e != cudaSuccess) return e;
+  const unsigned grid = static_cast<unsigned>(p.ctas);
+  moeRouteBitsKernel<<<grid, kThreads, 0, stream>>>(p);
+  moeRoutePrefixKernel<<<grid, kThreads, 0, stream>>>(p);
+  moeRouteAssignKernel<<<grid, kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
 cudaError_t preloadMoeRouteKernels() {
   cudaFuncAttributes a{};
-  return cudaFuncGetAttributes(&a, moeRouteKernel);
+  for (const void* f : {reinterpret_cast<const void*>(moeRouteBitsKernel),
+                        reinterpret_cast<const void*>(moeRoutePrefixKernel),
+                        reinterpret_cast<const void*>(moeRouteAssignKernel)}) {
+    const cudaError_t e = cudaFuncGetAttributes(&a, f);
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
 }
 
 }  // namespace graphep

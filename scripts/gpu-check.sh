@@ -73,6 +73,9 @@ timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-60} \
 timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-60} \
   "$build/bench/graphep-bench" moe -b 128 -e 128 --path throughput -n 10 -w 3 ${GRAPHEP_BENCH_ARGS:-} \
   >>"$out/bench_moe.log" 2>&1 || { echo "moe bench (throughput at 128) failed (rc=$?)"; status=1; }
+timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-60} \
+  "$build/bench/graphep-bench" moe -b 4096 -e 4096 --sms 24 -n 10 -w 3 --profile ${GRAPHEP_BENCH_ARGS:-} \
+  2>&1 | sed "s/^  moe /  moe sms=24 /" >>"$out/bench_moe.log" || { echo "moe bench (4096, --sms 24) failed"; status=1; }
 for sms in 8 16 32 64; do  # the latency path's CTAs per kernel (default 24)
   timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-60} \
     "$build/bench/graphep-bench" moe -b 128 -e 128 --sms $sms -n 10 -w 3 --profile ${GRAPHEP_BENCH_ARGS:-} \

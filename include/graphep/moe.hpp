@@ -47,9 +47,10 @@ struct MoeConfig {
   // alignment padding; smaller values are allowed and rows past them are dropped and counted.
   long long recvCapacity = 0;
   int expertAlignment = 1;  // each local expert's rows start at a multiple of this
-  // CTAs the engine may use: on the throughput path the data movers' channels per peer (0: 32);
-  // on the latency path the CTAs of each kernel (0: 24; lowered when ranks share a GPU, so that
-  // all their CTAs are resident at once).
+  // CTAs (SMs) each engine kernel may use: on the throughput path the CTAs of each routing /
+  // layout / reduce kernel and the data movers' channels per peer (0: one per SM, and 32
+  // channels); on the latency path the CTAs of each kernel (0: 24; lowered when ranks share a GPU,
+  // so that all their CTAs are resident at once).
   int smBudget = 0;
   // Trap (kill the kernel) on bad input instead of counting it.
   bool strict = false;

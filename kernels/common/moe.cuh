@@ -169,6 +169,19 @@ struct MoeGroup {
   }
 };
 
+// This thread's group of kMoeGroupThreads in a grid working on items (records, tokens) one per
+// group at a time: the group's index in its CTA, its first item and the stride over items.
+struct MoeGroupSlice {
+  int group, first, stride;
+  MoeGroup g;
+};
+__device__ __forceinline__ MoeGroupSlice moeGroupSlice() {
+  const int tid = static_cast<int>(threadIdx.x), group = tid / kMoeGroupThreads;
+  const int perCta = static_cast<int>(blockDim.x) / kMoeGroupThreads;
+  return MoeGroupSlice{group, static_cast<int>(blockIdx.x) * perCta + group, static_cast<int>(gridDim.x) * perCta,
+                       MoeGroup{tid % kMoeGroupThreads, kMoeGroupThreads, 1 + group}};
+}
+
 // A record's slots resolved to recv_x rows, in slot order (deterministic sums); one per group, in
 // shared memory.
 struct MoeSlotStage {
