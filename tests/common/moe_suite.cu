@@ -81,6 +81,11 @@ Inputs makeInputs(const MoeCase& c, int R, int rank, int T, std::uint64_t seed) 
     for (int k = 0; k < K && k < static_cast<int>(p.size()); ++k) {
       in.idx[static_cast<std::size_t>(t) * K + k] = p[static_cast<std::size_t>(k)];
     }
+    if (c.routing == Routing::kDuplicates && K >= 2 && rng() % 2 == 0) {
+      const std::size_t b = static_cast<std::size_t>(t) * K;
+      in.idx[b + 1] = in.idx[b];
+      if (K >= 4 && rng() % 2 == 0) in.idx[b + 3] = in.idx[b];
+    }
     if (c.routing == Routing::kInvalidMixed) {
       const int k = static_cast<int>(rng() % static_cast<unsigned>(K));
       const long long bad[] = {-1, -2, E, E + 5, -1000, 1ll << 40};
@@ -545,6 +550,18 @@ std::vector<MoeCase> standardMoeCases(int R, bool large) {
     c.tokens = {64};
     cases.push_back(c);
   }
+  {  // a token naming one expert in several slots: one row per slot, in (token, slot) order
+    MoeCase c = base(64, 128, 4 * R, 4);
+    c.routing = Routing::kDuplicates;
+    c.tokens = {64, 45};
+    cases.push_back(c);
+  }
+  {  // a budget of 3 CTAs per kernel: every group loops over many records and tokens
+    MoeCase c = base(64, 256, 2 * R, 2);
+    c.cfg.smBudget = 3;
+    c.tokens = {64, 23};
+    cases.push_back(c);
+  }
   {  // fp8 at a wider row
     MoeCase c = base(64, 2048, 4 * R, 4);
     c.cfg.dispatchType = DType::kFp8E4m3;
@@ -584,6 +601,10 @@ std::vector<MoeCase> standardMoeCases(int R, bool large) {
     MoeCase p = base(512, 2048, 16, 2);
     p.routing = Routing::kSkewed;
     p.tokens = {512};
+    cases.push_back(p);
+    p = base(512, 256, 16, 4);  // duplicates across 16 32-token blocks
+    p.routing = Routing::kDuplicates;
+    p.tokens = {512, 300};
     cases.push_back(p);
   }
   return cases;

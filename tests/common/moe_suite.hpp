@@ -24,6 +24,7 @@ enum class Routing {
   kRankEmpty,      // no token picks an expert of the last rank
   kAllMasked,      // every entry is -1
   kInvalidMixed,   // uniform, with some entries -1 and some outside [-1, E)
+  kDuplicates,     // uniform, but about half the tokens name one expert in two or three slots
 };
 
 struct MoeCase {
