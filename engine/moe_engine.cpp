@@ -11,6 +11,7 @@
 #include "engine/heap.hpp"
 #include "engine/log.hpp"
 #include "engine/movers.hpp"
+#include "engine/platform.hpp"
 #include "engine/topology.hpp"
 #include "kernels/moe.h"
 
@@ -23,18 +24,7 @@ constexpr std::size_t kEngineSlotBytes = std::size_t{256} << 10;
 
 std::size_t alignUp(std::size_t v, std::size_t a) { return (v + a - 1) / a * a; }
 
-// Restores the caller's current device when it goes out of scope.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    GRAPHEP_CUDA_CHECK(cudaGetDevice(&saved_));
-    if (saved_ != device) GRAPHEP_CUDA_CHECK(cudaSetDevice(device));
-  }
-  ~DeviceGuard() { cudaSetDevice(saved_); }
-
- private:
-  int saved_ = 0;
-};
+using detail::DeviceGuard;
 
 // A pointer the kernels dereference must be device memory of this rank's GPU (or managed).
 void requireDevicePointer(const void* p, int device, const char* what) {
@@ -480,6 +470,7 @@ Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Engine::~Engine() = default;
 
 int Engine::rank() const { return impl_->p.rank; }
+int Engine::device() const { return impl_->device; }
 int Engine::worldSize() const { return impl_->p.numRanks; }
 MoePath Engine::path() const { return impl_->path; }
 const MoeConfig& Engine::config() const { return impl_->cfg; }

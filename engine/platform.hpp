@@ -5,6 +5,9 @@
 
 #include <cuda.h>
 #include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+
+#include "engine/error.hpp"
 
 namespace graphep::detail {
 
@@ -20,5 +23,20 @@ const DriverApi& driver();
 
 // Name of a driver error ("CUDA_ERROR_INVALID_VALUE"), or "CUresult <n>" when unresolvable.
 const char* driverErrorName(CUresult err) noexcept;
+
+// Makes `device` current and restores the caller's current device when it goes out of scope.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    GRAPHEP_CUDA_CHECK(cudaGetDevice(&saved_));
+    if (saved_ != device) GRAPHEP_CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~DeviceGuard() { cudaSetDevice(saved_); }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int saved_ = 0;
+};
 
 }  // namespace graphep::detail

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <graphep/comm.hpp>
+#include <graphep/graph.hpp>
 #include <graphep/moe.hpp>
 #include <graphep/status.hpp>
 #include <graphep/types.hpp>

@@ -142,6 +142,7 @@ class Engine {
 
   int rank() const;
   int worldSize() const;
+  int device() const;  // this rank's CUDA device
   MoePath path() const;  // the path chosen at setup (never kAuto)
   const MoeConfig& config() const;
   // Bytes of this rank's symmetric heap (staging, flags and the receive buffers peers write).

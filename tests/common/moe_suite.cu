@@ -29,7 +29,7 @@ __host__ __device__ inline float yValue(int s, int t, int k, int h) {
 
 // A stand-in expert: each received row r of local expert j gets y(rowSrcRank, rowSrcToken,
 // rowTopkSlot) (reading the dispatch metadata, as a real expert reads its counts and offsets).
-__global__ void fakeExpertKernel(DispatchLayout v, int L) {
+__global__ void fakeExpertKernel(DispatchLayout v, int L, float scale) {
   const long long row = blockIdx.x;
   if (row >= v.capacity) return;
   bool live = false;
@@ -40,7 +40,7 @@ __global__ void fakeExpertKernel(DispatchLayout v, int L) {
   const int s = v.rowSrcRank[row], t = v.rowSrcToken[row], k = v.rowTopkSlot[row];
   auto* y = static_cast<__nv_bfloat16*>(v.expertOutput) + row * v.hidden;
   for (int h = static_cast<int>(threadIdx.x); h < v.hidden; h += static_cast<int>(blockDim.x)) {
-    y[h] = __float2bfloat16_rn(yValue(s, t, k, h));
+    y[h] = __float2bfloat16_rn(yValue(s, t, k, h) * scale);
   }
 }
 
@@ -233,8 +233,9 @@ class MoeFixture {
   Engine& engine(int l) { return *engines_[static_cast<std::size_t>(l)]; }
   RankBuffers& buf(int l) { return bufs_[static_cast<std::size_t>(l)]; }
 
-  // Uploads this rank's inputs and poisons every output (outside any graph).
-  void prepare(int l, const Inputs& in) {
+  // Uploads this rank's inputs and poisons every output (outside any graph). `numTokens`: where
+  // the live count goes (nullptr: the rank's own scalar; a bucket graph reads its fixed one).
+  void prepare(int l, const Inputs& in, int* numTokens = nullptr) {
     const MoeConfig& g = c_.cfg;
     RankBuffers& b = buf(l);
     GRAPHEP_CUDA_CHECK(cudaSetDevice(comm_.device(l)));
@@ -247,7 +248,7 @@ class MoeFixture {
       GRAPHEP_CUDA_CHECK(cudaMemcpy(b.idx, v.data(), n * 4, cudaMemcpyHostToDevice));
     }
     GRAPHEP_CUDA_CHECK(cudaMemcpy(b.w, in.w.data(), n * 4, cudaMemcpyHostToDevice));
-    GRAPHEP_CUDA_CHECK(cudaMemcpy(b.numTokens, &in.T, 4, cudaMemcpyHostToDevice));
+    GRAPHEP_CUDA_CHECK(cudaMemcpy(numTokens != nullptr ? numTokens : b.numTokens, &in.T, 4, cudaMemcpyHostToDevice));
     const DispatchLayout& v = engine(l).layout();
     const std::size_t cap = static_cast<std::size_t>(v.capacity);
     const bool fp8 = g.dispatchType == DType::kFp8E4m3;
@@ -272,12 +273,31 @@ class MoeFixture {
     a.topkWeights = b.w;
     a.numTokens = b.numTokens;
     const DispatchLayout& v = engine(l).dispatch(a, s);
-    fakeExpertKernel<<<static_cast<unsigned>(v.capacity), 128, 0, s>>>(v, v.numLocalExperts);
-    GRAPHEP_CUDA_CHECK(cudaGetLastError());
+    expert(v, s, 1.0f);
     CombineArgs ca;
     ca.out = b.out;
     engine(l).combine(ca, s);
   }
+
+  // The stand-in expert on `s`: y = yValue x scale (a power of two: exact in bf16).
+  static void expert(const DispatchLayout& v, cudaStream_t s, float scale) {
+    fakeExpertKernel<<<static_cast<unsigned>(v.capacity), 128, 0, s>>>(v, v.numLocalExperts, scale);
+    GRAPHEP_CUDA_CHECK(cudaGetLastError());
+  }
+
+  DispatchArgs dispatchArgs(int l, const int* numTokens) {
+    RankBuffers& b = buf(l);
+    DispatchArgs a;
+    a.x = b.x;
+    a.topkIdx = b.idx;
+    a.indexType = c_.indexType;
+    a.topkWeights = b.w;
+    a.numTokens = numTokens != nullptr ? numTokens : b.numTokens;
+    return a;
+  }
+
+  // The expert outputs the next checks expect: yValue x scale.
+  void setYScale(float scale) { yScale_ = scale; }
 
   void syncAll() {
     for (int l = 0; l < L(); ++l) {
@@ -379,7 +399,7 @@ class MoeFixture {
           const int d = static_cast<int>(e / Lx);
           const long long pos = dest[static_cast<std::size_t>(d)].posOf[(static_cast<std::size_t>(r) * Tm + t) * K + k];
           if (pos < 0) continue;  // dropped at the destination
-          const double term = static_cast<double>(mine.w[static_cast<std::size_t>(t) * K + k]) * yValue(r, t, k, h);
+          const double term = static_cast<double>(mine.w[static_cast<std::size_t>(t) * K + k]) * yValue(r, t, k, h) * yScale_;
           sum += term;
           mag += std::fabs(term);
         }
@@ -401,6 +421,7 @@ class MoeFixture {
   MoeCase c_;
   std::vector<std::unique_ptr<Engine>> engines_;
   std::vector<RankBuffers> bufs_;
+  float yScale_ = 1.0f;
 };
 
 std::string describeCase(const MoeCase& c) {
@@ -608,6 +629,126 @@ std::vector<MoeCase> standardMoeCases(int R, bool large) {
     cases.push_back(p);
   }
   return cases;
+}
+
+void runMoeGraphSuite(Communicator& comm, MoePath path, int iterations) {
+  MoeCase c;
+  c.cfg.maxTokensPerRank = 64;
+  c.cfg.hidden = 256;
+  c.cfg.numExperts = 4 * comm.worldSize();
+  c.cfg.topK = 2;
+  c.cfg.path = path;
+  SCOPED_TRACE("MoeGraph suite, " + describeCase(c));
+  const int R = comm.worldSize();
+  MoeFixture f(comm, c);
+  const std::vector<int> buckets = {1, 8, 33, 64};
+  enum Kind { kCallback, kChild, kBucket0, kBucket1, kBucket2, kBucket3, kPair, kUserGlobal, kUserThreadLocal,
+              kUserRelaxed, kKinds };
+  const cudaStreamCaptureMode userModes[] = {cudaStreamCaptureModeGlobal, cudaStreamCaptureModeThreadLocal,
+                                             cudaStreamCaptureModeRelaxed};
+  struct RankGraphs {
+    std::unique_ptr<MoeGraph> callback, child, bucket[4], dispatch, combine;
+    cudaGraphExec_t user[3] = {nullptr, nullptr, nullptr};
+    cudaGraph_t experts[3] = {nullptr, nullptr, nullptr};  // x1 (one node), x2 (one node), x4 (two nodes)
+    int* bucketT[4] = {nullptr, nullptr, nullptr, nullptr};
+  };
+  const float expertScale[3] = {1.0f, 2.0f, 4.0f};
+  std::vector<RankGraphs> g(static_cast<std::size_t>(f.L()));
+  for (int l = 0; l < f.L(); ++l) {
+    RankGraphs& rg = g[static_cast<std::size_t>(l)];
+    Engine& e = f.engine(l);
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    cudaStream_t s = f.buf(l).stream;
+    MoeGraphArgs args;
+    args.dispatch = f.dispatchArgs(l, nullptr);
+    args.out = f.buf(l).out;
+    rg.callback = MoeGraph::capture(e, args, [](const DispatchLayout& v, cudaStream_t st) { MoeFixture::expert(v, st, 1.0f); });
+    for (int x = 0; x < 3; ++x) {
+      GRAPHEP_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+      const DispatchLayout& v = e.layout();
+      if (x == 2) GRAPHEP_CUDA_CHECK(cudaMemsetAsync(v.expertOutput, 0, static_cast<std::size_t>(v.capacity) * v.hidden * 2, s));
+      MoeFixture::expert(v, s, expertScale[x]);
+      GRAPHEP_CUDA_CHECK(cudaStreamEndCapture(s, &rg.experts[x]));
+    }
+    rg.child = MoeGraph::withExpertGraph(e, args, rg.experts[0]);
+    for (int b = 0; b < 4; ++b) {
+      GRAPHEP_CUDA_CHECK(cudaMalloc(&rg.bucketT[b], 4));
+      GRAPHEP_CUDA_CHECK(cudaMemcpy(rg.bucketT[b], &buckets[static_cast<std::size_t>(b)], 4, cudaMemcpyHostToDevice));
+      MoeGraphArgs ba = args;
+      ba.dispatch = f.dispatchArgs(l, rg.bucketT[b]);
+      rg.bucket[b] = MoeGraph::capture(e, ba, [](const DispatchLayout& v, cudaStream_t st) { MoeFixture::expert(v, st, 1.0f); });
+    }
+    rg.dispatch = MoeGraph::dispatchOnly(e, args.dispatch);
+    CombineArgs ca;
+    ca.out = args.out;
+    rg.combine = MoeGraph::combineOnly(e, ca);
+    for (int m = 0; m < 3; ++m) {  // the engine's operations inside the caller's own capture
+      GRAPHEP_CUDA_CHECK(cudaStreamBeginCapture(s, userModes[m]));
+      f.enqueue(l, s);
+      cudaGraph_t ug = nullptr;
+      GRAPHEP_CUDA_CHECK(cudaStreamEndCapture(s, &ug));
+      GRAPHEP_CUDA_CHECK(cudaGraphInstantiate(&rg.user[m], ug, 0));
+      GRAPHEP_CUDA_CHECK(cudaGraphDestroy(ug));
+    }
+  }
+  comm.barrier();
+  std::mt19937 rng(4242);  // the same sequence on every process
+  int expertNow = 0, expectedReinstantiations = 0;
+  for (int it = 0; it < iterations; ++it) {
+    const int kind = it < kKinds ? it : static_cast<int>(rng() % kKinds);
+    if (kind == kChild && it >= kKinds) {  // swap the experts: x1 -> x2 (in place) -> x4 (new topology) -> x1
+      const int next = (expertNow + 1) % 3;
+      if (next == 2 || expertNow == 2) ++expectedReinstantiations;
+      for (int l = 0; l < f.L(); ++l) g[static_cast<std::size_t>(l)].child->setExpertGraph(g[static_cast<std::size_t>(l)].experts[next]);
+      expertNow = next;
+    }
+    const bool bucket = kind >= kBucket0 && kind <= kBucket3;
+    const int T = bucket ? buckets[static_cast<std::size_t>(kind - kBucket0)] : static_cast<int>(rng() % 65);
+    const std::uint64_t seed = 9000 + static_cast<std::uint64_t>(it) * 13;
+    std::vector<Inputs> all;
+    for (int q = 0; q < R; ++q) all.push_back(makeInputs(c, R, q, T, seed));
+    for (int l = 0; l < f.L(); ++l) {
+      f.prepare(l, all[static_cast<std::size_t>(comm.globalRank(l))],
+                bucket ? g[static_cast<std::size_t>(l)].bucketT[kind - kBucket0] : nullptr);
+    }
+    comm.barrier();
+    for (int l = 0; l < f.L(); ++l) {
+      RankGraphs& rg = g[static_cast<std::size_t>(l)];
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+      cudaStream_t s = f.buf(l).stream;
+      switch (kind) {
+        case kCallback: rg.callback->launch(s); break;
+        case kChild: rg.child->launch(s); break;
+        case kPair:
+          rg.dispatch->launch(s);
+          MoeFixture::expert(rg.dispatch->layout(), s, 1.0f);
+          rg.combine->launch(s);
+          break;
+        case kUserGlobal:
+        case kUserThreadLocal:
+        case kUserRelaxed: GRAPHEP_CUDA_CHECK(cudaGraphLaunch(rg.user[kind - kUserGlobal], s)); break;
+        default: rg.bucket[kind - kBucket0]->launch(s); break;
+      }
+    }
+    f.syncAll();
+    f.setYScale(kind == kChild ? expertScale[expertNow] : 1.0f);
+    std::vector<RefLayout> refs;
+    for (int q = 0; q < R; ++q) refs.push_back(refLayout(c, all, q, f.engine(0).layout().capacity));
+    const std::string what = "iteration " + std::to_string(it) + " graph kind " + std::to_string(kind) + " T=" + std::to_string(T);
+    for (int l = 0; l < f.L(); ++l) EXPECT_EQ(f.check(l, all, refs, what), 0) << what;
+    comm.barrier();
+  }
+  for (int l = 0; l < f.L(); ++l) {
+    RankGraphs& rg = g[static_cast<std::size_t>(l)];
+    EXPECT_EQ(rg.child->reinstantiations(), expectedReinstantiations) << "rank " << comm.globalRank(l);
+    const MoeStatus st = f.engine(l).status();
+    EXPECT_TRUE(st.ok()) << st.describe();
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    for (cudaGraphExec_t u : rg.user) cudaGraphExecDestroy(u);
+    for (cudaGraph_t x : rg.experts) cudaGraphDestroy(x);
+    for (int* b : rg.bucketT) cudaFree(b);
+  }
+  comm.barrier();
 }
 
 }  // namespace graphep::test

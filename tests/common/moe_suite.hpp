@@ -12,6 +12,7 @@
 #pragma once
 
 #include <graphep/comm.hpp>
+#include <graphep/graph.hpp>
 #include <graphep/moe.hpp>
 
 #include <vector>
@@ -38,6 +39,13 @@ struct MoeCase {
 };
 
 void runMoeCase(Communicator& comm, const MoeCase& c);
+
+// MoeGraph on one engine per rank: an expert callback graph, an expert child graph swapped in
+// place and across topologies, four bucket graphs (1 / 8 / 33 / 64 live tokens), a dispatch-only +
+// combine-only pair, and the engine's operations captured inside the caller's own capture in
+// global, thread-local and relaxed modes; every kind once, then `iterations` replays in a random
+// interleaving (the same on every process), fresh inputs and a full check each time.
+void runMoeGraphSuite(Communicator& comm, MoePath path, int iterations);
 
 // The case matrix of a configuration: emulated ranks get small shapes, real GPUs the large ones;
 // every small case runs on the latency path (kAuto) and on the throughput path.

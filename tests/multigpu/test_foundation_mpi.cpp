@@ -113,6 +113,13 @@ TEST(Mpi_Moe, ForcedRemoteThroughNccl) {
   }
 }
 
+TEST(Mpi_MoeGraph, BothPaths) {
+  GRAPHEP_REQUIRE_MPI_GPUS();
+  auto comm = createMpiCommunicator(-1, false);
+  runMoeGraphSuite(*comm, MoePath::kAuto, 40);
+  runMoeGraphSuite(*comm, MoePath::kThroughput, 30);
+}
+
 TEST(Mpi_Ring, AllGatherAndReduceScatter) {
   GRAPHEP_REQUIRE_MPI_GPUS();
   auto comm = createMpiCommunicator(-1, false);

@@ -15,5 +15,12 @@ TEST(Gpu2_Moe, LocalGroupCases) {
   for (const MoeCase& c : standardMoeCases(2, true)) runMoeCase(*comm, c);
 }
 
+TEST(Gpu2_MoeGraph, LocalGroupBothPaths) {
+  GRAPHEP_REQUIRE_GPUS(2);
+  auto comm = createLocalGroup({0, 1});
+  runMoeGraphSuite(*comm, MoePath::kAuto, 60);
+  runMoeGraphSuite(*comm, MoePath::kThroughput, 40);
+}
+
 }  // namespace
 }  // namespace graphep::test
