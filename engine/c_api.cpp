@@ -1,0 +1,275 @@
+// The C ABI (include/graphep/graphep.h) over the C++ API: handles own C++ objects, every entry
+// point converts exceptions to a status and this thread's last-error message.
+#include <graphep/graphep.h>
+
+#include <graphep/graphep.hpp>
+
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "engine/error.hpp"
+
+struct graphep_comm {
+  std::unique_ptr<graphep::Communicator> comm;
+};
+struct graphep_engine {
+  std::unique_ptr<graphep::Engine> engine;
+};
+struct graphep_graph {
+  std::unique_ptr<graphep::MoeGraph> graph;
+};
+
+namespace {
+
+thread_local std::string lastError;
+
+// Runs `body`, mapping every exception to a status and the message.
+template <class F>
+graphep_status_t guarded(F&& body) noexcept {
+  try {
+    body();
+    return GRAPHEP_SUCCESS;
+  } catch (const graphep::Error& e) {
+    lastError = e.what();
+    return static_cast<graphep_status_t>(e.status());
+  } catch (const std::bad_alloc&) {
+    lastError = "host allocation failed";
+    return GRAPHEP_OUT_OF_MEMORY;
+  } catch (const std::exception& e) {
+    lastError = e.what();
+    return GRAPHEP_INTERNAL_ERROR;
+  } catch (...) {
+    lastError = "unknown exception";
+    return GRAPHEP_INTERNAL_ERROR;
+  }
+}
+
+template <class T>
+void requireNonNull(const T* p, const char* what) {
+  GRAPHEP_REQUIRE(p != nullptr, graphep::Status::kInvalidArgument, "%s is NULL", what);
+}
+
+// A versioned struct from the caller: its size must cover at least version 1's fields; fields a
+// newer caller appended are ignored.
+template <class T>
+T readVersioned(const T* in, const char* what) {
+  requireNonNull(in, what);
+  GRAPHEP_REQUIRE(in->struct_size >= sizeof(T), graphep::Status::kInvalidArgument,
+                  "%s->struct_size=%zu is smaller than version %d's %zu bytes (initialise it with the "
+                  "GRAPHEP_*_INIT macro)",
+                  what, in->struct_size, GRAPHEP_C_API_VERSION, sizeof(T));
+  T out;
+  std::memcpy(&out, in, sizeof(T));
+  return out;
+}
+
+graphep::Engine& engineOf(graphep_engine_t e) {
+  GRAPHEP_REQUIRE(e != nullptr && e->engine != nullptr, graphep::Status::kInvalidArgument, "engine is NULL");
+  return *e->engine;
+}
+
+graphep::DispatchArgs dispatchArgs(const graphep_dispatch_args_t* a) {
+  const graphep_dispatch_args_t v = readVersioned(a, "dispatch args");
+  GRAPHEP_REQUIRE(v.index_type == GRAPHEP_INDEX_INT32 || v.index_type == GRAPHEP_INDEX_INT64,
+                  graphep::Status::kInvalidArgument, "dispatch args index_type=%d is not a graphep_index_type_t",
+                  v.index_type);
+  graphep::DispatchArgs d;
+  d.x = v.x;
+  d.topkIdx = v.topk_idx;
+  d.indexType = v.index_type == GRAPHEP_INDEX_INT64 ? graphep::IndexType::kInt64 : graphep::IndexType::kInt32;
+  d.topkWeights = v.topk_weights;
+  d.numTokens = v.num_tokens;
+  return d;
+}
+
+graphep::CombineArgs combineArgs(const graphep_combine_args_t* a) {
+  const graphep_combine_args_t v = readVersioned(a, "combine args");
+  graphep::CombineArgs c;
+  c.expertOutput = v.expert_output;
+  c.out = v.out;
+  return c;
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* graphep_version(void) { return graphep::versionString(); }
+
+const char* graphep_status_name(graphep_status_t status) {
+  return graphep::statusName(static_cast<graphep::Status>(status));
+}
+
+const char* graphep_last_error(void) { return lastError.c_str(); }
+
+graphep_status_t graphep_comm_create_local_group(const int* devices, int count, graphep_comm_t* comm) {
+  return guarded([&] {
+    requireNonNull(devices, "devices");
+    requireNonNull(comm, "comm");
+    GRAPHEP_REQUIRE(count >= 1, graphep::Status::kInvalidArgument, "count=%d is not positive", count);
+    auto h = std::make_unique<graphep_comm>();
+    h->comm = graphep::createLocalGroup(std::vector<int>(devices, devices + count));
+    *comm = h.release();
+  });
+}
+
+graphep_status_t graphep_comm_adopt_nccl(const ncclComm_t* comms, int count, graphep_comm_t* comm) {
+  return guarded([&] {
+    requireNonNull(comms, "comms");
+    requireNonNull(comm, "comm");
+    GRAPHEP_REQUIRE(count >= 1, graphep::Status::kInvalidArgument, "count=%d is not positive", count);
+    auto h = std::make_unique<graphep_comm>();
+    h->comm = graphep::adoptNcclComms(std::vector<ncclComm_t>(comms, comms + count));
+    *comm = h.release();
+  });
+}
+
+graphep_status_t graphep_comm_world_size(graphep_comm_t comm, int* worldSize) {
+  return guarded([&] {
+    requireNonNull(comm, "comm");
+    requireNonNull(worldSize, "world_size");
+    *worldSize = comm->comm->worldSize();
+  });
+}
+
+graphep_status_t graphep_comm_local_ranks(graphep_comm_t comm, int* localRanks) {
+  return guarded([&] {
+    requireNonNull(comm, "comm");
+    requireNonNull(localRanks, "local_ranks");
+    *localRanks = comm->comm->numLocalRanks();
+  });
+}
+
+graphep_status_t graphep_comm_destroy(graphep_comm_t comm) {
+  return guarded([&] { delete comm; });
+}
+
+graphep_status_t graphep_engine_create_all(graphep_comm_t comm, const graphep_moe_config_t* config,
+                                           graphep_engine_t* engines, int count) {
+  return guarded([&] {
+    requireNonNull(comm, "comm");
+    requireNonNull(engines, "engines");
+    const graphep_moe_config_t c = readVersioned(config, "config");
+    GRAPHEP_REQUIRE(count == comm->comm->numLocalRanks(), graphep::Status::kInvalidArgument,
+                    "count=%d differs from the communicator's %d local ranks", count, comm->comm->numLocalRanks());
+    GRAPHEP_REQUIRE(c.dispatch_dtype == GRAPHEP_DTYPE_BF16 || c.dispatch_dtype == GRAPHEP_DTYPE_FP8_E4M3,
+                    graphep::Status::kInvalidArgument, "config->dispatch_dtype=%d is not a graphep_dtype_t",
+                    c.dispatch_dtype);
+    GRAPHEP_REQUIRE(c.path >= GRAPHEP_PATH_AUTO && c.path <= GRAPHEP_PATH_THROUGHPUT, graphep::Status::kInvalidArgument,
+                    "config->path=%d is not a graphep_path_t", c.path);
+    graphep::MoeConfig m;
+    m.maxTokensPerRank = c.max_tokens_per_rank;
+    m.hidden = c.hidden;
+    m.numExperts = c.num_experts;
+    m.topK = c.top_k;
+    m.dispatchType = c.dispatch_dtype == GRAPHEP_DTYPE_FP8_E4M3 ? graphep::DType::kFp8E4m3 : graphep::DType::kBf16;
+    m.recvCapacity = c.recv_capacity;
+    m.expertAlignment = c.expert_alignment;
+    m.smBudget = c.sm_budget;
+    m.strict = c.strict != 0;
+    m.path = static_cast<graphep::MoePath>(c.path);
+    auto all = graphep::Engine::createAll(*comm->comm, m);
+    std::vector<std::unique_ptr<graphep_engine>> hs;
+    for (auto& e : all) {
+      hs.push_back(std::make_unique<graphep_engine>());
+      hs.back()->engine = std::move(e);
+    }
+    for (int i = 0; i < count; ++i) engines[i] = hs[static_cast<std::size_t>(i)].release();
+  });
+}
+
+graphep_status_t graphep_engine_destroy(graphep_engine_t engine) {
+  return guarded([&] { delete engine; });
+}
+
+graphep_status_t graphep_engine_layout(graphep_engine_t engine, graphep_layout_t* layout) {
+  return guarded([&] {
+    const graphep::DispatchLayout& v = engineOf(engine).layout();
+    (void)readVersioned(layout, "layout");
+    graphep_layout_t o{};
+    o.struct_size = sizeof(o);
+    o.recv_x = v.recvX;
+    o.recv_scales = v.recvScales;
+    o.expert_offsets = v.expertOffsets;
+    o.expert_counts = v.expertCounts;
+    o.row_src_rank = v.rowSrcRank;
+    o.row_src_token = v.rowSrcToken;
+    o.row_topk_slot = v.rowTopkSlot;
+    o.row_weight = v.rowWeight;
+    o.num_recv_rows = v.numRecvRows;
+    o.expert_totals = v.expertTotals;
+    o.expert_output = v.expertOutput;
+    o.capacity = v.capacity;
+    o.hidden = v.hidden;
+    o.num_local_experts = v.numLocalExperts;
+    o.first_local_expert = v.firstLocalExpert;
+    std::memcpy(layout, &o, sizeof(o));  // a newer caller's extra fields are left as they were
+  });
+}
+
+graphep_status_t graphep_dispatch(graphep_engine_t engine, const graphep_dispatch_args_t* args, cudaStream_t stream) {
+  return guarded([&] { engineOf(engine).dispatch(dispatchArgs(args), stream); });
+}
+
+graphep_status_t graphep_combine(graphep_engine_t engine, const graphep_combine_args_t* args, cudaStream_t stream) {
+  return guarded([&] { engineOf(engine).combine(combineArgs(args), stream); });
+}
+
+graphep_status_t graphep_engine_status(graphep_engine_t engine, graphep_moe_status_t* status) {
+  return guarded([&] {
+    (void)readVersioned(status, "status");
+    const graphep::MoeStatus s = engineOf(engine).status();
+    graphep_moe_status_t o{};
+    o.struct_size = sizeof(o);
+    o.invalid_expert_ids = s.invalidExpertIds;
+    o.dropped_rows = s.droppedRows;
+    o.clamped_token_counts = s.clampedTokenCounts;
+    o.first_invalid_id = s.firstInvalidId;
+    o.first_invalid_token = s.firstInvalidToken;
+    o.first_invalid_slot = s.firstInvalidSlot;
+    o.first_clamped_count = s.firstClampedCount;
+    o.device_error = s.deviceError.empty() ? 0 : 1;
+    if (!s.deviceError.empty()) lastError = s.deviceError;
+    std::memcpy(status, &o, sizeof(o));
+  });
+}
+
+graphep_status_t graphep_graph_create(graphep_engine_t engine, const graphep_dispatch_args_t* dispatch,
+                                      const graphep_combine_args_t* combine, cudaGraph_t experts,
+                                      graphep_graph_t* graph) {
+  return guarded([&] {
+    requireNonNull(graph, "graph");
+    graphep::MoeGraphArgs a;
+    a.dispatch = dispatchArgs(dispatch);
+    const graphep::CombineArgs c = combineArgs(combine);
+    a.expertOutput = c.expertOutput;
+    a.out = c.out;
+    auto h = std::make_unique<graphep_graph>();
+    h->graph = graphep::MoeGraph::withExpertGraph(engineOf(engine), a, experts);
+    *graph = h.release();
+  });
+}
+
+graphep_status_t graphep_graph_set_experts(graphep_graph_t graph, cudaGraph_t experts) {
+  return guarded([&] {
+    requireNonNull(graph, "graph");
+    graph->graph->setExpertGraph(experts);
+  });
+}
+
+graphep_status_t graphep_graph_launch(graphep_graph_t graph, cudaStream_t stream) {
+  return guarded([&] {
+    requireNonNull(graph, "graph");
+    graph->graph->launch(stream);
+  });
+}
+
+graphep_status_t graphep_graph_destroy(graphep_graph_t graph) {
+  return guarded([&] { delete graph; });
+}
+
+}  // extern "C"
