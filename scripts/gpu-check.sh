@@ -43,7 +43,16 @@ timeout -s INT ${GRAPHEP_CTEST_BUDGET:-330} \
   >"$out/ctest.log" 2>&1 || status=1
 grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|\(Skipped\)|Not Run" "$out/ctest.log" | head -60
 
-# GRAPHEP_BENCH_ONLY=moe: only the MoE benchmarks (quick iterations on MoE work).
+step "main job: examples/01_moe_layer (decode loop, graph replay, checked against the unsharded reference)"
+timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-60} "$build/examples/01_moe_layer" >"$out/main_job.log" 2>&1 \
+  || { echo "01_moe_layer failed (rc=$?)"; status=1; }
+cat "$out/main_job.log"
+
+# GRAPHEP_BENCH_ONLY=moe: only the MoE benchmarks (quick iterations on MoE work); =none: no benchmark.
+if [ "${GRAPHEP_BENCH_ONLY:-}" = none ]; then
+  echo "== summary: status=$status (logs in $out)"
+  exit $status
+fi
 if [ "${GRAPHEP_BENCH_ONLY:-}" != moe ]; then
 step "benchmark: pingpong"
 GRAPHEP_DEBUG=INFO NCCL_DEBUG=WARN timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-60} \
