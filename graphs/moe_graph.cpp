@@ -45,6 +45,23 @@ cudaGraphExec_t instantiate(cudaGraph_t g) {
   return e;
 }
 
+// Slot (a)'s template: three child-graph nodes holding copies of the given graphs, dispatch ->
+// experts -> combine, always created in that order (cudaGraphExecUpdate pairs nodes by it).
+struct Template {
+  cudaGraph_t graph = nullptr;
+  cudaGraphNode_t dispatch = nullptr, experts = nullptr, combine = nullptr;
+};
+Template buildTemplate(cudaGraph_t d, cudaGraph_t x, cudaGraph_t c) {
+  Template t;
+  cudaError_t e = cudaGraphCreate(&t.graph, 0);
+  if (e == cudaSuccess) e = cudaGraphAddChildGraphNode(&t.dispatch, t.graph, nullptr, 0, d);
+  if (e == cudaSuccess) e = cudaGraphAddChildGraphNode(&t.experts, t.graph, &t.dispatch, 1, x);
+  if (e == cudaSuccess) e = cudaGraphAddChildGraphNode(&t.combine, t.graph, &t.experts, 1, c);
+  if (e != cudaSuccess && t.graph != nullptr) cudaGraphDestroy(t.graph);
+  GRAPHEP_CUDA_CHECK(e);
+  return t;
+}
+
 CombineArgs combineArgs(const MoeGraphArgs& a) {
   CombineArgs c;
   c.expertOutput = a.expertOutput;
@@ -104,14 +121,20 @@ std::unique_ptr<MoeGraph> MoeGraph::withExpertGraph(Engine& engine, const MoeGra
     throw;
   }
   impl->layout = layout;
-  // Child-graph nodes hold copies: the captures are released below.
-  cudaError_t e = cudaGraphCreate(&impl->tmpl, 0);
-  if (e == cudaSuccess) e = cudaGraphAddChildGraphNode(&impl->dispatchNode, impl->tmpl, nullptr, 0, d);
-  if (e == cudaSuccess) e = cudaGraphAddChildGraphNode(&impl->expertNode, impl->tmpl, &impl->dispatchNode, 1, experts);
-  if (e == cudaSuccess) e = cudaGraphAddChildGraphNode(&impl->combineNode, impl->tmpl, &impl->expertNode, 1, c);
+  Template t;
+  try {
+    t = buildTemplate(d, experts, c);  // copies: the captures are released below
+  } catch (...) {
+    cudaGraphDestroy(d);
+    cudaGraphDestroy(c);
+    throw;
+  }
   cudaGraphDestroy(d);
   cudaGraphDestroy(c);
-  GRAPHEP_CUDA_CHECK(e);
+  impl->tmpl = t.graph;
+  impl->dispatchNode = t.dispatch;
+  impl->expertNode = t.experts;
+  impl->combineNode = t.combine;
   impl->exec = instantiate(impl->tmpl);
   GRAPHEP_LOG_INFO(log::kGraph, "rank %d: MoeGraph built (expert child graph)", engine.rank());
   return std::unique_ptr<MoeGraph>(new MoeGraph(std::move(impl)));
@@ -144,31 +167,32 @@ void MoeGraph::setExpertGraph(cudaGraph_t experts) {
                   "MoeGraph::setExpertGraph: this graph has no expert child graph (built by withExpertGraph)");
   GRAPHEP_REQUIRE(experts != nullptr, Status::kInvalidArgument, "MoeGraph::setExpertGraph: experts is null");
   DeviceGuard guard(m.device);
-  // The template's expert node is rebuilt around a copy of the new graph, with the same edges.
-  cudaGraphNode_t node = nullptr;
-  GRAPHEP_CUDA_CHECK(cudaGraphAddChildGraphNode(&node, m.tmpl, &m.dispatchNode, 1, experts));
-#if CUDART_VERSION >= 13000
-  const cudaError_t edge = cudaGraphAddDependencies(m.tmpl, &node, &m.combineNode, nullptr, 1);
-#else
-  const cudaError_t edge = cudaGraphAddDependencies(m.tmpl, &node, &m.combineNode, 1);
-#endif
-  if (edge != cudaSuccess) {
-    cudaGraphDestroyNode(node);
-    GRAPHEP_CUDA_CHECK(edge);
-  }
-  GRAPHEP_CUDA_CHECK(cudaGraphDestroyNode(m.expertNode));
-  m.expertNode = node;
-  // In place when the topology allows it; otherwise a new executable graph from the template.
+  // A new template from the current one's dispatch and combine graphs and the new experts, in the
+  // same creation order; the executable graph is updated from it in place when the topology allows.
+  cudaGraph_t d = nullptr, c = nullptr;
+  GRAPHEP_CUDA_CHECK(cudaGraphChildGraphNodeGetGraph(m.dispatchNode, &d));  // owned by the nodes
+  GRAPHEP_CUDA_CHECK(cudaGraphChildGraphNodeGetGraph(m.combineNode, &c));
+  const Template t = buildTemplate(d, experts, c);
   cudaGraphExecUpdateResultInfo info{};
-  if (cudaGraphExecUpdate(m.exec, m.tmpl, &info) != cudaSuccess) {
-    (void)cudaGetLastError();  // the failed update's error is not sticky; clear it
-    cudaGraphExec_t fresh = instantiate(m.tmpl);
+  if (cudaGraphExecUpdate(m.exec, t.graph, &info) != cudaSuccess) {
+    (void)cudaGetLastError();  // a failed update leaves the executable graph as it was
+    cudaGraphExec_t fresh = nullptr;
+    const cudaError_t e = cudaGraphInstantiate(&fresh, t.graph, 0);
+    if (e != cudaSuccess) {
+      cudaGraphDestroy(t.graph);
+      GRAPHEP_CUDA_CHECK(e);
+    }
     GRAPHEP_CUDA_CHECK(cudaGraphExecDestroy(m.exec));
     m.exec = fresh;
     ++m.reinstantiations;
     GRAPHEP_LOG_INFO(log::kGraph, "MoeGraph: expert graph of a new topology, re-instantiated (update result %d)",
                      static_cast<int>(info.result));
   }
+  GRAPHEP_CUDA_CHECK(cudaGraphDestroy(m.tmpl));
+  m.tmpl = t.graph;
+  m.dispatchNode = t.dispatch;
+  m.expertNode = t.experts;
+  m.combineNode = t.combine;
 }
 
 cudaGraph_t MoeGraph::graph() const { return impl_->tmpl; }
