@@ -76,7 +76,10 @@ struct MoeGraph::Impl {
   DispatchLayout layout{};
   cudaGraph_t tmpl = nullptr;
   cudaGraphExec_t exec = nullptr;
-  // Slot (a): the template's nodes.
+  // Slot (a): the captured dispatch and combine graphs (kept: a new template is built from them
+  // when the experts change; graphs owned by child-graph nodes cannot be copied into another
+  // graph) and the template's nodes.
+  cudaGraph_t dispatchGraph = nullptr, combineGraph = nullptr;
   cudaGraphNode_t dispatchNode = nullptr, expertNode = nullptr, combineNode = nullptr;
   int reinstantiations = 0;
 
@@ -84,6 +87,8 @@ struct MoeGraph::Impl {
     cudaSetDevice(device);
     if (exec != nullptr) cudaGraphExecDestroy(exec);
     if (tmpl != nullptr) cudaGraphDestroy(tmpl);
+    if (dispatchGraph != nullptr) cudaGraphDestroy(dispatchGraph);
+    if (combineGraph != nullptr) cudaGraphDestroy(combineGraph);
   }
 };
 
@@ -111,26 +116,9 @@ std::unique_ptr<MoeGraph> MoeGraph::withExpertGraph(Engine& engine, const MoeGra
   DeviceGuard guard(engine.device());
   auto impl = std::make_unique<Impl>();
   impl->device = engine.device();
-  DispatchLayout layout{};
-  cudaGraph_t d = captureGraph([&](cudaStream_t s) { layout = engine.dispatch(args.dispatch, s); });
-  cudaGraph_t c = nullptr;
-  try {
-    c = captureGraph([&](cudaStream_t s) { engine.combine(combineArgs(args), s); });
-  } catch (...) {
-    cudaGraphDestroy(d);
-    throw;
-  }
-  impl->layout = layout;
-  Template t;
-  try {
-    t = buildTemplate(d, experts, c);  // copies: the captures are released below
-  } catch (...) {
-    cudaGraphDestroy(d);
-    cudaGraphDestroy(c);
-    throw;
-  }
-  cudaGraphDestroy(d);
-  cudaGraphDestroy(c);
+  impl->dispatchGraph = captureGraph([&](cudaStream_t s) { impl->layout = engine.dispatch(args.dispatch, s); });
+  impl->combineGraph = captureGraph([&](cudaStream_t s) { engine.combine(combineArgs(args), s); });
+  const Template t = buildTemplate(impl->dispatchGraph, experts, impl->combineGraph);
   impl->tmpl = t.graph;
   impl->dispatchNode = t.dispatch;
   impl->expertNode = t.experts;
@@ -169,10 +157,7 @@ void MoeGraph::setExpertGraph(cudaGraph_t experts) {
   DeviceGuard guard(m.device);
   // A new template from the current one's dispatch and combine graphs and the new experts, in the
   // same creation order; the executable graph is updated from it in place when the topology allows.
-  cudaGraph_t d = nullptr, c = nullptr;
-  GRAPHEP_CUDA_CHECK(cudaGraphChildGraphNodeGetGraph(m.dispatchNode, &d));  // owned by the nodes
-  GRAPHEP_CUDA_CHECK(cudaGraphChildGraphNodeGetGraph(m.combineNode, &c));
-  const Template t = buildTemplate(d, experts, c);
+  const Template t = buildTemplate(m.dispatchGraph, experts, m.combineGraph);
   cudaGraphExecUpdateResultInfo info{};
   if (cudaGraphExecUpdate(m.exec, t.graph, &info) != cudaSuccess) {
     (void)cudaGetLastError();  // a failed update leaves the executable graph as it was
