@@ -38,6 +38,7 @@ struct Options {
   int moeTopK = 8;                                  // --topk (moe)
   std::string moeDtype = "both";                    // --dtype bf16|fp8|both (moe dispatch)
   std::string moePath = "auto";                     // --path auto|latency|throughput (moe)
+  bool hostCost = false;                            // --host-cost (moe): launch cost, graph vs eager
 };
 
 

@@ -12,12 +12,14 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
+#include <graphep/graph.hpp>
 #include <graphep/moe.hpp>
 
 #include "bench/harness.hpp"
@@ -85,6 +87,79 @@ void printTimeline(Ranks& r, std::vector<std::unique_ptr<Engine>>& engines, Disp
     std::printf(" %s %.1f-%.1f;", runs[0][k].kernel, start[start.size() / 2], end[end.size() / 2]);
   }
   std::printf("\n");
+}
+
+// --host-cost: the host's time to enqueue one dispatch + combine on every local rank, and the GPU
+// time of that operation (rank 0's stream, events), eagerly (the engine's calls) and as one MoeGraph
+// per rank (one cudaGraphLaunch each; the expert slot empty). Medians of o.iters operations after
+// o.warmup.
+template <class Args, class Dispatch, class Combine>
+void printHostCost(const Options& o, Ranks& r, std::vector<std::unique_ptr<Engine>>& engines, Args argsOf,
+                   Dispatch dispatch, Combine combine, const std::vector<void*>& out, std::size_t tokens, bool fp8) {
+  const int L = r.numLocal();
+  std::vector<std::unique_ptr<MoeGraph>> graphs;
+  for (int i = 0; i < L; ++i) {
+    const std::size_t li = static_cast<std::size_t>(i);
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[li]));
+    cudaGraph_t none = nullptr;
+    GRAPHEP_CUDA_CHECK(cudaGraphCreate(&none, 0));  // an empty expert slot
+    MoeGraphArgs a;
+    a.dispatch = argsOf(i);  // the eager path's buffers
+    a.out = out[li];
+    graphs.push_back(MoeGraph::withExpertGraph(*engines[li], a, none));
+    GRAPHEP_CUDA_CHECK(cudaGraphDestroy(none));
+  }
+  auto measure = [&](auto enqueueAll) {
+    std::vector<double> host, gpu;
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[0]));
+    cudaEvent_t b = nullptr, e = nullptr;
+    GRAPHEP_CUDA_CHECK(cudaEventCreate(&b));
+    GRAPHEP_CUDA_CHECK(cudaEventCreate(&e));
+    for (int it = 0; it < o.warmup + o.iters; ++it) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[0]));
+      GRAPHEP_CUDA_CHECK(cudaEventRecord(b, r.streams[0]));
+      const auto t0 = std::chrono::steady_clock::now();
+      enqueueAll();
+      const auto t1 = std::chrono::steady_clock::now();
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[0]));
+      GRAPHEP_CUDA_CHECK(cudaEventRecord(e, r.streams[0]));
+      for (int i = 0; i < L; ++i) {
+        GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[static_cast<std::size_t>(i)]));
+        GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(r.streams[static_cast<std::size_t>(i)]));
+      }
+      r.comm->barrier();
+      float ms = 0;
+      GRAPHEP_CUDA_CHECK(cudaEventElapsedTime(&ms, b, e));
+      if (it >= o.warmup) {
+        host.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count() / L);
+        gpu.push_back(ms * 1e3);
+      }
+    }
+    cudaEventDestroy(b);
+    cudaEventDestroy(e);
+    std::sort(host.begin(), host.end());
+    std::sort(gpu.begin(), gpu.end());
+    return std::pair<double, double>(host[host.size() / 2], gpu[gpu.size() / 2]);
+  };
+  const auto eager = measure([&] {
+    for (int i = 0; i < L; ++i) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[static_cast<std::size_t>(i)]));
+      dispatch(i, r.streams[static_cast<std::size_t>(i)]);
+      combine(i, r.streams[static_cast<std::size_t>(i)]);
+    }
+  });
+  const auto graph = measure([&] {
+    for (int i = 0; i < L; ++i) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[static_cast<std::size_t>(i)]));
+      graphs[static_cast<std::size_t>(i)]->launch(r.streams[static_cast<std::size_t>(i)]);
+    }
+  });
+  if (isPrinter()) {
+    std::printf("# host cost %zu tokens %s (median of %d, one operation = dispatch + combine on every local rank): "
+                "eager: host %.2f us per rank, GPU %.2f us; MoeGraph: host %.2f us per rank (one cudaGraphLaunch), "
+                "GPU %.2f us\n",
+                tokens, fp8 ? "fp8" : "bf16", o.iters, eager.first, eager.second, graph.first, graph.second);
+  }
 }
 
 }  // namespace
@@ -156,15 +231,16 @@ std::vector<Row> runMoe(const Options& o, Ranks& r) {
         GRAPHEP_CUDA_CHECK(cudaMemcpy(w[li], ws.data(), ws.size() * 4, cudaMemcpyHostToDevice));
         GRAPHEP_CUDA_CHECK(cudaMemcpy(n[li], &T, 4, cudaMemcpyHostToDevice));
       }
-      auto dispatch = [&](int i, cudaStream_t s) {
+      auto argsOf = [&](int i) {
         const std::size_t li = static_cast<std::size_t>(i);
         DispatchArgs a;
         a.x = x[li];
         a.topkIdx = ids[li];
         a.topkWeights = static_cast<const float*>(w[li]);
         a.numTokens = static_cast<const int*>(n[li]);
-        engines[li]->dispatch(a, s);
+        return a;
       };
+      auto dispatch = [&](int i, cudaStream_t s) { engines[static_cast<std::size_t>(i)]->dispatch(argsOf(i), s); };
       auto combine = [&](int i, cudaStream_t s) {
         CombineArgs c;
         c.out = out[static_cast<std::size_t>(i)];
@@ -223,6 +299,7 @@ std::vector<Row> runMoe(const Options& o, Ranks& r) {
         rows.push_back(c);
       }
       if (o.profile) printTimeline(r, engines, dispatch, combine, tokens, fp8);
+      if (o.hostCost) printHostCost(o, r, engines, argsOf, dispatch, combine, out, tokens, fp8);
       for (int i = 0; i < r.numLocal(); ++i) {
         const std::size_t li = static_cast<std::size_t>(i);
         cudaSetDevice(r.devices[li]);

@@ -90,6 +90,7 @@ PathHeap pathHeap(MoePath path, const MoeSizes& z, const MoeConfig& cfg) {
   h.heap.userBytes = alignUp(end, 4096);
   h.heap.moverSlotBytes = path == MoePath::kThroughput ? kEngineSlotBytes : 0;
   if (cfg.smBudget > 0) h.heap.moverBlocks = cfg.smBudget;
+  h.heap.counterStart = cfg.counterStart;
   return h;
 }
 
@@ -387,6 +388,15 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     p.llSteps = reinterpret_cast<std::uint32_t*>(b + oLlSteps);
     p.llDone = reinterpret_cast<std::uint32_t*>(b + oLlDone);
     p.llCtas = llCtas;
+    if (!throughput) {  // the latency counters start at counterStart (steps, flags) and G x it (arrivals)
+      const std::uint32_t S = cfg.counterStart, SG = cfg.counterStart * static_cast<std::uint32_t>(llCtas);
+      const std::uint32_t steps[2] = {S, S};
+      GRAPHEP_CUDA_CHECK(cudaMemcpy(p.llSteps, steps, sizeof(steps), cudaMemcpyHostToDevice));
+      const std::vector<std::uint32_t> flags(Rs, S), arrivals(Rs, SG);
+      GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llFlag, flags.data(), Rs * 4, cudaMemcpyHostToDevice));
+      GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llArrive, arrivals.data(), Rs * 4, cudaMemcpyHostToDevice));
+      GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llCombArrive, arrivals.data(), Rs * 4, cudaMemcpyHostToDevice));
+    }
     p.sync = group->heap->syncHandle(l);
     p.timeline = cfg.profile ? reinterpret_cast<unsigned long long*>(b + oTimeline) : nullptr;
 

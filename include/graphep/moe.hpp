@@ -58,6 +58,9 @@ struct MoeConfig {
   // Every engine kernel stamps its span (first CTA in, last CTA out) for Engine::timeline():
   // diagnostics, a few atomics per CTA.
   bool profile = false;
+  // Initial value of every monotonic device counter (flags, steps, arrival counts) of this engine
+  // and its movers. Tests start it just below 2^32 so replays cross the wrap; 0 otherwise.
+  std::uint32_t counterStart = 0;
 };
 
 // One kernel's (or kernel phase's) span over the operations since Engine::resetTimeline(), in

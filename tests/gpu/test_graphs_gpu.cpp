@@ -1,10 +1,13 @@
 // MoeGraph on one GPU with 4 emulated ranks: every graph kind, interleaved, both paths.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <graphep/graphep.hpp>
 
 #include "common/gpu_env.hpp"
 #include "common/moe_suite.hpp"
+#include "common/stress_suite.hpp"
 
 namespace graphep::test {
 namespace {
@@ -19,6 +22,22 @@ TEST(Gpu1_MoeGraph, FourEmulatedRanksThroughput) {
   GRAPHEP_REQUIRE_GPUS(1);
   auto comm = createLocalGroup({0, 0, 0, 0});
   runMoeGraphSuite(*comm, MoePath::kThroughput, 40);
+}
+
+// Replays of 4 bucket graphs (1 / 8 / 64 / 128 tokens) in random order with no host work between
+// them, ranks drifting apart by up to 100 us, counters starting 1,000 below the 32-bit wrap, every
+// output checked on the GPU each replay. GRAPHEP_STRESS_REPLAYS scales it (gpu-check: 100,000).
+TEST(Gpu1_MoeStress, FourEmulatedRanks) {
+  GRAPHEP_REQUIRE_GPUS(1);
+  auto comm = createLocalGroup({0, 0, 0, 0});
+  StressCase sc;
+  sc.replays = stressReplays(2000);
+  sc.maxDelayUs = 100;
+  sc.counterStart = 0xffffffffu - 1000u;
+  runMoeStress(*comm, sc);
+  sc.path = MoePath::kThroughput;
+  sc.replays = std::max<long long>(200, sc.replays / 10);
+  runMoeStress(*comm, sc);
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <graphep/graphep.hpp>
 
 #include "common/moe_suite.hpp"
+#include "common/stress_suite.hpp"
 #include "common/mover_cases.hpp"
 #include "common/mover_suite.hpp"
 #include "common/nccl_comms.hpp"
@@ -118,6 +119,20 @@ TEST(Mpi_MoeGraph, BothPaths) {
   auto comm = createMpiCommunicator(-1, false);
   runMoeGraphSuite(*comm, MoePath::kAuto, 40);
   runMoeGraphSuite(*comm, MoePath::kThroughput, 30);
+}
+
+// The stress in 2 processes, one GPU each (GRAPHEP_STRESS_REPLAYS scales it).
+TEST(Mpi_MoeStress, BothPaths) {
+  GRAPHEP_REQUIRE_MPI_GPUS();
+  auto comm = createMpiCommunicator(-1, false);
+  StressCase sc;
+  sc.replays = stressReplays(2000);
+  sc.maxDelayUs = 100;
+  sc.counterStart = 0xffffffffu - 1000u;
+  runMoeStress(*comm, sc);
+  sc.path = MoePath::kThroughput;
+  sc.replays = std::max<long long>(200, sc.replays / 10);
+  runMoeStress(*comm, sc);
 }
 
 TEST(Mpi_Ring, AllGatherAndReduceScatter) {

@@ -1,0 +1,326 @@
+#include "common/stress_suite.hpp"
+
+#include <cuda_bf16.h>
+#include <gtest/gtest.h>
+
+#include <graphep/graph.hpp>
+
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <random>
+#include <string>
+
+#include "common/graph_util.hpp"
+#include "engine/error.hpp"
+#include "kernels/common/ptx.cuh"
+
+namespace graphep::test {
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int kHidden = 256;
+constexpr int kTopK = 4;
+
+// What every rank's checker accumulates (device memory).
+struct StressState {
+  std::uint32_t step;               // the replay counter: inputs of replay s are a function of s
+  std::uint32_t firstBadSet;
+  unsigned long long checks;        // replays checked
+  unsigned long long badValues;     // output values outside the bound
+  unsigned long long badRows;       // rows past the live count that were written
+  unsigned long long badCounts;     // expert counts or received rows that differ
+  std::uint32_t firstBadStep;
+  std::int32_t firstBadToken, firstBadH;
+  float firstGot, firstRef;
+};
+
+__host__ __device__ inline std::uint64_t mix(std::uint64_t k) {
+  k ^= k >> 33;
+  k *= 0xff51afd7ed558ccdull;
+  k ^= k >> 33;
+  k *= 0xc4ceb9fe1a85ec53ull;
+  k ^= k >> 33;
+  return k;
+}
+__host__ __device__ inline std::uint64_t key(std::uint32_t s, int rank, int t, int i) {
+  return mix((((static_cast<std::uint64_t>(s) * 64 + static_cast<std::uint64_t>(rank)) * 4096 + static_cast<std::uint64_t>(t)) << 20) ^
+             static_cast<std::uint64_t>(i));
+}
+__device__ inline float unit(std::uint64_t k) { return static_cast<float>(k >> 40) / static_cast<float>(1ull << 24); }
+
+// Inputs of (replay s, rank q, token t): a value, slot k's expert (-1 masked; duplicates happen) and
+// weight; the stand-in expert's exact scale.
+__device__ inline bf16 xValue(std::uint32_t s, int q, int t, int h) { return __float2bfloat16_rn(2.f * unit(key(s, q, t, 1000 + h)) - 1.f); }
+__device__ inline int expertOf(std::uint32_t s, int q, int t, int k, int E) {
+  if (key(s, q, t, 10 + k) % 8 == 0) return -1;
+  const int base = static_cast<int>(key(s, q, t, 1) % static_cast<std::uint64_t>(E));
+  const int stride = 1 + static_cast<int>(key(s, q, t, 2) % 3);
+  return (base + k * stride) % E;
+}
+__device__ inline float weightOf(std::uint32_t s, int q, int t, int k) { return 0.25f + 0.5f * unit(key(s, q, t, 20 + k)); }
+__device__ inline float scaleOf(int e) { return e % 3 == 0 ? 0.5f : (e % 3 == 1 ? 1.f : 2.f); }
+
+__global__ void stressDelay(const StressState* st, int rank, std::uint32_t maxDelayNs) {
+  const std::uint64_t ns = key(st->step, rank, 0, 7) % maxDelayNs;
+  const std::uint64_t t0 = ptx::globalTimerNs();
+  while (ptx::globalTimerNs() - t0 < ns) {
+  }
+}
+
+__global__ void stressInputs(bf16* x, int* idx, float* w, int* numTokens, int T, int rank, int E, const StressState* st) {
+  const std::uint32_t s = st->step;
+  const int n = blockIdx.x * blockDim.x + threadIdx.x, stride = gridDim.x * blockDim.x;
+  for (int i = n; i < T * kHidden; i += stride) x[i] = xValue(s, rank, i / kHidden, i % kHidden);
+  for (int i = n; i < T * kTopK; i += stride) {
+    idx[i] = expertOf(s, rank, i / kTopK, i % kTopK, E);
+    w[i] = weightOf(s, rank, i / kTopK, i % kTopK);
+  }
+  if (n == 0) *numTokens = T;
+}
+
+// y = x * scale(global expert of the row): exact in bf16 (a power of two).
+__global__ void stressExpert(DispatchLayout v) {
+  const long long row = blockIdx.x;
+  int j = -1;
+  for (int e = 0; e < v.numLocalExperts; ++e) {
+    if (row >= v.expertOffsets[e] && row < v.expertOffsets[e] + v.expertCounts[e]) j = e;
+  }
+  if (j < 0) return;
+  const float sc = scaleOf(v.firstLocalExpert + j);
+  const bf16* x = static_cast<const bf16*>(v.recvX) + row * v.hidden;
+  bf16* y = static_cast<bf16*>(v.expertOutput) + row * v.hidden;
+  for (int h = threadIdx.x; h < v.hidden; h += blockDim.x) y[h] = __float2bfloat16_rn(__bfloat162float(x[h]) * sc);
+}
+
+__device__ void recordBad(StressState* st, std::uint32_t s, int t, int h, float got, float ref) {
+  if (atomicCAS(&st->firstBadSet, 0u, 1u) == 0u) {
+    st->firstBadStep = s;
+    st->firstBadToken = t;
+    st->firstBadH = h;
+    st->firstGot = got;
+    st->firstRef = ref;
+  }
+}
+
+// Grid: T_max blocks (one per output row). Every rank uses the same live count T in a replay.
+__global__ void stressCheck(const bf16* out, int T, int Tmax, int rank, int R, int E, DispatchLayout v, StressState* st) {
+  const std::uint32_t s = st->step;
+  const int t = blockIdx.x;
+  const auto* bits = reinterpret_cast<const std::uint16_t*>(out) + static_cast<std::size_t>(t) * kHidden;
+  if (t >= T) {  // past the live count: the poison must be intact
+    for (int h = threadIdx.x; h < kHidden; h += blockDim.x) {
+      if (bits[h] != 0xffffu) {
+        atomicAdd(&st->badRows, 1ull);
+        recordBad(st, s, t, h, 0.f, 0.f);
+      }
+    }
+  } else {
+    for (int h = threadIdx.x; h < kHidden; h += blockDim.x) {
+      const float xv = __bfloat162float(xValue(s, rank, t, h));
+      float ref = 0.f, mag = 0.f;
+      for (int k = 0; k < kTopK; ++k) {
+        const int e = expertOf(s, rank, t, k, E);
+        if (e < 0) continue;
+        const float term = weightOf(s, rank, t, k) * __bfloat162float(__float2bfloat16_rn(xv * scaleOf(e)));
+        ref += term;
+        mag += fabsf(term);
+      }
+      const float got = __bfloat162float(__ushort_as_bfloat16(bits[h]));
+      if (!(fabsf(got - ref) <= mag / 128.f + 1e-6f)) {
+        atomicAdd(&st->badValues, 1ull);
+        recordBad(st, s, t, h, got, ref);
+      }
+    }
+  }
+  if (t == 0) {  // this rank's expert counts and received rows, from every rank's routing
+    __shared__ int total;
+    if (threadIdx.x == 0) total = 0;
+    __syncthreads();
+    for (int j = threadIdx.x; j < v.numLocalExperts; j += blockDim.x) {
+      const int e = v.firstLocalExpert + j;
+      int want = 0;
+      for (int q = 0; q < R; ++q) {
+        for (int u = 0; u < T; ++u) {
+          for (int k = 0; k < kTopK; ++k) want += expertOf(s, q, u, k, E) == e;
+        }
+      }
+      atomicAdd(&total, want);
+      if (v.expertCounts[j] != want) {
+        atomicAdd(&st->badCounts, 1ull);
+        recordBad(st, s, -1, j, static_cast<float>(v.expertCounts[j]), static_cast<float>(want));
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      if (*v.numRecvRows != total) {
+        atomicAdd(&st->badCounts, 1ull);
+        recordBad(st, s, -2, 0, static_cast<float>(*v.numRecvRows), static_cast<float>(total));
+      }
+      st->checks += 1;
+    }
+  }
+  (void)Tmax;
+}
+
+__global__ void stressAdvance(StressState* st) { st->step += 1; }
+
+// One graph of the outer chain: a child node per part, each depending on the previous.
+cudaGraphExec_t chain(const std::vector<cudaGraph_t>& parts) {
+  cudaGraph_t g = nullptr;
+  GRAPHEP_CUDA_CHECK(cudaGraphCreate(&g, 0));
+  cudaGraphNode_t prev = nullptr;
+  for (cudaGraph_t part : parts) {
+    cudaGraphNode_t node = nullptr;
+    GRAPHEP_CUDA_CHECK(cudaGraphAddChildGraphNode(&node, g, prev != nullptr ? &prev : nullptr, prev != nullptr ? 1 : 0, part));
+    prev = node;
+  }
+  cudaGraphExec_t e = nullptr;
+  GRAPHEP_CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
+  GRAPHEP_CUDA_CHECK(cudaGraphDestroy(g));
+  return e;
+}
+
+template <class F>
+cudaGraph_t captureParts(cudaStream_t s, F&& enqueue) {
+  GRAPHEP_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  enqueue(s);
+  cudaGraph_t g = nullptr;
+  GRAPHEP_CUDA_CHECK(cudaStreamEndCapture(s, &g));
+  return g;
+}
+
+}  // namespace
+
+long long stressReplays(long long fallback) {
+  const char* v = std::getenv("GRAPHEP_STRESS_REPLAYS");
+  return v != nullptr && std::atoll(v) > 0 ? std::atoll(v) : fallback;
+}
+
+void runMoeStress(Communicator& comm, const StressCase& sc) {
+  const int R = comm.worldSize(), L = comm.numLocalRanks();
+  int Tmax = 0;
+  for (int b : sc.buckets) Tmax = std::max(Tmax, b);
+  MoeConfig cfg;
+  cfg.maxTokensPerRank = Tmax;
+  cfg.hidden = kHidden;
+  cfg.numExperts = 8 * R;
+  cfg.topK = kTopK;
+  cfg.path = sc.path;
+  cfg.counterStart = sc.counterStart;
+  const std::string what = "stress: " + std::to_string(sc.replays) + " replays, path " +
+                           std::to_string(static_cast<int>(sc.path)) + ", delay " + std::to_string(sc.maxDelayUs) +
+                           " us, counters from " + std::to_string(sc.counterStart);
+  SCOPED_TRACE(what);
+  auto engines = Engine::createAll(comm, cfg);
+  struct Rank {
+    bf16* x = nullptr;
+    int* idx = nullptr;
+    float* w = nullptr;
+    int* numTokens = nullptr;
+    bf16* out = nullptr;
+    StressState* st = nullptr;
+    cudaStream_t stream = nullptr;
+    std::unique_ptr<MoeGraph> moe;
+    std::vector<cudaGraphExec_t> execs;  // one per bucket
+  };
+  std::vector<Rank> ranks(static_cast<std::size_t>(L));
+  for (int l = 0; l < L; ++l) {
+    Rank& k = ranks[static_cast<std::size_t>(l)];
+    Engine& e = *engines[static_cast<std::size_t>(l)];
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    cudaFuncAttributes attr{};  // load every kernel now (see MoeFixture)
+    for (const void* f : {reinterpret_cast<const void*>(stressDelay), reinterpret_cast<const void*>(stressInputs),
+                          reinterpret_cast<const void*>(stressExpert), reinterpret_cast<const void*>(stressCheck),
+                          reinterpret_cast<const void*>(stressAdvance)}) {
+      GRAPHEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, f));
+    }
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&k.x, static_cast<std::size_t>(Tmax) * kHidden * 2));
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&k.idx, static_cast<std::size_t>(Tmax) * kTopK * 4));
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&k.w, static_cast<std::size_t>(Tmax) * kTopK * 4));
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&k.numTokens, 4));
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&k.out, static_cast<std::size_t>(Tmax) * kHidden * 2));
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&k.st, sizeof(StressState)));
+    GRAPHEP_CUDA_CHECK(cudaMemset(k.st, 0, sizeof(StressState)));
+    GRAPHEP_CUDA_CHECK(cudaStreamCreateWithFlags(&k.stream, cudaStreamNonBlocking));
+    MoeGraphArgs args;
+    args.dispatch.x = k.x;
+    args.dispatch.topkIdx = k.idx;
+    args.dispatch.topkWeights = k.w;
+    args.dispatch.numTokens = k.numTokens;
+    args.out = k.out;
+    k.moe = MoeGraph::capture(e, args, [](const DispatchLayout& v, cudaStream_t s) {
+      stressExpert<<<static_cast<unsigned>(v.capacity), 128, 0, s>>>(v);
+      GRAPHEP_CUDA_CHECK(cudaGetLastError());
+    });
+    const DispatchLayout v = k.moe->layout();
+    const int rank = comm.globalRank(l), E = cfg.numExperts;
+    for (int T : sc.buckets) {
+      cudaGraph_t pre = captureParts(k.stream, [&](cudaStream_t s) {
+        GRAPHEP_CUDA_CHECK(cudaMemsetAsync(k.out, 0xff, static_cast<std::size_t>(Tmax) * kHidden * 2, s));
+        if (sc.maxDelayUs > 0) stressDelay<<<1, 1, 0, s>>>(k.st, rank, static_cast<std::uint32_t>(sc.maxDelayUs) * 1000u);
+        stressInputs<<<64, 256, 0, s>>>(k.x, k.idx, k.w, k.numTokens, T, rank, E, k.st);
+        GRAPHEP_CUDA_CHECK(cudaGetLastError());
+      });
+      cudaGraph_t post = captureParts(k.stream, [&](cudaStream_t s) {
+        stressCheck<<<static_cast<unsigned>(Tmax), 128, 0, s>>>(k.out, T, Tmax, rank, R, E, v, k.st);
+        stressAdvance<<<1, 1, 0, s>>>(k.st);
+        GRAPHEP_CUDA_CHECK(cudaGetLastError());
+      });
+      k.execs.push_back(chain({pre, k.moe->graph(), post}));
+      GRAPHEP_CUDA_CHECK(cudaGraphDestroy(pre));
+      GRAPHEP_CUDA_CHECK(cudaGraphDestroy(post));
+    }
+  }
+  comm.barrier();
+  std::mt19937 rng(20261122);  // the same bucket order on every process
+  const int nb = static_cast<int>(sc.buckets.size());
+  for (long long i = 0; i < sc.replays; ++i) {
+    const int b = static_cast<int>(rng() % static_cast<unsigned>(nb));
+    for (int l = 0; l < L; ++l) {
+      Rank& k = ranks[static_cast<std::size_t>(l)];
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+      GRAPHEP_CUDA_CHECK(cudaGraphLaunch(k.execs[static_cast<std::size_t>(b)], k.stream));
+    }
+    if ((i + 1) % 5000 == 0) {  // the harness bounds its queue; the library never needs this
+      for (int l = 0; l < L; ++l) {
+        GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+        GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(ranks[static_cast<std::size_t>(l)].stream));
+      }
+    }
+  }
+  for (int l = 0; l < L; ++l) {
+    Rank& k = ranks[static_cast<std::size_t>(l)];
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(k.stream));
+    StressState st{};
+    GRAPHEP_CUDA_CHECK(cudaMemcpy(&st, k.st, sizeof(st), cudaMemcpyDeviceToHost));
+    const int rank = comm.globalRank(l);
+    EXPECT_EQ(st.checks, static_cast<unsigned long long>(sc.replays)) << "rank " << rank;
+    EXPECT_EQ(st.badValues + st.badRows + st.badCounts, 0ull)
+        << "rank " << rank << ": " << st.badValues << " values, " << st.badRows << " untouched-row values, "
+        << st.badCounts << " counts wrong; the first at replay " << st.firstBadStep << " token " << st.firstBadToken
+        << " column " << st.firstBadH << ": got " << st.firstGot << ", reference " << st.firstRef;
+    const MoeStatus status = engines[static_cast<std::size_t>(l)]->status();
+    EXPECT_TRUE(status.ok()) << "rank " << rank << ": " << status.describe();
+    if (rank == 0) {
+      std::printf("[ stress   ] %s: %llu replays checked on rank 0, %llu mismatches\n", what.c_str(), st.checks,
+                  st.badValues + st.badRows + st.badCounts);
+    }
+  }
+  for (int l = 0; l < L; ++l) {
+    Rank& k = ranks[static_cast<std::size_t>(l)];
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    for (cudaGraphExec_t e : k.execs) cudaGraphExecDestroy(e);
+    k.moe.reset();
+    for (void* p : {static_cast<void*>(k.x), static_cast<void*>(k.idx), static_cast<void*>(k.w),
+                    static_cast<void*>(k.numTokens), static_cast<void*>(k.out), static_cast<void*>(k.st)}) {
+      cudaFree(p);
+    }
+    cudaStreamDestroy(k.stream);
+  }
+  comm.barrier();
+}
+
+}  // namespace graphep::test

@@ -1,0 +1,33 @@
+// Replay stress of MoeGraph: one graph per (rank, bucket), each replay with no host work at all.
+// Inside every graph: poison the output, an optional random per-rank delay (ranks drift apart),
+// inputs generated on the GPU from a device replay counter (tokens, routing with masked and
+// duplicate slots, weights), then the MoeGraph (dispatch -> a stand-in expert y = x * scale(e) ->
+// combine), then a device-side check of every output value against a reference recomputed from the
+// same counter (and of the expert counts, the received row count and the untouched rows past the
+// live count), then counter + 1. The host only launches graphs, in a random bucket order that is
+// the same on every process, and reads the mismatch and check counters at the end.
+#pragma once
+
+#include <graphep/comm.hpp>
+#include <graphep/moe.hpp>
+
+#include <cstdint>
+#include <vector>
+
+namespace graphep::test {
+
+struct StressCase {
+  MoePath path = MoePath::kAuto;
+  long long replays = 1000;               // graph launches per rank
+  std::vector<int> buckets = {1, 8, 64, 128};  // live tokens of each graph (the largest is T_max)
+  int maxDelayUs = 0;                     // > 0: a random delay of up to this before each dispatch
+  std::uint32_t counterStart = 0;         // the engine's counters start here (near 2^32: they wrap)
+};
+
+// Runs the stress and EXPECTs zero mismatches, replays x local ranks checks, a clean status.
+void runMoeStress(Communicator& comm, const StressCase& sc);
+
+// Replays for the stress tests: GRAPHEP_STRESS_REPLAYS when set, else `fallback`.
+long long stressReplays(long long fallback);
+
+}  // namespace graphep::test
