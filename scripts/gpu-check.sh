@@ -43,6 +43,20 @@ timeout -s INT ${GRAPHEP_CTEST_BUDGET:-330} \
   >"$out/ctest.log" 2>&1 || status=1
 grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|\(Skipped\)|Not Run" "$out/ctest.log" | head -60
 
+# GRAPHEP_STRESS=N: the MoeGraph replay stress at N replays (4 emulated ranks, 2 GPUs in one
+# process, 2 processes), its per-rank summary lines kept in stress.log.
+if [ -n "${GRAPHEP_STRESS:-}" ]; then
+  step "stress: $GRAPHEP_STRESS MoeGraph replays per configuration"
+  {
+    GRAPHEP_STRESS_REPLAYS=$GRAPHEP_STRESS "$build/tests/graphep_gpu_tests" --gtest_filter='*MoeStress*'
+    if command -v mpirun >/dev/null && [ -x "$build/tests/graphep_mpi_tests" ]; then
+      mpirun --allow-run-as-root --oversubscribe -np 2 -x GRAPHEP_STRESS_REPLAYS=$GRAPHEP_STRESS -x NCCL_NVLS_ENABLE \
+        "$build/tests/graphep_mpi_tests" --gtest_filter='Mpi_MoeStress*'
+    fi
+  } >"$out/stress.log" 2>&1 || { echo "stress failed (rc=$?)"; status=1; }
+  grep -E "stress  |PASSED|FAILED|Failure" "$out/stress.log" | sort | uniq -c
+fi
+
 step "main job: examples/01_moe_layer (decode loop, graph replay, checked against the unsharded reference)"
 timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-60} "$build/examples/01_moe_layer" >"$out/main_job.log" 2>&1 \
   || { echo "01_moe_layer failed (rc=$?)"; status=1; }
