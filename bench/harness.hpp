@@ -39,6 +39,7 @@ struct Options {
   std::string moeDtype = "both";                    // --dtype bf16|fp8|both (moe dispatch)
   std::string moePath = "auto";                     // --path auto|latency|throughput (moe)
   bool hostCost = false;                            // --host-cost (moe): launch cost, graph vs eager
+  int busyUs = 0;                                   // --microbatches US (moe): two in flight, expert of US
 };
 
 

@@ -32,7 +32,7 @@ std::size_t parseSize(const char* s) {
 int usage() {
   std::fprintf(stderr,
                "usage: graphep-bench [pingpong|sendrecv|allgather|alltoallv|moe] [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] "
-               "[-w WARMUP] [-R REPEATS] [-c 0|1] [-G OPS_PER_GRAPH] [--sms N] [--warps N] [--slot BYTES] [--slots N] [--ll BYTES] [--profile] [--host-cost] "
+               "[-w WARMUP] [-R REPEATS] [-c 0|1] [-G OPS_PER_GRAPH] [--sms N] [--warps N] [--slot BYTES] [--slots N] [--ll BYTES] [--profile] [--host-cost] [--microbatches US] "
                "[--json FILE]\n"
                "       moe: -b/-e are tokens per rank; [--hidden H] [--experts E] [--topk K] [--dtype bf16|fp8|both] [--path auto|latency|throughput]\n");
   return 2;
@@ -99,6 +99,7 @@ int run(int argc, char** argv, bool mpi) {
       else if (a == "--ll") o.llBytes = parseSize(next());
       else if (a == "--profile") o.profile = true;
       else if (a == "--host-cost") o.hostCost = true;
+      else if (a == "--microbatches") o.busyUs = std::atoi(next());
       else if (a == "--hidden") o.moeHidden = std::atoi(next());
       else if (a == "--experts") o.moeExperts = std::atoi(next());
       else if (a == "--topk") o.moeTopK = std::atoi(next());

@@ -612,7 +612,7 @@ std::vector<MoeKernelSpan> Engine::timeline() const {
     if (w[3] == 0) continue;  // did not run
     spans.push_back(MoeKernelSpan{kernelName(static_cast<MoeKernel>(k)), static_cast<double>(w[0] - first) / 1e3,
                                   static_cast<double>(w[1] - first) / 1e3,
-                                  static_cast<double>(w[2]) / static_cast<double>(w[3]) / 1e3, w[3]});
+                                  static_cast<double>(w[2]) / static_cast<double>(w[3]) / 1e3, w[3], w[0], w[1]});
   }
   return spans;
 }

@@ -100,6 +100,9 @@ timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-60} \
   "$build/bench/graphep-bench" moe -b 128 -e 128 --dtype bf16 --host-cost -n 50 -w 10 ${GRAPHEP_BENCH_ARGS:-} \
   >>"$out/bench_moe.log" 2>&1 || { echo "moe bench (host cost) failed (rc=$?)"; status=1; }
 timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-60} \
+  "$build/bench/graphep-bench" moe -b 128 -e 512 -f 4 --microbatches 60 -n 20 -w 5 ${GRAPHEP_BENCH_ARGS:-} \
+  >>"$out/bench_moe.log" 2>&1 || { echo "moe bench (micro-batches) failed (rc=$?)"; status=1; }
+timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-60} \
   "$build/bench/graphep-bench" moe -b 4096 -e 4096 --sms 24 -n 10 -w 3 --profile ${GRAPHEP_BENCH_ARGS:-} \
   2>&1 | sed "s/^  moe /  moe sms=24 /" >>"$out/bench_moe.log" || { echo "moe bench (4096, --sms 24) failed"; status=1; }
 for sms in 8 16 32 64; do  # the latency path's CTAs per kernel (default 24)
@@ -107,7 +110,7 @@ for sms in 8 16 32 64; do  # the latency path's CTAs per kernel (default 24)
     "$build/bench/graphep-bench" moe -b 128 -e 128 --sms $sms -n 10 -w 3 --profile ${GRAPHEP_BENCH_ARGS:-} \
     2>&1 | sed "s/^  moe /  moe sms=$sms /" >>"$out/bench_moe.log" || { echo "moe bench (--sms $sms) failed"; status=1; }
 done
-grep -E "^  |^# timeline|^# phases|^# host cost|failed" "$out/bench_moe.log" || true
+grep -E "^  |^# timeline|^# phases|^# host cost|^# microbatches|failed" "$out/bench_moe.log" || true
 
 echo "== summary: status=$status (logs in $out)"
 exit $status

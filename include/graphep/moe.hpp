@@ -72,6 +72,8 @@ struct MoeKernelSpan {
   double endUs;
   double meanCtaUs;
   unsigned long long samples;  // CTA executions counted
+  // The span in the GPU's global timer (ns): comparable across engines and kernels of one GPU.
+  unsigned long long startNs, endNs;
 };
 
 struct DispatchArgs {

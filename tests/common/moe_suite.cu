@@ -631,6 +631,48 @@ std::vector<MoeCase> standardMoeCases(int R, bool large) {
   return cases;
 }
 
+void runMoeMicroBatches(Communicator& comm, MoePath path, int rounds) {
+  MoeCase c;
+  c.cfg.maxTokensPerRank = 64;
+  c.cfg.hidden = 256;
+  c.cfg.numExperts = 4 * comm.worldSize();
+  c.cfg.topK = 2;
+  c.cfg.path = path;
+  SCOPED_TRACE("two micro-batches in flight, " + describeCase(c));
+  const int R = comm.worldSize();
+  MoeFixture a(comm, c), b(comm, c);  // two engines: two buffer sets
+  for (int round = 0; round < rounds; ++round) {
+    const int Ta = 1 + round * 13 % 64, Tb = 64 - round * 7 % 64;
+    std::vector<Inputs> inA, inB;
+    for (int q = 0; q < R; ++q) {
+      inA.push_back(makeInputs(c, R, q, Ta, 700 + round));
+      inB.push_back(makeInputs(c, R, q, Tb, 900 + round));
+    }
+    for (int l = 0; l < a.L(); ++l) {
+      a.prepare(l, inA[static_cast<std::size_t>(comm.globalRank(l))]);
+      b.prepare(l, inB[static_cast<std::size_t>(comm.globalRank(l))]);
+    }
+    comm.barrier();
+    for (int l = 0; l < a.L(); ++l) {  // B's operations start while A's are in flight (its own stream)
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+      a.enqueue(l, a.buf(l).stream);
+      b.enqueue(l, b.buf(l).stream);
+    }
+    a.syncAll();
+    b.syncAll();
+    std::vector<RefLayout> refA, refB;
+    for (int q = 0; q < R; ++q) {
+      refA.push_back(refLayout(c, inA, q, a.engine(0).layout().capacity));
+      refB.push_back(refLayout(c, inB, q, b.engine(0).layout().capacity));
+    }
+    for (int l = 0; l < a.L(); ++l) {
+      EXPECT_EQ(a.check(l, inA, refA, "micro-batch A round " + std::to_string(round)), 0);
+      EXPECT_EQ(b.check(l, inB, refB, "micro-batch B round " + std::to_string(round)), 0);
+    }
+    comm.barrier();
+  }
+}
+
 void runMoeGraphSuite(Communicator& comm, MoePath path, int iterations) {
   MoeCase c;
   c.cfg.maxTokensPerRank = 64;

@@ -47,6 +47,10 @@ void runMoeCase(Communicator& comm, const MoeCase& c);
 // interleaving (the same on every process), fresh inputs and a full check each time.
 void runMoeGraphSuite(Communicator& comm, MoePath path, int iterations);
 
+// Two engines (two buffer sets) per rank with their operations in flight at once on two streams:
+// every round both micro-batches' outputs are checked.
+void runMoeMicroBatches(Communicator& comm, MoePath path, int rounds);
+
 // The case matrix of a configuration: emulated ranks get small shapes, real GPUs the large ones;
 // every small case runs on the latency path (kAuto) and on the throughput path.
 std::vector<MoeCase> standardMoeCases(int worldSize, bool large);

@@ -24,6 +24,13 @@ TEST(Gpu1_MoeGraph, FourEmulatedRanksThroughput) {
   runMoeGraphSuite(*comm, MoePath::kThroughput, 40);
 }
 
+TEST(Gpu1_MoeMicroBatches, FourEmulatedRanksBothPaths) {
+  GRAPHEP_REQUIRE_GPUS(1);
+  auto comm = createLocalGroup({0, 0, 0, 0});
+  runMoeMicroBatches(*comm, MoePath::kAuto, 6);
+  runMoeMicroBatches(*comm, MoePath::kThroughput, 4);
+}
+
 // Replays of 4 bucket graphs (1 / 8 / 64 / 128 tokens) in random order with no host work between
 // them, ranks drifting apart by up to 100 us, counters starting 1,000 below the 32-bit wrap, every
 // output checked on the GPU each replay. GRAPHEP_STRESS_REPLAYS scales it (gpu-check: 100,000).

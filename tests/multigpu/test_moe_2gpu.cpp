@@ -25,6 +25,13 @@ TEST(Gpu2_MoeGraph, LocalGroupBothPaths) {
   runMoeGraphSuite(*comm, MoePath::kThroughput, 40);
 }
 
+TEST(Gpu2_MoeMicroBatches, LocalGroupBothPaths) {
+  GRAPHEP_REQUIRE_GPUS(2);
+  auto comm = createLocalGroup({0, 1});
+  runMoeMicroBatches(*comm, MoePath::kAuto, 6);
+  runMoeMicroBatches(*comm, MoePath::kThroughput, 4);
+}
+
 TEST(Gpu2_MoeStress, LocalGroupBothPaths) {
   GRAPHEP_REQUIRE_GPUS(2);
   auto comm = createLocalGroup({0, 1});

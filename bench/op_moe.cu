@@ -162,6 +162,177 @@ void printHostCost(const Options& o, Ranks& r, std::vector<std::unique_ptr<Engin
   }
 }
 
+// A stand-in for expert compute: `ctas` CTAs spin for `ns`; the first and last timer readings go to
+// stamps[0] (min) and stamps[1] (max).
+__global__ void busyExpert(unsigned long long ns, unsigned long long* stamps) {
+  unsigned long long t0 = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  if (threadIdx.x == 0) atomicMin(stamps, t0);
+  unsigned long long t = t0;
+  while (t - t0 < ns) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  if (threadIdx.x == 0) atomicMax(stamps + 1, t);
+}
+
+// --microbatches US: two micro-batches, each its own engine (buffer set), with an expert of US
+// microseconds on half the SMs. Sequential: A then B on one stream. In flight: B's dispatch starts
+// when A's dispatch ends, on its own stream, so it runs during A's expert (and A's combine during
+// B's expert). Prints both times and, from one eager run with the engines' timelines, how long B's
+// dispatch ran while A's expert did (rank 0).
+void runMicroBatches(const Options& o, Ranks& r, std::size_t tokens) {
+  const int R = r.comm->worldSize(), L = r.numLocal(), T = static_cast<int>(tokens);
+  const int H = o.moeHidden, E = o.moeExperts, K = o.moeTopK;
+  MoeConfig cfg;
+  cfg.maxTokensPerRank = T;
+  cfg.hidden = H;
+  cfg.numExperts = E;
+  cfg.topK = K;
+  cfg.smBudget = o.sms;
+  cfg.profile = true;
+  auto engA = Engine::createAll(*r.comm, cfg);
+  auto engB = Engine::createAll(*r.comm, cfg);
+  const auto idx = routing(R, T, E, K, 777 + tokens);
+  struct Buf {
+    void *x, *ids, *w, *n, *out;
+    cudaStream_t sb;
+    cudaEvent_t dispatched, done;
+    unsigned long long* stamps;  // [2] for A's expert, [2] for B's
+  };
+  std::vector<Buf> b(static_cast<std::size_t>(L));
+  for (int i = 0; i < L; ++i) {
+    Buf& q = b[static_cast<std::size_t>(i)];
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[static_cast<std::size_t>(i)]));
+    cudaFuncAttributes attr{};
+    GRAPHEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, busyExpert));
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&q.x, static_cast<std::size_t>(T) * H * 2));
+    GRAPHEP_CUDA_CHECK(cudaMemset(q.x, 0x3c, static_cast<std::size_t>(T) * H * 2));
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&q.ids, static_cast<std::size_t>(T) * K * 4));
+    const auto& mine = idx[static_cast<std::size_t>(r.rank(i))];
+    GRAPHEP_CUDA_CHECK(cudaMemcpy(q.ids, mine.data(), mine.size() * 4, cudaMemcpyHostToDevice));
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&q.w, static_cast<std::size_t>(T) * K * 4));
+    std::vector<float> ws(mine.size(), 1.0f / static_cast<float>(K));
+    GRAPHEP_CUDA_CHECK(cudaMemcpy(q.w, ws.data(), ws.size() * 4, cudaMemcpyHostToDevice));
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&q.n, 4));
+    GRAPHEP_CUDA_CHECK(cudaMemcpy(q.n, &T, 4, cudaMemcpyHostToDevice));
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&q.out, static_cast<std::size_t>(T) * H * 2));
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&q.stamps, 4 * 8));
+    GRAPHEP_CUDA_CHECK(cudaStreamCreateWithFlags(&q.sb, cudaStreamNonBlocking));
+    GRAPHEP_CUDA_CHECK(cudaEventCreateWithFlags(&q.dispatched, cudaEventDisableTiming));
+    GRAPHEP_CUDA_CHECK(cudaEventCreateWithFlags(&q.done, cudaEventDisableTiming));
+  }
+  int sms = 0;
+  GRAPHEP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, r.devices[0]));
+  const unsigned busyCtas = static_cast<unsigned>(std::max(1, sms / 2));
+  const unsigned long long busyNs = static_cast<unsigned long long>(o.busyUs) * 1000ull;
+  auto op = [&](std::vector<std::unique_ptr<Engine>>& eng, int i, cudaStream_t s, unsigned long long* stamps,
+                bool combineToo) {
+    Buf& q = b[static_cast<std::size_t>(i)];
+    DispatchArgs a;
+    a.x = q.x;
+    a.topkIdx = q.ids;
+    a.topkWeights = static_cast<const float*>(q.w);
+    a.numTokens = static_cast<const int*>(q.n);
+    eng[static_cast<std::size_t>(i)]->dispatch(a, s);
+    if (&eng == &engA) GRAPHEP_CUDA_CHECK(cudaEventRecord(q.dispatched, s));
+    busyExpert<<<busyCtas, 128, 0, s>>>(busyNs, stamps);
+    if (combineToo) {
+      CombineArgs c;
+      c.out = q.out;
+      eng[static_cast<std::size_t>(i)]->combine(c, s);
+    }
+  };
+  auto sequential = [&] {
+    for (int i = 0; i < L; ++i) {
+      Buf& q = b[static_cast<std::size_t>(i)];
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[static_cast<std::size_t>(i)]));
+      op(engA, i, r.streams[static_cast<std::size_t>(i)], q.stamps, true);
+      op(engB, i, r.streams[static_cast<std::size_t>(i)], q.stamps + 2, true);
+    }
+  };
+  auto inFlight = [&] {
+    for (int i = 0; i < L; ++i) {
+      Buf& q = b[static_cast<std::size_t>(i)];
+      cudaStream_t sa = r.streams[static_cast<std::size_t>(i)];
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[static_cast<std::size_t>(i)]));
+      op(engA, i, sa, q.stamps, true);
+      GRAPHEP_CUDA_CHECK(cudaStreamWaitEvent(q.sb, q.dispatched, 0));  // B's dispatch after A's
+      op(engB, i, q.sb, q.stamps + 2, true);
+      GRAPHEP_CUDA_CHECK(cudaEventRecord(q.done, q.sb));
+      GRAPHEP_CUDA_CHECK(cudaStreamWaitEvent(sa, q.done, 0));  // the iteration ends when both did
+    }
+  };
+  auto timeIt = [&](auto enqueue) {
+    std::vector<double> t;
+    for (int it = 0; it < o.warmup + o.iters; ++it) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[0]));
+      cudaEvent_t e0, e1;
+      GRAPHEP_CUDA_CHECK(cudaEventCreate(&e0));
+      GRAPHEP_CUDA_CHECK(cudaEventCreate(&e1));
+      GRAPHEP_CUDA_CHECK(cudaEventRecord(e0, r.streams[0]));
+      enqueue();
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[0]));
+      GRAPHEP_CUDA_CHECK(cudaEventRecord(e1, r.streams[0]));
+      for (int i = 0; i < L; ++i) {
+        GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[static_cast<std::size_t>(i)]));
+        GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
+      }
+      r.comm->barrier();
+      float ms = 0;
+      GRAPHEP_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      if (it >= o.warmup) t.push_back(ms * 1e3);
+      cudaEventDestroy(e0);
+      cudaEventDestroy(e1);
+    }
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+  };
+  const double seqUs = timeIt(sequential);
+  const double flightUs = timeIt(inFlight);
+  // One more in-flight run with fresh timelines: B's dispatch against A's expert on rank 0.
+  for (auto& e : engA) e->resetTimeline();
+  for (auto& e : engB) e->resetTimeline();
+  for (int i = 0; i < L; ++i) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[static_cast<std::size_t>(i)]));
+    const unsigned long long init[4] = {~0ull, 0ull, ~0ull, 0ull};
+    GRAPHEP_CUDA_CHECK(cudaMemcpy(b[static_cast<std::size_t>(i)].stamps, init, sizeof(init), cudaMemcpyHostToDevice));
+  }
+  r.comm->barrier();
+  inFlight();
+  const std::vector<MoeKernelSpan> spansB = engB[0]->timeline();
+  for (std::size_t i = 1; i < engB.size(); ++i) engB[i]->timeline();  // sync
+  unsigned long long st[4];
+  GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[0]));
+  GRAPHEP_CUDA_CHECK(cudaMemcpy(st, b[0].stamps, sizeof(st), cudaMemcpyDeviceToHost));
+  // B's dispatch: its kernels before its combine's.
+  unsigned long long d0 = ~0ull, d1 = 0;
+  for (const MoeKernelSpan& sp : spansB) {
+    const std::string k = sp.kernel;
+    if (k.find("combine") != std::string::npos) continue;
+    d0 = std::min(d0, sp.startNs);
+    d1 = std::max(d1, sp.endNs);
+  }
+  const double overlapUs = d1 > d0 ? static_cast<double>(std::max<long long>(
+                                          0, static_cast<long long>(std::min(d1, st[1])) -
+                                                 static_cast<long long>(std::max(d0, st[0])))) / 1e3
+                                    : 0.0;
+  if (isPrinter()) {
+    std::printf("# microbatches %zu tokens (expert %d us on %u CTAs, rank 0): sequential A then B %.2f us; two in "
+                "flight %.2f us (%.2fx); B's dispatch ran %.2f us [%.1f, %.1f] during A's expert [%.1f, %.1f] "
+                "(us from A's expert start)\n",
+                tokens, o.busyUs, busyCtas, seqUs, flightUs, seqUs / flightUs, overlapUs,
+                (static_cast<double>(d0) - static_cast<double>(st[0])) / 1e3,
+                (static_cast<double>(d1) - static_cast<double>(st[0])) / 1e3, 0.0,
+                (static_cast<double>(st[1]) - static_cast<double>(st[0])) / 1e3);
+  }
+  for (int i = 0; i < L; ++i) {
+    Buf& q = b[static_cast<std::size_t>(i)];
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[static_cast<std::size_t>(i)]));
+    for (void* p : {q.x, q.ids, q.w, q.n, q.out, static_cast<void*>(q.stamps)}) cudaFree(p);
+    cudaStreamDestroy(q.sb);
+    cudaEventDestroy(q.dispatched);
+    cudaEventDestroy(q.done);
+  }
+}
+
 }  // namespace
 
 std::vector<Row> runMoe(const Options& o, Ranks& r) {
@@ -173,6 +344,10 @@ std::vector<Row> runMoe(const Options& o, Ranks& r) {
   if (o.moeDtype != "bf16") types.push_back(true);
   for (std::size_t tokens = o.minBytes; tokens <= o.maxBytes;
        tokens = std::max<std::size_t>(tokens + 1, static_cast<std::size_t>(tokens * o.factor))) {
+    if (o.busyUs > 0) {
+      runMicroBatches(o, r, tokens);
+      continue;
+    }
     const int T = static_cast<int>(tokens);
     const auto idx = routing(R, T, E, K, 424242 + tokens);
     const int L = E / R;
