@@ -631,8 +631,9 @@ std::vector<MoeCase> standardMoeCases(int R, bool large) {
   return cases;
 }
 
-void runMoeMicroBatches(Communicator& comm, MoePath path, int rounds) {
+void runMoeMicroBatches(Communicator& comm, MoePath path, int rounds, int smBudget) {
   MoeCase c;
+  c.cfg.smBudget = smBudget;
   c.cfg.maxTokensPerRank = 64;
   c.cfg.hidden = 256;
   c.cfg.numExperts = 4 * comm.worldSize();

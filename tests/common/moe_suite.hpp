@@ -48,8 +48,9 @@ void runMoeCase(Communicator& comm, const MoeCase& c);
 void runMoeGraphSuite(Communicator& comm, MoePath path, int iterations);
 
 // Two engines (two buffer sets) per rank with their operations in flight at once on two streams:
-// every round both micro-batches' outputs are checked.
-void runMoeMicroBatches(Communicator& comm, MoePath path, int rounds);
+// every round both micro-batches' outputs are checked. Ranks sharing a GPU need a budget small
+// enough for both engines' waiting CTAs to be resident at once (smBudget; 0: the default).
+void runMoeMicroBatches(Communicator& comm, MoePath path, int rounds, int smBudget);
 
 // The case matrix of a configuration: emulated ranks get small shapes, real GPUs the large ones;
 // every small case runs on the latency path (kAuto) and on the throughput path.

@@ -28,8 +28,8 @@ TEST(Gpu2_MoeGraph, LocalGroupBothPaths) {
 TEST(Gpu2_MoeMicroBatches, LocalGroupBothPaths) {
   GRAPHEP_REQUIRE_GPUS(2);
   auto comm = createLocalGroup({0, 1});
-  runMoeMicroBatches(*comm, MoePath::kAuto, 6);
-  runMoeMicroBatches(*comm, MoePath::kThroughput, 4);
+  runMoeMicroBatches(*comm, MoePath::kAuto, 6, 0);
+  runMoeMicroBatches(*comm, MoePath::kThroughput, 4, 0);
 }
 
 TEST(Gpu2_MoeStress, LocalGroupBothPaths) {
