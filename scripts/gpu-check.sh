@@ -62,7 +62,17 @@ timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-60} "$build/examples/01_moe_layer" >"$ou
   || { echo "01_moe_layer failed (rc=$?)"; status=1; }
 cat "$out/main_job.log"
 
-# GRAPHEP_BENCH_ONLY=moe: only the MoE benchmarks (quick iterations on MoE work); =none: no benchmark.
+# GRAPHEP_BENCH_ONLY=moe: only the MoE benchmarks (quick iterations on MoE work); =graphs: only
+# the graph measurements (launch cost, micro-batches); =none: no benchmark.
+if [ "${GRAPHEP_BENCH_ONLY:-}" = graphs ]; then
+  step "benchmark: MoeGraph launch cost and two micro-batches in flight"
+  { "$build/bench/graphep-bench" moe -b 128 -e 128 --dtype bf16 --host-cost -n 50 -w 10
+    "$build/bench/graphep-bench" moe -b 128 -e 512 -f 4 --microbatches 60 -n 20 -w 5; } >"$out/bench_moe.log" 2>&1 \
+    || { echo "graph benchmarks failed (rc=$?)"; status=1; }
+  grep -E "^  |^# host cost|^# microbatches|failed" "$out/bench_moe.log" || true
+  echo "== summary: status=$status (logs in $out)"
+  exit $status
+fi
 if [ "${GRAPHEP_BENCH_ONLY:-}" = none ]; then
   echo "== summary: status=$status (logs in $out)"
   exit $status
