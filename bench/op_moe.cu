@@ -423,6 +423,13 @@ std::vector<Row> runMoe(const Options& o, Ranks& r) {
       };
       auto execs = captureOps(o, r, dispatch);
       const double dUs = timeOps(o, r, execs);
+      // Dispatch alone ran back to back (counted as unpaired): combine the last one, then start the
+      // checked phase from a clean status.
+      for (int i = 0; i < r.numLocal(); ++i) {
+        GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[static_cast<std::size_t>(i)]));
+        combine(i, r.streams[static_cast<std::size_t>(i)]);
+      }
+      for (auto& e : engines) e->clearStatus();
       execs = captureOps(o, r, [&](int i, cudaStream_t s) {
         dispatch(i, s);
         combine(i, s);

@@ -233,6 +233,8 @@ graphep_status_t graphep_engine_status(graphep_engine_t engine, graphep_moe_stat
     o.first_invalid_slot = s.firstInvalidSlot;
     o.first_clamped_count = s.firstClampedCount;
     o.device_error = s.deviceError.empty() ? 0 : 1;
+    o.unpaired_dispatches = s.unpairedDispatches;
+    o.unpaired_combines = s.unpairedCombines;
     if (!s.deviceError.empty()) lastError = s.deviceError;
     std::memcpy(status, &o, sizeof(o));
   });

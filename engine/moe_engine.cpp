@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <mutex>
 
 #include "engine/error.hpp"
 #include "engine/heap.hpp"
@@ -143,6 +144,12 @@ struct EngineGroup {
   std::vector<Movers> movers;  // destroyed before the heap they point into
 };
 
+namespace {
+// Every live engine of this process, to recognise another engine's buffers handed to this one.
+std::mutex registryMutex;
+std::vector<const Engine::Impl*> registry;
+}  // namespace
+
 struct Engine::Impl {
   std::shared_ptr<EngineGroup> group;
   int local = 0;
@@ -153,7 +160,16 @@ struct Engine::Impl {
   AllToAllvArgs cntArgs, dispArgs, combArgs;
   MoePath path = MoePath::kThroughput;
   char* block = nullptr;  // every local buffer, carved from one allocation
+  std::size_t blockBytes = 0;
+  Impl() {
+    std::lock_guard<std::mutex> lock(registryMutex);
+    registry.push_back(this);
+  }
   ~Impl() {
+    {
+      std::lock_guard<std::mutex> lock(registryMutex);
+      registry.erase(std::remove(registry.begin(), registry.end(), this), registry.end());
+    }
     if (block != nullptr) {
       cudaSetDevice(device);
       cudaFree(block);
@@ -220,8 +236,37 @@ void Engine::validate(const MoeConfig& c, int R) {
                   c.maxTokensPerRank);
 }
 
+namespace {
+// Collective: every rank must pass the same config. The fields travel in an allgather (setup only);
+// a mismatch names the field, this rank's value and the first rank that differs, on every rank.
+void requireSameConfig(Communicator& comm, const MoeConfig& cfg) {
+  struct Fields {
+    long long v[13];
+  };
+  const Fields mine{{cfg.maxTokensPerRank, cfg.hidden, cfg.numExperts, cfg.topK, static_cast<long long>(cfg.dispatchType),
+                     cfg.recvCapacity, cfg.expertAlignment, cfg.smBudget, cfg.strict ? 1 : 0,
+                     static_cast<long long>(cfg.path), cfg.profile ? 1 : 0, static_cast<long long>(cfg.counterStart),
+                     comm.worldSize()}};
+  static const char* const names[13] = {"maxTokensPerRank", "hidden", "numExperts", "topK", "dispatchType",
+                                        "recvCapacity", "expertAlignment", "smBudget", "strict", "path",
+                                        "profile", "counterStart", "world size"};
+  std::vector<Fields> local(static_cast<std::size_t>(comm.numLocalRanks()), mine);
+  std::vector<Fields> all(static_cast<std::size_t>(comm.worldSize()));
+  comm.allgather(local.data(), all.data(), sizeof(Fields));
+  for (std::size_t q = 0; q < all.size(); ++q) {
+    for (int k = 0; k < 13; ++k) {
+      GRAPHEP_REQUIRE(all[q].v[k] == mine.v[k], Status::kInvalidArgument,
+                      "MoeConfig differs across ranks: %s is %lld on rank %d but %lld on rank %zu (every rank "
+                      "must pass the same config)",
+                      names[k], mine.v[k], comm.globalRank(0), all[q].v[k], q);
+    }
+  }
+}
+}  // namespace
+
 std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const MoeConfig& cfg) {
   const int R = comm.worldSize();
+  requireSameConfig(comm, cfg);  // first: a rank whose config alone is invalid must not strand the others
   validate(cfg, R);
   const bool fp8 = cfg.dispatchType == DType::kFp8E4m3;
   const int L = cfg.numExperts / R;
@@ -282,6 +327,7 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     };
     const std::size_t oStatus = carve(sizeof(MoeDeviceStatus));
     const std::size_t oLive = carve(sizeof(std::int32_t));
+    const std::size_t oPending = carve(sizeof(std::uint32_t));
     const std::size_t oTokRank = carve(T * Rs * 4);
     // Throughput path only (the latency path routes in shared memory and writes peers directly).
     const std::size_t oEntry = carve(throughput ? T * static_cast<std::size_t>(cfg.topK) * 4 : 0);
@@ -315,6 +361,7 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     constexpr std::size_t kStamps = kMoeStampWords * static_cast<std::size_t>(MoeKernel::kCount);
     const std::size_t oTimeline = carve(cfg.profile ? kStamps * 8 : 0);
     GRAPHEP_CUDA_CHECK(cudaMalloc(&impl->block, used));
+    impl->blockBytes = used;
     GRAPHEP_CUDA_CHECK(cudaMemset(impl->block, 0, used));
     char* b = impl->block;
     char* user = group->heap->user(l);
@@ -336,6 +383,7 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     p.cntMsgBytes = cntMsgBytes;
     p.status = reinterpret_cast<MoeDeviceStatus*>(b + oStatus);
     p.liveTokens = reinterpret_cast<std::int32_t*>(b + oLive);
+    p.pending = reinterpret_cast<std::uint32_t*>(b + oPending);
     p.tokRankIdx = reinterpret_cast<std::int32_t*>(b + oTokRank);
     p.entryIdx = reinterpret_cast<std::int32_t*>(b + oEntry);
     p.expertCount = reinterpret_cast<std::uint32_t*>(b + oExpertCount);
@@ -530,6 +578,15 @@ void Engine::combine(const CombineArgs& a, cudaStream_t stream) {
                     Status::kInvalidArgument, "combine: expertOutput (%p) is not 16-byte aligned",
                     a.expertOutput);
     p.y = static_cast<const char*>(a.expertOutput);
+    std::lock_guard<std::mutex> lock(registryMutex);
+    for (const Impl* other : registry) {
+      const char* y = static_cast<const char*>(a.expertOutput);
+      GRAPHEP_REQUIRE(other == &m || other->block == nullptr || y < other->block || y >= other->block + other->blockBytes,
+                      Status::kInvalidArgument,
+                      "combine: expertOutput (%p) lies in the buffers of another engine (rank %d); pass this "
+                      "engine's layout().expertOutput, or a buffer of your own",
+                      a.expertOutput, other->p.rank);
+    }
   }
   requireDevicePointer(a.out, m.device, "combine: out");
   GRAPHEP_REQUIRE((reinterpret_cast<std::uintptr_t>(a.out) & 15u) == 0, Status::kInvalidArgument,
@@ -554,6 +611,8 @@ MoeStatus Engine::status() const {
   s.invalidExpertIds = d.invalidIds;
   s.droppedRows = d.droppedRows;
   s.clampedTokenCounts = d.clampedCounts;
+  s.unpairedDispatches = d.unpairedDispatches;
+  s.unpairedCombines = d.unpairedCombines;
   if (d.firstInvalidSet != 0) {
     s.firstInvalidId = d.firstInvalidId;
     s.firstInvalidToken = d.firstInvalidToken;
@@ -649,6 +708,15 @@ std::string MoeStatus::describe() const {
     line(detail::format("%llu dispatch(es) had a live token count outside [0, maxTokensPerRank]; "
                         "the first was %d (clamped)",
                         clampedTokenCounts, firstClampedCount));
+  }
+  if (unpairedDispatches > 0) {
+    line(detail::format("%llu dispatch(es) ran before the previous dispatch was combined (its combine was lost)",
+                        unpairedDispatches));
+  }
+  if (unpairedCombines > 0) {
+    line(detail::format("%llu combine(s) ran with no dispatch since the last combine (they combined the last "
+                        "dispatch again)",
+                        unpairedCombines));
   }
   if (!deviceError.empty()) line(deviceError);
   return s;

@@ -43,6 +43,7 @@ using bf16 = __nv_bfloat16;
 
 struct Options {
   int tokens = 64, hidden = 1024, ffn = 512, experts = 16, topk = 4, steps = 200, checkEvery = 50, ranks = 0;
+  bool oneGpu = false;  // every rank on GPU 0 (emulated ranks), whatever the GPU count
 };
 
 constexpr int kRowTile = 16;   // expert kernels: rows per block
@@ -251,9 +252,10 @@ Options parse(int argc, char** argv) {
     else if (a == "--steps") o.steps = value();
     else if (a == "--check-every") o.checkEvery = value();
     else if (a == "--ranks") o.ranks = value();
+    else if (a == "--one-gpu") o.oneGpu = true;
     else {
       std::printf("usage: %s [--tokens N] [--hidden H] [--ffn F] [--experts E] [--topk K] [--steps S] "
-                  "[--check-every C] [--ranks R]\n", argv[0]);
+                  "[--check-every C] [--ranks R] [--one-gpu]\n", argv[0]);
       std::exit(a == "--help" ? 0 : 2);
     }
   }
@@ -276,16 +278,16 @@ int main(int argc, char** argv) {
     std::printf("01_moe_layer: no GPU (%s): nothing to run\n", why != nullptr ? why : "none found");
     return 77;
   }
-  const int R = o.ranks > 0 ? o.ranks : (gpus >= 2 ? gpus : 2);
+  const int R = o.ranks > 0 ? o.ranks : (gpus >= 2 && !o.oneGpu ? gpus : 2);
   if (o.experts % R != 0) {
     std::fprintf(stderr, "experts=%d is not divisible by %d ranks\n", o.experts, R);
     return 2;
   }
   std::vector<int> devices;
-  for (int r = 0; r < R; ++r) devices.push_back(gpus >= R ? r : r % gpus);
+  for (int r = 0; r < R; ++r) devices.push_back(o.oneGpu ? 0 : (gpus >= R ? r : r % gpus));
   const int T = o.tokens, H = o.hidden, F = o.ffn, E = o.experts, K = o.topk, L = E / R;
   std::printf("01_moe_layer: %d ranks on %d GPU(s), %d tokens/rank, H=%d, FFN=%d, %d experts, top-%d, %d steps\n",
-              R, std::min(gpus, R), T, H, F, E, K, o.steps);
+              R, o.oneGpu ? 1 : std::min(gpus, R), T, H, F, E, K, o.steps);
   try {
     auto comm = graphep::createLocalGroup(devices);
     graphep::MoeConfig cfg;

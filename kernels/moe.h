@@ -48,6 +48,8 @@ struct MoeDeviceStatus {
   std::int32_t firstClampedCount;    // the first out-of-range live count
   std::uint32_t firstClampedSet;
   std::uint32_t pad;
+  unsigned long long unpairedDispatches;  // dispatches that found the previous one not combined
+  unsigned long long unpairedCombines;    // combines with no dispatch since the last combine
 };
 
 // Metadata after the payload of every dispatch record (kMoeMetaBytes for topK slots).
@@ -158,6 +160,9 @@ struct MoeParams {
   char* out;                   // [T, H] bf16
 
   MoeDeviceStatus* status;
+  // 1 between a dispatch and its combine (set by the dispatch's last kernel, cleared by the
+  // combine's): an operation that finds it in the wrong state is counted (MoeDeviceStatus).
+  std::uint32_t* pending;
 
   // Latency path (kernels/moe_latency.cu). Regions of every rank's symmetric user region, at the
   // same offsets on every rank: llRec [2][R][maxTokens][recBytes] records from each source,

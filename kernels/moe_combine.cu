@@ -14,6 +14,7 @@ __global__ void __launch_bounds__(kThreads) moeCombineReduceKernel(const __grid_
   const MoeStamp stamp(p, MoeKernel::kCombineReduce);
   __shared__ MoeSlotStage stage[kGroups];
   const MoeGroupSlice gs = moeGroupSlice();
+  if (blockIdx.x == 0 && threadIdx.x == 0) moeCheckPairing(p, false);
   const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.hidden) * 2;
   for (int s = 0; s < p.numRanks; ++s) {
     for (int i = gs.first; i < p.recvRows[s]; i += gs.stride) {
@@ -29,6 +30,7 @@ __global__ void __launch_bounds__(kThreads) moeCombineFinalKernel(const __grid_c
   const MoeStamp stamp(p, MoeKernel::kCombineFinal);
   __shared__ const uint4* parts[kGroups][kMaxRanks];
   const MoeGroupSlice gs = moeGroupSlice();
+  if (blockIdx.x == 0 && threadIdx.x == 0) *p.pending = 0u;  // the combine's last kernel
   const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.hidden) * 2;
   const int T = *p.liveTokens;
   for (int t = gs.first; t < T; t += gs.stride) {

@@ -176,6 +176,7 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
   };
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyDispatch);
+    if (blockIdx.x == 0 && tid == 0) moeCheckPairing(p, true);
     for (int w = tid; w < (E + R) * W; w += kThreads) expBits[w] = 0;  // and dstBits
     if (tid == 0) dup = 0;
     __syncthreads();
@@ -303,7 +304,10 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
       }
     }
   }
-  if (lastBlock(&p.llDone[0]) && tid == 0) p.llSteps[0] = step + 1u;
+  if (lastBlock(&p.llDone[0]) && tid == 0) {
+    p.llSteps[0] = step + 1u;
+    *p.pending = 1u;
+  }
 }
 
 __global__ void __launch_bounds__(kThreads) moeLatencyCombineKernel(const __grid_constant__ MoeParams p) {
@@ -321,6 +325,7 @@ __global__ void __launch_bounds__(kThreads) moeLatencyCombineKernel(const __grid
   const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.hidden) * 2;
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyCombine);
+    if (blockIdx.x == 0 && tid == 0) moeCheckPairing(p, false);
     for (int k = 1; k <= R; ++k) {  // peers first (their partials cross the link), own rank last
       const int s = (p.rank + k) % R;
       const int rows = p.recvRows[s];
@@ -347,7 +352,10 @@ __global__ void __launch_bounds__(kThreads) moeLatencyCombineKernel(const __grid
       }
     }
   }
-  if (lastBlock(&p.llDone[1]) && tid == 0) p.llSteps[1] = cstep + 1u;
+  if (lastBlock(&p.llDone[1]) && tid == 0) {
+    p.llSteps[1] = cstep + 1u;
+    *p.pending = 0u;
+  }
 }
 
 }  // namespace

@@ -23,6 +23,7 @@ __device__ __forceinline__ int gridThreads() { return static_cast<int>(gridDim.x
 
 __global__ void __launch_bounds__(kThreads) moeRouteBitsKernel(const __grid_constant__ MoeParams p) {
   const MoeStamp stamp(p, MoeKernel::kRoute);
+  if (blockIdx.x == 0 && threadIdx.x == 0) moeCheckPairing(p, true);
   const int T = moeLiveTokens(p, blockIdx.x == 0 && threadIdx.x == 0);
   const int W = static_cast<int>(moeRouteWords(p.maxTokens)), E = p.numExperts, K = p.topK;
   for (int i = gridThread(); i < T * K; i += gridThreads()) {

@@ -114,6 +114,8 @@ typedef struct graphep_moe_status {
   int first_invalid_slot;
   int first_clamped_count;
   int device_error;            /* nonzero: a timeout or protocol error was recorded */
+  unsigned long long unpaired_dispatches;
+  unsigned long long unpaired_combines;
 } graphep_moe_status_t;
 #define GRAPHEP_MOE_STATUS_INIT { sizeof(graphep_moe_status_t) }
 

@@ -123,9 +123,15 @@ struct MoeStatus {
   int firstInvalidToken = -1;
   int firstInvalidSlot = -1;
   int firstClampedCount = 0;                // valid when clampedTokenCounts > 0
+  // Operations out of order (each dispatch must be followed by its combine): counted, never a hang;
+  // strict mode traps. A dispatch over an uncombined one replaces it; a combine with no new dispatch
+  // combines the last dispatch again.
+  unsigned long long unpairedDispatches = 0;
+  unsigned long long unpairedCombines = 0;
   std::string deviceError;                  // a timeout or protocol error, "" when none
   bool ok() const {
-    return invalidExpertIds == 0 && droppedRows == 0 && clampedTokenCounts == 0 && deviceError.empty();
+    return invalidExpertIds == 0 && droppedRows == 0 && clampedTokenCounts == 0 && unpairedDispatches == 0 &&
+           unpairedCombines == 0 && deviceError.empty();
   }
   std::string describe() const;  // one line per problem, "ok" when none
 };

@@ -88,6 +88,26 @@ __device__ inline int moeLiveTokens(const MoeParams& p, bool record) {
   return T;
 }
 
+// Operation pairing (one thread of the operation's first kernel): a dispatch must find the last
+// one combined (pending 0), a combine a dispatch to combine (pending 1); otherwise it is counted,
+// and strict mode traps. The operation still runs: a combine serves the last dispatch.
+__device__ inline void moeCheckPairing(const MoeParams& p, bool dispatch) {
+  const std::uint32_t pending = *p.pending;
+  if (dispatch && pending != 0u) {
+    atomicAdd(&p.status->unpairedDispatches, 1ull);
+  } else if (!dispatch && pending == 0u) {
+    atomicAdd(&p.status->unpairedCombines, 1ull);
+  } else {
+    return;
+  }
+  if (p.strict) {
+    printf("graphep: rank %d: %s (strict mode)\n", p.rank,
+           dispatch ? "dispatch called again before the last dispatch was combined"
+                    : "combine called with no dispatch since the last combine");
+    __trap();
+  }
+}
+
 // A received row whose place is past the capacity: counted (strict mode traps).
 __device__ inline void moeReportDroppedRow(const MoeParams& p, long long pos) {
   atomicAdd(&p.status->droppedRows, 1ull);

@@ -230,7 +230,8 @@ static void run_engines(graphep_comm_t comm, const char* what, int with_graph) {
   for (int i = 0; i < local; ++i) {
     graphep_moe_status_t st = GRAPHEP_MOE_STATUS_INIT;
     CHECK_G(graphep_engine_status(r[i].engine, &st));
-    EXPECT(st.invalid_expert_ids == 0 && st.dropped_rows == 0 && st.clamped_token_counts == 0 && !st.device_error,
+    EXPECT(st.invalid_expert_ids == 0 && st.dropped_rows == 0 && st.clamped_token_counts == 0 && !st.device_error &&
+               st.unpaired_dispatches == 0 && st.unpaired_combines == 0,
            "%s: rank %d status not clean", what, i);
   }
   for (int i = 0; i < local; ++i) {

@@ -7,8 +7,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <random>
+#include <set>
 #include <string>
 
 #include "common/bf16.hpp"
@@ -298,6 +300,8 @@ class MoeFixture {
 
   // The expert outputs the next checks expect: yValue x scale.
   void setYScale(float scale) { yScale_ = scale; }
+  // Tokens whose weights include a NaN or an infinity (every rank's): their outputs must not be finite.
+  void setNonFiniteTokens(std::set<int> t) { nonFinite_ = std::move(t); }
 
   void syncAll() {
     for (int l = 0; l < L(); ++l) {
@@ -392,6 +396,13 @@ class MoeFixture {
           if (gotBits != 0xffff) break;
           continue;
         }
+        if (nonFinite_.count(t) != 0) {  // a NaN or infinite weight: the output must not be finite
+          if (std::isfinite(bf16Value(gotBits))) {
+            fail("out[" + std::to_string(t) + "][" + std::to_string(h) + "] is finite; a weight of the token is not");
+            break;
+          }
+          continue;
+        }
         double sum = 0, mag = 0;
         for (int k = 0; k < K; ++k) {
           const long long e = mine.idx[static_cast<std::size_t>(t) * K + k];
@@ -422,6 +433,7 @@ class MoeFixture {
   std::vector<std::unique_ptr<Engine>> engines_;
   std::vector<RankBuffers> bufs_;
   float yScale_ = 1.0f;
+  std::set<int> nonFinite_;
 };
 
 std::string describeCase(const MoeCase& c) {
@@ -629,6 +641,117 @@ std::vector<MoeCase> standardMoeCases(int R, bool large) {
     cases.push_back(p);
   }
   return cases;
+}
+
+namespace {
+
+// Runs `call`, which must throw graphep::Error with `status` and a message containing `needle`.
+template <class F>
+void expectError(F&& call, Status status, const std::string& needle) {
+  try {
+    call();
+    ADD_FAILURE() << "no error; expected one naming '" << needle << "'";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), status) << e.what();
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+
+void runMoeMisuse(Communicator& comm, MoePath path) {
+  MoeCase c;
+  c.cfg.maxTokensPerRank = 32;
+  c.cfg.hidden = 256;
+  c.cfg.numExperts = 4 * comm.worldSize();
+  c.cfg.topK = 2;
+  c.cfg.path = path;
+  SCOPED_TRACE("misuse, " + describeCase(c));
+  const int R = comm.worldSize();
+  MoeFixture f(comm, c), other(comm, c);
+  std::vector<Inputs> in;
+  for (int q = 0; q < R; ++q) in.push_back(makeInputs(c, R, q, 32, 4711));
+  for (int l = 0; l < f.L(); ++l) f.prepare(l, in[static_cast<std::size_t>(comm.globalRank(l))]);
+  comm.barrier();
+
+  // Bad pointers: named errors, thrown before anything is enqueued (so no peer waits on them).
+  {
+    Engine& e = f.engine(0);
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(0)));
+    cudaStream_t s = f.buf(0).stream;
+    DispatchArgs a = f.dispatchArgs(0, nullptr);
+    a.x = nullptr;
+    expectError([&] { e.dispatch(a, s); }, Status::kInvalidArgument, "dispatch: x");
+    a = f.dispatchArgs(0, nullptr);
+    a.x = static_cast<const char*>(a.x) + 2;
+    expectError([&] { e.dispatch(a, s); }, Status::kInvalidArgument, "is not 16-byte aligned");
+    void* pinned = nullptr;
+    GRAPHEP_CUDA_CHECK(cudaMallocHost(&pinned, 4096));
+    a = f.dispatchArgs(0, nullptr);
+    a.topkIdx = pinned;
+    expectError([&] { e.dispatch(a, s); }, Status::kInvalidArgument, "host memory");
+    std::vector<float> hostWeights(64);
+    a = f.dispatchArgs(0, nullptr);
+    a.topkWeights = hostWeights.data();
+    expectError([&] { e.dispatch(a, s); }, Status::kInvalidArgument, "dispatch: topkWeights");
+    GRAPHEP_CUDA_CHECK(cudaFreeHost(pinned));
+    CombineArgs ca;
+    expectError([&] { e.combine(ca, s); }, Status::kInvalidArgument, "combine: out");
+    ca.out = f.buf(0).out;
+    ca.expertOutput = other.engine(0).layout().expertOutput;
+    expectError([&] { e.combine(ca, s); }, Status::kInvalidArgument, "another engine");
+  }
+
+  // Out of order: dispatch, dispatch, combine, combine on every rank: one of each is counted, none
+  // hangs; after clearStatus a paired operation is correct again.
+  for (int l = 0; l < f.L(); ++l) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    f.engine(l).dispatch(f.dispatchArgs(l, nullptr), f.buf(l).stream);
+  }
+  for (int l = 0; l < f.L(); ++l) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    f.engine(l).dispatch(f.dispatchArgs(l, nullptr), f.buf(l).stream);
+  }
+  for (int round = 0; round < 2; ++round) {
+    for (int l = 0; l < f.L(); ++l) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+      CombineArgs ca;
+      ca.out = f.buf(l).out;
+      f.engine(l).combine(ca, f.buf(l).stream);
+    }
+  }
+  f.syncAll();
+  for (int l = 0; l < f.L(); ++l) {
+    const MoeStatus st = f.engine(l).status();
+    EXPECT_EQ(st.unpairedDispatches, 1ull) << st.describe();
+    EXPECT_EQ(st.unpairedCombines, 1ull) << st.describe();
+    EXPECT_EQ(st.deviceError, "");
+    EXPECT_NE(st.describe().find("before the previous dispatch was combined"), std::string::npos) << st.describe();
+    f.engine(l).clearStatus();
+  }
+  comm.barrier();
+
+  // NaN and infinite weights propagate to their tokens' outputs; every other token stays correct.
+  for (Inputs& x : in) {
+    x.w[0] = std::numeric_limits<float>::quiet_NaN();                   // token 0, slot 0
+    x.w[static_cast<std::size_t>(c.cfg.topK)] = std::numeric_limits<float>::infinity();  // token 1, slot 0
+  }
+  for (int l = 0; l < f.L(); ++l) f.prepare(l, in[static_cast<std::size_t>(comm.globalRank(l))]);
+  comm.barrier();
+  for (int l = 0; l < f.L(); ++l) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    f.enqueue(l, f.buf(l).stream);
+  }
+  f.syncAll();
+  f.setNonFiniteTokens({0, 1});
+  std::vector<RefLayout> refs;
+  for (int q = 0; q < R; ++q) refs.push_back(refLayout(c, in, q, f.engine(0).layout().capacity));
+  for (int l = 0; l < f.L(); ++l) {
+    EXPECT_EQ(f.check(l, in, refs, "non-finite weights"), 0);
+    const MoeStatus st = f.engine(l).status();
+    EXPECT_TRUE(st.ok()) << st.describe();
+  }
+  comm.barrier();
 }
 
 void runMoeMicroBatches(Communicator& comm, MoePath path, int rounds, int smBudget) {

@@ -47,6 +47,11 @@ void runMoeCase(Communicator& comm, const MoeCase& c);
 // interleaving (the same on every process), fresh inputs and a full check each time.
 void runMoeGraphSuite(Communicator& comm, MoePath path, int iterations);
 
+// Misuse: bad pointers (null, misaligned, host memory, another engine's buffer) get named errors
+// before anything is enqueued; dispatch / combine out of order is counted (never a hang) and a
+// paired operation is correct after it; NaN and infinite weights propagate to their tokens only.
+void runMoeMisuse(Communicator& comm, MoePath path);
+
 // Two engines (two buffer sets) per rank with their operations in flight at once on two streams:
 // every round both micro-batches' outputs are checked. Ranks sharing a GPU need a budget small
 // enough for both engines' waiting CTAs to be resident at once (smBudget; 0: the default).

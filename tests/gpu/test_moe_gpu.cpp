@@ -27,5 +27,12 @@ TEST(Gpu1_Moe, EightEmulatedRanks) {
   for (const MoeCase& c : standardMoeCases(8, false)) runMoeCase(*comm, c);
 }
 
+TEST(Gpu1_Moe, MisuseFourEmulatedRanks) {
+  GRAPHEP_REQUIRE_GPUS(1);
+  auto comm = createLocalGroup({0, 0, 0, 0});
+  runMoeMisuse(*comm, MoePath::kAuto);
+  runMoeMisuse(*comm, MoePath::kThroughput);
+}
+
 }  // namespace
 }  // namespace graphep::test

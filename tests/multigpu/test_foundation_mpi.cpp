@@ -191,6 +191,31 @@ TEST(Mpi_Foundation, MismatchedConfigsAreRejectedOnEveryRank) {
   runHeapExchange(*comm, 31337);  // the communicator is still usable afterwards
 }
 
+TEST(Mpi_MoeConfig, MismatchedConfigsAreRejectedOnEveryRank) {
+  GRAPHEP_REQUIRE_MPI_GPUS();
+  auto comm = createMpiCommunicator(-1, false);
+  MoeConfig cfg;
+  cfg.maxTokensPerRank = 16;
+  cfg.hidden = comm->globalRank(0) == 0 ? 256 : 512;
+  cfg.numExperts = 2 * comm->worldSize();
+  cfg.topK = 2;
+  try {
+    Engine::createAll(*comm, cfg);
+    FAIL() << "mismatched MoE configs must be rejected";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("MoeConfig differs across ranks: hidden is"), std::string::npos) << e.what();
+  }
+  comm->barrier();
+}
+
+TEST(Mpi_Moe, Misuse) {
+  GRAPHEP_REQUIRE_MPI_GPUS();
+  auto comm = createMpiCommunicator(-1, false);
+  runMoeMisuse(*comm, MoePath::kAuto);
+  runMoeMisuse(*comm, MoePath::kThroughput);
+}
+
 // The same bodies over NCCL communicators made from an MPI-broadcast unique id.
 TEST(Mpi_Foundation, NcclFromUniqueIdHeapExchangeAndPingPong) {
   GRAPHEP_REQUIRE_MPI_GPUS();
