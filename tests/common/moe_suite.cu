@@ -657,15 +657,21 @@ void expectError(F&& call, Status status, const std::string& needle) {
   }
 }
 
-}  // namespace
-
-void runMoeMisuse(Communicator& comm, MoePath path) {
+// The small shape of the misuse, micro-batch and graph suites: H = 256, 4 experts per rank, top-2.
+MoeCase smallCase(const Communicator& comm, int maxTokens, MoePath path) {
   MoeCase c;
-  c.cfg.maxTokensPerRank = 32;
+  c.cfg.maxTokensPerRank = maxTokens;
   c.cfg.hidden = 256;
   c.cfg.numExperts = 4 * comm.worldSize();
   c.cfg.topK = 2;
   c.cfg.path = path;
+  return c;
+}
+
+}  // namespace
+
+void runMoeMisuse(Communicator& comm, MoePath path) {
+  const MoeCase c = smallCase(comm, 32, path);
   SCOPED_TRACE("misuse, " + describeCase(c));
   const int R = comm.worldSize();
   MoeFixture f(comm, c), other(comm, c);
@@ -755,13 +761,8 @@ void runMoeMisuse(Communicator& comm, MoePath path) {
 }
 
 void runMoeMicroBatches(Communicator& comm, MoePath path, int rounds, int smBudget) {
-  MoeCase c;
+  MoeCase c = smallCase(comm, 64, path);
   c.cfg.smBudget = smBudget;
-  c.cfg.maxTokensPerRank = 64;
-  c.cfg.hidden = 256;
-  c.cfg.numExperts = 4 * comm.worldSize();
-  c.cfg.topK = 2;
-  c.cfg.path = path;
   SCOPED_TRACE("two micro-batches in flight, " + describeCase(c));
   const int R = comm.worldSize();
   MoeFixture a(comm, c), b(comm, c);  // two engines: two buffer sets
@@ -798,12 +799,7 @@ void runMoeMicroBatches(Communicator& comm, MoePath path, int rounds, int smBudg
 }
 
 void runMoeGraphSuite(Communicator& comm, MoePath path, int iterations) {
-  MoeCase c;
-  c.cfg.maxTokensPerRank = 64;
-  c.cfg.hidden = 256;
-  c.cfg.numExperts = 4 * comm.worldSize();
-  c.cfg.topK = 2;
-  c.cfg.path = path;
+  const MoeCase c = smallCase(comm, 64, path);
   SCOPED_TRACE("MoeGraph suite, " + describeCase(c));
   const int R = comm.worldSize();
   MoeFixture f(comm, c);

@@ -6,6 +6,7 @@
 #include <graphep/graph.hpp>
 
 #include <cstdio>
+#include <algorithm>
 #include <cstdlib>
 #include <memory>
 #include <random>
@@ -192,6 +193,17 @@ cudaGraph_t captureParts(cudaStream_t s, F&& enqueue) {
 }
 
 }  // namespace
+
+void runMoeStressStandard(Communicator& comm) {
+  StressCase sc;
+  sc.replays = stressReplays(2000);
+  sc.maxDelayUs = 100;
+  sc.counterStart = 0xffffffffu - 1000u;
+  runMoeStress(comm, sc);
+  sc.path = MoePath::kThroughput;
+  sc.replays = std::max<long long>(200, sc.replays / 10);
+  runMoeStress(comm, sc);
+}
 
 long long stressReplays(long long fallback) {
   const char* v = std::getenv("GRAPHEP_STRESS_REPLAYS");

@@ -27,6 +27,11 @@ struct StressCase {
 // Runs the stress and EXPECTs zero mismatches, replays x local ranks checks, a clean status.
 void runMoeStress(Communicator& comm, const StressCase& sc);
 
+// The standard stress of every configuration: stressReplays(2000) replays on the latency path
+// (kAuto) and a tenth (at least 200) on the throughput path, ranks drifting by up to 100 us,
+// counters from 1,000 below the 32-bit wrap.
+void runMoeStressStandard(Communicator& comm);
+
 // Replays for the stress tests: GRAPHEP_STRESS_REPLAYS when set, else `fallback`.
 long long stressReplays(long long fallback);
 

@@ -1,7 +1,6 @@
 // MoeGraph on one GPU with 4 emulated ranks: every graph kind, interleaved, both paths.
 #include <gtest/gtest.h>
 
-#include <algorithm>
 
 #include <graphep/graphep.hpp>
 
@@ -37,14 +36,7 @@ TEST(Gpu1_MoeMicroBatches, FourEmulatedRanksBothPaths) {
 TEST(Gpu1_MoeStress, FourEmulatedRanks) {
   GRAPHEP_REQUIRE_GPUS(1);
   auto comm = createLocalGroup({0, 0, 0, 0});
-  StressCase sc;
-  sc.replays = stressReplays(2000);
-  sc.maxDelayUs = 100;
-  sc.counterStart = 0xffffffffu - 1000u;
-  runMoeStress(*comm, sc);
-  sc.path = MoePath::kThroughput;
-  sc.replays = std::max<long long>(200, sc.replays / 10);
-  runMoeStress(*comm, sc);
+  runMoeStressStandard(*comm);
 }
 
 }  // namespace

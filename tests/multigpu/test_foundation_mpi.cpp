@@ -125,14 +125,7 @@ TEST(Mpi_MoeGraph, BothPaths) {
 TEST(Mpi_MoeStress, BothPaths) {
   GRAPHEP_REQUIRE_MPI_GPUS();
   auto comm = createMpiCommunicator(-1, false);
-  StressCase sc;
-  sc.replays = stressReplays(2000);
-  sc.maxDelayUs = 100;
-  sc.counterStart = 0xffffffffu - 1000u;
-  runMoeStress(*comm, sc);
-  sc.path = MoePath::kThroughput;
-  sc.replays = std::max<long long>(200, sc.replays / 10);
-  runMoeStress(*comm, sc);
+  runMoeStressStandard(*comm);
 }
 
 TEST(Mpi_Ring, AllGatherAndReduceScatter) {

@@ -1,7 +1,6 @@
 // MoE dispatch / combine on 2 GPUs driven from one process, against a CPU reference.
 #include <gtest/gtest.h>
 
-#include <algorithm>
 
 #include <graphep/graphep.hpp>
 
@@ -65,14 +64,7 @@ TEST(Gpu2_MoeMicroBatches, LocalGroupBothPaths) {
 TEST(Gpu2_MoeStress, LocalGroupBothPaths) {
   GRAPHEP_REQUIRE_GPUS(2);
   auto comm = createLocalGroup({0, 1});
-  StressCase sc;
-  sc.replays = stressReplays(2000);
-  sc.maxDelayUs = 100;
-  sc.counterStart = 0xffffffffu - 1000u;
-  runMoeStress(*comm, sc);
-  sc.path = MoePath::kThroughput;
-  sc.replays = std::max<long long>(200, sc.replays / 10);
-  runMoeStress(*comm, sc);
+  runMoeStressStandard(*comm);
 }
 
 }  // namespace
