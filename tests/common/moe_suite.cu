@@ -267,17 +267,10 @@ class MoeFixture {
 
   // dispatch -> fake expert -> combine on this rank's stream.
   void enqueue(int l, cudaStream_t s) {
-    RankBuffers& b = buf(l);
-    DispatchArgs a;
-    a.x = b.x;
-    a.topkIdx = b.idx;
-    a.indexType = c_.indexType;
-    a.topkWeights = b.w;
-    a.numTokens = b.numTokens;
-    const DispatchLayout& v = engine(l).dispatch(a, s);
+    const DispatchLayout& v = engine(l).dispatch(dispatchArgs(l, nullptr), s);
     expert(v, s, 1.0f);
     CombineArgs ca;
-    ca.out = b.out;
+    ca.out = buf(l).out;
     engine(l).combine(ca, s);
   }
 
