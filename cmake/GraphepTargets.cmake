@@ -26,6 +26,11 @@ function(graphep_set_common_options target)
   target_compile_options(${target} PRIVATE
     $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wno-unused-parameter>
     $<$<COMPILE_LANGUAGE:CUDA>:${GRAPHEP_CUDA_GENCODE} --expt-relaxed-constexpr -Xcompiler=-Wall>)
+  if(GRAPHEP_SANITIZE)  # host C++ under AddressSanitizer + UndefinedBehaviorSanitizer (CI's second build)
+    target_compile_options(${target} PRIVATE
+      $<$<COMPILE_LANGUAGE:CXX>:-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined>)
+    target_link_options(${target} PRIVATE -fsanitize=address,undefined)
+  endif()
 endfunction()
 
 # A GoogleTest executable whose cases are discovered one by one, so CTest shows each skip.
