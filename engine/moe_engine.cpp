@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstring>
 #include <mutex>
+#include <thread>
 
 #include "engine/error.hpp"
 #include "engine/heap.hpp"
@@ -14,6 +15,7 @@
 #include "engine/movers.hpp"
 #include "engine/platform.hpp"
 #include "engine/topology.hpp"
+#include "kernels/common/counter.h"
 #include "kernels/moe.h"
 
 namespace graphep {
@@ -161,6 +163,12 @@ struct Engine::Impl {
   MoePath path = MoePath::kThroughput;
   char* block = nullptr;  // every local buffer, carved from one allocation
   std::size_t blockBytes = 0;
+  // The failed state (why; "" when healthy) and the watchdog's tools: a private stream for
+  // snapshots, an event, pinned host memory for the counters.
+  mutable std::string failure;
+  cudaStream_t watchStream = nullptr;
+  cudaEvent_t watchEvent = nullptr;
+  std::uint32_t* snapshot = nullptr;  // pinned: llSteps[2], pending, then flags, arrivals, combine arrivals [R] each
   Impl() {
     std::lock_guard<std::mutex> lock(registryMutex);
     registry.push_back(this);
@@ -170,10 +178,11 @@ struct Engine::Impl {
       std::lock_guard<std::mutex> lock(registryMutex);
       registry.erase(std::remove(registry.begin(), registry.end(), this), registry.end());
     }
-    if (block != nullptr) {
-      cudaSetDevice(device);
-      cudaFree(block);
-    }
+    cudaSetDevice(device);
+    if (watchEvent != nullptr) cudaEventDestroy(watchEvent);
+    if (watchStream != nullptr) cudaStreamDestroy(watchStream);
+    if (snapshot != nullptr) cudaFreeHost(snapshot);
+    if (block != nullptr) cudaFree(block);
   }
   const Movers& movers() const { return group->movers[static_cast<std::size_t>(local)]; }
 };
@@ -362,6 +371,9 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     const std::size_t oTimeline = carve(cfg.profile ? kStamps * 8 : 0);
     GRAPHEP_CUDA_CHECK(cudaMalloc(&impl->block, used));
     impl->blockBytes = used;
+    GRAPHEP_CUDA_CHECK(cudaStreamCreateWithFlags(&impl->watchStream, cudaStreamNonBlocking));
+    GRAPHEP_CUDA_CHECK(cudaEventCreateWithFlags(&impl->watchEvent, cudaEventDisableTiming));
+    GRAPHEP_CUDA_CHECK(cudaHostAlloc(&impl->snapshot, (3 + 3 * Rs) * sizeof(std::uint32_t), cudaHostAllocDefault));
     GRAPHEP_CUDA_CHECK(cudaMemset(impl->block, 0, used));
     char* b = impl->block;
     char* user = group->heap->user(l);
@@ -535,8 +547,13 @@ const MoeConfig& Engine::config() const { return impl_->cfg; }
 std::size_t Engine::symmetricHeapBytes() const { return heapBytes(impl_->group->heap->config()); }
 const DispatchLayout& Engine::layout() const { return impl_->layout; }
 
+namespace {
+void requireHealthy(const Engine::Impl& m, int rank, const char* op);
+}  // namespace
+
 const DispatchLayout& Engine::dispatch(const DispatchArgs& a, cudaStream_t stream) {
   Impl& m = *impl_;
+  requireHealthy(m, m.p.rank, "dispatch");
   DeviceGuard guard(m.device);
   requireDevicePointer(a.x, m.device, "dispatch: x");
   requireDevicePointer(a.topkIdx, m.device, "dispatch: topkIdx");
@@ -570,6 +587,7 @@ const DispatchLayout& Engine::dispatch(const DispatchArgs& a, cudaStream_t strea
 
 void Engine::combine(const CombineArgs& a, cudaStream_t stream) {
   Impl& m = *impl_;
+  requireHealthy(m, m.p.rank, "combine");
   DeviceGuard guard(m.device);
   MoeParams p = m.p;
   if (a.expertOutput != nullptr) {
@@ -620,7 +638,76 @@ MoeStatus Engine::status() const {
   }
   if (d.firstClampedSet != 0) s.firstClampedCount = d.firstClampedCount;
   s.deviceError = m.group->heap->errorMessage(m.local);
+  if (!s.deviceError.empty() && m.failure.empty()) m.failure = s.deviceError;
   return s;
+}
+
+namespace {
+void requireHealthy(const Engine::Impl& m, int rank, const char* op) {
+  GRAPHEP_REQUIRE(m.failure.empty(), Status::kRemoteError,
+                  "%s: the engine of rank %d is in its failed state (%s); destroy it and create a new one",
+                  op, rank, m.failure.c_str());
+}
+}  // namespace
+
+bool Engine::failed() const { return !impl_->failure.empty(); }
+
+HealthReport Engine::checkHealth(cudaStream_t stream, std::chrono::milliseconds timeout) {
+  Impl& m = *impl_;
+  DeviceGuard guard(m.device);
+  HealthReport r;
+  GRAPHEP_CUDA_CHECK(cudaEventRecord(m.watchEvent, stream));
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  cudaError_t q = cudaEventQuery(m.watchEvent);
+  while (q == cudaErrorNotReady && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+    q = cudaEventQuery(m.watchEvent);
+  }
+  if (q != cudaSuccess && q != cudaErrorNotReady) GRAPHEP_CUDA_CHECK(q);
+  const std::string deviceError = m.group->heap->errorMessage(m.local);  // mapped memory: no sync
+  if (q == cudaSuccess && deviceError.empty()) return r;
+  r.ok = false;
+  if (q == cudaSuccess) {
+    r.message = "rank " + std::to_string(m.p.rank) + ": " + deviceError;
+  } else {
+    r.message = detail::format("rank %d: the work on stream %p did not finish within %lld ms", m.p.rank,
+                               static_cast<void*>(stream), static_cast<long long>(timeout.count()));
+    if (m.path == MoePath::kLatency) {
+      // The counters, copied on the private stream by a copy engine while the kernels spin.
+      const int R = m.p.numRanks;
+      std::uint32_t* h = m.snapshot;
+      const char* user = m.p.peerUser[m.p.rank];
+      GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h, m.p.llSteps, 2 * 4, cudaMemcpyDeviceToHost, m.watchStream));
+      GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h + 2, m.p.pending, 4, cudaMemcpyDeviceToHost, m.watchStream));
+      GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h + 3, user + m.p.llFlagOff, R * 4, cudaMemcpyDeviceToHost, m.watchStream));
+      GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h + 3 + R, user + m.p.llArriveOff, R * 4, cudaMemcpyDeviceToHost, m.watchStream));
+      GRAPHEP_CUDA_CHECK(
+          cudaMemcpyAsync(h + 3 + 2 * R, user + m.p.llCombArriveOff, R * 4, cudaMemcpyDeviceToHost, m.watchStream));
+      GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(m.watchStream));
+      const std::uint32_t step = h[0], cstep = h[1], G = static_cast<std::uint32_t>(m.p.llCtas);
+      const bool inCombine = h[2] != 0;  // a dispatch finished: the combine is what is running
+      std::string missing;
+      for (int peer = 0; peer < R; ++peer) {
+        const std::uint32_t flag = h[3 + peer], arrive = h[3 + R + peer], comb = h[3 + 2 * R + peer];
+        if (!inCombine && !counterReached(flag, step + 1u)) {
+          missing += detail::format("; rank %d's count message for dispatch step %u has not arrived (flag %u)", peer,
+                                    step, flag);
+        } else if (!inCombine && !counterReached(arrive, (step + 1u) * G)) {
+          missing += detail::format("; %u of rank %d's %u CTAs have delivered their records for dispatch step %u",
+                                    arrive - step * G, peer, G, step);
+        } else if (inCombine && !counterReached(comb, (cstep + 1u) * G)) {
+          missing += detail::format("; %u of rank %d's %u CTAs have delivered their partials for combine step %u",
+                                    comb - cstep * G, peer, G, cstep);
+        }
+      }
+      r.message += missing.empty() ? " (every peer's counters are complete: this rank's own kernels are behind)"
+                                   : missing;
+    }
+    if (!deviceError.empty()) r.message += "; device error: " + deviceError;
+  }
+  if (m.failure.empty()) m.failure = r.message;
+  GRAPHEP_LOG_WARN(log::kSync, "%s", r.message.c_str());
+  return r;
 }
 
 void Engine::clearStatus() {

@@ -72,6 +72,7 @@ CombineArgs combineArgs(const MoeGraphArgs& a) {
 }  // namespace
 
 struct MoeGraph::Impl {
+  std::shared_ptr<void> engine;  // the engine's buffers outlive the Engine object while this graph exists
   int device = 0;
   DispatchLayout layout{};
   cudaGraph_t tmpl = nullptr;
@@ -85,7 +86,7 @@ struct MoeGraph::Impl {
 
   ~Impl() {
     cudaSetDevice(device);
-    if (exec != nullptr) cudaGraphExecDestroy(exec);
+    if (exec != nullptr) cudaGraphExecDestroy(exec);  // before the engine's buffers it points into
     if (tmpl != nullptr) cudaGraphDestroy(tmpl);
     if (dispatchGraph != nullptr) cudaGraphDestroy(dispatchGraph);
     if (combineGraph != nullptr) cudaGraphDestroy(combineGraph);
@@ -101,6 +102,7 @@ std::unique_ptr<MoeGraph> MoeGraph::capture(Engine& engine, const MoeGraphArgs& 
   DeviceGuard guard(engine.device());
   auto impl = std::make_unique<Impl>();
   impl->device = engine.device();
+  impl->engine = engine.impl_;
   impl->tmpl = captureGraph([&](cudaStream_t s) {
     impl->layout = engine.dispatch(args.dispatch, s);
     experts(impl->layout, s);
@@ -116,6 +118,7 @@ std::unique_ptr<MoeGraph> MoeGraph::withExpertGraph(Engine& engine, const MoeGra
   DeviceGuard guard(engine.device());
   auto impl = std::make_unique<Impl>();
   impl->device = engine.device();
+  impl->engine = engine.impl_;
   impl->dispatchGraph = captureGraph([&](cudaStream_t s) { impl->layout = engine.dispatch(args.dispatch, s); });
   impl->combineGraph = captureGraph([&](cudaStream_t s) { engine.combine(combineArgs(args), s); });
   const Template t = buildTemplate(impl->dispatchGraph, experts, impl->combineGraph);
@@ -132,6 +135,7 @@ std::unique_ptr<MoeGraph> MoeGraph::dispatchOnly(Engine& engine, const DispatchA
   DeviceGuard guard(engine.device());
   auto impl = std::make_unique<Impl>();
   impl->device = engine.device();
+  impl->engine = engine.impl_;
   impl->tmpl = captureGraph([&](cudaStream_t s) { impl->layout = engine.dispatch(args, s); });
   impl->exec = instantiate(impl->tmpl);
   return std::unique_ptr<MoeGraph>(new MoeGraph(std::move(impl)));
@@ -141,6 +145,7 @@ std::unique_ptr<MoeGraph> MoeGraph::combineOnly(Engine& engine, const CombineArg
   DeviceGuard guard(engine.device());
   auto impl = std::make_unique<Impl>();
   impl->device = engine.device();
+  impl->engine = engine.impl_;
   impl->layout = engine.layout();
   impl->tmpl = captureGraph([&](cudaStream_t s) { engine.combine(args, s); });
   impl->exec = instantiate(impl->tmpl);

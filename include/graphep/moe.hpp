@@ -11,6 +11,7 @@
 
 #include <cuda_runtime.h>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -136,6 +137,12 @@ struct MoeStatus {
   std::string describe() const;  // one line per problem, "ok" when none
 };
 
+// What Engine::checkHealth found.
+struct HealthReport {
+  bool ok = true;
+  std::string message;  // "" when ok; otherwise what the rank waits for, or the device's error
+};
+
 class Engine {
  public:
   // Collective over `comm`: one Engine per local rank of this process (local-rank order).
@@ -169,8 +176,19 @@ class Engine {
   // The layout views (valid once a dispatch ran on the stream).
   const DispatchLayout& layout() const;
 
-  // Diagnostics, not a run path: synchronises this rank's device.
+  // Diagnostics, not a run path: synchronises this rank's device. A device error (a timed-out
+  // wait) puts the engine in its failed state.
   MoeStatus status() const;
+  // Host watchdog, not a run path, and it never synchronises the device: waits up to `timeout`
+  // for the work enqueued so far on `stream` (this rank's operations, eager or in graphs) to
+  // finish. If it does not, or the device recorded an error, the engine enters its failed state
+  // and the report says what this rank waits for. Latency path: which peer's flag or arrival
+  // counter is short of the step. Any path: the device's error record.
+  HealthReport checkHealth(cudaStream_t stream, std::chrono::milliseconds timeout);
+  // After a failure (a device error seen by status() or checkHealth, or a stall found by
+  // checkHealth) dispatch and combine refuse new work with kRemoteError; destroy the engine (its
+  // destruction does not wait on peers) and create a new one.
+  bool failed() const;
   void clearStatus();
   // The kernels that ran since the last resetTimeline() (MoeConfig.profile; empty otherwise), in
   // launch order of the engine's kernels, each once: run one operation between the two calls to
@@ -182,7 +200,10 @@ class Engine {
 
  private:
   explicit Engine(std::unique_ptr<Impl> impl);
-  std::unique_ptr<Impl> impl_;
+  // Shared with the MoeGraphs built over this engine: destroying the Engine while one still
+  // exists keeps its buffers (and the symmetric heap) alive until the last graph goes.
+  std::shared_ptr<Impl> impl_;
+  friend class MoeGraph;
 };
 
 }  // namespace graphep

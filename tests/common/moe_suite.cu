@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -15,6 +16,7 @@
 
 #include "common/bf16.hpp"
 #include "common/graph_util.hpp"
+#include "common/nccl_comms.hpp"
 #include "engine/error.hpp"
 #include "kernels/common/hooks.cuh"
 
@@ -199,6 +201,7 @@ class MoeFixture {
  public:
   MoeFixture(Communicator& comm, const MoeCase& c) : comm_(comm), c_(c) {
     engines_ = Engine::createAll(comm, c.cfg);
+    for (const auto& e : engines_) layouts_.push_back(e->layout());
     const MoeConfig& g = c.cfg;
     const std::size_t Tm = static_cast<std::size_t>(g.maxTokensPerRank);
     for (int l = 0; l < comm.numLocalRanks(); ++l) {
@@ -233,6 +236,10 @@ class MoeFixture {
 
   int L() const { return comm_.numLocalRanks(); }
   Engine& engine(int l) { return *engines_[static_cast<std::size_t>(l)]; }
+  // The layout views of rank l (kept when the engines are dropped).
+  const DispatchLayout& layout(int l) const { return layouts_[static_cast<std::size_t>(l)]; }
+  // Destroys the Engine objects (graphs built over them keep their buffers alive).
+  void dropEngines() { engines_.clear(); }
   RankBuffers& buf(int l) { return bufs_[static_cast<std::size_t>(l)]; }
 
   // Uploads this rank's inputs and poisons every output (outside any graph). `numTokens`: where
@@ -251,7 +258,7 @@ class MoeFixture {
     }
     GRAPHEP_CUDA_CHECK(cudaMemcpy(b.w, in.w.data(), n * 4, cudaMemcpyHostToDevice));
     GRAPHEP_CUDA_CHECK(cudaMemcpy(numTokens != nullptr ? numTokens : b.numTokens, &in.T, 4, cudaMemcpyHostToDevice));
-    const DispatchLayout& v = engine(l).layout();
+    const DispatchLayout& v = layout(l);
     const std::size_t cap = static_cast<std::size_t>(v.capacity);
     const bool fp8 = g.dispatchType == DType::kFp8E4m3;
     GRAPHEP_CUDA_CHECK(cudaMemset(v.recvX, kPoison, cap * g.hidden * (fp8 ? 1 : 2)));
@@ -311,7 +318,7 @@ class MoeFixture {
     const MoeConfig& g = c_.cfg;
     const int R = comm_.worldSize(), K = g.topK, H = g.hidden, Lx = g.numExperts / R;
     const int r = comm_.globalRank(l);
-    const DispatchLayout& v = engine(l).layout();
+    const DispatchLayout& v = layout(l);
     const long long cap = v.capacity;
     const RefLayout& ref = refs[static_cast<std::size_t>(r)];
     const bool fp8 = g.dispatchType == DType::kFp8E4m3;
@@ -424,6 +431,7 @@ class MoeFixture {
   Communicator& comm_;
   MoeCase c_;
   std::vector<std::unique_ptr<Engine>> engines_;
+  std::vector<DispatchLayout> layouts_;
   std::vector<RankBuffers> bufs_;
   float yScale_ = 1.0f;
   std::set<int> nonFinite_;
@@ -750,6 +758,113 @@ void runMoeMisuse(Communicator& comm, MoePath path) {
     const MoeStatus st = f.engine(l).status();
     EXPECT_TRUE(st.ok()) << st.describe();
   }
+  comm.barrier();
+}
+
+void runMoeMissingRank(Communicator& comm, MoePath path) {
+  ScopedEnv timeout("GRAPHEP_TIMEOUT_MS", "300");  // read when the engines' heap is created
+  const MoeCase c = smallCase(comm, 32, path);
+  SCOPED_TRACE("a rank that never launches, " + describeCase(c));
+  const int R = comm.worldSize(), missing = R - 1;
+  MoeFixture f(comm, c);
+  std::vector<Inputs> in;
+  for (int q = 0; q < R; ++q) in.push_back(makeInputs(c, R, q, 32, 99));
+  for (int l = 0; l < f.L(); ++l) f.prepare(l, in[static_cast<std::size_t>(comm.globalRank(l))]);
+  comm.barrier();
+  for (int l = 0; l < f.L(); ++l) {
+    if (comm.globalRank(l) == missing) continue;  // this rank never launches
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    f.engine(l).dispatch(f.dispatchArgs(l, nullptr), f.buf(l).stream);
+  }
+  for (int l = 0; l < f.L(); ++l) {
+    if (comm.globalRank(l) == missing) continue;
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(f.buf(l).stream));  // returns: every wait is bounded
+    const MoeStatus st = f.engine(l).status();
+    EXPECT_NE(st.deviceError.find("peer " + std::to_string(missing)), std::string::npos)
+        << "rank " << comm.globalRank(l) << ": " << st.deviceError;
+    EXPECT_TRUE(f.engine(l).failed());
+    expectError([&] { f.engine(l).dispatch(f.dispatchArgs(l, nullptr), f.buf(l).stream); }, Status::kRemoteError,
+                "failed state");
+  }
+  comm.barrier();
+}  // the engines are destroyed here, without waiting on the missing rank
+
+void runMoeWatchdog(Communicator& comm) {
+  ScopedEnv timeout("GRAPHEP_TIMEOUT_MS", "20000");  // the device waits outlast the watchdog
+  const MoeCase c = smallCase(comm, 32, MoePath::kLatency);
+  SCOPED_TRACE("host watchdog, " + describeCase(c));
+  const int R = comm.worldSize(), late = R - 1;
+  MoeFixture f(comm, c);
+  std::vector<Inputs> in;
+  for (int q = 0; q < R; ++q) in.push_back(makeInputs(c, R, q, 32, 98));
+  for (int l = 0; l < f.L(); ++l) f.prepare(l, in[static_cast<std::size_t>(comm.globalRank(l))]);
+  comm.barrier();
+  int lateLocal = -1;
+  for (int l = 0; l < f.L(); ++l) {
+    if (comm.globalRank(l) == late) {
+      lateLocal = l;
+      continue;  // launches only after the watchdog has looked
+    }
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    f.engine(l).dispatch(f.dispatchArgs(l, nullptr), f.buf(l).stream);
+  }
+  for (int l = 0; l < f.L(); ++l) {
+    if (l == lateLocal) continue;
+    const HealthReport h = f.engine(l).checkHealth(f.buf(l).stream, std::chrono::milliseconds(200));
+    EXPECT_FALSE(h.ok);
+    EXPECT_NE(h.message.find("rank " + std::to_string(late) + "'s count message"), std::string::npos) << h.message;
+    EXPECT_TRUE(f.engine(l).failed());
+  }
+  comm.barrier();
+  if (lateLocal >= 0) {  // the late rank arrives: the others complete, and stay failed
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(lateLocal)));
+    f.engine(lateLocal).dispatch(f.dispatchArgs(lateLocal, nullptr), f.buf(lateLocal).stream);
+  }
+  f.syncAll();
+  for (int l = 0; l < f.L(); ++l) {
+    if (l == lateLocal) {
+      EXPECT_TRUE(f.engine(l).checkHealth(f.buf(l).stream, std::chrono::milliseconds(1000)).ok);
+      continue;
+    }
+    expectError([&] { f.engine(l).combine(CombineArgs{nullptr, f.buf(l).out}, f.buf(l).stream); },
+                Status::kRemoteError, "failed state");
+  }
+  comm.barrier();
+}
+
+void runMoeGraphOutlivesEngine(Communicator& comm) {
+  const MoeCase c = smallCase(comm, 64, MoePath::kAuto);
+  SCOPED_TRACE("MoeGraph replayed after its Engine object is destroyed, " + describeCase(c));
+  const int R = comm.worldSize();
+  MoeFixture f(comm, c);
+  std::vector<std::unique_ptr<MoeGraph>> graphs;
+  for (int l = 0; l < f.L(); ++l) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    MoeGraphArgs args;
+    args.dispatch = f.dispatchArgs(l, nullptr);
+    args.out = f.buf(l).out;
+    graphs.push_back(MoeGraph::capture(f.engine(l), args,
+                                       [](const DispatchLayout& v, cudaStream_t s) { MoeFixture::expert(v, s, 1.0f); }));
+  }
+  comm.barrier();
+  f.dropEngines();
+  for (int round = 0; round < 3; ++round) {
+    std::vector<Inputs> in;
+    for (int q = 0; q < R; ++q) in.push_back(makeInputs(c, R, q, 64 - 20 * round, 300 + round));
+    for (int l = 0; l < f.L(); ++l) f.prepare(l, in[static_cast<std::size_t>(comm.globalRank(l))]);
+    comm.barrier();
+    for (int l = 0; l < f.L(); ++l) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+      graphs[static_cast<std::size_t>(l)]->launch(f.buf(l).stream);
+    }
+    f.syncAll();
+    std::vector<RefLayout> refs;
+    for (int q = 0; q < R; ++q) refs.push_back(refLayout(c, in, q, f.layout(0).capacity));
+    for (int l = 0; l < f.L(); ++l) EXPECT_EQ(f.check(l, in, refs, "after the Engine objects were destroyed"), 0);
+    comm.barrier();
+  }
+  graphs.clear();  // the engines' buffers go with the last graph
   comm.barrier();
 }
 

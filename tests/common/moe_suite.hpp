@@ -52,6 +52,17 @@ void runMoeGraphSuite(Communicator& comm, MoePath path, int iterations);
 // paired operation is correct after it; NaN and infinite weights propagate to their tokens only.
 void runMoeMisuse(Communicator& comm, MoePath path);
 
+// Faults: the last rank never launches. Every other rank's wait expires within the (short) timeout
+// naming it, the engine enters its failed state and refuses work, and destruction does not hang.
+void runMoeMissingRank(Communicator& comm, MoePath path);
+// The host watchdog (latency path): with long device waits, checkHealth finds within 200 ms that
+// the last rank's count message has not arrived, names it, and fails the engine; the late rank then
+// arrives, the work completes, and the failed engines keep refusing work.
+void runMoeWatchdog(Communicator& comm);
+// A MoeGraph replayed (with a full check) after its Engine objects were destroyed: the graph keeps
+// the engine's buffers alive.
+void runMoeGraphOutlivesEngine(Communicator& comm);
+
 // Two engines (two buffer sets) per rank with their operations in flight at once on two streams:
 // every round both micro-batches' outputs are checked. Ranks sharing a GPU need a budget small
 // enough for both engines' waiting CTAs to be resident at once (smBudget; 0: the default).

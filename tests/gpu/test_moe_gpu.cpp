@@ -34,5 +34,14 @@ TEST(Gpu1_Moe, MisuseFourEmulatedRanks) {
   runMoeMisuse(*comm, MoePath::kThroughput);
 }
 
+TEST(Gpu1_MoeFaults, MissingRankWatchdogAndGraphLifetime) {
+  GRAPHEP_REQUIRE_GPUS(1);
+  auto comm = createLocalGroup({0, 0, 0, 0});
+  runMoeMissingRank(*comm, MoePath::kAuto);
+  runMoeMissingRank(*comm, MoePath::kThroughput);
+  runMoeWatchdog(*comm);
+  runMoeGraphOutlivesEngine(*comm);
+}
+
 }  // namespace
 }  // namespace graphep::test

@@ -202,6 +202,16 @@ TEST(Mpi_MoeConfig, MismatchedConfigsAreRejectedOnEveryRank) {
   comm->barrier();
 }
 
+// One process stops launching: the other fails within the timeout naming it; the watchdog.
+TEST(Mpi_MoeFaults, MissingRankAndWatchdog) {
+  GRAPHEP_REQUIRE_MPI_GPUS();
+  auto comm = createMpiCommunicator(-1, false);
+  runMoeMissingRank(*comm, MoePath::kAuto);
+  runMoeMissingRank(*comm, MoePath::kThroughput);
+  runMoeWatchdog(*comm);
+  runMoeGraphOutlivesEngine(*comm);
+}
+
 TEST(Mpi_Moe, Misuse) {
   GRAPHEP_REQUIRE_MPI_GPUS();
   auto comm = createMpiCommunicator(-1, false);

@@ -47,6 +47,15 @@ TEST(Gpu2_Moe, MisuseAndWrongDevice) {
   GRAPHEP_CUDA_CHECK(cudaFree(onGpu1));
 }
 
+TEST(Gpu2_MoeFaults, MissingRankWatchdogAndGraphLifetime) {
+  GRAPHEP_REQUIRE_GPUS(2);
+  auto comm = createLocalGroup({0, 1});
+  runMoeMissingRank(*comm, MoePath::kAuto);
+  runMoeMissingRank(*comm, MoePath::kThroughput);
+  runMoeWatchdog(*comm);
+  runMoeGraphOutlivesEngine(*comm);
+}
+
 TEST(Gpu2_MoeGraph, LocalGroupBothPaths) {
   GRAPHEP_REQUIRE_GPUS(2);
   auto comm = createLocalGroup({0, 1});
