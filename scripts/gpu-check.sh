@@ -57,6 +57,21 @@ if [ -n "${GRAPHEP_STRESS:-}" ]; then
   grep -E "stress  |PASSED|FAILED|Failure" "$out/stress.log" | sort | uniq -c
 fi
 
+# GRAPHEP_SANITIZER=1: compute-sanitizer memcheck, racecheck and synccheck on 1-GPU emulated-rank
+# MoE dispatch/combine, movers and graph replay (device waits raised to 60 s under the tool).
+if [ -n "${GRAPHEP_SANITIZER:-}" ] && command -v compute-sanitizer >/dev/null; then
+  filter='Gpu1_Moe.FourEmulatedRanks:Gpu1_MoeGraph.FourEmulatedRanksLatency:Gpu1_AllToAllv.*:Gpu1_SendRecv.*'
+  for tool in memcheck racecheck synccheck; do
+    step "compute-sanitizer --tool $tool"
+    GRAPHEP_TIMEOUT_MS=60000 timeout -s INT ${GRAPHEP_SANITIZER_BUDGET:-300} \
+      compute-sanitizer --tool $tool --error-exitcode 86 --print-limit 20 \
+      "$build/tests/graphep_gpu_tests" --gtest_filter="$filter" >"$out/sanitizer_$tool.log" 2>&1
+    rc=$?
+    echo "$tool: rc=$rc"; grep -E "ERROR SUMMARY|PASSED|FAILED" "$out/sanitizer_$tool.log" | tail -3
+    [ $rc -eq 0 ] || status=1
+  done
+fi
+
 step "main job: examples/01_moe_layer (decode loop, graph replay, checked against the unsharded reference)"
 timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-60} "$build/examples/01_moe_layer" >"$out/main_job.log" 2>&1 \
   || { echo "01_moe_layer failed (rc=$?)"; status=1; }
