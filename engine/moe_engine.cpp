@@ -12,6 +12,7 @@
 #include "engine/error.hpp"
 #include "engine/heap.hpp"
 #include "engine/log.hpp"
+#include "engine/moe_health.hpp"
 #include "engine/movers.hpp"
 #include "engine/platform.hpp"
 #include "engine/topology.hpp"
@@ -684,30 +685,40 @@ HealthReport Engine::checkHealth(cudaStream_t stream, std::chrono::milliseconds 
       GRAPHEP_CUDA_CHECK(
           cudaMemcpyAsync(h + 3 + 2 * R, user + m.p.llCombArriveOff, R * 4, cudaMemcpyDeviceToHost, m.watchStream));
       GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(m.watchStream));
-      const std::uint32_t step = h[0], cstep = h[1], G = static_cast<std::uint32_t>(m.p.llCtas);
-      const bool inCombine = h[2] != 0;  // a dispatch finished: the combine is what is running
-      std::string missing;
-      for (int peer = 0; peer < R; ++peer) {
-        const std::uint32_t flag = h[3 + peer], arrive = h[3 + R + peer], comb = h[3 + 2 * R + peer];
-        if (!inCombine && !counterReached(flag, step + 1u)) {
-          missing += detail::format("; rank %d's count message for dispatch step %u has not arrived (flag %u)", peer,
-                                    step, flag);
-        } else if (!inCombine && !counterReached(arrive, (step + 1u) * G)) {
-          missing += detail::format("; %u of rank %d's %u CTAs have delivered their records for dispatch step %u",
-                                    arrive - step * G, peer, G, step);
-        } else if (inCombine && !counterReached(comb, (cstep + 1u) * G)) {
-          missing += detail::format("; %u of rank %d's %u CTAs have delivered their partials for combine step %u",
-                                    comb - cstep * G, peer, G, cstep);
-        }
-      }
-      r.message += missing.empty() ? " (every peer's counters are complete: this rank's own kernels are behind)"
-                                   : missing;
+      detail::LatencyCounters c;
+      c.dispatchStep = h[0];
+      c.combineStep = h[1];
+      c.pending = h[2];
+      c.ctas = static_cast<std::uint32_t>(m.p.llCtas);
+      c.flags.assign(h + 3, h + 3 + R);
+      c.arrivals.assign(h + 3 + R, h + 3 + 2 * R);
+      c.combineArrivals.assign(h + 3 + 2 * R, h + 3 + 3 * R);
+      r.message += detail::describeLatencyStall(c);
     }
     if (!deviceError.empty()) r.message += "; device error: " + deviceError;
   }
   if (m.failure.empty()) m.failure = r.message;
   GRAPHEP_LOG_WARN(log::kSync, "%s", r.message.c_str());
   return r;
+}
+
+std::string detail::describeLatencyStall(const LatencyCounters& c) {
+  const std::uint32_t step = c.dispatchStep, cstep = c.combineStep, G = c.ctas;
+  const bool inCombine = c.pending != 0;
+  std::string missing;
+  for (std::size_t peer = 0; peer < c.flags.size(); ++peer) {
+    const std::uint32_t flag = c.flags[peer], arrive = c.arrivals[peer], comb = c.combineArrivals[peer];
+    if (!inCombine && !counterReached(flag, step + 1u)) {
+      missing += format("; rank %zu's count message for dispatch step %u has not arrived (flag %u)", peer, step, flag);
+    } else if (!inCombine && !counterReached(arrive, (step + 1u) * G)) {
+      missing += format("; %u of rank %zu's %u CTAs have delivered their records for dispatch step %u",
+                        arrive - step * G, peer, G, step);
+    } else if (inCombine && !counterReached(comb, (cstep + 1u) * G)) {
+      missing += format("; %u of rank %zu's %u CTAs have delivered their partials for combine step %u",
+                        comb - cstep * G, peer, G, cstep);
+    }
+  }
+  return missing.empty() ? " (every peer's counters are complete: this rank's own kernels are behind)" : missing;
 }
 
 void Engine::clearStatus() {

@@ -1,10 +1,12 @@
-// MoeConfig validation on the host: every bad field is named with its value.
+// MoeConfig validation on the host (every bad field is named with its value), and the watchdog's
+// diagnosis of a stalled latency-path rank.
 #include <gtest/gtest.h>
 
 #include <string>
 
 #include <graphep/graphep.hpp>
 
+#include "engine/moe_health.hpp"
 #include "kernels/moe.h"
 
 namespace graphep {
@@ -85,3 +87,53 @@ TEST(Unit_MoeConfig, RecordSizes) {
 
 }  // namespace
 }  // namespace graphep
+
+namespace graphep::test {
+namespace {
+
+detail::LatencyCounters stalled(std::uint32_t step, std::uint32_t G, int R) {
+  detail::LatencyCounters c;
+  c.dispatchStep = step;
+  c.combineStep = step;
+  c.ctas = G;
+  c.flags.assign(static_cast<std::size_t>(R), step + 1u);  // every count message in
+  c.arrivals.assign(static_cast<std::size_t>(R), (step + 1u) * G);
+  c.combineArrivals.assign(static_cast<std::size_t>(R), step * G);
+  return c;
+}
+
+TEST(Unit_MoeHealth, NamesThePeerAndWhatIsMissing) {
+  detail::LatencyCounters c = stalled(7, 24, 4);
+  EXPECT_NE(detail::describeLatencyStall(c).find("every peer's counters are complete"), std::string::npos);
+  c.flags[3] = 7;  // rank 3 has not posted its count message for step 7
+  c.arrivals[3] = 7 * 24;
+  std::string m = detail::describeLatencyStall(c);
+  EXPECT_NE(m.find("rank 3's count message for dispatch step 7 has not arrived (flag 7)"), std::string::npos) << m;
+  EXPECT_EQ(m.find("rank 0"), std::string::npos) << m;
+  c = stalled(7, 24, 4);
+  c.arrivals[1] = 7 * 24 + 10;  // 10 of its 24 CTAs delivered
+  m = detail::describeLatencyStall(c);
+  EXPECT_NE(m.find("10 of rank 1's 24 CTAs have delivered their records for dispatch step 7"), std::string::npos) << m;
+  c = stalled(7, 24, 2);
+  c.pending = 1;  // the dispatch finished: the combine is stuck
+  c.combineArrivals = {7 * 24 + 3, 8 * 24};
+  m = detail::describeLatencyStall(c);
+  EXPECT_NE(m.find("3 of rank 0's 24 CTAs have delivered their partials for combine step 7"), std::string::npos) << m;
+  EXPECT_EQ(m.find("rank 1"), std::string::npos) << m;
+}
+
+TEST(Unit_MoeHealth, AcrossTheWrap) {
+  // Step 2^32 - 1: complete counters have wrapped to small values; a late peer still reads as late.
+  detail::LatencyCounters c = stalled(0xffffffffu, 24, 3);
+  EXPECT_EQ(c.flags[0], 0u);
+  EXPECT_NE(detail::describeLatencyStall(c).find("every peer's counters are complete"), std::string::npos);
+  c.flags[2] = 0xffffffffu;
+  c.arrivals[2] = 0xffffffffu * 24u;
+  const std::string m = detail::describeLatencyStall(c);
+  EXPECT_NE(m.find("rank 2's count message for dispatch step 4294967295 has not arrived"), std::string::npos) << m;
+  EXPECT_EQ(m.find("rank 0"), std::string::npos) << m;
+  EXPECT_EQ(m.find("rank 1"), std::string::npos) << m;
+}
+
+}  // namespace
+}  // namespace graphep::test

@@ -1,0 +1,23 @@
+// What Engine::checkHealth reads from a stalled latency-path rank, and what it says about it
+// (a pure function: unit-tested on the CPU, wrap cases included).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace graphep::detail {
+
+struct LatencyCounters {
+  std::uint32_t dispatchStep = 0;  // llSteps[0]: the dispatch step in progress (or the next one)
+  std::uint32_t combineStep = 0;   // llSteps[1]
+  std::uint32_t pending = 0;       // 1: a dispatch finished, so the combine is what is running
+  std::uint32_t ctas = 0;          // G: CTAs of each latency kernel on every rank
+  std::vector<std::uint32_t> flags, arrivals, combineArrivals;  // [R] each, this rank's inbox
+};
+
+// "; rank q's count message for dispatch step s has not arrived (flag f)", one clause per peer
+// that is short of the step; a sentence saying every peer is complete when none is.
+std::string describeLatencyStall(const LatencyCounters& c);
+
+}  // namespace graphep::detail
