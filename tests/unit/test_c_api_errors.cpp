@@ -1,0 +1,56 @@
+// The C ABI's error paths on the host (no GPU needed): every failure is a status and a message
+// naming the value, per thread; nothing throws across the boundary.
+#include <gtest/gtest.h>
+
+#include <graphep/graphep.h>
+#include <graphep/graphep.hpp>
+
+#include <string>
+#include <thread>
+
+namespace graphep::test {
+namespace {
+
+TEST(Unit_CApi, ErrorsAreNamedStatusesPerThread) {
+  EXPECT_STREQ(graphep_version(), versionString());
+  EXPECT_STREQ(graphep_status_name(GRAPHEP_INVALID_ARGUMENT), "INVALID_ARGUMENT");
+  EXPECT_STREQ(graphep_status_name(GRAPHEP_REMOTE_ERROR), "REMOTE_ERROR");
+
+  graphep_comm_t comm = nullptr;
+  EXPECT_EQ(graphep_comm_create_local_group(nullptr, 1, &comm), GRAPHEP_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(graphep_last_error()).find("devices is NULL"), std::string::npos) << graphep_last_error();
+  const int devices[1] = {0};
+  EXPECT_EQ(graphep_comm_create_local_group(devices, 0, &comm), GRAPHEP_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(graphep_last_error()).find("count=0 is not positive"), std::string::npos);
+
+  graphep_moe_config_t cfg = GRAPHEP_MOE_CONFIG_INIT;
+  graphep_engine_t engine = nullptr;
+  EXPECT_EQ(graphep_engine_create_all(nullptr, &cfg, &engine, 1), GRAPHEP_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(graphep_last_error()).find("comm is NULL"), std::string::npos);
+  EXPECT_EQ(graphep_dispatch(nullptr, nullptr, nullptr), GRAPHEP_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(graphep_last_error()).find("engine is NULL"), std::string::npos);
+  EXPECT_EQ(graphep_graph_launch(nullptr, nullptr), GRAPHEP_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(graphep_last_error()).find("graph is NULL"), std::string::npos);
+
+  // The last error belongs to the thread that failed.
+  std::string other = "unset";
+  std::thread([&] { other = graphep_last_error(); }).join();
+  EXPECT_EQ(other, "");
+
+  // Without a usable GPU a communicator is a named NO_DEVICE, with one it is made and destroyed.
+  const graphep_status_t s = graphep_comm_create_local_group(devices, 1, &comm);
+  if (cudaDeviceCountOrZero() == 0) {
+    EXPECT_EQ(s, GRAPHEP_NO_DEVICE) << graphep_last_error();
+    EXPECT_STRNE(graphep_last_error(), "");
+  } else {
+    ASSERT_EQ(s, GRAPHEP_SUCCESS) << graphep_last_error();
+    graphep_moe_config_t small = cfg;
+    small.struct_size = 8;  // not initialised with GRAPHEP_MOE_CONFIG_INIT
+    EXPECT_EQ(graphep_engine_create_all(comm, &small, &engine, 1), GRAPHEP_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(graphep_last_error()).find("struct_size=8"), std::string::npos);
+    EXPECT_EQ(graphep_comm_destroy(comm), GRAPHEP_SUCCESS);
+  }
+}
+
+}  // namespace
+}  // namespace graphep::test
