@@ -1,0 +1,147 @@
+// A process killed mid-replay: two processes (this one forks before touching CUDA), one GPU each,
+// bootstrapped over NCCL from a unique id passed through a pipe. Both build a MoeGraph and replay
+// it with checks; after a few replays the child launches one more replay and kills itself
+// (SIGKILL). The survivor's replay must end within the device timeout: it finds the error naming
+// the dead peer, the engine refuses new work, and the survivor tears down and exits 0. No mpirun:
+// mpirun would take the whole job down with the dead process.
+//
+// Exit code 0: as described; 1: a check failed; 77: fewer than 2 GPUs.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <nccl.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include <graphep/graphep.hpp>
+
+namespace {
+
+constexpr int kTokens = 32, kHidden = 256, kTopK = 2, kReplaysBeforeKill = 5;
+
+int fail(const char* who, const std::string& what) {
+  std::fprintf(stderr, "%s: FAILED: %s\n", who, what.c_str());
+  return 1;
+}
+
+// One rank's life: returns the process exit code (the child never returns from its last replay).
+int run(int rank, const ncclUniqueId& id) {
+  const char* who = rank == 0 ? "survivor" : "victim";
+  try {
+    auto comm = graphep::createNcclComm(id, 2, rank, rank);
+    graphep::MoeConfig cfg;
+    cfg.maxTokensPerRank = kTokens;
+    cfg.hidden = kHidden;
+    cfg.numExperts = 4;
+    cfg.topK = kTopK;
+    auto engine = graphep::Engine::create(*comm, cfg);
+    // Inputs: every token to experts 0 and 2 (one on each rank), weights 1 and 1, x = 1.0.
+    std::vector<unsigned short> x(static_cast<std::size_t>(kTokens) * kHidden, 0x3f80);  // bf16 1.0
+    std::vector<int> ids(static_cast<std::size_t>(kTokens) * kTopK);
+    std::vector<float> w(ids.size(), 1.0f);
+    for (int t = 0; t < kTokens; ++t) {
+      ids[static_cast<std::size_t>(t) * kTopK] = 0;
+      ids[static_cast<std::size_t>(t) * kTopK + 1] = 2;
+    }
+    void *dx, *dids, *dw, *dn, *dout;
+    cudaMalloc(&dx, x.size() * 2);
+    cudaMalloc(&dids, ids.size() * 4);
+    cudaMalloc(&dw, w.size() * 4);
+    cudaMalloc(&dn, 4);
+    cudaMalloc(&dout, x.size() * 2);
+    cudaMemcpy(dx, x.data(), x.size() * 2, cudaMemcpyHostToDevice);
+    cudaMemcpy(dids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice);
+    cudaMemcpy(dw, w.data(), w.size() * 4, cudaMemcpyHostToDevice);
+    cudaMemcpy(dn, &kTokens, 4, cudaMemcpyHostToDevice);
+    cudaStream_t s;
+    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    graphep::MoeGraphArgs args;
+    args.dispatch.x = dx;
+    args.dispatch.topkIdx = dids;
+    args.dispatch.topkWeights = static_cast<const float*>(dw);
+    args.dispatch.numTokens = static_cast<const int*>(dn);
+    args.out = dout;
+    // The identity expert: out[t] = (1 + 1) * x[t] = 2.0 everywhere.
+    auto graph = graphep::MoeGraph::capture(*engine, args, [](const graphep::DispatchLayout& v, cudaStream_t st) {
+      cudaMemcpyAsync(v.expertOutput, v.recvX, static_cast<std::size_t>(v.capacity) * v.hidden * 2,
+                      cudaMemcpyDeviceToDevice, st);
+    });
+    std::vector<unsigned short> out(x.size());
+    for (int i = 0; i < kReplaysBeforeKill; ++i) {
+      graph->launch(s);
+      if (cudaStreamSynchronize(s) != cudaSuccess) return fail(who, "replay " + std::to_string(i) + " failed");
+      cudaMemcpy(out.data(), dout, out.size() * 2, cudaMemcpyDeviceToHost);
+      for (unsigned short v : out) {
+        if (v != 0x4000) return fail(who, "replay " + std::to_string(i) + ": an output is not 2.0");  // bf16 2.0
+      }
+    }
+    if (rank == 1) {  // the victim: one more replay in flight, then gone
+      graph->launch(s);
+      ::kill(::getpid(), SIGKILL);
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    graph->launch(s);
+    const cudaError_t e = cudaStreamSynchronize(s);  // bounded: every device wait is
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    if (e != cudaSuccess) return fail(who, std::string("the replay ended with a CUDA error: ") + cudaGetErrorString(e));
+    const graphep::MoeStatus st = engine->status();
+    std::printf("survivor: the replay ended after %.0f ms; status: %s\n", ms, st.describe().c_str());
+    if (st.deviceError.find("peer 1") == std::string::npos) return fail(who, "the error does not name peer 1");
+    if (!engine->failed()) return fail(who, "the engine is not in its failed state");
+    try {
+      graph.reset();
+      engine->dispatch(args.dispatch, s);
+      return fail(who, "a failed engine accepted a dispatch");
+    } catch (const graphep::Error& err) {
+      if (err.status() != graphep::Status::kRemoteError) return fail(who, err.what());
+    }
+    cudaStreamDestroy(s);
+    for (void* p : {dx, dids, dw, dn, dout}) cudaFree(p);
+    engine.reset();  // must not wait on the dead peer
+    std::printf("survivor: torn down after the peer died: PASS\n");
+    return 0;
+  } catch (const graphep::Error& err) {
+    return fail(who, err.what());
+  }
+}
+
+}  // namespace
+
+int main() {
+  int fds[2];
+  if (::pipe(fds) != 0) return 1;
+  const pid_t child = ::fork();  // before any CUDA call in either process
+  if (child < 0) return 1;
+  if (child == 0) {
+    ::close(fds[1]);
+    ncclUniqueId id;
+    if (::read(fds[0], &id, sizeof(id)) != static_cast<ssize_t>(sizeof(id))) ::_exit(77);  // parent skipped
+    ::_exit(run(1, id));
+  }
+  ::close(fds[0]);
+  const char* why = nullptr;
+  if (graphep::cudaDeviceCountOrZero(&why) < 2) {
+    ::close(fds[1]);  // the child reads nothing and exits 77
+    ::waitpid(child, nullptr, 0);
+    std::printf("SKIP: a killed-peer test needs 2 GPUs (%s)\n", why != nullptr ? why : "fewer than 2 present");
+    return 77;
+  }
+  ncclUniqueId id;
+  if (ncclGetUniqueId(&id) != ncclSuccess || ::write(fds[1], &id, sizeof(id)) != static_cast<ssize_t>(sizeof(id))) {
+    return 1;
+  }
+  ::close(fds[1]);
+  const int rc = run(0, id);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  if (!(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL)) {
+    std::fprintf(stderr, "the victim did not die by SIGKILL (status %d)\n", status);
+    return 1;
+  }
+  return rc;
+}
