@@ -94,6 +94,18 @@ graphep::CombineArgs combineArgs(const graphep_combine_args_t* a) {
   return c;
 }
 
+// A communicator handle from `count` caller items (devices or NCCL communicators).
+template <class T, class Create>
+graphep_status_t makeComm(const T* items, int count, const char* what, graphep_comm_t* comm, Create create) {
+  return guarded([&] {
+    requireNonNull(items, what);
+    requireNonNull(comm, "comm");
+    GRAPHEP_REQUIRE(count >= 1, graphep::Status::kInvalidArgument, "count=%d is not positive", count);
+    auto h = std::make_unique<graphep_comm>();
+    h->comm = create(std::vector<T>(items, items + count));
+    *comm = h.release();
+  });
+}
 }  // namespace
 
 extern "C" {
@@ -106,26 +118,14 @@ const char* graphep_status_name(graphep_status_t status) {
 
 const char* graphep_last_error(void) { return lastError.c_str(); }
 
+
 graphep_status_t graphep_comm_create_local_group(const int* devices, int count, graphep_comm_t* comm) {
-  return guarded([&] {
-    requireNonNull(devices, "devices");
-    requireNonNull(comm, "comm");
-    GRAPHEP_REQUIRE(count >= 1, graphep::Status::kInvalidArgument, "count=%d is not positive", count);
-    auto h = std::make_unique<graphep_comm>();
-    h->comm = graphep::createLocalGroup(std::vector<int>(devices, devices + count));
-    *comm = h.release();
-  });
+  return makeComm(devices, count, "devices", comm, [](const std::vector<int>& d) { return graphep::createLocalGroup(d); });
 }
 
 graphep_status_t graphep_comm_adopt_nccl(const ncclComm_t* comms, int count, graphep_comm_t* comm) {
-  return guarded([&] {
-    requireNonNull(comms, "comms");
-    requireNonNull(comm, "comm");
-    GRAPHEP_REQUIRE(count >= 1, graphep::Status::kInvalidArgument, "count=%d is not positive", count);
-    auto h = std::make_unique<graphep_comm>();
-    h->comm = graphep::adoptNcclComms(std::vector<ncclComm_t>(comms, comms + count));
-    *comm = h.release();
-  });
+  return makeComm(comms, count, "comms", comm,
+                  [](const std::vector<ncclComm_t>& c) { return graphep::adoptNcclComms(c); });
 }
 
 graphep_status_t graphep_comm_world_size(graphep_comm_t comm, int* worldSize) {

@@ -7,7 +7,6 @@
 #include <cstdint>
 #include <cstdio>
 
-#include "kernels/common/copy.cuh"
 #include "kernels/common/hooks.cuh"
 #include "kernels/common/ptx.cuh"
 #include "kernels/moe.h"
