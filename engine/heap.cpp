@@ -139,6 +139,8 @@ void SymmetricHeap::build() {
         cudaHostAlloc(&rec, sizeof(DeviceErrorRecord), cudaHostAllocMapped | cudaHostAllocPortable));
     std::memset(rec, 0, sizeof(DeviceErrorRecord));
     r.error = static_cast<DeviceErrorRecord*>(rec);
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&r.errorWords, 2 * sizeof(std::uint32_t)));
+    GRAPHEP_CUDA_CHECK(cudaMemset(r.errorWords, 0, 2 * sizeof(std::uint32_t)));
 
     RankInfo& info = mine[static_cast<size_t>(l)];
     std::memset(&info, 0, sizeof(info));
@@ -262,6 +264,7 @@ void SymmetricHeap::release() noexcept {
     for (char* p : r.ipcOpened) cudaIpcCloseMemHandle(p);
     if (r.base != nullptr) cudaFree(r.base);
     if (r.error != nullptr) cudaFreeHost(r.error);
+    if (r.errorWords != nullptr) cudaFree(r.errorWords);
   }
   ranks_.clear();
   cudaGetLastError();
@@ -328,7 +331,8 @@ SyncHandle SymmetricHeap::syncHandle(int local) const {
     h.peerSemArrived[p] = u32(pb, layout_.semArrived);
     h.peerFlagInbox[p] = u32(pb, layout_.flagInbox);
   }
-  h.error = r.error;  // mapped pinned memory: the same address is valid on the device (UVA)
+  h.error.record = r.error;  // mapped pinned memory: the same address is valid on the device (UVA)
+  h.error.words = r.errorWords;
   return h;
 }
 
@@ -353,6 +357,31 @@ DeviceErrorRecord SymmetricHeap::errorRecord(int local) const {
   return out;
 }
 
+void SymmetricHeap::recordHostError(int local, cudaStream_t side, DeviceErrorKind kind, int peer,
+                                    WaitSite site, std::uint32_t expected, std::uint32_t observed) const {
+  const LocalRank& r = at(local);
+  static const std::uint32_t kClaimed = 1;
+  GRAPHEP_CUDA_CHECK(cudaSetDevice(r.device));
+  GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(r.errorWords, &kClaimed, sizeof(kClaimed), cudaMemcpyHostToDevice, side));
+  GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(side));
+  // A device reporter raises the count before it claims; one that claimed first is left to
+  // finish its record. (One racing in the copy's last microseconds may mix fields: accepted, the
+  // rank is failed either way.)
+  volatile DeviceErrorRecord* rec = r.error;
+  if (rec->count != 0 || rec->state != 0) return;
+  rec->kind = static_cast<std::uint32_t>(kind);
+  rec->rank = r.rank;
+  rec->peer = peer;
+  rec->site = static_cast<std::uint32_t>(site);
+  rec->expected = expected;
+  rec->observed = observed;
+  rec->elapsedNs = 0;
+  rec->address = 0;
+  rec->count = 1;
+  __atomic_thread_fence(__ATOMIC_RELEASE);
+  rec->state = 2;
+}
+
 std::string SymmetricHeap::errorMessage(int local) const {
   return describeDeviceError(errorRecord(local));
 }
@@ -362,6 +391,8 @@ void SymmetricHeap::clearError(int local) {
   GRAPHEP_CUDA_CHECK(cudaSetDevice(r.device));
   GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
   std::memset(r.error, 0, sizeof(DeviceErrorRecord));
+  GRAPHEP_CUDA_CHECK(cudaMemset(r.errorWords, 0, 2 * sizeof(std::uint32_t)));
+  GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 std::string describeDeviceError(const DeviceErrorRecord& rec) {
@@ -388,6 +419,11 @@ std::string describeDeviceError(const DeviceErrorRecord& rec) {
           "rank %d has %u bytes for peer %d, which expects %u (%s): both ends must pass the same "
           "count; nothing was sent (%u error(s) in total)",
           rec.rank, rec.observed, rec.peer, rec.expected, waitSiteName(rec.site), rec.count);
+    case DeviceErrorKind::kAborted:
+      return detail::format(
+          "rank %d was aborted by its host watchdog: it waited for peer %d (%s: expected >= %u, "
+          "observed %u); its waits were lifted, so what ran after them is invalid",
+          rec.rank, rec.peer, waitSiteName(rec.site), rec.expected, rec.observed);
     case DeviceErrorKind::kNone:
       break;
   }

@@ -49,6 +49,12 @@ class SymmetricHeap {
 
   // Device error record of a local rank: the host reads it without synchronising.
   DeviceErrorRecord errorRecord(int local) const;
+  // The host watchdog's verdict on a stalled rank: claims the rank's error record (its device
+  // waits then stop at their next check) and, unless a device error was already being recorded,
+  // fills it in (kind kAborted). `side` is a non-blocking stream of the rank's device: nothing
+  // here waits for the stalled work.
+  void recordHostError(int local, cudaStream_t side, DeviceErrorKind kind, int peer, WaitSite site,
+                       std::uint32_t expected, std::uint32_t observed) const;
   // "" when no error was recorded, else one line naming rank, peer, site, expected, observed.
   std::string errorMessage(int local) const;
   void clearError(int local);
@@ -87,6 +93,7 @@ class SymmetricHeap {
     int device = -1;
     char* base = nullptr;
     DeviceErrorRecord* error = nullptr;  // pinned, mapped host memory
+    std::uint32_t* errorWords = nullptr;  // device memory: the record's claim and count words
     std::vector<char*> peers;            // by global rank
     std::vector<PeerClass> classes;      // by global rank
     std::vector<char*> ipcOpened;        // peer arenas opened through CUDA IPC

@@ -7,12 +7,12 @@
 #include <algorithm>
 #include <cstring>
 #include <mutex>
-#include <thread>
 
 #include "engine/error.hpp"
 #include "engine/heap.hpp"
 #include "engine/log.hpp"
 #include "engine/moe_health.hpp"
+#include "engine/watchdog.hpp"
 #include "engine/movers.hpp"
 #include "engine/platform.hpp"
 #include "engine/topology.hpp"
@@ -657,18 +657,11 @@ HealthReport Engine::checkHealth(cudaStream_t stream, std::chrono::milliseconds 
   Impl& m = *impl_;
   DeviceGuard guard(m.device);
   HealthReport r;
-  GRAPHEP_CUDA_CHECK(cudaEventRecord(m.watchEvent, stream));
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  cudaError_t q = cudaEventQuery(m.watchEvent);
-  while (q == cudaErrorNotReady && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::microseconds(200));
-    q = cudaEventQuery(m.watchEvent);
-  }
-  if (q != cudaSuccess && q != cudaErrorNotReady) GRAPHEP_CUDA_CHECK(q);
+  const bool finished = detail::streamFinishesWithin(stream, m.watchEvent, timeout);
   const std::string deviceError = m.group->heap->errorMessage(m.local);  // mapped memory: no sync
-  if (q == cudaSuccess && deviceError.empty()) return r;
+  if (finished && deviceError.empty()) return r;
   r.ok = false;
-  if (q == cudaSuccess) {
+  if (finished) {
     r.message = "rank " + std::to_string(m.p.rank) + ": " + deviceError;
   } else {
     r.message = detail::format("rank %d: the work on stream %p did not finish within %lld ms", m.p.rank,

@@ -1,14 +1,36 @@
 #include "engine/semaphore.hpp"
 
+#include <algorithm>
+#include <mutex>
+
 #include "engine/error.hpp"
+#include "engine/log.hpp"
 #include "engine/platform.hpp"
 #include "engine/topology.hpp"
+#include "engine/watchdog.hpp"
 #include "kernels/semaphore.h"
 
 namespace graphep {
 
+struct SemaphoreOps::Watch {
+  int device = -1;
+  mutable std::mutex mu;
+  std::vector<SemaphoreWait> waits;  // one per (channel, src) waited on, the largest k
+  std::string failure;               // "" while healthy
+  cudaStream_t stream = nullptr;     // private, non-blocking: copies that never queue behind a stall
+  cudaEvent_t event = nullptr;
+  std::uint32_t* snapshot = nullptr;  // pinned: count, arrived, consumed per wait
+
+  ~Watch() {
+    if (device >= 0) cudaSetDevice(device);
+    if (event != nullptr) cudaEventDestroy(event);
+    if (stream != nullptr) cudaStreamDestroy(stream);
+    if (snapshot != nullptr) cudaFreeHost(snapshot);
+  }
+};
+
 SemaphoreOps::SemaphoreOps(const SymmetricHeap& heap, int local)
-    : heap_(&heap), local_(local), h_(heap.syncHandle(local)) {
+    : heap_(&heap), local_(local), h_(heap.syncHandle(local)), watch_(std::make_shared<Watch>()) {
   // Setup: resolve the driver entry points and load the kernels now, never on the run path.
   detail::driver();
   GRAPHEP_CUDA_CHECK(cudaSetDevice(heap.device(local)));
@@ -16,6 +38,24 @@ SemaphoreOps::SemaphoreOps(const SymmetricHeap& heap, int local)
   for (int l = 0; l < heap.numLocalRanks(); ++l) {
     if (l != local && heap.device(l) == heap.device(local)) sharesDevice_ = true;
   }
+  Watch& w = *watch_;
+  w.device = heap.device(local);
+  GRAPHEP_CUDA_CHECK(cudaStreamCreateWithFlags(&w.stream, cudaStreamNonBlocking));
+  GRAPHEP_CUDA_CHECK(cudaEventCreateWithFlags(&w.event, cudaEventDisableTiming));
+  const std::size_t words = static_cast<std::size_t>(h_.numSemChannels) * static_cast<std::size_t>(h_.numRanks);
+  GRAPHEP_CUDA_CHECK(cudaHostAlloc(&w.snapshot, 3 * words * sizeof(std::uint32_t), cudaHostAllocDefault));
+}
+
+void SemaphoreOps::requireHealthy(const char* op) const {
+  std::lock_guard<std::mutex> lock(watch_->mu);
+  GRAPHEP_REQUIRE(watch_->failure.empty(), Status::kRemoteError,
+                  "semaphore %s refused: this rank's semaphores have failed: %s", op,
+                  watch_->failure.c_str());
+}
+
+bool SemaphoreOps::failed() const {
+  std::lock_guard<std::mutex> lock(watch_->mu);
+  return !watch_->failure.empty();
 }
 
 void SemaphoreOps::checkChannel(int channel) const {
@@ -33,6 +73,7 @@ void SemaphoreOps::checkWord(const char* op, int channel, int src, std::uint32_t
 }
 
 void SemaphoreOps::signal(cudaStream_t stream, int channel, std::uint32_t peerMask) const {
+  requireHealthy("signal");
   checkChannel(channel);
   GRAPHEP_REQUIRE(h_.numRanks == 32 || (peerMask >> h_.numRanks) == 0, Status::kInvalidArgument,
                   "semaphore peer mask 0x%x names ranks beyond the %d in the group", peerMask,
@@ -48,7 +89,20 @@ void SemaphoreOps::signal(cudaStream_t stream, int channel, std::uint32_t peerMa
 }
 
 void SemaphoreOps::wait(cudaStream_t stream, int channel, int src, std::uint32_t k) const {
+  requireHealthy("wait");
   checkWord("wait", channel, src, k);
+  {
+    std::lock_guard<std::mutex> lock(watch_->mu);
+    auto& waits = watch_->waits;
+    auto it = std::find_if(waits.begin(), waits.end(), [&](const SemaphoreWait& x) {
+      return x.channel == channel && x.src == src;
+    });
+    if (it == waits.end()) {
+      waits.push_back({channel, src, k});
+    } else {
+      it->k = std::max(it->k, k);
+    }
+  }
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   GRAPHEP_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
   if (capture == cudaStreamCaptureStatusNone && sharesDevice_) {
@@ -63,6 +117,7 @@ void SemaphoreOps::wait(cudaStream_t stream, int channel, int src, std::uint32_t
 }
 
 void SemaphoreOps::consume(cudaStream_t stream, int channel, int src, std::uint32_t k) const {
+  requireHealthy("consume");
   checkWord("consume", channel, src, k);
   GRAPHEP_CUDA_CHECK(
       launchSemaphoreConsume(h_, static_cast<std::uint32_t>(channel), src, k, stream));
@@ -77,6 +132,94 @@ SemaphoreCounts SemaphoreOps::read(int channel, int src) const {
   GRAPHEP_CUDA_CHECK(cudaMemcpy(&c.arrived, h_.semArrived + idx, 4, cudaMemcpyDeviceToHost));
   GRAPHEP_CUDA_CHECK(cudaMemcpy(&c.consumed, h_.semConsumed + idx, 4, cudaMemcpyDeviceToHost));
   return c;
+}
+
+std::vector<SemaphoreCounts> SemaphoreOps::readAll(const std::vector<SemaphoreWait>& waits) const {
+  Watch& w = *watch_;
+  GRAPHEP_CUDA_CHECK(cudaSetDevice(w.device));
+  std::uint32_t* snap = w.snapshot;
+  for (std::size_t i = 0; i < waits.size(); ++i) {
+    const std::uint32_t idx = h_.semIndex(static_cast<std::uint32_t>(waits[i].channel), waits[i].src);
+    GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(snap + 3 * i, h_.semCount + idx, 4, cudaMemcpyDeviceToHost, w.stream));
+    GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(snap + 3 * i + 1, h_.semArrived + idx, 4, cudaMemcpyDeviceToHost, w.stream));
+    GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(snap + 3 * i + 2, h_.semConsumed + idx, 4, cudaMemcpyDeviceToHost, w.stream));
+  }
+  GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(w.stream));
+  std::vector<SemaphoreCounts> counts(waits.size());
+  for (std::size_t i = 0; i < waits.size(); ++i) counts[i] = {snap[3 * i], snap[3 * i + 1], snap[3 * i + 2]};
+  return counts;
+}
+
+HealthReport SemaphoreOps::watch(cudaStream_t stream, std::chrono::milliseconds timeout) {
+  Watch& w = *watch_;
+  detail::DeviceGuard guard(w.device);
+  HealthReport r;
+  const bool finished = detail::streamFinishesWithin(stream, w.event, timeout);
+  const std::string deviceError = heap_->errorMessage(local_);  // mapped memory: no sync
+  if (finished && deviceError.empty()) return r;
+  r.ok = false;
+  if (finished) {
+    r.message = "rank " + std::to_string(h_.rank) + ": " + deviceError;
+  } else {
+    std::vector<SemaphoreWait> waits;
+    {
+      std::lock_guard<std::mutex> lock(w.mu);
+      waits = w.waits;
+    }
+    r.message = detail::format("rank %d: the work on stream %p did not finish within %lld ms", h_.rank,
+                               static_cast<void*>(stream), static_cast<long long>(timeout.count()));
+    r.message += detail::describeSemaphoreStall(waits, readAll(waits));
+    if (!deviceError.empty()) r.message += "; device error: " + deviceError;
+  }
+  {
+    std::lock_guard<std::mutex> lock(w.mu);
+    if (w.failure.empty()) w.failure = r.message;
+  }
+  GRAPHEP_LOG_WARN(log::kSync, "%s", r.message.c_str());
+  return r;
+}
+
+void SemaphoreOps::release() {
+  Watch& w = *watch_;
+  detail::DeviceGuard guard(w.device);
+  std::vector<SemaphoreWait> waits;
+  {
+    std::lock_guard<std::mutex> lock(w.mu);
+    GRAPHEP_REQUIRE(!w.failure.empty(), Status::kInvalidUsage,
+                    "semaphore release: rank %d has not failed (watch() found no stall); lifting "
+                    "its waits would run consumers on data that may still arrive", h_.rank);
+    waits = w.waits;
+  }
+  const std::vector<SemaphoreCounts> counts = readAll(waits);
+  bool recorded = false;
+  for (std::size_t i = 0; i < waits.size(); ++i) {
+    if (counts[i].count >= waits[i].k) continue;
+    if (!recorded) {
+      heap_->recordHostError(local_, w.stream, DeviceErrorKind::kAborted, waits[i].src,
+                             WaitSite::kSemaphoreWait, waits[i].k, counts[i].count);
+      recorded = true;
+    }
+    // Raised far above any wait: every later wait on the word passes too (the rank is failed).
+    w.snapshot[i] = counts[i].count + (1u << 30);
+    const std::uint32_t idx = h_.semIndex(static_cast<std::uint32_t>(waits[i].channel), waits[i].src);
+    GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h_.semCount + idx, w.snapshot + i, 4, cudaMemcpyHostToDevice, w.stream));
+  }
+  GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(w.stream));
+  GRAPHEP_LOG_WARN(log::kSync, "rank %d: lifted its semaphore waits after a stall", h_.rank);
+}
+
+std::string detail::describeSemaphoreStall(const std::vector<SemaphoreWait>& waits,
+                                           const std::vector<SemaphoreCounts>& counts) {
+  std::string missing;
+  for (std::size_t i = 0; i < waits.size() && i < counts.size(); ++i) {
+    const SemaphoreCounts& c = counts[i];
+    if (c.count >= waits[i].k) continue;
+    missing += format("; semaphore channel %d: rank %d has not signalled (count %u of the %u waited for; "
+                      "arrived %u, consumed %u)",
+                      waits[i].channel, waits[i].src, c.count, waits[i].k, c.arrived, c.consumed);
+  }
+  return missing.empty() ? " (no semaphore word is short of its wait: the stall is elsewhere on the stream)"
+                         : missing;
 }
 
 }  // namespace graphep

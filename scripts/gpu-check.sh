@@ -57,19 +57,46 @@ if [ -n "${GRAPHEP_STRESS:-}" ]; then
   grep -E "stress  |PASSED|FAILED|Failure" "$out/stress.log" | sort | uniq -c
 fi
 
-# GRAPHEP_SANITIZER=1: compute-sanitizer memcheck, racecheck and synccheck on 1-GPU emulated-rank
-# MoE dispatch/combine, movers and graph replay (device waits raised to 60 s under the tool).
+# GRAPHEP_SANITIZER=1: compute-sanitizer memcheck, racecheck and synccheck on each 1-GPU
+# 4-emulated-rank test of MoE dispatch/combine, the movers and graph replay, one process per
+# (tool, test) so that one failure hides nothing (device waits raised to 60 s under the tool).
+# With 2 GPUs, racecheck runs on the second one beside memcheck + synccheck on the first.
+# Logs: sanitizer_TOOL_TEST.log; one line per run in sanitizer_summary.log.
 if [ -n "${GRAPHEP_SANITIZER:-}" ] && command -v compute-sanitizer >/dev/null; then
-  filter='Gpu1_Moe.FourEmulatedRanks:Gpu1_MoeGraph.FourEmulatedRanksLatency:Gpu1_AllToAllv.*:Gpu1_SendRecv.*'
-  for tool in memcheck racecheck synccheck; do
-    step "compute-sanitizer --tool $tool"
-    GRAPHEP_TIMEOUT_MS=60000 timeout -s INT ${GRAPHEP_SANITIZER_BUDGET:-300} \
-      compute-sanitizer --tool $tool --error-exitcode 86 --print-limit 20 \
-      "$build/tests/graphep_gpu_tests" --gtest_filter="$filter" >"$out/sanitizer_$tool.log" 2>&1
-    rc=$?
-    echo "$tool: rc=$rc"; grep -E "ERROR SUMMARY|PASSED|FAILED" "$out/sanitizer_$tool.log" | tail -3
-    [ $rc -eq 0 ] || status=1
-  done
+  step "compute-sanitizer: memcheck, racecheck, synccheck"
+  san_tests="Gpu1_SendRecv.FourEmulatedRanks Gpu1_SendRecv.GraphReplaysStagedAndZeroCopy
+    Gpu1_AllToAllv.FourEmulatedRanks Gpu1_AllToAllv.OverflowingCountIsDroppedAndReported
+    Gpu1_Moe.FourEmulatedRanks Gpu1_MoeGraph.FourEmulatedRanksLatency
+    Gpu1_MoeGraph.FourEmulatedRanksThroughput"
+  san_budget=${GRAPHEP_SANITIZER_BUDGET:-420}  # seconds per chain of runs
+  sanitize() {  # GPU TOOL...
+    local gpu=$1 t0=$SECONDS tool t log rc left; shift
+    for tool in "$@"; do
+      for t in $san_tests; do
+        log="$out/sanitizer_${tool}_${t}.log"
+        left=$((san_budget - (SECONDS - t0)))
+        if [ $left -lt 20 ]; then echo "$tool $t: not run (chain budget spent)"; continue; fi
+        CUDA_VISIBLE_DEVICES=$gpu GRAPHEP_TIMEOUT_MS=60000 timeout -s INT $left \
+          compute-sanitizer --tool $tool --error-exitcode 86 --print-limit 20 \
+          "$build/tests/graphep_gpu_tests" --gtest_filter="$t" >"$log" 2>&1
+        rc=$?
+        echo "$tool $t: rc=$rc, $(grep -cE '^\[       OK' "$log") test(s) OK, $(grep -hoE '(ERROR|RACECHECK) SUMMARY: .*' "$log" | head -1)"
+      done
+    done
+  }
+  ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
+  if [ "$ngpu" -ge 2 ]; then
+    sanitize 0 memcheck synccheck >"$out/sanitizer_a.part" 2>&1 &
+    sanitize 1 racecheck >"$out/sanitizer_b.part" 2>&1
+    wait
+  else
+    sanitize 0 memcheck synccheck racecheck >"$out/sanitizer_a.part" 2>&1
+    : >"$out/sanitizer_b.part"
+  fi
+  cat "$out/sanitizer_a.part" "$out/sanitizer_b.part" >"$out/sanitizer_summary.log"
+  rm -f "$out/sanitizer_a.part" "$out/sanitizer_b.part"
+  cat "$out/sanitizer_summary.log"
+  grep -qvE "rc=0, .*(ERROR SUMMARY: 0 errors|RACECHECK SUMMARY: 0 hazards)" "$out/sanitizer_summary.log" && status=1
 fi
 
 step "main job: examples/01_moe_layer (decode loop, graph replay, checked against the unsharded reference)"

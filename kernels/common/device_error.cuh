@@ -11,17 +11,21 @@ namespace graphep {
 
 // True once any error was recorded for this rank: waits use it to stop promptly instead of each
 // running into its own timeout.
-__device__ __forceinline__ bool deviceErrorRaised(DeviceErrorRecord* rec) {
-  return ptx::ldRelaxedSys(&rec->state) != 0;
+__device__ __forceinline__ bool deviceErrorRaised(const DeviceErrorSink& sink) {
+  return ptx::ldRelaxedSys(sink.words) != 0;
 }
 
 // Records the first error in full and prints one line; later errors only count.
-__device__ inline void reportDeviceError(DeviceErrorRecord* rec, DeviceErrorKind kind,
+__device__ inline void reportDeviceError(const DeviceErrorSink& sink, DeviceErrorKind kind,
                                          std::int32_t rank, std::int32_t peer, WaitSite site,
                                          std::uint32_t expected, std::uint32_t observed,
                                          std::uint64_t elapsedNs, const void* address) {
-  ptx::redRelaxedSysAdd(&rec->count, 1);
-  if (ptx::atomAcqRelSysCas(&rec->state, 0u, 1u) != 0u) return;
+  DeviceErrorRecord* rec = sink.record;
+  // Racing reports may store their running totals out of order: the host's count is then a
+  // lower bound, exact once reports stop.
+  const std::uint32_t seen = ptx::atomAcqRelSysAdd(sink.words + 1, 1u) + 1u;
+  ptx::stRelaxedSys(&rec->count, seen);
+  if (ptx::atomAcqRelSysCas(sink.words, 0u, 1u) != 0u) return;
   rec->kind = static_cast<std::uint32_t>(kind);
   rec->rank = rank;
   rec->peer = peer;

@@ -1,6 +1,9 @@
 // The host-visible device error record (host+device POD). One per rank, in pinned, mapped host
 // memory, so the host can read it while a kernel is still stuck. The first error is recorded in
-// full (state 0 -> 1 -> 2 by a system-scope CAS); later ones only bump `count`.
+// full (state 0 -> 2, published by a release store); later ones only raise `count`. The record
+// takes plain stores only: the atomics that pick the first error and count them act on two words
+// in device memory (DeviceErrorSink), because a GPU on PCIe without host-native atomics cannot do
+// system-scope atomics on host memory (compute-sanitizer memcheck reports them as invalid).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -15,6 +18,7 @@ enum class DeviceErrorKind : std::uint32_t {
   kSemaphoreUnderflow = 2,  // a consume found fewer arrivals than it subtracts (protocol bug)
   kOutOfBounds = 3,         // a device-resident count/offset pointed past its buffer: dropped
   kCountMismatch = 4,       // the two ends of a transfer disagree on its byte count: not sent
+  kAborted = 5,             // the host watchdog found a stall and lifted the rank's waits
 };
 
 // What a wait was waiting for. One code per wait site in the kernels; names in device_error.cpp.
@@ -37,7 +41,7 @@ enum class WaitSite : std::uint32_t {
 };
 
 struct DeviceErrorRecord {
-  std::uint32_t state;  // 0: none, 1: being written, 2: complete
+  std::uint32_t state;  // 0: none (or being written), 2: complete
   std::uint32_t kind;   // DeviceErrorKind
   std::int32_t rank;
   std::int32_t peer;    // -1 when not about a peer
@@ -47,6 +51,13 @@ struct DeviceErrorRecord {
   std::uint32_t count;  // errors seen, the first one included
   std::uint64_t elapsedNs;
   std::uint64_t address;  // device address that was waited on / consumed
+};
+
+// Where one rank's kernels report errors.
+struct DeviceErrorSink {
+  DeviceErrorRecord* record;  // pinned, mapped host memory: the host reads it without a sync
+  std::uint32_t* words;       // device memory: [0] claim (the first reporter sets it 0 -> 1),
+                              // [1] errors seen (its running value is mirrored into record.count)
 };
 
 __host__ __device__ inline const char* waitSiteName(std::uint32_t site) {

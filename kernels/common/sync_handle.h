@@ -40,7 +40,7 @@ struct SyncHandle {
   // Local monotonic epochs, one per operation kind: the graph's first kernel advances them.
   std::uint32_t* epochs;
 
-  DeviceErrorRecord* error;  // this rank's record (host-mapped)
+  DeviceErrorSink error;  // this rank's error record (host-mapped) and its device words
 
   __host__ __device__ std::uint32_t semIndex(std::uint32_t channel, std::int32_t src) const {
     return channel * static_cast<std::uint32_t>(numRanks) + static_cast<std::uint32_t>(src);

@@ -14,6 +14,7 @@
 #include "engine/heap.hpp"
 #include "engine/semaphore.hpp"
 #include "engine/topology.hpp"
+#include "engine/watchdog.hpp"
 #include "kernels/probe.h"
 
 namespace graphep::test {
@@ -277,6 +278,62 @@ void runSemaphorePingPong(Communicator& comm, int rounds, bool graph,
   comm.barrier();
 }
 
+namespace {
+
+// A captured stream-memory-op wait on `missing`'s semaphore, which never signals: the wait cannot
+// time out on the device, so the host watchdog must find it, name the peer and refuse new work;
+// release() must then let the stream drain, with the verdict in the rank's error record.
+void checkSemaphoreWatchdog(SymmetricHeap& heap, int l, int missing, long long timeoutMs) {
+  constexpr int kChannel = 3;
+  const int me = heap.rank(l);
+  SemaphoreOps ops(heap, l);
+  cudaStream_t s;
+  GRAPHEP_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  EXPECT_TRUE(ops.watch(s, std::chrono::milliseconds(timeoutMs)).ok) << "an idle stream is healthy";
+  cudaGraphExec_t exec = captureOnStream(s, [&](cudaStream_t cs) {
+    ops.wait(cs, kChannel, missing, 2);
+    ops.consume(cs, kChannel, missing, 2);
+  });
+  GRAPHEP_CUDA_CHECK(cudaGraphLaunch(exec, s));
+  const auto t0 = std::chrono::steady_clock::now();
+  const HealthReport r = ops.watch(s, std::chrono::milliseconds(timeoutMs));
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_FALSE(r.ok) << "a stream stuck on a memop wait must be reported";
+  EXPECT_GE(ms, static_cast<double>(timeoutMs) * 0.9);
+  EXPECT_LT(ms, static_cast<double>(timeoutMs) + 5000.0) << "the watchdog took " << ms << " ms";
+  const std::string who = "semaphore channel " + std::to_string(kChannel) + ": rank " +
+                          std::to_string(missing) + " has not signalled (count 0 of the 2";
+  EXPECT_NE(r.message.find(who), std::string::npos) << r.message;
+  EXPECT_NE(r.message.find("rank " + std::to_string(me) + ": the work on stream"), std::string::npos) << r.message;
+  EXPECT_TRUE(ops.failed());
+  try {
+    ops.signal(s, kChannel, 1u << missing);
+    ADD_FAILURE() << "a failed rank's semaphores accepted a signal";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::kRemoteError) << e.what();
+    EXPECT_NE(std::string(e.what()).find("has not signalled"), std::string::npos) << e.what();
+  }
+  ops.release();  // lifts the wait: the stream must drain
+  cudaEvent_t ev;
+  GRAPHEP_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  EXPECT_TRUE(detail::streamFinishesWithin(s, ev, std::chrono::milliseconds(10000)))
+      << "the stream still waits after release()";
+  const DeviceErrorRecord rec = heap.errorRecord(l);
+  EXPECT_EQ(rec.kind, static_cast<std::uint32_t>(DeviceErrorKind::kAborted));
+  EXPECT_EQ(rec.peer, missing);
+  EXPECT_EQ(rec.expected, 2u);
+  EXPECT_EQ(rec.observed, 0u);
+  EXPECT_NE(heap.errorMessage(l).find("aborted by its host watchdog"), std::string::npos)
+      << heap.errorMessage(l);
+  GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(s));
+  GRAPHEP_CUDA_CHECK(cudaEventDestroy(ev));
+  GRAPHEP_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  GRAPHEP_CUDA_CHECK(cudaStreamDestroy(s));
+  heap.clearError(l);
+}
+
+}  // namespace
+
 void runMissingPeer(Communicator& comm, int waiter, int missing, long long timeoutMs) {
   HeapConfig cfg;
   cfg.numRanks = comm.worldSize();
@@ -310,6 +367,7 @@ void runMissingPeer(Communicator& comm, int waiter, int missing, long long timeo
     EXPECT_NE(msg.find("rank " + std::to_string(waiter)), std::string::npos) << msg;
     heap->clearError(l);
     EXPECT_EQ(heap->errorMessage(l), "");
+    checkSemaphoreWatchdog(*heap, l, missing, timeoutMs);
   }
   comm.barrier();
 }

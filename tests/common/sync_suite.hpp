@@ -24,7 +24,9 @@ void runFlagPingPong(Communicator& comm, int rounds, bool graph, std::uint32_t c
 void runSemaphorePingPong(Communicator& comm, int rounds, bool graph, std::uint32_t counterStart);
 
 // Rank `waiter` waits for a flag from rank `missing`, which never sends: the wait must fail within
-// the bound, and the error must name the missing peer. Other ranks do nothing.
+// the bound, and the error must name the missing peer. Then the same with a captured semaphore
+// (memop) wait, which only the host watchdog can bound: it must name the peer, refuse new work,
+// and release() must drain the stream. Other ranks do nothing.
 void runMissingPeer(Communicator& comm, int waiter, int missing, long long timeoutMs);
 
 }  // namespace graphep::test

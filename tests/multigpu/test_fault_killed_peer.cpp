@@ -1,9 +1,10 @@
 // A process killed mid-replay: two processes (this one forks before touching CUDA), one GPU each,
 // bootstrapped over NCCL from a unique id passed through a pipe. Both build a MoeGraph and replay
-// it with checks; after a few replays the child launches one more replay and kills itself
-// (SIGKILL). The survivor's replay must end within the device timeout: it finds the error naming
-// the dead peer, the engine refuses new work, and the survivor tears down and exits 0. No mpirun:
-// mpirun would take the whole job down with the dead process.
+// it with checks. The expert slot holds a host node that stalls when asked to; for its last
+// replay the child asks, so it is killed (SIGKILL) between its dispatch and its combine, with the
+// replay in flight. The survivor's replay must end within the device timeout: it finds the error
+// naming the dead peer, the engine refuses new work, and the survivor tears down and exits 0. No
+// mpirun: mpirun would take the whole job down with the dead process.
 //
 // Exit code 0: as described; 1: a check failed; 77: fewer than 2 GPUs.
 #include <signal.h>
@@ -12,10 +13,12 @@
 
 #include <nccl.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <graphep/graphep.hpp>
@@ -23,6 +26,14 @@
 namespace {
 
 constexpr int kTokens = 32, kHidden = 256, kTopK = 2, kReplaysBeforeKill = 5;
+
+// Read by the expert slot's host node: when set, the replay stalls there (after dispatch, before
+// combine) long enough for the process to be killed inside it.
+std::atomic<bool> gStallInExpert{false};
+
+void CUDART_CB expertHostNode(void*) {
+  if (gStallInExpert.load()) std::this_thread::sleep_for(std::chrono::seconds(30));
+}
 
 int fail(const char* who, const std::string& what) {
   std::fprintf(stderr, "%s: FAILED: %s\n", who, what.c_str());
@@ -66,10 +77,11 @@ int run(int rank, const ncclUniqueId& id) {
     args.dispatch.topkWeights = static_cast<const float*>(dw);
     args.dispatch.numTokens = static_cast<const int*>(dn);
     args.out = dout;
-    // The identity expert: out[t] = (1 + 1) * x[t] = 2.0 everywhere.
+    // The identity expert: out[t] = (1 + 1) * x[t] = 2.0 everywhere; then the host node.
     auto graph = graphep::MoeGraph::capture(*engine, args, [](const graphep::DispatchLayout& v, cudaStream_t st) {
       cudaMemcpyAsync(v.expertOutput, v.recvX, static_cast<std::size_t>(v.capacity) * v.hidden * 2,
                       cudaMemcpyDeviceToDevice, st);
+      cudaLaunchHostFunc(st, expertHostNode, nullptr);
     });
     std::vector<unsigned short> out(x.size());
     for (int i = 0; i < kReplaysBeforeKill; ++i) {
@@ -80,8 +92,10 @@ int run(int rank, const ncclUniqueId& id) {
         if (v != 0x4000) return fail(who, "replay " + std::to_string(i) + ": an output is not 2.0");  // bf16 2.0
       }
     }
-    if (rank == 1) {  // the victim: one more replay in flight, then gone
+    if (rank == 1) {  // the victim: one more replay, killed inside its expert slot
+      gStallInExpert.store(true);
       graph->launch(s);
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));  // dispatch done, stalled
       ::kill(::getpid(), SIGKILL);
     }
     const auto t0 = std::chrono::steady_clock::now();

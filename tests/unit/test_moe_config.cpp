@@ -7,6 +7,7 @@
 #include <graphep/graphep.hpp>
 
 #include "engine/moe_health.hpp"
+#include "engine/semaphore.hpp"
 #include "kernels/moe.h"
 
 namespace graphep {
@@ -131,6 +132,19 @@ TEST(Unit_MoeHealth, AcrossTheWrap) {
   c.arrivals[2] = 0xffffffffu * 24u;
   const std::string m = detail::describeLatencyStall(c);
   EXPECT_NE(m.find("rank 2's count message for dispatch step 4294967295 has not arrived"), std::string::npos) << m;
+  EXPECT_EQ(m.find("rank 0"), std::string::npos) << m;
+  EXPECT_EQ(m.find("rank 1"), std::string::npos) << m;
+}
+
+TEST(Unit_SemaphoreHealth, NamesTheShortSource) {
+  const std::vector<SemaphoreWait> waits = {{3, 0, 1}, {3, 2, 2}, {5, 1, 1}};
+  std::vector<SemaphoreCounts> counts = {{1, 9, 8}, {2, 7, 5}, {4, 4, 0}};
+  EXPECT_NE(detail::describeSemaphoreStall(waits, counts).find("no semaphore word is short"), std::string::npos);
+  counts[1] = {1, 6, 5};  // rank 2 signalled once of the two waited for
+  const std::string m = detail::describeSemaphoreStall(waits, counts);
+  EXPECT_NE(m.find("semaphore channel 3: rank 2 has not signalled (count 1 of the 2 waited for; arrived 6, consumed 5)"),
+            std::string::npos)
+      << m;
   EXPECT_EQ(m.find("rank 0"), std::string::npos) << m;
   EXPECT_EQ(m.find("rank 1"), std::string::npos) << m;
 }
