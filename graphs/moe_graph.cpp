@@ -7,6 +7,8 @@
 // graphs are single stream captures.
 #include <graphep/graph.hpp>
 
+#include <vector>
+
 #include "engine/error.hpp"
 #include "engine/log.hpp"
 #include "engine/platform.hpp"
@@ -37,6 +39,35 @@ cudaGraph_t captureGraph(F&& enqueue) {
   cudaStreamDestroy(s);
   GRAPHEP_CUDA_CHECK(e);
   return g;
+}
+
+// Whether cudaGraphExecUpdate can take `a`'s executable graph to `b`, as far as the host can
+// tell cheaply: the same node types in creation order, child graphs included. A pair that passes may still be refused (the update then reports why); a pair that
+// fails is re-instantiated without asking, so no failing call is made (compute-sanitizer reports
+// every CUDA error, handled or not).
+bool sameShape(cudaGraph_t a, cudaGraph_t b) {
+  std::size_t na = 0, nb = 0;
+  GRAPHEP_CUDA_CHECK(cudaGraphGetNodes(a, nullptr, &na));
+  GRAPHEP_CUDA_CHECK(cudaGraphGetNodes(b, nullptr, &nb));
+  if (na != nb) return false;
+  std::vector<cudaGraphNode_t> xa(na), xb(nb);
+  if (na != 0) {
+    GRAPHEP_CUDA_CHECK(cudaGraphGetNodes(a, xa.data(), &na));
+    GRAPHEP_CUDA_CHECK(cudaGraphGetNodes(b, xb.data(), &nb));
+  }
+  for (std::size_t i = 0; i < na; ++i) {
+    cudaGraphNodeType ta, tb;
+    GRAPHEP_CUDA_CHECK(cudaGraphNodeGetType(xa[i], &ta));
+    GRAPHEP_CUDA_CHECK(cudaGraphNodeGetType(xb[i], &tb));
+    if (ta != tb) return false;
+    if (ta == cudaGraphNodeTypeGraph) {
+      cudaGraph_t ca = nullptr, cb = nullptr;
+      GRAPHEP_CUDA_CHECK(cudaGraphChildGraphNodeGetGraph(xa[i], &ca));
+      GRAPHEP_CUDA_CHECK(cudaGraphChildGraphNodeGetGraph(xb[i], &cb));
+      if (!sameShape(ca, cb)) return false;
+    }
+  }
+  return true;
 }
 
 cudaGraphExec_t instantiate(cudaGraph_t g) {
@@ -163,8 +194,11 @@ void MoeGraph::setExpertGraph(cudaGraph_t experts) {
   // A new template from the current one's dispatch and combine graphs and the new experts, in the
   // same creation order; the executable graph is updated from it in place when the topology allows.
   const Template t = buildTemplate(m.dispatchGraph, experts, m.combineGraph);
+  cudaGraph_t current = nullptr;
+  GRAPHEP_CUDA_CHECK(cudaGraphChildGraphNodeGetGraph(m.expertNode, &current));
   cudaGraphExecUpdateResultInfo info{};
-  if (cudaGraphExecUpdate(m.exec, t.graph, &info) != cudaSuccess) {
+  info.result = cudaGraphExecUpdateErrorTopologyChanged;
+  if (!sameShape(current, experts) || cudaGraphExecUpdate(m.exec, t.graph, &info) != cudaSuccess) {
     (void)cudaGetLastError();  // a failed update leaves the executable graph as it was
     cudaGraphExec_t fresh = nullptr;
     const cudaError_t e = cudaGraphInstantiate(&fresh, t.graph, 0);
