@@ -25,7 +25,10 @@ function(graphep_set_common_options target)
     POSITION_INDEPENDENT_CODE ON)
   target_compile_options(${target} PRIVATE
     $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wno-unused-parameter>
-    $<$<COMPILE_LANGUAGE:CUDA>:${GRAPHEP_CUDA_GENCODE} --expt-relaxed-constexpr -Xcompiler=-Wall>)
+    $<$<COMPILE_LANGUAGE:CUDA>:${GRAPHEP_CUDA_GENCODE} --expt-relaxed-constexpr -Xcompiler=-Wall>
+    # Source lines in device code (no change to the generated code): compute-sanitizer and Nsight
+    # name file:line instead of a SASS offset.
+    $<$<COMPILE_LANGUAGE:CUDA>:-lineinfo>)
   if(GRAPHEP_SANITIZE)  # host C++ under AddressSanitizer + UndefinedBehaviorSanitizer (CI's second build)
     target_compile_options(${target} PRIVATE
       $<$<COMPILE_LANGUAGE:CXX>:-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined>)

@@ -139,8 +139,8 @@ void SymmetricHeap::build() {
         cudaHostAlloc(&rec, sizeof(DeviceErrorRecord), cudaHostAllocMapped | cudaHostAllocPortable));
     std::memset(rec, 0, sizeof(DeviceErrorRecord));
     r.error = static_cast<DeviceErrorRecord*>(rec);
-    GRAPHEP_CUDA_CHECK(cudaMalloc(&r.errorWords, 2 * sizeof(std::uint32_t)));
-    GRAPHEP_CUDA_CHECK(cudaMemset(r.errorWords, 0, 2 * sizeof(std::uint32_t)));
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&r.errorWords, kDeviceErrorWords * sizeof(std::uint32_t)));
+    GRAPHEP_CUDA_CHECK(cudaMemset(r.errorWords, 0, kDeviceErrorWords * sizeof(std::uint32_t)));
 
     RankInfo& info = mine[static_cast<size_t>(l)];
     std::memset(&info, 0, sizeof(info));
@@ -360,9 +360,10 @@ DeviceErrorRecord SymmetricHeap::errorRecord(int local) const {
 void SymmetricHeap::recordHostError(int local, cudaStream_t side, DeviceErrorKind kind, int peer,
                                     WaitSite site, std::uint32_t expected, std::uint32_t observed) const {
   const LocalRank& r = at(local);
-  static const std::uint32_t kClaimed = 1;
+  static const std::uint32_t kSet = 1;
   GRAPHEP_CUDA_CHECK(cudaSetDevice(r.device));
-  GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(r.errorWords, &kClaimed, sizeof(kClaimed), cudaMemcpyHostToDevice, side));
+  GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(r.errorWords, &kSet, sizeof(kSet), cudaMemcpyHostToDevice, side));  // claim
+  GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(r.errorWords + 2, &kSet, sizeof(kSet), cudaMemcpyHostToDevice, side));  // stop
   GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(side));
   // A device reporter raises the count before it claims; one that claimed first is left to
   // finish its record. (One racing in the copy's last microseconds may mix fields: accepted, the
@@ -391,7 +392,7 @@ void SymmetricHeap::clearError(int local) {
   GRAPHEP_CUDA_CHECK(cudaSetDevice(r.device));
   GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
   std::memset(r.error, 0, sizeof(DeviceErrorRecord));
-  GRAPHEP_CUDA_CHECK(cudaMemset(r.errorWords, 0, 2 * sizeof(std::uint32_t)));
+  GRAPHEP_CUDA_CHECK(cudaMemset(r.errorWords, 0, kDeviceErrorWords * sizeof(std::uint32_t)));
   GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
 }
 

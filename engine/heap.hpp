@@ -93,7 +93,7 @@ class SymmetricHeap {
     int device = -1;
     char* base = nullptr;
     DeviceErrorRecord* error = nullptr;  // pinned, mapped host memory
-    std::uint32_t* errorWords = nullptr;  // device memory: the record's claim and count words
+    std::uint32_t* errorWords = nullptr;  // device memory: the record's claim, count and stop words
     std::vector<char*> peers;            // by global rank
     std::vector<PeerClass> classes;      // by global rank
     std::vector<char*> ipcOpened;        // peer arenas opened through CUDA IPC

@@ -64,10 +64,10 @@ fi
 # Logs: sanitizer_TOOL_TEST.log; one line per run in sanitizer_summary.log.
 if [ -n "${GRAPHEP_SANITIZER:-}" ] && command -v compute-sanitizer >/dev/null; then
   step "compute-sanitizer: memcheck, racecheck, synccheck"
-  san_tests=${GRAPHEP_SANITIZER_TESTS:-"Gpu1_SendRecv.FourEmulatedRanks Gpu1_SendRecv.GraphReplaysStagedAndZeroCopy
+  san_tests=${GRAPHEP_SANITIZER_TESTS:-"Gpu1_Moe.FourEmulatedRanks Gpu1_MoeGraph.FourEmulatedRanksLatency
+    Gpu1_MoeGraph.FourEmulatedRanksThroughput Gpu1_SendRecv.FourEmulatedRanks
     Gpu1_AllToAllv.FourEmulatedRanks Gpu1_AllToAllv.OverflowingCountIsDroppedAndReported
-    Gpu1_Moe.FourEmulatedRanks Gpu1_MoeGraph.FourEmulatedRanksLatency
-    Gpu1_MoeGraph.FourEmulatedRanksThroughput"}
+    Gpu1_SendRecv.GraphReplaysStagedAndZeroCopy"}
   san_budget=${GRAPHEP_SANITIZER_BUDGET:-420}  # seconds per chain of runs
   sanitize() {  # GPU TOOL...
     local gpu=$1 t0=$SECONDS tool t log rc left; shift

@@ -9,10 +9,10 @@
 
 namespace graphep {
 
-// True once any error was recorded for this rank: waits use it to stop promptly instead of each
-// running into its own timeout.
+// True once a wait of this rank timed out (or the host aborted it): its other waits use it to stop
+// promptly instead of each running into its own timeout.
 __device__ __forceinline__ bool deviceErrorRaised(const DeviceErrorSink& sink) {
-  return ptx::ldRelaxedSys(sink.words) != 0;
+  return ptx::ldRelaxedSys(sink.words + 2) != 0;
 }
 
 // Records the first error in full and prints one line; later errors only count.
@@ -25,6 +25,7 @@ __device__ inline void reportDeviceError(const DeviceErrorSink& sink, DeviceErro
   // lower bound, exact once reports stop.
   const std::uint32_t seen = ptx::atomAcqRelSysAdd(sink.words + 1, 1u) + 1u;
   ptx::stRelaxedSys(&rec->count, seen);
+  if (kind == DeviceErrorKind::kTimeout) ptx::stRelaxedSys(sink.words + 2, 1u);
   if (ptx::atomAcqRelSysCas(sink.words, 0u, 1u) != 0u) return;
   rec->kind = static_cast<std::uint32_t>(kind);
   rec->rank = rank;

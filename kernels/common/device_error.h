@@ -57,8 +57,12 @@ struct DeviceErrorRecord {
 struct DeviceErrorSink {
   DeviceErrorRecord* record;  // pinned, mapped host memory: the host reads it without a sync
   std::uint32_t* words;       // device memory: [0] claim (the first reporter sets it 0 -> 1),
-                              // [1] errors seen (its running value is mirrored into record.count)
+                              // [1] errors seen (its running value is mirrored into record.count),
+                              // [2] stop: set by a timeout or an abort; the rank's other waits
+                              // then give up at their next check. Drops (out of bounds, count
+                              // mismatch) do not set it: the rank's other transfers go on.
 };
+inline constexpr int kDeviceErrorWords = 3;
 
 __host__ __device__ inline const char* waitSiteName(std::uint32_t site) {
   switch (static_cast<WaitSite>(site)) {
