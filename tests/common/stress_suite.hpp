@@ -29,7 +29,7 @@ void runMoeStress(Communicator& comm, const StressCase& sc);
 
 // The standard stress of every configuration: stressReplays(2000) replays on the latency path
 // (kAuto) and a tenth (at least 200) on the throughput path, ranks drifting by up to 100 us,
-// counters from 1,000 below the 32-bit wrap.
+// counters from 1,000 below the 32-bit wrap; then 300 replays with ranks drifting by up to 5 ms.
 void runMoeStressStandard(Communicator& comm);
 
 // Replays for the stress tests: GRAPHEP_STRESS_REPLAYS when set, else `fallback`.
