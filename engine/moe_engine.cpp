@@ -656,42 +656,30 @@ bool Engine::failed() const { return !impl_->failure.empty(); }
 HealthReport Engine::checkHealth(cudaStream_t stream, std::chrono::milliseconds timeout) {
   Impl& m = *impl_;
   DeviceGuard guard(m.device);
-  HealthReport r;
-  const bool finished = detail::streamFinishesWithin(stream, m.watchEvent, timeout);
-  const std::string deviceError = m.group->heap->errorMessage(m.local);  // mapped memory: no sync
-  if (finished && deviceError.empty()) return r;
-  r.ok = false;
-  if (finished) {
-    r.message = "rank " + std::to_string(m.p.rank) + ": " + deviceError;
-  } else {
-    r.message = detail::format("rank %d: the work on stream %p did not finish within %lld ms", m.p.rank,
-                               static_cast<void*>(stream), static_cast<long long>(timeout.count()));
-    if (m.path == MoePath::kLatency) {
-      // The counters, copied on the private stream by a copy engine while the kernels spin.
-      const int R = m.p.numRanks;
-      std::uint32_t* h = m.snapshot;
-      const char* user = m.p.peerUser[m.p.rank];
-      GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h, m.p.llSteps, 2 * 4, cudaMemcpyDeviceToHost, m.watchStream));
-      GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h + 2, m.p.pending, 4, cudaMemcpyDeviceToHost, m.watchStream));
-      GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h + 3, user + m.p.llFlagOff, R * 4, cudaMemcpyDeviceToHost, m.watchStream));
-      GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h + 3 + R, user + m.p.llArriveOff, R * 4, cudaMemcpyDeviceToHost, m.watchStream));
-      GRAPHEP_CUDA_CHECK(
-          cudaMemcpyAsync(h + 3 + 2 * R, user + m.p.llCombArriveOff, R * 4, cudaMemcpyDeviceToHost, m.watchStream));
-      GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(m.watchStream));
-      detail::LatencyCounters c;
-      c.dispatchStep = h[0];
-      c.combineStep = h[1];
-      c.pending = h[2];
-      c.ctas = static_cast<std::uint32_t>(m.p.llCtas);
-      c.flags.assign(h + 3, h + 3 + R);
-      c.arrivals.assign(h + 3 + R, h + 3 + 2 * R);
-      c.combineArrivals.assign(h + 3 + 2 * R, h + 3 + 3 * R);
-      r.message += detail::describeLatencyStall(c);
-    }
-    if (!deviceError.empty()) r.message += "; device error: " + deviceError;
-  }
-  if (m.failure.empty()) m.failure = r.message;
-  GRAPHEP_LOG_WARN(log::kSync, "%s", r.message.c_str());
+  HealthReport r = detail::judgeStream(*m.group->heap, m.local, stream, m.watchEvent, timeout, [&]() -> std::string {
+    if (m.path != MoePath::kLatency) return "";
+    // The counters, copied on the private stream by a copy engine while the kernels spin.
+    const int R = m.p.numRanks;
+    std::uint32_t* h = m.snapshot;
+    const char* user = m.p.peerUser[m.p.rank];
+    GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h, m.p.llSteps, 2 * 4, cudaMemcpyDeviceToHost, m.watchStream));
+    GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h + 2, m.p.pending, 4, cudaMemcpyDeviceToHost, m.watchStream));
+    GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h + 3, user + m.p.llFlagOff, R * 4, cudaMemcpyDeviceToHost, m.watchStream));
+    GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h + 3 + R, user + m.p.llArriveOff, R * 4, cudaMemcpyDeviceToHost, m.watchStream));
+    GRAPHEP_CUDA_CHECK(
+        cudaMemcpyAsync(h + 3 + 2 * R, user + m.p.llCombArriveOff, R * 4, cudaMemcpyDeviceToHost, m.watchStream));
+    GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(m.watchStream));
+    detail::LatencyCounters c;
+    c.dispatchStep = h[0];
+    c.combineStep = h[1];
+    c.pending = h[2];
+    c.ctas = static_cast<std::uint32_t>(m.p.llCtas);
+    c.flags.assign(h + 3, h + 3 + R);
+    c.arrivals.assign(h + 3 + R, h + 3 + 2 * R);
+    c.combineArrivals.assign(h + 3 + 2 * R, h + 3 + 3 * R);
+    return detail::describeLatencyStall(c);
+  });
+  if (!r.ok && m.failure.empty()) m.failure = r.message;
   return r;
 }
 

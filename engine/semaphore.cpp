@@ -153,29 +153,18 @@ std::vector<SemaphoreCounts> SemaphoreOps::readAll(const std::vector<SemaphoreWa
 HealthReport SemaphoreOps::watch(cudaStream_t stream, std::chrono::milliseconds timeout) {
   Watch& w = *watch_;
   detail::DeviceGuard guard(w.device);
-  HealthReport r;
-  const bool finished = detail::streamFinishesWithin(stream, w.event, timeout);
-  const std::string deviceError = heap_->errorMessage(local_);  // mapped memory: no sync
-  if (finished && deviceError.empty()) return r;
-  r.ok = false;
-  if (finished) {
-    r.message = "rank " + std::to_string(h_.rank) + ": " + deviceError;
-  } else {
+  const HealthReport r = detail::judgeStream(*heap_, local_, stream, w.event, timeout, [&] {
     std::vector<SemaphoreWait> waits;
     {
       std::lock_guard<std::mutex> lock(w.mu);
       waits = w.waits;
     }
-    r.message = detail::format("rank %d: the work on stream %p did not finish within %lld ms", h_.rank,
-                               static_cast<void*>(stream), static_cast<long long>(timeout.count()));
-    r.message += detail::describeSemaphoreStall(waits, readAll(waits));
-    if (!deviceError.empty()) r.message += "; device error: " + deviceError;
-  }
-  {
+    return detail::describeSemaphoreStall(waits, readAll(waits));
+  });
+  if (!r.ok) {
     std::lock_guard<std::mutex> lock(w.mu);
     if (w.failure.empty()) w.failure = r.message;
   }
-  GRAPHEP_LOG_WARN(log::kSync, "%s", r.message.c_str());
   return r;
 }
 
@@ -191,13 +180,12 @@ void SemaphoreOps::release() {
     waits = w.waits;
   }
   const std::vector<SemaphoreCounts> counts = readAll(waits);
-  bool recorded = false;
+  int lifted = 0;
   for (std::size_t i = 0; i < waits.size(); ++i) {
     if (counts[i].count >= waits[i].k) continue;
-    if (!recorded) {
+    if (lifted++ == 0) {
       heap_->recordHostError(local_, w.stream, DeviceErrorKind::kAborted, waits[i].src,
                              WaitSite::kSemaphoreWait, waits[i].k, counts[i].count);
-      recorded = true;
     }
     // Raised far above any wait: every later wait on the word passes too (the rank is failed).
     w.snapshot[i] = counts[i].count + (1u << 30);
@@ -205,7 +193,8 @@ void SemaphoreOps::release() {
     GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h_.semCount + idx, w.snapshot + i, 4, cudaMemcpyHostToDevice, w.stream));
   }
   GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(w.stream));
-  GRAPHEP_LOG_WARN(log::kSync, "rank %d: lifted its semaphore waits after a stall", h_.rank);
+  GRAPHEP_LOG_WARN(log::kSync, "rank %d: lifted %d semaphore wait(s) after a stall%s", h_.rank, lifted,
+                   lifted == 0 ? " (none was short: the stall is elsewhere on the stream)" : "");
 }
 
 std::string detail::describeSemaphoreStall(const std::vector<SemaphoreWait>& waits,
