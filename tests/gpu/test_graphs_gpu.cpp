@@ -39,5 +39,13 @@ TEST(Gpu1_MoeStress, FourEmulatedRanks) {
   runMoeStressStandard(*comm);
 }
 
+// The same at 8 ranks (issue 7 asks for the stress at 8 ranks; until 8 GPUs can be borrowed, 8
+// emulated ranks share one).
+TEST(Gpu1_MoeStress, EightEmulatedRanks) {
+  GRAPHEP_REQUIRE_GPUS(1);
+  auto comm = createLocalGroup({0, 0, 0, 0, 0, 0, 0, 0});
+  runMoeStressStandard(*comm);
+}
+
 }  // namespace
 }  // namespace graphep::test
