@@ -76,7 +76,10 @@ if [ -n "${GRAPHEP_SANITIZER:-}" ] && command -v compute-sanitizer >/dev/null; t
         log="$out/sanitizer_${tool}_${t}.log"
         left=$((san_budget - (SECONDS - t0)))
         if [ $left -lt 20 ]; then echo "$tool $t: not run (chain budget spent)"; continue; fi
-        CUDA_VISIBLE_DEVICES=$gpu GRAPHEP_TIMEOUT_MS=60000 timeout -s INT $left \
+        # racecheck is the slowest tool: the mover replay test runs 200 replays per variant under it
+        # (GRAPHEP_TEST_REPLAYS), the others their full count.
+        reps=""; [ "$tool" = racecheck ] && reps=200
+        CUDA_VISIBLE_DEVICES=$gpu GRAPHEP_TIMEOUT_MS=60000 GRAPHEP_TEST_REPLAYS=$reps timeout -s INT $left \
           compute-sanitizer --tool $tool --error-exitcode 86 --print-limit 20 \
           "$build/tests/graphep_gpu_tests" --gtest_filter="$t" >"$log" 2>&1
         rc=$?

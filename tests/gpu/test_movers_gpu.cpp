@@ -31,10 +31,11 @@ TEST(Gpu1_SendRecv, EightEmulatedRanks) {
 TEST(Gpu1_SendRecv, GraphReplaysStagedAndZeroCopy) {
   GRAPHEP_REQUIRE_GPUS(1);
   auto comm = createLocalGroup({0, 0, 0, 0});
-  runSendRecvReplays(*comm, std::size_t{1} << 20, 1000, /*zeroCopy=*/false);
-  runSendRecvReplays(*comm, (std::size_t{1} << 20) + 3, 1000, /*zeroCopy=*/true, ZeroCopyEngine::kSm);
-  runSendRecvReplays(*comm, 4093, 1000, /*zeroCopy=*/false);  // LL mode across the wrap
-  runSendRecvReplays(*comm, 4093, 1000, /*zeroCopy=*/true, ZeroCopyEngine::kCopyEngine);
+  const int n = testReplays(1000);
+  runSendRecvReplays(*comm, std::size_t{1} << 20, n, /*zeroCopy=*/false);
+  runSendRecvReplays(*comm, (std::size_t{1} << 20) + 3, n, /*zeroCopy=*/true, ZeroCopyEngine::kSm);
+  runSendRecvReplays(*comm, 4093, n, /*zeroCopy=*/false);  // LL mode across the wrap
+  runSendRecvReplays(*comm, 4093, n, /*zeroCopy=*/true, ZeroCopyEngine::kCopyEngine);
 }
 
 // Produce / consume hooks (fp8 quantisation, weighted accumulation) against a host reference.
