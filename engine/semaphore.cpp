@@ -125,17 +125,12 @@ void SemaphoreOps::consume(cudaStream_t stream, int channel, int src, std::uint3
 
 SemaphoreCounts SemaphoreOps::read(int channel, int src) const {
   checkWord("read", channel, src, 1);
-  const std::uint32_t idx = h_.semIndex(static_cast<std::uint32_t>(channel), src);
-  SemaphoreCounts c{};
-  GRAPHEP_CUDA_CHECK(cudaSetDevice(heap_->device(local_)));
-  GRAPHEP_CUDA_CHECK(cudaMemcpy(&c.count, h_.semCount + idx, 4, cudaMemcpyDeviceToHost));
-  GRAPHEP_CUDA_CHECK(cudaMemcpy(&c.arrived, h_.semArrived + idx, 4, cudaMemcpyDeviceToHost));
-  GRAPHEP_CUDA_CHECK(cudaMemcpy(&c.consumed, h_.semConsumed + idx, 4, cudaMemcpyDeviceToHost));
-  return c;
+  return readAll({SemaphoreWait{channel, src, 1}})[0];
 }
 
 std::vector<SemaphoreCounts> SemaphoreOps::readAll(const std::vector<SemaphoreWait>& waits) const {
   Watch& w = *watch_;
+  std::lock_guard<std::mutex> lock(w.mu);  // the snapshot buffer is shared
   GRAPHEP_CUDA_CHECK(cudaSetDevice(w.device));
   std::uint32_t* snap = w.snapshot;
   for (std::size_t i = 0; i < waits.size(); ++i) {
@@ -180,6 +175,7 @@ void SemaphoreOps::release() {
     waits = w.waits;
   }
   const std::vector<SemaphoreCounts> counts = readAll(waits);
+  std::lock_guard<std::mutex> lock(w.mu);  // the snapshot buffer is shared
   int lifted = 0;
   for (std::size_t i = 0; i < waits.size(); ++i) {
     if (counts[i].count >= waits[i].k) continue;

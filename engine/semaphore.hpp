@@ -65,7 +65,8 @@ class SemaphoreOps {
   void wait(cudaStream_t stream, int channel, int src, std::uint32_t k) const;
   void consume(cudaStream_t stream, int channel, int src, std::uint32_t k) const;
 
-  // Setup/diagnostics only: synchronous read of one word's counters.
+  // Setup/diagnostics only: one word's counters, copied on the private stream (it does not wait
+  // for the rank's other streams: synchronise them first for settled values).
   SemaphoreCounts read(int channel, int src) const;
 
   // Host watchdog (never synchronises the device): gives the work enqueued on `stream` up to

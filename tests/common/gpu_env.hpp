@@ -3,20 +3,18 @@
 
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <cstdlib>
 
 #include <graphep/graphep.hpp>
 
 namespace graphep::test {
 
-// Replays for the mover replay tests: GRAPHEP_TEST_REPLAYS when set (gpu-check's racecheck step
-// lowers it, the tool being slow), else `fallback`; never below 200, so that counters started 100
-// below the 32-bit wrap still cross it.
-inline int testReplays(int fallback) {
-  const char* v = std::getenv("GRAPHEP_TEST_REPLAYS");
-  const int n = v != nullptr && std::atoi(v) > 0 ? std::atoi(v) : fallback;
-  return std::max(n, 200);
+// A replay count from the environment variable `var` when set to a positive number, else
+// `fallback` (GRAPHEP_STRESS_REPLAYS: the MoeGraph stress; GRAPHEP_TEST_REPLAYS: the mover replay
+// test, which gpu-check's racecheck step lowers, the tool being slow).
+inline long long replaysFromEnv(const char* var, long long fallback) {
+  const char* v = std::getenv(var);
+  return v != nullptr && std::atoll(v) > 0 ? std::atoll(v) : fallback;
 }
 
 }  // namespace graphep::test

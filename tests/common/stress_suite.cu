@@ -12,6 +12,7 @@
 #include <random>
 #include <string>
 
+#include "common/gpu_env.hpp"
 #include "common/graph_util.hpp"
 #include "engine/error.hpp"
 #include "kernels/common/ptx.cuh"
@@ -211,10 +212,7 @@ void runMoeStressStandard(Communicator& comm) {
   runMoeStress(comm, sc);
 }
 
-long long stressReplays(long long fallback) {
-  const char* v = std::getenv("GRAPHEP_STRESS_REPLAYS");
-  return v != nullptr && std::atoll(v) > 0 ? std::atoll(v) : fallback;
-}
+long long stressReplays(long long fallback) { return replaysFromEnv("GRAPHEP_STRESS_REPLAYS", fallback); }
 
 void runMoeStress(Communicator& comm, const StressCase& sc) {
   const int R = comm.worldSize(), L = comm.numLocalRanks();
