@@ -42,9 +42,9 @@ cudaGraph_t captureGraph(F&& enqueue) {
 }
 
 // Whether cudaGraphExecUpdate can take `a`'s executable graph to `b`, as far as the host can
-// tell cheaply: the same node types in creation order, child graphs included. A pair that passes may still be refused (the update then reports why); a pair that
-// fails is re-instantiated without asking, so no failing call is made (compute-sanitizer reports
-// every CUDA error, handled or not).
+// tell cheaply: the same node types in creation order, child graphs included. A pair that passes
+// may still be refused (the update then reports why); a pair that fails is re-instantiated without
+// asking, so no failing call is made (compute-sanitizer reports every CUDA error, handled or not).
 bool sameShape(cudaGraph_t a, cudaGraph_t b) {
   std::size_t na = 0, nb = 0;
   GRAPHEP_CUDA_CHECK(cudaGraphGetNodes(a, nullptr, &na));

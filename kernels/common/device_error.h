@@ -1,8 +1,8 @@
 // The host-visible device error record (host+device POD). One per rank, in pinned, mapped host
 // memory, so the host can read it while a kernel is still stuck. The first error is recorded in
 // full (state 0 -> 2, published by a release store); later ones only raise `count`. The record
-// takes plain stores only: the atomics that pick the first error and count them act on two words
-// in device memory (DeviceErrorSink), because a GPU on PCIe without host-native atomics cannot do
+// takes plain stores only: the atomics that pick the first error and count them act on words in
+// device memory (DeviceErrorSink), because a GPU on PCIe without host-native atomics cannot do
 // system-scope atomics on host memory (compute-sanitizer memcheck reports them as invalid).
 #pragma once
 
