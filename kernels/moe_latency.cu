@@ -44,11 +44,13 @@ __device__ __forceinline__ std::uint32_t* llCounter(const MoeParams& p, int rank
 
 // Block-wide "am I the last of the grid's CTAs to get here": every thread's prior writes (local or
 // to peers) are fenced at system scope before the count; returns the same answer in every thread,
-// and the last one resets the counter for the next launch.
+// and the last one resets the counter for the next launch. Verdicts reach the CTA through
+// __syncthreads_or, not a shared word: nothing for a later exchange to race with, one barrier
+// fewer, and racecheck-clean after the groups' uneven loops (see the records loop).
 __device__ bool lastBlock(std::uint32_t* counter) {
-  __shared__ bool last;
   __threadfence_system();  // every thread's own stores, before the barrier hands over to thread 0
   __syncthreads();
+  bool last = false;
   if (threadIdx.x == 0) {
     last = atomicAdd(counter, 1u) == gridDim.x - 1u;
     if (last) {
@@ -56,8 +58,7 @@ __device__ bool lastBlock(std::uint32_t* counter) {
       __threadfence_system();
     }
   }
-  __syncthreads();
-  return last;
+  return __syncthreads_or(last) != 0;  // thread 0's answer, to every thread
 }
 
 // Every thread's stores (records or partials, local or peers') are made visible at system scope,
@@ -73,13 +74,9 @@ __device__ void arriveAtEveryRank(const MoeParams& p, std::uint64_t counterOff) 
 // Threads q < R wait until this rank's counter for q reaches `target`; true when all did (every
 // thread gets the answer).
 __device__ bool waitEveryRank(const MoeParams& p, std::uint64_t counterOff, std::uint32_t target, WaitSite site) {
-  __shared__ int failed;
-  if (threadIdx.x == 0) failed = 0;
-  __syncthreads();
   const int q = static_cast<int>(threadIdx.x);
-  if (q < p.numRanks && !flagWait(p.sync, llCounter(p, p.rank, counterOff) + q, target, q, site)) failed = 1;
-  __syncthreads();
-  return failed == 0;
+  const bool failed = q < p.numRanks && !flagWait(p.sync, llCounter(p, p.rank, counterOff) + q, target, q, site);
+  return __syncthreads_or(failed) == 0;
 }
 
 // Set bits of bits[0 .. W) below bit t.
@@ -118,12 +115,12 @@ __device__ int blockExclusiveScan(std::int32_t* v, int n) {
   }
   __syncthreads();
   int run = x - local + (warp > 0 ? warpSums[warp - 1] : 0);
+  const int total = warpSums[kWarps - 1];
   for (int i = b; i < e; ++i) {
     const int c = v[i];
     v[i] = run;
     run += c;
   }
-  const int total = warpSums[kWarps - 1];
   __syncthreads();
   return total;
 }
@@ -215,9 +212,14 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
   }
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyRecords);
-    // The records: one token per group, its row read once for every destination.
-    for (int t = firstItem; t < T; t += items) {
-      if (g.tid == 0) {
+    // The records: one token per group, its row read once for every destination. Every group of
+    // the CTA goes round the same number of times (one past the last token idles through its
+    // barriers): compute-sanitizer racecheck mis-orders a CTA-wide shared-memory exchange whose
+    // writer's group has passed its named barrier more often than the reader's (a false RAW
+    // hazard; tools/racecheck_probe.cu, docs/RELIABILITY.md), and blockExclusiveScan follows.
+    for (int base = firstItem - group; base < T; base += items) {
+      const int t = base + group;
+      if (g.tid == 0 && t < T) {
         int n = 0;
         for (int r = 0; r < R; ++r) {
           if (!((dstBits[r * W + (t >> 5)] >> (t & 31)) & 1u)) continue;
@@ -227,8 +229,10 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
         ndst[group] = n;
       }
       g.sync();
-      moeWriteRecords(p, t, dsts[group], dstRanks[group], ndst[group],
-                      [&](int k) { return entriesBefore(ids[t * K + k], t, k); }, g);
+      if (t < T) {
+        moeWriteRecords(p, t, dsts[group], dstRanks[group], ndst[group],
+                        [&](int k) { return entriesBefore(ids[t * K + k], t, k); }, g);
+      }
       g.sync();  // dsts is rewritten for the next token
     }
   }
@@ -287,14 +291,9 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
       // Each source's records once its G CTAs have arrived, this rank's own first.
       for (int k = 0; k < R; ++k) {
         const int s = (p.rank + k) % R;
-        __shared__ int failed;
-        if (tid == 0) {
-          failed = flagWait(p.sync, llCounter(p, p.rank, p.llArriveOff) + s, arrived, s, WaitSite::kMoeDispatch) ? 0 : 1;
-        }
-        __syncthreads();
-        const bool bad = failed != 0;
-        __syncthreads();  // every thread has read it before thread 0 may rewrite it
-        if (bad) break;
+        const bool failed =
+            tid == 0 && !flagWait(p.sync, llCounter(p, p.rank, p.llArriveOff) + s, arrived, s, WaitSite::kMoeDispatch);
+        if (__syncthreads_or(failed) != 0) break;  // thread 0's verdict, to every thread
         const std::uint64_t sent = __ldcg(msgOf(s));
         const int rows = static_cast<int>(sent < static_cast<std::uint64_t>(p.maxTokens) ? sent : p.maxTokens);
         for (int i = firstItem; i < rows; i += items) {

@@ -61,7 +61,8 @@ fi
 # 4-emulated-rank test of MoE dispatch/combine, the movers and graph replay, one process per
 # (tool, test) so that one failure hides nothing (device waits raised to 60 s under the tool).
 # With 2 GPUs, racecheck runs on the second one beside memcheck + synccheck on the first.
-# Logs: sanitizer_TOOL_TEST.log; one line per run in sanitizer_summary.log.
+# GRAPHEP_RACECHECK_ARGS adds racecheck options (e.g. --racecheck-report all: each hazard's type,
+# block and threads). Logs: sanitizer_TOOL_TEST.log; one line per run in sanitizer_summary.log.
 if [ -n "${GRAPHEP_SANITIZER:-}" ] && command -v compute-sanitizer >/dev/null; then
   step "compute-sanitizer: memcheck, racecheck, synccheck"
   san_tests=${GRAPHEP_SANITIZER_TESTS:-"Gpu1_Moe.FourEmulatedRanks Gpu1_MoeGraph.FourEmulatedRanksLatency
@@ -78,9 +79,9 @@ if [ -n "${GRAPHEP_SANITIZER:-}" ] && command -v compute-sanitizer >/dev/null; t
         if [ $left -lt 20 ]; then echo "$tool $t: not run (chain budget spent)"; continue; fi
         # racecheck is the slowest tool: the mover replay test runs 200 replays per variant under it
         # (GRAPHEP_TEST_REPLAYS), the others their full count.
-        reps=""; [ "$tool" = racecheck ] && reps=200
+        reps=""; extra=""; [ "$tool" = racecheck ] && reps=200 extra=${GRAPHEP_RACECHECK_ARGS:-}
         CUDA_VISIBLE_DEVICES=$gpu GRAPHEP_TIMEOUT_MS=60000 GRAPHEP_TEST_REPLAYS=$reps timeout -s INT $left \
-          compute-sanitizer --tool $tool --error-exitcode 86 --print-limit 20 \
+          compute-sanitizer --tool $tool --error-exitcode 86 --print-limit 20 $extra \
           "$build/tests/graphep_gpu_tests" --gtest_filter="$t" >"$log" 2>&1
         rc=$?
         echo "$tool $t: rc=$rc, $(grep -cE '^\[       OK' "$log") test(s) OK, $(grep -hoE '(ERROR|RACECHECK) SUMMARY: .*' "$log" | head -1)"
@@ -97,10 +98,13 @@ if [ -n "${GRAPHEP_SANITIZER:-}" ] && command -v compute-sanitizer >/dev/null; t
     : >"$out/sanitizer_b.part"
   fi
   # Calibration: racecheck on correct kernels with the latency kernels' shared-memory patterns
-  # (tools/racecheck_probe.cu), to tell a tool false positive from a real hazard.
-  [ -x "$build/graphep-racecheck-probe" ] && for v in plain named streams all; do
-    echo "racecheck probe $v: $(compute-sanitizer --tool racecheck --print-limit 4 "$build/graphep-racecheck-probe" $v 2>&1 \
-      | grep -hE 'RACECHECK SUMMARY|disagree' | tr '\n' ' ')"
+  # (tools/racecheck_probe.cu), to tell a tool false positive from a real hazard; each variant's
+  # full report in sanitizer_probe_VARIANT.log. Expected: hazards in "lowfirst" and "uneven,scan"
+  # only (the tool's, after unequal named-barrier counts), every thread's values right.
+  [ -x "$build/graphep-racecheck-probe" ] && for v in ${GRAPHEP_PROBE_VARIANTS:-plain named,scan lowfirst uneven,scan spin,scan streams,reuse,scan}; do
+    CUDA_VISIBLE_DEVICES=$((ngpu >= 2 ? 1 : 0)) timeout -s INT 120 compute-sanitizer --tool racecheck --print-limit 8 \
+      ${GRAPHEP_RACECHECK_ARGS:-} "$build/graphep-racecheck-probe" $v >"$out/sanitizer_probe_${v//,/+}.log" 2>&1
+    echo "racecheck probe $v: $(grep -hE 'RACECHECK SUMMARY|disagree' "$out/sanitizer_probe_${v//,/+}.log" | tr '\n' ' ')"
   done >>"$out/sanitizer_b.part" 2>&1
   cat "$out/sanitizer_a.part" "$out/sanitizer_b.part" >"$out/sanitizer_summary.log"
   rm -f "$out/sanitizer_a.part" "$out/sanitizer_b.part"
