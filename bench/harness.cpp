@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <set>
 
 #include <graphep/graphep.hpp>
 
@@ -19,21 +20,26 @@ Ranks::~Ranks() {
   }
 }
 
-std::unique_ptr<Ranks> makeRanks(bool mpi) {
+std::unique_ptr<Ranks> makeRanks(bool mpi, int ranks) {
   auto r = std::make_unique<Ranks>();
   const char* reason = nullptr;
   const int n = cudaDeviceCountOrZero(&reason);
   GRAPHEP_REQUIRE(n > 0, Status::kNoDevice, "graphep-bench needs a GPU (%s)", reason);
   if (mpi) {
+    GRAPHEP_REQUIRE(ranks == 0, Status::kInvalidArgument,
+                    "--ranks %d: under mpirun the ranks are the processes (-np)", ranks);
     r->mpi = true;
     r->comm = createMpiCommunicator(-1, /*withNccl=*/true);
-    GRAPHEP_REQUIRE(r->comm->worldSize() == 2, Status::kInvalidArgument,
-                    "graphep-bench runs 2 ranks; mpirun started %d", r->comm->worldSize());
+    GRAPHEP_REQUIRE(r->comm->worldSize() >= 2, Status::kInvalidArgument,
+                    "graphep-bench needs at least 2 ranks; mpirun started %d", r->comm->worldSize());
     r->devices = {r->comm->device(0)};
   } else {
-    r->devices = n >= 2 ? std::vector<int>{0, 1} : std::vector<int>{0, 0};
+    const int R = ranks > 0 ? ranks : std::max(n, 2);
+    GRAPHEP_REQUIRE(R >= 2 && R <= kMaxRanks, Status::kInvalidArgument,
+                    "--ranks %d: expected 2 to %d", ranks, kMaxRanks);
+    for (int i = 0; i < R; ++i) r->devices.push_back(i % n);  // round-robin over the visible GPUs
     r->comm = createLocalGroup(r->devices);
-    if (n >= 2) r->ncclGroup = createNcclGroup(r->devices);
+    if (R <= n) r->ncclGroup = createNcclGroup(r->devices);
   }
   for (int d : r->devices) {
     GRAPHEP_CUDA_CHECK(cudaSetDevice(d));
@@ -295,8 +301,9 @@ void printHeader(const Options& o, const Ranks& r) {
     std::printf("#  rank %d: device %d %s (%d SMs)\n", r.rank(i), r.devices[static_cast<size_t>(i)],
                 p.name, p.multiProcessorCount);
   }
+  const int R = r.worldSize();
   if (r.mpi) {
-    std::printf("#  mpirun: 2 processes, one GPU each (rank 1 prints nothing)\n");
+    std::printf("#  mpirun: %d processes, one GPU each (only rank 0 prints)\n", R);
   } else if (r.devices[0] != r.devices[1]) {
     int atomics = 0, can = 0;
     cudaDeviceCanAccessPeer(&can, r.devices[0], r.devices[1]);
@@ -305,8 +312,10 @@ void printHeader(const Options& o, const Ranks& r) {
     std::printf("#  link 0<->1: p2p=%d native-atomics=%d, copy-engine peer copy 256 MiB: %.1f GB/s "
                 "one way, %.1f GB/s per direction both ways at once\n",
                 can, atomics, link.oneWay, link.bothWays);
-  } else {
-    std::printf("#  2 emulated ranks on one GPU: no NCCL baseline (NCCL refuses two ranks on one GPU)\n");
+  }
+  if (!r.mpi && !r.hasNccl()) {
+    const std::size_t gpus = std::set<int>(r.devices.begin(), r.devices.end()).size();
+    std::printf("#  %d ranks on %zu GPU(s): no NCCL baseline (NCCL refuses two ranks on one GPU)\n", R, gpus);
   }
   std::printf("#\n# %-10s %-28s %12s %10s %10s %10s %8s %12s %8s\n", "op", "variant", "size",
               "time", "algbw", "busbw", "#wrong", "nccl", "ratio");

@@ -40,9 +40,8 @@ struct Options {
   std::string moePath = "auto";                     // --path auto|latency|throughput (moe)
   bool hostCost = false;                            // --host-cost (moe): launch cost, graph vs eager
   int busyUs = 0;                                   // --microbatches US (moe): two in flight, expert of US
+  int ranks = 0;                                    // --ranks N (one process): 0 = one per visible GPU
 };
-
-
 
 struct Row {
   std::string op, variant;
@@ -55,17 +54,19 @@ struct Row {
   std::string note;
 };
 
-// The 2 ranks a benchmark drives. In one process (the default): 2 GPUs when present (then NCCL
-// comms too), else 2 emulated ranks on GPU 0 (no NCCL baseline: NCCL refuses two ranks on one
-// GPU). Under `mpirun -np 2`: one rank per process, NCCL from an MPI-broadcast unique id.
-// Index i below is a local rank of this process; rank(i) its global rank (0 or 1).
+// The R ranks a benchmark drives. In one process (the default): one rank per visible GPU, or
+// --ranks N placed round-robin over them (2 emulated ranks on GPU 0 when there is one GPU); NCCL
+// comms too when every rank has a GPU of its own (NCCL refuses two ranks on one GPU). Under
+// `mpirun -np R`: one rank per process, NCCL from an MPI-broadcast unique id. Index i below is a
+// local rank of this process; rank(i) its global rank in [0, R).
 struct Ranks {
   std::unique_ptr<Communicator> comm;       // local group, or MPI (one rank per process)
-  std::unique_ptr<Communicator> ncclGroup;  // in-process NCCL comms over 2 GPUs, or null
+  std::unique_ptr<Communicator> ncclGroup;  // in-process NCCL comms (a GPU per rank), or null
   std::vector<int> devices;                 // per local rank
   std::vector<cudaStream_t> streams;        // per local rank
   bool mpi = false;
   int numLocal() const { return static_cast<int>(devices.size()); }
+  int worldSize() const { return comm->worldSize(); }
   int rank(int i) const { return comm->globalRank(i); }
   ncclComm_t ncclComm(int i) const {
     return mpi ? comm->ncclComm(i) : (ncclGroup ? ncclGroup->ncclComm(i) : nullptr);
@@ -73,8 +74,9 @@ struct Ranks {
   bool hasNccl() const { return ncclComm(0) != nullptr; }
   ~Ranks();
 };
-// mpi: one rank per process under mpirun (MPI already initialised by the caller).
-std::unique_ptr<Ranks> makeRanks(bool mpi);
+// mpi: one rank per process under mpirun (MPI already initialised by the caller); ranks: in one
+// process, how many (0: one per visible GPU, at least 2).
+std::unique_ptr<Ranks> makeRanks(bool mpi, int ranks);
 
 // Times `launch()` (which enqueues one iteration on every local rank's stream) with events on
 // every stream, after a barrier across processes; returns microseconds per iteration of the

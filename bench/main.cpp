@@ -33,7 +33,8 @@ int usage() {
   std::fprintf(stderr,
                "usage: graphep-bench [pingpong|sendrecv|allgather|alltoallv|moe] [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] "
                "[-w WARMUP] [-R REPEATS] [-c 0|1] [-G OPS_PER_GRAPH] [--sms N] [--warps N] [--slot BYTES] [--slots N] [--ll BYTES] [--profile] [--host-cost] [--microbatches US] "
-               "[--json FILE]\n"
+               "[--ranks N] [--json FILE]\n"
+               "       in one process: one rank per visible GPU, or --ranks N round-robin over them; under mpirun: one per process\n"
                "       moe: -b/-e are tokens per rank; [--hidden H] [--experts E] [--topk K] [--dtype bf16|fp8|both] [--path auto|latency|throughput]\n");
   return 2;
 }
@@ -106,6 +107,7 @@ int run(int argc, char** argv, bool mpi) {
       else if (a == "--dtype") o.moeDtype = next();
       else if (a == "--path") o.moePath = next();
       else if (a == "--json") o.json = next();
+      else if (a == "--ranks") o.ranks = std::atoi(next());
       else if (a == "-h" || a == "--help") return usage();
       else if (a[0] != '-') o.op = a;
       else return usage();
@@ -116,7 +118,7 @@ int run(int argc, char** argv, bool mpi) {
                     "-G %d: operations per graph must be at least 1", o.opsPerGraph);
     GRAPHEP_REQUIRE(o.repeats >= 1, graphep::Status::kInvalidArgument,
                     "-R %d: repeats must be at least 1", o.repeats);
-    auto ranks = makeRanks(mpi);
+    auto ranks = makeRanks(mpi, o.ranks);
     setPrinter(ranks->rank(0) == 0);
     printHeader(o, *ranks);
     std::vector<Row> rows;

@@ -17,17 +17,17 @@
 namespace graphep::bench {
 
 std::vector<Row> runAllGather(const Options& o, Ranks& r) {
-  const int R = 2;
+  const int R = r.worldSize();
   MoverBench mb = makeMoverBench(o, r, o.maxBytes);
   auto& heap = mb.heap;
   auto& movers = mb.movers;
   std::vector<char*> in(static_cast<size_t>(r.numLocal())), out(static_cast<size_t>(r.numLocal()));
-  const unsigned salt[2] = {0x51u, 0xa7u};
+  auto salt = [](int rank) { return 0x51u + 0x56u * static_cast<unsigned>(rank); };
   for (int i = 0; i < r.numLocal(); ++i) {
     GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[static_cast<size_t>(i)]));
     GRAPHEP_CUDA_CHECK(cudaMalloc(&in[static_cast<size_t>(i)], std::max<std::size_t>(o.maxBytes / R, 16)));
     GRAPHEP_CUDA_CHECK(cudaMalloc(&out[static_cast<size_t>(i)], std::max<std::size_t>(o.maxBytes, 16)));
-    fillBytes(in[static_cast<size_t>(i)], o.maxBytes / R, salt[r.rank(i)], r.streams[static_cast<size_t>(i)]);
+    fillBytes(in[static_cast<size_t>(i)], o.maxBytes / R, salt(r.rank(i)), r.streams[static_cast<size_t>(i)]);
     GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(r.streams[static_cast<size_t>(i)]));
   }
   std::vector<Row> rows;
@@ -59,7 +59,7 @@ std::vector<Row> runAllGather(const Options& o, Ranks& r) {
       const double us = timeOps(o, r, execs);
       long long w = 0;
       for (int i = 0; o.check && i < r.numLocal(); ++i) {
-        for (int q = 0; q < R; ++q) w += checkBytes(r, i, target(i) + chunk * q, chunk, salt[q]);
+        for (int q = 0; q < R; ++q) w += checkBytes(r, i, target(i) + chunk * q, chunk, salt(q));
       }
       const double algbw = us > 0 ? static_cast<double>(chunk * R) / (us * 1e3) : 0;
       Row row{"allgather", std::string(zeroCopy ? "ring zero-copy" : "ring staged"), chunk * R, us,

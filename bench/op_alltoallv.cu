@@ -19,7 +19,7 @@
 namespace graphep::bench {
 
 std::vector<Row> runAllToAllv(const Options& o, Ranks& r) {
-  const int R = 2;
+  const int R = r.worldSize();
   MoverBench mb = makeMoverBench(o, r, std::max<std::size_t>(o.maxBytes, 16));  // zero-copy dst
   auto& heap = mb.heap;
   auto& movers = mb.movers;

@@ -82,6 +82,9 @@ double ncclRoundTripUs(const Options& o, Ranks& r, long long* wrong) {
 }  // namespace
 
 std::vector<Row> runPingPong(const Options& o, Ranks& r) {
+  GRAPHEP_REQUIRE(r.worldSize() == 2, Status::kInvalidArgument,
+                  "pingpong measures a round trip between 2 ranks; it was started with %d (use --ranks 2, "
+                  "CUDA_VISIBLE_DEVICES or mpirun -np 2)", r.worldSize());
   HeapConfig cfg;
   cfg.numRanks = 2;
   auto heap = SymmetricHeap::create(*r.comm, cfg);

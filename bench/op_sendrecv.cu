@@ -1,5 +1,6 @@
-// sendrecv: bidirectional exchange of S bytes between 2 ranks (each sends S to the other),
-// graph-replayed. algbw = S / time (per direction; nccl-tests' sendrecv busbw = algbw).
+// sendrecv: every rank sends S bytes to the next rank and receives S from the previous one (a
+// ring shift, as nccl-tests' sendrecv; with 2 ranks a bidirectional exchange), graph-replayed.
+// algbw = S / time (per direction; nccl-tests' sendrecv busbw = algbw).
 //   staged      through per-channel staging slots in the receiver's heap
 //   zero-copy   straight into the receiver's symmetric destination, by the SMs ("zero-copy") or by
 //               the copy engine ("zero-copy CE", from 64 KiB up: a memcpy between two flag launches)
@@ -21,12 +22,15 @@ std::vector<Row> runSendRecv(const Options& o, Ranks& r) {
   auto& heap = mb.heap;
   auto& movers = mb.movers;
   std::vector<char*> src(static_cast<size_t>(r.numLocal())), dst(static_cast<size_t>(r.numLocal()));
-  unsigned salt[2] = {0x1234u, 0xbeefu};
+  const int R = r.worldSize();
+  auto next = [&](int i) { return (r.rank(i) + 1) % R; };
+  auto prev = [&](int i) { return (r.rank(i) + R - 1) % R; };
+  auto salt = [](int rank) { return 0x1234u + 0x9e37u * static_cast<unsigned>(rank); };
   for (int i = 0; i < r.numLocal(); ++i) {
     GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[i]));
     GRAPHEP_CUDA_CHECK(cudaMalloc(&src[i], std::max<std::size_t>(o.maxBytes, 16)));
     GRAPHEP_CUDA_CHECK(cudaMalloc(&dst[i], std::max<std::size_t>(o.maxBytes, 16)));
-    fillBytes(src[i], o.maxBytes, salt[r.rank(i)], r.streams[i]);
+    fillBytes(src[i], o.maxBytes, salt(r.rank(i)), r.streams[i]);
     GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(r.streams[i]));
   }
   std::vector<Row> rows;
@@ -44,8 +48,8 @@ std::vector<Row> runSendRecv(const Options& o, Ranks& r) {
       auto execs = captureOpsAll(o, r, [&] {
         GRAPHEP_NCCL_CHECK(ncclGroupStart());
         for (int i = 0; i < r.numLocal(); ++i) {
-          GRAPHEP_NCCL_CHECK(ncclSend(src[i], bytes, ncclChar, 1 - r.rank(i), r.ncclComm(i), r.streams[i]));
-          GRAPHEP_NCCL_CHECK(ncclRecv(dst[i], bytes, ncclChar, 1 - r.rank(i), r.ncclComm(i), r.streams[i]));
+          GRAPHEP_NCCL_CHECK(ncclSend(src[i], bytes, ncclChar, next(i), r.ncclComm(i), r.streams[i]));
+          GRAPHEP_NCCL_CHECK(ncclRecv(dst[i], bytes, ncclChar, prev(i), r.ncclComm(i), r.streams[i]));
         }
         GRAPHEP_NCCL_CHECK(ncclGroupEnd());
       });
@@ -62,10 +66,10 @@ std::vector<Row> runSendRecv(const Options& o, Ranks& r) {
       }
       auto execs = captureOps(o, r, [&](int i, cudaStream_t s) {
         SendRecvArgs a;
-        a.sendPeer = 1 - r.rank(i);
+        a.sendPeer = next(i);
         a.src = src[i];
         a.sendBytes = bytes;
-        a.recvPeer = 1 - r.rank(i);
+        a.recvPeer = prev(i);
         a.dst = zeroCopy ? heap->user(i) : dst[i];
         a.recvBytes = bytes;
         a.numChannels = o.sms;
@@ -80,7 +84,7 @@ std::vector<Row> runSendRecv(const Options& o, Ranks& r) {
       if (o.profile && !zeroCopy && llChannels == 0) printProfile("sendrecv staged", bytes, movers[0].profile());
       long long w = 0;
       for (int i = 0; o.check && i < r.numLocal(); ++i) {
-        w += checkBytes(r, i, zeroCopy ? heap->user(i) : dst[i], bytes, salt[1 - r.rank(i)]);
+        w += checkBytes(r, i, zeroCopy ? heap->user(i) : dst[i], bytes, salt(prev(i)));
       }
       const double algbw = us > 0 ? static_cast<double>(bytes) / (us * 1e3) : 0;
       Row row{"sendrecv",
