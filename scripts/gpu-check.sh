@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds Release and runs every test (unit, 1-GPU emulated ranks, 2 GPUs in one process, 2
-# processes under mpirun) and a quick benchmark, in one command. Logs go to the directory given
+# Builds Release and runs every test (unit, 1-GPU emulated ranks, every GPU in one process, one
+# process per GPU under mpirun with 2, 4 and 8 processes where there are GPUs for them) and a quick
+# benchmark, in one command. Logs go to the directory given
 # as the first argument; a summary is printed last.
 #
 #   scripts/gpu-check.sh LOG_DIR [BUILD_DIR]
@@ -18,6 +19,8 @@ export PATH=/usr/local/cuda/bin:$PATH
 
 status=0
 step() { echo "== $1"; }
+ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)  # mpirun runs one process per GPU (at least 2)
+np=$((ngpu > 2 ? ngpu : 2))
 
 step "machine"
 { date -u; echo "tree $(scripts/tree-hash.sh) (scripts/tree-hash.sh; compare on the commit)"; nvidia-smi; nvidia-smi topo -m; } >"$out/machine.log" 2>&1
@@ -43,14 +46,14 @@ timeout -s INT ${GRAPHEP_CTEST_BUDGET:-330} \
   >"$out/ctest.log" 2>&1 || status=1
 grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|\(Skipped\)|Not Run" "$out/ctest.log" | head -60
 
-# GRAPHEP_STRESS=N: the MoeGraph replay stress at N replays (4 emulated ranks, 2 GPUs in one
-# process, 2 processes), its per-rank summary lines kept in stress.log.
+# GRAPHEP_STRESS=N: the MoeGraph replay stress at N replays (4 and 8 emulated ranks, every GPU in
+# one process, one process per GPU), its per-rank summary lines kept in stress.log.
 if [ -n "${GRAPHEP_STRESS:-}" ]; then
   step "stress: $GRAPHEP_STRESS MoeGraph replays per configuration"
   {
     GRAPHEP_STRESS_REPLAYS=$GRAPHEP_STRESS "$build/tests/graphep_gpu_tests" --gtest_filter='*MoeStress*'
     if command -v mpirun >/dev/null && [ -x "$build/tests/graphep_mpi_tests" ]; then
-      mpirun --allow-run-as-root --oversubscribe -np 2 -x GRAPHEP_STRESS_REPLAYS=$GRAPHEP_STRESS -x NCCL_NVLS_ENABLE \
+      mpirun --allow-run-as-root --oversubscribe -np $np -x GRAPHEP_STRESS_REPLAYS=$GRAPHEP_STRESS -x NCCL_NVLS_ENABLE \
         "$build/tests/graphep_mpi_tests" --gtest_filter='Mpi_MoeStress*'
     fi
   } >"$out/stress.log" 2>&1 || { echo "stress failed (rc=$?)"; status=1; }
@@ -88,7 +91,6 @@ if [ -n "${GRAPHEP_SANITIZER:-}" ] && command -v compute-sanitizer >/dev/null; t
       done
     done
   }
-  ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
   if [ "$ngpu" -ge 2 ]; then
     sanitize 0 memcheck synccheck >"$out/sanitizer_a.part" 2>&1 &
     sanitize 1 racecheck >"$out/sanitizer_b.part" 2>&1
@@ -148,7 +150,7 @@ for op in sendrecv allgather alltoallv; do
     >>"$out/bench_movers.log" 2>&1 || { echo "$op bench failed or timed out (rc=$?)"; status=1; }
 done
 if command -v mpirun >/dev/null; then  # one rank per process
-  timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-60} mpirun --allow-run-as-root --oversubscribe -np 2 \
+  timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-60} mpirun --allow-run-as-root --oversubscribe -np $np \
     -x NCCL_NVLS_ENABLE "$build/bench/graphep-bench" sendrecv -b 1K -e 64M -f 8 -n 10 -w 3 \
     >>"$out/bench_movers.log" 2>&1 || { echo "mpirun sendrecv bench failed (rc=$?)"; status=1; }
 fi

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <vector>
 
 #include <graphep/graphep.hpp>
 
@@ -15,6 +16,14 @@ namespace graphep::test {
 inline long long replaysFromEnv(const char* var, long long fallback) {
   const char* v = std::getenv(var);
   return v != nullptr && std::atoll(v) > 0 ? std::atoll(v) : fallback;
+}
+
+// Every visible GPU, 0 .. n-1 (CUDA_VISIBLE_DEVICES picks them): the in-process multi-GPU MoE
+// and mover tests run one rank per GPU over all of them (2 on a 2-GPU machine, 8 on an 8-GPU one).
+inline std::vector<int> visibleGpus() {
+  std::vector<int> d(static_cast<std::size_t>(::graphep::cudaDeviceCountOrZero(nullptr)));
+  for (std::size_t i = 0; i < d.size(); ++i) d[i] = static_cast<int>(i);
+  return d;
 }
 
 }  // namespace graphep::test

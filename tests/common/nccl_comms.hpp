@@ -11,17 +11,21 @@
 
 namespace graphep::test {
 
-// Two NCCL comms made by ncclCommInitAll over devices 0 and 1, as an embedding application would.
+// NCCL comms made by ncclCommInitAll over `devices` (default 0 and 1), one per device, as an
+// embedding application would; every entry null when NCCL refused.
 struct CallerNcclComms {
-  CallerNcclComms() {
-    int devs[2] = {0, 1};
-    if (ncclCommInitAll(comms.data(), 2, devs) != ncclSuccess) comms = {nullptr, nullptr};
+  explicit CallerNcclComms(std::vector<int> devices = {0, 1}) : comms(devices.size(), nullptr) {
+    if (ncclCommInitAll(comms.data(), static_cast<int>(devices.size()), devices.data()) != ncclSuccess) {
+      comms.assign(devices.size(), nullptr);
+    }
   }
   ~CallerNcclComms() {
     for (ncclComm_t c : comms)
       if (c) ncclCommDestroy(c);
   }
-  std::vector<ncclComm_t> comms{nullptr, nullptr};
+  CallerNcclComms(const CallerNcclComms&) = delete;
+  CallerNcclComms& operator=(const CallerNcclComms&) = delete;
+  std::vector<ncclComm_t> comms;
 };
 
 // Sets an environment variable for the lifetime of the object (restores the old value after).

@@ -1,4 +1,5 @@
-// MoE dispatch / combine on 2 GPUs driven from one process, against a CPU reference.
+// MoE dispatch / combine on 2 or more GPUs driven from one process (one rank per visible GPU),
+// against a CPU reference.
 #include <gtest/gtest.h>
 
 
@@ -14,14 +15,14 @@ namespace {
 
 TEST(Gpu2_Moe, LocalGroupCases) {
   GRAPHEP_REQUIRE_GPUS(2);
-  auto comm = createLocalGroup({0, 1});
-  for (const MoeCase& c : standardMoeCases(2, true)) runMoeCase(*comm, c);
+  auto comm = createLocalGroup(visibleGpus());
+  for (const MoeCase& c : standardMoeCases(comm->worldSize(), true)) runMoeCase(*comm, c);
 }
 
 // Misuse on 2 GPUs, plus a pointer on the other rank's GPU.
 TEST(Gpu2_Moe, MisuseAndWrongDevice) {
   GRAPHEP_REQUIRE_GPUS(2);
-  auto comm = createLocalGroup({0, 1});
+  auto comm = createLocalGroup(visibleGpus());
   runMoeMisuse(*comm, MoePath::kAuto);
   runMoeMisuse(*comm, MoePath::kThroughput);
   MoeConfig cfg;
@@ -49,7 +50,7 @@ TEST(Gpu2_Moe, MisuseAndWrongDevice) {
 
 TEST(Gpu2_MoeFaults, MissingRankWatchdogAndGraphLifetime) {
   GRAPHEP_REQUIRE_GPUS(2);
-  auto comm = createLocalGroup({0, 1});
+  auto comm = createLocalGroup(visibleGpus());
   runMoeMissingRank(*comm, MoePath::kAuto);
   runMoeMissingRank(*comm, MoePath::kThroughput);
   runMoeWatchdog(*comm);
@@ -58,21 +59,21 @@ TEST(Gpu2_MoeFaults, MissingRankWatchdogAndGraphLifetime) {
 
 TEST(Gpu2_MoeGraph, LocalGroupBothPaths) {
   GRAPHEP_REQUIRE_GPUS(2);
-  auto comm = createLocalGroup({0, 1});
+  auto comm = createLocalGroup(visibleGpus());
   runMoeGraphSuite(*comm, MoePath::kAuto, 60);
   runMoeGraphSuite(*comm, MoePath::kThroughput, 40);
 }
 
 TEST(Gpu2_MoeMicroBatches, LocalGroupBothPaths) {
   GRAPHEP_REQUIRE_GPUS(2);
-  auto comm = createLocalGroup({0, 1});
+  auto comm = createLocalGroup(visibleGpus());
   runMoeMicroBatches(*comm, MoePath::kAuto, 6, 0);
   runMoeMicroBatches(*comm, MoePath::kThroughput, 4, 0);
 }
 
 TEST(Gpu2_MoeStress, LocalGroupBothPaths) {
   GRAPHEP_REQUIRE_GPUS(2);
-  auto comm = createLocalGroup({0, 1});
+  auto comm = createLocalGroup(visibleGpus());
   runMoeStressStandard(*comm);
 }
 

@@ -1,4 +1,5 @@
-// sendrecv on 2 GPUs in one process (NVLink peers), sizes up to 1 GiB.
+// The movers on 2 or more GPUs in one process (one rank per visible GPU; NVLink peers), sizes up
+// to 1 GiB.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -15,13 +16,13 @@ namespace {
 
 TEST(Gpu2_SendRecv, LocalGroupUpTo1GiB) {
   GRAPHEP_REQUIRE_GPUS(2);
-  auto comm = createLocalGroup({0, 1});
+  auto comm = createLocalGroup(visibleGpus());
   runSendRecvCases(*comm, standardSendRecvCases(std::size_t{1} << 30));
 }
 
 TEST(Gpu2_SendRecv, GraphReplaysStagedAndZeroCopy) {
   GRAPHEP_REQUIRE_GPUS(2);
-  auto comm = createLocalGroup({0, 1});
+  auto comm = createLocalGroup(visibleGpus());
   runSendRecvReplays(*comm, std::size_t{1} << 20, 1000, false);
   runSendRecvReplays(*comm, (std::size_t{1} << 20) + 3, 1000, true, ZeroCopyEngine::kSm);
   runSendRecvReplays(*comm, std::size_t{256} << 10, 1000, false);  // LL mode, full capacity (16 x 16 KiB)
@@ -31,7 +32,7 @@ TEST(Gpu2_SendRecv, GraphReplaysStagedAndZeroCopy) {
 // GRAPHEP_FORCE_TRANSPORT=remote: every byte goes through NCCL send/recv (eager and captured).
 TEST(Gpu2_SendRecv, ForcedRemoteThroughAdoptedNccl) {
   GRAPHEP_REQUIRE_GPUS(2);
-  CallerNcclComms nccl;
+  CallerNcclComms nccl(visibleGpus());
   ASSERT_NE(nccl.comms[0], nullptr) << "ncclCommInitAll failed";
   auto comm = adoptNcclComms(nccl.comms);
   ScopedEnv force("GRAPHEP_FORCE_TRANSPORT", "remote");
@@ -39,10 +40,10 @@ TEST(Gpu2_SendRecv, ForcedRemoteThroughAdoptedNccl) {
   runSendRecvReplays(*comm, std::size_t{1} << 20, 200, false);
 }
 
-// Every mover against NCCL on the same data (2 GPUs in one process, NCCL comms adopted).
+// Every mover against NCCL on the same data (every visible GPU in one process, NCCL comms adopted).
 TEST(Gpu2_Movers, BitExactAgainstNccl) {
   GRAPHEP_REQUIRE_GPUS(2);
-  CallerNcclComms nccl;
+  CallerNcclComms nccl(visibleGpus());
   ASSERT_NE(nccl.comms[0], nullptr) << "ncclCommInitAll failed";
   auto comm = adoptNcclComms(nccl.comms);
   runAgainstNccl(*comm, std::size_t{64} << 20);
@@ -50,13 +51,13 @@ TEST(Gpu2_Movers, BitExactAgainstNccl) {
 
 TEST(Gpu2_Hooks, Fp8AndWeighted) {
   GRAPHEP_REQUIRE_GPUS(2);
-  auto comm = createLocalGroup({0, 1});
+  auto comm = createLocalGroup(visibleGpus());
   runHookSuite(*comm);
 }
 
 TEST(Gpu2_AllToAllv, PatternsSizesAndReplays) {
   GRAPHEP_REQUIRE_GPUS(2);
-  auto comm = createLocalGroup({0, 1});
+  auto comm = createLocalGroup(visibleGpus());
   for (std::size_t perPeer : {std::size_t{1}, std::size_t{4095}, std::size_t{1} << 20,
                               std::size_t{64} << 20}) {
     for (bool zeroCopy : {false, true}) {
@@ -77,7 +78,7 @@ TEST(Gpu2_AllToAllv, PatternsSizesAndReplays) {
 // thread issuing eager NCCL groups for two ranks one after the other may block in the first.
 TEST(Gpu2_AllToAllv, ForcedRemoteThroughAdoptedNccl) {
   GRAPHEP_REQUIRE_GPUS(2);
-  CallerNcclComms nccl;
+  CallerNcclComms nccl(visibleGpus());
   ASSERT_NE(nccl.comms[0], nullptr) << "ncclCommInitAll failed";
   auto comm = adoptNcclComms(nccl.comms);
   ScopedEnv force("GRAPHEP_FORCE_TRANSPORT", "remote");
@@ -87,7 +88,7 @@ TEST(Gpu2_AllToAllv, ForcedRemoteThroughAdoptedNccl) {
 
 TEST(Gpu2_Ring, AllGatherAndReduceScatter) {
   GRAPHEP_REQUIRE_GPUS(2);
-  auto comm = createLocalGroup({0, 1});
+  auto comm = createLocalGroup(visibleGpus());
   for (std::size_t chunk : {std::size_t{1}, std::size_t{4095}, std::size_t{64} << 20}) {
     runAllGatherRing(*comm, chunk, false, 1);
     runAllGatherRing(*comm, chunk, true, 1);
