@@ -139,7 +139,7 @@ fi
 if [ "${GRAPHEP_BENCH_ONLY:-}" != moe ]; then
 step "benchmark: pingpong"
 GRAPHEP_DEBUG=INFO NCCL_DEBUG=WARN timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-60} \
-  "$build/bench/graphep-bench" pingpong -n 50 -w 10 >"$out/bench.log" 2>&1 || { echo "bench failed or timed out (rc=$?)"; status=1; }
+  "$build/bench/graphep-bench" pingpong --ranks 2 -n 50 -w 10 >"$out/bench.log" 2>&1 || { echo "bench failed or timed out (rc=$?)"; status=1; }
 cat "$out/bench.log"
 
 step "benchmark: movers (sendrecv, allgather, alltoallv sweeps)"
