@@ -34,9 +34,9 @@ std::unique_ptr<Ranks> makeRanks(bool mpi, int ranks) {
                     "graphep-bench needs at least 2 ranks; mpirun started %d", r->comm->worldSize());
     r->devices = {r->comm->device(0)};
   } else {
-    const int R = ranks > 0 ? ranks : std::max(n, 2);
-    GRAPHEP_REQUIRE(R >= 2 && R <= kMaxRanks, Status::kInvalidArgument,
+    GRAPHEP_REQUIRE(ranks == 0 || (ranks >= 2 && ranks <= kMaxRanks), Status::kInvalidArgument,
                     "--ranks %d: expected 2 to %d", ranks, kMaxRanks);
+    const int R = ranks > 0 ? ranks : std::min(std::max(n, 2), kMaxRanks);
     for (int i = 0; i < R; ++i) r->devices.push_back(i % n);  // round-robin over the visible GPUs
     r->comm = createLocalGroup(r->devices);
     if (R <= n) r->ncclGroup = createNcclGroup(r->devices);
