@@ -78,7 +78,7 @@ double timeIterations(Ranks& r, int warmup, int iters, const std::function<void(
     cudaEventDestroy(stop[i]);
   }
   // The slowest rank anywhere: gather every local worst.
-  std::vector<double> mine(n, worst), all(static_cast<size_t>(r.comm->worldSize()));
+  std::vector<double> mine(n, worst), all(static_cast<size_t>(r.worldSize()));
   r.comm->allgather(mine.data(), all.data(), sizeof(double));
   for (double w : all) worst = std::max(worst, w);
   return worst * 1000.0 / std::max(iters, 1);
@@ -156,7 +156,7 @@ double timeOps(const Options& o, Ranks& r, std::vector<cudaGraphExec_t>& execs) 
 
 MoverBench makeMoverBench(const Options& o, Ranks& r, std::size_t userBytes) {
   HeapConfig cfg;
-  cfg.numRanks = r.comm->worldSize();
+  cfg.numRanks = r.worldSize();
   cfg.userBytes = userBytes;
   cfg.moverSlotBytes = o.slotBytes;
   cfg.moverSlots = o.numSlots;
@@ -193,7 +193,7 @@ void requireNoDeviceError(const SymmetricHeap& heap) {
 long long totalOverRanks(Ranks& r, long long mine) {
   std::vector<long long> local(static_cast<size_t>(r.numLocal()), 0);
   local[0] = mine;
-  std::vector<long long> all(static_cast<size_t>(r.comm->worldSize()));
+  std::vector<long long> all(static_cast<size_t>(r.worldSize()));
   r.comm->allgather(local.data(), all.data(), sizeof(long long));
   long long total = 0;
   for (long long v : all) total += v;

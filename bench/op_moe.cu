@@ -179,7 +179,7 @@ __global__ void busyExpert(unsigned long long ns, unsigned long long* stamps) {
 // B's expert). Prints both times and, from one eager run with the engines' timelines, how long B's
 // dispatch ran while A's expert did (rank 0).
 void runMicroBatches(const Options& o, Ranks& r, std::size_t tokens) {
-  const int R = r.comm->worldSize(), L = r.numLocal(), T = static_cast<int>(tokens);
+  const int R = r.worldSize(), L = r.numLocal(), T = static_cast<int>(tokens);
   const int H = o.moeHidden, E = o.moeExperts, K = o.moeTopK;
   MoeConfig cfg;
   cfg.maxTokensPerRank = T;
@@ -336,7 +336,7 @@ void runMicroBatches(const Options& o, Ranks& r, std::size_t tokens) {
 }  // namespace
 
 std::vector<Row> runMoe(const Options& o, Ranks& r) {
-  const int R = r.comm->worldSize();
+  const int R = r.worldSize();
   const int H = o.moeHidden, E = o.moeExperts, K = o.moeTopK;
   std::vector<Row> rows;
   std::vector<bool> types;
