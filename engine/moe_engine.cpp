@@ -355,6 +355,7 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     const std::size_t oSrcBase = carve(Rs * static_cast<std::size_t>(L) * 4);
     const std::size_t oOffsets = carve((static_cast<std::size_t>(L) + 1) * 4);
     const std::size_t oCounts = carve(static_cast<std::size_t>(L) * 4);
+    const std::size_t oDropped = carve(static_cast<std::size_t>(L) * 4);
     const std::size_t oNumRows = carve(4);
     const std::size_t oTotals = carve(static_cast<std::size_t>(L) * 8);
     const std::size_t oRecvX = carve(cap * (fp8 ? H : rowBytes));
@@ -426,6 +427,7 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     p.srcBase = reinterpret_cast<std::int32_t*>(b + oSrcBase);
     p.expertOffsets = reinterpret_cast<std::int32_t*>(b + oOffsets);
     p.expertCounts = reinterpret_cast<std::int32_t*>(b + oCounts);
+    p.expertDropped = reinterpret_cast<std::int32_t*>(b + oDropped);
     p.numRecvRows = reinterpret_cast<std::int32_t*>(b + oNumRows);
     p.expertTotals = reinterpret_cast<unsigned long long*>(b + oTotals);
     p.recvX = b + oRecvX;
@@ -505,6 +507,7 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     v.recvScales = p.recvScales;
     v.expertOffsets = p.expertOffsets;
     v.expertCounts = p.expertCounts;
+    v.expertDropped = p.expertDropped;
     v.rowSrcRank = p.rowSrcRank;
     v.rowSrcToken = p.rowSrcToken;
     v.rowTopkSlot = p.rowTopkSlot;

@@ -11,7 +11,8 @@
 //                       messages and the send counts of the movers
 //             alltoallv count messages (staged), then records (zero-copy into the peer's heap)
 //             offsets   expert offsets (with alignment padding), per-(source, expert) bases, the
-//                       receive counts of the movers, cumulative per-expert totals
+//                       receive counts of the movers, cumulative per-expert totals; the published
+//                       views clamped to the capacity (kernels/common/moe.cuh, moePublishLayout)
 //             expand    records -> recv_x grouped by local expert, plus per-row source/weight
 //   combine   reduce    per received record: sum over its slots of weight * y[row], fp32, to bf16
 //             alltoallv partials back to their source ranks (zero-copy)
@@ -143,8 +144,9 @@ struct MoeParams {
   std::int32_t* recvRows;      // [R]: records received from each source
   std::int32_t* srcBase;       // [R][E_local]: first row of (source, expert) in recv_x
   std::int32_t* expertOffsets; // [E_local + 1]
-  std::int32_t* expertCounts;  // [E_local]
-  std::int32_t* numRecvRows;   // [1]
+  std::int32_t* expertCounts;  // [E_local]: rows kept (offsets + counts stay within the capacity)
+  std::int32_t* expertDropped; // [E_local]: rows past the capacity, dropped (this dispatch)
+  std::int32_t* numRecvRows;   // [1]: rows kept
   unsigned long long* expertTotals;  // [E_local], cumulative
   char* recvX;                 // [capacity, H] bf16 or fp8
   float* recvScales;           // [capacity, H / 128] (fp8)

@@ -50,18 +50,20 @@ __global__ void __launch_bounds__(kThreads) moePackKernel(const __grid_constant_
   }
 }
 
-// One CTA: the receive layout from the received count messages (moePublishLayout), and the
-// movers' receive counts of the records and send counts of the combine partials.
+// One CTA: the receive layout from the received count messages (moeComputeLayout, the
+// per-(source, expert) bases straight into p.srcBase; moePublishLayout), and the movers' receive
+// counts of the records and send counts of the combine partials.
 __global__ void __launch_bounds__(kOffsetsThreads) moeOffsetsKernel(const __grid_constant__ MoeParams p) {
   const MoeStamp stamp(p, MoeKernel::kOffsets);
   __shared__ std::int32_t counts[kMoeMaxLocalExperts];
   __shared__ std::int32_t offsets[kMoeMaxLocalExperts + 1];
+  __shared__ MoeLayoutScratch<kOffsetsThreads> scratch;
   const int tid = static_cast<int>(threadIdx.x);
   auto msg = [&](int q) {
     return reinterpret_cast<const std::uint64_t*>(p.cntRecv + static_cast<std::uint64_t>(q) * p.cntMsgBytes);
   };
-  moeExpertOffsets(p, msg, counts, offsets, tid, kOffsetsThreads);
-  moePublishLayout(p, msg, counts, offsets, tid, kOffsetsThreads);
+  moeComputeLayout<kOffsetsThreads>(p, msg, counts, offsets, p.srcBase, scratch);
+  moePublishLayout<kOffsetsThreads>(p, msg, counts, offsets, p.srcBase, scratch);
   __syncthreads();  // recvRows is written above
   const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.hidden) * 2;
   for (int q = tid; q < p.numRanks; q += kOffsetsThreads) {

@@ -30,7 +30,6 @@ namespace {
 
 constexpr int kThreads = kMoeLatencyThreads;
 constexpr int kGroups = kThreads / kMoeGroupThreads;
-constexpr int kWarps = kThreads / 32;
 
 
 __device__ __forceinline__ std::uint64_t llSlot(const MoeParams& p, int parity, int src, int i,
@@ -87,44 +86,6 @@ __device__ __forceinline__ int popcBelow(const std::uint32_t* bits, int t) {
   return c;
 }
 
-// Exclusive prefix sum of v[0 .. n) in place (shared memory, n <= 4 * kThreads); returns the
-// total. Every thread of the CTA calls it.
-__device__ int blockExclusiveScan(std::int32_t* v, int n) {
-  __shared__ std::int32_t warpSums[kWarps];
-  const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
-  const int per = (n + kThreads - 1) / kThreads;
-  const int b = tid * per < n ? tid * per : n, e = b + per < n ? b + per : n;
-  int local = 0;
-  for (int i = b; i < e; ++i) local += v[i];
-  int x = local;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, x, o);
-    if (lane >= o) x += y;
-  }
-  if (lane == 31) warpSums[warp] = x;
-  __syncthreads();
-  if (warp == 0) {
-    int s = lane < kWarps ? warpSums[lane] : 0;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, s, o);
-      if (lane >= o) s += y;
-    }
-    if (lane < kWarps) warpSums[lane] = s;
-  }
-  __syncthreads();
-  int run = x - local + (warp > 0 ? warpSums[warp - 1] : 0);
-  const int total = warpSums[kWarps - 1];
-  for (int i = b; i < e; ++i) {
-    const int c = v[i];
-    v[i] = run;
-    run += c;
-  }
-  __syncthreads();
-  return total;
-}
-
 __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __grid_constant__ MoeParams p) {
   extern __shared__ int4 smemRaw[];
   char* sm = reinterpret_cast<char*>(smemRaw);
@@ -136,6 +97,7 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
   auto* counts = reinterpret_cast<std::int32_t*>(sm + lay.counts);    // [L]
   auto* offsets = reinterpret_cast<std::int32_t*>(sm + lay.offsets);  // [L + 1]
   __shared__ int dup;
+  __shared__ MoeLayoutScratch<kThreads> layoutScratch;
   __shared__ MoeSlotStage stages[kGroups];
   __shared__ char* dsts[kGroups][kMaxRanks];
   __shared__ int dstRanks[kGroups][kMaxRanks];
@@ -216,7 +178,7 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
     // the CTA goes round the same number of times (one past the last token idles through its
     // barriers): compute-sanitizer racecheck mis-orders a CTA-wide shared-memory exchange whose
     // writer's group has passed its named barrier more often than the reader's (a false RAW
-    // hazard; tools/racecheck_probe.cu, docs/RELIABILITY.md), and blockExclusiveScan follows.
+    // hazard; tools/racecheck_probe.cu, docs/RELIABILITY.md), and the layout's block scan follows.
     for (int base = firstItem - group; base < T; base += items) {
       const int t = base + group;
       if (g.tid == 0 && t < T) {
@@ -240,49 +202,9 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
     const MoeStamp stamp(p, MoeKernel::kLatencyReceive);  // from the records' fence on
     arriveAtEveryRank(p, p.llArriveOff);
     layoutOk = waitEveryRank(p, p.llFlagOff, step + 1u, WaitSite::kMoeDispatch);
-    if (layoutOk) {
-      // The layout: counts per (source, expert), aligned expert offsets, per-(source, expert) bases.
-      for (int n = tid; n < R * L; n += kThreads) {
-        srcBase[n] = static_cast<std::int32_t>(__ldcg(msgOf(n / L) + 1 + n % L));
-      }
-      __syncthreads();
-      for (int j = tid; j < L; j += kThreads) {
-        int c = 0;
-        for (int q = 0; q < R; ++q) c += srcBase[q * L + j];
-        counts[j] = c;
-        offsets[j] = (c + p.alignment - 1) / p.alignment * p.alignment;
-      }
-      __syncthreads();
-      const int total = blockExclusiveScan(offsets, L);
-      if (tid == 0) offsets[L] = total;
-      for (int j = tid; j < L; j += kThreads) {
-        int base = offsets[j];
-        for (int q = 0; q < R; ++q) {
-          const int c = srcBase[q * L + j];
-          srcBase[q * L + j] = base;
-          base += c;
-        }
-      }
-      __syncthreads();
-      if (blockIdx.x == 0) {
-        for (int j = tid; j <= L; j += kThreads) {
-          p.expertOffsets[j] = offsets[j];
-          if (j == L) continue;
-          p.expertCounts[j] = counts[j];
-          p.expertTotals[j] += static_cast<unsigned long long>(counts[j]);
-        }
-        for (int n = tid; n < R * L; n += kThreads) p.srcBase[n] = srcBase[n];
-        for (int q = tid; q < R; q += kThreads) {
-          // A source sends at most maxTokens records (one per token); its count is trusted to that.
-          const std::uint64_t rows = __ldcg(msgOf(q));
-          p.recvRows[q] = static_cast<std::int32_t>(rows < static_cast<std::uint64_t>(p.maxTokens) ? rows : p.maxTokens);
-        }
-        if (tid == 0) {
-          long long rows = 0;
-          for (int j = 0; j < L; ++j) rows += counts[j];
-          *p.numRecvRows = static_cast<std::int32_t>(rows);
-        }
-      }
+    if (layoutOk) {  // every CTA derives the layout (its expand needs srcBase); CTA 0 publishes it
+      moeComputeLayout<kThreads>(p, msgOf, counts, offsets, srcBase, layoutScratch);
+      if (blockIdx.x == 0) moePublishLayout<kThreads>(p, msgOf, counts, offsets, srcBase, layoutScratch);
     }
   }
   {

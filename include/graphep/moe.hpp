@@ -87,19 +87,30 @@ struct DispatchArgs {
 
 // Views of one rank's dispatch output, valid from the dispatch until the next one (device memory
 // owned by the engine). Rows of recv_x are grouped by local expert: expert j's rows are
-// [expertOffsets[j], expertOffsets[j] + expertCounts[j]); within an expert, rows come in (source
-// rank, source token, top-k slot) order. Alignment padding rows are not written.
+// [expertOffsets[j], expertOffsets[j] + expertCounts[j]), each expert's first row a multiple of
+// MoeConfig.expertAlignment; within an expert, rows come in (source rank, source token, top-k slot)
+// order. Alignment padding rows are not written.
+//
+// Overflow: when more rows arrive than the capacity holds, the rows whose place would be at or past
+// it are dropped: the last rows of the last experts in the order above (each expert keeps a prefix
+// of its list). The views describe only the rows that exist: expertOffsets[j] <= capacity,
+// expertOffsets[j] + expertCounts[j] <= capacity, numRecvRows <= capacity; expertDropped[j] says
+// how many of expert j's rows were dropped by this dispatch, MoeStatus.droppedRows counts them all,
+// and combine adds nothing for them (their tokens' outputs sum the kept rows only). An expert that
+// reads and writes exactly its documented rows never leaves [0, capacity).
 struct DispatchLayout {
   void* recvX = nullptr;              // [capacity, H] bf16 or e4m3
   float* recvScales = nullptr;        // fp8: [capacity, H / 128]; bf16: nullptr
-  const int* expertOffsets = nullptr; // [E_local + 1]
-  const int* expertCounts = nullptr;  // [E_local]
+  const int* expertOffsets = nullptr; // [E_local + 1]: first row of each expert, then the end
+  const int* expertCounts = nullptr;  // [E_local]: rows of each expert (kept)
+  const int* expertDropped = nullptr; // [E_local]: rows of each expert dropped by this dispatch
   const int* rowSrcRank = nullptr;    // [capacity]
   const int* rowSrcToken = nullptr;   // [capacity]
   const int* rowTopkSlot = nullptr;   // [capacity]
   const float* rowWeight = nullptr;   // [capacity]
-  const int* numRecvRows = nullptr;   // device scalar: rows received (padding excluded)
-  // [E_local]: rows received per local expert since the engine was created (load balancing).
+  const int* numRecvRows = nullptr;   // device scalar: rows received and kept (padding excluded)
+  // [E_local]: rows routed to each local expert (kept or dropped) since the engine was created:
+  // the demand, for load balancing.
   const unsigned long long* expertTotals = nullptr;
   // [capacity, H] bf16, engine-owned: where experts may write their outputs for combine.
   void* expertOutput = nullptr;
@@ -170,7 +181,12 @@ class Engine {
   // rank's device); every rank of the group must call it.
   const DispatchLayout& dispatch(const DispatchArgs& args, cudaStream_t stream);
   // Capturable. Returns the expert outputs of the last dispatch to their source ranks and reduces
-  // them: out[t] = sum_k topkWeights[t][k] * y(row of (t, k)), fp32, bf16 out.
+  // them: out[t] = sum over the token's kept slots k of topkWeights[t][k] * y(row of (t, k)).
+  // Arithmetic: each destination rank sums its slots of the token in fp32 (fused multiply-adds in
+  // ascending slot order, from 0) and rounds the partial to bf16 (it crosses the link in bf16); the
+  // home rank sums the partials in fp32 in ascending rank order and rounds once to bf16. A token
+  // whose experts all live on one rank is that rank's partial, bit for bit; otherwise the result
+  // carries two bf16 roundings (each within 2^-8 relative: of each partial, and of the sum).
   void combine(const CombineArgs& args, cudaStream_t stream);
 
   // The layout views (valid once a dispatch ran on the stream).

@@ -4,6 +4,9 @@
 
 #include <cuda_bf16.h>
 
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
+
 #include <cstdint>
 #include <cstdio>
 
@@ -117,58 +120,105 @@ __device__ inline void moeReportDroppedRow(const MoeParams& p, long long pos) {
   }
 }
 
-// --- The receive layout, from the count messages (msg(q): [0] rows from source q, [1 + j] its
-// rows for local expert j) ----------------------------------------------------------------------
+// --- The receive layout, from the count messages (msg(q): [0] records from source q, [1 + j] its
+// rows for local expert j; written by peers or the movers, read through L2) ------------------------
+//
+// Rows are grouped by local expert, each expert's rows starting at a multiple of the alignment;
+// within an expert they come in (source rank, source token, top-k slot) order. A row whose place is
+// at or past the capacity is dropped by the expand (moeSlotRow) and counted, so expert j keeps the
+// rows [offsets[j], min(offsets[j] + counts[j], capacity)): a prefix of its list. The published
+// views describe exactly the kept rows (moePublishLayout).
 
-// Expert counts and aligned offsets into block-shared arrays counts[E_local], offsets[E_local + 1];
-// every thread of the block calls it (it synchronises the block).
-template <class Msg>
-__device__ inline void moeExpertOffsets(const MoeParams& p, Msg msg, std::int32_t* counts,
-                                        std::int32_t* offsets, int tid, int nthreads) {
-  for (int j = tid; j < p.localExperts; j += nthreads) {
-    std::uint64_t total = 0;
-    for (int q = 0; q < p.numRanks; ++q) total += msg(q)[1 + j];
-    counts[j] = static_cast<std::int32_t>(total);
-  }
-  __syncthreads();
-  if (tid == 0) {
-    long long off = 0;
-    for (int j = 0; j < p.localExperts; ++j) {
-      offsets[j] = static_cast<std::int32_t>(off);
-      off += (static_cast<long long>(counts[j]) + p.alignment - 1) / p.alignment * p.alignment;
+// Block-shared workspace of the layout for a CTA of kThreads (every local expert: at most
+// kMoeMaxLocalExperts, kItems per thread in the scan).
+template <int kThreads>
+struct MoeLayoutScratch {
+  static constexpr int kItems = (kMoeMaxLocalExperts + kThreads - 1) / kThreads;
+  using Scan = cub::BlockScan<std::int32_t, kThreads>;
+  using Reduce = cub::BlockReduce<std::int32_t, kThreads>;
+  union {
+    typename Scan::TempStorage scan;
+    typename Reduce::TempStorage reduce;
+  };
+};
+
+__device__ __forceinline__ std::int32_t moeCountOf(const std::uint64_t* msg, int i) {
+  return static_cast<std::int32_t>(__ldcg(msg + i));
+}
+
+// Every thread of one CTA of kThreads: counts[j] (rows routed to local expert j from every
+// source), offsets[j] (its first row: the exclusive prefix sum of the aligned counts; offsets[L]
+// the end, before any clamping to the capacity) and srcBase[q * L + j] (the first row of source q's
+// rows for expert j). counts and offsets are block-shared; srcBase shared or global. Ends with the
+// CTA synchronised.
+template <int kThreads, class Msg>
+__device__ void moeComputeLayout(const MoeParams& p, Msg msg, std::int32_t* counts, std::int32_t* offsets,
+                                 std::int32_t* srcBase, MoeLayoutScratch<kThreads>& scratch) {
+  constexpr int kItems = MoeLayoutScratch<kThreads>::kItems;
+  const int tid = static_cast<int>(threadIdx.x), L = p.localExperts;
+  std::int32_t aligned[kItems];
+#pragma unroll
+  for (int i = 0; i < kItems; ++i) {  // blocked: thread t holds experts t * kItems + i
+    const int j = tid * kItems + i;
+    std::int32_t c = 0;
+    if (j < L) {
+      for (int q = 0; q < p.numRanks; ++q) c += moeCountOf(msg(q), 1 + j);
+      counts[j] = c;
     }
-    offsets[p.localExperts] = static_cast<std::int32_t>(off);
+    aligned[i] = (c + p.alignment - 1) / p.alignment * p.alignment;
+  }
+  std::int32_t total = 0;
+  typename MoeLayoutScratch<kThreads>::Scan(scratch.scan).ExclusiveSum(aligned, aligned, total);
+#pragma unroll
+  for (int i = 0; i < kItems; ++i) {
+    const int j = tid * kItems + i;
+    if (j < L) offsets[j] = aligned[i];
+  }
+  if (tid == 0) offsets[L] = total;
+  __syncthreads();
+  for (int j = tid; j < L; j += kThreads) {
+    std::int32_t base = offsets[j];
+    for (int q = 0; q < p.numRanks; ++q) {
+      srcBase[q * L + j] = base;
+      base += moeCountOf(msg(q), 1 + j);
+    }
   }
   __syncthreads();
 }
 
-// Writes the layout views (expert counts and offsets, received rows, cumulative totals, rows per
-// source, per-(source, expert) bases) from the block-shared arrays of moeExpertOffsets; one block.
-template <class Msg>
-__device__ inline void moePublishLayout(const MoeParams& p, Msg msg, const std::int32_t* counts,
-                                        const std::int32_t* offsets, int tid, int nthreads) {
-  const int L = p.localExperts;
-  for (int j = tid; j <= L; j += nthreads) {
-    p.expertOffsets[j] = offsets[j];
+// One CTA of kThreads (all its threads): the layout views a user reads, from moeComputeLayout's
+// arrays. They describe only rows that exist: expertOffsets[j] = min(offsets[j], capacity),
+// expertCounts[j] = the rows of expert j kept (offsets + counts never pass the capacity),
+// expertDropped[j] = the rest, numRecvRows = the rows kept. Also the engine's own views: rows per
+// source, per-(source, expert) bases (copied to p.srcBase unless srcBase is p.srcBase) and the
+// cumulative per-expert totals of rows routed (kept or dropped).
+template <int kThreads, class Msg>
+__device__ void moePublishLayout(const MoeParams& p, Msg msg, const std::int32_t* counts, const std::int32_t* offsets,
+                                 const std::int32_t* srcBase, MoeLayoutScratch<kThreads>& scratch) {
+  const int tid = static_cast<int>(threadIdx.x), L = p.localExperts;
+  const long long cap = p.capacity;
+  std::int32_t keptHere = 0;
+  for (int j = tid; j <= L; j += kThreads) {
+    const long long first = offsets[j] < cap ? offsets[j] : cap;
+    p.expertOffsets[j] = static_cast<std::int32_t>(first);
     if (j == L) continue;
-    p.expertCounts[j] = counts[j];
+    const long long room = cap - first;
+    const std::int32_t kept = static_cast<std::int32_t>(counts[j] < room ? counts[j] : room);
+    p.expertCounts[j] = kept;
+    p.expertDropped[j] = counts[j] - kept;
     p.expertTotals[j] += static_cast<unsigned long long>(counts[j]);
-    long long base = offsets[j];
-    for (int q = 0; q < p.numRanks; ++q) {
-      p.srcBase[q * L + j] = static_cast<std::int32_t>(base);
-      base += static_cast<long long>(msg(q)[1 + j]);
-    }
+    keptHere += kept;
   }
-  for (int q = tid; q < p.numRanks; q += nthreads) {
+  if (srcBase != p.srcBase) {
+    for (int n = tid; n < p.numRanks * L; n += kThreads) p.srcBase[n] = srcBase[n];
+  }
+  for (int q = tid; q < p.numRanks; q += kThreads) {
     // A source sends at most maxTokens records (one per token); its count is trusted to that bound.
-    const std::uint64_t rows = msg(q)[0];
+    const std::uint64_t rows = __ldcg(msg(q));
     p.recvRows[q] = static_cast<std::int32_t>(rows < static_cast<std::uint64_t>(p.maxTokens) ? rows : p.maxTokens);
   }
-  if (tid == 0) {
-    long long rows = 0;
-    for (int j = 0; j < L; ++j) rows += counts[j];
-    *p.numRecvRows = static_cast<std::int32_t>(rows);
-  }
+  const std::int32_t kept = typename MoeLayoutScratch<kThreads>::Reduce(scratch.reduce).Sum(keptHere);
+  if (tid == 0) *p.numRecvRows = kept;
 }
 
 // --- Record-level steps shared by the throughput and latency paths ------------------------------
