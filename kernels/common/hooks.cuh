@@ -31,8 +31,10 @@ struct HookCtx {
 };
 
 // bf16 -> fp8 e4m3 with one fp32 scale per 128 values. Wire record per tile (kFp8Tile* in pipe.h):
-// 128 e4m3 bytes, then the scale, then 12 zero bytes. scale = amax / 448 (1 when the tile is all
-// zeros); q = e4m3(x * (1 / scale)) rounded to nearest, saturating.
+// 128 e4m3 bytes, then the scale, then 12 zero bytes. scale = max(amax, kFp8MinAmax) / 448 (1 when
+// the tile is all zeros); q = e4m3(x * (1 / scale)) rounded to nearest even, saturating. The floor
+// keeps 1 / scale finite: without it a tile whose amax is below 448 x 2^-126 (bf16 subnormals)
+// would get an infinite inverse, and its zeros would become NaN (0 x inf).
 struct ProduceFp8E4m3 {
   static constexpr int kThreads = 16;  // 8 values per thread
   struct Regs {
@@ -74,7 +76,10 @@ struct ProduceFp8E4m3 {
       *reinterpret_cast<uint4*>(wire + kFp8TileValues) = make_uint4(__float_as_uint(r.scale), 0, 0, 0);
     }
   }
-  __host__ __device__ static float fp8Scale(float amax) { return amax > 0.f ? amax / 448.f : 1.f; }
+  static constexpr float kFp8MinAmax = 0x1.cp-118f;  // 448 x 2^-126: scale >= 2^-126, 1 / scale <= 2^126
+  __host__ __device__ static float fp8Scale(float amax) {
+    return amax > 0.f ? (amax > kFp8MinAmax ? amax : kFp8MinAmax) / 448.f : 1.f;
+  }
   __host__ __device__ static unsigned char fp8E4m3(float x) {
     return static_cast<unsigned char>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3));
   }
