@@ -3,16 +3,69 @@
 #include <algorithm>
 
 #include "engine/error.hpp"
+#include "engine/log.hpp"
 #include "engine/topology.hpp"
 
 namespace graphep {
 
-Movers::Movers(const SymmetricHeap& heap, int local, const MoverOptions& options)
+int moverLinkChannels(int residentCtas, int ranksOnGpu, int linkPeers, int sameDevicePeers, int maxChannels) {
+  for (int c = maxChannels; c >= 1; --c) {
+    const long long perRank = static_cast<long long>(c) * linkPeers +
+                              static_cast<long long>(std::min(c, static_cast<int>(kSameDeviceMaxChannels))) * sameDevicePeers;
+    const long long worst = std::max<long long>(perRank, c);  // alltoallv, or one sendRecv
+    if (worst * ranksOnGpu <= residentCtas) return c;
+  }
+  return 0;
+}
+
+namespace {
+// CTAs of `threads` threads per SM that both mover kernel families can keep resident.
+cudaError_t moverCtasPerSm(int threads, int* ctas) {
+  int a = 0, b = 0;
+  cudaError_t e = sendRecvCtasPerSm(threads, &a);
+  if (e == cudaSuccess) e = allToAllvCtasPerSm(threads, &b);
+  *ctas = std::min(a, b);
+  return e;
+}
+
+// Collective: the channels per link every rank can afford (moverLinkChannels over each local
+// rank's GPU, then the minimum over all ranks).
+int agreedLinkChannels(const SymmetricHeap& heap) {
+  const int R = heap.worldSize();
+  const HeapConfig& cfg = heap.config();
+  std::vector<std::int32_t> mine(static_cast<std::size_t>(heap.numLocalRanks()));
+  for (int l = 0; l < heap.numLocalRanks(); ++l) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(heap.device(l)));
+    const int threads = 2 * cfg.moverWarps * 32;
+    int perSm = 0, sms = 0;
+    GRAPHEP_CUDA_CHECK(moverCtasPerSm(threads, &perSm));
+    GRAPHEP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, heap.device(l)));
+    int same = 0, link = 0;
+    for (int q = 0; q < R; ++q) {
+      if (q == heap.rank(l) || !isLoadStore(heap.peerClass(l, q))) continue;
+      (heap.peerClass(l, q) == PeerClass::kSameDevice ? same : link) += 1;
+    }
+    const int c = moverLinkChannels(perSm * sms, 1 + same, link, same, cfg.moverBlocks);
+    GRAPHEP_REQUIRE(c >= 1, Status::kNotSupported,
+                    "data movers: rank %d shares GPU %d with %d other rank(s) and waits on %d other load/store "
+                    "peer(s); their waiting CTAs (%d threads) need more than the %d the GPU holds at once (%d per "
+                    "SM)",
+                    heap.rank(l), heap.device(l), same, link, threads, perSm * sms, perSm);
+    mine[static_cast<std::size_t>(l)] = c;
+  }
+  std::vector<std::int32_t> all(static_cast<std::size_t>(R), 0);
+  heap.comm().allgather(mine.data(), all.data(), sizeof(std::int32_t));
+  return *std::min_element(all.begin(), all.end());
+}
+}  // namespace
+
+Movers::Movers(const SymmetricHeap& heap, int local, const MoverOptions& options, int linkChannels)
     : heap_(&heap),
       local_(local),
       warpsPerRole_(heap.config().moverWarps),
       ceMinBytes_(options.copyEngineMinBytes),
       a2aZeroCopyMinBytes_(options.allToAllvZeroCopyMinBytes),
+      linkChannels_(linkChannels),
       mesh_(heap, local) {
   GRAPHEP_CUDA_CHECK(cudaSetDevice(heap.device(local)));
   if (mesh_.anyRemote() && options.maxRemoteBytesPerPeer > 0) {
@@ -41,8 +94,13 @@ Movers::Movers(const SymmetricHeap& heap, int local, const MoverOptions& options
 }
 
 std::vector<Movers> Movers::createAll(const SymmetricHeap& heap, const MoverOptions& options) {
+  const int linkChannels = agreedLinkChannels(heap);
+  if (linkChannels < heap.config().moverBlocks) {
+    GRAPHEP_LOG_INFO(log::kTune, "data movers: at most %d channels per link, so that every waiting CTA of the ranks "
+                     "sharing a GPU is resident at once", linkChannels);
+  }
   std::vector<Movers> all;
-  for (int l = 0; l < heap.numLocalRanks(); ++l) all.push_back(Movers(heap, l, options));
+  for (int l = 0; l < heap.numLocalRanks(); ++l) all.push_back(Movers(heap, l, options, linkChannels));
   // Warm-up, outside any capture: exchanges of 16 B, 1 MiB and the alltoallv stage size with every
   // remote peer, so NCCL sets up its connections (and the channels larger messages use) now rather
   // than inside a captured graph.
@@ -67,12 +125,13 @@ int Movers::llChannelsFor(std::size_t bytes, int numChannels) const {
   const HeapConfig& cfg = heap_->config();
   return static_cast<int>(graphep::llChannelsFor(bytes, static_cast<std::uint32_t>(numChannels),
                                                  cfg.moverLLBytes,
-                                                 std::min(static_cast<std::uint32_t>(cfg.moverBlocks),
-                                                          kLLMaxChannels)));
+                                                 std::min({static_cast<std::uint32_t>(cfg.moverBlocks),
+                                                           kLLMaxChannels,
+                                                           static_cast<std::uint32_t>(linkChannels_)})));
 }
 
 int Movers::channelsFor(std::size_t bytes, bool zeroCopy, int peer) const {
-  std::uint32_t cap = static_cast<std::uint32_t>(heap_->config().moverBlocks);
+  std::uint32_t cap = static_cast<std::uint32_t>(std::min(heap_->config().moverBlocks, linkChannels_));
   if (zeroCopy) cap = std::min(cap, kZeroCopyMaxChannels);
   if (peer >= 0 && heap_->peerClass(local_, peer) == PeerClass::kSameDevice) {
     cap = std::min(cap, kSameDeviceMaxChannels);  // symmetric: the peer caps alike
@@ -188,10 +247,15 @@ SendRecvParams Movers::params(const SendRecvArgs& a) const {
   }
   // LL mode for small transfers: both ends decide from the byte count and channel count alone
   // (and the zero-copy flag and wire format, which both ends pass alike), so they always agree.
+  GRAPHEP_REQUIRE(a.numChannels >= 0 && a.numChannels <= cfg.moverBlocks, Status::kInvalidArgument,
+                  "sendRecv: numChannels=%d is out of range [0, %d] (HeapConfig.moverBlocks)", a.numChannels,
+                  cfg.moverBlocks);
+  // A caller's channel count is capped like the automatic one (every rank caps alike).
+  const int numChannels = std::min(a.numChannels, linkChannels_);
   const int sendLLChannels =
-      sendNvl && !sendZeroCopy && !tiled ? llChannelsFor(a.sendBytes, a.numChannels) : 0;
+      sendNvl && !sendZeroCopy && !tiled ? llChannelsFor(a.sendBytes, numChannels) : 0;
   const int recvLLChannels =
-      recvNvl && !a.recvZeroCopy && !tiled ? llChannelsFor(a.recvBytes, a.numChannels) : 0;
+      recvNvl && !a.recvZeroCopy && !tiled ? llChannelsFor(a.recvBytes, numChannels) : 0;
   const bool sendLL = sendLLChannels > 0;
   const bool recvLL = recvLLChannels > 0;
   GRAPHEP_REQUIRE(a.zeroCopyEngine == ZeroCopyEngine::kAuto || a.zeroCopyEngine == ZeroCopyEngine::kSm ||
@@ -215,10 +279,10 @@ SendRecvParams Movers::params(const SendRecvArgs& a) const {
   // A copy-engine direction runs its flags on one channel whatever numChannels says.
   p.sendShape = shape(sendLL ? sendLLChannels
                       : sendCe ? 1
-                               : (a.numChannels > 0 ? a.numChannels : channelsFor(a.sendBytes, sendZeroCopy, a.sendPeer)));
+                               : (numChannels > 0 ? numChannels : channelsFor(a.sendBytes, sendZeroCopy, a.sendPeer)));
   p.recvShape = shape(recvLL ? recvLLChannels
                       : recvCe ? 1
-                               : (a.numChannels > 0 ? a.numChannels : channelsFor(a.recvBytes, a.recvZeroCopy, a.recvPeer)));
+                               : (numChannels > 0 ? numChannels : channelsFor(a.recvBytes, a.recvZeroCopy, a.recvPeer)));
   p.warpsPerRole = static_cast<std::uint32_t>(warpsPerRole_);
   p.wire = a.wire;
   // Remote roles are served by NCCL (sendRecv); the kernel sees them as disabled.
@@ -428,7 +492,7 @@ AllToAllvParams Movers::allToAllvParams(const AllToAllvArgs& a) const {
     p.dstUserOffset = a.dstBytes == 0 ? 0 : static_cast<std::uint64_t>(d - user);
   }
   const std::size_t maxBytes = a.maxBytesPerPeer > 0 ? a.maxBytesPerPeer : std::max(a.srcBytes, a.dstBytes);
-  const int full = a.channelsPerPeer > 0 ? a.channelsPerPeer : channelsFor(maxBytes);
+  const int full = std::min(a.channelsPerPeer > 0 ? a.channelsPerPeer : channelsFor(maxBytes), linkChannels_);
   int next = 0;
   p.remoteCap = remoteCap_;
   if (remoteStage_) {

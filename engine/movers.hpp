@@ -113,6 +113,18 @@ struct MoverOptions {
 // serves the load/store roles: the communicator must carry NCCL comms. A
 // thread that drives several local ranks wraps its per-rank calls in ncclGroupStart/ncclGroupEnd
 // (NCCL's rule for several GPUs per thread); each call's own group nests inside it.
+// Mover CTAs wait for their peers' CTAs, so every waiting CTA of every rank on a GPU must be
+// resident at once, or a rank's CTAs can spin while the CTAs they wait for (a neighbour's on the
+// same GPU, or ones that another GPU's waiting CTAs depend on) cannot be scheduled. Per rank, a
+// transfer's waiting CTAs are its load/store channels: sendRecv's send or receive channels (the
+// larger), alltoallv's channels to every load/store peer (own-block copies and NCCL unpacks do not
+// wait). The channels per link are capped so that, with `ranksOnGpu` ranks each at
+// `perRankWaiting(c)`, the GPU holds them all: the largest c <= maxChannels with
+// ranksOnGpu * (c * linkPeers + min(c, kSameDeviceMaxChannels) * sameDevicePeers) <= residentCtas
+// and ranksOnGpu * c <= residentCtas; 0 when not even one channel fits. A pure function (setup
+// takes the minimum over every rank, so both ends of a link agree).
+int moverLinkChannels(int residentCtas, int ranksOnGpu, int linkPeers, int sameDevicePeers, int maxChannels);
+
 class Movers {
  public:
   // Setup, collective over the heap's communicator: loads the kernels on every local rank's GPU,
@@ -156,7 +168,7 @@ class Movers {
   void resetProfile() const;
 
  private:
-  Movers(const SymmetricHeap& heap, int local, const MoverOptions& options);
+  Movers(const SymmetricHeap& heap, int local, const MoverOptions& options, int linkChannels);
   // Validate the arguments (errors name the values) and build the kernels' by-value params.
   SendRecvParams params(const SendRecvArgs& args) const;
   bool copyEngine(const SendRecvArgs& args, std::size_t bytes) const;
@@ -171,6 +183,9 @@ class Movers {
   int warpsPerRole_;  // the heap's moverWarps
   std::size_t ceMinBytes_;  // MoverOptions.copyEngineMinBytes
   std::size_t a2aZeroCopyMinBytes_;  // MoverOptions.allToAllvZeroCopyMinBytes
+  // Channels per load/store link at most (moverLinkChannels, the same on every rank): every
+  // channel count below is capped by it.
+  int linkChannels_;
   MeshTransport mesh_;  // per-peer routes: the kernels for load/store peers, NCCL for remote ones
   std::size_t remoteCap_ = 0;
   std::shared_ptr<char> remoteStage_;  // [2][worldSize][remoteCap_]: send stages, receive stages

@@ -151,6 +151,10 @@ cudaError_t launchAllToAllv(const AllToAllvParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+cudaError_t allToAllvCtasPerSm(int threads, int* ctas) {
+  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas, allToAllvKernel, threads, 0);
+}
+
 cudaError_t preloadAllToAllvKernels() {
   cudaFuncAttributes a{};
   const cudaError_t e = cudaFuncGetAttributes(&a, allToAllvKernel);

@@ -59,5 +59,7 @@ cudaError_t launchAllToAllv(const AllToAllvParams& p, cudaStream_t stream);
 // Packs each remote peer's segment into its send stage (runs before the NCCL exchange).
 cudaError_t launchAllToAllvGather(const AllToAllvParams& p, cudaStream_t stream);
 cudaError_t preloadAllToAllvKernels();
+// CTAs of `threads` threads of the alltoallv kernel resident per SM.
+cudaError_t allToAllvCtasPerSm(int threads, int* ctas);
 
 }  // namespace graphep

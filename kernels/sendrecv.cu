@@ -123,6 +123,19 @@ cudaError_t launchSendRecv(const SendRecvParams& p, cudaStream_t stream) {
   return cudaErrorInvalidValue;
 }
 
+cudaError_t sendRecvCtasPerSm(int threads, int* ctas) {
+  int least = 1 << 30;
+  for (const auto& k : kKernels) {
+    int n = 0;
+    const cudaError_t e =
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, reinterpret_cast<const void*>(k.fn), threads, 0);
+    if (e != cudaSuccess) return e;
+    least = n < least ? n : least;
+  }
+  *ctas = least;
+  return cudaSuccess;
+}
+
 cudaError_t preloadSendRecvKernels() {
   cudaFuncAttributes a{};
   for (const auto& k : kKernels) {

@@ -46,5 +46,7 @@ bool sendRecvSupports(Wire wire, Consume consume);
 
 // Loads the kernels on the current device (setup only; see preloadSemaphoreKernels).
 cudaError_t preloadSendRecvKernels();
+// CTAs of `threads` threads that every kernel of the family keeps resident per SM (the least).
+cudaError_t sendRecvCtasPerSm(int threads, int* ctas);
 
 }  // namespace graphep

@@ -4,10 +4,29 @@
 
 #include <cstdint>
 
+#include "engine/movers.hpp"
 #include "kernels/common/pipe.h"
 
 namespace graphep {
 namespace {
+
+// The channels per link keep every waiting mover CTA of the ranks sharing a GPU resident at once.
+TEST(Unit_Pipe, MoverLinkChannelsFitEveryWaitingCtaOfAGpu) {
+  // One rank per GPU, one NVLink peer: the heap's 32 channels fit (2 x 132 resident CTAs).
+  EXPECT_EQ(moverLinkChannels(264, 1, 1, 0, 32), 32);
+  // 4 ranks on each of 2 GPUs: per rank 4 NVLink peers at c and 3 same-GPU peers at min(c, 4):
+  // 4 x (4c + 12) <= 264 gives c = 13 (14 would need 272).
+  EXPECT_EQ(moverLinkChannels(264, 4, 4, 3, 32), 13);
+  EXPECT_EQ(moverLinkChannels(272, 4, 4, 3, 32), 14);
+  // 8 ranks on one GPU: only same-GPU peers, each at min(c, 4): 8 x 28 = 224 fits from c = 4 up,
+  // and a sendRecv's 8 x c must fit too.
+  EXPECT_EQ(moverLinkChannels(264, 8, 0, 7, 32), 32);
+  EXPECT_EQ(moverLinkChannels(240, 8, 0, 7, 64), 30);
+  // Nothing fits: not even one channel per link.
+  EXPECT_EQ(moverLinkChannels(20, 4, 4, 3, 32), 0);
+  // Never above the heap's channels.
+  EXPECT_EQ(moverLinkChannels(1 << 20, 1, 7, 0, 32), 32);
+}
 
 TEST(Unit_Pipe, ChannelRangesPartitionEveryByteOnce) {
   for (std::uint64_t bytes : {0ull, 1ull, 3ull, 15ull, 16ull, 17ull, 4095ull, 65536ull,
