@@ -4,9 +4,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -18,12 +20,13 @@
 #include "common/graph_util.hpp"
 #include "common/nccl_comms.hpp"
 #include "engine/error.hpp"
-#include "kernels/common/hooks.cuh"
 
 namespace graphep::test {
 namespace {
 
-constexpr unsigned char kPoison = 0xff;
+constexpr unsigned char kPoison = 0xff;      // payloads and outputs: 0xffff is a bf16 NaN
+constexpr unsigned char kMetaPoison = 0x5a;  // metadata and layout words: 0x5a5a5a5a, not -1 or 0
+constexpr std::uint32_t kMetaPoisonWord = 0x5a5a5a5au;
 
 // The expert's output for the row of (source rank, token, top-k slot): exact in bf16.
 __host__ __device__ inline float yValue(int s, int t, int k, int h) {
@@ -31,20 +34,25 @@ __host__ __device__ inline float yValue(int s, int t, int k, int h) {
   return static_cast<float>(n) / 16.0f;
 }
 
-// A stand-in expert: each received row r of local expert j gets y(rowSrcRank, rowSrcToken,
-// rowTopkSlot) (reading the dispatch metadata, as a real expert reads its counts and offsets).
-__global__ void fakeExpertKernel(DispatchLayout v, int L, float scale) {
-  const long long row = blockIdx.x;
-  if (row >= v.capacity) return;
-  bool live = false;
-  for (int j = 0; j < L; ++j) {
-    if (row >= v.expertOffsets[j] && row < v.expertOffsets[j] + v.expertCounts[j]) live = true;
-  }
-  if (!live) return;
-  const int s = v.rowSrcRank[row], t = v.rowSrcToken[row], k = v.rowTopkSlot[row];
-  auto* y = static_cast<__nv_bfloat16*>(v.expertOutput) + row * v.hidden;
-  for (int h = static_cast<int>(threadIdx.x); h < v.hidden; h += static_cast<int>(blockDim.x)) {
-    y[h] = __float2bfloat16_rn(yValue(s, t, k, h) * scale);
+// A stand-in expert that reads exactly the rows the layout documents, as a real one does: local
+// expert j = blockIdx.y owns rows [expertOffsets[j], expertOffsets[j] + expertCounts[j]), and
+// each gets y(rowSrcRank, rowSrcToken, rowTopkSlot) x scale in `y` (the layout's expertOutput,
+// or a caller's buffer of exactly `capacity` rows). A documented row outside [0, capacity) is
+// counted in *violations; with `guard` it is then skipped, without it read and written as
+// documented (compute-sanitizer memcheck sees where that lands).
+__global__ void fakeExpertKernel(DispatchLayout v, void* y, float scale, unsigned long long* violations, bool guard) {
+  const int j = static_cast<int>(blockIdx.y);
+  const long long first = v.expertOffsets[j], count = v.expertCounts[j];
+  for (long long row = first + blockIdx.x; row < first + count; row += gridDim.x) {
+    if (row < 0 || row >= v.capacity) {
+      if (threadIdx.x == 0) atomicAdd(violations, 1ull);
+      if (guard) continue;
+    }
+    const int s = v.rowSrcRank[row], t = v.rowSrcToken[row], k = v.rowTopkSlot[row];
+    auto* out = static_cast<__nv_bfloat16*>(y) + row * v.hidden;
+    for (int h = static_cast<int>(threadIdx.x); h < v.hidden; h += static_cast<int>(blockDim.x)) {
+      out[h] = __float2bfloat16_rn(yValue(s, t, k, h) * scale);
+    }
   }
 }
 
@@ -65,6 +73,30 @@ Inputs makeInputs(const MoeCase& c, int R, int rank, int T, std::uint64_t seed) 
   in.T = T;
   in.x.resize(static_cast<std::size_t>(Tm) * H);
   for (auto& v : in.x) v = bf16Bits(val(rng));
+  if (g.dispatchType == DType::kFp8E4m3) {  // tiles of every kind of magnitude the quantiser meets
+    for (int t = 0; t < Tm; ++t) {
+      for (int tile = 0; tile < H / 128; ++tile) {
+        std::uint16_t* v = in.x.data() + static_cast<std::size_t>(t) * H + tile * 128;
+        switch (rng() % 6) {
+          case 0:  // all zero: scale 1, every byte 0
+            for (int i = 0; i < 128; ++i) v[i] = 0;
+            break;
+          case 1:  // one large value, the rest far below it: e4m3 subnormals and zeros
+            for (int i = 0; i < 128; ++i) v[i] = bf16Bits(val(rng) * 1e-4f);
+            v[rng() % 128] = bf16Bits(3.0f);
+            break;
+          case 2:  // large magnitudes
+            for (int i = 0; i < 128; ++i) v[i] = bf16Bits(val(rng) * 1e30f);
+            break;
+          case 3:  // tiny magnitudes, bf16 subnormals among them
+            for (int i = 0; i < 128; ++i) v[i] = bf16Bits(val(rng) * 1e-38f);
+            break;
+          default:  // the uniform values already there
+            break;
+        }
+      }
+    }
+  }
   in.idx.assign(static_cast<std::size_t>(Tm) * K, -1);
   in.w.resize(static_cast<std::size_t>(Tm) * K);
   for (auto& v : in.w) v = wd(rng);
@@ -103,16 +135,19 @@ Inputs makeInputs(const MoeCase& c, int R, int rank, int T, std::uint64_t seed) 
 
 int liveCount(const MoeConfig& g, int T) { return std::clamp(T, 0, g.maxTokensPerRank); }
 
-// The expected dispatch layout of rank r.
+// The expected dispatch layout of rank r: rows grouped by local expert in (source, token, slot)
+// order, each expert's first row aligned; rows whose place is at or past the capacity dropped, and
+// the published views clamped to what is kept (include/graphep/moe.hpp).
 struct RefRow {
   int s = -1, t = -1, k = -1;
   float w = 0;
 };
 struct RefLayout {
-  std::vector<int> counts, offsets;
+  std::vector<int> counts, offsets, dropped;  // as published: kept rows, clamped offsets
+  std::vector<int> routed;                    // rows routed to each expert (kept or dropped)
   std::vector<RefRow> rows;  // by position, [capacity]; s < 0: not written
-  int numRows = 0;
-  unsigned long long dropped = 0;
+  int numRows = 0;           // kept
+  unsigned long long droppedTotal = 0;
   std::vector<long long> posOf;  // per (s, t, k) flattened: the row, or -1 (dropped / none)
 };
 
@@ -122,6 +157,8 @@ RefLayout refLayout(const MoeCase& c, const std::vector<Inputs>& all, int r, lon
   const std::size_t Tm = static_cast<std::size_t>(g.maxTokensPerRank);
   RefLayout out;
   out.counts.assign(static_cast<std::size_t>(L), 0);
+  out.dropped.assign(static_cast<std::size_t>(L), 0);
+  out.routed.assign(static_cast<std::size_t>(L), 0);
   out.offsets.assign(static_cast<std::size_t>(L) + 1, 0);
   out.rows.assign(static_cast<std::size_t>(cap), RefRow{});
   out.posOf.assign(static_cast<std::size_t>(R) * Tm * K, -1);
@@ -140,24 +177,27 @@ RefLayout refLayout(const MoeCase& c, const std::vector<Inputs>& all, int r, lon
   long long off = 0;
   for (int j = 0; j < L; ++j) {
     const auto& list = lists[static_cast<std::size_t>(j)];
-    out.offsets[static_cast<std::size_t>(j)] = static_cast<int>(off);
-    out.counts[static_cast<std::size_t>(j)] = static_cast<int>(list.size());
-    out.numRows += static_cast<int>(list.size());
+    const std::size_t js = static_cast<std::size_t>(j);
+    out.offsets[js] = static_cast<int>(std::min(off, cap));
+    out.routed[js] = static_cast<int>(list.size());
     for (std::size_t q = 0; q < list.size(); ++q) {
       const long long pos = off + static_cast<long long>(q);
       const RefRow& row = list[q];
       if (pos >= cap) {
-        ++out.dropped;
+        ++out.dropped[js];
         continue;
       }
+      ++out.counts[js];
       out.rows[static_cast<std::size_t>(pos)] = row;
       out.posOf[(static_cast<std::size_t>(row.s) * Tm + static_cast<std::size_t>(row.t)) * K +
                 static_cast<std::size_t>(row.k)] = pos;
     }
+    out.numRows += out.counts[js];
+    out.droppedTotal += static_cast<unsigned long long>(out.dropped[js]);
     off += (static_cast<long long>(list.size()) + g.expertAlignment - 1) / g.expertAlignment *
            g.expertAlignment;
   }
-  out.offsets[static_cast<std::size_t>(L)] = static_cast<int>(off);
+  out.offsets[static_cast<std::size_t>(L)] = static_cast<int>(std::min(off, cap));
   return out;
 }
 
@@ -170,19 +210,44 @@ unsigned long long invalidCount(const MoeConfig& g, const Inputs& in) {
   return n;
 }
 
-// The host fp8 record of one bf16 row: e4m3 bytes and one scale per 128 values, as the produce
-// hook computes them.
+// e4m3 (1 sign, 4 exponent bits of bias 7, 3 mantissa bits; no infinities, 0x7f NaN) of x,
+// rounded to nearest even and saturated to +-448: written here from the format's definition, not
+// from the engine's conversion, so that the test checks the engine's quantiser.
+unsigned char e4m3Reference(float x) {
+  if (std::isnan(x)) return 0x7f;
+  const unsigned char sign = std::signbit(x) ? 0x80 : 0x00;
+  const double a = std::fabs(static_cast<double>(x));
+  if (a >= 448.0) return sign | 0x7e;  // saturation (448 = 1.75 x 2^8, the largest finite)
+  if (a < std::ldexp(1.0, -6)) {       // subnormal: a multiple of 2^-9
+    const double m = std::nearbyint(a * 512.0);  // ties to even (the default rounding mode)
+    return sign | static_cast<unsigned char>(m);  // m == 8 is the smallest normal, 0x08
+  }
+  int e = 0;
+  const double f = std::frexp(a, &e);  // a = f x 2^e, f in [0.5, 1)
+  double m = std::nearbyint((f * 2.0 - 1.0) * 8.0);  // mantissa of 1.m x 2^(e-1)
+  int exp = e - 1;
+  if (m == 8.0) {
+    m = 0;
+    ++exp;
+  }
+  if (exp > 8 || (exp == 8 && m > 6)) return sign | 0x7e;  // rounded past 448: saturate
+  return sign | static_cast<unsigned char>(((exp + 7) << 3) | static_cast<int>(m));
+}
+
+// The fp8 record of one bf16 row: per 128 values, scale = max(amax, 448 x 2^-126) / 448 (1 for an
+// all-zero tile) and e4m3(v x (1 / scale)), in fp32, as documented for the dispatch's fp8 mode.
 void quantizeRow(const std::uint16_t* row, int H, std::vector<unsigned char>* q, std::vector<float>* scales) {
   q->resize(static_cast<std::size_t>(H));
   scales->resize(static_cast<std::size_t>(H / 128));
   for (int tile = 0; tile < H / 128; ++tile) {
     float amax = 0;
     for (int i = 0; i < 128; ++i) amax = std::max(amax, std::fabs(bf16Value(row[tile * 128 + i])));
-    const float scale = ProduceFp8E4m3::fp8Scale(amax);
+    const float floor = std::ldexp(448.f, -126);
+    const float scale = amax > 0.f ? std::max(amax, floor) / 448.f : 1.f;
     const float inv = 1.0f / scale;
     (*scales)[static_cast<std::size_t>(tile)] = scale;
     for (int i = 0; i < 128; ++i) {
-      (*q)[static_cast<std::size_t>(tile * 128 + i)] = ProduceFp8E4m3::fp8E4m3(bf16Value(row[tile * 128 + i]) * inv);
+      (*q)[static_cast<std::size_t>(tile * 128 + i)] = e4m3Reference(bf16Value(row[tile * 128 + i]) * inv);
     }
   }
 }
@@ -194,8 +259,57 @@ struct RankBuffers {
   float* w = nullptr;
   int* numTokens = nullptr;
   void* out = nullptr;
+  unsigned long long* violations = nullptr;  // documented rows outside the capacity (fakeExpertKernel)
   cudaStream_t stream = nullptr;
 };
+
+// Rank l's expected combine output for token t, element h (bf16 bits), and whether it is exact:
+// the engine sums each destination rank's kept slots of the token in fp32 (fma, ascending slot
+// order, from 0), rounds that partial to bf16, and sums the partials at home in fp32 in ascending
+// rank order, rounded to bf16 (include/graphep/moe.hpp). A token whose kept slots all live on one
+// rank is that rank's partial bit for bit; otherwise `bound` is the error two roundings allow.
+struct CombineRef {
+  double sum = 0, bound = 0;
+  bool exact = false;
+  std::uint16_t bits = 0;
+};
+CombineRef combineRef(const MoeConfig& g, const Inputs& mine, const std::vector<RefLayout>& refs, int r, int t,
+                      int h, float yScale) {
+  const int K = g.topK, R = static_cast<int>(refs.size()), Lx = g.numExperts / R;
+  const std::size_t Tm = static_cast<std::size_t>(g.maxTokensPerRank);
+  std::vector<float> partial(static_cast<std::size_t>(R), 0.f);
+  std::vector<double> exactPart(static_cast<std::size_t>(R), 0.0), magPart(static_cast<std::size_t>(R), 0.0);
+  std::vector<bool> goes(static_cast<std::size_t>(R), false);
+  for (int k = 0; k < K; ++k) {
+    const long long e = mine.idx[static_cast<std::size_t>(t) * K + k];
+    if (e < 0 || e >= g.numExperts) continue;
+    const std::size_t d = static_cast<std::size_t>(e / Lx);
+    goes[d] = true;  // the token's record goes to d, kept slots or not
+    if (refs[d].posOf[(static_cast<std::size_t>(r) * Tm + t) * K + k] < 0) continue;  // dropped there
+    const float w = mine.w[static_cast<std::size_t>(t) * K + k], y = yValue(r, t, k, h) * yScale;
+    partial[d] = std::fmaf(w, y, partial[d]);
+    exactPart[d] += static_cast<double>(w) * y;
+    magPart[d] += std::fabs(static_cast<double>(w) * y);
+  }
+  CombineRef c;
+  float home = 0.f;
+  int parts = 0;
+  double mag = 0;
+  for (int d = 0; d < R; ++d) {
+    if (!goes[static_cast<std::size_t>(d)]) continue;
+    ++parts;
+    home += bf16Value(bf16Bits(partial[static_cast<std::size_t>(d)]));
+    c.sum += exactPart[static_cast<std::size_t>(d)];
+    c.bound += std::fabs(exactPart[static_cast<std::size_t>(d)]) / 256.0;
+    mag += magPart[static_cast<std::size_t>(d)];
+  }
+  c.exact = parts <= 1;
+  c.bits = bf16Bits(home);
+  // Each bf16 rounding is within 2^-8 relative (of each partial, then of the sum); the fp32
+  // accumulations add at most K x 2^-24 of the magnitudes.
+  c.bound += std::fabs(c.sum) / 256.0 + mag * K / 16777216.0 + 1e-30;
+  return c;
+}
 
 class MoeFixture {
  public:
@@ -216,6 +330,8 @@ class MoeFixture {
       GRAPHEP_CUDA_CHECK(cudaMalloc(&b.w, Tm * g.topK * 4));
       GRAPHEP_CUDA_CHECK(cudaMalloc(&b.numTokens, 4));
       GRAPHEP_CUDA_CHECK(cudaMalloc(&b.out, Tm * g.hidden * 2));
+      GRAPHEP_CUDA_CHECK(cudaMalloc(&b.violations, sizeof(unsigned long long)));
+      GRAPHEP_CUDA_CHECK(cudaMemset(b.violations, 0, sizeof(unsigned long long)));
       GRAPHEP_CUDA_CHECK(cudaStreamCreateWithFlags(&b.stream, cudaStreamNonBlocking));
       bufs_.push_back(b);
     }
@@ -230,6 +346,7 @@ class MoeFixture {
       cudaFree(b.w);
       cudaFree(b.numTokens);
       cudaFree(b.out);
+      cudaFree(b.violations);
       cudaStreamDestroy(b.stream);
     }
   }
@@ -242,10 +359,8 @@ class MoeFixture {
   void dropEngines() { engines_.clear(); }
   RankBuffers& buf(int l) { return bufs_[static_cast<std::size_t>(l)]; }
 
-  // Uploads this rank's inputs and poisons every output (outside any graph). `numTokens`: where
-  // the live count goes (nullptr: the rank's own scalar; a bucket graph reads its fixed one).
-  void prepare(int l, const Inputs& in, int* numTokens = nullptr) {
-    const MoeConfig& g = c_.cfg;
+  // Uploads this rank's inputs (x, ids, weights, the live count) only.
+  void upload(int l, const Inputs& in, int* numTokens = nullptr) {
     RankBuffers& b = buf(l);
     GRAPHEP_CUDA_CHECK(cudaSetDevice(comm_.device(l)));
     const std::size_t n = in.idx.size();
@@ -258,32 +373,54 @@ class MoeFixture {
     }
     GRAPHEP_CUDA_CHECK(cudaMemcpy(b.w, in.w.data(), n * 4, cudaMemcpyHostToDevice));
     GRAPHEP_CUDA_CHECK(cudaMemcpy(numTokens != nullptr ? numTokens : b.numTokens, &in.T, 4, cudaMemcpyHostToDevice));
+  }
+
+  // Poisons every output of rank l: the layout views (counts, offsets, dropped, rows, metadata
+  // with a word that is neither -1 nor 0), recv_x and scales, the expert outputs (NaN: a dropped or
+  // padding row that reaches combine shows), and out.
+  void poison(int l) {
+    const MoeConfig& g = c_.cfg;
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm_.device(l)));
     const DispatchLayout& v = layout(l);
-    const std::size_t cap = static_cast<std::size_t>(v.capacity);
+    const std::size_t cap = static_cast<std::size_t>(v.capacity), Ls = static_cast<std::size_t>(v.numLocalExperts);
     const bool fp8 = g.dispatchType == DType::kFp8E4m3;
     GRAPHEP_CUDA_CHECK(cudaMemset(v.recvX, kPoison, cap * g.hidden * (fp8 ? 1 : 2)));
     if (fp8) GRAPHEP_CUDA_CHECK(cudaMemset(v.recvScales, kPoison, cap * (g.hidden / 128) * 4));
     for (const void* p : {static_cast<const void*>(v.rowSrcRank), static_cast<const void*>(v.rowSrcToken),
                           static_cast<const void*>(v.rowTopkSlot), static_cast<const void*>(v.rowWeight)}) {
-      GRAPHEP_CUDA_CHECK(cudaMemset(const_cast<void*>(p), kPoison, cap * 4));
+      GRAPHEP_CUDA_CHECK(cudaMemset(const_cast<void*>(p), kMetaPoison, cap * 4));
     }
-    GRAPHEP_CUDA_CHECK(cudaMemset(v.expertOutput, 0, cap * g.hidden * 2));
-    GRAPHEP_CUDA_CHECK(cudaMemset(b.out, kPoison, static_cast<std::size_t>(g.maxTokensPerRank) * g.hidden * 2));
+    GRAPHEP_CUDA_CHECK(cudaMemset(const_cast<int*>(v.expertOffsets), kMetaPoison, (Ls + 1) * 4));
+    GRAPHEP_CUDA_CHECK(cudaMemset(const_cast<int*>(v.expertCounts), kMetaPoison, Ls * 4));
+    GRAPHEP_CUDA_CHECK(cudaMemset(const_cast<int*>(v.expertDropped), kMetaPoison, Ls * 4));
+    GRAPHEP_CUDA_CHECK(cudaMemset(const_cast<int*>(v.numRecvRows), kMetaPoison, 4));
+    GRAPHEP_CUDA_CHECK(cudaMemset(v.expertOutput, kPoison, cap * g.hidden * 2));
+    GRAPHEP_CUDA_CHECK(cudaMemset(buf(l).out, kPoison, static_cast<std::size_t>(g.maxTokensPerRank) * g.hidden * 2));
+  }
+
+  // Uploads this rank's inputs and poisons every output (outside any graph). `numTokens`: where
+  // the live count goes (nullptr: the rank's own scalar; a bucket graph reads its fixed one).
+  void prepare(int l, const Inputs& in, int* numTokens = nullptr) {
+    upload(l, in, numTokens);
+    poison(l);
     GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
   }
 
   // dispatch -> fake expert -> combine on this rank's stream.
   void enqueue(int l, cudaStream_t s) {
     const DispatchLayout& v = engine(l).dispatch(dispatchArgs(l, nullptr), s);
-    expert(v, s, 1.0f);
+    expert(l, v, s, 1.0f);
     CombineArgs ca;
     ca.out = buf(l).out;
     engine(l).combine(ca, s);
   }
 
-  // The stand-in expert on `s`: y = yValue x scale (a power of two: exact in bf16).
-  static void expert(const DispatchLayout& v, cudaStream_t s, float scale) {
-    fakeExpertKernel<<<static_cast<unsigned>(v.capacity), 128, 0, s>>>(v, v.numLocalExperts, scale);
+  // The stand-in expert of rank l on `s`: y = yValue x scale (a power of two: exact in bf16), into
+  // `y` (nullptr: the layout's expertOutput), documented rows outside the capacity counted (and,
+  // with `guard`, skipped).
+  void expert(int l, const DispatchLayout& v, cudaStream_t s, float scale, void* y = nullptr, bool guard = true) {
+    const dim3 grid(64, static_cast<unsigned>(v.numLocalExperts));
+    fakeExpertKernel<<<grid, 128, 0, s>>>(v, y != nullptr ? y : v.expertOutput, scale, buf(l).violations, guard);
     GRAPHEP_CUDA_CHECK(cudaGetLastError());
   }
 
@@ -311,12 +448,12 @@ class MoeFixture {
     comm_.barrier();
   }
 
-  // Compares rank l's outputs with the reference (refs: every rank's expected layout); returns the
-  // number of wrong values.
-  long long check(int l, const std::vector<Inputs>& all, const std::vector<RefLayout>& refs,
-                  const std::string& what) {
+  // Compares rank l's dispatch layout with the reference (refs: every rank's expected layout);
+  // returns the number of wrong values.
+  long long checkLayout(int l, const std::vector<Inputs>& all, const std::vector<RefLayout>& refs,
+                        const std::string& what) {
     const MoeConfig& g = c_.cfg;
-    const int R = comm_.worldSize(), K = g.topK, H = g.hidden, Lx = g.numExperts / R;
+    const int R = comm_.worldSize(), H = g.hidden, Lx = g.numExperts / R;
     const int r = comm_.globalRank(l);
     const DispatchLayout& v = layout(l);
     const long long cap = v.capacity;
@@ -329,17 +466,30 @@ class MoeFixture {
       ++wrong;
       if (reported++ < 8) ADD_FAILURE() << what << " rank " << r << ": " << m;
     };
-    std::vector<int> counts(static_cast<std::size_t>(Lx)), offsets(static_cast<std::size_t>(Lx) + 1);
+    std::vector<int> counts(static_cast<std::size_t>(Lx)), offsets(static_cast<std::size_t>(Lx) + 1),
+        dropped(static_cast<std::size_t>(Lx));
     int numRows = 0;
+    unsigned long long violations = 0;
     GRAPHEP_CUDA_CHECK(cudaMemcpy(counts.data(), v.expertCounts, counts.size() * 4, cudaMemcpyDeviceToHost));
     GRAPHEP_CUDA_CHECK(cudaMemcpy(offsets.data(), v.expertOffsets, offsets.size() * 4, cudaMemcpyDeviceToHost));
+    GRAPHEP_CUDA_CHECK(cudaMemcpy(dropped.data(), v.expertDropped, dropped.size() * 4, cudaMemcpyDeviceToHost));
     GRAPHEP_CUDA_CHECK(cudaMemcpy(&numRows, v.numRecvRows, 4, cudaMemcpyDeviceToHost));
+    GRAPHEP_CUDA_CHECK(cudaMemcpy(&violations, buf(l).violations, sizeof(violations), cudaMemcpyDeviceToHost));
+    if (violations != 0) fail(std::to_string(violations) + " documented row(s) lie outside [0, capacity)");
+    for (int j = 0; j <= Lx; ++j) {  // the overflow contract, whatever the reference says
+      const std::size_t js = static_cast<std::size_t>(j);
+      if (offsets[js] < 0 || offsets[js] > cap || (j < Lx && (counts[js] < 0 || offsets[js] + static_cast<long long>(counts[js]) > cap))) {
+        fail("expert " + std::to_string(j) + " documents rows [" + std::to_string(offsets[js]) + ", +" +
+             (j < Lx ? std::to_string(counts[js]) : std::string("end")) + ") outside the capacity " + std::to_string(cap));
+      }
+    }
+    if (numRows < 0 || numRows > cap) fail("numRecvRows " + std::to_string(numRows) + " exceeds the capacity");
     if (counts != ref.counts) fail("expert counts differ");
     if (offsets != ref.offsets) fail("expert offsets differ");
+    if (dropped != ref.dropped) fail("per-expert dropped counts differ");
     if (numRows != ref.numRows) fail("numRecvRows " + std::to_string(numRows) + " != " + std::to_string(ref.numRows));
     const std::size_t capz = static_cast<std::size_t>(cap);
-    std::vector<int> srank(capz), stok(capz), sslot(capz);
-    std::vector<std::uint32_t> sw(capz);
+    std::vector<std::uint32_t> srank(capz), stok(capz), sslot(capz), sw(capz);
     GRAPHEP_CUDA_CHECK(cudaMemcpy(srank.data(), v.rowSrcRank, capz * 4, cudaMemcpyDeviceToHost));
     GRAPHEP_CUDA_CHECK(cudaMemcpy(stok.data(), v.rowSrcToken, capz * 4, cudaMemcpyDeviceToHost));
     GRAPHEP_CUDA_CHECK(cudaMemcpy(sslot.data(), v.rowTopkSlot, capz * 4, cudaMemcpyDeviceToHost));
@@ -355,45 +505,69 @@ class MoeFixture {
       const RefRow& e = ref.rows[pos];
       const unsigned char* got = rx.data() + pos * rowBytes;
       if (e.s < 0) {  // padding or unused: untouched
-        if (srank[pos] != -1 || stok[pos] != -1 || sslot[pos] != -1 || sw[pos] != 0xffffffffu ||
-            std::any_of(got, got + rowBytes, [](unsigned char b) { return b != kPoison; })) {
+        if (srank[pos] != kMetaPoisonWord || stok[pos] != kMetaPoisonWord || sslot[pos] != kMetaPoisonWord ||
+            sw[pos] != kMetaPoisonWord || std::any_of(got, got + rowBytes, [](unsigned char b) { return b != kPoison; })) {
           fail("row " + std::to_string(pos) + " was written but holds no received row");
         }
         continue;
       }
       std::uint32_t wbits;
       std::memcpy(&wbits, &e.w, 4);
-      if (srank[pos] != e.s || stok[pos] != e.t || sslot[pos] != e.k || sw[pos] != wbits) {
-        fail("row " + std::to_string(pos) + " metadata (" + std::to_string(srank[pos]) + ", " +
-             std::to_string(stok[pos]) + ", " + std::to_string(sslot[pos]) + ") != (" +
-             std::to_string(e.s) + ", " + std::to_string(e.t) + ", " + std::to_string(e.k) + ")");
+      if (static_cast<int>(srank[pos]) != e.s || static_cast<int>(stok[pos]) != e.t ||
+          static_cast<int>(sslot[pos]) != e.k || sw[pos] != wbits) {
+        fail("row " + std::to_string(pos) + " metadata (" + std::to_string(static_cast<int>(srank[pos])) + ", " +
+             std::to_string(static_cast<int>(stok[pos])) + ", " + std::to_string(static_cast<int>(sslot[pos])) +
+             ") != (" + std::to_string(e.s) + ", " + std::to_string(e.t) + ", " + std::to_string(e.k) + ")");
         continue;
       }
       const std::uint16_t* src = all[static_cast<std::size_t>(e.s)].x.data() + static_cast<std::size_t>(e.t) * H;
       if (fp8) {
         quantizeRow(src, H, &q, &sc);
-        if (std::memcmp(got, q.data(), static_cast<std::size_t>(H)) != 0 ||
-            std::memcmp(rs.data() + pos * (H / 128), sc.data(), sc.size() * 4) != 0) {
-          fail("row " + std::to_string(pos) + " fp8 payload or scales differ");
+        for (int h = 0; h < H; ++h) {
+          if (got[h] != q[static_cast<std::size_t>(h)]) {
+            fail("row " + std::to_string(pos) + " fp8 byte " + std::to_string(h) + " = " + std::to_string(got[h]) +
+                 ", reference " + std::to_string(q[static_cast<std::size_t>(h)]) + " (bf16 value " +
+                 std::to_string(bf16Value(src[h])) + ", tile scale " + std::to_string(sc[static_cast<std::size_t>(h / 128)]) + ")");
+            break;
+          }
+        }
+        if (std::memcmp(rs.data() + pos * (H / 128), sc.data(), sc.size() * 4) != 0) {
+          fail("row " + std::to_string(pos) + " fp8 scales differ");
         }
       } else if (std::memcmp(got, src, rowBytes) != 0) {
         fail("row " + std::to_string(pos) + " payload differs");
       }
     }
-    // Combine: out[t] = sum_k w_k y(r, t, k) over this rank's tokens whose rows were not dropped.
-    const int T = liveCount(g, all[static_cast<std::size_t>(r)].T);
+    return wrong;
+  }
+
+  // Compares rank l's combine output with the reference: bit for bit for tokens whose kept slots
+  // live on one rank, within two bf16 roundings of the terms summed otherwise (combineRef), NaN
+  // and infinite weights propagating to their tokens only, rows past the live count untouched.
+  long long checkCombine(int l, const std::vector<Inputs>& all, const std::vector<RefLayout>& refs,
+                         const std::string& what) {
+    const MoeConfig& g = c_.cfg;
+    const int H = g.hidden, r = comm_.globalRank(l);
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm_.device(l)));
+    long long wrong = 0;
+    int reported = 0;
+    auto fail = [&](const std::string& m) {
+      ++wrong;
+      if (reported++ < 8) ADD_FAILURE() << what << " rank " << r << ": " << m;
+    };
+    const Inputs& mine = all[static_cast<std::size_t>(r)];
+    const int T = liveCount(g, mine.T);
     const std::size_t Tm = static_cast<std::size_t>(g.maxTokensPerRank);
     std::vector<std::uint16_t> out(Tm * static_cast<std::size_t>(H));
     GRAPHEP_CUDA_CHECK(cudaMemcpy(out.data(), buf(l).out, out.size() * 2, cudaMemcpyDeviceToHost));
-    // posOf of this rank's entries lives in the destination ranks' layouts.
-    const std::vector<RefLayout>& dest = refs;
-    const Inputs& mine = all[static_cast<std::size_t>(r)];
     for (int t = 0; t < static_cast<int>(Tm); ++t) {
       for (int h = 0; h < H; ++h) {
         const std::uint16_t gotBits = out[static_cast<std::size_t>(t) * H + h];
         if (t >= T) {
-          if (gotBits != 0xffff) fail("out row " + std::to_string(t) + " past the live count was written");
-          if (gotBits != 0xffff) break;
+          if (gotBits != 0xffff) {
+            fail("out row " + std::to_string(t) + " past the live count was written");
+            break;
+          }
           continue;
         }
         if (nonFinite_.count(t) != 0) {  // a NaN or infinite weight: the output must not be finite
@@ -403,28 +577,22 @@ class MoeFixture {
           }
           continue;
         }
-        double sum = 0, mag = 0;
-        for (int k = 0; k < K; ++k) {
-          const long long e = mine.idx[static_cast<std::size_t>(t) * K + k];
-          if (e < 0 || e >= g.numExperts) continue;
-          const int d = static_cast<int>(e / Lx);
-          const long long pos = dest[static_cast<std::size_t>(d)].posOf[(static_cast<std::size_t>(r) * Tm + t) * K + k];
-          if (pos < 0) continue;  // dropped at the destination
-          const double term = static_cast<double>(mine.w[static_cast<std::size_t>(t) * K + k]) * yValue(r, t, k, h) * yScale_;
-          sum += term;
-          mag += std::fabs(term);
-        }
+        const CombineRef ref = combineRef(g, mine, refs, r, t, h, yScale_);
         const double got = bf16Value(gotBits);
-        // Two bf16 roundings (the partial on the expert's rank, the sum at home), each within
-        // 2^-8 relative (8 bits of precision), bound the error by 2^-7 of the sum of magnitudes.
-        if (!(std::fabs(got - sum) <= mag / 128.0 + 1e-6)) {
+        const bool ok = ref.exact ? gotBits == ref.bits : std::fabs(got - ref.sum) <= ref.bound;
+        if (!ok) {
           fail("out[" + std::to_string(t) + "][" + std::to_string(h) + "] = " + std::to_string(got) +
-               ", reference " + std::to_string(sum));
+               (ref.exact ? ", bit-exact reference " + std::to_string(bf16Value(ref.bits))
+                          : ", reference " + std::to_string(ref.sum) + " +- " + std::to_string(ref.bound)));
           break;
         }
       }
     }
     return wrong;
+  }
+
+  long long check(int l, const std::vector<Inputs>& all, const std::vector<RefLayout>& refs, const std::string& what) {
+    return checkLayout(l, all, refs, what) + checkCombine(l, all, refs, what);
   }
 
  private:
@@ -437,24 +605,81 @@ class MoeFixture {
   std::set<int> nonFinite_;
 };
 
+const char* routingName(Routing r) {
+  switch (r) {
+    case Routing::kUniform: return "uniform";
+    case Routing::kSkewed: return "skewed";
+    case Routing::kRankEmpty: return "rank_empty";
+    case Routing::kAllMasked: return "all_masked";
+    case Routing::kInvalidMixed: return "invalid_mixed";
+    case Routing::kDuplicates: return "duplicates";
+  }
+  return "?";
+}
+
+const char* pathName(MoePath p) {
+  switch (p) {
+    case MoePath::kAuto: return "auto";
+    case MoePath::kLatency: return "latency";
+    case MoePath::kThroughput: return "throughput";
+  }
+  return "?";
+}
+
 std::string describeCase(const MoeCase& c) {
   const MoeConfig& g = c.cfg;
-  return "T_max=" + std::to_string(g.maxTokensPerRank) + " H=" + std::to_string(g.hidden) +
+  std::string tokens;
+  for (int t : c.tokens) tokens += (tokens.empty() ? "" : ",") + std::to_string(t);
+  return c.name + ": T_max=" + std::to_string(g.maxTokensPerRank) + " H=" + std::to_string(g.hidden) +
          " E=" + std::to_string(g.numExperts) + " K=" + std::to_string(g.topK) +
          (g.dispatchType == DType::kFp8E4m3 ? " fp8" : " bf16") +
-         (c.indexType == IndexType::kInt64 ? " int64" : " int32") +
-         " routing=" + std::to_string(static_cast<int>(c.routing)) +
+         (c.indexType == IndexType::kInt64 ? " int64" : " int32") + " routing=" + routingName(c.routing) +
          " align=" + std::to_string(g.expertAlignment) + " cap=" + std::to_string(g.recvCapacity) +
-         " replays=" + std::to_string(c.replays) +
-         " path=" + std::to_string(static_cast<int>(c.cfg.path));
+         " sms=" + std::to_string(g.smBudget) + " tokens={" + tokens + "} replays=" + std::to_string(c.replays) +
+         " path=" + pathName(g.path);
+}
+
+// Rank q's live count in run `run`: the case's counts rotate over the ranks, so ranks differ in a
+// run (one may send nothing while its peers send).
+int rankTokens(const MoeCase& c, int run, int q) {
+  return c.tokens[static_cast<std::size_t>(run + q) % c.tokens.size()];
+}
+
+// The first invalid entry the device may have recorded: any invalid (token, slot) of the first
+// dispatch that had one (which of them is a race between device threads).
+bool isInvalidEntry(const MoeConfig& g, const Inputs& in, long long id, int token, int slot) {
+  const int T = liveCount(g, in.T);
+  if (token < 0 || token >= T || slot < 0 || slot >= g.topK) return false;
+  const long long e = in.idx[static_cast<std::size_t>(token) * g.topK + slot];
+  return e == id && (e < -1 || e >= g.numExperts);
 }
 
 }  // namespace
+
+MoePath expectedPath(const MoeConfig& cfg, int worldSize) {
+  if (cfg.path != MoePath::kAuto) return cfg.path;
+  const char* force = std::getenv("GRAPHEP_FORCE_TRANSPORT");
+  const bool remote = force != nullptr && std::string(force) == "remote";
+  const bool fits = cfg.maxTokensPerRank <= 256 && cfg.maxTokensPerRank * cfg.topK <= 4096 &&
+                    cfg.numExperts / worldSize <= 2048;
+  return fits && !remote ? MoePath::kLatency : MoePath::kThroughput;
+}
+
+std::string moeCaseName(const MoeCase& c) {
+  std::string n = c.name + "_" + pathName(c.cfg.path);
+  for (char& ch : n) {
+    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+  }
+  return n;
+}
 
 void runMoeCase(Communicator& comm, const MoeCase& c) {
   SCOPED_TRACE(describeCase(c));
   const int R = comm.worldSize();
   MoeFixture f(comm, c);
+  for (int l = 0; l < f.L(); ++l) {
+    EXPECT_EQ(f.engine(l).path(), expectedPath(c.cfg, R)) << "rank " << comm.globalRank(l);
+  }
   const int runs = c.replays > 0 ? c.replays : static_cast<int>(c.tokens.size());
   std::vector<cudaGraphExec_t> execs;
   if (c.replays > 0) {
@@ -463,15 +688,15 @@ void runMoeCase(Communicator& comm, const MoeCase& c) {
       execs.push_back(captureOnStream(f.buf(l).stream, [&](cudaStream_t s) { f.enqueue(l, s); }));
     }
   }
-  std::vector<unsigned long long> expectInvalid(static_cast<std::size_t>(f.L()), 0);
-  std::vector<unsigned long long> expectDropped(static_cast<std::size_t>(f.L()), 0);
-  unsigned long long expectClamped = 0;
-  std::vector<std::vector<unsigned long long>> expectTotals(static_cast<std::size_t>(f.L()));
+  const std::size_t nl = static_cast<std::size_t>(f.L());
+  std::vector<unsigned long long> expectInvalid(nl, 0), expectDropped(nl, 0), expectClamped(nl, 0);
+  std::vector<int> firstInvalidRun(nl, -1), firstClamped(nl, 0);
+  std::vector<std::vector<Inputs>> history;  // every run's inputs (the first-error fields name one)
+  std::vector<std::vector<unsigned long long>> expectTotals(nl);
   for (int run = 0; run < runs; ++run) {
-    const int T = c.tokens[static_cast<std::size_t>(run) % c.tokens.size()];
     const std::uint64_t seed = 5000 + static_cast<std::uint64_t>(run) * 31;
     std::vector<Inputs> all;
-    for (int q = 0; q < R; ++q) all.push_back(makeInputs(c, R, q, T, seed));
+    for (int q = 0; q < R; ++q) all.push_back(makeInputs(c, R, q, rankTokens(c, run, q), seed));
     for (int l = 0; l < f.L(); ++l) f.prepare(l, all[static_cast<std::size_t>(comm.globalRank(l))]);
     comm.barrier();
     for (int l = 0; l < f.L(); ++l) {
@@ -483,35 +708,53 @@ void runMoeCase(Communicator& comm, const MoeCase& c) {
       }
     }
     f.syncAll();
-    if (T > c.cfg.maxTokensPerRank || T < 0) ++expectClamped;
     // Every rank's expected layout, once per run (the capacity is the same on every rank).
     std::vector<RefLayout> refs;
-    for (int q = 0; q < R; ++q) refs.push_back(refLayout(c, all, q, f.engine(0).layout().capacity));
+    for (int q = 0; q < R; ++q) refs.push_back(refLayout(c, all, q, f.layout(0).capacity));
     for (int l = 0; l < f.L(); ++l) {
+      const std::size_t ls = static_cast<std::size_t>(l);
       const int r = comm.globalRank(l);
-      const std::string what = "run " + std::to_string(run) + " T=" + std::to_string(T);
+      const Inputs& mine = all[static_cast<std::size_t>(r)];
+      const std::string what = "run " + std::to_string(run) + " T=" + std::to_string(mine.T);
       EXPECT_EQ(f.check(l, all, refs, what), 0) << what << " rank " << r;
-      expectInvalid[static_cast<std::size_t>(l)] += invalidCount(c.cfg, all[static_cast<std::size_t>(r)]);
+      const unsigned long long invalid = invalidCount(c.cfg, mine);
+      if (invalid > 0 && firstInvalidRun[ls] < 0) firstInvalidRun[ls] = run;
+      expectInvalid[ls] += invalid;
+      if (mine.T > c.cfg.maxTokensPerRank || mine.T < 0) {
+        if (expectClamped[ls]++ == 0) firstClamped[ls] = mine.T;
+      }
       const RefLayout& ref = refs[static_cast<std::size_t>(r)];
-      expectDropped[static_cast<std::size_t>(l)] += ref.dropped;
-      auto& tot = expectTotals[static_cast<std::size_t>(l)];
-      tot.resize(ref.counts.size(), 0);
-      for (std::size_t j = 0; j < ref.counts.size(); ++j) tot[j] += static_cast<unsigned long long>(ref.counts[j]);
+      expectDropped[ls] += ref.droppedTotal;
+      auto& tot = expectTotals[ls];
+      tot.resize(ref.routed.size(), 0);
+      for (std::size_t j = 0; j < ref.routed.size(); ++j) tot[j] += static_cast<unsigned long long>(ref.routed[j]);
     }
+    history.push_back(std::move(all));
     comm.barrier();
   }
   for (int l = 0; l < f.L(); ++l) {
+    const std::size_t ls = static_cast<std::size_t>(l);
     const MoeStatus st = f.engine(l).status();
     const int r = comm.globalRank(l);
-    EXPECT_EQ(st.invalidExpertIds, expectInvalid[static_cast<std::size_t>(l)]) << "rank " << r;
-    EXPECT_EQ(st.droppedRows, expectDropped[static_cast<std::size_t>(l)]) << "rank " << r;
-    EXPECT_EQ(st.clampedTokenCounts, expectClamped) << "rank " << r;
+    EXPECT_EQ(st.invalidExpertIds, expectInvalid[ls]) << "rank " << r;
+    EXPECT_EQ(st.droppedRows, expectDropped[ls]) << "rank " << r;
+    EXPECT_EQ(st.clampedTokenCounts, expectClamped[ls]) << "rank " << r;
+    if (expectClamped[ls] > 0) EXPECT_EQ(st.firstClampedCount, firstClamped[ls]) << "rank " << r;
+    if (firstInvalidRun[ls] >= 0) {
+      const Inputs& in = history[static_cast<std::size_t>(firstInvalidRun[ls])][static_cast<std::size_t>(r)];
+      EXPECT_TRUE(isInvalidEntry(c.cfg, in, st.firstInvalidId, st.firstInvalidToken, st.firstInvalidSlot))
+          << "rank " << r << ": the first invalid id recorded, topk_idx[" << st.firstInvalidToken << "]["
+          << st.firstInvalidSlot << "] = " << st.firstInvalidId << ", is not an invalid entry of run "
+          << firstInvalidRun[ls];
+      EXPECT_NE(st.describe().find("topk_idx[" + std::to_string(st.firstInvalidToken) + "]"), std::string::npos)
+          << st.describe();
+    }
     EXPECT_EQ(st.deviceError, "") << "rank " << r;
-    std::vector<unsigned long long> totals(expectTotals[static_cast<std::size_t>(l)].size());
+    std::vector<unsigned long long> totals(expectTotals[ls].size());
     GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
     GRAPHEP_CUDA_CHECK(cudaMemcpy(totals.data(), f.engine(l).layout().expertTotals, totals.size() * 8,
                                   cudaMemcpyDeviceToHost));
-    EXPECT_EQ(totals, expectTotals[static_cast<std::size_t>(l)]) << "rank " << r << ": cumulative expert totals";
+    EXPECT_EQ(totals, expectTotals[ls]) << "rank " << r << ": cumulative expert totals";
     if (c.cfg.profile) {  // every kernel of the path ran, in order, each span well formed
       const std::vector<MoeKernelSpan> spans = f.engine(l).timeline();
       const std::size_t want = 6;  // throughput: six kernels; latency: three phases of each of two
@@ -521,95 +764,112 @@ void runMoeCase(Communicator& comm, const MoeCase& c) {
         if (k > 0) EXPECT_LE(spans[k - 1].startUs, spans[k].startUs) << spans[k].kernel;
       }
     }
-    if (!execs.empty()) cudaGraphExecDestroy(execs[static_cast<std::size_t>(l)]);
+    if (!execs.empty()) cudaGraphExecDestroy(execs[ls]);
   }
   comm.barrier();
 }
 
 std::vector<MoeCase> standardMoeCases(int R, bool large) {
   std::vector<MoeCase> cases;
-  auto base = [&](int T, int H, int E, int K) {
+  auto base = [&](const char* name, int T, int H, int E, int K) {
     MoeCase c;
+    c.name = name;
     c.cfg.maxTokensPerRank = T;
     c.cfg.hidden = H;
     c.cfg.numExperts = E;
     c.cfg.topK = K;
     return c;
   };
-  {  // uniform, T varying between calls (0, T_max and a clamped count included)
-    MoeCase c = base(64, 128, 2 * R, 2);
-    c.tokens = {64, 17, 0, 64, 70};
+  {  // uniform, T varying between calls and across ranks (0, T_max, a negative and a clamped count)
+    MoeCase c = base("uniform_varying_T", 64, 128, 2 * R, 2);
+    c.tokens = {64, 17, 0, 64, 70, -5};
     cases.push_back(c);
+    c.name = "fp8_int64";
     c.indexType = IndexType::kInt64;
     c.cfg.dispatchType = DType::kFp8E4m3;
     c.tokens = {33, 64};
     cases.push_back(c);
   }
   {
-    MoeCase c = base(64, 256, 4 * R, 2);
+    MoeCase c = base("skewed", 64, 256, 4 * R, 2);
     c.routing = Routing::kSkewed;
     c.tokens = {64};
     cases.push_back(c);
-    if (R > 1) {
-      c.routing = Routing::kRankEmpty;
-      c.tokens = {40};
-      cases.push_back(c);
-    }
+    c.name = "rank_empty";  // (one rank: uniform)
+    c.routing = Routing::kRankEmpty;
+    c.tokens = {40};
+    cases.push_back(c);
+    c.name = "all_masked";
     c.routing = Routing::kAllMasked;
     c.tokens = {64, 0};
     cases.push_back(c);
+    c.name = "invalid_ids";
     c.routing = Routing::kInvalidMixed;
-    c.tokens = {50};
+    c.tokens = {50, 7};
     cases.push_back(c);
+    c.name = "invalid_ids_int64";
     c.indexType = IndexType::kInt64;
     cases.push_back(c);
   }
-  {  // top-1 with one expert per rank; top-8 of 256 experts
-    MoeCase c = base(32, 128, R, 1);
-    c.tokens = {32};
+  {  // top-1 with one expert per rank (every token bit-exact); top-8 of 256 experts
+    MoeCase c = base("top1", 32, 128, R, 1);
+    c.tokens = {32, 0, 9};
     cases.push_back(c);
-    if (256 % R == 0) {
-      c = base(32, 128, 256, 8);
-      c.tokens = {32, 5};
-      cases.push_back(c);
-    }
+    c = base("top8_of_256", 32, 128, 256 % R == 0 ? 256 : 32 * R, 8);
+    c.tokens = {32, 5};
+    cases.push_back(c);
   }
-  {  // per-expert alignment, and a capacity too small for skewed routing (rows dropped, counted)
-    MoeCase c = base(64, 128, 2 * R, 2);
+  {  // per-expert alignment; a capacity too small for skewed routing (rows dropped, counted, the
+     // layout clamped); both together
+    MoeCase c = base("aligned", 64, 128, 2 * R, 2);
     c.cfg.expertAlignment = 16;
     c.tokens = {64, 9};
     cases.push_back(c);
+    c.name = "overflow_aligned";
     c.routing = Routing::kSkewed;
     c.cfg.recvCapacity = 40;
-    c.tokens = {64};
+    c.tokens = {64, 30};
+    cases.push_back(c);
+    c.name = "overflow";
+    c.cfg.expertAlignment = 1;
+    c.cfg.recvCapacity = 37;
+    c.tokens = {64, 0, 20};
     cases.push_back(c);
   }
   {  // a token naming one expert in several slots: one row per slot, in (token, slot) order
-    MoeCase c = base(64, 128, 4 * R, 4);
+    MoeCase c = base("duplicates", 64, 128, 4 * R, 4);
     c.routing = Routing::kDuplicates;
     c.tokens = {64, 45};
     cases.push_back(c);
   }
   {  // a budget of 3 CTAs per kernel: every group loops over many records and tokens
-    MoeCase c = base(64, 256, 2 * R, 2);
+    MoeCase c = base("budget3", 64, 256, 2 * R, 2);
     c.cfg.smBudget = 3;
     c.tokens = {64, 23};
     cases.push_back(c);
   }
   {  // fp8 at a wider row
-    MoeCase c = base(64, 2048, 4 * R, 4);
+    MoeCase c = base("fp8_wide", 64, 2048, 4 * R, 4);
     c.cfg.dispatchType = DType::kFp8E4m3;
     c.tokens = {64, 31};
     cases.push_back(c);
   }
   {  // one captured graph (dispatch -> expert -> combine) replayed with new data and counts
-    MoeCase c = base(64, 256, 2 * R, 2);
+    MoeCase c = base("graph_replays", 64, 256, 2 * R, 2);
     c.tokens = {64, 3, 0, 50, 64, 1};
     c.replays = 30;
     c.cfg.profile = true;  // and the kernel timeline stamps
     cases.push_back(c);
+    c.name = "graph_replays_fp8";
     c.cfg.profile = false;
     c.cfg.dispatchType = DType::kFp8E4m3;
+    c.replays = 12;
+    cases.push_back(c);
+    c.name = "graph_replays_overflow";
+    c.cfg.dispatchType = DType::kBf16;
+    c.routing = Routing::kSkewed;
+    c.cfg.recvCapacity = 45;
+    c.cfg.expertAlignment = 4;
     c.replays = 12;
     cases.push_back(c);
   }
@@ -621,26 +881,74 @@ std::vector<MoeCase> standardMoeCases(int R, bool large) {
     cases.push_back(c);
   }
   if (large) {  // the DeepSeek-V3 shape at decode size, both paths
-    MoeCase c = base(128, 7168, 256, 8);
+    MoeCase c = base("deepseek_v3_decode", 128, 7168, 256, 8);
     c.tokens = {128, 77};
     cases.push_back(c);
+    c.name = "deepseek_v3_decode_fp8";
     c.cfg.dispatchType = DType::kFp8E4m3;
     cases.push_back(c);
+    c.name = "deepseek_v3_decode_graph";
     c.cfg.dispatchType = DType::kBf16;
     c.replays = 20;
-    c.tokens = {128, 1, 100};
+    c.tokens = {128, 1, 100, 0};
     cases.push_back(c);
     c.cfg.path = MoePath::kThroughput;
     cases.push_back(c);
-    MoeCase p = base(512, 2048, 16, 2);
+    MoeCase p = base("prefill_skewed", 512, 2048, 16, 2);
     p.routing = Routing::kSkewed;
-    p.tokens = {512};
+    p.tokens = {512, 260};
     cases.push_back(p);
-    p = base(512, 256, 16, 4);  // duplicates across 16 32-token blocks
+    p = base("prefill_duplicates", 512, 256, 16, 4);  // duplicates across 16 32-token blocks
     p.routing = Routing::kDuplicates;
     p.tokens = {512, 300};
     cases.push_back(p);
   }
+  return cases;
+}
+
+// The case of the issue that found the mixed co-residency defect: 8 ranks over 2 GPUs, throughput
+// path, H = 2048, 128 experts, top-8, 512 tokens, int64 ids (and its latency-path twin at 256).
+std::vector<MoeCaseIndex> moeCaseIndices(MoeCaseList list) {
+  std::vector<MoeCaseIndex> out;
+  const std::vector<MoeCase> cases = moeCases(list, 2);
+  for (std::size_t i = 0; i < cases.size(); ++i) out.push_back(MoeCaseIndex{list, static_cast<int>(i), moeCaseName(cases[i])});
+  return out;
+}
+
+std::vector<MoeCase> moeCases(MoeCaseList list, int worldSize) {
+  switch (list) {
+    case MoeCaseList::kSmall: return standardMoeCases(worldSize, false);
+    case MoeCaseList::kLarge: return standardMoeCases(worldSize, true);
+    case MoeCaseList::kMixedPlacement: return mixedPlacementMoeCases();
+  }
+  return {};
+}
+
+void runMoeCaseAt(Communicator& comm, const MoeCaseIndex& at) {
+  const std::vector<MoeCase> cases = moeCases(at.list, comm.worldSize());
+  ASSERT_LT(static_cast<std::size_t>(at.index), cases.size());
+  const MoeCase& c = cases[static_cast<std::size_t>(at.index)];
+  ASSERT_EQ(moeCaseName(c), at.name) << "the case list depends on the world size";
+  runMoeCase(comm, c);
+}
+
+std::vector<MoeCase> mixedPlacementMoeCases() {
+  std::vector<MoeCase> cases;
+  MoeCase c;
+  c.name = "prefill_h2048_e128_top8";
+  c.cfg.maxTokensPerRank = 512;
+  c.cfg.hidden = 2048;
+  c.cfg.numExperts = 128;
+  c.cfg.topK = 8;
+  c.cfg.path = MoePath::kThroughput;
+  c.indexType = IndexType::kInt64;
+  c.tokens = {512, 100, 0};
+  cases.push_back(c);
+  c.name = "decode_h2048_e128_top8";
+  c.cfg.maxTokensPerRank = 128;
+  c.cfg.path = MoePath::kAuto;
+  c.tokens = {128, 31, 0};
+  cases.push_back(c);
   return cases;
 }
 
@@ -661,6 +969,7 @@ void expectError(F&& call, Status status, const std::string& needle) {
 // The small shape of the misuse, micro-batch and graph suites: H = 256, 4 experts per rank, top-2.
 MoeCase smallCase(const Communicator& comm, int maxTokens, MoePath path) {
   MoeCase c;
+  c.name = "small";
   c.cfg.maxTokensPerRank = maxTokens;
   c.cfg.hidden = 256;
   c.cfg.numExperts = 4 * comm.worldSize();
@@ -709,34 +1018,62 @@ void runMoeMisuse(Communicator& comm, MoePath path) {
     expectError([&] { e.combine(ca, s); }, Status::kInvalidArgument, "another engine");
   }
 
-  // Out of order: dispatch, dispatch, combine, combine on every rank: one of each is counted, none
-  // hangs; after clearStatus a paired operation is correct again.
-  for (int l = 0; l < f.L(); ++l) {
-    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
-    f.engine(l).dispatch(f.dispatchArgs(l, nullptr), f.buf(l).stream);
-  }
-  for (int l = 0; l < f.L(); ++l) {
-    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
-    f.engine(l).dispatch(f.dispatchArgs(l, nullptr), f.buf(l).stream);
-  }
-  for (int round = 0; round < 2; ++round) {
+  // Out of order: dispatch A, dispatch B, expert, combine, expert x2, combine on every rank: one
+  // unpaired operation of each kind is counted and none hangs, and each does what moe.hpp says. A
+  // dispatch over an uncombined one replaces it: the layout and the first combine are B's. A combine
+  // with no new dispatch combines the last dispatch again: the second combine is B's with the new
+  // expert outputs.
+  {
+    std::vector<Inputs> inB;
+    for (int q = 0; q < R; ++q) inB.push_back(makeInputs(c, R, q, 32 - 5 * q % 32, 4712));
     for (int l = 0; l < f.L(); ++l) {
       GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+      f.engine(l).dispatch(f.dispatchArgs(l, nullptr), f.buf(l).stream);
+    }
+    f.syncAll();
+    for (int l = 0; l < f.L(); ++l) f.prepare(l, inB[static_cast<std::size_t>(comm.globalRank(l))]);
+    comm.barrier();
+    for (int l = 0; l < f.L(); ++l) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+      const DispatchLayout& v = f.engine(l).dispatch(f.dispatchArgs(l, nullptr), f.buf(l).stream);
+      f.expert(l, v, f.buf(l).stream, 1.0f);
       CombineArgs ca;
       ca.out = f.buf(l).out;
       f.engine(l).combine(ca, f.buf(l).stream);
     }
+    f.syncAll();
+    std::vector<RefLayout> refs;
+    for (int q = 0; q < R; ++q) refs.push_back(refLayout(c, inB, q, f.layout(0).capacity));
+    for (int l = 0; l < f.L(); ++l) EXPECT_EQ(f.check(l, inB, refs, "a dispatch over an uncombined one"), 0);
+    comm.barrier();
+    for (int l = 0; l < f.L(); ++l) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+      GRAPHEP_CUDA_CHECK(cudaMemset(f.buf(l).out, kPoison,
+                                    static_cast<std::size_t>(c.cfg.maxTokensPerRank) * c.cfg.hidden * 2));
+      GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
+    }
+    comm.barrier();
+    for (int l = 0; l < f.L(); ++l) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+      f.expert(l, f.layout(l), f.buf(l).stream, 2.0f);
+      CombineArgs ca;
+      ca.out = f.buf(l).out;
+      f.engine(l).combine(ca, f.buf(l).stream);
+    }
+    f.syncAll();
+    f.setYScale(2.0f);
+    for (int l = 0; l < f.L(); ++l) {
+      EXPECT_EQ(f.checkCombine(l, inB, refs, "a combine with no new dispatch"), 0);
+      const MoeStatus st = f.engine(l).status();
+      EXPECT_EQ(st.unpairedDispatches, 1ull) << st.describe();
+      EXPECT_EQ(st.unpairedCombines, 1ull) << st.describe();
+      EXPECT_EQ(st.deviceError, "");
+      EXPECT_NE(st.describe().find("before the previous dispatch was combined"), std::string::npos) << st.describe();
+      f.engine(l).clearStatus();
+    }
+    f.setYScale(1.0f);
+    comm.barrier();
   }
-  f.syncAll();
-  for (int l = 0; l < f.L(); ++l) {
-    const MoeStatus st = f.engine(l).status();
-    EXPECT_EQ(st.unpairedDispatches, 1ull) << st.describe();
-    EXPECT_EQ(st.unpairedCombines, 1ull) << st.describe();
-    EXPECT_EQ(st.deviceError, "");
-    EXPECT_NE(st.describe().find("before the previous dispatch was combined"), std::string::npos) << st.describe();
-    f.engine(l).clearStatus();
-  }
-  comm.barrier();
 
   // NaN and infinite weights propagate to their tokens' outputs; every other token stays correct.
   for (Inputs& x : in) {
@@ -845,7 +1182,7 @@ void runMoeGraphOutlivesEngine(Communicator& comm) {
     args.dispatch = f.dispatchArgs(l, nullptr);
     args.out = f.buf(l).out;
     graphs.push_back(MoeGraph::capture(f.engine(l), args,
-                                       [](const DispatchLayout& v, cudaStream_t s) { MoeFixture::expert(v, s, 1.0f); }));
+                                       [&f, l](const DispatchLayout& v, cudaStream_t s) { f.expert(l, v, s, 1.0f); }));
   }
   comm.barrier();
   f.dropEngines();
@@ -906,6 +1243,67 @@ void runMoeMicroBatches(Communicator& comm, MoePath path, int rounds, int smBudg
   }
 }
 
+void runMoeOverflow(Communicator& comm, MoePath path) {
+  const int R = comm.worldSize();
+  for (int alignment : {1, 8}) {
+    MoeCase c = smallCase(comm, 64, path);
+    c.name = "overflow_memcheck";
+    c.routing = Routing::kSkewed;
+    c.cfg.expertAlignment = alignment;
+    c.cfg.recvCapacity = 29;  // far below what skewed routing sends every rank
+    c.tokens = {64, 50, 0};
+    SCOPED_TRACE("overflow, " + describeCase(c));
+    MoeFixture f(comm, c);
+    const std::size_t cap = static_cast<std::size_t>(f.layout(0).capacity), rowBytes = static_cast<std::size_t>(c.cfg.hidden) * 2;
+    std::vector<void*> y(static_cast<std::size_t>(f.L()), nullptr);  // the caller's: exactly `capacity` rows
+    for (int l = 0; l < f.L(); ++l) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+      GRAPHEP_CUDA_CHECK(cudaMalloc(&y[static_cast<std::size_t>(l)], cap * rowBytes));
+    }
+    unsigned long long droppedSeen = 0;
+    std::vector<unsigned long long> expectDropped(static_cast<std::size_t>(f.L()), 0);
+    for (int run = 0; run < 3; ++run) {
+      std::vector<Inputs> all;
+      for (int q = 0; q < R; ++q) all.push_back(makeInputs(c, R, q, rankTokens(c, run, q), 777 + run));
+      for (int l = 0; l < f.L(); ++l) {
+        f.prepare(l, all[static_cast<std::size_t>(comm.globalRank(l))]);
+        GRAPHEP_CUDA_CHECK(cudaMemset(y[static_cast<std::size_t>(l)], kPoison, cap * rowBytes));  // NaN
+        GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
+      }
+      comm.barrier();
+      for (int l = 0; l < f.L(); ++l) {
+        GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+        cudaStream_t s = f.buf(l).stream;
+        const DispatchLayout& v = f.engine(l).dispatch(f.dispatchArgs(l, nullptr), s);
+        f.expert(l, v, s, 1.0f, y[static_cast<std::size_t>(l)], /*guard=*/false);
+        CombineArgs ca;
+        ca.expertOutput = y[static_cast<std::size_t>(l)];
+        ca.out = f.buf(l).out;
+        f.engine(l).combine(ca, s);
+      }
+      f.syncAll();
+      std::vector<RefLayout> refs;
+      for (int q = 0; q < R; ++q) refs.push_back(refLayout(c, all, q, static_cast<long long>(cap)));
+      for (int l = 0; l < f.L(); ++l) {
+        const RefLayout& ref = refs[static_cast<std::size_t>(comm.globalRank(l))];
+        EXPECT_EQ(f.check(l, all, refs, "overflow run " + std::to_string(run)), 0);
+        expectDropped[static_cast<std::size_t>(l)] += ref.droppedTotal;
+        droppedSeen += ref.droppedTotal;
+      }
+      comm.barrier();
+    }
+    for (int l = 0; l < f.L(); ++l) {
+      const MoeStatus st = f.engine(l).status();
+      EXPECT_EQ(st.droppedRows, expectDropped[static_cast<std::size_t>(l)]) << st.describe();
+      EXPECT_EQ(st.deviceError, "");
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+      GRAPHEP_CUDA_CHECK(cudaFree(y[static_cast<std::size_t>(l)]));
+    }
+    EXPECT_GT(droppedSeen, 0ull) << "the case must overflow";
+    comm.barrier();
+  }
+}
+
 void runMoeGraphSuite(Communicator& comm, MoePath path, int iterations) {
   const MoeCase c = smallCase(comm, 64, path);
   SCOPED_TRACE("MoeGraph suite, " + describeCase(c));
@@ -932,12 +1330,12 @@ void runMoeGraphSuite(Communicator& comm, MoePath path, int iterations) {
     MoeGraphArgs args;
     args.dispatch = f.dispatchArgs(l, nullptr);
     args.out = f.buf(l).out;
-    rg.callback = MoeGraph::capture(e, args, [](const DispatchLayout& v, cudaStream_t st) { MoeFixture::expert(v, st, 1.0f); });
+    rg.callback = MoeGraph::capture(e, args, [&f, l](const DispatchLayout& v, cudaStream_t st) { f.expert(l, v, st, 1.0f); });
     for (int x = 0; x < 3; ++x) {
       GRAPHEP_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
       const DispatchLayout& v = e.layout();
       if (x == 2) GRAPHEP_CUDA_CHECK(cudaMemsetAsync(v.expertOutput, 0, static_cast<std::size_t>(v.capacity) * v.hidden * 2, s));
-      MoeFixture::expert(v, s, expertScale[x]);
+      f.expert(l, v, s, expertScale[x]);
       GRAPHEP_CUDA_CHECK(cudaStreamEndCapture(s, &rg.experts[x]));
     }
     rg.child = MoeGraph::withExpertGraph(e, args, rg.experts[0]);
@@ -946,7 +1344,7 @@ void runMoeGraphSuite(Communicator& comm, MoePath path, int iterations) {
       GRAPHEP_CUDA_CHECK(cudaMemcpy(rg.bucketT[b], &buckets[static_cast<std::size_t>(b)], 4, cudaMemcpyHostToDevice));
       MoeGraphArgs ba = args;
       ba.dispatch = f.dispatchArgs(l, rg.bucketT[b]);
-      rg.bucket[b] = MoeGraph::capture(e, ba, [](const DispatchLayout& v, cudaStream_t st) { MoeFixture::expert(v, st, 1.0f); });
+      rg.bucket[b] = MoeGraph::capture(e, ba, [&f, l](const DispatchLayout& v, cudaStream_t st) { f.expert(l, v, st, 1.0f); });
     }
     rg.dispatch = MoeGraph::dispatchOnly(e, args.dispatch);
     CombineArgs ca;
@@ -973,10 +1371,14 @@ void runMoeGraphSuite(Communicator& comm, MoePath path, int iterations) {
       expertNow = next;
     }
     const bool bucket = kind >= kBucket0 && kind <= kBucket3;
-    const int T = bucket ? buckets[static_cast<std::size_t>(kind - kBucket0)] : static_cast<int>(rng() % 65);
+    // A bucket graph bakes its count in (the same on every rank); the others read each rank's own,
+    // drawn per rank (0 included: a rank silent while its peers send).
+    std::vector<int> Ts(static_cast<std::size_t>(R));
+    for (int& t : Ts) t = bucket ? buckets[static_cast<std::size_t>(kind - kBucket0)] : static_cast<int>(rng() % 65);
+    const int T = Ts[0];
     const std::uint64_t seed = 9000 + static_cast<std::uint64_t>(it) * 13;
     std::vector<Inputs> all;
-    for (int q = 0; q < R; ++q) all.push_back(makeInputs(c, R, q, T, seed));
+    for (int q = 0; q < R; ++q) all.push_back(makeInputs(c, R, q, Ts[static_cast<std::size_t>(q)], seed));
     for (int l = 0; l < f.L(); ++l) {
       f.prepare(l, all[static_cast<std::size_t>(comm.globalRank(l))],
                 bucket ? g[static_cast<std::size_t>(l)].bucketT[kind - kBucket0] : nullptr);
@@ -991,7 +1393,7 @@ void runMoeGraphSuite(Communicator& comm, MoePath path, int iterations) {
         case kChild: rg.child->launch(s); break;
         case kPair:
           rg.dispatch->launch(s);
-          MoeFixture::expert(rg.dispatch->layout(), s, 1.0f);
+          f.expert(l, rg.dispatch->layout(), s, 1.0f);
           rg.combine->launch(s);
           break;
         case kUserGlobal:

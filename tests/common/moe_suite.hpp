@@ -11,10 +11,14 @@
 // Every buffer is poisoned before every run; data is fresh for every call and every replay.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <graphep/comm.hpp>
 #include <graphep/graph.hpp>
 #include <graphep/moe.hpp>
 
+#include <ostream>
+#include <string>
 #include <vector>
 
 namespace graphep::test {
@@ -29,16 +33,23 @@ enum class Routing {
 };
 
 struct MoeCase {
+  std::string name;  // words: the test instance's name, with the path (moeCaseName)
   MoeConfig cfg;
   Routing routing = Routing::kUniform;
   IndexType indexType = IndexType::kInt32;
-  // Live token counts, one dispatch + combine per entry (values above maxTokensPerRank test the
-  // clamp). Captured once and replayed when `replays` > 0 (then the counts cycle).
+  // Live token counts, one dispatch + combine per entry (values above maxTokensPerRank or below 0
+  // test the clamp); rank q takes entry (run + q) mod size, so ranks differ in a run. Captured
+  // once and replayed when `replays` > 0 (then the counts cycle).
   std::vector<int> tokens;
   int replays = 0;
 };
 
 void runMoeCase(Communicator& comm, const MoeCase& c);
+// The case's name for a test instance (letters, digits and '_'): its name and its path.
+std::string moeCaseName(const MoeCase& c);
+// The path Engine::createAll must choose for `cfg` (kAuto: latency when the config fits its
+// kernels and GRAPHEP_FORCE_TRANSPORT is not "remote").
+MoePath expectedPath(const MoeConfig& cfg, int worldSize);
 
 // MoeGraph on one engine per rank: an expert callback graph, an expert child graph swapped in
 // place and across topologies, four bucket graphs (1 / 8 / 33 / 64 live tokens), a dispatch-only +
@@ -71,5 +82,33 @@ void runMoeMicroBatches(Communicator& comm, MoePath path, int rounds, int smBudg
 // The case matrix of a configuration: emulated ranks get small shapes, real GPUs the large ones;
 // every small case runs on the latency path (kAuto) and on the throughput path.
 std::vector<MoeCase> standardMoeCases(int worldSize, bool large);
+// Cases for ranks placed several to a GPU over several GPUs (a rank with both same-GPU and NVLink
+// peers): the prefill shape that once timed out there, and a decode one.
+std::vector<MoeCase> mixedPlacementMoeCases();
+
+// One test instance per case (GoogleTest TEST_P), named in words: the parameter names a case of a
+// list whose names and order do not depend on the world size; the test builds the list for its
+// communicator and runs that case.
+enum class MoeCaseList { kSmall, kLarge, kMixedPlacement };
+struct MoeCaseIndex {
+  MoeCaseList list;
+  int index;
+  std::string name;  // moeCaseName
+};
+std::vector<MoeCase> moeCases(MoeCaseList list, int worldSize);
+std::vector<MoeCaseIndex> moeCaseIndices(MoeCaseList list);
+void runMoeCaseAt(Communicator& comm, const MoeCaseIndex& at);
+// GoogleTest prints a parameter by its name.
+inline void PrintTo(const MoeCaseIndex& at, std::ostream* os) { *os << at.name; }
+// GoogleTest's name for an instance.
+struct MoeCaseIndexName {
+  std::string operator()(const ::testing::TestParamInfo<MoeCaseIndex>& info) const { return info.param.name; }
+};
+
+// Overflow on both paths: skewed routing into a capacity far below it (with and without
+// alignment); an expert that reads and writes exactly the documented rows writes into a buffer of
+// exactly `capacity` rows of the caller's (compute-sanitizer memcheck sees any row past it), and
+// the layout, the per-expert dropped counts, the status and the combine are checked.
+void runMoeOverflow(Communicator& comm, MoePath path);
 
 }  // namespace graphep::test

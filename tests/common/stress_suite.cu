@@ -106,10 +106,21 @@ __device__ void recordBad(StressState* st, std::uint32_t s, int t, int h, float 
   }
 }
 
-// Grid: T_max blocks (one per output row). Every rank uses the same live count T in a replay.
-__global__ void stressCheck(const bf16* out, int T, int Tmax, int rank, int R, int E, DispatchLayout v, StressState* st) {
+// The live counts of one replay: rank q replays bucket (b + q) mod n, so ranks differ (and with a
+// bucket of 0 one rank may send nothing while its peers send). A graph knows its own bucket, so
+// rank q's count is T[(own - rank + q) mod n].
+struct BucketRing {
+  int n;
+  int T[8];
+  int own;  // this graph's bucket
+  __host__ __device__ int of(int rank, int q) const { return T[((own - rank + q) % n + n) % n]; }
+};
+
+// Grid: T_max blocks (one per output row).
+__global__ void stressCheck(const bf16* out, BucketRing ring, int Tmax, int rank, int R, int E, DispatchLayout v,
+                            StressState* st) {
   const std::uint32_t s = st->step;
-  const int t = blockIdx.x;
+  const int t = blockIdx.x, T = ring.of(rank, rank);
   const auto* bits = reinterpret_cast<const std::uint16_t*>(out) + static_cast<std::size_t>(t) * kHidden;
   if (t >= T) {  // past the live count: the poison must be intact
     for (int h = threadIdx.x; h < kHidden; h += blockDim.x) {
@@ -144,7 +155,7 @@ __global__ void stressCheck(const bf16* out, int T, int Tmax, int rank, int R, i
       const int e = v.firstLocalExpert + j;
       int want = 0;
       for (int q = 0; q < R; ++q) {
-        for (int u = 0; u < T; ++u) {
+        for (int u = 0; u < ring.of(rank, q); ++u) {
           for (int k = 0; k < kTopK; ++k) want += expertOf(s, q, u, k, E) == e;
         }
       }
@@ -272,6 +283,9 @@ void runMoeStress(Communicator& comm, const StressCase& sc) {
     });
     const DispatchLayout v = k.moe->layout();
     const int rank = comm.globalRank(l), E = cfg.numExperts;
+    BucketRing ring{static_cast<int>(sc.buckets.size()), {}, 0};
+    GRAPHEP_REQUIRE(ring.n >= 1 && ring.n <= 8, Status::kInvalidArgument, "stress: %d buckets (1 to 8)", ring.n);
+    for (int b = 0; b < ring.n; ++b) ring.T[b] = sc.buckets[static_cast<std::size_t>(b)];
     for (int T : sc.buckets) {
       cudaGraph_t pre = captureParts(k.stream, [&](cudaStream_t s) {
         GRAPHEP_CUDA_CHECK(cudaMemsetAsync(k.out, 0xff, static_cast<std::size_t>(Tmax) * kHidden * 2, s));
@@ -280,11 +294,12 @@ void runMoeStress(Communicator& comm, const StressCase& sc) {
         GRAPHEP_CUDA_CHECK(cudaGetLastError());
       });
       cudaGraph_t post = captureParts(k.stream, [&](cudaStream_t s) {
-        stressCheck<<<static_cast<unsigned>(Tmax), 128, 0, s>>>(k.out, T, Tmax, rank, R, E, v, k.st);
+        stressCheck<<<static_cast<unsigned>(Tmax), 128, 0, s>>>(k.out, ring, Tmax, rank, R, E, v, k.st);
         stressAdvance<<<1, 1, 0, s>>>(k.st);
         GRAPHEP_CUDA_CHECK(cudaGetLastError());
       });
       k.execs.push_back(chain({pre, k.moe->graph(), post}));
+      ++ring.own;
       GRAPHEP_CUDA_CHECK(cudaGraphDestroy(pre));
       GRAPHEP_CUDA_CHECK(cudaGraphDestroy(post));
     }
@@ -297,7 +312,8 @@ void runMoeStress(Communicator& comm, const StressCase& sc) {
     for (int l = 0; l < L; ++l) {
       Rank& k = ranks[static_cast<std::size_t>(l)];
       GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
-      GRAPHEP_CUDA_CHECK(cudaGraphLaunch(k.execs[static_cast<std::size_t>(b)], k.stream));
+      const int mine = (b + comm.globalRank(l)) % nb;  // ranks replay different buckets (BucketRing)
+      GRAPHEP_CUDA_CHECK(cudaGraphLaunch(k.execs[static_cast<std::size_t>(mine)], k.stream));
     }
     if ((i + 1) % 5000 == 0) {  // the harness bounds its queue; the library never needs this
       for (int l = 0; l < L; ++l) {

@@ -1,6 +1,6 @@
 // Replay stress of MoeGraph: one graph per (rank, bucket), each replay with no host work at all.
 // Inside every graph: poison the output, an optional random per-rank delay (ranks drift apart),
-// inputs generated on the GPU from a device replay counter (tokens, routing with masked and
+// inputs generated on the GPU from a device replay counter (each rank's own live count, routing with masked and
 // duplicate slots, weights), then the MoeGraph (dispatch -> a stand-in expert y = x * scale(e) ->
 // combine), then a device-side check of every output value against a reference recomputed from the
 // same counter (and of the expert counts, the received row count and the untouched rows past the
@@ -19,7 +19,9 @@ namespace graphep::test {
 struct StressCase {
   MoePath path = MoePath::kAuto;
   long long replays = 1000;               // graph launches per rank
-  std::vector<int> buckets = {1, 8, 64, 128};  // live tokens of each graph (the largest is T_max)
+  // Live tokens of each graph (the largest is T_max; 1 to 8 buckets). In a replay rank q runs
+  // bucket (b + q) mod n: ranks differ, and the 0 bucket leaves one rank silent while its peers send.
+  std::vector<int> buckets = {0, 1, 8, 64, 128};
   int maxDelayUs = 0;                     // > 0: a random delay of up to this before each dispatch
   std::uint32_t counterStart = 0;         // the engine's counters start here (near 2^32: they wrap)
 };

@@ -1,46 +1,199 @@
-// MoE dispatch / combine on one GPU with 1, 4 and 8 emulated ranks, against a CPU reference.
+// MoE dispatch / combine on one GPU with 1, 4 and 8 emulated ranks, against a CPU reference: one
+// test instance per (topology, case), so a failure or a hang names its case and --gtest_filter
+// runs one alone.
 #include <gtest/gtest.h>
 
 #include <graphep/graphep.hpp>
 
+#include <unistd.h>
+
+#include <cstdio>
+#include <vector>
+
 #include "common/gpu_env.hpp"
 #include "common/moe_suite.hpp"
+#include "engine/error.hpp"
 
 namespace graphep::test {
 namespace {
 
-TEST(Gpu1_Moe, OneRank) {
+class Gpu1_Moe1Rank : public ::testing::TestWithParam<MoeCaseIndex> {};
+class Gpu1_Moe4Ranks : public ::testing::TestWithParam<MoeCaseIndex> {};
+class Gpu1_Moe8Ranks : public ::testing::TestWithParam<MoeCaseIndex> {};
+
+TEST_P(Gpu1_Moe1Rank, Case) {
   GRAPHEP_REQUIRE_GPUS(1);
   auto comm = createLocalGroup({0});
-  for (const MoeCase& c : standardMoeCases(1, false)) runMoeCase(*comm, c);
+  runMoeCaseAt(*comm, GetParam());
 }
-
-TEST(Gpu1_Moe, FourEmulatedRanks) {
+TEST_P(Gpu1_Moe4Ranks, Case) {
   GRAPHEP_REQUIRE_GPUS(1);
   auto comm = createLocalGroup({0, 0, 0, 0});
-  for (const MoeCase& c : standardMoeCases(4, false)) runMoeCase(*comm, c);
+  runMoeCaseAt(*comm, GetParam());
 }
-
-TEST(Gpu1_Moe, EightEmulatedRanks) {
+TEST_P(Gpu1_Moe8Ranks, Case) {
   GRAPHEP_REQUIRE_GPUS(1);
   auto comm = createLocalGroup({0, 0, 0, 0, 0, 0, 0, 0});
-  for (const MoeCase& c : standardMoeCases(8, false)) runMoeCase(*comm, c);
+  runMoeCaseAt(*comm, GetParam());
 }
+INSTANTIATE_TEST_SUITE_P(Moe, Gpu1_Moe1Rank, ::testing::ValuesIn(moeCaseIndices(MoeCaseList::kSmall)),
+                         MoeCaseIndexName());
+INSTANTIATE_TEST_SUITE_P(Moe, Gpu1_Moe4Ranks, ::testing::ValuesIn(moeCaseIndices(MoeCaseList::kSmall)),
+                         MoeCaseIndexName());
+INSTANTIATE_TEST_SUITE_P(Moe, Gpu1_Moe8Ranks, ::testing::ValuesIn(moeCaseIndices(MoeCaseList::kSmall)),
+                         MoeCaseIndexName());
 
-TEST(Gpu1_Moe, MisuseFourEmulatedRanks) {
+TEST(Gpu1_Moe, MisuseFourEmulatedRanksLatency) {
   GRAPHEP_REQUIRE_GPUS(1);
   auto comm = createLocalGroup({0, 0, 0, 0});
   runMoeMisuse(*comm, MoePath::kAuto);
+}
+
+TEST(Gpu1_Moe, MisuseFourEmulatedRanksThroughput) {
+  GRAPHEP_REQUIRE_GPUS(1);
+  auto comm = createLocalGroup({0, 0, 0, 0});
   runMoeMisuse(*comm, MoePath::kThroughput);
 }
 
-TEST(Gpu1_MoeFaults, MissingRankWatchdogAndGraphLifetime) {
+// Overflow with an expert that reads and writes exactly the documented rows into a buffer of
+// exactly the capacity (gpu-check runs this under compute-sanitizer memcheck).
+TEST(Gpu1_MoeOverflow, FourEmulatedRanksLatency) {
+  GRAPHEP_REQUIRE_GPUS(1);
+  auto comm = createLocalGroup({0, 0, 0, 0});
+  runMoeOverflow(*comm, MoePath::kLatency);
+}
+
+TEST(Gpu1_MoeOverflow, FourEmulatedRanksThroughput) {
+  GRAPHEP_REQUIRE_GPUS(1);
+  auto comm = createLocalGroup({0, 0, 0, 0});
+  runMoeOverflow(*comm, MoePath::kThroughput);
+}
+
+TEST(Gpu1_MoeFaults, MissingRankLatency) {
   GRAPHEP_REQUIRE_GPUS(1);
   auto comm = createLocalGroup({0, 0, 0, 0});
   runMoeMissingRank(*comm, MoePath::kAuto);
+}
+
+TEST(Gpu1_MoeFaults, MissingRankThroughput) {
+  GRAPHEP_REQUIRE_GPUS(1);
+  auto comm = createLocalGroup({0, 0, 0, 0});
   runMoeMissingRank(*comm, MoePath::kThroughput);
+}
+
+TEST(Gpu1_MoeFaults, WatchdogAndGraphLifetime) {
+  GRAPHEP_REQUIRE_GPUS(1);
+  auto comm = createLocalGroup({0, 0, 0, 0});
   runMoeWatchdog(*comm);
   runMoeGraphOutlivesEngine(*comm);
+}
+
+// The latency path's limits, by name: more than 256 tokens per rank.
+TEST(Gpu1_MoePath, LatencyRefusesMoreThan256Tokens) {
+  GRAPHEP_REQUIRE_GPUS(1);
+  auto comm = createLocalGroup({0, 0});
+  MoeConfig cfg;
+  cfg.maxTokensPerRank = 257;
+  cfg.hidden = 256;
+  cfg.numExperts = 8;
+  cfg.topK = 2;
+  cfg.path = MoePath::kLatency;
+  try {
+    Engine::createAll(*comm, cfg);
+    ADD_FAILURE() << "maxTokensPerRank=257 on the latency path must be refused";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("path=kLatency needs maxTokensPerRank <= 256"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("maxTokensPerRank=257"), std::string::npos) << e.what();
+  }
+  cfg.maxTokensPerRank = 256;  // the limit itself is served by the latency path, and kAuto picks it
+  EXPECT_EQ(Engine::createAll(*comm, cfg)[0]->path(), MoePath::kLatency);
+  cfg.path = MoePath::kAuto;
+  EXPECT_EQ(Engine::createAll(*comm, cfg)[0]->path(), MoePath::kLatency);
+  cfg.maxTokensPerRank = 257;  // past it, kAuto falls back to the throughput path
+  EXPECT_EQ(Engine::createAll(*comm, cfg)[0]->path(), MoePath::kThroughput);
+}
+
+// Strict mode traps after counting, which kills the CUDA context: each case runs in a child
+// process (a death test, re-executed rather than forked, so no live context is inherited). The
+// child routes device printf to stderr, where the death test reads the engine's message.
+enum class StrictFault { kNone, kInvalidId, kOverflow, kClampedCount };
+
+void strictChild(MoePath path, StrictFault fault) {
+  dup2(STDERR_FILENO, STDOUT_FILENO);  // device printf goes through stdout
+  auto comm = createLocalGroup({0});
+  MoeConfig cfg;
+  cfg.maxTokensPerRank = 16;
+  cfg.hidden = 128;
+  cfg.numExperts = 8;
+  cfg.topK = 2;
+  cfg.path = path;
+  cfg.strict = true;
+  if (fault == StrictFault::kOverflow) cfg.recvCapacity = 5;  // 16 tokens x 2 slots arrive
+  auto engines = Engine::createAll(*comm, cfg);
+  GRAPHEP_CUDA_CHECK(cudaSetDevice(comm->device(0)));
+  void *x = nullptr, *idx = nullptr, *out = nullptr;
+  float* w = nullptr;
+  int* n = nullptr;
+  GRAPHEP_CUDA_CHECK(cudaMalloc(&x, 16 * 128 * 2));
+  GRAPHEP_CUDA_CHECK(cudaMemset(x, 0x3c, 16 * 128 * 2));  // every value bf16 0x3c3c (0.0115): finite
+  std::vector<int> ids(32);
+  for (int t = 0; t < 16; ++t) {  // two distinct valid experts per token
+    ids[static_cast<std::size_t>(2 * t)] = t % 8;
+    ids[static_cast<std::size_t>(2 * t + 1)] = (t + 1) % 8;
+  }
+  if (fault == StrictFault::kInvalidId) ids[7] = 999;  // token 3, slot 1
+  GRAPHEP_CUDA_CHECK(cudaMalloc(&idx, ids.size() * 4));
+  GRAPHEP_CUDA_CHECK(cudaMemcpy(idx, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
+  const std::vector<float> hw(32, 0.5f);
+  GRAPHEP_CUDA_CHECK(cudaMalloc(&w, 32 * 4));
+  GRAPHEP_CUDA_CHECK(cudaMemcpy(w, hw.data(), 32 * 4, cudaMemcpyHostToDevice));
+  const int live = fault == StrictFault::kClampedCount ? 99 : 16;
+  GRAPHEP_CUDA_CHECK(cudaMalloc(&n, 4));
+  GRAPHEP_CUDA_CHECK(cudaMemcpy(n, &live, 4, cudaMemcpyHostToDevice));
+  GRAPHEP_CUDA_CHECK(cudaMalloc(&out, 16 * 128 * 2));
+  DispatchArgs a;
+  a.x = x;
+  a.topkIdx = idx;
+  a.topkWeights = w;
+  a.numTokens = n;
+  CombineArgs ca;
+  ca.out = out;
+  // The trap surfaces at the synchronisation, or as a failed launch of a later kernel.
+  cudaError_t e = cudaSuccess;
+  try {
+    engines[0]->dispatch(a, nullptr);
+    e = cudaDeviceSynchronize();
+    if (e == cudaSuccess) {
+      engines[0]->combine(ca, nullptr);
+      e = cudaDeviceSynchronize();
+    }
+  } catch (const Error& err) {
+    std::fprintf(stderr, "strict child: %s\n", err.what());
+    e = cudaErrorLaunchFailure;
+  }
+  std::fflush(stdout);
+  if (e == cudaSuccess) {
+    std::fprintf(stderr, "strict child: no trap\n");
+    std::_Exit(0);
+  }
+  std::fprintf(stderr, "strict child: the device trapped (%s)\n", cudaGetErrorName(e));
+  std::_Exit(3);
+}
+
+TEST(Gpu1_MoeStrict, TrapsOnInvalidIdOverflowAndClampInAChild) {
+  GRAPHEP_REQUIRE_GPUS(1);
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  for (MoePath path : {MoePath::kLatency, MoePath::kThroughput}) {
+    SCOPED_TRACE(path == MoePath::kLatency ? "latency path" : "throughput path");
+    EXPECT_EXIT(strictChild(path, StrictFault::kNone), ::testing::ExitedWithCode(0), "no trap");
+    EXPECT_EXIT(strictChild(path, StrictFault::kInvalidId), ::testing::ExitedWithCode(3),
+                "topk_idx\\[3\\]\\[1\\] = 999 is outside \\[-1, 8\\) \\(strict mode\\)");
+    EXPECT_EXIT(strictChild(path, StrictFault::kOverflow), ::testing::ExitedWithCode(3),
+                "past the capacity of 5 rows \\(strict mode\\)");
+    EXPECT_EXIT(strictChild(path, StrictFault::kClampedCount), ::testing::ExitedWithCode(3),
+                "live token count 99 is outside \\[0, 16\\] \\(strict mode\\)");
+  }
 }
 
 }  // namespace

@@ -1,22 +1,53 @@
-// MoE dispatch / combine on 2 or more GPUs driven from one process (one rank per visible GPU),
-// against a CPU reference.
+// MoE dispatch / combine on 2 or more GPUs driven from one process, against a CPU reference: one
+// rank per visible GPU; four ranks per GPU (ranks with both same-GPU and NVLink peers); and every
+// peer forced remote over the caller's NCCL communicators. One test instance per (topology, case).
 #include <gtest/gtest.h>
-
 
 #include <graphep/graphep.hpp>
 
+#include <vector>
+
 #include "common/gpu_env.hpp"
 #include "common/moe_suite.hpp"
+#include "common/nccl_comms.hpp"
 #include "common/stress_suite.hpp"
 #include "engine/error.hpp"
 
 namespace graphep::test {
 namespace {
 
-TEST(Gpu2_Moe, LocalGroupCases) {
+// Four ranks on each visible GPU, in GPU order (0, 0, 0, 0, 1, 1, 1, 1, ...).
+std::vector<int> fourRanksPerGpu() {
+  std::vector<int> d;
+  for (int g : visibleGpus()) d.insert(d.end(), 4, g);
+  return d;
+}
+
+class Gpu2_Moe : public ::testing::TestWithParam<MoeCaseIndex> {};
+class Gpu2_MoeFourRanksPerGpu : public ::testing::TestWithParam<MoeCaseIndex> {};
+
+TEST_P(Gpu2_Moe, Case) {
   GRAPHEP_REQUIRE_GPUS(2);
   auto comm = createLocalGroup(visibleGpus());
-  for (const MoeCase& c : standardMoeCases(comm->worldSize(), true)) runMoeCase(*comm, c);
+  runMoeCaseAt(*comm, GetParam());
+}
+INSTANTIATE_TEST_SUITE_P(Moe, Gpu2_Moe, ::testing::ValuesIn(moeCaseIndices(MoeCaseList::kLarge)), MoeCaseIndexName());
+
+TEST_P(Gpu2_MoeFourRanksPerGpu, Case) {
+  GRAPHEP_REQUIRE_GPUS(2);
+  auto comm = createLocalGroup(fourRanksPerGpu());
+  runMoeCaseAt(*comm, GetParam());
+}
+INSTANTIATE_TEST_SUITE_P(Moe, Gpu2_MoeFourRanksPerGpu, ::testing::ValuesIn(moeCaseIndices(MoeCaseList::kSmall)),
+                         MoeCaseIndexName());
+INSTANTIATE_TEST_SUITE_P(Mixed, Gpu2_MoeFourRanksPerGpu,
+                         ::testing::ValuesIn(moeCaseIndices(MoeCaseList::kMixedPlacement)), MoeCaseIndexName());
+
+TEST(Gpu2_MoeFourRanksPerGpu, GraphsBothPaths) {
+  GRAPHEP_REQUIRE_GPUS(2);
+  auto comm = createLocalGroup(fourRanksPerGpu());
+  runMoeGraphSuite(*comm, MoePath::kAuto, 24);
+  runMoeGraphSuite(*comm, MoePath::kThroughput, 16);
 }
 
 // Misuse on 2 GPUs, plus a pointer on the other rank's GPU.
@@ -28,7 +59,7 @@ TEST(Gpu2_Moe, MisuseAndWrongDevice) {
   MoeConfig cfg;
   cfg.maxTokensPerRank = 16;
   cfg.hidden = 256;
-  cfg.numExperts = 4;
+  cfg.numExperts = 4 * comm->worldSize();
   cfg.topK = 2;
   auto engines = Engine::createAll(*comm, cfg);
   void* onGpu1 = nullptr;
@@ -46,6 +77,13 @@ TEST(Gpu2_Moe, MisuseAndWrongDevice) {
         << e.what();
   }
   GRAPHEP_CUDA_CHECK(cudaFree(onGpu1));
+}
+
+TEST(Gpu2_MoeOverflow, BothPaths) {
+  GRAPHEP_REQUIRE_GPUS(2);
+  auto comm = createLocalGroup(visibleGpus());
+  runMoeOverflow(*comm, MoePath::kLatency);
+  runMoeOverflow(*comm, MoePath::kThroughput);
 }
 
 TEST(Gpu2_MoeFaults, MissingRankWatchdogAndGraphLifetime) {
@@ -75,6 +113,67 @@ TEST(Gpu2_MoeStress, LocalGroupBothPaths) {
   GRAPHEP_REQUIRE_GPUS(2);
   auto comm = createLocalGroup(visibleGpus());
   runMoeStressStandard(*comm);
+}
+
+// Every peer forced remote, in one process over the caller's NCCL communicators (one rank per
+// GPU): the throughput path carries counts, records and partials through NCCL. The graph suite
+// (capture, replays, every graph kind) and the cases with drops, alignment, duplicates, invalid
+// ids and replays; the latency path refused by name.
+class Gpu2_MoeRemote : public ::testing::TestWithParam<MoeCaseIndex> {};
+
+TEST_P(Gpu2_MoeRemote, Case) {
+  GRAPHEP_REQUIRE_GPUS(2);
+  ScopedEnv force("GRAPHEP_FORCE_TRANSPORT", "remote");
+  CallerNcclComms nccl(visibleGpus());
+  ASSERT_NE(nccl.comms[0], nullptr) << "ncclCommInitAll failed";
+  auto comm = adoptNcclComms(nccl.comms);
+  runMoeCaseAt(*comm, GetParam());
+}
+
+std::vector<MoeCaseIndex> remoteCases() {
+  std::vector<MoeCaseIndex> out;
+  for (const MoeCaseIndex& i : moeCaseIndices(MoeCaseList::kSmall)) {
+    for (const char* name : {"uniform_varying_T_auto", "fp8_int64_auto", "skewed_throughput", "invalid_ids_auto",
+                             "aligned_auto", "overflow_aligned_throughput", "overflow_auto", "duplicates_auto",
+                             "graph_replays_auto", "graph_replays_overflow_throughput"}) {
+      if (i.name == name) out.push_back(i);
+    }
+  }
+  return out;
+}
+INSTANTIATE_TEST_SUITE_P(Moe, Gpu2_MoeRemote, ::testing::ValuesIn(remoteCases()), MoeCaseIndexName());
+
+TEST(Gpu2_MoeRemote, GraphSuite) {
+  GRAPHEP_REQUIRE_GPUS(2);
+  ScopedEnv force("GRAPHEP_FORCE_TRANSPORT", "remote");
+  CallerNcclComms nccl(visibleGpus());
+  ASSERT_NE(nccl.comms[0], nullptr) << "ncclCommInitAll failed";
+  auto comm = adoptNcclComms(nccl.comms);
+  runMoeGraphSuite(*comm, MoePath::kAuto, 24);  // kAuto: the throughput path, every peer remote
+}
+
+TEST(Gpu2_MoeRemote, LatencyPathRefusedByName) {
+  GRAPHEP_REQUIRE_GPUS(2);
+  ScopedEnv force("GRAPHEP_FORCE_TRANSPORT", "remote");
+  CallerNcclComms nccl(visibleGpus());
+  ASSERT_NE(nccl.comms[0], nullptr) << "ncclCommInitAll failed";
+  auto comm = adoptNcclComms(nccl.comms);
+  MoeConfig cfg;
+  cfg.maxTokensPerRank = 32;
+  cfg.hidden = 256;
+  cfg.numExperts = 4 * comm->worldSize();
+  cfg.topK = 2;
+  cfg.path = MoePath::kLatency;
+  try {
+    Engine::createAll(*comm, cfg);
+    ADD_FAILURE() << "the latency path must be refused when peers are reached only through NCCL";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::kNotSupported);
+    EXPECT_NE(std::string(e.what()).find("path=kLatency needs load/store access to every peer"), std::string::npos)
+        << e.what();
+  }
+  cfg.path = MoePath::kAuto;
+  EXPECT_EQ(Engine::createAll(*comm, cfg)[0]->path(), MoePath::kThroughput);
 }
 
 }  // namespace
