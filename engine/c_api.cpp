@@ -4,6 +4,8 @@
 
 #include <graphep/graphep.hpp>
 
+#include <algorithm>
+#include <cstddef>
 #include <cstring>
 #include <exception>
 #include <memory>
@@ -53,18 +55,39 @@ void requireNonNull(const T* p, const char* what) {
   GRAPHEP_REQUIRE(p != nullptr, graphep::Status::kInvalidArgument, "%s is NULL", what);
 }
 
-// A versioned struct from the caller: its size must cover at least version 1's fields; fields a
-// newer caller appended are ignored.
+// The size of each versioned struct's first version: a caller's struct_size must cover at least
+// that much. A struct grows only at its end (graphep.h), so the fields up to a caller's size are
+// the same in every version.
+template <class T>
+constexpr std::size_t kFirstVersionSize = sizeof(T);  // structs that have not grown since version 1
+template <>
+constexpr std::size_t kFirstVersionSize<graphep_layout_t> = offsetof(graphep_layout_t, expert_dropped);
+static_assert(sizeof(void*) != 8 || kFirstVersionSize<graphep_layout_t> == 120,
+              "graphep_layout_t's version-1 fields moved: the struct may only grow at its end");
+
+// The fields of a caller's versioned struct that its struct_size covers (an older caller's struct
+// is shorter; a newer caller's extra fields are ignored); fields past it read 0, so a field added
+// to an input struct must mean "as before" when 0.
 template <class T>
 T readVersioned(const T* in, const char* what) {
   requireNonNull(in, what);
-  GRAPHEP_REQUIRE(in->struct_size >= sizeof(T), graphep::Status::kInvalidArgument,
-                  "%s->struct_size=%zu is smaller than version %d's %zu bytes (initialise it with the "
-                  "GRAPHEP_*_INIT macro)",
-                  what, in->struct_size, GRAPHEP_C_API_VERSION, sizeof(T));
-  T out;
-  std::memcpy(&out, in, sizeof(T));
+  GRAPHEP_REQUIRE(in->struct_size >= kFirstVersionSize<T>, graphep::Status::kInvalidArgument,
+                  "%s->struct_size=%zu is smaller than the first version's %zu bytes (initialise it with "
+                  "the GRAPHEP_*_INIT macro)",
+                  what, in->struct_size, kFirstVersionSize<T>);
+  T out{};
+  std::memcpy(&out, in, std::min(in->struct_size, sizeof(T)));
   return out;
+}
+
+// Writes an output struct into the caller's: only the bytes its struct_size covers (an older
+// caller's struct is shorter; a newer caller's extra fields are left as they were), and
+// struct_size set to the bytes written. The caller's size was checked by readVersioned.
+template <class T>
+void writeVersioned(T* dst, T v) {
+  const std::size_t n = std::min(dst->struct_size, sizeof(T));
+  v.struct_size = n;
+  std::memcpy(dst, &v, n);
 }
 
 graphep::Engine& engineOf(graphep_engine_t e) {
@@ -191,7 +214,6 @@ graphep_status_t graphep_engine_layout(graphep_engine_t engine, graphep_layout_t
     const graphep::DispatchLayout& v = engineOf(engine).layout();
     (void)readVersioned(layout, "layout");
     graphep_layout_t o{};
-    o.struct_size = sizeof(o);
     o.recv_x = v.recvX;
     o.recv_scales = v.recvScales;
     o.expert_offsets = v.expertOffsets;
@@ -207,7 +229,15 @@ graphep_status_t graphep_engine_layout(graphep_engine_t engine, graphep_layout_t
     o.hidden = v.hidden;
     o.num_local_experts = v.numLocalExperts;
     o.first_local_expert = v.firstLocalExpert;
-    std::memcpy(layout, &o, sizeof(o));  // a newer caller's extra fields are left as they were
+    o.expert_dropped = v.expertDropped;
+    writeVersioned(layout, o);
+  });
+}
+
+graphep_status_t graphep_engine_path(graphep_engine_t engine, int* path) {
+  return guarded([&] {
+    requireNonNull(path, "path");
+    *path = static_cast<int>(engineOf(engine).path());
   });
 }
 
@@ -224,7 +254,6 @@ graphep_status_t graphep_engine_status(graphep_engine_t engine, graphep_moe_stat
     (void)readVersioned(status, "status");
     const graphep::MoeStatus s = engineOf(engine).status();
     graphep_moe_status_t o{};
-    o.struct_size = sizeof(o);
     o.invalid_expert_ids = s.invalidExpertIds;
     o.dropped_rows = s.droppedRows;
     o.clamped_token_counts = s.clampedTokenCounts;
@@ -236,7 +265,7 @@ graphep_status_t graphep_engine_status(graphep_engine_t engine, graphep_moe_stat
     o.unpaired_dispatches = s.unpairedDispatches;
     o.unpaired_combines = s.unpairedCombines;
     if (!s.deviceError.empty()) lastError = s.deviceError;
-    std::memcpy(status, &o, sizeof(o));
+    writeVersioned(status, o);
   });
 }
 

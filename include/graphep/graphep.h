@@ -4,6 +4,12 @@
  * failure, leaves a message naming the offending value in graphep_last_error() (per thread). No
  * C++ type or exception crosses this boundary.
  *
+ * Versioning: a struct only ever grows at its end. A caller built against an older header passes
+ * its smaller struct_size and keeps working: the library reads (or, for the layout and the status,
+ * writes) only the fields that size covers; an input field it does not cover reads as 0, which
+ * means "as before". GRAPHEP_C_API_VERSION counts the additions: test it (#if) before using a newer
+ * field or call.
+ *
  * Lifetimes: destroy graphs before their engine and engines before their communicator. Engines of
  * one communicator are created together (graphep_engine_create_all is collective over it). */
 #ifndef GRAPHEP_GRAPHEP_H
@@ -18,7 +24,9 @@
 extern "C" {
 #endif
 
-#define GRAPHEP_C_API_VERSION 1
+/* 1: the first ABI. 2: graphep_layout_t.expert_dropped, graphep_engine_path; the layout describes
+ * only the rows kept when more rows arrive than recv_capacity (see graphep_layout_t). */
+#define GRAPHEP_C_API_VERSION 2
 
 /* Mirrors graphep::Status (include/graphep/status.hpp). */
 typedef enum graphep_status {
@@ -82,26 +90,45 @@ typedef struct graphep_combine_args {
 } graphep_combine_args_t;
 #define GRAPHEP_COMBINE_ARGS_INIT { sizeof(graphep_combine_args_t), NULL, NULL }
 
-/* graphep::DispatchLayout: engine-owned device memory, fixed for the engine's life. */
+/* graphep::DispatchLayout: engine-owned device memory, fixed for the engine's life; the contents
+ * are those of the last dispatch, valid until the next one. E_local = num_local_experts.
+ *
+ *   recv_x rows:  [ expert 0 | pad | expert 1 | pad | ... | expert E_local-1 ]  unused to capacity
+ *                 ^offsets[0]=0    ^offsets[1]                                ^offsets[E_local]
+ *
+ * Expert j's rows are [expert_offsets[j], expert_offsets[j] + expert_counts[j]), each expert's
+ * first row at a multiple of expert_alignment; within an expert, rows come in (source rank, source
+ * token, top-k slot) order. Padding rows and rows past expert_offsets[E_local] are never written.
+ * When more rows arrive than the capacity, the excess is dropped (and counted in the status'
+ * dropped_rows): the layout describes only the rows kept, which are the first ones of each expert
+ * in that order, so the rows dropped are the last ones of the last experts. Then expert_offsets[j]
+ * is the aligned offset clamped to the capacity, expert_counts[j] counts expert j's kept rows,
+ * expert_dropped[j] its dropped rows, offsets[j] + counts[j] <= capacity, expert_offsets[E_local]
+ * <= capacity and num_recv_rows (the sum of expert_counts) <= capacity. combine() ignores dropped
+ * rows: a token's slot routed to a dropped row adds nothing to its output. */
 typedef struct graphep_layout {
-  size_t struct_size;
-  void* recv_x;
-  float* recv_scales;
-  const int* expert_offsets;
-  const int* expert_counts;
-  const int* row_src_rank;
-  const int* row_src_token;
-  const int* row_topk_slot;
-  const float* row_weight;
-  const int* num_recv_rows;
+  size_t struct_size;          /* on return: the bytes filled, min(struct_size, sizeof) */
+  void* recv_x;                /* [capacity, hidden] bf16, or e4m3 bytes for fp8 dispatch */
+  float* recv_scales;          /* fp8: [capacity, hidden / 128], a scale per 128 values; bf16: NULL */
+  const int* expert_offsets;   /* [E_local + 1] */
+  const int* expert_counts;    /* [E_local]: rows of local expert j kept */
+  const int* row_src_rank;     /* [capacity]: per kept row, its source rank */
+  const int* row_src_token;    /* [capacity]: ... the token on that rank */
+  const int* row_topk_slot;    /* [capacity]: ... the top-k slot of that token */
+  const float* row_weight;     /* [capacity]: ... the slot's top-k weight */
+  const int* num_recv_rows;    /* device scalar: rows kept, padding excluded */
+  /* [E_local]: rows routed to local expert j (kept or dropped) since the engine was created. */
   const unsigned long long* expert_totals;
-  void* expert_output;
-  long long capacity;
+  void* expert_output;         /* [capacity, hidden] bf16, where experts may write for combine */
+  long long capacity;          /* rows */
   int hidden;
   int num_local_experts;
-  int first_local_expert;
+  int first_local_expert;      /* global id of local expert 0 */
+  /* Version 2. */
+  const int* expert_dropped;   /* [E_local]: rows of local expert j the last dispatch dropped */
 } graphep_layout_t;
-#define GRAPHEP_LAYOUT_INIT { sizeof(graphep_layout_t) }
+#define GRAPHEP_LAYOUT_INIT \
+  { sizeof(graphep_layout_t), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0, 0, 0, 0, NULL }
 
 /* graphep::MoeStatus (the device error, if any, is in graphep_last_error() after the call). */
 typedef struct graphep_moe_status {
@@ -117,7 +144,7 @@ typedef struct graphep_moe_status {
   unsigned long long unpaired_dispatches;
   unsigned long long unpaired_combines;
 } graphep_moe_status_t;
-#define GRAPHEP_MOE_STATUS_INIT { sizeof(graphep_moe_status_t) }
+#define GRAPHEP_MOE_STATUS_INIT { sizeof(graphep_moe_status_t), 0, 0, 0, 0, -1, -1, 0, 0, 0, 0 }
 
 /* Library. */
 const char* graphep_version(void);
@@ -139,6 +166,10 @@ graphep_status_t graphep_engine_create_all(graphep_comm_t comm, const graphep_mo
                                            graphep_engine_t* engines, int count);
 graphep_status_t graphep_engine_destroy(graphep_engine_t engine);
 graphep_status_t graphep_engine_layout(graphep_engine_t engine, graphep_layout_t* layout);
+/* The path chosen at setup (a graphep_path_t, never GRAPHEP_PATH_AUTO: AUTO resolves to LATENCY
+ * when max_tokens_per_rank <= 256 and every peer has load/store access, else THROUGHPUT). Host
+ * only, not collective. Version 2. */
+graphep_status_t graphep_engine_path(graphep_engine_t engine, int* path);
 /* Capturable; every rank must call them. */
 graphep_status_t graphep_dispatch(graphep_engine_t engine, const graphep_dispatch_args_t* args, cudaStream_t stream);
 graphep_status_t graphep_combine(graphep_engine_t engine, const graphep_combine_args_t* args, cudaStream_t stream);

@@ -32,6 +32,18 @@ TEST(Unit_CApi, ErrorsAreNamedStatusesPerThread) {
   EXPECT_EQ(graphep_graph_launch(nullptr, nullptr), GRAPHEP_INVALID_ARGUMENT);
   EXPECT_NE(std::string(graphep_last_error()).find("graph is NULL"), std::string::npos);
 
+  // graphep_engine_path (version 2): each NULL named, the output left alone on failure.
+  EXPECT_GE(GRAPHEP_C_API_VERSION, 2);
+  int path = -7;
+  EXPECT_EQ(graphep_engine_path(nullptr, &path), GRAPHEP_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(graphep_last_error()).find("engine is NULL"), std::string::npos) << graphep_last_error();
+  EXPECT_EQ(path, -7);
+  EXPECT_EQ(graphep_engine_path(nullptr, nullptr), GRAPHEP_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(graphep_last_error()).find("path is NULL"), std::string::npos) << graphep_last_error();
+  graphep_layout_t layout = GRAPHEP_LAYOUT_INIT;
+  EXPECT_EQ(graphep_engine_layout(nullptr, &layout), GRAPHEP_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(graphep_last_error()).find("engine is NULL"), std::string::npos);
+
   // The last error belongs to the thread that failed.
   std::string other = "unset";
   std::thread([&] { other = graphep_last_error(); }).join();
