@@ -7,6 +7,12 @@
 #   scripts/gpu-check.sh LOG_DIR [BUILD_DIR]
 #
 # Reuses BUILD_DIR (default build-gpu) when it exists, so a warm machine rebuilds incrementally.
+#
+# A skip must not pass for a green run: GRAPHEP_EXPECT_GPUS is set to the GPU count nvidia-smi
+# lists, so that a test needing at most that many GPUs fails instead of skipping when it cannot
+# use them (a broken driver, a hidden GPU; tests/common/gpu_env.hpp). Every skip is listed after
+# the tests with its reason, and one of a test whose name says it needs at most the GPUs present
+# (Gpu<k>_*, Mpi_*.np<k>) fails the run.
 set -uo pipefail
 out=${1:?usage: scripts/gpu-check.sh LOG_DIR [BUILD_DIR]}
 build=${2:-build-gpu}
@@ -21,6 +27,11 @@ status=0
 step() { echo "== $1"; }
 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)  # mpirun runs one process per GPU (at least 2)
 np=$((ngpu > 2 ? ngpu : 2))
+export GRAPHEP_EXPECT_GPUS=$ngpu
+if [ "$ngpu" -eq 0 ]; then
+  echo "nvidia-smi lists no GPU: every GPU test would skip (this run fails)"
+  status=1
+fi
 
 step "machine"
 { date -u; echo "tree $(scripts/tree-hash.sh) (scripts/tree-hash.sh; compare on the commit)"; nvidia-smi; nvidia-smi topo -m; } >"$out/machine.log" 2>&1
@@ -45,6 +56,25 @@ timeout -s INT ${GRAPHEP_CTEST_BUDGET:-330} \
   ctest --test-dir "$build" --output-on-failure --timeout 75 ${GRAPHEP_CTEST_ARGS:-} \
   >"$out/ctest.log" 2>&1 || status=1
 grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|\(Skipped\)|Not Run" "$out/ctest.log" | head -60
+# Every skip with its reason: a gtest case's message (the first line after "file:line: Skipped"
+# that is not gtest's, the ranks of an mpirun interleaving theirs), or a program's "SKIP: ..." line;
+# one line per ctest entry and reason, from ctest's full log.
+sed 's/\x1b\[[0-9;]*m//g' "$build/Testing/Temporary/LastTest.log" 2>/dev/null | awk '
+  /^ *[0-9]+\/[0-9]+ Test: / { name = $3; reason = 0 }
+  reason && !/^\[/ && !/: Skipped$/ { print "  " name ": " $0; reason = 0; next }
+  /: Skipped$/ { reason = 1 }
+  /^SKIP: / { print "  " name ": " substr($0, 7) }' | sort -u >"$out/skips.log"
+if [ -s "$out/skips.log" ]; then
+  echo "skips ($(wc -l <"$out/skips.log") entry/reason pairs; GRAPHEP_EXPECT_GPUS=$ngpu):"
+  head -40 "$out/skips.log"
+fi
+for t in $(sed -nE 's/^[[:space:]]*[0-9]+ - ([^ ]+) .*\(Skipped\)$/\1/p' "$out/ctest.log"); do
+  need=$(echo "$t" | sed -nE 's/^(.*\/)?Gpu([0-9]+)_.*/\2/p; s/^Mpi_.*\.np([0-9]+)$/\1/p')
+  if [ -n "$need" ] && [ "$need" -le "$ngpu" ]; then
+    echo "$t skipped, needing $need of the $ngpu GPUs here"
+    status=1
+  fi
+done
 
 # GRAPHEP_STRESS=N: the MoeGraph replay stress at N replays (4 and 8 emulated ranks, every GPU in
 # one process, one process per GPU), its per-rank summary lines kept in stress.log.
@@ -52,8 +82,9 @@ if [ -n "${GRAPHEP_STRESS:-}" ]; then
   step "stress: $GRAPHEP_STRESS MoeGraph replays per configuration"
   {
     GRAPHEP_STRESS_REPLAYS=$GRAPHEP_STRESS "$build/tests/graphep_gpu_tests" --gtest_filter='*MoeStress*'
-    if command -v mpirun >/dev/null && [ -x "$build/tests/graphep_mpi_tests" ]; then
+    if [ "$ngpu" -ge 2 ] && command -v mpirun >/dev/null && [ -x "$build/tests/graphep_mpi_tests" ]; then
       mpirun --allow-run-as-root --oversubscribe -np $np -x GRAPHEP_STRESS_REPLAYS=$GRAPHEP_STRESS -x NCCL_NVLS_ENABLE \
+        -x GRAPHEP_EXPECT_GPUS \
         "$build/tests/graphep_mpi_tests" --gtest_filter='Mpi_MoeStress*'
     fi
   } >"$out/stress.log" 2>&1 || { echo "stress failed (rc=$?)"; status=1; }
@@ -83,7 +114,7 @@ if [ -n "${GRAPHEP_SANITIZER:-}" ] && command -v compute-sanitizer >/dev/null; t
         # racecheck is the slowest tool: the mover replay test runs 200 replays per variant under it
         # (GRAPHEP_TEST_REPLAYS), the others their full count.
         reps=""; extra=""; [ "$tool" = racecheck ] && reps=200 extra=${GRAPHEP_RACECHECK_ARGS:-}
-        CUDA_VISIBLE_DEVICES=$gpu GRAPHEP_TIMEOUT_MS=60000 GRAPHEP_TEST_REPLAYS=$reps timeout -s INT $left \
+        CUDA_VISIBLE_DEVICES=$gpu GRAPHEP_EXPECT_GPUS=1 GRAPHEP_TIMEOUT_MS=60000 GRAPHEP_TEST_REPLAYS=$reps timeout -s INT $left \
           compute-sanitizer --tool $tool --error-exitcode 86 --print-limit 20 $extra \
           "$build/tests/graphep_gpu_tests" --gtest_filter="$t" >"$log" 2>&1
         rc=$?

@@ -1,14 +1,71 @@
-// Skipping GPU tests with a reason when the hardware is missing.
+// Skipping GPU tests with a reason when the hardware is missing, and failing them instead when the
+// machine is known to have it.
+//
+// GRAPHEP_EXPECT_GPUS=N (a test variable, not the library's: scripts/gpu-check.sh sets it to the
+// GPU count nvidia-smi lists) says this machine has N usable GPUs. A test that needs n GPUs:
+//
+//   found >= n                      run
+//   variable unset or empty         skip, naming n, the count found and the CUDA error (CI: no GPU)
+//   variable set, n <= N, found < n FAIL, naming the same: a broken driver or a hidden GPU must not
+//                                   pass as a skip
+//   variable set, n > N             skip (e.g. a 4-GPU test on a 2-GPU machine)
+//   variable not a count 0..4096    FAIL, naming the value (whatever the GPUs)
 #pragma once
 
 #include <gtest/gtest.h>
 
+#include <cerrno>
 #include <cstdlib>
+#include <graphep/graphep.hpp>
+#include <string>
 #include <vector>
 
-#include <graphep/graphep.hpp>
-
 namespace graphep::test {
+
+inline constexpr const char* kExpectGpusVar = "GRAPHEP_EXPECT_GPUS";
+
+// Ordered so that the worst over several ranks is the maximum (MPI_MAX in the MPI tests).
+enum class GpuVerdict : int { kRun = 0, kSkip = 1, kFail = 2 };
+
+struct GpuRequirement {
+  GpuVerdict verdict;
+  std::string reason;  // empty for kRun
+};
+
+// The rule above as a pure function. `needed`: GPUs the test needs; `found`, `cudaReason`: what
+// cudaDeviceCountOrZero returned and its reason (nullptr when none); `expectEnv`: the value of
+// GRAPHEP_EXPECT_GPUS (nullptr when unset).
+inline GpuRequirement gpuRequirement(int needed, int found, const char* cudaReason,
+                                     const char* expectEnv) {
+  std::string seen = "needs " + std::to_string(needed) + " GPU(s), found " + std::to_string(found);
+  if (cudaReason != nullptr && *cudaReason != '\0') seen += std::string(" (") + cudaReason + ")";
+  const bool set = expectEnv != nullptr && *expectEnv != '\0';
+  long expected = 0;
+  if (set) {
+    char* end = nullptr;
+    errno = 0;
+    expected = std::strtol(expectEnv, &end, 10);
+    if (end == expectEnv || *end != '\0' || errno != 0 || expected < 0 || expected > 4096) {
+      return {GpuVerdict::kFail, std::string(kExpectGpusVar) + "='" + expectEnv +
+                                     "' is not a GPU count (an integer 0..4096)"};
+    }
+  }
+  if (found >= needed) return {GpuVerdict::kRun, {}};
+  if (!set) return {GpuVerdict::kSkip, seen};
+  const std::string says = std::string(kExpectGpusVar) + "=" + std::to_string(expected);
+  if (needed <= expected) {
+    return {GpuVerdict::kFail,
+            seen + ", but " + says + ": a GPU this machine has is missing or unusable"};
+  }
+  return {GpuVerdict::kSkip, seen + " (" + says + ")"};
+}
+
+// The rule for this process: counts the visible GPUs and reads GRAPHEP_EXPECT_GPUS.
+inline GpuRequirement gpuRequirement(int needed) {
+  const char* why = nullptr;
+  const int found = ::graphep::cudaDeviceCountOrZero(&why);
+  return gpuRequirement(needed, found, why, std::getenv(kExpectGpusVar));
+}
 
 // A replay count from the environment variable `var` when set to a positive number, else
 // `fallback` (GRAPHEP_STRESS_REPLAYS: the MoeGraph stress; GRAPHEP_TEST_REPLAYS: the mover replay
@@ -28,12 +85,13 @@ inline std::vector<int> visibleGpus() {
 
 }  // namespace graphep::test
 
+// Runs the rest of the test (or SetUp) only with `n` GPUs; else skips or fails it by the rule
+// above.
 #define GRAPHEP_REQUIRE_GPUS(n)                                                            \
   do {                                                                                     \
-    const char* graphepReason = nullptr;                                                   \
-    const int graphepCount = ::graphep::cudaDeviceCountOrZero(&graphepReason);             \
-    if (graphepCount < (n)) {                                                              \
-      GTEST_SKIP() << "needs " << (n) << " GPU(s), found " << graphepCount                 \
-                   << (graphepReason ? std::string(" (") + graphepReason + ")" : std::string()); \
-    }                                                                                      \
+    const ::graphep::test::GpuRequirement graphepReq = ::graphep::test::gpuRequirement(n); \
+    if (graphepReq.verdict == ::graphep::test::GpuVerdict::kFail)                          \
+      GTEST_FAIL() << graphepReq.reason;                                                   \
+    if (graphepReq.verdict == ::graphep::test::GpuVerdict::kSkip)                          \
+      GTEST_SKIP() << graphepReq.reason;                                                   \
   } while (0)

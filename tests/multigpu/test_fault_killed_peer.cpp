@@ -1,31 +1,45 @@
 // A process killed mid-replay: two processes (this one forks before touching CUDA), one GPU each,
 // bootstrapped over NCCL from a unique id passed through a pipe. Both build a MoeGraph and replay
-// it with checks. The expert slot holds a host node that stalls when asked to; for its last
-// replay the child asks, so it is killed (SIGKILL) between its dispatch and its combine, with the
-// replay in flight. The survivor's replay must end within the device timeout: it finds the error
-// naming the dead peer, the engine refuses new work, and the survivor tears down and exits 0. No
-// mpirun: mpirun would take the whole job down with the dead process.
+// it, each replay with new inputs into poisoned outputs, every output checked. The expert slot
+// holds a host node that stalls when asked to; for its last replay the child asks, so it is killed
+// (SIGKILL) between its dispatch and its combine, with the replay in flight. The survivor's replay
+// must end within the device timeout: it finds the error naming the dead peer, the engine refuses
+// new work, and the survivor tears down and exits 0. No mpirun: mpirun would take the whole job
+// down with the dead process.
 //
-// Exit code 0: as described; 1: a check failed; 77: fewer than 2 GPUs.
+// Exit code 0: as described; 1: a check failed, or fewer than 2 GPUs where GRAPHEP_EXPECT_GPUS says
+// there are 2 or more (common/gpu_env.hpp); 77: fewer than 2 GPUs otherwise (skipped).
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <nccl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include <graphep/graphep.hpp>
 
+#include "common/gpu_env.hpp"
+
 namespace {
 
 constexpr int kTokens = 32, kHidden = 256, kTopK = 2, kReplaysBeforeKill = 5;
+constexpr unsigned char kPoison = 0xff;  // 0xffff: a bf16 NaN, which no correct output is
+
+// bf16 of a small integer (exact): the high half of its float.
+unsigned short bf16(float f) {
+  unsigned u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<unsigned short>(u >> 16);
+}
 
 // Read by the expert slot's host node: when set, the replay stalls there (after dispatch, before
 // combine) long enough for the process to be killed inside it.
@@ -51,8 +65,9 @@ int run(int rank, const ncclUniqueId& id) {
     cfg.numExperts = 4;
     cfg.topK = kTopK;
     auto engine = graphep::Engine::create(*comm, cfg);
-    // Inputs: every token to experts 0 and 2 (one on each rank), weights 1 and 1, x = 1.0.
-    std::vector<unsigned short> x(static_cast<std::size_t>(kTokens) * kHidden, 0x3f80);  // bf16 1.0
+    // Inputs: every token to experts 0 and 2 (one on each rank), weights 1 and 1; x = i + 1 in
+    // replay i (set before each replay).
+    std::vector<unsigned short> x(static_cast<std::size_t>(kTokens) * kHidden);
     std::vector<int> ids(static_cast<std::size_t>(kTokens) * kTopK);
     std::vector<float> w(ids.size(), 1.0f);
     for (int t = 0; t < kTokens; ++t) {
@@ -65,7 +80,6 @@ int run(int rank, const ncclUniqueId& id) {
     cudaMalloc(&dw, w.size() * 4);
     cudaMalloc(&dn, 4);
     cudaMalloc(&dout, x.size() * 2);
-    cudaMemcpy(dx, x.data(), x.size() * 2, cudaMemcpyHostToDevice);
     cudaMemcpy(dids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice);
     cudaMemcpy(dw, w.data(), w.size() * 4, cudaMemcpyHostToDevice);
     cudaMemcpy(dn, &kTokens, 4, cudaMemcpyHostToDevice);
@@ -77,27 +91,46 @@ int run(int rank, const ncclUniqueId& id) {
     args.dispatch.topkWeights = static_cast<const float*>(dw);
     args.dispatch.numTokens = static_cast<const int*>(dn);
     args.out = dout;
-    // The identity expert: out[t] = (1 + 1) * x[t] = 2.0 everywhere; then the host node.
+    // The identity expert: out[t] = (1 + 1) * x[t] = 2 (i + 1) everywhere; then the host node.
     auto graph = graphep::MoeGraph::capture(*engine, args, [](const graphep::DispatchLayout& v, cudaStream_t st) {
       cudaMemcpyAsync(v.expertOutput, v.recvX, static_cast<std::size_t>(v.capacity) * v.hidden * 2,
                       cudaMemcpyDeviceToDevice, st);
       cudaLaunchHostFunc(st, expertHostNode, nullptr);
     });
+    // Every replay: new inputs, outputs poisoned (stream-ordered before the replay).
+    auto prepare = [&](int i) {
+      std::fill(x.begin(), x.end(), bf16(static_cast<float>(i + 1)));
+      cudaMemcpyAsync(dx, x.data(), x.size() * 2, cudaMemcpyHostToDevice, s);
+      cudaMemsetAsync(dout, kPoison, x.size() * 2, s);
+    };
     std::vector<unsigned short> out(x.size());
     for (int i = 0; i < kReplaysBeforeKill; ++i) {
+      const std::string replay = "replay " + std::to_string(i);
+      prepare(i);
       graph->launch(s);
-      if (cudaStreamSynchronize(s) != cudaSuccess) return fail(who, "replay " + std::to_string(i) + " failed");
+      if (cudaStreamSynchronize(s) != cudaSuccess) return fail(who, replay + " failed");
       cudaMemcpy(out.data(), dout, out.size() * 2, cudaMemcpyDeviceToHost);
-      for (unsigned short v : out) {
-        if (v != 0x4000) return fail(who, "replay " + std::to_string(i) + ": an output is not 2.0");  // bf16 2.0
+      const unsigned short want = bf16(2.0f * static_cast<float>(i + 1));
+      long long wrong = 0, first = -1;
+      for (std::size_t e = 0; e < out.size(); ++e) {
+        if (out[e] != want && wrong++ == 0) first = static_cast<long long>(e);
+      }
+      if (wrong != 0) {
+        char what[160];
+        std::snprintf(what, sizeof(what), "%s: %lld of %zu outputs wrong (first [%lld] = 0x%04x, want 0x%04x)",
+                      replay.c_str(), wrong, out.size(), first, out[static_cast<std::size_t>(first)],
+                      want);
+        return fail(who, what);
       }
     }
     if (rank == 1) {  // the victim: one more replay, killed inside its expert slot
       gStallInExpert.store(true);
+      prepare(kReplaysBeforeKill);
       graph->launch(s);
       std::this_thread::sleep_for(std::chrono::milliseconds(200));  // dispatch done, stalled
       ::kill(::getpid(), SIGKILL);
     }
+    prepare(kReplaysBeforeKill);  // the outputs of this replay are not checked: it ends in an error
     const auto t0 = std::chrono::steady_clock::now();
     graph->launch(s);
     const cudaError_t e = cudaStreamSynchronize(s);  // bounded: every device wait is
@@ -138,11 +171,12 @@ int main() {
     ::_exit(run(1, id));
   }
   ::close(fds[0]);
-  const char* why = nullptr;
-  if (graphep::cudaDeviceCountOrZero(&why) < 2) {
+  const graphep::test::GpuRequirement req = graphep::test::gpuRequirement(2);
+  if (req.verdict != graphep::test::GpuVerdict::kRun) {
     ::close(fds[1]);  // the child reads nothing and exits 77
     ::waitpid(child, nullptr, 0);
-    std::printf("SKIP: a killed-peer test needs 2 GPUs (%s)\n", why != nullptr ? why : "fewer than 2 present");
+    if (req.verdict == graphep::test::GpuVerdict::kFail) return fail("killed-peer test", req.reason);
+    std::printf("SKIP: the killed-peer test %s\n", req.reason.c_str());
     return 77;
   }
   ncclUniqueId id;

@@ -5,6 +5,7 @@
 
 #include <graphep/graphep.hpp>
 
+#include "common/gpu_env.hpp"
 #include "common/moe_suite.hpp"
 #include "common/stress_suite.hpp"
 #include "common/mover_cases.hpp"
@@ -22,15 +23,21 @@ int worldSize() {
   return n;
 }
 
-// Skips (identically on every rank) unless there are 2+ processes and each has a GPU.
-#define GRAPHEP_REQUIRE_MPI_GPUS()                                                           \
-  do {                                                                                       \
-    const char* reason = nullptr;                                                            \
-    int ok = ::graphep::cudaDeviceCountOrZero(&reason) >= worldSize() ? 1 : 0, all = 0;               \
-    MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);                           \
-    if (worldSize() < 2) GTEST_SKIP() << "needs mpirun -np 2 or more";                       \
-    if (!all) GTEST_SKIP() << "needs one GPU per process (distinct GPUs)" << (reason ? " (" : "")        \
-                           << (reason ? reason : "") << (reason ? ")" : "");                 \
+// Runs the rest of the test only with 2+ processes and a GPU for each; else skips it, or fails it
+// where GRAPHEP_EXPECT_GPUS says the GPUs are there (gpuRequirement, common/gpu_env.hpp). Every
+// rank takes the worst verdict of all, so that no rank runs on while another has left the test.
+#define GRAPHEP_REQUIRE_MPI_GPUS()                                                        \
+  do {                                                                                    \
+    if (worldSize() < 2) GTEST_SKIP() << "needs mpirun -np 2 or more";                    \
+    const GpuRequirement req = gpuRequirement(worldSize());                               \
+    const int mine = static_cast<int>(req.verdict);                                       \
+    int worst = 0;                                                                        \
+    MPI_Allreduce(&mine, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);                    \
+    const std::string why = mine == worst ? req.reason : std::string("see another rank"); \
+    if (worst == static_cast<int>(GpuVerdict::kFail))                                     \
+      GTEST_FAIL() << "one GPU per process: " << why;                                     \
+    if (worst == static_cast<int>(GpuVerdict::kSkip))                                     \
+      GTEST_SKIP() << "one GPU per process: " << why;                                     \
   } while (0)
 
 TEST(Mpi_Foundation, HeapExchange) {
@@ -234,14 +241,20 @@ TEST(Mpi_Foundation, NcclFromUniqueIdHeapExchangeAndPingPong) {
 }  // namespace
 }  // namespace graphep::test
 
+// The exit code is the same on every rank, since mpirun returns the first non-zero one: 1 when a
+// test failed on any rank, 77 (the ctest entries' SKIP_RETURN_CODE) when every test that ran was
+// skipped on every rank, 0 otherwise. One skipped test thus hides no failure beside it. Every rank
+// prints its own report (a failure on rank 1 must be visible too).
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
   ::testing::InitGoogleTest(&argc, argv);
-  // Every rank prints its own report (a failure on rank 1 must be visible too); the exit code is
-  // the worst over all ranks.
-  int rc = RUN_ALL_TESTS();
-  int worst = 0;
-  MPI_Allreduce(&rc, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  const int rc = RUN_ALL_TESTS();
+  const ::testing::UnitTest& unit = *::testing::UnitTest::GetInstance();
+  const bool allSkipped =
+      unit.test_to_run_count() > 0 && unit.skipped_test_count() == unit.test_to_run_count();
+  const int mine[2] = {rc != 0 ? 1 : 0, allSkipped ? 0 : 1};  // {failed, not all skipped}
+  int any[2] = {0, 0};
+  MPI_Allreduce(mine, any, 2, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
   MPI_Finalize();
-  return worst;
+  return any[0] != 0 ? 1 : any[1] != 0 ? 0 : 77;
 }
