@@ -99,16 +99,17 @@ fi
 # block and threads). Logs: sanitizer_TOOL_TEST.log; one line per run in sanitizer_summary.log.
 if [ -n "${GRAPHEP_SANITIZER:-}" ] && command -v compute-sanitizer >/dev/null; then
   step "compute-sanitizer: memcheck, racecheck, synccheck"
-  san_tests=${GRAPHEP_SANITIZER_TESTS:-"Gpu1_Moe.FourEmulatedRanks Gpu1_MoeGraph.FourEmulatedRanksLatency
+  san_tests=${GRAPHEP_SANITIZER_TESTS:-"Moe/Gpu1_Moe4Ranks.* Gpu1_MoeOverflow.* Gpu1_MoeGraph.FourEmulatedRanksLatency
     Gpu1_MoeGraph.FourEmulatedRanksThroughput Gpu1_SendRecv.FourEmulatedRanks
     Gpu1_AllToAllv.FourEmulatedRanks Gpu1_AllToAllv.OverflowingCountIsDroppedAndReported
     Gpu1_SendRecv.GraphReplaysStagedAndZeroCopy"}
   san_budget=${GRAPHEP_SANITIZER_BUDGET:-420}  # seconds per chain of runs
+  set -f  # the test list holds gtest patterns ('*'): no pathname expansion
   sanitize() {  # GPU TOOL...
     local gpu=$1 t0=$SECONDS tool t log rc left; shift
     for tool in "$@"; do
       for t in $san_tests; do
-        log="$out/sanitizer_${tool}_${t}.log"
+        log="$out/sanitizer_${tool}_$(echo "$t" | tr '/*' '_x').log"
         left=$((san_budget - (SECONDS - t0)))
         if [ $left -lt 20 ]; then echo "$tool $t: not run (chain budget spent)"; continue; fi
         # racecheck is the slowest tool: the mover replay test runs 200 replays per variant under it
@@ -139,6 +140,7 @@ if [ -n "${GRAPHEP_SANITIZER:-}" ] && command -v compute-sanitizer >/dev/null; t
       ${GRAPHEP_RACECHECK_ARGS:-} "$build/graphep-racecheck-probe" $v >"$out/sanitizer_probe_${v//,/+}.log" 2>&1
     echo "racecheck probe $v: $(grep -hE 'RACECHECK SUMMARY|disagree' "$out/sanitizer_probe_${v//,/+}.log" | tr '\n' ' ')"
   done >>"$out/sanitizer_b.part" 2>&1
+  set +f
   cat "$out/sanitizer_a.part" "$out/sanitizer_b.part" >"$out/sanitizer_summary.log"
   rm -f "$out/sanitizer_a.part" "$out/sanitizer_b.part"
   (cd "$out" && tar czf sanitizer_logs.tgz sanitizer_*_*.log && rm -f sanitizer_*_*.log)  # one file back

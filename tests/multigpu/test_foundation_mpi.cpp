@@ -102,23 +102,44 @@ TEST(Mpi_AllToAllv, ForcedRemoteThroughNccl) {
   runAllToAllv(*comm, CountPattern::kSomePairsZero, std::size_t{16} << 10, 200);
 }
 
-TEST(Mpi_Moe, Cases) {
+// One test instance per case (the same on every process, in the same order).
+class Mpi_Moe : public ::testing::TestWithParam<MoeCaseIndex> {};
+
+TEST_P(Mpi_Moe, Case) {
   GRAPHEP_REQUIRE_MPI_GPUS();
   auto comm = createMpiCommunicator(-1, false);
-  for (const MoeCase& c : standardMoeCases(comm->worldSize(), true)) runMoeCase(*comm, c);
+  runMoeCaseAt(*comm, GetParam());
 }
+INSTANTIATE_TEST_SUITE_P(Moe, Mpi_Moe, ::testing::ValuesIn(moeCaseIndices(MoeCaseList::kLarge)), MoeCaseIndexName());
 
 // Every peer classified remote: the engine takes the throughput path and the movers carry the
 // count messages, records and partials through NCCL (fixed-capacity messages).
-TEST(Mpi_Moe, ForcedRemoteThroughNccl) {
+class Mpi_MoeRemote : public ::testing::TestWithParam<MoeCaseIndex> {};
+
+TEST_P(Mpi_MoeRemote, Case) {
   GRAPHEP_REQUIRE_MPI_GPUS();
   auto comm = createMpiCommunicator(-1, /*withNccl=*/true);
   ScopedEnv force("GRAPHEP_FORCE_TRANSPORT", "remote");
-  const std::vector<MoeCase> all = standardMoeCases(comm->worldSize(), false);
-  // Uniform bf16 (T varying, clamped), fp8 with int64 ids, skewed, invalid ids.
-  for (std::size_t q : {std::size_t{0}, std::size_t{1}, std::size_t{2}, std::size_t{5}}) {
-    if (q < all.size()) runMoeCase(*comm, all[q]);
+  runMoeCaseAt(*comm, GetParam());
+}
+
+std::vector<MoeCaseIndex> remoteCases() {
+  std::vector<MoeCaseIndex> out;
+  for (const MoeCaseIndex& i : moeCaseIndices(MoeCaseList::kSmall)) {
+    for (const char* name : {"uniform_varying_T_auto", "fp8_int64_auto", "skewed_auto", "invalid_ids_auto",
+                             "overflow_aligned_auto", "duplicates_auto", "graph_replays_auto"}) {
+      if (i.name == name) out.push_back(i);
+    }
   }
+  return out;
+}
+INSTANTIATE_TEST_SUITE_P(Moe, Mpi_MoeRemote, ::testing::ValuesIn(remoteCases()), MoeCaseIndexName());
+
+TEST(Mpi_MoeOverflow, BothPaths) {
+  GRAPHEP_REQUIRE_MPI_GPUS();
+  auto comm = createMpiCommunicator(-1, false);
+  runMoeOverflow(*comm, MoePath::kLatency);
+  runMoeOverflow(*comm, MoePath::kThroughput);
 }
 
 TEST(Mpi_MoeGraph, BothPaths) {
