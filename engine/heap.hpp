@@ -1,4 +1,4 @@
-// The symmetric heap (DESIGN.md §2): one device arena per rank, identical layout on every rank,
+// The symmetric heap (docs/DESIGN.md §2): one device arena per rank, identical layout on every rank,
 // allocated once at setup, peers mapped once (CUDA IPC across processes, direct pointers with peer
 // access within a process, nothing for remote peers). Captured graphs bake these pointers, so the
 // arena is never reallocated while a graph holds a pin.

@@ -1,4 +1,4 @@
-// Counting semaphores between kernels (DESIGN.md §3), host half: capturable enqueue operations
+// Counting semaphores between kernels (docs/DESIGN.md §3), host half: capturable enqueue operations
 // for one local rank. Device half: kernels/common/semaphore.cuh.
 //
 //   rank A stream:  [producer kernel] -> signal(ch, peerMask)           (release-add 1 on B's word)

@@ -1,4 +1,4 @@
-// Peer classification (DESIGN.md §2, Topology). classifyPeer is a pure function of facts gathered
+// Peer classification (docs/DESIGN.md §2, Topology). classifyPeer is a pure function of facts gathered
 // at setup, so its rules are unit-tested on the CPU with synthetic inputs.
 #pragma once
 

@@ -1,4 +1,4 @@
-// Host half of the transport seam (DESIGN.md §4); the device half, NvlTransport (put / signal /
+// Host half of the transport seam (docs/DESIGN.md §4); the device half, NvlTransport (put / signal /
 // wait over peer mappings), is kernels/common/transport.cuh.
 //
 //   MeshTransport  routes every peer by its topology class: load/store peers (self, same device,

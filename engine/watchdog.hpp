@@ -1,4 +1,4 @@
-// The host half of failure detection (DESIGN.md §3): what a device wait cannot bound. A
+// The host half of failure detection (docs/DESIGN.md §3): what a device wait cannot bound. A
 // stream-memory-op wait has no timeout, and a kernel stuck behind one never reports; the host
 // watches the stream instead, without ever synchronising with the device.
 #pragma once

@@ -1,4 +1,4 @@
-// Standalone counting-semaphore kernels: signal and consume (DESIGN.md §3).
+// Standalone counting-semaphore kernels: signal and consume (docs/DESIGN.md §3).
 #include "kernels/semaphore.h"
 
 #include "kernels/common/flags.cuh"

@@ -1,5 +1,5 @@
 // MoeGraph: dispatch -> expert slot -> combine, captured once, instantiated once, replayed any
-// number of times (DESIGN.md §6). Between replays the caller only rewrites its inputs in place (x,
+// number of times (docs/DESIGN.md §6). Between replays the caller only rewrites its inputs in place (x,
 // topk ids and weights, the live token count in device memory); a replay is one cudaGraphLaunch.
 //
 // Every piece of state a replay needs lives on the device (the engine's monotonic counters and

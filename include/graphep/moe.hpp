@@ -1,4 +1,4 @@
-// MoE expert parallelism: the Engine (DESIGN.md §5). An Engine is one rank's view of a group of
+// MoE expert parallelism: the Engine (docs/DESIGN.md §5). An Engine is one rank's view of a group of
 // ranks that share experts: experts are partitioned contiguously (expert e lives on rank
 // e / (numExperts / worldSize)). dispatch() sends every token to the ranks that hold its top-k
 // experts and lays the received rows out grouped by local expert; combine() brings the expert
@@ -29,7 +29,7 @@ enum class DType : std::uint8_t {
 
 enum class IndexType : std::uint8_t { kInt32 = 0, kInt64 = 1 };
 
-// How dispatch and combine move data (DESIGN.md §5).
+// How dispatch and combine move data (docs/DESIGN.md §5).
 enum class MoePath : std::uint8_t {
   kAuto = 0,        // latency when maxTokensPerRank <= 256 and every peer has load/store access
   kLatency = 1,     // decode: records written straight into per-source slots, their counts ahead
@@ -126,7 +126,7 @@ struct CombineArgs {
   void* out = nullptr;  // [T_max, H] bf16; rows [0, T) of the matching dispatch are written
 };
 
-// Bad input the device counted (DESIGN.md §5): nothing was written out of bounds.
+// Bad input the device counted (docs/DESIGN.md §5): nothing was written out of bounds.
 struct MoeStatus {
   unsigned long long invalidExpertIds = 0;  // entries with an id outside [-1, E): skipped
   unsigned long long droppedRows = 0;       // received rows past the capacity: not written

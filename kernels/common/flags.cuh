@@ -1,4 +1,4 @@
-// Device flags with monotonic values (DESIGN.md §3).
+// Device flags with monotonic values (docs/DESIGN.md §3).
 //
 // Producer:  payload stores -> (block barrier, by the caller) -> flagPost():
 //            fence.acq_rel.sys, then st.release.sys of the new step into the peer's inbox.

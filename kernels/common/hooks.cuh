@@ -1,4 +1,4 @@
-// Produce / consume hooks of the data movers (DESIGN.md §4). A transfer in a *tiled* wire format
+// Produce / consume hooks of the data movers (docs/DESIGN.md §4). A transfer in a *tiled* wire format
 // moves tiles: the sender's produce hook reads one tile of the source and returns registers that
 // the pipe writes to the wire (a staging slot); the receiver's consume hook takes the registers
 // the pipe read from the wire and writes the destination. Both get one HookCtx. A tile is handled

@@ -1,4 +1,4 @@
-// Counting semaphores between kernels (DESIGN.md §3), device half.
+// Counting semaphores between kernels (docs/DESIGN.md §3), device half.
 //
 //   producer kernel:  ... payload ... -> semaphoreSignal(): release-add 1 on the consumer's word
 //   consumer stream:  cuStreamWaitValue32(word, k, GEQ)          (engine/semaphore.cpp)

@@ -1,4 +1,4 @@
-// The transport seam (DESIGN.md §4): how a role moves bytes and signals one peer.
+// The transport seam (docs/DESIGN.md §4): how a role moves bytes and signals one peer.
 //   put     copy bytes into memory the peer reads (its staging slot or its destination)
 //   signal  publish a monotonic value into the peer's flag (fence, then release store)
 //   wait    bounded wait until a local flag reaches a value
