@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Mutation check of the test suite: each tests/mutations/NN-name.patch puts one defect into the
+# library (a fix reverted, or a bug that a hole in the suite once let through), and the tests named
+# for it below must then FAIL; unmutated, the same tests must pass. A mutant that passes its tests
+# is a hole in the suite.
+#
+#   scripts/mutation-check.sh LOG_DIR [BUILD_DIR] [MUTANT...]
+#
+# BUILD_DIR (default build-gpu) holds a built tree (scripts/gpu-check.sh makes one). Only the
+# library is rebuilt per mutant, in a copy of the tree, all mutants in parallel; the test binaries
+# are the built ones, run with the mutant's libgraphep.so preloaded. Needs a GPU (two for the
+# mutants whose tests need two). Logs: LOG_DIR/mutant_NAME.log, a summary line per mutant.
+set -uo pipefail
+out=${1:?usage: scripts/mutation-check.sh LOG_DIR [BUILD_DIR] [MUTANT...]}
+build=${2:-build-gpu}
+shift $(($# >= 2 ? 2 : 1))
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+cd "$(dirname "$0")/.."
+root=$(pwd)
+build=$(cd "$build" && pwd) || { echo "no build tree at $build"; exit 2; }
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 GRAPHEP_TIMEOUT_MS=2000
+export PATH=/usr/local/cuda/bin:$PATH
+gpu="$build/tests/graphep_gpu_tests"
+
+# The tests each mutant must fail, and why the suite before them could not see it.
+tests_for() {
+  case "$1" in
+    01-*) echo "$gpu --gtest_filter=Gpu1_MoeOverflow.*:Moe/Gpu1_Moe4Ranks.Case/overflow_auto" ;;  # the overflow defect
+    02-*) echo "$gpu --gtest_filter=Moe/Gpu1_Moe4Ranks.Case/fp8_wide_*" ;;        # NaN from bf16-subnormal tiles
+    03-*) echo "$gpu --gtest_filter=Mixed/Gpu2_MoeFourRanksPerGpu.Case/prefill_h2048_e128_top8_throughput" ;;
+    04-*) echo "$gpu --gtest_filter=Gpu1_MoeStrict.*" ;;                           # strict mode had no test
+    05-*) echo "$gpu --gtest_filter=Moe/Gpu1_Moe4Ranks.Case/invalid_ids_auto" ;;   # first_* never asserted
+    06-*) echo "$gpu --gtest_filter=Moe/Gpu1_Moe4Ranks.Case/uniform_varying_T_auto" ;;
+    07-*) echo "$gpu --gtest_filter=Moe/Gpu1_Moe4Ranks.Case/skewed_auto" ;;        # the path never asserted
+    08-*) echo "$gpu --gtest_filter=Moe/Gpu2_MoeRemote.Case/uniform_varying_T_auto" ;;  # remote path only under MPI
+    09-*) echo "$gpu --gtest_filter=Moe/Gpu1_Moe4Ranks.Case/uniform_varying_T_auto" ;;  # every rank had one count
+    10-*) echo "$gpu --gtest_filter=Moe/Gpu1_Moe1Rank.Case/uniform_varying_T_auto" ;;   # combine within 2^-7 only
+    11-*) echo "$gpu --gtest_filter=Moe/Gpu1_Moe4Ranks.Case/rank_empty_auto" ;;    # layout words never poisoned
+    12-*) echo "$gpu --gtest_filter=Moe/Gpu1_Moe4Ranks.Case/aligned_throughput" ;; # metadata poison was -1
+    13-*) echo "$gpu --gtest_filter=Moe/Gpu1_Moe4Ranks.Case/fp8_int64_auto" ;;     # the fp8 reference shared the code
+    14-*) echo "$gpu --gtest_filter=Gpu1_Moe.MisuseFourEmulatedRanksLatency" ;;    # out-of-order results unchecked
+    15-*) echo "$build/tests/graphep_c_api_test" ;;                                # the C test checked too little
+    *) return 1 ;;
+  esac
+}
+
+mutants=("$@")
+if [ ${#mutants[@]} -eq 0 ]; then
+  for p in tests/mutations/*.patch; do mutants+=("$(basename "$p" .patch)"); done
+fi
+
+# Build every mutant's library in parallel: a copy of the sources (no build trees), the patch,
+# the library target alone.
+work=/tmp/graphep-mutants
+rm -rf "$work" && mkdir -p "$work"
+build_one() {  # NAME
+  local name=$1 dir=$work/$1
+  mkdir -p "$dir"
+  # The build's inputs (as scripts/tree-hash.sh lists them; the device's copy may carry a stale .git).
+  (cd "$root" && cp -r CMakeLists.txt cmake engine graphs examples include kernels bench tests tools "$dir/") || return 1
+  (cd "$dir" && git apply "$root/tests/mutations/$name.patch") >"$out/mutant_$name.build.log" 2>&1 ||
+    { echo "$name: patch does not apply"; return 1; }
+  cmake -S "$dir" -B "$dir/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGRAPHEP_BUILD_TESTS=OFF \
+    -DGRAPHEP_BUILD_BENCH=OFF -DGRAPHEP_BUILD_EXAMPLES=OFF -DGRAPHEP_BUILD_TOOLS=OFF >>"$out/mutant_$name.build.log" 2>&1 &&
+    cmake --build "$dir/build" --target graphep --parallel 4 >>"$out/mutant_$name.build.log" 2>&1 ||
+    { echo "$name: build failed"; return 1; }
+}
+export -f build_one
+export root work out
+t0=$SECONDS
+printf '%s\n' "${mutants[@]}" | xargs -P 8 -I{} bash -c 'build_one {}'
+echo "mutant libraries built in $((SECONDS - t0)) s"
+
+status=0
+run_tests() {  # LIBDIR COMMAND...: rc of the command with LIBDIR's library preloaded ("" = as built)
+  local lib=$1; shift
+  if [ -n "$lib" ]; then
+    LD_LIBRARY_PATH="$lib" LD_PRELOAD="$lib/libgraphep.so.0" timeout -s KILL 240 "$@"
+  else
+    timeout -s KILL 240 "$@"
+  fi
+}
+for name in "${mutants[@]}"; do
+  cmd=$(tests_for "$name") || { echo "$name: no tests named for it"; status=1; continue; }
+  lib=$work/$name/build
+  if [ ! -f "$lib/libgraphep.so.0" ]; then echo "$name: NOT BUILT"; status=1; continue; fi
+  run_tests "" $cmd >"$out/mutant_$name.control.log" 2>&1
+  control=$?
+  run_tests "$lib" $cmd >"$out/mutant_$name.log" 2>&1
+  rc=$?
+  first=$(grep -m1 -hE "Failure|FAILED: |rank [0-9]+: |timed out|strict child" "$out/mutant_$name.log" | cut -c1-160)
+  if [ $control -ne 0 ]; then
+    echo "$name: unmutated tests FAILED (rc=$control): no verdict"; status=1
+  elif [ $rc -ne 0 ]; then
+    echo "$name: caught (rc=$rc) -- $first"
+  else
+    echo "$name: MISSED (the tests passed with the defect)"; status=1
+  fi
+done
+echo "== mutation summary: status=$status"
+exit $status
