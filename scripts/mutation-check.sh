@@ -28,7 +28,7 @@ tests_for() {
   case "$1" in
     01-*) echo "$gpu --gtest_filter=Gpu1_MoeOverflow.*:Moe/Gpu1_Moe4Ranks.Case/overflow_auto" ;;  # the overflow defect
     02-*) echo "$gpu --gtest_filter=Moe/Gpu1_Moe4Ranks.Case/fp8_wide_*" ;;        # NaN from bf16-subnormal tiles
-    03-*) echo "$gpu --gtest_filter=Mixed/Gpu2_MoeFourRanksPerGpu.Case/prefill_h2048_e128_top8_throughput" ;;
+    03-*) echo "$gpu --gtest_filter=Mixed/Gpu2_MoeFourRanksPerGpu.Case/prefill_h2048_e128_top8_sms64_throughput" ;;
     04-*) echo "$gpu --gtest_filter=Gpu1_MoeStrict.*" ;;                           # strict mode had no test
     05-*) echo "$gpu --gtest_filter=Moe/Gpu1_Moe4Ranks.Case/invalid_ids_auto" ;;   # first_* never asserted
     06-*) echo "$gpu --gtest_filter=Moe/Gpu1_Moe4Ranks.Case/uniform_varying_T_auto" ;;

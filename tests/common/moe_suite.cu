@@ -944,6 +944,11 @@ std::vector<MoeCase> mixedPlacementMoeCases() {
   c.indexType = IndexType::kInt64;
   c.tokens = {512, 100, 0};
   cases.push_back(c);
+  c.name = "prefill_h2048_e128_top8_sms64";  // 64 channels per link asked for: the cap must hold
+  c.cfg.smBudget = 64;
+  c.tokens = {512};
+  cases.push_back(c);
+  c.cfg.smBudget = 0;
   c.name = "decode_h2048_e128_top8";
   c.cfg.maxTokensPerRank = 128;
   c.cfg.path = MoePath::kAuto;
