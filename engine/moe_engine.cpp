@@ -63,6 +63,20 @@ struct MoeSizes {
   std::size_t R, T, rowBytes, payloadBytes, recBytes, cntMsgBytes;
 };
 
+MoeSizes moeSizes(const MoeConfig& cfg, int R) {
+  const bool fp8 = cfg.dispatchType == DType::kFp8E4m3;
+  const std::size_t payloadBytes = moePayloadBytes(cfg.hidden, fp8);
+  return MoeSizes{static_cast<std::size_t>(R), static_cast<std::size_t>(cfg.maxTokensPerRank),
+                  static_cast<std::size_t>(cfg.hidden) * 2, payloadBytes,
+                  alignUp(payloadBytes + moeMetaBytes(cfg.topK), 16), moeCountMsgBytes(cfg.numExperts / R)};
+}
+
+// The path whose heap createAll sizes first: latency when the config fits it (peer classes may
+// still send it to the throughput path).
+MoePath preferredPath(const MoeConfig& cfg, int R) {
+  return cfg.path != MoePath::kThroughput && latencyFits(cfg, R) ? MoePath::kLatency : MoePath::kThroughput;
+}
+
 // Where a path's peer-written buffers sit in the heap's user region (the same on every rank), and
 // the heap that holds them: only the chosen path's buffers, and staging only for the throughput
 // path's movers.
@@ -96,6 +110,79 @@ PathHeap pathHeap(MoePath path, const MoeSizes& z, const MoeConfig& cfg) {
   if (cfg.smBudget > 0) h.heap.moverBlocks = cfg.smBudget;
   h.heap.counterStart = cfg.counterStart;
   return h;
+}
+
+// The movers' options of an engine: the largest message is the records, or partial rows (larger
+// than fp8 records).
+MoverOptions engineMoverOptions(const MoeSizes& z) {
+  MoverOptions mo;
+  mo.maxRemoteBytesPerPeer = z.T * std::max(z.recBytes, z.rowBytes);
+  return mo;
+}
+
+// One rank's local buffers: one allocation, carved in this order (byte offsets). createAll carves
+// the allocation with it and memoryRequirements sizes it: the one place the buffers are laid out.
+struct LocalCarve {
+  std::size_t status, live, pending, tokRank;
+  std::size_t entry, expertCount, rankCount, routeBits, routePrefix, recSend, cntSend, cntRecv, arrays;
+  std::size_t recvRows, srcBase, offsets, counts, dropped, numRows, totals;
+  std::size_t recvX, scales, rowRank, rowToken, rowSlot, rowWeight, y, combSend;
+  std::size_t llSteps, llDone, timeline;
+  std::size_t routeWords;  // moeRouteWords(maxTokensPerRank)
+  std::size_t routeZero;   // bytes of the routing words zeroed per dispatch (throughput path)
+  std::size_t bytes;       // the whole allocation
+};
+
+LocalCarve carveLocal(const MoeConfig& cfg, const MoeSizes& z, std::size_t cap, bool throughput) {
+  const bool fp8 = cfg.dispatchType == DType::kFp8E4m3;
+  const std::size_t T = z.T, Rs = z.R, H = static_cast<std::size_t>(cfg.hidden);
+  const std::size_t L = static_cast<std::size_t>(cfg.numExperts) / Rs;
+  std::size_t used = 0;
+  auto carve = [&](std::size_t bytes) {
+    const std::size_t off = alignUp(used, 256);
+    used = off + std::max<std::size_t>(bytes, 1);
+    return off;
+  };
+  LocalCarve o{};
+  o.status = carve(sizeof(MoeDeviceStatus));
+  o.live = carve(sizeof(std::int32_t));
+  o.pending = carve(sizeof(std::uint32_t));
+  o.tokRank = carve(T * Rs * 4);
+  // Throughput path only (the latency path routes in shared memory and writes peers directly).
+  o.entry = carve(throughput ? T * static_cast<std::size_t>(cfg.topK) * 4 : 0);
+  o.expertCount = carve(throughput ? static_cast<std::size_t>(cfg.numExperts) * 4 : 0);
+  o.rankCount = carve(throughput ? Rs * 4 : 0);
+  const std::size_t W = moeRouteWords(cfg.maxTokensPerRank), Es = static_cast<std::size_t>(cfg.numExperts);
+  o.routeWords = W;
+  o.routeZero = ((Es + Rs) * W + Es * W + 1) * 4;  // bits, counts, the duplicate flag
+  o.routeBits = carve(throughput ? o.routeZero : 0);
+  o.routePrefix = carve(throughput ? (Es + Rs) * W * 4 : 0);
+  o.recSend = carve(throughput ? Rs * T * z.recBytes : 0);
+  o.cntSend = carve(throughput ? Rs * z.cntMsgBytes : 0);
+  o.cntRecv = carve(throughput ? Rs * z.cntMsgBytes : 0);
+  o.arrays = carve(throughput ? 12 * Rs * 8 : 0);  // 3 exchanges x {send, recv} x {counts, offsets}
+  o.recvRows = carve(Rs * 4);
+  o.srcBase = carve(Rs * L * 4);
+  o.offsets = carve((L + 1) * 4);
+  o.counts = carve(L * 4);
+  o.dropped = carve(L * 4);
+  o.numRows = carve(4);
+  o.totals = carve(L * 8);
+  o.recvX = carve(cap * (fp8 ? H : z.rowBytes));
+  o.scales = carve(fp8 ? cap * (H / 128) * 4 : 0);
+  o.rowRank = carve(cap * 4);
+  o.rowToken = carve(cap * 4);
+  o.rowSlot = carve(cap * 4);
+  o.rowWeight = carve(cap * 4);
+  o.y = carve(cap * z.rowBytes);
+  o.combSend = carve(throughput ? Rs * T * z.rowBytes : 0);
+  // Latency path only.
+  o.llSteps = carve(throughput ? 0 : 2 * 4);
+  o.llDone = carve(throughput ? 0 : 2 * 4);
+  constexpr std::size_t kStamps = kMoeStampWords * static_cast<std::size_t>(MoeKernel::kCount);
+  o.timeline = carve(cfg.profile ? kStamps * 8 : 0);
+  o.bytes = used;
+  return o;
 }
 
 // Collective: whether every local rank of every process reaches every peer by load/store (the
@@ -195,6 +282,19 @@ long long Engine::worstCaseCapacity(const MoeConfig& cfg, int worldSize) {
          localExperts * (cfg.expertAlignment - 1);
 }
 
+MoeMemory Engine::memoryRequirements(const MoeConfig& cfg, int worldSize) {
+  validate(cfg, worldSize);
+  const MoeSizes z = moeSizes(cfg, worldSize);
+  const long long capacity = cfg.recvCapacity > 0 ? cfg.recvCapacity : worstCaseCapacity(cfg, worldSize);
+  MoeMemory m;
+  m.path = preferredPath(cfg, worldSize);
+  const bool throughput = m.path == MoePath::kThroughput;
+  m.symmetricHeapBytes = heapBytes(pathHeap(m.path, z, cfg).heap);
+  m.privateBytes = carveLocal(cfg, z, static_cast<std::size_t>(capacity), throughput).bytes;
+  m.ncclStagingBytes = throughput ? Movers::remoteStageBytes(engineMoverOptions(z), worldSize) : 0;
+  return m;
+}
+
 void Engine::validate(const MoeConfig& c, int R) {
   GRAPHEP_REQUIRE(R >= 1 && R <= kMaxRanks, Status::kInvalidArgument,
                   "MoeConfig: world size %d is out of range [1, %d]", R, kMaxRanks);
@@ -281,20 +381,16 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
   const bool fp8 = cfg.dispatchType == DType::kFp8E4m3;
   const int L = cfg.numExperts / R;
   const std::size_t T = static_cast<std::size_t>(cfg.maxTokensPerRank);
-  const std::size_t H = static_cast<std::size_t>(cfg.hidden);
-  const std::size_t rowBytes = H * 2;
-  const std::size_t payloadBytes = moePayloadBytes(cfg.hidden, fp8);
-  const std::size_t recBytes = alignUp(payloadBytes + moeMetaBytes(cfg.topK), 16);
-  const std::size_t cntMsgBytes = moeCountMsgBytes(L);
+  const MoeSizes sizes = moeSizes(cfg, R);
+  const std::size_t rowBytes = sizes.rowBytes, recBytes = sizes.recBytes, cntMsgBytes = sizes.cntMsgBytes;
   const long long capacity = cfg.recvCapacity > 0 ? cfg.recvCapacity : worstCaseCapacity(cfg, R);
   const std::size_t cap = static_cast<std::size_t>(capacity);
   const std::size_t Rs = static_cast<std::size_t>(R);
-  const MoeSizes sizes{Rs, T, rowBytes, payloadBytes, recBytes, cntMsgBytes};
 
   // The heap is sized for the latency path when the config fits it; peer classes (known once the
   // heap exists) decide, on every rank alike, whether it stays there or falls back to the
   // throughput path, whose heap replaces it.
-  const bool latencyCandidate = cfg.path != MoePath::kThroughput && latencyFits(cfg, R);
+  const bool latencyCandidate = preferredPath(cfg, R) == MoePath::kLatency;
   PathHeap ph = pathHeap(latencyCandidate ? MoePath::kLatency : MoePath::kThroughput, sizes, cfg);
   auto group = std::make_shared<EngineGroup>();
   group->heap = SymmetricHeap::create(comm, ph.heap);
@@ -309,10 +405,7 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
   }
   const bool throughput = path == MoePath::kThroughput;
   const int llCtas = throughput ? 0 : latencyCtas(comm, *group->heap, cfg);
-  MoverOptions mo;
-  // The largest message: records, or partial rows (larger than fp8 records).
-  mo.maxRemoteBytesPerPeer = T * std::max(recBytes, rowBytes);
-  group->movers = Movers::createAll(*group->heap, mo);
+  group->movers = Movers::createAll(*group->heap, engineMoverOptions(sizes));
 
   std::vector<std::unique_ptr<Engine>> engines;
   for (int l = 0; l < group->heap->numLocalRanks(); ++l) {
@@ -328,55 +421,13 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     GRAPHEP_CUDA_CHECK(preloadMoeDispatchKernels());
     GRAPHEP_CUDA_CHECK(preloadMoeCombineKernels());
 
-    // Local buffers: one allocation, carved in this order (sizes in bytes).
-    std::size_t used = 0;
-    auto carve = [&](std::size_t bytes) {
-      const std::size_t off = alignUp(used, 256);
-      used = off + std::max<std::size_t>(bytes, 1);
-      return off;
-    };
-    const std::size_t oStatus = carve(sizeof(MoeDeviceStatus));
-    const std::size_t oLive = carve(sizeof(std::int32_t));
-    const std::size_t oPending = carve(sizeof(std::uint32_t));
-    const std::size_t oTokRank = carve(T * Rs * 4);
-    // Throughput path only (the latency path routes in shared memory and writes peers directly).
-    const std::size_t oEntry = carve(throughput ? T * static_cast<std::size_t>(cfg.topK) * 4 : 0);
-    const std::size_t oExpertCount = carve(throughput ? static_cast<std::size_t>(cfg.numExperts) * 4 : 0);
-    const std::size_t oRankCount = carve(throughput ? Rs * 4 : 0);
-    const std::size_t W = moeRouteWords(cfg.maxTokensPerRank), Es = static_cast<std::size_t>(cfg.numExperts);
-    const std::size_t routeZero = ((Es + Rs) * W + Es * W + 1) * 4;  // bits, counts, the duplicate flag
-    const std::size_t oRouteBits = carve(throughput ? routeZero : 0);
-    const std::size_t oRoutePrefix = carve(throughput ? (Es + Rs) * W * 4 : 0);
-    const std::size_t oRecSend = carve(throughput ? Rs * T * recBytes : 0);
-    const std::size_t oCntSend = carve(throughput ? Rs * cntMsgBytes : 0);
-    const std::size_t oCntRecv = carve(throughput ? Rs * cntMsgBytes : 0);
-    const std::size_t oArrays = carve(throughput ? 12 * Rs * 8 : 0);  // 3 exchanges x {send, recv} x {counts, offsets}
-    const std::size_t oRecvRows = carve(Rs * 4);
-    const std::size_t oSrcBase = carve(Rs * static_cast<std::size_t>(L) * 4);
-    const std::size_t oOffsets = carve((static_cast<std::size_t>(L) + 1) * 4);
-    const std::size_t oCounts = carve(static_cast<std::size_t>(L) * 4);
-    const std::size_t oDropped = carve(static_cast<std::size_t>(L) * 4);
-    const std::size_t oNumRows = carve(4);
-    const std::size_t oTotals = carve(static_cast<std::size_t>(L) * 8);
-    const std::size_t oRecvX = carve(cap * (fp8 ? H : rowBytes));
-    const std::size_t oScales = carve(fp8 ? cap * (H / 128) * 4 : 0);
-    const std::size_t oRowRank = carve(cap * 4);
-    const std::size_t oRowToken = carve(cap * 4);
-    const std::size_t oRowSlot = carve(cap * 4);
-    const std::size_t oRowWeight = carve(cap * 4);
-    const std::size_t oY = carve(cap * rowBytes);
-    const std::size_t oCombSend = carve(throughput ? Rs * T * rowBytes : 0);
-    // Latency path only.
-    const std::size_t oLlSteps = carve(throughput ? 0 : 2 * 4);
-    const std::size_t oLlDone = carve(throughput ? 0 : 2 * 4);
-    constexpr std::size_t kStamps = kMoeStampWords * static_cast<std::size_t>(MoeKernel::kCount);
-    const std::size_t oTimeline = carve(cfg.profile ? kStamps * 8 : 0);
-    GRAPHEP_CUDA_CHECK(cudaMalloc(&impl->block, used));
-    impl->blockBytes = used;
+    const LocalCarve o = carveLocal(cfg, sizes, cap, throughput);
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&impl->block, o.bytes));
+    impl->blockBytes = o.bytes;
     GRAPHEP_CUDA_CHECK(cudaStreamCreateWithFlags(&impl->watchStream, cudaStreamNonBlocking));
     GRAPHEP_CUDA_CHECK(cudaEventCreateWithFlags(&impl->watchEvent, cudaEventDisableTiming));
     GRAPHEP_CUDA_CHECK(cudaHostAlloc(&impl->snapshot, (3 + 3 * Rs) * sizeof(std::uint32_t), cudaHostAllocDefault));
-    GRAPHEP_CUDA_CHECK(cudaMemset(impl->block, 0, used));
+    GRAPHEP_CUDA_CHECK(cudaMemset(impl->block, 0, o.bytes));
     char* b = impl->block;
     char* user = group->heap->user(l);
 
@@ -393,51 +444,51 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     p.strict = cfg.strict ? 1 : 0;
     p.capacity = capacity;
     p.recBytes = recBytes;
-    p.payloadBytes = payloadBytes;
+    p.payloadBytes = sizes.payloadBytes;
     p.cntMsgBytes = cntMsgBytes;
-    p.status = reinterpret_cast<MoeDeviceStatus*>(b + oStatus);
-    p.liveTokens = reinterpret_cast<std::int32_t*>(b + oLive);
-    p.pending = reinterpret_cast<std::uint32_t*>(b + oPending);
-    p.tokRankIdx = reinterpret_cast<std::int32_t*>(b + oTokRank);
-    p.entryIdx = reinterpret_cast<std::int32_t*>(b + oEntry);
-    p.expertCount = reinterpret_cast<std::uint32_t*>(b + oExpertCount);
-    p.rankCount = reinterpret_cast<std::uint32_t*>(b + oRankCount);
-    p.routeBits = reinterpret_cast<std::uint32_t*>(b + oRouteBits);
-    p.routeCount = p.routeBits + (Es + Rs) * W;
-    p.routeDup = p.routeCount + Es * W;
-    p.routePrefix = reinterpret_cast<std::uint32_t*>(b + oRoutePrefix);
-    p.routeZeroBytes = throughput ? routeZero : 0;
+    p.status = reinterpret_cast<MoeDeviceStatus*>(b + o.status);
+    p.liveTokens = reinterpret_cast<std::int32_t*>(b + o.live);
+    p.pending = reinterpret_cast<std::uint32_t*>(b + o.pending);
+    p.tokRankIdx = reinterpret_cast<std::int32_t*>(b + o.tokRank);
+    p.entryIdx = reinterpret_cast<std::int32_t*>(b + o.entry);
+    p.expertCount = reinterpret_cast<std::uint32_t*>(b + o.expertCount);
+    p.rankCount = reinterpret_cast<std::uint32_t*>(b + o.rankCount);
+    p.routeBits = reinterpret_cast<std::uint32_t*>(b + o.routeBits);
+    p.routeCount = p.routeBits + (static_cast<std::size_t>(cfg.numExperts) + Rs) * o.routeWords;
+    p.routeDup = p.routeCount + static_cast<std::size_t>(cfg.numExperts) * o.routeWords;
+    p.routePrefix = reinterpret_cast<std::uint32_t*>(b + o.routePrefix);
+    p.routeZeroBytes = throughput ? o.routeZero : 0;
     if (throughput) {  // the throughput kernels' CTAs: the SM budget, or one per SM
       int sms = 0;
       GRAPHEP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, impl->device));
       p.ctas = cfg.smBudget > 0 ? cfg.smBudget : sms;
     }
-    p.recSend = b + oRecSend;
+    p.recSend = b + o.recSend;
     p.recRecv = throughput ? user + ph.recRecv : nullptr;
-    p.cntSend = b + oCntSend;
-    p.cntRecv = b + oCntRecv;
-    auto* arrays = reinterpret_cast<std::uint64_t*>(b + oArrays);
+    p.cntSend = b + o.cntSend;
+    p.cntRecv = b + o.cntRecv;
+    auto* arrays = reinterpret_cast<std::uint64_t*>(b + o.arrays);
     // arrays: [exchange][sendCounts | sendOffsets | recvCounts | recvOffsets][R]
     auto arr = [&](int exchange, int which) { return arrays + (exchange * 4 + which) * Rs; };
     p.dispSendCounts = arr(1, 0);
     p.dispRecvCounts = arr(1, 2);
     p.combSendCounts = arr(2, 0);
     p.combRecvCounts = arr(2, 2);
-    p.recvRows = reinterpret_cast<std::int32_t*>(b + oRecvRows);
-    p.srcBase = reinterpret_cast<std::int32_t*>(b + oSrcBase);
-    p.expertOffsets = reinterpret_cast<std::int32_t*>(b + oOffsets);
-    p.expertCounts = reinterpret_cast<std::int32_t*>(b + oCounts);
-    p.expertDropped = reinterpret_cast<std::int32_t*>(b + oDropped);
-    p.numRecvRows = reinterpret_cast<std::int32_t*>(b + oNumRows);
-    p.expertTotals = reinterpret_cast<unsigned long long*>(b + oTotals);
-    p.recvX = b + oRecvX;
-    p.recvScales = fp8 ? reinterpret_cast<float*>(b + oScales) : nullptr;
-    p.rowSrcRank = reinterpret_cast<std::int32_t*>(b + oRowRank);
-    p.rowSrcToken = reinterpret_cast<std::int32_t*>(b + oRowToken);
-    p.rowTopkSlot = reinterpret_cast<std::int32_t*>(b + oRowSlot);
-    p.rowWeight = reinterpret_cast<float*>(b + oRowWeight);
-    p.y = b + oY;
-    p.combSend = b + oCombSend;
+    p.recvRows = reinterpret_cast<std::int32_t*>(b + o.recvRows);
+    p.srcBase = reinterpret_cast<std::int32_t*>(b + o.srcBase);
+    p.expertOffsets = reinterpret_cast<std::int32_t*>(b + o.offsets);
+    p.expertCounts = reinterpret_cast<std::int32_t*>(b + o.counts);
+    p.expertDropped = reinterpret_cast<std::int32_t*>(b + o.dropped);
+    p.numRecvRows = reinterpret_cast<std::int32_t*>(b + o.numRows);
+    p.expertTotals = reinterpret_cast<unsigned long long*>(b + o.totals);
+    p.recvX = b + o.recvX;
+    p.recvScales = fp8 ? reinterpret_cast<float*>(b + o.scales) : nullptr;
+    p.rowSrcRank = reinterpret_cast<std::int32_t*>(b + o.rowRank);
+    p.rowSrcToken = reinterpret_cast<std::int32_t*>(b + o.rowToken);
+    p.rowTopkSlot = reinterpret_cast<std::int32_t*>(b + o.rowSlot);
+    p.rowWeight = reinterpret_cast<float*>(b + o.rowWeight);
+    p.y = b + o.y;
+    p.combSend = b + o.combSend;
     p.combRecv = throughput ? user + ph.combRecv : nullptr;
     for (int q = 0; q < R; ++q) {
       p.peerUser[q] = q == p.rank ? user : group->heap->peerUser(l, q);  // nullptr when remote
@@ -448,8 +499,8 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     p.llFlagOff = ph.llFlag;
     p.llArriveOff = ph.llArrive;
     p.llCombArriveOff = ph.llCombArrive;
-    p.llSteps = reinterpret_cast<std::uint32_t*>(b + oLlSteps);
-    p.llDone = reinterpret_cast<std::uint32_t*>(b + oLlDone);
+    p.llSteps = reinterpret_cast<std::uint32_t*>(b + o.llSteps);
+    p.llDone = reinterpret_cast<std::uint32_t*>(b + o.llDone);
     p.llCtas = llCtas;
     if (!throughput) {  // the latency counters start at counterStart (steps, flags) and G x it (arrivals)
       const std::uint32_t S = cfg.counterStart, SG = cfg.counterStart * static_cast<std::uint32_t>(llCtas);
@@ -461,7 +512,7 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
       GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llCombArrive, arrivals.data(), Rs * 4, cudaMemcpyHostToDevice));
     }
     p.sync = group->heap->syncHandle(l);
-    p.timeline = cfg.profile ? reinterpret_cast<unsigned long long*>(b + oTimeline) : nullptr;
+    p.timeline = cfg.profile ? reinterpret_cast<unsigned long long*>(b + o.timeline) : nullptr;
 
     if (throughput) {
       // Constant halves of the count arrays: fixed-size count messages, and every peer's records and
@@ -495,7 +546,7 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
         a.zeroCopy = zeroCopy;
         return a;
       };
-      impl->cntArgs = exchange(0, p.cntSend, Rs * cntMsgBytes, b + oCntRecv, Rs * cntMsgBytes, cntMsgBytes, false);
+      impl->cntArgs = exchange(0, p.cntSend, Rs * cntMsgBytes, b + o.cntRecv, Rs * cntMsgBytes, cntMsgBytes, false);
       impl->dispArgs = exchange(1, p.recSend, Rs * T * recBytes, user + ph.recRecv, Rs * T * recBytes,
                                 T * recBytes, true);
       impl->combArgs = exchange(2, p.combSend, Rs * T * rowBytes, user + ph.combRecv, Rs * T * rowBytes,
@@ -514,7 +565,7 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     v.rowWeight = p.rowWeight;
     v.numRecvRows = p.numRecvRows;
     v.expertTotals = p.expertTotals;
-    v.expertOutput = b + oY;
+    v.expertOutput = b + o.y;
     v.capacity = capacity;
     v.hidden = cfg.hidden;
     v.numLocalExperts = L;
@@ -524,7 +575,7 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
                 "local, %zu B symmetric heap",
                 p.rank, cfg.maxTokensPerRank, cfg.hidden, cfg.numExperts, cfg.topK,
                 fp8 ? "fp8" : "bf16", path == MoePath::kLatency ? "latency" : "throughput", capacity,
-                used, heapBytes(group->heap->config()));
+                o.bytes, heapBytes(group->heap->config()));
     engines.push_back(std::unique_ptr<Engine>(new Engine(std::move(impl))));
     engines.back()->resetTimeline();
   }
@@ -549,6 +600,7 @@ int Engine::worldSize() const { return impl_->p.numRanks; }
 MoePath Engine::path() const { return impl_->path; }
 const MoeConfig& Engine::config() const { return impl_->cfg; }
 std::size_t Engine::symmetricHeapBytes() const { return heapBytes(impl_->group->heap->config()); }
+std::size_t Engine::privateBytes() const { return impl_->blockBytes; }
 const DispatchLayout& Engine::layout() const { return impl_->layout; }
 
 namespace {

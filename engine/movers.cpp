@@ -71,7 +71,7 @@ Movers::Movers(const SymmetricHeap& heap, int local, const MoverOptions& options
   if (mesh_.anyRemote() && options.maxRemoteBytesPerPeer > 0) {
     remoteCap_ = (options.maxRemoteBytesPerPeer + 15) & ~std::size_t{15};
     void* stage = nullptr;
-    GRAPHEP_CUDA_CHECK(cudaMalloc(&stage, 2 * remoteCap_ * static_cast<std::size_t>(heap.worldSize())));
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&stage, remoteStageBytes(options, heap.worldSize())));
     const int device = heap.device(local);
     remoteStage_ = std::shared_ptr<char>(static_cast<char*>(stage), [device](char* q) {
       cudaSetDevice(device);
@@ -91,6 +91,11 @@ Movers::Movers(const SymmetricHeap& heap, int local, const MoverOptions& options
   }
   GRAPHEP_CUDA_CHECK(preloadSendRecvKernels());
   GRAPHEP_CUDA_CHECK(preloadAllToAllvKernels());
+}
+
+std::size_t Movers::remoteStageBytes(const MoverOptions& options, int worldSize) {
+  const std::size_t cap = (options.maxRemoteBytesPerPeer + 15) & ~std::size_t{15};
+  return 2 * cap * static_cast<std::size_t>(worldSize);  // [2][worldSize][cap]
 }
 
 std::vector<Movers> Movers::createAll(const SymmetricHeap& heap, const MoverOptions& options) {

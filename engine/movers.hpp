@@ -131,6 +131,8 @@ class Movers {
   // allocates the remote staging of alltoallv, and warms up the NCCL connection to every remote
   // peer at every message size the run path uses (so capture never sets one up).
   static std::vector<Movers> createAll(const SymmetricHeap& heap, const MoverOptions& options = {});
+  // Device bytes of the remote staging a rank allocates when some peer is remote (else none).
+  static std::size_t remoteStageBytes(const MoverOptions& options, int worldSize);
 
   // Capturable. Both ends of each transfer must pass the same byte count, channel count and mode
   // (directions are independent: sendBytes and recvBytes may differ).

@@ -148,6 +148,19 @@ struct MoeStatus {
   std::string describe() const;  // one line per problem, "ok" when none
 };
 
+// Device memory one rank's Engine allocates, known before anything is allocated
+// (Engine::memoryRequirements), so a serving stack can size its KV cache around it.
+struct MoeMemory {
+  MoePath path = MoePath::kAuto;     // the path the figures are for (never kAuto)
+  std::size_t symmetricHeapBytes = 0;  // the symmetric heap (Engine::symmetricHeapBytes())
+  // The engine's local buffers, one allocation (Engine::privateBytes()): recv_x and its scales, the
+  // row metadata, the expert outputs, routing and exchange scratch.
+  std::size_t privateBytes = 0;
+  // Throughput path only: the movers' NCCL staging, allocated when some peer has no load/store
+  // access (another node, or GRAPHEP_FORCE_TRANSPORT=remote); 0 on the latency path.
+  std::size_t ncclStagingBytes = 0;
+};
+
 // What Engine::checkHealth found.
 struct HealthReport {
   bool ok = true;
@@ -164,6 +177,11 @@ class Engine {
   static void validate(const MoeConfig& cfg, int worldSize);
   // The worst-case receive capacity of a config (rows).
   static long long worstCaseCapacity(const MoeConfig& cfg, int worldSize);
+  // Device memory per rank of an engine with this config, from the code that sizes createAll's
+  // allocations; validates first. cfg.path kAuto: the latency path when the config fits it (what
+  // createAll picks when every peer has load/store access, e.g. GPUs of one NVLink node), else the
+  // throughput path; pass kThroughput for a group with peers reached only through NCCL.
+  static MoeMemory memoryRequirements(const MoeConfig& cfg, int worldSize);
 
   ~Engine();
   Engine(const Engine&) = delete;
@@ -176,6 +194,8 @@ class Engine {
   const MoeConfig& config() const;
   // Bytes of this rank's symmetric heap (staging, flags and the receive buffers peers write).
   std::size_t symmetricHeapBytes() const;
+  // Bytes of this rank's local buffers (MoeMemory.privateBytes).
+  std::size_t privateBytes() const;
 
   // Capturable. Enqueues routing, the count exchange and the data exchange on `stream` (on this
   // rank's device); every rank of the group must call it.

@@ -43,6 +43,36 @@ INSTANTIATE_TEST_SUITE_P(Moe, Gpu1_Moe4Ranks, ::testing::ValuesIn(moeCaseIndices
 INSTANTIATE_TEST_SUITE_P(Moe, Gpu1_Moe8Ranks, ::testing::ValuesIn(moeCaseIndices(MoeCaseList::kSmall)),
                          MoeCaseIndexName());
 
+// Engine::memoryRequirements, computed before anything is allocated, equals what createAll
+// allocated: the symmetric heap and the local buffers of every rank, on both paths, bf16 and fp8,
+// the worst-case capacity and a smaller one, with profiling.
+TEST(Gpu1_MoeMemory, QueryEqualsAllocation) {
+  GRAPHEP_REQUIRE_GPUS(1);
+  auto comm = createLocalGroup({0, 0});
+  for (MoePath path : {MoePath::kAuto, MoePath::kThroughput}) {
+    for (DType type : {DType::kBf16, DType::kFp8E4m3}) {
+      for (long long capacity : {0ll, 300ll}) {
+        MoeConfig c;
+        c.maxTokensPerRank = 128;
+        c.hidden = 1024;
+        c.numExperts = 16;
+        c.topK = 4;
+        c.dispatchType = type;
+        c.recvCapacity = capacity;
+        c.path = path;
+        c.profile = capacity > 0;
+        const MoeMemory want = Engine::memoryRequirements(c, comm->worldSize());
+        auto engines = Engine::createAll(*comm, c);
+        for (const auto& e : engines) {
+          EXPECT_EQ(e->path(), want.path);
+          EXPECT_EQ(e->symmetricHeapBytes(), want.symmetricHeapBytes);
+          EXPECT_EQ(e->privateBytes(), want.privateBytes);
+        }
+      }
+    }
+  }
+}
+
 TEST(Gpu1_Moe, MisuseFourEmulatedRanksLatency) {
   GRAPHEP_REQUIRE_GPUS(1);
   auto comm = createLocalGroup({0, 0, 0, 0});

@@ -123,6 +123,45 @@ TEST(Unit_MoeHealth, NamesThePeerAndWhatIsMissing) {
   EXPECT_EQ(m.find("rank 1"), std::string::npos) << m;
 }
 
+// The static memory query: validates first, picks the path createAll starts from, and its private
+// bytes grow with the receive capacity by exactly the per-row buffers (recv_x, scales, four
+// metadata words, the bf16 expert output), up to one 256-byte alignment per region.
+TEST(Unit_MoeMemory, PathAndPerRowBytes) {
+  MoeConfig c = good();
+  c.hidden = 7000 + 4;
+  try {
+    Engine::memoryRequirements(c, 8);
+    ADD_FAILURE() << "accepted hidden=7004";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("hidden=7004"), std::string::npos) << e.what();
+  }
+  c = good();
+  const MoeMemory latency = Engine::memoryRequirements(c, 8);
+  EXPECT_EQ(latency.path, MoePath::kLatency);
+  EXPECT_EQ(latency.ncclStagingBytes, 0u);
+  EXPECT_GT(latency.symmetricHeapBytes, 0u);
+  c.path = MoePath::kThroughput;
+  const MoeMemory throughput = Engine::memoryRequirements(c, 8);
+  EXPECT_EQ(throughput.path, MoePath::kThroughput);
+  // Staging holds a send and a receive message of T_max bf16 rows (at least) per rank.
+  EXPECT_GE(throughput.ncclStagingBytes, 2u * 8u * 128u * 7168u * 2u);
+  c = good();
+  c.maxTokensPerRank = 512;  // past the latency path's limit
+  EXPECT_EQ(Engine::memoryRequirements(c, 8).path, MoePath::kThroughput);
+
+  for (DType t : {DType::kBf16, DType::kFp8E4m3}) {
+    c = good();
+    c.dispatchType = t;
+    const std::size_t H = 7168, perRow = (t == DType::kFp8E4m3 ? H + H / 128 * 4 : 2 * H) + 4 * 4 + 2 * H;
+    c.recvCapacity = 1000;
+    const std::size_t small = Engine::memoryRequirements(c, 8).privateBytes;
+    c.recvCapacity = 3000;
+    const std::size_t large = Engine::memoryRequirements(c, 8).privateBytes;
+    EXPECT_GE(large - small + 7 * 256, 2000 * perRow) << static_cast<int>(t);
+    EXPECT_LE(large - small, 2000 * perRow + 7 * 256) << static_cast<int>(t);
+  }
+}
+
 TEST(Unit_MoeHealth, AcrossTheWrap) {
   // Step 2^32 - 1: complete counters have wrapped to small values; a late peer still reads as late.
   detail::LatencyCounters c = stalled(0xffffffffu, 24, 3);
