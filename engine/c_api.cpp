@@ -117,6 +117,28 @@ graphep::CombineArgs combineArgs(const graphep_combine_args_t* a) {
   return c;
 }
 
+// graphep::MoeConfig from the caller's versioned struct, enums checked by name.
+graphep::MoeConfig moeConfig(const graphep_moe_config_t* config) {
+  const graphep_moe_config_t c = readVersioned(config, "config");
+  GRAPHEP_REQUIRE(c.dispatch_dtype == GRAPHEP_DTYPE_BF16 || c.dispatch_dtype == GRAPHEP_DTYPE_FP8_E4M3,
+                  graphep::Status::kInvalidArgument, "config->dispatch_dtype=%d is not a graphep_dtype_t",
+                  c.dispatch_dtype);
+  GRAPHEP_REQUIRE(c.path >= GRAPHEP_PATH_AUTO && c.path <= GRAPHEP_PATH_THROUGHPUT, graphep::Status::kInvalidArgument,
+                  "config->path=%d is not a graphep_path_t", c.path);
+  graphep::MoeConfig m;
+  m.maxTokensPerRank = c.max_tokens_per_rank;
+  m.hidden = c.hidden;
+  m.numExperts = c.num_experts;
+  m.topK = c.top_k;
+  m.dispatchType = c.dispatch_dtype == GRAPHEP_DTYPE_FP8_E4M3 ? graphep::DType::kFp8E4m3 : graphep::DType::kBf16;
+  m.recvCapacity = c.recv_capacity;
+  m.expertAlignment = c.expert_alignment;
+  m.smBudget = c.sm_budget;
+  m.strict = c.strict != 0;
+  m.path = static_cast<graphep::MoePath>(c.path);
+  return m;
+}
+
 // A communicator handle from `count` caller items (devices or NCCL communicators).
 template <class T, class Create>
 graphep_status_t makeComm(const T* items, int count, const char* what, graphep_comm_t* comm, Create create) {
@@ -176,25 +198,9 @@ graphep_status_t graphep_engine_create_all(graphep_comm_t comm, const graphep_mo
   return guarded([&] {
     requireNonNull(comm, "comm");
     requireNonNull(engines, "engines");
-    const graphep_moe_config_t c = readVersioned(config, "config");
+    const graphep::MoeConfig m = moeConfig(config);
     GRAPHEP_REQUIRE(count == comm->comm->numLocalRanks(), graphep::Status::kInvalidArgument,
                     "count=%d differs from the communicator's %d local ranks", count, comm->comm->numLocalRanks());
-    GRAPHEP_REQUIRE(c.dispatch_dtype == GRAPHEP_DTYPE_BF16 || c.dispatch_dtype == GRAPHEP_DTYPE_FP8_E4M3,
-                    graphep::Status::kInvalidArgument, "config->dispatch_dtype=%d is not a graphep_dtype_t",
-                    c.dispatch_dtype);
-    GRAPHEP_REQUIRE(c.path >= GRAPHEP_PATH_AUTO && c.path <= GRAPHEP_PATH_THROUGHPUT, graphep::Status::kInvalidArgument,
-                    "config->path=%d is not a graphep_path_t", c.path);
-    graphep::MoeConfig m;
-    m.maxTokensPerRank = c.max_tokens_per_rank;
-    m.hidden = c.hidden;
-    m.numExperts = c.num_experts;
-    m.topK = c.top_k;
-    m.dispatchType = c.dispatch_dtype == GRAPHEP_DTYPE_FP8_E4M3 ? graphep::DType::kFp8E4m3 : graphep::DType::kBf16;
-    m.recvCapacity = c.recv_capacity;
-    m.expertAlignment = c.expert_alignment;
-    m.smBudget = c.sm_budget;
-    m.strict = c.strict != 0;
-    m.path = static_cast<graphep::MoePath>(c.path);
     auto all = graphep::Engine::createAll(*comm->comm, m);
     std::vector<std::unique_ptr<graphep_engine>> hs;
     for (auto& e : all) {
@@ -202,6 +208,21 @@ graphep_status_t graphep_engine_create_all(graphep_comm_t comm, const graphep_mo
       hs.back()->engine = std::move(e);
     }
     for (int i = 0; i < count; ++i) engines[i] = hs[static_cast<std::size_t>(i)].release();
+  });
+}
+
+graphep_status_t graphep_memory_requirements(const graphep_moe_config_t* config, int world_size,
+                                             graphep_moe_memory_t* memory) {
+  return guarded([&] {
+    const graphep::MoeConfig m = moeConfig(config);
+    (void)readVersioned(memory, "memory");
+    const graphep::MoeMemory r = graphep::Engine::memoryRequirements(m, world_size);
+    graphep_moe_memory_t o{};
+    o.path = static_cast<int>(r.path);
+    o.symmetric_heap_bytes = r.symmetricHeapBytes;
+    o.private_bytes = r.privateBytes;
+    o.nccl_staging_bytes = r.ncclStagingBytes;
+    writeVersioned(memory, o);
   });
 }
 

@@ -160,7 +160,7 @@ LocalCarve carveLocal(const MoeConfig& cfg, const MoeSizes& z, std::size_t cap, 
   o.recSend = carve(throughput ? Rs * T * z.recBytes : 0);
   o.cntSend = carve(throughput ? Rs * z.cntMsgBytes : 0);
   o.cntRecv = carve(throughput ? Rs * z.cntMsgBytes : 0);
-  o.arrays = carve(throughput ? 12 * Rs * 8 : 0);  // 3 exchanges x {send, recv} x {counts, offsets}
+  o.arrays = carve(throughput ? 12 * Rs * 8 : 0);  // EngineExchanges: 3 exchanges x 4 tables x [R]
   o.recvRows = carve(Rs * 4);
   o.srcBase = carve(Rs * L * 4);
   o.offsets = carve((L + 1) * 4);
@@ -183,6 +183,51 @@ LocalCarve carveLocal(const MoeConfig& cfg, const MoeSizes& z, std::size_t cap, 
   o.timeline = carve(cfg.profile ? kStamps * 8 : 0);
   o.bytes = used;
   return o;
+}
+
+// The device tables of one alltoallv exchange of the throughput path: [R] byte counts and offsets
+// per direction. The offsets and the count messages' counts are constant (setupExchangeTables);
+// the kernels write the record and partial counts of every dispatch.
+struct ExchangeTables {
+  std::uint64_t* sendCounts;
+  std::uint64_t* sendOffsets;
+  std::uint64_t* recvCounts;
+  std::uint64_t* recvOffsets;
+};
+// The engine's three exchanges: count messages, records (dispatch), partials (combine).
+struct EngineExchanges {
+  ExchangeTables counts, records, partials;
+};
+
+// Lays the three exchanges' tables out in the carved region (LocalCarve.arrays: 12 x R words) and
+// writes their constant halves: a count message of cntMsgBytes to and from every peer, and every
+// peer's records and partials at a fixed place ([peer][maxTokens][record]).
+EngineExchanges setupExchangeTables(char* region, const MoeSizes& z) {
+  auto* w = reinterpret_cast<std::uint64_t*>(region);
+  auto next = [&]() {
+    ExchangeTables t{w, w + z.R, w + 2 * z.R, w + 3 * z.R};
+    w += 4 * z.R;
+    return t;
+  };
+  EngineExchanges x;
+  x.counts = next();
+  x.records = next();
+  x.partials = next();
+  std::vector<std::uint64_t> msgBytes(z.R, z.cntMsgBytes), msgAt(z.R), recAt(z.R), rowAt(z.R);
+  for (std::size_t q = 0; q < z.R; ++q) {
+    msgAt[q] = q * z.cntMsgBytes;
+    recAt[q] = q * z.T * z.recBytes;
+    rowAt[q] = q * z.T * z.rowBytes;
+  }
+  const std::size_t bytes = z.R * sizeof(std::uint64_t);
+  GRAPHEP_CUDA_CHECK(cudaMemset(region, 0, 12 * bytes));
+  for (auto [dst, src] : {std::pair{x.counts.sendCounts, &msgBytes}, std::pair{x.counts.sendOffsets, &msgAt},
+                          std::pair{x.counts.recvCounts, &msgBytes}, std::pair{x.counts.recvOffsets, &msgAt},
+                          std::pair{x.records.sendOffsets, &recAt}, std::pair{x.records.recvOffsets, &recAt},
+                          std::pair{x.partials.sendOffsets, &rowAt}, std::pair{x.partials.recvOffsets, &rowAt}}) {
+    GRAPHEP_CUDA_CHECK(cudaMemcpy(dst, src->data(), bytes, cudaMemcpyHostToDevice));
+  }
+  return x;
 }
 
 // Collective: whether every local rank of every process reaches every peer by load/store (the
@@ -467,13 +512,11 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     p.recRecv = throughput ? user + ph.recRecv : nullptr;
     p.cntSend = b + o.cntSend;
     p.cntRecv = b + o.cntRecv;
-    auto* arrays = reinterpret_cast<std::uint64_t*>(b + o.arrays);
-    // arrays: [exchange][sendCounts | sendOffsets | recvCounts | recvOffsets][R]
-    auto arr = [&](int exchange, int which) { return arrays + (exchange * 4 + which) * Rs; };
-    p.dispSendCounts = arr(1, 0);
-    p.dispRecvCounts = arr(1, 2);
-    p.combSendCounts = arr(2, 0);
-    p.combRecvCounts = arr(2, 2);
+    const EngineExchanges x = throughput ? setupExchangeTables(b + o.arrays, sizes) : EngineExchanges{};
+    p.dispSendCounts = x.records.sendCounts;
+    p.dispRecvCounts = x.records.recvCounts;
+    p.combSendCounts = x.partials.sendCounts;
+    p.combRecvCounts = x.partials.recvCounts;
     p.recvRows = reinterpret_cast<std::int32_t*>(b + o.recvRows);
     p.srcBase = reinterpret_cast<std::int32_t*>(b + o.srcBase);
     p.expertOffsets = reinterpret_cast<std::int32_t*>(b + o.offsets);
@@ -515,41 +558,26 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     p.timeline = cfg.profile ? reinterpret_cast<unsigned long long*>(b + o.timeline) : nullptr;
 
     if (throughput) {
-      // Constant halves of the count arrays: fixed-size count messages, and every peer's records and
-      // partials at a fixed place ([peer][maxTokens][record]); the counts are written by the kernels.
-      std::vector<std::uint64_t> h(12 * Rs, 0);
-      for (std::size_t q = 0; q < Rs; ++q) {
-        h[0 * Rs + q] = cntMsgBytes;           // count exchange: send counts
-        h[1 * Rs + q] = q * cntMsgBytes;       //                 send offsets
-        h[2 * Rs + q] = cntMsgBytes;           //                 receive counts
-        h[3 * Rs + q] = q * cntMsgBytes;       //                 receive offsets
-        h[5 * Rs + q] = q * T * recBytes;      // records: send offsets
-        h[7 * Rs + q] = q * T * recBytes;      //          receive offsets
-        h[9 * Rs + q] = q * T * rowBytes;      // partials: send offsets
-        h[11 * Rs + q] = q * T * rowBytes;     //           receive offsets
-      }
-      GRAPHEP_CUDA_CHECK(cudaMemcpy(arrays, h.data(), h.size() * 8, cudaMemcpyHostToDevice));
-
-      auto exchange = [&](int e, const void* src, std::size_t srcBytes, void* dst, std::size_t dstBytes,
-                          std::size_t perPeer, bool zeroCopy) {
+      auto exchange = [&](const ExchangeTables& t, const void* src, std::size_t srcBytes, void* dst,
+                          std::size_t dstBytes, std::size_t perPeer, bool zeroCopy) {
         AllToAllvArgs a;
         a.src = src;
         a.srcBytes = srcBytes;
         a.dst = dst;
         a.dstBytes = dstBytes;
-        a.sendCounts = arr(e, 0);
-        a.sendOffsets = arr(e, 1);
-        a.recvCounts = arr(e, 2);
-        a.recvOffsets = arr(e, 3);
+        a.sendCounts = t.sendCounts;
+        a.sendOffsets = t.sendOffsets;
+        a.recvCounts = t.recvCounts;
+        a.recvOffsets = t.recvOffsets;
         a.maxBytesPerPeer = perPeer;
         a.channelsPerPeer = cfg.smBudget;
         a.zeroCopy = zeroCopy;
         return a;
       };
-      impl->cntArgs = exchange(0, p.cntSend, Rs * cntMsgBytes, b + o.cntRecv, Rs * cntMsgBytes, cntMsgBytes, false);
-      impl->dispArgs = exchange(1, p.recSend, Rs * T * recBytes, user + ph.recRecv, Rs * T * recBytes,
+      impl->cntArgs = exchange(x.counts, p.cntSend, Rs * cntMsgBytes, b + o.cntRecv, Rs * cntMsgBytes, cntMsgBytes, false);
+      impl->dispArgs = exchange(x.records, p.recSend, Rs * T * recBytes, user + ph.recRecv, Rs * T * recBytes,
                                 T * recBytes, true);
-      impl->combArgs = exchange(2, p.combSend, Rs * T * rowBytes, user + ph.combRecv, Rs * T * rowBytes,
+      impl->combArgs = exchange(x.partials, p.combSend, Rs * T * rowBytes, user + ph.combRecv, Rs * T * rowBytes,
                                 T * rowBytes, true);
     }
 

@@ -146,6 +146,17 @@ typedef struct graphep_moe_status {
 } graphep_moe_status_t;
 #define GRAPHEP_MOE_STATUS_INIT { sizeof(graphep_moe_status_t), 0, 0, 0, 0, -1, -1, 0, 0, 0, 0 }
 
+/* graphep::MoeMemory: what an engine of a config allocates per rank, known before anything is
+ * allocated (size a KV cache after it). */
+typedef struct graphep_moe_memory {
+  size_t struct_size;
+  int path;                    /* graphep_path_t the figures are for (never AUTO) */
+  size_t symmetric_heap_bytes; /* the symmetric heap */
+  size_t private_bytes;        /* the engine's local buffers */
+  size_t nccl_staging_bytes;   /* throughput path with peers reached through NCCL only */
+} graphep_moe_memory_t;
+#define GRAPHEP_MOE_MEMORY_INIT { sizeof(graphep_moe_memory_t), 0, 0, 0, 0 }
+
 /* Library. */
 const char* graphep_version(void);
 const char* graphep_status_name(graphep_status_t status);
@@ -164,6 +175,10 @@ graphep_status_t graphep_comm_destroy(graphep_comm_t comm);
 /* Engines: one per local rank, in local-rank order (`count` must equal the local ranks). */
 graphep_status_t graphep_engine_create_all(graphep_comm_t comm, const graphep_moe_config_t* config,
                                            graphep_engine_t* engines, int count);
+/* Not collective, no GPU needed: the memory an engine of `config` over `world_size` ranks would
+ * allocate on each rank (Engine::memoryRequirements). */
+graphep_status_t graphep_memory_requirements(const graphep_moe_config_t* config, int world_size,
+                                             graphep_moe_memory_t* memory);
 graphep_status_t graphep_engine_destroy(graphep_engine_t engine);
 graphep_status_t graphep_engine_layout(graphep_engine_t engine, graphep_layout_t* layout);
 /* The path chosen at setup (a graphep_path_t, never GRAPHEP_PATH_AUTO: AUTO resolves to LATENCY

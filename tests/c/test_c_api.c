@@ -1170,8 +1170,28 @@ static int no_gpu(long expected, const char* why) {
   return SKIP;
 }
 
+/* The memory query from C, before any engine exists (no GPU needed): a latency-path figure for AUTO
+ * on a config that fits it, the throughput path's larger heap with staging for THROUGHPUT. */
+static void memory_query(void) {
+  graphep_moe_config_t cfg = GRAPHEP_MOE_CONFIG_INIT;
+  cfg.max_tokens_per_rank = 64;
+  cfg.hidden = 1024;
+  cfg.num_experts = 16;
+  cfg.top_k = 4;
+  graphep_moe_memory_t a = GRAPHEP_MOE_MEMORY_INIT, t = GRAPHEP_MOE_MEMORY_INIT;
+  CHECK_G(graphep_memory_requirements(&cfg, 2, &a));
+  cfg.path = GRAPHEP_PATH_THROUGHPUT;
+  CHECK_G(graphep_memory_requirements(&cfg, 2, &t));
+  EXPECT(a.path == GRAPHEP_PATH_LATENCY && t.path == GRAPHEP_PATH_THROUGHPUT, "memory query paths %d, %d", a.path,
+         t.path);
+  EXPECT(a.symmetric_heap_bytes > 0 && a.private_bytes > 0 && t.symmetric_heap_bytes > 0 && t.private_bytes > 0,
+         "memory query: zero bytes");
+}
+
 int main(int argc, char** argv) {
   if (argc > 1 && strcmp(argv[1], STRICT_CHILD_ARG) == 0) return strict_child();
+  memory_query();
+  if (failures != 0) return 1; /* checked without a GPU too */
   const long expected = expected_gpus();
   char why[256];
   int devices = 0;

@@ -64,5 +64,47 @@ TEST(Unit_CApi, ErrorsAreNamedStatusesPerThread) {
   }
 }
 
+// The memory query through the C ABI: the same figures as Engine::memoryRequirements, no GPU
+// needed, the bad field named.
+TEST(Unit_CApi, MemoryRequirementsMatchTheCppQuery) {
+  for (int path : {GRAPHEP_PATH_AUTO, GRAPHEP_PATH_THROUGHPUT}) {
+    for (int dtype : {GRAPHEP_DTYPE_BF16, GRAPHEP_DTYPE_FP8_E4M3}) {
+      graphep_moe_config_t c = GRAPHEP_MOE_CONFIG_INIT;
+      c.max_tokens_per_rank = 128;
+      c.hidden = 2048;
+      c.num_experts = 128;
+      c.top_k = 8;
+      c.dispatch_dtype = dtype;
+      c.path = path;
+      graphep_moe_memory_t m = GRAPHEP_MOE_MEMORY_INIT;
+      ASSERT_EQ(graphep_memory_requirements(&c, 2, &m), GRAPHEP_SUCCESS) << graphep_last_error();
+      MoeConfig cpp;
+      cpp.maxTokensPerRank = 128;
+      cpp.hidden = 2048;
+      cpp.numExperts = 128;
+      cpp.topK = 8;
+      cpp.dispatchType = dtype == GRAPHEP_DTYPE_FP8_E4M3 ? DType::kFp8E4m3 : DType::kBf16;
+      cpp.path = static_cast<MoePath>(path);
+      const MoeMemory want = Engine::memoryRequirements(cpp, 2);
+      EXPECT_EQ(m.path, static_cast<int>(want.path));
+      EXPECT_EQ(m.path, path == GRAPHEP_PATH_AUTO ? GRAPHEP_PATH_LATENCY : GRAPHEP_PATH_THROUGHPUT);
+      EXPECT_EQ(m.symmetric_heap_bytes, want.symmetricHeapBytes);
+      EXPECT_EQ(m.private_bytes, want.privateBytes);
+      EXPECT_EQ(m.nccl_staging_bytes, want.ncclStagingBytes);
+      EXPECT_GT(m.symmetric_heap_bytes, 0u);
+      EXPECT_EQ(m.struct_size, sizeof(graphep_moe_memory_t));
+    }
+  }
+  graphep_moe_config_t bad = GRAPHEP_MOE_CONFIG_INIT;
+  bad.max_tokens_per_rank = 16;
+  bad.hidden = 100;  // not a multiple of 8
+  bad.num_experts = 8;
+  bad.top_k = 2;
+  graphep_moe_memory_t m = GRAPHEP_MOE_MEMORY_INIT;
+  EXPECT_EQ(graphep_memory_requirements(&bad, 2, &m), GRAPHEP_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(graphep_last_error()).find("hidden=100"), std::string::npos) << graphep_last_error();
+  EXPECT_EQ(graphep_memory_requirements(&bad, 2, nullptr), GRAPHEP_INVALID_ARGUMENT);
+}
+
 }  // namespace
 }  // namespace graphep::test
