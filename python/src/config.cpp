@@ -1,0 +1,99 @@
+// MoeConfig and the static memory query. Python spells every field in snake_case (the rule
+// errors.cpp applies to messages: MoeConfig.topK -> MoeConfig.top_k).
+#include <graphep/moe.hpp>
+
+#include <nanobind/stl/string.h>
+
+#include <string>
+
+#include "bindings.hpp"
+
+namespace nb = nanobind;
+
+namespace graphep::python {
+namespace {
+
+const char* pathName(MoePath p) {
+  switch (p) {
+    case MoePath::kAuto: return "AUTO";
+    case MoePath::kLatency: return "LATENCY";
+    case MoePath::kThroughput: return "THROUGHPUT";
+  }
+  return "?";
+}
+
+std::string describe(const MoeConfig& c) {
+  return "MoeConfig(max_tokens_per_rank=" + std::to_string(c.maxTokensPerRank) + ", hidden=" + std::to_string(c.hidden) +
+         ", num_experts=" + std::to_string(c.numExperts) + ", top_k=" + std::to_string(c.topK) +
+         ", dispatch_type=" + (c.dispatchType == DType::kFp8E4m3 ? "FP8_E4M3" : "BF16") +
+         ", recv_capacity=" + std::to_string(c.recvCapacity) + ", expert_alignment=" + std::to_string(c.expertAlignment) +
+         ", sm_budget=" + std::to_string(c.smBudget) + ", strict=" + (c.strict ? "True" : "False") +
+         ", path=" + pathName(c.path) + ", profile=" + (c.profile ? "True" : "False") +
+         ", counter_start=" + std::to_string(c.counterStart) + ")";
+}
+
+}  // namespace
+
+void bindConfig(nb::module_& m) {
+  nb::enum_<DType>(m, "DType", "What dispatch moves: bf16, or fp8 e4m3 with one fp32 scale per 128 values.")
+      .value("BF16", DType::kBf16)
+      .value("FP8_E4M3", DType::kFp8E4m3);
+  nb::enum_<IndexType>(m, "IndexType", "Element type of topk_idx.")
+      .value("INT32", IndexType::kInt32)
+      .value("INT64", IndexType::kInt64);
+  nb::enum_<MoePath>(m, "MoePath", "How dispatch and combine move data (DESIGN.md section 5).")
+      .value("AUTO", MoePath::kAuto)
+      .value("LATENCY", MoePath::kLatency)
+      .value("THROUGHPUT", MoePath::kThroughput);
+
+  nb::class_<MoeConfig>(m, "MoeConfig", "graphep::MoeConfig (include/graphep/moe.hpp); every rank passes the same.")
+      .def(
+          "__init__",
+          [](MoeConfig* c, int maxTokensPerRank, int hidden, int numExperts, int topK, DType dispatchType,
+             long long recvCapacity, int expertAlignment, int smBudget, bool strict, MoePath path, bool profile,
+             std::uint32_t counterStart) {
+            new (c) MoeConfig{maxTokensPerRank, hidden, numExperts, topK, dispatchType, recvCapacity,
+                              expertAlignment, smBudget, strict, path, profile, counterStart};
+          },
+          nb::kw_only(), nb::arg("max_tokens_per_rank") = 0, nb::arg("hidden") = 0, nb::arg("num_experts") = 0,
+          nb::arg("top_k") = 0, nb::arg("dispatch_type") = DType::kBf16, nb::arg("recv_capacity") = 0,
+          nb::arg("expert_alignment") = 1, nb::arg("sm_budget") = 0, nb::arg("strict") = false,
+          nb::arg("path") = MoePath::kAuto, nb::arg("profile") = false, nb::arg("counter_start") = 0)
+      .def_rw("max_tokens_per_rank", &MoeConfig::maxTokensPerRank, "T_max: rows of x per dispatch at most")
+      .def_rw("hidden", &MoeConfig::hidden, "H: a multiple of 8 (of 128 for fp8)")
+      .def_rw("num_experts", &MoeConfig::numExperts, "E: a multiple of the world size")
+      .def_rw("top_k", &MoeConfig::topK, "K: 1 .. min(E, 16)")
+      .def_rw("dispatch_type", &MoeConfig::dispatchType)
+      .def_rw("recv_capacity", &MoeConfig::recvCapacity, "rows of recv_x per rank; 0: the worst case")
+      .def_rw("expert_alignment", &MoeConfig::expertAlignment, "each local expert's rows start at a multiple of this")
+      .def_rw("sm_budget", &MoeConfig::smBudget, "CTAs each engine kernel may use (0: the engine's default)")
+      .def_rw("strict", &MoeConfig::strict, "trap on bad input instead of counting it")
+      .def_rw("path", &MoeConfig::path)
+      .def_rw("profile", &MoeConfig::profile)
+      .def_rw("counter_start", &MoeConfig::counterStart)
+      .def("__repr__", &describe);
+
+  nb::class_<MoeMemory>(m, "MemoryRequirements", "Device bytes one rank's engine allocates (per rank).")
+      .def_ro("path", &MoeMemory::path, "the path the figures are for (never AUTO)")
+      .def_ro("symmetric_heap_bytes", &MoeMemory::symmetricHeapBytes)
+      .def_ro("private_bytes", &MoeMemory::privateBytes, "recv_x, scales, row metadata, expert outputs, scratch")
+      .def_ro("nccl_staging_bytes", &MoeMemory::ncclStagingBytes,
+              "added when a peer is reached only through NCCL (throughput path)")
+      .def("__repr__", [](const MoeMemory& r) {
+        return std::string("MemoryRequirements(path=") + pathName(r.path) +
+               ", symmetric_heap_bytes=" + std::to_string(r.symmetricHeapBytes) +
+               ", private_bytes=" + std::to_string(r.privateBytes) +
+               ", nccl_staging_bytes=" + std::to_string(r.ncclStagingBytes) + ")";
+      });
+
+  m.def("memory_requirements", &Engine::memoryRequirements, nb::arg("config"), nb::arg("world_size"),
+        "Device bytes per rank of an engine with this config, before anything is allocated (no GPU needed). "
+        "Validates the config first. path AUTO: the latency path when the config fits it (every peer "
+        "with load/store access), else throughput; set path=THROUGHPUT for groups with NCCL-only peers.");
+  m.def("validate", &Engine::validate, nb::arg("config"), nb::arg("world_size"),
+        "Raises graphep.Error naming the first bad field.");
+  m.def("worst_case_capacity", &Engine::worstCaseCapacity, nb::arg("config"), nb::arg("world_size"),
+        "Rows of recv_x that no routing can overflow.");
+}
+
+}  // namespace graphep::python

@@ -1,0 +1,168 @@
+// EngineCore: one rank's graphep::Engine (include/graphep/moe.hpp) with its group kept alive. The
+// run path takes raw device pointers and a cudaStream_t as ints: graphep/engine.py checks the
+// arrays they come from once, in one place, for every framework. Engine-owned buffers leave as
+// DLPack views whose owner is the EngineCore, so a view (or a tensor made from one) keeps the
+// engine alive.
+#include <graphep/moe.hpp>
+
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/vector.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "bindings.hpp"
+#include "group.hpp"
+
+namespace nb = nanobind;
+
+namespace graphep::python {
+namespace {
+
+struct EngineCore {
+  std::shared_ptr<Communicator> comm;  // outlives the engine (the heap holds a pointer to it)
+  std::unique_ptr<Engine> engine;
+};
+
+cudaStream_t streamOf(std::uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
+template <class T>
+T* pointerOf(std::uintptr_t p) {
+  return reinterpret_cast<T*>(p);
+}
+
+std::vector<EngineCore> createEngines(const Group& group, const MoeConfig& cfg) {
+  std::vector<std::unique_ptr<Engine>> engines;
+  {
+    nb::gil_scoped_release release;  // collective: other processes' ranks are waited for
+    engines = Engine::createAll(*group.comm, cfg);
+  }
+  std::vector<EngineCore> out;
+  for (auto& e : engines) out.push_back(EngineCore{group.comm, std::move(e)});
+  return out;
+}
+
+// A view of `count` engine-owned elements (rows x cols, or a vector when cols is 0) kept alive by
+// the Python object `owner`.
+nb::object view(nb::handle owner, const void* data, std::size_t rows, std::size_t cols, nb::dlpack::dtype dtype,
+                int device) {
+  const std::size_t shape[2] = {rows, cols};
+  nb::ndarray<nb::device::cuda> a(const_cast<void*>(data), cols == 0 ? 1 : 2, shape, owner, nullptr, dtype,
+                                  nb::device::cuda::value, device);
+  return nb::cast(a);
+}
+
+// Every buffer of the dispatch layout (DispatchLayout), fixed for the engine's life.
+nb::dict views(EngineCore& core) {
+  nb::object owner = nb::find(&core);
+  const Engine& e = *core.engine;
+  const DispatchLayout& v = e.layout();
+  const bool fp8 = e.config().dispatchType == DType::kFp8E4m3;
+  const std::size_t cap = static_cast<std::size_t>(v.capacity), H = static_cast<std::size_t>(v.hidden);
+  const std::size_t L = static_cast<std::size_t>(v.numLocalExperts);
+  const int dev = e.device();
+  const nb::dlpack::dtype bf16{static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bfloat), 16, 1};
+  nb::dict d;
+  // fp8 rows leave as uint8 (e4m3fn bytes): every DLPack consumer reads uint8.
+  d["recv_x"] = fp8 ? view(owner, v.recvX, cap, H, nb::dtype<std::uint8_t>(), dev) : view(owner, v.recvX, cap, H, bf16, dev);
+  d["recv_scales"] = fp8 ? view(owner, v.recvScales, cap, H / 128, nb::dtype<float>(), dev) : nb::none();
+  d["expert_offsets"] = view(owner, v.expertOffsets, L + 1, 0, nb::dtype<std::int32_t>(), dev);
+  d["expert_counts"] = view(owner, v.expertCounts, L, 0, nb::dtype<std::int32_t>(), dev);
+  d["row_src_rank"] = view(owner, v.rowSrcRank, cap, 0, nb::dtype<std::int32_t>(), dev);
+  d["row_src_token"] = view(owner, v.rowSrcToken, cap, 0, nb::dtype<std::int32_t>(), dev);
+  d["row_topk_slot"] = view(owner, v.rowTopkSlot, cap, 0, nb::dtype<std::int32_t>(), dev);
+  d["row_weight"] = view(owner, v.rowWeight, cap, 0, nb::dtype<float>(), dev);
+  d["num_recv_rows"] = view(owner, v.numRecvRows, 1, 0, nb::dtype<std::int32_t>(), dev);
+  d["expert_totals"] = view(owner, v.expertTotals, L, 0, nb::dtype<std::int64_t>(), dev);  // counts < 2^63
+  d["expert_output"] = view(owner, v.expertOutput, cap, H, bf16, dev);
+  return d;
+}
+
+}  // namespace
+
+void bindEngine(nb::module_& m) {
+  nb::class_<MoeStatus>(m, "MoeStatus", "Bad input the device counted (Engine.status()).")
+      .def_ro("invalid_expert_ids", &MoeStatus::invalidExpertIds)
+      .def_ro("dropped_rows", &MoeStatus::droppedRows)
+      .def_ro("clamped_token_counts", &MoeStatus::clampedTokenCounts)
+      .def_ro("first_invalid_id", &MoeStatus::firstInvalidId)
+      .def_ro("first_invalid_token", &MoeStatus::firstInvalidToken)
+      .def_ro("first_invalid_slot", &MoeStatus::firstInvalidSlot)
+      .def_ro("first_clamped_count", &MoeStatus::firstClampedCount)
+      .def_ro("unpaired_dispatches", &MoeStatus::unpairedDispatches)
+      .def_ro("unpaired_combines", &MoeStatus::unpairedCombines)
+      .def_ro("device_error", &MoeStatus::deviceError)
+      .def_prop_ro("ok", &MoeStatus::ok)
+      .def("describe", &MoeStatus::describe)
+      .def("__repr__", [](const MoeStatus& s) { return "MoeStatus(" + s.describe() + ")"; });
+
+  nb::class_<HealthReport>(m, "HealthReport", "What Engine.check_health found.")
+      .def_ro("ok", &HealthReport::ok)
+      .def_ro("message", &HealthReport::message)
+      .def("__bool__", [](const HealthReport& h) { return h.ok; })
+      .def("__repr__", [](const HealthReport& h) { return h.ok ? std::string("HealthReport(ok)") : "HealthReport(" + h.message + ")"; });
+
+  nb::class_<EngineCore>(m, "EngineCore", "One rank's engine; use graphep.Engine (graphep/engine.py).")
+      .def_prop_ro("rank", [](const EngineCore& c) { return c.engine->rank(); })
+      .def_prop_ro("world_size", [](const EngineCore& c) { return c.engine->worldSize(); })
+      .def_prop_ro("device", [](const EngineCore& c) { return c.engine->device(); })
+      .def_prop_ro("path", [](const EngineCore& c) { return c.engine->path(); })
+      .def_prop_ro("config", [](const EngineCore& c) { return c.engine->config(); })
+      .def_prop_ro("symmetric_heap_bytes", [](const EngineCore& c) { return c.engine->symmetricHeapBytes(); })
+      .def_prop_ro("private_bytes", [](const EngineCore& c) { return c.engine->privateBytes(); })
+      .def_prop_ro("capacity", [](const EngineCore& c) { return c.engine->layout().capacity; })
+      .def_prop_ro("num_local_experts", [](const EngineCore& c) { return c.engine->layout().numLocalExperts; })
+      .def_prop_ro("first_local_expert", [](const EngineCore& c) { return c.engine->layout().firstLocalExpert; })
+      .def("views", &views)
+      .def(
+          "dispatch",
+          [](EngineCore& c, std::uintptr_t x, std::uintptr_t topkIdx, IndexType indexType, std::uintptr_t topkWeights,
+             std::uintptr_t numTokens, std::uintptr_t stream) {
+            DispatchArgs a;
+            a.x = pointerOf<const void>(x);
+            a.topkIdx = pointerOf<const void>(topkIdx);
+            a.indexType = indexType;
+            a.topkWeights = pointerOf<const float>(topkWeights);
+            a.numTokens = pointerOf<const int>(numTokens);
+            c.engine->dispatch(a, streamOf(stream));
+          },
+          nb::arg("x"), nb::arg("topk_idx"), nb::arg("index_type"), nb::arg("topk_weights"), nb::arg("num_tokens"),
+          nb::arg("stream"), "Capturable. Device pointers as ints; graphep.Engine.dispatch checks the arrays.")
+      .def(
+          "combine",
+          [](EngineCore& c, std::uintptr_t expertOutput, std::uintptr_t out, std::uintptr_t stream) {
+            CombineArgs a;
+            a.expertOutput = pointerOf<const void>(expertOutput);
+            a.out = pointerOf<void>(out);
+            c.engine->combine(a, streamOf(stream));
+          },
+          nb::arg("expert_output"), nb::arg("out"), nb::arg("stream"),
+          "Capturable. expert_output 0: the engine's own buffer.")
+      .def(
+          "status",
+          [](const EngineCore& c) {
+            nb::gil_scoped_release release;
+            return c.engine->status();
+          },
+          "Diagnostics, synchronises the device.")
+      .def(
+          "check_health",
+          [](EngineCore& c, std::uintptr_t stream, long long timeoutMs) {
+            nb::gil_scoped_release release;
+            return c.engine->checkHealth(streamOf(stream), std::chrono::milliseconds(timeoutMs));
+          },
+          nb::arg("stream"), nb::arg("timeout_ms"), "Host watchdog; never synchronises the device.")
+      .def_prop_ro("failed", [](const EngineCore& c) { return c.engine->failed(); })
+      .def("clear_status", [](EngineCore& c) {
+        nb::gil_scoped_release release;
+        c.engine->clearStatus();
+      });
+
+  m.def("create_engines", &createEngines, nb::arg("group"), nb::arg("config"),
+        "Collective over the group: one EngineCore per rank this process drives (local-rank order).");
+}
+
+}  // namespace graphep::python

@@ -1,0 +1,26 @@
+"""Shared by the graphep Python tests: what the machine has, and the skips that say so.
+
+CPU tests run everywhere; GPU tests skip without enough GPUs and PyTorch tests without PyTorch,
+each with its reason (pytest -rs prints them). graphep itself must import: a missing or broken
+extension is a failure, never a skip.
+"""
+
+import importlib.util
+import os
+
+import pytest
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off wherever these tests run
+
+import graphep  # noqa: E402
+
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+GPUS, NO_GPU_REASON = graphep._graphep.cuda_device_count()
+
+
+def requires_gpus(n: int):
+    why = f"needs {n} GPU(s), found {GPUS}" + (f" ({NO_GPU_REASON})" if NO_GPU_REASON else "")
+    return pytest.mark.skipif(GPUS < n, reason=why)
+
+
+requires_torch = pytest.mark.skipif(not HAVE_TORCH, reason="PyTorch is not installed (graphep.torch needs it)")

@@ -1,0 +1,79 @@
+"""CPU: the one place arrays are checked names the argument and the bad value."""
+
+import pytest
+
+import graphep
+from graphep.arrays import ArrayInfo, describe, require_matrix, require_scalar, stream_handle
+
+CUDA = 2
+
+
+def info(shape, dtype="bfloat16", device=0, strides=None, device_type=CUDA):
+    if strides is None:
+        strides = (shape[1], 1) if len(shape) == 2 else (1,) * len(shape)
+    return ArrayInfo(0x1000, tuple(shape), tuple(strides), dtype, device_type, device)
+
+
+def expect(message, fn, *args, **kwargs):
+    with pytest.raises(graphep.Error) as e:
+        fn(*args, **kwargs)
+    assert e.value.status == graphep.Status.INVALID_ARGUMENT
+    assert message in e.value.message, e.value.message
+
+
+def test_a_good_matrix_returns_its_rows():
+    assert require_matrix(info((7, 64)), "x", cols=64, dtypes=("bfloat16",), device=0, max_rows=8) == 7
+
+
+def test_matrix_errors_name_the_value():
+    m = dict(cols=64, dtypes=("bfloat16",), device=0)
+    expect("x has dtype float16, expected bfloat16", require_matrix, info((4, 64), "float16"), "x", **m)
+    expect("x has shape [4, 32], expected [rows, 64]", require_matrix, info((4, 32)), "x", **m)
+    expect("x has shape [256], expected [rows, 64]", require_matrix, info((256,)), "x", **m)
+    expect("x has 9 rows, expected 1 to 8", require_matrix, info((9, 64)), "x", max_rows=8, **m)
+    expect("topk_idx has 3 rows, expected 4", require_matrix, info((3, 64)), "topk_idx", rows=4, **m)
+    expect("x has strides [128, 1], expected row-major [64, 1]", require_matrix,
+           info((4, 64), strides=(128, 1)), "x", **m)
+    expect("x is on GPU 1, but this rank runs on GPU 0", require_matrix, info((4, 64), device=1), "x", **m)
+    expect("x is on the CPU; graphep needs it on GPU 0", require_matrix, info((4, 64), device_type=1), "x", **m)
+
+
+def test_scalar_errors_name_the_value():
+    require_scalar(info((1,), "int32"), "num_tokens", dtype="int32", device=0)
+    require_scalar(info((), "int32"), "num_tokens", dtype="int32", device=0)
+    expect("num_tokens has dtype int64, expected int32", require_scalar, info((1,), "int64"), "num_tokens",
+           dtype="int32", device=0)
+    expect("num_tokens has shape [2], expected a device scalar", require_scalar, info((2,), "int32"),
+           "num_tokens", dtype="int32", device=0)
+
+
+def test_host_arrays_are_refused_by_name():
+    np = pytest.importorskip("numpy", reason="numpy is not installed")
+    a = np.zeros((4, 64), dtype=np.float32)
+    described = describe(a, "topk_weights")
+    assert described.shape == (4, 64) and described.dtype == "float32" and described.device_type == 1
+    expect("topk_weights is on the CPU", require_matrix, described, "topk_weights", cols=64,
+           dtypes=("float32",), device=0)
+
+
+def test_non_arrays_are_refused_by_name():
+    expect("x is a list, not a GPU array", describe, [1, 2, 3], "x")
+
+
+def test_cuda_array_interface_without_a_numeric_type():
+    class Opaque:
+        __cuda_array_interface__ = {"shape": (4, 64), "typestr": "<V2", "data": (0, False), "version": 3}
+
+    expect("x has __cuda_array_interface__ typestr '<V2'", describe, Opaque(), "x")
+
+
+def test_streams_from_ints_and_stream_objects():
+    class TorchLike:
+        cuda_stream = 1234
+
+    class Protocol:
+        def __cuda_stream__(self):
+            return (0, 5678)
+
+    assert stream_handle(0) == 0 and stream_handle(TorchLike()) == 1234 and stream_handle(Protocol()) == 5678
+    expect("stream is a str", stream_handle, "default")

@@ -1,0 +1,123 @@
+"""CPU: the package imports without PyTorch or a GPU, its version is the CMake project's, configs
+are validated with the bad field named in Python's spelling, the static memory query answers
+before anything is allocated, and every failure is a graphep.Error carrying its status."""
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+import graphep
+from conftest import GPUS
+
+
+def good(**changes):
+    fields = dict(max_tokens_per_rank=128, hidden=7168, num_experts=256, top_k=8)
+    fields.update(changes)
+    return graphep.MoeConfig(**fields)
+
+
+def test_imports_without_pytorch_loaded():
+    # graphep (not graphep.torch) must never import PyTorch: one wheel for every PyTorch version.
+    import subprocess
+
+    code = "import sys, graphep; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+def test_version_is_the_cmake_project_version():
+    cmake = (Path(__file__).resolve().parents[2] / "CMakeLists.txt").read_text()
+    version = re.search(r"project\(graphep VERSION (\S+)", cmake).group(1)
+    assert graphep.__version__ == version
+
+
+def test_config_fields_round_trip_in_python_spelling():
+    c = good(dispatch_type=graphep.DType.FP8_E4M3, recv_capacity=4096, expert_alignment=64, sm_budget=24,
+             path=graphep.MoePath.THROUGHPUT)
+    assert (c.max_tokens_per_rank, c.hidden, c.num_experts, c.top_k) == (128, 7168, 256, 8)
+    assert (c.recv_capacity, c.expert_alignment, c.sm_budget) == (4096, 64, 24)
+    assert c.dispatch_type == graphep.DType.FP8_E4M3 and c.path == graphep.MoePath.THROUGHPUT
+    assert "expert_alignment=64" in repr(c)
+    with pytest.raises(TypeError):
+        graphep.MoeConfig(hiden=7168)  # a misspelt field is refused, not ignored
+
+
+@pytest.mark.parametrize("changes, world, needle", [
+    (dict(hidden=7004), 8, "MoeConfig.hidden=7004 is not a positive multiple of 8"),
+    (dict(hidden=7176, dispatch_type=graphep.DType.FP8_E4M3), 8, "MoeConfig.hidden=7176 is not a multiple of 128"),
+    (dict(max_tokens_per_rank=0), 8, "MoeConfig.max_tokens_per_rank=0 is out of range"),
+    (dict(num_experts=250), 8, "MoeConfig.num_experts=250 is not divisible by the 8 ranks"),
+    (dict(top_k=17), 8, "MoeConfig.top_k=17 exceeds the supported 16"),
+    (dict(expert_alignment=0), 8, "MoeConfig.expert_alignment=0 is out of range"),
+    (dict(sm_budget=65), 8, "MoeConfig.sm_budget=65 is out of range"),
+    (dict(recv_capacity=-1), 8, "MoeConfig.recv_capacity=-1 is negative"),
+    (dict(max_tokens_per_rank=512, path=graphep.MoePath.LATENCY), 8, "MoeConfig.path=kLatency needs"),
+    (dict(), 33, "world size 33 is out of range"),
+])
+def test_validation_names_the_field(changes, world, needle):
+    with pytest.raises(graphep.Error) as e:
+        graphep.validate(good(**changes), world)
+    assert e.value.status == graphep.Status.INVALID_ARGUMENT
+    assert needle in e.value.message
+    assert str(e.value).startswith("INVALID_ARGUMENT: ")
+
+
+def test_memory_query_needs_no_gpu_and_picks_the_path():
+    latency = graphep.memory_requirements(good(), 8)
+    assert latency.path == graphep.MoePath.LATENCY and latency.nccl_staging_bytes == 0
+    assert latency.symmetric_heap_bytes > 0 and latency.private_bytes > 0
+    throughput = graphep.memory_requirements(good(path=graphep.MoePath.THROUGHPUT), 8)
+    assert throughput.path == graphep.MoePath.THROUGHPUT
+    # NCCL staging: a send and a receive message of at least T_max bf16 rows per rank.
+    assert throughput.nccl_staging_bytes >= 2 * 8 * 128 * 7168 * 2
+    assert graphep.memory_requirements(good(max_tokens_per_rank=512), 8).path == graphep.MoePath.THROUGHPUT
+
+
+@pytest.mark.parametrize("dtype, row_bytes", [
+    (graphep.DType.BF16, 2 * 7168 + 16 + 2 * 7168),  # recv_x, 4 metadata words, the bf16 expert output
+    (graphep.DType.FP8_E4M3, 7168 + 7168 // 128 * 4 + 16 + 2 * 7168),  # e4m3 bytes and scales instead
+])
+def test_memory_query_private_bytes_grow_by_the_receive_rows(dtype, row_bytes):
+    small = graphep.memory_requirements(good(dispatch_type=dtype, recv_capacity=1000), 8).private_bytes
+    large = graphep.memory_requirements(good(dispatch_type=dtype, recv_capacity=3000), 8).private_bytes
+    assert abs((large - small) - 2000 * row_bytes) <= 7 * 256  # one 256-byte alignment per region
+
+
+def test_memory_query_raises_on_a_bad_config():
+    with pytest.raises(graphep.Error, match="MoeConfig.top_k=0 is not positive"):
+        graphep.memory_requirements(good(top_k=0), 8)
+
+
+def test_worst_case_capacity():
+    # T_max x R x min(K, E / R) rows plus the alignment padding of each local expert.
+    assert graphep.worst_case_capacity(good(), 8) == 128 * 8 * 8
+    assert graphep.worst_case_capacity(good(expert_alignment=16), 8) == 128 * 8 * 8 + 32 * 15
+    assert graphep.worst_case_capacity(good(num_experts=16), 8) == 128 * 8 * 2
+
+
+def test_receive_layout_names_what_is_not_built():
+    assert graphep.layouts.receive_layout("expert_major") is graphep.ReceiveLayout.EXPERT_MAJOR
+    with pytest.raises(graphep.Error) as e:
+        graphep.layouts.receive_layout("batched")
+    assert e.value.status == graphep.Status.NOT_SUPPORTED and "layout='batched'" in e.value.message
+
+
+def test_nccl_unique_id_round_trip_is_checked():
+    uid = graphep.Group.nccl_unique_id()
+    assert isinstance(uid, bytes) and len(uid) == 128
+    with pytest.raises(graphep.Error, match="nccl unique id has 5 bytes, expected 128"):
+        graphep.Group.from_nccl_unique_id(b"short", 2, 0, 0)
+
+
+@pytest.mark.skipif(GPUS > 0, reason="checks the error a machine without a GPU gives")
+def test_no_gpu_is_a_graphep_error():
+    with pytest.raises(graphep.Error) as e:
+        graphep.Group.local([0, 0])
+    assert e.value.status in (graphep.Status.NO_DEVICE, graphep.Status.CUDA_ERROR)
+    assert e.value.message
+
+
+def test_mpi_support_is_reported():
+    assert graphep.Group.mpi_supported() in (True, False)
