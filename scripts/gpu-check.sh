@@ -12,7 +12,7 @@
 # lists, so that a test needing at most that many GPUs fails instead of skipping when it cannot
 # use them (a broken driver, a hidden GPU; tests/common/gpu_env.hpp). Every skip is listed after
 # the tests with its reason, and one of a test whose name says it needs at most the GPUs present
-# (Gpu<k>_*, Mpi_*.np<k>) fails the run.
+# (Gpu<k>_*, Mpi_*.np<k>, the examples) fails the run.
 set -uo pipefail
 out=${1:?usage: scripts/gpu-check.sh LOG_DIR [BUILD_DIR]}
 build=${2:-build-gpu}
@@ -69,7 +69,8 @@ if [ -s "$out/skips.log" ]; then
   head -40 "$out/skips.log"
 fi
 for t in $(sed -nE 's/^[[:space:]]*[0-9]+ - ([^ ]+) .*\(Skipped\)$/\1/p' "$out/ctest.log"); do
-  need=$(echo "$t" | sed -nE 's/^(.*\/)?Gpu([0-9]+)_.*/\2/p; s/^Mpi_.*\.np([0-9]+)$/\1/p')
+  need=$(echo "$t" | sed -nE 's/^(.*\/)?Gpu([0-9]+)_.*/\2/p; s/^Mpi_.*\.np([0-9]+)$/\1/p;
+    s/^Example_0[13].*/1/p; s/^Example_02.*/2/p')  # the examples exit 77 without a GPU, as a user expects
   if [ -n "$need" ] && [ "$need" -le "$ngpu" ]; then
     echo "$t skipped, needing $need of the $ngpu GPUs here"
     status=1
