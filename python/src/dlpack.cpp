@@ -8,10 +8,12 @@
 #include <graphep/status.hpp>
 
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
 
 #include <cstdint>
 #include <cstdio>
 #include <string>
+#include <vector>
 
 #include "bindings.hpp"
 
@@ -34,23 +36,36 @@ std::string dtypeName(nb::dlpack::dtype t) {
   }
 }
 
+// The DLPack capsule of `array` ("dltensor": a DLManagedTensor, whose first member is the
+// DLTensor), read and left unconsumed: its producer's destructor frees it with the capsule.
 nb::tuple dlpackInfo(nb::handle array) {
-  nb::object source = nb::borrow(array);
+  nb::object capsule;
   if (nb::hasattr(array, "__dlpack__")) {
     try {
-      source = array.attr("__dlpack__")(nb::arg("stream") = -1);
+      capsule = array.attr("__dlpack__")(nb::arg("stream") = -1);
     } catch (const nb::python_error&) {
-      source = nb::borrow(array);  // producers that refuse stream=-1 (CPU arrays) export plainly
+      capsule = array.attr("__dlpack__")();  // producers that refuse stream=-1 (CPU arrays) export plainly
     }
   }
-  nb::ndarray<> a = nb::cast<nb::ndarray<>>(source);
-  nb::list shape, strides;
-  for (std::size_t i = 0; i < a.ndim(); ++i) {
-    shape.append(a.shape(i));
-    strides.append(a.stride(i));
+  if (!capsule.is_valid() || !PyCapsule_IsValid(capsule.ptr(), "dltensor")) {
+    throw Error(Status::kInvalidArgument, "the array does not export a DLPack tensor (__dlpack__ returned no "
+                                          "\"dltensor\" capsule)");
   }
-  return nb::make_tuple(reinterpret_cast<std::uintptr_t>(a.data()), nb::tuple(shape), nb::tuple(strides),
-                        dtypeName(a.dtype()), a.device_type(), a.device_id());
+  const auto* t = static_cast<const nb::dlpack::dltensor*>(PyCapsule_GetPointer(capsule.ptr(), "dltensor"));
+  nb::list shape, strides;
+  std::int64_t compact = 1;  // DLPack: no strides means compact row-major
+  std::vector<std::int64_t> s(static_cast<std::size_t>(t->ndim));
+  for (int i = t->ndim - 1; i >= 0; --i) {
+    s[static_cast<std::size_t>(i)] = t->strides != nullptr ? t->strides[i] : compact;
+    compact *= t->shape[i];
+  }
+  for (int i = 0; i < t->ndim; ++i) {
+    shape.append(t->shape[i]);
+    strides.append(s[static_cast<std::size_t>(i)]);
+  }
+  const auto data = reinterpret_cast<std::uintptr_t>(t->data) + t->byte_offset;
+  return nb::make_tuple(data, nb::tuple(shape), nb::tuple(strides), dtypeName(t->dtype), t->device.device_type,
+                        t->device.device_id);
 }
 
 // The CUDA device of a device pointer (__cuda_array_interface__ does not say).
