@@ -4,5 +4,5 @@
 # to the commit it ran: run it here on the commit and compare.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-find CMakeLists.txt cmake engine graphs examples include kernels bench tests tools scripts -type f -print0 \
+find CMakeLists.txt pyproject.toml cmake engine graphs examples include kernels bench tests tools scripts python -type f -not -path "*/__pycache__/*" -print0 \
   | LC_ALL=C sort -z | xargs -0 sha1sum | sha1sum | cut -c1-16
