@@ -83,6 +83,14 @@ inline std::vector<int> visibleGpus() {
   return d;
 }
 
+// `perGpu` ranks on each visible GPU, in GPU order (0, 0, ..., 1, 1, ...): ranks with both
+// same-GPU and NVLink peers.
+inline std::vector<int> ranksPerGpu(int perGpu) {
+  std::vector<int> d;
+  for (int g : visibleGpus()) d.insert(d.end(), static_cast<std::size_t>(perGpu), g);
+  return d;
+}
+
 }  // namespace graphep::test
 
 // Runs the rest of the test (or SetUp) only with `n` GPUs; else skips or fails it by the rule

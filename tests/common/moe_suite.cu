@@ -311,6 +311,20 @@ CombineRef combineRef(const MoeConfig& g, const Inputs& mine, const std::vector<
   return c;
 }
 
+// Counts the wrong values of one check; the first few become test failures prefixed by `where`.
+class WrongValues {
+ public:
+  explicit WrongValues(std::string where) : where_(std::move(where)) {}
+  void operator()(const std::string& what) {
+    if (wrong_++ < 8) ADD_FAILURE() << where_ << ": " << what;
+  }
+  long long count() const { return wrong_; }
+
+ private:
+  std::string where_;
+  long long wrong_ = 0;
+};
+
 class MoeFixture {
  public:
   MoeFixture(Communicator& comm, const MoeCase& c) : comm_(comm), c_(c) {
@@ -460,12 +474,7 @@ class MoeFixture {
     const RefLayout& ref = refs[static_cast<std::size_t>(r)];
     const bool fp8 = g.dispatchType == DType::kFp8E4m3;
     GRAPHEP_CUDA_CHECK(cudaSetDevice(comm_.device(l)));
-    long long wrong = 0;
-    int reported = 0;
-    auto fail = [&](const std::string& m) {
-      ++wrong;
-      if (reported++ < 8) ADD_FAILURE() << what << " rank " << r << ": " << m;
-    };
+    WrongValues fail(what + " rank " + std::to_string(r));
     std::vector<int> counts(static_cast<std::size_t>(Lx)), offsets(static_cast<std::size_t>(Lx) + 1),
         dropped(static_cast<std::size_t>(Lx));
     int numRows = 0;
@@ -538,7 +547,7 @@ class MoeFixture {
         fail("row " + std::to_string(pos) + " payload differs");
       }
     }
-    return wrong;
+    return fail.count();
   }
 
   // Compares rank l's combine output with the reference: bit for bit for tokens whose kept slots
@@ -549,12 +558,7 @@ class MoeFixture {
     const MoeConfig& g = c_.cfg;
     const int H = g.hidden, r = comm_.globalRank(l);
     GRAPHEP_CUDA_CHECK(cudaSetDevice(comm_.device(l)));
-    long long wrong = 0;
-    int reported = 0;
-    auto fail = [&](const std::string& m) {
-      ++wrong;
-      if (reported++ < 8) ADD_FAILURE() << what << " rank " << r << ": " << m;
-    };
+    WrongValues fail(what + " rank " + std::to_string(r));
     const Inputs& mine = all[static_cast<std::size_t>(r)];
     const int T = liveCount(g, mine.T);
     const std::size_t Tm = static_cast<std::size_t>(g.maxTokensPerRank);
@@ -588,7 +592,7 @@ class MoeFixture {
         }
       }
     }
-    return wrong;
+    return fail.count();
   }
 
   long long check(int l, const std::vector<Inputs>& all, const std::vector<RefLayout>& refs, const std::string& what) {

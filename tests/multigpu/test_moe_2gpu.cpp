@@ -5,6 +5,7 @@
 
 #include <graphep/graphep.hpp>
 
+#include <memory>
 #include <vector>
 
 #include "common/gpu_env.hpp"
@@ -15,13 +16,6 @@
 
 namespace graphep::test {
 namespace {
-
-// Four ranks on each visible GPU, in GPU order (0, 0, 0, 0, 1, 1, 1, 1, ...).
-std::vector<int> fourRanksPerGpu() {
-  std::vector<int> d;
-  for (int g : visibleGpus()) d.insert(d.end(), 4, g);
-  return d;
-}
 
 class Gpu2_Moe : public ::testing::TestWithParam<MoeCaseIndex> {};
 class Gpu2_MoeFourRanksPerGpu : public ::testing::TestWithParam<MoeCaseIndex> {};
@@ -35,7 +29,7 @@ INSTANTIATE_TEST_SUITE_P(Moe, Gpu2_Moe, ::testing::ValuesIn(moeCaseIndices(MoeCa
 
 TEST_P(Gpu2_MoeFourRanksPerGpu, Case) {
   GRAPHEP_REQUIRE_GPUS(2);
-  auto comm = createLocalGroup(fourRanksPerGpu());
+  auto comm = createLocalGroup(ranksPerGpu(4));
   runMoeCaseAt(*comm, GetParam());
 }
 INSTANTIATE_TEST_SUITE_P(Moe, Gpu2_MoeFourRanksPerGpu, ::testing::ValuesIn(moeCaseIndices(MoeCaseList::kSmall)),
@@ -45,7 +39,7 @@ INSTANTIATE_TEST_SUITE_P(Mixed, Gpu2_MoeFourRanksPerGpu,
 
 TEST(Gpu2_MoeFourRanksPerGpu, GraphsBothPaths) {
   GRAPHEP_REQUIRE_GPUS(2);
-  auto comm = createLocalGroup(fourRanksPerGpu());
+  auto comm = createLocalGroup(ranksPerGpu(4));
   runMoeGraphSuite(*comm, MoePath::kAuto, 24);
   runMoeGraphSuite(*comm, MoePath::kThroughput, 16);
 }
@@ -121,13 +115,20 @@ TEST(Gpu2_MoeStress, LocalGroupBothPaths) {
 // ids and replays; the latency path refused by name.
 class Gpu2_MoeRemote : public ::testing::TestWithParam<MoeCaseIndex> {};
 
+// The caller's NCCL communicators, one rank per visible GPU, with every peer forced remote (the
+// variable is set before the communicator and its heap exist).
+struct RemoteGroup {
+  ScopedEnv force{"GRAPHEP_FORCE_TRANSPORT", "remote"};
+  CallerNcclComms nccl{visibleGpus()};
+  std::unique_ptr<Communicator> comm = nccl.comms[0] != nullptr ? adoptNcclComms(nccl.comms) : nullptr;
+};
+
 TEST_P(Gpu2_MoeRemote, Case) {
   GRAPHEP_REQUIRE_GPUS(2);
-  ScopedEnv force("GRAPHEP_FORCE_TRANSPORT", "remote");
-  CallerNcclComms nccl(visibleGpus());
-  ASSERT_NE(nccl.comms[0], nullptr) << "ncclCommInitAll failed";
-  auto comm = adoptNcclComms(nccl.comms);
-  runMoeCaseAt(*comm, GetParam());
+  RemoteGroup g;
+  ASSERT_NE(g.comm, nullptr) << "ncclCommInitAll failed";
+  Communicator& comm = *g.comm;
+  runMoeCaseAt(comm, GetParam());
 }
 
 std::vector<MoeCaseIndex> remoteCases() {
@@ -145,27 +146,25 @@ INSTANTIATE_TEST_SUITE_P(Moe, Gpu2_MoeRemote, ::testing::ValuesIn(remoteCases())
 
 TEST(Gpu2_MoeRemote, GraphSuite) {
   GRAPHEP_REQUIRE_GPUS(2);
-  ScopedEnv force("GRAPHEP_FORCE_TRANSPORT", "remote");
-  CallerNcclComms nccl(visibleGpus());
-  ASSERT_NE(nccl.comms[0], nullptr) << "ncclCommInitAll failed";
-  auto comm = adoptNcclComms(nccl.comms);
-  runMoeGraphSuite(*comm, MoePath::kAuto, 24);  // kAuto: the throughput path, every peer remote
+  RemoteGroup g;
+  ASSERT_NE(g.comm, nullptr) << "ncclCommInitAll failed";
+  Communicator& comm = *g.comm;
+  runMoeGraphSuite(comm, MoePath::kAuto, 24);  // kAuto: the throughput path, every peer remote
 }
 
 TEST(Gpu2_MoeRemote, LatencyPathRefusedByName) {
   GRAPHEP_REQUIRE_GPUS(2);
-  ScopedEnv force("GRAPHEP_FORCE_TRANSPORT", "remote");
-  CallerNcclComms nccl(visibleGpus());
-  ASSERT_NE(nccl.comms[0], nullptr) << "ncclCommInitAll failed";
-  auto comm = adoptNcclComms(nccl.comms);
+  RemoteGroup g;
+  ASSERT_NE(g.comm, nullptr) << "ncclCommInitAll failed";
+  Communicator& comm = *g.comm;
   MoeConfig cfg;
   cfg.maxTokensPerRank = 32;
   cfg.hidden = 256;
-  cfg.numExperts = 4 * comm->worldSize();
+  cfg.numExperts = 4 * comm.worldSize();
   cfg.topK = 2;
   cfg.path = MoePath::kLatency;
   try {
-    Engine::createAll(*comm, cfg);
+    Engine::createAll(comm, cfg);
     ADD_FAILURE() << "the latency path must be refused when peers are reached only through NCCL";
   } catch (const Error& e) {
     EXPECT_EQ(e.status(), Status::kNotSupported);
@@ -173,7 +172,7 @@ TEST(Gpu2_MoeRemote, LatencyPathRefusedByName) {
         << e.what();
   }
   cfg.path = MoePath::kAuto;
-  EXPECT_EQ(Engine::createAll(*comm, cfg)[0]->path(), MoePath::kThroughput);
+  EXPECT_EQ(Engine::createAll(comm, cfg)[0]->path(), MoePath::kThroughput);
 }
 
 }  // namespace

@@ -106,15 +106,9 @@ TEST(Gpu2_Ring, AllGatherAndReduceScatter) {
 
 // Four ranks on each GPU: every rank has same-GPU and NVLink peers, and the movers' waiting CTAs of
 // the ranks sharing a GPU must all be resident at once (engine/movers.hpp, moverLinkChannels).
-std::vector<int> fourRanksPerGpu() {
-  std::vector<int> d;
-  for (int g : visibleGpus()) d.insert(d.end(), 4, g);
-  return d;
-}
-
 TEST(Gpu2_MoversFourRanksPerGpu, SendRecv) {
   GRAPHEP_REQUIRE_GPUS(2);
-  auto comm = createLocalGroup(fourRanksPerGpu());
+  auto comm = createLocalGroup(ranksPerGpu(4));
   runSendRecvCases(*comm, standardSendRecvCases(std::size_t{64} << 20));
   runSendRecvReplays(*comm, std::size_t{1} << 20, 200, false);
   runSendRecvReplays(*comm, (std::size_t{1} << 20) + 3, 200, true, ZeroCopyEngine::kSm);
@@ -122,7 +116,7 @@ TEST(Gpu2_MoversFourRanksPerGpu, SendRecv) {
 
 TEST(Gpu2_MoversFourRanksPerGpu, AllToAllv) {
   GRAPHEP_REQUIRE_GPUS(2);
-  auto comm = createLocalGroup(fourRanksPerGpu());
+  auto comm = createLocalGroup(ranksPerGpu(4));
   for (bool zeroCopy : {false, true}) {
     for (std::size_t perPeer : {(std::size_t{64} << 10) + 5, std::size_t{4} << 20}) {
       runAllToAllv(*comm, CountPattern::kEqual, perPeer, 1, zeroCopy);
@@ -134,7 +128,7 @@ TEST(Gpu2_MoversFourRanksPerGpu, AllToAllv) {
 
 TEST(Gpu2_MoversFourRanksPerGpu, Ring) {
   GRAPHEP_REQUIRE_GPUS(2);
-  auto comm = createLocalGroup(fourRanksPerGpu());
+  auto comm = createLocalGroup(ranksPerGpu(4));
   runAllGatherRing(*comm, (std::size_t{1} << 20) + 16, false, 1);
   runAllGatherRing(*comm, std::size_t{1} << 20, true, 100);
   runReduceScatterRing(*comm, (std::size_t{1} << 18) + 3, false, 100);
