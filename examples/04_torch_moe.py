@@ -150,6 +150,7 @@ class Rank:
             self.out = torch.zeros(T, H, dtype=torch.bfloat16, device=self.device)
             self.index_dtype = torch.int32 if args.index == "int32" else torch.int64
             self.graph = torch.cuda.CUDAGraph()
+        gt.torch_layout(engine)  # the engine's views as tensors, made (once) outside the capture
 
     def layer(self):
         """The layer on this rank's static buffers (what the graph captures)."""

@@ -4,8 +4,11 @@ EXPERT_MAJOR (the one this build has): recv_x rows grouped by local expert. Expe
 [expert_offsets[j], expert_offsets[j] + expert_counts[j]), in (source rank, source token, top-k
 slot) order, each expert's first row a multiple of expert_alignment; row i came from token
 row_src_token[i] of rank row_src_rank[i], its slot row_topk_slot[i], weight row_weight[i].
-num_recv_rows is the rows received (padding excluded). All of it lives on the device, written by
-dispatch: reading it needs no host sync and a captured graph reads the live values.
+num_recv_rows is the rows received (padding excluded). Rows whose place would be at or past the
+capacity are dropped (the last rows of the last experts): offsets and counts describe only the
+kept rows, expert_dropped[j] counts expert j's dropped rows (Engine.status() counts them all).
+All of it lives on the device, written by dispatch: reading it needs no host sync and a captured
+graph reads the live values.
 
 Planned, not built: BATCHED ([E_local, max rows per expert, H], vLLM's batched-experts format) and
 RANK_MAJOR (rows grouped by source rank); they will be new members here and new view classes.
@@ -39,7 +42,8 @@ class ExpertMajorLayout:
     recv_x: DeviceArray  # [capacity, H] bfloat16; fp8 engines: uint8 holding e4m3fn
     recv_scales: Optional[DeviceArray]  # fp8: [capacity, H / 128] float32; bf16: None
     expert_offsets: DeviceArray  # [E_local + 1] int32
-    expert_counts: DeviceArray  # [E_local] int32
+    expert_counts: DeviceArray  # [E_local] int32: rows of each expert kept
+    expert_dropped: DeviceArray  # [E_local] int32: rows of each expert this dispatch dropped (past capacity)
     row_src_rank: DeviceArray  # [capacity] int32
     row_src_token: DeviceArray  # [capacity] int32
     row_topk_slot: DeviceArray  # [capacity] int32

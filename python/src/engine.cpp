@@ -45,13 +45,15 @@ std::vector<EngineCore> createEngines(const Group& group, const MoeConfig& cfg) 
   return out;
 }
 
-// A view of `count` engine-owned elements (rows x cols, or a vector when cols is 0) kept alive by
-// the Python object `owner`.
+// A view of engine-owned elements (rows x cols, or a vector when cols is 0) kept alive by the
+// Python object `owner`. nb::array_api makes it a nanobind.nb_ndarray, which has __dlpack__ and
+// __dlpack_device__ and exports a fresh capsule per call; without a framework tag nanobind
+// returns a bare one-shot "dltensor" capsule, which DeviceArray and from_dlpack cannot use.
 nb::object view(nb::handle owner, const void* data, std::size_t rows, std::size_t cols, nb::dlpack::dtype dtype,
-                int device) {
+                int device, int deviceType = nb::device::cuda::value) {
   const std::size_t shape[2] = {rows, cols};
-  nb::ndarray<nb::device::cuda> a(const_cast<void*>(data), cols == 0 ? 1 : 2, shape, owner, nullptr, dtype,
-                                  nb::device::cuda::value, device);
+  nb::ndarray<nb::array_api> a(const_cast<void*>(data), cols == 0 ? 1 : 2, shape, owner, nullptr, dtype, deviceType,
+                               device);
   return nb::cast(a);
 }
 
@@ -71,6 +73,7 @@ nb::dict views(EngineCore& core) {
   d["recv_scales"] = fp8 ? view(owner, v.recvScales, cap, H / 128, nb::dtype<float>(), dev) : nb::none();
   d["expert_offsets"] = view(owner, v.expertOffsets, L + 1, 0, nb::dtype<std::int32_t>(), dev);
   d["expert_counts"] = view(owner, v.expertCounts, L, 0, nb::dtype<std::int32_t>(), dev);
+  d["expert_dropped"] = view(owner, v.expertDropped, L, 0, nb::dtype<std::int32_t>(), dev);
   d["row_src_rank"] = view(owner, v.rowSrcRank, cap, 0, nb::dtype<std::int32_t>(), dev);
   d["row_src_token"] = view(owner, v.rowSrcToken, cap, 0, nb::dtype<std::int32_t>(), dev);
   d["row_topk_slot"] = view(owner, v.rowTopkSlot, cap, 0, nb::dtype<std::int32_t>(), dev);
@@ -161,6 +164,14 @@ void bindEngine(nb::module_& m) {
         c.engine->clearStatus();
       });
 
+  // Tests only (CPU): the views' export path over host memory that `owner` stands for.
+  m.def(
+      "_view_probe",
+      [](nb::handle owner) {
+        static std::int32_t values[4] = {3, 1, 4, 1};
+        return view(owner, values, 4, 0, nb::dtype<std::int32_t>(), 0, nb::device::cpu::value);
+      },
+      nb::arg("owner"), "Tests only: a view of 4 host int32 values [3, 1, 4, 1] made as the engine's views are.");
   m.def("create_engines", &createEngines, nb::arg("group"), nb::arg("config"),
         "Collective over the group: one EngineCore per rank this process drives (local-rank order).");
 }

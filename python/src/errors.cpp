@@ -3,6 +3,8 @@
 // as Python spells them (MoeConfig.maxTokensPerRank -> MoeConfig.max_tokens_per_rank).
 #include <graphep/status.hpp>
 
+#include <nanobind/stl/string.h>
+
 #include <cctype>
 #include <string>
 

@@ -64,13 +64,22 @@ def expected_rows(inputs: List[RankInputs], q, L, device):
 
 
 def check_dispatch(layout, inputs: List[RankInputs], q, L, fp8) -> int:
+    """Rank q's layout (expert_alignment 1). Rows whose place is at or past the capacity are
+    dropped (the last rows of the last experts): offsets clamp to it, counts are the kept rows,
+    expert_dropped the rest."""
     dev = layout.recv_x.device
+    capacity = layout.recv_x.shape[0]
     src, tok, slot, j = expected_rows(inputs, q, L, dev)
-    n = src.numel()
-    wrong = int((layout.expert_counts.long() != torch.bincount(j, minlength=L)).sum())
+    per_expert = torch.bincount(j, minlength=L)
     offsets = torch.zeros(L + 1, dtype=torch.long, device=dev)
-    offsets[1:] = torch.bincount(j, minlength=L).cumsum(0)
+    offsets[1:] = per_expert.cumsum(0)
+    offsets = offsets.clamp(max=capacity)
+    counts = offsets[1:] - offsets[:-1]
+    wrong = int((layout.expert_counts.long() != counts).sum())
+    wrong += int((layout.expert_dropped.long() != per_expert - counts).sum())
     wrong += int((layout.expert_offsets.long() != offsets).sum())
+    n = min(src.numel(), capacity)
+    src, tok, slot = src[:n], tok[:n], slot[:n]
     wrong += int(layout.num_recv_rows.item() != n)
     if layout.num_recv_rows.item() != n:
         return wrong + n  # the rows cannot be compared

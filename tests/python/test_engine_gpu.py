@@ -193,6 +193,7 @@ def test_invalid_ids_are_counted_and_named():
     inputs = [make_inputs("cuda:0", T, H, E, K, "uniform", torch.int32, T, gen) for _ in engines]
     inputs[1].ids[5, 2] = E + 3  # outside [-1, E)
     outs = [torch.empty(T, H, dtype=torch.bfloat16, device="cuda:0") for _ in engines]
+    torch.cuda.synchronize()  # the inputs (default stream) before the engines' streams read them
     for e, s, inp in zip(engines, streams, inputs):
         with torch.cuda.stream(s):
             e.dispatch(inp.x, inp.ids, inp.weights, inp.num_tokens, s)
@@ -206,6 +207,33 @@ def test_invalid_ids_are_counted_and_named():
     for e in engines:
         e.clear_status()
         assert e.status().ok
+
+
+@pytest.mark.parametrize("path", [graphep.MoePath.AUTO, graphep.MoePath.THROUGHPUT], ids=["auto", "throughput"])
+def test_overflow_drops_the_last_rows_and_says_which(path):
+    """recv_capacity 100 rows where ~256 arrive: the layout keeps the first 100 in its order,
+    expert_dropped says how many of each expert went, status().dropped_rows counts them all."""
+    cfg = graphep.MoeConfig(max_tokens_per_rank=T, hidden=H, num_experts=E, top_k=K, path=path, recv_capacity=100)
+    engines = graphep.create_engines(graphep.Group.local([0, 0]), cfg)
+    streams = [torch.cuda.Stream() for _ in engines]
+    layouts = [gt.torch_layout(e) for e in engines]
+    gen = torch.Generator(device="cuda:0").manual_seed(13)
+    inputs = [make_inputs("cuda:0", T, H, E, K, "uniform", torch.int32, T, gen) for _ in engines]
+    outs = [torch.empty(T, H, dtype=torch.bfloat16, device="cuda:0") for _ in engines]
+    torch.cuda.synchronize()
+    for e, s, inp in zip(engines, streams, inputs):
+        with torch.cuda.stream(s):
+            gt.dispatch(e, inp.x, inp.ids, inp.weights, inp.num_tokens)
+    torch.cuda.synchronize()
+    wrong = sum(check_dispatch(lay, inputs, r, E // 2, False) for r, lay in enumerate(layouts))
+    dropped = [int(lay.expert_dropped.sum()) for lay in layouts]
+    for e, s, out in zip(engines, streams, outs):  # every dispatch is paired with its combine
+        with torch.cuda.stream(s):
+            gt.combine(e, out)
+    torch.cuda.synchronize()
+    assert wrong == 0
+    assert all(d > 0 for d in dropped), dropped
+    assert [e.status().dropped_rows for e in engines] == dropped
 
 
 def test_health_check_is_ok_after_paired_operations():

@@ -56,6 +56,12 @@ def test_python_host_cost_beside_cpp():
         outs.append(torch.empty(T, H, dtype=torch.bfloat16, device=dev))
         gt.torch_layout(e)  # the cached views, made outside the timing
 
+    def synchronize():  # every rank's device (torch.cuda.synchronize() waits for the current one only)
+        for d in sorted(set(devices)):
+            torch.cuda.synchronize(d)
+
+    synchronize()  # the inputs (default streams) before the ranks' streams read them
+
     def raw(r):
         e, inp, s = engines[r], inputs[r], streams[r].cuda_stream
         e._core.dispatch(inp.x.data_ptr(), inp.ids.data_ptr(), graphep.IndexType.INT32, inp.weights.data_ptr(),
@@ -91,11 +97,11 @@ def test_python_host_cost_beside_cpp():
     # The last operation's outputs, checked: poison, one more operation, compare.
     for o in outs:
         o.fill_(-3.0e38)
-    torch.cuda.synchronize()
+    synchronize()
     for r in range(len(engines)):
         with torch.cuda.device(engines[r].device):
             torch_ops(r)
-    torch.cuda.synchronize()
+    synchronize()
     assert sum(check_combine(outs[r], inputs, r, L, False) for r in range(len(engines))) == 0
     print(f"\n# python host cost, {len(engines)} ranks on GPUs {devices}, {T} tokens bf16, median of {ITERS}, "
           "one eager dispatch + combine per rank:")

@@ -121,3 +121,35 @@ def test_no_gpu_is_a_graphep_error():
 
 def test_mpi_support_is_reported():
     assert graphep.Group.mpi_supported() in (True, False)
+
+
+def test_error_messages_get_python_spelling():
+    assert graphep._graphep._python_spelling("MoeConfig.maxTokensPerRank=0 is out of range") == \
+        "MoeConfig.max_tokens_per_rank=0 is out of range"
+
+
+def test_engine_views_export_through_dlpack_and_keep_their_owner():
+    # The engine's views are made by the same code over device memory (engine.cpp view()); this
+    # probe views 4 host int32 values. A bare "dltensor" capsule here (what nanobind returns for an
+    # ndarray without a framework tag) would fail DeviceArray and every from_dlpack.
+    import gc
+    import weakref
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    alive = weakref.ref(owner)
+    view = graphep.DeviceArray(graphep._graphep._view_probe(owner))
+    assert (view.shape, view.dtype) == ((4,), "int32")
+    assert view.__dlpack_device__() == (1, 0)
+    del owner
+    gc.collect()
+    assert alive() is not None  # the view holds its owner
+    np = pytest.importorskip("numpy", reason="numpy is not installed")
+    for _ in range(2):  # each export is a fresh capsule
+        a = np.from_dlpack(view)
+        assert a.tolist() == [3, 1, 4, 1] and a.ctypes.data == view.ptr
+    del view, a
+    gc.collect()
+    assert alive() is None

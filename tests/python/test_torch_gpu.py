@@ -56,6 +56,7 @@ def test_ops_are_opaque_to_torch_compile():
     gen = torch.Generator(device="cuda:0").manual_seed(9)
     inputs = [make_inputs("cuda:0", 32, 256, 8, 2, "uniform", torch.int32, 32, gen) for _ in engines]
     streams = [torch.cuda.Stream() for _ in engines]
+    torch.cuda.synchronize()  # the inputs (made on the default stream) before the side streams read them
     totals = []
     for key, lay, inp, s in zip(keys, layouts, inputs, streams):
         with torch.cuda.stream(s):
@@ -76,6 +77,7 @@ def _adapter_round(make_adapter, call):
     streams = [torch.cuda.Stream() for _ in engines]
     gen = torch.Generator(device="cuda:0").manual_seed(21)
     inputs = [make_inputs("cuda:0", 64, 512, 8, 2, "masked", torch.int64, live, gen) for live in (40, 64)]
+    torch.cuda.synchronize()  # the inputs and the adapters' counts (default stream) before the side streams
     outs = call(adapters, streams, inputs)
     torch.cuda.synchronize()
     return sum(check_combine(out, inputs, r, 4, False) for r, out in enumerate(outs))

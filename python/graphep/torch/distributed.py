@@ -19,9 +19,10 @@ from graphep.errors import invalid_argument, not_supported
 
 
 def _device(device) -> int:
-    if device is None:
-        return torch.cuda.current_device()
-    return torch.device("cuda", device).index if isinstance(device, int) else torch.device(device).index
+    if isinstance(device, int):
+        return device
+    index = None if device is None else torch.device(device).index
+    return torch.cuda.current_device() if index is None else index  # None or "cuda": the current device
 
 
 def _bootstrap(pg, rank: int, world: int, device: int) -> Group:
@@ -44,7 +45,8 @@ def _adopt(pg, device: int) -> Group:
     probe = torch.zeros(1, device=f"cuda:{device}")
     dist.all_reduce(probe, group=pg)
     torch.cuda.synchronize(device)
-    ptr = comm_ptr()
+    with torch.cuda.device(device):  # ProcessGroupNCCL looks its communicator up by the current device
+        ptr = comm_ptr()
     if not ptr:
         raise not_supported(f"adopt=True: the process group's NCCL communicator for cuda:{device} is not created")
     return Group.adopt_nccl([ptr])

@@ -2,9 +2,10 @@
 
 Both return nothing and declare every tensor they write as mutated (the engine's layout buffers,
 combine's out), so torch.compile keeps them opaque and ordered, and their fake implementations
-are trivial. The engine is named by an int (its registry key). Each call enqueues the engine's
-kernels on PyTorch's current stream of the tensors' device: no host sync, no allocation, so both
-capture inside torch.cuda.graph.
+are trivial. Where torch.compile hands dispatch clones of the layout buffers (functionalization
+without re-inplacing), dispatch copies its results into them. The engine is named by an int (its
+registry key). Each call enqueues the engine's kernels on PyTorch's current stream of the
+tensors' device: no host sync, no allocation, so both capture inside torch.cuda.graph.
 """
 
 import weakref
@@ -29,6 +30,7 @@ class TorchLayout(NamedTuple):
     recv_scales: Optional[torch.Tensor]  # fp8: [capacity, H / 128] float32
     expert_offsets: torch.Tensor  # [E_local + 1] int32
     expert_counts: torch.Tensor  # [E_local] int32
+    expert_dropped: torch.Tensor  # [E_local] int32: rows past the capacity, per expert (last dispatch)
     row_src_rank: torch.Tensor  # [capacity] int32
     row_src_token: torch.Tensor  # [capacity] int32
     row_topk_slot: torch.Tensor  # [capacity] int32
@@ -38,8 +40,12 @@ class TorchLayout(NamedTuple):
     expert_output: torch.Tensor  # [capacity, H] bfloat16
 
     def written(self):
-        """The tensors dispatch writes (what torch.ops.graphep.dispatch declares mutated)."""
-        return [t for name, t in zip(self._fields, self) if t is not None and name != "expert_output"]
+        """The tensors dispatch writes (what torch.ops.graphep.dispatch declares mutated), in this
+        order: every field but expert_output, recv_scales only for fp8. Plain attribute reads, so
+        torch.compile traces it."""
+        return [t for t in (self.recv_x, self.recv_scales, self.expert_offsets, self.expert_counts,
+                            self.expert_dropped, self.row_src_rank, self.row_src_token, self.row_topk_slot,
+                            self.row_weight, self.num_recv_rows, self.expert_totals) if t is not None]
 
 
 _layouts: "weakref.WeakKeyDictionary[Engine, TorchLayout]" = weakref.WeakKeyDictionary()
@@ -71,7 +77,19 @@ def _engine(key: int) -> Engine:
 
 @torch.library.impl(_lib, "dispatch", "CUDA")
 def _dispatch_cuda(engine, x, topk_idx, topk_weights, num_tokens, layout):
-    _engine(engine).dispatch(x, topk_idx, topk_weights, num_tokens, torch.cuda.current_stream(x.device).cuda_stream)
+    e = _engine(engine)
+    stream = torch.cuda.current_stream(x.device)
+    e.dispatch(x, topk_idx, topk_weights, num_tokens, stream.cuda_stream)
+    # The engine writes its own buffers. Under torch.compile without re-inplacing (aot_eager),
+    # functionalization passes clones of them here and copies the clones back afterwards: the
+    # clones must then receive what dispatch wrote, or the copy-back would undo it.
+    own = torch_layout(e).written()
+    if len(layout) != len(own):
+        raise ValueError(f"graphep::dispatch: layout has {len(layout)} tensors; pass TorchLayout.written() "
+                         f"({len(own)} tensors)")
+    for given, mine in zip(layout, own):
+        if given.data_ptr() != mine.data_ptr():
+            given.copy_(mine)
 
 
 @torch.library.impl(_lib, "combine", "CUDA")
