@@ -51,7 +51,6 @@ void requireDevicePointer(const void* p, int device, const char* what) {
 bool latencyFits(const MoeConfig& c, int R) {
   return c.maxTokensPerRank <= kMoeLatencyMaxTokens &&
          static_cast<long long>(c.maxTokensPerRank) * c.topK <= kMoeLatencyMaxEntries &&
-         c.numExperts / R <= 4 * kMoeLatencyThreads &&
          moeLatencySmem(c.maxTokensPerRank, c.topK, c.numExperts, R).bytes <= kMoeLatencyMaxSmem;
 }
 

@@ -19,6 +19,9 @@ int moverLinkChannels(int residentCtas, int ranksOnGpu, int linkPeers, int sameD
 }
 
 namespace {
+// Bytes of one peer's remote stage: the largest message, rounded up to 16.
+std::size_t remoteCapOf(const MoverOptions& options) { return (options.maxRemoteBytesPerPeer + 15) & ~std::size_t{15}; }
+
 // CTAs of `threads` threads per SM that both mover kernel families can keep resident.
 cudaError_t moverCtasPerSm(int threads, int* ctas) {
   int a = 0, b = 0;
@@ -69,7 +72,7 @@ Movers::Movers(const SymmetricHeap& heap, int local, const MoverOptions& options
       mesh_(heap, local) {
   GRAPHEP_CUDA_CHECK(cudaSetDevice(heap.device(local)));
   if (mesh_.anyRemote() && options.maxRemoteBytesPerPeer > 0) {
-    remoteCap_ = (options.maxRemoteBytesPerPeer + 15) & ~std::size_t{15};
+    remoteCap_ = remoteCapOf(options);
     void* stage = nullptr;
     GRAPHEP_CUDA_CHECK(cudaMalloc(&stage, remoteStageBytes(options, heap.worldSize())));
     const int device = heap.device(local);
@@ -94,8 +97,7 @@ Movers::Movers(const SymmetricHeap& heap, int local, const MoverOptions& options
 }
 
 std::size_t Movers::remoteStageBytes(const MoverOptions& options, int worldSize) {
-  const std::size_t cap = (options.maxRemoteBytesPerPeer + 15) & ~std::size_t{15};
-  return 2 * cap * static_cast<std::size_t>(worldSize);  // [2][worldSize][cap]
+  return 2 * remoteCapOf(options) * static_cast<std::size_t>(worldSize);  // [2][worldSize][cap]
 }
 
 std::vector<Movers> Movers::createAll(const SymmetricHeap& heap, const MoverOptions& options) {

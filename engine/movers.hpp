@@ -108,23 +108,23 @@ struct MoverOptions {
   std::size_t allToAllvZeroCopyMinBytes = std::size_t{4} << 20;
 };
 
-// Peers are routed by MeshTransport (engine/transport.hpp): those classified remote (no load/store)
-// are reached through NcclTransport (NCCL send/recv) on the same stream, after the kernel that
-// serves the load/store roles: the communicator must carry NCCL comms. A
-// thread that drives several local ranks wraps its per-rank calls in ncclGroupStart/ncclGroupEnd
-// (NCCL's rule for several GPUs per thread); each call's own group nests inside it.
 // Mover CTAs wait for their peers' CTAs, so every waiting CTA of every rank on a GPU must be
 // resident at once, or a rank's CTAs can spin while the CTAs they wait for (a neighbour's on the
 // same GPU, or ones that another GPU's waiting CTAs depend on) cannot be scheduled. Per rank, a
 // transfer's waiting CTAs are its load/store channels: sendRecv's send or receive channels (the
 // larger), alltoallv's channels to every load/store peer (own-block copies and NCCL unpacks do not
-// wait). The channels per link are capped so that, with `ranksOnGpu` ranks each at
-// `perRankWaiting(c)`, the GPU holds them all: the largest c <= maxChannels with
+// wait). The channels per link are capped so that the GPU holds all `ranksOnGpu` ranks' waiting
+// CTAs: the largest c <= maxChannels with
 // ranksOnGpu * (c * linkPeers + min(c, kSameDeviceMaxChannels) * sameDevicePeers) <= residentCtas
 // and ranksOnGpu * c <= residentCtas; 0 when not even one channel fits. A pure function (setup
 // takes the minimum over every rank, so both ends of a link agree).
 int moverLinkChannels(int residentCtas, int ranksOnGpu, int linkPeers, int sameDevicePeers, int maxChannels);
 
+// Peers are routed by MeshTransport (engine/transport.hpp): those classified remote (no load/store)
+// are reached through NcclTransport (NCCL send/recv) on the same stream, after the kernel that
+// serves the load/store roles: the communicator must carry NCCL comms. A
+// thread that drives several local ranks wraps its per-rank calls in ncclGroupStart/ncclGroupEnd
+// (NCCL's rule for several GPUs per thread); each call's own group nests inside it.
 class Movers {
  public:
   // Setup, collective over the heap's communicator: loads the kernels on every local rank's GPU,

@@ -284,7 +284,7 @@ __global__ void __launch_bounds__(kThreads) moeLatencyCombineKernel(const __grid
 cudaError_t launchMoeLatencyDispatch(const MoeParams& p, cudaStream_t stream) {
   const MoeLatencySmem lay = moeLatencySmem(p.maxTokens, p.topK, p.numExperts, p.numRanks);
   if (p.maxTokens > kMoeLatencyMaxTokens || p.maxTokens * p.topK > kMoeLatencyMaxEntries ||
-      p.localExperts > kMoeMaxLocalExperts || p.localExperts > 4 * kThreads || p.numRanks > kMaxRanks ||
+      p.localExperts > kMoeMaxLocalExperts || p.numRanks > kMaxRanks ||
       p.topK > kMoeMaxTopK || lay.bytes > kMoeLatencyMaxSmem || p.llCtas < 1) {
     return cudaErrorInvalidValue;
   }

@@ -664,8 +664,7 @@ MoePath expectedPath(const MoeConfig& cfg, int worldSize) {
   if (cfg.path != MoePath::kAuto) return cfg.path;
   const char* force = std::getenv("GRAPHEP_FORCE_TRANSPORT");
   const bool remote = force != nullptr && std::string(force) == "remote";
-  const bool fits = cfg.maxTokensPerRank <= 256 && cfg.maxTokensPerRank * cfg.topK <= 4096 &&
-                    cfg.numExperts / worldSize <= 2048;
+  const bool fits = cfg.maxTokensPerRank <= 256 && cfg.maxTokensPerRank * cfg.topK <= 4096;
   return fits && !remote ? MoePath::kLatency : MoePath::kThroughput;
 }
 
