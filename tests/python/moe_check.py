@@ -42,8 +42,12 @@ def fp8_quantize(x):
     rows, h = x.shape
     tiles = x.float().view(rows, h // 128, 128)
     amax = tiles.abs().amax(dim=-1)
-    scales = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
-    q = (tiles * (1.0 / scales).unsqueeze(-1)).to(torch.float8_e4m3fn)
+    # True divisions, as the engine's: PyTorch turns a division by a Python scalar into a
+    # multiplication by its rounded reciprocal, which differs in the last bit.
+    floor = torch.full_like(amax, 448.0 * 2.0 ** -126)  # the engine's floor (bf16 subnormal tiles)
+    scales = torch.where(amax > 0, torch.maximum(amax, floor) / torch.full_like(amax, 448.0),
+                         torch.ones_like(amax))
+    q = (tiles * (torch.ones_like(scales) / scales).unsqueeze(-1)).to(torch.float8_e4m3fn)
     return q.view(rows, h), scales
 
 
