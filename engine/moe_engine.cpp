@@ -99,9 +99,14 @@ PathHeap pathHeap(MoePath path, const MoeSizes& z, const MoeConfig& cfg) {
     h.llCombArrive = alignUp(h.llArrive + z.R * 4, 256);
     end = h.llCombArrive + z.R * 4;
   } else {
+    // The records and partials, then the direct dispatch's [2][R] count messages and its two [R]
+    // counter arrays (kernels/moe_direct.cu; a few KB, also when the movers carry the dispatch).
     h.recRecv = 0;
     h.combRecv = alignUp(h.recRecv + z.R * z.T * z.recBytes, 4096);
-    end = h.combRecv + z.R * z.T * z.rowBytes;
+    h.llCnt = alignUp(h.combRecv + z.R * z.T * z.rowBytes, 256);
+    h.llFlag = alignUp(h.llCnt + 2 * z.R * z.cntMsgBytes, 256);
+    h.llArrive = alignUp(h.llFlag + z.R * 4, 256);
+    end = h.llArrive + z.R * 4;
   }
   h.heap.numRanks = static_cast<int>(z.R);
   h.heap.userBytes = alignUp(end, 4096);
@@ -176,8 +181,8 @@ LocalCarve carveLocal(const MoeConfig& cfg, const MoeSizes& z, std::size_t cap, 
   o.y = carve(cap * z.rowBytes);
   o.combSend = carve(throughput ? Rs * T * z.rowBytes : 0);
   // Latency path only.
-  o.llSteps = carve(throughput ? 0 : 2 * 4);
-  o.llDone = carve(throughput ? 0 : 2 * 4);
+  o.llSteps = carve(2 * 4);  // the latency kernels' and the direct dispatch's steps and last-CTA counters
+  o.llDone = carve(2 * 4);
   constexpr std::size_t kStamps = kMoeStampWords * static_cast<std::size_t>(MoeKernel::kCount);
   o.timeline = carve(cfg.profile ? kStamps * 8 : 0);
   o.bytes = used;
@@ -231,16 +236,36 @@ EngineExchanges setupExchangeTables(char* region, const MoeSizes& z) {
 
 // Collective: whether every local rank of every process reaches every peer by load/store (the
 // latency path writes peers' memory directly). Every rank gets the same answer.
-bool everyPeerLoadStore(Communicator& comm, const SymmetricHeap& heap) {
+// Collective: whether every rank finds `ok` true of its class of every peer.
+template <class Ok>
+bool everyPeerIs(Communicator& comm, const SymmetricHeap& heap, Ok ok) {
   std::vector<unsigned char> mine(static_cast<std::size_t>(heap.numLocalRanks()), 1);
   for (int l = 0; l < heap.numLocalRanks(); ++l) {
     for (int q = 0; q < heap.worldSize(); ++q) {
-      if (!isLoadStore(heap.peerClass(l, q))) mine[static_cast<std::size_t>(l)] = 0;
+      if (q != heap.rank(l) && !ok(heap.peerClass(l, q))) mine[static_cast<std::size_t>(l)] = 0;
     }
   }
   std::vector<unsigned char> all(static_cast<std::size_t>(heap.worldSize()), 0);
   comm.allgather(mine.data(), all.data(), 1);
   return std::all_of(all.begin(), all.end(), [](unsigned char v) { return v != 0; });
+}
+
+bool everyPeerLoadStore(Communicator& comm, const SymmetricHeap& heap) {
+  return everyPeerIs(comm, heap, [](PeerClass c) { return isLoadStore(c); });
+}
+
+// The throughput path's direct dispatch (kernels/moe_direct.cu) needs every peer by load/store and
+// no two ranks on one GPU: its receive kernel's CTAs wait for the peers' send kernels, which must
+// find room on their GPUs (ranks sharing a GPU keep the movers, whose waiting CTAs are capped).
+bool directDispatch(Communicator& comm, const SymmetricHeap& heap) {
+  return everyPeerIs(comm, heap, [](PeerClass c) { return isLoadStore(c) && c != PeerClass::kSameDevice; });
+}
+
+// Collective: the lowest of the ranks' values (the CTA counts that arrival counters count).
+int minOverRanks(Communicator& comm, const std::vector<std::int32_t>& mine) {
+  std::vector<std::int32_t> all(static_cast<std::size_t>(comm.worldSize()), 0);
+  comm.allgather(mine.data(), all.data(), sizeof(std::int32_t));
+  return *std::min_element(all.begin(), all.end());
 }
 
 // Collective: the CTAs of each latency kernel, the same on every rank (the arrival counters count
@@ -265,9 +290,26 @@ int latencyCtas(Communicator& comm, const SymmetricHeap& heap, const MoeConfig& 
     const int budget = cfg.smBudget > 0 ? cfg.smBudget : kLatencyDefaultCtas;
     mine[static_cast<std::size_t>(l)] = std::min(budget, resident);
   }
-  std::vector<std::int32_t> all(static_cast<std::size_t>(R), 0);
-  comm.allgather(mine.data(), all.data(), sizeof(std::int32_t));
-  return *std::min_element(all.begin(), all.end());
+  return minOverRanks(comm, mine);
+}
+
+// Collective: the throughput kernels' CTAs (the SM budget, or one per SM of the smallest GPU) and
+// the direct receive's (one per SM of this rank's GPU).
+struct ThroughputCtas {
+  int comm = 0;
+  std::vector<int> epilogue;  // per local rank
+};
+ThroughputCtas throughputCtas(Communicator& comm, const SymmetricHeap& heap, const MoeConfig& cfg) {
+  ThroughputCtas c;
+  std::vector<std::int32_t> mine(static_cast<std::size_t>(heap.numLocalRanks()));
+  for (int l = 0; l < heap.numLocalRanks(); ++l) {
+    int sms = 0;
+    GRAPHEP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, heap.device(l)));
+    c.epilogue.push_back(sms);
+    mine[static_cast<std::size_t>(l)] = cfg.smBudget > 0 ? cfg.smBudget : sms;
+  }
+  c.comm = minOverRanks(comm, mine);
+  return c;
 }
 
 }  // namespace
@@ -293,6 +335,7 @@ struct Engine::Impl {
   DispatchLayout layout{};
   AllToAllvArgs cntArgs, dispArgs, combArgs;
   MoePath path = MoePath::kThroughput;
+  bool direct = false;    // the throughput path's dispatch by direct stores (kernels/moe_direct.cu)
   char* block = nullptr;  // every local buffer, carved from one allocation
   std::size_t blockBytes = 0;
   // The failed state (why; "" when healthy) and the watchdog's tools: a private stream for
@@ -449,6 +492,8 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
   }
   const bool throughput = path == MoePath::kThroughput;
   const int llCtas = throughput ? 0 : latencyCtas(comm, *group->heap, cfg);
+  const bool direct = throughput && directDispatch(comm, *group->heap);
+  const ThroughputCtas tctas = throughput ? throughputCtas(comm, *group->heap, cfg) : ThroughputCtas{};
   group->movers = Movers::createAll(*group->heap, engineMoverOptions(sizes));
 
   std::vector<std::unique_ptr<Engine>> engines;
@@ -459,10 +504,12 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     impl->device = group->heap->device(l);
     impl->cfg = cfg;
     impl->path = path;
+    impl->direct = direct;
     DeviceGuard guard(impl->device);
     GRAPHEP_CUDA_CHECK(preloadMoeLatencyKernels());
     GRAPHEP_CUDA_CHECK(preloadMoeRouteKernels());
     GRAPHEP_CUDA_CHECK(preloadMoeDispatchKernels());
+    GRAPHEP_CUDA_CHECK(preloadMoeDirectKernels());
     GRAPHEP_CUDA_CHECK(preloadMoeCombineKernels());
 
     const LocalCarve o = carveLocal(cfg, sizes, cap, throughput);
@@ -503,9 +550,8 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     p.routePrefix = reinterpret_cast<std::uint32_t*>(b + o.routePrefix);
     p.routeZeroBytes = throughput ? o.routeZero : 0;
     if (throughput) {  // the throughput kernels' CTAs: the SM budget, or one per SM
-      int sms = 0;
-      GRAPHEP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, impl->device));
-      p.ctas = cfg.smBudget > 0 ? cfg.smBudget : sms;
+      p.ctas = tctas.comm;
+      p.epilogueCtas = tctas.epilogue[static_cast<std::size_t>(l)];
     }
     p.recSend = b + o.recSend;
     p.recRecv = throughput ? user + ph.recRecv : nullptr;
@@ -535,7 +581,7 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     for (int q = 0; q < R; ++q) {
       p.peerUser[q] = q == p.rank ? user : group->heap->peerUser(l, q);  // nullptr when remote
     }
-    p.llRecOff = ph.llRec;
+    p.llRecOff = throughput ? ph.recRecv : ph.llRec;
     p.llCntOff = ph.llCnt;
     p.llCombOff = ph.llComb;
     p.llFlagOff = ph.llFlag;
@@ -544,14 +590,19 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     p.llSteps = reinterpret_cast<std::uint32_t*>(b + o.llSteps);
     p.llDone = reinterpret_cast<std::uint32_t*>(b + o.llDone);
     p.llCtas = llCtas;
-    if (!throughput) {  // the latency counters start at counterStart (steps, flags) and G x it (arrivals)
-      const std::uint32_t S = cfg.counterStart, SG = cfg.counterStart * static_cast<std::uint32_t>(llCtas);
+    if (!throughput || direct) {
+      // The latency and direct counters start at counterStart (steps, flags) and G x it (arrivals,
+      // G the CTAs that post them).
+      const std::uint32_t G = static_cast<std::uint32_t>(throughput ? p.ctas : llCtas);
+      const std::uint32_t S = cfg.counterStart, SG = cfg.counterStart * G;
       const std::uint32_t steps[2] = {S, S};
       GRAPHEP_CUDA_CHECK(cudaMemcpy(p.llSteps, steps, sizeof(steps), cudaMemcpyHostToDevice));
       const std::vector<std::uint32_t> flags(Rs, S), arrivals(Rs, SG);
       GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llFlag, flags.data(), Rs * 4, cudaMemcpyHostToDevice));
       GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llArrive, arrivals.data(), Rs * 4, cudaMemcpyHostToDevice));
-      GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llCombArrive, arrivals.data(), Rs * 4, cudaMemcpyHostToDevice));
+      if (!throughput) {
+        GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llCombArrive, arrivals.data(), Rs * 4, cudaMemcpyHostToDevice));
+      }
     }
     p.sync = group->heap->syncHandle(l);
     p.timeline = cfg.profile ? reinterpret_cast<unsigned long long*>(b + o.timeline) : nullptr;
@@ -658,8 +709,13 @@ const DispatchLayout& Engine::dispatch(const DispatchArgs& a, cudaStream_t strea
     GRAPHEP_CUDA_CHECK(launchMoeLatencyDispatch(p, stream));
     return m.layout;
   }
-  const Movers& movers = m.movers();
   GRAPHEP_CUDA_CHECK(launchMoeRoute(p, stream));
+  if (m.direct) {
+    GRAPHEP_CUDA_CHECK(launchMoeDirectSend(p, stream));
+    GRAPHEP_CUDA_CHECK(launchMoeDirectReceive(p, stream));
+    return m.layout;
+  }
+  const Movers& movers = m.movers();
   GRAPHEP_CUDA_CHECK(launchMoePack(p, stream));
   movers.allToAllv(stream, m.cntArgs);
   GRAPHEP_CUDA_CHECK(launchMoeOffsets(p, stream));
@@ -807,6 +863,8 @@ const char* kernelName(MoeKernel k) {
     case MoeKernel::kLatencyExpand: return "latency expand";
     case MoeKernel::kLatencyCombine: return "latency combine";
     case MoeKernel::kLatencyCombineReceive: return "latency combine receive";
+    case MoeKernel::kDirectSend: return "direct send";
+    case MoeKernel::kDirectReceive: return "direct receive";
     case MoeKernel::kCount: break;
   }
   return "?";

@@ -82,8 +82,13 @@ __host__ __device__ inline std::uint64_t moeCountMsgBytes(int localExperts) {
 // Kernels of the engine that can stamp a timeline (MoeConfig.profile): each CTA takes the minimum
 // of its entry times and the maximum of its exit times into timeline[2 * kernel], [2 * kernel + 1]
 // (global timer, ns), so one launch's span is readable after it (Engine::timeline()).
+// Engine::timeline() lists them in this order, which is the order they run in.
 enum class MoeKernel : int {
-  kRoute = 0, kPack, kOffsets, kExpand, kCombineReduce, kCombineFinal,
+  kRoute = 0, kPack, kOffsets, kExpand,
+  // The throughput path's direct dispatch (kernels/moe_direct.cu), after route: send, receive
+  // (layout + expand).
+  kDirectSend, kDirectReceive,
+  kCombineReduce, kCombineFinal,
   // The latency kernels' phases: dispatch (route + count messages, records, layout, expand),
   // combine (reduce + send, receive + sum).
   kLatencyDispatch, kLatencyRecords, kLatencyReceive, kLatencyExpand, kLatencyCombine,
@@ -125,8 +130,12 @@ struct MoeParams {
   std::uint32_t* routeDup;
   std::uint32_t* routePrefix;
   std::uint64_t routeZeroBytes;
-  // CTAs of the throughput path's kernels (kMoeThreads each; the SM budget, or the SM count).
+  // CTAs of the throughput path's kernels (kMoeThreads each; the SM budget, or the SM count), the
+  // same on every rank (the direct dispatch's arrival counters count them).
   std::int32_t ctas;
+  // CTAs of the direct dispatch's receive kernel (kernels/moe_direct.cu): one per SM. It only
+  // copies local memory once the records have landed, so it is not held to the SM budget.
+  std::int32_t epilogueCtas;
 
   // Records and count messages.
   char* recSend;              // [R][maxTokens][recBytes] (local)
@@ -166,7 +175,9 @@ struct MoeParams {
   // combine's): an operation that finds it in the wrong state is counted (MoeDeviceStatus).
   std::uint32_t* pending;
 
-  // Latency path (kernels/moe_latency.cu). Regions of every rank's symmetric user region, at the
+  // Latency path (kernels/moe_latency.cu; the direct dispatch, kernels/moe_direct.cu, uses llRecOff
+  // for its [R][maxTokens][recBytes] records (recRecv), and llCnt, llFlag, llArrive, llSteps[0],
+  // llDone[0] as described here). Regions of every rank's symmetric user region, at the
   // same offsets on every rank: llRec [2][R][maxTokens][recBytes] records from each source,
   // llCnt [2][R][cntMsgBytes] their count messages, llComb [2][R][maxTokens][H] bf16 partials from
   // each destination; u32 monotonic counters [R]: llFlag (source q's count message of step s has
@@ -202,6 +213,11 @@ cudaError_t launchMoePack(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeOffsets(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeExpand(const MoeParams& p, cudaStream_t stream);
 cudaError_t preloadMoeDispatchKernels();
+// Direct dispatch (every peer load/store, each rank on a GPU of its own): route, then send (ctas
+// CTAs) and receive (epilogueCtas CTAs).
+cudaError_t launchMoeDirectSend(const MoeParams& p, cudaStream_t stream);
+cudaError_t launchMoeDirectReceive(const MoeParams& p, cudaStream_t stream);
+cudaError_t preloadMoeDirectKernels();
 cudaError_t launchMoeCombineReduce(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeCombineFinal(const MoeParams& p, cudaStream_t stream);
 cudaError_t preloadMoeCombineKernels();

@@ -22,8 +22,7 @@
 // combine s: so a destination has finished with slot parity s before any source writes it again
 // (each dispatch is followed by a combine; the engine enforces it on the host). Counters only
 // grow (mod 2^32): flags reach step + 1, arrival counters (step + 1) x G.
-#include "kernels/common/flags.cuh"
-#include "kernels/common/moe.cuh"
+#include "kernels/common/moe_peer.cuh"
 
 namespace graphep {
 namespace {
@@ -35,47 +34,6 @@ constexpr int kGroups = kThreads / kMoeGroupThreads;
 __device__ __forceinline__ std::uint64_t llSlot(const MoeParams& p, int parity, int src, int i,
                                                 std::uint64_t bytes) {
   return ((static_cast<std::uint64_t>(parity) * p.numRanks + src) * p.maxTokens + i) * bytes;
-}
-
-__device__ __forceinline__ std::uint32_t* llCounter(const MoeParams& p, int rank, std::uint64_t off) {
-  return reinterpret_cast<std::uint32_t*>(p.peerUser[rank] + off);
-}
-
-// Block-wide "am I the last of the grid's CTAs to get here": every thread's prior writes (local or
-// to peers) are fenced at system scope before the count; returns the same answer in every thread,
-// and the last one resets the counter for the next launch. Verdicts reach the CTA through
-// __syncthreads_or, not a shared word: nothing for a later exchange to race with, one barrier
-// fewer, and racecheck-clean after the groups' uneven loops (see the records loop).
-__device__ bool lastBlock(std::uint32_t* counter) {
-  __threadfence_system();  // every thread's own stores, before the barrier hands over to thread 0
-  __syncthreads();
-  bool last = false;
-  if (threadIdx.x == 0) {
-    last = atomicAdd(counter, 1u) == gridDim.x - 1u;
-    if (last) {
-      *counter = 0;  // every CTA counted: ready for the next launch
-      __threadfence_system();
-    }
-  }
-  return __syncthreads_or(last) != 0;  // thread 0's answer, to every thread
-}
-
-// Every thread's stores (records or partials, local or peers') are made visible at system scope,
-// then thread r < R adds 1 to rank r's counter for this rank (release).
-__device__ void arriveAtEveryRank(const MoeParams& p, std::uint64_t counterOff) {
-  __threadfence_system();
-  __syncthreads();
-  if (static_cast<int>(threadIdx.x) < p.numRanks) {
-    ptx::redReleaseSysAdd(llCounter(p, static_cast<int>(threadIdx.x), counterOff) + p.rank, 1u);
-  }
-}
-
-// Threads q < R wait until this rank's counter for q reaches `target`; true when all did (every
-// thread gets the answer).
-__device__ bool waitEveryRank(const MoeParams& p, std::uint64_t counterOff, std::uint32_t target, WaitSite site) {
-  const int q = static_cast<int>(threadIdx.x);
-  const bool failed = q < p.numRanks && !flagWait(p.sync, llCounter(p, p.rank, counterOff) + q, target, q, site);
-  return __syncthreads_or(failed) == 0;
 }
 
 // Set bits of bits[0 .. W) below bit t.
@@ -161,7 +119,7 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
       for (int j = tid; j < L; j += kThreads) msg[1 + j] = static_cast<std::uint64_t>(entriesBefore(r * L + j, T, 0));
       if (tid == 0) msg[0] = static_cast<std::uint64_t>(popcBelow(dstBits + r * W, T));
       __syncthreads();
-      if (tid == 0) flagPost(llCounter(p, r, p.llFlagOff) + p.rank, step + 1u);
+      if (tid == 0) flagPost(peerCounter(p, r, p.llFlagOff) + p.rank, step + 1u);
     }
     // Each token's index in each destination's list, for the combine of this dispatch.
     if (blockIdx.x == gridDim.x - 1) {
@@ -214,7 +172,7 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
       for (int k = 0; k < R; ++k) {
         const int s = (p.rank + k) % R;
         const bool failed =
-            tid == 0 && !flagWait(p.sync, llCounter(p, p.rank, p.llArriveOff) + s, arrived, s, WaitSite::kMoeDispatch);
+            tid == 0 && !flagWait(p.sync, peerCounter(p, p.rank, p.llArriveOff) + s, arrived, s, WaitSite::kMoeDispatch);
         if (__syncthreads_or(failed) != 0) break;  // thread 0's verdict, to every thread
         const std::uint64_t sent = __ldcg(msgOf(s));
         const int rows = static_cast<int>(sent < static_cast<std::uint64_t>(p.maxTokens) ? sent : p.maxTokens);

@@ -36,7 +36,7 @@ enum class WaitSite : std::uint32_t {
   kZeroCopyExtent = 10,   // zero-copy sender: the receiver's published byte count differs from
                           // the sender's (kCountMismatch: expected = receiver's, observed =
                           // sender's; nothing sent)
-  kMoeDispatch = 11,      // MoE latency dispatch: waiting for a source's records and count message
+  kMoeDispatch = 11,      // MoE dispatch (latency, direct): waiting for a source's records or count message
   kMoeCombine = 12,       // MoE latency combine: waiting for a destination's partials
 };
 

@@ -147,13 +147,11 @@ __device__ __forceinline__ std::int32_t moeCountOf(const std::uint64_t* msg, int
 }
 
 // Every thread of one CTA of kThreads: counts[j] (rows routed to local expert j from every
-// source), offsets[j] (its first row: the exclusive prefix sum of the aligned counts; offsets[L]
-// the end, before any clamping to the capacity) and srcBase[q * L + j] (the first row of source q's
-// rows for expert j). counts and offsets are block-shared; srcBase shared or global. Ends with the
-// CTA synchronised.
+// source) and offsets[j] (its first row: the exclusive prefix sum of the aligned counts; offsets[L]
+// the end, before any clamping to the capacity), both block-shared. Ends with the CTA synchronised.
 template <int kThreads, class Msg>
-__device__ void moeComputeLayout(const MoeParams& p, Msg msg, std::int32_t* counts, std::int32_t* offsets,
-                                 std::int32_t* srcBase, MoeLayoutScratch<kThreads>& scratch) {
+__device__ void moeComputeOffsets(const MoeParams& p, Msg msg, std::int32_t* counts, std::int32_t* offsets,
+                                  MoeLayoutScratch<kThreads>& scratch) {
   constexpr int kItems = MoeLayoutScratch<kThreads>::kItems;
   const int tid = static_cast<int>(threadIdx.x), L = p.localExperts;
   std::int32_t aligned[kItems];
@@ -176,10 +174,29 @@ __device__ void moeComputeLayout(const MoeParams& p, Msg msg, std::int32_t* coun
   }
   if (tid == 0) offsets[L] = total;
   __syncthreads();
-  for (int j = tid; j < L; j += kThreads) {
+}
+
+// The first row of source q's rows for each local expert j, into base[j] (shared or global; all
+// threads of the CTA, no synchronisation): offsets[j] plus the rows of the sources before q.
+template <int kThreads, class Msg>
+__device__ void moeSourceBases(const MoeParams& p, Msg msg, const std::int32_t* offsets, int q, std::int32_t* base) {
+  for (int j = static_cast<int>(threadIdx.x); j < p.localExperts; j += kThreads) {
+    std::int32_t b = offsets[j];
+    for (int r = 0; r < q; ++r) b += moeCountOf(msg(r), 1 + j);
+    base[j] = b;
+  }
+}
+
+// moeComputeOffsets, then srcBase[q * L + j] (shared or global) for every source q. Ends with the
+// CTA synchronised.
+template <int kThreads, class Msg>
+__device__ void moeComputeLayout(const MoeParams& p, Msg msg, std::int32_t* counts, std::int32_t* offsets,
+                                 std::int32_t* srcBase, MoeLayoutScratch<kThreads>& scratch) {
+  moeComputeOffsets<kThreads>(p, msg, counts, offsets, scratch);
+  for (int j = static_cast<int>(threadIdx.x); j < p.localExperts; j += kThreads) {
     std::int32_t base = offsets[j];
     for (int q = 0; q < p.numRanks; ++q) {
-      srcBase[q * L + j] = base;
+      srcBase[q * p.localExperts + j] = base;
       base += moeCountOf(msg(q), 1 + j);
     }
   }

@@ -1,0 +1,156 @@
+// MoE direct dispatch kernel family (see kernels/moe.h), launchers below: the throughput path's
+// dispatch when every peer is reached by load/store on a GPU of its own. No pack pass and no
+// movers: the sender stores each token's record straight into every destination's receive slot.
+//
+//   send     (MoeParams::ctas CTAs, the SM budget) after route: the CTAs split the destinations'
+//            count messages, each posted with its flag (step + 1) before any payload; then each
+//            group reads one token's row once and writes its record into every destination's
+//            slot [this rank][index] (index from route's tokRankIdx); each CTA then adds 1 to every
+//            destination's arrival counter for this rank.
+//   receive  (MoeParams::epilogueCtas CTAs, every SM by default) every CTA waits for every count
+//            flag and derives the layout (CTA 0 publishes it); then it expands each source's
+//            records as soon as that source's send CTAs have all arrived (its own rank first);
+//            the last CTA advances the step.
+//
+// Count messages alternate by the step's parity; the records have one slot per (source, index),
+// the same region the movers' path uses. A source writes its records of dispatch s + 1 only after
+// its combine s has received every destination's partials, which each destination sends after
+// its own combine s has read the records of dispatch s: so no record is overwritten while it is
+// read (a dispatch is always followed by its combine; MoeDeviceStatus counts one that is not).
+// Counters only grow (mod 2^32): flags reach step + 1, arrival counters (step + 1) x ctas.
+#include "kernels/common/moe_peer.cuh"
+
+namespace graphep {
+namespace {
+
+constexpr int kThreads = kMoeThreads;
+constexpr int kGroups = kThreads / kMoeGroupThreads;
+
+// Source `src`'s count message of the step's parity in rank `rank`'s heap.
+__device__ __forceinline__ std::uint64_t* directMsg(const MoeParams& p, int rank, int parity, int src) {
+  return reinterpret_cast<std::uint64_t*>(p.peerUser[rank] + p.llCntOff +
+                                          (static_cast<std::uint64_t>(parity) * p.numRanks + src) * p.cntMsgBytes);
+}
+
+// Record slot `i` of source `src` in rank `rank`'s heap (recRecv: [R][maxTokens][recBytes]).
+__device__ __forceinline__ char* directRecord(const MoeParams& p, int rank, int src, int i) {
+  return p.peerUser[rank] + p.llRecOff + (static_cast<std::uint64_t>(src) * p.maxTokens + i) * p.recBytes;
+}
+
+__global__ void __launch_bounds__(kThreads) moeDirectSendKernel(const __grid_constant__ MoeParams p) {
+  const MoeStamp stamp(p, MoeKernel::kDirectSend);
+  __shared__ char* dst[kGroups][kMaxRanks];
+  __shared__ int dstRank[kGroups][kMaxRanks];
+  __shared__ int ndst[kGroups];
+  const int tid = static_cast<int>(threadIdx.x), R = p.numRanks, L = p.localExperts;
+  const std::uint32_t step = p.llSteps[0];
+  const int parity = static_cast<int>(step & 1u);
+  // Count messages first (they travel ahead of the payload): CTA c takes ranks c, c + G, ...
+  const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.hidden) * 2;
+  for (int r = static_cast<int>(blockIdx.x); r < R; r += static_cast<int>(gridDim.x)) {
+    std::uint64_t* msg = directMsg(p, r, parity, p.rank);
+    for (int j = tid; j < L; j += kThreads) msg[1 + j] = p.expertCount[r * L + j];
+    if (tid == 0) {
+      msg[0] = p.rankCount[r];
+      p.combRecvCounts[r] = p.rankCount[r] * rowBytes;  // the combine's partials from rank r
+    }
+    __syncthreads();
+    if (tid == 0) flagPost(peerCounter(p, r, p.llFlagOff) + p.rank, step + 1u);
+  }
+  const MoeGroupSlice gs = moeGroupSlice();
+  const int T = *p.liveTokens;
+  // Every group of the CTA goes round the same number of times (see the latency records loop).
+  for (int base = gs.first - gs.group; base < T; base += gs.stride) {
+    const int t = base + gs.group;
+    if (gs.g.tid == 0 && t < T) {
+      int n = 0;
+      for (int r = 0; r < R; ++r) {
+        const int i = p.tokRankIdx[static_cast<std::uint64_t>(t) * R + r];
+        if (i < 0) continue;
+        dst[gs.group][n] = directRecord(p, r, p.rank, i);
+        dstRank[gs.group][n++] = r;
+      }
+      ndst[gs.group] = n;
+    }
+    gs.g.sync();
+    if (t < T) {
+      const std::int32_t* entryIdx = p.entryIdx + static_cast<std::uint64_t>(t) * p.topK;
+      moeWriteRecords(p, t, dst[gs.group], dstRank[gs.group], ndst[gs.group], [&](int k) { return entryIdx[k]; },
+                      gs.g);
+    }
+    gs.g.sync();  // dst is rewritten for the next token
+  }
+  arriveAtEveryRank(p, p.llArriveOff);
+}
+
+__global__ void __launch_bounds__(kThreads) moeDirectReceiveKernel(const __grid_constant__ MoeParams p) {
+  __shared__ std::int32_t counts[kMoeMaxLocalExperts];
+  __shared__ std::int32_t offsets[kMoeMaxLocalExperts + 1];
+  __shared__ std::int32_t base[kMoeMaxLocalExperts];
+  __shared__ MoeLayoutScratch<kThreads> scratch;
+  __shared__ MoeSlotStage stages[kGroups];
+  const int tid = static_cast<int>(threadIdx.x), R = p.numRanks;
+  const std::uint32_t step = p.llSteps[0];
+  const int parity = static_cast<int>(step & 1u);
+  const std::uint32_t arrived = (step + 1u) * static_cast<std::uint32_t>(p.ctas);  // every send CTA, this step
+  auto msgOf = [&](int q) { return static_cast<const std::uint64_t*>(directMsg(p, p.rank, parity, q)); };
+  const MoeGroupSlice gs = moeGroupSlice();
+  {
+    const MoeStamp stamp(p, MoeKernel::kDirectReceive);
+    if (waitEveryRank(p, p.llFlagOff, step + 1u, WaitSite::kMoeDispatch)) {
+      moeComputeOffsets<kThreads>(p, msgOf, counts, offsets, scratch);
+      if (blockIdx.x == 0) {  // the published layout, every source's bases and the movers' counts
+        moeComputeLayout<kThreads>(p, msgOf, counts, offsets, p.srcBase, scratch);
+        moePublishLayout<kThreads>(p, msgOf, counts, offsets, p.srcBase, scratch);
+        __syncthreads();  // recvRows is written above
+        const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.hidden) * 2;
+        for (int q = tid; q < R; q += kThreads) p.combSendCounts[q] = static_cast<std::uint64_t>(p.recvRows[q]) * rowBytes;
+      }
+      // Each source's records once its send CTAs have all arrived, this rank's own first.
+      for (int k = 0; k < R; ++k) {
+        const int s = (p.rank + k) % R;
+        const bool failed =
+            tid == 0 && !flagWait(p.sync, peerCounter(p, p.rank, p.llArriveOff) + s, arrived, s, WaitSite::kMoeDispatch);
+        if (__syncthreads_or(failed) != 0) break;  // thread 0's verdict, to every thread
+        moeSourceBases<kThreads>(p, msgOf, offsets, s, base);
+        __syncthreads();
+        const std::uint64_t sent = __ldcg(msgOf(s));
+        const int rows = static_cast<int>(sent < static_cast<std::uint64_t>(p.maxTokens) ? sent : p.maxTokens);
+        for (int i = gs.first; i < rows; i += gs.stride) {
+          moeExpandRecord(p, s, directRecord(p, p.rank, s, i), base, stages[gs.group], gs.g);
+        }
+        __syncthreads();  // base is rewritten for the next source
+      }
+    }
+  }
+  if (lastBlock(&p.llDone[0]) && tid == 0) {
+    p.llSteps[0] = step + 1u;
+    *p.pending = 1u;  // the dispatch's last kernel
+  }
+}
+
+}  // namespace
+
+cudaError_t launchMoeDirectSend(const MoeParams& p, cudaStream_t stream) {
+  if (p.ctas < 1 || p.numRanks > kMaxRanks || p.topK > kMoeMaxTopK) return cudaErrorInvalidValue;
+  moeDirectSendKernel<<<static_cast<unsigned>(p.ctas), kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t launchMoeDirectReceive(const MoeParams& p, cudaStream_t stream) {
+  if (p.epilogueCtas < 1 || p.localExperts > kMoeMaxLocalExperts) return cudaErrorInvalidValue;
+  moeDirectReceiveKernel<<<static_cast<unsigned>(p.epilogueCtas), kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t preloadMoeDirectKernels() {
+  cudaFuncAttributes a{};
+  for (const void* f : {reinterpret_cast<const void*>(moeDirectSendKernel),
+                        reinterpret_cast<const void*>(moeDirectReceiveKernel)}) {
+    const cudaError_t e = cudaFuncGetAttributes(&a, f);
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace graphep
