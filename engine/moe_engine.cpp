@@ -302,13 +302,17 @@ struct ThroughputCtas {
 ThroughputCtas throughputCtas(Communicator& comm, const SymmetricHeap& heap, const MoeConfig& cfg) {
   ThroughputCtas c;
   std::vector<std::int32_t> mine(static_cast<std::size_t>(heap.numLocalRanks()));
+  std::vector<int> sms(static_cast<std::size_t>(heap.numLocalRanks()));
   for (int l = 0; l < heap.numLocalRanks(); ++l) {
-    int sms = 0;
-    GRAPHEP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, heap.device(l)));
-    c.epilogue.push_back(sms);
-    mine[static_cast<std::size_t>(l)] = cfg.smBudget > 0 ? cfg.smBudget : sms;
+    GRAPHEP_CUDA_CHECK(cudaDeviceGetAttribute(&sms[static_cast<std::size_t>(l)], cudaDevAttrMultiProcessorCount,
+                                              heap.device(l)));
+    mine[static_cast<std::size_t>(l)] = cfg.smBudget > 0 ? cfg.smBudget : sms[static_cast<std::size_t>(l)];
   }
   c.comm = minOverRanks(comm, mine);
+  // The receive starts while the send runs, one CTA per SM (each kernel's CTA fills an SM's
+  // registers): the SMs the send leaves free, so that every receive CTA starts at once, but at
+  // least half of them (the peers' rows are expanded once the send is done).
+  for (int n : sms) c.epilogue.push_back(std::max(n - c.comm, std::max(n / 2, 1)));
   return c;
 }
 
@@ -865,6 +869,8 @@ const char* kernelName(MoeKernel k) {
     case MoeKernel::kLatencyCombineReceive: return "latency combine receive";
     case MoeKernel::kDirectSend: return "direct send";
     case MoeKernel::kDirectReceive: return "direct receive";
+    case MoeKernel::kDirectOwn: return "direct own rows";
+    case MoeKernel::kDirectPeers: return "direct peers' rows";
     case MoeKernel::kCount: break;
   }
   return "?";

@@ -86,8 +86,8 @@ __host__ __device__ inline std::uint64_t moeCountMsgBytes(int localExperts) {
 enum class MoeKernel : int {
   kRoute = 0, kPack, kOffsets, kExpand,
   // The throughput path's direct dispatch (kernels/moe_direct.cu), after route: send, receive
-  // (layout + expand).
-  kDirectSend, kDirectReceive,
+  // (layout + expand), and the receive's two phases: this rank's own rows, the peers' records.
+  kDirectSend, kDirectReceive, kDirectOwn, kDirectPeers,
   kCombineReduce, kCombineFinal,
   // The latency kernels' phases: dispatch (route + count messages, records, layout, expand),
   // combine (reduce + send, receive + sum).

@@ -4,13 +4,15 @@
 //
 //   send     (MoeParams::ctas CTAs, the SM budget) after route: the CTAs split the destinations'
 //            count messages, each posted with its flag (step + 1) before any payload; then each
-//            group reads one token's row once and writes its record into every destination's
-//            slot [this rank][index] (index from route's tokRankIdx); each CTA then adds 1 to every
-//            destination's arrival counter for this rank.
-//   receive  (MoeParams::epilogueCtas CTAs, every SM by default) every CTA waits for every count
-//            flag and derives the layout (CTA 0 publishes it); then it expands each source's
-//            records as soon as that source's send CTAs have all arrived (its own rank first);
-//            the last CTA advances the step.
+//            group reads one token's row once and writes its record into every peer's slot
+//            [this rank][index] (index from route's tokRankIdx); each CTA then adds 1 to every
+//            rank's arrival counter for this rank.
+//   receive  (MoeParams::epilogueCtas CTAs, one per SM; launched as the send's programmatic
+//            dependent, so it starts on the SMs the send leaves free while the send runs) every
+//            CTA waits for every count flag and derives the layout (CTA 0 publishes it); then it
+//            expands this rank's own tokens straight from x (the send writes no record to its own
+//            rank: the receive writes the metadata the combine reads), then each peer's records as
+//            soon as that peer's send CTAs have all arrived; the last CTA advances the step.
 //
 // Count messages alternate by the step's parity; the records have one slot per (source, index),
 // the same region the movers' path uses. A source writes its records of dispatch s + 1 only after
@@ -45,6 +47,7 @@ __global__ void __launch_bounds__(kThreads) moeDirectSendKernel(const __grid_con
   const int tid = static_cast<int>(threadIdx.x), R = p.numRanks, L = p.localExperts;
   const std::uint32_t step = p.llSteps[0];
   const int parity = static_cast<int>(step & 1u);
+  ptx::launchDependents();  // the receive may start on the SMs this grid leaves free
   // Count messages first (they travel ahead of the payload): CTA c takes ranks c, c + G, ...
   const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.hidden) * 2;
   for (int r = static_cast<int>(blockIdx.x); r < R; r += static_cast<int>(gridDim.x)) {
@@ -64,19 +67,19 @@ __global__ void __launch_bounds__(kThreads) moeDirectSendKernel(const __grid_con
     const int t = base + gs.group;
     if (gs.g.tid == 0 && t < T) {
       int n = 0;
-      for (int r = 0; r < R; ++r) {
+      for (int r = 0; r < R; ++r) {  // the peers only: the receive takes this rank's own rows from x
         const int i = p.tokRankIdx[static_cast<std::uint64_t>(t) * R + r];
-        if (i < 0) continue;
+        if (i < 0 || r == p.rank) continue;
         dst[gs.group][n] = directRecord(p, r, p.rank, i);
         dstRank[gs.group][n++] = r;
       }
       ndst[gs.group] = n;
     }
     gs.g.sync();
-    if (t < T) {
+    if (t < T && ndst[gs.group] > 0) {
       const std::int32_t* entryIdx = p.entryIdx + static_cast<std::uint64_t>(t) * p.topK;
       moeWriteRecords(p, t, dst[gs.group], dstRank[gs.group], ndst[gs.group], [&](int k) { return entryIdx[k]; },
-                      gs.g);
+                      gs.g, ndst[gs.group]);
     }
     gs.g.sync();  // dst is rewritten for the next token
   }
@@ -106,8 +109,22 @@ __global__ void __launch_bounds__(kThreads) moeDirectReceiveKernel(const __grid_
         const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.hidden) * 2;
         for (int q = tid; q < R; q += kThreads) p.combSendCounts[q] = static_cast<std::uint64_t>(p.recvRows[q]) * rowBytes;
       }
-      // Each source's records once its send CTAs have all arrived, this rank's own first.
-      for (int k = 0; k < R; ++k) {
+      // This rank's own tokens straight from x (no record: the send kernel skips this rank; their
+      // metadata is written here for the combine), overlapping the peers' transfers.
+      {
+        const MoeStamp own(p, MoeKernel::kDirectOwn);
+        moeSourceBases<kThreads>(p, msgOf, offsets, p.rank, base);
+        __syncthreads();
+        const int T = *p.liveTokens;
+        for (int t = gs.first; t < T; t += gs.stride) {
+          const int i = p.tokRankIdx[static_cast<std::uint64_t>(t) * R + p.rank];
+          if (i >= 0) moeExpandOwnToken(p, t, directRecord(p, p.rank, p.rank, i), base, stages[gs.group], gs.g);
+        }
+        __syncthreads();  // base is rewritten for the next source
+      }
+      // Each peer's records once its send CTAs have all arrived.
+      const MoeStamp peers(p, MoeKernel::kDirectPeers);
+      for (int k = 1; k < R; ++k) {
         const int s = (p.rank + k) % R;
         const bool failed =
             tid == 0 && !flagWait(p.sync, peerCounter(p, p.rank, p.llArriveOff) + s, arrived, s, WaitSite::kMoeDispatch);
@@ -123,6 +140,9 @@ __global__ void __launch_bounds__(kThreads) moeDirectReceiveKernel(const __grid_
       }
     }
   }
+  // The send grid (launched before this one, which may have started early) has completed and its
+  // memory is visible: what follows in the stream sees a finished dispatch.
+  ptx::gridDependencyWait();
   if (lastBlock(&p.llDone[0]) && tid == 0) {
     p.llSteps[0] = step + 1u;
     *p.pending = 1u;  // the dispatch's last kernel
@@ -137,10 +157,21 @@ cudaError_t launchMoeDirectSend(const MoeParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// Launched as the send's programmatic dependent: its CTAs start while the send runs (the send
+// triggers at once), lay out and expand this rank's own rows, and wait for the peers' records by
+// their arrival counters, not by stream order.
 cudaError_t launchMoeDirectReceive(const MoeParams& p, cudaStream_t stream) {
   if (p.epilogueCtas < 1 || p.localExperts > kMoeMaxLocalExperts) return cudaErrorInvalidValue;
-  moeDirectReceiveKernel<<<static_cast<unsigned>(p.epilogueCtas), kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(p.epilogueCtas));
+  cfg.blockDim = dim3(kThreads);
+  cfg.stream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, moeDirectReceiveKernel, p);
 }
 
 cudaError_t preloadMoeDirectKernels() {

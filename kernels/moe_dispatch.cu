@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(kThreads) moePackKernel(const __grid_constant_
     gs.g.sync();
     const std::int32_t* entryIdx = p.entryIdx + static_cast<std::uint64_t>(t) * p.topK;
     moeWriteRecords(p, t, dst[gs.group], dstRank[gs.group], ndst[gs.group], [&](int k) { return entryIdx[k]; },
-                    gs.g);
+                    gs.g, ndst[gs.group]);
     gs.g.sync();  // dst is rewritten for the next token
   }
 }

@@ -151,7 +151,7 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
       g.sync();
       if (t < T) {
         moeWriteRecords(p, t, dsts[group], dstRanks[group], ndst[group],
-                        [&](int k) { return entriesBefore(ids[t * K + k], t, k); }, g);
+                        [&](int k) { return entriesBefore(ids[t * K + k], t, k); }, g, ndst[group]);
       }
       g.sync();  // dsts is rewritten for the next token
     }

@@ -288,9 +288,10 @@ __device__ __forceinline__ const MoeRecordSlot* moeRecordSlots(const MoeParams& 
 // memory): the row is read once (bf16 copied, or quantised once to fp8 tiles by the produce hook)
 // and stored to every destination, with the metadata of the slots whose experts live on that rank.
 // entryIndex(k): slot k's index within its expert's rows from this rank.
+// Only the first nPayload destinations get the row (the others, the metadata alone).
 template <class EntryIndex>
 __device__ inline void moeWriteRecords(const MoeParams& p, int t, char* const* dst, const int* dstRank,
-                                       int n, EntryIndex entryIndex, const MoeGroup& g) {
+                                       int n, EntryIndex entryIndex, const MoeGroup& g, int nPayload) {
   const std::uint64_t H = static_cast<std::uint64_t>(p.hidden);
   const char* row = static_cast<const char*>(p.x) + static_cast<std::uint64_t>(t) * H * 2;
   // The first warp's lanes k < topK read slot k's id and weight before the row's loads are issued.
@@ -298,7 +299,7 @@ __device__ inline void moeWriteRecords(const MoeParams& p, int t, char* const* d
   const std::uint64_t e = static_cast<std::uint64_t>(t) * p.topK + (k < p.topK ? k : 0);
   const long long id = k < p.topK ? moeReadId(p, e) : -1;
   const float w = k < p.topK ? p.topkWeights[e] : 0.f;
-  if (p.fp8) {
+  if (nPayload > 0 && p.fp8) {
     // The produce hook: each aligned half-warp quantises one 128-value tile, kMoeUnroll at a time.
     constexpr int kLanes = ProduceFp8E4m3::kThreads;
     const int tiles = static_cast<int>(H / kFp8TileValues), lane = g.tid % kLanes, step = g.nthreads / kLanes;
@@ -316,12 +317,12 @@ __device__ inline void moeWriteRecords(const MoeParams& p, int t, char* const* d
         const int tile = t0 + u * step;
         if (tile >= tiles) break;  // uniform across the half-warp (its shuffles stay converged)
         const ProduceFp8E4m3::Regs q = ProduceFp8E4m3::quantize(raw[u]);
-        for (int d = 0; d < n; ++d) {
+        for (int d = 0; d < nPayload; ++d) {
           ProduceFp8E4m3::emit(dst[d] + static_cast<std::uint64_t>(tile) * kFp8TileWireBytes, lane, q);
         }
       }
     }
-  } else {
+  } else if (nPayload > 0) {
     const auto* src = reinterpret_cast<const uint4*>(row);
     const int vecs = static_cast<int>(H / 8);
     for (int c0 = g.tid; c0 < vecs; c0 += g.nthreads * kMoeUnroll) {
@@ -330,7 +331,7 @@ __device__ inline void moeWriteRecords(const MoeParams& p, int t, char* const* d
       for (int u = 0; u < kMoeUnroll; ++u) {
         if (c0 + u * g.nthreads < vecs) v[u] = src[c0 + u * g.nthreads];
       }
-      for (int d = 0; d < n; ++d) {
+      for (int d = 0; d < nPayload; ++d) {
         auto* out = reinterpret_cast<uint4*>(dst[d]);
 #pragma unroll
         for (int u = 0; u < kMoeUnroll; ++u) {
@@ -403,15 +404,57 @@ __device__ inline void moeResolveSlots(const MoeParams& p, int s, const char* re
   g.sync();
 }
 
-// Copies a received record from source s into recv_x at each of its slots' rows (rows past the
-// capacity are dropped and counted) with the per-row metadata. srcBase: [E_local] of source s.
-__device__ inline void moeExpandRecord(const MoeParams& p, int s, const char* rec, const std::int32_t* srcBase,
-                                       MoeSlotStage& stage, const MoeGroup& g) {
+// This rank's own token t (its record index i in its own list), resolved from the routing instead
+// of a received record: `stage` gets its slots' recv_x rows (rows past the capacity dropped and
+// counted), each row's metadata is written, and the record's metadata (header and slots, as
+// moeWriteRecords writes them) goes to `rec` for the combine. Synchronises the group before and
+// after.
+__device__ inline void moeResolveOwnSlots(const MoeParams& p, int t, char* rec, const std::int32_t* srcBase,
+                                          MoeSlotStage& stage, const MoeGroup& g) {
+  g.sync();  // the previous user of `stage` is done
+  if (g.tid < 32) {  // topK <= 16: the group's first warp, one lane per slot
+    const int k = g.tid, L = p.localExperts;
+    const std::uint64_t e = static_cast<std::uint64_t>(t) * p.topK + (k < p.topK ? k : 0);
+    const long long id = k < p.topK ? moeReadId(p, e) : -1;
+    const bool here = k < p.topK && moeValidId(p, id) && id / L == p.rank;  // invalid ids: counted by route
+    const MoeRecordSlot slot{here ? static_cast<std::int32_t>(id % L) : -1, here ? p.entryIdx[e] : 0,
+                             here ? p.topkWeights[e] : 0.f, k};
+    const unsigned m = __ballot_sync(0xffffffffu, here);
+    if (here) {
+      reinterpret_cast<MoeRecordSlot*>(rec + p.payloadBytes + sizeof(MoeRecordHeader))[__popc(m & ((1u << k) - 1u))] = slot;
+    }
+    if (k == 0) *reinterpret_cast<MoeRecordHeader*>(rec + p.payloadBytes) = MoeRecordHeader{t, __popc(m), {0, 0}};
+    const long long pos = here ? moeSlotRow(p, srcBase, slot) : -1;
+    const unsigned kept = __ballot_sync(0xffffffffu, pos >= 0);
+    if (pos >= 0) {
+      const int at = __popc(kept & ((1u << k) - 1u));
+      stage.row[at] = pos;
+      stage.weight[at] = slot.weight;
+      p.rowSrcRank[pos] = p.rank;
+      p.rowSrcToken[pos] = t;
+      p.rowTopkSlot[pos] = k;
+      p.rowWeight[pos] = slot.weight;
+    } else if (here) {
+      moeReportDroppedRow(p, static_cast<long long>(srcBase[slot.localExpert]) + slot.index);
+    }
+    if (k == 0) {
+      stage.n = __popc(kept);
+      stage.token = t;
+    }
+  }
+  g.sync();
+}
+
+// Copies one row into recv_x at each row of `stage`, which resolve() fills (called once, after
+// the first loads are issued: they do not depend on it). The row is a record's payload (bf16, or
+// fp8 wire tiles: e4m3 bytes into recv_x, the scale into recv_scales), or with `fromX` a bf16 row of
+// x (quantised here by the produce hook for fp8).
+template <class Resolve>
+__device__ inline void moeExpandRow(const MoeParams& p, const char* row, bool fromX, Resolve resolve,
+                                    const MoeSlotStage& stage, const MoeGroup& g) {
   const std::uint64_t H = static_cast<std::uint64_t>(p.hidden);
-  // Each pass loads kMoeUnroll pieces per thread, then stores them to every row; the first pass's
-  // loads are issued before the slots are resolved (they do not depend on them).
+  // Each pass loads kMoeUnroll pieces per thread, then stores them to every row.
   if (p.fp8) {
-    // The wire tiles: 128 e4m3 bytes into recv_x, the scale into recv_scales.
     constexpr int kLanes = ProduceFp8E4m3::kThreads;
     const int tiles = static_cast<int>(H / kFp8TileValues), lane = g.tid % kLanes, step = g.nthreads / kLanes;
     Fp8WireRegs w[kMoeUnroll];
@@ -419,29 +462,36 @@ __device__ inline void moeExpandRecord(const MoeParams& p, int s, const char* re
 #pragma unroll
       for (int u = 0; u < kMoeUnroll; ++u) {
         const int tile = t0 + u * step;
-        if (tile < tiles) w[u] = loadFp8Wire(rec + static_cast<std::uint64_t>(tile) * kFp8TileWireBytes, lane);
+        if (tile >= tiles) break;  // uniform across the half-warp (the quantiser's shuffles)
+        if (fromX) {
+          const ProduceFp8E4m3::Regs q = ProduceFp8E4m3::quantize(
+              *reinterpret_cast<const uint4*>(row + static_cast<std::uint64_t>(tile) * kFp8TileSrcBytes + lane * 16));
+          w[u] = Fp8WireRegs{q.q, q.scale};
+        } else {
+          w[u] = loadFp8Wire(row + static_cast<std::uint64_t>(tile) * kFp8TileWireBytes, lane);
+        }
       }
     };
     int t0 = g.tid / kLanes;
     load(t0);
-    moeResolveSlots(p, s, rec, srcBase, stage, true, g);
+    resolve();
     const int n = stage.n;
     while (t0 < tiles) {
       for (int d = 0; d < n; ++d) {
-        const std::uint64_t row = static_cast<std::uint64_t>(stage.row[d]);
+        const std::uint64_t r = static_cast<std::uint64_t>(stage.row[d]);
 #pragma unroll
         for (int u = 0; u < kMoeUnroll; ++u) {
           const int tile = t0 + u * step;
           if (tile >= tiles) break;
-          *reinterpret_cast<uint2*>(p.recvX + row * H + static_cast<std::uint64_t>(tile) * kFp8TileValues + lane * 8) = w[u].q;
-          if (lane == 0) p.recvScales[row * (H / kFp8TileValues) + tile] = w[u].scale;
+          *reinterpret_cast<uint2*>(p.recvX + r * H + static_cast<std::uint64_t>(tile) * kFp8TileValues + lane * 8) = w[u].q;
+          if (lane == 0) p.recvScales[r * (H / kFp8TileValues) + tile] = w[u].scale;
         }
       }
       t0 += step * kMoeUnroll;
       if (t0 < tiles) load(t0);
     }
   } else {
-    const auto* src = reinterpret_cast<const uint4*>(rec);
+    const auto* src = reinterpret_cast<const uint4*>(row);
     const int vecs = static_cast<int>(H / 8);
     uint4 v[kMoeUnroll];
     auto load = [&](int c0) {
@@ -452,7 +502,7 @@ __device__ inline void moeExpandRecord(const MoeParams& p, int s, const char* re
     };
     int c0 = g.tid;
     load(c0);
-    moeResolveSlots(p, s, rec, srcBase, stage, true, g);
+    resolve();
     const int n = stage.n;
     while (c0 < vecs) {
       for (int d = 0; d < n; ++d) {
@@ -466,6 +516,21 @@ __device__ inline void moeExpandRecord(const MoeParams& p, int s, const char* re
       if (c0 < vecs) load(c0);
     }
   }
+}
+
+// Copies a received record from source s into recv_x at each of its slots' rows (rows past the
+// capacity are dropped and counted) with the per-row metadata. srcBase: [E_local] of source s.
+__device__ inline void moeExpandRecord(const MoeParams& p, int s, const char* rec, const std::int32_t* srcBase,
+                                       MoeSlotStage& stage, const MoeGroup& g) {
+  moeExpandRow(p, rec, false, [&] { moeResolveSlots(p, s, rec, srcBase, stage, true, g); }, stage, g);
+}
+
+// This rank's own token t (index i in its own list) into recv_x straight from x, with no record:
+// moeResolveOwnSlots writes the record's metadata to `rec` for the combine.
+__device__ inline void moeExpandOwnToken(const MoeParams& p, int t, char* rec, const std::int32_t* srcBase,
+                                         MoeSlotStage& stage, const MoeGroup& g) {
+  const char* row = static_cast<const char*>(p.x) + static_cast<std::uint64_t>(t) * p.hidden * 2;
+  moeExpandRow(p, row, true, [&] { moeResolveOwnSlots(p, t, rec, srcBase, stage, g); }, stage, g);
 }
 
 __device__ __forceinline__ void moeAddBf16x8(float (&acc)[8], uint4 v, float w) {

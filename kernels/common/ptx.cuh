@@ -86,4 +86,10 @@ __device__ __forceinline__ std::uint64_t globalTimerNs() {
 
 using graphep::counterReached;
 
+// Programmatic dependent launch (sm_90): the grid lets the next kernel of its stream, launched
+// with cudaLaunchAttributeProgrammaticStreamSerialization, start before it completes; that kernel
+// waits for this one's completion and memory with gridDependencyWait().
+__device__ __forceinline__ void launchDependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void gridDependencyWait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
 }  // namespace graphep::ptx
