@@ -59,7 +59,7 @@ constexpr int kLatencyDefaultCtas = 24;
 
 // Byte sizes of one config's records and messages.
 struct MoeSizes {
-  std::size_t R, T, rowBytes, payloadBytes, recBytes, cntMsgBytes;
+  std::size_t R, T, rowBytes, payloadBytes, recBytes, cntMsgBytes, directMsgBytes;
 };
 
 MoeSizes moeSizes(const MoeConfig& cfg, int R) {
@@ -67,7 +67,8 @@ MoeSizes moeSizes(const MoeConfig& cfg, int R) {
   const std::size_t payloadBytes = moePayloadBytes(cfg.hidden, fp8);
   return MoeSizes{static_cast<std::size_t>(R), static_cast<std::size_t>(cfg.maxTokensPerRank),
                   static_cast<std::size_t>(cfg.hidden) * 2, payloadBytes,
-                  alignUp(payloadBytes + moeMetaBytes(cfg.topK), 16), moeCountMsgBytes(cfg.numExperts / R)};
+                  alignUp(payloadBytes + moeMetaBytes(cfg.topK), 16), moeCountMsgBytes(cfg.numExperts / R),
+                  moeDirectMsgBytes(cfg.numExperts / R, cfg.maxTokensPerRank)};
 }
 
 // The path whose heap createAll sizes first: latency when the config fits it (peer classes may
@@ -83,7 +84,7 @@ struct PathHeap {
   // Throughput: [R][T] records and partials. Latency: [2][R][T] records, [2][R] count messages,
   // [2][R][T] partials and the three [R] counter arrays (kernels/moe.h, MoeParams).
   std::size_t recRecv = 0, combRecv = 0;
-  std::size_t llRec = 0, llCnt = 0, llComb = 0, llFlag = 0, llArrive = 0, llCombArrive = 0;
+  std::size_t llRec = 0, llCnt = 0, llComb = 0, llFlag = 0, llArrive = 0, llCombArrive = 0, llBlock = 0;
   HeapConfig heap;
 };
 
@@ -99,14 +100,14 @@ PathHeap pathHeap(MoePath path, const MoeSizes& z, const MoeConfig& cfg) {
     h.llCombArrive = alignUp(h.llArrive + z.R * 4, 256);
     end = h.llCombArrive + z.R * 4;
   } else {
-    // The records and partials, then the direct dispatch's [2][R] count messages and its two [R]
-    // counter arrays (kernels/moe_direct.cu; a few KB, also when the movers carry the dispatch).
+    // The records and partials, then the direct dispatch's [2][R] count messages, [R] flags and
+    // [R][W] block flags (kernels/moe_direct.cu; a few KB, also when the movers carry the dispatch).
     h.recRecv = 0;
     h.combRecv = alignUp(h.recRecv + z.R * z.T * z.recBytes, 4096);
     h.llCnt = alignUp(h.combRecv + z.R * z.T * z.rowBytes, 256);
-    h.llFlag = alignUp(h.llCnt + 2 * z.R * z.cntMsgBytes, 256);
-    h.llArrive = alignUp(h.llFlag + z.R * 4, 256);
-    end = h.llArrive + z.R * 4;
+    h.llFlag = alignUp(h.llCnt + 2 * z.R * z.directMsgBytes, 256);
+    h.llBlock = alignUp(h.llFlag + z.R * 4, 256);
+    end = h.llBlock + z.R * moeRouteWords(static_cast<int>(z.T)) * 4;
   }
   h.heap.numRanks = static_cast<int>(z.R);
   h.heap.userBytes = alignUp(end, 4096);
@@ -310,9 +311,9 @@ ThroughputCtas throughputCtas(Communicator& comm, const SymmetricHeap& heap, con
   }
   c.comm = minOverRanks(comm, mine);
   // The receive starts while the send runs, one CTA per SM (each kernel's CTA fills an SM's
-  // registers): the SMs the send leaves free, so that every receive CTA starts at once, but at
-  // least half of them (the peers' rows are expanded once the send is done).
-  for (int n : sms) c.epilogue.push_back(std::max(n - c.comm, std::max(n / 2, 1)));
+  // registers): the SMs the send leaves free, so that every receive CTA starts at once; when the
+  // send leaves fewer than half, one per SM (those past the free SMs start as the send ends).
+  for (int n : sms) c.epilogue.push_back(n - c.comm >= n / 2 ? n - c.comm : n);
   return c;
 }
 
@@ -541,6 +542,7 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     p.recBytes = recBytes;
     p.payloadBytes = sizes.payloadBytes;
     p.cntMsgBytes = cntMsgBytes;
+    p.directMsgBytes = sizes.directMsgBytes;
     p.status = reinterpret_cast<MoeDeviceStatus*>(b + o.status);
     p.liveTokens = reinterpret_cast<std::int32_t*>(b + o.live);
     p.pending = reinterpret_cast<std::uint32_t*>(b + o.pending);
@@ -591,20 +593,23 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     p.llFlagOff = ph.llFlag;
     p.llArriveOff = ph.llArrive;
     p.llCombArriveOff = ph.llCombArrive;
+    p.llBlockOff = ph.llBlock;
     p.llSteps = reinterpret_cast<std::uint32_t*>(b + o.llSteps);
     p.llDone = reinterpret_cast<std::uint32_t*>(b + o.llDone);
     p.llCtas = llCtas;
     if (!throughput || direct) {
-      // The latency and direct counters start at counterStart (steps, flags) and G x it (arrivals,
-      // G the CTAs that post them).
-      const std::uint32_t G = static_cast<std::uint32_t>(throughput ? p.ctas : llCtas);
-      const std::uint32_t S = cfg.counterStart, SG = cfg.counterStart * G;
+      // The latency and direct counters start at counterStart (steps, flags, block flags) and
+      // G x it (the latency arrivals, G the CTAs that post them).
+      const std::uint32_t S = cfg.counterStart, SG = cfg.counterStart * static_cast<std::uint32_t>(llCtas);
       const std::uint32_t steps[2] = {S, S};
       GRAPHEP_CUDA_CHECK(cudaMemcpy(p.llSteps, steps, sizeof(steps), cudaMemcpyHostToDevice));
       const std::vector<std::uint32_t> flags(Rs, S), arrivals(Rs, SG);
       GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llFlag, flags.data(), Rs * 4, cudaMemcpyHostToDevice));
-      GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llArrive, arrivals.data(), Rs * 4, cudaMemcpyHostToDevice));
-      if (!throughput) {
+      if (throughput) {
+        const std::vector<std::uint32_t> blocks(Rs * moeRouteWords(cfg.maxTokensPerRank), S);
+        GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llBlock, blocks.data(), blocks.size() * 4, cudaMemcpyHostToDevice));
+      } else {
+        GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llArrive, arrivals.data(), Rs * 4, cudaMemcpyHostToDevice));
         GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llCombArrive, arrivals.data(), Rs * 4, cudaMemcpyHostToDevice));
       }
     }

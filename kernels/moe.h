@@ -78,6 +78,13 @@ __host__ __device__ inline std::uint64_t moePayloadBytes(int hidden, bool fp8) {
 __host__ __device__ inline std::uint64_t moeCountMsgBytes(int localExperts) {
   return ((1 + static_cast<std::uint64_t>(localExperts)) * 8 + 15) & ~std::uint64_t{15};
 }
+// The direct dispatch's count message (kernels/moe_direct.cu): the count message, then u32
+// {live tokens T, first[0 .. W]} with W = ceil(maxTokens / 32): first[w] is the index of the first
+// record of tokens >= 32 w (first[ceil(T / 32)] = the records sent), 16-byte multiple.
+__host__ __device__ inline std::uint64_t moeDirectMsgBytes(int localExperts, int maxTokens) {
+  const std::uint64_t words = (static_cast<std::uint64_t>(maxTokens) + 31u) / 32u;
+  return moeCountMsgBytes(localExperts) + (((2 + words) * 4 + 15) & ~std::uint64_t{15});
+}
 
 // Kernels of the engine that can stamp a timeline (MoeConfig.profile): each CTA takes the minimum
 // of its entry times and the maximum of its exit times into timeline[2 * kernel], [2 * kernel + 1]
@@ -107,6 +114,7 @@ struct MoeParams {
   std::int32_t strict;     // trap after counting bad input
   std::int64_t capacity;   // rows of recv_x
   std::uint64_t recBytes, payloadBytes, cntMsgBytes;
+  std::uint64_t directMsgBytes;  // moeDirectMsgBytes (the direct dispatch's count messages)
 
   // Inputs (dispatch).
   const void* x;             // [T, H] bf16
@@ -176,8 +184,10 @@ struct MoeParams {
   std::uint32_t* pending;
 
   // Latency path (kernels/moe_latency.cu; the direct dispatch, kernels/moe_direct.cu, uses llRecOff
-  // for its [R][maxTokens][recBytes] records (recRecv), and llCnt, llFlag, llArrive, llSteps[0],
-  // llDone[0] as described here). Regions of every rank's symmetric user region, at the
+  // for its [R][maxTokens][recBytes] records (recRecv), llCnt for [2][R] messages of
+  // directMsgBytes, llFlag, llSteps[0], llDone[0] as described here, and llBlockOff: u32
+  // monotonic flags [R][ceil(maxTokens / 32)], source q's records of tokens [32 w, 32 w + 32) have
+  // landed: step + 1). Regions of every rank's symmetric user region, at the
   // same offsets on every rank: llRec [2][R][maxTokens][recBytes] records from each source,
   // llCnt [2][R][cntMsgBytes] their count messages, llComb [2][R][maxTokens][H] bf16 partials from
   // each destination; u32 monotonic counters [R]: llFlag (source q's count message of step s has
@@ -185,7 +195,7 @@ struct MoeParams {
   // (CTAs of destination q whose partials have landed: G per step).
   // [2]: by the parity of the operation's step, so consecutive operations never share a buffer.
   char* peerUser[kMaxRanks];  // every rank's user region as this rank sees it (its own included)
-  std::uint64_t llRecOff, llCntOff, llCombOff, llFlagOff, llArriveOff, llCombArriveOff;
+  std::uint64_t llRecOff, llCntOff, llCombOff, llFlagOff, llArriveOff, llCombArriveOff, llBlockOff;
   std::uint32_t* llSteps;     // local [2]: dispatch and combine steps (monotonic)
   std::uint32_t* llDone;      // local [2]: last-CTA counters of the two latency kernels
   // G: CTAs of each latency kernel, the same on every rank (the arrival counters count them). When

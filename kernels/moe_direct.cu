@@ -3,23 +3,24 @@
 // movers: the sender stores each token's record straight into every destination's receive slot.
 //
 //   send     (MoeParams::ctas CTAs, the SM budget) after route: the CTAs split the destinations'
-//            count messages, each posted with its flag (step + 1) before any payload; then each
-//            group reads one token's row once and writes its record into every peer's slot
-//            [this rank][index] (index from route's tokRankIdx); each CTA then adds 1 to every
-//            rank's arrival counter for this rank.
+//            count messages (with the live count and, per block of 32 tokens, the index of its
+//            first record), each posted with its flag (step + 1) before any payload; then CTA c
+//            takes blocks c, c + G, ...: each group reads one token's row once and writes its
+//            record into every peer's slot [this rank][index] (index from route's tokRankIdx),
+//            and the block's flag (step + 1) is posted to every peer after a system fence.
 //   receive  (MoeParams::epilogueCtas CTAs, one per SM; launched as the send's programmatic
 //            dependent, so it starts on the SMs the send leaves free while the send runs) every
 //            CTA waits for every count flag and derives the layout (CTA 0 publishes it); then it
 //            expands this rank's own tokens straight from x (the send writes no record to its own
-//            rank: the receive writes the metadata the combine reads), then each peer's records as
-//            soon as that peer's send CTAs have all arrived; the last CTA advances the step.
+//            rank: the receive writes the metadata the combine reads), then each peer's records
+//            block by block as the blocks' flags arrive; the last CTA advances the step.
 //
 // Count messages alternate by the step's parity; the records have one slot per (source, index),
 // the same region the movers' path uses. A source writes its records of dispatch s + 1 only after
 // its combine s has received every destination's partials, which each destination sends after
 // its own combine s has read the records of dispatch s: so no record is overwritten while it is
 // read (a dispatch is always followed by its combine; MoeDeviceStatus counts one that is not).
-// Counters only grow (mod 2^32): flags reach step + 1, arrival counters (step + 1) x ctas.
+// Flags only grow (mod 2^32): they reach step + 1.
 #include "kernels/common/moe_peer.cuh"
 
 namespace graphep {
@@ -27,16 +28,28 @@ namespace {
 
 constexpr int kThreads = kMoeThreads;
 constexpr int kGroups = kThreads / kMoeGroupThreads;
+constexpr int kBlockTokens = 32;  // the tokens of one route word: the unit of progress
 
-// Source `src`'s count message of the step's parity in rank `rank`'s heap.
+// Source `src`'s count message of the step's parity in rank `rank`'s heap (moeDirectMsgBytes).
 __device__ __forceinline__ std::uint64_t* directMsg(const MoeParams& p, int rank, int parity, int src) {
   return reinterpret_cast<std::uint64_t*>(p.peerUser[rank] + p.llCntOff +
-                                          (static_cast<std::uint64_t>(parity) * p.numRanks + src) * p.cntMsgBytes);
+                                          (static_cast<std::uint64_t>(parity) * p.numRanks + src) * p.directMsgBytes);
+}
+// Its u32 tail: {T, first[0 .. W]}.
+__device__ __forceinline__ std::uint32_t* directTail(const MoeParams& p, int rank, int parity, int src) {
+  return reinterpret_cast<std::uint32_t*>(reinterpret_cast<char*>(directMsg(p, rank, parity, src)) +
+                                          moeCountMsgBytes(p.localExperts));
 }
 
 // Record slot `i` of source `src` in rank `rank`'s heap (recRecv: [R][maxTokens][recBytes]).
 __device__ __forceinline__ char* directRecord(const MoeParams& p, int rank, int src, int i) {
   return p.peerUser[rank] + p.llRecOff + (static_cast<std::uint64_t>(src) * p.maxTokens + i) * p.recBytes;
+}
+
+// Rank `rank`'s flag for source `src`'s block w.
+__device__ __forceinline__ std::uint32_t* directBlockFlag(const MoeParams& p, int rank, int src, int w) {
+  return reinterpret_cast<std::uint32_t*>(p.peerUser[rank] + p.llBlockOff) +
+         static_cast<std::uint64_t>(src) * moeRouteWords(p.maxTokens) + w;
 }
 
 __global__ void __launch_bounds__(kThreads) moeDirectSendKernel(const __grid_constant__ MoeParams p) {
@@ -45,45 +58,54 @@ __global__ void __launch_bounds__(kThreads) moeDirectSendKernel(const __grid_con
   __shared__ int dstRank[kGroups][kMaxRanks];
   __shared__ int ndst[kGroups];
   const int tid = static_cast<int>(threadIdx.x), R = p.numRanks, L = p.localExperts;
+  const int E = p.numExperts, W = static_cast<int>(moeRouteWords(p.maxTokens));
   const std::uint32_t step = p.llSteps[0];
   const int parity = static_cast<int>(step & 1u);
   ptx::launchDependents();  // the receive may start on the SMs this grid leaves free
+  const int T = *p.liveTokens, blocks = (T + kBlockTokens - 1) / kBlockTokens;
   // Count messages first (they travel ahead of the payload): CTA c takes ranks c, c + G, ...
   const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.hidden) * 2;
   for (int r = static_cast<int>(blockIdx.x); r < R; r += static_cast<int>(gridDim.x)) {
     std::uint64_t* msg = directMsg(p, r, parity, p.rank);
+    std::uint32_t* tail = directTail(p, r, parity, p.rank);
     for (int j = tid; j < L; j += kThreads) msg[1 + j] = p.expertCount[r * L + j];
+    for (int w = tid; w <= blocks; w += kThreads) tail[1 + w] = w < W ? p.routePrefix[(E + r) * W + w] : p.rankCount[r];
     if (tid == 0) {
       msg[0] = p.rankCount[r];
+      tail[0] = static_cast<std::uint32_t>(T);
       p.combRecvCounts[r] = p.rankCount[r] * rowBytes;  // the combine's partials from rank r
     }
     __syncthreads();
     if (tid == 0) flagPost(peerCounter(p, r, p.llFlagOff) + p.rank, step + 1u);
   }
   const MoeGroupSlice gs = moeGroupSlice();
-  const int T = *p.liveTokens;
-  // Every group of the CTA goes round the same number of times (see the latency records loop).
-  for (int base = gs.first - gs.group; base < T; base += gs.stride) {
-    const int t = base + gs.group;
-    if (gs.g.tid == 0 && t < T) {
-      int n = 0;
-      for (int r = 0; r < R; ++r) {  // the peers only: the receive takes this rank's own rows from x
-        const int i = p.tokRankIdx[static_cast<std::uint64_t>(t) * R + r];
-        if (i < 0 || r == p.rank) continue;
-        dst[gs.group][n] = directRecord(p, r, p.rank, i);
-        dstRank[gs.group][n++] = r;
+  // Blocks of 32 tokens, CTA c taking blocks c, c + G, ... in order; each block's flag posted to
+  // every peer once its records are written.
+  for (int w = static_cast<int>(blockIdx.x); w < blocks; w += static_cast<int>(gridDim.x)) {
+    for (int j = 0; j < kBlockTokens; j += kGroups) {  // every group goes round alike
+      const int t = w * kBlockTokens + j + gs.group;
+      if (gs.g.tid == 0 && t < T) {
+        int n = 0;
+        for (int r = 0; r < R; ++r) {  // the peers only: the receive takes this rank's own rows from x
+          const int i = p.tokRankIdx[static_cast<std::uint64_t>(t) * R + r];
+          if (i < 0 || r == p.rank) continue;
+          dst[gs.group][n] = directRecord(p, r, p.rank, i);
+          dstRank[gs.group][n++] = r;
+        }
+        ndst[gs.group] = n;
       }
-      ndst[gs.group] = n;
+      gs.g.sync();
+      if (t < T && ndst[gs.group] > 0) {
+        const std::int32_t* entryIdx = p.entryIdx + static_cast<std::uint64_t>(t) * p.topK;
+        moeWriteRecords(p, t, dst[gs.group], dstRank[gs.group], ndst[gs.group], [&](int k) { return entryIdx[k]; },
+                        gs.g, ndst[gs.group]);
+      }
+      gs.g.sync();  // dst is rewritten for the next token
     }
-    gs.g.sync();
-    if (t < T && ndst[gs.group] > 0) {
-      const std::int32_t* entryIdx = p.entryIdx + static_cast<std::uint64_t>(t) * p.topK;
-      moeWriteRecords(p, t, dst[gs.group], dstRank[gs.group], ndst[gs.group], [&](int k) { return entryIdx[k]; },
-                      gs.g, ndst[gs.group]);
-    }
-    gs.g.sync();  // dst is rewritten for the next token
+    __threadfence_system();  // every thread's records, before the flags
+    __syncthreads();
+    if (tid < R && tid != p.rank) ptx::stReleaseSys(directBlockFlag(p, tid, p.rank, w), step + 1u);
   }
-  arriveAtEveryRank(p, p.llArriveOff);
 }
 
 __global__ void __launch_bounds__(kThreads) moeDirectReceiveKernel(const __grid_constant__ MoeParams p) {
@@ -95,7 +117,6 @@ __global__ void __launch_bounds__(kThreads) moeDirectReceiveKernel(const __grid_
   const int tid = static_cast<int>(threadIdx.x), R = p.numRanks;
   const std::uint32_t step = p.llSteps[0];
   const int parity = static_cast<int>(step & 1u);
-  const std::uint32_t arrived = (step + 1u) * static_cast<std::uint32_t>(p.ctas);  // every send CTA, this step
   auto msgOf = [&](int q) { return static_cast<const std::uint64_t*>(directMsg(p, p.rank, parity, q)); };
   const MoeGroupSlice gs = moeGroupSlice();
   {
@@ -122,19 +143,29 @@ __global__ void __launch_bounds__(kThreads) moeDirectReceiveKernel(const __grid_
         }
         __syncthreads();  // base is rewritten for the next source
       }
-      // Each peer's records once its send CTAs have all arrived.
+      // Each peer's records block by block as their flags arrive (CTA b takes blocks b, b + G, ...).
       const MoeStamp peers(p, MoeKernel::kDirectPeers);
-      for (int k = 1; k < R; ++k) {
+      bool ok = true;
+      for (int k = 1; k < R && ok; ++k) {
         const int s = (p.rank + k) % R;
-        const bool failed =
-            tid == 0 && !flagWait(p.sync, peerCounter(p, p.rank, p.llArriveOff) + s, arrived, s, WaitSite::kMoeDispatch);
-        if (__syncthreads_or(failed) != 0) break;  // thread 0's verdict, to every thread
+        const std::uint32_t* tail = directTail(p, p.rank, parity, s);
+        const std::uint32_t sentT = __ldcg(tail);  // a peer's live count is at most maxTokens
+        const int T = static_cast<int>(sentT < static_cast<std::uint32_t>(p.maxTokens) ? sentT : p.maxTokens);
+        const int blocks = (T + kBlockTokens - 1) / kBlockTokens;
         moeSourceBases<kThreads>(p, msgOf, offsets, s, base);
         __syncthreads();
-        const std::uint64_t sent = __ldcg(msgOf(s));
-        const int rows = static_cast<int>(sent < static_cast<std::uint64_t>(p.maxTokens) ? sent : p.maxTokens);
-        for (int i = gs.first; i < rows; i += gs.stride) {
-          moeExpandRecord(p, s, directRecord(p, p.rank, s, i), base, stages[gs.group], gs.g);
+        for (int w = static_cast<int>(blockIdx.x); w < blocks; w += static_cast<int>(gridDim.x)) {
+          const bool failed = tid == 0 && !flagWait(p.sync, directBlockFlag(p, p.rank, s, w), step + 1u, s,
+                                                    WaitSite::kMoeDispatch);
+          if (__syncthreads_or(failed) != 0) {  // thread 0's verdict, to every thread
+            ok = false;
+            break;
+          }
+          const int first = static_cast<int>(min(__ldcg(tail + 1 + w), static_cast<std::uint32_t>(p.maxTokens)));
+          const int end = static_cast<int>(min(__ldcg(tail + 2 + w), static_cast<std::uint32_t>(p.maxTokens)));
+          for (int i = first + gs.group; i < end; i += kGroups) {
+            moeExpandRecord(p, s, directRecord(p, p.rank, s, i), base, stages[gs.group], gs.g);
+          }
         }
         __syncthreads();  // base is rewritten for the next source
       }
