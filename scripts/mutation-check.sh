@@ -41,6 +41,7 @@ tests_for() {
     13-*) echo "$gpu --gtest_filter=Moe/Gpu1_Moe4Ranks.Case/fp8_int64_auto" ;;     # the fp8 reference shared the code
     14-*) echo "$gpu --gtest_filter=Gpu1_Moe.MisuseFourEmulatedRanksLatency" ;;    # out-of-order results unchecked
     15-*) echo "$build/tests/graphep_c_api_test" ;;                                # the C test checked too little
+    16-*) echo "$gpu --gtest_filter=Moe/Gpu2_Moe.Case/uniform_varying_T_throughput" ;;  # the direct dispatch's last block
     *) return 1 ;;
   esac
 }
