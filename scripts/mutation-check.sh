@@ -59,11 +59,11 @@ build_one() {  # NAME
   local name=$1 dir=$work/$1
   mkdir -p "$dir"
   # The build's inputs (as scripts/tree-hash.sh lists them; the device's copy may carry a stale .git).
-  (cd "$root" && cp -r CMakeLists.txt cmake engine graphs examples include kernels bench tests tools "$dir/") || return 1
+  (cd "$root" && cp -r CMakeLists.txt cmake engine graphs examples include kernels bench python tests tools "$dir/") || return 1
   (cd "$dir" && git apply "$root/tests/mutations/$name.patch") >"$out/mutant_$name.build.log" 2>&1 ||
     { echo "$name: patch does not apply"; return 1; }
   cmake -S "$dir" -B "$dir/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGRAPHEP_BUILD_TESTS=OFF \
-    -DGRAPHEP_BUILD_BENCH=OFF -DGRAPHEP_BUILD_EXAMPLES=OFF -DGRAPHEP_BUILD_TOOLS=OFF >>"$out/mutant_$name.build.log" 2>&1 &&
+    -DGRAPHEP_BUILD_BENCH=OFF -DGRAPHEP_BUILD_EXAMPLES=OFF -DGRAPHEP_BUILD_TOOLS=OFF -DGRAPHEP_BUILD_PYTHON=OFF >>"$out/mutant_$name.build.log" 2>&1 &&
     cmake --build "$dir/build" --target graphep --parallel 4 >>"$out/mutant_$name.build.log" 2>&1 ||
     { echo "$name: build failed"; return 1; }
 }
