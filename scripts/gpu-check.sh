@@ -174,6 +174,28 @@ if [ "${GRAPHEP_BENCH_ONLY:-}" = graphs ]; then
   echo "== summary: status=$status (logs in $out)"
   exit $status
 fi
+# GRAPHEP_BENCH_ONLY=prefill: the prefill rows (1024, 4096 and 16384 tokens per rank; 8, 24 and
+# every SM; bf16 and fp8; H = 7168, top-8 of 256) and, when GRAPHEP_DEEPEP_BASELINE names a DeepEP
+# V1 baseline script (run as: SCRIPT SOURCE_DIR TOKENS..., GRAPHEP_DEEPEP_SRC the source), its
+# figures from the same call, after graphep's (the GPUs otherwise idle).
+if [ "${GRAPHEP_BENCH_ONLY:-}" = prefill ]; then
+  step "benchmark: prefill rows"
+  : >"$out/bench_prefill.log"
+  for sms in 8 24 0; do
+    a=""; [ $sms -gt 0 ] && a="--sms $sms"
+    timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-90} "$build/bench/graphep-bench" moe -b 1024 -e 16384 -f 4 $a -n 10 -w 3 \
+      --dtype both 2>&1 | sed "s/^  moe /  moe sms=${sms/#0/all} /" >>"$out/bench_prefill.log" || status=1
+  done
+  timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-90} "$build/bench/graphep-bench" moe -b 4096 -e 4096 --sms 24 -n 10 -w 3 \
+    --profile --dtype both >>"$out/bench_prefill.log" 2>&1 || status=1
+  grep -E "^  moe|^# phases" "$out/bench_prefill.log"
+  if [ -n "${GRAPHEP_DEEPEP_BASELINE:-}" ]; then
+    timeout -s KILL ${GRAPHEP_DEEPEP_BUDGET:-300} bash "$GRAPHEP_DEEPEP_BASELINE" "${GRAPHEP_DEEPEP_SRC:?}" 1024 4096 16384 \
+      2>&1 | tee "$out/deepep.log" | grep -E "^deepep" || echo "DeepEP baseline failed (deepep.log)"
+  fi
+  echo "== summary: status=$status (logs in $out)"
+  exit $status
+fi
 if [ "${GRAPHEP_BENCH_ONLY:-}" = none ]; then
   echo "== summary: status=$status (logs in $out)"
   exit $status
