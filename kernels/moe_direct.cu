@@ -124,7 +124,7 @@ __global__ void __launch_bounds__(kThreads) moeDirectReceiveKernel(const __grid_
     if (waitEveryRank(p, p.llFlagOff, step + 1u, WaitSite::kMoeDispatch)) {
       moeComputeOffsets<kThreads>(p, msgOf, counts, offsets, scratch);
       if (blockIdx.x == 0) {  // the published layout, every source's bases and the movers' counts
-        moeComputeLayout<kThreads>(p, msgOf, counts, offsets, p.srcBase, scratch);
+        moeComputeSourceBases<kThreads>(p, msgOf, offsets, p.srcBase);  // the offsets are above
         moePublishLayout<kThreads>(p, msgOf, counts, offsets, p.srcBase, scratch);
         __syncthreads();  // recvRows is written above
         const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.hidden) * 2;

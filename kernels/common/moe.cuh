@@ -187,12 +187,10 @@ __device__ void moeSourceBases(const MoeParams& p, Msg msg, const std::int32_t* 
   }
 }
 
-// moeComputeOffsets, then srcBase[q * L + j] (shared or global) for every source q. Ends with the
-// CTA synchronised.
+// srcBase[q * L + j] (shared or global) for every source q, from moeComputeOffsets' offsets. Ends
+// with the CTA synchronised.
 template <int kThreads, class Msg>
-__device__ void moeComputeLayout(const MoeParams& p, Msg msg, std::int32_t* counts, std::int32_t* offsets,
-                                 std::int32_t* srcBase, MoeLayoutScratch<kThreads>& scratch) {
-  moeComputeOffsets<kThreads>(p, msg, counts, offsets, scratch);
+__device__ void moeComputeSourceBases(const MoeParams& p, Msg msg, const std::int32_t* offsets, std::int32_t* srcBase) {
   for (int j = static_cast<int>(threadIdx.x); j < p.localExperts; j += kThreads) {
     std::int32_t base = offsets[j];
     for (int q = 0; q < p.numRanks; ++q) {
@@ -201,6 +199,14 @@ __device__ void moeComputeLayout(const MoeParams& p, Msg msg, std::int32_t* coun
     }
   }
   __syncthreads();
+}
+
+// moeComputeOffsets, then moeComputeSourceBases. Ends with the CTA synchronised.
+template <int kThreads, class Msg>
+__device__ void moeComputeLayout(const MoeParams& p, Msg msg, std::int32_t* counts, std::int32_t* offsets,
+                                 std::int32_t* srcBase, MoeLayoutScratch<kThreads>& scratch) {
+  moeComputeOffsets<kThreads>(p, msg, counts, offsets, scratch);
+  moeComputeSourceBases<kThreads>(p, msg, offsets, srcBase);
 }
 
 // One CTA of kThreads (all its threads): the layout views a user reads, from moeComputeLayout's
