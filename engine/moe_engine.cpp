@@ -85,6 +85,7 @@ struct PathHeap {
   // [2][R][T] partials and the three [R] counter arrays (kernels/moe.h, MoeParams).
   std::size_t recRecv = 0, combRecv = 0;
   std::size_t llRec = 0, llCnt = 0, llComb = 0, llFlag = 0, llArrive = 0, llCombArrive = 0, llBlock = 0;
+  std::size_t llCombBlock = 0;
   HeapConfig heap;
 };
 
@@ -101,13 +102,15 @@ PathHeap pathHeap(MoePath path, const MoeSizes& z, const MoeConfig& cfg) {
     end = h.llCombArrive + z.R * 4;
   } else {
     // The records and partials, then the direct dispatch's [2][R] count messages, [R] flags and
-    // [R][W] block flags (kernels/moe_direct.cu; a few KB, also when the movers carry the dispatch).
+    // [R][W] block flags for the records and for the partials (kernels/moe_direct.cu; a few KB,
+    // also when the movers carry the dispatch).
     h.recRecv = 0;
     h.combRecv = alignUp(h.recRecv + z.R * z.T * z.recBytes, 4096);
     h.llCnt = alignUp(h.combRecv + z.R * z.T * z.rowBytes, 256);
     h.llFlag = alignUp(h.llCnt + 2 * z.R * z.directMsgBytes, 256);
     h.llBlock = alignUp(h.llFlag + z.R * 4, 256);
-    end = h.llBlock + z.R * moeRouteWords(static_cast<int>(z.T)) * 4;
+    h.llCombBlock = alignUp(h.llBlock + z.R * moeRouteWords(static_cast<int>(z.T)) * 4, 256);
+    end = h.llCombBlock + z.R * moeRouteWords(static_cast<int>(z.T)) * 4;
   }
   h.heap.numRanks = static_cast<int>(z.R);
   h.heap.userBytes = alignUp(end, 4096);
@@ -589,11 +592,12 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     }
     p.llRecOff = throughput ? ph.recRecv : ph.llRec;
     p.llCntOff = ph.llCnt;
-    p.llCombOff = ph.llComb;
+    p.llCombOff = throughput ? ph.combRecv : ph.llComb;
     p.llFlagOff = ph.llFlag;
     p.llArriveOff = ph.llArrive;
     p.llCombArriveOff = ph.llCombArrive;
     p.llBlockOff = ph.llBlock;
+    p.llCombBlockOff = ph.llCombBlock;
     p.llSteps = reinterpret_cast<std::uint32_t*>(b + o.llSteps);
     p.llDone = reinterpret_cast<std::uint32_t*>(b + o.llDone);
     p.llCtas = llCtas;
@@ -608,6 +612,7 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
       if (throughput) {
         const std::vector<std::uint32_t> blocks(Rs * moeRouteWords(cfg.maxTokensPerRank), S);
         GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llBlock, blocks.data(), blocks.size() * 4, cudaMemcpyHostToDevice));
+        GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llCombBlock, blocks.data(), blocks.size() * 4, cudaMemcpyHostToDevice));
       } else {
         GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llArrive, arrivals.data(), Rs * 4, cudaMemcpyHostToDevice));
         GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llCombArrive, arrivals.data(), Rs * 4, cudaMemcpyHostToDevice));
@@ -762,6 +767,11 @@ void Engine::combine(const CombineArgs& a, cudaStream_t stream) {
     GRAPHEP_CUDA_CHECK(launchMoeLatencyCombine(p, stream));
     return;
   }
+  if (m.direct) {
+    GRAPHEP_CUDA_CHECK(launchMoeDirectCombineSend(p, stream));
+    GRAPHEP_CUDA_CHECK(launchMoeDirectCombineFinal(p, stream));
+    return;
+  }
   GRAPHEP_CUDA_CHECK(launchMoeCombineReduce(p, stream));
   m.movers().allToAllv(stream, m.combArgs);
   GRAPHEP_CUDA_CHECK(launchMoeCombineFinal(p, stream));
@@ -876,6 +886,8 @@ const char* kernelName(MoeKernel k) {
     case MoeKernel::kDirectReceive: return "direct receive";
     case MoeKernel::kDirectOwn: return "direct own rows";
     case MoeKernel::kDirectPeers: return "direct peers' rows";
+    case MoeKernel::kDirectCombineSend: return "direct combine send";
+    case MoeKernel::kDirectCombineFinal: return "direct combine final";
     case MoeKernel::kCount: break;
   }
   return "?";

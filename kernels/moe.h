@@ -95,6 +95,8 @@ enum class MoeKernel : int {
   // The throughput path's direct dispatch (kernels/moe_direct.cu), after route: send, receive
   // (layout + expand), and the receive's two phases: this rank's own rows, the peers' records.
   kDirectSend, kDirectReceive, kDirectOwn, kDirectPeers,
+  // Its combine: send (reduce into the sources' slots), final (own partials + sum).
+  kDirectCombineSend, kDirectCombineFinal,
   kCombineReduce, kCombineFinal,
   // The latency kernels' phases: dispatch (route + count messages, records, layout, expand),
   // combine (reduce + send, receive + sum).
@@ -185,9 +187,11 @@ struct MoeParams {
 
   // Latency path (kernels/moe_latency.cu; the direct dispatch, kernels/moe_direct.cu, uses llRecOff
   // for its [R][maxTokens][recBytes] records (recRecv), llCnt for [2][R] messages of
-  // directMsgBytes, llFlag, llSteps[0], llDone[0] as described here, and llBlockOff: u32
-  // monotonic flags [R][ceil(maxTokens / 32)], source q's records of tokens [32 w, 32 w + 32) have
-  // landed: step + 1). Regions of every rank's symmetric user region, at the
+  // directMsgBytes, llFlag, llSteps, llDone as described here, llBlockOff: u32 monotonic flags
+  // [R][ceil(maxTokens / 32)], source q's records of tokens [32 w, 32 w + 32) have landed: step + 1;
+  // and its combine llCombOff for the [R][maxTokens][2H] partials (combRecv) and llCombBlockOff:
+  // flags [R][ceil(maxTokens / 32)], destination q's partials of records [32 w, 32 w + 32) have
+  // landed: combine step + 1). Regions of every rank's symmetric user region, at the
   // same offsets on every rank: llRec [2][R][maxTokens][recBytes] records from each source,
   // llCnt [2][R][cntMsgBytes] their count messages, llComb [2][R][maxTokens][H] bf16 partials from
   // each destination; u32 monotonic counters [R]: llFlag (source q's count message of step s has
@@ -195,7 +199,7 @@ struct MoeParams {
   // (CTAs of destination q whose partials have landed: G per step).
   // [2]: by the parity of the operation's step, so consecutive operations never share a buffer.
   char* peerUser[kMaxRanks];  // every rank's user region as this rank sees it (its own included)
-  std::uint64_t llRecOff, llCntOff, llCombOff, llFlagOff, llArriveOff, llCombArriveOff, llBlockOff;
+  std::uint64_t llRecOff, llCntOff, llCombOff, llFlagOff, llArriveOff, llCombArriveOff, llBlockOff, llCombBlockOff;
   std::uint32_t* llSteps;     // local [2]: dispatch and combine steps (monotonic)
   std::uint32_t* llDone;      // local [2]: last-CTA counters of the two latency kernels
   // G: CTAs of each latency kernel, the same on every rank (the arrival counters count them). When
@@ -227,6 +231,9 @@ cudaError_t preloadMoeDispatchKernels();
 // CTAs) and receive (epilogueCtas CTAs).
 cudaError_t launchMoeDirectSend(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeDirectReceive(const MoeParams& p, cudaStream_t stream);
+// Its combine: send (ctas CTAs), final (epilogueCtas CTAs).
+cudaError_t launchMoeDirectCombineSend(const MoeParams& p, cudaStream_t stream);
+cudaError_t launchMoeDirectCombineFinal(const MoeParams& p, cudaStream_t stream);
 cudaError_t preloadMoeDirectKernels();
 cudaError_t launchMoeCombineReduce(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeCombineFinal(const MoeParams& p, cudaStream_t stream);

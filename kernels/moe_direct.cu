@@ -52,6 +52,17 @@ __device__ __forceinline__ std::uint32_t* directBlockFlag(const MoeParams& p, in
          static_cast<std::uint64_t>(src) * moeRouteWords(p.maxTokens) + w;
 }
 
+// Partial slot `i` from destination `dst` in rank `rank`'s heap (combRecv: [R][maxTokens][2H]).
+__device__ __forceinline__ char* directPartial(const MoeParams& p, int rank, int dst, int i) {
+  return p.peerUser[rank] + p.llCombOff + (static_cast<std::uint64_t>(dst) * p.maxTokens + i) * p.hidden * 2;
+}
+
+// Rank `rank`'s flag for destination `dst`'s partials of records [32 w, 32 w + 32).
+__device__ __forceinline__ std::uint32_t* directCombineFlag(const MoeParams& p, int rank, int dst, int w) {
+  return reinterpret_cast<std::uint32_t*>(p.peerUser[rank] + p.llCombBlockOff) +
+         static_cast<std::uint64_t>(dst) * moeRouteWords(p.maxTokens) + w;
+}
+
 __global__ void __launch_bounds__(kThreads) moeDirectSendKernel(const __grid_constant__ MoeParams p) {
   const MoeStamp stamp(p, MoeKernel::kDirectSend);
   __shared__ char* dst[kGroups][kMaxRanks];
@@ -180,6 +191,97 @@ __global__ void __launch_bounds__(kThreads) moeDirectReceiveKernel(const __grid_
   }
 }
 
+// Combine, first half (ctas CTAs): the records received from each peer, in blocks of 32 record
+// indices (CTA c takes items c, c + G, ... of the peers' blocks in rank order): each group reduces
+// one record's slots (weight x y[row], fp32, bf16 once) straight into the peer's partial slot
+// [this rank][index]; after a system fence the block's flag (step + 1) is stored at that peer.
+// This rank's own records are reduced by the second half, on every SM.
+__global__ void __launch_bounds__(kThreads) moeDirectCombineSendKernel(const __grid_constant__ MoeParams p) {
+  const MoeStamp stamp(p, MoeKernel::kDirectCombineSend);
+  __shared__ MoeSlotStage stages[kGroups];
+  const int tid = static_cast<int>(threadIdx.x), R = p.numRanks;
+  if (blockIdx.x == 0 && tid == 0) moeCheckPairing(p, false);
+  const std::uint32_t cstep = p.llSteps[1];
+  ptx::launchDependents();  // the second half may start on the SMs this grid leaves free
+  const MoeGroupSlice gs = moeGroupSlice();
+  auto blocksOf = [&](int s) { return (p.recvRows[s] + kBlockTokens - 1) / kBlockTokens; };
+  int items = 0;
+  for (int k = 1; k < R; ++k) items += blocksOf((p.rank + k) % R);
+  for (int m = static_cast<int>(blockIdx.x); m < items; m += static_cast<int>(gridDim.x)) {
+    int s = (p.rank + 1) % R, n = m;  // item m: block n of peer s
+    while (n >= blocksOf(s)) {
+      n -= blocksOf(s);
+      s = (s + 1) % R;
+    }
+    const int rows = p.recvRows[s];
+    for (int j = 0; j < kBlockTokens; j += kGroups) {  // every group goes round alike
+      const int i = n * kBlockTokens + j + gs.group;
+      if (i < rows) {
+        moeReduceRecord(p, p.recRecv + (static_cast<std::uint64_t>(s) * p.maxTokens + i) * p.recBytes,
+                        p.srcBase + s * p.localExperts, directPartial(p, s, p.rank, i), stages[gs.group], gs.g);
+      }
+    }
+    __threadfence_system();  // every thread's partials, before the flag
+    __syncthreads();
+    if (tid == 0) ptx::stReleaseSys(directCombineFlag(p, s, p.rank, n), cstep + 1u);
+  }
+}
+
+// Combine, second half (epilogueCtas CTAs, the first half's programmatic dependent): each group
+// takes one token: its partial from this rank's own rows (reduced here from y into the own slot),
+// then, once the blocks holding its peers' partials have landed, out[t] = the sum of the partials
+// in rank order (fp32, bf16 once): the same arithmetic as the movers' combine.
+__global__ void __launch_bounds__(kThreads) moeDirectCombineFinalKernel(const __grid_constant__ MoeParams p) {
+  __shared__ MoeSlotStage stages[kGroups];
+  __shared__ const uint4* parts[kGroups][kMaxRanks];
+  const int tid = static_cast<int>(threadIdx.x), R = p.numRanks;
+  const std::uint32_t cstep = p.llSteps[1];
+  const MoeGroupSlice gs = moeGroupSlice();
+  {
+    const MoeStamp stamp(p, MoeKernel::kDirectCombineFinal);
+    const int T = *p.liveTokens;
+    for (int t = gs.first; t < T; t += gs.stride) {
+      const std::int32_t* idx = p.tokRankIdx + static_cast<std::uint64_t>(t) * R;
+      const int own = idx[p.rank];
+      if (own >= 0) {
+        moeReduceRecord(p, p.recRecv + (static_cast<std::uint64_t>(p.rank) * p.maxTokens + own) * p.recBytes,
+                        p.srcBase + p.rank * p.localExperts, directPartial(p, p.rank, p.rank, own), stages[gs.group],
+                        gs.g);
+      }
+      // Lane r < R of the group's first warp waits for destination r's block (a failed wait is
+      // recorded; later waits of this rank then return at once, and the status reports it).
+      const int r = gs.g.tid;
+      if (r < R && r != p.rank && idx[r] >= 0) {
+        flagWait(p.sync, directCombineFlag(p, p.rank, r, idx[r] / kBlockTokens), cstep + 1u, r,
+                 WaitSite::kMoeCombine);
+      }
+      moeFinalToken(
+          p, t, [&](int q) -> const char* { return idx[q] < 0 ? nullptr : directPartial(p, p.rank, q, idx[q]); },
+          parts[gs.group], gs.g);
+    }
+  }
+  ptx::gridDependencyWait();  // the first half has completed: the stream sees a finished combine
+  if (lastBlock(&p.llDone[1]) && tid == 0) {
+    p.llSteps[1] = cstep + 1u;
+    *p.pending = 0u;  // the combine's last kernel
+  }
+}
+
+// Launches `kernel` (epilogueCtas CTAs) as the programmatic dependent of the stream's last kernel.
+cudaError_t launchDependent(const MoeParams& p, cudaStream_t stream, void (*kernel)(MoeParams)) {
+  if (p.epilogueCtas < 1) return cudaErrorInvalidValue;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(p.epilogueCtas));
+  cfg.blockDim = dim3(kThreads);
+  cfg.stream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, p);
+}
+
 }  // namespace
 
 cudaError_t launchMoeDirectSend(const MoeParams& p, cudaStream_t stream) {
@@ -192,23 +294,27 @@ cudaError_t launchMoeDirectSend(const MoeParams& p, cudaStream_t stream) {
 // triggers at once), lay out and expand this rank's own rows, and wait for the peers' records by
 // their arrival counters, not by stream order.
 cudaError_t launchMoeDirectReceive(const MoeParams& p, cudaStream_t stream) {
-  if (p.epilogueCtas < 1 || p.localExperts > kMoeMaxLocalExperts) return cudaErrorInvalidValue;
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(p.epilogueCtas));
-  cfg.blockDim = dim3(kThreads);
-  cfg.stream = stream;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, moeDirectReceiveKernel, p);
+  if (p.localExperts > kMoeMaxLocalExperts) return cudaErrorInvalidValue;
+  return launchDependent(p, stream, moeDirectReceiveKernel);
+}
+
+cudaError_t launchMoeDirectCombineSend(const MoeParams& p, cudaStream_t stream) {
+  if (p.ctas < 1 || p.numRanks > kMaxRanks || p.topK > kMoeMaxTopK) return cudaErrorInvalidValue;
+  moeDirectCombineSendKernel<<<static_cast<unsigned>(p.ctas), kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// The first half's programmatic dependent, as the dispatch's receive is the send's.
+cudaError_t launchMoeDirectCombineFinal(const MoeParams& p, cudaStream_t stream) {
+  return launchDependent(p, stream, moeDirectCombineFinalKernel);
 }
 
 cudaError_t preloadMoeDirectKernels() {
   cudaFuncAttributes a{};
   for (const void* f : {reinterpret_cast<const void*>(moeDirectSendKernel),
-                        reinterpret_cast<const void*>(moeDirectReceiveKernel)}) {
+                        reinterpret_cast<const void*>(moeDirectReceiveKernel),
+                        reinterpret_cast<const void*>(moeDirectCombineSendKernel),
+                        reinterpret_cast<const void*>(moeDirectCombineFinalKernel)}) {
     const cudaError_t e = cudaFuncGetAttributes(&a, f);
     if (e != cudaSuccess) return e;
   }

@@ -762,16 +762,17 @@ void runMoeCase(Communicator& comm, const MoeCase& c) {
       const std::vector<MoeKernelSpan> spans = f.engine(l).timeline();
       std::vector<std::string> names;
       for (const MoeKernelSpan& sp : spans) names.push_back(sp.kernel);
-      // Throughput: six kernels, or five with the direct dispatch (every peer by load/store, one
-      // rank per GPU; its receive stamps two phases too); latency: three phases of each of two kernels.
+      // Throughput: six kernels, or five with the direct dispatch and combine (every peer by
+      // load/store, one rank per GPU; the receive stamps two phases too); latency: three phases of
+      // each of two kernels.
       const std::vector<std::vector<std::string>> want =
           f.engine(l).path() == MoePath::kLatency
               ? std::vector<std::vector<std::string>>{{"latency route", "latency records", "latency layout",
                                                        "latency expand", "latency combine", "latency combine receive"}}
               : std::vector<std::vector<std::string>>{
                     {"route", "pack", "offsets", "expand", "combine reduce", "combine final"},
-                    {"route", "direct send", "direct receive", "direct own rows", "direct peers' rows", "combine reduce",
-                     "combine final"}};
+                    {"route", "direct send", "direct receive", "direct own rows", "direct peers' rows",
+                     "direct combine send", "direct combine final"}};
       EXPECT_NE(std::find(want.begin(), want.end(), names), want.end())
           << "rank " << r << ": the kernels that ran: " << ::testing::PrintToString(names);
       for (std::size_t k = 0; k < spans.size(); ++k) {
