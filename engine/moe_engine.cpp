@@ -725,6 +725,7 @@ const DispatchLayout& Engine::dispatch(const DispatchArgs& a, cudaStream_t strea
   }
   GRAPHEP_CUDA_CHECK(launchMoeRoute(p, stream));
   if (m.direct) {
+    if (p.fp8) GRAPHEP_CUDA_CHECK(launchMoeDirectQuantize(p, stream));
     GRAPHEP_CUDA_CHECK(launchMoeDirectSend(p, stream));
     GRAPHEP_CUDA_CHECK(launchMoeDirectReceive(p, stream));
     return m.layout;
@@ -882,6 +883,7 @@ const char* kernelName(MoeKernel k) {
     case MoeKernel::kLatencyExpand: return "latency expand";
     case MoeKernel::kLatencyCombine: return "latency combine";
     case MoeKernel::kLatencyCombineReceive: return "latency combine receive";
+    case MoeKernel::kDirectQuantize: return "direct quantise";
     case MoeKernel::kDirectSend: return "direct send";
     case MoeKernel::kDirectReceive: return "direct receive";
     case MoeKernel::kDirectOwn: return "direct own rows";

@@ -92,9 +92,10 @@ __host__ __device__ inline std::uint64_t moeDirectMsgBytes(int localExperts, int
 // Engine::timeline() lists them in this order, which is the order they run in.
 enum class MoeKernel : int {
   kRoute = 0, kPack, kOffsets, kExpand,
-  // The throughput path's direct dispatch (kernels/moe_direct.cu), after route: send, receive
-  // (layout + expand), and the receive's two phases: this rank's own rows, the peers' records.
-  kDirectSend, kDirectReceive, kDirectOwn, kDirectPeers,
+  // The throughput path's direct dispatch (kernels/moe_direct.cu), after route: quantise (fp8),
+  // send, receive (layout + expand), and the receive's two phases: this rank's own rows, the
+  // peers' records.
+  kDirectQuantize, kDirectSend, kDirectReceive, kDirectOwn, kDirectPeers,
   // Its combine: send (reduce into the sources' slots), final (own partials + sum).
   kDirectCombineSend, kDirectCombineFinal,
   kCombineReduce, kCombineFinal,
@@ -229,6 +230,8 @@ cudaError_t launchMoeExpand(const MoeParams& p, cudaStream_t stream);
 cudaError_t preloadMoeDispatchKernels();
 // Direct dispatch (every peer load/store, each rank on a GPU of its own): route, then send (ctas
 // CTAs) and receive (epilogueCtas CTAs).
+// fp8: every live row quantised once, on epilogueCtas CTAs, into recSend ([T][payloadBytes]).
+cudaError_t launchMoeDirectQuantize(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeDirectSend(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeDirectReceive(const MoeParams& p, cudaStream_t stream);
 // Its combine: send (ctas CTAs), final (epilogueCtas CTAs).

@@ -63,6 +63,24 @@ __device__ __forceinline__ std::uint32_t* directCombineFlag(const MoeParams& p, 
          static_cast<std::uint64_t>(dst) * moeRouteWords(p.maxTokens) + w;
 }
 
+// The fp8 row of token t, quantised by the quantise kernel (recSend, unused otherwise by the
+// direct dispatch, holds [T][payloadBytes]); nullptr for bf16.
+__device__ __forceinline__ const char* directWire(const MoeParams& p, int t) {
+  return p.fp8 ? p.recSend + static_cast<std::uint64_t>(t) * p.payloadBytes : nullptr;
+}
+
+// fp8 (epilogueCtas CTAs, before the send): each group quantises one live row at a time into its
+// wire tiles, so that the send only copies bytes and the receive's own rows need no quantiser.
+__global__ void __launch_bounds__(kThreads) moeDirectQuantizeKernel(const __grid_constant__ MoeParams p) {
+  const MoeStamp stamp(p, MoeKernel::kDirectQuantize);
+  const MoeGroupSlice gs = moeGroupSlice();
+  const int T = *p.liveTokens;
+  for (int t = gs.first; t < T; t += gs.stride) {
+    char* out = p.recSend + static_cast<std::uint64_t>(t) * p.payloadBytes;
+    moeQuantizeRow(p, static_cast<const char*>(p.x) + static_cast<std::uint64_t>(t) * p.hidden * 2, &out, 1, gs.g);
+  }
+}
+
 __global__ void __launch_bounds__(kThreads) moeDirectSendKernel(const __grid_constant__ MoeParams p) {
   const MoeStamp stamp(p, MoeKernel::kDirectSend);
   __shared__ char* dst[kGroups][kMaxRanks];
@@ -109,7 +127,7 @@ __global__ void __launch_bounds__(kThreads) moeDirectSendKernel(const __grid_con
       if (t < T && ndst[gs.group] > 0) {
         const std::int32_t* entryIdx = p.entryIdx + static_cast<std::uint64_t>(t) * p.topK;
         moeWriteRecords(p, t, dst[gs.group], dstRank[gs.group], ndst[gs.group], [&](int k) { return entryIdx[k]; },
-                        gs.g, ndst[gs.group]);
+                        gs.g, ndst[gs.group], directWire(p, t));
       }
       gs.g.sync();  // dst is rewritten for the next token
     }
@@ -150,7 +168,9 @@ __global__ void __launch_bounds__(kThreads) moeDirectReceiveKernel(const __grid_
         const int T = *p.liveTokens;
         for (int t = gs.first; t < T; t += gs.stride) {
           const int i = p.tokRankIdx[static_cast<std::uint64_t>(t) * R + p.rank];
-          if (i >= 0) moeExpandOwnToken(p, t, directRecord(p, p.rank, p.rank, i), base, stages[gs.group], gs.g);
+          if (i >= 0) {
+            moeExpandOwnToken(p, t, directRecord(p, p.rank, p.rank, i), base, stages[gs.group], gs.g, directWire(p, t));
+          }
         }
         __syncthreads();  // base is rewritten for the next source
       }
@@ -284,6 +304,12 @@ cudaError_t launchDependent(const MoeParams& p, cudaStream_t stream, void (*kern
 
 }  // namespace
 
+cudaError_t launchMoeDirectQuantize(const MoeParams& p, cudaStream_t stream) {
+  if (p.epilogueCtas < 1) return cudaErrorInvalidValue;
+  moeDirectQuantizeKernel<<<static_cast<unsigned>(p.epilogueCtas), kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
 cudaError_t launchMoeDirectSend(const MoeParams& p, cudaStream_t stream) {
   if (p.ctas < 1 || p.numRanks > kMaxRanks || p.topK > kMoeMaxTopK) return cudaErrorInvalidValue;
   moeDirectSendKernel<<<static_cast<unsigned>(p.ctas), kThreads, 0, stream>>>(p);
@@ -311,7 +337,8 @@ cudaError_t launchMoeDirectCombineFinal(const MoeParams& p, cudaStream_t stream)
 
 cudaError_t preloadMoeDirectKernels() {
   cudaFuncAttributes a{};
-  for (const void* f : {reinterpret_cast<const void*>(moeDirectSendKernel),
+  for (const void* f : {reinterpret_cast<const void*>(moeDirectQuantizeKernel),
+                        reinterpret_cast<const void*>(moeDirectSendKernel),
                         reinterpret_cast<const void*>(moeDirectReceiveKernel),
                         reinterpret_cast<const void*>(moeDirectCombineSendKernel),
                         reinterpret_cast<const void*>(moeDirectCombineFinalKernel)}) {

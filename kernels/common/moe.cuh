@@ -290,14 +290,40 @@ __device__ __forceinline__ const MoeRecordSlot* moeRecordSlots(const MoeParams& 
   return reinterpret_cast<const MoeRecordSlot*>(rec + p.payloadBytes + sizeof(MoeRecordHeader));
 }
 
+// The produce hook over one bf16 row of H values: each aligned half-warp quantises one 128-value
+// tile, kMoeUnroll at a time, and writes its wire tile to each of the n rows out[d].
+__device__ inline void moeQuantizeRow(const MoeParams& p, const char* row, char* const* out, int n, const MoeGroup& g) {
+  constexpr int kLanes = ProduceFp8E4m3::kThreads;
+  const int tiles = p.hidden / kFp8TileValues, lane = g.tid % kLanes, step = g.nthreads / kLanes;
+  for (int t0 = g.tid / kLanes; t0 < tiles; t0 += step * kMoeUnroll) {
+    uint4 raw[kMoeUnroll];
+#pragma unroll
+    for (int u = 0; u < kMoeUnroll; ++u) {
+      const int tile = t0 + u * step;
+      if (tile < tiles) {
+        raw[u] = *reinterpret_cast<const uint4*>(row + static_cast<std::uint64_t>(tile) * kFp8TileSrcBytes + lane * 16);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kMoeUnroll; ++u) {
+      const int tile = t0 + u * step;
+      if (tile >= tiles) break;  // uniform across the half-warp (its shuffles stay converged)
+      const ProduceFp8E4m3::Regs q = ProduceFp8E4m3::quantize(raw[u]);
+      for (int d = 0; d < n; ++d) ProduceFp8E4m3::emit(out[d] + static_cast<std::uint64_t>(tile) * kFp8TileWireBytes, lane, q);
+    }
+  }
+}
+
 // Writes token t's record to each of the n destinations dst[d] (rank dstRank[d]; local or peers'
 // memory): the row is read once (bf16 copied, or quantised once to fp8 tiles by the produce hook)
 // and stored to every destination, with the metadata of the slots whose experts live on that rank.
+// Only the first nPayload destinations get the row (the others, the metadata alone). `wire`: the
+// row already in its record form (payloadBytes, e.g. quantised beforehand), copied as it is.
 // entryIndex(k): slot k's index within its expert's rows from this rank.
-// Only the first nPayload destinations get the row (the others, the metadata alone).
 template <class EntryIndex>
 __device__ inline void moeWriteRecords(const MoeParams& p, int t, char* const* dst, const int* dstRank,
-                                       int n, EntryIndex entryIndex, const MoeGroup& g, int nPayload) {
+                                       int n, EntryIndex entryIndex, const MoeGroup& g, int nPayload,
+                                       const char* wire = nullptr) {
   const std::uint64_t H = static_cast<std::uint64_t>(p.hidden);
   const char* row = static_cast<const char*>(p.x) + static_cast<std::uint64_t>(t) * H * 2;
   // The first warp's lanes k < topK read slot k's id and weight before the row's loads are issued.
@@ -305,32 +331,11 @@ __device__ inline void moeWriteRecords(const MoeParams& p, int t, char* const* d
   const std::uint64_t e = static_cast<std::uint64_t>(t) * p.topK + (k < p.topK ? k : 0);
   const long long id = k < p.topK ? moeReadId(p, e) : -1;
   const float w = k < p.topK ? p.topkWeights[e] : 0.f;
-  if (nPayload > 0 && p.fp8) {
-    // The produce hook: each aligned half-warp quantises one 128-value tile, kMoeUnroll at a time.
-    constexpr int kLanes = ProduceFp8E4m3::kThreads;
-    const int tiles = static_cast<int>(H / kFp8TileValues), lane = g.tid % kLanes, step = g.nthreads / kLanes;
-    for (int t0 = g.tid / kLanes; t0 < tiles; t0 += step * kMoeUnroll) {
-      uint4 raw[kMoeUnroll];
-#pragma unroll
-      for (int u = 0; u < kMoeUnroll; ++u) {
-        const int tile = t0 + u * step;
-        if (tile < tiles) {
-          raw[u] = *reinterpret_cast<const uint4*>(row + static_cast<std::uint64_t>(tile) * kFp8TileSrcBytes + lane * 16);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kMoeUnroll; ++u) {
-        const int tile = t0 + u * step;
-        if (tile >= tiles) break;  // uniform across the half-warp (its shuffles stay converged)
-        const ProduceFp8E4m3::Regs q = ProduceFp8E4m3::quantize(raw[u]);
-        for (int d = 0; d < nPayload; ++d) {
-          ProduceFp8E4m3::emit(dst[d] + static_cast<std::uint64_t>(tile) * kFp8TileWireBytes, lane, q);
-        }
-      }
-    }
+  if (nPayload > 0 && p.fp8 && wire == nullptr) {
+    moeQuantizeRow(p, row, dst, nPayload, g);
   } else if (nPayload > 0) {
-    const auto* src = reinterpret_cast<const uint4*>(row);
-    const int vecs = static_cast<int>(H / 8);
+    const auto* src = reinterpret_cast<const uint4*>(wire != nullptr ? wire : row);
+    const int vecs = static_cast<int>((wire != nullptr ? p.payloadBytes : H * 2) / 16);
     for (int c0 = g.tid; c0 < vecs; c0 += g.nthreads * kMoeUnroll) {
       uint4 v[kMoeUnroll];
 #pragma unroll
@@ -531,12 +536,13 @@ __device__ inline void moeExpandRecord(const MoeParams& p, int s, const char* re
   moeExpandRow(p, rec, false, [&] { moeResolveSlots(p, s, rec, srcBase, stage, true, g); }, stage, g);
 }
 
-// This rank's own token t (index i in its own list) into recv_x straight from x, with no record:
-// moeResolveOwnSlots writes the record's metadata to `rec` for the combine.
+// This rank's own token t (index i in its own list) into recv_x straight from x, or from `wire`
+// (its row already quantised to fp8 wire tiles), with no record: moeResolveOwnSlots writes the
+// record's metadata to `rec` for the combine.
 __device__ inline void moeExpandOwnToken(const MoeParams& p, int t, char* rec, const std::int32_t* srcBase,
-                                         MoeSlotStage& stage, const MoeGroup& g) {
-  const char* row = static_cast<const char*>(p.x) + static_cast<std::uint64_t>(t) * p.hidden * 2;
-  moeExpandRow(p, row, true, [&] { moeResolveOwnSlots(p, t, rec, srcBase, stage, g); }, stage, g);
+                                         MoeSlotStage& stage, const MoeGroup& g, const char* wire = nullptr) {
+  const char* row = wire != nullptr ? wire : static_cast<const char*>(p.x) + static_cast<std::uint64_t>(t) * p.hidden * 2;
+  moeExpandRow(p, row, wire == nullptr, [&] { moeResolveOwnSlots(p, t, rec, srcBase, stage, g); }, stage, g);
 }
 
 __device__ __forceinline__ void moeAddBf16x8(float (&acc)[8], uint4 v, float w) {

@@ -772,7 +772,9 @@ void runMoeCase(Communicator& comm, const MoeCase& c) {
               : std::vector<std::vector<std::string>>{
                     {"route", "pack", "offsets", "expand", "combine reduce", "combine final"},
                     {"route", "direct send", "direct receive", "direct own rows", "direct peers' rows",
-                     "direct combine send", "direct combine final"}};
+                     "direct combine send", "direct combine final"},
+                    {"route", "direct quantise", "direct send", "direct receive", "direct own rows",
+                     "direct peers' rows", "direct combine send", "direct combine final"}};
       EXPECT_NE(std::find(want.begin(), want.end(), names), want.end())
           << "rank " << r << ": the kernels that ran: " << ::testing::PrintToString(names);
       for (std::size_t k = 0; k < spans.size(); ++k) {
