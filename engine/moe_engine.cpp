@@ -185,7 +185,7 @@ LocalCarve carveLocal(const MoeConfig& cfg, const MoeSizes& z, std::size_t cap, 
   o.y = carve(cap * z.rowBytes);
   o.combSend = carve(throughput ? Rs * T * z.rowBytes : 0);
   // Latency path only.
-  o.llSteps = carve(2 * 4);  // the latency kernels' and the direct dispatch's steps and last-CTA counters
+  o.llSteps = carve(2 * 4);  // dispatch and combine steps and last-CTA counters (latency and direct kernels)
   o.llDone = carve(2 * 4);
   constexpr std::size_t kStamps = kMoeStampWords * static_cast<std::size_t>(MoeKernel::kCount);
   o.timeline = carve(cfg.profile ? kStamps * 8 : 0);

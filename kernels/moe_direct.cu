@@ -11,9 +11,13 @@
 //   receive  (MoeParams::epilogueCtas CTAs, one per SM; launched as the send's programmatic
 //            dependent, so it starts on the SMs the send leaves free while the send runs) every
 //            CTA waits for every count flag and derives the layout (CTA 0 publishes it); then it
-//            expands this rank's own tokens straight from x (the send writes no record to its own
-//            rank: the receive writes the metadata the combine reads), then each peer's records
-//            block by block as the blocks' flags arrive; the last CTA advances the step.
+//            expands this rank's own tokens straight from x, or for fp8 from the quantise kernel's
+//            tiles (the send writes no record to its own rank: the receive writes the metadata the
+//            combine reads), then each peer's records block by block as the blocks' flags arrive;
+//            the last CTA advances the step.
+//   combine  send (ctas CTAs) reduces each peer's records in blocks of 32 straight into the peer's
+//            partial slots, flagging each block; final (epilogueCtas CTAs, the send's programmatic
+//            dependent) reduces the own rows and sums each token's partials in rank order.
 //
 // Count messages alternate by the step's parity; the records have one slot per (source, index),
 // the same region the movers' path uses. A source writes its records of dispatch s + 1 only after
@@ -289,7 +293,7 @@ __global__ void __launch_bounds__(kThreads) moeDirectCombineFinalKernel(const __
 
 // Launches `kernel` (epilogueCtas CTAs) as the programmatic dependent of the stream's last kernel.
 cudaError_t launchDependent(const MoeParams& p, cudaStream_t stream, void (*kernel)(MoeParams)) {
-  if (p.epilogueCtas < 1) return cudaErrorInvalidValue;
+  if (p.epilogueCtas < 1 || p.numRanks > kMaxRanks) return cudaErrorInvalidValue;
   cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr.val.programmaticStreamSerializationAllowed = 1;

@@ -762,9 +762,9 @@ void runMoeCase(Communicator& comm, const MoeCase& c) {
       const std::vector<MoeKernelSpan> spans = f.engine(l).timeline();
       std::vector<std::string> names;
       for (const MoeKernelSpan& sp : spans) names.push_back(sp.kernel);
-      // Throughput: six kernels, or five with the direct dispatch and combine (every peer by
-      // load/store, one rank per GPU; the receive stamps two phases too); latency: three phases of
-      // each of two kernels.
+      // Throughput: six kernels, or with the direct dispatch and combine (every peer by load/store,
+      // one rank per GPU) five, six for fp8 (the quantise kernel), plus the receive's two phases;
+      // latency: three phases of each of two kernels.
       const std::vector<std::vector<std::string>> want =
           f.engine(l).path() == MoePath::kLatency
               ? std::vector<std::vector<std::string>>{{"latency route", "latency records", "latency layout",
