@@ -64,6 +64,10 @@ template <>
 constexpr std::size_t kFirstVersionSize<graphep_layout_t> = offsetof(graphep_layout_t, expert_dropped);
 static_assert(sizeof(void*) != 8 || kFirstVersionSize<graphep_layout_t> == 120,
               "graphep_layout_t's version-1 fields moved: the struct may only grow at its end");
+template <>
+constexpr std::size_t kFirstVersionSize<graphep_moe_config_t> = offsetof(graphep_moe_config_t, epilogue_sms);
+static_assert(sizeof(void*) != 8 || kFirstVersionSize<graphep_moe_config_t> == 56,
+              "graphep_moe_config_t's version-1 fields moved: the struct may only grow at its end");
 
 // The fields of a caller's versioned struct that its struct_size covers (an older caller's struct
 // is shorter; a newer caller's extra fields are ignored); fields past it read 0, so a field added
@@ -134,6 +138,7 @@ graphep::MoeConfig moeConfig(const graphep_moe_config_t* config) {
   m.recvCapacity = c.recv_capacity;
   m.expertAlignment = c.expert_alignment;
   m.smBudget = c.sm_budget;
+  m.epilogueSms = c.epilogue_sms;
   m.strict = c.strict != 0;
   m.path = static_cast<graphep::MoePath>(c.path);
   return m;

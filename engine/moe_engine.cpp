@@ -313,10 +313,13 @@ ThroughputCtas throughputCtas(Communicator& comm, const SymmetricHeap& heap, con
     mine[static_cast<std::size_t>(l)] = cfg.smBudget > 0 ? cfg.smBudget : sms[static_cast<std::size_t>(l)];
   }
   c.comm = minOverRanks(comm, mine);
-  // The receive starts while the send runs, one CTA per SM (each kernel's CTA fills an SM's
-  // registers): the SMs the send leaves free, so that every receive CTA starts at once; when the
-  // send leaves fewer than half, one per SM (those past the free SMs start as the send ends).
-  for (int n : sms) c.epilogue.push_back(n - c.comm >= n / 2 ? n - c.comm : n);
+  // MoeConfig.epilogueSms, at most one per SM; by default the SMs the send leaves free (one CTA
+  // per SM: each kernel's CTA fills an SM's registers), so that every receive CTA starts at once
+  // beside the send; when it leaves fewer than half, one per SM (those past the free SMs start as
+  // the send ends).
+  for (int n : sms) {
+    c.epilogue.push_back(cfg.epilogueSms > 0 ? std::min(cfg.epilogueSms, n) : (n - c.comm >= n / 2 ? n - c.comm : n));
+  }
   return c;
 }
 
@@ -419,6 +422,8 @@ void Engine::validate(const MoeConfig& c, int R) {
                   "MoeConfig.expertAlignment=%d is out of range [1, 4096]", c.expertAlignment);
   GRAPHEP_REQUIRE(c.smBudget >= 0 && c.smBudget <= 64, Status::kInvalidArgument,
                   "MoeConfig.smBudget=%d is out of range [0, 64]", c.smBudget);
+  GRAPHEP_REQUIRE(c.epilogueSms >= 0 && c.epilogueSms <= 1024, Status::kInvalidArgument,
+                  "MoeConfig.epilogueSms=%d is out of range [0, 1024]", c.epilogueSms);
   GRAPHEP_REQUIRE(c.numExperts / R <= kMoeMaxLocalExperts, Status::kInvalidArgument,
                   "MoeConfig: %d experts per rank (numExperts=%d over %d ranks) exceed the supported %d",
                   c.numExperts / R, c.numExperts, R, kMoeMaxLocalExperts);
@@ -446,20 +451,20 @@ namespace {
 // a mismatch names the field, this rank's value and the first rank that differs, on every rank.
 void requireSameConfig(Communicator& comm, const MoeConfig& cfg) {
   struct Fields {
-    long long v[13];
+    long long v[14];
   };
   const Fields mine{{cfg.maxTokensPerRank, cfg.hidden, cfg.numExperts, cfg.topK, static_cast<long long>(cfg.dispatchType),
-                     cfg.recvCapacity, cfg.expertAlignment, cfg.smBudget, cfg.strict ? 1 : 0,
+                     cfg.recvCapacity, cfg.expertAlignment, cfg.smBudget, cfg.epilogueSms, cfg.strict ? 1 : 0,
                      static_cast<long long>(cfg.path), cfg.profile ? 1 : 0, static_cast<long long>(cfg.counterStart),
                      comm.worldSize()}};
-  static const char* const names[13] = {"maxTokensPerRank", "hidden", "numExperts", "topK", "dispatchType",
-                                        "recvCapacity", "expertAlignment", "smBudget", "strict", "path",
-                                        "profile", "counterStart", "world size"};
+  static const char* const names[14] = {"maxTokensPerRank", "hidden", "numExperts", "topK", "dispatchType",
+                                        "recvCapacity", "expertAlignment", "smBudget", "epilogueSms", "strict",
+                                        "path", "profile", "counterStart", "world size"};
   std::vector<Fields> local(static_cast<std::size_t>(comm.numLocalRanks()), mine);
   std::vector<Fields> all(static_cast<std::size_t>(comm.worldSize()));
   comm.allgather(local.data(), all.data(), sizeof(Fields));
   for (std::size_t q = 0; q < all.size(); ++q) {
-    for (int k = 0; k < 13; ++k) {
+    for (int k = 0; k < 14; ++k) {
       GRAPHEP_REQUIRE(all[q].v[k] == mine.v[k], Status::kInvalidArgument,
                       "MoeConfig differs across ranks: %s is %lld on rank %d but %lld on rank %zu (every rank "
                       "must pass the same config)",

@@ -67,9 +67,10 @@ typedef struct graphep_moe_config {
   int sm_budget;               /* 0: the engine's default */
   int strict;                  /* nonzero: trap on bad input instead of counting it */
   int path;                    /* graphep_path_t */
+  int epilogue_sms;            /* v3: 0: the engine's default (graphep::MoeConfig::epilogueSms) */
 } graphep_moe_config_t;
 #define GRAPHEP_MOE_CONFIG_INIT \
-  { sizeof(graphep_moe_config_t), 0, 0, 0, 0, GRAPHEP_DTYPE_BF16, 0, 1, 0, 0, GRAPHEP_PATH_AUTO }
+  { sizeof(graphep_moe_config_t), 0, 0, 0, 0, GRAPHEP_DTYPE_BF16, 0, 1, 0, 0, GRAPHEP_PATH_AUTO, 0 }
 
 /* graphep::DispatchArgs: device pointers, rewritten in place between graph replays. */
 typedef struct graphep_dispatch_args {

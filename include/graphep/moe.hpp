@@ -53,6 +53,12 @@ struct MoeConfig {
   // channels); on the latency path the CTAs of each kernel (0: 24; lowered when ranks share a GPU,
   // so that all their CTAs are resident at once).
   int smBudget = 0;
+  // CTAs (SMs) of the throughput path's epilogues where the direct dispatch applies (every peer
+  // by load/store, one rank per GPU): the dispatch's receive (layout + expansion) and fp8
+  // quantise, the combine's final. They copy local memory and start while the communication
+  // kernels run. 0: the SMs smBudget leaves free, or every SM when it leaves fewer than half;
+  // otherwise this many, at most the SM count.
+  int epilogueSms = 0;
   // Trap (kill the kernel) on bad input instead of counting it.
   bool strict = false;
   MoePath path = MoePath::kAuto;

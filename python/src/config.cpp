@@ -27,7 +27,8 @@ std::string describe(const MoeConfig& c) {
          ", num_experts=" + std::to_string(c.numExperts) + ", top_k=" + std::to_string(c.topK) +
          ", dispatch_type=" + (c.dispatchType == DType::kFp8E4m3 ? "FP8_E4M3" : "BF16") +
          ", recv_capacity=" + std::to_string(c.recvCapacity) + ", expert_alignment=" + std::to_string(c.expertAlignment) +
-         ", sm_budget=" + std::to_string(c.smBudget) + ", strict=" + (c.strict ? "True" : "False") +
+         ", sm_budget=" + std::to_string(c.smBudget) + ", epilogue_sms=" + std::to_string(c.epilogueSms) +
+         ", strict=" + (c.strict ? "True" : "False") +
          ", path=" + pathName(c.path) + ", profile=" + (c.profile ? "True" : "False") +
          ", counter_start=" + std::to_string(c.counterStart) + ")";
 }
@@ -51,14 +52,27 @@ void bindConfig(nb::module_& m) {
           "__init__",
           [](MoeConfig* c, int maxTokensPerRank, int hidden, int numExperts, int topK, DType dispatchType,
              long long recvCapacity, int expertAlignment, int smBudget, bool strict, MoePath path, bool profile,
-             std::uint32_t counterStart) {
-            new (c) MoeConfig{maxTokensPerRank, hidden, numExperts, topK, dispatchType, recvCapacity,
-                              expertAlignment, smBudget, strict, path, profile, counterStart};
+             std::uint32_t counterStart, int epilogueSms) {
+            new (c) MoeConfig{};
+            c->maxTokensPerRank = maxTokensPerRank;
+            c->hidden = hidden;
+            c->numExperts = numExperts;
+            c->topK = topK;
+            c->dispatchType = dispatchType;
+            c->recvCapacity = recvCapacity;
+            c->expertAlignment = expertAlignment;
+            c->smBudget = smBudget;
+            c->epilogueSms = epilogueSms;
+            c->strict = strict;
+            c->path = path;
+            c->profile = profile;
+            c->counterStart = counterStart;
           },
           nb::kw_only(), nb::arg("max_tokens_per_rank") = 0, nb::arg("hidden") = 0, nb::arg("num_experts") = 0,
           nb::arg("top_k") = 0, nb::arg("dispatch_type") = DType::kBf16, nb::arg("recv_capacity") = 0,
           nb::arg("expert_alignment") = 1, nb::arg("sm_budget") = 0, nb::arg("strict") = false,
-          nb::arg("path") = MoePath::kAuto, nb::arg("profile") = false, nb::arg("counter_start") = 0)
+          nb::arg("path") = MoePath::kAuto, nb::arg("profile") = false, nb::arg("counter_start") = 0,
+          nb::arg("epilogue_sms") = 0)
       .def_rw("max_tokens_per_rank", &MoeConfig::maxTokensPerRank, "T_max: rows of x per dispatch at most")
       .def_rw("hidden", &MoeConfig::hidden, "H: a multiple of 8 (of 128 for fp8)")
       .def_rw("num_experts", &MoeConfig::numExperts, "E: a multiple of the world size")
@@ -67,6 +81,9 @@ void bindConfig(nb::module_& m) {
       .def_rw("recv_capacity", &MoeConfig::recvCapacity, "rows of recv_x per rank; 0: the worst case")
       .def_rw("expert_alignment", &MoeConfig::expertAlignment, "each local expert's rows start at a multiple of this")
       .def_rw("sm_budget", &MoeConfig::smBudget, "CTAs each engine kernel may use (0: the engine's default)")
+      .def_rw("epilogue_sms", &MoeConfig::epilogueSms,
+              "SMs of the throughput path's epilogues where the direct dispatch applies (0: the SMs sm_budget "
+              "leaves free, or every SM)")
       .def_rw("strict", &MoeConfig::strict, "trap on bad input instead of counting it")
       .def_rw("path", &MoeConfig::path)
       .def_rw("profile", &MoeConfig::profile)

@@ -35,9 +35,10 @@ def test_version_is_the_cmake_project_version():
 
 def test_config_fields_round_trip_in_python_spelling():
     c = good(dispatch_type=graphep.DType.FP8_E4M3, recv_capacity=4096, expert_alignment=64, sm_budget=24,
-             path=graphep.MoePath.THROUGHPUT)
+             path=graphep.MoePath.THROUGHPUT, epilogue_sms=100)
     assert (c.max_tokens_per_rank, c.hidden, c.num_experts, c.top_k) == (128, 7168, 256, 8)
-    assert (c.recv_capacity, c.expert_alignment, c.sm_budget) == (4096, 64, 24)
+    assert (c.recv_capacity, c.expert_alignment, c.sm_budget, c.epilogue_sms) == (4096, 64, 24, 100)
+    assert "epilogue_sms=100" in repr(c)
     assert c.dispatch_type == graphep.DType.FP8_E4M3 and c.path == graphep.MoePath.THROUGHPUT
     assert "expert_alignment=64" in repr(c)
     with pytest.raises(TypeError):
@@ -52,6 +53,7 @@ def test_config_fields_round_trip_in_python_spelling():
     (dict(top_k=17), 8, "MoeConfig.top_k=17 exceeds the supported 16"),
     (dict(expert_alignment=0), 8, "MoeConfig.expert_alignment=0 is out of range"),
     (dict(sm_budget=65), 8, "MoeConfig.sm_budget=65 is out of range"),
+    (dict(epilogue_sms=-1), 8, "MoeConfig.epilogue_sms=-1 is out of range"),
     (dict(recv_capacity=-1), 8, "MoeConfig.recv_capacity=-1 is negative"),
     (dict(max_tokens_per_rank=512, path=graphep.MoePath.LATENCY), 8, "MoeConfig.path=kLatency needs"),
     (dict(), 33, "world size 33 is out of range"),

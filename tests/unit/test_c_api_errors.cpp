@@ -5,6 +5,7 @@
 #include <graphep/graphep.h>
 #include <graphep/graphep.hpp>
 
+#include <cstddef>
 #include <string>
 #include <thread>
 
@@ -104,6 +105,19 @@ TEST(Unit_CApi, MemoryRequirementsMatchTheCppQuery) {
   EXPECT_EQ(graphep_memory_requirements(&bad, 2, &m), GRAPHEP_INVALID_ARGUMENT);
   EXPECT_NE(std::string(graphep_last_error()).find("hidden=100"), std::string::npos) << graphep_last_error();
   EXPECT_EQ(graphep_memory_requirements(&bad, 2, nullptr), GRAPHEP_INVALID_ARGUMENT);
+
+  // epilogue_sms (v3): read when the caller's struct has it, 0 for a v2 caller's shorter struct.
+  graphep_moe_config_t v3 = GRAPHEP_MOE_CONFIG_INIT;
+  v3.max_tokens_per_rank = 16;
+  v3.hidden = 256;
+  v3.num_experts = 8;
+  v3.top_k = 2;
+  v3.epilogue_sms = -1;
+  EXPECT_EQ(graphep_memory_requirements(&v3, 2, &m), GRAPHEP_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(graphep_last_error()).find("epilogueSms=-1"), std::string::npos) << graphep_last_error();
+  graphep_moe_config_t v2 = v3;  // the -1 lies past a v2 caller's struct: not read
+  v2.struct_size = offsetof(graphep_moe_config_t, epilogue_sms);
+  EXPECT_EQ(graphep_memory_requirements(&v2, 2, &m), GRAPHEP_SUCCESS) << graphep_last_error();
 }
 
 }  // namespace

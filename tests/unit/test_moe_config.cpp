@@ -66,6 +66,11 @@ TEST(Unit_MoeConfig, ValidationNamesTheValue) {
   c = good();
   c.smBudget = 65;
   expectRejected(c, 8, "smBudget=65");
+  c = good();
+  c.epilogueSms = -1;
+  expectRejected(c, 8, "epilogueSms=-1");
+  c.epilogueSms = 1025;
+  expectRejected(c, 8, "epilogueSms=1025");
   expectRejected(good(), 33, "world size 33");
 }
 
