@@ -27,6 +27,7 @@ struct Options {
   bool check = true;                                // -c
   int opsPerGraph = 10;                             // -G (operations captured back to back per graph)
   int sms = 0;                                      // --sms (0: operation default)
+  int epilogueSms = 0;                              // --epilogue-sms (moe: MoeConfig.epilogueSms)
   std::string json;                                 // --json FILE
   int warpsPerRole = 8;                             // --warps (movers: warps per role per CTA)
   std::size_t slotBytes = std::size_t{1} << 20;     // --slot (movers: staging slot size)

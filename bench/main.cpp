@@ -35,7 +35,8 @@ int usage() {
                "[-w WARMUP] [-R REPEATS] [-c 0|1] [-G OPS_PER_GRAPH] [--sms N] [--warps N] [--slot BYTES] [--slots N] [--ll BYTES] [--profile] [--host-cost] [--microbatches US] "
                "[--ranks N] [--json FILE]\n"
                "       in one process: one rank per visible GPU, or --ranks N round-robin over them; under mpirun: one per process\n"
-               "       moe: -b/-e are tokens per rank; [--hidden H] [--experts E] [--topk K] [--dtype bf16|fp8|both] [--path auto|latency|throughput]\n");
+               "       moe: -b/-e are tokens per rank; [--hidden H] [--experts E] [--topk K] [--dtype bf16|fp8|both] [--path auto|latency|throughput]\n"
+               "            [--epilogue-sms N]\n");
   return 2;
 }
 
@@ -94,6 +95,7 @@ int run(int argc, char** argv, bool mpi) {
       else if (a == "-c") o.check = std::atoi(next()) != 0;
       else if (a == "-G") o.opsPerGraph = std::atoi(next());
       else if (a == "--sms") o.sms = std::atoi(next());
+      else if (a == "--epilogue-sms") o.epilogueSms = std::atoi(next());
       else if (a == "--warps") o.warpsPerRole = std::atoi(next());
       else if (a == "--slot") o.slotBytes = parseSize(next());
       else if (a == "--slots") o.numSlots = std::atoi(next());

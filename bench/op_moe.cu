@@ -187,6 +187,7 @@ void runMicroBatches(const Options& o, Ranks& r, std::size_t tokens) {
   cfg.numExperts = E;
   cfg.topK = K;
   cfg.smBudget = o.sms;
+  cfg.epilogueSms = o.epilogueSms;
   cfg.profile = true;
   auto engA = Engine::createAll(*r.comm, cfg);
   auto engB = Engine::createAll(*r.comm, cfg);
@@ -381,6 +382,7 @@ std::vector<Row> runMoe(const Options& o, Ranks& r) {
       cfg.topK = K;
       cfg.dispatchType = fp8 ? DType::kFp8E4m3 : DType::kBf16;
       cfg.smBudget = o.sms;
+  cfg.epilogueSms = o.epilogueSms;
       cfg.profile = o.profile;
       cfg.path = o.moePath == "latency"      ? MoePath::kLatency
                  : o.moePath == "throughput" ? MoePath::kThroughput
