@@ -129,6 +129,9 @@ graphep::MoeConfig moeConfig(const graphep_moe_config_t* config) {
                   c.dispatch_dtype);
   GRAPHEP_REQUIRE(c.path >= GRAPHEP_PATH_AUTO && c.path <= GRAPHEP_PATH_THROUGHPUT, graphep::Status::kInvalidArgument,
                   "config->path=%d is not a graphep_path_t", c.path);
+  GRAPHEP_REQUIRE(c.receive_layout == GRAPHEP_LAYOUT_EXPERT_MAJOR || c.receive_layout == GRAPHEP_LAYOUT_BATCHED,
+                  graphep::Status::kInvalidArgument, "config->receive_layout=%d is not a graphep_receive_layout_t",
+                  c.receive_layout);
   graphep::MoeConfig m;
   m.maxTokensPerRank = c.max_tokens_per_rank;
   m.hidden = c.hidden;
@@ -139,6 +142,8 @@ graphep::MoeConfig moeConfig(const graphep_moe_config_t* config) {
   m.expertAlignment = c.expert_alignment;
   m.smBudget = c.sm_budget;
   m.epilogueSms = c.epilogue_sms;
+  m.receiveLayout = static_cast<graphep::ReceiveLayout>(c.receive_layout);
+  m.rowsPerExpert = c.rows_per_expert;
   m.strict = c.strict != 0;
   m.path = static_cast<graphep::MoePath>(c.path);
   return m;
@@ -256,6 +261,8 @@ graphep_status_t graphep_engine_layout(graphep_engine_t engine, graphep_layout_t
     o.num_local_experts = v.numLocalExperts;
     o.first_local_expert = v.firstLocalExpert;
     o.expert_dropped = v.expertDropped;
+    o.receive_layout = static_cast<int>(v.receiveLayout);
+    o.rows_per_expert = v.rowsPerExpert;
     writeVersioned(layout, o);
   });
 }

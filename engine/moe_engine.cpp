@@ -265,6 +265,35 @@ bool directDispatch(Communicator& comm, const SymmetricHeap& heap) {
   return everyPeerIs(comm, heap, [](PeerClass c) { return isLoadStore(c) && c != PeerClass::kSameDevice; });
 }
 
+// Collective: every rank's local buffers (one allocation of `bytes`) fit its device's free memory,
+// or every rank raises the same kOutOfMemory naming the first rank that has no room and the
+// config fields that size the buffers (before anything is allocated, so no rank is left waiting).
+void requireLocalBuffersFit(Communicator& comm, const SymmetricHeap& heap, const MoeConfig& cfg, std::size_t bytes,
+                            long long capacity) {
+  struct Room {
+    unsigned long long free;
+    int device;
+  };
+  std::vector<Room> mine;
+  for (int l = 0; l < heap.numLocalRanks(); ++l) {
+    DeviceGuard guard(heap.device(l));
+    std::size_t free = 0, total = 0;
+    GRAPHEP_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+    mine.push_back(Room{free, heap.device(l)});
+  }
+  std::vector<Room> all(static_cast<std::size_t>(comm.worldSize()));
+  comm.allgather(mine.data(), all.data(), sizeof(Room));
+  for (std::size_t q = 0; q < all.size(); ++q) {
+    GRAPHEP_REQUIRE(bytes <= all[q].free, Status::kOutOfMemory,
+                    "MoeConfig: rank %zu needs %zu B of engine buffers (recv_x and expert outputs: %lld rows "
+                    "of H=%d%s), more than the %llu B free on its device %d; lower %s",
+                    q, bytes, capacity, cfg.hidden,
+                    cfg.receiveLayout == ReceiveLayout::kBatched ? ", the batched layout's E_local x rowsPerExpert" : "",
+                    all[q].free, all[q].device,
+                    cfg.receiveLayout == ReceiveLayout::kBatched ? "rowsPerExpert" : "recvCapacity or maxTokensPerRank");
+  }
+}
+
 // Collective: the lowest of the ranks' values (the CTA counts that arrival counters count).
 int minOverRanks(Communicator& comm, const std::vector<std::int32_t>& mine) {
   std::vector<std::int32_t> all(static_cast<std::size_t>(comm.worldSize()), 0);
@@ -373,6 +402,13 @@ struct Engine::Impl {
   const Movers& movers() const { return group->movers[static_cast<std::size_t>(local)]; }
 };
 
+namespace {
+// The batched layout's rows per local expert: MoeConfig.rowsPerExpert, or worldSize x T_max.
+long long batchedRowsPerExpert(const MoeConfig& cfg, int worldSize) {
+  return cfg.rowsPerExpert > 0 ? cfg.rowsPerExpert : static_cast<long long>(worldSize) * cfg.maxTokensPerRank;
+}
+}  // namespace
+
 long long Engine::worstCaseCapacity(const MoeConfig& cfg, int worldSize) {
   const long long localExperts = cfg.numExperts / std::max(worldSize, 1);
   const long long perToken = std::min<long long>(cfg.topK, localExperts);
@@ -380,10 +416,17 @@ long long Engine::worstCaseCapacity(const MoeConfig& cfg, int worldSize) {
          localExperts * (cfg.expertAlignment - 1);
 }
 
+long long Engine::receiveCapacity(const MoeConfig& cfg, int worldSize) {
+  if (cfg.receiveLayout == ReceiveLayout::kBatched) {
+    return static_cast<long long>(cfg.numExperts / std::max(worldSize, 1)) * batchedRowsPerExpert(cfg, worldSize);
+  }
+  return cfg.recvCapacity > 0 ? cfg.recvCapacity : worstCaseCapacity(cfg, worldSize);
+}
+
 MoeMemory Engine::memoryRequirements(const MoeConfig& cfg, int worldSize) {
   validate(cfg, worldSize);
   const MoeSizes z = moeSizes(cfg, worldSize);
-  const long long capacity = cfg.recvCapacity > 0 ? cfg.recvCapacity : worstCaseCapacity(cfg, worldSize);
+  const long long capacity = receiveCapacity(cfg, worldSize);
   MoeMemory m;
   m.path = preferredPath(cfg, worldSize);
   const bool throughput = m.path == MoePath::kThroughput;
@@ -436,7 +479,25 @@ void Engine::validate(const MoeConfig& c, int R) {
                   c.numExperts);
   GRAPHEP_REQUIRE(c.recvCapacity >= 0, Status::kInvalidArgument,
                   "MoeConfig.recvCapacity=%lld is negative", c.recvCapacity);
-  const long long cap = c.recvCapacity > 0 ? c.recvCapacity : worstCaseCapacity(c, R);
+  GRAPHEP_REQUIRE(c.receiveLayout == ReceiveLayout::kExpertMajor || c.receiveLayout == ReceiveLayout::kBatched,
+                  Status::kInvalidArgument, "MoeConfig.receiveLayout=%d is not a ReceiveLayout",
+                  static_cast<int>(c.receiveLayout));
+  GRAPHEP_REQUIRE(c.rowsPerExpert >= 0, Status::kInvalidArgument, "MoeConfig.rowsPerExpert=%lld is negative",
+                  c.rowsPerExpert);
+  if (c.receiveLayout == ReceiveLayout::kBatched) {
+    GRAPHEP_REQUIRE(c.recvCapacity == 0, Status::kInvalidArgument,
+                    "MoeConfig.recvCapacity=%lld: the batched layout's capacity is E_local x rowsPerExpert "
+                    "(set rowsPerExpert, leave recvCapacity 0)",
+                    c.recvCapacity);
+    GRAPHEP_REQUIRE(c.expertAlignment == 1, Status::kInvalidArgument,
+                    "MoeConfig.expertAlignment=%d: the batched layout's experts start at j x rowsPerExpert "
+                    "(choose rowsPerExpert, leave expertAlignment 1)",
+                    c.expertAlignment);
+  } else {
+    GRAPHEP_REQUIRE(c.rowsPerExpert == 0, Status::kInvalidArgument,
+                    "MoeConfig.rowsPerExpert=%lld applies to the batched layout only", c.rowsPerExpert);
+  }
+  const long long cap = receiveCapacity(c, R);
   GRAPHEP_REQUIRE(cap < (1ll << 31), Status::kInvalidArgument,
                   "MoeConfig: a receive capacity of %lld rows exceeds 2^31 - 1 (lower recvCapacity)",
                   cap);
@@ -451,20 +512,22 @@ namespace {
 // a mismatch names the field, this rank's value and the first rank that differs, on every rank.
 void requireSameConfig(Communicator& comm, const MoeConfig& cfg) {
   struct Fields {
-    long long v[14];
+    long long v[16];
   };
   const Fields mine{{cfg.maxTokensPerRank, cfg.hidden, cfg.numExperts, cfg.topK, static_cast<long long>(cfg.dispatchType),
-                     cfg.recvCapacity, cfg.expertAlignment, cfg.smBudget, cfg.epilogueSms, cfg.strict ? 1 : 0,
+                     cfg.recvCapacity, cfg.expertAlignment, static_cast<long long>(cfg.receiveLayout),
+                     cfg.rowsPerExpert, cfg.smBudget, cfg.epilogueSms, cfg.strict ? 1 : 0,
                      static_cast<long long>(cfg.path), cfg.profile ? 1 : 0, static_cast<long long>(cfg.counterStart),
                      comm.worldSize()}};
-  static const char* const names[14] = {"maxTokensPerRank", "hidden", "numExperts", "topK", "dispatchType",
-                                        "recvCapacity", "expertAlignment", "smBudget", "epilogueSms", "strict",
-                                        "path", "profile", "counterStart", "world size"};
+  static const char* const names[16] = {"maxTokensPerRank", "hidden", "numExperts", "topK", "dispatchType",
+                                        "recvCapacity", "expertAlignment", "receiveLayout", "rowsPerExpert",
+                                        "smBudget", "epilogueSms", "strict", "path", "profile", "counterStart",
+                                        "world size"};
   std::vector<Fields> local(static_cast<std::size_t>(comm.numLocalRanks()), mine);
   std::vector<Fields> all(static_cast<std::size_t>(comm.worldSize()));
   comm.allgather(local.data(), all.data(), sizeof(Fields));
   for (std::size_t q = 0; q < all.size(); ++q) {
-    for (int k = 0; k < 14; ++k) {
+    for (int k = 0; k < 16; ++k) {
       GRAPHEP_REQUIRE(all[q].v[k] == mine.v[k], Status::kInvalidArgument,
                       "MoeConfig differs across ranks: %s is %lld on rank %d but %lld on rank %zu (every rank "
                       "must pass the same config)",
@@ -483,7 +546,7 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
   const std::size_t T = static_cast<std::size_t>(cfg.maxTokensPerRank);
   const MoeSizes sizes = moeSizes(cfg, R);
   const std::size_t rowBytes = sizes.rowBytes, recBytes = sizes.recBytes, cntMsgBytes = sizes.cntMsgBytes;
-  const long long capacity = cfg.recvCapacity > 0 ? cfg.recvCapacity : worstCaseCapacity(cfg, R);
+  const long long capacity = receiveCapacity(cfg, R);
   const std::size_t cap = static_cast<std::size_t>(capacity);
   const std::size_t Rs = static_cast<std::size_t>(R);
 
@@ -509,6 +572,7 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
   const ThroughputCtas tctas = throughput ? throughputCtas(comm, *group->heap, cfg) : ThroughputCtas{};
   group->movers = Movers::createAll(*group->heap, engineMoverOptions(sizes));
 
+  requireLocalBuffersFit(comm, *group->heap, cfg, carveLocal(cfg, sizes, cap, throughput).bytes, capacity);
   std::vector<std::unique_ptr<Engine>> engines;
   for (int l = 0; l < group->heap->numLocalRanks(); ++l) {
     auto impl = std::make_unique<Impl>();
@@ -547,6 +611,7 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     p.alignment = cfg.expertAlignment;
     p.strict = cfg.strict ? 1 : 0;
     p.capacity = capacity;
+    p.batchedRows = cfg.receiveLayout == ReceiveLayout::kBatched ? batchedRowsPerExpert(cfg, R) : 0;
     p.recBytes = recBytes;
     p.payloadBytes = sizes.payloadBytes;
     p.cntMsgBytes = cntMsgBytes;
@@ -664,6 +729,8 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     v.expertTotals = p.expertTotals;
     v.expertOutput = b + o.y;
     v.capacity = capacity;
+    v.receiveLayout = cfg.receiveLayout;
+    v.rowsPerExpert = p.batchedRows;
     v.hidden = cfg.hidden;
     v.numLocalExperts = L;
     v.firstLocalExpert = p.rank * L;

@@ -116,6 +116,9 @@ struct MoeParams {
   std::int32_t alignment;  // per-expert row alignment of recv_x
   std::int32_t strict;     // trap after counting bad input
   std::int64_t capacity;   // rows of recv_x
+  // Batched receive layout: rows per local expert (expert j's rows start at j x batchedRows, and an
+  // expert keeps its first batchedRows rows); 0: expert-major (rows packed, aligned).
+  std::int64_t batchedRows;
   std::uint64_t recBytes, payloadBytes, cntMsgBytes;
   std::uint64_t directMsgBytes;  // moeDirectMsgBytes (the direct dispatch's count messages)
 

@@ -49,6 +49,11 @@ typedef enum graphep_status {
 typedef enum graphep_dtype { GRAPHEP_DTYPE_BF16 = 0, GRAPHEP_DTYPE_FP8_E4M3 = 1 } graphep_dtype_t;
 typedef enum graphep_index_type { GRAPHEP_INDEX_INT32 = 0, GRAPHEP_INDEX_INT64 = 1 } graphep_index_type_t;
 typedef enum graphep_path { GRAPHEP_PATH_AUTO = 0, GRAPHEP_PATH_LATENCY = 1, GRAPHEP_PATH_THROUGHPUT = 2 } graphep_path_t;
+/* graphep::ReceiveLayout. */
+typedef enum graphep_receive_layout {
+  GRAPHEP_LAYOUT_EXPERT_MAJOR = 0, /* rows grouped by local expert, packed (each expert's first row aligned) */
+  GRAPHEP_LAYOUT_BATCHED = 1       /* [E_local, rows_per_expert, hidden]: expert j's rows at j x rows_per_expert */
+} graphep_receive_layout_t;
 
 typedef struct graphep_comm* graphep_comm_t;
 typedef struct graphep_engine* graphep_engine_t;
@@ -67,10 +72,13 @@ typedef struct graphep_moe_config {
   int sm_budget;               /* 0: the engine's default */
   int strict;                  /* nonzero: trap on bad input instead of counting it */
   int path;                    /* graphep_path_t */
-  int epilogue_sms;            /* v3: 0: the engine's default (graphep::MoeConfig::epilogueSms) */
+  /* Version 3 (a shorter caller's struct reads these as 0). */
+  int epilogue_sms;            /* 0: the engine's default (graphep::MoeConfig::epilogueSms) */
+  int receive_layout;          /* graphep_receive_layout_t */
+  long long rows_per_expert;   /* batched: rows per local expert; 0: world size x max_tokens_per_rank */
 } graphep_moe_config_t;
 #define GRAPHEP_MOE_CONFIG_INIT \
-  { sizeof(graphep_moe_config_t), 0, 0, 0, 0, GRAPHEP_DTYPE_BF16, 0, 1, 0, 0, GRAPHEP_PATH_AUTO, 0 }
+  { sizeof(graphep_moe_config_t), 0, 0, 0, 0, GRAPHEP_DTYPE_BF16, 0, 1, 0, 0, GRAPHEP_PATH_AUTO, 0, GRAPHEP_LAYOUT_EXPERT_MAJOR, 0 }
 
 /* graphep::DispatchArgs: device pointers, rewritten in place between graph replays. */
 typedef struct graphep_dispatch_args {
@@ -127,9 +135,12 @@ typedef struct graphep_layout {
   int first_local_expert;      /* global id of local expert 0 */
   /* Version 2. */
   const int* expert_dropped;   /* [E_local]: rows of local expert j the last dispatch dropped */
+  /* Version 3. */
+  int receive_layout;          /* graphep_receive_layout_t */
+  long long rows_per_expert;   /* batched: rows of each expert's block; expert-major: 0 */
 } graphep_layout_t;
 #define GRAPHEP_LAYOUT_INIT \
-  { sizeof(graphep_layout_t), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0, 0, 0, 0, NULL }
+  { sizeof(graphep_layout_t), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0, 0, 0, 0, NULL, 0, 0 }
 
 /* graphep::MoeStatus (the device error, if any, is in graphep_last_error() after the call). */
 typedef struct graphep_moe_status {

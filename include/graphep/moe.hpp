@@ -38,6 +38,15 @@ enum class MoePath : std::uint8_t {
   kThroughput = 2,  // prefill: counts first, then the pipelined alltoallv movers
 };
 
+// How dispatch lays out the rows a rank receives (DispatchLayout), on either path; combine takes
+// the expert outputs in the same layout.
+enum class ReceiveLayout : std::uint8_t {
+  kExpertMajor = 0,  // rows grouped by local expert, packed (each expert's first row aligned):
+                     // what m-grouped contiguous GEMMs take
+  kBatched = 1,      // [E_local, rowsPerExpert, H]: expert j's rows start at j x rowsPerExpert,
+                     // the per-expert counts on the device (masked / batched GEMMs)
+};
+
 struct MoeConfig {
   int maxTokensPerRank = 0;  // T_max: rows of x per dispatch at most
   int hidden = 0;            // H: a multiple of 8 (of 128 for fp8)
@@ -47,7 +56,12 @@ struct MoeConfig {
   // Rows of recv_x per rank. 0: the worst case, T_max * worldSize * min(K, E / worldSize) plus the
   // alignment padding; smaller values are allowed and rows past them are dropped and counted.
   long long recvCapacity = 0;
-  int expertAlignment = 1;  // each local expert's rows start at a multiple of this
+  int expertAlignment = 1;  // each local expert's rows start at a multiple of this (expert-major)
+  ReceiveLayout receiveLayout = ReceiveLayout::kExpertMajor;
+  // kBatched: rows per local expert (recvCapacity stays 0; the capacity is E_local x this). 0: the
+  // worst case, worldSize x T_max; rows past it are dropped and counted. A decode-sized layout:
+  // the engine refuses by name one whose buffers do not fit the device.
+  long long rowsPerExpert = 0;
   // CTAs (SMs) each engine kernel may use: on the throughput path the CTAs of each routing /
   // layout / reduce kernel and the data movers' channels per peer (0: one per SM, and 32
   // channels); on the latency path the CTAs of each kernel (0: 24; lowered when ranks share a GPU,
@@ -94,8 +108,12 @@ struct DispatchArgs {
 // Views of one rank's dispatch output, valid from the dispatch until the next one (device memory
 // owned by the engine). Rows of recv_x are grouped by local expert: expert j's rows are
 // [expertOffsets[j], expertOffsets[j] + expertCounts[j]), each expert's first row a multiple of
-// MoeConfig.expertAlignment; within an expert, rows come in (source rank, source token, top-k slot)
-// order. Alignment padding rows are not written.
+// MoeConfig.expertAlignment (expert-major) or j x rowsPerExpert (batched: expertOffsets[j] is that,
+// whatever arrives); within an expert, rows come in (source rank, source token, top-k slot)
+// order. Alignment padding rows and a batched expert's unused rows are not written.
+//
+// Batched overflow: an expert keeps its first rowsPerExpert rows and drops the rest (counted as
+// below); the other experts are unaffected.
 //
 // Overflow: when more rows arrive than the capacity holds, the rows whose place would be at or past
 // it are dropped: the last rows of the last experts in the order above (each expert keeps a prefix
@@ -121,6 +139,8 @@ struct DispatchLayout {
   // [capacity, H] bf16, engine-owned: where experts may write their outputs for combine.
   void* expertOutput = nullptr;
   long long capacity = 0;
+  ReceiveLayout receiveLayout = ReceiveLayout::kExpertMajor;
+  long long rowsPerExpert = 0;  // batched: rows of each expert's block; expert-major: 0
   int hidden = 0;
   int numLocalExperts = 0;
   int firstLocalExpert = 0;  // global id of local expert 0
@@ -181,8 +201,11 @@ class Engine {
   static std::unique_ptr<Engine> create(Communicator& comm, const MoeConfig& cfg);
   // Throws graphep::Error naming the first bad field; createAll calls it.
   static void validate(const MoeConfig& cfg, int worldSize);
-  // The worst-case receive capacity of a config (rows).
+  // The worst-case receive capacity of an expert-major config (rows).
   static long long worstCaseCapacity(const MoeConfig& cfg, int worldSize);
+  // The rows of recv_x an engine with this config holds: expert-major, recvCapacity or the worst
+  // case; batched, E_local x rowsPerExpert (0: worldSize x T_max).
+  static long long receiveCapacity(const MoeConfig& cfg, int worldSize);
   // Device memory per rank of an engine with this config, from the code that sizes createAll's
   // allocations; validates first. cfg.path kAuto: the latency path when the config fits it (what
   // createAll picks when every peer has load/store access, e.g. GPUs of one NVLink node), else the

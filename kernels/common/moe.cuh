@@ -114,8 +114,14 @@ __device__ inline void moeCheckPairing(const MoeParams& p, bool dispatch) {
 __device__ inline void moeReportDroppedRow(const MoeParams& p, long long pos) {
   atomicAdd(&p.status->droppedRows, 1ull);
   if (p.strict) {
-    printf("graphep: rank %d: received row %lld is past the capacity of %lld rows (strict mode)\n",
-           p.rank, pos, static_cast<long long>(p.capacity));
+    if (p.batchedRows > 0) {
+      printf("graphep: rank %d: received row %lld is past its expert's block of %lld rows (batched layout, "
+             "strict mode)\n",
+             p.rank, pos, static_cast<long long>(p.batchedRows));
+    } else {
+      printf("graphep: rank %d: received row %lld is past the capacity of %lld rows (strict mode)\n", p.rank, pos,
+             static_cast<long long>(p.capacity));
+    }
     __trap();
   }
 }
@@ -154,6 +160,18 @@ __device__ void moeComputeOffsets(const MoeParams& p, Msg msg, std::int32_t* cou
                                   MoeLayoutScratch<kThreads>& scratch) {
   constexpr int kItems = MoeLayoutScratch<kThreads>::kItems;
   const int tid = static_cast<int>(threadIdx.x), L = p.localExperts;
+  if (p.batchedRows > 0) {  // batched: expert j's block starts at j x batchedRows, whatever arrives
+    for (int j = tid; j <= L; j += kThreads) {
+      if (j < L) {
+        std::int32_t c = 0;
+        for (int q = 0; q < p.numRanks; ++q) c += moeCountOf(msg(q), 1 + j);
+        counts[j] = c;
+      }
+      offsets[j] = static_cast<std::int32_t>(static_cast<long long>(j) * p.batchedRows);
+    }
+    __syncthreads();
+    return;
+  }
   std::int32_t aligned[kItems];
 #pragma unroll
   for (int i = 0; i < kItems; ++i) {  // blocked: thread t holds experts t * kItems + i
@@ -225,7 +243,7 @@ __device__ void moePublishLayout(const MoeParams& p, Msg msg, const std::int32_t
     const long long first = offsets[j] < cap ? offsets[j] : cap;
     p.expertOffsets[j] = static_cast<std::int32_t>(first);
     if (j == L) continue;
-    const long long room = cap - first;
+    const long long room = p.batchedRows > 0 ? p.batchedRows : cap - first;  // batched: its block
     const std::int32_t kept = static_cast<std::int32_t>(counts[j] < room ? counts[j] : room);
     p.expertCounts[j] = kept;
     p.expertDropped[j] = counts[j] - kept;
@@ -370,12 +388,13 @@ __device__ inline void moeWriteRecords(const MoeParams& p, int t, char* const* d
 }
 
 // The recv_x row of a record's slot: srcBase[local expert] + its index, or -1 past the capacity
-// (or for a slot graphep did not write).
+// (batched: past its expert's block; or for a slot graphep did not write).
 __device__ __forceinline__ long long moeSlotRow(const MoeParams& p, const std::int32_t* srcBase,
                                                 const MoeRecordSlot& slot) {
   if (slot.localExpert < 0 || slot.localExpert >= p.localExperts) return -1;
   const long long pos = static_cast<long long>(srcBase[slot.localExpert]) + slot.index;
-  return pos >= 0 && pos < p.capacity ? pos : -1;
+  const long long end = p.batchedRows > 0 ? (slot.localExpert + 1ll) * p.batchedRows : p.capacity;
+  return pos >= 0 && pos < end ? pos : -1;
 }
 
 // Resolves a received record's slots into `stage` (rows past the capacity left out). With

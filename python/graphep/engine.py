@@ -18,7 +18,7 @@ from typing import List, Optional
 from graphep import _graphep
 from graphep.arrays import describe, require_matrix, require_scalar, stream_handle
 from graphep.errors import invalid_argument
-from graphep.layouts import ExpertMajorLayout, ReceiveLayout, receive_layout
+from graphep.layouts import ExpertMajorLayout
 
 _INDEX_TYPES = {"int32": _graphep.IndexType.INT32, "int64": _graphep.IndexType.INT64}
 
@@ -28,11 +28,10 @@ class Engine:
 
     __slots__ = ("_core", "_layout", "_config", "_rows", "__weakref__")
 
-    def __init__(self, core: _graphep.EngineCore, layout: ReceiveLayout):
+    def __init__(self, core: _graphep.EngineCore):
         self._core = core
         self._config = core.config
-        if layout is ReceiveLayout.EXPERT_MAJOR:
-            self._layout = ExpertMajorLayout.from_core(core)
+        self._layout = ExpertMajorLayout.from_core(core)  # a BatchedLayout for config.receive_layout BATCHED
         self._rows = 0  # rows of the last dispatch's x: combine's out must hold them
 
     # ---- facts ------------------------------------------------------------------------------
@@ -110,21 +109,19 @@ class Engine:
                 f"path={self.path.name}, {self._config!r})")
 
 
-def create_engines(group: _graphep.Group, config: _graphep.MoeConfig,
-                   layout=ReceiveLayout.EXPERT_MAJOR) -> List[Engine]:
+def create_engines(group: _graphep.Group, config: _graphep.MoeConfig) -> List[Engine]:
     """Collective over `group`: one Engine per rank this process drives, in local-rank order.
-    Setup work (allocates the symmetric heap and buffers, loads kernels); never capturable."""
-    chosen = receive_layout(layout)
-    return [Engine(core, chosen) for core in _graphep.create_engines(group, config)]
+    Setup work (allocates the symmetric heap and buffers, loads kernels); never capturable. The
+    receive layout is config.receive_layout."""
+    return [Engine(core) for core in _graphep.create_engines(group, config)]
 
 
-def create_engine(group: _graphep.Group, config: _graphep.MoeConfig,
-                  layout=ReceiveLayout.EXPERT_MAJOR) -> Engine:
+def create_engine(group: _graphep.Group, config: _graphep.MoeConfig) -> Engine:
     """Collective, for a process that drives exactly one rank (torchrun, mpirun)."""
     if group.num_local_ranks != 1:
         raise invalid_argument(f"create_engine: this process drives {group.num_local_ranks} ranks; "
                                "use create_engines")
-    return create_engines(group, config, layout)[0]
+    return create_engines(group, config)[0]
 
 
 def memory_requirements(config: _graphep.MoeConfig, world_size: int) -> _graphep.MemoryRequirements:

@@ -10,29 +10,35 @@ kept rows, expert_dropped[j] counts expert j's dropped rows (Engine.status() cou
 All of it lives on the device, written by dispatch: reading it needs no host sync and a captured
 graph reads the live values.
 
-Planned, not built: BATCHED ([E_local, max rows per expert, H], vLLM's batched-experts format) and
-RANK_MAJOR (rows grouped by source rank); they will be new members here and new view classes.
+BATCHED (MoeConfig.receive_layout): the same views, with expert j's rows in a block of
+rows_per_expert rows starting at j x rows_per_expert (expert_offsets[j] is that, whatever
+arrives): recv_x is [E_local x rows_per_expert, H], viewed as [E_local, rows_per_expert, H] by the
+masked / batched GEMMs that take vLLM's batched-experts format; an expert keeps its first
+rows_per_expert rows and drops (and counts) the rest.
+
+Planned, not built: RANK_MAJOR (rows grouped by source rank, DeepEP's default layout).
 """
 
-import enum
 from dataclasses import dataclass
 from typing import Optional
 
+from graphep import _graphep
 from graphep.arrays import DeviceArray
 from graphep.errors import not_supported
 
-
-class ReceiveLayout(enum.Enum):
-    EXPERT_MAJOR = "expert_major"
+ReceiveLayout = _graphep.ReceiveLayout  # EXPERT_MAJOR, BATCHED (graphep::ReceiveLayout)
 
 
 def receive_layout(value) -> ReceiveLayout:
-    """A ReceiveLayout from itself or its name; graphep.Error NOT_SUPPORTED naming anything else."""
-    try:
-        return ReceiveLayout(value.value if isinstance(value, ReceiveLayout) else value)
-    except ValueError:
-        built = ", ".join(repr(m.value) for m in ReceiveLayout)
-        raise not_supported(f"layout={value!r} is not a receive layout of this build ({built})") from None
+    """A ReceiveLayout from itself or its name ("expert_major", "batched"); graphep.Error
+    NOT_SUPPORTED naming anything else."""
+    if isinstance(value, ReceiveLayout):
+        return value
+    for member in ReceiveLayout:
+        if isinstance(value, str) and value.lower() == member.name.lower():
+            return member
+    built = ", ".join(repr(m.name.lower()) for m in ReceiveLayout)
+    raise not_supported(f"layout={value!r} is not a receive layout of this build ({built})")
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,17 @@ class ExpertMajorLayout:
     @staticmethod
     def from_core(core) -> "ExpertMajorLayout":
         views = {name: (None if nd is None else DeviceArray(nd)) for name, nd in core.views().items()}
-        return ExpertMajorLayout(**views, capacity=core.capacity, hidden=core.config.hidden,
-                                 num_local_experts=core.num_local_experts,
-                                 first_local_expert=core.first_local_expert)
+        common = dict(capacity=core.capacity, hidden=core.config.hidden, num_local_experts=core.num_local_experts,
+                      first_local_expert=core.first_local_expert)
+        if core.config.receive_layout == ReceiveLayout.BATCHED:
+            return BatchedLayout(**views, **common, layout=ReceiveLayout.BATCHED,
+                                 rows_per_expert=core.rows_per_expert)
+        return ExpertMajorLayout(**views, **common)
+
+
+@dataclass(frozen=True)
+class BatchedLayout(ExpertMajorLayout):
+    """The batched layout's views: ExpertMajorLayout's, expert j's block of rows_per_expert rows at
+    j x rows_per_expert (capacity = num_local_experts x rows_per_expert)."""
+
+    rows_per_expert: int = 0

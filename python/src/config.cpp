@@ -27,6 +27,8 @@ std::string describe(const MoeConfig& c) {
          ", num_experts=" + std::to_string(c.numExperts) + ", top_k=" + std::to_string(c.topK) +
          ", dispatch_type=" + (c.dispatchType == DType::kFp8E4m3 ? "FP8_E4M3" : "BF16") +
          ", recv_capacity=" + std::to_string(c.recvCapacity) + ", expert_alignment=" + std::to_string(c.expertAlignment) +
+         ", receive_layout=" + (c.receiveLayout == ReceiveLayout::kBatched ? "BATCHED" : "EXPERT_MAJOR") +
+         ", rows_per_expert=" + std::to_string(c.rowsPerExpert) +
          ", sm_budget=" + std::to_string(c.smBudget) + ", epilogue_sms=" + std::to_string(c.epilogueSms) +
          ", strict=" + (c.strict ? "True" : "False") +
          ", path=" + pathName(c.path) + ", profile=" + (c.profile ? "True" : "False") +
@@ -47,12 +49,17 @@ void bindConfig(nb::module_& m) {
       .value("LATENCY", MoePath::kLatency)
       .value("THROUGHPUT", MoePath::kThroughput);
 
+  nb::enum_<ReceiveLayout>(m, "ReceiveLayout",
+                           "How dispatch lays out the rows a rank receives (graphep.layouts; DESIGN.md section 5.4).")
+      .value("EXPERT_MAJOR", ReceiveLayout::kExpertMajor)
+      .value("BATCHED", ReceiveLayout::kBatched);
+
   nb::class_<MoeConfig>(m, "MoeConfig", "graphep::MoeConfig (include/graphep/moe.hpp); every rank passes the same.")
       .def(
           "__init__",
           [](MoeConfig* c, int maxTokensPerRank, int hidden, int numExperts, int topK, DType dispatchType,
              long long recvCapacity, int expertAlignment, int smBudget, bool strict, MoePath path, bool profile,
-             std::uint32_t counterStart, int epilogueSms) {
+             std::uint32_t counterStart, int epilogueSms, ReceiveLayout receiveLayout, long long rowsPerExpert) {
             new (c) MoeConfig{};
             c->maxTokensPerRank = maxTokensPerRank;
             c->hidden = hidden;
@@ -63,6 +70,8 @@ void bindConfig(nb::module_& m) {
             c->expertAlignment = expertAlignment;
             c->smBudget = smBudget;
             c->epilogueSms = epilogueSms;
+            c->receiveLayout = receiveLayout;
+            c->rowsPerExpert = rowsPerExpert;
             c->strict = strict;
             c->path = path;
             c->profile = profile;
@@ -72,7 +81,8 @@ void bindConfig(nb::module_& m) {
           nb::arg("top_k") = 0, nb::arg("dispatch_type") = DType::kBf16, nb::arg("recv_capacity") = 0,
           nb::arg("expert_alignment") = 1, nb::arg("sm_budget") = 0, nb::arg("strict") = false,
           nb::arg("path") = MoePath::kAuto, nb::arg("profile") = false, nb::arg("counter_start") = 0,
-          nb::arg("epilogue_sms") = 0)
+          nb::arg("epilogue_sms") = 0, nb::arg("receive_layout") = ReceiveLayout::kExpertMajor,
+          nb::arg("rows_per_expert") = 0)
       .def_rw("max_tokens_per_rank", &MoeConfig::maxTokensPerRank, "T_max: rows of x per dispatch at most")
       .def_rw("hidden", &MoeConfig::hidden, "H: a multiple of 8 (of 128 for fp8)")
       .def_rw("num_experts", &MoeConfig::numExperts, "E: a multiple of the world size")
@@ -84,6 +94,9 @@ void bindConfig(nb::module_& m) {
       .def_rw("epilogue_sms", &MoeConfig::epilogueSms,
               "SMs of the throughput path's epilogues where the direct dispatch applies (0: the SMs sm_budget "
               "leaves free, or every SM)")
+      .def_rw("receive_layout", &MoeConfig::receiveLayout, "EXPERT_MAJOR (default) or BATCHED")
+      .def_rw("rows_per_expert", &MoeConfig::rowsPerExpert,
+              "BATCHED: rows per local expert (0: world size x max_tokens_per_rank); rows past it dropped, counted")
       .def_rw("strict", &MoeConfig::strict, "trap on bad input instead of counting it")
       .def_rw("path", &MoeConfig::path)
       .def_rw("profile", &MoeConfig::profile)

@@ -117,6 +117,7 @@ void bindEngine(nb::module_& m) {
       .def_prop_ro("symmetric_heap_bytes", [](const EngineCore& c) { return c.engine->symmetricHeapBytes(); })
       .def_prop_ro("private_bytes", [](const EngineCore& c) { return c.engine->privateBytes(); })
       .def_prop_ro("capacity", [](const EngineCore& c) { return c.engine->layout().capacity; })
+      .def_prop_ro("rows_per_expert", [](const EngineCore& c) { return c.engine->layout().rowsPerExpert; })
       .def_prop_ro("num_local_experts", [](const EngineCore& c) { return c.engine->layout().numLocalExperts; })
       .def_prop_ro("first_local_expert", [](const EngineCore& c) { return c.engine->layout().firstLocalExpert; })
       .def("views", &views)

@@ -136,8 +136,9 @@ Inputs makeInputs(const MoeCase& c, int R, int rank, int T, std::uint64_t seed) 
 int liveCount(const MoeConfig& g, int T) { return std::clamp(T, 0, g.maxTokensPerRank); }
 
 // The expected dispatch layout of rank r: rows grouped by local expert in (source, token, slot)
-// order, each expert's first row aligned; rows whose place is at or past the capacity dropped, and
-// the published views clamped to what is kept (include/graphep/moe.hpp).
+// order, each expert's first row aligned (expert-major) or at j x rowsPerExpert (batched); rows
+// whose place is at or past the capacity (batched: past their expert's block) dropped, and the
+// published views clamped to what is kept (include/graphep/moe.hpp).
 struct RefRow {
   int s = -1, t = -1, k = -1;
   float w = 0;
@@ -150,6 +151,13 @@ struct RefLayout {
   unsigned long long droppedTotal = 0;
   std::vector<long long> posOf;  // per (s, t, k) flattened: the row, or -1 (dropped / none)
 };
+
+// The batched layout's rows per expert as documented (MoeConfig.rowsPerExpert, 0: R x T_max); 0
+// for expert-major.
+long long batchedRows(const MoeConfig& g, int R) {
+  if (g.receiveLayout != ReceiveLayout::kBatched) return 0;
+  return g.rowsPerExpert > 0 ? g.rowsPerExpert : static_cast<long long>(R) * g.maxTokensPerRank;
+}
 
 RefLayout refLayout(const MoeCase& c, const std::vector<Inputs>& all, int r, long long cap) {
   const MoeConfig& g = c.cfg;
@@ -174,16 +182,18 @@ RefLayout refLayout(const MoeCase& c, const std::vector<Inputs>& all, int r, lon
       }
     }
   }
+  const long long rpe = batchedRows(g, R);  // 0: expert-major
   long long off = 0;
   for (int j = 0; j < L; ++j) {
     const auto& list = lists[static_cast<std::size_t>(j)];
     const std::size_t js = static_cast<std::size_t>(j);
+    if (rpe > 0) off = j * rpe;
     out.offsets[js] = static_cast<int>(std::min(off, cap));
     out.routed[js] = static_cast<int>(list.size());
     for (std::size_t q = 0; q < list.size(); ++q) {
       const long long pos = off + static_cast<long long>(q);
       const RefRow& row = list[q];
-      if (pos >= cap) {
+      if (pos >= cap || (rpe > 0 && static_cast<long long>(q) >= rpe)) {
         ++out.dropped[js];
         continue;
       }
@@ -197,7 +207,7 @@ RefLayout refLayout(const MoeCase& c, const std::vector<Inputs>& all, int r, lon
     off += (static_cast<long long>(list.size()) + g.expertAlignment - 1) / g.expertAlignment *
            g.expertAlignment;
   }
-  out.offsets[static_cast<std::size_t>(L)] = static_cast<int>(std::min(off, cap));
+  out.offsets[static_cast<std::size_t>(L)] = static_cast<int>(rpe > 0 ? std::min(L * rpe, cap) : std::min(off, cap));
   return out;
 }
 
@@ -639,6 +649,7 @@ std::string describeCase(const MoeCase& c) {
          (g.dispatchType == DType::kFp8E4m3 ? " fp8" : " bf16") +
          (c.indexType == IndexType::kInt64 ? " int64" : " int32") + " routing=" + routingName(c.routing) +
          " align=" + std::to_string(g.expertAlignment) + " cap=" + std::to_string(g.recvCapacity) +
+         (g.receiveLayout == ReceiveLayout::kBatched ? " batched rows/expert=" + std::to_string(g.rowsPerExpert) : "") +
          " sms=" + std::to_string(g.smBudget) + " tokens={" + tokens + "} replays=" + std::to_string(c.replays) +
          " path=" + pathName(g.path);
 }
@@ -676,7 +687,31 @@ std::string moeCaseName(const MoeCase& c) {
   return n;
 }
 
+namespace {
+void runMoeCaseInLayout(Communicator& comm, const MoeCase& c);
+}  // namespace
+
+// Every case in each receive layout, one after the other: as written (expert-major), then batched.
+// Alignment is the expert-major layout's, so a case that only tests it runs once; a capacity that
+// overflows becomes 9 rows per expert (a batched expert overflows on its own).
 void runMoeCase(Communicator& comm, const MoeCase& c) {
+  runMoeCaseInLayout(comm, c);
+  if (::testing::Test::HasFatalFailure() || c.cfg.receiveLayout != ReceiveLayout::kExpertMajor ||
+      (c.cfg.expertAlignment > 1 && c.cfg.recvCapacity == 0)) {
+    return;
+  }
+  MoeCase b = c;
+  b.cfg.receiveLayout = ReceiveLayout::kBatched;
+  b.cfg.expertAlignment = 1;
+  if (b.cfg.recvCapacity > 0) {
+    b.cfg.recvCapacity = 0;
+    b.cfg.rowsPerExpert = 9;
+  }
+  runMoeCaseInLayout(comm, b);
+}
+
+namespace {
+void runMoeCaseInLayout(Communicator& comm, const MoeCase& c) {
   SCOPED_TRACE(describeCase(c));
   const int R = comm.worldSize();
   MoeFixture f(comm, c);
@@ -714,6 +749,12 @@ void runMoeCase(Communicator& comm, const MoeCase& c) {
     // Every rank's expected layout, once per run (the capacity is the same on every rank).
     std::vector<RefLayout> refs;
     for (int q = 0; q < R; ++q) refs.push_back(refLayout(c, all, q, f.layout(0).capacity));
+    if (c.cfg.receiveLayout == ReceiveLayout::kBatched) {  // the batched capacity, as documented
+      const long long L = c.cfg.numExperts / R;
+      EXPECT_EQ(f.layout(0).rowsPerExpert, batchedRows(c.cfg, R));
+      EXPECT_EQ(f.layout(0).capacity, L * batchedRows(c.cfg, R));
+      EXPECT_EQ(f.layout(0).receiveLayout, ReceiveLayout::kBatched);
+    }
     for (int l = 0; l < f.L(); ++l) {
       const std::size_t ls = static_cast<std::size_t>(l);
       const int r = comm.globalRank(l);
@@ -786,6 +827,7 @@ void runMoeCase(Communicator& comm, const MoeCase& c) {
   }
   comm.barrier();
 }
+}  // namespace
 
 std::vector<MoeCase> standardMoeCases(int R, bool large) {
   std::vector<MoeCase> cases;

@@ -67,38 +67,45 @@ def expected_rows(inputs: List[RankInputs], q, L, device):
     return [torch.cat(v)[order] for v in (srcs, toks, slots, experts)]
 
 
-def check_dispatch(layout, inputs: List[RankInputs], q, L, fp8) -> int:
-    """Rank q's layout (expert_alignment 1). Rows whose place is at or past the capacity are
-    dropped (the last rows of the last experts): offsets clamp to it, counts are the kept rows,
-    expert_dropped the rest."""
+def check_dispatch(layout, inputs: List[RankInputs], q, L, fp8, rows_per_expert=0) -> int:
+    """Rank q's layout (expert_alignment 1). Expert-major (rows_per_expert 0): the rows packed by
+    expert; rows whose place is at or past the capacity are dropped (the last rows of the last
+    experts): offsets clamp to it. Batched: expert j's rows at j x rows_per_expert, its first
+    rows_per_expert kept. Counts are the kept rows, expert_dropped the rest."""
     dev = layout.recv_x.device
     capacity = layout.recv_x.shape[0]
     src, tok, slot, j = expected_rows(inputs, q, L, dev)
     per_expert = torch.bincount(j, minlength=L)
-    offsets = torch.zeros(L + 1, dtype=torch.long, device=dev)
-    offsets[1:] = per_expert.cumsum(0)
-    offsets = offsets.clamp(max=capacity)
-    counts = offsets[1:] - offsets[:-1]
+    starts = torch.zeros(L + 1, dtype=torch.long, device=dev)
+    starts[1:] = per_expert.cumsum(0)
+    within = torch.arange(src.numel(), device=dev) - starts[j]  # each row's place in its expert's list
+    if rows_per_expert > 0:
+        offsets = torch.arange(L + 1, device=dev) * rows_per_expert
+        pos = j * rows_per_expert + within
+        kept = within < rows_per_expert
+    else:
+        offsets = starts.clamp(max=capacity)
+        pos = torch.arange(src.numel(), device=dev)
+        kept = pos < capacity
+    counts = torch.bincount(j[kept], minlength=L)
     wrong = int((layout.expert_counts.long() != counts).sum())
     wrong += int((layout.expert_dropped.long() != per_expert - counts).sum())
     wrong += int((layout.expert_offsets.long() != offsets).sum())
-    n = min(src.numel(), capacity)
-    src, tok, slot = src[:n], tok[:n], slot[:n]
+    n = int(kept.sum())
     wrong += int(layout.num_recv_rows.item() != n)
-    if layout.num_recv_rows.item() != n:
-        return wrong + n  # the rows cannot be compared
-    wrong += int((layout.row_src_rank[:n].long() != src).sum())
-    wrong += int((layout.row_src_token[:n].long() != tok).sum())
-    wrong += int((layout.row_topk_slot[:n].long() != slot).sum())
+    src, tok, slot, pos = src[kept], tok[kept], slot[kept], pos[kept]
+    wrong += int((layout.row_src_rank[pos].long() != src).sum())
+    wrong += int((layout.row_src_token[pos].long() != tok).sum())
+    wrong += int((layout.row_topk_slot[pos].long() != slot).sum())
     xs = torch.stack([inputs[s].x.to(dev) for s in range(len(inputs))])[src, tok]
     ws = torch.stack([inputs[s].weights.to(dev) for s in range(len(inputs))])[src, tok, slot]
-    wrong += int((layout.row_weight[:n] != ws).sum())
+    wrong += int((layout.row_weight[pos] != ws).sum())
     if fp8:
         qx, scales = fp8_quantize(xs)
-        wrong += int((layout.recv_x[:n].view(torch.uint8) != qx.view(torch.uint8)).sum())
-        wrong += int((layout.recv_scales[:n] != scales).sum())
+        wrong += int((layout.recv_x[pos].view(torch.uint8) != qx.view(torch.uint8)).sum())
+        wrong += int((layout.recv_scales[pos] != scales).sum())
     else:
-        wrong += int((layout.recv_x[:n].view(torch.int16) != xs.view(torch.int16)).sum())
+        wrong += int((layout.recv_x[pos].view(torch.int16) != xs.view(torch.int16)).sum())
     return wrong
 
 

@@ -2,7 +2,8 @@
 process (2 emulated ranks on GPU 0, and one rank on each of 2 GPUs), through the framework-free
 API (graphep.Engine with torch tensors, and with arrays that expose only DLPack or
 __cuda_array_interface__) and through torch.ops.graphep. bf16 and fp8, int32 and int64 ids,
-uniform / masked (-1) / duplicate ids, live token counts below the maximum, both paths. Every
+uniform / masked (-1) / duplicate ids, live token counts below the maximum, both paths, both
+receive layouts (expert-major, batched). Every
 layout buffer and output is poisoned before every round; each round is fresh random data."""
 
 import pytest
@@ -22,14 +23,15 @@ WORLDS = {"emulated2": [0, 0], "gpus2": [0, 1]}
 _engines = {}
 
 
-def engines_for(world, dtype, path):
-    """One engine set per (world, dtype, path), shared by the cases that use it."""
+def engines_for(world, dtype, path, layout=graphep.ReceiveLayout.EXPERT_MAJOR):
+    """One engine set per (world, dtype, path, layout), shared by the cases that use it."""
     if world == "gpus2" and GPUS < 2:
         pytest.skip(f"needs 2 GPUs, found {GPUS}")
-    key = (world, dtype, path)
+    key = (world, dtype, path, layout)
     if key not in _engines:
         cfg = graphep.MoeConfig(max_tokens_per_rank=T, hidden=H, num_experts=E, top_k=K, path=path,
-                                dispatch_type=graphep.DType.FP8_E4M3 if dtype == "fp8" else graphep.DType.BF16)
+                                dispatch_type=graphep.DType.FP8_E4M3 if dtype == "fp8" else graphep.DType.BF16,
+                                receive_layout=layout)
         group = graphep.Group.local(WORLDS[world])
         engines = graphep.create_engines(group, cfg)
         streams = []
@@ -98,7 +100,7 @@ def run_round(engines, streams, routing, index_dtype, lives, api, seed, own_outp
     for r, (e, s, lay) in enumerate(zip(engines, streams, layouts)):
         with torch.cuda.device(e.device):
             s.synchronize()
-            wrong_dispatch += check_dispatch(lay, inputs, r, L, fp8)
+            wrong_dispatch += check_dispatch(lay, inputs, r, L, fp8, getattr(e.layout, "rows_per_expert", 0))
     ys = []
     for e, s, lay in zip(engines, streams, layouts):
         with torch.cuda.device(e.device), torch.cuda.stream(s):
@@ -136,8 +138,10 @@ def expert_rows_into(layout, L, fp8, own_output):
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
 @pytest.mark.parametrize("routing", ROUTINGS)
-def test_dispatch_combine_match_the_reference(world, path, dtype, index_dtype, routing):
-    engines, streams = engines_for(world, dtype, path)
+@pytest.mark.parametrize("layout", [graphep.ReceiveLayout.EXPERT_MAJOR, graphep.ReceiveLayout.BATCHED],
+                         ids=["expert_major", "batched"])
+def test_dispatch_combine_match_the_reference(world, path, dtype, index_dtype, routing, layout):
+    engines, streams = engines_for(world, dtype, path, layout)
     for i, lives in enumerate([(T, T), (1, T - 5), (T // 2, 3)]):
         api = ("core", "torch_ops", "core")[i]
         wd, wc = run_round(engines, streams, routing, index_dtype, lives, api, seed=100 * i + 7,

@@ -101,9 +101,21 @@ def test_worst_case_capacity():
 
 def test_receive_layout_names_what_is_not_built():
     assert graphep.layouts.receive_layout("expert_major") is graphep.ReceiveLayout.EXPERT_MAJOR
+    assert graphep.layouts.receive_layout("batched") is graphep.ReceiveLayout.BATCHED
     with pytest.raises(graphep.Error) as e:
-        graphep.layouts.receive_layout("batched")
-    assert e.value.status == graphep.Status.NOT_SUPPORTED and "layout='batched'" in e.value.message
+        graphep.layouts.receive_layout("rank_major")
+    assert e.value.status == graphep.Status.NOT_SUPPORTED and "layout='rank_major'" in e.value.message
+
+
+def test_batched_config_and_its_memory():
+    c = good(receive_layout=graphep.ReceiveLayout.BATCHED, rows_per_expert=40)
+    assert c.receive_layout == graphep.ReceiveLayout.BATCHED and c.rows_per_expert == 40
+    assert "receive_layout=BATCHED" in repr(c) and "rows_per_expert=40" in repr(c)
+    smaller = good(receive_layout=graphep.ReceiveLayout.BATCHED, rows_per_expert=20)
+    assert graphep.memory_requirements(smaller, 8).private_bytes < graphep.memory_requirements(c, 8).private_bytes
+    with pytest.raises(graphep.Error) as e:
+        graphep.validate(good(receive_layout=graphep.ReceiveLayout.BATCHED, recv_capacity=100), 8)
+    assert "MoeConfig.recv_capacity=100: the batched layout" in e.value.message
 
 
 def test_nccl_unique_id_round_trip_is_checked():

@@ -118,6 +118,24 @@ TEST(Unit_CApi, MemoryRequirementsMatchTheCppQuery) {
   graphep_moe_config_t v2 = v3;  // the -1 lies past a v2 caller's struct: not read
   v2.struct_size = offsetof(graphep_moe_config_t, epilogue_sms);
   EXPECT_EQ(graphep_memory_requirements(&v2, 2, &m), GRAPHEP_SUCCESS) << graphep_last_error();
+
+  // The batched layout from C: the same figures as the C++ query; a bad layout named.
+  v3.epilogue_sms = 0;
+  v3.receive_layout = GRAPHEP_LAYOUT_BATCHED;
+  v3.rows_per_expert = 24;
+  ASSERT_EQ(graphep_memory_requirements(&v3, 2, &m), GRAPHEP_SUCCESS) << graphep_last_error();
+  MoeConfig cpp;
+  cpp.maxTokensPerRank = 16;
+  cpp.hidden = 256;
+  cpp.numExperts = 8;
+  cpp.topK = 2;
+  cpp.receiveLayout = ReceiveLayout::kBatched;
+  cpp.rowsPerExpert = 24;
+  EXPECT_EQ(m.private_bytes, Engine::memoryRequirements(cpp, 2).privateBytes);
+  EXPECT_EQ(Engine::receiveCapacity(cpp, 2), 4 * 24);
+  v3.receive_layout = 7;
+  EXPECT_EQ(graphep_memory_requirements(&v3, 2, &m), GRAPHEP_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(graphep_last_error()).find("receive_layout=7"), std::string::npos) << graphep_last_error();
 }
 
 }  // namespace

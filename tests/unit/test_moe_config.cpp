@@ -67,6 +67,21 @@ TEST(Unit_MoeConfig, ValidationNamesTheValue) {
   c.smBudget = 65;
   expectRejected(c, 8, "smBudget=65");
   c = good();
+  c.receiveLayout = ReceiveLayout::kBatched;
+  c.recvCapacity = 100;
+  expectRejected(c, 8, "recvCapacity=100: the batched layout's capacity is E_local x rowsPerExpert");
+  c.recvCapacity = 0;
+  c.expertAlignment = 8;
+  expectRejected(c, 8, "expertAlignment=8: the batched layout");
+  c = good();
+  c.rowsPerExpert = 64;
+  expectRejected(c, 8, "rowsPerExpert=64 applies to the batched layout only");
+  c.receiveLayout = ReceiveLayout::kBatched;
+  c.rowsPerExpert = -1;
+  expectRejected(c, 8, "rowsPerExpert=-1 is negative");
+  c.rowsPerExpert = 1ll << 30;
+  expectRejected(c, 8, "exceeds 2^31 - 1");
+  c = good();
   c.epilogueSms = -1;
   expectRejected(c, 8, "epilogueSms=-1");
   c.epilogueSms = 1025;
@@ -82,6 +97,22 @@ TEST(Unit_MoeConfig, WorstCaseCapacity) {
   EXPECT_EQ(Engine::worstCaseCapacity(c, 8), 128 * 8 * 2);
   c.expertAlignment = 16;  // plus up to 15 padding rows per local expert
   EXPECT_EQ(Engine::worstCaseCapacity(c, 8), 128 * 8 * 2 + 2 * 15);
+}
+
+TEST(Unit_MoeConfig, ReceiveCapacityPerLayout) {
+  MoeConfig c = good();
+  EXPECT_EQ(Engine::receiveCapacity(c, 8), Engine::worstCaseCapacity(c, 8));
+  c.recvCapacity = 1000;
+  EXPECT_EQ(Engine::receiveCapacity(c, 8), 1000);
+  c = good();
+  c.receiveLayout = ReceiveLayout::kBatched;  // 32 local experts x (8 ranks x 128 tokens) rows
+  EXPECT_EQ(Engine::receiveCapacity(c, 8), 32 * 8 * 128);
+  c.rowsPerExpert = 40;
+  EXPECT_EQ(Engine::receiveCapacity(c, 8), 32 * 40);
+  // The memory query follows the capacity.
+  MoeConfig small = c;
+  small.rowsPerExpert = 20;
+  EXPECT_LT(Engine::memoryRequirements(small, 8).privateBytes, Engine::memoryRequirements(c, 8).privateBytes);
 }
 
 TEST(Unit_MoeConfig, RecordSizes) {

@@ -17,6 +17,11 @@ TopKWeightAndReduceDelegate contract: the experts apply no weights). Everything 
 prepare writes the live row count M = a1.shape[0] into a device scalar it owns (a fill kernel).
 A vLLM integration wraps this object in its own FusedMoEPrepareAndFinalizeModular subclass,
 mapping activation_format "standard" to FusedMoEActivationFormat.Standard.
+
+An engine with the batched receive layout (MoeConfig.receive_layout BATCHED) gives
+activation_format "batched" (FusedMoEActivationFormat.BatchedExperts): a1q is recv_x viewed as
+[E_local, rows_per_expert, H] (scales [E_local, rows_per_expert, H / 128]), expert j's valid rows
+its first expert_num_tokens[j]; fused_expert_output comes back in the same shape.
 """
 
 from dataclasses import dataclass
@@ -43,6 +48,9 @@ class GraphepPrepareAndFinalize:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.layout = ops.torch_layout(engine)
+        self._rows_per_expert = getattr(engine.layout, "rows_per_expert", 0)
+        if self._rows_per_expert > 0:
+            self.activation_format = "batched"
         self._num_tokens = ops.token_count(torch.device("cuda", engine.device))
         self._meta = ExpertTokensMetadata(expert_num_tokens=self.layout.expert_counts)
 
@@ -81,8 +89,14 @@ class GraphepPrepareAndFinalize:
                                 "bf16 engine")
         self._num_tokens.fill_(a1.shape[0])
         ops.dispatch(self.engine, a1, topk_ids, topk_weights.float(), self._num_tokens)
-        return self.layout.recv_x, self.layout.recv_scales, self._meta, None, None
+        x, scales = self.layout.recv_x, self.layout.recv_scales
+        if self._rows_per_expert > 0:  # [E_local, rows_per_expert, ...]: views, no copy
+            x = x.view(-1, self._rows_per_expert, x.shape[-1])
+            scales = None if scales is None else scales.view(-1, self._rows_per_expert, scales.shape[-1])
+        return x, scales, self._meta, None, None
 
     def finalize(self, output: torch.Tensor, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
                  topk_ids: torch.Tensor, apply_router_weight_on_input: bool, weight_and_reduce_impl=None) -> None:
+        if self._rows_per_expert > 0 and fused_expert_output.dim() == 3:
+            fused_expert_output = fused_expert_output.reshape(-1, fused_expert_output.shape[-1])
         ops.combine(self.engine, output, fused_expert_output)
