@@ -4,12 +4,14 @@
 //   bits    every (token, k) entry: its bit in the expert's row and in the destination rank's row,
 //           its count in the expert's 32-token block; invalid ids counted; CTA 0 clamps the live
 //           token count.
-//   prefix  one warp per row: entries (tokens, for rank rows) before each 32-token block, and the
-//           row's total (expertCount, rankCount).
+//   prefix  one warp per row: entries (tokens, for rank rows) before each 32-token block (a CUB
+//           warp scan per 32 blocks), and the row's total (expertCount, rankCount).
 //   assign  each entry's index within its expert's entries from this rank (token-major order, so
 //           rows stay in token order): the block's prefix plus the entries before it in the block
 //           (a popcount, or an exact count when some token holds an expert twice); each token's
 //           index in each destination rank's record list, or -1.
+#include <cub/warp/warp_scan.cuh>
+
 #include "kernels/common/moe.cuh"
 
 namespace graphep {
@@ -42,23 +44,22 @@ __global__ void __launch_bounds__(kThreads) moeRouteBitsKernel(const __grid_cons
 
 __global__ void __launch_bounds__(kThreads) moeRoutePrefixKernel(const __grid_constant__ MoeParams p) {
   const MoeStamp stamp(p, MoeKernel::kRoute);
+  using WarpScan = cub::WarpScan<std::uint32_t>;
+  __shared__ typename WarpScan::TempStorage scan[kWarps];
   const int W = static_cast<int>(moeRouteWords(p.maxTokens)), E = p.numExperts;
-  const int lane = static_cast<int>(threadIdx.x) & 31;
-  const int firstWarp = static_cast<int>(blockIdx.x) * kWarps + static_cast<int>(threadIdx.x) / 32;
+  const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) / 32;
+  const int firstWarp = static_cast<int>(blockIdx.x) * kWarps + warp;
   for (int row = firstWarp; row < E + p.numRanks; row += static_cast<int>(gridDim.x) * kWarps) {
     std::uint32_t carry = 0;
-    for (int w0 = 0; w0 < W; w0 += 32) {
+    for (int w0 = 0; w0 < W; w0 += 32) {  // the whole warp, every round (W is the same for all)
       const int w = w0 + lane;
       std::uint32_t v = 0;
       if (w < W) v = row < E ? p.routeCount[row * W + w] : static_cast<std::uint32_t>(__popc(p.routeBits[row * W + w]));
-      std::uint32_t incl = v;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const std::uint32_t y = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += y;
-      }
-      if (w < W) p.routePrefix[row * W + w] = carry + incl - v;
-      carry += __shfl_sync(0xffffffffu, incl, 31);
+      std::uint32_t before = 0, total = 0;
+      WarpScan(scan[warp]).ExclusiveSum(v, before, total);
+      __syncwarp();  // the scan's storage is reused next round
+      if (w < W) p.routePrefix[row * W + w] = carry + before;
+      carry += total;
     }
     if (lane == 0) {
       if (row < E) {
