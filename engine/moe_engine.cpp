@@ -15,9 +15,11 @@
 #include "engine/watchdog.hpp"
 #include "engine/movers.hpp"
 #include "engine/platform.hpp"
+#include "engine/sm_model.hpp"
 #include "engine/topology.hpp"
 #include "kernels/common/counter.h"
 #include "kernels/moe.h"
+#include "kernels/probe.h"
 
 namespace graphep {
 namespace {
@@ -326,20 +328,99 @@ int latencyCtas(Communicator& comm, const SymmetricHeap& heap, const MoeConfig& 
   return minOverRanks(comm, mine);
 }
 
-// Collective: the throughput kernels' CTAs (the SM budget, or one per SM of the smallest GPU) and
-// the direct receive's (one per SM of this rank's GPU).
+// Collective, setup only (every peer by load/store): every rank pushes into its next rank's record
+// slots (unused until the first dispatch) with one CTA, then with many, all ranks at once; the
+// rates the slowest rank saw. Unknown (zeros) when the slots are too small to time (under 4 MiB).
+LinkRates measureLinkRates(Communicator& comm, const SymmetricHeap& heap, std::size_t slotBytes) {
+  constexpr std::size_t kOneCtaBytes = std::size_t{4} << 20, kLinkBytes = std::size_t{64} << 20;
+  constexpr int kLinkCtas = 32;
+  const int R = heap.worldSize(), locals = heap.numLocalRanks();
+  const std::size_t linkBytes = std::min(kLinkBytes, slotBytes / 16 * 16);
+  if (R < 2 || linkBytes < kOneCtaBytes) return LinkRates{};
+  struct Probe {
+    char* src = nullptr;
+    cudaStream_t stream = nullptr;
+    cudaEvent_t ev[3] = {nullptr, nullptr, nullptr};
+  };
+  std::vector<Probe> probes(static_cast<std::size_t>(locals));
+  auto release = [&] {
+    for (int l = 0; l < locals; ++l) {
+      Probe& pr = probes[static_cast<std::size_t>(l)];
+      cudaSetDevice(heap.device(l));
+      for (cudaEvent_t e : pr.ev) if (e != nullptr) cudaEventDestroy(e);
+      if (pr.stream != nullptr) cudaStreamDestroy(pr.stream);
+      if (pr.src != nullptr) cudaFree(pr.src);
+    }
+  };
+  std::vector<double> mine(2 * static_cast<std::size_t>(locals), 0.0);
+  try {
+    for (int l = 0; l < locals; ++l) {
+      Probe& pr = probes[static_cast<std::size_t>(l)];
+      DeviceGuard guard(heap.device(l));
+      GRAPHEP_CUDA_CHECK(cudaMalloc(&pr.src, linkBytes));
+      GRAPHEP_CUDA_CHECK(cudaMemset(pr.src, 0x3c, linkBytes));
+      GRAPHEP_CUDA_CHECK(cudaStreamCreateWithFlags(&pr.stream, cudaStreamNonBlocking));
+      for (cudaEvent_t& e : pr.ev) GRAPHEP_CUDA_CHECK(cudaEventCreate(&e));
+      GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
+    }
+    comm.barrier();  // every rank pushes at once, as in a dispatch
+    for (int l = 0; l < locals; ++l) {
+      Probe& pr = probes[static_cast<std::size_t>(l)];
+      DeviceGuard guard(heap.device(l));
+      char* dst = heap.peerUser(l, (heap.rank(l) + 1) % R);
+      GRAPHEP_CUDA_CHECK(launchPushProbe(dst, pr.src, std::size_t{1} << 20, kLinkCtas, pr.stream));  // warm-up
+      GRAPHEP_CUDA_CHECK(cudaEventRecord(pr.ev[0], pr.stream));
+      GRAPHEP_CUDA_CHECK(launchPushProbe(dst, pr.src, kOneCtaBytes, 1, pr.stream));
+      GRAPHEP_CUDA_CHECK(cudaEventRecord(pr.ev[1], pr.stream));
+      GRAPHEP_CUDA_CHECK(launchPushProbe(dst, pr.src, linkBytes, kLinkCtas, pr.stream));
+      GRAPHEP_CUDA_CHECK(cudaEventRecord(pr.ev[2], pr.stream));
+    }
+    for (int l = 0; l < locals; ++l) {
+      Probe& pr = probes[static_cast<std::size_t>(l)];
+      DeviceGuard guard(heap.device(l));
+      GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(pr.stream));
+      float one = 0, link = 0;
+      GRAPHEP_CUDA_CHECK(cudaEventElapsedTime(&one, pr.ev[0], pr.ev[1]));
+      GRAPHEP_CUDA_CHECK(cudaEventElapsedTime(&link, pr.ev[1], pr.ev[2]));
+      mine[2 * static_cast<std::size_t>(l)] = one > 0 ? static_cast<double>(kOneCtaBytes) / (one * 1e6) : 0.0;
+      mine[2 * static_cast<std::size_t>(l) + 1] = link > 0 ? static_cast<double>(linkBytes) / (link * 1e6) : 0.0;
+    }
+  } catch (...) {
+    release();
+    throw;
+  }
+  release();
+  std::vector<double> all(2 * static_cast<std::size_t>(R), 0.0);
+  comm.allgather(mine.data(), all.data(), 2 * sizeof(double));
+  LinkRates r{all[0], all[1]};
+  for (int q = 1; q < R; ++q) {
+    r.perCtaGBps = std::min(r.perCtaGBps, all[2 * static_cast<std::size_t>(q)]);
+    r.linkGBps = std::min(r.linkGBps, all[2 * static_cast<std::size_t>(q) + 1]);
+  }
+  return r;
+}
+
+// Collective: the throughput kernels' CTAs (the SM budget; without one, for the direct dispatch the
+// CTAs that carry the measured link (commCtasFor), else one per SM of the smallest GPU) and the
+// direct receive's.
 struct ThroughputCtas {
   int comm = 0;
   std::vector<int> epilogue;  // per local rank
 };
-ThroughputCtas throughputCtas(Communicator& comm, const SymmetricHeap& heap, const MoeConfig& cfg) {
+ThroughputCtas throughputCtas(Communicator& comm, const SymmetricHeap& heap, const MoeConfig& cfg, bool direct,
+                              std::size_t slotBytes) {
   ThroughputCtas c;
+  const LinkRates rates = direct && cfg.smBudget == 0 ? measureLinkRates(comm, heap, slotBytes) : LinkRates{};
   std::vector<std::int32_t> mine(static_cast<std::size_t>(heap.numLocalRanks()));
   std::vector<int> sms(static_cast<std::size_t>(heap.numLocalRanks()));
   for (int l = 0; l < heap.numLocalRanks(); ++l) {
-    GRAPHEP_CUDA_CHECK(cudaDeviceGetAttribute(&sms[static_cast<std::size_t>(l)], cudaDevAttrMultiProcessorCount,
-                                              heap.device(l)));
-    mine[static_cast<std::size_t>(l)] = cfg.smBudget > 0 ? cfg.smBudget : sms[static_cast<std::size_t>(l)];
+    const std::size_t ls = static_cast<std::size_t>(l);
+    GRAPHEP_CUDA_CHECK(cudaDeviceGetAttribute(&sms[ls], cudaDevAttrMultiProcessorCount, heap.device(l)));
+    mine[ls] = cfg.smBudget > 0 ? cfg.smBudget : commCtasFor(rates, sms[ls]);
+  }
+  if (rates.linkGBps > 0) {
+    GRAPHEP_LOG_INFO(log::kTune, "rank %d: link %.0f GB/s, one CTA %.1f GB/s: %d communication CTAs (smBudget 0)",
+                     heap.rank(0), rates.linkGBps, rates.perCtaGBps, commCtasFor(rates, sms[0]));
   }
   c.comm = minOverRanks(comm, mine);
   // MoeConfig.epilogueSms, at most one per SM; by default the SMs the send leaves free (one CTA
@@ -569,7 +650,8 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
   const bool throughput = path == MoePath::kThroughput;
   const int llCtas = throughput ? 0 : latencyCtas(comm, *group->heap, cfg);
   const bool direct = throughput && directDispatch(comm, *group->heap);
-  const ThroughputCtas tctas = throughput ? throughputCtas(comm, *group->heap, cfg) : ThroughputCtas{};
+  const ThroughputCtas tctas =
+      throughput ? throughputCtas(comm, *group->heap, cfg, direct, Rs * T * recBytes) : ThroughputCtas{};
   group->movers = Movers::createAll(*group->heap, engineMoverOptions(sizes));
 
   requireLocalBuffersFit(comm, *group->heap, cfg, carveLocal(cfg, sizes, cap, throughput).bytes, capacity);

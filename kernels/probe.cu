@@ -1,6 +1,7 @@
 // Flag ping-pong probe (see kernels/probe.h).
 #include "kernels/probe.h"
 
+#include "kernels/common/copy.cuh"
 #include "kernels/common/flags.cuh"
 
 namespace graphep {
@@ -43,9 +44,26 @@ cudaError_t launchFlagPingPong(const SyncHandle& h, std::uint32_t channel, std::
   return cudaGetLastError();
 }
 
+constexpr int kPushThreads = 512;
+
+// CTA c copies bytes [c * share, (c + 1) * share) (the last CTA the rest) with the movers' copy loop.
+__global__ void __launch_bounds__(kPushThreads) pushProbeKernel(char* dst, const char* src, std::uint64_t bytes) {
+  const std::uint64_t share = bytes / gridDim.x / 16 * 16;
+  const std::uint64_t first = share * blockIdx.x;
+  const std::uint64_t n = blockIdx.x + 1 == gridDim.x ? bytes - first : share;
+  copyBytes<LoadKind::kDefault>(dst + first, src + first, n, static_cast<int>(threadIdx.x), kPushThreads);
+}
+
+cudaError_t launchPushProbe(char* dst, const char* src, std::size_t bytes, int ctas, cudaStream_t stream) {
+  if (ctas < 1 || bytes % 16 != 0) return cudaErrorInvalidValue;
+  pushProbeKernel<<<static_cast<unsigned>(ctas), kPushThreads, 0, stream>>>(dst, src, bytes);
+  return cudaGetLastError();
+}
+
 cudaError_t preloadProbeKernels() {
   cudaFuncAttributes a{};
-  return cudaFuncGetAttributes(&a, flagPingPongKernel);
+  const cudaError_t e = cudaFuncGetAttributes(&a, flagPingPongKernel);
+  return e != cudaSuccess ? e : cudaFuncGetAttributes(&a, pushProbeKernel);
 }
 
 }  // namespace graphep

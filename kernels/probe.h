@@ -1,9 +1,12 @@
-// Link probes: flag ping-pong between every pair of ranks (kernels/probe.cu). Used by the tests
-// to prove lossless, wrap-safe signalling and by graphep-bench to measure flag round-trip latency.
+// Link probes (kernels/probe.cu): flag ping-pong between every pair of ranks, used by the tests to
+// prove lossless, wrap-safe signalling and by graphep-bench to measure flag round-trip latency;
+// and a push of bytes into a peer's memory, whose rate at setup sizes the communication kernels
+// (engine/sm_model.hpp).
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "kernels/common/sync_handle.h"
@@ -18,7 +21,11 @@ namespace graphep {
 cudaError_t launchFlagPingPong(const SyncHandle& h, std::uint32_t channel, std::uint32_t rounds,
                                unsigned long long* errors, cudaStream_t stream);
 
-// Loads the probe kernel on the current device (setup only; see preloadSemaphoreKernels).
+// `ctas` CTAs copy `bytes` (a multiple of 16, 16-byte aligned) from src to dst (local or a
+// load/store peer's memory) with 16-byte stores, CTA c taking an equal contiguous share.
+cudaError_t launchPushProbe(char* dst, const char* src, std::size_t bytes, int ctas, cudaStream_t stream);
+
+// Loads the probe kernels on the current device (setup only; see preloadSemaphoreKernels).
 cudaError_t preloadProbeKernels();
 
 }  // namespace graphep

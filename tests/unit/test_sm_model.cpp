@@ -1,0 +1,43 @@
+// The communication CTA count for smBudget 0 (engine/sm_model.hpp): CPU tests with the rates
+// measured on the GPUs this project runs on and with degenerate ones.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+
+#include "engine/sm_model.hpp"
+
+namespace graphep::test {
+namespace {
+
+TEST(Unit_SmModel, CoversTheLinkWithTheMargin) {
+  // 2x H200 over NV18: one CTA pushes ~19 GB/s, the link carries ~350 GB/s both ways at once:
+  // 350 / 19 = 18.4 CTAs, x 1.25 = 23.03 -> 24.
+  EXPECT_EQ(commCtasFor(LinkRates{19.0, 350.0}, 132), 24);
+  // Exactly 20 x 1.25 = 25: no rounding up past an exact fit.
+  EXPECT_EQ(commCtasFor(LinkRates{10.0, 200.0}, 132), 25);
+  // A faster CTA needs fewer; a faster link more.
+  EXPECT_LT(commCtasFor(LinkRates{38.0, 350.0}, 132), commCtasFor(LinkRates{19.0, 350.0}, 132));
+  EXPECT_GT(commCtasFor(LinkRates{19.0, 700.0}, 132), commCtasFor(LinkRates{19.0, 350.0}, 132));
+  // The margin is the caller's to change.
+  EXPECT_EQ(commCtasFor(LinkRates{10.0, 200.0}, 132, 1.0), 20);
+}
+
+TEST(Unit_SmModel, StaysWithinOneAndTheCap) {
+  EXPECT_EQ(commCtasFor(LinkRates{19.0, 350.0}, 16), 16);    // capped by the SMs there are
+  EXPECT_EQ(commCtasFor(LinkRates{500.0, 10.0}, 132), 1);    // a link one CTA fills
+  EXPECT_EQ(commCtasFor(LinkRates{19.0, 350.0}, 0), 1);      // a cap below 1 still leaves one CTA
+}
+
+TEST(Unit_SmModel, UnknownRatesKeepTheCap) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  for (const LinkRates r : {LinkRates{0.0, 350.0}, LinkRates{19.0, 0.0}, LinkRates{-1.0, 350.0},
+                            LinkRates{nan, 350.0}, LinkRates{19.0, nan},
+                            LinkRates{19.0, std::numeric_limits<double>::infinity()}}) {
+    EXPECT_EQ(commCtasFor(r, 132), 132) << r.perCtaGBps << " " << r.linkGBps;
+  }
+  EXPECT_EQ(commCtasFor(LinkRates{19.0, 350.0}, 132, 0.0), 132);  // a margin of 0 is no rule
+}
+
+}  // namespace
+}  // namespace graphep::test
