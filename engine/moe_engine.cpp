@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <mutex>
 
 #include "engine/error.hpp"
@@ -499,7 +500,10 @@ long long Engine::worstCaseCapacity(const MoeConfig& cfg, int worldSize) {
 
 long long Engine::receiveCapacity(const MoeConfig& cfg, int worldSize) {
   if (cfg.receiveLayout == ReceiveLayout::kBatched) {
-    return static_cast<long long>(cfg.numExperts / std::max(worldSize, 1)) * batchedRowsPerExpert(cfg, worldSize);
+    const long long L = std::max(cfg.numExperts / std::max(worldSize, 1), 1);
+    const long long rows = batchedRowsPerExpert(cfg, worldSize);
+    // Saturated rather than wrapped: validate refuses anything at or above 2^31 by name.
+    return rows > std::numeric_limits<long long>::max() / L ? std::numeric_limits<long long>::max() : L * rows;
   }
   return cfg.recvCapacity > 0 ? cfg.recvCapacity : worstCaseCapacity(cfg, worldSize);
 }
@@ -579,6 +583,12 @@ void Engine::validate(const MoeConfig& c, int R) {
                     "MoeConfig.rowsPerExpert=%lld applies to the batched layout only", c.rowsPerExpert);
   }
   const long long cap = receiveCapacity(c, R);
+  if (c.receiveLayout == ReceiveLayout::kBatched) {
+    GRAPHEP_REQUIRE(cap < (1ll << 31), Status::kInvalidArgument,
+                    "MoeConfig.rowsPerExpert=%lld: %d local experts x %lld rows exceed 2^31 - 1 rows (lower "
+                    "rowsPerExpert)",
+                    c.rowsPerExpert, c.numExperts / R, batchedRowsPerExpert(c, R));
+  }
   GRAPHEP_REQUIRE(cap < (1ll << 31), Status::kInvalidArgument,
                   "MoeConfig: a receive capacity of %lld rows exceeds 2^31 - 1 (lower recvCapacity)",
                   cap);
@@ -1100,7 +1110,8 @@ std::string MoeStatus::describe() const {
                         invalidExpertIds, firstInvalidToken, firstInvalidSlot, firstInvalidId));
   }
   if (droppedRows > 0) {
-    line(detail::format("%llu received row(s) past the receive capacity dropped", droppedRows));
+    line(detail::format("%llu received row(s) past the receive capacity (batched: past their expert's block) dropped",
+                        droppedRows));
   }
   if (clampedTokenCounts > 0) {
     line(detail::format("%llu dispatch(es) had a live token count outside [0, maxTokensPerRank]; "

@@ -25,8 +25,12 @@ extern "C" {
 #endif
 
 /* 1: the first ABI. 2: graphep_layout_t.expert_dropped, graphep_engine_path; the layout describes
- * only the rows kept when more rows arrive than recv_capacity (see graphep_layout_t). */
-#define GRAPHEP_C_API_VERSION 2
+ * only the rows kept when more rows arrive than recv_capacity (see graphep_layout_t).
+ * 3: graphep_moe_config_t.epilogue_sms, receive_layout, rows_per_expert (the batched layout);
+ * graphep_layout_t.receive_layout, rows_per_expert. A version-2 caller's structs (config 56 bytes,
+ * layout 128 bytes on 64-bit hosts) keep working: the new fields read as 0 and only its bytes are
+ * written. */
+#define GRAPHEP_C_API_VERSION 3
 
 /* Mirrors graphep::Status (include/graphep/status.hpp). */
 typedef enum graphep_status {

@@ -58,8 +58,9 @@ struct MoeConfig {
   long long recvCapacity = 0;
   int expertAlignment = 1;  // each local expert's rows start at a multiple of this (expert-major)
   ReceiveLayout receiveLayout = ReceiveLayout::kExpertMajor;
-  // kBatched: rows per local expert (recvCapacity stays 0; the capacity is E_local x this). 0: the
-  // worst case, worldSize x T_max; rows past it are dropped and counted. A decode-sized layout:
+  // kBatched: rows per local expert (recvCapacity stays 0; the capacity is E_local x this). 0:
+  // worldSize x T_max (every token once; a token naming one expert in several slots can pass it);
+  // rows past it are dropped and counted. A decode-sized layout:
   // the engine refuses by name one whose buffers do not fit the device.
   long long rowsPerExpert = 0;
   // CTAs (SMs) each engine kernel may use: on the throughput path the CTAs of each routing /

@@ -18,7 +18,7 @@ from typing import List, Optional
 from graphep import _graphep
 from graphep.arrays import describe, require_matrix, require_scalar, stream_handle
 from graphep.errors import invalid_argument
-from graphep.layouts import ExpertMajorLayout
+from graphep.layouts import ExpertMajorLayout, receive_layout
 
 _INDEX_TYPES = {"int32": _graphep.IndexType.INT32, "int64": _graphep.IndexType.INT64}
 
@@ -109,19 +109,23 @@ class Engine:
                 f"path={self.path.name}, {self._config!r})")
 
 
-def create_engines(group: _graphep.Group, config: _graphep.MoeConfig) -> List[Engine]:
+def create_engines(group: _graphep.Group, config: _graphep.MoeConfig, layout=None) -> List[Engine]:
     """Collective over `group`: one Engine per rank this process drives, in local-rank order.
     Setup work (allocates the symmetric heap and buffers, loads kernels); never capturable. The
-    receive layout is config.receive_layout."""
+    receive layout is config.receive_layout; `layout` (a ReceiveLayout or its name), when given,
+    must agree with it."""
+    if layout is not None and receive_layout(layout) != config.receive_layout:
+        raise invalid_argument(f"layout={layout!r} differs from config.receive_layout="
+                               f"{config.receive_layout.name}: set config.receive_layout")
     return [Engine(core) for core in _graphep.create_engines(group, config)]
 
 
-def create_engine(group: _graphep.Group, config: _graphep.MoeConfig) -> Engine:
+def create_engine(group: _graphep.Group, config: _graphep.MoeConfig, layout=None) -> Engine:
     """Collective, for a process that drives exactly one rank (torchrun, mpirun)."""
     if group.num_local_ranks != 1:
         raise invalid_argument(f"create_engine: this process drives {group.num_local_ranks} ranks; "
                                "use create_engines")
-    return create_engines(group, config)[0]
+    return create_engines(group, config, layout)[0]
 
 
 def memory_requirements(config: _graphep.MoeConfig, world_size: int) -> _graphep.MemoryRequirements:

@@ -69,8 +69,7 @@ class ExpertMajorLayout:
         common = dict(capacity=core.capacity, hidden=core.config.hidden, num_local_experts=core.num_local_experts,
                       first_local_expert=core.first_local_expert)
         if core.config.receive_layout == ReceiveLayout.BATCHED:
-            return BatchedLayout(**views, **common, layout=ReceiveLayout.BATCHED,
-                                 rows_per_expert=core.rows_per_expert)
+            return BatchedLayout(**views, **common, rows_per_expert=core.rows_per_expert)
         return ExpertMajorLayout(**views, **common)
 
 
@@ -80,3 +79,4 @@ class BatchedLayout(ExpertMajorLayout):
     j x rows_per_expert (capacity = num_local_experts x rows_per_expert)."""
 
     rows_per_expert: int = 0
+    layout: ReceiveLayout = ReceiveLayout.BATCHED

@@ -34,7 +34,7 @@ TEST(Unit_CApi, ErrorsAreNamedStatusesPerThread) {
   EXPECT_NE(std::string(graphep_last_error()).find("graph is NULL"), std::string::npos);
 
   // graphep_engine_path (version 2): each NULL named, the output left alone on failure.
-  EXPECT_GE(GRAPHEP_C_API_VERSION, 2);
+  EXPECT_GE(GRAPHEP_C_API_VERSION, 3);
   int path = -7;
   EXPECT_EQ(graphep_engine_path(nullptr, &path), GRAPHEP_INVALID_ARGUMENT);
   EXPECT_NE(std::string(graphep_last_error()).find("engine is NULL"), std::string::npos) << graphep_last_error();

@@ -2,6 +2,8 @@
 // diagnosis of a stalled latency-path rank.
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include <string>
 
 #include <graphep/graphep.hpp>
@@ -80,7 +82,11 @@ TEST(Unit_MoeConfig, ValidationNamesTheValue) {
   c.rowsPerExpert = -1;
   expectRejected(c, 8, "rowsPerExpert=-1 is negative");
   c.rowsPerExpert = 1ll << 30;
-  expectRejected(c, 8, "exceeds 2^31 - 1");
+  expectRejected(c, 8, "rowsPerExpert=1073741824: 32 local experts");
+  for (const long long huge : {1ll << 62, 3ll << 61, std::numeric_limits<long long>::max()}) {
+    c.rowsPerExpert = huge;  // a product that would wrap is refused, not accepted
+    expectRejected(c, 8, "exceed 2^31 - 1 rows (lower rowsPerExpert)");
+  }
   c = good();
   c.epilogueSms = -1;
   expectRejected(c, 8, "epilogueSms=-1");

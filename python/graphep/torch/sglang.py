@@ -31,7 +31,10 @@ class GraphepDispatchOutput:
     expert_offsets: torch.Tensor  # [E_local + 1] int32, device
     num_recv_rows: torch.Tensor  # [1] int32, device
     layout: ops.TorchLayout  # every view (row sources, weights, the engine's expert_output)
+    # "graphep_expert_major": rows packed by expert; "graphep_batched": expert j's rows at
+    # j x rows_per_expert (hidden_states [E_local x rows_per_expert, H])
     format: str = "graphep_expert_major"
+    rows_per_expert: int = 0
 
 
 class GraphepDispatcher:
@@ -51,7 +54,9 @@ class GraphepDispatcher:
         ops.dispatch(self.engine, hidden_states, topk_output.topk_ids,
                      weights if weights.dtype == torch.float32 else weights.float(), self._num_tokens)
         v = self.layout
-        return GraphepDispatchOutput(v.recv_x, v.recv_scales, v.expert_counts, v.expert_offsets, v.num_recv_rows, v)
+        rows = getattr(self.engine.layout, "rows_per_expert", 0)
+        return GraphepDispatchOutput(v.recv_x, v.recv_scales, v.expert_counts, v.expert_offsets, v.num_recv_rows, v,
+                                     "graphep_batched" if rows > 0 else "graphep_expert_major", rows)
 
     def combine(self, combine_input, **kwargs) -> torch.Tensor:
         y = combine_input if isinstance(combine_input, torch.Tensor) else combine_input.hidden_states
