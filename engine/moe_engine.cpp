@@ -274,7 +274,7 @@ bool directDispatch(Communicator& comm, const SymmetricHeap& heap) {
 void requireLocalBuffersFit(Communicator& comm, const SymmetricHeap& heap, const MoeConfig& cfg, std::size_t bytes,
                             long long capacity) {
   struct Room {
-    unsigned long long free;
+    unsigned long long free;  // the device's free bytes shared out over this process's ranks on it
     int device;
   };
   std::vector<Room> mine;
@@ -282,14 +282,16 @@ void requireLocalBuffersFit(Communicator& comm, const SymmetricHeap& heap, const
     DeviceGuard guard(heap.device(l));
     std::size_t free = 0, total = 0;
     GRAPHEP_CUDA_CHECK(cudaMemGetInfo(&free, &total));
-    mine.push_back(Room{free, heap.device(l)});
+    int sharing = 0;  // emulated ranks of this process on the same GPU allocate one after another
+    for (int k = 0; k < heap.numLocalRanks(); ++k) sharing += heap.device(k) == heap.device(l) ? 1 : 0;
+    mine.push_back(Room{free / static_cast<unsigned long long>(sharing), heap.device(l)});
   }
   std::vector<Room> all(static_cast<std::size_t>(comm.worldSize()));
   comm.allgather(mine.data(), all.data(), sizeof(Room));
   for (std::size_t q = 0; q < all.size(); ++q) {
     GRAPHEP_REQUIRE(bytes <= all[q].free, Status::kOutOfMemory,
                     "MoeConfig: rank %zu needs %zu B of engine buffers (recv_x and expert outputs: %lld rows "
-                    "of H=%d%s), more than the %llu B free on its device %d; lower %s",
+                    "of H=%d%s), more than its share (%llu B) of the memory free on its device %d; lower %s",
                     q, bytes, capacity, cfg.hidden,
                     cfg.receiveLayout == ReceiveLayout::kBatched ? ", the batched layout's E_local x rowsPerExpert" : "",
                     all[q].free, all[q].device,
