@@ -332,41 +332,46 @@ int latencyCtas(Communicator& comm, const SymmetricHeap& heap, const MoeConfig& 
 }
 
 // Collective, setup only (every peer by load/store): every rank pushes into its next rank's record
-// slots (unused until the first dispatch) with one CTA, then with many, all ranks at once; the
-// rates the slowest rank saw. Unknown (zeros) when the slots are too small to time (under 4 MiB).
-LinkRates measureLinkRates(Communicator& comm, const SymmetricHeap& heap, std::size_t slotBytes) {
+// slots (unused until the first dispatch) with one CTA, then with 64 (the slots pushed over again
+// until 64 MiB have gone, so the timing is not launch-bound), all ranks at once. This rank's local
+// ranks' rates; unknown (zeros) when the slots are under 4 MiB or a CUDA call fails here (logged:
+// setup goes on with the SM count; every rank still makes the same collective calls).
+std::vector<LinkRates> measureLinkRates(Communicator& comm, const SymmetricHeap& heap, std::size_t slotBytes) {
   constexpr std::size_t kOneCtaBytes = std::size_t{4} << 20, kLinkBytes = std::size_t{64} << 20;
-  constexpr int kLinkCtas = 32;
+  constexpr int kLinkCtas = 64;
   const int R = heap.worldSize(), locals = heap.numLocalRanks();
-  const std::size_t linkBytes = std::min(kLinkBytes, slotBytes / 16 * 16);
-  if (R < 2 || linkBytes < kOneCtaBytes) return LinkRates{};
+  std::vector<LinkRates> rates(static_cast<std::size_t>(locals));
+  const std::size_t regionBytes = std::min(kLinkBytes, slotBytes / 16 * 16);
+  if (R < 2 || regionBytes < kOneCtaBytes) return rates;  // the same on every rank (config sizes)
   struct Probe {
     char* src = nullptr;
     cudaStream_t stream = nullptr;
     cudaEvent_t ev[3] = {nullptr, nullptr, nullptr};
   };
   std::vector<Probe> probes(static_cast<std::size_t>(locals));
-  auto release = [&] {
-    for (int l = 0; l < locals; ++l) {
-      Probe& pr = probes[static_cast<std::size_t>(l)];
-      cudaSetDevice(heap.device(l));
-      for (cudaEvent_t e : pr.ev) if (e != nullptr) cudaEventDestroy(e);
-      if (pr.stream != nullptr) cudaStreamDestroy(pr.stream);
-      if (pr.src != nullptr) cudaFree(pr.src);
+  bool ok = true;
+  auto attempt = [&](auto&& step) {  // a failure here leaves this rank's rates unknown
+    if (!ok) return;
+    try {
+      step();
+    } catch (const Error& e) {
+      ok = false;
+      GRAPHEP_LOG_WARN(log::kTune, "rank %d: link probe failed (%s); the SM count is used", heap.rank(0), e.what());
     }
   };
-  std::vector<double> mine(2 * static_cast<std::size_t>(locals), 0.0);
-  try {
+  attempt([&] {
     for (int l = 0; l < locals; ++l) {
       Probe& pr = probes[static_cast<std::size_t>(l)];
       DeviceGuard guard(heap.device(l));
-      GRAPHEP_CUDA_CHECK(cudaMalloc(&pr.src, linkBytes));
-      GRAPHEP_CUDA_CHECK(cudaMemset(pr.src, 0x3c, linkBytes));
+      GRAPHEP_CUDA_CHECK(cudaMalloc(&pr.src, regionBytes));
+      GRAPHEP_CUDA_CHECK(cudaMemset(pr.src, 0x3c, regionBytes));
       GRAPHEP_CUDA_CHECK(cudaStreamCreateWithFlags(&pr.stream, cudaStreamNonBlocking));
       for (cudaEvent_t& e : pr.ev) GRAPHEP_CUDA_CHECK(cudaEventCreate(&e));
       GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
     }
-    comm.barrier();  // every rank pushes at once, as in a dispatch
+  });
+  comm.barrier();  // every rank pushes at once, as in a dispatch
+  attempt([&] {
     for (int l = 0; l < locals; ++l) {
       Probe& pr = probes[static_cast<std::size_t>(l)];
       DeviceGuard guard(heap.device(l));
@@ -375,7 +380,9 @@ LinkRates measureLinkRates(Communicator& comm, const SymmetricHeap& heap, std::s
       GRAPHEP_CUDA_CHECK(cudaEventRecord(pr.ev[0], pr.stream));
       GRAPHEP_CUDA_CHECK(launchPushProbe(dst, pr.src, kOneCtaBytes, 1, pr.stream));
       GRAPHEP_CUDA_CHECK(cudaEventRecord(pr.ev[1], pr.stream));
-      GRAPHEP_CUDA_CHECK(launchPushProbe(dst, pr.src, linkBytes, kLinkCtas, pr.stream));
+      for (std::size_t done = 0; done < kLinkBytes; done += regionBytes) {
+        GRAPHEP_CUDA_CHECK(launchPushProbe(dst, pr.src, regionBytes, kLinkCtas, pr.stream));
+      }
       GRAPHEP_CUDA_CHECK(cudaEventRecord(pr.ev[2], pr.stream));
     }
     for (int l = 0; l < locals; ++l) {
@@ -385,27 +392,31 @@ LinkRates measureLinkRates(Communicator& comm, const SymmetricHeap& heap, std::s
       float one = 0, link = 0;
       GRAPHEP_CUDA_CHECK(cudaEventElapsedTime(&one, pr.ev[0], pr.ev[1]));
       GRAPHEP_CUDA_CHECK(cudaEventElapsedTime(&link, pr.ev[1], pr.ev[2]));
-      mine[2 * static_cast<std::size_t>(l)] = one > 0 ? static_cast<double>(kOneCtaBytes) / (one * 1e6) : 0.0;
-      mine[2 * static_cast<std::size_t>(l) + 1] = link > 0 ? static_cast<double>(linkBytes) / (link * 1e6) : 0.0;
+      const std::size_t linkTotal = (kLinkBytes + regionBytes - 1) / regionBytes * regionBytes;
+      rates[static_cast<std::size_t>(l)] =
+          LinkRates{one > 0 ? static_cast<double>(kOneCtaBytes) / (one * 1e6) : 0.0,
+                    link > 0 ? static_cast<double>(linkTotal) / (link * 1e6) : 0.0};
     }
-  } catch (...) {
-    release();
-    throw;
+  });
+  for (int l = 0; l < locals; ++l) {
+    Probe& pr = probes[static_cast<std::size_t>(l)];
+    DeviceGuard guard(heap.device(l));
+    if (pr.stream != nullptr) cudaStreamSynchronize(pr.stream);  // nothing in flight before the frees
+    for (cudaEvent_t e : pr.ev) {
+      if (e != nullptr) cudaEventDestroy(e);
+    }
+    if (pr.stream != nullptr) cudaStreamDestroy(pr.stream);
+    if (pr.src != nullptr) cudaFree(pr.src);
   }
-  release();
-  std::vector<double> all(2 * static_cast<std::size_t>(R), 0.0);
-  comm.allgather(mine.data(), all.data(), 2 * sizeof(double));
-  LinkRates r{all[0], all[1]};
-  for (int q = 1; q < R; ++q) {
-    r.perCtaGBps = std::min(r.perCtaGBps, all[2 * static_cast<std::size_t>(q)]);
-    r.linkGBps = std::min(r.linkGBps, all[2 * static_cast<std::size_t>(q) + 1]);
-  }
-  return r;
+  if (!ok) std::fill(rates.begin(), rates.end(), LinkRates{});
+  comm.barrier();  // no rank's probe still writes into a peer when setup goes on
+  return rates;
 }
 
-// Collective: the throughput kernels' CTAs (the SM budget; without one, for the direct dispatch the
-// CTAs that carry the measured link (commCtasFor), else one per SM of the smallest GPU) and the
-// direct receive's.
+// Collective: the throughput kernels' CTAs, the same on every rank (the peers' flags count them):
+// the SM budget; without one, for the direct dispatch the most CTAs any rank needs to carry its
+// measured link (commCtasFor), within the smallest SM count; else one per SM of the smallest GPU.
+// And the direct receive's CTAs per local rank.
 struct ThroughputCtas {
   int comm = 0;
   std::vector<int> epilogue;  // per local rank
@@ -413,19 +424,21 @@ struct ThroughputCtas {
 ThroughputCtas throughputCtas(Communicator& comm, const SymmetricHeap& heap, const MoeConfig& cfg, bool direct,
                               std::size_t slotBytes) {
   ThroughputCtas c;
-  const LinkRates rates = direct && cfg.smBudget == 0 ? measureLinkRates(comm, heap, slotBytes) : LinkRates{};
-  std::vector<std::int32_t> mine(static_cast<std::size_t>(heap.numLocalRanks()));
-  std::vector<int> sms(static_cast<std::size_t>(heap.numLocalRanks()));
-  for (int l = 0; l < heap.numLocalRanks(); ++l) {
+  const int locals = heap.numLocalRanks();
+  const std::vector<LinkRates> rates =
+      direct && cfg.smBudget == 0 ? measureLinkRates(comm, heap, slotBytes) : std::vector<LinkRates>(locals);
+  std::vector<std::int32_t> sms(static_cast<std::size_t>(locals)), needNeg(static_cast<std::size_t>(locals));
+  for (int l = 0; l < locals; ++l) {
     const std::size_t ls = static_cast<std::size_t>(l);
     GRAPHEP_CUDA_CHECK(cudaDeviceGetAttribute(&sms[ls], cudaDevAttrMultiProcessorCount, heap.device(l)));
-    mine[ls] = cfg.smBudget > 0 ? cfg.smBudget : commCtasFor(rates, sms[ls]);
+    needNeg[ls] = -(cfg.smBudget > 0 ? cfg.smBudget : commCtasFor(rates[ls], sms[ls]));
+    if (rates[ls].linkGBps > 0) {
+      GRAPHEP_LOG_INFO(log::kTune, "rank %d: link %.0f GB/s, one CTA %.1f GB/s: %d communication CTAs needed",
+                       heap.rank(l), rates[ls].linkGBps, rates[ls].perCtaGBps, -needNeg[ls]);
+    }
   }
-  if (rates.linkGBps > 0) {
-    GRAPHEP_LOG_INFO(log::kTune, "rank %d: link %.0f GB/s, one CTA %.1f GB/s: %d communication CTAs (smBudget 0)",
-                     heap.rank(0), rates.linkGBps, rates.perCtaGBps, commCtasFor(rates, sms[0]));
-  }
-  c.comm = minOverRanks(comm, mine);
+  const int most = -minOverRanks(comm, needNeg);  // the largest need
+  c.comm = cfg.smBudget > 0 ? most : std::min(most, minOverRanks(comm, sms));
   // MoeConfig.epilogueSms, at most one per SM; by default the SMs the send leaves free (one CTA
   // per SM: each kernel's CTA fills an SM's registers), so that every receive CTA starts at once
   // beside the send; when it leaves fewer than half, one per SM (those past the free SMs start as
