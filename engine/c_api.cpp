@@ -129,7 +129,7 @@ graphep::MoeConfig moeConfig(const graphep_moe_config_t* config) {
                   c.dispatch_dtype);
   GRAPHEP_REQUIRE(c.path >= GRAPHEP_PATH_AUTO && c.path <= GRAPHEP_PATH_THROUGHPUT, graphep::Status::kInvalidArgument,
                   "config->path=%d is not a graphep_path_t", c.path);
-  GRAPHEP_REQUIRE(c.receive_layout == GRAPHEP_LAYOUT_EXPERT_MAJOR || c.receive_layout == GRAPHEP_LAYOUT_BATCHED,
+  GRAPHEP_REQUIRE(c.receive_layout >= GRAPHEP_LAYOUT_EXPERT_MAJOR && c.receive_layout <= GRAPHEP_LAYOUT_RANK_MAJOR,
                   graphep::Status::kInvalidArgument, "config->receive_layout=%d is not a graphep_receive_layout_t",
                   c.receive_layout);
   graphep::MoeConfig m;
@@ -263,6 +263,9 @@ graphep_status_t graphep_engine_layout(graphep_engine_t engine, graphep_layout_t
     o.expert_dropped = v.expertDropped;
     o.receive_layout = static_cast<int>(v.receiveLayout);
     o.rows_per_expert = v.rowsPerExpert;
+    o.rank_offsets = v.rankOffsets;
+    o.row_experts = v.rowExperts;
+    o.row_expert_weights = v.rowExpertWeights;
     writeVersioned(layout, o);
   });
 }

@@ -138,6 +138,7 @@ struct LocalCarve {
   std::size_t entry, expertCount, rankCount, routeBits, routePrefix, recSend, cntSend, cntRecv, arrays;
   std::size_t recvRows, srcBase, offsets, counts, dropped, numRows, totals;
   std::size_t recvX, scales, rowRank, rowToken, rowSlot, rowWeight, y, combSend;
+  std::size_t rankOffsets, rowExperts, rowExpertWeights;  // rank-major layout only
   std::size_t llSteps, llDone, timeline;
   std::size_t routeWords;  // moeRouteWords(maxTokensPerRank)
   std::size_t routeZero;   // bytes of the routing words zeroed per dispatch (throughput path)
@@ -187,7 +188,11 @@ LocalCarve carveLocal(const MoeConfig& cfg, const MoeSizes& z, std::size_t cap, 
   o.rowWeight = carve(cap * 4);
   o.y = carve(cap * z.rowBytes);
   o.combSend = carve(throughput ? Rs * T * z.rowBytes : 0);
-  // Latency path only.
+  const bool rankMajor = cfg.receiveLayout == ReceiveLayout::kRankMajor;
+  const std::size_t K = static_cast<std::size_t>(cfg.topK);
+  o.rankOffsets = carve(rankMajor ? (Rs + 1) * 4 : 0);
+  o.rowExperts = carve(rankMajor ? cap * K * 4 : 0);
+  o.rowExpertWeights = carve(rankMajor ? cap * K * 4 : 0);
   o.llSteps = carve(2 * 4);  // dispatch and combine steps and last-CTA counters (latency and direct kernels)
   o.llDone = carve(2 * 4);
   constexpr std::size_t kStamps = kMoeStampWords * static_cast<std::size_t>(MoeKernel::kCount);
@@ -514,6 +519,9 @@ long long Engine::worstCaseCapacity(const MoeConfig& cfg, int worldSize) {
 }
 
 long long Engine::receiveCapacity(const MoeConfig& cfg, int worldSize) {
+  if (cfg.receiveLayout == ReceiveLayout::kRankMajor) {  // one row per (source token, this rank)
+    return static_cast<long long>(std::max(worldSize, 1)) * cfg.maxTokensPerRank;
+  }
   if (cfg.receiveLayout == ReceiveLayout::kBatched) {
     const long long L = std::max(cfg.numExperts / std::max(worldSize, 1), 1);
     const long long rows = batchedRowsPerExpert(cfg, worldSize);
@@ -579,9 +587,19 @@ void Engine::validate(const MoeConfig& c, int R) {
                   c.numExperts);
   GRAPHEP_REQUIRE(c.recvCapacity >= 0, Status::kInvalidArgument,
                   "MoeConfig.recvCapacity=%lld is negative", c.recvCapacity);
-  GRAPHEP_REQUIRE(c.receiveLayout == ReceiveLayout::kExpertMajor || c.receiveLayout == ReceiveLayout::kBatched,
+  GRAPHEP_REQUIRE(c.receiveLayout == ReceiveLayout::kExpertMajor || c.receiveLayout == ReceiveLayout::kBatched ||
+                      c.receiveLayout == ReceiveLayout::kRankMajor,
                   Status::kInvalidArgument, "MoeConfig.receiveLayout=%d is not a ReceiveLayout",
                   static_cast<int>(c.receiveLayout));
+  if (c.receiveLayout == ReceiveLayout::kRankMajor) {
+    GRAPHEP_REQUIRE(c.recvCapacity == 0, Status::kInvalidArgument,
+                    "MoeConfig.recvCapacity=%lld: the rank-major layout holds one row per (source token, rank), "
+                    "worldSize x maxTokensPerRank rows (leave recvCapacity 0)",
+                    c.recvCapacity);
+    GRAPHEP_REQUIRE(c.expertAlignment == 1, Status::kInvalidArgument,
+                    "MoeConfig.expertAlignment=%d does not apply to the rank-major layout (leave it 1)",
+                    c.expertAlignment);
+  }
   GRAPHEP_REQUIRE(c.rowsPerExpert >= 0, Status::kInvalidArgument, "MoeConfig.rowsPerExpert=%lld is negative",
                   c.rowsPerExpert);
   if (c.receiveLayout == ReceiveLayout::kBatched) {
@@ -719,6 +737,10 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     p.strict = cfg.strict ? 1 : 0;
     p.capacity = capacity;
     p.batchedRows = cfg.receiveLayout == ReceiveLayout::kBatched ? batchedRowsPerExpert(cfg, R) : 0;
+    p.rankMajor = cfg.receiveLayout == ReceiveLayout::kRankMajor ? 1 : 0;
+    p.rankOffsets = p.rankMajor ? reinterpret_cast<std::int32_t*>(b + o.rankOffsets) : nullptr;
+    p.rowExperts = p.rankMajor ? reinterpret_cast<std::int32_t*>(b + o.rowExperts) : nullptr;
+    p.rowExpertWeights = p.rankMajor ? reinterpret_cast<float*>(b + o.rowExpertWeights) : nullptr;
     p.recBytes = recBytes;
     p.payloadBytes = sizes.payloadBytes;
     p.cntMsgBytes = cntMsgBytes;
@@ -838,6 +860,9 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     v.capacity = capacity;
     v.receiveLayout = cfg.receiveLayout;
     v.rowsPerExpert = p.batchedRows;
+    v.rankOffsets = p.rankOffsets;
+    v.rowExperts = p.rowExperts;
+    v.rowExpertWeights = p.rowExpertWeights;
     v.hidden = cfg.hidden;
     v.numLocalExperts = L;
     v.firstLocalExpert = p.rank * L;

@@ -119,6 +119,13 @@ struct MoeParams {
   // Batched receive layout: rows per local expert (expert j's rows start at j x batchedRows, and an
   // expert keeps its first batchedRows rows); 0: expert-major (rows packed, aligned).
   std::int64_t batchedRows;
+  // Rank-major receive layout: one row per record (source token, this rank), sources one after
+  // another (rankOffsets [R + 1]), each row's top-k local experts and weights (rowExperts,
+  // rowExpertWeights [capacity][topK], -1 / 0 where a slot's expert is not here).
+  std::int32_t rankMajor;
+  std::int32_t* rankOffsets;
+  std::int32_t* rowExperts;
+  float* rowExpertWeights;
   std::uint64_t recBytes, payloadBytes, cntMsgBytes;
   std::uint64_t directMsgBytes;  // moeDirectMsgBytes (the direct dispatch's count messages)
 

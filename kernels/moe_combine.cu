@@ -17,10 +17,11 @@ __global__ void __launch_bounds__(kThreads) moeCombineReduceKernel(const __grid_
   if (blockIdx.x == 0 && threadIdx.x == 0) moeCheckPairing(p, false);
   const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.hidden) * 2;
   for (int s = 0; s < p.numRanks; ++s) {
+    const long long rankBase = p.rankMajor ? p.rankOffsets[s] : -1;  // rank-major: the source's first row
     for (int i = gs.first; i < p.recvRows[s]; i += gs.stride) {
       const std::uint64_t record = static_cast<std::uint64_t>(s) * p.maxTokens + i;
       moeReduceRecord(p, p.recRecv + record * p.recBytes, p.srcBase + s * p.localExperts,
-                      p.combSend + record * rowBytes, stage[gs.group], gs.g);
+                      p.combSend + record * rowBytes, stage[gs.group], gs.g, p.rankMajor ? rankBase + i : -1);
     }
   }
 }

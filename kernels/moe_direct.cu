@@ -170,10 +170,12 @@ __global__ void __launch_bounds__(kThreads) moeDirectReceiveKernel(const __grid_
         moeSourceBases<kThreads>(p, msgOf, offsets, p.rank, base);
         __syncthreads();
         const int T = *p.liveTokens;
+        const long long rankBase = p.rankMajor ? moeRankBase(p, msgOf, p.rank) : -1;  // rank-major: own first row
         for (int t = gs.first; t < T; t += gs.stride) {
           const int i = p.tokRankIdx[static_cast<std::uint64_t>(t) * R + p.rank];
           if (i >= 0) {
-            moeExpandOwnToken(p, t, directRecord(p, p.rank, p.rank, i), base, stages[gs.group], gs.g, directWire(p, t));
+            moeExpandOwnToken(p, t, directRecord(p, p.rank, p.rank, i), base, stages[gs.group], gs.g, directWire(p, t),
+                              p.rankMajor ? rankBase + i : -1);
           }
         }
         __syncthreads();  // base is rewritten for the next source
@@ -198,8 +200,10 @@ __global__ void __launch_bounds__(kThreads) moeDirectReceiveKernel(const __grid_
           }
           const int first = static_cast<int>(min(__ldcg(tail + 1 + w), static_cast<std::uint32_t>(p.maxTokens)));
           const int end = static_cast<int>(min(__ldcg(tail + 2 + w), static_cast<std::uint32_t>(p.maxTokens)));
+          const long long rankBase = p.rankMajor ? moeRankBase(p, msgOf, s) : -1;  // rank-major: s's first row
           for (int i = first + gs.group; i < end; i += kGroups) {
-            moeExpandRecord(p, s, directRecord(p, p.rank, s, i), base, stages[gs.group], gs.g);
+            moeExpandRecord(p, s, directRecord(p, p.rank, s, i), base, stages[gs.group], gs.g,
+                            p.rankMajor ? rankBase + i : -1);
           }
         }
         __syncthreads();  // base is rewritten for the next source
@@ -242,7 +246,8 @@ __global__ void __launch_bounds__(kThreads) moeDirectCombineSendKernel(const __g
       const int i = n * kBlockTokens + j + gs.group;
       if (i < rows) {
         moeReduceRecord(p, p.recRecv + (static_cast<std::uint64_t>(s) * p.maxTokens + i) * p.recBytes,
-                        p.srcBase + s * p.localExperts, directPartial(p, s, p.rank, i), stages[gs.group], gs.g);
+                        p.srcBase + s * p.localExperts, directPartial(p, s, p.rank, i), stages[gs.group], gs.g,
+                        p.rankMajor ? p.rankOffsets[s] + i : -1);
       }
     }
     __threadfence_system();  // every thread's partials, before the flag
@@ -270,7 +275,7 @@ __global__ void __launch_bounds__(kThreads) moeDirectCombineFinalKernel(const __
       if (own >= 0) {
         moeReduceRecord(p, p.recRecv + (static_cast<std::uint64_t>(p.rank) * p.maxTokens + own) * p.recBytes,
                         p.srcBase + p.rank * p.localExperts, directPartial(p, p.rank, p.rank, own), stages[gs.group],
-                        gs.g);
+                        gs.g, p.rankMajor ? p.rankOffsets[p.rank] + own : -1);
       }
       // Lane r < R of the group's first warp waits for destination r's block (a failed wait is
       // recorded; later waits of this rank then return at once, and the status reports it).

@@ -83,9 +83,10 @@ __global__ void __launch_bounds__(kThreads) moeExpandKernel(const __grid_constan
   if (blockIdx.x == 0 && threadIdx.x == 0) *p.pending = 1u;  // the dispatch's last kernel
   for (int s = 0; s < p.numRanks; ++s) {
     const char* recs = p.recRecv + static_cast<std::uint64_t>(s) * p.maxTokens * p.recBytes;
+    const long long rankBase = p.rankMajor ? p.rankOffsets[s] : -1;  // rank-major: the source's first row
     for (int i = gs.first; i < p.recvRows[s]; i += gs.stride) {
       moeExpandRecord(p, s, recs + static_cast<std::uint64_t>(i) * p.recBytes, p.srcBase + s * p.localExperts,
-                      stage[gs.group], gs.g);
+                      stage[gs.group], gs.g, p.rankMajor ? rankBase + i : -1);
     }
   }
 }

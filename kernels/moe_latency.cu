@@ -176,9 +176,10 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
         if (__syncthreads_or(failed) != 0) break;  // thread 0's verdict, to every thread
         const std::uint64_t sent = __ldcg(msgOf(s));
         const int rows = static_cast<int>(sent < static_cast<std::uint64_t>(p.maxTokens) ? sent : p.maxTokens);
+        const long long rankBase = p.rankMajor ? moeRankBase(p, msgOf, s) : -1;  // rank-major: its first row
         for (int i = firstItem; i < rows; i += items) {
           moeExpandRecord(p, s, p.peerUser[p.rank] + p.llRecOff + llSlot(p, parity, s, i, p.recBytes),
-                          srcBase + s * L, stages[group], g);
+                          srcBase + s * L, stages[group], g, p.rankMajor ? rankBase + i : -1);
         }
       }
     }
@@ -208,10 +209,12 @@ __global__ void __launch_bounds__(kThreads) moeLatencyCombineKernel(const __grid
     for (int k = 1; k <= R; ++k) {  // peers first (their partials cross the link), own rank last
       const int s = (p.rank + k) % R;
       const int rows = p.recvRows[s];
+      const long long rankBase = p.rankMajor ? p.rankOffsets[s] : -1;  // rank-major: the source's first row
       for (int i = firstItem; i < rows; i += items) {
         moeReduceRecord(p, p.peerUser[p.rank] + p.llRecOff + llSlot(p, dparity, s, i, p.recBytes),
                         p.srcBase + s * p.localExperts,
-                        p.peerUser[s] + p.llCombOff + llSlot(p, cparity, p.rank, i, rowBytes), stages[group], g);
+                        p.peerUser[s] + p.llCombOff + llSlot(p, cparity, p.rank, i, rowBytes), stages[group], g,
+                        p.rankMajor ? rankBase + i : -1);
       }
     }
     arriveAtEveryRank(p, p.llCombArriveOff);

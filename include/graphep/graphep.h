@@ -26,8 +26,9 @@ extern "C" {
 
 /* 1: the first ABI. 2: graphep_layout_t.expert_dropped, graphep_engine_path; the layout describes
  * only the rows kept when more rows arrive than recv_capacity (see graphep_layout_t).
- * 3: graphep_moe_config_t.epilogue_sms, receive_layout, rows_per_expert (the batched layout);
- * graphep_layout_t.receive_layout, rows_per_expert. A version-2 caller's structs (config 56 bytes,
+ * 3: graphep_moe_config_t.epilogue_sms, receive_layout, rows_per_expert (the batched and rank-major
+ * layouts); graphep_layout_t.receive_layout, rows_per_expert, rank_offsets, row_experts,
+ * row_expert_weights. A version-2 caller's structs (config 56 bytes,
  * layout 128 bytes on 64-bit hosts) keep working: the new fields read as 0 and only its bytes are
  * written. */
 #define GRAPHEP_C_API_VERSION 3
@@ -56,7 +57,8 @@ typedef enum graphep_path { GRAPHEP_PATH_AUTO = 0, GRAPHEP_PATH_LATENCY = 1, GRA
 /* graphep::ReceiveLayout. */
 typedef enum graphep_receive_layout {
   GRAPHEP_LAYOUT_EXPERT_MAJOR = 0, /* rows grouped by local expert, packed (each expert's first row aligned) */
-  GRAPHEP_LAYOUT_BATCHED = 1       /* [E_local, rows_per_expert, hidden]: expert j's rows at j x rows_per_expert */
+  GRAPHEP_LAYOUT_BATCHED = 1,      /* [E_local, rows_per_expert, hidden]: expert j's rows at j x rows_per_expert */
+  GRAPHEP_LAYOUT_RANK_MAJOR = 2    /* one row per (source token, this rank), by source; see graphep_layout_t */
 } graphep_receive_layout_t;
 
 typedef struct graphep_comm* graphep_comm_t;
@@ -142,9 +144,16 @@ typedef struct graphep_layout {
   /* Version 3. */
   int receive_layout;          /* graphep_receive_layout_t */
   long long rows_per_expert;   /* batched: rows of each expert's block; expert-major: 0 */
+  /* Rank-major (NULL otherwise): [world size + 1] first row of each source's rows, then the end;
+   * [capacity, top_k] each row's local expert per top-k slot (-1: not on this rank) and weight.
+   * Experts write one row per received row: the weighted sum over its slots. */
+  const int* rank_offsets;
+  const int* row_experts;
+  const float* row_expert_weights;
 } graphep_layout_t;
 #define GRAPHEP_LAYOUT_INIT \
-  { sizeof(graphep_layout_t), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0, 0, 0, 0, NULL, 0, 0 }
+  { sizeof(graphep_layout_t), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0, 0, 0, 0, NULL, 0, 0, \
+    NULL, NULL, NULL }
 
 /* graphep::MoeStatus (the device error, if any, is in graphep_last_error() after the call). */
 typedef struct graphep_moe_status {

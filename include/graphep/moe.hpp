@@ -45,6 +45,10 @@ enum class ReceiveLayout : std::uint8_t {
                      // what m-grouped contiguous GEMMs take
   kBatched = 1,      // [E_local, rowsPerExpert, H]: expert j's rows start at j x rowsPerExpert,
                      // the per-expert counts on the device (masked / batched GEMMs)
+  kRankMajor = 2,    // one row per (source token, this rank), sources one after another, each
+                     // row's top-k local experts and weights: the fewest bytes, for grouped GEMMs
+                     // that gather rows; the experts sum a row's slots (weights applied) into its
+                     // one output row, and combine sums those rows over the ranks
 };
 
 struct MoeConfig {
@@ -142,6 +146,17 @@ struct DispatchLayout {
   long long capacity = 0;
   ReceiveLayout receiveLayout = ReceiveLayout::kExpertMajor;
   long long rowsPerExpert = 0;  // batched: rows of each expert's block; expert-major: 0
+  // Rank-major (nullptr otherwise): the first row of each source's records, then the end ([R + 1]:
+  // rows [rankOffsets[q], rankOffsets[q + 1]) came from rank q, in its token order); per row, the
+  // local expert of each top-k slot (-1: that slot's expert is not on this rank) and its weight
+  // ([capacity][K]). rowSrcRank / rowSrcToken describe each row; rowTopkSlot is -1 and rowWeight 0.
+  // expertCounts[j] counts the (row, slot) entries of expert j, expertOffsets their packed prefix
+  // (what a gathering grouped GEMM sizes itself by); expertDropped is 0 (nothing is dropped).
+  // expertOutput (and combine's input): one row per received row, the weighted sum over the
+  // row's local slots.
+  const int* rankOffsets = nullptr;
+  const int* rowExperts = nullptr;
+  const float* rowExpertWeights = nullptr;
   int hidden = 0;
   int numLocalExperts = 0;
   int firstLocalExpert = 0;  // global id of local expert 0

@@ -239,6 +239,33 @@ __device__ void moePublishLayout(const MoeParams& p, Msg msg, const std::int32_t
   const int tid = static_cast<int>(threadIdx.x), L = p.localExperts;
   const long long cap = p.capacity;
   std::int32_t keptHere = 0;
+  if (p.rankMajor) {
+    // Rows are records (at most maxTokens per source: nothing is dropped); the per-expert views
+    // count entries, packed: what a grouped GEMM that gathers rows sizes itself by.
+    for (int j = tid; j <= L; j += kThreads) {
+      p.expertOffsets[j] = offsets[j];
+      if (j == L) continue;
+      p.expertCounts[j] = counts[j];
+      p.expertDropped[j] = 0;
+      p.expertTotals[j] += static_cast<unsigned long long>(counts[j]);
+    }
+    if (srcBase != p.srcBase) {
+      for (int n = tid; n < p.numRanks * L; n += kThreads) p.srcBase[n] = srcBase[n];
+    }
+    if (tid == 0) {
+      std::int32_t row = 0;
+      for (int q = 0; q < p.numRanks; ++q) {
+        const std::uint64_t rows = __ldcg(msg(q));
+        const std::int32_t n = static_cast<std::int32_t>(rows < static_cast<std::uint64_t>(p.maxTokens) ? rows : p.maxTokens);
+        p.recvRows[q] = n;
+        p.rankOffsets[q] = row;
+        row += n;
+      }
+      p.rankOffsets[p.numRanks] = row;
+      *p.numRecvRows = row;
+    }
+    return;
+  }
   for (int j = tid; j <= L; j += kThreads) {
     const long long first = offsets[j] < cap ? offsets[j] : cap;
     p.expertOffsets[j] = static_cast<std::int32_t>(first);
@@ -260,6 +287,18 @@ __device__ void moePublishLayout(const MoeParams& p, Msg msg, const std::int32_t
   }
   const std::int32_t kept = typename MoeLayoutScratch<kThreads>::Reduce(scratch.reduce).Sum(keptHere);
   if (tid == 0) *p.numRecvRows = kept;
+}
+
+// Rank-major: the first row of source s's records (the rows of the sources before it), from the
+// count messages (msg(q)[0]: records from q, at most maxTokens). Every thread may call it.
+template <class Msg>
+__device__ inline long long moeRankBase(const MoeParams& p, Msg msg, int s) {
+  long long base = 0;
+  for (int q = 0; q < s; ++q) {
+    const std::uint64_t rows = __ldcg(msg(q));
+    base += static_cast<long long>(rows < static_cast<std::uint64_t>(p.maxTokens) ? rows : p.maxTokens);
+  }
+  return base;
 }
 
 // --- Record-level steps shared by the throughput and latency paths ------------------------------
@@ -397,11 +436,31 @@ __device__ __forceinline__ long long moeSlotRow(const MoeParams& p, const std::i
   return pos >= 0 && pos < end ? pos : -1;
 }
 
+// Rank-major (rankRow >= 0): a record's one row. `stage` gets it with weight 1 (the payload goes
+// there; combine's partial is y there, the experts having summed the row's slots); with `expand`
+// the row's metadata: source, token, rowTopkSlot -1, rowWeight 0 (lane 0). The first warp calls it.
+__device__ inline void moeStageRankRow(const MoeParams& p, long long rankRow, int s, int t, bool expand,
+                                       MoeSlotStage& stage, int lane) {
+  if (lane != 0) return;
+  if (expand) {
+    p.rowSrcRank[rankRow] = s;
+    p.rowSrcToken[rankRow] = t;
+    p.rowTopkSlot[rankRow] = -1;
+    p.rowWeight[rankRow] = 0.f;
+  }
+  stage.n = 1;
+  stage.row[0] = rankRow;
+  stage.weight[0] = 1.f;
+  stage.token = t;
+}
+
 // Resolves a received record's slots into `stage` (rows past the capacity left out). With
-// `expand`, also writes each row's metadata and counts the dropped rows. The record was written by
-// another CTA or GPU: read through L2. Synchronises the group before and after.
+// `expand`, also writes each row's metadata and counts the dropped rows. Rank-major (rankRow >= 0):
+// the record's one row, and with `expand` each top-k slot's local expert (-1: not here) and weight
+// in rowExperts / rowExpertWeights. The record was written by another CTA or GPU: read through L2.
+// Synchronises the group before and after.
 __device__ inline void moeResolveSlots(const MoeParams& p, int s, const char* rec, const std::int32_t* srcBase,
-                                       MoeSlotStage& stage, bool expand, const MoeGroup& g) {
+                                       MoeSlotStage& stage, bool expand, const MoeGroup& g, long long rankRow = -1) {
   g.sync();  // the previous user of `stage` is done
   if (g.tid < 32) {  // topK <= 16: the group's first warp, one lane per slot
     // The header and every slot at once (a record has room for topK slots).
@@ -411,6 +470,23 @@ __device__ inline void moeResolveSlots(const MoeParams& p, int s, const char* re
     const int nslots = h.y < p.topK ? h.y : p.topK;
     MoeRecordSlot slot{-1, 0, 0.f, 0};
     if (g.tid < nslots) slot = MoeRecordSlot{v.x, v.y, __int_as_float(v.z), v.w};
+    if (rankRow >= 0) {
+      if (expand) {  // every slot -1, then the record's (compacted) slots at their top-k positions
+        const std::uint64_t base = static_cast<std::uint64_t>(rankRow) * p.topK;
+        if (g.tid < p.topK) {
+          p.rowExperts[base + g.tid] = -1;
+          p.rowExpertWeights[base + g.tid] = 0.f;
+        }
+        __syncwarp();
+        if (g.tid < nslots && slot.k >= 0 && slot.k < p.topK && slot.localExpert >= 0 &&
+            slot.localExpert < p.localExperts) {
+          p.rowExperts[base + slot.k] = slot.localExpert;
+          p.rowExpertWeights[base + slot.k] = slot.weight;
+        }
+      }
+      moeStageRankRow(p, rankRow, s, h.x, expand, stage, g.tid);
+      __syncwarp();
+    } else {
     const long long pos = g.tid < nslots ? moeSlotRow(p, srcBase, slot) : -1;
     const unsigned kept = __ballot_sync(0xffffffffu, pos >= 0);
     if (pos >= 0) {
@@ -430,6 +506,7 @@ __device__ inline void moeResolveSlots(const MoeParams& p, int s, const char* re
       stage.n = __popc(kept);
       stage.token = h.x;
     }
+    }
   }
   g.sync();
 }
@@ -440,7 +517,7 @@ __device__ inline void moeResolveSlots(const MoeParams& p, int s, const char* re
 // moeWriteRecords writes them) goes to `rec` for the combine. Synchronises the group before and
 // after.
 __device__ inline void moeResolveOwnSlots(const MoeParams& p, int t, char* rec, const std::int32_t* srcBase,
-                                          MoeSlotStage& stage, const MoeGroup& g) {
+                                          MoeSlotStage& stage, const MoeGroup& g, long long rankRow = -1) {
   g.sync();  // the previous user of `stage` is done
   if (g.tid < 32) {  // topK <= 16: the group's first warp, one lane per slot
     const int k = g.tid, L = p.localExperts;
@@ -454,6 +531,13 @@ __device__ inline void moeResolveOwnSlots(const MoeParams& p, int t, char* rec, 
       reinterpret_cast<MoeRecordSlot*>(rec + p.payloadBytes + sizeof(MoeRecordHeader))[__popc(m & ((1u << k) - 1u))] = slot;
     }
     if (k == 0) *reinterpret_cast<MoeRecordHeader*>(rec + p.payloadBytes) = MoeRecordHeader{t, __popc(m), {0, 0}};
+    if (rankRow >= 0) {  // rank-major: the token's one row, each slot's local expert (-1: not here)
+      if (k < p.topK) {
+        p.rowExperts[static_cast<std::uint64_t>(rankRow) * p.topK + k] = slot.localExpert;
+        p.rowExpertWeights[static_cast<std::uint64_t>(rankRow) * p.topK + k] = slot.weight;
+      }
+      moeStageRankRow(p, rankRow, p.rank, t, true, stage, k);
+    } else {
     const long long pos = here ? moeSlotRow(p, srcBase, slot) : -1;
     const unsigned kept = __ballot_sync(0xffffffffu, pos >= 0);
     if (pos >= 0) {
@@ -470,6 +554,7 @@ __device__ inline void moeResolveOwnSlots(const MoeParams& p, int t, char* rec, 
     if (k == 0) {
       stage.n = __popc(kept);
       stage.token = t;
+    }
     }
   }
   g.sync();
@@ -550,18 +635,20 @@ __device__ inline void moeExpandRow(const MoeParams& p, const char* row, bool fr
 
 // Copies a received record from source s into recv_x at each of its slots' rows (rows past the
 // capacity are dropped and counted) with the per-row metadata. srcBase: [E_local] of source s.
+// Rank-major (rankRow >= 0): its one row at rankRow.
 __device__ inline void moeExpandRecord(const MoeParams& p, int s, const char* rec, const std::int32_t* srcBase,
-                                       MoeSlotStage& stage, const MoeGroup& g) {
-  moeExpandRow(p, rec, false, [&] { moeResolveSlots(p, s, rec, srcBase, stage, true, g); }, stage, g);
+                                       MoeSlotStage& stage, const MoeGroup& g, long long rankRow = -1) {
+  moeExpandRow(p, rec, false, [&] { moeResolveSlots(p, s, rec, srcBase, stage, true, g, rankRow); }, stage, g);
 }
 
 // This rank's own token t (index i in its own list) into recv_x straight from x, or from `wire`
 // (its row already quantised to fp8 wire tiles), with no record: moeResolveOwnSlots writes the
 // record's metadata to `rec` for the combine.
 __device__ inline void moeExpandOwnToken(const MoeParams& p, int t, char* rec, const std::int32_t* srcBase,
-                                         MoeSlotStage& stage, const MoeGroup& g, const char* wire = nullptr) {
+                                         MoeSlotStage& stage, const MoeGroup& g, const char* wire = nullptr,
+                                         long long rankRow = -1) {
   const char* row = wire != nullptr ? wire : static_cast<const char*>(p.x) + static_cast<std::uint64_t>(t) * p.hidden * 2;
-  moeExpandRow(p, row, wire == nullptr, [&] { moeResolveOwnSlots(p, t, rec, srcBase, stage, g); }, stage, g);
+  moeExpandRow(p, row, wire == nullptr, [&] { moeResolveOwnSlots(p, t, rec, srcBase, stage, g, rankRow); }, stage, g);
 }
 
 __device__ __forceinline__ void moeAddBf16x8(float (&acc)[8], uint4 v, float w) {
@@ -626,9 +713,10 @@ __device__ inline void moeWeightedSum(const MoeParams& p, int n, Src src, Weight
 
 // The combine partial of a received record from source s: sum over its slots of weight * y[row]
 // in fp32, written as bf16 to `out` (H values; local or the source's memory). Dropped rows add 0.
+// Rank-major (rankRow >= 0): the partial is y[rankRow] as it is (the experts summed the row's slots).
 __device__ inline void moeReduceRecord(const MoeParams& p, const char* rec, const std::int32_t* srcBase,
-                                       char* out, MoeSlotStage& stage, const MoeGroup& g) {
-  moeResolveSlots(p, -1, rec, srcBase, stage, false, g);
+                                       char* out, MoeSlotStage& stage, const MoeGroup& g, long long rankRow = -1) {
+  moeResolveSlots(p, -1, rec, srcBase, stage, false, g, rankRow);
   const std::uint64_t vecs = static_cast<std::uint64_t>(p.hidden) / 8;
   const auto* y = reinterpret_cast<const uint4*>(p.y);
   moeWeightedSum(

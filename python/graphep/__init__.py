@@ -34,7 +34,7 @@ from graphep._graphep import (  # noqa: E402
 from graphep.arrays import DeviceArray  # noqa: E402
 from graphep.engine import Engine, create_engine, create_engines, memory_requirements  # noqa: E402
 from graphep.errors import Error  # noqa: E402
-from graphep.layouts import BatchedLayout, ExpertMajorLayout, ReceiveLayout  # noqa: E402
+from graphep.layouts import BatchedLayout, ExpertMajorLayout, RankMajorLayout, ReceiveLayout  # noqa: E402
 
 
 def cuda_device_count() -> int:
@@ -46,7 +46,7 @@ def cuda_device_count() -> int:
 
 __all__ = [
     "BatchedLayout", "DType", "DeviceArray", "Engine", "Error", "ExpertMajorLayout", "Group", "HealthReport", "IndexType",
-    "MemoryRequirements", "MoeConfig", "MoePath", "MoeStatus", "ReceiveLayout", "Status", "__version__",
+    "MemoryRequirements", "MoeConfig", "MoePath", "MoeStatus", "RankMajorLayout", "ReceiveLayout", "Status", "__version__",
     "create_engine", "create_engines", "cuda_device_count", "memory_requirements", "nccl_runtime_version",
     "validate", "worst_case_capacity",
 ]

@@ -16,7 +16,12 @@ arrives): recv_x is [E_local x rows_per_expert, H], viewed as [E_local, rows_per
 masked / batched GEMMs that take vLLM's batched-experts format; an expert keeps its first
 rows_per_expert rows and drops (and counts) the rest.
 
-Planned, not built: RANK_MAJOR (rows grouped by source rank, DeepEP's default layout).
+RANK_MAJOR: one row per (source token, this rank), sources one after another (rank_offsets
+[world + 1]), each row's top-k local experts and weights (row_experts / row_expert_weights
+[capacity, K], -1 / 0 where a slot's expert lives elsewhere): DeepEP's default layout, the fewest
+bytes, for grouped GEMMs that gather rows. The experts write one row per received row, the
+weighted sum over its slots, and combine sums those over the ranks. expert_counts / expert_offsets
+count (row, slot) entries per expert; row_topk_slot is -1 and row_weight 0.
 """
 
 from dataclasses import dataclass
@@ -70,6 +75,9 @@ class ExpertMajorLayout:
                       first_local_expert=core.first_local_expert)
         if core.config.receive_layout == ReceiveLayout.BATCHED:
             return BatchedLayout(**views, **common, rows_per_expert=core.rows_per_expert)
+        if core.config.receive_layout == ReceiveLayout.RANK_MAJOR:
+            extra = {name: DeviceArray(nd) for name, nd in core.rank_major_views().items()}
+            return RankMajorLayout(**views, **common, **extra)
         return ExpertMajorLayout(**views, **common)
 
 
@@ -80,3 +88,14 @@ class BatchedLayout(ExpertMajorLayout):
 
     rows_per_expert: int = 0
     layout: ReceiveLayout = ReceiveLayout.BATCHED
+
+
+@dataclass(frozen=True)
+class RankMajorLayout(ExpertMajorLayout):
+    """The rank-major layout's views: ExpertMajorLayout's (rows are records, see the module's
+    text), and the source offsets and each row's top-k local experts and weights."""
+
+    rank_offsets: Optional[DeviceArray] = None  # [world + 1] int32
+    row_experts: Optional[DeviceArray] = None  # [capacity, K] int32, -1: not here
+    row_expert_weights: Optional[DeviceArray] = None  # [capacity, K] float32
+    layout: ReceiveLayout = ReceiveLayout.RANK_MAJOR

@@ -27,7 +27,9 @@ std::string describe(const MoeConfig& c) {
          ", num_experts=" + std::to_string(c.numExperts) + ", top_k=" + std::to_string(c.topK) +
          ", dispatch_type=" + (c.dispatchType == DType::kFp8E4m3 ? "FP8_E4M3" : "BF16") +
          ", recv_capacity=" + std::to_string(c.recvCapacity) + ", expert_alignment=" + std::to_string(c.expertAlignment) +
-         ", receive_layout=" + (c.receiveLayout == ReceiveLayout::kBatched ? "BATCHED" : "EXPERT_MAJOR") +
+         ", receive_layout=" +
+         (c.receiveLayout == ReceiveLayout::kBatched ? "BATCHED"
+          : c.receiveLayout == ReceiveLayout::kRankMajor ? "RANK_MAJOR" : "EXPERT_MAJOR") +
          ", rows_per_expert=" + std::to_string(c.rowsPerExpert) +
          ", sm_budget=" + std::to_string(c.smBudget) + ", epilogue_sms=" + std::to_string(c.epilogueSms) +
          ", strict=" + (c.strict ? "True" : "False") +
@@ -52,7 +54,8 @@ void bindConfig(nb::module_& m) {
   nb::enum_<ReceiveLayout>(m, "ReceiveLayout",
                            "How dispatch lays out the rows a rank receives (graphep.layouts; DESIGN.md section 5.4).")
       .value("EXPERT_MAJOR", ReceiveLayout::kExpertMajor)
-      .value("BATCHED", ReceiveLayout::kBatched);
+      .value("BATCHED", ReceiveLayout::kBatched)
+      .value("RANK_MAJOR", ReceiveLayout::kRankMajor);
 
   nb::class_<MoeConfig>(m, "MoeConfig", "graphep::MoeConfig (include/graphep/moe.hpp); every rank passes the same.")
       .def(
@@ -94,7 +97,7 @@ void bindConfig(nb::module_& m) {
       .def_rw("epilogue_sms", &MoeConfig::epilogueSms,
               "SMs of the throughput path's epilogues where the direct dispatch applies (0: the SMs sm_budget "
               "leaves free, or every SM)")
-      .def_rw("receive_layout", &MoeConfig::receiveLayout, "EXPERT_MAJOR (default) or BATCHED")
+      .def_rw("receive_layout", &MoeConfig::receiveLayout, "EXPERT_MAJOR (default), BATCHED or RANK_MAJOR")
       .def_rw("rows_per_expert", &MoeConfig::rowsPerExpert,
               "BATCHED: rows per local expert (0: world size x max_tokens_per_rank); rows past it dropped, counted")
       .def_rw("strict", &MoeConfig::strict, "trap on bad input instead of counting it")

@@ -84,6 +84,22 @@ nb::dict views(EngineCore& core) {
   return d;
 }
 
+// The rank-major layout's own views (an empty dict for the other layouts).
+nb::dict rankMajorViews(EngineCore& core) {
+  nb::object owner = nb::find(&core);
+  const Engine& e = *core.engine;
+  const DispatchLayout& v = e.layout();
+  nb::dict d;
+  if (v.rankOffsets == nullptr) return d;
+  const std::size_t cap = static_cast<std::size_t>(v.capacity), K = static_cast<std::size_t>(e.config().topK);
+  const int dev = e.device();
+  d["rank_offsets"] = view(owner, v.rankOffsets, static_cast<std::size_t>(e.worldSize()) + 1, 0,
+                           nb::dtype<std::int32_t>(), dev);
+  d["row_experts"] = view(owner, v.rowExperts, cap, K, nb::dtype<std::int32_t>(), dev);
+  d["row_expert_weights"] = view(owner, v.rowExpertWeights, cap, K, nb::dtype<float>(), dev);
+  return d;
+}
+
 }  // namespace
 
 void bindEngine(nb::module_& m) {
@@ -121,6 +137,7 @@ void bindEngine(nb::module_& m) {
       .def_prop_ro("num_local_experts", [](const EngineCore& c) { return c.engine->layout().numLocalExperts; })
       .def_prop_ro("first_local_expert", [](const EngineCore& c) { return c.engine->layout().firstLocalExpert; })
       .def("views", &views)
+      .def("rank_major_views", &rankMajorViews)
       .def(
           "dispatch",
           [](EngineCore& c, std::uintptr_t x, std::uintptr_t topkIdx, IndexType indexType, std::uintptr_t topkWeights,

@@ -56,6 +56,28 @@ __global__ void fakeExpertKernel(DispatchLayout v, void* y, float scale, unsigne
   }
 }
 
+// The stand-in expert of the rank-major layout: each received row's output is its slots' sum, in
+// slot order, of weight x y(rowSrcRank, rowSrcToken, slot) x scale, fp32 fma from 0, one bf16
+// rounding (what the engine computes for a row in the other layouts, so combineRef holds).
+__global__ void fakeRankMajorExpertKernel(DispatchLayout v, void* y, float scale, int K, unsigned long long* violations) {
+  const long long rows = *v.numRecvRows;
+  for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+    if (row < 0 || row >= v.capacity) {
+      if (threadIdx.x == 0) atomicAdd(violations, 1ull);
+      continue;
+    }
+    const int s = v.rowSrcRank[row], t = v.rowSrcToken[row];
+    auto* out = static_cast<__nv_bfloat16*>(y) + row * v.hidden;
+    for (int h = static_cast<int>(threadIdx.x); h < v.hidden; h += static_cast<int>(blockDim.x)) {
+      float acc = 0.f;
+      for (int k = 0; k < K; ++k) {
+        if (v.rowExperts[row * K + k] >= 0) acc = __fmaf_rn(v.rowExpertWeights[row * K + k], yValue(s, t, k, h) * scale, acc);
+      }
+      out[h] = __float2bfloat16_rn(acc);
+    }
+  }
+}
+
 struct Inputs {
   int T = 0;                      // live count as passed (may exceed the maximum)
   std::vector<std::uint16_t> x;   // [T_max, H] bf16 bits
@@ -150,6 +172,10 @@ struct RefLayout {
   int numRows = 0;           // kept
   unsigned long long droppedTotal = 0;
   std::vector<long long> posOf;  // per (s, t, k) flattened: the row, or -1 (dropped / none)
+  // Rank-major: each source's first row, then the end; per row and top-k slot, the local expert
+  // (-1: not here) and its weight (0).
+  std::vector<int> rankOffsets, rowExperts;
+  std::vector<float> rowExpertWeights;
 };
 
 // The batched layout's rows per expert as documented (MoeConfig.rowsPerExpert, 0: R x T_max); 0
@@ -181,6 +207,44 @@ RefLayout refLayout(const MoeCase& c, const std::vector<Inputs>& all, int r, lon
             RefRow{s, t, k, all[static_cast<std::size_t>(s)].w[static_cast<std::size_t>(t) * K + k]});
       }
     }
+  }
+  if (g.receiveLayout == ReceiveLayout::kRankMajor) {
+    // One row per (source token, this rank) holding a valid slot here, sources and tokens in
+    // order; the per-expert views count entries, packed.
+    long long off = 0;
+    for (int j = 0; j < L; ++j) {
+      const int n = static_cast<int>(lists[static_cast<std::size_t>(j)].size());
+      out.offsets[static_cast<std::size_t>(j)] = static_cast<int>(off);
+      out.counts[static_cast<std::size_t>(j)] = n;
+      out.routed[static_cast<std::size_t>(j)] = n;
+      off += n;
+    }
+    out.offsets[static_cast<std::size_t>(L)] = static_cast<int>(off);
+    out.rowExperts.assign(static_cast<std::size_t>(cap) * K, -1);
+    out.rowExpertWeights.assign(static_cast<std::size_t>(cap) * K, 0.f);
+    long long pos = 0;
+    for (int s = 0; s < R; ++s) {
+      out.rankOffsets.push_back(static_cast<int>(pos));
+      const Inputs& in = all[static_cast<std::size_t>(s)];
+      const int T = liveCount(g, in.T);
+      for (int t = 0; t < T; ++t) {
+        bool here = false;
+        for (int k = 0; k < K; ++k) {
+          const long long e = in.idx[static_cast<std::size_t>(t) * K + k];
+          if (e < 0 || e >= g.numExperts || e / L != r) continue;
+          here = true;
+          out.rowExperts[static_cast<std::size_t>(pos) * K + k] = static_cast<int>(e % L);
+          out.rowExpertWeights[static_cast<std::size_t>(pos) * K + k] = in.w[static_cast<std::size_t>(t) * K + k];
+          out.posOf[(static_cast<std::size_t>(s) * Tm + static_cast<std::size_t>(t)) * K + k] = pos;
+        }
+        if (!here) continue;
+        if (pos < cap) out.rows[static_cast<std::size_t>(pos)] = RefRow{s, t, -1, 0.f};
+        ++pos;
+      }
+    }
+    out.rankOffsets.push_back(static_cast<int>(pos));
+    out.numRows = static_cast<int>(pos);
+    return out;
   }
   const long long rpe = batchedRows(g, R);  // 0: expert-major
   long long off = 0;
@@ -418,6 +482,12 @@ class MoeFixture {
     GRAPHEP_CUDA_CHECK(cudaMemset(const_cast<int*>(v.expertCounts), kMetaPoison, Ls * 4));
     GRAPHEP_CUDA_CHECK(cudaMemset(const_cast<int*>(v.expertDropped), kMetaPoison, Ls * 4));
     GRAPHEP_CUDA_CHECK(cudaMemset(const_cast<int*>(v.numRecvRows), kMetaPoison, 4));
+    if (v.rankOffsets != nullptr) {  // rank-major
+      const std::size_t R = static_cast<std::size_t>(comm_.worldSize()), K = static_cast<std::size_t>(g.topK);
+      GRAPHEP_CUDA_CHECK(cudaMemset(const_cast<int*>(v.rankOffsets), kMetaPoison, (R + 1) * 4));
+      GRAPHEP_CUDA_CHECK(cudaMemset(const_cast<int*>(v.rowExperts), kMetaPoison, cap * K * 4));
+      GRAPHEP_CUDA_CHECK(cudaMemset(const_cast<float*>(v.rowExpertWeights), kMetaPoison, cap * K * 4));
+    }
     GRAPHEP_CUDA_CHECK(cudaMemset(v.expertOutput, kPoison, cap * g.hidden * 2));
     GRAPHEP_CUDA_CHECK(cudaMemset(buf(l).out, kPoison, static_cast<std::size_t>(g.maxTokensPerRank) * g.hidden * 2));
   }
@@ -443,8 +513,13 @@ class MoeFixture {
   // `y` (nullptr: the layout's expertOutput), documented rows outside the capacity counted (and,
   // with `guard`, skipped).
   void expert(int l, const DispatchLayout& v, cudaStream_t s, float scale, void* y = nullptr, bool guard = true) {
-    const dim3 grid(64, static_cast<unsigned>(v.numLocalExperts));
-    fakeExpertKernel<<<grid, 128, 0, s>>>(v, y != nullptr ? y : v.expertOutput, scale, buf(l).violations, guard);
+    if (v.receiveLayout == ReceiveLayout::kRankMajor) {
+      fakeRankMajorExpertKernel<<<64, 128, 0, s>>>(v, y != nullptr ? y : v.expertOutput, scale, c_.cfg.topK,
+                                                   buf(l).violations);
+    } else {
+      const dim3 grid(64, static_cast<unsigned>(v.numLocalExperts));
+      fakeExpertKernel<<<grid, 128, 0, s>>>(v, y != nullptr ? y : v.expertOutput, scale, buf(l).violations, guard);
+    }
     GRAPHEP_CUDA_CHECK(cudaGetLastError());
   }
 
@@ -495,7 +570,8 @@ class MoeFixture {
     GRAPHEP_CUDA_CHECK(cudaMemcpy(&numRows, v.numRecvRows, 4, cudaMemcpyDeviceToHost));
     GRAPHEP_CUDA_CHECK(cudaMemcpy(&violations, buf(l).violations, sizeof(violations), cudaMemcpyDeviceToHost));
     if (violations != 0) fail(std::to_string(violations) + " documented row(s) lie outside [0, capacity)");
-    for (int j = 0; j <= Lx; ++j) {  // the overflow contract, whatever the reference says
+    const bool rankMajor = g.receiveLayout == ReceiveLayout::kRankMajor;  // its expert views count entries
+    for (int j = 0; j <= Lx && !rankMajor; ++j) {  // the overflow contract, whatever the reference says
       const std::size_t js = static_cast<std::size_t>(j);
       if (offsets[js] < 0 || offsets[js] > cap || (j < Lx && (counts[js] < 0 || offsets[js] + static_cast<long long>(counts[js]) > cap))) {
         fail("expert " + std::to_string(j) + " documents rows [" + std::to_string(offsets[js]) + ", +" +
@@ -555,6 +631,27 @@ class MoeFixture {
         }
       } else if (std::memcmp(got, src, rowBytes) != 0) {
         fail("row " + std::to_string(pos) + " payload differs");
+      }
+    }
+    if (rankMajor) {  // the source offsets and each row's slots, bit for bit (unused rows untouched)
+      const std::size_t K = static_cast<std::size_t>(g.topK);
+      std::vector<int> rankOffsets(static_cast<std::size_t>(R) + 1), experts(capz * K);
+      std::vector<std::uint32_t> weights(capz * K);
+      GRAPHEP_CUDA_CHECK(cudaMemcpy(rankOffsets.data(), v.rankOffsets, rankOffsets.size() * 4, cudaMemcpyDeviceToHost));
+      GRAPHEP_CUDA_CHECK(cudaMemcpy(experts.data(), v.rowExperts, experts.size() * 4, cudaMemcpyDeviceToHost));
+      GRAPHEP_CUDA_CHECK(cudaMemcpy(weights.data(), v.rowExpertWeights, weights.size() * 4, cudaMemcpyDeviceToHost));
+      if (rankOffsets != ref.rankOffsets) fail("rank offsets differ");
+      for (std::size_t pos = 0; pos < capz; ++pos) {
+        for (std::size_t k = 0; k < K; ++k) {
+          const std::size_t i = pos * K + k;
+          const bool used = ref.rows[pos].s >= 0;
+          std::uint32_t want = kMetaPoisonWord;
+          if (used) std::memcpy(&want, &ref.rowExpertWeights[i], 4);
+          if (experts[i] != (used ? ref.rowExperts[i] : static_cast<int>(kMetaPoisonWord)) || weights[i] != want) {
+            fail("row " + std::to_string(pos) + " slot " + std::to_string(k) + ": expert " + std::to_string(experts[i]) +
+                 " (reference " + std::to_string(used ? ref.rowExperts[i] : -2) + ") or its weight differs");
+          }
+        }
       }
     }
     return fail.count();
@@ -650,6 +747,7 @@ std::string describeCase(const MoeCase& c) {
          (c.indexType == IndexType::kInt64 ? " int64" : " int32") + " routing=" + routingName(c.routing) +
          " align=" + std::to_string(g.expertAlignment) + " cap=" + std::to_string(g.recvCapacity) +
          (g.receiveLayout == ReceiveLayout::kBatched ? " batched rows/expert=" + std::to_string(g.rowsPerExpert) : "") +
+         (g.receiveLayout == ReceiveLayout::kRankMajor ? " rank-major" : "") +
          " sms=" + std::to_string(g.smBudget) + " tokens={" + tokens + "} replays=" + std::to_string(c.replays) +
          " path=" + pathName(g.path);
 }
@@ -691,9 +789,10 @@ namespace {
 void runMoeCaseInLayout(Communicator& comm, const MoeCase& c);
 }  // namespace
 
-// Every case in each receive layout, one after the other: as written (expert-major), then batched.
-// Alignment is the expert-major layout's, so a case that only tests it runs once; a capacity that
-// overflows becomes 9 rows per expert (a batched expert overflows on its own).
+// Every case in each receive layout, one after the other: as written (expert-major), batched, then
+// rank-major. Alignment is the expert-major layout's, so a case that only tests it runs once; a
+// capacity that overflows becomes 9 rows per expert (a batched expert overflows on its own) and
+// the rank-major layout's full R x T_max rows (it cannot overflow).
 void runMoeCase(Communicator& comm, const MoeCase& c) {
   runMoeCaseInLayout(comm, c);
   if (::testing::Test::HasFatalFailure() || c.cfg.receiveLayout != ReceiveLayout::kExpertMajor ||
@@ -708,6 +807,12 @@ void runMoeCase(Communicator& comm, const MoeCase& c) {
     b.cfg.rowsPerExpert = 9;
   }
   runMoeCaseInLayout(comm, b);
+  if (::testing::Test::HasFatalFailure()) return;
+  MoeCase m = c;
+  m.cfg.receiveLayout = ReceiveLayout::kRankMajor;
+  m.cfg.expertAlignment = 1;
+  m.cfg.recvCapacity = 0;
+  runMoeCaseInLayout(comm, m);
 }
 
 namespace {
@@ -754,6 +859,11 @@ void runMoeCaseInLayout(Communicator& comm, const MoeCase& c) {
       EXPECT_EQ(f.layout(0).rowsPerExpert, batchedRows(c.cfg, R));
       EXPECT_EQ(f.layout(0).capacity, L * batchedRows(c.cfg, R));
       EXPECT_EQ(f.layout(0).receiveLayout, ReceiveLayout::kBatched);
+    }
+    if (c.cfg.receiveLayout == ReceiveLayout::kRankMajor) {  // one row per (source token, rank)
+      EXPECT_EQ(f.layout(0).capacity, static_cast<long long>(R) * c.cfg.maxTokensPerRank);
+      EXPECT_EQ(f.layout(0).receiveLayout, ReceiveLayout::kRankMajor);
+      EXPECT_NE(f.layout(0).rankOffsets, nullptr);
     }
     for (int l = 0; l < f.L(); ++l) {
       const std::size_t ls = static_cast<std::size_t>(l);

@@ -145,3 +145,68 @@ def check_combine(out, inputs: List[RankInputs], r, L, fp8) -> int:
     poison = torch.tensor(POISON_BF16, dtype=torch.bfloat16, device=out.device)
     wrong += int((out[inp.live :] != poison).sum())
     return wrong
+
+
+# ---- the rank-major layout ------------------------------------------------------------------------
+
+def expected_rank_rows(inputs: List[RankInputs], q, L, device):
+    """Rank q's rank-major rows: (src, token) of each source token with a valid slot on q, sources
+    and tokens in order; per row and slot, the local expert (-1: not on q) and weight (0)."""
+    srcs, toks, exps, wts = [], [], [], []
+    for src, inp in enumerate(inputs):
+        ids = inp.ids[: inp.live].long().to(device)
+        w = inp.weights[: inp.live].to(device)
+        mine = (ids >= q * L) & (ids < (q + 1) * L)
+        t = torch.nonzero(mine.any(dim=1)).flatten()
+        srcs.append(torch.full_like(t, src)), toks.append(t)
+        exps.append(torch.where(mine[t], ids[t] - q * L, torch.full_like(ids[t], -1)))
+        wts.append(torch.where(mine[t], w[t], torch.zeros_like(w[t])))
+    return [torch.cat(v) for v in (srcs, toks, exps, wts)], [int(v.numel()) for v in toks]
+
+
+def check_rank_major(layout, extra, inputs: List[RankInputs], q, L, fp8) -> int:
+    """Rank q's rank-major layout: rows, their metadata and slots, the source offsets, and the
+    per-expert entry counts and offsets. `extra`: rank_offsets, row_experts, row_expert_weights."""
+    dev = layout.recv_x.device
+    (src, tok, exp, wt), per_source = expected_rank_rows(inputs, q, L, dev)
+    n = src.numel()
+    wrong = int(layout.num_recv_rows.item() != n)
+    offsets = torch.tensor([0] + per_source, device=dev).cumsum(0)
+    wrong += int((extra["rank_offsets"].long() != offsets).sum())
+    if layout.num_recv_rows.item() != n:
+        return wrong + n
+    wrong += int((layout.row_src_rank[:n].long() != src).sum())
+    wrong += int((layout.row_src_token[:n].long() != tok).sum())
+    wrong += int((layout.row_topk_slot[:n] != -1).sum()) + int((layout.row_weight[:n] != 0).sum())
+    wrong += int((extra["row_experts"][:n].long() != exp).sum())
+    wrong += int((extra["row_expert_weights"][:n].view(torch.int32) != wt.view(torch.int32)).sum())
+    counts = torch.bincount(exp[exp >= 0], minlength=L)
+    starts = torch.zeros(L + 1, dtype=torch.long, device=dev)
+    starts[1:] = counts.cumsum(0)
+    wrong += int((layout.expert_counts.long() != counts).sum()) + int((layout.expert_dropped != 0).sum())
+    wrong += int((layout.expert_offsets.long() != starts).sum())
+    xs = torch.stack([inputs[s].x.to(dev) for s in range(len(inputs))])[src, tok]
+    if fp8:
+        qx, scales = fp8_quantize(xs)
+        wrong += int((layout.recv_x[:n].view(torch.uint8) != qx.view(torch.uint8)).sum())
+        wrong += int((layout.recv_scales[:n] != scales).sum())
+    else:
+        wrong += int((layout.recv_x[:n].view(torch.int16) != xs.view(torch.int16)).sum())
+    return wrong
+
+
+def rank_major_rows(layout, extra, fp8):
+    """The test's experts in the rank-major layout: each row's output is the sum over its local
+    slots of weight x (its input times (1 + j / 8), bf16), in fp32, then bf16."""
+    x = layout.recv_x
+    if fp8:
+        rows, h = x.shape
+        x = (x.float().view(rows, h // 128, 128) * layout.recv_scales.unsqueeze(-1)).view(rows, h)
+    x = x.float()
+    experts, weights = extra["row_experts"].long(), extra["row_expert_weights"]
+    acc = torch.zeros_like(x)
+    for k in range(experts.shape[1]):
+        here = (experts[:, k] >= 0).unsqueeze(-1)
+        y = (x * (1.0 + experts[:, k].clamp(min=0).float() / 8).unsqueeze(-1)).to(torch.bfloat16).float()
+        acc = torch.where(here, acc + weights[:, k].unsqueeze(-1) * y, acc)
+    return acc.to(torch.bfloat16)

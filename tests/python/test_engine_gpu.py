@@ -3,7 +3,7 @@ process (2 emulated ranks on GPU 0, and one rank on each of 2 GPUs), through the
 API (graphep.Engine with torch tensors, and with arrays that expose only DLPack or
 __cuda_array_interface__) and through torch.ops.graphep. bf16 and fp8, int32 and int64 ids,
 uniform / masked (-1) / duplicate ids, live token counts below the maximum, both paths, both
-receive layouts (expert-major, batched). Every
+receive layouts (expert-major, batched, rank-major). Every
 layout buffer and output is poisoned before every round; each round is fresh random data."""
 
 import pytest
@@ -16,7 +16,8 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed")
 
 import graphep  # noqa: E402
 import graphep.torch as gt  # noqa: E402
-from moe_check import POISON_BF16, ROUTINGS, check_combine, check_dispatch, make_inputs  # noqa: E402
+from moe_check import (POISON_BF16, ROUTINGS, check_combine, check_dispatch, check_rank_major,  # noqa: E402
+                       make_inputs, rank_major_rows)
 
 T, H, E, K = 64, 1024, 16, 4
 WORLDS = {"emulated2": [0, 0], "gpus2": [0, 1]}
@@ -100,11 +101,16 @@ def run_round(engines, streams, routing, index_dtype, lives, api, seed, own_outp
     for r, (e, s, lay) in enumerate(zip(engines, streams, layouts)):
         with torch.cuda.device(e.device):
             s.synchronize()
-            wrong_dispatch += check_dispatch(lay, inputs, r, L, fp8, getattr(e.layout, "rows_per_expert", 0))
+            if e.config.receive_layout == graphep.ReceiveLayout.RANK_MAJOR:
+                wrong_dispatch += check_rank_major(lay, rank_major_views(e), inputs, r, L, fp8)
+            else:
+                wrong_dispatch += check_dispatch(lay, inputs, r, L, fp8, getattr(e.layout, "rows_per_expert", 0))
     ys = []
     for e, s, lay in zip(engines, streams, layouts):
         with torch.cuda.device(e.device), torch.cuda.stream(s):
-            y = expert_rows_into(lay, L, fp8, own_output)
+            y = expert_rows_into(lay, L, fp8, own_output,
+                                 rank_major_views(e) if e.config.receive_layout == graphep.ReceiveLayout.RANK_MAJOR
+                                 else None)
             ys.append(y)
     for e, s, y, out in zip(engines, streams, ys, outs):
         with torch.cuda.device(e.device), torch.cuda.stream(s):
@@ -123,10 +129,15 @@ def run_round(engines, streams, routing, index_dtype, lives, api, seed, own_outp
     return wrong_dispatch, wrong_combine
 
 
-def expert_rows_into(layout, L, fp8, own_output):
+def rank_major_views(engine):
+    v = engine.layout
+    return {name: torch.from_dlpack(getattr(v, name)) for name in ("rank_offsets", "row_experts", "row_expert_weights")}
+
+
+def expert_rows_into(layout, L, fp8, own_output, rank_major=None):
     from moe_check import expert_rows
 
-    y = expert_rows(layout, L, fp8)
+    y = rank_major_rows(layout, rank_major, fp8) if rank_major is not None else expert_rows(layout, L, fp8)
     if own_output:
         layout.expert_output.copy_(y)
         return layout.expert_output
@@ -138,8 +149,8 @@ def expert_rows_into(layout, L, fp8, own_output):
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
 @pytest.mark.parametrize("routing", ROUTINGS)
-@pytest.mark.parametrize("layout", [graphep.ReceiveLayout.EXPERT_MAJOR, graphep.ReceiveLayout.BATCHED],
-                         ids=["expert_major", "batched"])
+@pytest.mark.parametrize("layout", [graphep.ReceiveLayout.EXPERT_MAJOR, graphep.ReceiveLayout.BATCHED,
+                                    graphep.ReceiveLayout.RANK_MAJOR], ids=["expert_major", "batched", "rank_major"])
 def test_dispatch_combine_match_the_reference(world, path, dtype, index_dtype, routing, layout):
     engines, streams = engines_for(world, dtype, path, layout)
     for i, lives in enumerate([(T, T), (1, T - 5), (T // 2, 3)]):

@@ -102,9 +102,10 @@ def test_worst_case_capacity():
 def test_receive_layout_names_what_is_not_built():
     assert graphep.layouts.receive_layout("expert_major") is graphep.ReceiveLayout.EXPERT_MAJOR
     assert graphep.layouts.receive_layout("batched") is graphep.ReceiveLayout.BATCHED
+    assert graphep.layouts.receive_layout("rank_major") is graphep.ReceiveLayout.RANK_MAJOR
     with pytest.raises(graphep.Error) as e:
-        graphep.layouts.receive_layout("rank_major")
-    assert e.value.status == graphep.Status.NOT_SUPPORTED and "layout='rank_major'" in e.value.message
+        graphep.layouts.receive_layout("ragged")
+    assert e.value.status == graphep.Status.NOT_SUPPORTED and "layout='ragged'" in e.value.message
 
 
 def test_batched_config_and_its_memory():

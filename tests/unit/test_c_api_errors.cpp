@@ -133,6 +133,12 @@ TEST(Unit_CApi, MemoryRequirementsMatchTheCppQuery) {
   cpp.rowsPerExpert = 24;
   EXPECT_EQ(m.private_bytes, Engine::memoryRequirements(cpp, 2).privateBytes);
   EXPECT_EQ(Engine::receiveCapacity(cpp, 2), 4 * 24);
+  v3.receive_layout = GRAPHEP_LAYOUT_RANK_MAJOR;
+  v3.rows_per_expert = 0;
+  ASSERT_EQ(graphep_memory_requirements(&v3, 2, &m), GRAPHEP_SUCCESS) << graphep_last_error();
+  cpp.receiveLayout = ReceiveLayout::kRankMajor;
+  cpp.rowsPerExpert = 0;
+  EXPECT_EQ(m.private_bytes, Engine::memoryRequirements(cpp, 2).privateBytes);
   v3.receive_layout = 7;
   EXPECT_EQ(graphep_memory_requirements(&v3, 2, &m), GRAPHEP_INVALID_ARGUMENT);
   EXPECT_NE(std::string(graphep_last_error()).find("receive_layout=7"), std::string::npos) << graphep_last_error();

@@ -76,6 +76,19 @@ TEST(Unit_MoeConfig, ValidationNamesTheValue) {
   c.expertAlignment = 8;
   expectRejected(c, 8, "expertAlignment=8: the batched layout");
   c = good();
+  c.receiveLayout = ReceiveLayout::kRankMajor;
+  c.recvCapacity = 100;
+  expectRejected(c, 8, "recvCapacity=100: the rank-major layout holds one row per");
+  c.recvCapacity = 0;
+  c.expertAlignment = 4;
+  expectRejected(c, 8, "expertAlignment=4 does not apply to the rank-major layout");
+  c.expertAlignment = 1;
+  c.rowsPerExpert = 8;
+  expectRejected(c, 8, "rowsPerExpert=8 applies to the batched layout only");
+  c = good();
+  c.receiveLayout = static_cast<ReceiveLayout>(3);
+  expectRejected(c, 8, "receiveLayout=3 is not a ReceiveLayout");
+  c = good();
   c.rowsPerExpert = 64;
   expectRejected(c, 8, "rowsPerExpert=64 applies to the batched layout only");
   c.receiveLayout = ReceiveLayout::kBatched;
@@ -119,6 +132,10 @@ TEST(Unit_MoeConfig, ReceiveCapacityPerLayout) {
   MoeConfig small = c;
   small.rowsPerExpert = 20;
   EXPECT_LT(Engine::memoryRequirements(small, 8).privateBytes, Engine::memoryRequirements(c, 8).privateBytes);
+  c = good();
+  c.receiveLayout = ReceiveLayout::kRankMajor;  // one row per (source token, rank)
+  EXPECT_EQ(Engine::receiveCapacity(c, 8), 8 * 128);
+  EXPECT_GT(Engine::memoryRequirements(c, 8).privateBytes, 0u);
 }
 
 TEST(Unit_MoeConfig, RecordSizes) {

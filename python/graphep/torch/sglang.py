@@ -32,7 +32,8 @@ class GraphepDispatchOutput:
     num_recv_rows: torch.Tensor  # [1] int32, device
     layout: ops.TorchLayout  # every view (row sources, weights, the engine's expert_output)
     # "graphep_expert_major": rows packed by expert; "graphep_batched": expert j's rows at
-    # j x rows_per_expert (hidden_states [E_local x rows_per_expert, H])
+    # j x rows_per_expert (hidden_states [E_local x rows_per_expert, H]); "graphep_rank_major": one
+    # row per (source token, this rank), its slots in layout.row_experts (graphep.RankMajorLayout)
     format: str = "graphep_expert_major"
     rows_per_expert: int = 0
 
@@ -55,8 +56,10 @@ class GraphepDispatcher:
                      weights if weights.dtype == torch.float32 else weights.float(), self._num_tokens)
         v = self.layout
         rows = getattr(self.engine.layout, "rows_per_expert", 0)
+        fmt = {"BATCHED": "graphep_batched", "RANK_MAJOR": "graphep_rank_major"}.get(
+            self.engine.config.receive_layout.name, "graphep_expert_major")
         return GraphepDispatchOutput(v.recv_x, v.recv_scales, v.expert_counts, v.expert_offsets, v.num_recv_rows, v,
-                                     "graphep_batched" if rows > 0 else "graphep_expert_major", rows)
+                                     fmt, rows)
 
     def combine(self, combine_input, **kwargs) -> torch.Tensor:
         y = combine_input if isinstance(combine_input, torch.Tensor) else combine_input.hidden_states

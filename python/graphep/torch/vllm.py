@@ -31,6 +31,7 @@ import torch
 
 from graphep.engine import Engine
 from graphep.errors import invalid_argument, not_supported
+from graphep.layouts import ReceiveLayout
 from graphep.torch import ops
 
 
@@ -48,6 +49,9 @@ class GraphepPrepareAndFinalize:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.layout = ops.torch_layout(engine)
+        if engine.config.receive_layout == ReceiveLayout.RANK_MAJOR:
+            raise not_supported("GraphepPrepareAndFinalize: a rank-major engine has no vLLM activation format "
+                                "(use receive_layout EXPERT_MAJOR or BATCHED)")
         self._rows_per_expert = getattr(engine.layout, "rows_per_expert", 0)
         if self._rows_per_expert > 0:
             self.activation_format = "batched"
