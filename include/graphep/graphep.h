@@ -120,7 +120,13 @@ typedef struct graphep_combine_args {
  * is the aligned offset clamped to the capacity, expert_counts[j] counts expert j's kept rows,
  * expert_dropped[j] its dropped rows, offsets[j] + counts[j] <= capacity, expert_offsets[E_local]
  * <= capacity and num_recv_rows (the sum of expert_counts) <= capacity. combine() ignores dropped
- * rows: a token's slot routed to a dropped row adds nothing to its output. */
+ * rows: a token's slot routed to a dropped row adds nothing to its output.
+ *
+ * That is the expert-major layout (receive_layout GRAPHEP_LAYOUT_EXPERT_MAJOR). Batched: expert
+ * j's rows start at j x rows_per_expert, and an expert keeps its first rows_per_expert rows.
+ * Rank-major: one row per (source token, this rank) holding a slot here, sources one after another
+ * (rank_offsets); num_recv_rows is that row count, and expert_counts / expert_offsets count the
+ * (row, slot) entries per expert (their sum may exceed the capacity); nothing is dropped. */
 typedef struct graphep_layout {
   size_t struct_size;          /* on return: the bytes filled, min(struct_size, sizeof) */
   void* recv_x;                /* [capacity, hidden] bf16, or e4m3 bytes for fp8 dispatch */

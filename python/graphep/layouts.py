@@ -1,6 +1,6 @@
 """Receive layouts: how dispatch lays out the rows a rank receives.
 
-EXPERT_MAJOR (the one this build has): recv_x rows grouped by local expert. Expert j's rows are
+EXPERT_MAJOR (the default): recv_x rows grouped by local expert. Expert j's rows are
 [expert_offsets[j], expert_offsets[j] + expert_counts[j]), in (source rank, source token, top-k
 slot) order, each expert's first row a multiple of expert_alignment; row i came from token
 row_src_token[i] of rank row_src_rank[i], its slot row_topk_slot[i], weight row_weight[i].
@@ -31,11 +31,11 @@ from graphep import _graphep
 from graphep.arrays import DeviceArray
 from graphep.errors import not_supported
 
-ReceiveLayout = _graphep.ReceiveLayout  # EXPERT_MAJOR, BATCHED (graphep::ReceiveLayout)
+ReceiveLayout = _graphep.ReceiveLayout  # EXPERT_MAJOR, BATCHED, RANK_MAJOR (graphep::ReceiveLayout)
 
 
 def receive_layout(value) -> ReceiveLayout:
-    """A ReceiveLayout from itself or its name ("expert_major", "batched"); graphep.Error
+    """A ReceiveLayout from itself or its name ("expert_major", "batched", "rank_major"); graphep.Error
     NOT_SUPPORTED naming anything else."""
     if isinstance(value, ReceiveLayout):
         return value

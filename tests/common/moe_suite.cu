@@ -412,6 +412,7 @@ class MoeFixture {
       // where this rank's dispatch already spins on peers that this thread has not enqueued yet.
       cudaFuncAttributes attr{};
       GRAPHEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, fakeExpertKernel));
+      GRAPHEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, fakeRankMajorExpertKernel));
       RankBuffers b;
       GRAPHEP_CUDA_CHECK(cudaMalloc(&b.x, Tm * g.hidden * 2));
       GRAPHEP_CUDA_CHECK(cudaMalloc(&b.idx, Tm * g.topK * 8));

@@ -38,14 +38,19 @@ class TorchLayout(NamedTuple):
     num_recv_rows: torch.Tensor  # [1] int32
     expert_totals: torch.Tensor  # [E_local] int64
     expert_output: torch.Tensor  # [capacity, H] bfloat16
+    # Rank-major engines only (None otherwise): [world + 1] int32, [capacity, K] int32 / float32.
+    rank_offsets: Optional[torch.Tensor] = None
+    row_experts: Optional[torch.Tensor] = None
+    row_expert_weights: Optional[torch.Tensor] = None
 
     def written(self):
         """The tensors dispatch writes (what torch.ops.graphep.dispatch declares mutated), in this
-        order: every field but expert_output, recv_scales only for fp8. Plain attribute reads, so
-        torch.compile traces it."""
+        order: every field but expert_output, recv_scales only for fp8, the rank-major tables only
+        for rank-major engines. Plain attribute reads, so torch.compile traces it."""
         return [t for t in (self.recv_x, self.recv_scales, self.expert_offsets, self.expert_counts,
                             self.expert_dropped, self.row_src_rank, self.row_src_token, self.row_topk_slot,
-                            self.row_weight, self.num_recv_rows, self.expert_totals) if t is not None]
+                            self.row_weight, self.num_recv_rows, self.expert_totals, self.rank_offsets,
+                            self.row_experts, self.row_expert_weights) if t is not None]
 
 
 _layouts: "weakref.WeakKeyDictionary[Engine, TorchLayout]" = weakref.WeakKeyDictionary()
@@ -58,7 +63,7 @@ def torch_layout(engine: Engine) -> TorchLayout:
         views = engine.layout
         tensors = {}
         for name in TorchLayout._fields:
-            v = getattr(views, name)
+            v = getattr(views, name, None)  # the rank-major tables exist on rank-major layouts only
             tensors[name] = None if v is None else torch.from_dlpack(v)
         if tensors["recv_x"].dtype == torch.uint8:
             tensors["recv_x"] = tensors["recv_x"].view(torch.float8_e4m3fn)
