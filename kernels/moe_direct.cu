@@ -191,6 +191,7 @@ __global__ void __launch_bounds__(kThreads) moeDirectReceiveKernel(const __grid_
         const int blocks = (T + kBlockTokens - 1) / kBlockTokens;
         moeSourceBases<kThreads>(p, msgOf, offsets, s, base);
         __syncthreads();
+        const long long rankBase = p.rankMajor ? moeRankBase(p, msgOf, s) : -1;  // rank-major: s's first row
         for (int w = static_cast<int>(blockIdx.x); w < blocks; w += static_cast<int>(gridDim.x)) {
           const bool failed = tid == 0 && !flagWait(p.sync, directBlockFlag(p, p.rank, s, w), step + 1u, s,
                                                     WaitSite::kMoeDispatch);
@@ -200,7 +201,6 @@ __global__ void __launch_bounds__(kThreads) moeDirectReceiveKernel(const __grid_
           }
           const int first = static_cast<int>(min(__ldcg(tail + 1 + w), static_cast<std::uint32_t>(p.maxTokens)));
           const int end = static_cast<int>(min(__ldcg(tail + 2 + w), static_cast<std::uint32_t>(p.maxTokens)));
-          const long long rankBase = p.rankMajor ? moeRankBase(p, msgOf, s) : -1;  // rank-major: s's first row
           for (int i = first + gs.group; i < end; i += kGroups) {
             moeExpandRecord(p, s, directRecord(p, p.rank, s, i), base, stages[gs.group], gs.g,
                             p.rankMajor ? rankBase + i : -1);
