@@ -39,6 +39,7 @@ struct Options {
   int moeTopK = 8;                                  // --topk (moe)
   std::string moeDtype = "both";                    // --dtype bf16|fp8|both (moe dispatch)
   std::string moePath = "auto";                     // --path auto|latency|throughput (moe)
+  std::string moeLayout = "expert-major";           // --layout expert-major|batched|rank-major (moe)
   bool hostCost = false;                            // --host-cost (moe): launch cost, graph vs eager
   int busyUs = 0;                                   // --microbatches US (moe): two in flight, expert of US
   int ranks = 0;                                    // --ranks N (one process): 0 = one per visible GPU

@@ -36,7 +36,7 @@ int usage() {
                "[--ranks N] [--json FILE]\n"
                "       in one process: one rank per visible GPU, or --ranks N round-robin over them; under mpirun: one per process\n"
                "       moe: -b/-e are tokens per rank; [--hidden H] [--experts E] [--topk K] [--dtype bf16|fp8|both] [--path auto|latency|throughput]\n"
-               "            [--epilogue-sms N]\n");
+               "            [--epilogue-sms N] [--layout expert-major|batched|rank-major]\n");
   return 2;
 }
 
@@ -108,6 +108,7 @@ int run(int argc, char** argv, bool mpi) {
       else if (a == "--topk") o.moeTopK = std::atoi(next());
       else if (a == "--dtype") o.moeDtype = next();
       else if (a == "--path") o.moePath = next();
+      else if (a == "--layout") o.moeLayout = next();
       else if (a == "--json") o.json = next();
       else if (a == "--ranks") o.ranks = std::atoi(next());
       else if (a == "-h" || a == "--help") return usage();
@@ -139,6 +140,9 @@ int run(int argc, char** argv, bool mpi) {
       GRAPHEP_REQUIRE(o.moePath == "auto" || o.moePath == "latency" || o.moePath == "throughput",
                       graphep::Status::kInvalidArgument,
                       "--path %s: expected auto, latency or throughput", o.moePath.c_str());
+      GRAPHEP_REQUIRE(o.moeLayout == "expert-major" || o.moeLayout == "batched" || o.moeLayout == "rank-major",
+                      graphep::Status::kInvalidArgument, "--layout %s: expected expert-major, batched or rank-major",
+                      o.moeLayout.c_str());
       rows = runMoe(o, *ranks);
     } else {
       GRAPHEP_FAIL(graphep::Status::kInvalidArgument,

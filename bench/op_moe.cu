@@ -382,7 +382,10 @@ std::vector<Row> runMoe(const Options& o, Ranks& r) {
       cfg.topK = K;
       cfg.dispatchType = fp8 ? DType::kFp8E4m3 : DType::kBf16;
       cfg.smBudget = o.sms;
-  cfg.epilogueSms = o.epilogueSms;
+      cfg.epilogueSms = o.epilogueSms;
+      cfg.receiveLayout = o.moeLayout == "batched"      ? ReceiveLayout::kBatched
+                          : o.moeLayout == "rank-major" ? ReceiveLayout::kRankMajor
+                                                        : ReceiveLayout::kExpertMajor;
       cfg.profile = o.profile;
       cfg.path = o.moePath == "latency"      ? MoePath::kLatency
                  : o.moePath == "throughput" ? MoePath::kThroughput
@@ -470,7 +473,8 @@ std::vector<Row> runMoe(const Options& o, Ranks& r) {
       const double nvlink = static_cast<double>(remoteRecords) / R * static_cast<double>(recBytes);
       const std::string heap = "heap " + std::to_string(engines[0]->symmetricHeapBytes() >> 20) + " MiB";
       auto bw = [](double bytes, double us) { return us > 0 ? bytes / (us * 1e3) : 0.0; };
-      const std::string path = engines[0]->path() == MoePath::kLatency ? " latency" : " throughput";
+      const std::string path = std::string(engines[0]->path() == MoePath::kLatency ? " latency" : " throughput") +
+                               (o.moeLayout == "expert-major" ? "" : " " + o.moeLayout);
       Row d{"moe", std::string("dispatch ") + (fp8 ? "fp8" : "bf16") + path, tokens, dUs, bw(logical, dUs),
             bw(nvlink, dUs), wrong, 0, heap};
       printRow(d);

@@ -174,17 +174,22 @@ if [ "${GRAPHEP_BENCH_ONLY:-}" = graphs ]; then
   echo "== summary: status=$status (logs in $out)"
   exit $status
 fi
-# GRAPHEP_BENCH_ONLY=prefill: the prefill rows (1024, 4096 and 16384 tokens per rank; 8, 24 and
-# every SM; bf16 and fp8; H = 7168, top-8 of 256) and, when GRAPHEP_DEEPEP_BASELINE names a DeepEP
+# GRAPHEP_BENCH_ONLY=prefill: the prefill rows (1024, 4096 and 16384 tokens per rank in the
+# expert-major and rank-major layouts, 1024 batched; 8, 24 and every SM; bf16 and fp8; H = 7168,
+# top-8 of 256) and, when GRAPHEP_DEEPEP_BASELINE names a DeepEP
 # V1 baseline script (run as: SCRIPT SOURCE_DIR TOKENS..., GRAPHEP_DEEPEP_SRC the source), its
 # figures from the same call, after graphep's (the GPUs otherwise idle).
 if [ "${GRAPHEP_BENCH_ONLY:-}" = prefill ]; then
   step "benchmark: prefill rows"
   : >"$out/bench_prefill.log"
-  for sms in 8 24 0; do
-    a=""; [ $sms -gt 0 ] && a="--sms $sms"
-    timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-90} "$build/bench/graphep-bench" moe -b 1024 -e 16384 -f 4 $a -n 10 -w 3 \
-      --dtype both 2>&1 | sed "s/^  moe /  moe sms=${sms/#0/all} /" >>"$out/bench_prefill.log" || status=1
+  for layout in expert-major rank-major batched; do
+    sizes="-b 1024 -e 16384 -f 4"
+    [ $layout = batched ] && sizes="-b 1024 -e 1024"  # a decode-sized layout: [E_local, R x T_max, H]
+    for sms in 8 24 0; do
+      a=""; [ $sms -gt 0 ] && a="--sms $sms"
+      timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-90} "$build/bench/graphep-bench" moe $sizes $a --layout $layout -n 10 -w 3 \
+        --dtype both 2>&1 | sed "s/^  moe /  moe sms=${sms/#0/all} /" >>"$out/bench_prefill.log" || status=1
+    done
   done
   timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-90} "$build/bench/graphep-bench" moe -b 4096 -e 4096 --sms 24 -n 10 -w 3 \
     --profile --dtype both >>"$out/bench_prefill.log" 2>&1 || status=1
