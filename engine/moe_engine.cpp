@@ -544,6 +544,19 @@ MoeMemory Engine::memoryRequirements(const MoeConfig& cfg, int worldSize) {
   return m;
 }
 
+namespace {
+// The batched and rank-major layouts size themselves (`capacity`): recvCapacity stays 0 and
+// expertAlignment 1.
+void requireLayoutSizesItself(const MoeConfig& c, const char* layout, const char* capacity) {
+  GRAPHEP_REQUIRE(c.recvCapacity == 0, Status::kInvalidArgument,
+                  "MoeConfig.recvCapacity=%lld: the %s layout's capacity is %s (leave recvCapacity 0)",
+                  c.recvCapacity, layout, capacity);
+  GRAPHEP_REQUIRE(c.expertAlignment == 1, Status::kInvalidArgument,
+                  "MoeConfig.expertAlignment=%d does not apply to the %s layout (leave it 1)", c.expertAlignment,
+                  layout);
+}
+}  // namespace
+
 void Engine::validate(const MoeConfig& c, int R) {
   GRAPHEP_REQUIRE(R >= 1 && R <= kMaxRanks, Status::kInvalidArgument,
                   "MoeConfig: world size %d is out of range [1, %d]", R, kMaxRanks);
@@ -592,25 +605,12 @@ void Engine::validate(const MoeConfig& c, int R) {
                   Status::kInvalidArgument, "MoeConfig.receiveLayout=%d is not a ReceiveLayout",
                   static_cast<int>(c.receiveLayout));
   if (c.receiveLayout == ReceiveLayout::kRankMajor) {
-    GRAPHEP_REQUIRE(c.recvCapacity == 0, Status::kInvalidArgument,
-                    "MoeConfig.recvCapacity=%lld: the rank-major layout holds one row per (source token, rank), "
-                    "worldSize x maxTokensPerRank rows (leave recvCapacity 0)",
-                    c.recvCapacity);
-    GRAPHEP_REQUIRE(c.expertAlignment == 1, Status::kInvalidArgument,
-                    "MoeConfig.expertAlignment=%d does not apply to the rank-major layout (leave it 1)",
-                    c.expertAlignment);
+    requireLayoutSizesItself(c, "rank-major", "worldSize x maxTokensPerRank (one row per source token)");
   }
   GRAPHEP_REQUIRE(c.rowsPerExpert >= 0, Status::kInvalidArgument, "MoeConfig.rowsPerExpert=%lld is negative",
                   c.rowsPerExpert);
   if (c.receiveLayout == ReceiveLayout::kBatched) {
-    GRAPHEP_REQUIRE(c.recvCapacity == 0, Status::kInvalidArgument,
-                    "MoeConfig.recvCapacity=%lld: the batched layout's capacity is E_local x rowsPerExpert "
-                    "(set rowsPerExpert, leave recvCapacity 0)",
-                    c.recvCapacity);
-    GRAPHEP_REQUIRE(c.expertAlignment == 1, Status::kInvalidArgument,
-                    "MoeConfig.expertAlignment=%d: the batched layout's experts start at j x rowsPerExpert "
-                    "(choose rowsPerExpert, leave expertAlignment 1)",
-                    c.expertAlignment);
+    requireLayoutSizesItself(c, "batched", "E_local x rowsPerExpert");
   } else {
     GRAPHEP_REQUIRE(c.rowsPerExpert == 0, Status::kInvalidArgument,
                     "MoeConfig.rowsPerExpert=%lld applies to the batched layout only", c.rowsPerExpert);

@@ -74,11 +74,11 @@ TEST(Unit_MoeConfig, ValidationNamesTheValue) {
   expectRejected(c, 8, "recvCapacity=100: the batched layout's capacity is E_local x rowsPerExpert");
   c.recvCapacity = 0;
   c.expertAlignment = 8;
-  expectRejected(c, 8, "expertAlignment=8: the batched layout");
+  expectRejected(c, 8, "expertAlignment=8 does not apply to the batched layout");
   c = good();
   c.receiveLayout = ReceiveLayout::kRankMajor;
   c.recvCapacity = 100;
-  expectRejected(c, 8, "recvCapacity=100: the rank-major layout holds one row per");
+  expectRejected(c, 8, "recvCapacity=100: the rank-major layout's capacity is worldSize x maxTokensPerRank");
   c.recvCapacity = 0;
   c.expertAlignment = 4;
   expectRejected(c, 8, "expertAlignment=4 does not apply to the rank-major layout");
