@@ -86,13 +86,15 @@ for t in $(sed -nE 's/^[[:space:]]*[0-9]+ - ([^ ]+) .*\(Skipped\)$/\1/p' "$out/c
 done
 
 # GRAPHEP_STRESS=N: the MoeGraph replay stress at N replays (4 and 8 emulated ranks, every GPU in
-# one process, one process per GPU), its per-rank summary lines kept in stress.log.
+# one process, one process per GPU), its per-rank summary lines kept in stress.log; the throughput
+# path at N/10 unless GRAPHEP_STRESS_THROUGHPUT=M says M.
 if [ -n "${GRAPHEP_STRESS:-}" ]; then
   step "stress: $GRAPHEP_STRESS MoeGraph replays per configuration"
   {
+    export GRAPHEP_STRESS_THROUGHPUT_REPLAYS=${GRAPHEP_STRESS_THROUGHPUT:-}
     GRAPHEP_STRESS_REPLAYS=$GRAPHEP_STRESS "$build/tests/graphep_gpu_tests" --gtest_filter='*MoeStress*'
     if [ "$ngpu" -ge 2 ] && command -v mpirun >/dev/null && [ -x "$build/tests/graphep_mpi_tests" ]; then
-      mpirun --allow-run-as-root --oversubscribe -np $np -x GRAPHEP_STRESS_REPLAYS=$GRAPHEP_STRESS -x NCCL_NVLS_ENABLE \
+      mpirun --allow-run-as-root --oversubscribe -np $np -x GRAPHEP_STRESS_REPLAYS=$GRAPHEP_STRESS -x GRAPHEP_STRESS_THROUGHPUT_REPLAYS -x NCCL_NVLS_ENABLE \
         -x GRAPHEP_EXPECT_GPUS \
         "$build/tests/graphep_mpi_tests" --gtest_filter='Mpi_MoeStress*'
     fi

@@ -213,7 +213,9 @@ void runMoeStressStandard(Communicator& comm) {
   sc.counterStart = 0xffffffffu - 1000u;
   runMoeStress(comm, sc);
   sc.path = MoePath::kThroughput;
-  sc.replays = std::max<long long>(200, sc.replays / 10);
+  // The throughput path: a tenth of the latency path's replays unless
+  // GRAPHEP_STRESS_THROUGHPUT_REPLAYS says how many (its replays move 64 times the bytes).
+  sc.replays = replaysFromEnv("GRAPHEP_STRESS_THROUGHPUT_REPLAYS", std::max<long long>(200, sc.replays / 10));
   runMoeStress(comm, sc);
   // Ranks drifting by up to 5 ms (issue 6: no false timeouts), on the latency path, whose waits
   // are the tightest.
