@@ -27,9 +27,15 @@ const ChoiceVar kForceTransport({"GRAPHEP_FORCE_TRANSPORT", Type::kChoice, "auto
                                  "other rank as remote (NCCL transport) to test the mixed path",
                                  "auto|remote", 0, 0});
 
+const IntVar kEpilogueCluster({"GRAPHEP_EPILOGUE_CLUSTER", Type::kInt, "1",
+                                "preferred thread-block cluster size of the direct path's epilogue "
+                                "kernels (dispatch receive, combine final); the launch takes the "
+                                "largest power of two up to it that the GPU can place, down to 1",
+                                nullptr, 1, 16});
+
 const std::vector<const Var*>& all() {
   static const std::vector<const Var*> vars = {&kDebug, &kDebugSubsys, &kTimeoutMs,
-                                               &kTrapOnTimeout, &kForceTransport};
+                                               &kTrapOnTimeout, &kForceTransport, &kEpilogueCluster};
   return vars;
 }
 

@@ -68,6 +68,7 @@ extern const StringVar kDebugSubsys;
 extern const IntVar kTimeoutMs;
 extern const BoolVar kTrapOnTimeout;
 extern const ChoiceVar kForceTransport;
+extern const IntVar kEpilogueCluster;
 
 // All variables, in declaration order.
 const std::vector<const Var*>& all();

@@ -9,6 +9,7 @@
 #include <limits>
 #include <mutex>
 
+#include "engine/env.hpp"
 #include "engine/error.hpp"
 #include "engine/heap.hpp"
 #include "engine/log.hpp"
@@ -421,11 +422,26 @@ std::vector<LinkRates> measureLinkRates(Communicator& comm, const SymmetricHeap&
 // Collective: the throughput kernels' CTAs, the same on every rank (the peers' flags count them):
 // the SM budget; without one, for the direct dispatch the most CTAs any rank needs to carry its
 // measured link (commCtasFor), within the smallest SM count; else one per SM of the smallest GPU.
-// And the direct receive's CTAs per local rank.
+// And the direct epilogues' CTAs and cluster size per local rank.
 struct ThroughputCtas {
   int comm = 0;
   std::vector<int> epilogue;  // per local rank
+  std::vector<int> cluster;   // per local rank; epilogue is a multiple of it
 };
+
+// The direct epilogues' cluster size on local rank l's GPU for `ctas` CTAs (GRAPHEP_EPILOGUE_CLUSTER
+// preferred, halved until the GPU can place it).
+int epilogueClusterFor(const SymmetricHeap& heap, int l, int ctas) {
+  DeviceGuard guard(heap.device(l));
+  const int size = clusterSizeFor(static_cast<int>(env::kEpilogueCluster.get()), ctas, [&](int s) {
+    bool fits = false;
+    GRAPHEP_CUDA_CHECK(moeDirectEpilogueFits(s, ctas / s * s, &fits));
+    return fits;
+  });
+  GRAPHEP_LOG_INFO(log::kTune, "rank %d: direct epilogues in clusters of %d CTAs (%d preferred)", heap.rank(l), size,
+                   static_cast<int>(env::kEpilogueCluster.get()));
+  return size;
+}
 ThroughputCtas throughputCtas(Communicator& comm, const SymmetricHeap& heap, const MoeConfig& cfg, bool direct,
                               std::size_t slotBytes) {
   ThroughputCtas c;
@@ -448,8 +464,12 @@ ThroughputCtas throughputCtas(Communicator& comm, const SymmetricHeap& heap, con
   // per SM: each kernel's CTA fills an SM's registers), so that every receive CTA starts at once
   // beside the send; when it leaves fewer than half, one per SM (those past the free SMs start as
   // the send ends).
-  for (int n : sms) {
-    c.epilogue.push_back(cfg.epilogueSms > 0 ? std::min(cfg.epilogueSms, n) : (n - c.comm >= n / 2 ? n - c.comm : n));
+  for (int l = 0; l < locals; ++l) {
+    const int n = sms[static_cast<std::size_t>(l)];
+    const int ctas = cfg.epilogueSms > 0 ? std::min(cfg.epilogueSms, n) : (n - c.comm >= n / 2 ? n - c.comm : n);
+    const int cluster = direct ? epilogueClusterFor(heap, l, ctas) : 1;
+    c.epilogue.push_back(ctas / cluster * cluster);
+    c.cluster.push_back(cluster);
   }
   return c;
 }
@@ -760,6 +780,7 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     if (throughput) {  // the throughput kernels' CTAs: the SM budget, or one per SM
       p.ctas = tctas.comm;
       p.epilogueCtas = tctas.epilogue[static_cast<std::size_t>(l)];
+      p.epilogueCluster = tctas.cluster[static_cast<std::size_t>(l)];
     }
     p.recSend = b + o.recSend;
     p.recRecv = throughput ? user + ph.recRecv : nullptr;

@@ -14,4 +14,13 @@ int commCtasFor(const LinkRates& rates, int maxCtas, double margin) {
   return std::max(1, static_cast<int>(need));
 }
 
+int clusterSizeFor(int preferred, int grid, const std::function<bool(int)>& fits) {
+  int size = 1;
+  while (size * 2 <= preferred && size * 2 <= grid) size *= 2;
+  for (; size > 1; size /= 2) {
+    if (fits(size)) return size;
+  }
+  return 1;
+}
+
 }  // namespace graphep

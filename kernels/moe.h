@@ -157,6 +157,9 @@ struct MoeParams {
   // CTAs of the direct dispatch's receive kernel (kernels/moe_direct.cu): one per SM. It only
   // copies local memory once the records have landed, so it is not held to the SM budget.
   std::int32_t epilogueCtas;
+  // The cluster size of the direct epilogues' launches (receive, combine final): epilogueCtas is a
+  // multiple of it. Chosen at setup (moeDirectEpilogueFits); nothing in the kernels depends on it.
+  std::int32_t epilogueCluster;
 
   // Records and count messages.
   char* recSend;              // [R][maxTokens][recBytes] (local)
@@ -248,6 +251,10 @@ cudaError_t launchMoeDirectReceive(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeDirectCombineSend(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeDirectCombineFinal(const MoeParams& p, cudaStream_t stream);
 cudaError_t preloadMoeDirectKernels();
+// Setup: whether the GPU can place clusters of `cluster` CTAs of both direct epilogue kernels in a
+// grid of `ctas` (a multiple of it) as they launch (programmatic dependents). An error of the query
+// itself (a size the GPU does not support) reads as "does not fit".
+cudaError_t moeDirectEpilogueFits(int cluster, int ctas, bool* fits);
 cudaError_t launchMoeCombineReduce(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeCombineFinal(const MoeParams& p, cudaStream_t stream);
 cudaError_t preloadMoeCombineKernels();

@@ -296,18 +296,35 @@ __global__ void __launch_bounds__(kThreads) moeDirectCombineFinalKernel(const __
   }
 }
 
-// Launches `kernel` (epilogueCtas CTAs) as the programmatic dependent of the stream's last kernel.
-cudaError_t launchDependent(const MoeParams& p, cudaStream_t stream, void (*kernel)(MoeParams)) {
-  if (p.epilogueCtas < 1 || p.numRanks > kMaxRanks) return cudaErrorInvalidValue;
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
+// The launch of an epilogue kernel: `ctas` CTAs in clusters of `cluster` (1: none), the
+// programmatic dependent of the stream's last kernel. `attrs` holds the attributes cfg points to.
+cudaLaunchConfig_t epilogueLaunch(int ctas, int cluster, cudaStream_t stream, cudaLaunchAttribute (&attrs)[2]) {
+  attrs[0] = cudaLaunchAttribute{};
+  attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attrs[0].val.programmaticStreamSerializationAllowed = 1;
+  attrs[1] = cudaLaunchAttribute{};
+  attrs[1].id = cudaLaunchAttributeClusterDimension;
+  attrs[1].val.clusterDim.x = static_cast<unsigned>(cluster);
+  attrs[1].val.clusterDim.y = 1;
+  attrs[1].val.clusterDim.z = 1;
   cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(p.epilogueCtas));
+  cfg.gridDim = dim3(static_cast<unsigned>(ctas));
   cfg.blockDim = dim3(kThreads);
   cfg.stream = stream;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
+  cfg.attrs = attrs;
+  cfg.numAttrs = cluster > 1 ? 2 : 1;
+  return cfg;
+}
+
+// Launches `kernel` (epilogueCtas CTAs, in clusters of epilogueCluster) as the programmatic
+// dependent of the stream's last kernel.
+cudaError_t launchDependent(const MoeParams& p, cudaStream_t stream, void (*kernel)(MoeParams)) {
+  if (p.epilogueCtas < 1 || p.numRanks > kMaxRanks || p.epilogueCluster < 1 ||
+      p.epilogueCtas % p.epilogueCluster != 0) {
+    return cudaErrorInvalidValue;
+  }
+  cudaLaunchAttribute attrs[2];
+  const cudaLaunchConfig_t cfg = epilogueLaunch(p.epilogueCtas, p.epilogueCluster, stream, attrs);
   return cudaLaunchKernelEx(&cfg, kernel, p);
 }
 
@@ -354,6 +371,25 @@ cudaError_t preloadMoeDirectKernels() {
     const cudaError_t e = cudaFuncGetAttributes(&a, f);
     if (e != cudaSuccess) return e;
   }
+  return cudaSuccess;
+}
+
+cudaError_t moeDirectEpilogueFits(int cluster, int ctas, bool* fits) {
+  *fits = false;
+  if (cluster < 1 || ctas < cluster || ctas % cluster != 0) return cudaErrorInvalidValue;
+  cudaLaunchAttribute attrs[2];
+  cudaLaunchConfig_t cfg = epilogueLaunch(ctas, cluster, nullptr, attrs);
+  cfg.attrs = &attrs[1];  // the cluster shape alone: the query places CTAs, not stream order
+  cfg.numAttrs = 1;
+  for (void (*k)(MoeParams) : {moeDirectReceiveKernel, moeDirectCombineFinalKernel}) {
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, k, &cfg) != cudaSuccess) {
+      (void)cudaGetLastError();  // a size this GPU cannot take: not a sticky error, cleared
+      return cudaSuccess;
+    }
+    if (clusters < 1) return cudaSuccess;
+  }
+  *fits = true;
   return cudaSuccess;
 }
 

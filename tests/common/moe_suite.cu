@@ -738,6 +738,16 @@ const char* pathName(MoePath p) {
   return "?";
 }
 
+// The receive layout in words (batched: with its rows per expert as configured, 0: the default).
+std::string layoutName(const MoeConfig& g) {
+  switch (g.receiveLayout) {
+    case ReceiveLayout::kExpertMajor: return "expert-major";
+    case ReceiveLayout::kBatched: return "batched rows/expert=" + std::to_string(g.rowsPerExpert);
+    case ReceiveLayout::kRankMajor: return "rank-major";
+  }
+  return "?";
+}
+
 std::string describeCase(const MoeCase& c) {
   const MoeConfig& g = c.cfg;
   std::string tokens;
@@ -747,9 +757,7 @@ std::string describeCase(const MoeCase& c) {
          (g.dispatchType == DType::kFp8E4m3 ? " fp8" : " bf16") +
          (c.indexType == IndexType::kInt64 ? " int64" : " int32") + " routing=" + routingName(c.routing) +
          " align=" + std::to_string(g.expertAlignment) + " cap=" + std::to_string(g.recvCapacity) +
-         (g.receiveLayout == ReceiveLayout::kBatched ? " batched rows/expert=" + std::to_string(g.rowsPerExpert) : "") +
-         (g.receiveLayout == ReceiveLayout::kRankMajor ? " rank-major" : "") +
-         " sms=" + std::to_string(g.smBudget) + " tokens={" + tokens + "} replays=" + std::to_string(c.replays) +
+         " layout=" + layoutName(g) + " sms=" + std::to_string(g.smBudget) + " tokens={" + tokens + "} replays=" + std::to_string(c.replays) +
          " path=" + pathName(g.path);
 }
 
@@ -766,6 +774,58 @@ bool isInvalidEntry(const MoeConfig& g, const Inputs& in, long long id, int toke
   if (token < 0 || token >= T || slot < 0 || slot >= g.topK) return false;
   const long long e = in.idx[static_cast<std::size_t>(token) * g.topK + slot];
   return e == id && (e < -1 || e >= g.numExperts);
+}
+
+// The case in each receive layout, one after the other: as written (expert-major), batched, then
+// rank-major. Alignment is the expert-major layout's, so a case that only tests it runs once; a
+// capacity that overflows becomes 9 rows per expert (a batched expert overflows on its own) and
+// the rank-major layout's full R x T_max rows (it cannot overflow). A case written in another
+// layout runs as written only.
+std::vector<MoeCase> inEveryLayout(const MoeCase& c) {
+  std::vector<MoeCase> out{c};
+  if (c.cfg.receiveLayout != ReceiveLayout::kExpertMajor || (c.cfg.expertAlignment > 1 && c.cfg.recvCapacity == 0)) {
+    return out;
+  }
+  MoeCase b = c;
+  b.cfg.receiveLayout = ReceiveLayout::kBatched;
+  b.cfg.expertAlignment = 1;
+  if (b.cfg.recvCapacity > 0) {
+    b.cfg.recvCapacity = 0;
+    b.cfg.rowsPerExpert = 9;
+  }
+  out.push_back(b);
+  MoeCase m = c;
+  m.cfg.receiveLayout = ReceiveLayout::kRankMajor;
+  m.cfg.expertAlignment = 1;
+  m.cfg.recvCapacity = 0;
+  out.push_back(m);
+  return out;
+}
+
+// body(case) for each case of inEveryLayout(c) in turn (each names its layout in its
+// SCOPED_TRACE, through describeCase); a fatal failure stops the layouts after it.
+template <class F>
+void forEveryLayout(const MoeCase& c, F&& body) {
+  const std::vector<MoeCase> cases = inEveryLayout(c);
+  for (std::size_t i = 0; i < cases.size(); ++i) {
+    if (i > 0 && ::testing::Test::HasFatalFailure()) return;
+    body(cases[i]);
+  }
+}
+
+// What a rank's layout views `v` say of their layout: its kind; batched, E_local x rowsPerExpert
+// rows; rank-major, one row per (source token, this rank) and the source offsets.
+void expectLayoutShape(const MoeCase& c, const DispatchLayout& v, int R) {
+  EXPECT_EQ(v.receiveLayout, c.cfg.receiveLayout);
+  if (c.cfg.receiveLayout == ReceiveLayout::kBatched) {
+    const long long L = c.cfg.numExperts / R;
+    EXPECT_EQ(v.rowsPerExpert, batchedRows(c.cfg, R));
+    EXPECT_EQ(v.capacity, L * batchedRows(c.cfg, R));
+  }
+  if (c.cfg.receiveLayout == ReceiveLayout::kRankMajor) {
+    EXPECT_EQ(v.capacity, static_cast<long long>(R) * c.cfg.maxTokensPerRank);
+    EXPECT_NE(v.rankOffsets, nullptr);
+  }
 }
 
 }  // namespace
@@ -790,30 +850,9 @@ namespace {
 void runMoeCaseInLayout(Communicator& comm, const MoeCase& c);
 }  // namespace
 
-// Every case in each receive layout, one after the other: as written (expert-major), batched, then
-// rank-major. Alignment is the expert-major layout's, so a case that only tests it runs once; a
-// capacity that overflows becomes 9 rows per expert (a batched expert overflows on its own) and
-// the rank-major layout's full R x T_max rows (it cannot overflow).
+// Every case in each receive layout (inEveryLayout).
 void runMoeCase(Communicator& comm, const MoeCase& c) {
-  runMoeCaseInLayout(comm, c);
-  if (::testing::Test::HasFatalFailure() || c.cfg.receiveLayout != ReceiveLayout::kExpertMajor ||
-      (c.cfg.expertAlignment > 1 && c.cfg.recvCapacity == 0)) {
-    return;
-  }
-  MoeCase b = c;
-  b.cfg.receiveLayout = ReceiveLayout::kBatched;
-  b.cfg.expertAlignment = 1;
-  if (b.cfg.recvCapacity > 0) {
-    b.cfg.recvCapacity = 0;
-    b.cfg.rowsPerExpert = 9;
-  }
-  runMoeCaseInLayout(comm, b);
-  if (::testing::Test::HasFatalFailure()) return;
-  MoeCase m = c;
-  m.cfg.receiveLayout = ReceiveLayout::kRankMajor;
-  m.cfg.expertAlignment = 1;
-  m.cfg.recvCapacity = 0;
-  runMoeCaseInLayout(comm, m);
+  forEveryLayout(c, [&](const MoeCase& v) { runMoeCaseInLayout(comm, v); });
 }
 
 namespace {
@@ -855,17 +894,7 @@ void runMoeCaseInLayout(Communicator& comm, const MoeCase& c) {
     // Every rank's expected layout, once per run (the capacity is the same on every rank).
     std::vector<RefLayout> refs;
     for (int q = 0; q < R; ++q) refs.push_back(refLayout(c, all, q, f.layout(0).capacity));
-    if (c.cfg.receiveLayout == ReceiveLayout::kBatched) {  // the batched capacity, as documented
-      const long long L = c.cfg.numExperts / R;
-      EXPECT_EQ(f.layout(0).rowsPerExpert, batchedRows(c.cfg, R));
-      EXPECT_EQ(f.layout(0).capacity, L * batchedRows(c.cfg, R));
-      EXPECT_EQ(f.layout(0).receiveLayout, ReceiveLayout::kBatched);
-    }
-    if (c.cfg.receiveLayout == ReceiveLayout::kRankMajor) {  // one row per (source token, rank)
-      EXPECT_EQ(f.layout(0).capacity, static_cast<long long>(R) * c.cfg.maxTokensPerRank);
-      EXPECT_EQ(f.layout(0).receiveLayout, ReceiveLayout::kRankMajor);
-      EXPECT_NE(f.layout(0).rankOffsets, nullptr);
-    }
+    expectLayoutShape(c, f.layout(0), R);
     for (int l = 0; l < f.L(); ++l) {
       const std::size_t ls = static_cast<std::size_t>(l);
       const int r = comm.globalRank(l);
@@ -1154,104 +1183,96 @@ MoeCase smallCase(const Communicator& comm, int maxTokens, MoePath path) {
   return c;
 }
 
-}  // namespace
+// Bad pointers: named errors, thrown before anything is enqueued (so no peer waits on them).
+void misuseBadPointers(Communicator& comm, MoeFixture& f, MoeFixture& other) {
+  Engine& e = f.engine(0);
+  GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(0)));
+  cudaStream_t s = f.buf(0).stream;
+  DispatchArgs a = f.dispatchArgs(0, nullptr);
+  a.x = nullptr;
+  expectError([&] { e.dispatch(a, s); }, Status::kInvalidArgument, "dispatch: x");
+  a = f.dispatchArgs(0, nullptr);
+  a.x = static_cast<const char*>(a.x) + 2;
+  expectError([&] { e.dispatch(a, s); }, Status::kInvalidArgument, "is not 16-byte aligned");
+  void* pinned = nullptr;
+  GRAPHEP_CUDA_CHECK(cudaMallocHost(&pinned, 4096));
+  a = f.dispatchArgs(0, nullptr);
+  a.topkIdx = pinned;
+  expectError([&] { e.dispatch(a, s); }, Status::kInvalidArgument, "host memory");
+  std::vector<float> hostWeights(64);
+  a = f.dispatchArgs(0, nullptr);
+  a.topkWeights = hostWeights.data();
+  expectError([&] { e.dispatch(a, s); }, Status::kInvalidArgument, "dispatch: topkWeights");
+  GRAPHEP_CUDA_CHECK(cudaFreeHost(pinned));
+  CombineArgs ca;
+  expectError([&] { e.combine(ca, s); }, Status::kInvalidArgument, "combine: out");
+  ca.out = f.buf(0).out;
+  ca.expertOutput = other.engine(0).layout().expertOutput;
+  expectError([&] { e.combine(ca, s); }, Status::kInvalidArgument, "another engine");
+}
 
-void runMoeMisuse(Communicator& comm, MoePath path) {
-  const MoeCase c = smallCase(comm, 32, path);
-  SCOPED_TRACE("misuse, " + describeCase(c));
+// Out of order: dispatch A (the inputs already uploaded), dispatch B, expert, combine, expert x2,
+// combine on every rank: one unpaired operation of each kind is counted and none hangs, and each
+// does what moe.hpp says. A dispatch over an uncombined one replaces it: the layout and the first
+// combine are B's. A combine with no new dispatch combines the last dispatch again: the second
+// combine is B's with the new expert outputs.
+void misuseOutOfOrder(Communicator& comm, const MoeCase& c, MoeFixture& f) {
   const int R = comm.worldSize();
-  MoeFixture f(comm, c), other(comm, c);
-  std::vector<Inputs> in;
-  for (int q = 0; q < R; ++q) in.push_back(makeInputs(c, R, q, 32, 4711));
-  for (int l = 0; l < f.L(); ++l) f.prepare(l, in[static_cast<std::size_t>(comm.globalRank(l))]);
+  std::vector<Inputs> inB;
+  for (int q = 0; q < R; ++q) inB.push_back(makeInputs(c, R, q, 32 - 5 * q % 32, 4712));
+  for (int l = 0; l < f.L(); ++l) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    f.engine(l).dispatch(f.dispatchArgs(l, nullptr), f.buf(l).stream);
+  }
+  f.syncAll();
+  for (int l = 0; l < f.L(); ++l) f.prepare(l, inB[static_cast<std::size_t>(comm.globalRank(l))]);
   comm.barrier();
-
-  // Bad pointers: named errors, thrown before anything is enqueued (so no peer waits on them).
-  {
-    Engine& e = f.engine(0);
-    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(0)));
-    cudaStream_t s = f.buf(0).stream;
-    DispatchArgs a = f.dispatchArgs(0, nullptr);
-    a.x = nullptr;
-    expectError([&] { e.dispatch(a, s); }, Status::kInvalidArgument, "dispatch: x");
-    a = f.dispatchArgs(0, nullptr);
-    a.x = static_cast<const char*>(a.x) + 2;
-    expectError([&] { e.dispatch(a, s); }, Status::kInvalidArgument, "is not 16-byte aligned");
-    void* pinned = nullptr;
-    GRAPHEP_CUDA_CHECK(cudaMallocHost(&pinned, 4096));
-    a = f.dispatchArgs(0, nullptr);
-    a.topkIdx = pinned;
-    expectError([&] { e.dispatch(a, s); }, Status::kInvalidArgument, "host memory");
-    std::vector<float> hostWeights(64);
-    a = f.dispatchArgs(0, nullptr);
-    a.topkWeights = hostWeights.data();
-    expectError([&] { e.dispatch(a, s); }, Status::kInvalidArgument, "dispatch: topkWeights");
-    GRAPHEP_CUDA_CHECK(cudaFreeHost(pinned));
+  for (int l = 0; l < f.L(); ++l) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    const DispatchLayout& v = f.engine(l).dispatch(f.dispatchArgs(l, nullptr), f.buf(l).stream);
+    f.expert(l, v, f.buf(l).stream, 1.0f);
     CombineArgs ca;
-    expectError([&] { e.combine(ca, s); }, Status::kInvalidArgument, "combine: out");
-    ca.out = f.buf(0).out;
-    ca.expertOutput = other.engine(0).layout().expertOutput;
-    expectError([&] { e.combine(ca, s); }, Status::kInvalidArgument, "another engine");
+    ca.out = f.buf(l).out;
+    f.engine(l).combine(ca, f.buf(l).stream);
   }
-
-  // Out of order: dispatch A, dispatch B, expert, combine, expert x2, combine on every rank: one
-  // unpaired operation of each kind is counted and none hangs, and each does what moe.hpp says. A
-  // dispatch over an uncombined one replaces it: the layout and the first combine are B's. A combine
-  // with no new dispatch combines the last dispatch again: the second combine is B's with the new
-  // expert outputs.
-  {
-    std::vector<Inputs> inB;
-    for (int q = 0; q < R; ++q) inB.push_back(makeInputs(c, R, q, 32 - 5 * q % 32, 4712));
-    for (int l = 0; l < f.L(); ++l) {
-      GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
-      f.engine(l).dispatch(f.dispatchArgs(l, nullptr), f.buf(l).stream);
-    }
-    f.syncAll();
-    for (int l = 0; l < f.L(); ++l) f.prepare(l, inB[static_cast<std::size_t>(comm.globalRank(l))]);
-    comm.barrier();
-    for (int l = 0; l < f.L(); ++l) {
-      GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
-      const DispatchLayout& v = f.engine(l).dispatch(f.dispatchArgs(l, nullptr), f.buf(l).stream);
-      f.expert(l, v, f.buf(l).stream, 1.0f);
-      CombineArgs ca;
-      ca.out = f.buf(l).out;
-      f.engine(l).combine(ca, f.buf(l).stream);
-    }
-    f.syncAll();
-    std::vector<RefLayout> refs;
-    for (int q = 0; q < R; ++q) refs.push_back(refLayout(c, inB, q, f.layout(0).capacity));
-    for (int l = 0; l < f.L(); ++l) EXPECT_EQ(f.check(l, inB, refs, "a dispatch over an uncombined one"), 0);
-    comm.barrier();
-    for (int l = 0; l < f.L(); ++l) {
-      GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
-      GRAPHEP_CUDA_CHECK(cudaMemset(f.buf(l).out, kPoison,
-                                    static_cast<std::size_t>(c.cfg.maxTokensPerRank) * c.cfg.hidden * 2));
-      GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
-    }
-    comm.barrier();
-    for (int l = 0; l < f.L(); ++l) {
-      GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
-      f.expert(l, f.layout(l), f.buf(l).stream, 2.0f);
-      CombineArgs ca;
-      ca.out = f.buf(l).out;
-      f.engine(l).combine(ca, f.buf(l).stream);
-    }
-    f.syncAll();
-    f.setYScale(2.0f);
-    for (int l = 0; l < f.L(); ++l) {
-      EXPECT_EQ(f.checkCombine(l, inB, refs, "a combine with no new dispatch"), 0);
-      const MoeStatus st = f.engine(l).status();
-      EXPECT_EQ(st.unpairedDispatches, 1ull) << st.describe();
-      EXPECT_EQ(st.unpairedCombines, 1ull) << st.describe();
-      EXPECT_EQ(st.deviceError, "");
-      EXPECT_NE(st.describe().find("before the previous dispatch was combined"), std::string::npos) << st.describe();
-      f.engine(l).clearStatus();
-    }
-    f.setYScale(1.0f);
-    comm.barrier();
+  f.syncAll();
+  std::vector<RefLayout> refs;
+  for (int q = 0; q < R; ++q) refs.push_back(refLayout(c, inB, q, f.layout(0).capacity));
+  for (int l = 0; l < f.L(); ++l) EXPECT_EQ(f.check(l, inB, refs, "a dispatch over an uncombined one"), 0);
+  comm.barrier();
+  for (int l = 0; l < f.L(); ++l) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    GRAPHEP_CUDA_CHECK(cudaMemset(f.buf(l).out, kPoison,
+                                  static_cast<std::size_t>(c.cfg.maxTokensPerRank) * c.cfg.hidden * 2));
+    GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
   }
+  comm.barrier();
+  for (int l = 0; l < f.L(); ++l) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    f.expert(l, f.layout(l), f.buf(l).stream, 2.0f);
+    CombineArgs ca;
+    ca.out = f.buf(l).out;
+    f.engine(l).combine(ca, f.buf(l).stream);
+  }
+  f.syncAll();
+  f.setYScale(2.0f);
+  for (int l = 0; l < f.L(); ++l) {
+    EXPECT_EQ(f.checkCombine(l, inB, refs, "a combine with no new dispatch"), 0);
+    const MoeStatus st = f.engine(l).status();
+    EXPECT_EQ(st.unpairedDispatches, 1ull) << st.describe();
+    EXPECT_EQ(st.unpairedCombines, 1ull) << st.describe();
+    EXPECT_EQ(st.deviceError, "");
+    EXPECT_NE(st.describe().find("before the previous dispatch was combined"), std::string::npos) << st.describe();
+    f.engine(l).clearStatus();
+  }
+  f.setYScale(1.0f);
+  comm.barrier();
+}
 
-  // NaN and infinite weights propagate to their tokens' outputs; every other token stays correct.
+// NaN and infinite weights (of `in`) propagate to their tokens' outputs; every other token stays
+// correct.
+void misuseNonFiniteWeights(Communicator& comm, const MoeCase& c, MoeFixture& f, std::vector<Inputs> in) {
+  const int R = comm.worldSize();
   for (Inputs& x : in) {
     x.w[0] = std::numeric_limits<float>::quiet_NaN();                   // token 0, slot 0
     x.w[static_cast<std::size_t>(c.cfg.topK)] = std::numeric_limits<float>::infinity();  // token 1, slot 0
@@ -1272,6 +1293,29 @@ void runMoeMisuse(Communicator& comm, MoePath path) {
     EXPECT_TRUE(st.ok()) << st.describe();
   }
   comm.barrier();
+}
+
+void runMoeMisuseInLayout(Communicator& comm, const MoeCase& c) {
+  SCOPED_TRACE("misuse, " + describeCase(c));
+  const int R = comm.worldSize();
+  MoeFixture f(comm, c), other(comm, c);
+  expectLayoutShape(c, f.layout(0), R);
+  std::vector<Inputs> in;
+  for (int q = 0; q < R; ++q) in.push_back(makeInputs(c, R, q, 32, 4711));
+  for (int l = 0; l < f.L(); ++l) f.prepare(l, in[static_cast<std::size_t>(comm.globalRank(l))]);
+  comm.barrier();
+  misuseBadPointers(comm, f, other);
+  misuseOutOfOrder(comm, c, f);
+  misuseNonFiniteWeights(comm, c, f, std::move(in));
+}
+
+}  // namespace
+
+// Every layout (inEveryLayout). The suite tests no config validation (Engine::validate's layout
+// rules, rowsPerExpert among them, are tests/unit/test_moe_config.cpp's), so nothing here differs
+// by layout but the rows the stand-in expert reads and the reference it is checked against.
+void runMoeMisuse(Communicator& comm, MoePath path) {
+  forEveryLayout(smallCase(comm, 32, path), [&](const MoeCase& c) { runMoeMisuseInLayout(comm, c); });
 }
 
 void runMoeMissingRank(Communicator& comm, MoePath path) {
@@ -1381,12 +1425,13 @@ void runMoeGraphOutlivesEngine(Communicator& comm) {
   comm.barrier();
 }
 
-void runMoeMicroBatches(Communicator& comm, MoePath path, int rounds, int smBudget) {
-  MoeCase c = smallCase(comm, 64, path);
-  c.cfg.smBudget = smBudget;
+namespace {
+
+void runMoeMicroBatchesInLayout(Communicator& comm, const MoeCase& c, int rounds) {
   SCOPED_TRACE("two micro-batches in flight, " + describeCase(c));
   const int R = comm.worldSize();
   MoeFixture a(comm, c), b(comm, c);  // two engines: two buffer sets
+  expectLayoutShape(c, a.layout(0), R);
   for (int round = 0; round < rounds; ++round) {
     const int Ta = 1 + round * 13 % 64, Tb = 64 - round * 7 % 64;
     std::vector<Inputs> inA, inB;
@@ -1419,184 +1464,248 @@ void runMoeMicroBatches(Communicator& comm, MoePath path, int rounds, int smBudg
   }
 }
 
-void runMoeOverflow(Communicator& comm, MoePath path) {
+}  // namespace
+
+// Every layout (inEveryLayout), each all `rounds` (a few: the rounds differ in their counts).
+void runMoeMicroBatches(Communicator& comm, MoePath path, int rounds, int smBudget) {
+  MoeCase c = smallCase(comm, 64, path);
+  c.cfg.smBudget = smBudget;
+  forEveryLayout(c, [&](const MoeCase& v) { runMoeMicroBatchesInLayout(comm, v, rounds); });
+}
+
+namespace {
+
+// One run of the overflow suite on every rank: dispatch, the expert into the caller's `y` (exactly
+// `capacity` rows each, poisoned first) unguarded, combine, and the full check. Adds each local
+// rank's expected drops to `expectDropped`; returns this process's.
+unsigned long long overflowRun(Communicator& comm, const MoeCase& c, MoeFixture& f, const std::vector<void*>& y,
+                               int run, std::vector<unsigned long long>& expectDropped) {
   const int R = comm.worldSize();
-  for (int alignment : {1, 8}) {
-    MoeCase c = smallCase(comm, 64, path);
-    c.name = "overflow_memcheck";
-    c.routing = Routing::kSkewed;
-    c.cfg.expertAlignment = alignment;
-    c.cfg.recvCapacity = 29;  // far below what skewed routing sends every rank
-    c.tokens = {64, 50, 0};
-    SCOPED_TRACE("overflow, " + describeCase(c));
-    MoeFixture f(comm, c);
-    const std::size_t cap = static_cast<std::size_t>(f.layout(0).capacity), rowBytes = static_cast<std::size_t>(c.cfg.hidden) * 2;
-    std::vector<void*> y(static_cast<std::size_t>(f.L()), nullptr);  // the caller's: exactly `capacity` rows
-    for (int l = 0; l < f.L(); ++l) {
-      GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
-      GRAPHEP_CUDA_CHECK(cudaMalloc(&y[static_cast<std::size_t>(l)], cap * rowBytes));
-    }
-    unsigned long long droppedSeen = 0;
-    std::vector<unsigned long long> expectDropped(static_cast<std::size_t>(f.L()), 0);
-    for (int run = 0; run < 3; ++run) {
-      std::vector<Inputs> all;
-      for (int q = 0; q < R; ++q) all.push_back(makeInputs(c, R, q, rankTokens(c, run, q), 777 + run));
-      for (int l = 0; l < f.L(); ++l) {
-        f.prepare(l, all[static_cast<std::size_t>(comm.globalRank(l))]);
-        GRAPHEP_CUDA_CHECK(cudaMemset(y[static_cast<std::size_t>(l)], kPoison, cap * rowBytes));  // NaN
-        GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
-      }
-      comm.barrier();
-      for (int l = 0; l < f.L(); ++l) {
-        GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
-        cudaStream_t s = f.buf(l).stream;
-        const DispatchLayout& v = f.engine(l).dispatch(f.dispatchArgs(l, nullptr), s);
-        f.expert(l, v, s, 1.0f, y[static_cast<std::size_t>(l)], /*guard=*/false);
-        CombineArgs ca;
-        ca.expertOutput = y[static_cast<std::size_t>(l)];
-        ca.out = f.buf(l).out;
-        f.engine(l).combine(ca, s);
-      }
-      f.syncAll();
-      std::vector<RefLayout> refs;
-      for (int q = 0; q < R; ++q) refs.push_back(refLayout(c, all, q, static_cast<long long>(cap)));
-      for (int l = 0; l < f.L(); ++l) {
-        const RefLayout& ref = refs[static_cast<std::size_t>(comm.globalRank(l))];
-        EXPECT_EQ(f.check(l, all, refs, "overflow run " + std::to_string(run)), 0);
-        expectDropped[static_cast<std::size_t>(l)] += ref.droppedTotal;
-        droppedSeen += ref.droppedTotal;
-      }
-      comm.barrier();
-    }
-    for (int l = 0; l < f.L(); ++l) {
-      const MoeStatus st = f.engine(l).status();
-      EXPECT_EQ(st.droppedRows, expectDropped[static_cast<std::size_t>(l)]) << st.describe();
-      EXPECT_EQ(st.deviceError, "");
-      GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
-      GRAPHEP_CUDA_CHECK(cudaFree(y[static_cast<std::size_t>(l)]));
-    }
+  const std::size_t cap = static_cast<std::size_t>(f.layout(0).capacity), rowBytes = static_cast<std::size_t>(c.cfg.hidden) * 2;
+  std::vector<Inputs> all;
+  for (int q = 0; q < R; ++q) all.push_back(makeInputs(c, R, q, rankTokens(c, run, q), 777 + run));
+  for (int l = 0; l < f.L(); ++l) {
+    f.prepare(l, all[static_cast<std::size_t>(comm.globalRank(l))]);
+    GRAPHEP_CUDA_CHECK(cudaMemset(y[static_cast<std::size_t>(l)], kPoison, cap * rowBytes));  // NaN
+    GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  comm.barrier();
+  for (int l = 0; l < f.L(); ++l) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    cudaStream_t s = f.buf(l).stream;
+    const DispatchLayout& v = f.engine(l).dispatch(f.dispatchArgs(l, nullptr), s);
+    f.expert(l, v, s, 1.0f, y[static_cast<std::size_t>(l)], /*guard=*/false);
+    CombineArgs ca;
+    ca.expertOutput = y[static_cast<std::size_t>(l)];
+    ca.out = f.buf(l).out;
+    f.engine(l).combine(ca, s);
+  }
+  f.syncAll();
+  std::vector<RefLayout> refs;
+  for (int q = 0; q < R; ++q) refs.push_back(refLayout(c, all, q, static_cast<long long>(cap)));
+  unsigned long long dropped = 0;
+  for (int l = 0; l < f.L(); ++l) {
+    const RefLayout& ref = refs[static_cast<std::size_t>(comm.globalRank(l))];
+    EXPECT_EQ(f.check(l, all, refs, "overflow run " + std::to_string(run)), 0);
+    expectDropped[static_cast<std::size_t>(l)] += ref.droppedTotal;
+    dropped += ref.droppedTotal;
+  }
+  comm.barrier();
+  return dropped;
+}
+
+void runMoeOverflowInLayout(Communicator& comm, const MoeCase& c) {
+  SCOPED_TRACE("overflow, " + describeCase(c));
+  MoeFixture f(comm, c);
+  expectLayoutShape(c, f.layout(0), comm.worldSize());
+  const std::size_t cap = static_cast<std::size_t>(f.layout(0).capacity), rowBytes = static_cast<std::size_t>(c.cfg.hidden) * 2;
+  std::vector<void*> y(static_cast<std::size_t>(f.L()), nullptr);  // the caller's: exactly `capacity` rows
+  for (int l = 0; l < f.L(); ++l) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&y[static_cast<std::size_t>(l)], cap * rowBytes));
+  }
+  unsigned long long droppedSeen = 0;
+  std::vector<unsigned long long> expectDropped(static_cast<std::size_t>(f.L()), 0);
+  for (int run = 0; run < 3; ++run) droppedSeen += overflowRun(comm, c, f, y, run, expectDropped);
+  for (int l = 0; l < f.L(); ++l) {
+    const MoeStatus st = f.engine(l).status();
+    EXPECT_EQ(st.droppedRows, expectDropped[static_cast<std::size_t>(l)]) << st.describe();
+    EXPECT_EQ(st.deviceError, "");
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    GRAPHEP_CUDA_CHECK(cudaFree(y[static_cast<std::size_t>(l)]));
+  }
+  if (c.cfg.receiveLayout == ReceiveLayout::kRankMajor) {  // one row per source token: nothing to drop
+    EXPECT_EQ(droppedSeen, 0ull) << "the rank-major layout cannot overflow";
+  } else {
     EXPECT_GT(droppedSeen, 0ull) << "the case must overflow";
-    comm.barrier();
+  }
+  comm.barrier();
+}
+
+}  // namespace
+
+// Every layout (inEveryLayout): expert-major drops at the capacity, batched past 9 rows per expert,
+// rank-major (full capacity) must drop nothing; then the aligned case, in expert-major only
+// (alignment is that layout's alone).
+void runMoeOverflow(Communicator& comm, MoePath path) {
+  MoeCase c = smallCase(comm, 64, path);
+  c.name = "overflow_memcheck";
+  c.routing = Routing::kSkewed;
+  c.cfg.recvCapacity = 29;  // far below what skewed routing sends every rank
+  c.tokens = {64, 50, 0};
+  forEveryLayout(c, [&](const MoeCase& v) { runMoeOverflowInLayout(comm, v); });
+  if (::testing::Test::HasFatalFailure()) return;
+  c.cfg.expertAlignment = 8;
+  runMoeOverflowInLayout(comm, c);
+}
+
+namespace {
+
+// The graph suite's launches, every kind once and then at random.
+enum GraphKind { kCallback, kChild, kBucket0, kBucket1, kBucket2, kBucket3, kPair, kUserGlobal, kUserThreadLocal,
+                 kUserRelaxed, kGraphKinds };
+constexpr int kGraphBuckets[4] = {1, 8, 33, 64};      // the live counts the bucket graphs bake in
+constexpr float kExpertScale[3] = {1.0f, 2.0f, 4.0f};  // the child's three expert graphs
+constexpr cudaStreamCaptureMode kUserModes[3] = {cudaStreamCaptureModeGlobal, cudaStreamCaptureModeThreadLocal,
+                                                 cudaStreamCaptureModeRelaxed};
+
+// One rank's graphs of the suite.
+struct RankGraphs {
+  std::unique_ptr<MoeGraph> callback, child, bucket[4], dispatch, combine;
+  cudaGraphExec_t user[3] = {nullptr, nullptr, nullptr};
+  cudaGraph_t experts[3] = {nullptr, nullptr, nullptr};  // x1 (one node), x2 (one node), x4 (two nodes)
+  int* bucketT[4] = {nullptr, nullptr, nullptr, nullptr};
+};
+
+// Rank l's graphs of every kind: an expert callback graph; three expert graphs and a child graph
+// over the first; the bucket graphs; a dispatch-only + combine-only pair; the engine's operations
+// inside the caller's own capture in each mode.
+void captureRankGraphs(Communicator& comm, MoeFixture& f, int l, RankGraphs& rg) {
+  Engine& e = f.engine(l);
+  GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+  cudaStream_t s = f.buf(l).stream;
+  MoeGraphArgs args;
+  args.dispatch = f.dispatchArgs(l, nullptr);
+  args.out = f.buf(l).out;
+  rg.callback = MoeGraph::capture(e, args, [&f, l](const DispatchLayout& v, cudaStream_t st) { f.expert(l, v, st, 1.0f); });
+  for (int x = 0; x < 3; ++x) {
+    GRAPHEP_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    const DispatchLayout& v = e.layout();
+    if (x == 2) GRAPHEP_CUDA_CHECK(cudaMemsetAsync(v.expertOutput, 0, static_cast<std::size_t>(v.capacity) * v.hidden * 2, s));
+    f.expert(l, v, s, kExpertScale[x]);
+    GRAPHEP_CUDA_CHECK(cudaStreamEndCapture(s, &rg.experts[x]));
+  }
+  rg.child = MoeGraph::withExpertGraph(e, args, rg.experts[0]);
+  for (int b = 0; b < 4; ++b) {
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&rg.bucketT[b], 4));
+    GRAPHEP_CUDA_CHECK(cudaMemcpy(rg.bucketT[b], &kGraphBuckets[b], 4, cudaMemcpyHostToDevice));
+    MoeGraphArgs ba = args;
+    ba.dispatch = f.dispatchArgs(l, rg.bucketT[b]);
+    rg.bucket[b] = MoeGraph::capture(e, ba, [&f, l](const DispatchLayout& v, cudaStream_t st) { f.expert(l, v, st, 1.0f); });
+  }
+  rg.dispatch = MoeGraph::dispatchOnly(e, args.dispatch);
+  CombineArgs ca;
+  ca.out = args.out;
+  rg.combine = MoeGraph::combineOnly(e, ca);
+  for (int m = 0; m < 3; ++m) {  // the engine's operations inside the caller's own capture
+    GRAPHEP_CUDA_CHECK(cudaStreamBeginCapture(s, kUserModes[m]));
+    f.enqueue(l, s);
+    cudaGraph_t ug = nullptr;
+    GRAPHEP_CUDA_CHECK(cudaStreamEndCapture(s, &ug));
+    GRAPHEP_CUDA_CHECK(cudaGraphInstantiate(&rg.user[m], ug, 0));
+    GRAPHEP_CUDA_CHECK(cudaGraphDestroy(ug));
   }
 }
 
-void runMoeGraphSuite(Communicator& comm, MoePath path, int iterations) {
-  const MoeCase c = smallCase(comm, 64, path);
+// Launches rank l's graph of `kind` on its stream.
+void launchRankGraph(Communicator& comm, MoeFixture& f, int l, RankGraphs& rg, int kind) {
+  GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+  cudaStream_t s = f.buf(l).stream;
+  switch (kind) {
+    case kCallback: rg.callback->launch(s); break;
+    case kChild: rg.child->launch(s); break;
+    case kPair:
+      rg.dispatch->launch(s);
+      f.expert(l, rg.dispatch->layout(), s, 1.0f);
+      rg.combine->launch(s);
+      break;
+    case kUserGlobal:
+    case kUserThreadLocal:
+    case kUserRelaxed: GRAPHEP_CUDA_CHECK(cudaGraphLaunch(rg.user[kind - kUserGlobal], s)); break;
+    default: rg.bucket[kind - kBucket0]->launch(s); break;
+  }
+}
+
+// Every rank's inputs of iteration `it`: a bucket graph bakes its count in (the same on every
+// rank); the others read each rank's own, drawn per rank (0 included: a rank silent while its
+// peers send).
+std::vector<Inputs> graphInputs(const MoeCase& c, int R, int kind, int it, std::mt19937& rng) {
+  const bool bucket = kind >= kBucket0 && kind <= kBucket3;
+  std::vector<int> Ts(static_cast<std::size_t>(R));
+  for (int& t : Ts) t = bucket ? kGraphBuckets[kind - kBucket0] : static_cast<int>(rng() % 65);
+  const std::uint64_t seed = 9000 + static_cast<std::uint64_t>(it) * 13;
+  std::vector<Inputs> all;
+  for (int q = 0; q < R; ++q) all.push_back(makeInputs(c, R, q, Ts[static_cast<std::size_t>(q)], seed));
+  return all;
+}
+
+// The child graph's reinstantiations and every rank's status, then the graphs' own resources.
+void finishRankGraphs(Communicator& comm, MoeFixture& f, int l, RankGraphs& rg, int expectedReinstantiations) {
+  EXPECT_EQ(rg.child->reinstantiations(), expectedReinstantiations) << "rank " << comm.globalRank(l);
+  const MoeStatus st = f.engine(l).status();
+  EXPECT_TRUE(st.ok()) << st.describe();
+  GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+  for (cudaGraphExec_t u : rg.user) cudaGraphExecDestroy(u);
+  for (cudaGraph_t x : rg.experts) cudaGraphDestroy(x);
+  for (int* b : rg.bucketT) cudaFree(b);
+}
+
+void runMoeGraphSuiteInLayout(Communicator& comm, const MoeCase& c, int iterations) {
   SCOPED_TRACE("MoeGraph suite, " + describeCase(c));
   const int R = comm.worldSize();
   MoeFixture f(comm, c);
-  const std::vector<int> buckets = {1, 8, 33, 64};
-  enum Kind { kCallback, kChild, kBucket0, kBucket1, kBucket2, kBucket3, kPair, kUserGlobal, kUserThreadLocal,
-              kUserRelaxed, kKinds };
-  const cudaStreamCaptureMode userModes[] = {cudaStreamCaptureModeGlobal, cudaStreamCaptureModeThreadLocal,
-                                             cudaStreamCaptureModeRelaxed};
-  struct RankGraphs {
-    std::unique_ptr<MoeGraph> callback, child, bucket[4], dispatch, combine;
-    cudaGraphExec_t user[3] = {nullptr, nullptr, nullptr};
-    cudaGraph_t experts[3] = {nullptr, nullptr, nullptr};  // x1 (one node), x2 (one node), x4 (two nodes)
-    int* bucketT[4] = {nullptr, nullptr, nullptr, nullptr};
-  };
-  const float expertScale[3] = {1.0f, 2.0f, 4.0f};
+  expectLayoutShape(c, f.layout(0), R);
   std::vector<RankGraphs> g(static_cast<std::size_t>(f.L()));
-  for (int l = 0; l < f.L(); ++l) {
-    RankGraphs& rg = g[static_cast<std::size_t>(l)];
-    Engine& e = f.engine(l);
-    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
-    cudaStream_t s = f.buf(l).stream;
-    MoeGraphArgs args;
-    args.dispatch = f.dispatchArgs(l, nullptr);
-    args.out = f.buf(l).out;
-    rg.callback = MoeGraph::capture(e, args, [&f, l](const DispatchLayout& v, cudaStream_t st) { f.expert(l, v, st, 1.0f); });
-    for (int x = 0; x < 3; ++x) {
-      GRAPHEP_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-      const DispatchLayout& v = e.layout();
-      if (x == 2) GRAPHEP_CUDA_CHECK(cudaMemsetAsync(v.expertOutput, 0, static_cast<std::size_t>(v.capacity) * v.hidden * 2, s));
-      f.expert(l, v, s, expertScale[x]);
-      GRAPHEP_CUDA_CHECK(cudaStreamEndCapture(s, &rg.experts[x]));
-    }
-    rg.child = MoeGraph::withExpertGraph(e, args, rg.experts[0]);
-    for (int b = 0; b < 4; ++b) {
-      GRAPHEP_CUDA_CHECK(cudaMalloc(&rg.bucketT[b], 4));
-      GRAPHEP_CUDA_CHECK(cudaMemcpy(rg.bucketT[b], &buckets[static_cast<std::size_t>(b)], 4, cudaMemcpyHostToDevice));
-      MoeGraphArgs ba = args;
-      ba.dispatch = f.dispatchArgs(l, rg.bucketT[b]);
-      rg.bucket[b] = MoeGraph::capture(e, ba, [&f, l](const DispatchLayout& v, cudaStream_t st) { f.expert(l, v, st, 1.0f); });
-    }
-    rg.dispatch = MoeGraph::dispatchOnly(e, args.dispatch);
-    CombineArgs ca;
-    ca.out = args.out;
-    rg.combine = MoeGraph::combineOnly(e, ca);
-    for (int m = 0; m < 3; ++m) {  // the engine's operations inside the caller's own capture
-      GRAPHEP_CUDA_CHECK(cudaStreamBeginCapture(s, userModes[m]));
-      f.enqueue(l, s);
-      cudaGraph_t ug = nullptr;
-      GRAPHEP_CUDA_CHECK(cudaStreamEndCapture(s, &ug));
-      GRAPHEP_CUDA_CHECK(cudaGraphInstantiate(&rg.user[m], ug, 0));
-      GRAPHEP_CUDA_CHECK(cudaGraphDestroy(ug));
-    }
-  }
+  for (int l = 0; l < f.L(); ++l) captureRankGraphs(comm, f, l, g[static_cast<std::size_t>(l)]);
   comm.barrier();
   std::mt19937 rng(4242);  // the same sequence on every process
   int expertNow = 0, expectedReinstantiations = 0;
   for (int it = 0; it < iterations; ++it) {
-    const int kind = it < kKinds ? it : static_cast<int>(rng() % kKinds);
-    if (kind == kChild && it >= kKinds) {  // swap the experts: x1 -> x2 (in place) -> x4 (new topology) -> x1
+    const int kind = it < kGraphKinds ? it : static_cast<int>(rng() % kGraphKinds);
+    if (kind == kChild && it >= kGraphKinds) {  // swap the experts: x1 -> x2 (in place) -> x4 (new topology) -> x1
       const int next = (expertNow + 1) % 3;
       if (next == 2 || expertNow == 2) ++expectedReinstantiations;
-      for (int l = 0; l < f.L(); ++l) g[static_cast<std::size_t>(l)].child->setExpertGraph(g[static_cast<std::size_t>(l)].experts[next]);
+      for (RankGraphs& rg : g) rg.child->setExpertGraph(rg.experts[next]);
       expertNow = next;
     }
     const bool bucket = kind >= kBucket0 && kind <= kBucket3;
-    // A bucket graph bakes its count in (the same on every rank); the others read each rank's own,
-    // drawn per rank (0 included: a rank silent while its peers send).
-    std::vector<int> Ts(static_cast<std::size_t>(R));
-    for (int& t : Ts) t = bucket ? buckets[static_cast<std::size_t>(kind - kBucket0)] : static_cast<int>(rng() % 65);
-    const int T = Ts[0];
-    const std::uint64_t seed = 9000 + static_cast<std::uint64_t>(it) * 13;
-    std::vector<Inputs> all;
-    for (int q = 0; q < R; ++q) all.push_back(makeInputs(c, R, q, Ts[static_cast<std::size_t>(q)], seed));
+    const std::vector<Inputs> all = graphInputs(c, R, kind, it, rng);
     for (int l = 0; l < f.L(); ++l) {
       f.prepare(l, all[static_cast<std::size_t>(comm.globalRank(l))],
                 bucket ? g[static_cast<std::size_t>(l)].bucketT[kind - kBucket0] : nullptr);
     }
     comm.barrier();
-    for (int l = 0; l < f.L(); ++l) {
-      RankGraphs& rg = g[static_cast<std::size_t>(l)];
-      GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
-      cudaStream_t s = f.buf(l).stream;
-      switch (kind) {
-        case kCallback: rg.callback->launch(s); break;
-        case kChild: rg.child->launch(s); break;
-        case kPair:
-          rg.dispatch->launch(s);
-          f.expert(l, rg.dispatch->layout(), s, 1.0f);
-          rg.combine->launch(s);
-          break;
-        case kUserGlobal:
-        case kUserThreadLocal:
-        case kUserRelaxed: GRAPHEP_CUDA_CHECK(cudaGraphLaunch(rg.user[kind - kUserGlobal], s)); break;
-        default: rg.bucket[kind - kBucket0]->launch(s); break;
-      }
-    }
+    for (int l = 0; l < f.L(); ++l) launchRankGraph(comm, f, l, g[static_cast<std::size_t>(l)], kind);
     f.syncAll();
-    f.setYScale(kind == kChild ? expertScale[expertNow] : 1.0f);
+    f.setYScale(kind == kChild ? kExpertScale[expertNow] : 1.0f);
     std::vector<RefLayout> refs;
     for (int q = 0; q < R; ++q) refs.push_back(refLayout(c, all, q, f.engine(0).layout().capacity));
-    const std::string what = "iteration " + std::to_string(it) + " graph kind " + std::to_string(kind) + " T=" + std::to_string(T);
+    const std::string what = "iteration " + std::to_string(it) + " graph kind " + std::to_string(kind) + " T=" + std::to_string(all[0].T);
     for (int l = 0; l < f.L(); ++l) EXPECT_EQ(f.check(l, all, refs, what), 0) << what;
     comm.barrier();
   }
-  for (int l = 0; l < f.L(); ++l) {
-    RankGraphs& rg = g[static_cast<std::size_t>(l)];
-    EXPECT_EQ(rg.child->reinstantiations(), expectedReinstantiations) << "rank " << comm.globalRank(l);
-    const MoeStatus st = f.engine(l).status();
-    EXPECT_TRUE(st.ok()) << st.describe();
-    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
-    for (cudaGraphExec_t u : rg.user) cudaGraphExecDestroy(u);
-    for (cudaGraph_t x : rg.experts) cudaGraphDestroy(x);
-    for (int* b : rg.bucketT) cudaFree(b);
-  }
+  for (int l = 0; l < f.L(); ++l) finishRankGraphs(comm, f, l, g[static_cast<std::size_t>(l)], expectedReinstantiations);
   comm.barrier();
+}
+
+}  // namespace
+
+// Every layout (inEveryLayout), `iterations` shared among them: each layout launches every kind
+// once and then at least 6 graphs at random (the same sequence in each layout).
+void runMoeGraphSuite(Communicator& comm, MoePath path, int iterations) {
+  const MoeCase c = smallCase(comm, 64, path);
+  const int each = std::max(iterations / static_cast<int>(inEveryLayout(c).size()), kGraphKinds + 6);
+  forEveryLayout(c, [&](const MoeCase& v) { runMoeGraphSuiteInLayout(comm, v, each); });
 }
 
 }  // namespace graphep::test

@@ -54,13 +54,16 @@ MoePath expectedPath(const MoeConfig& cfg, int worldSize);
 // MoeGraph on one engine per rank: an expert callback graph, an expert child graph swapped in
 // place and across topologies, four bucket graphs (1 / 8 / 33 / 64 live tokens), a dispatch-only +
 // combine-only pair, and the engine's operations captured inside the caller's own capture in
-// global, thread-local and relaxed modes; every kind once, then `iterations` replays in a random
-// interleaving (the same on every process), fresh inputs and a full check each time.
+// global, thread-local and relaxed modes; every kind once, then replays in a random interleaving
+// (the same on every process), fresh inputs and a full check each time. In every receive layout,
+// one after the other: `iterations` is shared among them (each at least every kind once and 6
+// random replays).
 void runMoeGraphSuite(Communicator& comm, MoePath path, int iterations);
 
 // Misuse: bad pointers (null, misaligned, host memory, another engine's buffer) get named errors
 // before anything is enqueued; dispatch / combine out of order is counted (never a hang) and a
 // paired operation is correct after it; NaN and infinite weights propagate to their tokens only.
+// In every receive layout, one after the other.
 void runMoeMisuse(Communicator& comm, MoePath path);
 
 // Faults: the last rank never launches. Every other rank's wait expires within the (short) timeout
@@ -76,7 +79,8 @@ void runMoeGraphOutlivesEngine(Communicator& comm);
 
 // Two engines (two buffer sets) per rank with their operations in flight at once on two streams:
 // every round both micro-batches' outputs are checked. Ranks sharing a GPU need a budget small
-// enough for both engines' waiting CTAs to be resident at once (smBudget; 0: the default).
+// enough for both engines' waiting CTAs to be resident at once (smBudget; 0: the default). In
+// every receive layout, one after the other, each `rounds` rounds.
 void runMoeMicroBatches(Communicator& comm, MoePath path, int rounds, int smBudget);
 
 // The case matrix of a configuration: emulated ranks get small shapes, real GPUs the large ones;
@@ -108,7 +112,9 @@ struct MoeCaseIndexName {
 // Overflow on both paths: skewed routing into a capacity far below it (with and without
 // alignment); an expert that reads and writes exactly the documented rows writes into a buffer of
 // exactly `capacity` rows of the caller's (compute-sanitizer memcheck sees any row past it), and
-// the layout, the per-expert dropped counts, the status and the combine are checked.
+// the layout, the per-expert dropped counts, the status and the combine are checked. In every
+// receive layout: batched overflows past 9 rows per expert; rank-major cannot overflow (one row
+// per source token) and must drop nothing; the aligned case runs in expert-major only.
 void runMoeOverflow(Communicator& comm, MoePath path);
 
 }  // namespace graphep::test

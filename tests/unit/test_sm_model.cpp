@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <vector>
 #include <limits>
 
 #include "engine/sm_model.hpp"
@@ -37,6 +38,30 @@ TEST(Unit_SmModel, UnknownRatesKeepTheCap) {
     EXPECT_EQ(commCtasFor(r, 132), 132) << r.perCtaGBps << " " << r.linkGBps;
   }
   EXPECT_EQ(commCtasFor(LinkRates{19.0, 350.0}, 132, 0.0), 132);  // a margin of 0 is no rule
+}
+
+// The direct epilogues' cluster size: the preferred size when it fits, else halved until it does.
+TEST(Unit_ClusterSize, PreferredWhenItFits) {
+  EXPECT_EQ(clusterSizeFor(4, 108, [](int) { return true; }), 4);
+  EXPECT_EQ(clusterSizeFor(1, 108, [](int) { return true; }), 1);
+}
+
+TEST(Unit_ClusterSize, FallsBackByHalvesDownToOne) {
+  std::vector<int> asked;
+  const auto upTo2 = [&](int s) { asked.push_back(s); return s <= 2; };
+  EXPECT_EQ(clusterSizeFor(16, 108, upTo2), 2);
+  EXPECT_EQ(asked, (std::vector<int>{16, 8, 4, 2}));  // each size tried once, largest first
+  asked.clear();
+  EXPECT_EQ(clusterSizeFor(8, 108, [&](int s) { asked.push_back(s); return false; }), 1);
+  EXPECT_EQ(asked, (std::vector<int>{8, 4, 2}));  // 1 is a plain launch: never asked
+}
+
+TEST(Unit_ClusterSize, PowerOfTwoWithinTheGrid) {
+  const auto all = [](int) { return true; };
+  EXPECT_EQ(clusterSizeFor(6, 108, all), 4);   // not a power of two: the one below
+  EXPECT_EQ(clusterSizeFor(8, 3, all), 2);     // no larger than the grid
+  EXPECT_EQ(clusterSizeFor(0, 108, all), 1);   // nothing preferred: a plain launch
+  EXPECT_EQ(clusterSizeFor(-4, 108, all), 1);
 }
 
 }  // namespace
