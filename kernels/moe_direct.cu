@@ -13,8 +13,8 @@
 //            CTA waits for every count flag and derives the layout (CTA 0 publishes it); then it
 //            expands this rank's own tokens straight from x, or for fp8 from the quantise kernel's
 //            tiles (the send writes no record to its own rank: the receive writes the metadata the
-//            combine reads), then each peer's records block by block as the blocks' flags arrive;
-//            the last CTA advances the step.
+//            combine reads), then each peer's records as the blocks' flags arrive, a block's 32
+//            spread over 8 CTAs (a record per group); the last CTA advances the step.
 //   combine  send (ctas CTAs) reduces each peer's records in blocks of 32 straight into the peer's
 //            partial slots, flagging each block; final (epilogueCtas CTAs, the send's programmatic
 //            dependent) reduces the own rows and sums each token's partials in rank order.
@@ -33,6 +33,8 @@ namespace {
 constexpr int kThreads = kMoeThreads;
 constexpr int kGroups = kThreads / kMoeGroupThreads;
 constexpr int kBlockTokens = 32;  // the tokens of one route word: the unit of progress
+constexpr int kBlockParts = kBlockTokens / kGroups;  // the receive's items per block: a record per group
+static_assert(kBlockTokens % kGroups == 0, "a block's records split evenly over a CTA's groups");
 
 // Source `src`'s count message of the step's parity in rank `rank`'s heap (moeDirectMsgBytes).
 __device__ __forceinline__ std::uint64_t* directMsg(const MoeParams& p, int rank, int parity, int src) {
@@ -180,7 +182,11 @@ __global__ void __launch_bounds__(kThreads) moeDirectReceiveKernel(const __grid_
         }
         __syncthreads();  // base is rewritten for the next source
       }
-      // Each peer's records block by block as their flags arrive (CTA b takes blocks b, b + G, ...).
+      // Each peer's records as their blocks' flags arrive. A block's records are spread over
+      // kBlockParts CTAs, one record per group (item m: block m / kBlockParts, part m % kBlockParts;
+      // CTA b takes items b, b + G, ...), so that the blocks of the send's last round, which land
+      // as it ends, are expanded by many CTAs at once: one CTA per block left an ~85 us tail at
+      // 4096 tokens (run 71's timeline).
       const MoeStamp peers(p, MoeKernel::kDirectPeers);
       bool ok = true;
       for (int k = 1; k < R && ok; ++k) {
@@ -192,16 +198,19 @@ __global__ void __launch_bounds__(kThreads) moeDirectReceiveKernel(const __grid_
         moeSourceBases<kThreads>(p, msgOf, offsets, s, base);
         __syncthreads();
         const long long rankBase = p.rankMajor ? moeRankBase(p, msgOf, s) : -1;  // rank-major: s's first row
-        for (int w = static_cast<int>(blockIdx.x); w < blocks; w += static_cast<int>(gridDim.x)) {
+        for (int m = static_cast<int>(blockIdx.x); m < blocks * kBlockParts; m += static_cast<int>(gridDim.x)) {
+          const int w = m / kBlockParts;
           const bool failed = tid == 0 && !flagWait(p.sync, directBlockFlag(p, p.rank, s, w), step + 1u, s,
                                                     WaitSite::kMoeDispatch);
           if (__syncthreads_or(failed) != 0) {  // thread 0's verdict, to every thread
             ok = false;
             break;
           }
+          // A block of 32 tokens has at most 32 records for this rank: [first, end).
           const int first = static_cast<int>(min(__ldcg(tail + 1 + w), static_cast<std::uint32_t>(p.maxTokens)));
           const int end = static_cast<int>(min(__ldcg(tail + 2 + w), static_cast<std::uint32_t>(p.maxTokens)));
-          for (int i = first + gs.group; i < end; i += kGroups) {
+          const int i = first + (m % kBlockParts) * kGroups + gs.group;
+          if (i < end) {
             moeExpandRecord(p, s, directRecord(p, p.rank, s, i), base, stages[gs.group], gs.g,
                             p.rankMajor ? rankBase + i : -1);
           }
