@@ -140,7 +140,7 @@ struct LocalCarve {
   std::size_t recvRows, srcBase, offsets, counts, dropped, numRows, totals;
   std::size_t recvX, scales, rowRank, rowToken, rowSlot, rowWeight, y, combSend;
   std::size_t rankOffsets, rowExperts, rowExpertWeights;  // rank-major layout only
-  std::size_t llSteps, llDone, timeline;
+  std::size_t llSteps, llDone, combArrive, combReady, timeline;
   std::size_t routeWords;  // moeRouteWords(maxTokensPerRank)
   std::size_t routeZero;   // bytes of the routing words zeroed per dispatch (throughput path)
   std::size_t bytes;       // the whole allocation
@@ -196,6 +196,8 @@ LocalCarve carveLocal(const MoeConfig& cfg, const MoeSizes& z, std::size_t cap, 
   o.rowExpertWeights = carve(rankMajor ? cap * K * 4 : 0);
   o.llSteps = carve(2 * 4);  // dispatch and combine steps and last-CTA counters (latency and direct kernels)
   o.llDone = carve(2 * 4);
+  o.combArrive = carve(throughput ? Rs * W * 4 : 0);  // the direct combine's block arrivals and flags
+  o.combReady = carve(throughput ? Rs * W * 4 : 0);
   constexpr std::size_t kStamps = kMoeStampWords * static_cast<std::size_t>(MoeKernel::kCount);
   o.timeline = carve(cfg.profile ? kStamps * 8 : 0);
   o.bytes = used;
@@ -820,6 +822,8 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     p.llCombBlockOff = ph.llCombBlock;
     p.llSteps = reinterpret_cast<std::uint32_t*>(b + o.llSteps);
     p.llDone = reinterpret_cast<std::uint32_t*>(b + o.llDone);
+    p.combArrive = reinterpret_cast<std::uint32_t*>(b + o.combArrive);
+    p.combReady = reinterpret_cast<std::uint32_t*>(b + o.combReady);
     p.llCtas = llCtas;
     if (!throughput || direct) {
       // The latency and direct counters start at counterStart (steps, flags, block flags) and
@@ -833,6 +837,8 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
         const std::vector<std::uint32_t> blocks(Rs * moeRouteWords(cfg.maxTokensPerRank), S);
         GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llBlock, blocks.data(), blocks.size() * 4, cudaMemcpyHostToDevice));
         GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llCombBlock, blocks.data(), blocks.size() * 4, cudaMemcpyHostToDevice));
+        GRAPHEP_CUDA_CHECK(cudaMemcpy(p.combReady, blocks.data(), blocks.size() * 4, cudaMemcpyHostToDevice));
+        GRAPHEP_CUDA_CHECK(cudaMemset(p.combArrive, 0, blocks.size() * 4));
       } else {
         GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llArrive, arrivals.data(), Rs * 4, cudaMemcpyHostToDevice));
         GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llCombArrive, arrivals.data(), Rs * 4, cudaMemcpyHostToDevice));
@@ -994,6 +1000,7 @@ void Engine::combine(const CombineArgs& a, cudaStream_t stream) {
     return;
   }
   if (m.direct) {
+    GRAPHEP_CUDA_CHECK(launchMoeDirectCombineReduce(p, stream));
     GRAPHEP_CUDA_CHECK(launchMoeDirectCombineSend(p, stream));
     GRAPHEP_CUDA_CHECK(launchMoeDirectCombineFinal(p, stream));
     return;
@@ -1113,6 +1120,7 @@ const char* kernelName(MoeKernel k) {
     case MoeKernel::kDirectReceive: return "direct receive";
     case MoeKernel::kDirectOwn: return "direct own rows";
     case MoeKernel::kDirectPeers: return "direct peers' rows";
+    case MoeKernel::kDirectCombineReduce: return "direct combine reduce";
     case MoeKernel::kDirectCombineSend: return "direct combine send";
     case MoeKernel::kDirectCombineFinal: return "direct combine final";
     case MoeKernel::kCount: break;

@@ -96,8 +96,9 @@ enum class MoeKernel : int {
   // send, receive (layout + expand), and the receive's two phases: this rank's own rows, the
   // peers' records.
   kDirectQuantize, kDirectSend, kDirectReceive, kDirectOwn, kDirectPeers,
-  // Its combine: send (reduce into the sources' slots), final (own partials + sum).
-  kDirectCombineSend, kDirectCombineFinal,
+  // Its combine: reduce (the peers' partials, staged), send (into the sources' slots), final
+  // (own partials + sum).
+  kDirectCombineReduce, kDirectCombineSend, kDirectCombineFinal,
   kCombineReduce, kCombineFinal,
   // The latency kernels' phases: dispatch (route + count messages, records, layout, expand),
   // combine (reduce + send, receive + sum).
@@ -216,6 +217,10 @@ struct MoeParams {
   std::uint64_t llRecOff, llCntOff, llCombOff, llFlagOff, llArriveOff, llCombArriveOff, llBlockOff, llCombBlockOff;
   std::uint32_t* llSteps;     // local [2]: dispatch and combine steps (monotonic)
   std::uint32_t* llDone;      // local [2]: last-CTA counters of the two latency kernels
+  // Direct combine, local [R][routeWords(maxTokens)]: the reduce's CTAs done with a block of a
+  // peer's records (the last resets it), and the block's ready flag (step + 1) for the send.
+  std::uint32_t* combArrive;
+  std::uint32_t* combReady;
   // G: CTAs of each latency kernel, the same on every rank (the arrival counters count them). When
   // ranks share a GPU, all their CTAs must be resident together (they wait for each other).
   std::int32_t llCtas;
@@ -247,7 +252,8 @@ cudaError_t preloadMoeDispatchKernels();
 cudaError_t launchMoeDirectQuantize(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeDirectSend(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeDirectReceive(const MoeParams& p, cudaStream_t stream);
-// Its combine: send (ctas CTAs), final (epilogueCtas CTAs).
+// Its combine: reduce (epilogueCtas CTAs), send (ctas CTAs), final (epilogueCtas CTAs).
+cudaError_t launchMoeDirectCombineReduce(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeDirectCombineSend(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeDirectCombineFinal(const MoeParams& p, cudaStream_t stream);
 cudaError_t preloadMoeDirectKernels();

@@ -15,8 +15,10 @@
 //            tiles (the send writes no record to its own rank: the receive writes the metadata the
 //            combine reads), then each peer's records as the blocks' flags arrive, a block's 32
 //            spread over 8 CTAs (a record per group); the last CTA advances the step.
-//   combine  send (ctas CTAs) reduces each peer's records in blocks of 32 straight into the peer's
-//            partial slots, flagging each block; final (epilogueCtas CTAs, the send's programmatic
+//   combine  reduce (epilogueCtas CTAs) reduces each peer's records into a local staging, a block
+//            of 32 spread over 8 CTAs, marking each block ready; send (ctas CTAs, the reduce's
+//            programmatic dependent) copies each ready block straight into the peer's partial
+//            slots and flags it there; final (epilogueCtas CTAs, the send's programmatic
 //            dependent) reduces the own rows and sums each token's partials in rank order.
 //
 // Count messages alternate by the step's parity; the records have one slot per (source, index),
@@ -228,41 +230,106 @@ __global__ void __launch_bounds__(kThreads) moeDirectReceiveKernel(const __grid_
   }
 }
 
-// Combine, first half (ctas CTAs): the records received from each peer, in blocks of 32 record
-// indices (CTA c takes items c, c + G, ... of the peers' blocks in rank order): each group reduces
-// one record's slots (weight x y[row], fp32, bf16 once) straight into the peer's partial slot
-// [this rank][index]; after a system fence the block's flag (step + 1) is stored at that peer.
-// This rank's own records are reduced by the second half, on every SM.
-__global__ void __launch_bounds__(kThreads) moeDirectCombineSendKernel(const __grid_constant__ MoeParams p) {
-  const MoeStamp stamp(p, MoeKernel::kDirectCombineSend);
+// The combine's work items: the blocks of 32 record indices of every peer's records, peers in
+// rank order after this one; item n is block w of peer s.
+struct CombineBlock {
+  int s, w;
+};
+__device__ inline CombineBlock combineBlock(const MoeParams& p, int n) {
+  const int R = p.numRanks;
+  int s = (p.rank + 1) % R;
+  for (;;) {
+    const int blocks = (p.recvRows[s] + kBlockTokens - 1) / kBlockTokens;
+    if (n < blocks) return CombineBlock{s, n};
+    n -= blocks;
+    s = (s + 1) % R;
+  }
+}
+__device__ inline int combineBlocks(const MoeParams& p) {
+  int items = 0;
+  for (int k = 1; k < p.numRanks; ++k) items += (p.recvRows[(p.rank + k) % p.numRanks] + kBlockTokens - 1) / kBlockTokens;
+  return items;
+}
+
+// Peer s's partial of record i, staged locally for the send (combSend, unused otherwise by the
+// direct path: [R][maxTokens][2H], so a block's 32 partials are contiguous).
+__device__ __forceinline__ char* directStaged(const MoeParams& p, int s, int i) {
+  return p.combSend + (static_cast<std::uint64_t>(s) * p.maxTokens + i) * p.hidden * 2;
+}
+
+// Combine, first kernel (epilogueCtas CTAs, on the SMs the send leaves free): the peers' records
+// reduced into the local staging, each group one record (weight x y[row], fp32, bf16 once), a
+// block's 32 records spread over kBlockParts CTAs as in the receive; the last CTA of a block to
+// finish it marks the block ready (combReady = step + 1) for the send. The reads of the expert
+// rows (every record's up to topK rows) run here on every free SM, not on the SM budget.
+__global__ void __launch_bounds__(kThreads) moeDirectCombineReduceKernel(const __grid_constant__ MoeParams p) {
+  const MoeStamp stamp(p, MoeKernel::kDirectCombineReduce);
   __shared__ MoeSlotStage stages[kGroups];
-  const int tid = static_cast<int>(threadIdx.x), R = p.numRanks;
+  const int tid = static_cast<int>(threadIdx.x);
   if (blockIdx.x == 0 && tid == 0) moeCheckPairing(p, false);
   const std::uint32_t cstep = p.llSteps[1];
-  ptx::launchDependents();  // the second half may start on the SMs this grid leaves free
+  ptx::launchDependents();  // the send starts on the SMs of the budget at once
   const MoeGroupSlice gs = moeGroupSlice();
-  auto blocksOf = [&](int s) { return (p.recvRows[s] + kBlockTokens - 1) / kBlockTokens; };
-  int items = 0;
-  for (int k = 1; k < R; ++k) items += blocksOf((p.rank + k) % R);
-  for (int m = static_cast<int>(blockIdx.x); m < items; m += static_cast<int>(gridDim.x)) {
-    int s = (p.rank + 1) % R, n = m;  // item m: block n of peer s
-    while (n >= blocksOf(s)) {
-      n -= blocksOf(s);
-      s = (s + 1) % R;
+  const int W = static_cast<int>(moeRouteWords(p.maxTokens));
+  const int items = combineBlocks(p);
+  for (int m = static_cast<int>(blockIdx.x); m < items * kBlockParts; m += static_cast<int>(gridDim.x)) {
+    const CombineBlock b = combineBlock(p, m / kBlockParts);
+    const int i = b.w * kBlockTokens + (m % kBlockParts) * kGroups + gs.group;
+    if (i < p.recvRows[b.s]) {
+      moeReduceRecord(p, p.recRecv + (static_cast<std::uint64_t>(b.s) * p.maxTokens + i) * p.recBytes,
+                      p.srcBase + b.s * p.localExperts, directStaged(p, b.s, i), stages[gs.group], gs.g,
+                      p.rankMajor ? p.rankOffsets[b.s] + i : -1);
     }
-    const int rows = p.recvRows[s];
-    for (int j = 0; j < kBlockTokens; j += kGroups) {  // every group goes round alike
-      const int i = n * kBlockTokens + j + gs.group;
-      if (i < rows) {
-        moeReduceRecord(p, p.recRecv + (static_cast<std::uint64_t>(s) * p.maxTokens + i) * p.recBytes,
-                        p.srcBase + s * p.localExperts, directPartial(p, s, p.rank, i), stages[gs.group], gs.g,
-                        p.rankMajor ? p.rankOffsets[s] + i : -1);
+    __syncthreads();  // every group's partial of this item is written
+    if (tid == 0) {
+      __threadfence();  // the CTA's partials, before its arrival
+      std::uint32_t* arrive = p.combArrive + b.s * W + b.w;
+      if (atomicAdd(arrive, 1u) == kBlockParts - 1u) {  // the block's last part: reset, then ready
+        *arrive = 0u;
+        __threadfence();  // every part's partials (seen through the arrivals) before the flag
+        ptx::stReleaseSys(p.combReady + b.s * W + b.w, cstep + 1u);
+      }
+    }
+  }
+}
+
+// Combine, send (ctas CTAs, the SM budget; the reduce kernel's programmatic dependent): each ready
+// block of staged partials copied straight into the peer's partial slots [this rank][index] (one
+// contiguous span of up to 32 x 2H bytes per block), then after a system fence the block's flag
+// (step + 1) stored at that peer. CTA c takes blocks c, c + G, ... in the reduce's order.
+__global__ void __launch_bounds__(kThreads) moeDirectCombineSendKernel(const __grid_constant__ MoeParams p) {
+  const MoeStamp stamp(p, MoeKernel::kDirectCombineSend);
+  const int tid = static_cast<int>(threadIdx.x);
+  const std::uint32_t cstep = p.llSteps[1];
+  ptx::launchDependents();  // the final kernel may start on the SMs the reduce leaves
+  const int W = static_cast<int>(moeRouteWords(p.maxTokens));
+  const int items = combineBlocks(p);
+  for (int n = static_cast<int>(blockIdx.x); n < items; n += static_cast<int>(gridDim.x)) {
+    const CombineBlock b = combineBlock(p, n);
+    const bool failed = tid == 0 && !flagWait(p.sync, p.combReady + b.s * W + b.w, cstep + 1u, p.rank,
+                                              WaitSite::kMoeCombine);
+    if (__syncthreads_or(failed) != 0) break;  // recorded; the peer's wait for this block reports too
+    const int first = b.w * kBlockTokens;
+    const int rows = min(kBlockTokens, p.recvRows[b.s] - first);
+    const auto* src = reinterpret_cast<const uint4*>(directStaged(p, b.s, first));
+    auto* dst = reinterpret_cast<uint4*>(directPartial(p, b.s, p.rank, first));
+    const int vecs = rows * (p.hidden / 8);
+    for (int c0 = tid; c0 < vecs; c0 += kThreads * kMoeUnroll) {
+      uint4 v[kMoeUnroll];
+#pragma unroll
+      for (int u = 0; u < kMoeUnroll; ++u) {
+        if (c0 + u * kThreads < vecs) v[u] = __ldcg(src + c0 + u * kThreads);
+      }
+#pragma unroll
+      for (int u = 0; u < kMoeUnroll; ++u) {
+        if (c0 + u * kThreads < vecs) dst[c0 + u * kThreads] = v[u];
       }
     }
     __threadfence_system();  // every thread's partials, before the flag
     __syncthreads();
-    if (tid == 0) ptx::stReleaseSys(directCombineFlag(p, s, p.rank, n), cstep + 1u);
+    if (tid == 0) ptx::stReleaseSys(directCombineFlag(p, b.s, p.rank, b.w), cstep + 1u);
   }
+  ptx::gridDependencyWait();  // the reduce has completed: this grid ends after it
 }
 
 // Combine, second half (epilogueCtas CTAs, the first half's programmatic dependent): each group
@@ -359,10 +426,25 @@ cudaError_t launchMoeDirectReceive(const MoeParams& p, cudaStream_t stream) {
   return launchDependent(p, stream, moeDirectReceiveKernel);
 }
 
+// The combine's first kernel, on the epilogue CTAs (stream order after the experts: it reads y).
+cudaError_t launchMoeDirectCombineReduce(const MoeParams& p, cudaStream_t stream) {
+  if (p.epilogueCtas < 1 || p.numRanks > kMaxRanks || p.topK > kMoeMaxTopK || p.epilogueCluster < 1 ||
+      p.epilogueCtas % p.epilogueCluster != 0) {
+    return cudaErrorInvalidValue;
+  }
+  cudaLaunchAttribute attrs[2];
+  cudaLaunchConfig_t cfg = epilogueLaunch(p.epilogueCtas, p.epilogueCluster, stream, attrs);
+  cfg.attrs = &attrs[1];  // the cluster shape only: not a programmatic dependent
+  cfg.numAttrs = p.epilogueCluster > 1 ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, moeDirectCombineReduceKernel, p);
+}
+
+// The reduce's programmatic dependent, on the SM budget: it copies blocks as the reduce marks them.
 cudaError_t launchMoeDirectCombineSend(const MoeParams& p, cudaStream_t stream) {
-  if (p.ctas < 1 || p.numRanks > kMaxRanks || p.topK > kMoeMaxTopK) return cudaErrorInvalidValue;
-  moeDirectCombineSendKernel<<<static_cast<unsigned>(p.ctas), kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  if (p.ctas < 1 || p.numRanks > kMaxRanks) return cudaErrorInvalidValue;
+  cudaLaunchAttribute attrs[2];
+  cudaLaunchConfig_t cfg = epilogueLaunch(p.ctas, 1, stream, attrs);
+  return cudaLaunchKernelEx(&cfg, moeDirectCombineSendKernel, p);
 }
 
 // The first half's programmatic dependent, as the dispatch's receive is the send's.
@@ -375,6 +457,7 @@ cudaError_t preloadMoeDirectKernels() {
   for (const void* f : {reinterpret_cast<const void*>(moeDirectQuantizeKernel),
                         reinterpret_cast<const void*>(moeDirectSendKernel),
                         reinterpret_cast<const void*>(moeDirectReceiveKernel),
+                        reinterpret_cast<const void*>(moeDirectCombineReduceKernel),
                         reinterpret_cast<const void*>(moeDirectCombineSendKernel),
                         reinterpret_cast<const void*>(moeDirectCombineFinalKernel)}) {
     const cudaError_t e = cudaFuncGetAttributes(&a, f);
@@ -390,7 +473,7 @@ cudaError_t moeDirectEpilogueFits(int cluster, int ctas, bool* fits) {
   cudaLaunchConfig_t cfg = epilogueLaunch(ctas, cluster, nullptr, attrs);
   cfg.attrs = &attrs[1];  // the cluster shape alone: the query places CTAs, not stream order
   cfg.numAttrs = 1;
-  for (void (*k)(MoeParams) : {moeDirectReceiveKernel, moeDirectCombineFinalKernel}) {
+  for (void (*k)(MoeParams) : {moeDirectReceiveKernel, moeDirectCombineReduceKernel, moeDirectCombineFinalKernel}) {
     int clusters = 0;
     if (cudaOccupancyMaxActiveClusters(&clusters, k, &cfg) != cudaSuccess) {
       (void)cudaGetLastError();  // a size this GPU cannot take: not a sticky error, cleared

@@ -944,7 +944,7 @@ void runMoeCaseInLayout(Communicator& comm, const MoeCase& c) {
       std::vector<std::string> names;
       for (const MoeKernelSpan& sp : spans) names.push_back(sp.kernel);
       // Throughput: six kernels, or with the direct dispatch and combine (every peer by load/store,
-      // one rank per GPU) five, six for fp8 (the quantise kernel), plus the receive's two phases;
+      // one rank per GPU) six, seven for fp8 (the quantise kernel), plus the receive's two phases;
       // latency: three phases of each of two kernels.
       const std::vector<std::vector<std::string>> want =
           f.engine(l).path() == MoePath::kLatency
@@ -953,9 +953,9 @@ void runMoeCaseInLayout(Communicator& comm, const MoeCase& c) {
               : std::vector<std::vector<std::string>>{
                     {"route", "pack", "offsets", "expand", "combine reduce", "combine final"},
                     {"route", "direct send", "direct receive", "direct own rows", "direct peers' rows",
-                     "direct combine send", "direct combine final"},
+                     "direct combine reduce", "direct combine send", "direct combine final"},
                     {"route", "direct quantise", "direct send", "direct receive", "direct own rows",
-                     "direct peers' rows", "direct combine send", "direct combine final"}};
+                     "direct peers' rows", "direct combine reduce", "direct combine send", "direct combine final"}};
       EXPECT_NE(std::find(want.begin(), want.end(), names), want.end())
           << "rank " << r << ": the kernels that ran: " << ::testing::PrintToString(names);
       for (std::size_t k = 0; k < spans.size(); ++k) {
