@@ -37,6 +37,8 @@ constexpr int kGroups = kThreads / kMoeGroupThreads;
 constexpr int kBlockTokens = 32;  // the tokens of one route word: the unit of progress
 constexpr int kBlockParts = kBlockTokens / kGroups;  // the receive's items per block: a record per group
 static_assert(kBlockTokens % kGroups == 0, "a block's records split evenly over a CTA's groups");
+constexpr int kSendWarps = kThreads / 32;  // the dispatch send's groups: a warp per token
+static_assert(kMaxRanks <= 32, "the send resolves a token's destinations one per lane");
 
 // Source `src`'s count message of the step's parity in rank `rank`'s heap (moeDirectMsgBytes).
 __device__ __forceinline__ std::uint64_t* directMsg(const MoeParams& p, int rank, int parity, int src) {
@@ -91,9 +93,8 @@ __global__ void __launch_bounds__(kThreads) moeDirectQuantizeKernel(const __grid
 
 __global__ void __launch_bounds__(kThreads) moeDirectSendKernel(const __grid_constant__ MoeParams p) {
   const MoeStamp stamp(p, MoeKernel::kDirectSend);
-  __shared__ char* dst[kGroups][kMaxRanks];
-  __shared__ int dstRank[kGroups][kMaxRanks];
-  __shared__ int ndst[kGroups];
+  __shared__ char* dst[kSendWarps][kMaxRanks];
+  __shared__ int dstRank[kSendWarps][kMaxRanks];
   const int tid = static_cast<int>(threadIdx.x), R = p.numRanks, L = p.localExperts;
   const int E = p.numExperts, W = static_cast<int>(moeRouteWords(p.maxTokens));
   const std::uint32_t step = p.llSteps[0];
@@ -115,29 +116,30 @@ __global__ void __launch_bounds__(kThreads) moeDirectSendKernel(const __grid_con
     __syncthreads();
     if (tid == 0) flagPost(peerCounter(p, r, p.llFlagOff) + p.rank, step + 1u);
   }
-  const MoeGroupSlice gs = moeGroupSlice();
-  // Blocks of 32 tokens, CTA c taking blocks c, c + G, ... in order; each block's flag posted to
-  // every peer once its records are written.
+  // A warp per token (16 tokens in flight per CTA: the per-token reads of routing and metadata
+  // overlap across them). Blocks of 32 tokens, CTA c taking blocks c, c + G, ... in order; each
+  // block's flag posted to every peer once its records are written.
+  const int warp = tid / 32, lane = tid % 32;
+  const MoeGroup g{lane, 32, 0};
   for (int w = static_cast<int>(blockIdx.x); w < blocks; w += static_cast<int>(gridDim.x)) {
-    for (int j = 0; j < kBlockTokens; j += kGroups) {  // every group goes round alike
-      const int t = w * kBlockTokens + j + gs.group;
-      if (gs.g.tid == 0 && t < T) {
-        int n = 0;
-        for (int r = 0; r < R; ++r) {  // the peers only: the receive takes this rank's own rows from x
-          const int i = p.tokRankIdx[static_cast<std::uint64_t>(t) * R + r];
-          if (i < 0 || r == p.rank) continue;
-          dst[gs.group][n] = directRecord(p, r, p.rank, i);
-          dstRank[gs.group][n++] = r;
-        }
-        ndst[gs.group] = n;
+    for (int t = w * kBlockTokens + warp; t < min(T, (w + 1) * kBlockTokens); t += kSendWarps) {
+      // Lane r < R: destination r's index of the token (R <= kMaxRanks = 32), the peers only (the
+      // receive takes this rank's own rows from x), compacted in rank order.
+      const int i = lane < R ? p.tokRankIdx[static_cast<std::uint64_t>(t) * R + lane] : -1;
+      const bool to = i >= 0 && lane != p.rank;
+      const unsigned m = __ballot_sync(0xffffffffu, to);
+      if (to) {
+        const int at = __popc(m & ((1u << lane) - 1u));
+        dst[warp][at] = directRecord(p, lane, p.rank, i);
+        dstRank[warp][at] = lane;
       }
-      gs.g.sync();
-      if (t < T && ndst[gs.group] > 0) {
+      __syncwarp();
+      const int n = __popc(m);
+      if (n > 0) {
         const std::int32_t* entryIdx = p.entryIdx + static_cast<std::uint64_t>(t) * p.topK;
-        moeWriteRecords(p, t, dst[gs.group], dstRank[gs.group], ndst[gs.group], [&](int k) { return entryIdx[k]; },
-                        gs.g, ndst[gs.group], directWire(p, t));
+        moeWriteRecords(p, t, dst[warp], dstRank[warp], n, [&](int k) { return entryIdx[k]; }, g, n, directWire(p, t));
       }
-      gs.g.sync();  // dst is rewritten for the next token
+      __syncwarp();  // dst is rewritten for the next token
     }
     __threadfence_system();  // every thread's records, before the flags
     __syncthreads();

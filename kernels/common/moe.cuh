@@ -312,9 +312,13 @@ inline constexpr int kMoeUnroll = 8;
 struct MoeGroup {
   int tid;       // thread within the group
   int nthreads;  // threads in the group, a multiple of 32
-  int barrier;   // named barrier of the group (0 with the whole CTA)
+  int barrier;   // named barrier of the group (0 with the whole CTA; unused by a one-warp group)
   __device__ __forceinline__ void sync() const {
-    asm volatile("bar.sync %0, %1;" ::"r"(barrier), "r"(nthreads) : "memory");
+    if (nthreads == 32) {
+      __syncwarp();  // a one-warp group: a CTA has more warps than named barriers
+    } else {
+      asm volatile("bar.sync %0, %1;" ::"r"(barrier), "r"(nthreads) : "memory");
+    }
   }
 };
 
