@@ -29,8 +29,8 @@ const ChoiceVar kForceTransport({"GRAPHEP_FORCE_TRANSPORT", Type::kChoice, "auto
 
 const IntVar kEpilogueCluster({"GRAPHEP_EPILOGUE_CLUSTER", Type::kInt, "1",
                                 "preferred thread-block cluster size of the direct path's epilogue "
-                                "kernels (dispatch receive, combine final); the launch takes the "
-                                "largest power of two up to it that the GPU can place, down to 1",
+                                "kernels (dispatch receive, combine reduce and final); setup takes "
+                                "the largest power of two up to it that the GPU can place, down to 1",
                                 nullptr, 1, 16});
 
 const std::vector<const Var*>& all() {

@@ -155,11 +155,13 @@ struct MoeParams {
   // CTAs of the throughput path's kernels (kMoeThreads each; the SM budget, or the SM count), the
   // same on every rank (the direct dispatch's arrival counters count them).
   std::int32_t ctas;
-  // CTAs of the direct dispatch's receive kernel (kernels/moe_direct.cu): one per SM. It only
-  // copies local memory once the records have landed, so it is not held to the SM budget.
+  // CTAs of the direct path's epilogue kernels (kernels/moe_direct.cu: fp8 quantise, receive,
+  // combine reduce, combine final): by default the SMs the SM budget leaves free. They only touch
+  // local memory, so they are not held to the SM budget.
   std::int32_t epilogueCtas;
-  // The cluster size of the direct epilogues' launches (receive, combine final): epilogueCtas is a
-  // multiple of it. Chosen at setup (moeDirectEpilogueFits); nothing in the kernels depends on it.
+  // The cluster size of the direct epilogues' launches (receive, combine reduce, combine final):
+  // epilogueCtas is a multiple of it. Chosen at setup (moeDirectEpilogueFits); nothing in the
+  // kernels depends on it.
   std::int32_t epilogueCluster;
 
   // Records and count messages.
@@ -257,9 +259,9 @@ cudaError_t launchMoeDirectCombineReduce(const MoeParams& p, cudaStream_t stream
 cudaError_t launchMoeDirectCombineSend(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeDirectCombineFinal(const MoeParams& p, cudaStream_t stream);
 cudaError_t preloadMoeDirectKernels();
-// Setup: whether the GPU can place clusters of `cluster` CTAs of both direct epilogue kernels in a
-// grid of `ctas` (a multiple of it) as they launch (programmatic dependents). An error of the query
-// itself (a size the GPU does not support) reads as "does not fit".
+// Setup: whether the GPU can place clusters of `cluster` CTAs of each clustered direct epilogue
+// kernel (receive, combine reduce, combine final) in a grid of `ctas` (a multiple of it). An error
+// of the query itself (a size the GPU does not support) reads as "does not fit".
 cudaError_t moeDirectEpilogueFits(int cluster, int ctas, bool* fits);
 cudaError_t launchMoeCombineReduce(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeCombineFinal(const MoeParams& p, cudaStream_t stream);

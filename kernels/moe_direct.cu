@@ -210,7 +210,8 @@ __global__ void __launch_bounds__(kThreads) moeDirectReceiveKernel(const __grid_
             ok = false;
             break;
           }
-          // A block of 32 tokens has at most 32 records for this rank: [first, end).
+          // A block of 32 tokens has at most 32 records for this rank, [first, end) (the route's
+          // prefix counts one bit per token), so the kBlockParts x kGroups items cover it.
           const int first = static_cast<int>(min(__ldcg(tail + 1 + w), static_cast<std::uint32_t>(p.maxTokens)));
           const int end = static_cast<int>(min(__ldcg(tail + 2 + w), static_cast<std::uint32_t>(p.maxTokens)));
           const int i = first + (m % kBlockParts) * kGroups + gs.group;
@@ -259,7 +260,7 @@ __device__ __forceinline__ char* directStaged(const MoeParams& p, int s, int i) 
   return p.combSend + (static_cast<std::uint64_t>(s) * p.maxTokens + i) * p.hidden * 2;
 }
 
-// Combine, first kernel (epilogueCtas CTAs, on the SMs the send leaves free): the peers' records
+// Combine, first kernel (epilogueCtas CTAs; the send, launched next, takes the SMs it leaves free): the peers' records
 // reduced into the local staging, each group one record (weight x y[row], fp32, bf16 once), a
 // block's 32 records spread over kBlockParts CTAs as in the receive; the last CTA of a block to
 // finish it marks the block ready (combReady = step + 1) for the send. The reads of the expert
@@ -300,16 +301,17 @@ __global__ void __launch_bounds__(kThreads) moeDirectCombineReduceKernel(const _
 // contiguous span of up to 32 x 2H bytes per block), then after a system fence the block's flag
 // (step + 1) stored at that peer. CTA c takes blocks c, c + G, ... in the reduce's order.
 __global__ void __launch_bounds__(kThreads) moeDirectCombineSendKernel(const __grid_constant__ MoeParams p) {
-  const MoeStamp stamp(p, MoeKernel::kDirectCombineSend);
   const int tid = static_cast<int>(threadIdx.x);
   const std::uint32_t cstep = p.llSteps[1];
   ptx::launchDependents();  // the final kernel may start on the SMs the reduce leaves
   const int W = static_cast<int>(moeRouteWords(p.maxTokens));
   const int items = combineBlocks(p);
+  {
+  const MoeStamp stamp(p, MoeKernel::kDirectCombineSend);  // the span ends before the wait below
   for (int n = static_cast<int>(blockIdx.x); n < items; n += static_cast<int>(gridDim.x)) {
     const CombineBlock b = combineBlock(p, n);
-    const bool failed = tid == 0 && !flagWait(p.sync, p.combReady + b.s * W + b.w, cstep + 1u, p.rank,
-                                              WaitSite::kMoeCombine);
+    const bool failed = tid == 0 && !flagWait(p.sync, p.combReady + b.s * W + b.w, cstep + 1u, b.s,
+                                              WaitSite::kMoeCombineStaged);
     if (__syncthreads_or(failed) != 0) break;  // recorded; the peer's wait for this block reports too
     const int first = b.w * kBlockTokens;
     const int rows = min(kBlockTokens, p.recvRows[b.s] - first);
@@ -331,10 +333,11 @@ __global__ void __launch_bounds__(kThreads) moeDirectCombineSendKernel(const __g
     __syncthreads();
     if (tid == 0) ptx::stReleaseSys(directCombineFlag(p, b.s, p.rank, b.w), cstep + 1u);
   }
+  }
   ptx::gridDependencyWait();  // the reduce has completed: this grid ends after it
 }
 
-// Combine, second half (epilogueCtas CTAs, the first half's programmatic dependent): each group
+// Combine, last kernel (epilogueCtas CTAs, the send's programmatic dependent): each group
 // takes one token: its partial from this rank's own rows (reduced here from y into the own slot),
 // then, once the blocks holding its peers' partials have landed, out[t] = the sum of the partials
 // in rank order (fp32, bf16 once): the same arithmetic as the movers' combine.

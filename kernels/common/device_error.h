@@ -38,6 +38,8 @@ enum class WaitSite : std::uint32_t {
                           // sender's; nothing sent)
   kMoeDispatch = 11,      // MoE dispatch (latency, direct): waiting for a source's records or count message
   kMoeCombine = 12,       // MoE latency combine: waiting for a destination's partials
+  kMoeCombineStaged = 13, // MoE direct combine send: waiting for the local reduce's block (peer: the
+                          // block's destination)
 };
 
 struct DeviceErrorRecord {
@@ -79,6 +81,7 @@ __host__ __device__ inline const char* waitSiteName(std::uint32_t site) {
     case WaitSite::kZeroCopyExtent: return "zero-copy: receiver's and sender's byte counts agree";
     case WaitSite::kMoeDispatch: return "moe dispatch: waiting for a source's records";
     case WaitSite::kMoeCombine: return "moe combine: waiting for a destination's partials";
+    case WaitSite::kMoeCombineStaged: return "moe combine send: waiting for this rank's reduce of a block for the peer";
   }
   return "unknown wait site";
 }

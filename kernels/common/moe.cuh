@@ -315,7 +315,7 @@ struct MoeGroup {
   int barrier;   // named barrier of the group (0 with the whole CTA; unused by a one-warp group)
   __device__ __forceinline__ void sync() const {
     if (nthreads == 32) {
-      __syncwarp();  // a one-warp group: a CTA has more warps than named barriers
+      __syncwarp();  // a one-warp group (always a whole, aligned warp): a CTA has more warps than named barriers
     } else {
       asm volatile("bar.sync %0, %1;" ::"r"(barrier), "r"(nthreads) : "memory");
     }

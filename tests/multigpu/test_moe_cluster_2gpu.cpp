@@ -1,4 +1,4 @@
-// The direct path's epilogue kernels (dispatch receive, combine final) launched in thread-block
+// The direct path's epilogue kernels (dispatch receive, combine reduce and final) launched in thread-block
 // clusters: every size the launcher can fall back to gives the same bytes. The engine asks for
 // GRAPHEP_EPILOGUE_CLUSTER and takes the largest power of two up to it that the GPU can place
 // (engine/sm_model.hpp clusterSizeFor); each preferred size below runs the same cases, each checked
