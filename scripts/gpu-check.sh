@@ -176,6 +176,17 @@ if [ "${GRAPHEP_BENCH_ONLY:-}" = graphs ]; then
   echo "== summary: status=$status (logs in $out)"
   exit $status
 fi
+# The 24-SM rows of a benchmark log beside DeepEP V1's figures from the same call: one line per
+# (layout, tokens, op) with both times and the ratio (DeepEP / graphep: > 1, graphep faster).
+ratios() {  # BENCH_LOG DEEPEP_LOG
+  awk 'FNR == NR { if ($1 == "deepep-v1") { split($2, a, "="); for (i = 3; i <= NF; i++) { split($i, b, "="); d[a[2] "," b[1]] = b[2] } } next }
+    $1 == "moe" && $2 == "sms=24" {
+      lay = "expert-major"; tok = $6; t = $7
+      if ($6 !~ /^[0-9]+$/) { lay = $6; tok = $7; t = $8 }
+      k = tok "," $3 "_" $4 "_us"
+      if (k in d) printf "  ratio %-12s %6d tokens %-8s %-4s graphep %9.2f us  DeepEP V1 %9.2f us  %.2fx\n", lay, tok, $3, $4, t, d[k], d[k] / t
+    }' "$2" "$1"
+}
 # GRAPHEP_BENCH_ONLY=prefill: the prefill rows (1024, 4096 and 16384 tokens per rank in the
 # expert-major and rank-major layouts, 1024 batched; 8, 24 and every SM; bf16 and fp8; H = 7168,
 # top-8 of 256) and, when GRAPHEP_DEEPEP_BASELINE names a DeepEP
@@ -199,6 +210,31 @@ if [ "${GRAPHEP_BENCH_ONLY:-}" = prefill ]; then
   if [ -n "${GRAPHEP_DEEPEP_BASELINE:-}" ]; then
     timeout -s KILL ${GRAPHEP_DEEPEP_BUDGET:-300} bash "$GRAPHEP_DEEPEP_BASELINE" "${GRAPHEP_DEEPEP_SRC:?}" 1024 4096 16384 \
       2>&1 | tee "$out/deepep.log" | grep -E "^deepep" || echo "DeepEP baseline failed (deepep.log)"
+    ratios "$out/bench_prefill.log" "$out/deepep.log"
+  fi
+  echo "== summary: status=$status (logs in $out)"
+  exit $status
+fi
+# GRAPHEP_BENCH_ONLY=decode: issue 17's rows: 1 to 256 tokens per rank (powers of two) in every
+# layout, 8, 24 and 32 SMs, bf16 and fp8, H = 7168, top-8 of 256 (the latency path: kAuto picks it
+# at these sizes), the 128-token phase profile, and DeepEP V1's 128-token figures from the same call
+# (GRAPHEP_DEEPEP_BASELINE, as above).
+if [ "${GRAPHEP_BENCH_ONLY:-}" = decode ]; then
+  step "benchmark: decode rows"
+  : >"$out/bench_decode.log"
+  for layout in expert-major batched rank-major; do
+    for sms in 8 24 32; do
+      timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-90} "$build/bench/graphep-bench" moe -b 1 -e 256 -f 2 --sms $sms --layout $layout \
+        -n 20 -w 5 --dtype both 2>&1 | sed "s/^  moe /  moe sms=$sms /" >>"$out/bench_decode.log" || status=1
+    done
+  done
+  timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-90} "$build/bench/graphep-bench" moe -b 128 -e 128 --sms 24 -n 20 -w 5 \
+    --profile --dtype both >>"$out/bench_decode.log" 2>&1 || status=1
+  grep -E "^  moe|^# phases" "$out/bench_decode.log"
+  if [ -n "${GRAPHEP_DEEPEP_BASELINE:-}" ]; then
+    timeout -s KILL ${GRAPHEP_DEEPEP_BUDGET:-300} bash "$GRAPHEP_DEEPEP_BASELINE" "${GRAPHEP_DEEPEP_SRC:?}" 128 \
+      2>&1 | tee "$out/deepep.log" | grep -E "^deepep" || echo "DeepEP baseline failed (deepep.log)"
+    ratios "$out/bench_decode.log" "$out/deepep.log"
   fi
   echo "== summary: status=$status (logs in $out)"
   exit $status
