@@ -1,7 +1,7 @@
 // Replay stress of MoeGraph: one graph per (rank, bucket), each replay with no host work at all.
 // Inside every graph: poison the output, an optional random per-rank delay (ranks drift apart),
-// inputs generated on the GPU from a device replay counter (each rank's own live count, routing with masked and
-// duplicate slots, weights), then the MoeGraph (dispatch -> a stand-in expert y = x * scale(e) ->
+// inputs generated on the GPU from a device replay counter (each rank's own live count, routing with masked
+// slots, weights), then the MoeGraph (dispatch -> a stand-in expert y = x * scale(e) ->
 // combine), then a device-side check of every output value against a reference recomputed from the
 // same counter (and of the expert counts, the received row count and the untouched rows past the
 // live count), then counter + 1. The host only launches graphs, in a random bucket order that is
