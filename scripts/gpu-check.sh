@@ -188,7 +188,8 @@ ratios() {  # BENCH_LOG DEEPEP_LOG
     }' "$2" "$1"
 }
 # GRAPHEP_BENCH_ONLY=prefill: the prefill rows (1024, 4096 and 16384 tokens per rank in the
-# expert-major and rank-major layouts, 1024 batched; 8, 24 and every SM; bf16 and fp8; H = 7168,
+# expert-major and rank-major layouts, 1024 batched; 8 and 24 SMs and smBudget 0 (the analytic
+# choice, rows labelled sms=auto); bf16 and fp8; H = 7168,
 # top-8 of 256) and, when GRAPHEP_DEEPEP_BASELINE names a DeepEP
 # V1 baseline script (run as: SCRIPT SOURCE_DIR TOKENS..., GRAPHEP_DEEPEP_SRC the source), its
 # figures from the same call, after graphep's (the GPUs otherwise idle).
@@ -201,7 +202,7 @@ if [ "${GRAPHEP_BENCH_ONLY:-}" = prefill ]; then
     for sms in 8 24 0; do
       a=""; [ $sms -gt 0 ] && a="--sms $sms"
       timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-90} "$build/bench/graphep-bench" moe $sizes $a --layout $layout -n 10 -w 3 \
-        --dtype both 2>&1 | sed "s/^  moe /  moe sms=${sms/#0/all} /" >>"$out/bench_prefill.log" || status=1
+        --dtype both 2>&1 | sed "s/^  moe /  moe sms=${sms/#0/auto} /" >>"$out/bench_prefill.log" || status=1
     done
   done
   timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-90} "$build/bench/graphep-bench" moe -b 4096 -e 4096 --sms 24 -n 10 -w 3 \
