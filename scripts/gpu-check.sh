@@ -187,8 +187,29 @@ ratios() {  # BENCH_LOG DEEPEP_LOG
       if (k in d) printf "  ratio %-12s %6d tokens %-8s %-4s graphep %9.2f us  DeepEP V1 %9.2f us  %.2fx\n", lay, tok, $3, $4, t, d[k], d[k] / t
     }' "$2" "$1"
 }
+# Appends `graphep-bench moe ARGS --dtype both` rows to LOG for each SM count in SMS (0: smBudget
+# 0, the analytic choice, labelled auto), each row labelled sms=N.
+moeRows() {  # LOG "SMS..." ARGS...
+  local log=$1 smsList=$2 sms a
+  shift 2
+  for sms in $smsList; do
+    a=""; [ "$sms" -gt 0 ] && a="--sms $sms"
+    timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-90} "$build/bench/graphep-bench" moe "$@" $a --dtype both 2>&1 \
+      | sed "s/^  moe /  moe sms=${sms/#0/auto} /" >>"$log" || status=1
+  done
+}
+# DeepEP V1's figures for TOKENS from GRAPHEP_DEEPEP_BASELINE (when set), after graphep's rows
+# (the GPUs otherwise idle), and LOG's 24-SM rows beside them.
+besideDeepep() {  # LOG TOKENS...
+  local log=$1
+  shift
+  [ -n "${GRAPHEP_DEEPEP_BASELINE:-}" ] || return 0
+  timeout -s KILL ${GRAPHEP_DEEPEP_BUDGET:-300} bash "$GRAPHEP_DEEPEP_BASELINE" "${GRAPHEP_DEEPEP_SRC:?}" "$@" \
+    2>&1 | tee "$out/deepep.log" | grep -E "^deepep" || echo "DeepEP baseline failed (deepep.log)"
+  ratios "$log" "$out/deepep.log"
+}
 # GRAPHEP_BENCH_ONLY=prefill: the prefill rows (1024, 4096 and 16384 tokens per rank in the
-# expert-major and rank-major layouts, 1024 batched; 8 and 24 SMs and smBudget 0 (the analytic
+# expert-major and rank-major layouts, 1024 batched; 8, 24 and 64 SMs and smBudget 0 (the analytic
 # choice, rows labelled sms=auto); bf16 and fp8; H = 7168,
 # top-8 of 256) and, when GRAPHEP_DEEPEP_BASELINE names a DeepEP
 # V1 baseline script (run as: SCRIPT SOURCE_DIR TOKENS..., GRAPHEP_DEEPEP_SRC the source), its
@@ -199,20 +220,12 @@ if [ "${GRAPHEP_BENCH_ONLY:-}" = prefill ]; then
   for layout in expert-major rank-major batched; do
     sizes="-b 1024 -e 16384 -f 4"
     [ $layout = batched ] && sizes="-b 1024 -e 1024"  # a decode-sized layout: [E_local, R x T_max, H]
-    for sms in 8 24 0; do
-      a=""; [ $sms -gt 0 ] && a="--sms $sms"
-      timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-90} "$build/bench/graphep-bench" moe $sizes $a --layout $layout -n 10 -w 3 \
-        --dtype both 2>&1 | sed "s/^  moe /  moe sms=${sms/#0/auto} /" >>"$out/bench_prefill.log" || status=1
-    done
+    moeRows "$out/bench_prefill.log" "8 24 64 0" $sizes --layout $layout -n 10 -w 3
   done
   timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-90} "$build/bench/graphep-bench" moe -b 4096 -e 4096 --sms 24 -n 10 -w 3 \
     --profile --dtype both >>"$out/bench_prefill.log" 2>&1 || status=1
   grep -E "^  moe|^# phases" "$out/bench_prefill.log"
-  if [ -n "${GRAPHEP_DEEPEP_BASELINE:-}" ]; then
-    timeout -s KILL ${GRAPHEP_DEEPEP_BUDGET:-300} bash "$GRAPHEP_DEEPEP_BASELINE" "${GRAPHEP_DEEPEP_SRC:?}" 1024 4096 16384 \
-      2>&1 | tee "$out/deepep.log" | grep -E "^deepep" || echo "DeepEP baseline failed (deepep.log)"
-    ratios "$out/bench_prefill.log" "$out/deepep.log"
-  fi
+  besideDeepep "$out/bench_prefill.log" 1024 4096 16384
   echo "== summary: status=$status (logs in $out)"
   exit $status
 fi
@@ -224,19 +237,12 @@ if [ "${GRAPHEP_BENCH_ONLY:-}" = decode ]; then
   step "benchmark: decode rows"
   : >"$out/bench_decode.log"
   for layout in expert-major batched rank-major; do
-    for sms in 8 24 32; do
-      timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-90} "$build/bench/graphep-bench" moe -b 1 -e 256 -f 2 --sms $sms --layout $layout \
-        -n 20 -w 5 --dtype both 2>&1 | sed "s/^  moe /  moe sms=$sms /" >>"$out/bench_decode.log" || status=1
-    done
+    moeRows "$out/bench_decode.log" "8 24 32" -b 1 -e 256 -f 2 --layout $layout -n 20 -w 5
   done
   timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-90} "$build/bench/graphep-bench" moe -b 128 -e 128 --sms 24 -n 20 -w 5 \
     --profile --dtype both >>"$out/bench_decode.log" 2>&1 || status=1
   grep -E "^  moe|^# phases" "$out/bench_decode.log"
-  if [ -n "${GRAPHEP_DEEPEP_BASELINE:-}" ]; then
-    timeout -s KILL ${GRAPHEP_DEEPEP_BUDGET:-300} bash "$GRAPHEP_DEEPEP_BASELINE" "${GRAPHEP_DEEPEP_SRC:?}" 128 \
-      2>&1 | tee "$out/deepep.log" | grep -E "^deepep" || echo "DeepEP baseline failed (deepep.log)"
-    ratios "$out/bench_decode.log" "$out/deepep.log"
-  fi
+  besideDeepep "$out/bench_decode.log" 128
   echo "== summary: status=$status (logs in $out)"
   exit $status
 fi
