@@ -638,15 +638,15 @@ void Engine::validate(const MoeConfig& c, int R) {
                     "MoeConfig.rowsPerExpert=%lld applies to the batched layout only", c.rowsPerExpert);
   }
   const long long cap = receiveCapacity(c, R);
-  if (c.receiveLayout == ReceiveLayout::kBatched) {
+  if (c.receiveLayout == ReceiveLayout::kBatched) {  // the capacity's own field named
     GRAPHEP_REQUIRE(cap < (1ll << 31), Status::kInvalidArgument,
                     "MoeConfig.rowsPerExpert=%lld: %d local experts x %lld rows exceed 2^31 - 1 rows (lower "
                     "rowsPerExpert)",
                     c.rowsPerExpert, c.numExperts / R, batchedRowsPerExpert(c, R));
+  } else {
+    GRAPHEP_REQUIRE(cap < (1ll << 31), Status::kInvalidArgument,
+                    "MoeConfig: a receive capacity of %lld rows exceeds 2^31 - 1 (lower recvCapacity)", cap);
   }
-  GRAPHEP_REQUIRE(cap < (1ll << 31), Status::kInvalidArgument,
-                  "MoeConfig: a receive capacity of %lld rows exceeds 2^31 - 1 (lower recvCapacity)",
-                  cap);
   GRAPHEP_REQUIRE(static_cast<long long>(R) * c.maxTokensPerRank < (1ll << 31),
                   Status::kInvalidArgument,
                   "MoeConfig: %d ranks x maxTokensPerRank=%d records exceed 2^31 - 1", R,
