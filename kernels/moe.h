@@ -259,7 +259,7 @@ cudaError_t launchMoeDirectCombineReduce(const MoeParams& p, cudaStream_t stream
 cudaError_t launchMoeDirectCombineSend(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeDirectCombineFinal(const MoeParams& p, cudaStream_t stream);
 cudaError_t preloadMoeDirectKernels();
-// Setup: whether the GPU can place clusters of `cluster` CTAs of each clustered direct epilogue
+// Setup: whether the GPU can place clusters of `cluster` (2 or more) CTAs of each clustered direct epilogue
 // kernel (receive, combine reduce, combine final) in a grid of `ctas` (a multiple of it). An error
 // of the query itself (a size the GPU does not support) reads as "does not fit".
 cudaError_t moeDirectEpilogueFits(int cluster, int ctas, bool* fits);

@@ -283,15 +283,9 @@ __global__ void __launch_bounds__(kThreads) moeDirectCombineReduceKernel(const _
                       p.srcBase + b.s * p.localExperts, directStaged(p, b.s, i), stages[gs.group], gs.g,
                       p.rankMajor ? p.rankOffsets[b.s] + i : -1);
     }
-    __syncthreads();  // every group's partial of this item is written
-    if (tid == 0) {
-      __threadfence();  // the CTA's partials, before its arrival
-      std::uint32_t* arrive = p.combArrive + b.s * W + b.w;
-      if (atomicAdd(arrive, 1u) == kBlockParts - 1u) {  // the block's last part: reset, then ready
-        *arrive = 0u;
-        __threadfence();  // every part's partials (seen through the arrivals) before the flag
-        ptx::stReleaseSys(p.combReady + b.s * W + b.w, cstep + 1u);
-      }
+    // The block's last part (every group's partials of every part fenced before the count) marks it.
+    if (lastArrival(p.combArrive + b.s * W + b.w, kBlockParts) && tid == 0) {
+      ptx::stReleaseSys(p.combReady + b.s * W + b.w, cstep + 1u);
     }
   }
 }
@@ -315,6 +309,9 @@ __global__ void __launch_bounds__(kThreads) moeDirectCombineSendKernel(const __g
     if (__syncthreads_or(failed) != 0) break;  // recorded; the peer's wait for this block reports too
     const int first = b.w * kBlockTokens;
     const int rows = min(kBlockTokens, p.recvRows[b.s] - first);
+    // A block's partials are whole 16-byte vectors at both ends, counted in int: this loop, not
+    // copyBytes, whose 64-bit indexing and byte tail raise this kernel's spills from 20 B to 76 B
+    // (ptxas, sm_90a, 512 threads).
     const auto* src = reinterpret_cast<const uint4*>(directStaged(p, b.s, first));
     auto* dst = reinterpret_cast<uint4*>(directPartial(p, b.s, p.rank, first));
     const int vecs = rows * (p.hidden / 8);
@@ -377,23 +374,28 @@ __global__ void __launch_bounds__(kThreads) moeDirectCombineFinalKernel(const __
   }
 }
 
-// The launch of an epilogue kernel: `ctas` CTAs in clusters of `cluster` (1: none), the
-// programmatic dependent of the stream's last kernel. `attrs` holds the attributes cfg points to.
-cudaLaunchConfig_t epilogueLaunch(int ctas, int cluster, cudaStream_t stream, cudaLaunchAttribute (&attrs)[2]) {
-  attrs[0] = cudaLaunchAttribute{};
-  attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attrs[0].val.programmaticStreamSerializationAllowed = 1;
-  attrs[1] = cudaLaunchAttribute{};
-  attrs[1].id = cudaLaunchAttributeClusterDimension;
-  attrs[1].val.clusterDim.x = static_cast<unsigned>(cluster);
-  attrs[1].val.clusterDim.y = 1;
-  attrs[1].val.clusterDim.z = 1;
+// The launch of a direct kernel: `ctas` CTAs, in clusters of `cluster` (1: none), as the
+// programmatic dependent of the stream's last kernel when `dependent`. `attrs` holds the
+// attributes cfg points to.
+cudaLaunchConfig_t directLaunch(int ctas, int cluster, bool dependent, cudaStream_t stream,
+                                cudaLaunchAttribute (&attrs)[2]) {
+  int n = 0;
+  if (dependent) {
+    attrs[n] = cudaLaunchAttribute{};
+    attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster > 1) {
+    attrs[n] = cudaLaunchAttribute{};
+    attrs[n].id = cudaLaunchAttributeClusterDimension;
+    attrs[n++].val.clusterDim = {static_cast<unsigned>(cluster), 1, 1};
+  }
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(ctas));
   cfg.blockDim = dim3(kThreads);
   cfg.stream = stream;
   cfg.attrs = attrs;
-  cfg.numAttrs = cluster > 1 ? 2 : 1;
+  cfg.numAttrs = static_cast<unsigned>(n);
   return cfg;
 }
 
@@ -405,7 +407,7 @@ cudaError_t launchDependent(const MoeParams& p, cudaStream_t stream, void (*kern
     return cudaErrorInvalidValue;
   }
   cudaLaunchAttribute attrs[2];
-  const cudaLaunchConfig_t cfg = epilogueLaunch(p.epilogueCtas, p.epilogueCluster, stream, attrs);
+  const cudaLaunchConfig_t cfg = directLaunch(p.epilogueCtas, p.epilogueCluster, true, stream, attrs);
   return cudaLaunchKernelEx(&cfg, kernel, p);
 }
 
@@ -438,9 +440,7 @@ cudaError_t launchMoeDirectCombineReduce(const MoeParams& p, cudaStream_t stream
     return cudaErrorInvalidValue;
   }
   cudaLaunchAttribute attrs[2];
-  cudaLaunchConfig_t cfg = epilogueLaunch(p.epilogueCtas, p.epilogueCluster, stream, attrs);
-  cfg.attrs = &attrs[1];  // the cluster shape only: not a programmatic dependent
-  cfg.numAttrs = p.epilogueCluster > 1 ? 1 : 0;
+  const cudaLaunchConfig_t cfg = directLaunch(p.epilogueCtas, p.epilogueCluster, false, stream, attrs);
   return cudaLaunchKernelEx(&cfg, moeDirectCombineReduceKernel, p);
 }
 
@@ -448,7 +448,7 @@ cudaError_t launchMoeDirectCombineReduce(const MoeParams& p, cudaStream_t stream
 cudaError_t launchMoeDirectCombineSend(const MoeParams& p, cudaStream_t stream) {
   if (p.ctas < 1 || p.numRanks > kMaxRanks) return cudaErrorInvalidValue;
   cudaLaunchAttribute attrs[2];
-  cudaLaunchConfig_t cfg = epilogueLaunch(p.ctas, 1, stream, attrs);
+  const cudaLaunchConfig_t cfg = directLaunch(p.ctas, 1, true, stream, attrs);
   return cudaLaunchKernelEx(&cfg, moeDirectCombineSendKernel, p);
 }
 
@@ -473,11 +473,10 @@ cudaError_t preloadMoeDirectKernels() {
 
 cudaError_t moeDirectEpilogueFits(int cluster, int ctas, bool* fits) {
   *fits = false;
-  if (cluster < 1 || ctas < cluster || ctas % cluster != 0) return cudaErrorInvalidValue;
+  if (cluster < 2 || ctas < cluster || ctas % cluster != 0) return cudaErrorInvalidValue;
   cudaLaunchAttribute attrs[2];
-  cudaLaunchConfig_t cfg = epilogueLaunch(ctas, cluster, nullptr, attrs);
-  cfg.attrs = &attrs[1];  // the cluster shape alone: the query places CTAs, not stream order
-  cfg.numAttrs = 1;
+  // The cluster shape alone: the query places CTAs, not stream order.
+  const cudaLaunchConfig_t cfg = directLaunch(ctas, cluster, false, nullptr, attrs);
   for (void (*k)(MoeParams) : {moeDirectReceiveKernel, moeDirectCombineReduceKernel, moeDirectCombineFinalKernel}) {
     int clusters = 0;
     if (cudaOccupancyMaxActiveClusters(&clusters, k, &cfg) != cudaSuccess) {
