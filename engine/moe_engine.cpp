@@ -454,10 +454,13 @@ ThroughputCtas throughputCtas(Communicator& comm, const SymmetricHeap& heap, con
   for (int l = 0; l < locals; ++l) {
     const std::size_t ls = static_cast<std::size_t>(l);
     GRAPHEP_CUDA_CHECK(cudaDeviceGetAttribute(&sms[ls], cudaDevAttrMultiProcessorCount, heap.device(l)));
-    needNeg[ls] = -(cfg.smBudget > 0 ? cfg.smBudget : commCtasFor(rates[ls], sms[ls]));
+    const double share = remoteStoreShare(heap.worldSize());
+    needNeg[ls] = -(cfg.smBudget > 0 ? cfg.smBudget : commCtasFor(rates[ls], sms[ls], share));
     if (rates[ls].linkGBps > 0) {
-      GRAPHEP_LOG_INFO(log::kTune, "rank %d: link %.0f GB/s, one CTA %.1f GB/s: %d communication CTAs needed",
-                       heap.rank(l), rates[ls].linkGBps, rates[ls].perCtaGBps, -needNeg[ls]);
+      GRAPHEP_LOG_INFO(log::kTune,
+                       "rank %d: link %.0f GB/s, one CTA %.1f GB/s, %.2f of its stores remote: %d communication "
+                       "CTAs needed",
+                       heap.rank(l), rates[ls].linkGBps, rates[ls].perCtaGBps, share, -needNeg[ls]);
     }
   }
   const int most = -minOverRanks(comm, needNeg);  // the largest need

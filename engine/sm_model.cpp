@@ -6,10 +6,15 @@
 
 namespace graphep {
 
-int commCtasFor(const LinkRates& rates, int maxCtas, double margin) {
+double remoteStoreShare(int worldSize) {
+  return worldSize > 1 ? static_cast<double>(worldSize - 1) / worldSize : 1.0;
+}
+
+int commCtasFor(const LinkRates& rates, int maxCtas, double remoteShare, double margin) {
   const int cap = std::max(maxCtas, 1);
-  if (!(rates.perCtaGBps > 0) || !(rates.linkGBps > 0) || !(margin > 0)) return cap;
-  const double need = std::ceil(rates.linkGBps / rates.perCtaGBps * margin - 1e-9);
+  if (!(rates.perCtaGBps > 0) || !(rates.linkGBps > 0) || !(remoteShare > 0) || !(margin > 0)) return cap;
+  const double share = std::min(remoteShare, 1.0);
+  const double need = std::ceil(rates.linkGBps / (rates.perCtaGBps * share) * margin - 1e-9);
   if (!(need < static_cast<double>(cap))) return cap;
   return std::max(1, static_cast<int>(need));
 }

@@ -21,7 +21,24 @@ TEST(Unit_SmModel, CoversTheLinkWithTheMargin) {
   EXPECT_LT(commCtasFor(LinkRates{38.0, 350.0}, 132), commCtasFor(LinkRates{19.0, 350.0}, 132));
   EXPECT_GT(commCtasFor(LinkRates{19.0, 700.0}, 132), commCtasFor(LinkRates{19.0, 350.0}, 132));
   // The margin is the caller's to change.
-  EXPECT_EQ(commCtasFor(LinkRates{10.0, 200.0}, 132, 1.0), 20);
+  EXPECT_EQ(commCtasFor(LinkRates{10.0, 200.0}, 132, 1.0, 1.0), 20);
+}
+
+TEST(Unit_SmModel, OnlyTheRemoteShareOfACtasStoresCarriesTheLink) {
+  // Measured at setup on 2x H200 NV18 (run 80): one CTA pushes 42 GB/s alone, the link carries 353
+  // GB/s; with 2 ranks half of a send CTA's rows stay local, so it carries 21 GB/s of the link:
+  // 353 / 21 = 16.8, x 1.25 = 21.01 -> 22 (the bare one-CTA rate gave 11, and 11 CTAs ran the
+  // 4096-token bf16 dispatch in 323 us against 254 us at 24).
+  EXPECT_EQ(commCtasFor(LinkRates{42.0, 353.0}, 132, remoteStoreShare(2)), 22);
+  EXPECT_EQ(commCtasFor(LinkRates{42.0, 353.0}, 132), 11);
+  EXPECT_EQ(commCtasFor(LinkRates{10.0, 200.0}, 132, 0.5, 1.0), 40);
+  // A share above 1 is 1.
+  EXPECT_EQ(commCtasFor(LinkRates{10.0, 200.0}, 132, 3.0, 1.0), 20);
+  // Uniform routing: of a token's destinations, all but this rank cross the link.
+  EXPECT_DOUBLE_EQ(remoteStoreShare(2), 0.5);
+  EXPECT_DOUBLE_EQ(remoteStoreShare(8), 0.875);
+  EXPECT_DOUBLE_EQ(remoteStoreShare(1), 1.0);
+  EXPECT_DOUBLE_EQ(remoteStoreShare(0), 1.0);
 }
 
 TEST(Unit_SmModel, StaysWithinOneAndTheCap) {
@@ -37,7 +54,9 @@ TEST(Unit_SmModel, UnknownRatesKeepTheCap) {
                             LinkRates{19.0, std::numeric_limits<double>::infinity()}}) {
     EXPECT_EQ(commCtasFor(r, 132), 132) << r.perCtaGBps << " " << r.linkGBps;
   }
-  EXPECT_EQ(commCtasFor(LinkRates{19.0, 350.0}, 132, 0.0), 132);  // a margin of 0 is no rule
+  EXPECT_EQ(commCtasFor(LinkRates{19.0, 350.0}, 132, 1.0, 0.0), 132);  // a margin of 0 is no rule
+  EXPECT_EQ(commCtasFor(LinkRates{19.0, 350.0}, 132, 0.0), 132);       // nor a share of 0
+  EXPECT_EQ(commCtasFor(LinkRates{19.0, 350.0}, 132, nan), 132);
 }
 
 // The direct epilogues' cluster size: the preferred size when it fits, else halved until it does.
