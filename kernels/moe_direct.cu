@@ -283,8 +283,9 @@ __global__ void __launch_bounds__(kThreads) moeDirectCombineReduceKernel(const _
                       p.srcBase + b.s * p.localExperts, directStaged(p, b.s, i), stages[gs.group], gs.g,
                       p.rankMajor ? p.rankOffsets[b.s] + i : -1);
     }
-    // The block's last part (every group's partials of every part fenced before the count) marks it.
-    if (lastArrival(p.combArrive + b.s * W + b.w, kBlockParts) && tid == 0) {
+    // The block's last part (every group's partials of every part fenced before the count) marks it;
+    // the partials are local staging, read by this GPU's send kernel.
+    if (lastArrival(p.combArrive + b.s * W + b.w, kBlockParts, Reach::kGpu) && tid == 0) {
       ptx::stReleaseSys(p.combReady + b.s * W + b.w, cstep + 1u);
     }
   }
