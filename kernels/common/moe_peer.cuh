@@ -13,33 +13,21 @@ __device__ __forceinline__ std::uint32_t* peerCounter(const MoeParams& p, int ra
   return reinterpret_cast<std::uint32_t*>(p.peerUser[rank] + off);
 }
 
-// Who must see the writes a lastArrival counts: a peer GPU (or the host), or only this GPU's kernels.
-enum class Reach { kSystem, kGpu };
-
-// Block-wide "am I the last of the `arrivals` CTAs to get here": the CTA's prior writes are fenced
-// before the count, and the last one resets the counter for the next round (its writes and those of
-// every CTA counted before it are then visible to whatever it publishes); returns the same answer
-// in every thread. Reach::kSystem (writes to peers): every thread fences its own stores at system
-// scope before the barrier. Reach::kGpu (writes read only on this GPU): thread 0 alone fences at
-// GPU scope after the barrier, cumulative over the CTA's stores that the barrier ordered before it:
-// a system fence in each of 512 threads per round cost the combine reduce 17% at 4096 tokens (run
-// 82). Verdicts reach the CTA through __syncthreads_or, not a shared word: nothing for a later
-// exchange to race with, one barrier fewer, and racecheck-clean after the groups' uneven loops (see
-// the latency records loop).
-__device__ inline bool lastArrival(std::uint32_t* counter, std::uint32_t arrivals, Reach reach = Reach::kSystem) {
-  if (reach == Reach::kSystem) __threadfence_system();  // every thread's own stores, before the barrier
+// Block-wide "am I the last of the `arrivals` CTAs to get here": every thread's prior writes (local
+// or to peers) are fenced at system scope before the count; returns the same answer in every
+// thread, and the last one resets the counter for the next round (its writes and those of every
+// CTA counted before it are then visible to whatever it publishes). Verdicts reach the CTA through
+// __syncthreads_or, not a shared word: nothing for a later exchange to race with, one barrier
+// fewer, and racecheck-clean after the groups' uneven loops (see the latency records loop).
+__device__ inline bool lastArrival(std::uint32_t* counter, std::uint32_t arrivals) {
+  __threadfence_system();  // every thread's own stores, before the barrier hands over to thread 0
   __syncthreads();
   bool last = false;
   if (threadIdx.x == 0) {
-    if (reach == Reach::kGpu) __threadfence();  // the CTA's stores (ordered by the barrier), before the count
     last = atomicAdd(counter, 1u) == arrivals - 1u;
     if (last) {
       *counter = 0;  // every CTA counted: ready for the next round
-      if (reach == Reach::kSystem) {
-        __threadfence_system();
-      } else {
-        __threadfence();
-      }
+      __threadfence_system();
     }
   }
   return __syncthreads_or(last) != 0;  // thread 0's answer, to every thread
