@@ -89,7 +89,9 @@ __host__ __device__ inline std::uint64_t moeDirectMsgBytes(int localExperts, int
 // Kernels of the engine that can stamp a timeline (MoeConfig.profile): each CTA takes the minimum
 // of its entry times and the maximum of its exit times into timeline[2 * kernel], [2 * kernel + 1]
 // (global timer, ns), so one launch's span is readable after it (Engine::timeline()).
-// Engine::timeline() lists them in this order, which is the order they run in.
+// Engine::timeline() lists them in this order, which is the order they start in, except that a
+// programmatic dependent's phases may start beside its primary's later ones (the latency receive's
+// layout beside the send's records).
 enum class MoeKernel : int {
   kRoute = 0, kPack, kOffsets, kExpand,
   // The throughput path's direct dispatch (kernels/moe_direct.cu), after route: quantise (fp8),
@@ -293,11 +295,15 @@ __host__ __device__ inline MoeLatencySmem moeLatencySmem(int maxTokens, int topK
   return o;
 }
 
+// Each operation is a sender (llCtas CTAs, dynamic shared memory for dispatch) and a receiver
+// (epilogueCtas CTAs) launched as the sender's programmatic dependent.
 cudaError_t launchMoeLatencyDispatch(const MoeParams& p, cudaStream_t stream);
+cudaError_t launchMoeLatencyReceive(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeLatencyCombine(const MoeParams& p, cudaStream_t stream);
-// Loads both kernels and allows the largest dynamic shared memory.
+cudaError_t launchMoeLatencyCombineReceive(const MoeParams& p, cudaStream_t stream);
+// Loads the four kernels and allows the dispatch sender the largest dynamic shared memory.
 cudaError_t preloadMoeLatencyKernels();
-// CTAs of the latency kernels (the lower of the two) that fit on one SM together.
+// CTAs of the latency kernels (the lowest of the four) that fit on one SM.
 cudaError_t moeLatencyCtasPerSm(std::uint32_t smemBytes, int* ctas);
 
 }  // namespace graphep
