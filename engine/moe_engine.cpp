@@ -352,7 +352,9 @@ LatencyCtas latencyCtas(Communicator& comm, const SymmetricHeap& heap, const Moe
   c.send = minOverRanks(comm, mine);
   for (int l = 0; l < locals; ++l) {
     const std::size_t ls = static_cast<std::size_t>(l);
-    const int room = resident[ls] - c.send;  // at least 1: send <= resident / 2 or resident - 1
+    // At least 1 (send <= resident / 2 or resident - 1); ranks sharing a GPU keep to half of their
+    // share, so that two engines in flight still fit.
+    const int room = sharing[ls] > 1 ? resident[ls] / 2 : resident[ls] - c.send;
     const int want = cfg.epilogueSms > 0 ? cfg.epilogueSms : (sharing[ls] > 1 ? c.send : smCount[ls]);
     c.receive.push_back(std::max(1, std::min(want, room)));
   }

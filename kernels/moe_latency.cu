@@ -69,7 +69,6 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
   const MoeGroup g = gs.g;
   const std::uint32_t step = p.llSteps[0];
   const int parity = static_cast<int>(step & 1u);
-  ptx::launchDependents();  // the receive starts on the SMs this grid leaves free
   const int T = moeLiveTokens(p, blockIdx.x == 0 && tid == 0);
   bool anyDup = false;
   // Entries of expert e before token t (and before slot k of t): a popcount unless some token
@@ -88,6 +87,7 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
   };
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyDispatch);
+    ptx::launchDependents();  // the receive starts on the SMs this grid leaves free (after this stamp)
     if (blockIdx.x == 0 && tid == 0) moeCheckPairing(p, true);
     for (int w = tid; w < (E + R) * W; w += kThreads) expBits[w] = 0;  // and dstBits
     if (tid == 0) dup = 0;
@@ -131,7 +131,7 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
     // the CTA goes round the same number of times (one past the last token idles through its
     // barriers): compute-sanitizer racecheck mis-orders a CTA-wide shared-memory exchange whose
     // writer's group has passed its named barrier more often than the reader's (a false RAW
-    // hazard; tools/racecheck_probe.cu, docs/RELIABILITY.md), and the layout's block scan follows.
+    // hazard; tools/racecheck_probe.cu, docs/RELIABILITY.md); the receiver keeps the same rule.
     for (int base = firstItem - group; base < T; base += items) {
       const int t = base + group;
       if (g.tid == 0 && t < T) {
@@ -198,11 +198,18 @@ __global__ void __launch_bounds__(kThreads) moeLatencyReceiveKernel(const __grid
         const std::uint64_t sent = __ldcg(msgOf(s));
         const int rows = static_cast<int>(sent < static_cast<std::uint64_t>(p.maxTokens) ? sent : p.maxTokens);
         const long long rankBase = p.rankMajor ? moeRankBase(p, msgOf, s) : -1;  // rank-major: its first row
-        for (int i = gs.first; i < rows; i += gs.stride) {
-          moeExpandRecord(p, s, p.peerUser[p.rank] + p.llRecOff + llSlot(p, parity, s, i, p.recBytes), base,
-                          stages[gs.group], gs.g, p.rankMajor ? rankBase + i : -1);
+        // Every group goes round equally (an idle one through the same barriers): base is
+        // rewritten for the next source after the __syncthreads below.
+        for (int b = gs.first - gs.group; b < rows; b += gs.stride) {
+          const int i = b + gs.group;
+          if (i < rows) {
+            moeExpandRecord(p, s, p.peerUser[p.rank] + p.llRecOff + llSlot(p, parity, s, i, p.recBytes), base,
+                            stages[gs.group], gs.g, p.rankMajor ? rankBase + i : -1);
+          } else {
+            moeIdleRecord(gs.g);
+          }
         }
-        __syncthreads();  // base is rewritten for the next source
+        __syncthreads();
       }
     }
   }

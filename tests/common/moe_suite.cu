@@ -945,7 +945,8 @@ void runMoeCaseInLayout(Communicator& comm, const MoeCase& c) {
       for (const MoeKernelSpan& sp : spans) names.push_back(sp.kernel);
       // Throughput: six kernels, or with the direct dispatch and combine (every peer by load/store,
       // one rank per GPU) six, seven for fp8 (the quantise kernel), plus the receive's two phases;
-      // latency: three phases of each of two kernels.
+      // latency: the dispatch's route and records (sender), layout and expand (receiver), the
+      // combine's reduce (sender) and receive (receiver).
       const std::vector<std::vector<std::string>> want =
           f.engine(l).path() == MoePath::kLatency
               ? std::vector<std::vector<std::string>>{{"latency route", "latency records", "latency layout",
