@@ -59,7 +59,7 @@ __host__ __device__ inline std::uint64_t key(std::uint32_t s, int rank, int t, i
 }
 __device__ inline float unit(std::uint64_t k) { return static_cast<float>(k >> 40) / static_cast<float>(1ull << 24); }
 
-// Inputs of (replay s, rank q, token t): a value, slot k's expert (-1 masked; a token's experts are distinct) and
+// Inputs of (replay s, rank q, token t): a value, slot k's expert (-1 masked; one slot in 16 past the first a duplicate) and
 // weight; the stand-in expert's exact scale.
 __device__ inline bf16 xValue(std::uint32_t s, int q, int t, int h) { return __float2bfloat16_rn(2.f * unit(key(s, q, t, 1000 + h)) - 1.f); }
 __device__ inline int distinctExpertOf(std::uint32_t s, int q, int t, int k, int E) {
