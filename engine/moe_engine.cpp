@@ -314,29 +314,51 @@ int minOverRanks(Communicator& comm, const std::vector<std::int32_t>& mine) {
   return *std::min_element(all.begin(), all.end());
 }
 
-// Collective: the CTAs of each latency kernel, the same on every rank (the arrival counters count
-// them): the budget, lowered so that every rank sharing a GPU has all its CTAs resident at once
-// (they wait for each other), then the lowest over all ranks.
-int latencyCtas(Communicator& comm, const SymmetricHeap& heap, const MoeConfig& cfg) {
-  const int R = heap.worldSize();
+// Collective. The latency path's CTAs: `send`, the senders of each kernel (the SM budget, or 24), the same on
+// every rank (the arrival counters count them), and each local rank's receivers. The senders never
+// wait and the receivers wait only for senders (of every rank), so the ranks sharing a GPU must
+// hold all their senders and receivers at once: send + receive <= the GPU's resident CTAs / the
+// ranks on it. A rank on a GPU of its own gives its receivers the SMs the senders leave (or
+// epilogueSms); ranks sharing a GPU take as many receivers as senders, so that two engines in
+// flight still fit (§3.7).
+struct LatencyCtas {
+  int send = 0;
+  std::vector<int> receive;  // per local rank
+};
+LatencyCtas latencyCtas(Communicator& comm, const SymmetricHeap& heap, const MoeConfig& cfg) {
+  const int R = heap.worldSize(), locals = heap.numLocalRanks();
   const std::uint32_t smem = moeLatencySmem(cfg.maxTokensPerRank, cfg.topK, cfg.numExperts, R).bytes;
-  std::vector<std::int32_t> mine(static_cast<std::size_t>(heap.numLocalRanks()));
-  for (int l = 0; l < heap.numLocalRanks(); ++l) {
+  std::vector<std::int32_t> mine(static_cast<std::size_t>(locals));
+  std::vector<int> resident(static_cast<std::size_t>(locals)), sharing(static_cast<std::size_t>(locals));
+  std::vector<int> smCount(static_cast<std::size_t>(locals));
+  for (int l = 0; l < locals; ++l) {
+    const std::size_t ls = static_cast<std::size_t>(l);
     DeviceGuard guard(heap.device(l));
     int perSm = 0, sms = 0;
     GRAPHEP_CUDA_CHECK(moeLatencyCtasPerSm(smem, &perSm));
     GRAPHEP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, heap.device(l)));
-    int sharing = 1;
-    for (int q = 0; q < R; ++q) sharing += heap.peerClass(l, q) == PeerClass::kSameDevice ? 1 : 0;
-    const int resident = perSm * sms / sharing;
-    GRAPHEP_REQUIRE(resident >= 1, Status::kNotSupported,
+    sharing[ls] = 1;
+    for (int q = 0; q < R; ++q) sharing[ls] += heap.peerClass(l, q) == PeerClass::kSameDevice ? 1 : 0;
+    resident[ls] = perSm * sms / sharing[ls];
+    smCount[ls] = sms;
+    GRAPHEP_REQUIRE(resident[ls] >= 2, Status::kNotSupported,
                     "MoE latency path: %d ranks share GPU %d, which holds %d of its CTAs at once (%d per "
-                    "SM, %u B of shared memory each)",
-                    sharing, heap.device(l), perSm * sms, perSm, smem);
+                    "SM, %u B of shared memory each); each rank needs 2 (a sender and a receiver)",
+                    sharing[ls], heap.device(l), perSm * sms, perSm, smem);
     const int budget = cfg.smBudget > 0 ? cfg.smBudget : kLatencyDefaultCtas;
-    mine[static_cast<std::size_t>(l)] = std::min(budget, resident);
+    mine[ls] = std::min(budget, sharing[ls] > 1 ? resident[ls] / 2 : resident[ls] - 1);
   }
-  return minOverRanks(comm, mine);
+  LatencyCtas c;
+  c.send = minOverRanks(comm, mine);
+  for (int l = 0; l < locals; ++l) {
+    const std::size_t ls = static_cast<std::size_t>(l);
+    // At least 1 (send <= resident / 2 or resident - 1); ranks sharing a GPU keep to half of their
+    // share, so that two engines in flight still fit.
+    const int room = sharing[ls] > 1 ? resident[ls] / 2 : resident[ls] - c.send;
+    const int want = cfg.epilogueSms > 0 ? cfg.epilogueSms : (sharing[ls] > 1 ? c.send : smCount[ls]);
+    c.receive.push_back(std::max(1, std::min(want, room)));
+  }
+  return c;
 }
 
 // Collective, setup only (every peer by load/store): every rank pushes into its next rank's record
@@ -716,7 +738,8 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     group->heap->reallocate(ph.heap);
   }
   const bool throughput = path == MoePath::kThroughput;
-  const int llCtas = throughput ? 0 : latencyCtas(comm, *group->heap, cfg);
+  const LatencyCtas lctas = throughput ? LatencyCtas{} : latencyCtas(comm, *group->heap, cfg);
+  const int llCtas = lctas.send;
   const bool direct = throughput && directDispatch(comm, *group->heap);
   const ThroughputCtas tctas =
       throughput ? throughputCtas(comm, *group->heap, cfg, direct, Rs * T * recBytes) : ThroughputCtas{};
@@ -828,6 +851,10 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     p.combArrive = reinterpret_cast<std::uint32_t*>(b + o.combArrive);
     p.combReady = reinterpret_cast<std::uint32_t*>(b + o.combReady);
     p.llCtas = llCtas;
+    if (!throughput) {  // the latency receivers
+      p.epilogueCtas = lctas.receive[static_cast<std::size_t>(l)];
+      p.epilogueCluster = 1;
+    }
     if (!throughput || direct) {
       // The latency and direct counters start at counterStart (steps, flags, block flags) and
       // G x it (the latency arrivals, G the CTAs that post them).
@@ -955,6 +982,7 @@ const DispatchLayout& Engine::dispatch(const DispatchArgs& a, cudaStream_t strea
   m.p = p;  // combine reads the routing of the last dispatch
   if (m.path == MoePath::kLatency) {
     GRAPHEP_CUDA_CHECK(launchMoeLatencyDispatch(p, stream));
+    GRAPHEP_CUDA_CHECK(launchMoeLatencyReceive(p, stream));
     return m.layout;
   }
   GRAPHEP_CUDA_CHECK(launchMoeRoute(p, stream));
@@ -1000,6 +1028,7 @@ void Engine::combine(const CombineArgs& a, cudaStream_t stream) {
   p.out = static_cast<char*>(a.out);
   if (m.path == MoePath::kLatency) {
     GRAPHEP_CUDA_CHECK(launchMoeLatencyCombine(p, stream));
+    GRAPHEP_CUDA_CHECK(launchMoeLatencyCombineReceive(p, stream));
     return;
   }
   if (m.direct) {

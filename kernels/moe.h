@@ -89,7 +89,9 @@ __host__ __device__ inline std::uint64_t moeDirectMsgBytes(int localExperts, int
 // Kernels of the engine that can stamp a timeline (MoeConfig.profile): each CTA takes the minimum
 // of its entry times and the maximum of its exit times into timeline[2 * kernel], [2 * kernel + 1]
 // (global timer, ns), so one launch's span is readable after it (Engine::timeline()).
-// Engine::timeline() lists them in this order, which is the order they run in.
+// Engine::timeline() lists them in this order, which is the order they start in, except that a
+// programmatic dependent's phases may start beside its primary's later ones (the latency receive's
+// layout beside the send's records).
 enum class MoeKernel : int {
   kRoute = 0, kPack, kOffsets, kExpand,
   // The throughput path's direct dispatch (kernels/moe_direct.cu), after route: quantise (fp8),
@@ -218,13 +220,14 @@ struct MoeParams {
   char* peerUser[kMaxRanks];  // every rank's user region as this rank sees it (its own included)
   std::uint64_t llRecOff, llCntOff, llCombOff, llFlagOff, llArriveOff, llCombArriveOff, llBlockOff, llCombBlockOff;
   std::uint32_t* llSteps;     // local [2]: dispatch and combine steps (monotonic)
-  std::uint32_t* llDone;      // local [2]: last-CTA counters of the two latency kernels
+  std::uint32_t* llDone;      // local [2]: last-CTA counters of the dispatch's and the combine's last kernels
   // Direct combine, local [R][routeWords(maxTokens)]: the reduce's CTAs done with a block of a
   // peer's records (the last resets it), and the block's ready flag (step + 1) for the send.
   std::uint32_t* combArrive;
   std::uint32_t* combReady;
-  // G: CTAs of each latency kernel, the same on every rank (the arrival counters count them). When
-  // ranks share a GPU, all their CTAs must be resident together (they wait for each other).
+  // G: CTAs of each latency sender, the same on every rank (the arrival counters count them). When
+  // ranks share a GPU, all their senders and receivers must fit at once (a receiver may spin while
+  // another rank's sender waits for room).
   std::int32_t llCtas;
   SyncHandle sync;            // bounded waits (timeout, error record)
 
@@ -266,8 +269,8 @@ cudaError_t moeDirectEpilogueFits(int cluster, int ctas, bool* fits);
 cudaError_t launchMoeCombineReduce(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeCombineFinal(const MoeParams& p, cudaStream_t stream);
 cudaError_t preloadMoeCombineKernels();
-// Latency path: one kernel per operation, each CTA a sender then a receiver (G CTAs of
-// kMoeLatencyThreads, dynamic shared memory moeLatencySmem(...).bytes for dispatch).
+// Latency path: a sender (G CTAs of kMoeLatencyThreads, dynamic shared memory
+// moeLatencySmem(...).bytes for dispatch) and a receiver (epilogueCtas CTAs) per operation.
 inline constexpr int kMoeLatencyMaxTokens = 256;
 inline constexpr int kMoeLatencyMaxEntries = 4096;  // tokens x top-k
 inline constexpr int kMoeLatencyThreads = 512;
@@ -293,11 +296,15 @@ __host__ __device__ inline MoeLatencySmem moeLatencySmem(int maxTokens, int topK
   return o;
 }
 
+// Each operation is a sender (llCtas CTAs, dynamic shared memory for dispatch) and a receiver
+// (epilogueCtas CTAs) launched as the sender's programmatic dependent.
 cudaError_t launchMoeLatencyDispatch(const MoeParams& p, cudaStream_t stream);
+cudaError_t launchMoeLatencyReceive(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeLatencyCombine(const MoeParams& p, cudaStream_t stream);
-// Loads both kernels and allows the largest dynamic shared memory.
+cudaError_t launchMoeLatencyCombineReceive(const MoeParams& p, cudaStream_t stream);
+// Loads the four kernels and allows the dispatch sender the largest dynamic shared memory.
 cudaError_t preloadMoeLatencyKernels();
-// CTAs of the latency kernels (the lower of the two) that fit on one SM together.
+// CTAs of the latency kernels (the lowest of the four) that fit on one SM.
 cudaError_t moeLatencyCtasPerSm(std::uint32_t smemBytes, int* ctas);
 
 }  // namespace graphep

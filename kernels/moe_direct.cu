@@ -384,31 +384,6 @@ __global__ void __launch_bounds__(kThreads) moeDirectCombineFinalKernel(const __
   }
 }
 
-// The launch of a direct kernel: `ctas` CTAs, in clusters of `cluster` (1: none), as the
-// programmatic dependent of the stream's last kernel when `dependent`. `attrs` holds the
-// attributes cfg points to.
-cudaLaunchConfig_t directLaunch(int ctas, int cluster, bool dependent, cudaStream_t stream,
-                                cudaLaunchAttribute (&attrs)[2]) {
-  int n = 0;
-  if (dependent) {
-    attrs[n] = cudaLaunchAttribute{};
-    attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attrs[n++].val.programmaticStreamSerializationAllowed = 1;
-  }
-  if (cluster > 1) {
-    attrs[n] = cudaLaunchAttribute{};
-    attrs[n].id = cudaLaunchAttributeClusterDimension;
-    attrs[n++].val.clusterDim = {static_cast<unsigned>(cluster), 1, 1};
-  }
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(ctas));
-  cfg.blockDim = dim3(kThreads);
-  cfg.stream = stream;
-  cfg.attrs = attrs;
-  cfg.numAttrs = static_cast<unsigned>(n);
-  return cfg;
-}
-
 // Launches `kernel` (epilogueCtas CTAs, in clusters of epilogueCluster) as the programmatic
 // dependent of the stream's last kernel.
 cudaError_t launchDependent(const MoeParams& p, cudaStream_t stream, void (*kernel)(MoeParams)) {
@@ -417,7 +392,7 @@ cudaError_t launchDependent(const MoeParams& p, cudaStream_t stream, void (*kern
     return cudaErrorInvalidValue;
   }
   cudaLaunchAttribute attrs[2];
-  const cudaLaunchConfig_t cfg = directLaunch(p.epilogueCtas, p.epilogueCluster, true, stream, attrs);
+  const cudaLaunchConfig_t cfg = moeLaunchConfig(p.epilogueCtas, kThreads, p.epilogueCluster, true, stream, attrs);
   return cudaLaunchKernelEx(&cfg, kernel, p);
 }
 
@@ -450,7 +425,7 @@ cudaError_t launchMoeDirectCombineReduce(const MoeParams& p, cudaStream_t stream
     return cudaErrorInvalidValue;
   }
   cudaLaunchAttribute attrs[2];
-  const cudaLaunchConfig_t cfg = directLaunch(p.epilogueCtas, p.epilogueCluster, false, stream, attrs);
+  const cudaLaunchConfig_t cfg = moeLaunchConfig(p.epilogueCtas, kThreads, p.epilogueCluster, false, stream, attrs);
   return cudaLaunchKernelEx(&cfg, moeDirectCombineReduceKernel, p);
 }
 
@@ -458,7 +433,7 @@ cudaError_t launchMoeDirectCombineReduce(const MoeParams& p, cudaStream_t stream
 cudaError_t launchMoeDirectCombineSend(const MoeParams& p, cudaStream_t stream) {
   if (p.ctas < 1 || p.numRanks > kMaxRanks) return cudaErrorInvalidValue;
   cudaLaunchAttribute attrs[2];
-  const cudaLaunchConfig_t cfg = directLaunch(p.ctas, 1, true, stream, attrs);
+  const cudaLaunchConfig_t cfg = moeLaunchConfig(p.ctas, kThreads, 1, true, stream, attrs);
   return cudaLaunchKernelEx(&cfg, moeDirectCombineSendKernel, p);
 }
 
@@ -486,7 +461,7 @@ cudaError_t moeDirectEpilogueFits(int cluster, int ctas, bool* fits) {
   if (cluster < 2 || ctas < cluster || ctas % cluster != 0) return cudaErrorInvalidValue;
   cudaLaunchAttribute attrs[2];
   // The cluster shape alone: the query places CTAs, not stream order.
-  const cudaLaunchConfig_t cfg = directLaunch(ctas, cluster, false, nullptr, attrs);
+  const cudaLaunchConfig_t cfg = moeLaunchConfig(ctas, kThreads, cluster, false, nullptr, attrs);
   for (void (*k)(MoeParams) : {moeDirectReceiveKernel, moeDirectCombineReduceKernel, moeDirectCombineFinalKernel}) {
     int clusters = 0;
     if (cudaOccupancyMaxActiveClusters(&clusters, k, &cfg) != cudaSuccess) {

@@ -1,6 +1,9 @@
-// MoE latency-path kernel family (see kernels/moe.h), launchers below: one kernel per operation,
-// no count round trip before the payload. Every CTA is first a sender, then a receiver; a CTA of
+// MoE latency-path kernel family (see kernels/moe.h), launchers below: two kernels per operation,
+// a sender on G = llCtas CTAs (the SM budget) and a receiver on epilogueCtas CTAs launched as its
+// programmatic dependent, so that the receiver starts at once on the SMs the sender leaves free and
+// the expansion is not held to the budget. No count round trip before the payload. A CTA of
 // kMoeLatencyThreads works on kGroups records (or tokens) at once, one per group of kMoeGroupThreads.
+// The senders never wait; only the receivers do, for other grids (the senders of every rank).
 //
 //   dispatch  send     every CTA routes all T x K entries in shared memory (a bit per token for
 //                      each expert and each destination: indices are popcounts); the CTAs split
@@ -8,14 +11,16 @@
 //                      before any payload; then each group writes one token's record, read once,
 //                      into every destination's slot [parity][this rank][index]; each CTA then
 //                      adds 1 to every destination's arrival counter for this rank.
-//            receive  every CTA waits for every count flag, derives the layout (CTA 0 publishes
-//                      it) and expands each source's records as soon as that source's G CTAs
-//                      have arrived (its own rank first); the last CTA advances the step.
+//            receive  (its own kernel) every CTA waits for every count flag, derives the layout
+//                      (CTA 0 publishes it) and expands each source's records as soon as that
+//                      source's G send CTAs have arrived (its own rank first); after
+//                      griddepcontrol.wait (the send has completed) the last CTA advances the step.
 //   combine   send     each group reduces one received record (sum of weight x y over its slots)
 //                      straight into the source's slot [parity][this rank][index]; each CTA then
 //                      adds 1 to every source's combine arrival counter for this rank.
-//            receive  every CTA waits for G arrivals from every destination and sums one token's
-//                      partials per group; the last CTA advances the step.
+//            receive  (its own kernel) every CTA waits for G arrivals from every destination and
+//                      sums one token's partials per group; after griddepcontrol.wait the last CTA
+//                      advances the step.
 //
 // Buffers alternate by the step's parity. A rank can only start dispatch s + 2 after its combine
 // s + 1 received every destination's partials, which each destination sends after its own
@@ -51,12 +56,7 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
   auto* ids = reinterpret_cast<std::int32_t*>(sm + lay.ids);         // [T_max * K], -1: none
   auto* expBits = reinterpret_cast<std::uint32_t*>(sm + lay.expBits);  // [E][W]: tokens per expert
   auto* dstBits = reinterpret_cast<std::uint32_t*>(sm + lay.dstBits);  // [R][W]: tokens per rank
-  auto* srcBase = reinterpret_cast<std::int32_t*>(sm + lay.srcBase);  // [R][L]
-  auto* counts = reinterpret_cast<std::int32_t*>(sm + lay.counts);    // [L]
-  auto* offsets = reinterpret_cast<std::int32_t*>(sm + lay.offsets);  // [L + 1]
   __shared__ int dup;
-  __shared__ MoeLayoutScratch<kThreads> layoutScratch;
-  __shared__ MoeSlotStage stages[kGroups];
   __shared__ char* dsts[kGroups][kMaxRanks];
   __shared__ int dstRanks[kGroups][kMaxRanks];
   __shared__ int ndst[kGroups];
@@ -69,12 +69,6 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
   const MoeGroup g = gs.g;
   const std::uint32_t step = p.llSteps[0];
   const int parity = static_cast<int>(step & 1u);
-  const std::uint32_t arrived = (step + 1u) * gridDim.x;  // every CTA of every rank, this step
-  bool layoutOk = false;
-  auto msgOf = [&](int q) {
-    return reinterpret_cast<const std::uint64_t*>(p.peerUser[p.rank] + p.llCntOff +
-                                                  (static_cast<std::uint64_t>(parity) * R + q) * p.cntMsgBytes);
-  };
   const int T = moeLiveTokens(p, blockIdx.x == 0 && tid == 0);
   bool anyDup = false;
   // Entries of expert e before token t (and before slot k of t): a popcount unless some token
@@ -93,6 +87,7 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
   };
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyDispatch);
+    ptx::launchDependents();  // the receive starts on the SMs this grid leaves free (after this stamp)
     if (blockIdx.x == 0 && tid == 0) moeCheckPairing(p, true);
     for (int w = tid; w < (E + R) * W; w += kThreads) expBits[w] = 0;  // and dstBits
     if (tid == 0) dup = 0;
@@ -136,7 +131,7 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
     // the CTA goes round the same number of times (one past the last token idles through its
     // barriers): compute-sanitizer racecheck mis-orders a CTA-wide shared-memory exchange whose
     // writer's group has passed its named barrier more often than the reader's (a false RAW
-    // hazard; tools/racecheck_probe.cu, docs/RELIABILITY.md), and the layout's block scan follows.
+    // hazard; tools/racecheck_probe.cu, docs/RELIABILITY.md); the receiver keeps the same rule.
     for (int base = firstItem - group; base < T; base += items) {
       const int t = base + group;
       if (g.tid == 0 && t < T) {
@@ -156,34 +151,69 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
       g.sync();  // dsts is rewritten for the next token
     }
   }
+  arriveAtEveryRank(p, p.llArriveOff);  // this CTA's records, to every destination
+}
+
+// Source q's count message of the step's parity in this rank's heap.
+__device__ __forceinline__ const std::uint64_t* latencyMsg(const MoeParams& p, int parity, int q) {
+  return reinterpret_cast<const std::uint64_t*>(p.peerUser[p.rank] + p.llCntOff +
+                                                (static_cast<std::uint64_t>(parity) * p.numRanks + q) * p.cntMsgBytes);
+}
+
+__global__ void __launch_bounds__(kThreads) moeLatencyReceiveKernel(const __grid_constant__ MoeParams p) {
+  __shared__ std::int32_t counts[kMoeMaxLocalExperts];
+  __shared__ std::int32_t offsets[kMoeMaxLocalExperts + 1];
+  __shared__ std::int32_t base[kMoeMaxLocalExperts];
+  __shared__ MoeLayoutScratch<kThreads> scratch;
+  __shared__ MoeSlotStage stages[kGroups];
+  const int tid = static_cast<int>(threadIdx.x), R = p.numRanks;
+  const MoeGroupSlice gs = moeGroupSlice();
+  const std::uint32_t step = p.llSteps[0];
+  const int parity = static_cast<int>(step & 1u);
+  const std::uint32_t arrived = (step + 1u) * static_cast<std::uint32_t>(p.llCtas);  // every send CTA, this step
+  auto msgOf = [&](int q) { return latencyMsg(p, parity, q); };
+  bool layoutOk = false;
   {
-    const MoeStamp stamp(p, MoeKernel::kLatencyReceive);  // from the records' fence on
-    arriveAtEveryRank(p, p.llArriveOff);
+    const MoeStamp stamp(p, MoeKernel::kLatencyReceive);
     layoutOk = waitEveryRank(p, p.llFlagOff, step + 1u, WaitSite::kMoeDispatch);
-    if (layoutOk) {  // every CTA derives the layout (its expand needs srcBase); CTA 0 publishes it
-      moeComputeLayout<kThreads>(p, msgOf, counts, offsets, srcBase, layoutScratch);
-      if (blockIdx.x == 0) moePublishLayout<kThreads>(p, msgOf, counts, offsets, srcBase, layoutScratch);
+    if (layoutOk) {  // every CTA derives the offsets (its expansion needs them); CTA 0 publishes
+      moeComputeOffsets<kThreads>(p, msgOf, counts, offsets, scratch);
+      if (blockIdx.x == 0) {
+        moeComputeSourceBases<kThreads>(p, msgOf, offsets, p.srcBase);
+        moePublishLayout<kThreads>(p, msgOf, counts, offsets, p.srcBase, scratch);
+      }
     }
   }
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyExpand);
     if (layoutOk) {
-      // Each source's records once its G CTAs have arrived, this rank's own first.
+      // Each source's records once its G send CTAs have arrived, this rank's own first.
       for (int k = 0; k < R; ++k) {
         const int s = (p.rank + k) % R;
         const bool failed =
             tid == 0 && !flagWait(p.sync, peerCounter(p, p.rank, p.llArriveOff) + s, arrived, s, WaitSite::kMoeDispatch);
         if (__syncthreads_or(failed) != 0) break;  // thread 0's verdict, to every thread
+        moeSourceBases<kThreads>(p, msgOf, offsets, s, base);
+        __syncthreads();
         const std::uint64_t sent = __ldcg(msgOf(s));
         const int rows = static_cast<int>(sent < static_cast<std::uint64_t>(p.maxTokens) ? sent : p.maxTokens);
         const long long rankBase = p.rankMajor ? moeRankBase(p, msgOf, s) : -1;  // rank-major: its first row
-        for (int i = firstItem; i < rows; i += items) {
-          moeExpandRecord(p, s, p.peerUser[p.rank] + p.llRecOff + llSlot(p, parity, s, i, p.recBytes),
-                          srcBase + s * L, stages[group], g, p.rankMajor ? rankBase + i : -1);
+        // Every group goes round equally (an idle one through the same barriers): base is
+        // rewritten for the next source after the __syncthreads below.
+        for (int b = gs.first - gs.group; b < rows; b += gs.stride) {
+          const int i = b + gs.group;
+          if (i < rows) {
+            moeExpandRecord(p, s, p.peerUser[p.rank] + p.llRecOff + llSlot(p, parity, s, i, p.recBytes), base,
+                            stages[gs.group], gs.g, p.rankMajor ? rankBase + i : -1);
+          } else {
+            moeIdleRecord(gs.g);
+          }
         }
+        __syncthreads();
       }
     }
   }
+  ptx::gridDependencyWait();  // the send has completed: the stream sees a finished dispatch
   if (lastBlock(&p.llDone[0]) && tid == 0) {
     p.llSteps[0] = step + 1u;
     *p.pending = 1u;
@@ -192,7 +222,6 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
 
 __global__ void __launch_bounds__(kThreads) moeLatencyCombineKernel(const __grid_constant__ MoeParams p) {
   __shared__ MoeSlotStage stages[kGroups];
-  __shared__ const uint4* parts[kGroups][kMaxRanks];
   const int tid = static_cast<int>(threadIdx.x);
   const MoeGroupSlice gs = moeGroupSlice();
   const int group = gs.group, firstItem = gs.first, items = gs.stride;
@@ -205,6 +234,7 @@ __global__ void __launch_bounds__(kThreads) moeLatencyCombineKernel(const __grid
   const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.hidden) * 2;
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyCombine);
+    ptx::launchDependents();  // the receive starts on the SMs this grid leaves free
     if (blockIdx.x == 0 && tid == 0) moeCheckPairing(p, false);
     for (int k = 1; k <= R; ++k) {  // peers first (their partials cross the link), own rank last
       const int s = (p.rank + k) % R;
@@ -219,21 +249,33 @@ __global__ void __launch_bounds__(kThreads) moeLatencyCombineKernel(const __grid
     }
     arriveAtEveryRank(p, p.llCombArriveOff);
   }
+}
+
+__global__ void __launch_bounds__(kThreads) moeLatencyCombineReceiveKernel(const __grid_constant__ MoeParams p) {
+  __shared__ const uint4* parts[kGroups][kMaxRanks];
+  const int tid = static_cast<int>(threadIdx.x);
+  const MoeGroupSlice gs = moeGroupSlice();
+  const int R = p.numRanks;
+  const std::uint32_t cstep = p.llSteps[1];
+  const int cparity = static_cast<int>(cstep & 1u);
+  const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.hidden) * 2;
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyCombineReceive);
-    if (waitEveryRank(p, p.llCombArriveOff, (cstep + 1u) * gridDim.x, WaitSite::kMoeCombine)) {
+    // Every destination's G send CTAs, this step.
+    if (waitEveryRank(p, p.llCombArriveOff, (cstep + 1u) * static_cast<std::uint32_t>(p.llCtas), WaitSite::kMoeCombine)) {
       const int T = *p.liveTokens;
-      for (int t = firstItem; t < T; t += items) {
+      for (int t = gs.first; t < T; t += gs.stride) {
         moeFinalToken(
             p, t,
             [&](int r) -> const char* {
               const int i = p.tokRankIdx[static_cast<std::uint64_t>(t) * R + r];
               return i < 0 ? nullptr : p.peerUser[p.rank] + p.llCombOff + llSlot(p, cparity, r, i, rowBytes);
             },
-            parts[group], g);
+            parts[gs.group], gs.g);
       }
     }
   }
+  ptx::gridDependencyWait();  // the send has completed: the stream sees a finished combine
   if (lastBlock(&p.llDone[1]) && tid == 0) {
     p.llSteps[1] = cstep + 1u;
     *p.pending = 0u;
@@ -253,10 +295,27 @@ cudaError_t launchMoeLatencyDispatch(const MoeParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// The receivers: the senders' programmatic dependents, on the SMs the senders leave free.
+cudaError_t launchMoeLatencyReceive(const MoeParams& p, cudaStream_t stream) {
+  if (p.epilogueCtas < 1 || p.llCtas < 1 || p.localExperts > kMoeMaxLocalExperts || p.numRanks > kMaxRanks) {
+    return cudaErrorInvalidValue;
+  }
+  cudaLaunchAttribute attrs[2];
+  const cudaLaunchConfig_t cfg = moeLaunchConfig(p.epilogueCtas, kThreads, 1, true, stream, attrs);
+  return cudaLaunchKernelEx(&cfg, moeLatencyReceiveKernel, p);
+}
+
 cudaError_t launchMoeLatencyCombine(const MoeParams& p, cudaStream_t stream) {
   if (p.llCtas < 1) return cudaErrorInvalidValue;
   moeLatencyCombineKernel<<<static_cast<unsigned>(p.llCtas), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
+}
+
+cudaError_t launchMoeLatencyCombineReceive(const MoeParams& p, cudaStream_t stream) {
+  if (p.epilogueCtas < 1 || p.llCtas < 1 || p.numRanks > kMaxRanks) return cudaErrorInvalidValue;
+  cudaLaunchAttribute attrs[2];
+  const cudaLaunchConfig_t cfg = moeLaunchConfig(p.epilogueCtas, kThreads, 1, true, stream, attrs);
+  return cudaLaunchKernelEx(&cfg, moeLatencyCombineReceiveKernel, p);
 }
 
 cudaError_t preloadMoeLatencyKernels() {
@@ -264,16 +323,26 @@ cudaError_t preloadMoeLatencyKernels() {
                                        static_cast<int>(kMoeLatencyMaxSmem));
   if (e != cudaSuccess) return e;
   cudaFuncAttributes a{};
-  return cudaFuncGetAttributes(&a, moeLatencyCombineKernel);
+  for (const void* f : {reinterpret_cast<const void*>(moeLatencyReceiveKernel),
+                        reinterpret_cast<const void*>(moeLatencyCombineKernel),
+                        reinterpret_cast<const void*>(moeLatencyCombineReceiveKernel)}) {
+    e = cudaFuncGetAttributes(&a, f);
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
 }
 
 cudaError_t moeLatencyCtasPerSm(std::uint32_t smemBytes, int* ctas) {
-  int d = 0, c = 0;
-  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&d, moeLatencyDispatchKernel, kThreads, smemBytes);
+  int least = 0;
+  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&least, moeLatencyDispatchKernel, kThreads, smemBytes);
   if (e != cudaSuccess) return e;
-  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&c, moeLatencyCombineKernel, kThreads, 0);
-  if (e != cudaSuccess) return e;
-  *ctas = d < c ? d : c;
+  for (void (*k)(MoeParams) : {moeLatencyReceiveKernel, moeLatencyCombineKernel, moeLatencyCombineReceiveKernel}) {
+    int n = 0;
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k, kThreads, 0);
+    if (e != cudaSuccess) return e;
+    least = n < least ? n : least;
+  }
+  *ctas = least;
   return cudaSuccess;
 }
 

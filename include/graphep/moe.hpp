@@ -33,7 +33,7 @@ enum class IndexType : std::uint8_t { kInt32 = 0, kInt64 = 1 };
 enum class MoePath : std::uint8_t {
   kAuto = 0,        // latency when maxTokensPerRank <= 256 and every peer has load/store access
   kLatency = 1,     // decode: records written straight into per-source slots, their counts ahead
-                    // of them, one kernel per operation (maxTokensPerRank <= 256,
+                    // of them, a sender and a receiver per operation (maxTokensPerRank <= 256,
                     // maxTokensPerRank * topK <= 4096, load/store peers only)
   kThroughput = 2,  // prefill: counts first, then the pipelined alltoallv movers
 };

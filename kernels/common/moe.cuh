@@ -515,6 +515,15 @@ __device__ inline void moeResolveSlots(const MoeParams& p, int s, const char* re
   g.sync();
 }
 
+// A group with no record in a round that its CTA's other groups spend on moeExpandRecord or
+// moeReduceRecord: the same named barriers as moeResolveSlots (one before, one after), so that
+// every group of the CTA passes its barrier equally often before a CTA-wide shared-memory
+// exchange (compute-sanitizer racecheck mis-orders one after unequal counts; docs/RELIABILITY.md).
+__device__ __forceinline__ void moeIdleRecord(const MoeGroup& g) {
+  g.sync();
+  g.sync();
+}
+
 // This rank's own token t (its record index i in its own list), resolved from the routing instead
 // of a received record: `stage` gets its slots' recv_x rows (rows past the capacity dropped and
 // counted), each row's metadata is written, and the record's metadata (header and slots, as

@@ -9,6 +9,32 @@
 
 namespace graphep {
 
+// The launch of `ctas` CTAs of `threads`, in clusters of `cluster` (1: none), as the programmatic
+// dependent of the stream's last kernel when `dependent` (it may start while that one runs, and
+// ends with griddepcontrol.wait where the stream must see the earlier kernel finished). `attrs`
+// holds the attributes the config points to.
+inline cudaLaunchConfig_t moeLaunchConfig(int ctas, int threads, int cluster, bool dependent, cudaStream_t stream,
+                                          cudaLaunchAttribute (&attrs)[2]) {
+  int n = 0;
+  if (dependent) {
+    attrs[n] = cudaLaunchAttribute{};
+    attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster > 1) {
+    attrs[n] = cudaLaunchAttribute{};
+    attrs[n].id = cudaLaunchAttributeClusterDimension;
+    attrs[n++].val.clusterDim = {static_cast<unsigned>(cluster), 1, 1};
+  }
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(ctas));
+  cfg.blockDim = dim3(static_cast<unsigned>(threads));
+  cfg.stream = stream;
+  cfg.attrs = attrs;
+  cfg.numAttrs = static_cast<unsigned>(n);
+  return cfg;
+}
+
 __device__ __forceinline__ std::uint32_t* peerCounter(const MoeParams& p, int rank, std::uint64_t off) {
   return reinterpret_cast<std::uint32_t*>(p.peerUser[rank] + off);
 }

@@ -4,10 +4,12 @@
 #include <gtest/gtest.h>
 
 #include <graphep/graph.hpp>
+#include <graphep/types.hpp>
 
 #include <cstdio>
 #include <algorithm>
 #include <cstdlib>
+#include <iterator>
 #include <memory>
 #include <random>
 #include <string>
@@ -24,6 +26,11 @@ using bf16 = __nv_bfloat16;
 
 constexpr int kHidden = 256;
 constexpr int kTopK = 4;
+constexpr int kLocalExperts = 8;  // per rank: E = 8 x R
+constexpr long long kStandardReplays = 2000;
+
+// A wrong count's firstBadToken (firstBadH: the view's index): which layout view differs.
+enum BadCount : int { kBadExpertCount = -1, kBadRecvRows = -2, kBadExpertOffset = -3, kBadRankOffset = -4 };
 
 // What every rank's checker accumulates (device memory).
 struct StressState {
@@ -32,9 +39,9 @@ struct StressState {
   unsigned long long checks;        // replays checked
   unsigned long long badValues;     // output values outside the bound
   unsigned long long badRows;       // rows past the live count that were written
-  unsigned long long badCounts;     // expert counts or received rows that differ
+  unsigned long long badCounts;     // layout views (counts, offsets, received rows) that differ
   std::uint32_t firstBadStep;
-  std::int32_t firstBadToken, firstBadH;
+  std::int32_t firstBadToken, firstBadH;  // a token and column, or a BadCount and the view's index
   float firstGot, firstRef;
 };
 
@@ -52,17 +59,25 @@ __host__ __device__ inline std::uint64_t key(std::uint32_t s, int rank, int t, i
 }
 __device__ inline float unit(std::uint64_t k) { return static_cast<float>(k >> 40) / static_cast<float>(1ull << 24); }
 
-// Inputs of (replay s, rank q, token t): a value, slot k's expert (-1 masked; a token's experts are distinct) and
+// Inputs of (replay s, rank q, token t): a value, slot k's expert (-1 masked; one slot in 16 past the first a duplicate) and
 // weight; the stand-in expert's exact scale.
 __device__ inline bf16 xValue(std::uint32_t s, int q, int t, int h) { return __float2bfloat16_rn(2.f * unit(key(s, q, t, 1000 + h)) - 1.f); }
-__device__ inline int expertOf(std::uint32_t s, int q, int t, int k, int E) {
+__device__ inline int distinctExpertOf(std::uint32_t s, int q, int t, int k, int E) {
   if (key(s, q, t, 10 + k) % 8 == 0) return -1;
   const int base = static_cast<int>(key(s, q, t, 1) % static_cast<std::uint64_t>(E));
   const int stride = 1 + static_cast<int>(key(s, q, t, 2) % 3);
   return (base + k * stride) % E;
 }
+// One slot in 16 past the first names the first slot's expert again: a duplicate (one row per
+// slot), or masked when the first slot is.
+__device__ inline int expertOf(std::uint32_t s, int q, int t, int k, int E) {
+  const bool duplicate = k > 0 && key(s, q, t, 30 + k) % 16 == 0;
+  return distinctExpertOf(s, q, t, duplicate ? 0 : k, E);
+}
 __device__ inline float weightOf(std::uint32_t s, int q, int t, int k) { return 0.25f + 0.5f * unit(key(s, q, t, 20 + k)); }
 __device__ inline float scaleOf(int e) { return e % 3 == 0 ? 0.5f : (e % 3 == 1 ? 1.f : 2.f); }
+// The stand-in expert's output for value x of a row routed to global expert e: exact in bf16.
+__device__ inline float expertValue(float x, int e) { return __bfloat162float(__float2bfloat16_rn(x * scaleOf(e))); }
 
 __global__ void stressDelay(const StressState* st, int rank, std::uint32_t maxDelayNs) {
   const std::uint64_t ns = key(st->step, rank, 0, 7) % maxDelayNs;
@@ -82,18 +97,52 @@ __global__ void stressInputs(bf16* x, int* idx, float* w, int* numTokens, int T,
   if (n == 0) *numTokens = T;
 }
 
-// y = x * scale(global expert of the row): exact in bf16 (a power of two).
+// Expert-major and batched: local expert j = blockIdx.y owns rows [expertOffsets[j],
+// expertOffsets[j] + expertCounts[j]) (clamped to [0, capacity)); y[row] = bf16(x[row] x scale(e)).
 __global__ void stressExpert(DispatchLayout v) {
-  const long long row = blockIdx.x;
-  int j = -1;
-  for (int e = 0; e < v.numLocalExperts; ++e) {
-    if (row >= v.expertOffsets[e] && row < v.expertOffsets[e] + v.expertCounts[e]) j = e;
+  const int j = static_cast<int>(blockIdx.y), e = v.firstLocalExpert + j;
+  const long long first = max(0ll, static_cast<long long>(v.expertOffsets[j]));
+  const long long end = min(v.capacity, static_cast<long long>(v.expertOffsets[j]) + v.expertCounts[j]);
+  for (long long row = first + blockIdx.x; row < end; row += gridDim.x) {
+    const bf16* x = static_cast<const bf16*>(v.recvX) + row * v.hidden;
+    bf16* y = static_cast<bf16*>(v.expertOutput) + row * v.hidden;
+    for (int h = threadIdx.x; h < v.hidden; h += blockDim.x) {
+      y[h] = __float2bfloat16_rn(expertValue(__bfloat162float(x[h]), e));
+    }
   }
-  if (j < 0) return;
-  const float sc = scaleOf(v.firstLocalExpert + j);
-  const bf16* x = static_cast<const bf16*>(v.recvX) + row * v.hidden;
-  bf16* y = static_cast<bf16*>(v.expertOutput) + row * v.hidden;
-  for (int h = threadIdx.x; h < v.hidden; h += blockDim.x) y[h] = __float2bfloat16_rn(__bfloat162float(x[h]) * sc);
+}
+
+// Rank-major: row r (r < numRecvRows, clamped to the capacity) gets its slots' weighted sum, in slot
+// order, fp32 fused multiply-adds from 0 of rowExpertWeights x expertValue, one bf16 rounding: the
+// partial the engine's combine computes for the token's slots on this rank in the other layouts,
+// so the combined output is the same bits.
+__global__ void stressRankMajorExpert(DispatchLayout v) {
+  const long long rows = min(v.capacity, static_cast<long long>(*v.numRecvRows));
+  for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+    const bf16* x = static_cast<const bf16*>(v.recvX) + row * v.hidden;
+    bf16* y = static_cast<bf16*>(v.expertOutput) + row * v.hidden;
+    const int* experts = v.rowExperts + row * kTopK;
+    const float* weights = v.rowExpertWeights + row * kTopK;
+    for (int h = threadIdx.x; h < v.hidden; h += blockDim.x) {
+      const float xv = __bfloat162float(x[h]);
+      float acc = 0.f;
+      for (int k = 0; k < kTopK; ++k) {
+        const int j = experts[k];
+        if (j >= 0 && j < v.numLocalExperts) acc = __fmaf_rn(weights[k], expertValue(xv, v.firstLocalExpert + j), acc);
+      }
+      y[h] = __float2bfloat16_rn(acc);
+    }
+  }
+}
+
+// The stand-in expert of the layout `v` describes.
+void launchStressExpert(const DispatchLayout& v, cudaStream_t s) {
+  if (v.receiveLayout == ReceiveLayout::kRankMajor) {
+    stressRankMajorExpert<<<64, 128, 0, s>>>(v);
+  } else {
+    stressExpert<<<dim3(64, static_cast<unsigned>(v.numLocalExperts)), 128, 0, s>>>(v);
+  }
+  GRAPHEP_CUDA_CHECK(cudaGetLastError());
 }
 
 __device__ void recordBad(StressState* st, std::uint32_t s, int t, int h, float got, float ref) {
@@ -106,6 +155,13 @@ __device__ void recordBad(StressState* st, std::uint32_t s, int t, int h, float 
   }
 }
 
+// One layout view's value against the expected one (a BadCount, and the view's index i).
+__device__ void expectCount(StressState* st, std::uint32_t s, BadCount what, int i, long long got, long long want) {
+  if (got == want) return;
+  atomicAdd(&st->badCounts, 1ull);
+  recordBad(st, s, what, i, static_cast<float>(got), static_cast<float>(want));
+}
+
 // The live counts of one replay: rank q replays bucket (b + q) mod n, so ranks differ (and with a
 // bucket of 0 one rank may send nothing while its peers send). A graph knows its own bucket, so
 // rank q's count is T[(own - rank + q) mod n].
@@ -116,68 +172,106 @@ struct BucketRing {
   __host__ __device__ int of(int rank, int q) const { return T[((own - rank + q) % n + n) % n]; }
 };
 
-// Grid: T_max blocks (one per output row).
-__global__ void stressCheck(const bf16* out, BucketRing ring, int Tmax, int rank, int R, int E, DispatchLayout v,
-                            StressState* st) {
-  const std::uint32_t s = st->step;
-  const int t = blockIdx.x, T = ring.of(rank, rank);
+// Output row t of replay s: past the live count the poison must be intact; below it every value
+// within the bound of the reference (each slot's weight x expertValue, summed in fp32).
+__device__ void checkRow(const bf16* out, const BucketRing& ring, int rank, int E, std::uint32_t s, int t,
+                         StressState* st) {
   const auto* bits = reinterpret_cast<const std::uint16_t*>(out) + static_cast<std::size_t>(t) * kHidden;
-  if (t >= T) {  // past the live count: the poison must be intact
+  if (t >= ring.of(rank, rank)) {
     for (int h = threadIdx.x; h < kHidden; h += blockDim.x) {
       if (bits[h] != 0xffffu) {
         atomicAdd(&st->badRows, 1ull);
         recordBad(st, s, t, h, 0.f, 0.f);
       }
     }
-  } else {
-    for (int h = threadIdx.x; h < kHidden; h += blockDim.x) {
-      const float xv = __bfloat162float(xValue(s, rank, t, h));
-      float ref = 0.f, mag = 0.f;
+    return;
+  }
+  for (int h = threadIdx.x; h < kHidden; h += blockDim.x) {
+    const float xv = __bfloat162float(xValue(s, rank, t, h));
+    float ref = 0.f, mag = 0.f;
+    for (int k = 0; k < kTopK; ++k) {
+      const int e = expertOf(s, rank, t, k, E);
+      if (e < 0) continue;
+      const float term = weightOf(s, rank, t, k) * expertValue(xv, e);
+      ref += term;
+      mag += fabsf(term);
+    }
+    const float got = __bfloat162float(__ushort_as_bfloat16(bits[h]));
+    if (!(fabsf(got - ref) <= mag / 128.f + 1e-6f)) {
+      atomicAdd(&st->badValues, 1ull);
+      recordBad(st, s, t, h, got, ref);
+    }
+  }
+}
+
+// Every thread of one block: this rank's layout views of replay s against every rank's routing,
+// in the layout's meaning (kernels/common/moe.cuh, moePublishLayout). In every layout
+// expertCounts[j] counts the entries (token, slot) naming local expert j (nothing is dropped);
+// expertOffsets[j] is j x rowsPerExpert in batched, else the entries before j, packed (alignment
+// 1). numRecvRows: the entries in expert-major and batched; in rank-major the tokens with an
+// entry here, rankOffsets[q] those of the sources before q.
+__device__ void checkCounts(const BucketRing& ring, int rank, int R, int E, const DispatchLayout& v, std::uint32_t s,
+                            StressState* st) {
+  __shared__ int entries[kLocalExperts];
+  __shared__ int tokensFrom[kMaxRanks];  // rank-major rows from each source
+  const int L = kLocalExperts, first = v.firstLocalExpert;
+  for (int i = threadIdx.x; i < L + R; i += blockDim.x) (i < L ? entries[i] : tokensFrom[i - L]) = 0;
+  __syncthreads();
+  for (int q = 0; q < R; ++q) {
+    for (int u = threadIdx.x; u < ring.of(rank, q); u += blockDim.x) {
+      bool here = false;
       for (int k = 0; k < kTopK; ++k) {
-        const int e = expertOf(s, rank, t, k, E);
-        if (e < 0) continue;
-        const float term = weightOf(s, rank, t, k) * __bfloat162float(__float2bfloat16_rn(xv * scaleOf(e)));
-        ref += term;
-        mag += fabsf(term);
+        const int e = expertOf(s, q, u, k, E);
+        if (e < first || e >= first + L) continue;
+        atomicAdd(&entries[e - first], 1);
+        here = true;
       }
-      const float got = __bfloat162float(__ushort_as_bfloat16(bits[h]));
-      if (!(fabsf(got - ref) <= mag / 128.f + 1e-6f)) {
-        atomicAdd(&st->badValues, 1ull);
-        recordBad(st, s, t, h, got, ref);
-      }
+      if (here) atomicAdd(&tokensFrom[q], 1);
     }
   }
-  if (t == 0) {  // this rank's expert counts and received rows, from every rank's routing
-    __shared__ int total;
-    if (threadIdx.x == 0) total = 0;
-    __syncthreads();
-    for (int j = threadIdx.x; j < v.numLocalExperts; j += blockDim.x) {
-      const int e = v.firstLocalExpert + j;
-      int want = 0;
-      for (int q = 0; q < R; ++q) {
-        for (int u = 0; u < ring.of(rank, q); ++u) {
-          for (int k = 0; k < kTopK; ++k) want += expertOf(s, q, u, k, E) == e;
-        }
-      }
-      atomicAdd(&total, want);
-      if (v.expertCounts[j] != want) {
-        atomicAdd(&st->badCounts, 1ull);
-        recordBad(st, s, -1, j, static_cast<float>(v.expertCounts[j]), static_cast<float>(want));
-      }
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      if (*v.numRecvRows != total) {
-        atomicAdd(&st->badCounts, 1ull);
-        recordBad(st, s, -2, 0, static_cast<float>(*v.numRecvRows), static_cast<float>(total));
-      }
-      st->checks += 1;
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  const bool batched = v.receiveLayout == ReceiveLayout::kBatched;
+  const bool rankMajor = v.receiveLayout == ReceiveLayout::kRankMajor;
+  long long before = 0;  // entries of the experts before j
+  for (int j = 0; j <= L; ++j) {
+    expectCount(st, s, kBadExpertOffset, j, v.expertOffsets[j], batched ? j * v.rowsPerExpert : before);
+    if (j == L) break;
+    expectCount(st, s, kBadExpertCount, j, v.expertCounts[j], entries[j]);
+    before += entries[j];
+  }
+  long long rows = rankMajor ? 0 : before;
+  if (rankMajor) {
+    for (int q = 0; q <= R; ++q) {
+      expectCount(st, s, kBadRankOffset, q, v.rankOffsets[q], rows);
+      if (q < R) rows += tokensFrom[q];
     }
   }
-  (void)Tmax;
+  expectCount(st, s, kBadRecvRows, 0, *v.numRecvRows, rows);
+  st->checks += 1;
+}
+
+// Grid: T_max blocks (one per output row); block 0 also checks the layout views.
+__global__ void stressCheck(const bf16* out, BucketRing ring, int rank, int R, int E, DispatchLayout v,
+                            StressState* st) {
+  const std::uint32_t s = st->step;
+  checkRow(out, ring, rank, E, s, static_cast<int>(blockIdx.x), st);
+  if (blockIdx.x == 0) checkCounts(ring, rank, R, E, v, s, st);
 }
 
 __global__ void stressAdvance(StressState* st) { st->step += 1; }
+
+// Where the first mismatch was: a token's output value, or a layout view (BadCount).
+std::string firstBadWhere(const StressState& st) {
+  const std::string i = std::to_string(st.firstBadH);
+  switch (st.firstBadToken) {
+    case kBadExpertCount: return "expertCounts[" + i + "]";
+    case kBadRecvRows: return "numRecvRows";
+    case kBadExpertOffset: return "expertOffsets[" + i + "]";
+    case kBadRankOffset: return "rankOffsets[" + i + "]";
+    default: return "token " + std::to_string(st.firstBadToken) + " column " + i;
+  }
+}
 
 // One graph of the outer chain: a child node per part, each depending on the previous.
 cudaGraphExec_t chain(const std::vector<cudaGraph_t>& parts) {
@@ -204,11 +298,26 @@ cudaGraph_t captureParts(cudaStream_t s, F&& enqueue) {
   return g;
 }
 
-}  // namespace
+// T_max: the largest bucket.
+int maxBucket(const StressCase& sc) {
+  int Tmax = 0;
+  for (int b : sc.buckets) Tmax = std::max(Tmax, b);
+  return Tmax;
+}
 
-void runMoeStressStandard(Communicator& comm) {
-  StressCase sc;
-  sc.replays = stressReplays(2000);
+// The layout in words (batched: with its rows per expert, 0: the engine's default).
+std::string layoutName(ReceiveLayout layout, long long rowsPerExpert) {
+  switch (layout) {
+    case ReceiveLayout::kExpertMajor: return "expert-major";
+    case ReceiveLayout::kBatched:
+      return "batched " + (rowsPerExpert > 0 ? std::to_string(rowsPerExpert) : std::string("default")) + " rows/expert";
+    case ReceiveLayout::kRankMajor: return "rank-major";
+  }
+  return "?";
+}
+
+// The standard sequence in sc's layout, sc.replays on the latency path first.
+void runStandardSequence(Communicator& comm, StressCase sc) {
   sc.maxDelayUs = 100;
   sc.counterStart = 0xffffffffu - 1000u;
   runMoeStress(comm, sc);
@@ -225,23 +334,44 @@ void runMoeStressStandard(Communicator& comm) {
   runMoeStress(comm, sc);
 }
 
+}  // namespace
+
+void runMoeStressStandard(Communicator& comm) {
+  const ReceiveLayout layouts[] = {ReceiveLayout::kExpertMajor, ReceiveLayout::kBatched, ReceiveLayout::kRankMajor};
+  const long long shared = kStandardReplays / static_cast<long long>(std::size(layouts));
+  for (ReceiveLayout layout : layouts) {
+    if (layout != layouts[0] && ::testing::Test::HasFatalFailure()) return;
+    StressCase sc;
+    sc.layout = layout;
+    // Batched: room for every entry (a token may name an expert in every slot), so nothing drops.
+    if (layout == ReceiveLayout::kBatched) {
+      sc.rowsPerExpert = static_cast<long long>(comm.worldSize()) * maxBucket(sc) * kTopK;
+    }
+    // By default expert-major runs the standard replays and each other layout a share of them.
+    sc.replays = stressReplays(layout == ReceiveLayout::kExpertMajor ? kStandardReplays : shared);
+    runStandardSequence(comm, sc);
+  }
+}
+
 long long stressReplays(long long fallback) { return replaysFromEnv("GRAPHEP_STRESS_REPLAYS", fallback); }
 
 void runMoeStress(Communicator& comm, const StressCase& sc) {
   const int R = comm.worldSize(), L = comm.numLocalRanks();
-  int Tmax = 0;
-  for (int b : sc.buckets) Tmax = std::max(Tmax, b);
+  const int Tmax = maxBucket(sc);
   MoeConfig cfg;
   cfg.maxTokensPerRank = Tmax;
   cfg.hidden = kHidden;
-  cfg.numExperts = 8 * R;
+  cfg.numExperts = kLocalExperts * R;
   cfg.topK = kTopK;
   cfg.path = sc.path;
   cfg.counterStart = sc.counterStart;
+  cfg.receiveLayout = sc.layout;
+  cfg.rowsPerExpert = sc.rowsPerExpert;
   const std::string what = "stress: " + std::to_string(sc.replays) + " replays, path " +
                            std::to_string(static_cast<int>(sc.path)) + ", delay " + std::to_string(sc.maxDelayUs) +
                            " us, counters from " + std::to_string(sc.counterStart);
-  SCOPED_TRACE(what);
+  const std::string layout = layoutName(sc.layout, sc.rowsPerExpert);
+  SCOPED_TRACE(what + ", layout " + layout);
   auto engines = Engine::createAll(comm, cfg);
   struct Rank {
     bf16* x = nullptr;
@@ -261,8 +391,9 @@ void runMoeStress(Communicator& comm, const StressCase& sc) {
     GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
     cudaFuncAttributes attr{};  // load every kernel now (see MoeFixture)
     for (const void* f : {reinterpret_cast<const void*>(stressDelay), reinterpret_cast<const void*>(stressInputs),
-                          reinterpret_cast<const void*>(stressExpert), reinterpret_cast<const void*>(stressCheck),
-                          reinterpret_cast<const void*>(stressAdvance)}) {
+                          reinterpret_cast<const void*>(stressExpert),
+                          reinterpret_cast<const void*>(stressRankMajorExpert),
+                          reinterpret_cast<const void*>(stressCheck), reinterpret_cast<const void*>(stressAdvance)}) {
       GRAPHEP_CUDA_CHECK(cudaFuncGetAttributes(&attr, f));
     }
     GRAPHEP_CUDA_CHECK(cudaMalloc(&k.x, static_cast<std::size_t>(Tmax) * kHidden * 2));
@@ -279,11 +410,9 @@ void runMoeStress(Communicator& comm, const StressCase& sc) {
     args.dispatch.topkWeights = k.w;
     args.dispatch.numTokens = k.numTokens;
     args.out = k.out;
-    k.moe = MoeGraph::capture(e, args, [](const DispatchLayout& v, cudaStream_t s) {
-      stressExpert<<<static_cast<unsigned>(v.capacity), 128, 0, s>>>(v);
-      GRAPHEP_CUDA_CHECK(cudaGetLastError());
-    });
+    k.moe = MoeGraph::capture(e, args, launchStressExpert);
     const DispatchLayout v = k.moe->layout();
+    EXPECT_EQ(v.receiveLayout, sc.layout);
     const int rank = comm.globalRank(l), E = cfg.numExperts;
     BucketRing ring{static_cast<int>(sc.buckets.size()), {}, 0};
     GRAPHEP_REQUIRE(ring.n >= 1 && ring.n <= 8, Status::kInvalidArgument, "stress: %d buckets (1 to 8)", ring.n);
@@ -296,7 +425,7 @@ void runMoeStress(Communicator& comm, const StressCase& sc) {
         GRAPHEP_CUDA_CHECK(cudaGetLastError());
       });
       cudaGraph_t post = captureParts(k.stream, [&](cudaStream_t s) {
-        stressCheck<<<static_cast<unsigned>(Tmax), 128, 0, s>>>(k.out, ring, Tmax, rank, R, E, v, k.st);
+        stressCheck<<<static_cast<unsigned>(Tmax), 128, 0, s>>>(k.out, ring, rank, R, E, v, k.st);
         stressAdvance<<<1, 1, 0, s>>>(k.st);
         GRAPHEP_CUDA_CHECK(cudaGetLastError());
       });
@@ -334,13 +463,13 @@ void runMoeStress(Communicator& comm, const StressCase& sc) {
     EXPECT_EQ(st.checks, static_cast<unsigned long long>(sc.replays)) << "rank " << rank;
     EXPECT_EQ(st.badValues + st.badRows + st.badCounts, 0ull)
         << "rank " << rank << ": " << st.badValues << " values, " << st.badRows << " untouched-row values, "
-        << st.badCounts << " counts wrong; the first at replay " << st.firstBadStep << " token " << st.firstBadToken
-        << " column " << st.firstBadH << ": got " << st.firstGot << ", reference " << st.firstRef;
+        << st.badCounts << " layout views wrong; the first at replay " << st.firstBadStep << " " << firstBadWhere(st)
+        << ": got " << st.firstGot << ", reference " << st.firstRef;
     const MoeStatus status = engines[static_cast<std::size_t>(l)]->status();
     EXPECT_TRUE(status.ok()) << "rank " << rank << ": " << status.describe();
     if (rank == 0) {
-      std::printf("[ stress   ] %s: %llu replays checked on rank 0, %llu mismatches\n", what.c_str(), st.checks,
-                  st.badValues + st.badRows + st.badCounts);
+      std::printf("[ stress   ] %s: %llu replays checked on rank 0, %llu mismatches, layout %s\n", what.c_str(),
+                  st.checks, st.badValues + st.badRows + st.badCounts, layout.c_str());
     }
   }
   for (int l = 0; l < L; ++l) {

@@ -26,7 +26,7 @@ TEST(Gpu1_MoeGraph, FourEmulatedRanksThroughput) {
 TEST(Gpu1_MoeMicroBatches, FourEmulatedRanksBothPaths) {
   GRAPHEP_REQUIRE_GPUS(1);
   auto comm = createLocalGroup({0, 0, 0, 0});
-  runMoeMicroBatches(*comm, MoePath::kAuto, 6, 8);  // 2 engines x 4 ranks x 8 CTAs resident at once
+  runMoeMicroBatches(*comm, MoePath::kAuto, 6, 8);  // 2 engines x 4 ranks x (8 senders + 8 receivers) at once
   runMoeMicroBatches(*comm, MoePath::kThroughput, 4, 8);
 }
 
