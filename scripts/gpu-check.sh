@@ -184,7 +184,7 @@ ratios() {  # BENCH_LOG DEEPEP_LOG
       lay = "expert-major"; tok = $6; t = $7
       if ($6 !~ /^[0-9]+$/) { lay = $6; tok = $7; t = $8 }
       k = tok "," $3 "_" $4 "_us"
-      if (k in d) printf "  ratio %-12s %6d tokens %-8s %-4s graphep %9.2f us  DeepEP V1 %9.2f us  %.2fx\n", lay, tok, $3, $4, t, d[k], d[k] / t
+      if (k in d) printf "  ratio %-12s %-10s %6d tokens %-8s %-4s graphep %9.2f us  DeepEP V1 %9.2f us  %.2fx\n", lay, $5, tok, $3, $4, t, d[k], d[k] / t
     }' "$2" "$1"
 }
 # Appends `graphep-bench moe ARGS --dtype both` rows to LOG for each SM count in SMS (0: smBudget
@@ -241,6 +241,11 @@ if [ "${GRAPHEP_BENCH_ONLY:-}" = decode ]; then
   done
   timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-90} "$build/bench/graphep-bench" moe -b 128 -e 128 --sms 24 -n 20 -w 5 \
     --profile --dtype both >>"$out/bench_decode.log" 2>&1 || status=1
+  # The throughput path (the direct dispatch and combine) at decode sizes, beside the latency
+  # path's rows: whether decode needs a path of its own.
+  for layout in expert-major rank-major; do
+    moeRows "$out/bench_decode.log" "24" -b 1 -e 128 -f 128 --layout $layout --path throughput -n 20 -w 5
+  done
   grep -E "^  moe|^# phases" "$out/bench_decode.log"
   besideDeepep "$out/bench_decode.log" 128
   echo "== summary: status=$status (logs in $out)"
