@@ -58,7 +58,7 @@ if [ "$mode" = prepare ]; then
   rm -rf .ab && mkdir -p .ab
   for ref in "$@"; do
     sha=$(git rev-parse --short=7 "$ref^{commit}") || { echo "prepare: $ref is not a commit" >&2; exit 2; }
-    name="$sha-$(echo "$ref" | tr -c 'A-Za-z0-9._-' '_' | cut -c1-40)"
+    name="$sha-$(printf %s "$ref" | tr -c 'A-Za-z0-9._-' '_' | cut -c1-40)"
     mkdir -p ".ab/$name" && git archive "$sha" | tar -x -C ".ab/$name"
     echo ".ab/$name"
   done
