@@ -276,23 +276,20 @@ inline constexpr int kMoeLatencyMaxEntries = 4096;  // tokens x top-k
 inline constexpr int kMoeLatencyThreads = 512;
 inline constexpr std::uint32_t kMoeLatencyMaxSmem = 96u << 10;
 
-// Byte offsets of the latency dispatch kernel's dynamic shared memory: the routing (ids, a bit
-// per token for each expert and for each destination rank) and the receive layout.
+// Byte offsets of the latency dispatch sender's dynamic shared memory: the routing (ids, a bit
+// per token for each expert and for each destination rank). The receive layout is the receiver's
+// (static shared memory).
 struct MoeLatencySmem {
-  std::uint32_t ids, expBits, dstBits, srcBase, counts, offsets, bytes;
+  std::uint32_t ids, expBits, dstBits, bytes;
 };
 __host__ __device__ inline MoeLatencySmem moeLatencySmem(int maxTokens, int topK, int numExperts, int numRanks) {
   const std::uint32_t W = (static_cast<std::uint32_t>(maxTokens) + 31u) / 32u;
   const std::uint32_t E = static_cast<std::uint32_t>(numExperts), R = static_cast<std::uint32_t>(numRanks);
-  const std::uint32_t L = E / R;
   MoeLatencySmem o{};
   o.ids = 0;
   o.expBits = o.ids + static_cast<std::uint32_t>(maxTokens) * static_cast<std::uint32_t>(topK) * 4u;
   o.dstBits = o.expBits + E * W * 4u;  // dstBits follows expBits (one zeroing pass clears both)
-  o.srcBase = o.dstBits + R * W * 4u;
-  o.counts = o.srcBase + E * 4u;       // R x L
-  o.offsets = o.counts + L * 4u;
-  o.bytes = (o.offsets + (L + 1u) * 4u + 15u) & ~15u;
+  o.bytes = (o.dstBits + R * W * 4u + 15u) & ~15u;
   return o;
 }
 
