@@ -473,10 +473,10 @@ ThroughputCtas throughputCtas(Communicator& comm, const SymmetricHeap& heap, con
   const std::vector<LinkRates> rates =
       direct && cfg.smBudget == 0 ? measureLinkRates(comm, heap, slotBytes) : std::vector<LinkRates>(locals);
   std::vector<std::int32_t> sms(static_cast<std::size_t>(locals)), needNeg(static_cast<std::size_t>(locals));
+  const double share = remoteStoreShare(heap.worldSize());
   for (int l = 0; l < locals; ++l) {
     const std::size_t ls = static_cast<std::size_t>(l);
     GRAPHEP_CUDA_CHECK(cudaDeviceGetAttribute(&sms[ls], cudaDevAttrMultiProcessorCount, heap.device(l)));
-    const double share = remoteStoreShare(heap.worldSize());
     needNeg[ls] = -(cfg.smBudget > 0 ? cfg.smBudget : commCtasFor(rates[ls], sms[ls], share));
     if (rates[ls].linkGBps > 0) {
       GRAPHEP_LOG_INFO(log::kTune,

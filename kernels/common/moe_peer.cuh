@@ -39,28 +39,24 @@ __device__ __forceinline__ std::uint32_t* peerCounter(const MoeParams& p, int ra
   return reinterpret_cast<std::uint32_t*>(p.peerUser[rank] + off);
 }
 
-// Block-wide "am I the last of the `arrivals` CTAs to get here": every thread's prior writes (local
-// or to peers) are fenced at system scope before the count; returns the same answer in every
-// thread, and the last one resets the counter for the next round (its writes and those of every
-// CTA counted before it are then visible to whatever it publishes). Verdicts reach the CTA through
+// Block-wide "am I the last of the grid's CTAs to get here": every thread's prior writes (local or
+// to peers) are fenced at system scope before the count; returns the same answer in every thread,
+// and the last one resets the counter for the next launch. Verdicts reach the CTA through
 // __syncthreads_or, not a shared word: nothing for a later exchange to race with, one barrier
 // fewer, and racecheck-clean after the groups' uneven loops (see the latency records loop).
-__device__ inline bool lastArrival(std::uint32_t* counter, std::uint32_t arrivals) {
+__device__ inline bool lastBlock(std::uint32_t* counter) {
   __threadfence_system();  // every thread's own stores, before the barrier hands over to thread 0
   __syncthreads();
   bool last = false;
   if (threadIdx.x == 0) {
-    last = atomicAdd(counter, 1u) == arrivals - 1u;
+    last = atomicAdd(counter, 1u) == gridDim.x - 1u;
     if (last) {
-      *counter = 0;  // every CTA counted: ready for the next round
+      *counter = 0;  // every CTA counted: ready for the next launch
       __threadfence_system();
     }
   }
   return __syncthreads_or(last) != 0;  // thread 0's answer, to every thread
 }
-
-// The last of the grid's CTAs (lastArrival over gridDim.x): the one that advances a step.
-__device__ inline bool lastBlock(std::uint32_t* counter) { return lastArrival(counter, gridDim.x); }
 
 // Every thread's stores (records or partials, local or peers') are made visible at system scope,
 // then thread r < R adds 1 to rank r's counter for this rank (release).
