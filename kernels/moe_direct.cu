@@ -283,10 +283,9 @@ __global__ void __launch_bounds__(kThreads) moeDirectCombineReduceKernel(const _
                       p.srcBase + b.s * p.localExperts, directStaged(p, b.s, i), stages[gs.group], gs.g,
                       p.rankMajor ? p.rankOffsets[b.s] + i : -1);
     }
-    // Not lastBlock's form: the partials are local staging, read only by this GPU's send kernel, so
-    // one GPU-scope fence by thread 0 after the barrier (cumulative over the CTA's stores it
-    // ordered) does, where lastBlock fences every thread at system scope; that form cost this
-    // kernel 17% at 4096 tokens (run 84: the combine 293.5 us against 250.5 with this code).
+    // lastBlock's form over the block's kBlockParts CTAs, without its verdict's broadcast (a CTA
+    // barrier per item): only thread 0 acts on it. The partials are local staging, read by this
+    // GPU's send kernel.
     __syncthreads();  // every group's partial of this item is written
     if (tid == 0) {
       __threadfence();  // the CTA's partials, before its arrival

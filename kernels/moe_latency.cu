@@ -3,7 +3,9 @@
 // programmatic dependent, so that the receiver starts at once on the SMs the sender leaves free and
 // the expansion is not held to the budget. No count round trip before the payload. A CTA of
 // kMoeLatencyThreads works on kGroups records (or tokens) at once, one per group of kMoeGroupThreads.
-// The senders never wait; only the receivers do, for other grids (the senders of every rank).
+// The senders wait only for the stream's last kernel (griddepcontrol.wait at their start: they are
+// its programmatic dependents, and each receiver lets the next operation's sender be placed at
+// once); only the receivers wait for other grids (the senders of every rank).
 //
 //   dispatch  send     every CTA routes all T x K entries in shared memory (a bit per token for
 //                      each expert and each destination: indices are popcounts); the CTAs split
@@ -61,6 +63,10 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
   __shared__ int dstRanks[kGroups][kMaxRanks];
   __shared__ int ndst[kGroups];
 
+  // Launched as the programmatic dependent of the stream's last kernel (often the last operation's
+  // receiver, which lets it be placed early): nothing of this step is read before that kernel has
+  // finished and its memory is visible.
+  ptx::gridDependencyWait();
   const int tid = static_cast<int>(threadIdx.x);
   const int K = p.topK, R = p.numRanks, L = p.localExperts, E = p.numExperts;
   const int W = (p.maxTokens + 31) / 32;
@@ -173,6 +179,9 @@ __global__ void __launch_bounds__(kThreads) moeLatencyReceiveKernel(const __grid
   const std::uint32_t arrived = (step + 1u) * static_cast<std::uint32_t>(p.llCtas);  // every send CTA, this step
   auto msgOf = [&](int q) { return latencyMsg(p, parity, q); };
   bool layoutOk = false;
+  // The next operation's sender may be placed as soon as SMs free up (this grid's and the sender's
+  // CTAs are already placed); it waits for this grid's completion before it reads anything.
+  ptx::launchDependents();
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyReceive);
     layoutOk = waitEveryRank(p, p.llFlagOff, step + 1u, WaitSite::kMoeDispatch);
@@ -222,6 +231,7 @@ __global__ void __launch_bounds__(kThreads) moeLatencyReceiveKernel(const __grid
 
 __global__ void __launch_bounds__(kThreads) moeLatencyCombineKernel(const __grid_constant__ MoeParams p) {
   __shared__ MoeSlotStage stages[kGroups];
+  ptx::gridDependencyWait();  // as the dispatch sender: the stream's last kernel has finished
   const int tid = static_cast<int>(threadIdx.x);
   const MoeGroupSlice gs = moeGroupSlice();
   const int group = gs.group, firstItem = gs.first, items = gs.stride;
@@ -259,6 +269,7 @@ __global__ void __launch_bounds__(kThreads) moeLatencyCombineReceiveKernel(const
   const std::uint32_t cstep = p.llSteps[1];
   const int cparity = static_cast<int>(cstep & 1u);
   const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.hidden) * 2;
+  ptx::launchDependents();  // as the dispatch receiver: the next sender may be placed early
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyCombineReceive);
     // Every destination's G send CTAs, this step.
@@ -291,11 +302,14 @@ cudaError_t launchMoeLatencyDispatch(const MoeParams& p, cudaStream_t stream) {
       p.topK > kMoeMaxTopK || lay.bytes > kMoeLatencyMaxSmem || p.llCtas < 1) {
     return cudaErrorInvalidValue;
   }
-  moeLatencyDispatchKernel<<<static_cast<unsigned>(p.llCtas), kThreads, lay.bytes, stream>>>(p);
-  return cudaGetLastError();
+  cudaLaunchAttribute attrs[2];
+  cudaLaunchConfig_t cfg = moeLaunchConfig(p.llCtas, kThreads, 1, true, stream, attrs);
+  cfg.dynamicSmemBytes = lay.bytes;
+  return cudaLaunchKernelEx(&cfg, moeLatencyDispatchKernel, p);
 }
 
-// The receivers: the senders' programmatic dependents, on the SMs the senders leave free.
+// The senders: programmatic dependents of the stream's last kernel (they wait for it at their
+// start). The receivers: the senders' programmatic dependents, on the SMs the senders leave free.
 cudaError_t launchMoeLatencyReceive(const MoeParams& p, cudaStream_t stream) {
   if (p.epilogueCtas < 1 || p.llCtas < 1 || p.localExperts > kMoeMaxLocalExperts || p.numRanks > kMaxRanks) {
     return cudaErrorInvalidValue;
@@ -307,8 +321,9 @@ cudaError_t launchMoeLatencyReceive(const MoeParams& p, cudaStream_t stream) {
 
 cudaError_t launchMoeLatencyCombine(const MoeParams& p, cudaStream_t stream) {
   if (p.llCtas < 1) return cudaErrorInvalidValue;
-  moeLatencyCombineKernel<<<static_cast<unsigned>(p.llCtas), kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  cudaLaunchAttribute attrs[2];
+  const cudaLaunchConfig_t cfg = moeLaunchConfig(p.llCtas, kThreads, 1, true, stream, attrs);
+  return cudaLaunchKernelEx(&cfg, moeLatencyCombineKernel, p);
 }
 
 cudaError_t launchMoeLatencyCombineReceive(const MoeParams& p, cudaStream_t stream) {
