@@ -4,8 +4,8 @@
 // the expansion is not held to the budget. No count round trip before the payload. A CTA of
 // kMoeLatencyThreads works on kGroups records (or tokens) at once, one per group of kMoeGroupThreads.
 // The senders wait only for the stream's last kernel (griddepcontrol.wait at their start: they are
-// its programmatic dependents, and each receiver lets the next operation's sender be placed at
-// once); only the receivers wait for other grids (the senders of every rank).
+// its programmatic dependents, and each receiver lets the next kernel be placed once its own waits
+// on other ranks are over); only the receivers wait for other grids (the senders of every rank).
 //
 //   dispatch  send     every CTA routes all T x K entries in shared memory (a bit per token for
 //                      each expert and each destination: indices are popcounts); the CTAs split
@@ -93,7 +93,9 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
   };
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyDispatch);
-    ptx::launchDependents();  // the receive starts on the SMs this grid leaves free (after this stamp)
+    // The receive starts on the SMs this grid leaves free (after this stamp). After the wait above:
+    // the receiver reads llSteps with no wait of its own.
+    ptx::launchDependents();
     if (blockIdx.x == 0 && tid == 0) moeCheckPairing(p, true);
     for (int w = tid; w < (E + R) * W; w += kThreads) expBits[w] = 0;  // and dstBits
     if (tid == 0) dup = 0;
@@ -179,9 +181,6 @@ __global__ void __launch_bounds__(kThreads) moeLatencyReceiveKernel(const __grid
   const std::uint32_t arrived = (step + 1u) * static_cast<std::uint32_t>(p.llCtas);  // every send CTA, this step
   auto msgOf = [&](int q) { return latencyMsg(p, parity, q); };
   bool layoutOk = false;
-  // The next operation's sender may be placed as soon as SMs free up (this grid's and the sender's
-  // CTAs are already placed); it waits for this grid's completion before it reads anything.
-  ptx::launchDependents();
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyReceive);
     layoutOk = waitEveryRank(p, p.llFlagOff, step + 1u, WaitSite::kMoeDispatch);
@@ -202,6 +201,11 @@ __global__ void __launch_bounds__(kThreads) moeLatencyReceiveKernel(const __grid
         const bool failed =
             tid == 0 && !flagWait(p.sync, peerCounter(p, p.rank, p.llArriveOff) + s, arrived, s, WaitSite::kMoeDispatch);
         if (__syncthreads_or(failed) != 0) break;  // thread 0's verdict, to every thread
+        // After this CTA's last wait on another rank, not before: the stream's next kernel (the
+        // next operation's sender, or a caller's programmatic dependent) may then be placed while
+        // this one only expands. Placed earlier, it could hold the SMs that another engine's or
+        // another rank's sender needs while this receiver waits for it (a cycle across GPUs).
+        if (k == R - 1) ptx::launchDependents();
         moeSourceBases<kThreads>(p, msgOf, offsets, s, base);
         __syncthreads();
         const std::uint64_t sent = __ldcg(msgOf(s));
@@ -244,7 +248,7 @@ __global__ void __launch_bounds__(kThreads) moeLatencyCombineKernel(const __grid
   const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.hidden) * 2;
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyCombine);
-    ptx::launchDependents();  // the receive starts on the SMs this grid leaves free
+    ptx::launchDependents();  // the receive starts on the SMs this grid leaves free (after the wait above)
     if (blockIdx.x == 0 && tid == 0) moeCheckPairing(p, false);
     for (int k = 1; k <= R; ++k) {  // peers first (their partials cross the link), own rank last
       const int s = (p.rank + k) % R;
@@ -269,11 +273,11 @@ __global__ void __launch_bounds__(kThreads) moeLatencyCombineReceiveKernel(const
   const std::uint32_t cstep = p.llSteps[1];
   const int cparity = static_cast<int>(cstep & 1u);
   const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.hidden) * 2;
-  ptx::launchDependents();  // as the dispatch receiver: the next sender may be placed early
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyCombineReceive);
     // Every destination's G send CTAs, this step.
     if (waitEveryRank(p, p.llCombArriveOff, (cstep + 1u) * static_cast<std::uint32_t>(p.llCtas), WaitSite::kMoeCombine)) {
+      ptx::launchDependents();  // after the last wait on another rank, as in the dispatch receiver
       const int T = *p.liveTokens;
       for (int t = gs.first; t < T; t += gs.stride) {
         moeFinalToken(
