@@ -1096,6 +1096,7 @@ HealthReport Engine::checkHealth(cudaStream_t stream, std::chrono::milliseconds 
     c.combineStep = h[1];
     c.pending = h[2];
     c.ctas = static_cast<std::uint32_t>(m.p.llCtas);
+    c.rank = m.p.rank;
     c.flags.assign(h + 3, h + 3 + R);
     c.arrivals.assign(h + 3 + R, h + 3 + 2 * R);
     c.combineArrivals.assign(h + 3 + 2 * R, h + 3 + 3 * R);
@@ -1116,7 +1117,7 @@ std::string detail::describeLatencyStall(const LatencyCounters& c) {
     } else if (!inCombine && !counterReached(arrive, (step + 1u) * G)) {
       missing += format("; %u of rank %zu's %u CTAs have delivered their records for dispatch step %u",
                         arrive - step * G, peer, G, step);
-    } else if (inCombine && !counterReached(comb, (cstep + 1u) * G)) {
+    } else if (inCombine && static_cast<int>(peer) != c.rank && !counterReached(comb, (cstep + 1u) * G)) {
       missing += format("; %u of rank %zu's %u CTAs have delivered their partials for combine step %u",
                         comb - cstep * G, peer, G, cstep);
     }
@@ -1146,6 +1147,7 @@ const char* kernelName(MoeKernel k) {
     case MoeKernel::kLatencyReceive: return "latency layout";
     case MoeKernel::kLatencyExpand: return "latency expand";
     case MoeKernel::kLatencyCombine: return "latency combine";
+    case MoeKernel::kLatencyCombineOwn: return "latency combine own rows";
     case MoeKernel::kLatencyCombineReceive: return "latency combine receive";
     case MoeKernel::kDirectQuantize: return "direct quantise";
     case MoeKernel::kDirectSend: return "direct send";

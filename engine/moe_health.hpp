@@ -13,7 +13,8 @@ struct LatencyCounters {
   std::uint32_t combineStep = 0;   // llSteps[1]
   std::uint32_t pending = 0;       // 1: a dispatch finished, so the combine is what is running
   std::uint32_t ctas = 0;          // G: CTAs of each latency kernel on every rank
-  std::vector<std::uint32_t> flags, arrivals, combineArrivals;  // [R] each, this rank's inbox
+  int rank = -1;                   // this rank: its own partials are reduced by its own receiver (no counter)
+  std::vector<std::uint32_t> flags, arrivals, combineArrivals;  // [R] each, this rank's inbox (combine: peers only)
 };
 
 // "; rank q's count message for dispatch step s has not arrived (flag f)", one clause per peer

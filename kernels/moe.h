@@ -103,9 +103,9 @@ enum class MoeKernel : int {
   kDirectCombineReduce, kDirectCombineSend, kDirectCombineFinal,
   kCombineReduce, kCombineFinal,
   // The latency kernels' phases: dispatch (route + count messages, records, layout, expand),
-  // combine (reduce + send, receive + sum).
+  // combine (the peers' records reduced + sent; the receiver's own records reduced, then the sums).
   kLatencyDispatch, kLatencyRecords, kLatencyReceive, kLatencyExpand, kLatencyCombine,
-  kLatencyCombineReceive, kCount
+  kLatencyCombineOwn, kLatencyCombineReceive, kCount
 };
 
 // Timeline words per kernel: min entry, max exit (global timer, ns), sum of CTA durations, CTAs.

@@ -250,7 +250,9 @@ __global__ void __launch_bounds__(kThreads) moeLatencyCombineKernel(const __grid
     const MoeStamp stamp(p, MoeKernel::kLatencyCombine);
     ptx::launchDependents();  // the receive starts on the SMs this grid leaves free (after the wait above)
     if (blockIdx.x == 0 && tid == 0) moeCheckPairing(p, false);
-    for (int k = 1; k <= R; ++k) {  // peers first (their partials cross the link), own rank last
+    // The peers' records only (their partials cross the link): the receiver reduces this rank's
+    // own records on the SMs this grid leaves free, while these reads run here.
+    for (int k = 1; k < R; ++k) {
       const int s = (p.rank + k) % R;
       const int rows = p.recvRows[s];
       const long long rankBase = p.rankMajor ? p.rankOffsets[s] : -1;  // rank-major: the source's first row
@@ -261,24 +263,42 @@ __global__ void __launch_bounds__(kThreads) moeLatencyCombineKernel(const __grid
                         p.rankMajor ? rankBase + i : -1);
       }
     }
-    arriveAtEveryRank(p, p.llCombArriveOff);
+    arriveAtEveryRank(p, p.llCombArriveOff, true);
   }
 }
 
 __global__ void __launch_bounds__(kThreads) moeLatencyCombineReceiveKernel(const __grid_constant__ MoeParams p) {
   __shared__ const uint4* parts[kGroups][kMaxRanks];
+  __shared__ MoeSlotStage stages[kGroups];
   const int tid = static_cast<int>(threadIdx.x);
   const MoeGroupSlice gs = moeGroupSlice();
   const int R = p.numRanks;
   const std::uint32_t cstep = p.llSteps[1];
   const int cparity = static_cast<int>(cstep & 1u);
+  const int dparity = static_cast<int>((p.llSteps[0] - 1u) & 1u);  // the last dispatch's records
   const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.hidden) * 2;
+  const int T = *p.liveTokens;
+  {
+    const MoeStamp stamp(p, MoeKernel::kLatencyCombineOwn);
+    // This rank's own records, reduced into its own partial slots while the sender reduces the
+    // peers' (no wait: the records and the expert outputs are this rank's). Each group takes the
+    // same tokens below, so its own barrier orders these partials before its sums.
+    for (int t = gs.first; t < T; t += gs.stride) {
+      const int i = p.tokRankIdx[static_cast<std::uint64_t>(t) * R + p.rank];
+      if (i >= 0) {
+        moeReduceRecord(p, p.peerUser[p.rank] + p.llRecOff + llSlot(p, dparity, p.rank, i, p.recBytes),
+                        p.srcBase + p.rank * p.localExperts,
+                        p.peerUser[p.rank] + p.llCombOff + llSlot(p, cparity, p.rank, i, rowBytes), stages[gs.group],
+                        gs.g, p.rankMajor ? p.rankOffsets[p.rank] + i : -1);
+      }
+    }
+  }
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyCombineReceive);
-    // Every destination's G send CTAs, this step.
-    if (waitEveryRank(p, p.llCombArriveOff, (cstep + 1u) * static_cast<std::uint32_t>(p.llCtas), WaitSite::kMoeCombine)) {
+    // Every peer destination's G send CTAs, this step.
+    if (waitEveryRank(p, p.llCombArriveOff, (cstep + 1u) * static_cast<std::uint32_t>(p.llCtas), WaitSite::kMoeCombine,
+                      true)) {
       ptx::launchDependents();  // after the last wait on another rank, as in the dispatch receiver
-      const int T = *p.liveTokens;
       for (int t = gs.first; t < T; t += gs.stride) {
         moeFinalToken(
             p, t,

@@ -65,20 +65,22 @@ __device__ inline bool lastBlock(std::uint32_t* counter) {
 // After the barrier, thread r < R makes the CTA's stores (records or partials, local or peers')
 // visible at system scope and adds 1 to rank r's counter for this rank: flagPost's producer rule
 // (kernels/common/flags.cuh), a release cumulative over the writes the barrier ordered before it,
-// instead of a system fence in every thread.
-__device__ inline void arriveAtEveryRank(const MoeParams& p, std::uint64_t counterOff) {
+// instead of a system fence in every thread. `peersOnly`: every rank but this one.
+__device__ inline void arriveAtEveryRank(const MoeParams& p, std::uint64_t counterOff, bool peersOnly = false) {
   __syncthreads();
-  if (static_cast<int>(threadIdx.x) < p.numRanks) {
+  if (static_cast<int>(threadIdx.x) < p.numRanks && !(peersOnly && static_cast<int>(threadIdx.x) == p.rank)) {
     ptx::fenceAcqRelSys();
     ptx::redReleaseSysAdd(peerCounter(p, static_cast<int>(threadIdx.x), counterOff) + p.rank, 1u);
   }
 }
 
 // Threads q < R wait until this rank's counter for q reaches `target`; true when all did (every
-// thread gets the answer).
-__device__ inline bool waitEveryRank(const MoeParams& p, std::uint64_t counterOff, std::uint32_t target, WaitSite site) {
+// thread gets the answer). `peersOnly`: every q but this rank.
+__device__ inline bool waitEveryRank(const MoeParams& p, std::uint64_t counterOff, std::uint32_t target, WaitSite site,
+                                     bool peersOnly = false) {
   const int q = static_cast<int>(threadIdx.x);
-  const bool failed = q < p.numRanks && !flagWait(p.sync, peerCounter(p, p.rank, counterOff) + q, target, q, site);
+  const bool mine = q < p.numRanks && !(peersOnly && q == p.rank);
+  const bool failed = mine && !flagWait(p.sync, peerCounter(p, p.rank, counterOff) + q, target, q, site);
   return __syncthreads_or(failed) == 0;
 }
 

@@ -942,11 +942,12 @@ void runMoeCaseInLayout(Communicator& comm, const MoeCase& c) {
       // Throughput: six kernels, or with the direct dispatch and combine (every peer by load/store,
       // one rank per GPU) six, seven for fp8 (the quantise kernel), plus the receive's two phases;
       // latency: the dispatch's route and records (sender), layout and expand (receiver), the
-      // combine's reduce (sender) and receive (receiver).
+      // combine's reduce of the peers' records (sender), then its own rows and sums (receiver).
       const std::vector<std::vector<std::string>> want =
           f.engine(l).path() == MoePath::kLatency
               ? std::vector<std::vector<std::string>>{{"latency route", "latency records", "latency layout",
-                                                       "latency expand", "latency combine", "latency combine receive"}}
+                                                       "latency expand", "latency combine", "latency combine own rows",
+                                                       "latency combine receive"}}
               : std::vector<std::vector<std::string>>{
                     {"route", "pack", "offsets", "expand", "combine reduce", "combine final"},
                     {"route", "direct send", "direct receive", "direct own rows", "direct peers' rows",

@@ -180,6 +180,9 @@ TEST(Unit_MoeHealth, NamesThePeerAndWhatIsMissing) {
   m = detail::describeLatencyStall(c);
   EXPECT_NE(m.find("3 of rank 0's 24 CTAs have delivered their partials for combine step 7"), std::string::npos) << m;
   EXPECT_EQ(m.find("rank 1"), std::string::npos) << m;
+  c.rank = 1;  // rank 1's own combine counter is never posted (its receiver reduces its own rows)
+  c.combineArrivals = {8 * 24, 7 * 24};
+  EXPECT_NE(detail::describeLatencyStall(c).find("every peer's counters are complete"), std::string::npos);
 }
 
 // The static memory query: validates first, picks the path createAll starts from, and its private
