@@ -276,18 +276,20 @@ inline constexpr int kMoeLatencyMaxEntries = 4096;  // tokens x top-k
 inline constexpr int kMoeLatencyThreads = 512;
 inline constexpr std::uint32_t kMoeLatencyMaxSmem = 96u << 10;
 
-// Byte offsets of the latency dispatch sender's dynamic shared memory: the routing (ids, a bit
-// per token for each expert and for each destination rank). The receive layout is the receiver's
+// Byte offsets of the latency dispatch sender's dynamic shared memory: the routing (ids, their
+// weights, a bit per token for each expert and for each destination rank). The receive layout is the receiver's
 // (static shared memory).
 struct MoeLatencySmem {
-  std::uint32_t ids, expBits, dstBits, bytes;
+  std::uint32_t ids, weights, expBits, dstBits, bytes;
 };
 __host__ __device__ inline MoeLatencySmem moeLatencySmem(int maxTokens, int topK, int numExperts, int numRanks) {
   const std::uint32_t W = (static_cast<std::uint32_t>(maxTokens) + 31u) / 32u;
   const std::uint32_t E = static_cast<std::uint32_t>(numExperts), R = static_cast<std::uint32_t>(numRanks);
   MoeLatencySmem o{};
+  const std::uint32_t entries = static_cast<std::uint32_t>(maxTokens) * static_cast<std::uint32_t>(topK);
   o.ids = 0;
-  o.expBits = o.ids + static_cast<std::uint32_t>(maxTokens) * static_cast<std::uint32_t>(topK) * 4u;
+  o.weights = o.ids + entries * 4u;
+  o.expBits = o.weights + entries * 4u;
   o.dstBits = o.expBits + E * W * 4u;  // dstBits follows expBits (one zeroing pass clears both)
   o.bytes = (o.dstBits + R * W * 4u + 15u) & ~15u;
   return o;

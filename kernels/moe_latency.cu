@@ -10,9 +10,12 @@
 //   dispatch  send     every CTA routes all T x K entries in shared memory (a bit per token for
 //                      each expert and each destination: indices are popcounts); the CTAs split
 //                      the destinations' count messages, each posted with its flag (step + 1)
-//                      before any payload; then each group writes one token's record, read once,
-//                      into every destination's slot [parity][this rank][index]; each CTA then
-//                      adds 1 to every destination's arrival counter for this rank.
+//                      before any payload; then each CTA writes the metadata of its share of
+//                      the records for this rank (no payload: the receiver reads those rows from
+//                      x) and adds 1 to this rank's arrival counter for itself; then each group
+//                      writes one token's record, read once, into every peer's slot
+//                      [parity][this rank][index]; each CTA then adds 1 to every peer's arrival
+//                      counter for this rank.
 //            receive  (its own kernel) every CTA waits for every count flag, derives the layout
 //                      (CTA 0 publishes it) and expands each source's records as soon as that
 //                      source's G send CTAs have arrived (its own rank first); after
@@ -56,6 +59,7 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
   char* sm = reinterpret_cast<char*>(smemRaw);
   const MoeLatencySmem lay = moeLatencySmem(p.maxTokens, p.topK, p.numExperts, p.numRanks);
   auto* ids = reinterpret_cast<std::int32_t*>(sm + lay.ids);         // [T_max * K], -1: none
+  auto* weights = reinterpret_cast<float*>(sm + lay.weights);        // [T_max * K]
   auto* expBits = reinterpret_cast<std::uint32_t*>(sm + lay.expBits);  // [E][W]: tokens per expert
   auto* dstBits = reinterpret_cast<std::uint32_t*>(sm + lay.dstBits);  // [R][W]: tokens per rank
   __shared__ int dup;
@@ -106,6 +110,7 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
       const bool valid = moeValidId(p, id);
       if (!valid && id != -1 && blockIdx.x == 0) moeReportInvalidId(p, id, e / K, e % K);
       ids[e] = valid ? static_cast<std::int32_t>(id) : -1;
+      weights[e] = p.topkWeights[e];
       if (valid) {
         const int t = e / K;
         const std::uint32_t bit = 1u << (t & 31);
@@ -135,7 +140,26 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
   }
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyRecords);
-    // The records: one token per group, its row read once for every destination. Every group of
+    // This rank's own records first, their metadata alone (the receiver reads their rows from x),
+    // a warp per token from the routing in shared memory; then this CTA's arrival at this rank
+    // (GPU scope: its receiver runs on this GPU), so that the receiver expands them while the
+    // peers' records are written below.
+    {
+      const int warp = tid / 32, lane = tid % 32, warps = kThreads / 32, me = p.rank;
+      for (int t = static_cast<int>(blockIdx.x) * warps + warp; t < T; t += static_cast<int>(gridDim.x) * warps) {
+        if (!((dstBits[me * W + (t >> 5)] >> (t & 31)) & 1u)) continue;  // uniform across the warp
+        char* rec = p.peerUser[me] + p.llRecOff + llSlot(p, parity, me, popcBelow(dstBits + me * W, t), p.recBytes);
+        moeWriteRecordMeta(
+            p, t, &rec, &me, 1, [&](int k) { return entriesBefore(ids[t * K + k], t, k); },
+            lane < K ? ids[t * K + lane] : -1, lane < K ? weights[t * K + lane] : 0.f, lane);
+      }
+      __syncthreads();
+      if (tid == 0) {
+        __threadfence();  // the CTA's metadata (ordered before by the barrier), then the count
+        atomicAdd(peerCounter(p, me, p.llArriveOff) + me, 1u);
+      }
+    }
+    // The peers' records: one token per group, its row read once for every peer. Every group of
     // the CTA goes round the same number of times (one past the last token idles through its
     // barriers): compute-sanitizer racecheck mis-orders a CTA-wide shared-memory exchange whose
     // writer's group has passed its named barrier more often than the reader's (a false RAW
@@ -145,21 +169,21 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
       if (g.tid == 0 && t < T) {
         int n = 0;
         for (int r = 0; r < R; ++r) {
-          if (!((dstBits[r * W + (t >> 5)] >> (t & 31)) & 1u)) continue;
+          if (r == p.rank || !((dstBits[r * W + (t >> 5)] >> (t & 31)) & 1u)) continue;
           dsts[group][n] = p.peerUser[r] + p.llRecOff + llSlot(p, parity, p.rank, popcBelow(dstBits + r * W, t), p.recBytes);
           dstRanks[group][n++] = r;
         }
         ndst[group] = n;
       }
       g.sync();
-      if (t < T) {
+      if (t < T && ndst[group] > 0) {
         moeWriteRecords(p, t, dsts[group], dstRanks[group], ndst[group],
                         [&](int k) { return entriesBefore(ids[t * K + k], t, k); }, g, ndst[group]);
       }
       g.sync();  // dsts is rewritten for the next token
     }
   }
-  arriveAtEveryRank(p, p.llArriveOff);  // this CTA's records, to every destination
+  arriveAtEveryRank(p, p.llArriveOff, true);  // this CTA's records, to every peer
 }
 
 // Source q's count message of the step's parity in this rank's heap.
@@ -215,9 +239,11 @@ __global__ void __launch_bounds__(kThreads) moeLatencyReceiveKernel(const __grid
         // rewritten for the next source after the __syncthreads below.
         for (int b = gs.first - gs.group; b < rows; b += gs.stride) {
           const int i = b + gs.group;
-          if (i < rows) {
-            moeExpandRecord(p, s, p.peerUser[p.rank] + p.llRecOff + llSlot(p, parity, s, i, p.recBytes), base,
-                            stages[gs.group], gs.g, p.rankMajor ? rankBase + i : -1);
+          const char* rec = p.peerUser[p.rank] + p.llRecOff + llSlot(p, parity, s, i, p.recBytes);
+          if (i < rows && s == p.rank) {  // its metadata alone: the row comes from x
+            moeExpandOwnRecord(p, rec, base, stages[gs.group], gs.g, p.rankMajor ? rankBase + i : -1);
+          } else if (i < rows) {
+            moeExpandRecord(p, s, rec, base, stages[gs.group], gs.g, p.rankMajor ? rankBase + i : -1);
           } else {
             moeIdleRecord(gs.g);
           }

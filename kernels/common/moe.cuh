@@ -375,6 +375,26 @@ __device__ inline void moeQuantizeRow(const MoeParams& p, const char* row, char*
   }
 }
 
+// The metadata of token t's record in each of the n destinations dst[d] (rank dstRank[d]): the
+// header, and one slot per top-k entry whose expert lives on that rank, in slot order. A whole warp
+// calls it, lane k < topK holding slot k's expert id (-1 or out of range: none) and weight.
+// entryIndex(k): slot k's index within its expert's rows from this rank.
+template <class EntryIndex>
+__device__ inline void moeWriteRecordMeta(const MoeParams& p, int t, char* const* dst, const int* dstRank, int n,
+                                          EntryIndex entryIndex, long long id, float w, int k) {
+  const bool valid = k < p.topK && moeValidId(p, id);
+  const std::int32_t index = valid ? entryIndex(k) : 0;
+  for (int d = 0; d < n; ++d) {
+    const bool here = valid && id / p.localExperts == dstRank[d];
+    const unsigned m = __ballot_sync(0xffffffffu, here);
+    if (here) {
+      auto* slots = reinterpret_cast<MoeRecordSlot*>(dst[d] + p.payloadBytes + sizeof(MoeRecordHeader));
+      slots[__popc(m & ((1u << k) - 1u))] = MoeRecordSlot{static_cast<std::int32_t>(id % p.localExperts), index, w, k};
+    }
+    if (k == 0) *reinterpret_cast<MoeRecordHeader*>(dst[d] + p.payloadBytes) = MoeRecordHeader{t, __popc(m), {0, 0}};
+  }
+}
+
 // Writes token t's record to each of the n destinations dst[d] (rank dstRank[d]; local or peers'
 // memory): the row is read once (bf16 copied, or quantised once to fp8 tiles by the produce hook)
 // and stored to every destination, with the metadata of the slots whose experts live on that rank.
@@ -412,22 +432,7 @@ __device__ inline void moeWriteRecords(const MoeParams& p, int t, char* const* d
       }
     }
   }
-  if (g.tid < 32) {  // the metadata: one lane per top-k slot (topK <= 16), each destination's in slot order
-    const bool valid = k < p.topK && moeValidId(p, id);
-    const std::int32_t index = valid ? entryIndex(k) : 0;
-    for (int d = 0; d < n; ++d) {
-      const bool here = valid && id / p.localExperts == dstRank[d];
-      const unsigned m = __ballot_sync(0xffffffffu, here);
-      if (here) {
-        auto* slots = reinterpret_cast<MoeRecordSlot*>(dst[d] + p.payloadBytes + sizeof(MoeRecordHeader));
-        slots[__popc(m & ((1u << k) - 1u))] =
-            MoeRecordSlot{static_cast<std::int32_t>(id % p.localExperts), index, w, k};
-      }
-      if (k == 0) {
-        *reinterpret_cast<MoeRecordHeader*>(dst[d] + p.payloadBytes) = MoeRecordHeader{t, __popc(m), {0, 0}};
-      }
-    }
-  }
+  if (g.tid < 32) moeWriteRecordMeta(p, t, dst, dstRank, n, entryIndex, id, w, k);
 }
 
 // The recv_x row of a record's slot: srcBase[local expert] + its index, or -1 past the capacity
@@ -652,6 +657,16 @@ __device__ inline void moeExpandRow(const MoeParams& p, const char* row, bool fr
 __device__ inline void moeExpandRecord(const MoeParams& p, int s, const char* rec, const std::int32_t* srcBase,
                                        MoeSlotStage& stage, const MoeGroup& g, long long rankRow = -1) {
   moeExpandRow(p, rec, false, [&] { moeResolveSlots(p, s, rec, srcBase, stage, true, g, rankRow); }, stage, g);
+}
+
+// A record of this rank's own token, written with its metadata alone (the latency sender stores
+// no payload to its own rank): its row straight from x (quantised here for fp8), its slots from
+// the record, as moeExpandRecord does for a received one.
+__device__ inline void moeExpandOwnRecord(const MoeParams& p, const char* rec, const std::int32_t* srcBase,
+                                          MoeSlotStage& stage, const MoeGroup& g, long long rankRow = -1) {
+  const int t = __ldcg(&moeRecordHeader(p, rec)->token);  // written by this rank's sender: t < maxTokens
+  const char* row = static_cast<const char*>(p.x) + static_cast<std::uint64_t>(t) * p.hidden * 2;
+  moeExpandRow(p, row, true, [&] { moeResolveSlots(p, p.rank, rec, srcBase, stage, true, g, rankRow); }, stage, g);
 }
 
 // This rank's own token t (index i in its own list) into recv_x straight from x, or from `wire`
