@@ -215,7 +215,8 @@ struct MoeParams {
   // llCnt [2][R][cntMsgBytes] their count messages, llComb [2][R][maxTokens][H] bf16 partials from
   // each destination; u32 monotonic counters [R]: llFlag (source q's count message of step s has
   // landed: s + 1), llArrive (CTAs of source q whose records have landed: G per step), llCombArrive
-  // (CTAs of destination q whose partials have landed: G per step).
+  // (CTAs of peer destination q whose partials have landed: G per step; a rank's own slot is never
+  // posted, its receiver reducing its own records).
   // [2]: by the parity of the operation's step, so consecutive operations never share a buffer.
   char* peerUser[kMaxRanks];  // every rank's user region as this rank sees it (its own included)
   std::uint64_t llRecOff, llCntOff, llCombOff, llFlagOff, llArriveOff, llCombArriveOff, llBlockOff, llCombBlockOff;

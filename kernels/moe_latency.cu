@@ -18,14 +18,16 @@
 //                      counter for this rank.
 //            receive  (its own kernel) every CTA waits for every count flag, derives the layout
 //                      (CTA 0 publishes it) and expands each source's records as soon as that
-//                      source's G send CTAs have arrived (its own rank first); after
-//                      griddepcontrol.wait (the send has completed) the last CTA advances the step.
-//   combine   send     each group reduces one received record (sum of weight x y over its slots)
-//                      straight into the source's slot [parity][this rank][index]; each CTA then
-//                      adds 1 to every source's combine arrival counter for this rank.
-//            receive  (its own kernel) every CTA waits for G arrivals from every destination and
-//                      sums one token's partials per group; after griddepcontrol.wait the last CTA
-//                      advances the step.
+//                      source's G send CTAs have arrived (its own rank first, their rows from x);
+//                      after griddepcontrol.wait (the send has completed) the last CTA advances
+//                      the step.
+//   combine   send     each group reduces one record received from a peer (sum of weight x y
+//                      over its slots) straight into the source's slot [parity][this rank][index];
+//                      each CTA then adds 1 to every peer's combine arrival counter for this rank.
+//            receive  (its own kernel) each group reduces this rank's own records into its own
+//                      partial slots (no wait), then every CTA waits for G arrivals from every
+//                      peer and each group sums one token's partials in rank order; after
+//                      griddepcontrol.wait the last CTA advances the step.
 //
 // Buffers alternate by the step's parity. A rank can only start dispatch s + 2 after its combine
 // s + 1 received every destination's partials, which each destination sends after its own
