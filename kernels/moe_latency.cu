@@ -185,7 +185,7 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
       g.sync();  // dsts is rewritten for the next token
     }
   }
-  arriveAtEveryRank(p, p.llArriveOff, true);  // this CTA's records, to every peer
+  arriveAtEveryPeer(p, p.llArriveOff);  // this CTA's records, to every peer
 }
 
 // Source q's count message of the step's parity in this rank's heap.
@@ -291,7 +291,7 @@ __global__ void __launch_bounds__(kThreads) moeLatencyCombineKernel(const __grid
                         p.rankMajor ? rankBase + i : -1);
       }
     }
-    arriveAtEveryRank(p, p.llCombArriveOff, true);
+    arriveAtEveryPeer(p, p.llCombArriveOff);
   }
 }
 

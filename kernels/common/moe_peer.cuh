@@ -62,13 +62,14 @@ __device__ inline bool lastBlock(std::uint32_t* counter) {
   return __syncthreads_or(last) != 0;  // thread 0's answer, to every thread
 }
 
-// After the barrier, thread r < R makes the CTA's stores (records or partials) visible at system
-// scope and adds 1 to rank r's counter for this rank: flagPost's producer rule
+// After the barrier, thread r < R, r != this rank, makes the CTA's stores (records or partials)
+// visible at system scope and adds 1 to peer r's counter for this rank: flagPost's producer rule
 // (kernels/common/flags.cuh), a release cumulative over the writes the barrier ordered before it,
-// instead of a system fence in every thread. `peersOnly`: every rank but this one.
-__device__ inline void arriveAtEveryRank(const MoeParams& p, std::uint64_t counterOff, bool peersOnly = false) {
+// instead of a system fence in every thread. (A rank's own records and partials are its own
+// receiver's: nothing to announce to itself.)
+__device__ inline void arriveAtEveryPeer(const MoeParams& p, std::uint64_t counterOff) {
   __syncthreads();
-  if (static_cast<int>(threadIdx.x) < p.numRanks && !(peersOnly && static_cast<int>(threadIdx.x) == p.rank)) {
+  if (static_cast<int>(threadIdx.x) < p.numRanks && static_cast<int>(threadIdx.x) != p.rank) {
     ptx::fenceAcqRelSys();
     ptx::redReleaseSysAdd(peerCounter(p, static_cast<int>(threadIdx.x), counterOff) + p.rank, 1u);
   }
