@@ -428,8 +428,8 @@ std::vector<Row> runMoe(const Options& o, Ranks& r) {
       };
       auto execs = captureOps(o, r, dispatch);
       const double dUs = timeOps(o, r, execs);
-      // Dispatch alone ran back to back (counted as unpaired): combine the last one, then start the
-      // checked phase from a clean status.
+      // Dispatch alone ran back to back (defined: each replaces the last): combine the last one, then
+      // start the checked phase from a clean status.
       for (int i = 0; i < r.numLocal(); ++i) {
         GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[static_cast<std::size_t>(i)]));
         combine(i, r.streams[static_cast<std::size_t>(i)]);

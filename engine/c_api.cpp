@@ -68,6 +68,18 @@ template <>
 constexpr std::size_t kFirstVersionSize<graphep_moe_config_t> = offsetof(graphep_moe_config_t, epilogue_sms);
 static_assert(sizeof(void*) != 8 || kFirstVersionSize<graphep_moe_config_t> == 56,
               "graphep_moe_config_t's version-1 fields moved: the struct may only grow at its end");
+template <>
+constexpr std::size_t kFirstVersionSize<graphep_dispatch_args_t> = offsetof(graphep_dispatch_args_t, top_k);
+static_assert(sizeof(void*) != 8 || kFirstVersionSize<graphep_dispatch_args_t> == 48,
+              "graphep_dispatch_args_t's version-1 fields moved: the struct may only grow at its end");
+template <>
+constexpr std::size_t kFirstVersionSize<graphep_combine_args_t> = offsetof(graphep_combine_args_t, expert_output_rows);
+static_assert(sizeof(void*) != 8 || kFirstVersionSize<graphep_combine_args_t> == 24,
+              "graphep_combine_args_t's version-1 fields moved: the struct may only grow at its end");
+template <>
+constexpr std::size_t kFirstVersionSize<graphep_moe_status_t> = offsetof(graphep_moe_status_t, missing_combine_rows);
+static_assert(sizeof(void*) != 8 || kFirstVersionSize<graphep_moe_status_t> == 72,
+              "graphep_moe_status_t's version-1 fields moved: the struct may only grow at its end");
 
 // The fields of a caller's versioned struct that its struct_size covers (an older caller's struct
 // is shorter; a newer caller's extra fields are ignored); fields past it read 0, so a field added
@@ -110,6 +122,22 @@ graphep::DispatchArgs dispatchArgs(const graphep_dispatch_args_t* a) {
   d.indexType = v.index_type == GRAPHEP_INDEX_INT64 ? graphep::IndexType::kInt64 : graphep::IndexType::kInt32;
   d.topkWeights = v.topk_weights;
   d.numTokens = v.num_tokens;
+  GRAPHEP_REQUIRE(v.input >= GRAPHEP_INPUT_CONFIG && v.input <= GRAPHEP_INPUT_FP8, graphep::Status::kInvalidArgument,
+                  "dispatch args input=%d is not a graphep_dispatch_input_t", v.input);
+  d.topK = v.top_k;
+  d.tokenInRank = reinterpret_cast<const bool*>(v.token_in_rank);
+  d.input = static_cast<graphep::DispatchInput>(v.input);
+  d.xScales = v.x_scales;
+  d.scaleTokenStride = v.scale_token_stride;
+  d.scaleHiddenStride = v.scale_hidden_stride;
+  d.outputs.recvX = v.out_recv_x;
+  d.outputs.recvScales = v.out_recv_scales;
+  d.outputs.rowExperts = v.out_row_experts;
+  d.outputs.rowExpertWeights = v.out_row_expert_weights;
+  d.outputs.rowSrcRank = v.out_row_src_rank;
+  d.outputs.rowSrcToken = v.out_row_src_token;
+  d.outputs.rankPrefixMatrix = v.out_rank_prefix_matrix;
+  d.outputs.rows = v.out_rows;
   return d;
 }
 
@@ -118,6 +146,10 @@ graphep::CombineArgs combineArgs(const graphep_combine_args_t* a) {
   graphep::CombineArgs c;
   c.expertOutput = v.expert_output;
   c.out = v.out;
+  c.expertOutputRows = v.expert_output_rows;
+  c.rowValues = v.row_values;
+  c.outValues = v.out_values;
+  c.numValues = v.num_values;
   return c;
 }
 
@@ -166,6 +198,8 @@ graphep_status_t makeComm(const T* items, int count, const char* what, graphep_c
 extern "C" {
 
 const char* graphep_version(void) { return graphep::versionString(); }
+
+int graphep_api_version(void) { return GRAPHEP_C_API_VERSION; }
 
 const char* graphep_status_name(graphep_status_t status) {
   return graphep::statusName(static_cast<graphep::Status>(status));
@@ -300,8 +334,29 @@ graphep_status_t graphep_engine_status(graphep_engine_t engine, graphep_moe_stat
     o.device_error = s.deviceError.empty() ? 0 : 1;
     o.unpaired_dispatches = s.unpairedDispatches;
     o.unpaired_combines = s.unpairedCombines;
+    o.missing_combine_rows = s.missingCombineRows;
     if (!s.deviceError.empty()) lastError = s.deviceError;
     writeVersioned(status, o);
+  });
+}
+
+graphep_status_t graphep_token_layout(const void* topk_idx, int index_type, int num_tokens, int top_k,
+                                      int num_experts, int num_ranks, int* tokens_per_rank,
+                                      int* tokens_per_expert, unsigned char* token_in_rank, cudaStream_t stream) {
+  return guarded([&] {
+    GRAPHEP_REQUIRE(index_type == GRAPHEP_INDEX_INT32 || index_type == GRAPHEP_INDEX_INT64,
+                    graphep::Status::kInvalidArgument, "index_type=%d is not a graphep_index_type_t", index_type);
+    graphep::TokenLayoutArgs a;
+    a.topkIdx = topk_idx;
+    a.indexType = index_type == GRAPHEP_INDEX_INT64 ? graphep::IndexType::kInt64 : graphep::IndexType::kInt32;
+    a.numTokens = num_tokens;
+    a.topK = top_k;
+    a.numExperts = num_experts;
+    a.numRanks = num_ranks;
+    a.tokensPerRank = tokens_per_rank;
+    a.tokensPerExpert = tokens_per_expert;
+    a.tokenInRank = reinterpret_cast<bool*>(token_in_rank);
+    graphep::tokenLayout(a, stream);
   });
 }
 

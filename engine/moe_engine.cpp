@@ -72,7 +72,7 @@ MoeSizes moeSizes(const MoeConfig& cfg, int R) {
   return MoeSizes{static_cast<std::size_t>(R), static_cast<std::size_t>(cfg.maxTokensPerRank),
                   static_cast<std::size_t>(cfg.hidden) * 2, payloadBytes,
                   alignUp(payloadBytes + moeMetaBytes(cfg.topK), 16), moeCountMsgBytes(cfg.numExperts / R),
-                  moeDirectMsgBytes(cfg.numExperts / R, cfg.maxTokensPerRank)};
+                  moeDirectMsgBytes(cfg.numExperts / R, cfg.maxTokensPerRank, R)};
 }
 
 // The path whose heap createAll sizes first: latency when the config fits it (peer classes may
@@ -89,7 +89,7 @@ struct PathHeap {
   // [2][R][T] partials and the three [R] counter arrays (kernels/moe.h, MoeParams).
   std::size_t recRecv = 0, combRecv = 0;
   std::size_t llRec = 0, llCnt = 0, llComb = 0, llFlag = 0, llArrive = 0, llCombArrive = 0, llBlock = 0;
-  std::size_t llCombBlock = 0;
+  std::size_t llCombBlock = 0, llDispAck = 0, llCombAck = 0, llCombVal = 0;
   HeapConfig heap;
 };
 
@@ -106,15 +106,19 @@ PathHeap pathHeap(MoePath path, const MoeSizes& z, const MoeConfig& cfg) {
     end = h.llCombArrive + z.R * 4;
   } else {
     // The records and partials, then the direct dispatch's [2][R] count messages, [R] flags and
-    // [R][W] block flags for the records and for the partials (kernels/moe_direct.cu; a few KB,
-    // also when the movers carry the dispatch).
+    // [R][W] block flags for the records and for the partials, its [R] acknowledgements of the
+    // records and of the partials, and the partials' [R][T][kMoeMaxValues] fp32 values
+    // (kernels/moe_direct.cu; a few KB and 64 B per slot, also when the movers carry the dispatch).
     h.recRecv = 0;
     h.combRecv = alignUp(h.recRecv + z.R * z.T * z.recBytes, 4096);
     h.llCnt = alignUp(h.combRecv + z.R * z.T * z.rowBytes, 256);
     h.llFlag = alignUp(h.llCnt + 2 * z.R * z.directMsgBytes, 256);
     h.llBlock = alignUp(h.llFlag + z.R * 4, 256);
     h.llCombBlock = alignUp(h.llBlock + z.R * moeRouteWords(static_cast<int>(z.T)) * 4, 256);
-    end = h.llCombBlock + z.R * moeRouteWords(static_cast<int>(z.T)) * 4;
+    h.llDispAck = alignUp(h.llCombBlock + z.R * moeRouteWords(static_cast<int>(z.T)) * 4, 256);
+    h.llCombAck = alignUp(h.llDispAck + z.R * 4, 256);
+    h.llCombVal = alignUp(h.llCombAck + z.R * 4, 256);
+    end = h.llCombVal + z.R * z.T * kMoeMaxValues * 4;
   }
   h.heap.numRanks = static_cast<int>(z.R);
   h.heap.userBytes = alignUp(end, 4096);
@@ -138,7 +142,7 @@ struct LocalCarve {
   std::size_t status, live, pending, tokRank;
   std::size_t entry, expertCount, rankCount, routeBits, routePrefix, recSend, cntSend, cntRecv, arrays;
   std::size_t recvRows, srcBase, offsets, counts, dropped, numRows, totals;
-  std::size_t recvX, scales, rowRank, rowToken, rowSlot, rowWeight, y, combSend;
+  std::size_t recvX, scales, rowRank, rowToken, rowSlot, rowWeight, y, combSend, combValSend;
   std::size_t rankOffsets, rowExperts, rowExpertWeights;  // rank-major layout only
   std::size_t llSteps, llDone, combArrive, combReady, timeline;
   std::size_t routeWords;  // moeRouteWords(maxTokensPerRank)
@@ -147,6 +151,8 @@ struct LocalCarve {
 };
 
 LocalCarve carveLocal(const MoeConfig& cfg, const MoeSizes& z, std::size_t cap, bool throughput) {
+  // The engine's own recv_x and scales hold the config's type: a dispatch of the other type writes
+  // to the caller's DispatchOutputs (Engine::dispatch requires them).
   const bool fp8 = cfg.dispatchType == DType::kFp8E4m3;
   const std::size_t T = z.T, Rs = z.R, H = static_cast<std::size_t>(cfg.hidden);
   const std::size_t L = static_cast<std::size_t>(cfg.numExperts) / Rs;
@@ -189,6 +195,7 @@ LocalCarve carveLocal(const MoeConfig& cfg, const MoeSizes& z, std::size_t cap, 
   o.rowWeight = carve(cap * 4);
   o.y = carve(cap * z.rowBytes);
   o.combSend = carve(throughput ? Rs * T * z.rowBytes : 0);
+  o.combValSend = carve(throughput ? Rs * T * kMoeMaxValues * 4 : 0);  // the direct combine's staged values
   const bool rankMajor = cfg.receiveLayout == ReceiveLayout::kRankMajor;
   const std::size_t K = static_cast<std::size_t>(cfg.topK);
   o.rankOffsets = carve(rankMajor ? (Rs + 1) * 4 : 0);
@@ -520,7 +527,8 @@ struct Engine::Impl {
   int local = 0;
   int device = 0;
   MoeConfig cfg;
-  MoeParams p{};
+  MoeParams base{};  // every buffer of the engine, as createAll set them: each dispatch starts here
+  MoeParams p{};     // the last dispatch's (combine serves it)
   DispatchLayout layout{};
   AllToAllvArgs cntArgs, dispArgs, combArgs;
   MoePath path = MoePath::kThroughput;
@@ -761,6 +769,7 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     GRAPHEP_CUDA_CHECK(preloadMoeDispatchKernels());
     GRAPHEP_CUDA_CHECK(preloadMoeDirectKernels());
     GRAPHEP_CUDA_CHECK(preloadMoeCombineKernels());
+    GRAPHEP_CUDA_CHECK(preloadMoeTokenLayoutKernels());  // graphep::tokenLayout, beside the engine's
 
     const LocalCarve o = carveLocal(cfg, sizes, cap, throughput);
     GRAPHEP_CUDA_CHECK(cudaMalloc(&impl->block, o.bytes));
@@ -789,6 +798,8 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     p.rankOffsets = p.rankMajor ? reinterpret_cast<std::int32_t*>(b + o.rankOffsets) : nullptr;
     p.rowExperts = p.rankMajor ? reinterpret_cast<std::int32_t*>(b + o.rowExperts) : nullptr;
     p.rowExpertWeights = p.rankMajor ? reinterpret_cast<float*>(b + o.rowExpertWeights) : nullptr;
+    p.outRows = capacity;  // a dispatch's own outputs may lower it (DispatchOutputs.rows)
+    p.yRows = capacity;    // a combine's own input may lower it (CombineArgs.expertOutputRows)
     p.recBytes = recBytes;
     p.payloadBytes = sizes.payloadBytes;
     p.cntMsgBytes = cntMsgBytes;
@@ -834,6 +845,7 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     p.rowWeight = reinterpret_cast<float*>(b + o.rowWeight);
     p.y = b + o.y;
     p.combSend = b + o.combSend;
+    p.combValSend = reinterpret_cast<float*>(b + o.combValSend);
     p.combRecv = throughput ? user + ph.combRecv : nullptr;
     for (int q = 0; q < R; ++q) {
       p.peerUser[q] = q == p.rank ? user : group->heap->peerUser(l, q);  // nullptr when remote
@@ -846,6 +858,9 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     p.llCombArriveOff = ph.llCombArrive;
     p.llBlockOff = ph.llBlock;
     p.llCombBlockOff = ph.llCombBlock;
+    p.llDispAckOff = ph.llDispAck;
+    p.llCombAckOff = ph.llCombAck;
+    p.llCombValOff = ph.llCombVal;
     p.llSteps = reinterpret_cast<std::uint32_t*>(b + o.llSteps);
     p.llDone = reinterpret_cast<std::uint32_t*>(b + o.llDone);
     p.combArrive = reinterpret_cast<std::uint32_t*>(b + o.combArrive);
@@ -869,6 +884,9 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
         GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llCombBlock, blocks.data(), blocks.size() * 4, cudaMemcpyHostToDevice));
         GRAPHEP_CUDA_CHECK(cudaMemcpy(p.combReady, blocks.data(), blocks.size() * 4, cudaMemcpyHostToDevice));
         GRAPHEP_CUDA_CHECK(cudaMemset(p.combArrive, 0, blocks.size() * 4));
+        // The acknowledgements start as if step counterStart - 1 had been read everywhere.
+        GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llDispAck, flags.data(), Rs * 4, cudaMemcpyHostToDevice));
+        GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llCombAck, flags.data(), Rs * 4, cudaMemcpyHostToDevice));
       } else {
         GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llArrive, arrivals.data(), Rs * 4, cudaMemcpyHostToDevice));
         GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llCombArrive, arrivals.data(), Rs * 4, cudaMemcpyHostToDevice));
@@ -901,6 +919,7 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
                                 T * rowBytes, true);
     }
 
+    impl->base = p;
     DispatchLayout& v = impl->layout;
     v.recvX = p.recvX;
     v.recvScales = p.recvScales;
@@ -918,7 +937,7 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     v.receiveLayout = cfg.receiveLayout;
     v.rowsPerExpert = p.batchedRows;
     v.rankOffsets = p.rankOffsets;
-    v.rowExperts = p.rowExperts;
+    v.rowExperts = static_cast<const int*>(p.rowExperts);
     v.rowExpertWeights = p.rowExpertWeights;
     v.hidden = cfg.hidden;
     v.numLocalExperts = L;
@@ -960,25 +979,97 @@ namespace {
 void requireHealthy(const Engine::Impl& m, int rank, const char* op);
 }  // namespace
 
+namespace {
+const char* layoutName(ReceiveLayout l) {
+  switch (l) {
+    case ReceiveLayout::kExpertMajor: return "expert-major";
+    case ReceiveLayout::kBatched: return "batched";
+    case ReceiveLayout::kRankMajor: return "rank-major";
+  }
+  return "?";
+}
+
+// A dispatch argument that needs the rank-major layout on the throughput path (and, with `direct`,
+// its direct dispatch: every peer by load/store, each rank on a GPU of its own).
+void requireRankMajorThroughput(const Engine::Impl& m, const char* what, bool direct);
+
+// The caller's DispatchOutputs over the engine's buffers in `p`: every given pointer checked and
+// taken, rows (the caller's) bounding what is written.
+void applyOutputs(const Engine::Impl& m, const DispatchArgs& a, MoeParams& p);
+}  // namespace
+
 const DispatchLayout& Engine::dispatch(const DispatchArgs& a, cudaStream_t stream) {
   Impl& m = *impl_;
   requireHealthy(m, m.p.rank, "dispatch");
   DeviceGuard guard(m.device);
+  const MoeConfig& c = m.cfg;
   requireDevicePointer(a.x, m.device, "dispatch: x");
-  requireDevicePointer(a.topkIdx, m.device, "dispatch: topkIdx");
-  requireDevicePointer(a.topkWeights, m.device, "dispatch: topkWeights");
+  GRAPHEP_REQUIRE(a.tokenInRank != nullptr || a.topkIdx != nullptr, Status::kInvalidArgument,
+                  "dispatch: topkIdx is null (pass the top-k ids, or route by tokenInRank)");
+  if (a.topkIdx != nullptr) {
+    requireDevicePointer(a.topkIdx, m.device, "dispatch: topkIdx");
+    requireDevicePointer(a.topkWeights, m.device, "dispatch: topkWeights");
+  }
   requireDevicePointer(a.numTokens, m.device, "dispatch: numTokens");
   GRAPHEP_REQUIRE((reinterpret_cast<std::uintptr_t>(a.x) & 15u) == 0, Status::kInvalidArgument,
                   "dispatch: x (%p) is not 16-byte aligned", a.x);
   GRAPHEP_REQUIRE(a.indexType == IndexType::kInt32 || a.indexType == IndexType::kInt64,
                   Status::kInvalidArgument, "dispatch: indexType=%d is not an IndexType",
                   static_cast<int>(a.indexType));
-  MoeParams p = m.p;
+  const int topK = a.topkIdx == nullptr ? 0 : (a.topK == 0 ? c.topK : a.topK);
+  GRAPHEP_REQUIRE(a.topkIdx == nullptr || (topK >= 1 && topK <= c.topK), Status::kInvalidArgument,
+                  "dispatch: topK=%d is outside [1, MoeConfig.topK=%d]", a.topK, c.topK);
+  GRAPHEP_REQUIRE(a.topkIdx != nullptr || a.topK == 0, Status::kInvalidArgument,
+                  "dispatch: topK=%d with no topkIdx (routing by tokenInRank alone has no slots)", a.topK);
+  if (a.tokenInRank != nullptr) {
+    requireDevicePointer(a.tokenInRank, m.device, "dispatch: tokenInRank");
+    requireRankMajorThroughput(m, "tokenInRank", false);
+  }
+  const DispatchInput in = a.input;
+  GRAPHEP_REQUIRE(in == DispatchInput::kConfig || in == DispatchInput::kBf16 || in == DispatchInput::kFp8Quantize ||
+                      in == DispatchInput::kFp8,
+                  Status::kInvalidArgument, "dispatch: input=%d is not a DispatchInput", static_cast<int>(in));
+  const bool configFp8 = c.dispatchType == DType::kFp8E4m3;
+  const bool fp8 = in == DispatchInput::kConfig ? configFp8 : in != DispatchInput::kBf16;
+  GRAPHEP_REQUIRE(fp8 || !configFp8, Status::kInvalidArgument,
+                  "dispatch: input=kBf16 on an engine whose MoeConfig.dispatchType is fp8 (its record slots "
+                  "hold fp8 rows; create the engine with kBf16 to send both)");
+  GRAPHEP_REQUIRE(!fp8 || c.hidden % 128 == 0, Status::kInvalidArgument,
+                  "dispatch: an fp8 dispatch needs hidden=%d to be a multiple of 128", c.hidden);
+  GRAPHEP_REQUIRE(!fp8 || configFp8 || (a.outputs.recvX != nullptr && a.outputs.recvScales != nullptr),
+                  Status::kInvalidArgument,
+                  "dispatch: an fp8 dispatch on an engine whose MoeConfig.dispatchType is bf16 writes its rows to "
+                  "outputs.recvX and outputs.recvScales, which are null (the engine's own views hold bf16)");
+  if (in == DispatchInput::kFp8) {
+    requireDevicePointer(a.xScales, m.device, "dispatch: xScales");
+    requireRankMajorThroughput(m, "input=kFp8 (caller-quantised x)", true);
+    GRAPHEP_REQUIRE((a.scaleTokenStride == 0 && a.scaleHiddenStride == 0) ||
+                        (a.scaleTokenStride > 0 && a.scaleHiddenStride > 0),
+                    Status::kInvalidArgument,
+                    "dispatch: scaleTokenStride=%lld, scaleHiddenStride=%lld (both 0 for row-major, or both "
+                    "positive element strides)",
+                    a.scaleTokenStride, a.scaleHiddenStride);
+  } else {
+    GRAPHEP_REQUIRE(a.xScales == nullptr, Status::kInvalidArgument,
+                    "dispatch: xScales is set but input=%d is not kFp8 (x would be read as bf16)",
+                    static_cast<int>(in));
+  }
+  MoeParams p = m.base;
   p.x = a.x;
   p.topkIdx = a.topkIdx;
   p.int64Ids = a.indexType == IndexType::kInt64 ? 1 : 0;
   p.topkWeights = a.topkWeights;
   p.numTokens = a.numTokens;
+  p.topK = topK;
+  p.tokenInRank = reinterpret_cast<const std::uint8_t*>(a.tokenInRank);
+  p.fp8 = fp8 ? 1 : 0;
+  p.payloadBytes = moePayloadBytes(c.hidden, fp8);
+  p.fp8Input = in == DispatchInput::kFp8 ? 1 : 0;
+  p.xScales = a.xScales;
+  const bool rowMajorScales = a.scaleTokenStride == 0 && a.scaleHiddenStride == 0;
+  p.scaleTokenStride = rowMajorScales ? c.hidden / 128 : a.scaleTokenStride;
+  p.scaleHiddenStride = rowMajorScales ? 1 : a.scaleHiddenStride;
+  applyOutputs(m, a, p);
   m.p = p;  // combine reads the routing of the last dispatch
   if (m.path == MoePath::kLatency) {
     GRAPHEP_CUDA_CHECK(launchMoeLatencyDispatch(p, stream));
@@ -1006,6 +1097,32 @@ void Engine::combine(const CombineArgs& a, cudaStream_t stream) {
   requireHealthy(m, m.p.rank, "combine");
   DeviceGuard guard(m.device);
   MoeParams p = m.p;
+  GRAPHEP_REQUIRE(a.expertOutputRows >= 0, Status::kInvalidArgument, "combine: expertOutputRows=%lld is negative",
+                  a.expertOutputRows);
+  GRAPHEP_REQUIRE(a.expertOutput != nullptr || a.expertOutputRows <= m.layout.capacity, Status::kInvalidArgument,
+                  "combine: expertOutputRows=%lld exceeds the engine's expertOutput of %lld rows",
+                  a.expertOutputRows, m.layout.capacity);
+  p.y = m.base.y;
+  p.yRows = a.expertOutputRows > 0 ? a.expertOutputRows : m.layout.capacity;
+  GRAPHEP_REQUIRE((a.rowValues == nullptr) == (a.outValues == nullptr), Status::kInvalidArgument,
+                  "combine: rowValues (%p) and outValues (%p) come together", static_cast<const void*>(a.rowValues),
+                  static_cast<void*>(a.outValues));
+  p.rowValues = nullptr;
+  p.outValues = nullptr;
+  p.numValues = 0;
+  if (a.rowValues != nullptr) {
+    requireRankMajorThroughput(m, "rowValues", true);
+    requireDevicePointer(a.rowValues, m.device, "combine: rowValues");
+    requireDevicePointer(a.outValues, m.device, "combine: outValues");
+    GRAPHEP_REQUIRE(a.numValues >= 1 && a.numValues <= kMoeMaxValues, Status::kInvalidArgument,
+                    "combine: numValues=%d is outside [1, %d]", a.numValues, kMoeMaxValues);
+    p.rowValues = a.rowValues;
+    p.outValues = a.outValues;
+    p.numValues = a.numValues;
+  } else {
+    GRAPHEP_REQUIRE(a.numValues == 0, Status::kInvalidArgument, "combine: numValues=%d with no rowValues",
+                    a.numValues);
+  }
   if (a.expertOutput != nullptr) {
     requireDevicePointer(a.expertOutput, m.device, "combine: expertOutput");
     GRAPHEP_REQUIRE((reinterpret_cast<std::uintptr_t>(a.expertOutput) & 15u) == 0,
@@ -1054,6 +1171,7 @@ MoeStatus Engine::status() const {
   s.clampedTokenCounts = d.clampedCounts;
   s.unpairedDispatches = d.unpairedDispatches;
   s.unpairedCombines = d.unpairedCombines;
+  s.missingCombineRows = d.missingCombineRows;
   if (d.firstInvalidSet != 0) {
     s.firstInvalidId = d.firstInvalidId;
     s.firstInvalidToken = d.firstInvalidToken;
@@ -1070,6 +1188,68 @@ void requireHealthy(const Engine::Impl& m, int rank, const char* op) {
   GRAPHEP_REQUIRE(m.failure.empty(), Status::kRemoteError,
                   "%s: the engine of rank %d is in its failed state (%s); destroy it and create a new one",
                   op, rank, m.failure.c_str());
+}
+
+void requireRankMajorThroughput(const Engine::Impl& m, const char* what, bool direct) {
+  GRAPHEP_REQUIRE(m.cfg.receiveLayout == ReceiveLayout::kRankMajor && m.path == MoePath::kThroughput,
+                  Status::kNotSupported,
+                  "%s applies to the rank-major receive layout on the throughput path; this engine has the %s "
+                  "layout on the %s path (MoeConfig.receiveLayout, MoeConfig.path)",
+                  what, layoutName(m.cfg.receiveLayout), m.path == MoePath::kLatency ? "latency" : "throughput");
+  GRAPHEP_REQUIRE(!direct || m.direct, Status::kNotSupported,
+                  "%s needs the direct dispatch (every peer by load/store, each rank on a GPU of its own); this "
+                  "engine's peers go through the movers",
+                  what);
+}
+
+void applyOutputs(const Engine::Impl& m, const DispatchArgs& a, MoeParams& p) {
+  const DispatchOutputs& o = a.outputs;
+  const bool rowBuffers = o.recvX != nullptr || o.recvScales != nullptr || o.rowExperts != nullptr ||
+                          o.rowExpertWeights != nullptr || o.rowSrcRank != nullptr || o.rowSrcToken != nullptr;
+  GRAPHEP_REQUIRE(o.rows >= 0, Status::kInvalidArgument, "dispatch: outputs.rows=%lld is negative", o.rows);
+  if (!rowBuffers && o.rankPrefixMatrix == nullptr) {
+    GRAPHEP_REQUIRE(o.rows == 0, Status::kInvalidArgument, "dispatch: outputs.rows=%lld with no output buffer",
+                    o.rows);
+    return;
+  }
+  requireRankMajorThroughput(m, "DispatchOutputs", o.rankPrefixMatrix != nullptr);
+  GRAPHEP_REQUIRE(!rowBuffers || o.rows > 0, Status::kInvalidArgument,
+                  "dispatch: outputs.rows=0: give the rows your output buffers hold");
+  if (o.rows > 0) p.outRows = o.rows;
+  if (o.recvX != nullptr) {
+    requireDevicePointer(o.recvX, m.device, "dispatch: outputs.recvX");
+    GRAPHEP_REQUIRE((reinterpret_cast<std::uintptr_t>(o.recvX) & 15u) == 0, Status::kInvalidArgument,
+                    "dispatch: outputs.recvX (%p) is not 16-byte aligned", o.recvX);
+    p.recvX = static_cast<char*>(o.recvX);
+  }
+  if (o.recvScales != nullptr) {
+    GRAPHEP_REQUIRE(p.fp8 != 0, Status::kInvalidArgument, "dispatch: outputs.recvScales is set for a bf16 dispatch");
+    requireDevicePointer(o.recvScales, m.device, "dispatch: outputs.recvScales");
+    p.recvScales = o.recvScales;
+  }
+  if (o.rowExperts != nullptr) {
+    requireDevicePointer(o.rowExperts, m.device, "dispatch: outputs.rowExperts");
+    p.rowExperts = o.rowExperts;
+    p.rowExperts64 = a.indexType == IndexType::kInt64 ? 1 : 0;
+  }
+  if (o.rowExpertWeights != nullptr) {
+    requireDevicePointer(o.rowExpertWeights, m.device, "dispatch: outputs.rowExpertWeights");
+    p.rowExpertWeights = o.rowExpertWeights;
+  }
+  if (o.rowSrcRank != nullptr) {
+    requireDevicePointer(o.rowSrcRank, m.device, "dispatch: outputs.rowSrcRank");
+    p.rowSrcRank = o.rowSrcRank;
+  }
+  if (o.rowSrcToken != nullptr) {
+    requireDevicePointer(o.rowSrcToken, m.device, "dispatch: outputs.rowSrcToken");
+    p.rowSrcToken = o.rowSrcToken;
+  }
+  if (o.rankPrefixMatrix != nullptr) {
+    requireDevicePointer(o.rankPrefixMatrix, m.device, "dispatch: outputs.rankPrefixMatrix");
+    p.rankPrefix = o.rankPrefixMatrix;
+  }
+  // A row buffer the caller did not give is the engine's: its rows hold outRows (the capacity holds
+  // every rank-major row).
 }
 }  // namespace
 
@@ -1108,7 +1288,7 @@ HealthReport Engine::checkHealth(cudaStream_t stream, std::chrono::milliseconds 
 
 std::string detail::describeLatencyStall(const LatencyCounters& c) {
   const std::uint32_t step = c.dispatchStep, cstep = c.combineStep, G = c.ctas;
-  const bool inCombine = c.pending != 0;
+  const bool inCombine = (c.pending & kMoePendingCombine) != 0;
   std::string missing;
   for (std::size_t peer = 0; peer < c.flags.size(); ++peer) {
     const std::uint32_t flag = c.flags[peer], arrive = c.arrivals[peer], comb = c.combineArrivals[peer];
@@ -1222,13 +1402,15 @@ std::string MoeStatus::describe() const {
                         clampedTokenCounts, firstClampedCount));
   }
   if (unpairedDispatches > 0) {
-    line(detail::format("%llu dispatch(es) ran before the previous dispatch was combined (its combine was lost)",
-                        unpairedDispatches));
+    line(detail::format("%llu dispatch(es) counted as unpaired", unpairedDispatches));
   }
   if (unpairedCombines > 0) {
-    line(detail::format("%llu combine(s) ran with no dispatch since the last combine (they combined the last "
-                        "dispatch again)",
-                        unpairedCombines));
+    line(detail::format("%llu combine(s) ran before any dispatch (nothing to combine)", unpairedCombines));
+  }
+  if (missingCombineRows > 0) {
+    line(detail::format("%llu expert output row(s) a combine needed lay past CombineArgs.expertOutputRows (they "
+                        "added nothing)",
+                        missingCombineRows));
   }
   if (!deviceError.empty()) line(deviceError);
   return s;

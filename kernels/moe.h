@@ -49,9 +49,17 @@ struct MoeDeviceStatus {
   std::int32_t firstClampedCount;    // the first out-of-range live count
   std::uint32_t firstClampedSet;
   std::uint32_t pad;
-  unsigned long long unpairedDispatches;  // dispatches that found the previous one not combined
-  unsigned long long unpairedCombines;    // combines with no dispatch since the last combine
+  unsigned long long unpairedDispatches;  // kept at 0: dispatch -> dispatch is defined (the second replaces the first)
+  unsigned long long unpairedCombines;    // combines before the engine's first dispatch (nothing to combine)
+  // Combine inputs shorter than the layout (CombineArgs.expertOutputRows): rows past them add nothing.
+  unsigned long long missingCombineRows;
 };
+
+// MoeParams::pending, set by each operation's last kernel: bit 0 between a dispatch and a combine
+// (the watchdog's guess at which operation a stall is in), bit 1 once any dispatch has run (a
+// combine before it has nothing to combine: counted).
+inline constexpr std::uint32_t kMoePendingCombine = 1u;
+inline constexpr std::uint32_t kMoeDispatched = 2u;
 
 // Metadata after the payload of every dispatch record (kMoeMetaBytes for topK slots).
 struct MoeRecordHeader {
@@ -79,12 +87,23 @@ __host__ __device__ inline std::uint64_t moeCountMsgBytes(int localExperts) {
   return ((1 + static_cast<std::uint64_t>(localExperts)) * 8 + 15) & ~std::uint64_t{15};
 }
 // The direct dispatch's count message (kernels/moe_direct.cu): the count message, then u32
-// {live tokens T, first[0 .. W]} with W = ceil(maxTokens / 32): first[w] is the index of the first
-// record of tokens >= 32 w (first[ceil(T / 32)] = the records sent), 16-byte multiple.
-__host__ __device__ inline std::uint64_t moeDirectMsgBytes(int localExperts, int maxTokens) {
+// {live tokens T, first[0 .. W], rankCount[0 .. R)} with W = ceil(maxTokens / 32): first[w] is the
+// index of the first record of tokens >= 32 w (first[ceil(T / 32)] = the records sent), and
+// rankCount[r] the records the source sends to rank r (every destination gets the whole row, so
+// each rank can form the full rank prefix matrix), 16-byte multiple.
+__host__ __device__ inline std::uint64_t moeDirectMsgBytes(int localExperts, int maxTokens, int numRanks) {
   const std::uint64_t words = (static_cast<std::uint64_t>(maxTokens) + 31u) / 32u;
-  return moeCountMsgBytes(localExperts) + (((2 + words) * 4 + 15) & ~std::uint64_t{15});
+  return moeCountMsgBytes(localExperts) +
+         (((2 + words + static_cast<std::uint64_t>(numRanks)) * 4 + 15) & ~std::uint64_t{15});
 }
+// Its u32 word of rankCount[0] (after T and first[0 .. W]).
+__host__ __device__ inline std::uint64_t moeDirectRankCountWord(int maxTokens) {
+  return 2 + (static_cast<std::uint64_t>(maxTokens) + 31u) / 32u;
+}
+
+// The direct combine's per-record values (CombineArgs.rowValues): fp32 slots of this many per
+// record, whatever numValues is, so that a block's values are one contiguous span.
+inline constexpr int kMoeMaxValues = 16;
 
 // Kernels of the engine that can stamp a timeline (MoeConfig.profile): each CTA takes the minimum
 // of its entry times and the maximum of its exit times into timeline[2 * kernel], [2 * kernel + 1]
@@ -112,10 +131,11 @@ enum class MoeKernel : int {
 inline constexpr int kMoeStampWords = 4;
 
 struct MoeParams {
-  // Shape.
+  // Shape. topK, fp8 and payloadBytes are the dispatch's own (DispatchArgs.topK, .input): at most
+  // the config's top-k, and a record slot holds the config's largest record (recBytes).
   std::int32_t rank, numRanks, hidden, topK, numExperts, localExperts, maxTokens;
   std::int32_t fp8;        // dispatch in fp8 e4m3 (records carry fp8 tiles)
-  std::int32_t int64Ids;   // topkIdx holds int64
+  std::int32_t int64Ids;   // topkIdx holds int64 (and rank-major rowExperts are written as int64)
   std::int32_t alignment;  // per-expert row alignment of recv_x
   std::int32_t strict;     // trap after counting bad input
   std::int64_t capacity;   // rows of recv_x
@@ -127,16 +147,31 @@ struct MoeParams {
   // rowExpertWeights [capacity][topK], -1 / 0 where a slot's expert is not here).
   std::int32_t rankMajor;
   std::int32_t* rankOffsets;
-  std::int32_t* rowExperts;
+  void* rowExperts;          // int32, or int64 with rowExperts64 (a caller's output for int64 ids)
+  std::int32_t rowExperts64;
   float* rowExpertWeights;
+  // Rank-major: rows of recvX / recvScales / row metadata this dispatch may write (the caller's
+  // DispatchOutputs.rows, or the capacity); a row past it is dropped and counted.
+  std::int64_t outRows;
+  // [R][R] or nullptr (the direct dispatch): [i][j] = records ranks 0 .. i send to rank j.
+  std::int32_t* rankPrefix;
   std::uint64_t recBytes, payloadBytes, cntMsgBytes;
   std::uint64_t directMsgBytes;  // moeDirectMsgBytes (the direct dispatch's count messages)
 
   // Inputs (dispatch).
-  const void* x;             // [T, H] bf16
-  const void* topkIdx;       // [T, K] int32 / int64
+  const void* x;             // [T, H] bf16, or e4m3 bytes with fp8Input
+  const void* topkIdx;       // [T, K] int32 / int64; nullptr with topK 0 (tokenInRank routing alone)
   const float* topkWeights;  // [T, K]
   const int* numTokens;      // device scalar
+  // [T, R] bytes or nullptr: a token goes to rank r when tokenInRank[t][r] != 0 (its top-k entries
+  // whose expert lives on such a rank become its slots there, the others are left out); nullptr:
+  // to the ranks of its top-k experts.
+  const std::uint8_t* tokenInRank;
+  // x holds e4m3 bytes quantised by the caller, with fp32 scales xScales[t * scaleTokenStride +
+  // j * scaleHiddenStride] for values [128 j, 128 j + 128) (the direct dispatch packs them).
+  std::int32_t fp8Input;
+  const float* xScales;
+  std::int64_t scaleTokenStride, scaleHiddenStride;
 
   // Routing scratch (local).
   std::int32_t* liveTokens;   // [1] the clamped live count of the last dispatch
@@ -194,7 +229,16 @@ struct MoeParams {
   float* rowWeight;
 
   // Combine.
-  const char* y;               // [capacity, H] bf16 expert outputs
+  const char* y;               // [yRows, H] bf16 expert outputs
+  std::int64_t yRows;          // rows of y; a row the layout places past them adds nothing (counted)
+  // Rank-major on the direct path, or nullptr: fp32 [yRows][numValues] per received row, summed
+  // over the destination ranks into outValues [T][numValues] like the rows (fp32, rank order),
+  // staged in combValSend [R][maxTokens][kMoeMaxValues] and landing in the heap's llCombValOff
+  // region of the same shape.
+  const float* rowValues;
+  float* outValues;
+  std::int32_t numValues;
+  float* combValSend;
   char* combSend;              // [R][maxTokens][H] bf16 partials (local)
   const char* combRecv;        // [R][maxTokens][H] bf16 partials (this rank's heap)
   char* out;                   // [T, H] bf16
@@ -218,8 +262,14 @@ struct MoeParams {
   // (CTAs of peer destination q whose partials have landed: G per step; a rank's own slot is never
   // posted, its receiver reducing its own records).
   // [2]: by the parity of the operation's step, so consecutive operations never share a buffer.
+  // The direct path's acknowledgements, u32 monotonic [R] in the waiting (writing) rank's heap:
+  // llDispAckOff[q] = step + 1 once destination q has expanded this rank's records of dispatch
+  // `step`, llCombAckOff[q] = step + 1 once source q has summed this rank's partials of combine
+  // `step`; a dispatch (combine) writes into q only after q's ack of the previous one, so
+  // dispatch -> dispatch and combine -> combine never overwrite what a peer still reads.
   char* peerUser[kMaxRanks];  // every rank's user region as this rank sees it (its own included)
   std::uint64_t llRecOff, llCntOff, llCombOff, llFlagOff, llArriveOff, llCombArriveOff, llBlockOff, llCombBlockOff;
+  std::uint64_t llDispAckOff, llCombAckOff, llCombValOff;
   std::uint32_t* llSteps;     // local [2]: dispatch and combine steps (monotonic)
   std::uint32_t* llDone;      // local [2]: last-CTA counters of the dispatch's and the combine's last kernels
   // Direct combine, local [R][routeWords(maxTokens)]: the reduce's CTAs done with a block of a
@@ -270,6 +320,19 @@ cudaError_t moeDirectEpilogueFits(int cluster, int ctas, bool* fits);
 cudaError_t launchMoeCombineReduce(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeCombineFinal(const MoeParams& p, cudaStream_t stream);
 cudaError_t preloadMoeCombineKernels();
+// DeepEP's get_dispatch_layout (kernels/moe_token_layout.cu; graphep::tokenLayout): the outputs are
+// zeroed (memset nodes) and filled by one kernel.
+struct MoeTokenLayoutParams {
+  const void* topkIdx;        // [numTokens, topK] int32 / int64
+  std::int32_t int64Ids;
+  std::int32_t numTokens, topK, numExperts, numRanks;
+  std::int32_t* tokensPerRank;    // [numRanks]
+  std::int32_t* tokensPerExpert;  // [numExperts]
+  std::uint8_t* tokenInRank;      // [numTokens, numRanks]
+};
+cudaError_t launchMoeTokenLayout(const MoeTokenLayoutParams& p, cudaStream_t stream);
+cudaError_t preloadMoeTokenLayoutKernels();
+
 // Latency path: a sender (G CTAs of kMoeLatencyThreads, dynamic shared memory
 // moeLatencySmem(...).bytes for dispatch) and a receiver (epilogueCtas CTAs) per operation.
 inline constexpr int kMoeLatencyMaxTokens = 256;

@@ -31,7 +31,7 @@ __global__ void __launch_bounds__(kThreads) moeCombineFinalKernel(const __grid_c
   const MoeStamp stamp(p, MoeKernel::kCombineFinal);
   __shared__ const uint4* parts[kGroups][kMaxRanks];
   const MoeGroupSlice gs = moeGroupSlice();
-  if (blockIdx.x == 0 && threadIdx.x == 0) *p.pending = 0u;  // the combine's last kernel
+  if (blockIdx.x == 0 && threadIdx.x == 0) *p.pending &= kMoeDispatched;  // the combine's last kernel
   const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.hidden) * 2;
   const int T = *p.liveTokens;
   for (int t = gs.first; t < T; t += gs.stride) {

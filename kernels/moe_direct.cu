@@ -22,11 +22,14 @@
 //            dependent) reduces the own rows and sums each token's partials in rank order.
 //
 // Count messages alternate by the step's parity; the records have one slot per (source, index),
-// the same region the movers' path uses. A source writes its records of dispatch s + 1 only after
-// its combine s has received every destination's partials, which each destination sends after
-// its own combine s has read the records of dispatch s: so no record is overwritten while it is
-// read (a dispatch is always followed by its combine; MoeDeviceStatus counts one that is not).
-// Flags only grow (mod 2^32): they reach step + 1.
+// the same region the movers' path uses, and so do the partials. So that dispatch -> dispatch and
+// combine -> combine never overwrite what a peer still reads, a send writes into a peer only after
+// that peer's acknowledgement of the previous operation (llDispAck: the receive has expanded this
+// rank's records; llCombAck: the final has summed this rank's partials), which the peer's last CTA
+// posts. In the usual dispatch -> combine -> dispatch order the acknowledgement has long arrived:
+// a source writes its records of dispatch s + 1 only after its combine s received every
+// destination's partials, which each destination sends after reading the records of dispatch s.
+// Flags and acknowledgements only grow (mod 2^32): they reach step + 1.
 #include "kernels/common/moe_peer.cuh"
 
 namespace graphep {
@@ -73,21 +76,60 @@ __device__ __forceinline__ std::uint32_t* directCombineFlag(const MoeParams& p, 
          static_cast<std::uint64_t>(dst) * moeRouteWords(p.maxTokens) + w;
 }
 
-// The fp8 row of token t, quantised by the quantise kernel (recSend, unused otherwise by the
-// direct dispatch, holds [T][payloadBytes]); nullptr for bf16.
+// The u32 word of rankCount[0] in a count message's tail (moeDirectMsgBytes).
+__device__ __forceinline__ int directRankCountWord(const MoeParams& p) {
+  return static_cast<int>(moeDirectRankCountWord(p.maxTokens));
+}
+
+// Partial values (CombineArgs.rowValues) of record `i` from destination `dst` in rank `rank`'s heap
+// ([R][maxTokens][kMoeMaxValues] fp32), and the local staging of peer s's values of record i.
+__device__ __forceinline__ float* directValues(const MoeParams& p, int rank, int dst, int i) {
+  return reinterpret_cast<float*>(p.peerUser[rank] + p.llCombValOff) +
+         (static_cast<std::uint64_t>(dst) * p.maxTokens + i) * kMoeMaxValues;
+}
+__device__ __forceinline__ float* directStagedValues(const MoeParams& p, int s, int i) {
+  return p.combValSend + (static_cast<std::uint64_t>(s) * p.maxTokens + i) * kMoeMaxValues;
+}
+
+// The fp8 row of token t, in its wire tiles (recSend, unused otherwise by the direct dispatch,
+// holds [T][payloadBytes]: quantised by the quantise kernel, or packed from the caller's e4m3 bytes
+// and scales); nullptr for bf16.
 __device__ __forceinline__ const char* directWire(const MoeParams& p, int t) {
   return p.fp8 ? p.recSend + static_cast<std::uint64_t>(t) * p.payloadBytes : nullptr;
 }
 
+// Token t's caller-quantised row (fp8Input: e4m3 bytes in x, fp32 scales in xScales) into its wire
+// tiles at `wire`: per tile of 128 values its 128 bytes, its scale, 12 zero bytes (the produce
+// hook's record). A group of threads takes 16-byte pieces, 9 per tile.
+__device__ inline void moePackFp8Row(const MoeParams& p, int t, char* wire, const MoeGroup& g) {
+  const int tiles = p.hidden / static_cast<int>(kFp8TileValues);
+  const char* row = static_cast<const char*>(p.x) + static_cast<std::uint64_t>(t) * p.hidden;
+  const float* scales = p.xScales + static_cast<std::int64_t>(t) * p.scaleTokenStride;
+  for (int n = g.tid; n < tiles * 9; n += g.nthreads) {
+    const int tile = n / 9, part = n % 9;
+    auto* out = reinterpret_cast<uint4*>(wire + static_cast<std::uint64_t>(tile) * kFp8TileWireBytes) + part;
+    if (part < 8) {
+      *out = *(reinterpret_cast<const uint4*>(row + static_cast<std::uint64_t>(tile) * kFp8TileValues) + part);
+    } else {
+      *out = make_uint4(__float_as_uint(scales[static_cast<std::int64_t>(tile) * p.scaleHiddenStride]), 0, 0, 0);
+    }
+  }
+}
+
 // fp8 (epilogueCtas CTAs, before the send): each group quantises one live row at a time into its
-// wire tiles, so that the send only copies bytes and the receive's own rows need no quantiser.
+// wire tiles (or packs the caller's quantised row), so that the send only copies bytes and the
+// receive's own rows need no quantiser.
 __global__ void __launch_bounds__(kThreads) moeDirectQuantizeKernel(const __grid_constant__ MoeParams p) {
   const MoeStamp stamp(p, MoeKernel::kDirectQuantize);
   const MoeGroupSlice gs = moeGroupSlice();
   const int T = *p.liveTokens;
   for (int t = gs.first; t < T; t += gs.stride) {
     char* out = p.recSend + static_cast<std::uint64_t>(t) * p.payloadBytes;
-    moeQuantizeRow(p, static_cast<const char*>(p.x) + static_cast<std::uint64_t>(t) * p.hidden * 2, &out, 1, gs.g);
+    if (p.fp8Input) {
+      moePackFp8Row(p, t, out, gs.g);
+    } else {
+      moeQuantizeRow(p, static_cast<const char*>(p.x) + static_cast<std::uint64_t>(t) * p.hidden * 2, &out, 1, gs.g);
+    }
   }
 }
 
@@ -108,6 +150,7 @@ __global__ void __launch_bounds__(kThreads) moeDirectSendKernel(const __grid_con
     std::uint32_t* tail = directTail(p, r, parity, p.rank);
     for (int j = tid; j < L; j += kThreads) msg[1 + j] = p.expertCount[r * L + j];
     for (int w = tid; w <= blocks; w += kThreads) tail[1 + w] = w < W ? p.routePrefix[(E + r) * W + w] : p.rankCount[r];
+    for (int q = tid; q < R; q += kThreads) tail[directRankCountWord(p) + q] = p.rankCount[q];  // the whole row
     if (tid == 0) {
       msg[0] = p.rankCount[r];
       tail[0] = static_cast<std::uint32_t>(T);
@@ -116,6 +159,10 @@ __global__ void __launch_bounds__(kThreads) moeDirectSendKernel(const __grid_con
     __syncthreads();
     if (tid == 0) flagPost(peerCounter(p, r, p.llFlagOff) + p.rank, step + 1u);
   }
+  // The records of the previous dispatch have been read by every peer (its acknowledgement: at
+  // once in the usual order, see the header): only then are its slots rewritten. A failed wait is
+  // recorded; the peers' waits for this dispatch's blocks report too.
+  if (!waitEveryRank(p, p.llDispAckOff, step, WaitSite::kMoeDispatchAck, true)) return;
   // A warp per token (16 tokens in flight per CTA: the per-token reads of routing and metadata
   // overlap across them). Blocks of 32 tokens, CTA c taking blocks c, c + G, ... in order; each
   // block's flag posted to every peer once its records are written.
@@ -168,6 +215,15 @@ __global__ void __launch_bounds__(kThreads) moeDirectReceiveKernel(const __grid_
         __syncthreads();  // recvRows is written above
         const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.hidden) * 2;
         for (int q = tid; q < R; q += kThreads) p.combSendCounts[q] = static_cast<std::uint64_t>(p.recvRows[q]) * rowBytes;
+        if (p.rankPrefix != nullptr) {  // [i][j]: records ranks 0 .. i send to rank j (every source's row)
+          for (int j = tid; j < R; j += kThreads) {
+            std::int32_t sum = 0;
+            for (int i = 0; i < R; ++i) {
+              sum += static_cast<std::int32_t>(__ldcg(directTail(p, p.rank, parity, i) + directRankCountWord(p) + j));
+              p.rankPrefix[i * R + j] = sum;
+            }
+          }
+        }
       }
       // This rank's own tokens straight from x (no record: the send kernel skips this rank; their
       // metadata is written here for the combine), overlapping the peers' transfers.
@@ -227,9 +283,14 @@ __global__ void __launch_bounds__(kThreads) moeDirectReceiveKernel(const __grid_
   // The send grid (launched before this one, which may have started early) has completed and its
   // memory is visible: what follows in the stream sees a finished dispatch.
   ptx::gridDependencyWait();
-  if (lastBlock(&p.llDone[0]) && tid == 0) {
-    p.llSteps[0] = step + 1u;
-    *p.pending = 1u;  // the dispatch's last kernel
+  if (lastBlock(&p.llDone[0])) {
+    if (tid == 0) {
+      p.llSteps[0] = step + 1u;
+      *p.pending = kMoeDispatched | kMoePendingCombine;  // the dispatch's last kernel
+    }
+    // Every CTA's reads of the peers' records are ordered before this (lastBlock): the peers may
+    // write their next dispatch's records.
+    postEveryPeer(p, p.llDispAckOff, step + 1u);
   }
 }
 
@@ -279,9 +340,13 @@ __global__ void __launch_bounds__(kThreads) moeDirectCombineReduceKernel(const _
     const CombineBlock b = combineBlock(p, m / kBlockParts);
     const int i = b.w * kBlockTokens + (m % kBlockParts) * kGroups + gs.group;
     if (i < p.recvRows[b.s]) {
+      const long long rankRow = p.rankMajor ? p.rankOffsets[b.s] + i : -1;
       moeReduceRecord(p, p.recRecv + (static_cast<std::uint64_t>(b.s) * p.maxTokens + i) * p.recBytes,
-                      p.srcBase + b.s * p.localExperts, directStaged(p, b.s, i), stages[gs.group], gs.g,
-                      p.rankMajor ? p.rankOffsets[b.s] + i : -1);
+                      p.srcBase + b.s * p.localExperts, directStaged(p, b.s, i), stages[gs.group], gs.g, rankRow);
+      if (p.rowValues != nullptr && gs.g.tid < p.numValues) {  // rank-major: the row's values as they are
+        directStagedValues(p, b.s, i)[gs.g.tid] =
+            rankRow < p.yRows ? p.rowValues[rankRow * p.numValues + gs.g.tid] : 0.f;
+      }
     }
     // lastBlock's form over the block's kBlockParts CTAs, without its verdict's broadcast (a CTA
     // barrier per item): only thread 0 acts on it. The partials are local staging, read by this
@@ -313,8 +378,12 @@ __global__ void __launch_bounds__(kThreads) moeDirectCombineSendKernel(const __g
   const MoeStamp stamp(p, MoeKernel::kDirectCombineSend);  // the span ends before the wait below
   for (int n = static_cast<int>(blockIdx.x); n < items; n += static_cast<int>(gridDim.x)) {
     const CombineBlock b = combineBlock(p, n);
-    const bool failed = tid == 0 && !flagWait(p.sync, p.combReady + b.s * W + b.w, cstep + 1u, b.s,
-                                              WaitSite::kMoeCombineStaged);
+    // The block is reduced here, and the peer has summed this rank's partials of the previous
+    // combine (its acknowledgement: at once in the usual order), so its slots may be rewritten.
+    const bool failed =
+        tid == 0 && (!flagWait(p.sync, p.combReady + b.s * W + b.w, cstep + 1u, b.s, WaitSite::kMoeCombineStaged) ||
+                     !flagWait(p.sync, peerCounter(p, p.rank, p.llCombAckOff) + b.s, cstep, b.s,
+                               WaitSite::kMoeCombineAck));
     if (__syncthreads_or(failed) != 0) break;  // recorded; the peer's wait for this block reports too
     const int first = b.w * kBlockTokens;
     const int rows = min(kBlockTokens, p.recvRows[b.s] - first);
@@ -334,6 +403,11 @@ __global__ void __launch_bounds__(kThreads) moeDirectCombineSendKernel(const __g
       for (int u = 0; u < kMoeUnroll; ++u) {
         if (c0 + u * kThreads < vecs) dst[c0 + u * kThreads] = v[u];
       }
+    }
+    if (p.rowValues != nullptr) {  // the block's values: kMoeMaxValues floats per record, contiguous
+      const auto* vsrc = reinterpret_cast<const uint4*>(directStagedValues(p, b.s, first));
+      auto* vdst = reinterpret_cast<uint4*>(directValues(p, b.s, p.rank, first));
+      for (int c = tid; c < rows * (kMoeMaxValues / 4); c += kThreads) vdst[c] = __ldcg(vsrc + c);
     }
     __threadfence_system();  // every thread's partials, before the flag
     __syncthreads();
@@ -374,12 +448,31 @@ __global__ void __launch_bounds__(kThreads) moeDirectCombineFinalKernel(const __
       moeFinalToken(
           p, t, [&](int q) -> const char* { return idx[q] < 0 ? nullptr : directPartial(p, p.rank, q, idx[q]); },
           parts[gs.group], gs.g);
+      if (p.rowValues != nullptr && gs.g.tid < p.numValues) {  // the values, summed alike (fp32, rank order)
+        const int k = gs.g.tid;
+        float sum = 0.f;
+        for (int q = 0; q < R; ++q) {
+          if (idx[q] < 0) continue;
+          if (q == p.rank) {
+            const long long row = p.rankOffsets[p.rank] + own;
+            sum += row < p.yRows ? p.rowValues[row * p.numValues + k] : 0.f;
+          } else {
+            sum += __ldcg(directValues(p, p.rank, q, idx[q]) + k);  // landed with the block's flag
+          }
+        }
+        p.outValues[static_cast<std::uint64_t>(t) * p.numValues + k] = sum;
+      }
     }
   }
   ptx::gridDependencyWait();  // the first half has completed: the stream sees a finished combine
-  if (lastBlock(&p.llDone[1]) && tid == 0) {
-    p.llSteps[1] = cstep + 1u;
-    *p.pending = 0u;  // the combine's last kernel
+  if (lastBlock(&p.llDone[1])) {
+    if (tid == 0) {
+      p.llSteps[1] = cstep + 1u;
+      *p.pending &= kMoeDispatched;  // the combine's last kernel
+    }
+    // Every CTA's reads of the peers' partials are ordered before this (lastBlock): the peers may
+    // write their next combine's partials.
+    postEveryPeer(p, p.llCombAckOff, cstep + 1u);
   }
 }
 

@@ -80,7 +80,7 @@ __global__ void __launch_bounds__(kThreads) moeExpandKernel(const __grid_constan
   const MoeStamp stamp(p, MoeKernel::kExpand);
   __shared__ MoeSlotStage stage[kGroups];
   const MoeGroupSlice gs = moeGroupSlice();
-  if (blockIdx.x == 0 && threadIdx.x == 0) *p.pending = 1u;  // the dispatch's last kernel
+  if (blockIdx.x == 0 && threadIdx.x == 0) *p.pending = kMoeDispatched | kMoePendingCombine;  // the dispatch's last kernel
   for (int s = 0; s < p.numRanks; ++s) {
     const char* recs = p.recRecv + static_cast<std::uint64_t>(s) * p.maxTokens * p.recBytes;
     const long long rankBase = p.rankMajor ? p.rankOffsets[s] : -1;  // rank-major: the source's first row

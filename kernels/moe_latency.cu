@@ -257,7 +257,7 @@ __global__ void __launch_bounds__(kThreads) moeLatencyReceiveKernel(const __grid
   ptx::gridDependencyWait();  // the send has completed: the stream sees a finished dispatch
   if (lastBlock(&p.llDone[0]) && tid == 0) {
     p.llSteps[0] = step + 1u;
-    *p.pending = 1u;
+    *p.pending = kMoeDispatched | kMoePendingCombine;
   }
 }
 
@@ -341,7 +341,7 @@ __global__ void __launch_bounds__(kThreads) moeLatencyCombineReceiveKernel(const
   ptx::gridDependencyWait();  // the send has completed: the stream sees a finished combine
   if (lastBlock(&p.llDone[1]) && tid == 0) {
     p.llSteps[1] = cstep + 1u;
-    *p.pending = 0u;
+    *p.pending &= kMoeDispatched;
   }
 }
 

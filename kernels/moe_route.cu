@@ -3,7 +3,8 @@
 //
 //   bits    every (token, k) entry: its bit in the expert's row and in the destination rank's row,
 //           its count in the expert's 32-token block; invalid ids counted; CTA 0 clamps the live
-//           token count.
+//           token count. With tokenInRank, the ranks' rows come from the mask instead, and an
+//           entry counts only where the mask sends its token to its expert's rank.
 //   prefix  one warp per row: entries (tokens, for rank rows) before each 32-token block (a CUB
 //           warp scan per 32 blocks), and the row's total (expertCount, rankCount).
 //   assign  each entry's index within its expert's entries from this rank (token-major order, so
@@ -27,7 +28,13 @@ __global__ void __launch_bounds__(kThreads) moeRouteBitsKernel(const __grid_cons
   const MoeStamp stamp(p, MoeKernel::kRoute);
   if (blockIdx.x == 0 && threadIdx.x == 0) moeCheckPairing(p, true);
   const int T = moeLiveTokens(p, blockIdx.x == 0 && threadIdx.x == 0);
-  const int W = static_cast<int>(moeRouteWords(p.maxTokens)), E = p.numExperts, K = p.topK;
+  const int W = static_cast<int>(moeRouteWords(p.maxTokens)), E = p.numExperts, K = p.topK, R = p.numRanks;
+  if (p.tokenInRank != nullptr) {  // the destinations, from the mask
+    for (int n = gridThread(); n < T * R; n += gridThreads()) {
+      const int t = n / R;
+      if (p.tokenInRank[n] != 0) atomicOr(&p.routeBits[(E + n % R) * W + (t >> 5)], 1u << (t & 31));
+    }
+  }
   for (int i = gridThread(); i < T * K; i += gridThreads()) {
     const long long id = moeReadId(p, static_cast<std::uint64_t>(i));
     if (!moeValidId(p, id)) {
@@ -35,10 +42,11 @@ __global__ void __launch_bounds__(kThreads) moeRouteBitsKernel(const __grid_cons
       continue;
     }
     const int t = i / K, w = t >> 5;
+    if (!moeEntryRouted(p, t, id)) continue;  // the mask does not send the token to its expert's rank
     const std::uint32_t bit = 1u << (t & 31);
     if (atomicOr(&p.routeBits[id * W + w], bit) & bit) atomicExch(p.routeDup, 1u);
     atomicAdd(&p.routeCount[id * W + w], 1u);
-    atomicOr(&p.routeBits[(E + id / p.localExperts) * W + w], bit);
+    if (p.tokenInRank == nullptr) atomicOr(&p.routeBits[(E + id / p.localExperts) * W + w], bit);
   }
 }
 
@@ -78,14 +86,14 @@ __global__ void __launch_bounds__(kThreads) moeRouteAssignKernel(const __grid_co
   const bool dup = *p.routeDup != 0;
   for (int i = gridThread(); i < T * K; i += gridThreads()) {
     const long long id = moeReadId(p, static_cast<std::uint64_t>(i));
-    if (!moeValidId(p, id)) continue;
+    if (!moeValidId(p, id) || !moeEntryRouted(p, i / K, id)) continue;
     const int t = i / K, k = i % K, w = t >> 5;
     const std::uint32_t below = p.routeBits[id * W + w] & ((1u << (t & 31)) - 1u);
     int idx = static_cast<int>(p.routePrefix[id * W + w]);
     if (!dup) {
       idx += __popc(below);
     } else {  // exact: the entries of this expert in the block's earlier tokens and earlier slots
-      for (std::uint32_t m = below; m != 0; m &= m - 1) {
+      for (std::uint32_t m = below; m != 0; m &= m - 1) {  // tokens whose entry of `id` is routed
         const int u = (w << 5) + __ffs(m) - 1;
         for (int kk = 0; kk < K; ++kk) idx += moeReadId(p, static_cast<std::uint64_t>(u) * K + kk) == id;
       }
@@ -105,7 +113,9 @@ __global__ void __launch_bounds__(kThreads) moeRouteAssignKernel(const __grid_co
 }  // namespace
 
 cudaError_t launchMoeRoute(const MoeParams& p, cudaStream_t stream) {
-  if (p.numExperts < 1 || p.numRanks < 1 || p.topK < 1 || p.topK > kMoeMaxTopK || p.ctas < 1) {
+  // topK 0: routing by tokenInRank alone (no slots).
+  if (p.numExperts < 1 || p.numRanks < 1 || p.topK < 0 || p.topK > kMoeMaxTopK || p.ctas < 1 ||
+      (p.topK == 0 && p.tokenInRank == nullptr)) {
     return cudaErrorInvalidValue;
   }
   cudaError_t e = cudaMemsetAsync(p.routeBits, 0, p.routeZeroBytes, stream);

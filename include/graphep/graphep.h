@@ -30,8 +30,11 @@ extern "C" {
  * layouts); graphep_layout_t.receive_layout, rows_per_expert, rank_offsets, row_experts,
  * row_expert_weights. A version-2 caller's structs (config 56 bytes,
  * layout 128 bytes on 64-bit hosts) keep working: the new fields read as 0 and only its bytes are
- * written. */
-#define GRAPHEP_C_API_VERSION 3
+ * written. 4: graphep_dispatch_args_t.top_k, token_in_rank, input, x_scales and its strides, and
+ * the caller's outputs (out_*); graphep_combine_args_t.expert_output_rows, row_values, out_values,
+ * num_values; graphep_moe_status_t.missing_combine_rows; graphep_token_layout; graphep_api_version.
+ * Dispatch -> dispatch and combine -> combine are defined (no longer counted as unpaired). */
+#define GRAPHEP_C_API_VERSION 4
 
 /* Mirrors graphep::Status (include/graphep/status.hpp). */
 typedef enum graphep_status {
@@ -52,6 +55,13 @@ typedef enum graphep_status {
 } graphep_status_t;
 
 typedef enum graphep_dtype { GRAPHEP_DTYPE_BF16 = 0, GRAPHEP_DTYPE_FP8_E4M3 = 1 } graphep_dtype_t;
+/* graphep::DispatchInput: what x holds and how its rows travel. */
+typedef enum graphep_dispatch_input {
+  GRAPHEP_INPUT_CONFIG = 0,        /* x bf16, sent as the config's dispatch_dtype */
+  GRAPHEP_INPUT_BF16 = 1,          /* x bf16, sent as bf16 (a bf16 engine) */
+  GRAPHEP_INPUT_FP8_QUANTIZE = 2,  /* x bf16, quantised by graphep (e4m3, an fp32 scale per 128 values) */
+  GRAPHEP_INPUT_FP8 = 3            /* x e4m3 bytes quantised by the caller, with x_scales */
+} graphep_dispatch_input_t;
 typedef enum graphep_index_type { GRAPHEP_INDEX_INT32 = 0, GRAPHEP_INDEX_INT64 = 1 } graphep_index_type_t;
 typedef enum graphep_path { GRAPHEP_PATH_AUTO = 0, GRAPHEP_PATH_LATENCY = 1, GRAPHEP_PATH_THROUGHPUT = 2 } graphep_path_t;
 /* graphep::ReceiveLayout. */
@@ -89,21 +99,45 @@ typedef struct graphep_moe_config {
 /* graphep::DispatchArgs: device pointers, rewritten in place between graph replays. */
 typedef struct graphep_dispatch_args {
   size_t struct_size;
-  const void* x;               /* [T_max, H] bf16, 16-byte aligned */
-  const void* topk_idx;        /* [T_max, K], -1 = none */
+  const void* x;               /* [T_max, H] bf16 (e4m3 bytes with GRAPHEP_INPUT_FP8), 16-byte aligned */
+  const void* topk_idx;        /* [T_max, K], -1 = none; NULL with token_in_rank: no slots */
   int index_type;              /* graphep_index_type_t */
   const float* topk_weights;   /* [T_max, K] */
   const int* num_tokens;       /* device scalar: the live T */
+  /* Version 4 (graphep::DispatchArgs; 0 / NULL: as before). */
+  int top_k;                   /* columns of topk_idx this call, <= the config's top_k; 0: the config's */
+  const unsigned char* token_in_rank;  /* [T, R] bytes: route token t to rank r when nonzero (rank-major) */
+  int input;                   /* graphep_dispatch_input_t */
+  const float* x_scales;       /* GRAPHEP_INPUT_FP8: fp32 scales, one per 128 values */
+  long long scale_token_stride;   /* elements; 0 and 0: row-major [T, H / 128] */
+  long long scale_hidden_stride;
+  /* The caller's buffers for the received rows (rank-major, throughput path; see
+   * graphep::DispatchOutputs); NULL: the engine's. out_rows: their rows (rows past it dropped). */
+  void* out_recv_x;
+  float* out_recv_scales;
+  void* out_row_experts;       /* int32 or int64 as index_type */
+  float* out_row_expert_weights;
+  int* out_row_src_rank;
+  int* out_row_src_token;
+  int* out_rank_prefix_matrix; /* [R, R] */
+  long long out_rows;
 } graphep_dispatch_args_t;
-#define GRAPHEP_DISPATCH_ARGS_INIT { sizeof(graphep_dispatch_args_t), NULL, NULL, GRAPHEP_INDEX_INT32, NULL, NULL }
+#define GRAPHEP_DISPATCH_ARGS_INIT \
+  { sizeof(graphep_dispatch_args_t), NULL, NULL, GRAPHEP_INDEX_INT32, NULL, NULL, 0, NULL, GRAPHEP_INPUT_CONFIG, NULL, 0, \
+    0, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0 }
 
 /* graphep::CombineArgs. */
 typedef struct graphep_combine_args {
   size_t struct_size;
-  const void* expert_output;   /* [capacity, H] bf16; NULL: the layout's expert_output */
+  const void* expert_output;   /* [expert_output_rows, H] bf16; NULL: the layout's expert_output */
   void* out;                   /* [T_max, H] bf16 */
+  /* Version 4 (graphep::CombineArgs). */
+  long long expert_output_rows;  /* 0: the capacity; rows needed past it add nothing (counted) */
+  const float* row_values;     /* rank-major, direct path: [rows, num_values] fp32 summed like the rows */
+  float* out_values;           /* [T, num_values] */
+  int num_values;              /* 1 .. 16 with row_values */
 } graphep_combine_args_t;
-#define GRAPHEP_COMBINE_ARGS_INIT { sizeof(graphep_combine_args_t), NULL, NULL }
+#define GRAPHEP_COMBINE_ARGS_INIT { sizeof(graphep_combine_args_t), NULL, NULL, 0, NULL, NULL, 0 }
 
 /* graphep::DispatchLayout: engine-owned device memory, fixed for the engine's life; the contents
  * are those of the last dispatch, valid until the next one. E_local = num_local_experts.
@@ -172,10 +206,12 @@ typedef struct graphep_moe_status {
   int first_invalid_slot;
   int first_clamped_count;
   int device_error;            /* nonzero: a timeout or protocol error was recorded */
-  unsigned long long unpaired_dispatches;
-  unsigned long long unpaired_combines;
+  unsigned long long unpaired_dispatches;  /* stays 0 since version 4 (dispatch -> dispatch is defined) */
+  unsigned long long unpaired_combines;    /* combines before the first dispatch */
+  /* Version 4. */
+  unsigned long long missing_combine_rows; /* expert output rows a combine needed past expert_output_rows */
 } graphep_moe_status_t;
-#define GRAPHEP_MOE_STATUS_INIT { sizeof(graphep_moe_status_t), 0, 0, 0, 0, -1, -1, 0, 0, 0, 0 }
+#define GRAPHEP_MOE_STATUS_INIT { sizeof(graphep_moe_status_t), 0, 0, 0, 0, -1, -1, 0, 0, 0, 0, 0 }
 
 /* graphep::MoeMemory: what an engine of a config allocates per rank, known before anything is
  * allocated (size a KV cache after it). */
@@ -190,6 +226,9 @@ typedef struct graphep_moe_memory {
 
 /* Library. */
 const char* graphep_version(void);
+/* The GRAPHEP_C_API_VERSION the library was built with (a caller built against a newer header can
+ * check before using newer fields). Version 4. */
+int graphep_api_version(void);
 const char* graphep_status_name(graphep_status_t status);
 /* The message of this thread's last failed call ("" when none). */
 const char* graphep_last_error(void);
@@ -221,6 +260,12 @@ graphep_status_t graphep_dispatch(graphep_engine_t engine, const graphep_dispatc
 graphep_status_t graphep_combine(graphep_engine_t engine, const graphep_combine_args_t* args, cudaStream_t stream);
 /* Diagnostics (synchronises the engine's device). */
 graphep_status_t graphep_engine_status(graphep_engine_t engine, graphep_moe_status_t* status);
+/* graphep::tokenLayout (DeepEP's get_dispatch_layout): per-rank and per-expert counts and the
+ * token-in-rank mask [num_tokens, num_ranks] of a top-k routing, on the current device. Capturable,
+ * not collective, no engine. Version 4. */
+graphep_status_t graphep_token_layout(const void* topk_idx, int index_type, int num_tokens, int top_k,
+                                      int num_experts, int num_ranks, int* tokens_per_rank,
+                                      int* tokens_per_expert, unsigned char* token_in_rank, cudaStream_t stream);
 
 /* MoeGraph with an expert child graph (copied; swap it with graphep_graph_set_experts). */
 graphep_status_t graphep_graph_create(graphep_engine_t engine, const graphep_dispatch_args_t* dispatch,

@@ -102,12 +102,56 @@ struct MoeKernelSpan {
   unsigned long long startNs, endNs;
 };
 
+// What a dispatch's x holds and how its rows travel (DispatchArgs.input).
+enum class DispatchInput : std::uint8_t {
+  kConfig = 0,       // x bf16, sent as MoeConfig.dispatchType
+  kBf16 = 1,         // x bf16, sent as bf16 (not on an engine whose dispatchType is fp8: its records
+                     // have room for fp8 rows only)
+  kFp8Quantize = 2,  // x bf16, quantised by the engine: e4m3 with one fp32 scale per 128 values
+  kFp8 = 3,          // x e4m3 bytes [T, H] quantised by the caller, with DispatchArgs.xScales
+};
+
+// The caller's own buffers for one dispatch's received rows, instead of the engine's (rank-major
+// layout, throughput path with every peer by load/store on a GPU of its own). Every pointer is
+// optional (nullptr: the engine's buffer, or not written); the rows go where they would in the
+// engine's (source rank, then source token order). A row at or past `rows` is dropped and counted
+// (MoeStatus.droppedRows); the published layout (DispatchLayout.numRecvRows, rankOffsets) still
+// counts it.
+struct DispatchOutputs {
+  void* recvX = nullptr;               // [rows, H] bf16, or e4m3 bytes for an fp8 dispatch
+  float* recvScales = nullptr;         // fp8: [rows, H / 128]
+  void* rowExperts = nullptr;          // [rows, topK]: local expert per slot (-1: not here), int32 or
+                                       // int64 as DispatchArgs.indexType
+  float* rowExpertWeights = nullptr;   // [rows, topK]: its weight (0 where the slot is -1)
+  int* rowSrcRank = nullptr;           // [rows]
+  int* rowSrcToken = nullptr;          // [rows]
+  int* rankPrefixMatrix = nullptr;     // [R, R]: [i][j] = rows ranks 0 .. i send to rank j
+  long long rows = 0;                  // rows of the buffers above (0: the engine's capacity)
+};
+
 struct DispatchArgs {
-  const void* x = nullptr;             // [T, H] bf16, 16-byte aligned
+  const void* x = nullptr;             // [T, H] bf16 (e4m3 bytes with kFp8), 16-byte aligned
   const void* topkIdx = nullptr;       // [T, K] global expert ids, -1 = none
   IndexType indexType = IndexType::kInt32;
   const float* topkWeights = nullptr;  // [T, K]
   const int* numTokens = nullptr;      // device scalar: the live T (clamped to [0, T_max])
+  // Columns of topkIdx / topkWeights in this dispatch, at most MoeConfig.topK (0: MoeConfig.topK;
+  // with tokenInRank, 0 and topkIdx nullptr: no slots). The engine-owned rowExperts /
+  // rowExpertWeights views then have this many columns.
+  int topK = 0;
+  // [T, R] bytes (bool) or nullptr: route token t to rank r when tokenInRank[t][r] != 0 (DeepEP's
+  // is_token_in_rank); its top-k entries whose expert lives on such a rank become its slots there,
+  // the others are left out. nullptr: to the ranks of its top-k experts. Rank-major layout,
+  // throughput path.
+  const bool* tokenInRank = nullptr;
+  DispatchInput input = DispatchInput::kConfig;
+  // kFp8: fp32 scales, value j of token t scaled by xScales[t * scaleTokenStride + (j / 128) *
+  // scaleHiddenStride] (0 and 0: H / 128 and 1, row-major). Direct dispatch only (every peer by
+  // load/store, each rank on a GPU of its own).
+  const float* xScales = nullptr;
+  long long scaleTokenStride = 0;
+  long long scaleHiddenStride = 0;
+  DispatchOutputs outputs;
 };
 
 // Views of one rank's dispatch output, valid from the dispatch until the next one (device memory
@@ -163,9 +207,18 @@ struct DispatchLayout {
 };
 
 struct CombineArgs {
-  // [capacity, H] bf16 in the dispatch layout; nullptr: the layout's expertOutput.
+  // [expertOutputRows, H] bf16 in the dispatch layout; nullptr: the layout's expertOutput.
   const void* expertOutput = nullptr;
   void* out = nullptr;  // [T_max, H] bf16; rows [0, T) of the matching dispatch are written
+  // Rows of expertOutput (0: the capacity): a combine may take the [n, H] rows a dispatch filled.
+  // A row the layout needs past them adds nothing and is counted (MoeStatus.missingCombineRows).
+  long long expertOutputRows = 0;
+  // Rank-major layout on the direct path (DeepEP's combined top-k weights): fp32 [rows][numValues]
+  // per received row, summed over the token's destination ranks into outValues [T][numValues]
+  // exactly as the rows are (fp32, ascending rank). nullptr: none.
+  const float* rowValues = nullptr;
+  float* outValues = nullptr;
+  int numValues = 0;  // 1 .. 16 with rowValues
 };
 
 // Bad input the device counted (docs/DESIGN.md §5): nothing was written out of bounds.
@@ -177,15 +230,19 @@ struct MoeStatus {
   int firstInvalidToken = -1;
   int firstInvalidSlot = -1;
   int firstClampedCount = 0;                // valid when clampedTokenCounts > 0
-  // Operations out of order (each dispatch must be followed by its combine): counted, never a hang;
-  // strict mode traps. A dispatch over an uncombined one replaces it; a combine with no new dispatch
-  // combines the last dispatch again.
+  // Operation order. Dispatch -> dispatch and combine -> combine are defined: a dispatch replaces
+  // the last one (its layout, and what combine serves), a combine serves the last dispatch again
+  // (the same result for the same expert outputs). unpairedDispatches stays 0 (kept for
+  // compatibility); unpairedCombines counts combines before the engine's first dispatch, which
+  // have nothing to combine (strict mode traps).
   unsigned long long unpairedDispatches = 0;
   unsigned long long unpairedCombines = 0;
+  // Expert-output rows a combine needed past CombineArgs.expertOutputRows: they added nothing.
+  unsigned long long missingCombineRows = 0;
   std::string deviceError;                  // a timeout or protocol error, "" when none
   bool ok() const {
     return invalidExpertIds == 0 && droppedRows == 0 && clampedTokenCounts == 0 && unpairedDispatches == 0 &&
-           unpairedCombines == 0 && deviceError.empty();
+           unpairedCombines == 0 && missingCombineRows == 0 && deviceError.empty();
   }
   std::string describe() const;  // one line per problem, "ok" when none
 };
@@ -208,6 +265,23 @@ struct HealthReport {
   bool ok = true;
   std::string message;  // "" when ok; otherwise what the rank waits for, or the device's error
 };
+
+// DeepEP's get_dispatch_layout: per-rank and per-expert token counts and the token-in-rank mask of
+// a top-k routing, on the device. Not collective, needs no engine; capturable (one memset node and
+// one kernel, no host sync). Ids outside [0, numExperts) are no expert.
+struct TokenLayoutArgs {
+  const void* topkIdx = nullptr;       // [numTokens, topK] global expert ids, -1 = none
+  IndexType indexType = IndexType::kInt32;
+  int numTokens = 0;
+  int topK = 0;                        // 1 .. 16
+  int numExperts = 0;                  // a multiple of numRanks: expert e lives on rank e / (E / R)
+  int numRanks = 0;                    // 1 .. 32
+  int* tokensPerRank = nullptr;        // [numRanks]: tokens with an expert on each rank
+  int* tokensPerExpert = nullptr;      // [numExperts]: entries naming each expert
+  bool* tokenInRank = nullptr;         // [numTokens, numRanks]
+};
+// Throws graphep::Error naming a bad argument. Enqueued on `stream` (the pointers' device current).
+void tokenLayout(const TokenLayoutArgs& args, cudaStream_t stream);
 
 class Engine {
  public:
@@ -243,7 +317,8 @@ class Engine {
   std::size_t privateBytes() const;
 
   // Capturable. Enqueues routing, the count exchange and the data exchange on `stream` (on this
-  // rank's device); every rank of the group must call it.
+  // rank's device); every rank of the group must call it. A dispatch may follow a dispatch: it
+  // replaces the last one (its layout, and what combine serves).
   const DispatchLayout& dispatch(const DispatchArgs& args, cudaStream_t stream);
   // Capturable. Returns the expert outputs of the last dispatch to their source ranks and reduces
   // them: out[t] = sum over the token's kept slots k of topkWeights[t][k] * y(row of (t, k)).
@@ -252,6 +327,9 @@ class Engine {
   // home rank sums the partials in fp32 in ascending rank order and rounds once to bf16. A token
   // whose experts all live on one rank is that rank's partial, bit for bit; otherwise the result
   // carries two bf16 roundings (each within 2^-8 relative: of each partial, and of the sum).
+  // Rank-major: the experts have applied the weights and summed a row's slots; combine sums the
+  // rows over the destination ranks (fp32, ascending rank, one bf16 rounding). A combine may
+  // follow a combine: it serves the last dispatch again.
   void combine(const CombineArgs& args, cudaStream_t stream);
 
   // The layout views (valid once a dispatch ran on the stream).

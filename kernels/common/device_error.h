@@ -40,6 +40,10 @@ enum class WaitSite : std::uint32_t {
   kMoeCombine = 12,       // MoE latency combine: waiting for a destination's partials
   kMoeCombineStaged = 13, // MoE direct combine send: waiting for the local reduce's block (peer: the
                           // block's destination)
+  kMoeDispatchAck = 14,   // MoE direct dispatch send: waiting for a destination to finish reading this
+                          // rank's records of the previous dispatch
+  kMoeCombineAck = 15,    // MoE direct combine send: waiting for a source to finish summing this rank's
+                          // partials of the previous combine
 };
 
 struct DeviceErrorRecord {
@@ -82,6 +86,10 @@ __host__ __device__ inline const char* waitSiteName(std::uint32_t site) {
     case WaitSite::kMoeDispatch: return "moe dispatch: waiting for a source's records";
     case WaitSite::kMoeCombine: return "moe combine: waiting for a destination's partials";
     case WaitSite::kMoeCombineStaged: return "moe combine send: waiting for this rank's reduce of a block for the peer";
+    case WaitSite::kMoeDispatchAck:
+      return "moe dispatch send: waiting for the peer to finish reading this rank's records of the previous dispatch";
+    case WaitSite::kMoeCombineAck:
+      return "moe combine send: waiting for the peer to finish summing this rank's partials of the previous combine";
   }
   return "unknown wait site";
 }

@@ -54,6 +54,13 @@ __device__ __forceinline__ bool moeValidId(const MoeParams& p, long long id) {
   return id >= 0 && id < p.numExperts;
 }
 
+// Whether token t's entry of valid expert `id` is routed: always, unless tokenInRank leaves the
+// token out of that expert's rank (then the entry is no slot anywhere).
+__device__ __forceinline__ bool moeEntryRouted(const MoeParams& p, int t, long long id) {
+  return p.tokenInRank == nullptr ||
+         p.tokenInRank[static_cast<std::uint64_t>(t) * p.numRanks + id / p.localExperts] != 0;
+}
+
 // An id outside [-1, E): counted, the first one recorded; strict mode traps after counting.
 __device__ inline void moeReportInvalidId(const MoeParams& p, long long id, int token, int slot) {
   atomicAdd(&p.status->invalidIds, 1ull);
@@ -90,22 +97,25 @@ __device__ inline int moeLiveTokens(const MoeParams& p, bool record) {
   return T;
 }
 
-// Operation pairing (one thread of the operation's first kernel): a dispatch must find the last
-// one combined (pending 0), a combine a dispatch to combine (pending 1); otherwise it is counted,
-// and strict mode traps. The operation still runs: a combine serves the last dispatch.
+// Operation order (one thread of the operation's first kernel). Dispatch -> dispatch and combine
+// -> combine are defined: a dispatch replaces the last one's layout, a combine serves the last
+// dispatch (again). Only a combine before the engine's first dispatch has nothing to combine: it is
+// counted, and strict mode traps; it still runs (over no tokens).
 __device__ inline void moeCheckPairing(const MoeParams& p, bool dispatch) {
-  const std::uint32_t pending = *p.pending;
-  if (dispatch && pending != 0u) {
-    atomicAdd(&p.status->unpairedDispatches, 1ull);
-  } else if (!dispatch && pending == 0u) {
-    atomicAdd(&p.status->unpairedCombines, 1ull);
-  } else {
-    return;
-  }
+  if (dispatch || (*p.pending & kMoeDispatched) != 0u) return;
+  atomicAdd(&p.status->unpairedCombines, 1ull);
   if (p.strict) {
-    printf("graphep: rank %d: %s (strict mode)\n", p.rank,
-           dispatch ? "dispatch called again before the last dispatch was combined"
-                    : "combine called with no dispatch since the last combine");
+    printf("graphep: rank %d: combine called before any dispatch (strict mode)\n", p.rank);
+    __trap();
+  }
+}
+
+// A combine input row the layout needs past CombineArgs.expertOutputRows: it adds nothing, counted.
+__device__ inline void moeReportMissingRow(const MoeParams& p, long long row) {
+  atomicAdd(&p.status->missingCombineRows, 1ull);
+  if (p.strict) {
+    printf("graphep: rank %d: combine needs expert output row %lld, past the %lld rows given (strict mode)\n",
+           p.rank, row, static_cast<long long>(p.yRows));
     __trap();
   }
 }
@@ -445,12 +455,45 @@ __device__ __forceinline__ long long moeSlotRow(const MoeParams& p, const std::i
   return pos >= 0 && pos < end ? pos : -1;
 }
 
+// Rank-major: whether row `rankRow` exists for this operation: a dispatch writes rows below
+// outRows (the caller's outputs or the capacity; a row past it is dropped and counted), a combine
+// reads rows below yRows (the rows of its input; a row past it adds nothing, counted). Lane 0
+// counts.
+__device__ __forceinline__ bool moeRankRowExists(const MoeParams& p, long long rankRow, bool expand, int lane) {
+  const bool ok = rankRow < (expand ? p.outRows : p.yRows);
+  if (!ok && lane == 0) {
+    if (expand) {
+      moeReportDroppedRow(p, rankRow);
+    } else {
+      moeReportMissingRow(p, rankRow);
+    }
+  }
+  return ok;
+}
+
+// Rank-major: top-k slot k of row `row`, its local expert (-1: not on this rank) and weight (0 then).
+__device__ __forceinline__ void moeStoreRowSlot(const MoeParams& p, long long row, int k, int expert, float weight) {
+  const std::uint64_t n = static_cast<std::uint64_t>(row) * p.topK + k;
+  if (p.rowExperts64) {
+    static_cast<long long*>(p.rowExperts)[n] = expert;
+  } else {
+    static_cast<std::int32_t*>(p.rowExperts)[n] = expert;
+  }
+  p.rowExpertWeights[n] = weight;
+}
+
 // Rank-major (rankRow >= 0): a record's one row. `stage` gets it with weight 1 (the payload goes
-// there; combine's partial is y there, the experts having summed the row's slots); with `expand`
-// the row's metadata: source, token, rowTopkSlot -1, rowWeight 0 (lane 0). The first warp calls it.
-__device__ inline void moeStageRankRow(const MoeParams& p, long long rankRow, int s, int t, bool expand,
+// there; combine's partial is y there, the experts having summed the row's slots), or nothing when
+// the row does not exist (moeRankRowExists, checked by the caller); with `expand` the row's
+// metadata: source, token, rowTopkSlot -1, rowWeight 0 (lane 0). The first warp calls it.
+__device__ inline void moeStageRankRow(const MoeParams& p, long long rankRow, bool exists, int s, int t, bool expand,
                                        MoeSlotStage& stage, int lane) {
   if (lane != 0) return;
+  stage.token = t;
+  if (!exists) {
+    stage.n = 0;
+    return;
+  }
   if (expand) {
     p.rowSrcRank[rankRow] = s;
     p.rowSrcToken[rankRow] = t;
@@ -460,7 +503,6 @@ __device__ inline void moeStageRankRow(const MoeParams& p, long long rankRow, in
   stage.n = 1;
   stage.row[0] = rankRow;
   stage.weight[0] = 1.f;
-  stage.token = t;
 }
 
 // Resolves a received record's slots into `stage` (rows past the capacity left out). With
@@ -480,23 +522,23 @@ __device__ inline void moeResolveSlots(const MoeParams& p, int s, const char* re
     MoeRecordSlot slot{-1, 0, 0.f, 0};
     if (g.tid < nslots) slot = MoeRecordSlot{v.x, v.y, __int_as_float(v.z), v.w};
     if (rankRow >= 0) {
-      if (expand) {  // every slot -1, then the record's (compacted) slots at their top-k positions
-        const std::uint64_t base = static_cast<std::uint64_t>(rankRow) * p.topK;
-        if (g.tid < p.topK) {
-          p.rowExperts[base + g.tid] = -1;
-          p.rowExpertWeights[base + g.tid] = 0.f;
-        }
+      const bool exists = moeRankRowExists(p, rankRow, expand, g.tid);
+      if (expand && exists) {  // every slot -1, then the record's (compacted) slots at their top-k positions
+        if (g.tid < p.topK) moeStoreRowSlot(p, rankRow, g.tid, -1, 0.f);
         __syncwarp();
         if (g.tid < nslots && slot.k >= 0 && slot.k < p.topK && slot.localExpert >= 0 &&
             slot.localExpert < p.localExperts) {
-          p.rowExperts[base + slot.k] = slot.localExpert;
-          p.rowExpertWeights[base + slot.k] = slot.weight;
+          moeStoreRowSlot(p, rankRow, slot.k, slot.localExpert, slot.weight);
         }
       }
-      moeStageRankRow(p, rankRow, s, h.x, expand, stage, g.tid);
+      moeStageRankRow(p, rankRow, exists, s, h.x, expand, stage, g.tid);
       __syncwarp();
     } else {
-    const long long pos = g.tid < nslots ? moeSlotRow(p, srcBase, slot) : -1;
+    long long pos = g.tid < nslots ? moeSlotRow(p, srcBase, slot) : -1;
+    if (!expand && pos >= p.yRows) {  // combine: the caller's expert outputs end before this row
+      moeReportMissingRow(p, pos);
+      pos = -1;
+    }
     const unsigned kept = __ballot_sync(0xffffffffu, pos >= 0);
     if (pos >= 0) {
       const int at = __popc(kept & ((1u << g.tid) - 1u));
@@ -550,11 +592,9 @@ __device__ inline void moeResolveOwnSlots(const MoeParams& p, int t, char* rec, 
     }
     if (k == 0) *reinterpret_cast<MoeRecordHeader*>(rec + p.payloadBytes) = MoeRecordHeader{t, __popc(m), {0, 0}};
     if (rankRow >= 0) {  // rank-major: the token's one row, each slot's local expert (-1: not here)
-      if (k < p.topK) {
-        p.rowExperts[static_cast<std::uint64_t>(rankRow) * p.topK + k] = slot.localExpert;
-        p.rowExpertWeights[static_cast<std::uint64_t>(rankRow) * p.topK + k] = slot.weight;
-      }
-      moeStageRankRow(p, rankRow, p.rank, t, true, stage, k);
+      const bool exists = moeRankRowExists(p, rankRow, true, k);
+      if (exists && k < p.topK) moeStoreRowSlot(p, rankRow, k, slot.localExpert, slot.weight);
+      moeStageRankRow(p, rankRow, exists, p.rank, t, true, stage, k);
     } else {
     const long long pos = here ? moeSlotRow(p, srcBase, slot) : -1;
     const unsigned kept = __ballot_sync(0xffffffffu, pos >= 0);

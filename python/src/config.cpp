@@ -43,6 +43,11 @@ void bindConfig(nb::module_& m) {
   nb::enum_<DType>(m, "DType", "What dispatch moves: bf16, or fp8 e4m3 with one fp32 scale per 128 values.")
       .value("BF16", DType::kBf16)
       .value("FP8_E4M3", DType::kFp8E4m3);
+  nb::enum_<DispatchInput>(m, "DispatchInput", "What a dispatch's x holds and how its rows travel (graphep::DispatchInput).")
+      .value("CONFIG", DispatchInput::kConfig)
+      .value("BF16", DispatchInput::kBf16)
+      .value("FP8_QUANTIZE", DispatchInput::kFp8Quantize)
+      .value("FP8", DispatchInput::kFp8);
   nb::enum_<IndexType>(m, "IndexType", "Element type of topk_idx.")
       .value("INT32", IndexType::kInt32)
       .value("INT64", IndexType::kInt64);

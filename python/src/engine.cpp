@@ -113,6 +113,7 @@ void bindEngine(nb::module_& m) {
       .def_ro("first_clamped_count", &MoeStatus::firstClampedCount)
       .def_ro("unpaired_dispatches", &MoeStatus::unpairedDispatches)
       .def_ro("unpaired_combines", &MoeStatus::unpairedCombines)
+      .def_ro("missing_combine_rows", &MoeStatus::missingCombineRows)
       .def_ro("device_error", &MoeStatus::deviceError)
       .def_prop_ro("ok", &MoeStatus::ok)
       .def("describe", &MoeStatus::describe)
@@ -141,27 +142,57 @@ void bindEngine(nb::module_& m) {
       .def(
           "dispatch",
           [](EngineCore& c, std::uintptr_t x, std::uintptr_t topkIdx, IndexType indexType, std::uintptr_t topkWeights,
-             std::uintptr_t numTokens, std::uintptr_t stream) {
+             std::uintptr_t numTokens, std::uintptr_t stream, int topK, std::uintptr_t tokenInRank, DispatchInput input,
+             std::uintptr_t xScales, long long scaleTokenStride, long long scaleHiddenStride, std::uintptr_t outRecvX,
+             std::uintptr_t outRecvScales, std::uintptr_t outRowExperts, std::uintptr_t outRowExpertWeights,
+             std::uintptr_t outRowSrcRank, std::uintptr_t outRowSrcToken, std::uintptr_t outRankPrefixMatrix,
+             long long outRows) {
             DispatchArgs a;
             a.x = pointerOf<const void>(x);
             a.topkIdx = pointerOf<const void>(topkIdx);
             a.indexType = indexType;
             a.topkWeights = pointerOf<const float>(topkWeights);
             a.numTokens = pointerOf<const int>(numTokens);
+            a.topK = topK;
+            a.tokenInRank = pointerOf<const bool>(tokenInRank);
+            a.input = input;
+            a.xScales = pointerOf<const float>(xScales);
+            a.scaleTokenStride = scaleTokenStride;
+            a.scaleHiddenStride = scaleHiddenStride;
+            a.outputs.recvX = pointerOf<void>(outRecvX);
+            a.outputs.recvScales = pointerOf<float>(outRecvScales);
+            a.outputs.rowExperts = pointerOf<void>(outRowExperts);
+            a.outputs.rowExpertWeights = pointerOf<float>(outRowExpertWeights);
+            a.outputs.rowSrcRank = pointerOf<int>(outRowSrcRank);
+            a.outputs.rowSrcToken = pointerOf<int>(outRowSrcToken);
+            a.outputs.rankPrefixMatrix = pointerOf<int>(outRankPrefixMatrix);
+            a.outputs.rows = outRows;
             c.engine->dispatch(a, streamOf(stream));
           },
           nb::arg("x"), nb::arg("topk_idx"), nb::arg("index_type"), nb::arg("topk_weights"), nb::arg("num_tokens"),
-          nb::arg("stream"), "Capturable. Device pointers as ints; graphep.Engine.dispatch checks the arrays.")
+          nb::arg("stream"), nb::kw_only(), nb::arg("top_k") = 0, nb::arg("token_in_rank") = 0,
+          nb::arg("input") = DispatchInput::kConfig, nb::arg("x_scales") = 0, nb::arg("scale_token_stride") = 0,
+          nb::arg("scale_hidden_stride") = 0, nb::arg("out_recv_x") = 0, nb::arg("out_recv_scales") = 0,
+          nb::arg("out_row_experts") = 0, nb::arg("out_row_expert_weights") = 0, nb::arg("out_row_src_rank") = 0,
+          nb::arg("out_row_src_token") = 0, nb::arg("out_rank_prefix_matrix") = 0, nb::arg("out_rows") = 0,
+          "Capturable. Device pointers as ints (0: none; graphep::DispatchArgs); graphep.Engine.dispatch checks the "
+          "arrays.")
       .def(
           "combine",
-          [](EngineCore& c, std::uintptr_t expertOutput, std::uintptr_t out, std::uintptr_t stream) {
+          [](EngineCore& c, std::uintptr_t expertOutput, std::uintptr_t out, std::uintptr_t stream,
+             long long expertOutputRows, std::uintptr_t rowValues, std::uintptr_t outValues, int numValues) {
             CombineArgs a;
             a.expertOutput = pointerOf<const void>(expertOutput);
             a.out = pointerOf<void>(out);
+            a.expertOutputRows = expertOutputRows;
+            a.rowValues = pointerOf<const float>(rowValues);
+            a.outValues = pointerOf<float>(outValues);
+            a.numValues = numValues;
             c.engine->combine(a, streamOf(stream));
           },
-          nb::arg("expert_output"), nb::arg("out"), nb::arg("stream"),
-          "Capturable. expert_output 0: the engine's own buffer.")
+          nb::arg("expert_output"), nb::arg("out"), nb::arg("stream"), nb::kw_only(), nb::arg("expert_output_rows") = 0,
+          nb::arg("row_values") = 0, nb::arg("out_values") = 0, nb::arg("num_values") = 0,
+          "Capturable. expert_output 0: the engine's own buffer (graphep::CombineArgs).")
       .def(
           "status",
           [](const EngineCore& c) {
@@ -190,6 +221,27 @@ void bindEngine(nb::module_& m) {
         return view(owner, values, 4, 0, nb::dtype<std::int32_t>(), 0, nb::device::cpu::value);
       },
       nb::arg("owner"), "Tests only: a view of 4 host int32 values [3, 1, 4, 1] made as the engine's views are.");
+  m.def(
+      "token_layout",
+      [](std::uintptr_t topkIdx, IndexType indexType, int numTokens, int topK, int numExperts, int numRanks,
+         std::uintptr_t tokensPerRank, std::uintptr_t tokensPerExpert, std::uintptr_t tokenInRank, std::uintptr_t stream) {
+        TokenLayoutArgs a;
+        a.topkIdx = pointerOf<const void>(topkIdx);
+        a.indexType = indexType;
+        a.numTokens = numTokens;
+        a.topK = topK;
+        a.numExperts = numExperts;
+        a.numRanks = numRanks;
+        a.tokensPerRank = pointerOf<int>(tokensPerRank);
+        a.tokensPerExpert = pointerOf<int>(tokensPerExpert);
+        a.tokenInRank = pointerOf<bool>(tokenInRank);
+        tokenLayout(a, streamOf(stream));
+      },
+      nb::arg("topk_idx"), nb::arg("index_type"), nb::arg("num_tokens"), nb::arg("top_k"), nb::arg("num_experts"),
+      nb::arg("num_ranks"), nb::arg("tokens_per_rank"), nb::arg("tokens_per_expert"), nb::arg("token_in_rank"),
+      nb::arg("stream"),
+      "Capturable, not collective (graphep::tokenLayout, DeepEP's get_dispatch_layout): int32 [num_ranks] tokens "
+      "per rank, int32 [num_experts] entries per expert, bool [num_tokens, num_ranks]; device pointers as ints.");
   m.def("create_engines", &createEngines, nb::arg("group"), nb::arg("config"),
         "Collective over the group: one EngineCore per rank this process drives (local-rank order).");
 }

@@ -1212,12 +1212,12 @@ void misuseBadPointers(Communicator& comm, MoeFixture& f, MoeFixture& other) {
   expectError([&] { e.combine(ca, s); }, Status::kInvalidArgument, "another engine");
 }
 
-// Out of order: dispatch A (the inputs already uploaded), dispatch B, expert, combine, expert x2,
-// combine on every rank: one unpaired operation of each kind is counted and none hangs, and each
-// does what moe.hpp says. A dispatch over an uncombined one replaces it: the layout and the first
-// combine are B's. A combine with no new dispatch combines the last dispatch again: the second
-// combine is B's with the new expert outputs.
-void misuseOutOfOrder(Communicator& comm, const MoeCase& c, MoeFixture& f) {
+// Repeated operations: dispatch A (the inputs already uploaded), dispatch B, expert, combine,
+// expert x2, combine on every rank: both orders are defined (nothing counted, nothing hangs) and
+// each does what moe.hpp says. A dispatch over an uncombined one replaces it: the layout and the
+// first combine are B's. A combine with no new dispatch combines the last dispatch again: the
+// second combine is B's with the new expert outputs.
+void repeatedOperations(Communicator& comm, const MoeCase& c, MoeFixture& f) {
   const int R = comm.worldSize();
   std::vector<Inputs> inB;
   for (int q = 0; q < R; ++q) inB.push_back(makeInputs(c, R, q, 32 - 5 * q % 32, 4712));
@@ -1260,11 +1260,7 @@ void misuseOutOfOrder(Communicator& comm, const MoeCase& c, MoeFixture& f) {
   for (int l = 0; l < f.L(); ++l) {
     EXPECT_EQ(f.checkCombine(l, inB, refs, "a combine with no new dispatch"), 0);
     const MoeStatus st = f.engine(l).status();
-    EXPECT_EQ(st.unpairedDispatches, 1ull) << st.describe();
-    EXPECT_EQ(st.unpairedCombines, 1ull) << st.describe();
-    EXPECT_EQ(st.deviceError, "");
-    EXPECT_NE(st.describe().find("before the previous dispatch was combined"), std::string::npos) << st.describe();
-    f.engine(l).clearStatus();
+    EXPECT_TRUE(st.ok()) << st.describe();  // dispatch -> dispatch and combine -> combine are defined
   }
   f.setYScale(1.0f);
   comm.barrier();
@@ -1306,7 +1302,7 @@ void runMoeMisuseInLayout(Communicator& comm, const MoeCase& c) {
   for (int l = 0; l < f.L(); ++l) f.prepare(l, in[static_cast<std::size_t>(comm.globalRank(l))]);
   comm.barrier();
   misuseBadPointers(comm, f, other);
-  misuseOutOfOrder(comm, c, f);
+  repeatedOperations(comm, c, f);
   misuseNonFiniteWeights(comm, c, f, std::move(in));
 }
 
