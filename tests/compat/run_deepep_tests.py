@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""DeepEP's own tests, run against graphep.deep_ep: the acceptance suite of DeepEP's API on graphep.
+
+    python3 tests/compat/run_deepep_tests.py --deepep-src DIR --test intranode [--num-processes 2] \\
+        [-- --hidden 2048 --num-experts 128 --num-topk 8]
+
+DIR is a DeepEP source tree (its tests/ folder is what is used; nothing is fetched or built). The
+tests are copied into a temporary folder beside a package `deep_ep` that re-exports graphep.deep_ep,
+so their `import deep_ep` gets graphep. test_intranode.py gets two edits, each asserted to match
+once: its two tuning sweeps over NVL chunk sizes (graphep has no chunk knob) become one pass at
+DeepEP's default chunk for the rank count, so the timing lines still print in DeepEP's format;
+every assertion is untouched. test_low_latency.py runs as it is (graphep.deep_ep has no
+low-latency mode yet: it fails with NOT_SUPPORTED).
+
+The test runs as `python3 test_<name>.py --num-processes N ...` with PYTHONPATH=<temp>:<graphep>
+(GRAPHEP_PYTHONPATH, else this repository's build/python) and NCCL_NVLS_ENABLE=0; its output
+streams through and its exit code is this script's. 77: skipped (no PyTorch, or fewer GPUs than
+processes), with the reason.
+"""
+
+import argparse
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+SKIP = 77
+REPO = Path(__file__).resolve().parents[2]
+
+# test_intranode.py's tuning sweeps: (DeepEP's line, what replaces it). One pass at the default
+# chunk: the sweep's `nvl_chunk_size > 0` branch builds the same Config DeepEP's default has.
+INTRANODE_EDITS: Tuple[Tuple[str, str], ...] = (
+    ("for nvl_chunk_size in tuple(range(4, 33, 2)) + (0, ):",
+     "for nvl_chunk_size in (deep_ep.Buffer.get_dispatch_config(num_ranks).num_max_nvl_chunked_send_tokens, ):"),
+    ("for nvl_chunk_size in tuple(range(1, 17, 1)) + (0, ):",
+     "for nvl_chunk_size in (deep_ep.Buffer.get_combine_config(num_ranks).num_max_nvl_chunked_send_tokens, ):"),
+)
+
+EDITS = {"intranode": INTRANODE_EDITS, "low_latency": ()}
+
+SHIM = '''"""deep_ep for DeepEP's tests: graphep.deep_ep (written by graphep's tests/compat/run_deepep_tests.py)."""
+from graphep.deep_ep import Buffer, Config, EventOverlap, topk_idx_t  # noqa: F401
+'''
+
+
+def apply_edits(source: str, edits: Sequence[Tuple[str, str]], name: str = "the test") -> str:
+    """`source` with each edit's text replaced; each must occur exactly once (a DeepEP version whose
+    tests changed there fails loudly instead of running something else)."""
+    for old, new in edits:
+        count = source.count(old)
+        if count != 1:
+            raise ValueError(f"{name}: expected exactly one occurrence of {old!r}, found {count}")
+        source = source.replace(old, new)
+    return source
+
+
+def graphep_pythonpath() -> Path:
+    value = os.environ.get("GRAPHEP_PYTHONPATH")
+    return Path(value) if value else REPO / "build" / "python"
+
+
+def skip_reason(num_processes: int) -> Optional[str]:
+    if importlib.util.find_spec("torch") is None:
+        return "PyTorch is not installed"
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus < num_processes:
+        return f"needs {num_processes} GPUs, found {gpus}"
+    return None
+
+
+def prepare(deepep_src: Path, test: str, workdir: Path) -> Path:
+    """Copies DeepEP's tests into `workdir`, writes the deep_ep shim, applies the edits; returns the
+    test script."""
+    tests = deepep_src / "tests"
+    script = tests / f"test_{test}.py"
+    if not script.is_file():
+        raise FileNotFoundError(f"--deepep-src {deepep_src}: {script} does not exist")
+    for f in sorted(tests.glob("*.py")):
+        shutil.copy2(f, workdir / f.name)
+    (workdir / "deep_ep").mkdir()
+    (workdir / "deep_ep" / "__init__.py").write_text(SHIM)
+    target = workdir / script.name
+    target.write_text(apply_edits(target.read_text(), EDITS[test], script.name))
+    return target
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    extra: List[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1:]
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--deepep-src", required=True, type=Path, help="a DeepEP source tree (its tests/ are used)")
+    p.add_argument("--test", required=True, choices=sorted(EDITS), help="which DeepEP test to run")
+    p.add_argument("--num-processes", type=int, default=2, help="processes (one GPU each); default 2")
+    args = p.parse_args(argv)
+
+    reason = skip_reason(args.num_processes)
+    if reason is not None:
+        print(f"run_deepep_tests: SKIPPED test_{args.test}.py: {reason}", flush=True)
+        return SKIP
+    package = graphep_pythonpath()
+    if not (package / "graphep" / "__init__.py").is_file():
+        print(f"run_deepep_tests: no graphep package under {package} (build it, or set GRAPHEP_PYTHONPATH to the "
+              "folder that holds graphep/)", file=sys.stderr, flush=True)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="graphep-deepep-") as tmp:
+        workdir = Path(tmp)
+        script = prepare(args.deepep_src.resolve(), args.test, workdir)
+        env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(workdir), str(package.resolve())] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        cmd = [sys.executable, script.name, "--num-processes", str(args.num_processes)] + extra
+        print(f"run_deepep_tests: {' '.join(cmd)} (in {workdir}, graphep from {package})", flush=True)
+        return subprocess.call(cmd, cwd=workdir, env=env)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
