@@ -17,6 +17,7 @@ from graphep._nccl_preload import preload_wheel_nccl as _preload_wheel_nccl
 _preload_wheel_nccl()
 
 from graphep._graphep import (  # noqa: E402
+    DispatchInput,
     DType,
     Group,
     HealthReport,
@@ -32,7 +33,7 @@ from graphep._graphep import (  # noqa: E402
     worst_case_capacity,
 )
 from graphep.arrays import DeviceArray  # noqa: E402
-from graphep.engine import Engine, create_engine, create_engines, memory_requirements  # noqa: E402
+from graphep.engine import DispatchOutputs, Engine, create_engine, create_engines, memory_requirements  # noqa: E402
 from graphep.errors import Error  # noqa: E402
 from graphep.layouts import BatchedLayout, ExpertMajorLayout, RankMajorLayout, ReceiveLayout  # noqa: E402
 
@@ -45,8 +46,8 @@ def cuda_device_count() -> int:
 
 
 __all__ = [
-    "BatchedLayout", "DType", "DeviceArray", "Engine", "Error", "ExpertMajorLayout", "Group", "HealthReport", "IndexType",
-    "MemoryRequirements", "MoeConfig", "MoePath", "MoeStatus", "RankMajorLayout", "ReceiveLayout", "Status", "__version__",
-    "create_engine", "create_engines", "cuda_device_count", "memory_requirements", "nccl_runtime_version",
-    "validate", "worst_case_capacity",
+    "BatchedLayout", "DType", "DeviceArray", "DispatchInput", "DispatchOutputs", "Engine", "Error", "ExpertMajorLayout",
+    "Group", "HealthReport", "IndexType", "MemoryRequirements", "MoeConfig", "MoePath", "MoeStatus", "RankMajorLayout",
+    "ReceiveLayout", "Status", "__version__", "create_engine", "create_engines", "cuda_device_count",
+    "memory_requirements", "nccl_runtime_version", "validate", "worst_case_capacity",
 ]

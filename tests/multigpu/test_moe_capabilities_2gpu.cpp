@@ -670,6 +670,7 @@ TEST(Gpu2_MoeCapabilities, BadArgumentsAreNamed) {
   expectError([&] { e.dispatch(a, s); }, Status::kInvalidArgument, "topK=5 is outside [1, MoeConfig.topK=4]");
   a = caps.args(in[0], c, o);
   a.input = DispatchInput::kFp8;
+  a.outputs.recvScales = c.recvScales->p;
   a.xScales = nullptr;
   expectError([&] { e.dispatch(a, s); }, Status::kInvalidArgument, "dispatch: xScales");
   a = caps.args(in[0], c, o);

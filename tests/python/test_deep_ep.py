@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HAVE_TORCH, requires_gpus, requires_torch
+from conftest import requires_gpus, requires_torch
 
 import graphep  # noqa: E402
 from graphep.deep_ep import Config, EventOverlap  # noqa: E402
@@ -232,7 +232,6 @@ def test_buffer_on_two_ranks_under_torchrun():
 
 H, E, K, T_MAX, SMS = 512, 16, 4, 256, 24
 TOKENS = (96, 70)  # rank r has TOKENS[r % 2] tokens
-POISON_BF16 = -3.0e38
 
 
 class Inputs:
@@ -275,6 +274,14 @@ def worker() -> int:
 
     def count(name, n):
         wrong[name] = wrong.get(name, 0) + int(n)
+
+    def poison():
+        """The Buffer allocates its outputs: fill the memory PyTorch's caching allocator hands out next
+        with 0x7F bytes (bf16 and fp32 about 3.4e38, ints 0x7F7F...: nothing the engine writes, and
+        not the -1 that num_worst_tokens' unreceived rows must read), so unwritten rows show."""
+        block = torch.empty(64 << 20, dtype=torch.uint8, device=device)
+        block.fill_(0x7F)
+        del block
 
     def inputs(seed, tokens=None):
         tokens = tokens or [TOKENS[s % 2] for s in range(R)]
@@ -374,10 +381,12 @@ def worker() -> int:
     # Non-cached bf16 with top-k; its combine with top-k weights.
     common = dict(num_tokens_per_rank=me.per_rank, is_token_in_rank=me.mask, num_tokens_per_expert=me.per_expert,
                   config=cfg)
+    poison()
     recv_x, recv_ids, recv_w, per_list, handle_a, _ = buffer.dispatch(me.x, topk_idx=me.ids, topk_weights=me.w,
                                                                       **common)
     check_dispatch("bf16+topk", all_in, topk_mask, recv_x, recv_ids, recv_w, per_list, handle_a)
     y_a = expert(recv_x)
+    poison()
     combined, combined_w, _ = buffer.combine(y_a, handle_a, topk_weights=recv_w, config=cfg)
     ref_a = combined_ref(all_in, topk_mask)
     check_combined("combine", combined, ref_a)
@@ -386,6 +395,7 @@ def worker() -> int:
 
     # num_worst_tokens (no sync): the rows of the dispatch above, then -1 ids; combine the first handle.
     worst = sum(TOKENS[s % 2] for s in range(R)) + 7
+    poison()
     w_x, w_ids, w_w, w_list, _, _ = buffer.dispatch(me.x, topk_idx=me.ids, topk_weights=me.w, num_worst_tokens=worst,
                                                     **common)
     n = recv_x.shape[0]
@@ -393,10 +403,12 @@ def worker() -> int:
     count("worst.x", not torch.equal(w_x[:n], recv_x))
     count("worst.ids", not torch.equal(w_ids[:n], recv_ids) or not bool((w_ids[n:] == -1).all()))
     count("worst.weights", not torch.equal(w_w[:n], recv_w))
+    poison()
     again, _, _ = buffer.combine(y_a, handle_a, topk_weights=recv_w, config=cfg)  # the same routing: accepted
     count("worst.combine", not torch.equal(again, combined))
 
     # fp8 tuple (column-major scales) with top-k, asynchronous, allocated on the comm stream.
+    poison()
     prev = buffer.capture()
     (f_x, f_s), f_ids, f_w, f_list, handle_f, ev = buffer.dispatch(
         (me.x_fp8, me.scales), topk_idx=me.ids, topk_weights=me.w, previous_event=prev, async_finish=True,
@@ -407,15 +419,19 @@ def worker() -> int:
     # Without top-k, a mask unrelated to any expert; cached dispatches (bf16, fp8) with its handle.
     common_free = dict(common, is_token_in_rank=me.free_mask,
                        num_tokens_per_rank=me.free_mask.sum(dim=0).to(torch.int32))
+    poison()
     e_x, e_ids, e_w, e_list, handle_e, _ = buffer.dispatch(me.x, **common_free)
     count("free.topk", (e_ids is not None) + (e_w is not None))
     check_dispatch("free", all_in, free_mask, e_x, per_expert=e_list, handle=handle_e)
+    poison()
     c_x, c_ids, c_w, c_list, c_handle, _ = buffer.dispatch(me.x, handle=handle_e, config=cfg)
     count("cached.nones", sum(v is not None for v in (c_ids, c_w, c_list, c_handle)))
     count("cached.x", not torch.equal(c_x, e_x))
+    poison()
     (cf_x, cf_s), *_ = buffer.dispatch((me.x_fp8, me.scales), handle=handle_e, config=cfg)
     check_dispatch("cached.fp8", all_in, free_mask, (cf_x, cf_s), fp8=True)
     bias = torch.full((TOKENS[rank % 2], H), 0.5, dtype=torch.bfloat16, device=device)
+    poison()
     e_comb, e_comb_w, _ = buffer.combine(expert(e_x), handle_e, bias=(bias, bias), config=cfg)
     ref_e = combined_ref(all_in, free_mask)
     check_combined("free.combine+bias", e_comb, (ref_e.to(torch.bfloat16).float() + 1.0))
@@ -423,11 +439,14 @@ def worker() -> int:
 
     # Repeated: 20 dispatches, each as the first; 20 combines, each as the first.
     for i in range(20):
+        poison()
         r_x, r_ids, r_w, r_list, handle_r, _ = buffer.dispatch(me.x, topk_idx=me.ids, topk_weights=me.w, **common)
-        count("repeat.dispatch", not (torch.equal(r_x, recv_x) and torch.equal(r_ids, recv_ids)
-                                      and torch.equal(r_w, recv_w) and r_list == per_list
-                                      and torch.equal(handle_r[0], handle_a[0]) and torch.equal(handle_r[3], handle_a[3])))
+        same = (torch.equal(r_x, recv_x) and torch.equal(r_ids, recv_ids) and torch.equal(r_w, recv_w)
+                and r_list == per_list and torch.equal(handle_r[0], handle_a[0])
+                and torch.equal(handle_r[3], handle_a[3]))
+        count("repeat.dispatch", not same)
     for i in range(20):
+        poison()
         r_comb, r_comb_w, _ = buffer.combine(y_a, handle_r, topk_weights=recv_w, config=cfg)
         count("repeat.combine", not (torch.equal(r_comb, combined) and torch.equal(r_comb_w, combined_w)))
 
@@ -437,10 +456,12 @@ def worker() -> int:
     me_i = idle_in[rank]
     lay = buffer.get_dispatch_layout(me_i.ids, E)
     count("idle.layout", (lay[0] != me_i.per_rank).sum() + (lay[3] != me_i.mask).sum())
+    poison()
     i_x, i_ids, i_w, i_list, handle_i, _ = buffer.dispatch(
         me_i.x, topk_idx=me_i.ids, topk_weights=me_i.w, num_tokens_per_rank=me_i.per_rank,
         is_token_in_rank=me_i.mask, num_tokens_per_expert=me_i.per_expert, config=cfg)
     check_dispatch("idle", idle_in, topk_mask, i_x, i_ids, i_w, i_list, handle_i)
+    poison()
     i_comb, _, _ = buffer.combine(expert(i_x), handle_i, config=cfg)
     check_combined("idle.combine", i_comb, combined_ref(idle_in, topk_mask))
 
@@ -451,7 +472,8 @@ def worker() -> int:
                  buffer.dispatch, (me.x_fp8, me.scales.view(torch.int32)), **common)
     big = Inputs(torch, rank, T_MAX + 1, device, 5, R)
     expect_error("error.num_tokens", graphep.Status.INVALID_ARGUMENT,
-                 [f"num_tokens={T_MAX + 1}", f"limit of {T_MAX} tokens", "num_nvl_bytes >=", "GRAPHEP_DEEPEP_MAX_TOKENS"],
+                 [f"num_tokens={T_MAX + 1}", f"limit of {T_MAX} tokens", "num_nvl_bytes >=",
+                  "GRAPHEP_DEEPEP_MAX_TOKENS"],
                  buffer.dispatch, big.x, num_tokens_per_rank=big.per_rank, is_token_in_rank=big.mask,
                  num_tokens_per_expert=big.per_expert, config=cfg)
     expect_error("error.foreign_handle", graphep.Status.INVALID_ARGUMENT, ["graphep combines the last dispatch"],
