@@ -47,6 +47,7 @@ from graphep.errors import Error, invalid_argument, not_supported
 from graphep.torch.distributed import group_from_process_group
 
 topk_idx_t = torch.int64  # DeepEP's expert-id dtype (int32 ids are accepted too)
+_ID_TYPES = {torch.int64: _INDEX_TYPES["int64"], torch.int32: _INDEX_TYPES["int32"]}
 
 _LOW_LATENCY = ("graphep.deep_ep has no low-latency mode yet (DeepEP's low_latency_* kernels and their "
                 "RDMA buffer come in a later change); use dispatch / combine (the normal mode)")
@@ -100,6 +101,21 @@ class BufferStatus:
 
 def _align(n: int, alignment: int) -> int:
     return (n + alignment - 1) // alignment * alignment
+
+
+def _check_tensor(t, name: str, dtypes, shape, device: int, contiguous: bool = True) -> None:
+    """A torch tensor of one of `dtypes`, of `shape`, on cuda:`device`, contiguous unless told: the
+    one check of every array a Buffer hands the engine (which then checks only pointers)."""
+    if not isinstance(t, torch.Tensor):
+        raise invalid_argument(f"{name} is a {type(t).__name__}, expected a torch.Tensor")
+    if t.dtype not in dtypes:
+        raise invalid_argument(f"{name} has dtype {t.dtype}, expected {' or '.join(str(d) for d in dtypes)}")
+    if tuple(t.shape) != tuple(shape):
+        raise invalid_argument(f"{name} has shape {list(t.shape)}, expected {list(shape)}")
+    if not t.is_cuda or t.get_device() != device:
+        raise invalid_argument(f"{name} is on {t.device}, expected cuda:{device}")
+    if contiguous and not t.is_contiguous():
+        raise invalid_argument(f"{name} is not contiguous (strides {list(t.stride())})")
 
 
 class Buffer:
@@ -379,6 +395,15 @@ class Buffer:
         if num_worst_tokens < 0:
             raise invalid_argument(f"dispatch: num_worst_tokens={num_worst_tokens} is negative")
         T, H, R = x.shape[0], x.shape[1], self.group_size
+        dev = self._device
+        _check_tensor(x, "dispatch: x", (torch.float8_e4m3fn,) if fp8 else (torch.bfloat16,), (T, H), dev)
+        if fp8:
+            if H % 128 != 0:
+                raise invalid_argument(f"dispatch: hidden={H} is not a multiple of 128 (fp8 has a scale per 128 values)")
+            _check_tensor(x_scales, "dispatch: x_scales", (torch.float32,), (T, H // 128), dev, contiguous=False)
+        if topk_idx is not None:
+            _check_tensor(topk_idx, "dispatch: topk_idx", (torch.int64, torch.int32), (T, topk_idx.shape[-1]), dev)
+            _check_tensor(topk_weights, "dispatch: topk_weights", (torch.float32,), (T, topk_idx.shape[1]), dev)
         cached = handle is not None
         if cached:
             if topk_idx is not None or topk_weights is not None:
@@ -402,9 +427,7 @@ class Buffer:
             if topk_idx is not None and topk_idx.dim() != 2:
                 raise invalid_argument(f"dispatch: topk_idx has shape {list(topk_idx.shape)}, expected "
                                        "[num_tokens, num_topk]")
-            if is_token_in_rank.dtype != torch.bool or tuple(is_token_in_rank.shape) != (T, R):
-                raise invalid_argument(f"dispatch: is_token_in_rank has dtype {is_token_in_rank.dtype}, shape "
-                                       f"{list(is_token_in_rank.shape)}, expected torch.bool [{T}, {R}]")
+            _check_tensor(is_token_in_rank, "dispatch: is_token_in_rank", (torch.bool,), (T, R), dev)
             st, mask, n = self._engine(H, num_tokens_per_expert.numel(), config), is_token_in_rank, None
         self._check_tokens(st, T)
         k = 0 if topk_idx is None else topk_idx.shape[1]
@@ -427,18 +450,21 @@ class Buffer:
                                   row_expert_weights=recv_topk_weights, row_src_token=recv_src_idx,
                                   rank_prefix_matrix=rank_prefix_matrix)
         per_expert: Optional[List[int]] = None if cached else []
-        with torch.cuda.stream(comm):
-            if recv_topk_idx is not None and num_worst_tokens > 0:
-                recv_topk_idx.fill_(-1)  # the rows past the received ones read -1, as DeepEP's
-            xs, ss, ms, ids, ws = (x, x_scales, mask, topk_idx, topk_weights) if T > 0 else \
-                self._stand_ins(x, fp8, k, topk_idx)
-            st.engine.dispatch(xs, ids, ws, self._token_count(T, device), comm, top_k=k or None, token_in_rank=ms,
-                               x_scales=ss, input=DispatchInput.FP8 if fp8 else DispatchInput.BF16, outputs=outputs)
-            st.seq += 1
-            st.last_tokens, st.last_mask = T, mask
-            if sync:
+        if T == 0 or (recv_topk_idx is not None and num_worst_tokens > 0):
+            with torch.cuda.stream(comm):
+                if recv_topk_idx is not None and num_worst_tokens > 0:
+                    recv_topk_idx.fill_(-1)  # the rows past the received ones read -1, as DeepEP's
+                xs, ss, ms, ids, ws = (x, x_scales, mask, topk_idx, topk_weights) if T > 0 else \
+                    self._stand_ins(x, fp8, k, topk_idx)
+        else:
+            xs, ss, ms, ids, ws = x, x_scales, mask, topk_idx, topk_weights
+        self._engine_dispatch(st, xs, ss, ms, ids, ws, self._token_count(T, device), comm, k, outputs)
+        st.seq += 1
+        st.last_tokens, st.last_mask = T, mask
+        if sync:
+            with torch.cuda.stream(comm):
                 n, counts = self._read_counts(st, k > 0, num_tokens_per_expert)
-                per_expert = [_align(c, expert_alignment) for c in counts]
+            per_expert = [_align(c, expert_alignment) for c in counts]
         event = self._finish(compute, comm, async_finish, allocate_on_comm_stream,
                              (x, x_scales, mask, topk_idx, topk_weights, num_tokens_per_expert, recv_x, recv_scales,
                               recv_topk_idx, recv_topk_weights, recv_src_idx, rank_prefix_matrix))
@@ -453,6 +479,25 @@ class Buffer:
         head = SendHead(self, st, st.seq, T, recv_src_idx.shape[0], k, mask)
         handle = (rank_prefix_matrix, channel_prefix_matrices[0], channel_prefix_matrices[1], recv_src_idx, mask, head)
         return received, recv_topk_idx, recv_topk_weights, per_expert, handle, event
+
+    @staticmethod
+    def _engine_dispatch(st: _EngineState, x, x_scales, mask, topk_idx, topk_weights, count, comm, k: int,
+                         o: DispatchOutputs) -> None:
+        """The engine's dispatch with the arrays' pointers: graphep's own call, nothing checked twice
+        (dispatch above checked every tensor; the engine checks the pointers and alignment)."""
+        ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+        kw = {}
+        if x_scales is not None:
+            kw.update(input=DispatchInput.FP8, x_scales=x_scales.data_ptr(), scale_token_stride=x_scales.stride(0),
+                      scale_hidden_stride=x_scales.stride(1))
+        else:
+            kw["input"] = DispatchInput.BF16
+        st.engine._core.dispatch(
+            x.data_ptr(), ptr(topk_idx), _ID_TYPES[topk_idx.dtype] if topk_idx is not None else _ID_TYPES[torch.int64],
+            ptr(topk_weights), count.data_ptr(), comm.cuda_stream, top_k=k, token_in_rank=mask.data_ptr(),
+            out_recv_x=o.recv_x.data_ptr(), out_recv_scales=ptr(o.recv_scales), out_row_experts=ptr(o.row_experts),
+            out_row_expert_weights=ptr(o.row_expert_weights), out_row_src_token=ptr(o.row_src_token),
+            out_rank_prefix_matrix=ptr(o.rank_prefix_matrix), out_rows=o.recv_x.shape[0], **kw)
 
     def _stand_ins(self, x: torch.Tensor, fp8: bool, k: int, topk_idx: Optional[torch.Tensor]):
         """One-row inputs for a dispatch of no tokens (the engine takes x of 1 to T_max rows; the
@@ -500,17 +545,15 @@ class Buffer:
                                    f"dispatch of the engine (dispatch {st.seq}), which routed other tokens; combine "
                                    "before the next dispatch, or dispatch again with this handle")
         n, H, T = head.num_recv_tokens, st.hidden, head.num_tokens
-        if (not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or tuple(x.shape) != (n, H)
-                or not x.is_contiguous()):
-            what = f"dtype {x.dtype}, shape {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
-            raise invalid_argument(f"combine: x has {what}, expected a contiguous torch.bfloat16 [{n}, {H}] (a row "
-                                   "per row the handle's dispatch received)")
+        _check_tensor(x, "combine: x (a row per row the handle's dispatch received)", (torch.bfloat16,), (n, H),
+                      self._device)
         k = 0
         if topk_weights is not None:
             if topk_weights.dtype != torch.float32 or topk_weights.dim() != 2 or topk_weights.shape[0] != n:
                 raise invalid_argument(f"combine: topk_weights has dtype {topk_weights.dtype}, shape "
                                        f"{list(topk_weights.shape)}, expected torch.float32 [{n}, num_topk]")
             k = topk_weights.shape[1]
+            _check_tensor(topk_weights, "combine: topk_weights", (torch.float32,), (n, k), self._device)
         biases = (bias, None) if isinstance(bias, torch.Tensor) else (tuple(bias) if bias is not None else (None, None))
         if len(biases) != 2:
             raise invalid_argument(f"combine: bias is a sequence of {len(biases)}, expected a tensor or a pair")
@@ -524,13 +567,18 @@ class Buffer:
         with torch.cuda.stream(alloc):
             combined_x = torch.empty((max(T, 1), H), dtype=torch.bfloat16, device=device)
             combined_w = torch.empty((max(T, 1), k), dtype=torch.float32, device=device) if k else None
-        with torch.cuda.stream(comm):
-            y, w = x, topk_weights
-            if n == 0:  # the engine reads at least one row: nothing of it counts
+        y, w = x, topk_weights
+        if n == 0:  # the engine reads at least one row: nothing of it counts
+            with torch.cuda.stream(comm):
                 y = torch.zeros((1, H), dtype=torch.bfloat16, device=device)
                 w = None if k == 0 else torch.zeros((1, k), dtype=torch.float32, device=device)
-            st.engine.combine(combined_x, comm, y, row_values=w, out_values=combined_w)
-            if T > 0 and any(b is not None for b in biases):
+        # graphep's own call with the pointers (every tensor checked above; the engine checks them
+        # as pointers and their alignment).
+        st.engine._core.combine(y.data_ptr(), combined_x.data_ptr(), comm.cuda_stream, expert_output_rows=y.shape[0],
+                                row_values=0 if w is None else w.data_ptr(),
+                                out_values=0 if combined_w is None else combined_w.data_ptr(), num_values=k)
+        if T > 0 and any(b is not None for b in biases):
+            with torch.cuda.stream(comm):
                 total = combined_x.float()
                 for b in biases:
                     if b is not None:

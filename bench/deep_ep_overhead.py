@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""What graphep.deep_ep's Buffer adds to graphep's own call, measured the way DeepEP's harness
+measures (a CUDA event before and after each call on the current stream, 50 warm-up calls, 50
+timed, the first timed one dropped, the mean), on one rank per GPU:
+
+    python3 bench/deep_ep_overhead.py [--num-processes 2] [--num-tokens 4096] [--hidden 7168]
+                                      [--num-experts 256] [--num-topk 8] [--num-sms 24]
+
+For the cached dispatch (bf16 and fp8, as DeepEP's tuning loop times it) and the combine, rank 0
+prints one line each:
+    adapter   Buffer.dispatch / Buffer.combine (fresh outputs, streams and events as DeepEP's)
+    engine    the engine's own call with the same inputs into outputs allocated once
+    gpu       the engine's call enqueued 50 times back to back, then one sync: the time per call
+              with the host ahead of the device (kernels only)
+    host      the adapter's host time per call (perf_counter around 50 calls, no sync between)
+and adapter / engine. Needs PyTorch and a GPU per process; NCCL_NVLS_ENABLE=0 is set.
+"""
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+WARMUP, TIMED = 50, 50
+
+
+def event_mean(fn) -> float:
+    """DeepEP's bench: events around each call on the current stream, the mean in us."""
+    torch.cuda.synchronize()
+    for _ in range(WARMUP):
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(TIMED)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(TIMED)]
+    for s, e in zip(starts, ends):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    times = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)][1:]
+    return sum(times) / len(times)
+
+
+def back_to_back(fn) -> float:
+    """The calls enqueued back to back between two events: the device time per call, in us."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(TIMED):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / TIMED
+
+
+def host_time(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(TIMED):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) * 1e6 / TIMED
+
+
+def run(local_rank: int, args) -> None:
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{args.port}", world_size=args.num_processes,
+                            rank=local_rank, device_id=torch.device("cuda", local_rank))
+    torch.cuda.set_device(local_rank)
+    import graphep.deep_ep as deep_ep
+    from graphep._graphep import DispatchInput, IndexType
+
+    rank, R = dist.get_rank(), dist.get_world_size()
+    T, H, E, K = args.num_tokens, args.hidden, args.num_experts, args.num_topk
+    torch.manual_seed(rank)
+    buffer = deep_ep.Buffer(dist.group.WORLD, int(2e9), explicitly_destroy=True)
+    x = torch.randn((T, H), dtype=torch.bfloat16, device="cuda")
+    amax = x.float().abs().view(T, -1, 128).amax(-1).clamp(1e-4)
+    x_fp8 = ((x.float().view(T, -1, 128) * (448.0 / amax.unsqueeze(-1))).to(torch.float8_e4m3fn).view(T, H),
+             (amax / 448.0).T.contiguous().T)  # DeepEP's test passes its scales column-major
+    scores = torch.randn((T, E), dtype=torch.float32, device="cuda").abs() + 1
+    topk_idx = torch.topk(scores, K, dim=-1, sorted=False)[1]
+    topk_w = torch.rand((T, K), dtype=torch.float32, device="cuda")
+    config = deep_ep.Config(args.num_sms, 24, 256)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, E)
+    recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                      num_tokens_per_expert=per_expert, topk_idx=topk_idx,
+                                                      topk_weights=topk_w, config=config)
+    st = handle[5].state
+    core, n, comm = st.engine._core, recv_x.shape[0], torch.cuda.current_stream()
+    count = buffer._token_count(T, x.device)
+    out_x = torch.empty((n, H), dtype=torch.bfloat16, device="cuda")
+    out_x8 = torch.empty((n, H), dtype=torch.uint8, device="cuda")
+    out_s = torch.empty((n, H // 128), dtype=torch.float32, device="cuda")
+    combined = torch.empty((T, H), dtype=torch.bfloat16, device="cuda")
+    combined_w = torch.empty((T, K), dtype=torch.float32, device="cuda")
+
+    def engine_dispatch(fp8: bool):
+        def call():
+            kw = dict(input=DispatchInput.FP8, x_scales=x_fp8[1].data_ptr(), scale_token_stride=x_fp8[1].stride(0),
+                      scale_hidden_stride=x_fp8[1].stride(1), out_recv_scales=out_s.data_ptr()) if fp8 else \
+                dict(input=DispatchInput.BF16)
+            core.dispatch((x_fp8[0] if fp8 else x).data_ptr(), 0, IndexType.INT64, 0,
+                          count.data_ptr(), comm.cuda_stream, top_k=0, token_in_rank=in_rank.data_ptr(),
+                          out_recv_x=(out_x8 if fp8 else out_x).data_ptr(), out_rows=n, **kw)
+        return call
+
+    def engine_combine():
+        core.combine(recv_x.data_ptr(), combined.data_ptr(), comm.cuda_stream, expert_output_rows=n,
+                     row_values=recv_w.data_ptr(), out_values=combined_w.data_ptr(), num_values=K)
+
+    cases = [
+        ("dispatch bf16 (cached)", lambda: buffer.dispatch(x, handle=handle, config=config), engine_dispatch(False)),
+        ("dispatch fp8 (cached)", lambda: buffer.dispatch(x_fp8, handle=handle, config=config), engine_dispatch(True)),
+        ("combine bf16 (+ top-k weights)", lambda: buffer.combine(recv_x, handle, topk_weights=recv_w, config=config),
+         engine_combine),
+    ]
+    for name, adapter, engine in cases:
+        a, e, g, h = event_mean(adapter), event_mean(engine), back_to_back(engine), host_time(adapter)
+        if rank == 0:
+            print(f"[rank 0] T={T} H={H} E={E} K={K} SMs={args.num_sms} {name}: adapter {a:.1f} us, engine {e:.1f} "
+                  f"us, gpu {g:.1f} us, host {h:.1f} us, adapter / engine {a / e:.3f}", flush=True)
+    st_all = buffer.status()
+    assert st_all.ok, st_all.describe()
+    buffer.destroy()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--num-processes", type=int, default=2)
+    p.add_argument("--num-tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--num-experts", type=int, default=256)
+    p.add_argument("--num-topk", type=int, default=8)
+    p.add_argument("--num-sms", type=int, default=24)
+    p.add_argument("--port", type=int, default=8371)
+    args = p.parse_args()
+    torch.multiprocessing.spawn(run, args=(args,), nprocs=args.num_processes)
