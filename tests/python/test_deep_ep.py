@@ -466,7 +466,7 @@ def worker() -> int:
     check_combined("idle.combine", i_comb, combined_ref(idle_in, topk_mask))
 
     # Errors, named: every rank makes the same bad call, so no rank is left waiting.
-    expect_error("error.scales_dtype", graphep.Status.INVALID_ARGUMENT, ["x_scales has dtype float16"],
+    expect_error("error.scales_dtype", graphep.Status.INVALID_ARGUMENT, ["x_scales has dtype torch.float16"],
                  buffer.dispatch, (me.x_fp8, me.scales.half()), **common)
     expect_error("error.scales_int32", graphep.Status.NOT_SUPPORTED, ["x_scales has dtype torch.int32"],
                  buffer.dispatch, (me.x_fp8, me.scales.view(torch.int32)), **common)
