@@ -31,8 +31,18 @@
 namespace graphep::test {
 namespace {
 
-constexpr int kTMax = 80;  // three 32-token blocks, the last one partial
-constexpr int kH = 256;
+// The engines' T_max and hidden size: 80 tokens (three 32-token blocks, the last one partial) of
+// 256 values, unless a test sets a larger shape for its engines (ShapeScope).
+struct Shape {
+  int tMax = 80;
+  int hidden = 256;
+};
+Shape gShape;
+struct ShapeScope {
+  Shape saved = gShape;
+  ShapeScope(int tMax, int hidden) { gShape = Shape{tMax, hidden}; }
+  ~ShapeScope() { gShape = saved; }
+};
 constexpr int kK = 4;      // the config's top-k; calls may use fewer
 constexpr int kLocal = 8;  // experts per rank
 constexpr unsigned char kPoison = 0xAB;
@@ -78,13 +88,13 @@ enum class Route {
 struct RankInputs {
   int T = 0;
   int topK = 0;                     // columns of ids / w (0: none)
-  std::vector<std::uint16_t> x;     // [kTMax][kH] bf16
-  std::vector<long long> ids;       // [kTMax][topK]
-  std::vector<float> w;             // [kTMax][topK]
-  std::vector<std::uint8_t> mask;   // [kTMax][R] (the routing, whether or not it is passed)
+  std::vector<std::uint16_t> x;     // [gShape.tMax][gShape.hidden] bf16
+  std::vector<long long> ids;       // [gShape.tMax][topK]
+  std::vector<float> w;             // [gShape.tMax][topK]
+  std::vector<std::uint8_t> mask;   // [gShape.tMax][R] (the routing, whether or not it is passed)
   bool passMask = false;
-  std::vector<std::uint8_t> xFp8;   // [kTMax][kH] e4m3 bytes (never NaN)
-  std::vector<float> scalesT;       // [kH / 128][kTMax]: scale of (t, j) at j * kTMax + t
+  std::vector<std::uint8_t> xFp8;   // [gShape.tMax][gShape.hidden] e4m3 bytes (never NaN)
+  std::vector<float> scalesT;       // [gShape.hidden / 128][gShape.tMax]: scale of (t, j) at j * gShape.tMax + t
 };
 
 RankInputs makeInputs(int rank, int R, int T, int topK, Route route, std::uint64_t seed) {
@@ -95,18 +105,18 @@ RankInputs makeInputs(int rank, int R, int T, int topK, Route route, std::uint64
   in.T = T;
   in.topK = route == Route::kMaskOnly ? 0 : topK;
   in.passMask = route != Route::kTopk;
-  in.x.resize(static_cast<std::size_t>(kTMax) * kH);
+  in.x.resize(static_cast<std::size_t>(gShape.tMax) * gShape.hidden);
   for (auto& v : in.x) v = bf16Bits(value(rng));
   in.xFp8.resize(in.x.size());
   for (auto& b : in.xFp8) {
     b = static_cast<std::uint8_t>(rng() & 0xff);
     if ((b & 0x7f) == 0x7f) b &= 0xfe;  // 0x7f / 0xff are NaN in e4m3
   }
-  in.scalesT.resize(static_cast<std::size_t>(kH / 128) * kTMax);
+  in.scalesT.resize(static_cast<std::size_t>(gShape.hidden / 128) * gShape.tMax);
   for (auto& s : in.scalesT) s = 0.01f + unit(rng);
-  in.ids.assign(static_cast<std::size_t>(kTMax) * std::max(in.topK, 1), -1);
+  in.ids.assign(static_cast<std::size_t>(gShape.tMax) * std::max(in.topK, 1), -1);
   in.w.assign(in.ids.size(), 0.f);
-  in.mask.assign(static_cast<std::size_t>(kTMax) * R, 0);
+  in.mask.assign(static_cast<std::size_t>(gShape.tMax) * R, 0);
   for (int t = 0; t < T; ++t) {
     std::uint8_t* m = &in.mask[static_cast<std::size_t>(t) * R];
     if (route == Route::kMaskOnly) {
@@ -229,8 +239,8 @@ class Caps {
   }
   static MoeConfig capsConfig(int R) {
     MoeConfig c;
-    c.maxTokensPerRank = kTMax;
-    c.hidden = kH;
+    c.maxTokensPerRank = gShape.tMax;
+    c.hidden = gShape.hidden;
     c.numExperts = kLocal * R;
     c.topK = kK;
     c.receiveLayout = ReceiveLayout::kRankMajor;
@@ -273,8 +283,8 @@ class Caps {
     c.numTokens = std::make_unique<DeviceBuffer<int>>(1);
     c.numTokens->upload({in.T});
     const bool fp8 = o.input == DispatchInput::kFp8 || o.input == DispatchInput::kFp8Quantize;
-    c.recvX = std::make_unique<DeviceBuffer<std::uint8_t>>(rowsAlloc * kH * (fp8 ? 1 : 2));
-    c.recvScales = std::make_unique<DeviceBuffer<float>>(rowsAlloc * (kH / 128));
+    c.recvX = std::make_unique<DeviceBuffer<std::uint8_t>>(rowsAlloc * gShape.hidden * (fp8 ? 1 : 2));
+    c.recvScales = std::make_unique<DeviceBuffer<float>>(rowsAlloc * (gShape.hidden / 128));
     c.srcRank = std::make_unique<DeviceBuffer<int>>(rowsAlloc);
     c.srcToken = std::make_unique<DeviceBuffer<int>>(rowsAlloc);
     c.prefix = std::make_unique<DeviceBuffer<int>>(static_cast<std::size_t>(R()) * R());
@@ -291,7 +301,7 @@ class Caps {
     if (o.input == DispatchInput::kFp8) {
       a.xScales = c.scalesT->p;
       a.scaleTokenStride = 1;  // DeepEP's column-major scales: (t, j) at j * T_max + t
-      a.scaleHiddenStride = kTMax;
+      a.scaleHiddenStride = gShape.tMax;
     }
     if (in.topK > 0) {
       a.topkIdx = o.int64Ids ? static_cast<const void*>(c.ids64->p) : static_cast<const void*>(c.ids32->p);
@@ -328,7 +338,7 @@ class Caps {
     const std::vector<std::uint8_t> x = c.recvX->download();
     const std::vector<float> scales = c.recvScales->download();
     const std::vector<int> srcRank = c.srcRank->download(), srcToken = c.srcToken->download();
-    const std::size_t rowBytes = static_cast<std::size_t>(kH) * (fp8 ? 1 : 2);
+    const std::size_t rowBytes = static_cast<std::size_t>(gShape.hidden) * (fp8 ? 1 : 2);
     for (std::size_t i = 0; i < c.recvX->n / rowBytes; ++i) {
       const std::uint8_t* got = &x[i * rowBytes];
       if (i >= kept) {  // never written: past the rows arrived or the caller's buffer
@@ -350,17 +360,17 @@ class Caps {
       std::vector<float> sc;
       const std::uint8_t* want = nullptr;
       if (o.input == DispatchInput::kFp8) {
-        want = &src.xFp8[static_cast<std::size_t>(t) * kH];
-        sc.resize(kH / 128);
-        for (int j = 0; j < kH / 128; ++j) sc[static_cast<std::size_t>(j)] = src.scalesT[static_cast<std::size_t>(j) * kTMax + t];
+        want = &src.xFp8[static_cast<std::size_t>(t) * gShape.hidden];
+        sc.resize(gShape.hidden / 128);
+        for (int j = 0; j < gShape.hidden / 128; ++j) sc[static_cast<std::size_t>(j)] = src.scalesT[static_cast<std::size_t>(j) * gShape.tMax + t];
       } else if (fp8) {
-        quantizeRow(&src.x[static_cast<std::size_t>(t) * kH], kH, &q, &sc);
+        quantizeRow(&src.x[static_cast<std::size_t>(t) * gShape.hidden], gShape.hidden, &q, &sc);
         want = q.data();
       } else {
-        want = reinterpret_cast<const std::uint8_t*>(&src.x[static_cast<std::size_t>(t) * kH]);
+        want = reinterpret_cast<const std::uint8_t*>(&src.x[static_cast<std::size_t>(t) * gShape.hidden]);
       }
       if (std::memcmp(got, want, rowBytes) != 0) wrong("row " + std::to_string(i) + ": its bytes differ");
-      if (fp8 && std::memcmp(&scales[i * (kH / 128)], sc.data(), sc.size() * 4) != 0) {
+      if (fp8 && std::memcmp(&scales[i * (gShape.hidden / 128)], sc.data(), sc.size() * 4) != 0) {
         wrong("row " + std::to_string(i) + ": its scales differ");
       }
     }
@@ -419,17 +429,22 @@ class Caps {
     }
   }
 
+  std::vector<RankInputs> inputs(Route route, int topK, std::uint64_t seed, const std::vector<int>& tokens) {
+    std::vector<RankInputs> in;
+    for (int q = 0; q < R(); ++q) in.push_back(makeInputs(q, R(), tokens[static_cast<std::size_t>(q) % tokens.size()], topK, route, seed));
+    return in;
+  }
   std::vector<RankInputs> inputs(Route route, int topK, std::uint64_t seed, int tMin = 1) {
     std::vector<RankInputs> in;
     std::mt19937 rng(static_cast<unsigned>(seed));
     for (int q = 0; q < R(); ++q) {
-      in.push_back(makeInputs(q, R(), tMin + static_cast<int>(rng() % static_cast<unsigned>(kTMax - tMin + 1)), topK,
+      in.push_back(makeInputs(q, R(), tMin + static_cast<int>(rng() % static_cast<unsigned>(gShape.tMax - tMin + 1)), topK,
                               route, seed));
     }
     return in;
   }
 
-  // One combine per rank of the last dispatch (of `in`): y [n][kH] and values [n][K] random per row,
+  // One combine per rank of the last dispatch (of `in`): y [n][gShape.hidden] and values [n][K] random per row,
   // given as `yRows` rows (n - yLess); returns the wrong elements of out and outValues against the
   // reference (rows past yRows add nothing), and checks the status counts them.
   struct CombineCall {
@@ -445,7 +460,7 @@ class Caps {
     std::uniform_real_distribution<float> value(-1.f, 1.f);
     CombineCall c;
     c.rows = std::max(ref.n() - yLess, 1);
-    c.yHost.resize(static_cast<std::size_t>(c.rows) * kH);
+    c.yHost.resize(static_cast<std::size_t>(c.rows) * gShape.hidden);
     for (auto& v : c.yHost) v = bf16Bits(value(rng));
     c.valuesHost.resize(static_cast<std::size_t>(c.rows) * std::max(K, 1));
     for (auto& v : c.valuesHost) v = value(rng);
@@ -453,8 +468,8 @@ class Caps {
     c.y->upload(c.yHost);
     c.values = std::make_unique<DeviceBuffer<float>>(c.valuesHost.size());
     c.values->upload(c.valuesHost);
-    c.out = std::make_unique<DeviceBuffer<std::uint16_t>>(static_cast<std::size_t>(kTMax) * kH);
-    c.outValues = std::make_unique<DeviceBuffer<float>>(static_cast<std::size_t>(kTMax) * std::max(K, 1));
+    c.out = std::make_unique<DeviceBuffer<std::uint16_t>>(static_cast<std::size_t>(gShape.tMax) * gShape.hidden);
+    c.outValues = std::make_unique<DeviceBuffer<float>>(static_cast<std::size_t>(gShape.tMax) * std::max(K, 1));
     return c;
   }
   void enqueueCombine(int l, const CombineCall& c, int K) {
@@ -478,9 +493,9 @@ class Caps {
     const int q = comm_->globalRank(l), R = this->R();
     const std::vector<std::uint16_t> out = mine.out->download();
     const std::vector<float> outValues = mine.outValues->download();
-    for (int t = 0; t < kTMax; ++t) {
-      for (int h = 0; h < kH; ++h) {
-        const std::uint16_t got = out[static_cast<std::size_t>(t) * kH + h];
+    for (int t = 0; t < gShape.tMax; ++t) {
+      for (int h = 0; h < gShape.hidden; ++h) {
+        const std::uint16_t got = out[static_cast<std::size_t>(t) * gShape.hidden + h];
         if (t >= in[static_cast<std::size_t>(q)].T) {
           if (got != poisonValue<std::uint16_t>()) wrong("out row " + std::to_string(t) + " past the live count written");
           break;
@@ -489,7 +504,7 @@ class Caps {
         for (int d = 0; d < R; ++d) {
           const int row = refs[static_cast<std::size_t>(d)].rowOf(q, t);
           if (row < 0 || row >= calls[static_cast<std::size_t>(d)]->rows) continue;
-          acc += bf16Value(calls[static_cast<std::size_t>(d)]->yHost[static_cast<std::size_t>(row) * kH + h]);
+          acc += bf16Value(calls[static_cast<std::size_t>(d)]->yHost[static_cast<std::size_t>(row) * gShape.hidden + h]);
         }
         if (got != bf16Bits(acc)) {
           wrong("out[" + std::to_string(t) + "][" + std::to_string(h) + "] = " + std::to_string(bf16Value(got)) +
@@ -623,6 +638,50 @@ TEST(Gpu2_MoeCapabilities, RepeatedOperationsAndCombineInputs) {
   }
 }
 
+// Dispatch -> dispatch while a peer still reads: rank 0 sends 2,048 records of 7,168 values and the
+// others 16, and every receive runs on 2 CTAs (epilogueSms), so rank 0's receive of A (16 records)
+// ends, and its dispatch B starts, while the others still expand rank 0's records of A. B must
+// wait for their acknowledgement (mutant 21 drops the wait: B's records then overwrite A's before
+// they are read, and A's rows come out as B's).
+TEST(Gpu2_MoeCapabilities, DispatchAfterDispatchWhileAPeerStillReads) {
+  GRAPHEP_REQUIRE_GPUS(2);
+  const ShapeScope shape(2048, 7168);
+  MoeConfig cfg = Caps::capsConfig(static_cast<int>(visibleGpus().size()));
+  cfg.epilogueSms = 2;  // a slow receive: the lagging reader
+  Caps caps(cfg);
+  const int L = caps.L(), R = caps.R();
+  const CallOptions o;
+  std::uint64_t seed = 5001;
+  for (int round = 0; round < 6; ++round) {
+    const std::vector<RankInputs> a = caps.inputs(Route::kTopk, kK, ++seed, {2048, 16});
+    const std::vector<RankInputs> b = caps.inputs(Route::kTopk, kK, ++seed, {2048, 16});
+    std::vector<RefRows> refA, refB;
+    for (int d = 0; d < R; ++d) {
+      refA.push_back(reference(a, d));
+      refB.push_back(reference(b, d));
+    }
+    std::vector<RankCall> ca, cb;
+    for (int l = 0; l < L; ++l) {
+      ca.push_back(caps.prepare(l, a[static_cast<std::size_t>(l)], refA[static_cast<std::size_t>(l)], o));
+      cb.push_back(caps.prepare(l, b[static_cast<std::size_t>(l)], refB[static_cast<std::size_t>(l)], o));
+    }
+    for (int l = 0; l < L; ++l) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(l));
+      caps.engine(l).dispatch(caps.args(a[static_cast<std::size_t>(l)], ca[static_cast<std::size_t>(l)], o), caps.stream(l));
+      caps.engine(l).dispatch(caps.args(b[static_cast<std::size_t>(l)], cb[static_cast<std::size_t>(l)], o), caps.stream(l));
+    }
+    caps.syncAll();
+    const std::string what = "uneven round " + std::to_string(round);
+    for (int l = 0; l < L; ++l) {
+      EXPECT_EQ(caps.check(l, a, refA[static_cast<std::size_t>(l)], ca[static_cast<std::size_t>(l)], o, what + " dispatch A",
+                           false), 0);
+      EXPECT_EQ(caps.check(l, b, refB[static_cast<std::size_t>(l)], cb[static_cast<std::size_t>(l)], o, what + " dispatch B"), 0);
+      const MoeStatus st = caps.engine(l).status();
+      EXPECT_TRUE(st.ok()) << what << ": " << st.describe();
+    }
+  }
+}
+
 // A combine before the engine's first dispatch has nothing to combine: counted, named, no hang.
 TEST(Gpu2_MoeCapabilities, CombineBeforeAnyDispatchIsCounted) {
   GRAPHEP_REQUIRE_GPUS(2);
@@ -630,7 +689,7 @@ TEST(Gpu2_MoeCapabilities, CombineBeforeAnyDispatchIsCounted) {
   std::vector<std::unique_ptr<DeviceBuffer<std::uint16_t>>> outs;
   for (int l = 0; l < caps.L(); ++l) {
     GRAPHEP_CUDA_CHECK(cudaSetDevice(l));
-    outs.push_back(std::make_unique<DeviceBuffer<std::uint16_t>>(static_cast<std::size_t>(kTMax) * kH));
+    outs.push_back(std::make_unique<DeviceBuffer<std::uint16_t>>(static_cast<std::size_t>(gShape.tMax) * gShape.hidden));
     CombineArgs a;
     a.out = outs.back()->p;
     caps.engine(l).combine(a, caps.stream(l));
