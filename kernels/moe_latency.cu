@@ -32,7 +32,8 @@
 // Buffers alternate by the step's parity. A rank can only start dispatch s + 2 after its combine
 // s + 1 received every destination's partials, which each destination sends after its own
 // combine s: so a destination has finished with slot parity s before any source writes it again
-// (each dispatch is followed by a combine; the engine enforces it on the host). Counters only
+// (in any order of operations: each sender starts after its previous receiver, which waited for
+// every peer's previous sender, which started after that peer's receiver before it). Counters only
 // grow (mod 2^32): flags reach step + 1, arrival counters (step + 1) x G.
 #include "kernels/common/moe_peer.cuh"
 

@@ -4,8 +4,8 @@
 //
 // Every piece of state a replay needs lives on the device (the engine's monotonic counters and
 // buffers), so any number of graphs over one engine (one per batch-size bucket, dispatch-only and
-// combine-only pairs) may be replayed in any interleaving, as long as, on each engine, every
-// dispatch is followed by its combine before the next dispatch. Building a graph is setup work
+// combine-only pairs) may be replayed in any interleaving: on each engine, a combine serves the
+// last dispatch (dispatch -> dispatch and combine -> combine are defined). Building a graph is setup work
 // (captures, instantiation); replaying it is not.
 #pragma once
 
