@@ -8,7 +8,9 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <type_traits>
 
+#include "engine/device_pointer.hpp"
 #include "engine/env.hpp"
 #include "engine/error.hpp"
 #include "engine/heap.hpp"
@@ -33,23 +35,8 @@ constexpr std::size_t kEngineSlotBytes = std::size_t{256} << 10;
 std::size_t alignUp(std::size_t v, std::size_t a) { return (v + a - 1) / a * a; }
 
 using detail::DeviceGuard;
+using detail::requireDevicePointer;
 
-// A pointer the kernels dereference must be device memory of this rank's GPU (or managed).
-void requireDevicePointer(const void* p, int device, const char* what) {
-  GRAPHEP_REQUIRE(p != nullptr, Status::kInvalidArgument, "%s is null", what);
-  cudaPointerAttributes a{};
-  const cudaError_t e = cudaPointerGetAttributes(&a, p);
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    GRAPHEP_FAIL(Status::kInvalidArgument, "%s (%p) is not a CUDA allocation: %s", what, p,
-                 cudaGetErrorString(e));
-  }
-  GRAPHEP_REQUIRE(a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged,
-                  Status::kInvalidArgument, "%s (%p) is host memory, not device memory", what, p);
-  GRAPHEP_REQUIRE(a.type == cudaMemoryTypeManaged || a.device == device, Status::kInvalidArgument,
-                  "%s (%p) lives on device %d, but this rank runs on device %d", what, p, a.device,
-                  device);
-}
 
 // Whether a config fits the latency path's kernels (routing held in shared memory).
 bool latencyFits(const MoeConfig& c, int R) {
@@ -1216,38 +1203,26 @@ void applyOutputs(const Engine::Impl& m, const DispatchArgs& a, MoeParams& p) {
   GRAPHEP_REQUIRE(!rowBuffers || o.rows > 0, Status::kInvalidArgument,
                   "dispatch: outputs.rows=0: give the rows your output buffers hold");
   if (o.rows > 0) p.outRows = o.rows;
+  // Each buffer given is checked and replaces the engine's for this dispatch.
+  auto take = [&](auto* given, const char* what, auto*& into) {
+    if (given == nullptr) return;
+    requireDevicePointer(given, m.device, what);
+    into = static_cast<std::remove_reference_t<decltype(into)>>(given);
+  };
   if (o.recvX != nullptr) {
-    requireDevicePointer(o.recvX, m.device, "dispatch: outputs.recvX");
     GRAPHEP_REQUIRE((reinterpret_cast<std::uintptr_t>(o.recvX) & 15u) == 0, Status::kInvalidArgument,
                     "dispatch: outputs.recvX (%p) is not 16-byte aligned", o.recvX);
-    p.recvX = static_cast<char*>(o.recvX);
   }
-  if (o.recvScales != nullptr) {
-    GRAPHEP_REQUIRE(p.fp8 != 0, Status::kInvalidArgument, "dispatch: outputs.recvScales is set for a bf16 dispatch");
-    requireDevicePointer(o.recvScales, m.device, "dispatch: outputs.recvScales");
-    p.recvScales = o.recvScales;
-  }
-  if (o.rowExperts != nullptr) {
-    requireDevicePointer(o.rowExperts, m.device, "dispatch: outputs.rowExperts");
-    p.rowExperts = o.rowExperts;
-    p.rowExperts64 = a.indexType == IndexType::kInt64 ? 1 : 0;
-  }
-  if (o.rowExpertWeights != nullptr) {
-    requireDevicePointer(o.rowExpertWeights, m.device, "dispatch: outputs.rowExpertWeights");
-    p.rowExpertWeights = o.rowExpertWeights;
-  }
-  if (o.rowSrcRank != nullptr) {
-    requireDevicePointer(o.rowSrcRank, m.device, "dispatch: outputs.rowSrcRank");
-    p.rowSrcRank = o.rowSrcRank;
-  }
-  if (o.rowSrcToken != nullptr) {
-    requireDevicePointer(o.rowSrcToken, m.device, "dispatch: outputs.rowSrcToken");
-    p.rowSrcToken = o.rowSrcToken;
-  }
-  if (o.rankPrefixMatrix != nullptr) {
-    requireDevicePointer(o.rankPrefixMatrix, m.device, "dispatch: outputs.rankPrefixMatrix");
-    p.rankPrefix = o.rankPrefixMatrix;
-  }
+  GRAPHEP_REQUIRE(o.recvScales == nullptr || p.fp8 != 0, Status::kInvalidArgument,
+                  "dispatch: outputs.recvScales is set for a bf16 dispatch");
+  take(o.recvX, "dispatch: outputs.recvX", p.recvX);
+  take(o.recvScales, "dispatch: outputs.recvScales", p.recvScales);
+  take(o.rowExperts, "dispatch: outputs.rowExperts", p.rowExperts);
+  if (o.rowExperts != nullptr) p.rowExperts64 = a.indexType == IndexType::kInt64 ? 1 : 0;
+  take(o.rowExpertWeights, "dispatch: outputs.rowExpertWeights", p.rowExpertWeights);
+  take(o.rowSrcRank, "dispatch: outputs.rowSrcRank", p.rowSrcRank);
+  take(o.rowSrcToken, "dispatch: outputs.rowSrcToken", p.rowSrcToken);
+  take(o.rankPrefixMatrix, "dispatch: outputs.rankPrefixMatrix", p.rankPrefix);
   // A row buffer the caller did not give is the engine's: its rows hold outRows (the capacity holds
   // every rank-major row).
 }

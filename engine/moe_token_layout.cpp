@@ -3,27 +3,11 @@
 // rank's top-k ids and writes its per-rank and per-expert counts and token-in-rank mask.
 #include <graphep/moe.hpp>
 
+#include "engine/device_pointer.hpp"
 #include "engine/error.hpp"
 #include "kernels/moe.h"
 
 namespace graphep {
-namespace {
-
-// A pointer the kernel dereferences: device (or managed) memory of the current device.
-void requireDevice(const void* p, const char* what) {
-  GRAPHEP_REQUIRE(p != nullptr, Status::kInvalidArgument, "tokenLayout: %s is null", what);
-  cudaPointerAttributes a{};
-  const cudaError_t e = cudaPointerGetAttributes(&a, p);
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    GRAPHEP_FAIL(Status::kInvalidArgument, "tokenLayout: %s (%p) is not a CUDA allocation: %s", what, p,
-                 cudaGetErrorString(e));
-  }
-  GRAPHEP_REQUIRE(a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged, Status::kInvalidArgument,
-                  "tokenLayout: %s (%p) is host memory, not device memory", what, p);
-}
-
-}  // namespace
 
 void tokenLayout(const TokenLayoutArgs& a, cudaStream_t stream) {
   GRAPHEP_REQUIRE(a.numRanks >= 1 && a.numRanks <= kMaxRanks, Status::kInvalidArgument,
@@ -35,12 +19,14 @@ void tokenLayout(const TokenLayoutArgs& a, cudaStream_t stream) {
   GRAPHEP_REQUIRE(a.numTokens >= 0, Status::kInvalidArgument, "tokenLayout: numTokens=%d is negative", a.numTokens);
   GRAPHEP_REQUIRE(a.indexType == IndexType::kInt32 || a.indexType == IndexType::kInt64, Status::kInvalidArgument,
                   "tokenLayout: indexType=%d is not an IndexType", static_cast<int>(a.indexType));
+  int device = 0;
+  GRAPHEP_CUDA_CHECK(cudaGetDevice(&device));  // the kernel runs on the current device
   if (a.numTokens > 0) {
-    requireDevice(a.topkIdx, "topkIdx");
-    requireDevice(a.tokenInRank, "tokenInRank");
+    detail::requireDevicePointer(a.topkIdx, device, "tokenLayout: topkIdx");
+    detail::requireDevicePointer(a.tokenInRank, device, "tokenLayout: tokenInRank");
   }
-  requireDevice(a.tokensPerRank, "tokensPerRank");
-  requireDevice(a.tokensPerExpert, "tokensPerExpert");
+  detail::requireDevicePointer(a.tokensPerRank, device, "tokenLayout: tokensPerRank");
+  detail::requireDevicePointer(a.tokensPerExpert, device, "tokenLayout: tokensPerExpert");
   MoeTokenLayoutParams p{};
   p.topkIdx = a.topkIdx;
   p.int64Ids = a.indexType == IndexType::kInt64 ? 1 : 0;
