@@ -208,6 +208,37 @@ besideDeepep() {  # LOG TOKENS...
     2>&1 | tee "$out/deepep.log" | grep -E "^deepep" || echo "DeepEP baseline failed (deepep.log)"
   ratios "$log" "$out/deepep.log"
 }
+# GRAPHEP_BENCH_ONLY=deepep-api: issue 26's acceptance run: DeepEP's own tests/test_intranode.py
+# against graphep.deep_ep (tests/compat/run_deepep_tests.py) at DeepEP's default shape and the two
+# others, then the same script with DeepEP itself (built from GRAPHEP_DEEPEP_SRC by
+# GRAPHEP_DEEPEP_BASELINE's build step) at the same shapes, and bench/deep_ep_overhead.py: graphep
+# and DeepEP from one call. Logs: compat_N.log, deepep_N.log, overhead.log.
+if [ "${GRAPHEP_BENCH_ONLY:-}" = deepep-api ]; then
+  step "DeepEP's API: DeepEP's test_intranode.py against graphep.deep_ep and against DeepEP"
+  shapes=("" "--hidden 2048 --num-experts 128 --num-topk 8" "--hidden 4096 --num-experts 8 --num-topk 2")
+  [ -n "${GRAPHEP_DEEPEP_BASELINE:-}" ] && (bash "$GRAPHEP_DEEPEP_BASELINE" "${GRAPHEP_DEEPEP_SRC:?}" build \
+    >"$out/deepep_build.log" 2>&1 &)
+  for i in 0 1 2; do
+    GRAPHEP_PYTHONPATH=$build/python timeout -s KILL 240 python3 tests/compat/run_deepep_tests.py \
+      --deepep-src "${GRAPHEP_DEEPEP_SRC:?}" --test intranode -- ${shapes[$i]} >"$out/compat_$i.log" 2>&1 || status=1
+    echo "graphep.deep_ep [${shapes[$i]:-default shape}]: $(grep -c 'passed$' "$out/compat_$i.log") cases passed"
+    grep "Best" "$out/compat_$i.log"
+  done
+  for i in 0 1 2; do
+    PYTHONPATH=$build/python timeout -s KILL 120 python3 bench/deep_ep_overhead.py ${shapes[$i]} 2>&1 \
+      | grep "rank 0" | tee -a "$out/overhead.log" || status=1
+  done
+  if [ -n "${GRAPHEP_DEEPEP_BASELINE:-}" ]; then
+    while ! grep -qE "built|failed|rror" "$out/deepep_build.log" 2>/dev/null; do sleep 5; done
+    for i in 0 1 2; do  # DeepEP's own run of the same script (its full chunk sweep)
+      (cd /tmp/deepep-v1/tests && PYTHONPATH=/tmp/deepep-v1 timeout -s KILL 240 python3 test_intranode.py \
+        --num-processes 2 ${shapes[$i]}) >"$out/deepep_$i.log" 2>&1 || status=1
+      echo "DeepEP V1 [${shapes[$i]:-default shape}]:"; grep "Best" "$out/deepep_$i.log"
+    done
+  fi
+  echo "== summary: status=$status (logs in $out)"
+  exit $status
+fi
 # GRAPHEP_BENCH_ONLY=prefill: the prefill rows (1024, 4096 and 16384 tokens per rank in the
 # expert-major and rank-major layouts, 1024 batched; 8, 24 and 64 SMs and smBudget 0 (the analytic
 # choice, rows labelled sms=auto); bf16 and fp8; H = 7168,
