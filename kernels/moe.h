@@ -91,14 +91,13 @@ __host__ __device__ inline std::uint64_t moeCountMsgBytes(int localExperts) {
 // index of the first record of tokens >= 32 w (first[ceil(T / 32)] = the records sent), and
 // rankCount[r] the records the source sends to rank r (every destination gets the whole row, so
 // each rank can form the full rank prefix matrix), 16-byte multiple.
-__host__ __device__ inline std::uint64_t moeDirectMsgBytes(int localExperts, int maxTokens, int numRanks) {
-  const std::uint64_t words = (static_cast<std::uint64_t>(maxTokens) + 31u) / 32u;
-  return moeCountMsgBytes(localExperts) +
-         (((2 + words + static_cast<std::uint64_t>(numRanks)) * 4 + 15) & ~std::uint64_t{15});
-}
-// Its u32 word of rankCount[0] (after T and first[0 .. W]).
+// The u32 word of rankCount[0] in that tail (after T and first[0 .. W]).
 __host__ __device__ inline std::uint64_t moeDirectRankCountWord(int maxTokens) {
   return 2 + (static_cast<std::uint64_t>(maxTokens) + 31u) / 32u;
+}
+__host__ __device__ inline std::uint64_t moeDirectMsgBytes(int localExperts, int maxTokens, int numRanks) {
+  return moeCountMsgBytes(localExperts) +
+         (((moeDirectRankCountWord(maxTokens) + static_cast<std::uint64_t>(numRanks)) * 4 + 15) & ~std::uint64_t{15});
 }
 
 // The direct combine's per-record values (CombineArgs.rowValues): fp32 slots of this many per
@@ -135,7 +134,7 @@ struct MoeParams {
   // the config's top-k, and a record slot holds the config's largest record (recBytes).
   std::int32_t rank, numRanks, hidden, topK, numExperts, localExperts, maxTokens;
   std::int32_t fp8;        // dispatch in fp8 e4m3 (records carry fp8 tiles)
-  std::int32_t int64Ids;   // topkIdx holds int64 (and rank-major rowExperts are written as int64)
+  std::int32_t int64Ids;   // topkIdx holds int64
   std::int32_t alignment;  // per-expert row alignment of recv_x
   std::int32_t strict;     // trap after counting bad input
   std::int64_t capacity;   // rows of recv_x
