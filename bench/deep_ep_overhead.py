@@ -75,7 +75,7 @@ def run(local_rank: int, args) -> None:
     import graphep.deep_ep as deep_ep
     from graphep._graphep import DispatchInput, IndexType
 
-    rank, R = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     T, H, E, K = args.num_tokens, args.hidden, args.num_experts, args.num_topk
     torch.manual_seed(rank)
     buffer = deep_ep.Buffer(dist.group.WORLD, int(2e9), explicitly_destroy=True)
