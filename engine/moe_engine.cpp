@@ -76,7 +76,7 @@ struct PathHeap {
   // [2][R][T] partials and the three [R] counter arrays (kernels/moe.h, MoeParams).
   std::size_t recRecv = 0, combRecv = 0;
   std::size_t llRec = 0, llCnt = 0, llComb = 0, llFlag = 0, llArrive = 0, llCombArrive = 0, llBlock = 0;
-  std::size_t llCombBlock = 0, llDispAck = 0, llCombAck = 0, llCombVal = 0;
+  std::size_t llCombBlock = 0, llDispAck = 0, llCombAck = 0, llCombVal = 0, llCombW = 0, llCombWFlag = 0;
   HeapConfig heap;
 };
 
@@ -90,7 +90,10 @@ PathHeap pathHeap(MoePath path, const MoeSizes& z, const MoeConfig& cfg) {
     h.llFlag = alignUp(h.llComb + 2 * z.R * z.T * z.rowBytes, 256);
     h.llArrive = alignUp(h.llFlag + z.R * 4, 256);
     h.llCombArrive = alignUp(h.llArrive + z.R * 4, 256);
-    end = h.llCombArrive + z.R * 4;
+    // The combine's top-k weights from each source ([2][R][T][K] fp32) and their flags [R].
+    h.llCombW = alignUp(h.llCombArrive + z.R * 4, 256);
+    h.llCombWFlag = alignUp(h.llCombW + 2 * z.R * z.T * static_cast<std::size_t>(cfg.topK) * 4, 256);
+    end = h.llCombWFlag + z.R * 4;
   } else {
     // The records and partials, then the direct dispatch's [2][R] count messages, [R] flags and
     // [R][W] block flags for the records and for the partials, its [R] acknowledgements of the
@@ -131,6 +134,7 @@ struct LocalCarve {
   std::size_t recvRows, srcBase, offsets, counts, dropped, numRows, totals;
   std::size_t recvX, scales, rowRank, rowToken, rowSlot, rowWeight, y, combSend, combValSend;
   std::size_t rankOffsets, rowExperts, rowExpertWeights;  // rank-major layout only
+  std::size_t sourceRanges;                             // expert-major and batched only
   std::size_t llSteps, llDone, combArrive, combReady, timeline;
   std::size_t routeWords;  // moeRouteWords(maxTokensPerRank)
   std::size_t routeZero;   // bytes of the routing words zeroed per dispatch (throughput path)
@@ -138,9 +142,11 @@ struct LocalCarve {
 };
 
 LocalCarve carveLocal(const MoeConfig& cfg, const MoeSizes& z, std::size_t cap, bool throughput) {
-  // The engine's own recv_x and scales hold the config's type: a dispatch of the other type writes
-  // to the caller's DispatchOutputs (Engine::dispatch requires them).
+  // recv_x holds the config's type; a bf16 engine's rows have room for fp8 ones (H bytes of 2H),
+  // and the scales are there whenever H allows fp8 (1/64 of a bf16 recv_x): one engine serves
+  // both types.
   const bool fp8 = cfg.dispatchType == DType::kFp8E4m3;
+  const bool scales = cfg.hidden % 128 == 0;
   const std::size_t T = z.T, Rs = z.R, H = static_cast<std::size_t>(cfg.hidden);
   const std::size_t L = static_cast<std::size_t>(cfg.numExperts) / Rs;
   std::size_t used = 0;
@@ -175,7 +181,7 @@ LocalCarve carveLocal(const MoeConfig& cfg, const MoeSizes& z, std::size_t cap, 
   o.numRows = carve(4);
   o.totals = carve(L * 8);
   o.recvX = carve(cap * (fp8 ? H : z.rowBytes));
-  o.scales = carve(fp8 ? cap * (H / 128) * 4 : 0);
+  o.scales = carve(scales ? cap * (H / 128) * 4 : 0);
   o.rowRank = carve(cap * 4);
   o.rowToken = carve(cap * 4);
   o.rowSlot = carve(cap * 4);
@@ -188,6 +194,7 @@ LocalCarve carveLocal(const MoeConfig& cfg, const MoeSizes& z, std::size_t cap, 
   o.rankOffsets = carve(rankMajor ? (Rs + 1) * 4 : 0);
   o.rowExperts = carve(rankMajor ? cap * K * 4 : 0);
   o.rowExpertWeights = carve(rankMajor ? cap * K * 4 : 0);
+  o.sourceRanges = carve(rankMajor ? 0 : L * Rs * 8);
   o.llSteps = carve(2 * 4);  // dispatch and combine steps and last-CTA counters (latency and direct kernels)
   o.llDone = carve(2 * 4);
   o.combArrive = carve(throughput ? Rs * W * 4 : 0);  // the direct combine's block arrivals and flags
@@ -516,6 +523,10 @@ struct Engine::Impl {
   MoeConfig cfg;
   MoeParams base{};  // every buffer of the engine, as createAll set them: each dispatch starts here
   MoeParams p{};     // the last dispatch's (combine serves it)
+  // A latency-path operation enqueued as its send half (MoeHalf::kSend), whose receive half
+  // Engine::receive enqueues with these parameters; none between operations.
+  enum class Half { kNone, kDispatch, kCombine } half = Half::kNone;
+  MoeParams halfParams{};
   DispatchLayout layout{};
   AllToAllvArgs cntArgs, dispArgs, combArgs;
   MoePath path = MoePath::kThroughput;
@@ -825,7 +836,8 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     p.numRecvRows = reinterpret_cast<std::int32_t*>(b + o.numRows);
     p.expertTotals = reinterpret_cast<unsigned long long*>(b + o.totals);
     p.recvX = b + o.recvX;
-    p.recvScales = fp8 ? reinterpret_cast<float*>(b + o.scales) : nullptr;
+    p.recvScales = cfg.hidden % 128 == 0 ? reinterpret_cast<float*>(b + o.scales) : nullptr;
+    p.sourceRanges = p.rankMajor ? nullptr : reinterpret_cast<std::int64_t*>(b + o.sourceRanges);
     p.rowSrcRank = reinterpret_cast<std::int32_t*>(b + o.rowRank);
     p.rowSrcToken = reinterpret_cast<std::int32_t*>(b + o.rowToken);
     p.rowTopkSlot = reinterpret_cast<std::int32_t*>(b + o.rowSlot);
@@ -848,6 +860,8 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     p.llDispAckOff = ph.llDispAck;
     p.llCombAckOff = ph.llCombAck;
     p.llCombValOff = ph.llCombVal;
+    p.llCombWOff = ph.llCombW;
+    p.llCombWFlagOff = ph.llCombWFlag;
     p.llSteps = reinterpret_cast<std::uint32_t*>(b + o.llSteps);
     p.llDone = reinterpret_cast<std::uint32_t*>(b + o.llDone);
     p.combArrive = reinterpret_cast<std::uint32_t*>(b + o.combArrive);
@@ -877,6 +891,7 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
       } else {
         GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llArrive, arrivals.data(), Rs * 4, cudaMemcpyHostToDevice));
         GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llCombArrive, arrivals.data(), Rs * 4, cudaMemcpyHostToDevice));
+        GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llCombWFlag, flags.data(), Rs * 4, cudaMemcpyHostToDevice));
       }
     }
     p.sync = group->heap->syncHandle(l);
@@ -924,6 +939,7 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     v.receiveLayout = cfg.receiveLayout;
     v.rowsPerExpert = p.batchedRows;
     v.rankOffsets = p.rankOffsets;
+    v.expertSourceRanges = reinterpret_cast<const long long*>(p.sourceRanges);
     v.rowExperts = static_cast<const int*>(p.rowExperts);
     v.rowExpertWeights = p.rowExpertWeights;
     v.hidden = cfg.hidden;
@@ -979,6 +995,10 @@ const char* layoutName(ReceiveLayout l) {
 // A dispatch argument that needs the rank-major layout on the throughput path (and, with `direct`,
 // its direct dispatch: every peer by load/store, each rank on a GPU of its own).
 void requireRankMajorThroughput(const Engine::Impl& m, const char* what, bool direct);
+// No send half waits for its receive (Engine::receive) when `op` starts.
+void requireNoHalf(const Engine::Impl& m, const char* op);
+// A capability of the latency path.
+void requireLatency(const Engine::Impl& m, const char* what);
 
 // The caller's DispatchOutputs over the engine's buffers in `p`: every given pointer checked and
 // taken, rows (the caller's) bounding what is written.
@@ -993,9 +1013,13 @@ const DispatchLayout& Engine::dispatch(const DispatchArgs& a, cudaStream_t strea
   requireDevicePointer(a.x, m.device, "dispatch: x");
   GRAPHEP_REQUIRE(a.tokenInRank != nullptr || a.topkIdx != nullptr, Status::kInvalidArgument,
                   "dispatch: topkIdx is null (pass the top-k ids, or route by tokenInRank)");
+  requireNoHalf(m, "dispatch");
   if (a.topkIdx != nullptr) {
     requireDevicePointer(a.topkIdx, m.device, "dispatch: topkIdx");
-    requireDevicePointer(a.topkWeights, m.device, "dispatch: topkWeights");
+    // The latency path takes none (weights 1: its combine may bring them, CombineArgs.topkWeights).
+    if (m.path != MoePath::kLatency || a.topkWeights != nullptr) {
+      requireDevicePointer(a.topkWeights, m.device, "dispatch: topkWeights");
+    }
   }
   requireDevicePointer(a.numTokens, m.device, "dispatch: numTokens");
   GRAPHEP_REQUIRE((reinterpret_cast<std::uintptr_t>(a.x) & 15u) == 0, Status::kInvalidArgument,
@@ -1023,10 +1047,20 @@ const DispatchLayout& Engine::dispatch(const DispatchArgs& a, cudaStream_t strea
                   "hold fp8 rows; create the engine with kBf16 to send both)");
   GRAPHEP_REQUIRE(!fp8 || c.hidden % 128 == 0, Status::kInvalidArgument,
                   "dispatch: an fp8 dispatch needs hidden=%d to be a multiple of 128", c.hidden);
-  GRAPHEP_REQUIRE(!fp8 || configFp8 || (a.outputs.recvX != nullptr && a.outputs.recvScales != nullptr),
-                  Status::kInvalidArgument,
-                  "dispatch: an fp8 dispatch on an engine whose MoeConfig.dispatchType is bf16 writes its rows to "
-                  "outputs.recvX and outputs.recvScales, which are null (the engine's own views hold bf16)");
+  GRAPHEP_REQUIRE(a.scaleFormat == Fp8Scales::kFloat || a.scaleFormat == Fp8Scales::kPow2 ||
+                      a.scaleFormat == Fp8Scales::kUe8m0,
+                  Status::kInvalidArgument, "dispatch: scaleFormat=%d is not an Fp8Scales",
+                  static_cast<int>(a.scaleFormat));
+  if (a.scaleFormat != Fp8Scales::kFloat) {
+    GRAPHEP_REQUIRE(fp8 && in != DispatchInput::kFp8, Status::kInvalidArgument,
+                    "dispatch: scaleFormat=%d applies to an fp8 dispatch the engine quantises (input=%d)",
+                    static_cast<int>(a.scaleFormat), static_cast<int>(in));
+    requireLatency(m, "scaleFormat other than kFloat");
+  }
+  GRAPHEP_REQUIRE(a.half == MoeHalf::kWhole || a.half == MoeHalf::kSend, Status::kInvalidArgument,
+                  "dispatch: half=%d is not a MoeHalf", static_cast<int>(a.half));
+  if (a.half == MoeHalf::kSend) requireLatency(m, "half=kSend");
+  if (a.recvStats != nullptr) requireDevicePointer(a.recvStats, m.device, "dispatch: recvStats");
   if (in == DispatchInput::kFp8) {
     requireDevicePointer(a.xScales, m.device, "dispatch: xScales");
     requireRankMajorThroughput(m, "input=kFp8 (caller-quantised x)", true);
@@ -1056,11 +1090,17 @@ const DispatchLayout& Engine::dispatch(const DispatchArgs& a, cudaStream_t strea
   const bool rowMajorScales = a.scaleTokenStride == 0 && a.scaleHiddenStride == 0;
   p.scaleTokenStride = rowMajorScales ? c.hidden / 128 : a.scaleTokenStride;
   p.scaleHiddenStride = rowMajorScales ? 1 : a.scaleHiddenStride;
+  p.scaleFormat = static_cast<std::int32_t>(a.scaleFormat);
+  p.recvStats = a.recvStats;
   applyOutputs(m, a, p);
   m.p = p;  // combine reads the routing of the last dispatch
   if (m.path == MoePath::kLatency) {
+    p.llPhase = a.half == MoeHalf::kSend ? kMoeLatencySend : kMoeLatencySend | kMoeLatencyReceive;
     GRAPHEP_CUDA_CHECK(launchMoeLatencyDispatch(p, stream));
-    GRAPHEP_CUDA_CHECK(launchMoeLatencyReceive(p, stream));
+    if (a.half == MoeHalf::kSend) {
+      m.half = Impl::Half::kDispatch;
+      m.halfParams = p;
+    }
     return m.layout;
   }
   GRAPHEP_CUDA_CHECK(launchMoeRoute(p, stream));
@@ -1082,8 +1122,20 @@ const DispatchLayout& Engine::dispatch(const DispatchArgs& a, cudaStream_t strea
 void Engine::combine(const CombineArgs& a, cudaStream_t stream) {
   Impl& m = *impl_;
   requireHealthy(m, m.p.rank, "combine");
+  requireNoHalf(m, "combine");
   DeviceGuard guard(m.device);
   MoeParams p = m.p;
+  GRAPHEP_REQUIRE(a.half == MoeHalf::kWhole || a.half == MoeHalf::kSend, Status::kInvalidArgument,
+                  "combine: half=%d is not a MoeHalf", static_cast<int>(a.half));
+  if (a.half == MoeHalf::kSend) requireLatency(m, "combine half=kSend");
+  p.combineWeights = nullptr;
+  if (a.topkWeights != nullptr) {
+    requireLatency(m, "combine topkWeights");
+    GRAPHEP_REQUIRE(m.cfg.receiveLayout != ReceiveLayout::kRankMajor, Status::kNotSupported,
+                    "combine: topkWeights with the rank-major layout (its experts apply the weights)");
+    requireDevicePointer(a.topkWeights, m.device, "combine: topkWeights");
+    p.combineWeights = a.topkWeights;
+  }
   GRAPHEP_REQUIRE(a.expertOutputRows >= 0, Status::kInvalidArgument, "combine: expertOutputRows=%lld is negative",
                   a.expertOutputRows);
   GRAPHEP_REQUIRE(a.expertOutput != nullptr || a.expertOutputRows <= m.layout.capacity, Status::kInvalidArgument,
@@ -1131,8 +1183,12 @@ void Engine::combine(const CombineArgs& a, cudaStream_t stream) {
                   "combine: out (%p) is not 16-byte aligned", a.out);
   p.out = static_cast<char*>(a.out);
   if (m.path == MoePath::kLatency) {
+    p.llPhase = a.half == MoeHalf::kSend ? kMoeLatencySend : kMoeLatencySend | kMoeLatencyReceive;
     GRAPHEP_CUDA_CHECK(launchMoeLatencyCombine(p, stream));
-    GRAPHEP_CUDA_CHECK(launchMoeLatencyCombineReceive(p, stream));
+    if (a.half == MoeHalf::kSend) {
+      m.half = Impl::Half::kCombine;
+      m.halfParams = p;
+    }
     return;
   }
   if (m.direct) {
@@ -1144,6 +1200,21 @@ void Engine::combine(const CombineArgs& a, cudaStream_t stream) {
   GRAPHEP_CUDA_CHECK(launchMoeCombineReduce(p, stream));
   m.movers().allToAllv(stream, m.combArgs);
   GRAPHEP_CUDA_CHECK(launchMoeCombineFinal(p, stream));
+}
+
+void Engine::receive(cudaStream_t stream) {
+  Impl& m = *impl_;
+  requireHealthy(m, m.p.rank, "receive");
+  GRAPHEP_REQUIRE(m.half != Impl::Half::kNone, Status::kInvalidArgument,
+                  "receive: rank %d has no send half waiting for its receive (dispatch or combine with "
+                  "half=kSend comes first)",
+                  m.p.rank);
+  DeviceGuard guard(m.device);
+  MoeParams p = m.halfParams;
+  p.llPhase = kMoeLatencyReceive;
+  const bool dispatch = m.half == Impl::Half::kDispatch;
+  m.half = Impl::Half::kNone;
+  GRAPHEP_CUDA_CHECK(dispatch ? launchMoeLatencyDispatch(p, stream) : launchMoeLatencyCombine(p, stream));
 }
 
 MoeStatus Engine::status() const {
@@ -1175,6 +1246,20 @@ void requireHealthy(const Engine::Impl& m, int rank, const char* op) {
   GRAPHEP_REQUIRE(m.failure.empty(), Status::kRemoteError,
                   "%s: the engine of rank %d is in its failed state (%s); destroy it and create a new one",
                   op, rank, m.failure.c_str());
+}
+
+void requireNoHalf(const Engine::Impl& m, const char* op) {
+  GRAPHEP_REQUIRE(m.half == Engine::Impl::Half::kNone, Status::kInvalidArgument,
+                  "%s: rank %d's last %s was enqueued as its send half; enqueue its receive half first "
+                  "(Engine::receive)",
+                  op, m.p.rank, m.half == Engine::Impl::Half::kDispatch ? "dispatch" : "combine");
+}
+
+void requireLatency(const Engine::Impl& m, const char* what) {
+  GRAPHEP_REQUIRE(m.path == MoePath::kLatency, Status::kNotSupported,
+                  "%s applies to the latency path; this engine is on the throughput path (MoeConfig.path, "
+                  "maxTokensPerRank <= %d and load/store peers choose the latency path)",
+                  what, kMoeLatencyMaxTokens);
 }
 
 void requireRankMajorThroughput(const Engine::Impl& m, const char* what, bool direct) {

@@ -166,6 +166,11 @@ struct MoeParams {
   // whose expert lives on such a rank become its slots there, the others are left out); nullptr:
   // to the ranks of its top-k experts.
   const std::uint8_t* tokenInRank;
+  // Engine-quantised fp8: the scales' form (MoeScaleFormat: fp32, fp32 powers of two, or UE8M0
+  // exponent bytes in recvScales as [rows][H / 128] bytes). Latency path.
+  std::int32_t scaleFormat;
+  // [E_local] or nullptr: each local expert's rows of this dispatch (kept or dropped) are added.
+  std::int32_t* recvStats;
   // x holds e4m3 bytes quantised by the caller, with fp32 scales xScales[t * scaleTokenStride +
   // j * scaleHiddenStride] for values [128 j, 128 j + 128) (the direct dispatch packs them).
   std::int32_t fp8Input;
@@ -219,6 +224,9 @@ struct MoeParams {
   std::int32_t* expertCounts;  // [E_local]: rows kept (offsets + counts stay within the capacity)
   std::int32_t* expertDropped; // [E_local]: rows past the capacity, dropped (this dispatch)
   std::int32_t* numRecvRows;   // [1]: rows kept
+  // Expert-major / batched, or nullptr: [E_local][R] kept rows of (expert j, source q) as
+  // begin << 32 | count, begin from the expert's first row.
+  std::int64_t* sourceRanges;
   unsigned long long* expertTotals;  // [E_local], cumulative
   char* recvX;                 // [capacity, H] bf16 or fp8
   float* recvScales;           // [capacity, H / 128] (fp8)
@@ -241,6 +249,11 @@ struct MoeParams {
   char* combSend;              // [R][maxTokens][H] bf16 partials (local)
   const char* combRecv;        // [R][maxTokens][H] bf16 partials (this rank's heap)
   char* out;                   // [T, H] bf16
+  // Latency path, or nullptr: [T][topK] fp32 top-k weights given to the combine, in place of the
+  // dispatch's. Each source sends its tokens' weights to their destinations ahead of the sums:
+  // llCombWOff [2][R][maxTokens][topK(config)] fp32 (by the combine step's parity; [.][q][i]: the
+  // weights of source q's record i), flagged by llCombWFlagOff [R] (u32 monotonic: combine step + 1).
+  const float* combineWeights;
 
   MoeDeviceStatus* status;
   // 1 between a dispatch and its combine (set by the dispatch's last kernel, cleared by the
@@ -268,7 +281,9 @@ struct MoeParams {
   // dispatch -> dispatch and combine -> combine never overwrite what a peer still reads.
   char* peerUser[kMaxRanks];  // every rank's user region as this rank sees it (its own included)
   std::uint64_t llRecOff, llCntOff, llCombOff, llFlagOff, llArriveOff, llCombArriveOff, llBlockOff, llCombBlockOff;
-  std::uint64_t llDispAckOff, llCombAckOff, llCombValOff;
+  std::uint64_t llDispAckOff, llCombAckOff, llCombValOff, llCombWOff, llCombWFlagOff;
+  // Latency path: the parts of the operation this launch runs (kMoeLatencySend | kMoeLatencyReceive).
+  std::int32_t llPhase;
   std::uint32_t* llSteps;     // local [2]: dispatch and combine steps (monotonic)
   std::uint32_t* llDone;      // local [2]: last-CTA counters of the dispatch's and the combine's last kernels
   // Direct combine, local [R][routeWords(maxTokens)]: the reduce's CTAs done with a block of a
@@ -332,16 +347,24 @@ struct MoeTokenLayoutParams {
 cudaError_t launchMoeTokenLayout(const MoeTokenLayoutParams& p, cudaStream_t stream);
 cudaError_t preloadMoeTokenLayoutKernels();
 
-// Latency path: a sender (G CTAs of kMoeLatencyThreads, dynamic shared memory
-// moeLatencySmem(...).bytes for dispatch) and a receiver (epilogueCtas CTAs) per operation.
+// Latency path: one kernel per operation (kernels/moe_latency.cu): G = llCtas CTAs send and
+// epilogueCtas CTAs beside them receive; a launch runs the send, the receive or both
+// (MoeParams::llPhase). Dynamic shared memory moeLatencySmem(...).bytes when it sends.
 inline constexpr int kMoeLatencyMaxTokens = 256;
 inline constexpr int kMoeLatencyMaxEntries = 4096;  // tokens x top-k
 inline constexpr int kMoeLatencyThreads = 512;
 inline constexpr std::uint32_t kMoeLatencyMaxSmem = 96u << 10;
+inline constexpr std::int32_t kMoeLatencySend = 1;
+inline constexpr std::int32_t kMoeLatencyReceive = 2;
+
+// MoeParams::scaleFormat (graphep::Fp8Scales).
+inline constexpr std::int32_t kMoeScaleFloat = 0;
+inline constexpr std::int32_t kMoeScalePow2 = 1;
+inline constexpr std::int32_t kMoeScaleUe8m0 = 2;
 
 // Byte offsets of the latency dispatch sender's dynamic shared memory: the routing (ids, their
-// weights, a bit per token for each expert and for each destination rank). The receive layout is the receiver's
-// (static shared memory).
+// weights, a bit per token for each expert and for each destination rank). The receive layout is
+// in static shared memory.
 struct MoeLatencySmem {
   std::uint32_t ids, weights, expBits, dstBits, bytes;
 };
@@ -358,15 +381,13 @@ __host__ __device__ inline MoeLatencySmem moeLatencySmem(int maxTokens, int topK
   return o;
 }
 
-// Each operation is a sender (llCtas CTAs, dynamic shared memory for dispatch) and a receiver
-// (epilogueCtas CTAs) launched as the sender's programmatic dependent.
+// The launch of p.llPhase's parts of a dispatch / combine (G + epilogueCtas CTAs for both), the
+// programmatic dependent of the stream's last kernel.
 cudaError_t launchMoeLatencyDispatch(const MoeParams& p, cudaStream_t stream);
-cudaError_t launchMoeLatencyReceive(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeLatencyCombine(const MoeParams& p, cudaStream_t stream);
-cudaError_t launchMoeLatencyCombineReceive(const MoeParams& p, cudaStream_t stream);
-// Loads the four kernels and allows the dispatch sender the largest dynamic shared memory.
+// Loads the two kernels and allows them the largest dynamic shared memory.
 cudaError_t preloadMoeLatencyKernels();
-// CTAs of the latency kernels (the lowest of the four) that fit on one SM.
+// CTAs of the latency kernels (the lower of the two) that fit on one SM.
 cudaError_t moeLatencyCtasPerSm(std::uint32_t smemBytes, int* ctas);
 
 }  // namespace graphep

@@ -1,13 +1,15 @@
-// MoE latency-path kernel family (see kernels/moe.h), launchers below: two kernels per operation,
-// a sender on G = llCtas CTAs (the SM budget) and a receiver on epilogueCtas CTAs launched as its
-// programmatic dependent, so that the receiver starts at once on the SMs the sender leaves free and
-// the expansion is not held to the budget. No count round trip before the payload. A CTA of
-// kMoeLatencyThreads works on kGroups records (or tokens) at once, one per group of kMoeGroupThreads.
-// The senders wait only for the stream's last kernel (griddepcontrol.wait at their start: they are
-// its programmatic dependents, and each receiver lets the next kernel be placed once its own waits
-// on other ranks are over); only the receivers wait for other grids (the senders of every rank).
+// MoE latency-path kernel family (see kernels/moe.h), launchers below: one kernel per operation,
+// graphep::moe_latency::dispatchKernel and combineKernel, each a send part on G = llCtas CTAs (the
+// SM budget) and a receive part on E = epilogueCtas CTAs beside them (CTAs [G, G + E)), so the
+// receive starts at once on SMs of its own and the expansion is not held to the budget. A launch
+// runs both parts (no launch gap and no completion wait between them), or one of them: the send
+// half, and later the receive half (Engine::receive; DeepEP's return_recv_hook), the same kernel. No count round trip before the payload. A CTA of kMoeLatencyThreads works on kGroups
+// records (or tokens) at once, one per group of kMoeGroupThreads. Every CTA first waits for the
+// stream's last kernel (griddepcontrol.wait: each launch is that kernel's programmatic dependent);
+// only the receive part waits for other ranks, and the send part never waits for anything of its
+// own operation but the combine weights (below), posted by every source before it reduces.
 //
-//   dispatch  send     every CTA routes all T x K entries in shared memory (a bit per token for
+//   dispatch  send     every send CTA routes all T x K entries in shared memory (a bit per token for
 //                      each expert and each destination: indices are popcounts); the CTAs split
 //                      the destinations' count messages, each posted with its flag (step + 1)
 //                      before any payload; then each CTA writes the metadata of its share of
@@ -16,33 +18,37 @@
 //                      writes one token's record, read once, into every peer's slot
 //                      [parity][this rank][index]; each CTA then adds 1 to every peer's arrival
 //                      counter for this rank.
-//            receive  (its own kernel) every CTA waits for every count flag, derives the layout
-//                      (CTA 0 publishes it) and expands each source's records as soon as that
-//                      source's G send CTAs have arrived (its own rank first, their rows from x);
-//                      after griddepcontrol.wait (the send has completed) the last CTA advances
-//                      the step.
-//   combine   send     each group reduces one record received from a peer (sum of weight x y
-//                      over its slots) straight into the source's slot [parity][this rank][index];
-//                      each CTA then adds 1 to every peer's combine arrival counter for this rank.
-//            receive  (its own kernel) each group reduces this rank's own records into its own
-//                      partial slots (no wait), then every CTA waits for G arrivals from every
-//                      peer and each group sums one token's partials in rank order; after
-//                      griddepcontrol.wait the last CTA advances the step.
+//            receive  every receive CTA waits for every count flag, derives the layout (CTA 0
+//                      publishes it) and expands each source's records as soon as that source's G
+//                      send CTAs have arrived (its own rank first, their rows from x); the last
+//                      CTA of the launch advances the step.
+//   combine   send     with combine-time weights, each send CTA first writes its share of the
+//                      destinations' weights (this rank's tokens' top-k weights at each token's
+//                      record index) and posts their flag; each group then reduces one record
+//                      received from a peer (sum of weight x y over its slots; the weights of the
+//                      record's source, waited for, or the dispatch's) straight into the
+//                      source's slot [parity][this rank][index]; each CTA then adds 1 to every
+//                      peer's combine arrival counter for this rank.
+//            receive  each group reduces this rank's own records into its own partial slots (no
+//                      wait), then every CTA waits for G arrivals from every peer and each group
+//                      sums one token's partials in rank order; the last CTA advances the step.
 //
 // Buffers alternate by the step's parity. A rank can only start dispatch s + 2 after its combine
 // s + 1 received every destination's partials, which each destination sends after its own
 // combine s: so a destination has finished with slot parity s before any source writes it again
-// (in any order of operations: each sender starts after its previous receiver, which waited for
-// every peer's previous sender, which started after that peer's receiver before it). Counters only
-// grow (mod 2^32): flags reach step + 1, arrival counters (step + 1) x G.
+// (in any order of operations: each send starts after its previous receive, which waited for
+// every peer's previous send, which started after that peer's receive before it). A send half
+// and its receive half keep the order: no operation of the engine comes between them
+// (Engine::receive). Counters only grow (mod 2^32): flags reach step + 1, arrival counters
+// (step + 1) x G.
 #include "kernels/common/moe_peer.cuh"
 
 namespace graphep {
+namespace moe_latency {
 namespace {
 
 constexpr int kThreads = kMoeLatencyThreads;
 constexpr int kGroups = kThreads / kMoeGroupThreads;
-
 
 __device__ __forceinline__ std::uint64_t llSlot(const MoeParams& p, int parity, int src, int i,
                                                 std::uint64_t bytes) {
@@ -57,9 +63,22 @@ __device__ __forceinline__ int popcBelow(const std::uint32_t* bits, int t) {
   return c;
 }
 
-__global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __grid_constant__ MoeParams p) {
-  extern __shared__ int4 smemRaw[];
-  char* sm = reinterpret_cast<char*>(smemRaw);
+// The CTAs of one part of a launch: this CTA's index among them and their number (the send part
+// is CTAs [0, G), the receive part CTAs [0, epilogueCtas)).
+struct Part {
+  int cta, ctas;
+};
+
+// The group slice of one part: as moeGroupSlice, over the part's CTAs instead of the grid.
+__device__ __forceinline__ MoeGroupSlice partSlice(Part part) {
+  const int tid = static_cast<int>(threadIdx.x), group = tid / kMoeGroupThreads;
+  return MoeGroupSlice{group, part.cta * kGroups + group, part.ctas * kGroups,
+                       MoeGroup{tid % kMoeGroupThreads, kMoeGroupThreads, 1 + group}};
+}
+
+// --- dispatch ---------------------------------------------------------------------------------
+
+__device__ void dispatchSend(const MoeParams& p, char* sm, Part part) {
   const MoeLatencySmem lay = moeLatencySmem(p.maxTokens, p.topK, p.numExperts, p.numRanks);
   auto* ids = reinterpret_cast<std::int32_t*>(sm + lay.ids);         // [T_max * K], -1: none
   auto* weights = reinterpret_cast<float*>(sm + lay.weights);        // [T_max * K]
@@ -70,19 +89,15 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
   __shared__ int dstRanks[kGroups][kMaxRanks];
   __shared__ int ndst[kGroups];
 
-  // Launched as the programmatic dependent of the stream's last kernel (often the last operation's
-  // receiver, which lets it be placed early): nothing of this step is read before that kernel has
-  // finished and its memory is visible.
-  ptx::gridDependencyWait();
   const int tid = static_cast<int>(threadIdx.x);
   const int K = p.topK, R = p.numRanks, L = p.localExperts, E = p.numExperts;
   const int W = (p.maxTokens + 31) / 32;
-  const MoeGroupSlice gs = moeGroupSlice();
+  const MoeGroupSlice gs = partSlice(part);
   const int group = gs.group, firstItem = gs.first, items = gs.stride;
   const MoeGroup g = gs.g;
   const std::uint32_t step = p.llSteps[0];
   const int parity = static_cast<int>(step & 1u);
-  const int T = moeLiveTokens(p, blockIdx.x == 0 && tid == 0);
+  const int T = moeLiveTokens(p, part.cta == 0 && tid == 0);
   bool anyDup = false;
   // Entries of expert e before token t (and before slot k of t): a popcount unless some token
   // holds an expert twice, then an exact count over the tokens holding e.
@@ -100,10 +115,7 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
   };
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyDispatch);
-    // The receive starts on the SMs this grid leaves free (after this stamp). After the wait above:
-    // the receiver reads llSteps with no wait of its own.
-    ptx::launchDependents();
-    if (blockIdx.x == 0 && tid == 0) moeCheckPairing(p, true);
+    if (part.cta == 0 && tid == 0) moeCheckPairing(p, true);
     for (int w = tid; w < (E + R) * W; w += kThreads) expBits[w] = 0;  // and dstBits
     if (tid == 0) dup = 0;
     __syncthreads();
@@ -111,9 +123,9 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
     for (int e = tid; e < T * K; e += kThreads) {
       const long long id = moeReadId(p, static_cast<std::uint64_t>(e));
       const bool valid = moeValidId(p, id);
-      if (!valid && id != -1 && blockIdx.x == 0) moeReportInvalidId(p, id, e / K, e % K);
+      if (!valid && id != -1 && part.cta == 0) moeReportInvalidId(p, id, e / K, e % K);
       ids[e] = valid ? static_cast<std::int32_t>(id) : -1;
-      weights[e] = p.topkWeights[e];
+      weights[e] = moeWeightOf(p, static_cast<std::uint64_t>(e));
       if (valid) {
         const int t = e / K;
         const std::uint32_t bit = 1u << (t & 31);
@@ -124,7 +136,7 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
     __syncthreads();
     anyDup = dup != 0;
     // Count messages first (they travel ahead of the payload): CTA c takes ranks c, c + G, ...
-    for (int r = static_cast<int>(blockIdx.x); r < R; r += static_cast<int>(gridDim.x)) {
+    for (int r = part.cta; r < R; r += part.ctas) {
       auto* msg = reinterpret_cast<std::uint64_t*>(p.peerUser[r] + p.llCntOff +
                                                    (static_cast<std::uint64_t>(parity) * R + p.rank) * p.cntMsgBytes);
       for (int j = tid; j < L; j += kThreads) msg[1 + j] = static_cast<std::uint64_t>(entriesBefore(r * L + j, T, 0));
@@ -133,7 +145,7 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
       if (tid == 0) flagPost(peerCounter(p, r, p.llFlagOff) + p.rank, step + 1u);
     }
     // Each token's index in each destination's list, for the combine of this dispatch.
-    if (blockIdx.x == gridDim.x - 1) {
+    if (part.cta == part.ctas - 1) {
       for (int n = tid; n < T * R; n += kThreads) {
         const int t = n / R, r = n % R;
         const bool goes = (dstBits[r * W + (t >> 5)] >> (t & 31)) & 1u;
@@ -149,7 +161,7 @@ __global__ void __launch_bounds__(kThreads) moeLatencyDispatchKernel(const __gri
     // peers' records are written below.
     {
       const int warp = tid / 32, lane = tid % 32, warps = kThreads / 32, me = p.rank;
-      for (int t = static_cast<int>(blockIdx.x) * warps + warp; t < T; t += static_cast<int>(gridDim.x) * warps) {
+      for (int t = part.cta * warps + warp; t < T; t += part.ctas * warps) {
         if (!((dstBits[me * W + (t >> 5)] >> (t & 31)) & 1u)) continue;  // uniform across the warp
         char* rec = p.peerUser[me] + p.llRecOff + llSlot(p, parity, me, popcBelow(dstBits + me * W, t), p.recBytes);
         moeWriteRecordMeta(
@@ -195,14 +207,14 @@ __device__ __forceinline__ const std::uint64_t* latencyMsg(const MoeParams& p, i
                                                 (static_cast<std::uint64_t>(parity) * p.numRanks + q) * p.cntMsgBytes);
 }
 
-__global__ void __launch_bounds__(kThreads) moeLatencyReceiveKernel(const __grid_constant__ MoeParams p) {
+__device__ void dispatchReceive(const MoeParams& p, Part part) {
   __shared__ std::int32_t counts[kMoeMaxLocalExperts];
   __shared__ std::int32_t offsets[kMoeMaxLocalExperts + 1];
   __shared__ std::int32_t base[kMoeMaxLocalExperts];
   __shared__ MoeLayoutScratch<kThreads> scratch;
   __shared__ MoeSlotStage stages[kGroups];
   const int tid = static_cast<int>(threadIdx.x), R = p.numRanks;
-  const MoeGroupSlice gs = moeGroupSlice();
+  const MoeGroupSlice gs = partSlice(part);
   const std::uint32_t step = p.llSteps[0];
   const int parity = static_cast<int>(step & 1u);
   const std::uint32_t arrived = (step + 1u) * static_cast<std::uint32_t>(p.llCtas);  // every send CTA, this step
@@ -213,7 +225,7 @@ __global__ void __launch_bounds__(kThreads) moeLatencyReceiveKernel(const __grid
     layoutOk = waitEveryRank(p, p.llFlagOff, step + 1u, WaitSite::kMoeDispatch);
     if (layoutOk) {  // every CTA derives the offsets (its expansion needs them); CTA 0 publishes
       moeComputeOffsets<kThreads>(p, msgOf, counts, offsets, scratch);
-      if (blockIdx.x == 0) {
+      if (part.cta == 0) {
         moeComputeSourceBases<kThreads>(p, msgOf, offsets, p.srcBase);
         moePublishLayout<kThreads>(p, msgOf, counts, offsets, p.srcBase, scratch);
       }
@@ -229,9 +241,9 @@ __global__ void __launch_bounds__(kThreads) moeLatencyReceiveKernel(const __grid
             tid == 0 && !flagWait(p.sync, peerCounter(p, p.rank, p.llArriveOff) + s, arrived, s, WaitSite::kMoeDispatch);
         if (__syncthreads_or(failed) != 0) break;  // thread 0's verdict, to every thread
         // After this CTA's last wait on another rank, not before: the stream's next kernel (the
-        // next operation's sender, or a caller's programmatic dependent) may then be placed while
-        // this one only expands. Placed earlier, it could hold the SMs that another engine's or
-        // another rank's sender needs while this receiver waits for it (a cycle across GPUs).
+        // next operation, or a caller's programmatic dependent) may then be placed while this one
+        // only expands. Placed earlier, it could hold the SMs that another engine's or another
+        // rank's send part needs while this receive waits for it (a cycle across GPUs).
         if (k == R - 1) ptx::launchDependents();
         moeSourceBases<kThreads>(p, msgOf, offsets, s, base);
         __syncthreads();
@@ -255,52 +267,99 @@ __global__ void __launch_bounds__(kThreads) moeLatencyReceiveKernel(const __grid
       }
     }
   }
-  ptx::gridDependencyWait();  // the send has completed: the stream sees a finished dispatch
-  if (lastBlock(&p.llDone[0]) && tid == 0) {
-    p.llSteps[0] = step + 1u;
+}
+
+// The part of this launch that this CTA runs (cta -1: none). Both parts: CTAs [0, G) send and
+// CTAs [G, G + E) receive, as two kernels would (the receive starts at once, on its own SMs);
+// one part: every CTA runs it.
+__device__ __forceinline__ Part sendPart(const MoeParams& p) {
+  const bool sends = (p.llPhase & kMoeLatencySend) != 0 && static_cast<int>(blockIdx.x) < p.llCtas;
+  return Part{sends ? static_cast<int>(blockIdx.x) : -1, p.llCtas};
+}
+__device__ __forceinline__ Part receivePart(const MoeParams& p) {
+  const int first = (p.llPhase & kMoeLatencySend) != 0 ? p.llCtas : 0;
+  const bool receives = (p.llPhase & kMoeLatencyReceive) != 0 && static_cast<int>(blockIdx.x) >= first;
+  return Part{receives ? static_cast<int>(blockIdx.x) - first : -1, p.epilogueCtas};
+}
+
+__global__ void __launch_bounds__(kThreads) dispatchKernel(const __grid_constant__ MoeParams p) {
+  extern __shared__ int4 smemRaw[];
+  // The stream's last kernel (often the last operation, which lets it be placed early) has
+  // finished and its memory is visible: nothing of this step is read before.
+  ptx::gridDependencyWait();
+  const Part send = sendPart(p), receive = receivePart(p);
+  if (send.cta >= 0) dispatchSend(p, reinterpret_cast<char*>(smemRaw), send);
+  if (receive.cta >= 0) dispatchReceive(p, receive);
+  if ((p.llPhase & kMoeLatencyReceive) != 0 && lastBlock(&p.llDone[0]) && threadIdx.x == 0) {
+    p.llSteps[0] = p.llSteps[0] + 1u;  // every CTA read the step before lastBlock's barrier
     *p.pending = kMoeDispatched | kMoePendingCombine;
   }
 }
 
-__global__ void __launch_bounds__(kThreads) moeLatencyCombineKernel(const __grid_constant__ MoeParams p) {
+// --- combine ----------------------------------------------------------------------------------
+
+// Source q's top-k weights of its record i, in this rank's heap (CombineArgs.topkWeights).
+__device__ __forceinline__ const float* combineWeightsOf(const MoeParams& p, int parity, int q, int i) {
+  return reinterpret_cast<const float*>(p.peerUser[p.rank] + p.llCombWOff) +
+         ((static_cast<std::uint64_t>(parity) * p.numRanks + q) * p.maxTokens + i) * p.topK;
+}
+
+__device__ void combineSend(const MoeParams& p, Part part) {
   __shared__ MoeSlotStage stages[kGroups];
-  ptx::gridDependencyWait();  // as the dispatch sender: the stream's last kernel has finished
   const int tid = static_cast<int>(threadIdx.x);
-  const MoeGroupSlice gs = moeGroupSlice();
+  const MoeGroupSlice gs = partSlice(part);
   const int group = gs.group, firstItem = gs.first, items = gs.stride;
   const MoeGroup g = gs.g;
-  const int R = p.numRanks;
+  const int R = p.numRanks, K = p.topK;
   const std::uint32_t cstep = p.llSteps[1];
   const int cparity = static_cast<int>(cstep & 1u);
   // The records of the last dispatch (whose receive advanced the dispatch step past them).
   const int dparity = static_cast<int>((p.llSteps[0] - 1u) & 1u);
   const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.hidden) * 2;
-  {
-    const MoeStamp stamp(p, MoeKernel::kLatencyCombine);
-    ptx::launchDependents();  // the receive starts on the SMs this grid leaves free (after the wait above)
-    if (blockIdx.x == 0 && tid == 0) moeCheckPairing(p, false);
-    // The peers' records only (their partials cross the link): the receiver reduces this rank's
-    // own records on the SMs this grid leaves free, while these reads run here.
-    for (int k = 1; k < R; ++k) {
-      const int s = (p.rank + k) % R;
-      const int rows = p.recvRows[s];
-      const long long rankBase = p.rankMajor ? p.rankOffsets[s] : -1;  // rank-major: the source's first row
-      for (int i = firstItem; i < rows; i += items) {
-        moeReduceRecord(p, p.peerUser[p.rank] + p.llRecOff + llSlot(p, dparity, s, i, p.recBytes),
-                        p.srcBase + s * p.localExperts,
-                        p.peerUser[s] + p.llCombOff + llSlot(p, cparity, p.rank, i, rowBytes), stages[group], g,
-                        p.rankMajor ? rankBase + i : -1);
+  const MoeStamp stamp(p, MoeKernel::kLatencyCombine);
+  if (part.cta == 0 && tid == 0) moeCheckPairing(p, false);
+  const bool weighted = p.combineWeights != nullptr;
+  if (weighted) {
+    // This rank's tokens' weights to each destination, at the token's record index there, before
+    // any wait: CTA c takes destinations c, c + G, ...
+    const int T = *p.liveTokens;
+    for (int r = part.cta; r < R; r += part.ctas) {
+      if (r == p.rank) continue;
+      auto* dst = reinterpret_cast<float*>(p.peerUser[r] + p.llCombWOff) +
+                  (static_cast<std::uint64_t>(cparity) * R + p.rank) * p.maxTokens * K;
+      for (int e = tid; e < T * K; e += kThreads) {
+        const int t = e / K, i = p.tokRankIdx[static_cast<std::uint64_t>(t) * R + r];
+        if (i >= 0) dst[static_cast<std::uint64_t>(i) * K + e % K] = p.combineWeights[e];
       }
+      __syncthreads();
+      if (tid == 0) flagPost(peerCounter(p, r, p.llCombWFlagOff) + p.rank, cstep + 1u);
     }
-    arriveAtEveryPeer(p, p.llCombArriveOff);
   }
+  // The peers' records only (their partials cross the link): the receive part reduces this rank's
+  // own records.
+  for (int k = 1; k < R; ++k) {
+    const int s = (p.rank + k) % R;
+    if (weighted) {
+      const bool failed = tid == 0 && !flagWait(p.sync, peerCounter(p, p.rank, p.llCombWFlagOff) + s, cstep + 1u, s,
+                                                WaitSite::kMoeCombineWeights);
+      if (__syncthreads_or(failed) != 0) return;  // recorded: the engine enters its failed state
+    }
+    const int rows = p.recvRows[s];
+    const long long rankBase = p.rankMajor ? p.rankOffsets[s] : -1;  // rank-major: the source's first row
+    for (int i = firstItem; i < rows; i += items) {
+      moeReduceRecord(p, p.peerUser[p.rank] + p.llRecOff + llSlot(p, dparity, s, i, p.recBytes),
+                      p.srcBase + s * p.localExperts,
+                      p.peerUser[s] + p.llCombOff + llSlot(p, cparity, p.rank, i, rowBytes), stages[group], g,
+                      p.rankMajor ? rankBase + i : -1, weighted ? combineWeightsOf(p, cparity, s, i) : nullptr);
+    }
+  }
+  arriveAtEveryPeer(p, p.llCombArriveOff);
 }
 
-__global__ void __launch_bounds__(kThreads) moeLatencyCombineReceiveKernel(const __grid_constant__ MoeParams p) {
+__device__ void combineReceive(const MoeParams& p, Part part) {
   __shared__ const uint4* parts[kGroups][kMaxRanks];
   __shared__ MoeSlotStage stages[kGroups];
-  const int tid = static_cast<int>(threadIdx.x);
-  const MoeGroupSlice gs = moeGroupSlice();
+  const MoeGroupSlice gs = partSlice(part);
   const int R = p.numRanks;
   const std::uint32_t cstep = p.llSteps[1];
   const int cparity = static_cast<int>(cstep & 1u);
@@ -309,16 +368,18 @@ __global__ void __launch_bounds__(kThreads) moeLatencyCombineReceiveKernel(const
   const int T = *p.liveTokens;
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyCombineOwn);
-    // This rank's own records, reduced into its own partial slots while the sender reduces the
-    // peers' (no wait: the records and the expert outputs are this rank's). Each group takes the
-    // same tokens below, so its own barrier orders these partials before its sums.
+    // This rank's own records, reduced into its own partial slots while the send part reduces the
+    // peers' (no wait: the records, y and the weights are this rank's). Each group takes the same
+    // tokens below, so its own barrier orders these partials before its sums.
     for (int t = gs.first; t < T; t += gs.stride) {
       const int i = p.tokRankIdx[static_cast<std::uint64_t>(t) * R + p.rank];
       if (i >= 0) {
         moeReduceRecord(p, p.peerUser[p.rank] + p.llRecOff + llSlot(p, dparity, p.rank, i, p.recBytes),
                         p.srcBase + p.rank * p.localExperts,
                         p.peerUser[p.rank] + p.llCombOff + llSlot(p, cparity, p.rank, i, rowBytes), stages[gs.group],
-                        gs.g, p.rankMajor ? p.rankOffsets[p.rank] + i : -1);
+                        gs.g, p.rankMajor ? p.rankOffsets[p.rank] + i : -1,
+                        p.combineWeights != nullptr ? p.combineWeights + static_cast<std::uint64_t>(t) * p.topK
+                                                    : nullptr);
       }
     }
   }
@@ -327,7 +388,7 @@ __global__ void __launch_bounds__(kThreads) moeLatencyCombineReceiveKernel(const
     // Every peer destination's G send CTAs, this step.
     if (waitEveryRank(p, p.llCombArriveOff, (cstep + 1u) * static_cast<std::uint32_t>(p.llCtas), WaitSite::kMoeCombine,
                       true)) {
-      ptx::launchDependents();  // after the last wait on another rank, as in the dispatch receiver
+      ptx::launchDependents();  // after the last wait on another rank, as in the dispatch receive
       for (int t = gs.first; t < T; t += gs.stride) {
         moeFinalToken(
             p, t,
@@ -339,78 +400,73 @@ __global__ void __launch_bounds__(kThreads) moeLatencyCombineReceiveKernel(const
       }
     }
   }
-  ptx::gridDependencyWait();  // the send has completed: the stream sees a finished combine
-  if (lastBlock(&p.llDone[1]) && tid == 0) {
-    p.llSteps[1] = cstep + 1u;
+}
+
+__global__ void __launch_bounds__(kThreads) combineKernel(const __grid_constant__ MoeParams p) {
+  ptx::gridDependencyWait();  // as the dispatch: the stream's last kernel has finished
+  const Part send = sendPart(p), receive = receivePart(p);
+  if (send.cta >= 0) combineSend(p, send);
+  if (receive.cta >= 0) combineReceive(p, receive);
+  if ((p.llPhase & kMoeLatencyReceive) != 0 && lastBlock(&p.llDone[1]) && threadIdx.x == 0) {
+    p.llSteps[1] = p.llSteps[1] + 1u;
     *p.pending &= kMoeDispatched;
   }
 }
 
-}  // namespace
+// CTAs of one launch: the parts it runs, side by side.
+int launchCtas(const MoeParams& p) {
+  return ((p.llPhase & kMoeLatencySend) != 0 ? p.llCtas : 0) + ((p.llPhase & kMoeLatencyReceive) != 0 ? p.epilogueCtas : 0);
+}
 
-cudaError_t launchMoeLatencyDispatch(const MoeParams& p, cudaStream_t stream) {
-  const MoeLatencySmem lay = moeLatencySmem(p.maxTokens, p.topK, p.numExperts, p.numRanks);
-  if (p.maxTokens > kMoeLatencyMaxTokens || p.maxTokens * p.topK > kMoeLatencyMaxEntries ||
-      p.localExperts > kMoeMaxLocalExperts || p.numRanks > kMaxRanks ||
-      p.topK > kMoeMaxTopK || lay.bytes > kMoeLatencyMaxSmem || p.llCtas < 1) {
+cudaError_t checkLaunch(const MoeParams& p) {
+  if (p.llPhase < kMoeLatencySend || p.llPhase > (kMoeLatencySend | kMoeLatencyReceive)) return cudaErrorInvalidValue;
+  if (p.epilogueCtas < 1 || p.llCtas < 1 || p.localExperts > kMoeMaxLocalExperts || p.numRanks > kMaxRanks ||
+      p.topK > kMoeMaxTopK) {
     return cudaErrorInvalidValue;
-  }
-  cudaLaunchAttribute attrs[2];
-  cudaLaunchConfig_t cfg = moeLaunchConfig(p.llCtas, kThreads, 1, true, stream, attrs);
-  cfg.dynamicSmemBytes = lay.bytes;
-  return cudaLaunchKernelEx(&cfg, moeLatencyDispatchKernel, p);
-}
-
-// The senders: programmatic dependents of the stream's last kernel (they wait for it at their
-// start). The receivers: the senders' programmatic dependents, on the SMs the senders leave free.
-cudaError_t launchMoeLatencyReceive(const MoeParams& p, cudaStream_t stream) {
-  if (p.epilogueCtas < 1 || p.llCtas < 1 || p.localExperts > kMoeMaxLocalExperts || p.numRanks > kMaxRanks) {
-    return cudaErrorInvalidValue;
-  }
-  cudaLaunchAttribute attrs[2];
-  const cudaLaunchConfig_t cfg = moeLaunchConfig(p.epilogueCtas, kThreads, 1, true, stream, attrs);
-  return cudaLaunchKernelEx(&cfg, moeLatencyReceiveKernel, p);
-}
-
-cudaError_t launchMoeLatencyCombine(const MoeParams& p, cudaStream_t stream) {
-  if (p.llCtas < 1) return cudaErrorInvalidValue;
-  cudaLaunchAttribute attrs[2];
-  const cudaLaunchConfig_t cfg = moeLaunchConfig(p.llCtas, kThreads, 1, true, stream, attrs);
-  return cudaLaunchKernelEx(&cfg, moeLatencyCombineKernel, p);
-}
-
-cudaError_t launchMoeLatencyCombineReceive(const MoeParams& p, cudaStream_t stream) {
-  if (p.epilogueCtas < 1 || p.llCtas < 1 || p.numRanks > kMaxRanks) return cudaErrorInvalidValue;
-  cudaLaunchAttribute attrs[2];
-  const cudaLaunchConfig_t cfg = moeLaunchConfig(p.epilogueCtas, kThreads, 1, true, stream, attrs);
-  return cudaLaunchKernelEx(&cfg, moeLatencyCombineReceiveKernel, p);
-}
-
-cudaError_t preloadMoeLatencyKernels() {
-  cudaError_t e = cudaFuncSetAttribute(moeLatencyDispatchKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(kMoeLatencyMaxSmem));
-  if (e != cudaSuccess) return e;
-  cudaFuncAttributes a{};
-  for (const void* f : {reinterpret_cast<const void*>(moeLatencyReceiveKernel),
-                        reinterpret_cast<const void*>(moeLatencyCombineKernel),
-                        reinterpret_cast<const void*>(moeLatencyCombineReceiveKernel)}) {
-    e = cudaFuncGetAttributes(&a, f);
-    if (e != cudaSuccess) return e;
   }
   return cudaSuccess;
 }
 
-cudaError_t moeLatencyCtasPerSm(std::uint32_t smemBytes, int* ctas) {
-  int least = 0;
-  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&least, moeLatencyDispatchKernel, kThreads, smemBytes);
-  if (e != cudaSuccess) return e;
-  for (void (*k)(MoeParams) : {moeLatencyReceiveKernel, moeLatencyCombineKernel, moeLatencyCombineReceiveKernel}) {
-    int n = 0;
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k, kThreads, 0);
-    if (e != cudaSuccess) return e;
-    least = n < least ? n : least;
+}  // namespace
+}  // namespace moe_latency
+
+cudaError_t launchMoeLatencyDispatch(const MoeParams& p, cudaStream_t stream) {
+  using namespace moe_latency;
+  const MoeLatencySmem lay = moeLatencySmem(p.maxTokens, p.topK, p.numExperts, p.numRanks);
+  if (checkLaunch(p) != cudaSuccess || p.maxTokens > kMoeLatencyMaxTokens ||
+      p.maxTokens * p.topK > kMoeLatencyMaxEntries || lay.bytes > kMoeLatencyMaxSmem) {
+    return cudaErrorInvalidValue;
   }
-  *ctas = least;
+  cudaLaunchAttribute attrs[2];
+  cudaLaunchConfig_t cfg = moeLaunchConfig(launchCtas(p), kThreads, 1, true, stream, attrs);
+  cfg.dynamicSmemBytes = (p.llPhase & kMoeLatencySend) != 0 ? lay.bytes : 0;
+  return cudaLaunchKernelEx(&cfg, dispatchKernel, p);
+}
+
+cudaError_t launchMoeLatencyCombine(const MoeParams& p, cudaStream_t stream) {
+  using namespace moe_latency;
+  if (checkLaunch(p) != cudaSuccess) return cudaErrorInvalidValue;
+  cudaLaunchAttribute attrs[2];
+  const cudaLaunchConfig_t cfg = moeLaunchConfig(launchCtas(p), kThreads, 1, true, stream, attrs);
+  return cudaLaunchKernelEx(&cfg, combineKernel, p);
+}
+
+cudaError_t preloadMoeLatencyKernels() {
+  cudaError_t e = cudaFuncSetAttribute(moe_latency::dispatchKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(kMoeLatencyMaxSmem));
+  if (e != cudaSuccess) return e;
+  cudaFuncAttributes a{};
+  return cudaFuncGetAttributes(&a, moe_latency::combineKernel);
+}
+
+cudaError_t moeLatencyCtasPerSm(std::uint32_t smemBytes, int* ctas) {
+  int dispatch = 0, combine = 0;
+  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&dispatch, moe_latency::dispatchKernel,
+                                                                moe_latency::kThreads, smemBytes);
+  if (e != cudaSuccess) return e;
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&combine, moe_latency::combineKernel, moe_latency::kThreads, 0);
+  if (e != cudaSuccess) return e;
+  *ctas = dispatch < combine ? dispatch : combine;
   return cudaSuccess;
 }
 

@@ -111,6 +111,21 @@ enum class DispatchInput : std::uint8_t {
   kFp8 = 3,          // x e4m3 bytes [T, H] quantised by the caller, with DispatchArgs.xScales
 };
 
+// The fp8 scales of an engine-quantised dispatch (DispatchArgs.scaleFormat). Latency path.
+enum class Fp8Scales : std::uint8_t {
+  kFloat = 0,  // fp32, amax / 448 per 128 values
+  kPow2 = 1,   // fp32, amax / 448 rounded up to a power of two (DeepEP's round_scale)
+  kUe8m0 = 2,  // those powers of two as their biased exponent bytes (UE8M0), recvScales then holds
+               // [rows][H / 128] bytes: four per int32, value 4w + i in byte i (DeepEP's use_ue8m0)
+};
+
+// Which part of an operation a call enqueues (DispatchArgs.half, CombineArgs.half). Latency path.
+enum class MoeHalf : std::uint8_t {
+  kWhole = 0,  // one kernel: the send, then the receive in the same launch
+  kSend = 1,   // the send half alone; Engine::receive() enqueues the receive half later (the
+               // stream may run other work between them, e.g. the other micro-batch's GEMMs)
+};
+
 // The caller's own buffers for one dispatch's received rows, instead of the engine's (rank-major
 // layout, throughput path with every peer by load/store on a GPU of its own). Every pointer is
 // optional (nullptr: the engine's buffer, or not written); the rows go where they would in the
@@ -151,6 +166,12 @@ struct DispatchArgs {
   const float* xScales = nullptr;
   long long scaleTokenStride = 0;
   long long scaleHiddenStride = 0;
+  // kFp8Quantize (or kConfig on an fp8 engine): the scales' form. Not kFloat: latency path.
+  Fp8Scales scaleFormat = Fp8Scales::kFloat;
+  // [E_local] int32 or nullptr: each local expert's rows of this dispatch (kept or dropped) are
+  // added to it on the device (DeepEP's cumulative_local_expert_recv_stats). Not rank-major.
+  int* recvStats = nullptr;
+  MoeHalf half = MoeHalf::kWhole;
   DispatchOutputs outputs;
 };
 
@@ -199,6 +220,10 @@ struct DispatchLayout {
   // expertOutput (and combine's input): one row per received row, the weighted sum over the
   // row's local slots.
   const int* rankOffsets = nullptr;
+  // Expert-major and batched (nullptr for rank-major): [E_local][R], the rows of expert j that came
+  // from rank q as begin << 32 | count, begin counted from the expert's first row (DeepEP's
+  // low-latency layout_range); only kept rows are counted.
+  const long long* expertSourceRanges = nullptr;
   const int* rowExperts = nullptr;
   const float* rowExpertWeights = nullptr;
   int hidden = 0;
@@ -219,6 +244,11 @@ struct CombineArgs {
   const float* rowValues = nullptr;
   float* outValues = nullptr;
   int numValues = 0;  // 1 .. 16 with rowValues
+  // [T, K] fp32 (K: the dispatch's topK) or nullptr: the top-k weights to reduce with, in place of
+  // the dispatch's (DeepEP's low-latency combine takes them here). Latency path, expert-major or
+  // batched; each home rank sends its tokens' weights to their destinations ahead of the sums.
+  const float* topkWeights = nullptr;
+  MoeHalf half = MoeHalf::kWhole;
 };
 
 // Bad input the device counted (docs/DESIGN.md §5): nothing was written out of bounds.
@@ -331,6 +361,10 @@ class Engine {
   // rows over the destination ranks (fp32, ascending rank, one bf16 rounding). A combine may
   // follow a combine: it serves the last dispatch again.
   void combine(const CombineArgs& args, cudaStream_t stream);
+  // Capturable. The receive half of the last dispatch or combine enqueued with MoeHalf::kSend, on
+  // `stream` (the same or another stream ordered after the send half). Every rank calls it. No
+  // other dispatch or combine of this engine may be enqueued between a send half and its receive.
+  void receive(cudaStream_t stream);
 
   // The layout views (valid once a dispatch ran on the stream).
   const DispatchLayout& layout() const;

@@ -44,6 +44,7 @@ enum class WaitSite : std::uint32_t {
                           // rank's records of the previous dispatch
   kMoeCombineAck = 15,    // MoE direct combine send: waiting for a source to finish summing this rank's
                           // partials of the previous combine
+  kMoeCombineWeights = 16,  // MoE latency combine: waiting for a source's top-k weights (CombineArgs.topkWeights)
 };
 
 struct DeviceErrorRecord {
@@ -90,6 +91,7 @@ __host__ __device__ inline const char* waitSiteName(std::uint32_t site) {
       return "moe dispatch send: waiting for the peer to finish reading this rank's records of the previous dispatch";
     case WaitSite::kMoeCombineAck:
       return "moe combine send: waiting for the peer to finish summing this rank's partials of the previous combine";
+    case WaitSite::kMoeCombineWeights: return "moe combine: waiting for a source's top-k weights";
   }
   return "unknown wait site";
 }

@@ -15,6 +15,7 @@
 #include <cuda_fp8.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "kernels/common/pipe.h"
 
@@ -46,7 +47,8 @@ struct ProduceFp8E4m3 {
                                                     static_cast<std::uint64_t>(ctx.lane) * 16));
   }
   // The lane's 8 bf16 values of a tile (16 bytes, already loaded) -> e4m3 + the tile's scale.
-  __device__ __forceinline__ static Regs quantize(const uint4 raw) {
+  // pow2: the scale rounded up to a power of two (DeepEP's round_scale; q stays within e4m3's range).
+  __device__ __forceinline__ static Regs quantize(const uint4 raw, bool pow2 = false) {
     const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&raw);
     float v[8];
     float amax = 0.f;
@@ -60,7 +62,7 @@ struct ProduceFp8E4m3 {
 #pragma unroll
     for (int o = 8; o >= 1; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, o, 16));
     Regs r;
-    r.scale = fp8Scale(amax);
+    r.scale = pow2 ? fp8ScalePow2(fp8Scale(amax)) : fp8Scale(amax);
     const float inv = 1.0f / r.scale;
     unsigned char b[8];
 #pragma unroll
@@ -79,6 +81,15 @@ struct ProduceFp8E4m3 {
   static constexpr float kFp8MinAmax = 0x1.cp-118f;  // 448 x 2^-126: scale >= 2^-126, 1 / scale <= 2^126
   __host__ __device__ static float fp8Scale(float amax) {
     return amax > 0.f ? (amax > kFp8MinAmax ? amax : kFp8MinAmax) / 448.f : 1.f;
+  }
+  // A positive normal scale rounded up to the next power of two (itself when it is one).
+  __host__ __device__ static float fp8ScalePow2(float scale) {
+    std::uint32_t b = 0;
+    memcpy(&b, &scale, 4);
+    if ((b & 0x7fffffu) != 0u) b = (b & 0xff800000u) + 0x800000u;
+    float r = 0.f;
+    memcpy(&r, &b, 4);
+    return r;
   }
   __host__ __device__ static unsigned char fp8E4m3(float x) {
     return static_cast<unsigned char>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3));

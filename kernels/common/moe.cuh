@@ -54,6 +54,12 @@ __device__ __forceinline__ bool moeValidId(const MoeParams& p, long long id) {
   return id >= 0 && id < p.numExperts;
 }
 
+// The top-k weight of flattened entry n: 1 when the dispatch has none (the latency path, whose
+// combine may bring them: CombineArgs.topkWeights).
+__device__ __forceinline__ float moeWeightOf(const MoeParams& p, std::uint64_t n) {
+  return p.topkWeights != nullptr ? p.topkWeights[n] : 1.f;
+}
+
 // Whether token t's entry of valid expert `id` is routed: always, unless tokenInRank leaves the
 // token out of that expert's rank (then the entry is no slot anywhere).
 __device__ __forceinline__ bool moeEntryRouted(const MoeParams& p, int t, long long id) {
@@ -250,6 +256,7 @@ __device__ void moePublishLayout(const MoeParams& p, Msg msg, const std::int32_t
   const long long cap = p.capacity;
   std::int32_t keptHere = 0;
   if (p.rankMajor) {
+    for (int j = tid; j < L && p.recvStats != nullptr; j += kThreads) p.recvStats[j] += counts[j];
     // Rows are records (at most maxTokens per source: nothing is dropped); the per-expert views
     // count entries, packed: what a grouped GEMM that gathers rows sizes itself by.
     for (int j = tid; j <= L; j += kThreads) {
@@ -285,7 +292,18 @@ __device__ void moePublishLayout(const MoeParams& p, Msg msg, const std::int32_t
     p.expertCounts[j] = kept;
     p.expertDropped[j] = counts[j] - kept;
     p.expertTotals[j] += static_cast<unsigned long long>(counts[j]);
+    if (p.recvStats != nullptr) p.recvStats[j] += counts[j];
     keptHere += kept;
+    if (p.sourceRanges != nullptr) {
+      // Each source's rows of expert j: from srcBase (the sources' rows follow each other), the
+      // kept part only.
+      for (int q = 0; q < p.numRanks; ++q) {
+        const long long begin = srcBase[q * L + j] - offsets[j];
+        const long long sent = moeCountOf(msg(q), 1 + j);
+        const long long n = begin >= kept ? 0 : (kept - begin < sent ? kept - begin : sent);
+        p.sourceRanges[static_cast<std::uint64_t>(j) * p.numRanks + q] = (begin << 32) | n;
+      }
+    }
   }
   if (srcBase != p.srcBase) {
     for (int n = tid; n < p.numRanks * L; n += kThreads) p.srcBase[n] = srcBase[n];
@@ -379,7 +397,7 @@ __device__ inline void moeQuantizeRow(const MoeParams& p, const char* row, char*
     for (int u = 0; u < kMoeUnroll; ++u) {
       const int tile = t0 + u * step;
       if (tile >= tiles) break;  // uniform across the half-warp (its shuffles stay converged)
-      const ProduceFp8E4m3::Regs q = ProduceFp8E4m3::quantize(raw[u]);
+      const ProduceFp8E4m3::Regs q = ProduceFp8E4m3::quantize(raw[u], p.scaleFormat != kMoeScaleFloat);
       for (int d = 0; d < n; ++d) ProduceFp8E4m3::emit(out[d] + static_cast<std::uint64_t>(tile) * kFp8TileWireBytes, lane, q);
     }
   }
@@ -421,7 +439,7 @@ __device__ inline void moeWriteRecords(const MoeParams& p, int t, char* const* d
   const int k = g.tid;
   const std::uint64_t e = static_cast<std::uint64_t>(t) * p.topK + (k < p.topK ? k : 0);
   const long long id = k < p.topK ? moeReadId(p, e) : -1;
-  const float w = k < p.topK ? p.topkWeights[e] : 0.f;
+  const float w = k < p.topK ? moeWeightOf(p, e) : 0.f;
   if (nPayload > 0 && p.fp8 && wire == nullptr) {
     moeQuantizeRow(p, row, dst, nPayload, g);
   } else if (nPayload > 0) {
@@ -511,7 +529,8 @@ __device__ inline void moeStageRankRow(const MoeParams& p, long long rankRow, bo
 // in rowExperts / rowExpertWeights. The record was written by another CTA or GPU: read through L2.
 // Synchronises the group before and after.
 __device__ inline void moeResolveSlots(const MoeParams& p, int s, const char* rec, const std::int32_t* srcBase,
-                                       MoeSlotStage& stage, bool expand, const MoeGroup& g, long long rankRow = -1) {
+                                       MoeSlotStage& stage, bool expand, const MoeGroup& g, long long rankRow = -1,
+                                       const float* slotWeights = nullptr) {
   g.sync();  // the previous user of `stage` is done
   if (g.tid < 32) {  // topK <= 16: the group's first warp, one lane per slot
     // The header and every slot at once (a record has room for topK slots).
@@ -543,7 +562,8 @@ __device__ inline void moeResolveSlots(const MoeParams& p, int s, const char* re
     if (pos >= 0) {
       const int at = __popc(kept & ((1u << g.tid) - 1u));
       stage.row[at] = pos;
-      stage.weight[at] = slot.weight;
+      stage.weight[at] = slotWeights == nullptr ? slot.weight
+                         : slot.k >= 0 && slot.k < p.topK ? __ldcg(slotWeights + slot.k) : 0.f;
       if (expand) {
         p.rowSrcRank[pos] = s;
         p.rowSrcToken[pos] = h.x;
@@ -585,7 +605,7 @@ __device__ inline void moeResolveOwnSlots(const MoeParams& p, int t, char* rec, 
     const long long id = k < p.topK ? moeReadId(p, e) : -1;
     const bool here = k < p.topK && moeValidId(p, id) && id / L == p.rank;  // invalid ids: counted by route
     const MoeRecordSlot slot{here ? static_cast<std::int32_t>(id % L) : -1, here ? p.entryIdx[e] : 0,
-                             here ? p.topkWeights[e] : 0.f, k};
+                             here ? moeWeightOf(p, e) : 0.f, k};
     const unsigned m = __ballot_sync(0xffffffffu, here);
     if (here) {
       reinterpret_cast<MoeRecordSlot*>(rec + p.payloadBytes + sizeof(MoeRecordHeader))[__popc(m & ((1u << k) - 1u))] = slot;
@@ -618,6 +638,16 @@ __device__ inline void moeResolveOwnSlots(const MoeParams& p, int t, char* rec, 
   g.sync();
 }
 
+// Scale n of recv_scales: fp32, or with kMoeScaleUe8m0 the power of two's biased exponent in byte n
+// (DeepEP's packed UE8M0: four per int32 word, value 4w + i in byte i).
+__device__ __forceinline__ void moeStoreScale(const MoeParams& p, std::uint64_t n, float scale) {
+  if (p.scaleFormat == kMoeScaleUe8m0) {
+    reinterpret_cast<std::uint8_t*>(p.recvScales)[n] = static_cast<std::uint8_t>(__float_as_uint(scale) >> 23);
+  } else {
+    p.recvScales[n] = scale;
+  }
+}
+
 // Copies one row into recv_x at each row of `stage`, which resolve() fills (called once, after
 // the first loads are issued: they do not depend on it). The row is a record's payload (bf16, or
 // fp8 wire tiles: e4m3 bytes into recv_x, the scale into recv_scales), or with `fromX` a bf16 row of
@@ -638,7 +668,8 @@ __device__ inline void moeExpandRow(const MoeParams& p, const char* row, bool fr
         if (tile >= tiles) break;  // uniform across the half-warp (the quantiser's shuffles)
         if (fromX) {
           const ProduceFp8E4m3::Regs q = ProduceFp8E4m3::quantize(
-              *reinterpret_cast<const uint4*>(row + static_cast<std::uint64_t>(tile) * kFp8TileSrcBytes + lane * 16));
+              *reinterpret_cast<const uint4*>(row + static_cast<std::uint64_t>(tile) * kFp8TileSrcBytes + lane * 16),
+              p.scaleFormat != kMoeScaleFloat);
           w[u] = Fp8WireRegs{q.q, q.scale};
         } else {
           w[u] = loadFp8Wire(row + static_cast<std::uint64_t>(tile) * kFp8TileWireBytes, lane);
@@ -657,7 +688,7 @@ __device__ inline void moeExpandRow(const MoeParams& p, const char* row, bool fr
           const int tile = t0 + u * step;
           if (tile >= tiles) break;
           *reinterpret_cast<uint2*>(p.recvX + r * H + static_cast<std::uint64_t>(tile) * kFp8TileValues + lane * 8) = w[u].q;
-          if (lane == 0) p.recvScales[r * (H / kFp8TileValues) + tile] = w[u].scale;
+          if (lane == 0) moeStoreScale(p, r * (H / kFp8TileValues) + tile, w[u].scale);
         }
       }
       t0 += step * kMoeUnroll;
@@ -783,8 +814,9 @@ __device__ inline void moeWeightedSum(const MoeParams& p, int n, Src src, Weight
 // in fp32, written as bf16 to `out` (H values; local or the source's memory). Dropped rows add 0.
 // Rank-major (rankRow >= 0): the partial is y[rankRow] as it is (the experts summed the row's slots).
 __device__ inline void moeReduceRecord(const MoeParams& p, const char* rec, const std::int32_t* srcBase,
-                                       char* out, MoeSlotStage& stage, const MoeGroup& g, long long rankRow = -1) {
-  moeResolveSlots(p, -1, rec, srcBase, stage, false, g, rankRow);
+                                       char* out, MoeSlotStage& stage, const MoeGroup& g, long long rankRow = -1,
+                                       const float* slotWeights = nullptr) {
+  moeResolveSlots(p, -1, rec, srcBase, stage, false, g, rankRow, slotWeights);
   const std::uint64_t vecs = static_cast<std::uint64_t>(p.hidden) / 8;
   const auto* y = reinterpret_cast<const uint4*>(p.y);
   moeWeightedSum(
