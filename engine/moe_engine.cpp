@@ -924,7 +924,8 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     impl->base = p;
     DispatchLayout& v = impl->layout;
     v.recvX = p.recvX;
-    v.recvScales = p.recvScales;
+    v.recvScales = fp8 ? p.recvScales : nullptr;
+    v.scalesBuffer = p.recvScales;
     v.expertOffsets = p.expertOffsets;
     v.expertCounts = p.expertCounts;
     v.expertDropped = p.expertDropped;
@@ -1093,6 +1094,7 @@ const DispatchLayout& Engine::dispatch(const DispatchArgs& a, cudaStream_t strea
   p.scaleFormat = static_cast<std::int32_t>(a.scaleFormat);
   p.recvStats = a.recvStats;
   applyOutputs(m, a, p);
+  m.layout.recvScales = fp8 ? m.base.recvScales : nullptr;  // the engine's rows hold this type now
   m.p = p;  // combine reads the routing of the last dispatch
   if (m.path == MoePath::kLatency) {
     p.llPhase = a.half == MoeHalf::kSend ? kMoeLatencySend : kMoeLatencySend | kMoeLatencyReceive;

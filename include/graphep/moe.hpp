@@ -194,7 +194,12 @@ struct DispatchArgs {
 // reads and writes exactly its documented rows never leaves [0, capacity).
 struct DispatchLayout {
   void* recvX = nullptr;              // [capacity, H] bf16 or e4m3
-  float* recvScales = nullptr;        // fp8: [capacity, H / 128]; bf16: nullptr
+  float* recvScales = nullptr;        // fp8: [capacity, H / 128]; bf16: nullptr (set by each dispatch)
+  // The engine's scales buffer, [capacity, H / 128] fp32 (or bytes, Fp8Scales::kUe8m0), there
+  // whenever H is a multiple of 128 whatever MoeConfig.dispatchType is: a bf16 engine's fp8
+  // dispatch writes e4m3 rows into recvX ([capacity, H] bytes) and their scales here. Fixed for
+  // the engine's life (recvScales points to it after an fp8 dispatch).
+  float* scalesBuffer = nullptr;
   const int* expertOffsets = nullptr; // [E_local + 1]: first row of each expert, then the end
   const int* expertCounts = nullptr;  // [E_local]: rows of each expert (kept)
   const int* expertDropped = nullptr; // [E_local]: rows of each expert dropped by this dispatch

@@ -19,11 +19,13 @@ _preload_wheel_nccl()
 from graphep._graphep import (  # noqa: E402
     DispatchInput,
     DType,
+    Fp8Scales,
     Group,
     HealthReport,
     IndexType,
     MemoryRequirements,
     MoeConfig,
+    MoeHalf,
     MoePath,
     MoeStatus,
     Status,
@@ -47,7 +49,7 @@ def cuda_device_count() -> int:
 
 __all__ = [
     "BatchedLayout", "DType", "DeviceArray", "DispatchInput", "DispatchOutputs", "Engine", "Error", "ExpertMajorLayout",
-    "Group", "HealthReport", "IndexType", "MemoryRequirements", "MoeConfig", "MoePath", "MoeStatus", "RankMajorLayout",
-    "ReceiveLayout", "Status", "__version__", "create_engine", "create_engines", "cuda_device_count",
-    "memory_requirements", "nccl_runtime_version", "validate", "worst_case_capacity",
+    "Fp8Scales", "Group", "HealthReport", "IndexType", "MemoryRequirements", "MoeConfig", "MoeHalf", "MoePath",
+    "MoeStatus", "RankMajorLayout", "ReceiveLayout", "Status", "__version__", "create_engine", "create_engines",
+    "cuda_device_count", "memory_requirements", "nccl_runtime_version", "validate", "worst_case_capacity",
 ]

@@ -23,13 +23,24 @@ naming the argument), what DeepEP's normal mode needs (graphep.deep_ep):
     engine.combine(out, stream, y, row_values=w, out_values=w_out)             # y of any row count
 
 top_k (any call) takes the first top_k <= config.top_k columns of topk_idx / topk_weights.
+
+Keywords of the latency path (expert-major and batched layouts), what DeepEP's low-latency mode
+needs (graphep.deep_ep): the weights may come at combine instead of dispatch, an engine-quantised
+fp8 dispatch on a bf16 engine (its e4m3 rows in layout.recv_x_fp8, scales in layout.recv_scales),
+and each operation split into its send and receive halves:
+
+    engine.dispatch(x, ids, None, num_tokens, stream, input=DispatchInput.FP8_QUANTIZE,
+                    scale_format=Fp8Scales.UE8M0, recv_stats=stats, half=MoeHalf.SEND)
+    ...other work on the stream...
+    engine.receive(stream)                                                     # the receive half
+    engine.combine(out, stream, y, topk_weights=w)                             # weights [T, K] here
 """
 
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
 from graphep import _graphep
-from graphep._graphep import DispatchInput
+from graphep._graphep import DispatchInput, Fp8Scales, MoeHalf, MoePath
 from graphep.arrays import ArrayInfo, _require_on, describe, require_matrix, require_scalar, stream_handle
 from graphep.errors import invalid_argument
 from graphep.layouts import ExpertMajorLayout, receive_layout
@@ -92,13 +103,14 @@ def _require_strided(info: ArrayInfo, name: str, *, rows: int, cols: int, dtypes
 class Engine:
     """One rank's engine; make them with create_engines. Holds its group and GPU buffers."""
 
-    __slots__ = ("_core", "_layout", "_config", "_rows", "__weakref__")
+    __slots__ = ("_core", "_layout", "_config", "_rows", "_k", "__weakref__")
 
     def __init__(self, core: _graphep.EngineCore):
         self._core = core
         self._config = core.config
         self._layout = ExpertMajorLayout.from_core(core)  # a BatchedLayout for config.receive_layout BATCHED
         self._rows = 0  # rows of the last dispatch's x: combine's out must hold them
+        self._k = 0  # top-k columns of the last dispatch: combine's topk_weights has them
 
     # ---- facts ------------------------------------------------------------------------------
     rank = property(lambda self: self._core.rank)
@@ -113,7 +125,8 @@ class Engine:
     # ---- run path (capturable) ---------------------------------------------------------------
     def dispatch(self, x, topk_idx, topk_weights, num_tokens, stream, *, top_k: Optional[int] = None,
                  token_in_rank=None, x_scales=None, input: Optional[DispatchInput] = None,
-                 outputs: Optional[DispatchOutputs] = None) -> ExpertMajorLayout:
+                 outputs: Optional[DispatchOutputs] = None, scale_format: Optional[Fp8Scales] = None,
+                 recv_stats=None, half: Optional[MoeHalf] = None) -> ExpertMajorLayout:
         """Sends each token to the ranks of its top-k experts; returns the layout views.
 
         x [T, H] bfloat16, topk_idx [T, K] int32 or int64 (global expert ids, -1: none),
@@ -127,6 +140,12 @@ class Engine:
         FP8: x is e4m3 already ([T, H] float8_e4m3fn or uint8) with x_scales [T, H / 128]
         float32 of any strides (DeepEP passes them column-major).
         outputs: caller-owned outputs (DispatchOutputs) instead of the engine's buffers.
+
+        Latency path: topk_weights may be None (the weights then come at combine, topk_weights).
+        scale_format (Fp8Scales) of an engine-quantised fp8 dispatch: FLOAT (default), POW2 or
+        UE8M0 (recv_scales then holds [rows, H / 128] exponent bytes). recv_stats [E_local] int32:
+        each local expert's rows of this dispatch are added to it on the device. half: WHOLE
+        (default) or SEND, whose receive half Engine.receive enqueues.
         """
         c, dev = self._config, self._core.device
         if input is None:
@@ -156,11 +175,15 @@ class Engine:
         else:
             ii = describe(topk_idx, "topk_idx")
             require_matrix(ii, "topk_idx", cols=k, dtypes=("int32", "int64"), device=dev, rows=rows)
-            if topk_weights is None:
-                raise invalid_argument("topk_weights is None, but topk_idx is given (pass both or neither)")
-            wi = describe(topk_weights, "topk_weights")
-            require_matrix(wi, "topk_weights", cols=k, dtypes=("float32",), device=dev, rows=rows)
-            index_type, index_dtype, ii_ptr, wi_ptr = _INDEX_TYPES[ii.dtype], ii.dtype, ii.ptr, wi.ptr
+            index_type, index_dtype, ii_ptr = _INDEX_TYPES[ii.dtype], ii.dtype, ii.ptr
+            if topk_weights is not None:
+                wi = describe(topk_weights, "topk_weights")
+                require_matrix(wi, "topk_weights", cols=k, dtypes=("float32",), device=dev, rows=rows)
+                wi_ptr = wi.ptr
+            elif self._core.path != MoePath.LATENCY:
+                # Only the latency path can take the weights at combine (CombineArgs.topkWeights).
+                raise invalid_argument("topk_weights is None, but topk_idx is given (pass both or neither; None is "
+                                       f"for the latency path, and this engine's path is {self._core.path.name})")
         ni = describe(num_tokens, "num_tokens")
         require_scalar(ni, "num_tokens", dtype="int32", device=dev)
         if token_in_rank is not None:
@@ -185,9 +208,34 @@ class Engine:
             wire_fp8 = input in (DispatchInput.FP8, DispatchInput.FP8_QUANTIZE) or (
                 input == DispatchInput.CONFIG and c.dispatch_type == _graphep.DType.FP8_E4M3)
             kwargs.update(self._outputs(outputs, k, index_dtype, wire_fp8))
+        if scale_format is not None:
+            if not isinstance(scale_format, Fp8Scales):
+                raise invalid_argument(f"scale_format={scale_format!r} is not a graphep.Fp8Scales "
+                                       f"({', '.join(m.name for m in Fp8Scales)})")
+            quantised = input == DispatchInput.FP8_QUANTIZE or (
+                input == DispatchInput.CONFIG and c.dispatch_type == _graphep.DType.FP8_E4M3)
+            if scale_format != Fp8Scales.FLOAT and not quantised:
+                raise invalid_argument(f"scale_format={scale_format.name} is the form of the scales the engine "
+                                       f"makes; this dispatch (input={input.name}, dispatch_type="
+                                       f"{c.dispatch_type.name}) quantises nothing: pass input=FP8_QUANTIZE")
+            if scale_format != Fp8Scales.FLOAT:
+                kwargs["scale_format"] = scale_format
+        if recv_stats is not None:
+            local = c.num_experts // self._core.world_size
+            si = describe(recv_stats, "recv_stats")
+            _require_vector(si, "recv_stats", rows=local, dtype="int32", device=dev)
+            kwargs["recv_stats"] = si.ptr
+        if half is not None:
+            kwargs.update(self._half(half))
         self._core.dispatch(xi.ptr, ii_ptr, index_type, wi_ptr, ni.ptr, stream_handle(stream), **kwargs)
-        self._rows = rows
+        self._rows, self._k = rows, k
         return self._layout
+
+    @staticmethod
+    def _half(half) -> dict:
+        if not isinstance(half, MoeHalf):
+            raise invalid_argument(f"half={half!r} is not a graphep.MoeHalf ({', '.join(m.name for m in MoeHalf)})")
+        return {} if half == MoeHalf.WHOLE else {"half": half}
 
     def _outputs(self, o: DispatchOutputs, k: int, index_dtype: Optional[str], wire_fp8: bool) -> dict:
         """The core's out_* keywords from `o`, each array checked against the call."""
@@ -234,7 +282,8 @@ class Engine:
             kw["out_rank_prefix_matrix"] = pi.ptr
         return kw
 
-    def combine(self, out, stream, expert_output=None, *, row_values=None, out_values=None):
+    def combine(self, out, stream, expert_output=None, *, row_values=None, out_values=None, topk_weights=None,
+                half: Optional[MoeHalf] = None):
         """Brings the expert outputs of the last dispatch home: out[t] = sum_k w[t, k] * y(t, k)
         (rank-major: the sum over ranks of the token's rows, the experts having applied the weights).
 
@@ -243,6 +292,10 @@ class Engine:
         last dispatch received), or None for the engine's own layout.expert_output.
         row_values [rows, V] float32 (V <= 16): values per received row, summed over the ranks
         into out_values [T', V] float32 like the rows (fp32, rank order). Returns out.
+
+        Latency path: topk_weights [T, K] float32 (T, K: the last dispatch's rows of x and top-k
+        columns) are the weights to reduce with, in place of the dispatch's. half: WHOLE (default)
+        or SEND, whose receive half Engine.receive enqueues.
         """
         c, dev = self._config, self._core.device
         oi = describe(out, "out")
@@ -272,8 +325,23 @@ class Engine:
                 raise invalid_argument(f"out_values has {w_rows} rows, fewer than the {self._rows} rows of the last "
                                        "dispatch's x")
             kwargs.update(row_values=vi.ptr, out_values=wi.ptr, num_values=v)
+        if topk_weights is not None:
+            if self._k == 0:
+                raise invalid_argument("topk_weights is given, but the last dispatch had no top-k slots (or there "
+                                       "was none)")
+            ti = describe(topk_weights, "topk_weights")
+            require_matrix(ti, "topk_weights", cols=self._k, dtypes=("float32",), device=dev, rows=self._rows)
+            kwargs["topk_weights"] = ti.ptr
+        if half is not None:
+            kwargs.update(self._half(half))
         self._core.combine(y, oi.ptr, stream_handle(stream), **kwargs)
         return out
+
+    def receive(self, stream) -> None:
+        """Capturable, collective: enqueues on `stream` the receive half of the last dispatch or
+        combine called with half=SEND (the same stream, or one ordered after the send). No other
+        dispatch or combine of this engine may come between the two halves."""
+        self._core.receive(stream_handle(stream))
 
     # ---- diagnostics (not capturable) ------------------------------------------------------
     def status(self) -> _graphep.MoeStatus:

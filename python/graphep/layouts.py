@@ -51,7 +51,10 @@ class ExpertMajorLayout:
     """Zero-copy views of one rank's dispatch output (engine-owned, fixed for the engine's life)."""
 
     recv_x: DeviceArray  # [capacity, H] bfloat16; fp8 engines: uint8 holding e4m3fn
-    recv_scales: Optional[DeviceArray]  # fp8: [capacity, H / 128] float32; bf16: None
+    # [capacity, H / 128] float32: the scales of an fp8 dispatch. fp8 engines, and bf16 engines whose
+    # hidden is a multiple of 128 (the latency path's input=FP8_QUANTIZE); None otherwise. Whether
+    # dispatch sends fp8 by default is config.dispatch_type, not this field.
+    recv_scales: Optional[DeviceArray]
     expert_offsets: DeviceArray  # [E_local + 1] int32
     expert_counts: DeviceArray  # [E_local] int32: rows of each expert kept
     expert_dropped: DeviceArray  # [E_local] int32: rows of each expert this dispatch dropped (past capacity)
@@ -67,6 +70,12 @@ class ExpertMajorLayout:
     num_local_experts: int
     first_local_expert: int  # global id of local expert 0
     layout: ReceiveLayout = ReceiveLayout.EXPERT_MAJOR
+    # [capacity, H] uint8 over recv_x's first capacity x H bytes, where recv_scales exists: the e4m3
+    # rows of an engine-quantised fp8 dispatch on a bf16 engine (row stride H bytes).
+    recv_x_fp8: Optional[DeviceArray] = None
+    # [E_local, world] int64, expert-major and batched: expert j's rows from rank q are
+    # [begin, begin + count) counted from the expert's first row, as begin << 32 | count (kept rows).
+    expert_source_ranges: Optional[DeviceArray] = None
 
     @staticmethod
     def from_core(core) -> "ExpertMajorLayout":

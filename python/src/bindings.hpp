@@ -9,7 +9,7 @@
 namespace graphep::python {
 
 void bindErrors(nanobind::module_& m);  // errors.cpp: Status, graphep::Error -> graphep.Error
-void bindConfig(nanobind::module_& m);  // config.cpp: DType, IndexType, MoePath, MoeConfig, memory_requirements
+void bindConfig(nanobind::module_& m);  // config.cpp: the enums, MoeConfig, memory_requirements
 void bindGroup(nanobind::module_& m);   // group.cpp: Group (a Communicator)
 void bindEngine(nanobind::module_& m);  // engine.cpp: Engine, create_engines, status and health
 void bindDlpack(nanobind::module_& m);  // dlpack.cpp: dlpack_info

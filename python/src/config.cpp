@@ -48,6 +48,18 @@ void bindConfig(nb::module_& m) {
       .value("BF16", DispatchInput::kBf16)
       .value("FP8_QUANTIZE", DispatchInput::kFp8Quantize)
       .value("FP8", DispatchInput::kFp8);
+  nb::enum_<Fp8Scales>(m, "Fp8Scales",
+                       "The fp8 scales of an engine-quantised dispatch, latency path (graphep::Fp8Scales): FLOAT "
+                       "(amax / 448), POW2 (rounded up to a power of two, DeepEP's round_scale), UE8M0 (those powers "
+                       "as exponent bytes, four per int32, DeepEP's use_ue8m0).")
+      .value("FLOAT", Fp8Scales::kFloat)
+      .value("POW2", Fp8Scales::kPow2)
+      .value("UE8M0", Fp8Scales::kUe8m0);
+  nb::enum_<MoeHalf>(m, "MoeHalf",
+                     "Which part of a latency-path operation a call enqueues (graphep::MoeHalf): WHOLE, or SEND "
+                     "alone with Engine.receive() enqueuing the receive half later (DeepEP's return_recv_hook).")
+      .value("WHOLE", MoeHalf::kWhole)
+      .value("SEND", MoeHalf::kSend);
   nb::enum_<IndexType>(m, "IndexType", "Element type of topk_idx.")
       .value("INT32", IndexType::kInt32)
       .value("INT64", IndexType::kInt64);

@@ -57,7 +57,8 @@ nb::object view(nb::handle owner, const void* data, std::size_t rows, std::size_
   return nb::cast(a);
 }
 
-// Every buffer of the dispatch layout (DispatchLayout), fixed for the engine's life.
+// Every buffer of the dispatch layout (DispatchLayout), fixed for the engine's life. Keys whose
+// buffer the engine does not have are None.
 nb::dict views(EngineCore& core) {
   nb::object owner = nb::find(&core);
   const Engine& e = *core.engine;
@@ -65,12 +66,24 @@ nb::dict views(EngineCore& core) {
   const bool fp8 = e.config().dispatchType == DType::kFp8E4m3;
   const std::size_t cap = static_cast<std::size_t>(v.capacity), H = static_cast<std::size_t>(v.hidden);
   const std::size_t L = static_cast<std::size_t>(v.numLocalExperts);
+  const std::size_t R = static_cast<std::size_t>(e.worldSize());
   const int dev = e.device();
   const nb::dlpack::dtype bf16{static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bfloat), 16, 1};
+  const auto u8 = nb::dtype<std::uint8_t>();
   nb::dict d;
   // fp8 rows leave as uint8 (e4m3fn bytes): every DLPack consumer reads uint8.
-  d["recv_x"] = fp8 ? view(owner, v.recvX, cap, H, nb::dtype<std::uint8_t>(), dev) : view(owner, v.recvX, cap, H, bf16, dev);
-  d["recv_scales"] = fp8 ? view(owner, v.recvScales, cap, H / 128, nb::dtype<float>(), dev) : nb::none();
+  d["recv_x"] = fp8 ? view(owner, v.recvX, cap, H, u8, dev) : view(owner, v.recvX, cap, H, bf16, dev);
+  // The scales exist wherever an fp8 dispatch can land: fp8 engines, and bf16 engines with hidden a
+  // multiple of 128 (an engine-quantised latency dispatch writes its e4m3 rows into recv_x's first
+  // cap x H bytes, row stride H bytes). UE8M0 scales reuse the first cap x H / 128 bytes of the
+  // same buffer: the caller re-views it.
+  const bool scales = v.scalesBuffer != nullptr;
+  d["recv_scales"] = scales ? view(owner, v.scalesBuffer, cap, H / 128, nb::dtype<float>(), dev) : nb::none();
+  d["recv_x_fp8"] = scales ? view(owner, v.recvX, cap, H, u8, dev) : nb::none();
+  // [E_local][R] begin << 32 | count (expert-major and batched layouts; None for rank-major).
+  d["expert_source_ranges"] = v.expertSourceRanges != nullptr
+                                  ? view(owner, v.expertSourceRanges, L, R, nb::dtype<std::int64_t>(), dev)
+                                  : nb::none();
   d["expert_offsets"] = view(owner, v.expertOffsets, L + 1, 0, nb::dtype<std::int32_t>(), dev);
   d["expert_counts"] = view(owner, v.expertCounts, L, 0, nb::dtype<std::int32_t>(), dev);
   d["expert_dropped"] = view(owner, v.expertDropped, L, 0, nb::dtype<std::int32_t>(), dev);
@@ -146,7 +159,7 @@ void bindEngine(nb::module_& m) {
              std::uintptr_t xScales, long long scaleTokenStride, long long scaleHiddenStride, std::uintptr_t outRecvX,
              std::uintptr_t outRecvScales, std::uintptr_t outRowExperts, std::uintptr_t outRowExpertWeights,
              std::uintptr_t outRowSrcRank, std::uintptr_t outRowSrcToken, std::uintptr_t outRankPrefixMatrix,
-             long long outRows) {
+             long long outRows, Fp8Scales scaleFormat, std::uintptr_t recvStats, MoeHalf half) {
             DispatchArgs a;
             a.x = pointerOf<const void>(x);
             a.topkIdx = pointerOf<const void>(topkIdx);
@@ -159,6 +172,9 @@ void bindEngine(nb::module_& m) {
             a.xScales = pointerOf<const float>(xScales);
             a.scaleTokenStride = scaleTokenStride;
             a.scaleHiddenStride = scaleHiddenStride;
+            a.scaleFormat = scaleFormat;
+            a.recvStats = pointerOf<int>(recvStats);
+            a.half = half;
             a.outputs.recvX = pointerOf<void>(outRecvX);
             a.outputs.recvScales = pointerOf<float>(outRecvScales);
             a.outputs.rowExperts = pointerOf<void>(outRowExperts);
@@ -175,12 +191,14 @@ void bindEngine(nb::module_& m) {
           nb::arg("scale_hidden_stride") = 0, nb::arg("out_recv_x") = 0, nb::arg("out_recv_scales") = 0,
           nb::arg("out_row_experts") = 0, nb::arg("out_row_expert_weights") = 0, nb::arg("out_row_src_rank") = 0,
           nb::arg("out_row_src_token") = 0, nb::arg("out_rank_prefix_matrix") = 0, nb::arg("out_rows") = 0,
+          nb::arg("scale_format") = Fp8Scales::kFloat, nb::arg("recv_stats") = 0, nb::arg("half") = MoeHalf::kWhole,
           "Capturable. Device pointers as ints (0: none; graphep::DispatchArgs); graphep.Engine.dispatch checks the "
           "arrays.")
       .def(
           "combine",
           [](EngineCore& c, std::uintptr_t expertOutput, std::uintptr_t out, std::uintptr_t stream,
-             long long expertOutputRows, std::uintptr_t rowValues, std::uintptr_t outValues, int numValues) {
+             long long expertOutputRows, std::uintptr_t rowValues, std::uintptr_t outValues, int numValues,
+             std::uintptr_t topkWeights, MoeHalf half) {
             CombineArgs a;
             a.expertOutput = pointerOf<const void>(expertOutput);
             a.out = pointerOf<void>(out);
@@ -188,11 +206,19 @@ void bindEngine(nb::module_& m) {
             a.rowValues = pointerOf<const float>(rowValues);
             a.outValues = pointerOf<float>(outValues);
             a.numValues = numValues;
+            a.topkWeights = pointerOf<const float>(topkWeights);
+            a.half = half;
             c.engine->combine(a, streamOf(stream));
           },
           nb::arg("expert_output"), nb::arg("out"), nb::arg("stream"), nb::kw_only(), nb::arg("expert_output_rows") = 0,
-          nb::arg("row_values") = 0, nb::arg("out_values") = 0, nb::arg("num_values") = 0,
+          nb::arg("row_values") = 0, nb::arg("out_values") = 0, nb::arg("num_values") = 0, nb::arg("topk_weights") = 0,
+          nb::arg("half") = MoeHalf::kWhole,
           "Capturable. expert_output 0: the engine's own buffer (graphep::CombineArgs).")
+      .def(
+          "receive", [](EngineCore& c, std::uintptr_t stream) { c.engine->receive(streamOf(stream)); },
+          nb::arg("stream"),
+          "Capturable, collective. The receive half of the last dispatch or combine enqueued with half=SEND "
+          "(graphep::Engine::receive).")
       .def(
           "status",
           [](const EngineCore& c) {

@@ -1,21 +1,21 @@
 #!/usr/bin/env python3
 """DeepEP's own tests, run against graphep.deep_ep: the acceptance suite of DeepEP's API on graphep.
 
-    python3 tests/compat/run_deepep_tests.py --deepep-src DIR --test intranode [--num-processes 2] \\
-        [-- --hidden 2048 --num-experts 128 --num-topk 8]
+    python3 tests/compat/run_deepep_tests.py --deepep-src DIR --test intranode|low_latency|all \\
+        [--num-processes 2] [-- --hidden 2048 --num-experts 128 --num-topk 8]
 
 DIR is a DeepEP source tree (its tests/ folder is what is used; nothing is fetched or built). The
 tests are copied into a temporary folder beside a package `deep_ep` that re-exports graphep.deep_ep,
 so their `import deep_ep` gets graphep. test_intranode.py gets two edits, each asserted to match
 once: its two tuning sweeps over NVL chunk sizes (graphep has no chunk knob) become one pass at
 DeepEP's default chunk for the rank count, so the timing lines still print in DeepEP's format;
-every assertion is untouched. test_low_latency.py runs as it is (graphep.deep_ep has no
-low-latency mode yet: it fails with NOT_SUPPORTED).
+every assertion is untouched. test_low_latency.py runs as it is (it has no sweep to replace).
+`--test all` runs test_intranode.py, then test_low_latency.py, with the same arguments.
 
-The test runs as `python3 test_<name>.py --num-processes N ...` with PYTHONPATH=<temp>:<graphep>
+Each test runs as `python3 test_<name>.py --num-processes N ...` with PYTHONPATH=<temp>:<graphep>
 (GRAPHEP_PYTHONPATH, else this repository's build/python) and NCCL_NVLS_ENABLE=0; its output
-streams through and its exit code is this script's. 77: skipped (no PyTorch, or fewer GPUs than
-processes), with the reason.
+streams through. The exit code is the test's (with `all`: the first failing test's, else 0). 77:
+skipped (no PyTorch, or fewer GPUs than processes), with the reason.
 """
 
 import argparse
@@ -41,6 +41,7 @@ INTRANODE_EDITS: Tuple[Tuple[str, str], ...] = (
 )
 
 EDITS = {"intranode": INTRANODE_EDITS, "low_latency": ()}
+ALL = "all"  # --test all: every test of EDITS, in this order
 
 SHIM = '''"""deep_ep for DeepEP's tests: graphep.deep_ep (written by graphep's tests/compat/run_deepep_tests.py)."""
 from graphep.deep_ep import Buffer, Config, EventOverlap, topk_idx_t  # noqa: F401
@@ -99,26 +100,36 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--deepep-src", required=True, type=Path, help="a DeepEP source tree (its tests/ are used)")
-    p.add_argument("--test", required=True, choices=sorted(EDITS), help="which DeepEP test to run")
+    p.add_argument("--test", required=True, choices=sorted(EDITS) + [ALL],
+                   help="which DeepEP test to run (all: intranode, then low_latency)")
     p.add_argument("--num-processes", type=int, default=2, help="processes (one GPU each); default 2")
     args = p.parse_args(argv)
 
+    tests = list(EDITS) if args.test == ALL else [args.test]
     reason = skip_reason(args.num_processes)
     if reason is not None:
-        print(f"run_deepep_tests: SKIPPED test_{args.test}.py: {reason}", flush=True)
+        print(f"run_deepep_tests: SKIPPED {', '.join(f'test_{t}.py' for t in tests)}: {reason}", flush=True)
         return SKIP
     package = graphep_pythonpath()
     if not (package / "graphep" / "__init__.py").is_file():
         print(f"run_deepep_tests: no graphep package under {package} (build it, or set GRAPHEP_PYTHONPATH to the "
               "folder that holds graphep/)", file=sys.stderr, flush=True)
         return 2
+    results = [(test, run_one(args.deepep_src.resolve(), test, package, args.num_processes, extra)) for test in tests]
+    if len(results) > 1:
+        print("run_deepep_tests: " + ", ".join(f"test_{t}.py exit {rc}" for t, rc in results), flush=True)
+    return next((rc for _, rc in results if rc != 0), 0)
+
+
+def run_one(deepep_src: Path, test: str, package: Path, num_processes: int, extra: List[str]) -> int:
+    """Runs one prepared DeepEP test in a temporary folder; returns its exit code."""
     with tempfile.TemporaryDirectory(prefix="graphep-deepep-") as tmp:
         workdir = Path(tmp)
-        script = prepare(args.deepep_src.resolve(), args.test, workdir)
+        script = prepare(deepep_src, test, workdir)
         env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = os.pathsep.join(
             [str(workdir), str(package.resolve())] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-        cmd = [sys.executable, script.name, "--num-processes", str(args.num_processes)] + extra
+        cmd = [sys.executable, script.name, "--num-processes", str(num_processes)] + extra
         print(f"run_deepep_tests: {' '.join(cmd)} (in {workdir}, graphep from {package})", flush=True)
         return subprocess.call(cmd, cwd=workdir, env=env)
 

@@ -70,8 +70,9 @@ def test_buffer_size_hints():
     for experts in (8, 64, 256, 8192):
         heap = dconfig.heap_bytes_for(7168, experts, 8, 24)
         assert dconfig.max_tokens_per_rank(hint, heap) >= 4096
-    a = dconfig.low_latency_rdma_size_hint(128, 7168, 8, 288)
-    assert a == dconfig.low_latency_rdma_size_hint(128, 7168, 8, 288) and a % (128 << 20) == 0 and a > 0
+    a = dconfig.low_latency_rdma_size_hint(128, 7168, 8, 288)  # the low-latency engine's heap
+    cfg = dconfig.low_latency_engine_config(128, 7168, 288, 8)
+    assert a == graphep.memory_requirements(cfg, 8).symmetric_heap_bytes > 0
 
 
 def test_event_overlap_without_an_event():
@@ -165,6 +166,34 @@ def test_compat_runner_skips_without_what_it_needs(monkeypatch, capsys):
     assert "SKIPPED test_intranode.py: PyTorch is not installed" in capsys.readouterr().out
 
 
+def test_compat_runner_all_runs_each_test_in_order(monkeypatch, tmp_path, capsys):
+    run = compat_runner()
+    src = tmp_path / "deepep"
+    (src / "tests").mkdir(parents=True)
+    (src / "tests" / "test_intranode.py").write_text(SNIPPET)
+    (src / "tests" / "test_low_latency.py").write_text("assert True\n")
+    package = tmp_path / "pkg"
+    (package / "graphep").mkdir(parents=True)
+    (package / "graphep" / "__init__.py").write_text("")
+    calls = []
+
+    def call(cmd, cwd, env):
+        calls.append((cmd[1], cmd[2:], Path(cwd, cmd[1]).read_text(), env["PYTHONPATH"].split(os.pathsep)[1]))
+        return 3 if cmd[1] == "test_intranode.py" else 0
+
+    monkeypatch.setattr(run, "skip_reason", lambda n: None)
+    monkeypatch.setattr(run, "graphep_pythonpath", lambda: package)
+    monkeypatch.setattr(run.subprocess, "call", call)
+    assert run.main(["--deepep-src", str(src), "--test", "all", "--", "--num-topk", "2"]) == 3  # the first failure
+    assert [c[0] for c in calls] == ["test_intranode.py", "test_low_latency.py"]
+    assert all(c[1] == ["--num-processes", "2", "--num-topk", "2"] for c in calls)
+    assert calls[0][2] == run.apply_edits(SNIPPET, run.INTRANODE_EDITS) and calls[1][2] == "assert True\n"
+    assert all(c[3] == str(package.resolve()) for c in calls)
+    assert "test_intranode.py exit 3, test_low_latency.py exit 0" in capsys.readouterr().out
+    calls.clear()
+    assert run.main(["--deepep-src", str(src), "--test", "low_latency"]) == 0 and len(calls) == 1
+
+
 # ---- CPU, with PyTorch ---------------------------------------------------------------------------
 
 @requires_torch
@@ -191,10 +220,12 @@ def test_torch_names():
 @pytest.mark.parametrize("kwargs, status, needle", [
     (dict(group=None), "INVALID_ARGUMENT", "Buffer(group=None)"),
     (dict(group=object(), comm=object()), "NOT_SUPPORTED", "mpi4py communicators are not supported"),
-    (dict(group=object(), low_latency_mode=True), "NOT_SUPPORTED", "has no low-latency mode yet"),
-    (dict(group=object(), num_rdma_bytes=1 << 30), "NOT_SUPPORTED", "Buffer(num_rdma_bytes=1073741824)"),
+    (dict(group=object(), num_rdma_bytes=1 << 30), "NOT_SUPPORTED",
+     "Buffer(num_rdma_bytes=1073741824) without low_latency_mode"),
     (dict(group=object(), enable_shrink=True), "NOT_SUPPORTED", "Buffer(enable_shrink=True)"),
-], ids=["no-group", "mpi4py", "low-latency", "rdma", "shrink"])
+    (dict(group=object(), low_latency_mode=True, num_rdma_bytes=1 << 30, enable_shrink=True), "NOT_SUPPORTED",
+     "active-rank mask"),
+], ids=["no-group", "mpi4py", "rdma", "shrink", "low-latency-shrink"])
 def test_buffer_refuses_what_it_lacks_before_any_work(kwargs, status, needle):
     from graphep.deep_ep import Buffer
 
@@ -203,8 +234,6 @@ def test_buffer_refuses_what_it_lacks_before_any_work(kwargs, status, needle):
 
 @requires_torch
 @pytest.mark.parametrize("method, args", [
-    ("low_latency_dispatch", (None, None, 128, 288)), ("low_latency_combine", (None, None, None, None)),
-    ("get_next_low_latency_combine_buffer", (None,)), ("clean_low_latency_buffer", (128, 7168, 288)),
     ("low_latency_update_mask_buffer", (1,)), ("low_latency_query_mask_buffer", (None,)),
     ("low_latency_clean_mask_buffer", ()), ("internode_dispatch", (None,)), ("internode_combine", (None,)),
     ("get_local_buffer_tensor", (None,)),

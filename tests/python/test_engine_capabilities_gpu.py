@@ -1,7 +1,10 @@
-"""graphep.Engine's keywords for DeepEP's API (rank-major layout, throughput path, direct dispatch):
-per-call top_k, token_in_rank routing, caller-quantised fp8 input (strided scales) and
-engine-quantised fp8 into the caller's buffers, DispatchOutputs, combine from [n, H] rows with
-row_values, and repeated dispatches and combines.
+"""graphep.Engine's keywords for DeepEP's API. The normal mode (rank-major layout, throughput path,
+direct dispatch): per-call top_k, token_in_rank routing, caller-quantised fp8 input (strided
+scales) and engine-quantised fp8 into the caller's buffers, DispatchOutputs, combine from [n, H]
+rows with row_values, and repeated dispatches and combines. The low-latency mode (batched layout,
+latency path): dispatch without weights and combine with topk_weights, scale_format (float, pow2,
+ue8m0) of an fp8 dispatch on a bf16 engine (layout.recv_x_fp8), recv_stats, the send halves and
+Engine.receive, expert_source_ranges.
 
 CPU: every argument check, against a recording stand-in for the extension's EngineCore (what
 each call hands the core, and the error naming each bad array). 2 GPUs + PyTorch: two ranks on
@@ -18,7 +21,7 @@ from conftest import GPUS, requires_gpus, requires_torch
 
 import graphep  # noqa: E402
 import graphep.engine as engine_module  # noqa: E402
-from graphep import DispatchInput, DispatchOutputs  # noqa: E402
+from graphep import DispatchInput, DispatchOutputs, Fp8Scales, MoeHalf  # noqa: E402
 from graphep.arrays import ArrayInfo  # noqa: E402
 
 CUDA = 2
@@ -45,8 +48,9 @@ class Fake:
 class RecordingCore:
     rank, world_size, device = 0, R, 0
 
-    def __init__(self):
+    def __init__(self, path=graphep.MoePath.THROUGHPUT):
         self.calls = []
+        self.path = path
 
     def dispatch(self, *args, **kwargs):
         self.calls.append(("dispatch", args, kwargs))
@@ -54,17 +58,29 @@ class RecordingCore:
     def combine(self, *args, **kwargs):
         self.calls.append(("combine", args, kwargs))
 
+    def receive(self, *args, **kwargs):
+        self.calls.append(("receive", args, kwargs))
+
+
+def recording_engine(monkeypatch, layout, path):
+    real = engine_module.describe
+    monkeypatch.setattr(engine_module, "describe", lambda a, name: a.info if isinstance(a, Fake) else real(a, name))
+    cfg = graphep.MoeConfig(max_tokens_per_rank=T, hidden=H, num_experts=E, top_k=K, receive_layout=layout, path=path)
+    e = graphep.Engine.__new__(graphep.Engine)
+    e._core, e._config, e._rows, e._k = RecordingCore(path), cfg, 0, 0
+    e._layout = types.SimpleNamespace(capacity=R * T)
+    return e
+
 
 @pytest.fixture
 def eng(monkeypatch):
-    real = engine_module.describe
-    monkeypatch.setattr(engine_module, "describe", lambda a, name: a.info if isinstance(a, Fake) else real(a, name))
-    cfg = graphep.MoeConfig(max_tokens_per_rank=T, hidden=H, num_experts=E, top_k=K,
-                            receive_layout=graphep.ReceiveLayout.RANK_MAJOR, path=graphep.MoePath.THROUGHPUT)
-    e = graphep.Engine.__new__(graphep.Engine)
-    e._core, e._config, e._rows = RecordingCore(), cfg, 0
-    e._layout = types.SimpleNamespace(capacity=R * T)
-    return e
+    return recording_engine(monkeypatch, graphep.ReceiveLayout.RANK_MAJOR, graphep.MoePath.THROUGHPUT)
+
+
+@pytest.fixture
+def lat(monkeypatch):
+    """A recording engine on the latency path, batched layout (the low-latency mode's)."""
+    return recording_engine(monkeypatch, graphep.ReceiveLayout.BATCHED, graphep.MoePath.LATENCY)
 
 
 def last(e):
@@ -111,7 +127,8 @@ def test_token_in_rank_routing(eng):
     assert last(eng)[1][1] == ids.info.ptr and last(eng)[2] == {"token_in_rank": mask.info.ptr}
     bad("topk_idx is None: pass topk_idx [T, K] or token_in_rank [T, R]", eng.dispatch, x, None, None, n, 0)
     bad("topk_weights is given, but topk_idx is None", eng.dispatch, x, None, w, n, 0, token_in_rank=mask)
-    bad("topk_weights is None, but topk_idx is given", eng.dispatch, x, ids, None, n, 0)
+    bad("topk_weights is None, but topk_idx is given (pass both or neither; None is for the latency path, and "
+        "this engine's path is THROUGHPUT)", eng.dispatch, x, ids, None, n, 0)
     bad("token_in_rank has shape [64, 3], expected [rows, 2]", eng.dispatch, x, None, None, n, 0,
         token_in_rank=Fake((T, 3), "bool"))
     bad("token_in_rank has 63 rows, expected 64", eng.dispatch, x, None, None, n, 0,
@@ -204,6 +221,68 @@ def test_combine_rows_and_values(eng):
     bad("expert_output has 0 rows", eng.combine, out, 0, Fake((0, H), "bfloat16"))
     bad("row_values has dtype float16", eng.combine, out, 0, y, row_values=Fake((37, 3), "float16"),
         out_values=out_vals)
+
+
+def test_latency_dispatch_takes_weights_at_combine(lat):
+    x, ids, w, n = inputs()
+    lat.dispatch(x, ids, None, n, 3)  # no weights: the latency path takes 1, combine brings them
+    assert last(lat) == ("dispatch", (x.info.ptr, ids.info.ptr, graphep.IndexType.INT32, 0, n.info.ptr, 3), {})
+    out = Fake((T, H), "bfloat16")
+    lat.combine(out, 3, topk_weights=w)
+    assert last(lat) == ("combine", (0, out.info.ptr, 3), {"topk_weights": w.info.ptr})
+    bad("topk_weights has 63 rows, expected 64", lat.combine, out, 3, topk_weights=Fake((T - 1, K), "float32"))
+    bad("topk_weights has shape [64, 2], expected [rows, 4]", lat.combine, out, 3, topk_weights=Fake((T, 2), "float32"))
+    bad("topk_weights has dtype float16, expected float32", lat.combine, out, 3, topk_weights=Fake((T, K), "float16"))
+    lat.dispatch(x, Fake((T, 2), "int64"), None, n, 3, top_k=2)  # combine's weights follow the dispatch's top_k
+    lat.combine(out, 3, topk_weights=Fake((T, 2), "float32"))
+    bad("topk_weights has shape [64, 4], expected [rows, 2]", lat.combine, out, 3, topk_weights=w)
+
+
+def test_combine_weights_need_a_dispatch_with_slots(lat):
+    bad("topk_weights is given, but the last dispatch had no top-k slots", lat.combine, Fake((T, H), "bfloat16"), 0,
+        topk_weights=Fake((T, K), "float32"))
+
+
+def test_scale_format(lat):
+    x, ids, _, n = inputs()
+    for fmt in (Fp8Scales.POW2, Fp8Scales.UE8M0):
+        lat.dispatch(x, ids, None, n, 0, input=DispatchInput.FP8_QUANTIZE, scale_format=fmt)
+        assert last(lat)[2] == {"input": DispatchInput.FP8_QUANTIZE, "scale_format": fmt}
+    lat.dispatch(x, ids, None, n, 0, input=DispatchInput.FP8_QUANTIZE, scale_format=Fp8Scales.FLOAT)
+    assert last(lat)[2] == {"input": DispatchInput.FP8_QUANTIZE}  # FLOAT: the default, not passed
+    lat.dispatch(x, ids, None, n, 0, scale_format=Fp8Scales.FLOAT)  # FLOAT fits any dispatch
+    bad("scale_format=POW2 is the form of the scales the engine makes; this dispatch (input=CONFIG, "
+        "dispatch_type=BF16) quantises nothing", lat.dispatch, x, ids, None, n, 0, scale_format=Fp8Scales.POW2)
+    bad("scale_format=UE8M0 is the form", lat.dispatch, x, ids, None, n, 0, scale_format=Fp8Scales.UE8M0,
+        input=DispatchInput.BF16)
+    bad("scale_format='ue8m0' is not a graphep.Fp8Scales", lat.dispatch, x, ids, None, n, 0, scale_format="ue8m0",
+        input=DispatchInput.FP8_QUANTIZE)
+
+
+def test_recv_stats(lat):
+    x, ids, _, n = inputs()
+    stats = Fake((E // R,), "int32")
+    lat.dispatch(x, ids, None, n, 0, recv_stats=stats)
+    assert last(lat)[2] == {"recv_stats": stats.info.ptr}
+    bad("recv_stats has shape [9], expected [8]", lat.dispatch, x, ids, None, n, 0, recv_stats=Fake((9,), "int32"))
+    bad("recv_stats has dtype int64, expected int32", lat.dispatch, x, ids, None, n, 0,
+        recv_stats=Fake((E // R,), "int64"))
+    bad("recv_stats has strides [2]", lat.dispatch, x, ids, None, n, 0, recv_stats=Fake((E // R,), "int32", (2,)))
+
+
+def test_halves_and_receive(lat):
+    x, ids, w, n = inputs()
+    lat.dispatch(x, ids, None, n, 5, half=MoeHalf.SEND)
+    assert last(lat)[2] == {"half": MoeHalf.SEND}
+    lat.receive(5)
+    assert last(lat) == ("receive", (5,), {})
+    lat.dispatch(x, ids, None, n, 5, half=MoeHalf.WHOLE)
+    assert last(lat)[2] == {}
+    out = Fake((T, H), "bfloat16")
+    lat.combine(out, 5, topk_weights=w, half=MoeHalf.SEND)
+    assert last(lat)[2] == {"topk_weights": w.info.ptr, "half": MoeHalf.SEND}
+    bad("half='send' is not a graphep.MoeHalf (WHOLE, SEND)", lat.dispatch, x, ids, None, n, 5, half="send")
+    bad("half=1 is not a graphep.MoeHalf", lat.combine, out, 5, half=1)
 
 
 # ---- 2 GPUs -----------------------------------------------------------------------------------------
@@ -496,3 +575,205 @@ def test_engine_refuses_outside_the_rank_major_layout():
         with pytest.raises(graphep.Error) as err:
             engines[0].dispatch(r.x, r.ids, r.w, r.count, 0, **kwargs)
         assert err.value.status == graphep.Status.NOT_SUPPORTED and needle in err.value.message, err.value
+
+
+# ---- 2 GPUs: the low-latency mode's keywords (latency path, batched layout) -----------------------
+
+L_LOCAL, RPE = E // R, R * T  # local experts; rows per expert (DeepEP's R x T)
+
+
+@pytest.fixture(scope="module")
+def latency_two():
+    if GPUS < 2:
+        pytest.skip(f"needs 2 GPUs, found {GPUS}")
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+    cfg = graphep.MoeConfig(max_tokens_per_rank=T, hidden=H, num_experts=E, top_k=K,
+                            receive_layout=graphep.ReceiveLayout.BATCHED, rows_per_expert=RPE,
+                            path=graphep.MoePath.LATENCY)
+    engines = graphep.create_engines(graphep.Group.local([0, 1]), cfg)
+    streams = []
+    for e in engines:
+        with torch.cuda.device(e.device):
+            streams.append(torch.cuda.Stream())
+    return torch, engines, streams
+
+
+def latency_views(torch, e):
+    v = e.layout
+    views = {name: torch.from_dlpack(getattr(v, name)) for name in
+             ("recv_x", "recv_x_fp8", "recv_scales", "expert_counts", "row_src_rank", "row_src_token",
+              "expert_source_ranges")}
+    return views
+
+
+def expert_rows_of(torch, ranks, q, device):
+    """Rank q's local experts: per expert, (source ranks, tokens) of its rows in layout order."""
+    rows = []
+    for j in range(L_LOCAL):
+        g = q * L_LOCAL + j
+        src, tok = [], []
+        for s, r in enumerate(ranks):
+            t = torch.nonzero((r.ids[: r.live].long().to(device) == g).any(dim=1)).flatten()
+            src.append(torch.full_like(t, s)), tok.append(t)
+        rows.append((torch.cat(src), torch.cat(tok)))
+    return rows
+
+
+def check_latency_rows(torch, v, rows, ranks, fmt, stats):
+    """Wrong elements of one rank's batched layout (after poisoning) against `rows`."""
+    dev = v["recv_x"].device
+    wrong = 0
+    counts = v["expert_counts"].tolist()
+    for j, (src, tok) in enumerate(rows):
+        c = src.numel()
+        if counts[j] != c:
+            wrong += 1
+            continue
+        wrong += int(stats[j].item() != c)
+        first = j * RPE
+        wrong += int((v["row_src_rank"][first:first + c].long() != src).sum())
+        wrong += int((v["row_src_token"][first:first + c].long() != tok).sum())
+        per_src = torch.bincount(src, minlength=R)
+        begin = torch.cumsum(per_src, 0) - per_src
+        got = v["expert_source_ranges"][j]
+        wrong += int(((got & 0xFFFFFFFF) != per_src).sum()) + int(((got >> 32) != begin)[per_src > 0].sum())
+        want = gather(torch, ranks, "x", src, tok, dev)
+        if fmt is None:
+            wrong += int((v["recv_x"][first:first + c].view(torch.int16) != want.view(torch.int16)).sum())
+            continue
+        q = v["recv_x_fp8"][first:first + c].view(torch.float8_e4m3fn).float()
+        if fmt == "ue8m0":  # [rows][H / 128] exponent bytes at the start of the scales buffer
+            raw = v["recv_scales"].view(torch.uint8).flatten()[: v["recv_scales"].shape[0] * (H // 128)]
+            s = (raw.view(-1, H // 128)[first:first + c].to(torch.int32) << 23).view(torch.float32)
+        else:
+            s = v["recv_scales"][first:first + c]
+        amax = want.float().view(c, H // 128, 128).abs().amax(dim=2)
+        if fmt == "float":
+            wrong += int(((s - amax / 448).abs() > amax / 448 * 1e-6).sum())
+        else:  # the smallest power of two >= amax / 448
+            wrong += int((torch.frexp(s)[0] != 0.5).sum())
+            wrong += int(((s < amax / 448) | ((s / 2 >= amax / 448) & (amax > 0))).sum())
+        got = (q.view(c, H // 128, 128) * s.unsqueeze(-1)).view(c, H)
+        tol = want.float().abs() * 2.0 ** -4 + s.repeat_interleave(128, dim=1) * 2.0 ** -9  # e4m3
+        wrong += int(((got - want.float()).abs() > tol * 1.01).sum())
+    return wrong
+
+
+@requires_torch
+@requires_gpus(2)
+@pytest.mark.parametrize("half", ["whole", "send"])
+@pytest.mark.parametrize("fmt", [None, "float", "pow2", "ue8m0"], ids=["bf16", "fp8-float", "fp8-pow2", "fp8-ue8m0"])
+def test_latency_keywords(latency_two, fmt, half):
+    """Dispatch without weights (fp8 quantised by the engine on a bf16 engine, in each scale format),
+    recv_stats, expert_source_ranges; combine with topk_weights; each in one launch or as send
+    halves plus Engine.receive."""
+    torch, engines, streams = latency_two
+    formats = {"float": Fp8Scales.FLOAT, "pow2": Fp8Scales.POW2, "ue8m0": Fp8Scales.UE8M0}
+    h = MoeHalf.SEND if half == "send" else MoeHalf.WHOLE
+    ranks = make_ranks(torch, 900 + 7 * len(fmt or "") + (half == "send"), index=torch.int64)
+    views = [latency_views(torch, e) for e in engines]
+    stats = []
+    for e, v in zip(engines, views):
+        with torch.cuda.device(e.device):
+            v["recv_x"].view(torch.uint8).fill_(0xFF)
+            v["recv_scales"].fill_(-1.0)
+            for name in ("expert_counts", "row_src_rank", "row_src_token", "expert_source_ranges"):
+                v[name].fill_(-7)
+            stats.append(torch.zeros(L_LOCAL, dtype=torch.int32, device=f"cuda:{e.device}"))
+            torch.cuda.synchronize()
+    for e, s, r, st in zip(engines, streams, ranks, stats):
+        with torch.cuda.device(e.device), torch.cuda.stream(s):
+            kwargs = dict(recv_stats=st, half=h)
+            if fmt is not None:
+                kwargs.update(input=DispatchInput.FP8_QUANTIZE, scale_format=formats[fmt])
+            e.dispatch(r.x, r.ids, None, r.count, s, **kwargs)
+    if h == MoeHalf.SEND:  # every send before any receive (one thread drives both ranks)
+        for e, s in zip(engines, streams):
+            with torch.cuda.device(e.device):
+                e.receive(s)
+    for s in streams:
+        s.synchronize()
+    all_rows = []
+    for q, (e, v, st) in enumerate(zip(engines, views, stats)):
+        with torch.cuda.device(e.device):
+            assert v["recv_x_fp8"].data_ptr() == v["recv_x"].data_ptr()
+            assert v["recv_x_fp8"].shape == (R * T * L_LOCAL, H) and v["recv_x_fp8"].dtype == torch.uint8
+            assert v["expert_source_ranges"].shape == (L_LOCAL, R) and v["expert_source_ranges"].dtype == torch.int64
+            rows = expert_rows_of(torch, ranks, q, f"cuda:{e.device}")
+            wrong = check_latency_rows(torch, v, rows, ranks, fmt, st)
+            assert wrong == 0, f"rank {q}: {wrong} wrong"
+            all_rows.append(rows)
+    # The experts: y = the source token's bf16 row x (1 + j / 8) (from the reference inputs, so the
+    # fp8 dispatches combine exact values); unreceived rows poisoned, never read.
+    outs = []
+    for q, (e, s, rows) in enumerate(zip(engines, streams, all_rows)):
+        dev = f"cuda:{e.device}"
+        with torch.cuda.device(e.device):
+            y = torch.full((L_LOCAL * RPE, H), -3.0e38, dtype=torch.bfloat16, device=dev)
+            for j, (src, tok) in enumerate(rows):
+                if src.numel():
+                    y[j * RPE:j * RPE + src.numel()] = (gather(torch, ranks, "x", src, tok, dev).float() *
+                                                        (1 + j / 8)).to(torch.bfloat16)
+            out = torch.full((T, H), -3.0e38, dtype=torch.bfloat16, device=dev)
+            torch.cuda.synchronize()
+        with torch.cuda.device(e.device), torch.cuda.stream(s):
+            engines[q].combine(out, s, y, topk_weights=ranks[q].w, half=h)
+            outs.append(out)
+    if h == MoeHalf.SEND:
+        for e, s in zip(engines, streams):
+            with torch.cuda.device(e.device):
+                e.receive(s)
+    for s in streams:
+        s.synchronize()
+    for q, (r, out) in enumerate(zip(ranks, outs)):
+        ref = torch.zeros(r.live, H, dtype=torch.float64, device=out.device)
+        bound = torch.zeros_like(ref)
+        ids = r.ids[: r.live].long()
+        for k in range(K):
+            valid = (ids[:, k] >= 0).unsqueeze(1)
+            j = (ids[:, k] % L_LOCAL).double().unsqueeze(1)
+            y = (r.x[: r.live].double() * (1 + j / 8)).to(torch.bfloat16).double()
+            term = torch.where(valid, r.w[: r.live, k:k + 1].double() * y, torch.zeros_like(y))
+            ref, bound = ref + term, bound + term.abs()
+        assert int(((out[: r.live].double() - ref).abs() > bound * 2.0 ** -7 + 1e-6).sum()) == 0, f"rank {q}"
+        assert bool((out[r.live:] == -3.0e38).all()), f"rank {q}: rows past the live count written"
+    assert_ok(engines)
+
+
+@requires_torch
+@requires_gpus(2)
+def test_latency_weights_one_without_weights(latency_two):
+    """Neither dispatch nor combine weights: each slot counts with weight 1."""
+    torch, engines, streams = latency_two
+    ranks = make_ranks(torch, 1200)
+    dispatch_all(torch, engines, streams, ranks, lambda e, r: ((r.x, r.ids, None), {}))
+    outs = []
+    for q, (e, s) in enumerate(zip(engines, streams)):
+        with torch.cuda.device(e.device):
+            v = latency_views(torch, e)
+            y = (v["recv_x"].float() * 2).to(torch.bfloat16)  # unreceived rows: never read
+            out = torch.full((T, H), -3.0e38, dtype=torch.bfloat16, device=f"cuda:{e.device}")
+            torch.cuda.synchronize()
+        with torch.cuda.device(e.device), torch.cuda.stream(s):
+            e.combine(out, s, y)
+            outs.append(out)
+    for s in streams:
+        s.synchronize()
+    for q, (r, out) in enumerate(zip(ranks, outs)):
+        slots = (r.ids[: r.live] >= 0).sum(dim=1, keepdim=True).double()
+        ref = slots * (r.x[: r.live].double() * 2).to(torch.bfloat16).double()
+        assert int(((out[: r.live].double() - ref).abs() > ref.abs() * 2.0 ** -7 + 1e-6).sum()) == 0, f"rank {q}"
+    assert_ok(engines)
+
+
+@requires_torch
+@requires_gpus(2)
+def test_torch_layout_keeps_bf16_engines_without_scales(latency_two):
+    """A bf16 engine has scales (for the latency path's fp8 dispatch), but graphep.torch's layout,
+    whose ops send the config's type, keeps recv_scales None: the adapters' sign of bf16."""
+    torch, engines, _ = latency_two
+    import graphep.torch as gt
+
+    e = engines[0]
+    assert e.layout.recv_scales is not None and e.layout.recv_x_fp8 is not None
+    assert gt.torch_layout(e).recv_scales is None

@@ -214,7 +214,9 @@ TEST(Unit_MoeMemory, PathAndPerRowBytes) {
   for (DType t : {DType::kBf16, DType::kFp8E4m3}) {
     c = good();
     c.dispatchType = t;
-    const std::size_t H = 7168, perRow = (t == DType::kFp8E4m3 ? H + H / 128 * 4 : 2 * H) + 4 * 4 + 2 * H;
+    // recv_x, the scales (kept by a bf16 engine too, for its fp8 dispatches), the row metadata,
+    // the expert outputs.
+    const std::size_t H = 7168, perRow = (t == DType::kFp8E4m3 ? H : 2 * H) + H / 128 * 4 + 4 * 4 + 2 * H;
     c.recvCapacity = 1000;
     const std::size_t small = Engine::memoryRequirements(c, 8).privateBytes;
     c.recvCapacity = 3000;

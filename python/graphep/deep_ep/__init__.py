@@ -6,9 +6,12 @@
 
 The normal (intranode) mode: dispatch and combine over the GPUs of one node, with DeepEP's
 arguments, results, receive order, streams and events; DeepEP's own tests/test_intranode.py
-runs against it (tests/compat). What graphep does differently: docs in graphep/deep_ep/buffer.py
-and config.py, and README "Serving stacks: DeepEP's API on graphep". The low-latency mode and
-internode groups raise graphep.Error NOT_SUPPORTED naming what is missing (they come later).
+runs against it (tests/compat). The low-latency mode (Buffer(..., low_latency_mode=True),
+low_latency_dispatch / low_latency_combine, the receive hooks) on graphep's latency path, on one
+node; DeepEP's tests/test_low_latency.py runs against it. What graphep does differently: docs in
+graphep/deep_ep/buffer.py, low_latency.py and config.py, and README "Serving stacks: DeepEP's API
+on graphep". Internode groups, shrink mode and LogFMT raise graphep.Error NOT_SUPPORTED naming
+what is missing (they come later).
 
 Config and EventOverlap need no PyTorch; Buffer and topk_idx_t import it on first use.
 """

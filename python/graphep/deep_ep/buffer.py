@@ -1,4 +1,5 @@
-"""Buffer: DeepEP V1's Buffer (deep_ep/buffer.py) in its normal, intranode mode, on graphep engines.
+"""Buffer: DeepEP V1's Buffer (deep_ep/buffer.py) on one node, on graphep engines: the normal mode
+here, the low-latency mode in graphep/deep_ep/low_latency.py (its mapping is told there).
 
     buffer = Buffer(group, num_nvl_bytes)                      # collective: the graphep group
     num_tokens_per_rank, _, num_tokens_per_expert, is_token_in_rank, _ = \
@@ -24,14 +25,14 @@ How it maps (docs: README "Serving stacks: DeepEP's API on graphep"):
   added after it (on the comm stream, not fused). graphep combines an engine's last dispatch: a
   handle is accepted when its dispatch is that one, or routed the same tokens (the same
   is_token_in_rank tensor and token count).
-- Not in this version (graphep.Error NOT_SUPPORTED, naming it): the low-latency mode, internode
-  (RDMA) groups, shrink mode, mpi4py communicators, packed int32 fp8 scales.
+- Not in this version (graphep.Error NOT_SUPPORTED, naming it): internode (RDMA) groups, shrink
+  mode, mpi4py communicators, packed int32 fp8 scales in the normal mode.
 """
 
 import os
 import socket
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
@@ -39,18 +40,17 @@ import torch.distributed as dist
 
 from graphep._graphep import DispatchInput, MoeStatus, Status, token_layout
 from graphep.deep_ep.config import (MAX_TOKENS_ENV, TOKENS_CAP, TOKENS_STEP, Config, combine_config, dispatch_config,
-                                    engine_config, heap_bytes_for, low_latency_rdma_size_hint, max_tokens_per_rank,
-                                    sm_budget)
+                                    engine_config, heap_bytes_for, max_tokens_per_rank, sm_budget)
 from graphep.deep_ep.events import EventOverlap
+from graphep.deep_ep.low_latency import LowLatencyMode, _LowLatencyState
+from graphep.deep_ep.tensors import ID_TYPES as _ID_TYPES
+from graphep.deep_ep.tensors import check_tensor as _check_tensor
 from graphep.engine import _INDEX_TYPES, DispatchOutputs, Engine, create_engine, memory_requirements
 from graphep.errors import Error, invalid_argument, not_supported
 from graphep.torch.distributed import group_from_process_group
 
 topk_idx_t = torch.int64  # DeepEP's expert-id dtype (int32 ids are accepted too)
-_ID_TYPES = {torch.int64: _INDEX_TYPES["int64"], torch.int32: _INDEX_TYPES["int32"]}
 
-_LOW_LATENCY = ("graphep.deep_ep has no low-latency mode yet (DeepEP's low_latency_* kernels and their "
-                "RDMA buffer come in a later change); use dispatch / combine (the normal mode)")
 _INTERNODE = ("graphep.deep_ep runs on one node in this version (DeepEP's internode RDMA path comes in a later "
               "change)")
 
@@ -88,43 +88,36 @@ class BufferStatus:
     """Buffer.status(): each engine's MoeStatus, by (hidden, num_experts)."""
 
     engines: Dict[Tuple[int, int], MoeStatus]
+    # The low-latency mode's engines, by (num_max_dispatch_tokens_per_rank, hidden, num_experts).
+    low_latency: Dict[Tuple[int, int, int], MoeStatus] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
-        return all(s.ok for s in self.engines.values())
+        return all(s.ok for s in self.engines.values()) and all(s.ok for s in self.low_latency.values())
 
     def describe(self) -> str:
-        if not self.engines:
+        if not self.engines and not self.low_latency:
             return "ok (no engine yet)"
-        return "; ".join(f"hidden={h}, num_experts={e}: {s.describe()}" for (h, e), s in self.engines.items())
+        return "; ".join([f"hidden={h}, num_experts={e}: {s.describe()}" for (h, e), s in self.engines.items()] +
+                         [f"low-latency num_max_dispatch_tokens_per_rank={t}, hidden={h}, num_experts={e}: "
+                          f"{s.describe()}" for (t, h, e), s in self.low_latency.items()])
 
 
 def _align(n: int, alignment: int) -> int:
     return (n + alignment - 1) // alignment * alignment
 
 
-def _check_tensor(t, name: str, dtypes, shape, device: int, contiguous: bool = True) -> None:
-    """A torch tensor of one of `dtypes`, of `shape`, on cuda:`device`, contiguous unless told: the
-    one check of every array a Buffer hands the engine (which then checks only pointers)."""
-    if not isinstance(t, torch.Tensor):
-        raise invalid_argument(f"{name} is a {type(t).__name__}, expected a torch.Tensor")
-    if t.dtype not in dtypes:
-        raise invalid_argument(f"{name} has dtype {t.dtype}, expected {' or '.join(str(d) for d in dtypes)}")
-    if tuple(t.shape) != tuple(shape):
-        raise invalid_argument(f"{name} has shape {list(t.shape)}, expected {list(shape)}")
-    if not t.is_cuda or t.get_device() != device:
-        raise invalid_argument(f"{name} is on {t.device}, expected cuda:{device}")
-    if contiguous and not t.is_contiguous():
-        raise invalid_argument(f"{name} is not contiguous (strides {list(t.stride())})")
+class Buffer(LowLatencyMode):
+    """DeepEP's Buffer on graphep, on one node: the normal (intranode) mode, and with
+    low_latency_mode=True the low-latency mode too (graphep/deep_ep/low_latency.py). Collective
+    to create, like DeepEP's.
 
-
-class Buffer:
-    """DeepEP's Buffer, normal (intranode) mode, on graphep. Collective to create, like DeepEP's.
-
-    Arguments as DeepEP's. num_nvl_bytes sizes the engines' T_max (graphep.deep_ep.config).
-    num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl and use_fabric are accepted
-    and not read. low_latency_mode=True, num_rdma_bytes > 0, enable_shrink=True, comm (mpi4py)
-    and groups that span nodes raise graphep.Error NOT_SUPPORTED.
+    Arguments as DeepEP's. num_nvl_bytes sizes the normal mode's engines' T_max
+    (graphep.deep_ep.config); num_rdma_bytes is accepted with low_latency_mode=True and not read
+    (the low-latency engines size themselves: get_low_latency_rdma_size_hint says their symmetric
+    heap). num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl and use_fabric are
+    accepted and not read. num_rdma_bytes > 0 without low_latency_mode (internode), enable_shrink=True,
+    comm (mpi4py) and groups that span nodes raise graphep.Error NOT_SUPPORTED.
     """
 
     num_sms: int = 20
@@ -140,18 +133,18 @@ class Buffer:
         if group is None:
             raise invalid_argument("Buffer(group=None): pass the torch.distributed process group of the expert-"
                                    "parallel ranks")
-        if low_latency_mode:
-            raise not_supported(f"Buffer(low_latency_mode=True): {_LOW_LATENCY}")
-        if num_rdma_bytes > 0:
-            raise not_supported(f"Buffer(num_rdma_bytes={num_rdma_bytes}): there is no RDMA buffer; {_INTERNODE} and "
-                                "has no low-latency mode yet: pass num_rdma_bytes=0")
+        if num_rdma_bytes > 0 and not low_latency_mode:
+            raise not_supported(f"Buffer(num_rdma_bytes={num_rdma_bytes}) without low_latency_mode: there is no RDMA "
+                                f"buffer; {_INTERNODE}: pass num_rdma_bytes=0, or low_latency_mode=True")
         if enable_shrink:
-            raise not_supported("Buffer(enable_shrink=True): shrink mode (masking ranks) is not supported yet")
+            raise not_supported("Buffer(enable_shrink=True): shrink mode (masking failed ranks) is not supported yet; "
+                                "a later change maps it onto an active-rank mask of the engines")
         if not torch.cuda.is_available():
             raise Error(Status.NO_DEVICE, "Buffer: PyTorch sees no CUDA device")
         self.rank, self.group, self.group_size = group.rank(), group, group.size()
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
-        self.low_latency_mode, self.explicitly_destroy, self.enable_shrink = False, explicitly_destroy, False
+        self.low_latency_mode, self.enable_shrink = bool(low_latency_mode), False
+        self.explicitly_destroy = explicitly_destroy
         self._device = torch.cuda.current_device()
         hosts: List[Optional[str]] = [None] * self.group_size
         dist.all_gather_object(hosts, socket.gethostname(), group=group)
@@ -161,6 +154,7 @@ class Buffer:
         self._group = group_from_process_group(group, device=self._device)  # collective
         self._comm_stream = torch.cuda.Stream(device=self._device)
         self._engines: Dict[Tuple[int, int], _EngineState] = {}
+        self._ll_engines: Dict[Tuple[int, int, int], _LowLatencyState] = {}  # (T, hidden, num_experts)
         self._token_counts: Dict[int, torch.Tensor] = {}  # T -> the device int32 live count
         self._sm_budget: Optional[int] = None
         self._warned_sms = False
@@ -176,6 +170,7 @@ class Buffer:
         self._require_alive()
         torch.cuda.synchronize(self._device)
         self._engines.clear()
+        self._ll_engines.clear()
         self._token_counts.clear()
         self._group = None
         self._destroyed = True
@@ -205,12 +200,6 @@ class Buffer:
         return EventOverlap(event)
 
     @staticmethod
-    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
-                                       num_experts: int) -> int:
-        """Deterministic, for API compatibility: graphep sizes nothing by it yet (no low-latency mode)."""
-        return low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
-
-    @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
         """DeepEP's recommended dispatch Config for num_ranks, with Buffer.num_sms (graphep reads num_sms only)."""
         return dispatch_config(num_ranks, Buffer.num_sms)
@@ -231,7 +220,7 @@ class Buffer:
 
     def status(self) -> BufferStatus:
         """graphep extra: each engine's MoeStatus (what the device counted); synchronises the device."""
-        return BufferStatus({key: st.engine.status() for key, st in self._engines.items()})
+        return BufferStatus({key: st.engine.status() for key, st in self._engines.items()}, self._low_latency_status())
 
     # ---- engines -----------------------------------------------------------------------------
     def _budget(self, config: Config) -> int:
@@ -596,32 +585,3 @@ class Buffer:
 
     def internode_combine(self, *args, **kwargs):
         raise not_supported(f"internode_combine: {_INTERNODE}")
-
-    # ---- low-latency mode (not in this version) ----------------------------------------------
-    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        raise not_supported(f"clean_low_latency_buffer: {_LOW_LATENCY}")
-
-    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
-                             num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
-                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
-                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
-                             return_recv_hook: bool = False):
-        raise not_supported(f"low_latency_dispatch: {_LOW_LATENCY}")
-
-    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: tuple,
-                            use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
-                            return_recv_hook: bool = False, out: Optional[torch.Tensor] = None,
-                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None):
-        raise not_supported(f"low_latency_combine: {_LOW_LATENCY}")
-
-    def get_next_low_latency_combine_buffer(self, handle: object):
-        raise not_supported(f"get_next_low_latency_combine_buffer: {_LOW_LATENCY}")
-
-    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False):
-        raise not_supported(f"low_latency_update_mask_buffer: {_LOW_LATENCY} (nor shrink mode)")
-
-    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor):
-        raise not_supported(f"low_latency_query_mask_buffer: {_LOW_LATENCY} (nor shrink mode)")
-
-    def low_latency_clean_mask_buffer(self):
-        raise not_supported(f"low_latency_clean_mask_buffer: {_LOW_LATENCY} (nor shrink mode)")

@@ -12,6 +12,17 @@ A Buffer's engines (one per (hidden, num_experts), made on the first dispatch th
 T_max (max_tokens_per_rank below): GRAPHEP_DEEPEP_MAX_TOKENS when set, else the largest multiple
 of 128, from 128 to 8,192, whose symmetric heap fits the Buffer's num_nvl_bytes (128 when none
 does: the engine then takes what it needs, graphep.memory_requirements says how much).
+
+The low-latency mode's engines (one per (num_max_dispatch_tokens_per_rank T, hidden, num_experts),
+made on the first low_latency_dispatch that needs one):
+
+    MoeConfig(max_tokens_per_rank=T, hidden=H, num_experts=E, top_k=min(16, E, 4096 // T),
+              receive_layout=BATCHED, rows_per_expert=world x T, path=LATENCY, dispatch_type=BF16,
+              sm_budget=0)
+
+DeepEP's [num_local_experts, world x T, hidden] receive buffer is the batched layout itself;
+top_k is the most the latency path takes (T x top_k <= 4,096), each call passes its own; the SM
+budget is the latency path's default (DeepEP's low-latency calls take no Config either).
 """
 
 import math
@@ -28,6 +39,7 @@ TOKENS_CAP = 8192  # ... and at most this
 MAX_TOP_K = 16  # graphep's kMoeMaxTopK: the engines' top_k is min(this, E)
 MAX_LOCAL_EXPERTS = 1024  # graphep's kMoeMaxLocalExperts
 HINT_TOKENS = 4096  # what Config.get_nvl_buffer_size_hint sizes for
+LATENCY_SLOTS = 4096  # graphep's latency path: max_tokens_per_rank x top_k at most
 
 
 @dataclass
@@ -113,11 +125,24 @@ def max_tokens_per_rank(num_nvl_bytes: int, heap_bytes: Callable[[int], int], en
     return best
 
 
+def low_latency_engine_config(max_tokens: int, hidden: int, num_experts: int, world_size: int,
+                              budget: int = 0) -> _graphep.MoeConfig:
+    """The MoeConfig of a Buffer's low-latency engine for (T = max_tokens, hidden, num_experts)."""
+    top_k = max(1, min(MAX_TOP_K, num_experts, LATENCY_SLOTS // max(1, max_tokens)))
+    return _graphep.MoeConfig(max_tokens_per_rank=max_tokens, hidden=hidden, num_experts=num_experts, top_k=top_k,
+                              receive_layout=_graphep.ReceiveLayout.BATCHED, rows_per_expert=world_size * max_tokens,
+                              path=_graphep.MoePath.LATENCY, dispatch_type=_graphep.DType.BF16, sm_budget=budget)
+
+
 def low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                num_experts: int) -> int:
-    """Buffer.get_low_latency_rdma_size_hint: deterministic, for API compatibility only (graphep
-    sizes nothing by it yet): two buffers, each room for every expert's T rows of bf16 plus 64
-    bytes of metadata, in units of 128 MiB."""
-    unit = 128 << 20
-    need = 2 * num_experts * num_max_dispatch_tokens_per_rank * (2 * hidden + 64)
-    return max(1, math.ceil(need / unit)) * unit
+    """Buffer.get_low_latency_rdma_size_hint: the symmetric heap bytes per rank of the low-latency
+    engine a Buffer makes for (T, hidden, num_experts) over num_ranks ranks (no GPU needed). Its
+    private buffers (recv_x, expert outputs, ...) come on top: graphep.memory_requirements.
+    graphep.Error names a configuration the latency path does not take."""
+    for name, value in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden),
+                        ("num_ranks", num_ranks), ("num_experts", num_experts)):
+        if not isinstance(value, int) or value < 1:
+            raise invalid_argument(f"get_low_latency_rdma_size_hint: {name}={value!r} is not a positive integer")
+    cfg = low_latency_engine_config(num_max_dispatch_tokens_per_rank, hidden, num_experts, num_ranks)
+    return memory_requirements(cfg, num_ranks).symmetric_heap_bytes

@@ -13,6 +13,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from graphep._graphep import DType
 from graphep.engine import Engine
 
 _lib = torch.library.Library("graphep", "DEF")
@@ -65,6 +66,10 @@ def torch_layout(engine: Engine) -> TorchLayout:
         for name in TorchLayout._fields:
             v = getattr(views, name, None)  # the rank-major tables exist on rank-major layouts only
             tensors[name] = None if v is None else torch.from_dlpack(v)
+        if engine.config.dispatch_type != DType.FP8_E4M3:
+            # A bf16 engine has scales too (for the latency path's fp8 dispatch); these ops send the
+            # config's type, so recv_scales stays None here, the adapters' sign of a bf16 engine.
+            tensors["recv_scales"] = None
         if tensors["recv_x"].dtype == torch.uint8:
             tensors["recv_x"] = tensors["recv_x"].view(torch.float8_e4m3fn)
         cached = TorchLayout(**tensors)

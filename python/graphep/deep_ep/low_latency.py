@@ -1,0 +1,369 @@
+"""DeepEP V1's low-latency mode (Buffer.low_latency_*) on graphep's latency path.
+
+    buffer = Buffer(group, num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(T, H, R, E),
+                    low_latency_mode=True, num_qps_per_rank=E // R)
+    recv_x, recv_count, handle, event, hook = buffer.low_latency_dispatch(x, topk_idx, T, E)
+    ...experts: recv_x[j, :recv_count[j]] -> y[j, :recv_count[j]] ([E_local, R x T, H])...
+    combined_x, event, hook = buffer.low_latency_combine(y, topk_idx, topk_weights, handle)
+
+How it maps (DeepEP's argument -> graphep):
+
+- One engine per (num_max_dispatch_tokens_per_rank T, hidden, num_experts), made on the first
+  low_latency_dispatch that needs it (collective: every rank makes the same calls in the same
+  order, as DeepEP requires): the latency path, batched receive layout with R x T rows per local
+  expert, bf16 records (graphep.deep_ep.config.low_latency_engine_config). DeepEP's
+  [E_local, R x T, H] receive tensor is that layout's recv_x.
+- recv_x, recv_count, the handle's src_info / layout_range and get_next_low_latency_combine_buffer
+  are views of the engine's own buffers (no copy, nothing allocated per call): each dispatch
+  rewrites them, as DeepEP's buffers are reused. recv_count is the engine's expert_counts,
+  src_info its row_src_token (the source token of each row), layout_range its
+  expert_source_ranges (begin << 32 | count per expert and source rank).
+- Capturable (torch.cuda.graph), but the first low_latency_dispatch of a shape makes its engine
+  (setup: host syncs, collective) and so must run eagerly, as serving stacks' warm-up runs do.
+  The live token count is a device scalar made at engine creation: nothing is copied per call.
+- use_fp8: the engine quantises (input FP8_QUANTIZE), e4m3 rows into recv_x's memory (viewed as
+  float8_e4m3fn [E_local, R x T, H]) and scales: float32 [E_local, R x T, H / 128] (round_scale:
+  powers of two), or with use_ue8m0 their exponent bytes as int32 [E_local, R x T, H / 512].
+  DeepEP's scales are column-major in their last two dims; graphep's are row-major (the same
+  values; .contiguous() of DeepEP's gives graphep's layout).
+- The dispatch sends no weights (graphep's latency path then takes weight 1); combine sends the
+  caller's topk_weights ahead of the sums (CombineArgs.topk_weights) and reduces with them.
+  combine's topk_idx is checked, not read: graphep combines the routing of the dispatch.
+- Streams: as DeepEP, the current stream runs the work unless async_finish, which runs it on the
+  Buffer's comm stream (after the current stream) and returns an EventOverlap recorded there.
+  return_recv_hook: the call enqueues its send half (MoeHalf.SEND) and returns a hook that
+  enqueues the receive half (Engine.receive) on the stream of the call.
+- The engine combines its last dispatch: a handle of an older dispatch is refused by name, and
+  between a send half and its hook the engine takes no other operation (DeepEP's two buffers let
+  a second send start first; graphep's one engine per shape does not).
+- clean_low_latency_buffer does nothing: graphep's counters only grow, nothing needs zeroing.
+- Not supported (graphep.Error NOT_SUPPORTED, naming it): use_logfmt, dispatch_wait_recv_cost_stats
+  and combine_wait_recv_cost_stats, shrink mode (enable_shrink and the mask-buffer calls).
+"""
+
+import operator
+from typing import Callable, Dict, Optional, Tuple, Union
+
+import torch
+
+from graphep._graphep import DispatchInput, Fp8Scales, MoeHalf, MoeStatus, validate
+from graphep.deep_ep.config import low_latency_engine_config, low_latency_rdma_size_hint
+from graphep.deep_ep.events import EventOverlap
+from graphep.deep_ep.tensors import ID_TYPES, check_tensor
+from graphep.engine import Engine, create_engine
+from graphep.errors import Error, invalid_argument, not_supported
+
+_SHRINK = ("shrink mode (masking failed ranks) is not supported yet: a later change maps it onto an active-rank "
+           "mask of the engines")
+
+
+class LowLatencyHandle(tuple):
+    """DeepEP's low-latency handle, (src_info, layout_range, num_max_dispatch_tokens_per_rank,
+    hidden, num_experts): a 5-tuple indexed and unpacked as DeepEP's, which also knows the Buffer,
+    engine and dispatch that made it (what combine checks)."""
+
+    def __new__(cls, items, buffer, state: "_LowLatencyState", seq: int, num_tokens: int, top_k: int):
+        handle = super().__new__(cls, items)
+        handle.buffer, handle.state, handle.seq = buffer, state, seq
+        handle.num_tokens, handle.top_k = num_tokens, top_k
+        return handle
+
+    def __repr__(self) -> str:
+        st = self.state
+        return (f"graphep.deep_ep.LowLatencyHandle(low_latency_dispatch {self.seq} of num_max_dispatch_tokens_per_rank="
+                f"{st.max_tokens}, hidden={st.hidden}, num_experts={st.num_experts}: {self.num_tokens} tokens, "
+                f"top-{self.top_k})")
+
+
+class _LowLatencyState:
+    """One low-latency engine of a Buffer, its views as DeepEP shapes them, and what its last
+    dispatch was. Everything a call needs besides its own tensors is made here, at engine
+    creation (setup, outside any CUDA graph capture): a call allocates nothing."""
+
+    def __init__(self, engine: Engine, max_tokens: int, hidden: int, num_experts: int, world: int):
+        T, H, L = max_tokens, hidden, num_experts // world
+        rows = world * T  # DeepEP's R x T rows per local expert: the batched layout's rows_per_expert
+        self.engine, self.core = engine, engine._core
+        self.max_tokens, self.hidden, self.num_experts, self.num_local = T, H, num_experts, L
+        self.top_k = engine.config.top_k  # the most columns a call's topk_idx may have
+        v = engine.layout
+        self.recv_x = torch.from_dlpack(v.recv_x).view(L, rows, H)
+        self.expert_output = torch.from_dlpack(v.expert_output).view(L, rows, H)
+        self.recv_count = torch.from_dlpack(v.expert_counts)
+        self.src_info = torch.from_dlpack(v.row_src_token).view(L, rows)
+        self.layout_range = torch.from_dlpack(v.expert_source_ranges)  # [L, R] int64
+        self.recv_x_fp8 = self.scales = self.scales_ue8m0 = None
+        if v.recv_scales is not None:  # hidden % 128 == 0
+            self.recv_x_fp8 = torch.from_dlpack(v.recv_x_fp8).view(torch.float8_e4m3fn).view(L, rows, H)
+            scales = torch.from_dlpack(v.recv_scales)  # [L x rows, H / 128] float32
+            self.scales = scales.view(L, rows, H // 128)
+            if H % 512 == 0:  # UE8M0: [rows][H / 128] bytes at the buffer's start, four per int32
+                self.scales_ue8m0 = scales.view(torch.int32).view(-1)[: L * rows * (H // 512)].view(L, rows, H // 512)
+        device = self.recv_x.device
+        # The live token count n is the device int32 at counts[n] (no per-call copy to the device).
+        self.counts = torch.arange(T + 1, dtype=torch.int32, device=device)
+        self.counts_ptr = self.counts.data_ptr()
+        # Stand-ins for a call with no tokens: the engine takes non-empty arrays, and with a live
+        # count of 0 reads none of them (the combine writes none of idle_out).
+        self.idle_x = torch.zeros((1, H), dtype=torch.bfloat16, device=device)
+        self.idle_ids = torch.full((1, self.top_k), -1, dtype=torch.int64, device=device)
+        self.idle_weights = torch.zeros((1, self.top_k), dtype=torch.float32, device=device)
+        self.idle_out = torch.empty((1, H), dtype=torch.bfloat16, device=device)
+        self.seq = 0  # dispatches so far: a handle names its own
+        # (what, token) while a send half waits for its hook: the engine takes nothing in between.
+        self.pending: Optional[Tuple[str, object]] = None
+
+
+class LowLatencyMode:
+    """Buffer's low-latency methods (mixed into graphep.deep_ep.Buffer, whose constructor sets
+    low_latency_mode, _ll_engines and the rest these read)."""
+
+    # ---- checks and engines --------------------------------------------------------------------
+    def _require_low_latency(self, what: str) -> None:
+        self._require_alive()
+        if not self.low_latency_mode:
+            raise invalid_argument(f"{what} needs Buffer(low_latency_mode=True), as in DeepEP")
+
+    def _check_low_latency_shape(self, what: str, max_tokens, hidden, num_experts) -> Tuple[int, int, int]:
+        """(T, hidden, num_experts) as ints, each positive, num_experts a multiple of the ranks."""
+        values = []
+        for name, value in (("num_max_dispatch_tokens_per_rank", max_tokens), ("hidden", hidden),
+                            ("num_experts", num_experts)):
+            try:
+                v = operator.index(value)
+            except TypeError:
+                v = 0
+            if isinstance(value, bool) or v < 1:
+                raise invalid_argument(f"{what}: {name}={value!r} is not a positive integer")
+            values.append(v)
+        if values[2] % self.group_size != 0:
+            raise invalid_argument(f"{what}: num_experts={values[2]} is not a multiple of the {self.group_size} "
+                                   "ranks")
+        return values[0], values[1], values[2]
+
+    def _low_latency_engine(self, max_tokens: int, hidden: int, num_experts: int) -> _LowLatencyState:
+        """The engine for (T, hidden, num_experts), made on first use (collective)."""
+        key = (max_tokens, hidden, num_experts)
+        st = self._ll_engines.get(key)
+        if st is None:
+            cfg = low_latency_engine_config(max_tokens, hidden, num_experts, self.group_size)
+            try:  # every rank refuses the same config here, before the collective creation
+                validate(cfg, self.group_size)
+            except Error as e:
+                raise Error(e.status, f"low_latency_dispatch: num_max_dispatch_tokens_per_rank={max_tokens}, "
+                                      f"hidden={hidden}, num_experts={num_experts} over {self.group_size} ranks: "
+                                      f"{e.message}") from None
+            engine = create_engine(self._group, cfg)
+            st = self._ll_engines[key] = _LowLatencyState(engine, max_tokens, hidden, num_experts, self.group_size)
+        return st
+
+    def _low_latency_head(self, handle, what: str) -> LowLatencyHandle:
+        if not isinstance(handle, LowLatencyHandle) or handle.buffer is not self:
+            raise invalid_argument(f"{what}: the handle is not one of this graphep.deep_ep.Buffer's "
+                                   "low_latency_dispatch (pass the handle it returned, as it is)")
+        return handle
+
+    @staticmethod
+    def _check_pending(st: _LowLatencyState, what: str) -> None:
+        if st.pending is not None:
+            raise invalid_argument(f"{what}: {st.pending[0]} has not been called; graphep's engine takes no other "
+                                   "operation between a send (return_recv_hook=True) and its receive hook")
+
+    def _launch_stream(self, async_finish: bool, return_recv_hook: bool, what: str):
+        """The stream the work runs on: for async_finish the comm stream, after the current one;
+        else the current stream. DeepEP runs a call without async_finish or a hook on its comm
+        stream and makes the current stream wait for it: the caller sees the same order, and
+        graphep saves the two stream switches."""
+        if async_finish and return_recv_hook:
+            raise invalid_argument(f"{what}: async_finish=True and return_recv_hook=True together; pass one, as "
+                                   "in DeepEP")
+        compute = torch.cuda.current_stream()
+        if not async_finish:
+            return compute
+        self._comm_stream.wait_stream(compute)
+        return self._comm_stream
+
+    @staticmethod
+    def _receive_hook(st: _LowLatencyState, what: str, stream) -> Callable[[], None]:
+        """The hook of a send half: enqueues its receive half on `stream` (once)."""
+        token = object()
+        st.pending = (f"the receive hook of {what}", token)
+
+        def hook() -> None:
+            if st.pending is None or st.pending[1] is not token:
+                raise invalid_argument(f"the receive hook of {what} was called already")
+            st.pending = None
+            st.core.receive(stream.cuda_stream)
+
+        return hook
+
+    @staticmethod
+    def _low_latency_event(stream, async_finish: bool, tensors) -> EventOverlap:
+        if not async_finish:
+            return EventOverlap()
+        event = torch.cuda.Event()
+        event.record(stream)
+        return EventOverlap(event, tensors)  # the tensors live until the caller waits, as DeepEP's
+
+    # ---- DeepEP's low-latency API ----------------------------------------------------------------
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """The symmetric heap bytes per rank of the low-latency engine for these values (no GPU
+        needed). graphep sizes its engines itself: num_rdma_bytes is not read, and each engine
+        also has private buffers (graphep.memory_requirements says both)."""
+        return low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Checks the arguments and does nothing: DeepEP zeroes the flags of its RDMA buffer here
+        (after the normal mode used it); graphep's engines are separate, and their counters only
+        grow (each operation waits for the next value), so nothing is ever stale."""
+        self._require_low_latency("clean_low_latency_buffer")
+        self._check_low_latency_shape("clean_low_latency_buffer", num_max_dispatch_tokens_per_rank, hidden,
+                                      num_experts)
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False) -> \
+            Tuple[Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]], torch.Tensor, LowLatencyHandle, EventOverlap,
+                  Optional[Callable[[], None]]]:
+        """DeepEP's low_latency_dispatch: (recv_x, recv_count, handle, event, hook).
+
+        x bfloat16 [num_tokens, hidden] with num_tokens <= num_max_dispatch_tokens_per_rank (T);
+        topk_idx int64 (deep_ep.topk_idx_t) or int32 [num_tokens, k], -1: none. recv_x: bfloat16
+        [E_local, R x T, hidden], or with use_fp8 (float8_e4m3fn [E_local, R x T, hidden], float32
+        scales [E_local, R x T, hidden / 128], or int32 [E_local, R x T, hidden / 512] with
+        use_ue8m0); recv_count int32 [E_local]: rows of each local expert (the rest of its block is
+        not written). cumulative_local_expert_recv_stats int32 [E_local]: each expert's rows are
+        added on the device. hook: None, or with return_recv_hook the receive half to call."""
+        what = "low_latency_dispatch"
+        self._require_low_latency(what)
+        if dispatch_wait_recv_cost_stats is not None:
+            raise not_supported(f"{what}: dispatch_wait_recv_cost_stats is not supported (graphep does not time "
+                                "its waits per rank); pass None")
+        if use_ue8m0 and not round_scale:
+            raise invalid_argument(f"{what}: use_ue8m0=True needs round_scale=True (UE8M0 holds powers of two), as "
+                                   "in DeepEP")
+        dev = self._device
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+            shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise invalid_argument(f"{what}: x is {shape}, expected a [num_tokens, hidden] torch.bfloat16 tensor")
+        n = x.shape[0]
+        T, H, E = self._check_low_latency_shape(what, num_max_dispatch_tokens_per_rank, x.shape[1], num_experts)
+        if n > T:
+            raise invalid_argument(f"{what}: x has {n} rows (num_tokens), more than "
+                                   f"num_max_dispatch_tokens_per_rank={T}")
+        check_tensor(x, f"{what}: x", (torch.bfloat16,), (n, H), dev)
+        if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2:
+            shape = list(topk_idx.shape) if isinstance(topk_idx, torch.Tensor) else type(topk_idx).__name__
+            raise invalid_argument(f"{what}: topk_idx is {shape}, expected a [num_tokens, num_topk] tensor")
+        k = topk_idx.shape[1]
+        check_tensor(topk_idx, f"{what}: topk_idx", (torch.int64, torch.int32), (n, k), dev)
+        scale_format = Fp8Scales.FLOAT
+        if use_fp8:
+            if H % 128 != 0:
+                raise invalid_argument(f"{what}: use_fp8=True needs hidden a multiple of 128 (a scale per 128 "
+                                       f"values); hidden={H}")
+            if use_ue8m0 and H % 512 != 0:
+                raise invalid_argument(f"{what}: use_ue8m0=True needs hidden a multiple of 512 (four exponent "
+                                       f"bytes per int32 scale); hidden={H}")
+            scale_format = Fp8Scales.UE8M0 if use_ue8m0 else (Fp8Scales.POW2 if round_scale else Fp8Scales.FLOAT)
+        st = self._low_latency_engine(T, H, E)
+        if not 1 <= k <= st.top_k:
+            raise invalid_argument(f"{what}: topk_idx has {k} columns (num_topk); graphep's latency path takes 1 to "
+                                   f"{st.top_k} with num_max_dispatch_tokens_per_rank={T} and num_experts={E}")
+        stats = cumulative_local_expert_recv_stats
+        if stats is not None:
+            check_tensor(stats, f"{what}: cumulative_local_expert_recv_stats", (torch.int32,), (st.num_local,), dev)
+        self._check_pending(st, what)
+        stream = self._launch_stream(async_finish, return_recv_hook, what)
+        xs, ids = (x, topk_idx) if n > 0 else (st.idle_x, st.idle_ids)
+        kwargs = {"top_k": k, "input": DispatchInput.FP8_QUANTIZE if use_fp8 else DispatchInput.BF16}
+        if scale_format != Fp8Scales.FLOAT:
+            kwargs["scale_format"] = scale_format
+        if stats is not None:
+            kwargs["recv_stats"] = stats.data_ptr()
+        if return_recv_hook:
+            kwargs["half"] = MoeHalf.SEND
+        # No weights: the latency path takes weight 1 here; combine brings the caller's.
+        st.core.dispatch(xs.data_ptr(), ids.data_ptr(), ID_TYPES[ids.dtype], 0, st.counts_ptr + 4 * n,
+                         stream.cuda_stream, **kwargs)
+        st.seq += 1
+        handle = LowLatencyHandle((st.src_info, st.layout_range, T, H, E), self, st, st.seq, n, k)
+        hook = self._receive_hook(st, f"low_latency_dispatch {st.seq}", stream) if return_recv_hook else None
+        event = self._low_latency_event(stream, async_finish, (x, topk_idx, stats))
+        if use_fp8:
+            recv = (st.recv_x_fp8, st.scales_ue8m0 if use_ue8m0 else st.scales)
+        else:
+            recv = st.recv_x
+        return recv, st.recv_count, handle, event, hook
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            handle: LowLatencyHandle, use_logfmt: bool = False, zero_copy: bool = False,
+                            async_finish: bool = False, return_recv_hook: bool = False,
+                            out: Optional[torch.Tensor] = None,
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None) -> \
+            Tuple[torch.Tensor, EventOverlap, Optional[Callable[[], None]]]:
+        """DeepEP's low_latency_combine: (combined_x, event, hook). combined_x bfloat16
+        [num_tokens, hidden] (out when given): combined_x[t] = sum over its slots k of
+        topk_weights[t, k] x (the expert's row of (t, k) in x). x bfloat16 [E_local, R x T,
+        hidden], rows as the handle's dispatch laid them out; zero_copy: the rows are in
+        get_next_low_latency_combine_buffer(handle) already (x is checked, not read). topk_idx
+        [num_tokens, k] is checked, not read (graphep combines the dispatch's routing);
+        topk_weights float32 [num_tokens, k]."""
+        what = "low_latency_combine"
+        self._require_low_latency(what)
+        if use_logfmt:
+            raise not_supported(f"{what}: use_logfmt=True (DeepEP's 10-bit LogFMT combine) is not supported; "
+                                "graphep's combine sends bf16: pass use_logfmt=False")
+        if combine_wait_recv_cost_stats is not None:
+            raise not_supported(f"{what}: combine_wait_recv_cost_stats is not supported (graphep does not time its "
+                                "waits per rank); pass None")
+        head = self._low_latency_head(handle, what)
+        st, dev = head.state, self._device
+        if head.seq != st.seq:
+            raise invalid_argument(f"{what}: the handle is of low_latency_dispatch {head.seq}, but graphep combines "
+                                   f"the engine's last dispatch ({st.seq}) of num_max_dispatch_tokens_per_rank="
+                                   f"{st.max_tokens}, hidden={st.hidden}, num_experts={st.num_experts}; combine "
+                                   "before the next low_latency_dispatch of that shape")
+        n, k, H = head.num_tokens, head.top_k, st.hidden
+        check_tensor(x, f"{what}: x", (torch.bfloat16,), tuple(st.expert_output.shape), dev)
+        check_tensor(topk_idx, f"{what}: topk_idx", (torch.int64, torch.int32), (n, k), dev)
+        check_tensor(topk_weights, f"{what}: topk_weights", (torch.float32,), (n, k), dev)
+        if out is not None:
+            check_tensor(out, f"{what}: out", (torch.bfloat16,), (n, H), dev)
+        self._check_pending(st, what)
+        stream = self._launch_stream(async_finish, return_recv_hook, what)
+        combined = out if out is not None else torch.empty((n, H), dtype=torch.bfloat16, device=x.device)
+        target, weights = (combined, topk_weights) if n > 0 else (st.idle_out, st.idle_weights)
+        kwargs = {"topk_weights": weights.data_ptr()}
+        if not zero_copy:
+            kwargs["expert_output_rows"] = st.expert_output.shape[0] * st.expert_output.shape[1]
+        if return_recv_hook:
+            kwargs["half"] = MoeHalf.SEND
+        st.core.combine(0 if zero_copy else x.data_ptr(), target.data_ptr(), stream.cuda_stream, **kwargs)
+        hook = self._receive_hook(st, f"low_latency_combine of dispatch {head.seq}", stream) if return_recv_hook \
+            else None
+        event = self._low_latency_event(stream, async_finish, (x, topk_idx, topk_weights, combined))
+        return combined, event, hook
+
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        """The engine's expert-output buffer as bfloat16 [E_local, R x T, hidden] (a view): rows
+        written here are what low_latency_combine(..., zero_copy=True) sends."""
+        self._require_low_latency("get_next_low_latency_combine_buffer")
+        return self._low_latency_head(handle, "get_next_low_latency_combine_buffer").state.expert_output
+
+    # ---- shrink mode (not in this version) -------------------------------------------------------
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False):
+        raise not_supported(f"low_latency_update_mask_buffer: {_SHRINK}")
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor):
+        raise not_supported(f"low_latency_query_mask_buffer: {_SHRINK}")
+
+    def low_latency_clean_mask_buffer(self):
+        raise not_supported(f"low_latency_clean_mask_buffer: {_SHRINK}")
+
+    def _low_latency_status(self) -> Dict[Tuple[int, int, int], MoeStatus]:
+        return {key: st.engine.status() for key, st in self._ll_engines.items()}

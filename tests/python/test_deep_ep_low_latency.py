@@ -1,0 +1,523 @@
+"""graphep.deep_ep's low-latency mode (Buffer.low_latency_*), DeepEP's decode API on graphep.
+
+CPU: the low-latency engine config and size hint, and (with PyTorch) what a Buffer refuses by
+name before touching a GPU. 2 GPUs + PyTorch: this file run as a worker under torchrun (two
+processes, a Buffer over the world group) checks, against a reference every rank builds from
+every rank's inputs (per-rank seeds, fresh data each round, outputs poisoned first):
+
+    dispatch  recv_count, every received row (bf16 bit-exact; fp8 dequantised within e4m3's
+              error, float scales amax / 448, round_scale powers of two, use_ue8m0 the same
+              powers as exponent bytes), src_info, layout_range, the cumulative stats
+    combine   sum_k w x y(t, k) within two bf16 roundings: from x, zero_copy (x not read), into
+              out, after return_recv_hook's hooks, with async_finish's event
+    more      a rank with no tokens, a second engine shape, capture in a CUDA graph and replays
+              with new inputs, the errors (each names the value), Buffer.status().ok at the end
+
+    torchrun --nproc_per_node 2 tests/python/test_deep_ep_low_latency.py --worker
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import requires_gpus, requires_torch
+
+import graphep  # noqa: E402
+from graphep.deep_ep import config as dconfig  # noqa: E402
+
+
+def expect_error(status, needle, fn, *args, **kwargs):
+    with pytest.raises(graphep.Error) as e:
+        fn(*args, **kwargs)
+    assert e.value.status == status, e.value
+    assert needle in e.value.message, e.value.message
+    return e.value
+
+
+# ---- CPU ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tokens, hidden, experts, world", [(128, 7168, 288, 2), (128, 2048, 128, 2),
+                                                            (128, 4096, 8, 2), (256, 7168, 256, 8)])
+def test_low_latency_engine_config(tokens, hidden, experts, world):
+    cfg = dconfig.low_latency_engine_config(tokens, hidden, experts, world)
+    assert (cfg.receive_layout, cfg.path, cfg.dispatch_type) == (
+        graphep.ReceiveLayout.BATCHED, graphep.MoePath.LATENCY, graphep.DType.BF16)
+    assert (cfg.max_tokens_per_rank, cfg.hidden, cfg.num_experts) == (tokens, hidden, experts)
+    assert cfg.top_k == min(16, experts, 4096 // tokens) and cfg.rows_per_expert == world * tokens
+    assert cfg.sm_budget == 0  # the latency path's own default
+    need = graphep.memory_requirements(cfg, world)
+    assert need.path == graphep.MoePath.LATENCY
+    assert dconfig.low_latency_rdma_size_hint(tokens, hidden, world, experts) == need.symmetric_heap_bytes > 0
+
+
+def test_low_latency_size_hint_names_what_the_latency_path_refuses():
+    # T = 512 is past the latency path's limit: the engine's validation names the field.
+    expect_error(graphep.Status.INVALID_ARGUMENT, "maxTokensPerRank", dconfig.low_latency_rdma_size_hint, 512, 7168,
+                 2, 288)
+    expect_error(graphep.Status.INVALID_ARGUMENT, "hidden=0 is not a positive integer",
+                 dconfig.low_latency_rdma_size_hint, 128, 0, 2, 288)
+
+
+@requires_torch
+def test_buffer_low_latency_hint_is_the_config_one():
+    from graphep.deep_ep import Buffer
+
+    assert Buffer.get_low_latency_rdma_size_hint(128, 7168, 2, 288) == dconfig.low_latency_rdma_size_hint(
+        128, 7168, 2, 288)
+
+
+@requires_torch
+def test_buffer_refuses_shrink_mode_by_name():
+    from graphep.deep_ep import Buffer
+
+    expect_error(graphep.Status.NOT_SUPPORTED, "Buffer(enable_shrink=True)", Buffer, group=object(),
+                 num_rdma_bytes=1 << 30, low_latency_mode=True, enable_shrink=True)
+
+
+def _bare_buffer(low_latency_mode=True):
+    """A Buffer with the state the low-latency checks read and no engine (they refuse before one)."""
+    from graphep.deep_ep import Buffer
+
+    b = Buffer.__new__(Buffer)
+    b._destroyed, b.low_latency_mode, b.group_size, b._device, b._ll_engines = False, low_latency_mode, 2, 0, {}
+    return b
+
+
+@requires_torch
+@pytest.mark.parametrize("call, status, needle", [
+    (lambda b, t: b.low_latency_dispatch(t.x, t.ids, 8, 16, dispatch_wait_recv_cost_stats=t.ids),
+     "NOT_SUPPORTED", "dispatch_wait_recv_cost_stats is not supported"),
+    (lambda b, t: b.low_latency_dispatch(t.x, t.ids, 8, 16, round_scale=False, use_ue8m0=True),
+     "INVALID_ARGUMENT", "use_ue8m0=True needs round_scale=True"),
+    (lambda b, t: b.low_latency_dispatch(t.x, t.ids, 4, 16), "INVALID_ARGUMENT",
+     "x has 8 rows (num_tokens), more than num_max_dispatch_tokens_per_rank=4"),
+    (lambda b, t: b.low_latency_dispatch(t.x, t.ids, 8, 15), "INVALID_ARGUMENT",
+     "num_experts=15 is not a multiple of the 2 ranks"),
+    (lambda b, t: b.low_latency_dispatch(t.x, t.ids, 0, 16), "INVALID_ARGUMENT",
+     "num_max_dispatch_tokens_per_rank=0 is not a positive integer"),
+    (lambda b, t: b.low_latency_dispatch(t.x, t.ids, 8, 16), "INVALID_ARGUMENT",
+     "x is on cpu, expected cuda:0"),
+    (lambda b, t: b.low_latency_dispatch(t.x[0], t.ids, 8, 16), "INVALID_ARGUMENT",
+     "x is [128], expected a [num_tokens, hidden]"),
+    (lambda b, t: b.low_latency_combine(t.y, t.ids, t.w, None, use_logfmt=True), "NOT_SUPPORTED",
+     "use_logfmt=True"),
+    (lambda b, t: b.low_latency_combine(t.y, t.ids, t.w, None, combine_wait_recv_cost_stats=t.ids),
+     "NOT_SUPPORTED", "combine_wait_recv_cost_stats is not supported"),
+    (lambda b, t: b.low_latency_combine(t.y, t.ids, t.w, (None,) * 5), "INVALID_ARGUMENT",
+     "the handle is not one of this graphep.deep_ep.Buffer's low_latency_dispatch"),
+    (lambda b, t: b.get_next_low_latency_combine_buffer((None,) * 5), "INVALID_ARGUMENT",
+     "the handle is not one of this"),
+    (lambda b, t: b.clean_low_latency_buffer(8, 128, 7), "INVALID_ARGUMENT", "num_experts=7 is not a multiple"),
+    (lambda b, t: b.low_latency_update_mask_buffer(1, True), "NOT_SUPPORTED", "active-rank mask"),
+    (lambda b, t: b.low_latency_query_mask_buffer(t.ids), "NOT_SUPPORTED", "active-rank mask"),
+    (lambda b, t: b.low_latency_clean_mask_buffer(), "NOT_SUPPORTED", "active-rank mask"),
+], ids=["wait-stats", "ue8m0-without-round", "too-many-tokens", "experts-vs-ranks", "zero-tokens-max",
+        "x-on-cpu", "x-1d", "logfmt", "combine-wait-stats", "foreign-handle", "next-buffer-foreign-handle",
+        "clean-bad-experts", "update-mask", "query-mask", "clean-mask"])
+def test_low_latency_refusals_before_any_engine(call, status, needle):
+    import types
+
+    import torch
+
+    t = types.SimpleNamespace(x=torch.zeros(8, 128, dtype=torch.bfloat16), ids=torch.zeros(8, 2, dtype=torch.int64),
+                              w=torch.zeros(8, 2), y=torch.zeros(8, 16, 128, dtype=torch.bfloat16))
+    expect_error(getattr(graphep.Status, status), needle, call, _bare_buffer(), t)
+
+
+@requires_torch
+def test_low_latency_calls_need_low_latency_mode():
+    import torch
+
+    b = _bare_buffer(low_latency_mode=False)
+    x, ids = torch.zeros(8, 128, dtype=torch.bfloat16), torch.zeros(8, 2, dtype=torch.int64)
+    expect_error(graphep.Status.INVALID_ARGUMENT, "needs Buffer(low_latency_mode=True)", b.low_latency_dispatch, x,
+                 ids, 8, 16)
+    expect_error(graphep.Status.INVALID_ARGUMENT, "needs Buffer(low_latency_mode=True)", b.clean_low_latency_buffer,
+                 8, 128, 16)
+    _bare_buffer().clean_low_latency_buffer(8, 128, 16)  # nothing to clean: returns
+
+
+# ---- 2 GPUs: the worker under torchrun ----------------------------------------------------------
+
+@requires_torch
+@requires_gpus(2)
+def test_low_latency_on_two_ranks_under_torchrun():
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__, "--worker"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    print(r.stdout[-6000:], r.stderr[-6000:])
+    assert r.returncode == 0 and "PASS" in r.stdout
+
+
+# The main shape (T, H, E, k): hidden a multiple of 512 (UE8M0), the engine's top-k 16 > k; and a
+# second shape on the same Buffer (hidden 640: fp8 yes, UE8M0 no; k = the engine's top-k, 4).
+SHAPES = {"main": (64, 1024, 16, 4), "second": (16, 640, 4, 4)}
+POISON = -3.0e38  # bf16 / fp32 poison: far from anything the engine writes
+
+
+class Inputs:
+    """One rank's tokens, ids (distinct experts per token, some -1) and weights, from its seed."""
+
+    def __init__(self, torch, rank, tokens, shape, device, seed):
+        T, H, E, k = shape
+        gen = torch.Generator(device=device).manual_seed(seed * 100 + rank)
+        self.n = tokens
+        self.x = (torch.randn(tokens, H, generator=gen, device=device) *
+                  torch.rand(tokens, 1, generator=gen, device=device) * 4).to(torch.bfloat16)
+        ids = torch.rand(tokens, E, generator=gen, device=device).argsort(dim=1)[:, :k]
+        self.ids = torch.where(torch.rand(tokens, k, generator=gen, device=device) < 0.15, -1, ids).to(torch.int64)
+        self.w = torch.rand(tokens, k, generator=gen, device=device) + 0.1
+
+
+def worker() -> int:
+    import torch
+    import torch.distributed as dist
+
+    import graphep.deep_ep as deep_ep
+
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    dist.init_process_group("nccl", device_id=device)
+    rank, R = dist.get_rank(), dist.get_world_size()
+    wrong = {}
+
+    def count(name, n):
+        wrong[name] = wrong.get(name, 0) + int(n)
+
+    def expect_error(name, status, needles, fn, *args, **kwargs):
+        try:
+            fn(*args, **kwargs)
+        except graphep.Error as e:
+            bad = e.status != status or any(s not in e.message for s in needles)
+            count(name, bad)
+            if bad:
+                print(f"rank {rank} {name}: {e}", flush=True)
+            return
+        count(name, 1)
+
+    def inputs(shape, seed, tokens=None):
+        T = shape[0]
+        tokens = tokens or [T - 13 * (s % 2) for s in range(R)]  # rank 1: a live count below T
+        return [Inputs(torch, s, tokens[s], shape, device, seed) for s in range(R)]
+
+    def expected(all_in, shape):
+        """Per local expert j of this rank: (source ranks, source tokens) of its rows, in order."""
+        T, H, E, k = shape
+        L = E // R
+        rows = []
+        for j in range(L):
+            e = rank * L + j
+            src, tok = [], []
+            for s, inp in enumerate(all_in):
+                t = torch.nonzero((inp.ids == e).any(dim=1)).flatten()
+                src.append(torch.full_like(t, s)), tok.append(t)
+            rows.append((torch.cat(src), torch.cat(tok)))
+        return rows
+
+    def all_x(all_in, shape):
+        T, H = shape[0], shape[1]
+        X = torch.zeros(R, T, H, dtype=torch.bfloat16, device=device)
+        for s, inp in enumerate(all_in):
+            X[s, :inp.n] = inp.x
+        return X
+
+    def dequant(q, scales):
+        rows, H = q.shape
+        return (q.float().view(rows, H // 128, 128) * scales.unsqueeze(-1)).view(rows, H)
+
+    def check_dispatch(name, all_in, shape, recv, recv_count, handle, fmt, stats=None):
+        """fmt: None (bf16), 'float', 'pow2' or 'ue8m0'. Returns the per-expert (src, tok) rows."""
+        T, H, E, k = shape
+        L = E // R
+        rows = expected(all_in, shape)
+        X = all_x(all_in, shape)
+        count(f"{name}.handle", not (isinstance(handle, tuple) and len(handle) == 5 and
+                                     tuple(handle[2:]) == (T, H, E)))
+        src_info, layout_range = handle[0], handle[1]
+        count(f"{name}.shapes", (tuple(recv_count.shape), tuple(src_info.shape), tuple(layout_range.shape)) !=
+              ((L,), (L, R * T), (L, R)))
+        counts = recv_count.tolist()
+        for j, (src, tok) in enumerate(rows):
+            c = src.numel()
+            if counts[j] != c:
+                count(f"{name}.recv_count", 1)
+                continue
+            if stats is not None:
+                count(f"{name}.stats", int(stats[j]) != c)
+            count(f"{name}.src_info", (src_info[j, :c].long() != tok).sum())
+            per_src = torch.bincount(src, minlength=R)
+            begin = torch.cumsum(per_src, 0) - per_src
+            got = layout_range[j]
+            count(f"{name}.layout_range.count", ((got & 0xFFFFFFFF) != per_src).sum())
+            count(f"{name}.layout_range.begin", ((got >> 32) != begin)[per_src > 0].sum())  # begin of sources sent
+            want = X[src, tok]
+            if fmt is None:
+                count(f"{name}.x", (recv[j, :c].view(torch.int16) != want.view(torch.int16)).sum())
+                continue
+            q, s = recv[0][j, :c], recv[1][j, :c]
+            if fmt == "ue8m0":  # exponent bytes: value 4w + i in byte i of int32 w
+                s = (s.contiguous().view(torch.uint8).to(torch.int32) << 23).view(torch.float32)
+            tiles = want.float().view(c, H // 128, 128)
+            amax = tiles.abs().amax(dim=2)
+            if fmt == "float":
+                count(f"{name}.scales", ((s - amax / 448).abs() > amax / 448 * 1e-6).sum())
+            else:  # powers of two, the smallest >= amax / 448
+                mant, _ = torch.frexp(s)
+                count(f"{name}.scales.pow2", (mant != 0.5).sum())
+                count(f"{name}.scales.round_up", ((s < amax / 448) | (s / 2 >= amax / 448) & (amax > 0)).sum())
+            got = dequant(q, s)
+            # e4m3: 3 mantissa bits (half an ulp: 2^-4 relative), subnormals 2^-9 x scale apart.
+            tol = want.float().abs() * 2.0 ** -4 + s.unsqueeze(-1).expand(c, H // 128, 128).reshape(c, H) * 2.0 ** -9
+            count(f"{name}.x", ((got - want.float()).abs() > tol * 1.01).sum())
+        return rows
+
+    def experts(rows, shape, target, X):
+        """Each local expert j's output rows into target [L, R x T, H] (poisoned first): the source
+        token's bf16 row times (1 + j / 8), from the reference inputs (not from what arrived, so
+        fp8 dispatches combine the same exact values)."""
+        target.fill_(POISON)
+        for j, (src, tok) in enumerate(rows):
+            if src.numel():
+                target[j, :src.numel()] = (X[src, tok].float() * (1 + j / 8)).to(torch.bfloat16)
+        return target
+
+    def combined_ref(me, shape):
+        """sum_k w x bf16(x (1 + j / 8)) in fp64, and the bound sum_k |term| (moe_check's rule)."""
+        L = shape[2] // R
+        ref = torch.zeros(me.n, shape[1], dtype=torch.float64, device=device)
+        bound = torch.zeros_like(ref)
+        for k in range(me.ids.shape[1]):
+            valid = (me.ids[:, k] >= 0).unsqueeze(1)
+            j = (me.ids[:, k] % L).double().unsqueeze(1)
+            y = (me.x.double() * (1 + j / 8)).to(torch.bfloat16).double()
+            term = torch.where(valid, me.w[:, k:k + 1].double() * y, torch.zeros_like(y))
+            ref += term
+            bound += term.abs()
+        return ref, bound
+
+    def check_combined(name, got, me, shape):
+        ref, bound = combined_ref(me, shape)
+        if tuple(got.shape) != (me.n, shape[1]):
+            return count(f"{name}.shape", 1)
+        count(name, ((got.double() - ref).abs() > bound * 2.0 ** -7 + 1e-6).sum())
+        count(f"{name}.nan", torch.isnan(got).sum())
+        return None
+
+    def poison_views(st_shape):
+        """Poison what a dispatch writes (through the Buffer's own views of the engine)."""
+        st = buffer._ll_engines[(st_shape[0], st_shape[1], st_shape[2])]
+        st.recv_x.fill_(POISON)
+        st.recv_count.fill_(-7)
+        st.src_info.fill_(-7)
+        st.layout_range.fill_(-7)
+        if st.scales is not None:
+            st.scales.fill_(POISON)
+
+    shape = SHAPES["main"]
+    T, H, E, k = shape
+    L = E // R
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, R, E)
+    buffer = deep_ep.Buffer(dist.group.WORLD, num_rdma_bytes=hint, low_latency_mode=True, num_qps_per_rank=L,
+                            explicitly_destroy=True)
+    buffer.clean_low_latency_buffer(T, H, E)  # nothing to clean
+    warm = inputs(shape, 99)[rank]  # makes the engine (collective), so that the rounds poison its views first
+    buffer.low_latency_combine(torch.zeros(L, R * T, H, dtype=torch.bfloat16, device=device), warm.ids, warm.w,
+                               buffer.low_latency_dispatch(warm.x, warm.ids, T, E)[2])
+
+    # Rounds over DeepEP's formats, each with fresh data: bf16, fp8 float / pow2 / ue8m0 scales.
+    formats = [(False, False, False, None), (True, False, False, "float"), (True, True, False, "pow2"),
+               (True, True, True, "ue8m0")]
+    for seed, (use_fp8, round_scale, use_ue8m0, fmt) in enumerate(formats):
+        all_in = inputs(shape, seed)
+        me = all_in[rank]
+        stats = torch.zeros(L, dtype=torch.int32, device=device)
+        poison_views(shape)
+        recv, recv_count, handle, event, hook = buffer.low_latency_dispatch(
+            me.x, me.ids, T, E, cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8, round_scale=round_scale,
+            use_ue8m0=use_ue8m0)
+        count(f"{fmt}.event_hook", (event.event is not None) + (hook is not None))
+        if use_fp8:
+            want_scales = (torch.int32, H // 512) if use_ue8m0 else (torch.float32, H // 128)
+            count(f"{fmt}.types", (recv[0].dtype, tuple(recv[0].shape), recv[1].dtype, tuple(recv[1].shape)) !=
+                  (torch.float8_e4m3fn, (L, R * T, H), want_scales[0], (L, R * T, want_scales[1])))
+        else:
+            count(f"{fmt}.types", (recv.dtype, tuple(recv.shape)) != (torch.bfloat16, (L, R * T, H)))
+        rows = check_dispatch(f"dispatch.{fmt}", all_in, shape, recv, recv_count, handle, fmt, stats)
+        if fmt == "pow2":  # the same inputs as UE8M0 below: keep the fp8 rows and scales
+            pow2_rows = [(recv[0][j, :src.numel()].view(torch.uint8).clone(), recv[1][j, :src.numel()].clone())
+                         for j, (src, _) in enumerate(rows)]
+        # A second dispatch adds to the stats again (cumulative).
+        recv, recv_count, handle, _, _ = buffer.low_latency_dispatch(
+            me.x, me.ids, T, E, cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8, round_scale=round_scale,
+            use_ue8m0=use_ue8m0)
+        count(f"{fmt}.stats.cumulative", (stats.long() != 2 * recv_count.long()).sum())
+        # combine from x, into a fresh tensor and into out
+        y = experts(rows, shape, torch.empty(L, R * T, H, dtype=torch.bfloat16, device=device), all_x(all_in, shape))
+        combined, event, hook = buffer.low_latency_combine(y, me.ids, me.w, handle)
+        count(f"{fmt}.combine.event_hook", (event.event is not None) + (hook is not None))
+        check_combined(f"combine.{fmt}", combined, me, shape)
+        out = torch.full((me.n, H), POISON, dtype=torch.bfloat16, device=device)
+        combined, _, _ = buffer.low_latency_combine(y, me.ids, me.w, handle, out=out)
+        count(f"{fmt}.combine.out_is_out", combined.data_ptr() != out.data_ptr())
+        check_combined(f"combine.out.{fmt}", out, me, shape)
+        # zero_copy: the rows in the engine's buffer; x (poisoned) is not read
+        nxt = buffer.get_next_low_latency_combine_buffer(handle)
+        count(f"{fmt}.next_buffer", (nxt.dtype, tuple(nxt.shape)) != (torch.bfloat16, (L, R * T, H)))
+        experts(rows, shape, nxt, all_x(all_in, shape))
+        combined, _, _ = buffer.low_latency_combine(torch.full_like(y, POISON), me.ids, me.w, handle, zero_copy=True)
+        check_combined(f"combine.zero_copy.{fmt}", combined, me, shape)
+
+    # UE8M0 against pow2 (same seed as the pow2 round): the same e4m3 bytes, the same powers.
+    all_in = inputs(shape, 2)
+    me = all_in[rank]
+    recv, _, handle, _, _ = buffer.low_latency_dispatch(me.x, me.ids, T, E, round_scale=True, use_ue8m0=True)
+    for j, (q, s) in enumerate(pow2_rows):
+        c = q.shape[0]
+        count("ue8m0.bytes", (recv[0][j, :c].view(torch.uint8) != q).sum())
+        exps = (recv[1][j, :c].contiguous().view(torch.uint8).to(torch.int32) << 23).view(torch.float32)
+        count("ue8m0.vs_pow2", (exps != s).sum())
+
+    # The hook path (DeepEP's return_recv_hook): send half, then the hook's receive half.
+    all_in = inputs(shape, 10)
+    me = all_in[rank]
+    poison_views(shape)
+    stats = torch.zeros(L, dtype=torch.int32, device=device)
+    recv, recv_count, handle, event, hook = buffer.low_latency_dispatch(
+        me.x, me.ids, T, E, cumulative_local_expert_recv_stats=stats, use_fp8=False, return_recv_hook=True)
+    count("hook.dispatch.callable", not callable(hook) or event.event is not None)
+    expect_error("hook.pending", graphep.Status.INVALID_ARGUMENT, ["receive hook of low_latency_dispatch",
+                                                                    "has not been called"],
+                 buffer.low_latency_dispatch, me.x, me.ids, T, E)
+    hook()
+    expect_error("hook.twice", graphep.Status.INVALID_ARGUMENT, ["was called already"], hook)
+    rows = check_dispatch("hook.dispatch", all_in, shape, recv, recv_count, handle, None, stats)
+    y = experts(rows, shape, torch.empty(L, R * T, H, dtype=torch.bfloat16, device=device), all_x(all_in, shape))
+    combined, event, hook = buffer.low_latency_combine(y, me.ids, me.w, handle, return_recv_hook=True)
+    count("hook.combine.callable", not callable(hook))
+    hook()
+    check_combined("hook.combine", combined, me, shape)
+
+    # async_finish: the work on the comm stream, an event to wait for.
+    all_in = inputs(shape, 11)
+    me = all_in[rank]
+    poison_views(shape)
+    recv, recv_count, handle, event, hook = buffer.low_latency_dispatch(me.x, me.ids, T, E, use_fp8=False,
+                                                                        async_finish=True)
+    count("async.event", event.event is None or hook is not None)
+    event.current_stream_wait()
+    rows = check_dispatch("async.dispatch", all_in, shape, recv, recv_count, handle, None)
+    y = experts(rows, shape, torch.empty(L, R * T, H, dtype=torch.bfloat16, device=device), all_x(all_in, shape))
+    combined, event, _ = buffer.low_latency_combine(y, me.ids, me.w, handle, async_finish=True)
+    event.current_stream_wait()
+    check_combined("async.combine", combined, me, shape)
+
+    # Rank 1 has no tokens: it still receives, and its combine returns [0, H].
+    all_in = inputs(shape, 12, [T if s != 1 else 0 for s in range(R)])
+    me = all_in[rank]
+    poison_views(shape)
+    recv, recv_count, handle, _, _ = buffer.low_latency_dispatch(me.x, me.ids, T, E, use_fp8=False)
+    rows = check_dispatch("idle.dispatch", all_in, shape, recv, recv_count, handle, None)
+    y = experts(rows, shape, torch.empty(L, R * T, H, dtype=torch.bfloat16, device=device), all_x(all_in, shape))
+    combined, _, _ = buffer.low_latency_combine(y, me.ids, me.w, handle)
+    check_combined("idle.combine", combined, me, shape)
+
+    # A second engine shape on the same Buffer, then the first again (each keeps its own state).
+    shape2 = SHAPES["second"]
+    T2, H2, E2, k2 = shape2
+    for use_fp8 in (False, True):
+        all_in = inputs(shape2, 20 + use_fp8)
+        me = all_in[rank]
+        recv, recv_count, handle2, _, _ = buffer.low_latency_dispatch(me.x, me.ids, T2, E2, use_fp8=use_fp8)
+        rows = check_dispatch(f"second.{use_fp8}", all_in, shape2, recv, recv_count, handle2,
+                              "float" if use_fp8 else None)
+        y = experts(rows, shape2, torch.empty(E2 // R, R * T2, H2, dtype=torch.bfloat16, device=device),
+                    all_x(all_in, shape2))
+        combined, _, _ = buffer.low_latency_combine(y, me.ids, me.w, handle2)
+        check_combined(f"second.combine.{use_fp8}", combined, me, shape2)
+    expect_error("error.ue8m0_hidden", graphep.Status.INVALID_ARGUMENT, ["hidden=640", "multiple of 512"],
+                 buffer.low_latency_dispatch, me.x, me.ids, T2, E2, round_scale=True, use_ue8m0=True)
+
+    # Captured once in a CUDA graph (dispatch -> experts -> combine), replayed with new inputs.
+    all_in = inputs(shape, 30)
+    me = all_in[rank]
+    x_s, ids_s, w_s = me.x.clone(), me.ids.clone(), me.w.clone()
+    out_s = torch.empty(me.n, H, dtype=torch.bfloat16, device=device)
+    y_s = torch.empty(L, R * T, H, dtype=torch.bfloat16, device=device)
+    scale = (1 + torch.arange(L, device=device, dtype=torch.float32) / 8).view(L, 1, 1)
+    recv_g, _, handle_g, _, _ = buffer.low_latency_dispatch(x_s, ids_s, T, E, use_fp8=False)  # warm-up, eager
+    torch.mul(recv_g.float(), scale, out=y_s)
+    buffer.low_latency_combine(y_s, ids_s, w_s, handle_g, out=out_s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        recv_g, _, handle_g, _, _ = buffer.low_latency_dispatch(x_s, ids_s, T, E, use_fp8=False)
+        torch.mul(recv_g.float(), scale, out=y_s)  # every row (unreceived ones are never read)
+        buffer.low_latency_combine(y_s, ids_s, w_s, handle_g, out=out_s)
+    for replay in range(5):
+        all_in = inputs(shape, 40 + replay)
+        me = all_in[rank]
+        x_s.copy_(me.x), ids_s.copy_(me.ids), w_s.copy_(me.w)
+        out_s.fill_(POISON)
+        dist.barrier()
+        graph.replay()
+        torch.cuda.synchronize()
+        check_combined("graph.combine", out_s, me, shape)
+    del graph
+
+    # Errors, named: every rank makes the same bad call, so no rank is left waiting.
+    all_in = inputs(shape, 50)
+    me = all_in[rank]
+    _, _, handle_a, _, _ = buffer.low_latency_dispatch(me.x, me.ids, T, E, use_fp8=False)
+    _, _, handle_b, _, _ = buffer.low_latency_dispatch(me.x, me.ids, T, E, use_fp8=False)
+    y = torch.zeros(L, R * T, H, dtype=torch.bfloat16, device=device)
+    expect_error("error.stale_handle", graphep.Status.INVALID_ARGUMENT,
+                 ["the handle is of low_latency_dispatch", "combines the engine's last dispatch"],
+                 buffer.low_latency_combine, y, me.ids, me.w, handle_a)
+    expect_error("error.logfmt", graphep.Status.NOT_SUPPORTED, ["use_logfmt=True"],
+                 buffer.low_latency_combine, y, me.ids, me.w, handle_b, use_logfmt=True)
+    big = torch.zeros(T + 1, H, dtype=torch.bfloat16, device=device)
+    expect_error("error.num_tokens", graphep.Status.INVALID_ARGUMENT,
+                 [f"x has {T + 1} rows (num_tokens)", f"num_max_dispatch_tokens_per_rank={T}"],
+                 buffer.low_latency_dispatch, big, torch.zeros(T + 1, k, dtype=torch.int64, device=device), T, E)
+    expect_error("error.x_dtype", graphep.Status.INVALID_ARGUMENT, ["x has dtype torch.float32"],
+                 buffer.low_latency_dispatch, me.x.float(), me.ids, T, E)
+    expect_error("error.ids_dtype", graphep.Status.INVALID_ARGUMENT, ["topk_idx has dtype torch.float32"],
+                 buffer.low_latency_dispatch, me.x, me.ids.float(), T, E)
+    expect_error("error.top_k", graphep.Status.INVALID_ARGUMENT, ["topk_idx has 17 columns", "1 to 16"],
+                 buffer.low_latency_dispatch, me.x, torch.zeros(me.n, 17, dtype=torch.int64, device=device), T, E)
+    expect_error("error.stats_shape", graphep.Status.INVALID_ARGUMENT,
+                 ["cumulative_local_expert_recv_stats has shape", f"expected [{L}]"],
+                 buffer.low_latency_dispatch, me.x, me.ids, T, E,
+                 cumulative_local_expert_recv_stats=torch.zeros(L + 1, dtype=torch.int32, device=device))
+    expect_error("error.async_and_hook", graphep.Status.INVALID_ARGUMENT, ["async_finish=True and return_recv_hook"],
+                 buffer.low_latency_dispatch, me.x, me.ids, T, E, async_finish=True, return_recv_hook=True)
+    expect_error("error.weights_shape", graphep.Status.INVALID_ARGUMENT, ["topk_weights has shape"],
+                 buffer.low_latency_combine, y, me.ids, me.w[:, :1].contiguous(), handle_b)
+    expect_error("error.x_shape", graphep.Status.INVALID_ARGUMENT, ["low_latency_combine: x has shape"],
+                 buffer.low_latency_combine, y[:, :T], me.ids, me.w, handle_b)
+    combined, _, _ = buffer.low_latency_combine(y, me.ids, me.w, handle_b)  # the last handle is still served
+
+    torch.cuda.synchronize()
+    status = buffer.status()
+    count("status", not status.ok or len(status.low_latency) != 2)
+    if not status.ok:
+        print(f"rank {rank}: {status.describe()}", flush=True)
+    buffer.destroy()
+    bad = {name: v for name, v in wrong.items() if v}
+    if bad:
+        print(f"rank {rank}: wrong {bad}", flush=True)
+    total = torch.tensor([sum(bad.values())], device=device)
+    dist.all_reduce(total)
+    if rank == 0:
+        print(f"test_deep_ep_low_latency worker: {R} ranks, {len(wrong)} checks each: {int(total)} wrong", flush=True)
+        print("PASS" if int(total) == 0 else "FAIL", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0 if int(total) == 0 else 1
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    sys.exit(worker())
