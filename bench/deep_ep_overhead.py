@@ -4,10 +4,11 @@ measures (a CUDA event before and after each call on the current stream, 50 warm
 timed, the first timed one dropped, the mean), on one rank per GPU:
 
     python3 bench/deep_ep_overhead.py [--num-processes 2] [--num-tokens 4096] [--hidden 7168]
-                                      [--num-experts 256] [--num-topk 8] [--num-sms 24]
+                                      [--num-experts 256] [--num-topk 8] [--num-sms 24] [--low-latency]
 
-For the cached dispatch (bf16 and fp8, as DeepEP's tuning loop times it) and the combine, rank 0
-prints one line each:
+For the cached dispatch (bf16 and fp8, as DeepEP's tuning loop times it) and the combine, or with
+--low-latency for low_latency_dispatch (fp8, bf16) and low_latency_combine (T = --num-tokens tokens
+per rank, the batched latency engine), rank 0 prints one line each:
     adapter   Buffer.dispatch / Buffer.combine (fresh outputs, streams and events as DeepEP's)
     engine    the engine's own call with the same inputs into outputs allocated once
     gpu       the engine's call enqueued 50 times back to back, then one sync: the time per call
@@ -68,10 +69,73 @@ def host_time(fn) -> float:
     return (t1 - t0) * 1e6 / TIMED
 
 
+def report(rank: int, head: str, cases) -> None:
+    for name, adapter, engine in cases:
+        a, e, g, h = event_mean(adapter), event_mean(engine), back_to_back(engine), host_time(adapter)
+        if rank == 0:
+            print(f"[rank 0] {head} {name}: adapter {a:.1f} us, engine {e:.1f} us, gpu {g:.1f} us, host {h:.1f} us, "
+                  f"adapter / engine {a / e:.3f}", flush=True)
+
+
+def run_low_latency(rank: int, args) -> None:
+    """low_latency_dispatch / low_latency_combine against the engine's own calls."""
+    import graphep.deep_ep as deep_ep
+    from graphep._graphep import DispatchInput, Fp8Scales, IndexType  # noqa: F401
+
+    T, H, E, K = args.num_tokens, args.hidden, args.num_experts, args.num_topk
+    R = args.num_processes
+    buffer = deep_ep.Buffer(dist.group.WORLD, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, R, E),
+                            low_latency_mode=True, num_qps_per_rank=E // R, explicitly_destroy=True)
+    x = torch.randn((T, H), dtype=torch.bfloat16, device="cuda")
+    scores = torch.randn((T, E), dtype=torch.float32, device="cuda").abs() + 1
+    topk_idx = torch.topk(scores, K, dim=-1, sorted=True)[1]
+    topk_w = torch.rand((T, K), dtype=torch.float32, device="cuda")
+    _, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False)
+    y = torch.randn_like(buffer.get_next_low_latency_combine_buffer(handle))
+    out = torch.empty((T, H), dtype=torch.bfloat16, device="cuda")
+    st = handle.state
+    core, stream = st.core, torch.cuda.current_stream()
+
+    def engine_dispatch(fp8: bool):
+        def call():
+            core.dispatch(x.data_ptr(), topk_idx.data_ptr(), IndexType.INT64, 0, st.counts_ptr + 4 * T,
+                          stream.cuda_stream, top_k=K,
+                          input=DispatchInput.FP8_QUANTIZE if fp8 else DispatchInput.BF16)
+        return call
+
+    def engine_combine():
+        core.combine(y.data_ptr(), out.data_ptr(), stream.cuda_stream, expert_output_rows=y.shape[0] * y.shape[1],
+                     topk_weights=topk_w.data_ptr())
+
+    def ll_dispatch(fp8: bool):
+        def call():
+            buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=fp8)
+        return call
+
+    def ll_combine():
+        buffer.low_latency_combine(y, topk_idx, topk_w, buffer._last_low_latency_handle, out=out)
+
+    # low_latency_combine takes the handle of the shape's last dispatch.
+    buffer._last_low_latency_handle = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False)[2]
+    report(rank, f"low-latency T={T} H={H} E={E} K={K}", [
+        ("dispatch fp8", ll_dispatch(True), engine_dispatch(True)),
+        ("dispatch bf16", ll_dispatch(False), engine_dispatch(False)),
+    ])
+    buffer._last_low_latency_handle = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False)[2]
+    report(rank, f"low-latency T={T} H={H} E={E} K={K}", [("combine bf16", ll_combine, engine_combine)])
+    st_all = buffer.status()
+    assert st_all.ok, st_all.describe()
+    buffer.destroy()
+
+
 def run(local_rank: int, args) -> None:
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{args.port}", world_size=args.num_processes,
                             rank=local_rank, device_id=torch.device("cuda", local_rank))
     torch.cuda.set_device(local_rank)
+    if args.low_latency:
+        run_low_latency(dist.get_rank(), args)
+        dist.destroy_process_group()
+        return
     import graphep.deep_ep as deep_ep
     from graphep._graphep import DispatchInput, IndexType
 
@@ -120,11 +184,7 @@ def run(local_rank: int, args) -> None:
         ("combine bf16 (+ top-k weights)", lambda: buffer.combine(recv_x, handle, topk_weights=recv_w, config=config),
          engine_combine),
     ]
-    for name, adapter, engine in cases:
-        a, e, g, h = event_mean(adapter), event_mean(engine), back_to_back(engine), host_time(adapter)
-        if rank == 0:
-            print(f"[rank 0] T={T} H={H} E={E} K={K} SMs={args.num_sms} {name}: adapter {a:.1f} us, engine {e:.1f} "
-                  f"us, gpu {g:.1f} us, host {h:.1f} us, adapter / engine {a / e:.3f}", flush=True)
+    report(rank, f"T={T} H={H} E={E} K={K} SMs={args.num_sms}", cases)
     st_all = buffer.status()
     assert st_all.ok, st_all.describe()
     buffer.destroy()
@@ -140,5 +200,6 @@ if __name__ == "__main__":
     p.add_argument("--num-topk", type=int, default=8)
     p.add_argument("--num-sms", type=int, default=24)
     p.add_argument("--port", type=int, default=8371)
+    p.add_argument("--low-latency", action="store_true", help="the low-latency calls (T = --num-tokens)")
     args = p.parse_args()
     torch.multiprocessing.spawn(run, args=(args,), nprocs=args.num_processes)

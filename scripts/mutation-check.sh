@@ -46,6 +46,9 @@ tests_for() {
     18-*|19-*) echo "$gpu --gtest_filter=Gpu2_MoeCapabilities.RoutingAndCallerOutputs" ;;  # the rank prefix matrix; a mask leaving a rank out
     20-*) echo "$gpu --gtest_filter=Gpu2_MoeCapabilities.RepeatedOperationsAndCombineInputs" ;;  # the combine's values
     21-*) echo "$gpu --gtest_filter=Gpu2_MoeCapabilities.DispatchAfterDispatchWhileAPeerStillReads" ;;  # missed by the small shapes
+    22-*) echo "$gpu --gtest_filter=Gpu2_MoeLatencyCapabilities.CombineTimeWeights" ;;  # combine-time weights, a peer's records
+    23-*) echo "$gpu --gtest_filter=Gpu2_MoeLatencyCapabilities.Fp8ScaleFormats" ;;   # the packed UE8M0 scales
+    24-*) echo "$gpu --gtest_filter=Gpu2_MoeLatencyCapabilities.SendHalfThenReceive" ;;  # a send half alone keeps the step
     *) return 1 ;;
   esac
 }

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "common/bf16.hpp"
@@ -36,16 +37,31 @@ inline unsigned char e4m3Reference(float x) {
   return sign | static_cast<unsigned char>(((exp + 7) << 3) | static_cast<int>(m));
 }
 
+// A positive normal fp32 scale rounded up to the next power of two (itself when it is one), from
+// its bits: when any mantissa bit is set, the exponent goes up by one and the mantissa is cleared
+// (Fp8Scales::kPow2, DeepEP's round_scale).
+inline float pow2ScaleReference(float scale) {
+  std::uint32_t b = 0;
+  std::memcpy(&b, &scale, sizeof b);
+  if ((b & 0x7fffffu) != 0u) b = (b & 0xff800000u) + 0x800000u;
+  float r = 0.f;
+  std::memcpy(&r, &b, sizeof r);
+  return r;
+}
+
 // The fp8 record of one bf16 row: per 128 values, scale = max(amax, 448 x 2^-126) / 448 (1 for an
-// all-zero tile) and e4m3(v x (1 / scale)), in fp32, as documented for the dispatch's fp8 mode.
-inline void quantizeRow(const std::uint16_t* row, int H, std::vector<unsigned char>* q, std::vector<float>* scales) {
+// all-zero tile), with `pow2` rounded up to a power of two (pow2ScaleReference), and
+// e4m3(v x (1 / scale)), in fp32, as documented for the dispatch's fp8 mode.
+inline void quantizeRow(const std::uint16_t* row, int H, std::vector<unsigned char>* q, std::vector<float>* scales,
+                        bool pow2 = false) {
   q->resize(static_cast<std::size_t>(H));
   scales->resize(static_cast<std::size_t>(H / 128));
   for (int tile = 0; tile < H / 128; ++tile) {
     float amax = 0;
     for (int i = 0; i < 128; ++i) amax = std::max(amax, std::fabs(bf16Value(row[tile * 128 + i])));
     const float floor = std::ldexp(448.f, -126);
-    const float scale = amax > 0.f ? std::max(amax, floor) / 448.f : 1.f;
+    const float linear = amax > 0.f ? std::max(amax, floor) / 448.f : 1.f;
+    const float scale = pow2 ? pow2ScaleReference(linear) : linear;
     const float inv = 1.0f / scale;
     (*scales)[static_cast<std::size_t>(tile)] = scale;
     for (int i = 0; i < 128; ++i) {

@@ -1,0 +1,980 @@
+// The latency path's capabilities (include/graphep/moe.hpp: DispatchArgs.half and CombineArgs.half
+// with Engine::receive, CombineArgs.topkWeights, DispatchArgs.scaleFormat, DispatchLayout
+// .expertSourceRanges, DispatchArgs.recvStats), on GPUs 0 and 1 (one rank each, one process driving
+// both), against a host reference built from both ranks' inputs:
+//
+//   rank q, token t, slot k:  expert e = topkIdx[t][k] (-1: none)  -->  rank d = e / 16, local j = e % 16
+//   rank d, expert j's rows:  offsets[j] + i, i over (source q, token t) ascending
+//                             batched: offsets[j] = j x R x T_max; expert-major: aligned prefix sum
+//   expertSourceRanges[j][q] = (j's rows from ranks < q) << 32 | (j's rows from q)
+//   combine:   partial_d = bf16(fma chain over t's slots on d, ascending k, of w[t][k] x y_d[row])
+//              out_q[t]  = bf16(sum over d ascending of partial_d)          (fp32; exact on the host)
+//   fp8:       per 128 values: scale = max(amax, 448 x 2^-126) / 448 (1 when amax = 0), rounded up to
+//              a power of two for kPow2 / kUe8m0 (kUe8m0 stores its exponent byte); q = e4m3(v x (1 / scale))
+//
+// Every step has fresh random inputs (tokens past the live count hold valid routing that the engine
+// must not read), every output is poisoned with 0xFF bytes (NaN in bf16, e4m3 and fp32; exponent 255
+// in UE8M0: never a result) before every operation, and results are compared exactly, element by
+// element, the wrong ones counted.
+#include <gtest/gtest.h>
+
+#include <graphep/graphep.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/bf16.hpp"
+#include "common/fp8_reference.hpp"
+#include "common/gpu_env.hpp"
+#include "common/graph_util.hpp"
+#include "engine/error.hpp"
+
+namespace graphep::test {
+namespace {
+
+constexpr int kRanks = 2;
+constexpr int kExperts = 32;
+constexpr int kLocal = kExperts / kRanks;  // experts per rank
+constexpr int kTopK = 8;
+constexpr int kTMax = 128;
+constexpr int kTokenCounts[] = {128, 77, 1};  // live tokens: rank r of step s takes entry (s + r) mod 3
+constexpr unsigned char kPoison = 0xFF;
+
+std::size_t at(long long i) { return static_cast<std::size_t>(i); }
+
+// A latency-path engine config: T_max 128, 32 experts (16 per rank), top-8, bf16.
+MoeConfig latencyConfig(int hidden, ReceiveLayout layout) {
+  MoeConfig c;
+  c.maxTokensPerRank = kTMax;
+  c.hidden = hidden;
+  c.numExperts = kExperts;
+  c.topK = kTopK;
+  c.dispatchType = DType::kBf16;
+  c.receiveLayout = layout;  // batched: rowsPerExpert 0, i.e. R x T_max
+  c.expertAlignment = layout == ReceiveLayout::kExpertMajor ? 8 : 1;  // expert-major: padded experts
+  c.path = MoePath::kLatency;
+  return c;
+}
+
+// The rows of recv_x the documentation gives this config (Engine::receiveCapacity's comment).
+long long referenceCapacity(const MoeConfig& c) {
+  if (c.receiveLayout == ReceiveLayout::kBatched) return static_cast<long long>(kLocal) * kRanks * kTMax;
+  return static_cast<long long>(kTMax) * kRanks * std::min(kTopK, kLocal) + kLocal * (c.expertAlignment - 1);
+}
+
+// --- Random inputs ----------------------------------------------------------------------------
+
+// SplitMix64: the bulk random values (rows of x and y), cheap and the same on every platform.
+class Bits {
+ public:
+  explicit Bits(std::uint64_t seed) : s_(seed) {}
+  std::uint64_t next() {
+    std::uint64_t z = (s_ += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+
+ private:
+  std::uint64_t s_;
+};
+
+// n nonzero bf16 values of magnitudes in [2^e, 2^(e + 4)): random sign, mantissa and two exponent bits.
+void fillBf16(std::uint16_t* v, int n, int e, Bits& bits) {
+  for (int i = 0; i < n; i += 4) {
+    const std::uint64_t r = bits.next();
+    for (int j = 0; j < 4 && i + j < n; ++j) {
+      const unsigned u = static_cast<unsigned>(r >> (16 * j)) & 0xffffu;
+      const unsigned biased = static_cast<unsigned>(127 + e + static_cast<int>((u >> 7) & 3u));
+      v[i + j] = static_cast<std::uint16_t>((u & 0x807fu) | (biased << 7));
+    }
+  }
+}
+
+// x [T_max][H]: each 128-value block has a magnitude of its own (2^-8 .. 2^12), so that the fp8 scales
+// differ; about one block in 23 is zeros (scale 1) and one in 29 lies below 448 x 2^-126 (the
+// scale's floor).
+std::vector<std::uint16_t> randomX(std::uint64_t seed, int H) {
+  Bits bits(seed);
+  std::vector<std::uint16_t> x(at(kTMax) * H, 0);
+  for (int t = 0; t < kTMax; ++t) {
+    for (int b = 0; b < H; b += 128) {
+      const std::uint64_t kind = bits.next();
+      const int n = std::min(128, H - b);
+      if (kind % 23 == 0) continue;  // zeros
+      const int e = kind % 29 == 1 ? -126 : static_cast<int>((kind >> 8) % 17) - 8;
+      fillBf16(&x[at(t) * H + b], n, e, bits);
+    }
+  }
+  return x;
+}
+
+// Top-k ids [T_max][K] (past the live count too): distinct experts; every 11th token names none,
+// every 7th only experts of one rank (its combine is one partial, bit for bit), the others any
+// experts with about 15% of their slots -1.
+std::vector<int> randomRouting(std::mt19937_64& rng) {
+  std::uniform_real_distribution<float> unit(0.f, 1.f);
+  std::vector<int> ids(at(kTMax) * kTopK, -1);
+  std::vector<int> pool;
+  for (int t = 0; t < kTMax; ++t) {
+    if (t % 11 == 4) continue;
+    const bool oneRank = t % 7 == 2;
+    pool.resize(oneRank ? kLocal : kExperts);
+    std::iota(pool.begin(), pool.end(), oneRank ? (t / 7) % kRanks * kLocal : 0);
+    std::shuffle(pool.begin(), pool.end(), rng);
+    for (int k = 0; k < kTopK; ++k) {
+      if (unit(rng) >= 0.15f) ids[at(t) * kTopK + k] = pool[at(k)];
+    }
+  }
+  return ids;
+}
+
+std::vector<float> randomWeights(std::mt19937_64& rng, float lo, float hi) {
+  std::uniform_real_distribution<float> value(lo, hi);
+  std::vector<float> w(at(kTMax) * kTopK);
+  for (float& v : w) v = value(rng);
+  return w;
+}
+
+// One rank's inputs of one step: a pure function of (seed, rank, T, H).
+struct RankInputs {
+  int T = 0;                      // live tokens
+  std::vector<int> ids;           // [T_max][K] global expert ids, -1: none
+  std::vector<float> w;           // [T_max][K] dispatch weights (positive)
+  std::vector<float> cw;          // [T_max][K] combine-time weights (positive)
+  std::vector<std::uint16_t> x;   // [T_max][H] bf16
+};
+using Inputs = std::vector<RankInputs>;  // one per rank
+
+RankInputs makeInputs(int rank, int T, int H, std::uint64_t seed) {
+  std::mt19937_64 rng(seed * 1000003ull + static_cast<std::uint64_t>(rank));
+  RankInputs in;
+  in.T = T;
+  in.ids = randomRouting(rng);
+  in.w = randomWeights(rng, 0.05f, 1.f);
+  in.cw = randomWeights(rng, 0.25f, 2.f);
+  in.x = randomX(rng(), H);
+  return in;
+}
+
+// --- Host reference -----------------------------------------------------------------------------
+
+struct RefRow {
+  int srcRank = -1;  // -1: no row here (alignment padding, a batched expert's unused rows)
+  int srcToken = 0;
+  int slot = 0;
+};
+
+// What rank d receives.
+struct RefLayout {
+  std::vector<int> counts;         // [L] rows of each local expert
+  std::vector<int> offsets;        // [L + 1] first row of each expert, then the end
+  std::vector<int> fromSource;     // [L][R] rows of expert j from rank q
+  std::vector<RefRow> rows;        // [capacity]
+  std::vector<long long> slotRow;  // [R][T_max][K] the row of (rank, token, slot) here, -1: elsewhere
+  long long rowOf(int q, int t, int k) const { return slotRow[(at(q) * kTMax + t) * kTopK + k]; }
+};
+
+// Local expert of entry (t, k) of rank q's inputs on rank d, or -1.
+int localExpert(const RankInputs& in, int t, int k, int d) {
+  const int e = in.ids[at(t) * kTopK + k];
+  return e >= 0 && e / kLocal == d ? e % kLocal : -1;
+}
+
+RefLayout referenceDispatch(const Inputs& in, int d, const MoeConfig& cfg) {
+  RefLayout ref;
+  ref.counts.assign(kLocal, 0);
+  ref.fromSource.assign(at(kLocal) * kRanks, 0);
+  ref.rows.assign(at(referenceCapacity(cfg)), RefRow{});
+  ref.slotRow.assign(at(kRanks) * kTMax * kTopK, -1);
+  for (int q = 0; q < kRanks; ++q) {
+    for (int t = 0; t < in[at(q)].T; ++t) {
+      for (int k = 0; k < kTopK; ++k) {
+        const int j = localExpert(in[at(q)], t, k, d);
+        if (j < 0) continue;
+        ++ref.counts[at(j)];
+        ++ref.fromSource[at(j) * kRanks + q];
+      }
+    }
+  }
+  const int align = cfg.expertAlignment, block = kRanks * kTMax;
+  ref.offsets.assign(kLocal + 1, 0);
+  for (int j = 0; j < kLocal; ++j) {
+    const int aligned = (ref.counts[at(j)] + align - 1) / align * align;
+    const bool batched = cfg.receiveLayout == ReceiveLayout::kBatched;
+    ref.offsets[at(j) + 1] = batched ? (j + 1) * block : ref.offsets[at(j)] + aligned;
+  }
+  std::vector<int> next(ref.offsets.begin(), ref.offsets.end() - 1);
+  for (int q = 0; q < kRanks; ++q) {  // (source, token, slot) ascending: each expert's row order
+    for (int t = 0; t < in[at(q)].T; ++t) {
+      for (int k = 0; k < kTopK; ++k) {
+        const int j = localExpert(in[at(q)], t, k, d);
+        if (j < 0) continue;
+        const int row = next[at(j)]++;
+        ref.rows[at(row)] = RefRow{q, t, k};
+        ref.slotRow[(at(q) * kTMax + t) * kTopK + k] = row;
+      }
+    }
+  }
+  return ref;
+}
+
+// The top-k weights a combine reduces with.
+enum class Weights {
+  kOnes,      // an unweighted dispatch, no combine weights
+  kDispatch,  // the dispatch's
+  kCombine,   // CombineArgs.topkWeights
+};
+
+float weightOf(const RankInputs& in, int t, int k, Weights w) {
+  if (w == Weights::kOnes) return 1.f;
+  return (w == Weights::kDispatch ? in.w : in.cw)[at(t) * kTopK + k];
+}
+
+// Rank q's combine output [T][H] (Engine::combine's arithmetic): per destination d, the fp32 fused
+// multiply-adds of its slots in ascending order from 0, rounded to bf16; their fp32 sum in ascending
+// rank order, rounded once.
+std::vector<std::uint16_t> referenceCombine(const Inputs& in, const std::vector<RefLayout>& refs,
+                                            const std::vector<std::vector<std::uint16_t>>& y, int q, Weights weights,
+                                            int H) {
+  const RankInputs& mine = in[at(q)];
+  std::vector<std::uint16_t> out(at(mine.T) * H);
+  std::vector<float> total(at(H));
+  for (int t = 0; t < mine.T; ++t) {
+    std::fill(total.begin(), total.end(), 0.f);
+    for (int d = 0; d < kRanks; ++d) {
+      std::vector<std::pair<const std::uint16_t*, float>> slots;  // (y row, weight), ascending k
+      for (int k = 0; k < kTopK; ++k) {
+        if (localExpert(mine, t, k, d) < 0) continue;
+        slots.emplace_back(&y[at(d)][at(refs[at(d)].rowOf(q, t, k)) * H], weightOf(mine, t, k, weights));
+      }
+      if (slots.empty()) continue;  // no partial from d
+      for (int h = 0; h < H; ++h) {
+        float acc = 0.f;
+        for (const auto& [row, w] : slots) acc = std::fma(w, bf16Value(row[h]), acc);
+        total[at(h)] += bf16Value(bf16Bits(acc));
+      }
+    }
+    for (int h = 0; h < H; ++h) out[at(t) * H + h] = bf16Bits(total[at(h)]);
+  }
+  return out;
+}
+
+// --- Device side ------------------------------------------------------------------------------
+
+template <class T>
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(std::size_t n) : n_(n) {
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&p_, std::max<std::size_t>(n, 1) * sizeof(T)));
+  }
+  ~DeviceBuffer() { cudaFree(p_); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  T* get() const { return p_; }
+  std::size_t size() const { return n_; }
+
+ private:
+  T* p_ = nullptr;
+  std::size_t n_ = 0;
+};
+
+template <class T>
+void uploadAsync(const DeviceBuffer<T>& dst, const std::vector<T>& v, cudaStream_t s) {
+  GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(dst.get(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice, s));
+}
+
+void poisonAsync(const void* p, std::size_t bytes, cudaStream_t s) {
+  if (p != nullptr) GRAPHEP_CUDA_CHECK(cudaMemsetAsync(const_cast<void*>(p), kPoison, bytes, s));
+}
+
+// n elements from the device (after the stream that wrote them was synchronised).
+template <class T>
+std::vector<T> download(const void* p, std::size_t n) {
+  std::vector<T> v(n);
+  GRAPHEP_CUDA_CHECK(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return v;
+}
+
+// One rank's buffers of the caller.
+struct RankBuffers {
+  RankBuffers(int H, long long capacity)
+      : x(at(kTMax) * H), ids(at(kTMax) * kTopK), w(at(kTMax) * kTopK), cw(at(kTMax) * kTopK), numTokens(1),
+        y(at(capacity) * H), out(at(kTMax) * H), stats(kLocal), scratch(1 << 20) {}
+  DeviceBuffer<std::uint16_t> x;         // [T_max][H]
+  DeviceBuffer<int> ids;                 // [T_max][K]
+  DeviceBuffer<float> w, cw;             // [T_max][K] dispatch / combine-time weights
+  DeviceBuffer<int> numTokens;           // the live T
+  DeviceBuffer<std::uint16_t> y;         // [capacity][H] expert outputs: combine's input
+  DeviceBuffer<std::uint16_t> out;       // [T_max][H] combine's output
+  DeviceBuffer<int> stats;               // [L] DispatchArgs.recvStats
+  DeviceBuffer<std::uint8_t> scratch;    // the unrelated work between a send half and its receive
+};
+
+struct DispatchOptions {
+  bool weighted = true;  // topkWeights (else none: weights 1)
+  DispatchInput input = DispatchInput::kConfig;
+  Fp8Scales scaleFormat = Fp8Scales::kFloat;
+  MoeHalf half = MoeHalf::kWhole;
+  bool stats = false;  // recvStats
+  bool fp8() const { return input == DispatchInput::kFp8Quantize; }
+};
+
+struct CombineOptions {
+  bool weighted = false;  // topkWeights: the combine-time weights (else the dispatch's)
+  MoeHalf half = MoeHalf::kWhole;
+};
+
+// Two latency-path engines (GPUs 0 and 1, one process), a stream and the caller's buffers for each.
+class Rig {
+ public:
+  explicit Rig(const MoeConfig& cfg) : cfg_(cfg), comm_(createLocalGroup({0, 1})) {
+    engines_ = Engine::createAll(*comm_, cfg_);
+    for (int r = 0; r < kRanks; ++r) {
+      select(r);
+      cudaStream_t s = nullptr;
+      GRAPHEP_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+      streams_.push_back(s);
+      if (layout(r).capacity != referenceCapacity(cfg_)) {
+        throw std::runtime_error("rank " + std::to_string(r) + ": capacity " + std::to_string(layout(r).capacity) +
+                                 " rows, documented " + std::to_string(referenceCapacity(cfg_)));
+      }
+      bufs_.push_back(std::make_unique<RankBuffers>(cfg_.hidden, layout(r).capacity));
+    }
+  }
+  ~Rig() {
+    for (int r = 0; r < kRanks; ++r) {
+      cudaSetDevice(comm_->device(r));
+      cudaStreamSynchronize(stream(r));
+      cudaStreamDestroy(stream(r));
+    }
+  }
+  Rig(const Rig&) = delete;
+  Rig& operator=(const Rig&) = delete;
+
+  int H() const { return cfg_.hidden; }
+  Engine& engine(int r) const { return *engines_[at(r)]; }
+  const DispatchLayout& layout(int r) const { return engine(r).layout(); }
+  cudaStream_t stream(int r) const { return streams_[at(r)]; }
+  const RankBuffers& buf(int r) const { return *bufs_[at(r)]; }
+  void select(int r) const { GRAPHEP_CUDA_CHECK(cudaSetDevice(comm_->device(r))); }
+  void syncAll() const {
+    for (int r = 0; r < kRanks; ++r) {
+      select(r);
+      GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(stream(r)));
+    }
+  }
+
+  // Step `step`'s fresh inputs (rank r: kTokenCounts[(step + r) % 3] live tokens), uploaded.
+  Inputs newInputs(std::uint64_t seed, int step) const {
+    Inputs in;
+    for (int r = 0; r < kRanks; ++r) {
+      in.push_back(makeInputs(r, kTokenCounts[(step + r) % 3], H(), seed));
+      const RankInputs& mine = in.back();
+      const std::vector<int> numTokens{mine.T};
+      select(r);
+      uploadAsync(buf(r).x, mine.x, stream(r));
+      uploadAsync(buf(r).ids, mine.ids, stream(r));
+      uploadAsync(buf(r).w, mine.w, stream(r));
+      uploadAsync(buf(r).cw, mine.cw, stream(r));
+      uploadAsync(buf(r).numTokens, numTokens, stream(r));
+      GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(stream(r)));  // before the host vectors move or go
+    }
+    return in;
+  }
+  std::vector<RefLayout> reference(const Inputs& in) const {
+    std::vector<RefLayout> refs;
+    for (int d = 0; d < kRanks; ++d) refs.push_back(referenceDispatch(in, d, cfg_));
+    return refs;
+  }
+  // Random expert outputs in every row of every rank's y (rows no expert has too), uploaded.
+  std::vector<std::vector<std::uint16_t>> newExpertOutputs(std::uint64_t seed) const {
+    std::vector<std::vector<std::uint16_t>> y;
+    for (int r = 0; r < kRanks; ++r) {
+      Bits bits(seed * 7919ull + static_cast<std::uint64_t>(r));
+      y.emplace_back(buf(r).y.size());
+      fillBf16(y.back().data(), static_cast<int>(y.back().size()), -3, bits);
+      select(r);
+      uploadAsync(buf(r).y, y.back(), stream(r));
+      GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(stream(r)));
+    }
+    return y;
+  }
+
+  // Everything a dispatch writes: the engine's rows, scales, row metadata and layout views.
+  void poisonDispatchOutputs() const {
+    const std::size_t L = kLocal, cap = at(layout(0).capacity), H = at(this->H());
+    for (int r = 0; r < kRanks; ++r) {
+      const DispatchLayout& v = layout(r);
+      const cudaStream_t s = stream(r);
+      select(r);
+      poisonAsync(v.recvX, cap * H * 2, s);
+      poisonAsync(v.scalesBuffer, cap * (H / 128) * sizeof(float), s);
+      for (const void* p : {static_cast<const void*>(v.rowSrcRank), static_cast<const void*>(v.rowSrcToken),
+                            static_cast<const void*>(v.rowTopkSlot), static_cast<const void*>(v.rowWeight)}) {
+        poisonAsync(p, cap * 4, s);
+      }
+      poisonAsync(v.expertOffsets, (L + 1) * 4, s);
+      poisonAsync(v.expertCounts, L * 4, s);
+      poisonAsync(v.expertDropped, L * 4, s);
+      poisonAsync(v.numRecvRows, 4, s);
+      poisonAsync(v.expertSourceRanges, L * kRanks * 8, s);
+    }
+  }
+  void poisonCombineOutputs() const {
+    for (int r = 0; r < kRanks; ++r) {
+      select(r);
+      poisonAsync(buf(r).out.get(), buf(r).out.size() * 2, stream(r));
+    }
+  }
+
+  DispatchArgs dispatchArgs(int r, const DispatchOptions& o) const {
+    const RankBuffers& b = buf(r);
+    DispatchArgs a;
+    a.x = b.x.get();
+    a.topkIdx = b.ids.get();
+    a.indexType = IndexType::kInt32;
+    a.topkWeights = o.weighted ? b.w.get() : nullptr;
+    a.numTokens = b.numTokens.get();
+    a.input = o.input;
+    a.scaleFormat = o.scaleFormat;
+    a.half = o.half;
+    a.recvStats = o.stats ? b.stats.get() : nullptr;
+    return a;
+  }
+  CombineArgs combineArgs(int r, const CombineOptions& o) const {
+    CombineArgs a;
+    a.expertOutput = buf(r).y.get();
+    a.out = buf(r).out.get();
+    a.topkWeights = o.weighted ? buf(r).cw.get() : nullptr;
+    a.half = o.half;
+    return a;
+  }
+
+  // Enqueue rank r's operation on `s`; a send half is followed by unrelated work (a memset: the other
+  // micro-batch's GEMMs) and then the receive half.
+  void enqueueDispatch(int r, const DispatchOptions& o, cudaStream_t s) const {
+    engine(r).dispatch(dispatchArgs(r, o), s);
+    if (o.half == MoeHalf::kSend) receiveAfterOtherWork(r, s);
+  }
+  void enqueueCombine(int r, const CombineOptions& o, cudaStream_t s) const {
+    engine(r).combine(combineArgs(r, o), s);
+    if (o.half == MoeHalf::kSend) receiveAfterOtherWork(r, s);
+  }
+  void receiveAfterOtherWork(int r, cudaStream_t s) const {
+    select(r);
+    GRAPHEP_CUDA_CHECK(cudaMemsetAsync(buf(r).scratch.get(), 0x5A, buf(r).scratch.size(), s));
+    engine(r).receive(s);
+  }
+
+  // Poisoned outputs, the operation on every rank, and a sync.
+  void dispatchAll(const DispatchOptions& o) const {
+    poisonDispatchOutputs();
+    for (int r = 0; r < kRanks; ++r) enqueueDispatch(r, o, stream(r));
+    syncAll();
+  }
+  void combineAll(const CombineOptions& o) const {
+    poisonCombineOutputs();
+    for (int r = 0; r < kRanks; ++r) enqueueCombine(r, o, stream(r));
+    syncAll();
+  }
+
+ private:
+  MoeConfig cfg_;
+  std::unique_ptr<Communicator> comm_;
+  std::vector<std::unique_ptr<Engine>> engines_;
+  std::vector<cudaStream_t> streams_;
+  std::vector<std::unique_ptr<RankBuffers>> bufs_;
+};
+
+// --- Checks -----------------------------------------------------------------------------------
+
+// Counts wrong elements and prints the first few reports.
+struct Wrong {
+  std::string what;
+  long long n = 0;
+  int reports = 0;
+  void add(long long count, const std::string& msg) {
+    n += count;
+    if (reports++ < 8) ADD_FAILURE() << what << ": " << msg;
+  }
+  void operator()(const std::string& msg) { add(1, msg); }
+};
+
+std::string hex(unsigned v) {
+  char s[16];
+  std::snprintf(s, sizeof s, "0x%x", v);
+  return s;
+}
+
+// got[0, n) against want[0, n) (nullptr: the poison, never written); one report per row.
+template <class T>
+void compareRow(const T* got, const T* want, std::size_t n, const std::string& where, Wrong& wrong) {
+  T poison;
+  std::memset(&poison, kPoison, sizeof poison);
+  long long bad = 0;
+  std::size_t first = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const T expected = want != nullptr ? want[i] : poison;
+    if (got[i] != expected && bad++ == 0) first = i;
+  }
+  if (bad == 0) return;
+  const unsigned expected = want != nullptr ? static_cast<unsigned>(want[first]) : static_cast<unsigned>(poison);
+  wrong.add(bad, where + ": " + std::to_string(bad) + " of " + std::to_string(n) + " wrong, first [" +
+                     std::to_string(first) + "] = " + hex(static_cast<unsigned>(got[first])) + ", reference " +
+                     hex(expected) + (want == nullptr ? " (poison: never written)" : ""));
+}
+
+// expertCounts, expertOffsets, expertDropped, numRecvRows.
+void checkCounts(const DispatchLayout& v, const RefLayout& ref, Wrong& wrong) {
+  const auto counts = download<int>(v.expertCounts, kLocal), dropped = download<int>(v.expertDropped, kLocal);
+  const auto offsets = download<int>(v.expertOffsets, kLocal + 1);
+  const int rows = download<int>(v.numRecvRows, 1)[0];
+  auto expect = [&](const std::string& name, long long got, long long want) {
+    if (got != want) wrong(name + " = " + std::to_string(got) + ", reference " + std::to_string(want));
+  };
+  for (int j = 0; j < kLocal; ++j) {
+    expect("expertCounts[" + std::to_string(j) + "]", counts[at(j)], ref.counts[at(j)]);
+    expect("expertDropped[" + std::to_string(j) + "]", dropped[at(j)], 0);
+  }
+  for (int j = 0; j <= kLocal; ++j) {
+    expect("expertOffsets[" + std::to_string(j) + "]", offsets[at(j)], ref.offsets[at(j)]);
+  }
+  expect("numRecvRows", rows, std::accumulate(ref.counts.begin(), ref.counts.end(), 0));
+}
+
+// expertSourceRanges[j][q] = begin << 32 | count, begin from expert j's first row.
+void checkSourceRanges(const DispatchLayout& v, const RefLayout& ref, Wrong& wrong) {
+  if (v.expertSourceRanges == nullptr) {
+    wrong("expertSourceRanges is null");
+    return;
+  }
+  const auto got = download<long long>(v.expertSourceRanges, at(kLocal) * kRanks);
+  for (int j = 0; j < kLocal; ++j) {
+    long long begin = 0;
+    for (int q = 0; q < kRanks; ++q) {
+      const long long count = ref.fromSource[at(j) * kRanks + q], want = (begin << 32) | count;
+      const long long g = got[at(j) * kRanks + q];
+      if (g != want) {
+        wrong("expertSourceRanges[" + std::to_string(j) + "][" + std::to_string(q) + "] = (" +
+              std::to_string(g >> 32) + ", " + std::to_string(g & 0xffffffffll) + "), reference (" +
+              std::to_string(begin) + ", " + std::to_string(count) + ")");
+      }
+      begin += count;
+    }
+  }
+}
+
+// Each used row's source rank, token, top-k slot and weight (the dispatch's, or 1).
+void checkRowMetadata(const DispatchLayout& v, const Inputs& in, const RefLayout& ref, bool weighted, Wrong& wrong) {
+  const std::size_t cap = at(v.capacity);
+  const auto rank = download<int>(v.rowSrcRank, cap), token = download<int>(v.rowSrcToken, cap);
+  const auto slot = download<int>(v.rowTopkSlot, cap);
+  const auto weight = download<float>(v.rowWeight, cap);
+  for (std::size_t i = 0; i < cap; ++i) {
+    const RefRow& e = ref.rows[i];
+    if (e.srcRank < 0) continue;
+    const float w = weighted ? in[at(e.srcRank)].w[at(e.srcToken) * kTopK + e.slot] : 1.f;
+    if (rank[i] != e.srcRank || token[i] != e.srcToken || slot[i] != e.slot || weight[i] != w) {
+      wrong("row " + std::to_string(i) + ": (rank, token, slot, weight) = (" + std::to_string(rank[i]) + ", " +
+            std::to_string(token[i]) + ", " + std::to_string(slot[i]) + ", " + std::to_string(weight[i]) +
+            "), reference (" + std::to_string(e.srcRank) + ", " + std::to_string(e.srcToken) + ", " +
+            std::to_string(e.slot) + ", " + std::to_string(w) + ")");
+    }
+  }
+}
+
+std::string rowName(std::size_t i, const RefRow& e) {
+  return "row " + std::to_string(i) +
+         (e.srcRank < 0 ? std::string(" (unused)")
+                        : " (rank " + std::to_string(e.srcRank) + " token " + std::to_string(e.srcToken) + ")");
+}
+
+// bf16 rows: each used row is its source token's x bit for bit; the others keep their poison.
+void checkBf16Rows(const DispatchLayout& v, const Inputs& in, const RefLayout& ref, int H, Wrong& wrong) {
+  if (v.recvScales != nullptr) wrong("recvScales is set after a bf16 dispatch");
+  const auto x = download<std::uint16_t>(v.recvX, at(v.capacity) * H);
+  for (std::size_t i = 0; i < at(v.capacity); ++i) {
+    const RefRow& e = ref.rows[i];
+    const std::uint16_t* want = e.srcRank < 0 ? nullptr : &in[at(e.srcRank)].x[at(e.srcToken) * H];
+    compareRow(&x[i * H], want, at(H), "recvX " + rowName(i, e), wrong);
+  }
+}
+
+// One token's fp8 record: e4m3 bytes [H] and its scales as stored (fp32 bytes, or UE8M0 bytes).
+struct Fp8Row {
+  std::vector<unsigned char> q, scales;
+};
+
+Fp8Row quantizeReference(const std::uint16_t* x, int H, Fp8Scales format) {
+  Fp8Row row;
+  std::vector<float> scales;
+  quantizeRow(x, H, &row.q, &scales, format != Fp8Scales::kFloat);
+  for (const float s : scales) {
+    std::uint32_t b = 0;
+    std::memcpy(&b, &s, 4);
+    if (format == Fp8Scales::kUe8m0) {
+      row.scales.push_back(static_cast<unsigned char>(b >> 23));  // the power of two's biased exponent
+    } else {
+      for (int i = 0; i < 4; ++i) row.scales.push_back(static_cast<unsigned char>(b >> (8 * i)));  // little-endian
+    }
+  }
+  return row;
+}
+
+// Engine-quantised fp8 rows: e4m3 bytes at row stride H in recvX, the scales [capacity][H / 128] in
+// recvScales (== scalesBuffer); unused rows keep their poison.
+void checkFp8Rows(const DispatchLayout& v, const Inputs& in, const RefLayout& ref, int H, Fp8Scales format,
+                  Wrong& wrong) {
+  if (v.recvScales == nullptr || v.recvScales != v.scalesBuffer) {
+    wrong("recvScales is not scalesBuffer after an fp8 dispatch");
+    return;
+  }
+  std::vector<std::vector<Fp8Row>> want(kRanks);  // [rank][token]
+  for (int q = 0; q < kRanks; ++q) {
+    for (int t = 0; t < in[at(q)].T; ++t) {
+      want[at(q)].push_back(quantizeReference(&in[at(q)].x[at(t) * H], H, format));
+    }
+  }
+  const std::size_t cap = at(v.capacity), scaleBytes = at(H / 128) * (format == Fp8Scales::kUe8m0 ? 1 : 4);
+  const auto bytes = download<unsigned char>(v.recvX, cap * H);
+  const auto scales = download<unsigned char>(v.recvScales, cap * scaleBytes);
+  for (std::size_t i = 0; i < cap; ++i) {
+    const RefRow& e = ref.rows[i];
+    const Fp8Row* w = e.srcRank < 0 ? nullptr : &want[at(e.srcRank)][at(e.srcToken)];
+    compareRow(&bytes[i * H], w != nullptr ? w->q.data() : nullptr, at(H), "e4m3 " + rowName(i, e), wrong);
+    compareRow(&scales[i * scaleBytes], w != nullptr ? w->scales.data() : nullptr, scaleBytes,
+               "scales of " + rowName(i, e), wrong);
+  }
+}
+
+// Every rank's dispatch outputs (the engine's layout views) against the reference; wrong elements.
+long long checkDispatch(const Rig& rig, const Inputs& in, const std::vector<RefLayout>& refs,
+                        const DispatchOptions& o, const std::string& what) {
+  long long n = 0;
+  for (int d = 0; d < kRanks; ++d) {
+    rig.select(d);
+    Wrong wrong{what + ", rank " + std::to_string(d)};
+    const DispatchLayout& v = rig.layout(d);
+    const RefLayout& ref = refs[at(d)];
+    checkCounts(v, ref, wrong);
+    checkSourceRanges(v, ref, wrong);
+    checkRowMetadata(v, in, ref, o.weighted, wrong);
+    if (o.fp8()) {
+      checkFp8Rows(v, in, ref, rig.H(), o.scaleFormat, wrong);
+    } else {
+      checkBf16Rows(v, in, ref, rig.H(), wrong);
+    }
+    n += wrong.n;
+  }
+  return n;
+}
+
+// Every rank's combine output: rows [0, T) the reference, the rest keep their poison.
+long long checkCombine(const Rig& rig, const Inputs& in, const std::vector<RefLayout>& refs,
+                       const std::vector<std::vector<std::uint16_t>>& y, Weights weights, const std::string& what) {
+  long long n = 0;
+  const int H = rig.H();
+  for (int q = 0; q < kRanks; ++q) {
+    Wrong wrong{what + ", rank " + std::to_string(q) + " combine"};
+    const std::vector<std::uint16_t> want = referenceCombine(in, refs, y, q, weights, H);
+    rig.select(q);
+    const auto out = download<std::uint16_t>(rig.buf(q).out.get(), at(kTMax) * H);
+    for (int t = 0; t < kTMax; ++t) {
+      compareRow(&out[at(t) * H], t < in[at(q)].T ? &want[at(t) * H] : nullptr, at(H), "out row " + std::to_string(t),
+                 wrong);
+    }
+    n += wrong.n;
+  }
+  return n;
+}
+
+void expectStatusOk(const Rig& rig, const std::string& what) {
+  for (int r = 0; r < kRanks; ++r) {
+    const MoeStatus st = rig.engine(r).status();
+    EXPECT_TRUE(st.ok()) << what << ", rank " << r << ": " << st.describe();
+  }
+}
+
+void expectError(const std::function<void()>& f, Status status, const std::string& words) {
+  try {
+    f();
+    ADD_FAILURE() << "no error; expected one naming '" << words << "'";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), status) << e.what();
+    EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+  }
+}
+
+std::string stepName(int step, const Inputs& in) {
+  return "step " + std::to_string(step) + " (T = " + std::to_string(in[0].T) + ", " + std::to_string(in[1].T) + ")";
+}
+
+// --- Tests ------------------------------------------------------------------------------------
+
+// Dispatch and combine enqueued as their send halves, a memset on the stream, then Engine::receive:
+// the results of the whole operations on the same inputs (each checked exactly against the one
+// reference), for live counts 128, 77 and 1.
+TEST(Gpu2_MoeLatencyCapabilities, SendHalfThenReceive) {
+  GRAPHEP_REQUIRE_GPUS(2);
+  Rig rig(latencyConfig(2048, ReceiveLayout::kBatched));
+  std::uint64_t seed = 100;
+  for (int step = 0; step < 6; ++step) {
+    const Inputs in = rig.newInputs(++seed, step);
+    const std::vector<RefLayout> refs = rig.reference(in);
+    const auto y = rig.newExpertOutputs(++seed);
+    for (MoeHalf half : {MoeHalf::kWhole, MoeHalf::kSend}) {
+      const std::string what = stepName(step, in) + (half == MoeHalf::kSend ? ", halves" : ", whole");
+      DispatchOptions d;
+      d.half = half;
+      rig.dispatchAll(d);
+      EXPECT_EQ(checkDispatch(rig, in, refs, d, what), 0);
+      CombineOptions c;
+      c.half = half;
+      rig.combineAll(c);
+      EXPECT_EQ(checkCombine(rig, in, refs, y, Weights::kDispatch, what), 0);
+      expectStatusOk(rig, what);
+    }
+  }
+}
+
+// While a send half waits for its receive, the engine's other operations are refused by name (and
+// enqueue nothing); a receive with no send half waiting is refused too. The halves then complete.
+TEST(Gpu2_MoeLatencyCapabilities, PendingSendHalfRefusesOtherOperations) {
+  GRAPHEP_REQUIRE_GPUS(2);
+  Rig rig(latencyConfig(2048, ReceiveLayout::kBatched));
+  const Inputs in = rig.newInputs(200, 0);
+  const std::vector<RefLayout> refs = rig.reference(in);
+  const auto y = rig.newExpertOutputs(201);
+  expectError([&] { rig.engine(0).receive(rig.stream(0)); }, Status::kInvalidArgument, "no send half");
+  DispatchOptions d;
+  d.half = MoeHalf::kSend;
+  CombineOptions c;
+  c.half = MoeHalf::kSend;
+  rig.poisonDispatchOutputs();
+  for (int r = 0; r < kRanks; ++r) rig.engine(r).dispatch(rig.dispatchArgs(r, d), rig.stream(r));
+  expectError([&] { rig.engine(0).dispatch(rig.dispatchArgs(0, DispatchOptions{}), rig.stream(0)); },
+              Status::kInvalidArgument, "receive half");
+  expectError([&] { rig.engine(1).combine(rig.combineArgs(1, CombineOptions{}), rig.stream(1)); },
+              Status::kInvalidArgument, "receive half");
+  for (int r = 0; r < kRanks; ++r) rig.engine(r).receive(rig.stream(r));
+  expectError([&] { rig.engine(0).receive(rig.stream(0)); }, Status::kInvalidArgument, "no send half");
+  rig.syncAll();
+  EXPECT_EQ(checkDispatch(rig, in, refs, d, "after the refused calls"), 0);
+
+  rig.poisonCombineOutputs();
+  for (int r = 0; r < kRanks; ++r) rig.engine(r).combine(rig.combineArgs(r, c), rig.stream(r));
+  expectError([&] { rig.engine(1).dispatch(rig.dispatchArgs(1, DispatchOptions{}), rig.stream(1)); },
+              Status::kInvalidArgument, "receive half");
+  for (int r = 0; r < kRanks; ++r) rig.engine(r).receive(rig.stream(r));
+  rig.syncAll();
+  EXPECT_EQ(checkCombine(rig, in, refs, y, Weights::kDispatch, "after the refused calls"), 0);
+  expectStatusOk(rig, "after the refused calls");
+}
+
+// Dispatches without weights (weights 1) and with them; per dispatch a combine with combine-time
+// weights (used in place of the dispatch's) and one without (the dispatch's, or 1): exact.
+void runCombineTimeWeights(const MoeConfig& cfg, std::uint64_t seed) {
+  Rig rig(cfg);
+  for (int step = 0; step < 6; ++step) {
+    const bool weightedDispatch = step % 2 == 1;
+    const Inputs in = rig.newInputs(++seed, step);
+    const std::vector<RefLayout> refs = rig.reference(in);
+    const std::string what = stepName(step, in) + (weightedDispatch ? ", weighted" : ", unweighted") + " dispatch";
+    DispatchOptions d;
+    d.weighted = weightedDispatch;
+    rig.dispatchAll(d);
+    EXPECT_EQ(checkDispatch(rig, in, refs, d, what), 0);
+    const auto y = rig.newExpertOutputs(++seed);
+    CombineOptions c;
+    c.weighted = true;
+    rig.combineAll(c);
+    EXPECT_EQ(checkCombine(rig, in, refs, y, Weights::kCombine, what + ", combine weights"), 0);
+    c.weighted = false;
+    rig.combineAll(c);
+    EXPECT_EQ(checkCombine(rig, in, refs, y, weightedDispatch ? Weights::kDispatch : Weights::kOnes,
+                           what + ", no combine weights"),
+              0);
+    expectStatusOk(rig, what);
+  }
+}
+
+TEST(Gpu2_MoeLatencyCapabilities, CombineTimeWeights) {
+  GRAPHEP_REQUIRE_GPUS(2);
+  runCombineTimeWeights(latencyConfig(2048, ReceiveLayout::kBatched), 300);
+}
+
+TEST(Gpu2_MoeLatencyCapabilities, CombineTimeWeightsExpertMajorHidden7168) {
+  GRAPHEP_REQUIRE_GPUS(2);
+  runCombineTimeWeights(latencyConfig(7168, ReceiveLayout::kExpertMajor), 400);
+}
+
+// fp8 dispatches of a bf16 engine (the engine quantises x) in each scale format: e4m3 bytes at row
+// stride H, the scales (fp32, or UE8M0 bytes) in recvScales == scalesBuffer, bit for bit; then a
+// bf16 dispatch on the same engine (recvScales back to nullptr).
+TEST(Gpu2_MoeLatencyCapabilities, Fp8ScaleFormats) {
+  GRAPHEP_REQUIRE_GPUS(2);
+  Rig rig(latencyConfig(2048, ReceiveLayout::kBatched));
+  ASSERT_NE(rig.layout(0).scalesBuffer, nullptr);
+  std::uint64_t seed = 500;
+  int step = 0;
+  for (Fp8Scales format : {Fp8Scales::kFloat, Fp8Scales::kPow2, Fp8Scales::kUe8m0}) {
+    for (int i = 0; i < 2; ++i, ++step) {
+      const Inputs in = rig.newInputs(++seed, step);
+      const std::string what = stepName(step, in) + ", scaleFormat " + std::to_string(static_cast<int>(format));
+      DispatchOptions d;
+      d.input = DispatchInput::kFp8Quantize;
+      d.scaleFormat = format;
+      rig.dispatchAll(d);
+      EXPECT_EQ(checkDispatch(rig, in, rig.reference(in), d, what), 0);
+      expectStatusOk(rig, what);
+    }
+  }
+  const Inputs in = rig.newInputs(++seed, step);
+  rig.dispatchAll(DispatchOptions{});
+  EXPECT_EQ(checkDispatch(rig, in, rig.reference(in), DispatchOptions{}, "bf16 after fp8"), 0);
+  expectStatusOk(rig, "bf16 after fp8");
+}
+
+// Three dispatches with recvStats (pre-filled with random values): each adds its experts' rows;
+// expertSourceRanges (checked by every dispatch check) and expertTotals (the rows since creation).
+void runSourceRangesAndStats(const MoeConfig& cfg, std::uint64_t seed) {
+  Rig rig(cfg);
+  std::mt19937_64 rng(seed);
+  std::vector<std::vector<int>> stats(kRanks, std::vector<int>(kLocal));
+  std::vector<std::vector<unsigned long long>> totals(kRanks, std::vector<unsigned long long>(kLocal, 0));
+  for (int r = 0; r < kRanks; ++r) {
+    for (int& s : stats[at(r)]) s = static_cast<int>(rng() % (1u << 20));
+    rig.select(r);
+    uploadAsync(rig.buf(r).stats, stats[at(r)], rig.stream(r));
+  }
+  rig.syncAll();
+  for (int step = 0; step < 3; ++step) {
+    const Inputs in = rig.newInputs(++seed, step);
+    const std::vector<RefLayout> refs = rig.reference(in);
+    DispatchOptions d;
+    d.stats = true;
+    rig.dispatchAll(d);
+    EXPECT_EQ(checkDispatch(rig, in, refs, d, stepName(step, in)), 0);
+    for (int r = 0; r < kRanks; ++r) {
+      for (int j = 0; j < kLocal; ++j) {
+        stats[at(r)][at(j)] += refs[at(r)].counts[at(j)];
+        totals[at(r)][at(j)] += static_cast<unsigned long long>(refs[at(r)].counts[at(j)]);
+      }
+    }
+  }
+  for (int r = 0; r < kRanks; ++r) {
+    rig.select(r);
+    EXPECT_EQ(download<int>(rig.buf(r).stats.get(), kLocal), stats[at(r)]) << "recvStats, rank " << r;
+    EXPECT_EQ(download<unsigned long long>(rig.layout(r).expertTotals, kLocal), totals[at(r)])
+        << "expertTotals, rank " << r;
+  }
+  expectStatusOk(rig, "source ranges and stats");
+}
+
+TEST(Gpu2_MoeLatencyCapabilities, SourceRangesAndStats) {
+  GRAPHEP_REQUIRE_GPUS(2);
+  runSourceRangesAndStats(latencyConfig(2048, ReceiveLayout::kBatched), 600);
+}
+
+TEST(Gpu2_MoeLatencyCapabilities, SourceRangesAndStatsExpertMajor) {
+  GRAPHEP_REQUIRE_GPUS(2);
+  runSourceRangesAndStats(latencyConfig(2048, ReceiveLayout::kExpertMajor), 700);
+}
+
+// Captured once per rank: dispatch send half (no weights), a memset, receive; combine send half with
+// combine-time weights, a memset, receive. Replayed with new inputs, expert outputs and live counts
+// written into the same buffers before each replay; every replay checked.
+TEST(Gpu2_MoeLatencyCapabilities, GraphReplayOfHalves) {
+  GRAPHEP_REQUIRE_GPUS(2);
+  Rig rig(latencyConfig(2048, ReceiveLayout::kBatched));
+  DispatchOptions d;
+  d.weighted = false;
+  d.half = MoeHalf::kSend;
+  CombineOptions c;
+  c.weighted = true;
+  c.half = MoeHalf::kSend;
+  struct Graphs {
+    std::vector<cudaGraphExec_t> exec;
+    ~Graphs() {
+      for (cudaGraphExec_t g : exec) cudaGraphExecDestroy(g);
+    }
+  } graphs;
+  for (int r = 0; r < kRanks; ++r) {
+    rig.select(r);
+    graphs.exec.push_back(captureOnStream(rig.stream(r), [&](cudaStream_t s) {
+      rig.enqueueDispatch(r, d, s);
+      rig.enqueueCombine(r, c, s);
+    }));
+  }
+  const long long replays = replaysFromEnv("GRAPHEP_TEST_REPLAYS", 20);
+  std::uint64_t seed = 800;
+  for (int i = 0; i < replays; ++i) {
+    const Inputs in = rig.newInputs(++seed, i);
+    const std::vector<RefLayout> refs = rig.reference(in);
+    const auto y = rig.newExpertOutputs(++seed);
+    rig.poisonDispatchOutputs();
+    rig.poisonCombineOutputs();
+    for (int r = 0; r < kRanks; ++r) {
+      rig.select(r);
+      GRAPHEP_CUDA_CHECK(cudaGraphLaunch(graphs.exec[at(r)], rig.stream(r)));
+    }
+    rig.syncAll();
+    const std::string what = "replay " + std::to_string(i) + ", " + stepName(i, in);
+    EXPECT_EQ(checkDispatch(rig, in, refs, d, what), 0);
+    EXPECT_EQ(checkCombine(rig, in, refs, y, Weights::kCombine, what), 0);
+  }
+  expectStatusOk(rig, "graph replays");
+}
+
+// Bad arguments of the latency capabilities: named errors before anything is enqueued (the engine
+// then works), and the latency-only ones refused by a throughput engine.
+TEST(Gpu2_MoeLatencyCapabilities, BadInput) {
+  GRAPHEP_REQUIRE_GPUS(2);
+  Rig rig(latencyConfig(2048, ReceiveLayout::kBatched));
+  const Inputs in = rig.newInputs(900, 0);
+  Engine& e = rig.engine(0);
+  const cudaStream_t s = rig.stream(0);
+  DispatchArgs a = rig.dispatchArgs(0, DispatchOptions{});
+  a.input = DispatchInput::kBf16;
+  a.scaleFormat = Fp8Scales::kUe8m0;
+  expectError([&] { e.dispatch(a, s); }, Status::kInvalidArgument, "scaleFormat=2 applies to an fp8 dispatch");
+  a = rig.dispatchArgs(0, DispatchOptions{});
+  a.half = static_cast<MoeHalf>(9);
+  expectError([&] { e.dispatch(a, s); }, Status::kInvalidArgument, "half=9 is not a MoeHalf");
+  CombineArgs ca = rig.combineArgs(0, CombineOptions{});
+  ca.half = static_cast<MoeHalf>(9);
+  expectError([&] { e.combine(ca, s); }, Status::kInvalidArgument, "half=9 is not a MoeHalf");
+
+  rig.dispatchAll(DispatchOptions{});  // nothing was enqueued by the refused calls
+  EXPECT_EQ(checkDispatch(rig, in, rig.reference(in), DispatchOptions{}, "after the refused calls"), 0);
+  expectStatusOk(rig, "after the refused calls");
+
+  MoeConfig throughput = latencyConfig(2048, ReceiveLayout::kBatched);
+  throughput.path = MoePath::kThroughput;
+  Rig other(throughput);
+  Engine& t = other.engine(0);
+  const cudaStream_t ts = other.stream(0);
+  ca = other.combineArgs(0, CombineOptions{true, MoeHalf::kWhole});
+  expectError([&] { t.combine(ca, ts); }, Status::kNotSupported, "combine topkWeights applies to the latency path");
+  ca = other.combineArgs(0, CombineOptions{false, MoeHalf::kSend});
+  expectError([&] { t.combine(ca, ts); }, Status::kNotSupported, "combine half=kSend applies to the latency path");
+  a = other.dispatchArgs(0, DispatchOptions{});
+  a.half = MoeHalf::kSend;
+  expectError([&] { t.dispatch(a, ts); }, Status::kNotSupported, "half=kSend applies to the latency path");
+  expectError([&] { t.receive(ts); }, Status::kInvalidArgument, "no send half");
+}
+
+}  // namespace
+}  // namespace graphep::test
