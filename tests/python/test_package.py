@@ -78,8 +78,10 @@ def test_memory_query_needs_no_gpu_and_picks_the_path():
 
 
 @pytest.mark.parametrize("dtype, row_bytes", [
-    (graphep.DType.BF16, 2 * 7168 + 16 + 2 * 7168),  # recv_x, 4 metadata words, the bf16 expert output
-    (graphep.DType.FP8_E4M3, 7168 + 7168 // 128 * 4 + 16 + 2 * 7168),  # e4m3 bytes and scales instead
+    # recv_x, the fp8 scales (a bf16 engine keeps them too, for its fp8 dispatches), 4 metadata
+    # words, the bf16 expert output
+    (graphep.DType.BF16, 2 * 7168 + 7168 // 128 * 4 + 16 + 2 * 7168),
+    (graphep.DType.FP8_E4M3, 7168 + 7168 // 128 * 4 + 16 + 2 * 7168),  # e4m3 bytes instead
 ])
 def test_memory_query_private_bytes_grow_by_the_receive_rows(dtype, row_bytes):
     small = graphep.memory_requirements(good(dispatch_type=dtype, recv_capacity=1000), 8).private_bytes
