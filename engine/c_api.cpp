@@ -80,6 +80,14 @@ template <>
 constexpr std::size_t kFirstVersionSize<graphep_moe_status_t> = offsetof(graphep_moe_status_t, missing_combine_rows);
 static_assert(sizeof(void*) != 8 || kFirstVersionSize<graphep_moe_status_t> == 72,
               "graphep_moe_status_t's version-1 fields moved: the struct may only grow at its end");
+// A version-4 caller passes sizeof its struct, tail padding included: version 5's first field must
+// start past that padding, or the caller's padding bytes would be read as it.
+static_assert(sizeof(void*) != 8 || offsetof(graphep_dispatch_args_t, scale_format) == 160,
+              "graphep_dispatch_args_t's version-5 fields must start at the version-4 size");
+static_assert(sizeof(void*) != 8 || offsetof(graphep_combine_args_t, topk_weights) == 56,
+              "graphep_combine_args_t's version-5 fields must start at the version-4 size");
+static_assert(sizeof(void*) != 8 || offsetof(graphep_layout_t, expert_source_ranges) == 168,
+              "graphep_layout_t's version-5 fields must start at the version-4 size");
 
 // The fields of a caller's versioned struct that its struct_size covers (an older caller's struct
 // is shorter; a newer caller's extra fields are ignored); fields past it read 0, so a field added
@@ -138,6 +146,14 @@ graphep::DispatchArgs dispatchArgs(const graphep_dispatch_args_t* a) {
   d.outputs.rowSrcToken = v.out_row_src_token;
   d.outputs.rankPrefixMatrix = v.out_rank_prefix_matrix;
   d.outputs.rows = v.out_rows;
+  GRAPHEP_REQUIRE(v.scale_format >= GRAPHEP_FP8_SCALES_FLOAT && v.scale_format <= GRAPHEP_FP8_SCALES_UE8M0,
+                  graphep::Status::kInvalidArgument, "dispatch args scale_format=%d is not a graphep_fp8_scales_t",
+                  v.scale_format);
+  GRAPHEP_REQUIRE(v.half == GRAPHEP_HALF_WHOLE || v.half == GRAPHEP_HALF_SEND, graphep::Status::kInvalidArgument,
+                  "dispatch args half=%d is not a graphep_half_t", v.half);
+  d.scaleFormat = static_cast<graphep::Fp8Scales>(v.scale_format);
+  d.recvStats = v.recv_stats;
+  d.half = static_cast<graphep::MoeHalf>(v.half);
   return d;
 }
 
@@ -150,6 +166,10 @@ graphep::CombineArgs combineArgs(const graphep_combine_args_t* a) {
   c.rowValues = v.row_values;
   c.outValues = v.out_values;
   c.numValues = v.num_values;
+  GRAPHEP_REQUIRE(v.half == GRAPHEP_HALF_WHOLE || v.half == GRAPHEP_HALF_SEND, graphep::Status::kInvalidArgument,
+                  "combine args half=%d is not a graphep_half_t", v.half);
+  c.topkWeights = v.topk_weights;
+  c.half = static_cast<graphep::MoeHalf>(v.half);
   return c;
 }
 
@@ -300,6 +320,8 @@ graphep_status_t graphep_engine_layout(graphep_engine_t engine, graphep_layout_t
     o.rank_offsets = v.rankOffsets;
     o.row_experts = v.rowExperts;
     o.row_expert_weights = v.rowExpertWeights;
+    o.expert_source_ranges = v.expertSourceRanges;
+    o.scales_buffer = v.scalesBuffer;
     writeVersioned(layout, o);
   });
 }
@@ -317,6 +339,10 @@ graphep_status_t graphep_dispatch(graphep_engine_t engine, const graphep_dispatc
 
 graphep_status_t graphep_combine(graphep_engine_t engine, const graphep_combine_args_t* args, cudaStream_t stream) {
   return guarded([&] { engineOf(engine).combine(combineArgs(args), stream); });
+}
+
+graphep_status_t graphep_receive(graphep_engine_t engine, cudaStream_t stream) {
+  return guarded([&] { engineOf(engine).receive(stream); });
 }
 
 graphep_status_t graphep_engine_status(graphep_engine_t engine, graphep_moe_status_t* status) {
@@ -368,6 +394,15 @@ graphep_status_t graphep_graph_create(graphep_engine_t engine, const graphep_dis
     graphep::MoeGraphArgs a;
     a.dispatch = dispatchArgs(dispatch);
     const graphep::CombineArgs c = combineArgs(combine);
+    // A MoeGraph runs whole operations and its combine takes only expert_output and out: refuse what
+    // it would otherwise drop (capture graphep_dispatch / graphep_receive / graphep_combine instead).
+    GRAPHEP_REQUIRE(a.dispatch.half == graphep::MoeHalf::kWhole && c.half == graphep::MoeHalf::kWhole,
+                    graphep::Status::kInvalidArgument,
+                    "graphep_graph_create: dispatch half=%d, combine half=%d: a MoeGraph runs whole operations",
+                    static_cast<int>(a.dispatch.half), static_cast<int>(c.half));
+    GRAPHEP_REQUIRE(c.topkWeights == nullptr, graphep::Status::kInvalidArgument,
+                    "graphep_graph_create: combine topk_weights=%p: a MoeGraph's combine takes the dispatch's weights",
+                    static_cast<const void*>(c.topkWeights));
     a.expertOutput = c.expertOutput;
     a.out = c.out;
     auto h = std::make_unique<graphep_graph>();

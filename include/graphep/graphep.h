@@ -33,8 +33,12 @@ extern "C" {
  * written. 4: graphep_dispatch_args_t.top_k, token_in_rank, input, x_scales and its strides, and
  * the caller's outputs (out_*); graphep_combine_args_t.expert_output_rows, row_values, out_values,
  * num_values; graphep_moe_status_t.missing_combine_rows; graphep_token_layout; graphep_api_version.
- * Dispatch -> dispatch and combine -> combine are defined (no longer counted as unpaired). */
-#define GRAPHEP_C_API_VERSION 4
+ * Dispatch -> dispatch and combine -> combine are defined (no longer counted as unpaired).
+ * 5 (the latency path's capabilities): graphep_dispatch_args_t.scale_format, recv_stats, half;
+ * graphep_combine_args_t.topk_weights, half; graphep_layout_t.expert_source_ranges, scales_buffer;
+ * graphep_receive; graphep_fp8_scales_t, graphep_half_t. A version-4 caller's structs (dispatch
+ * args 160 bytes, combine args 56, layout 168 on 64-bit hosts) keep working. */
+#define GRAPHEP_C_API_VERSION 5
 
 /* Mirrors graphep::Status (include/graphep/status.hpp). */
 typedef enum graphep_status {
@@ -62,6 +66,20 @@ typedef enum graphep_dispatch_input {
   GRAPHEP_INPUT_FP8_QUANTIZE = 2,  /* x bf16, quantised by graphep (e4m3, an fp32 scale per 128 values) */
   GRAPHEP_INPUT_FP8 = 3            /* x e4m3 bytes quantised by the caller, with x_scales */
 } graphep_dispatch_input_t;
+/* graphep::Fp8Scales: the fp8 scales of a dispatch graphep quantises (scale_format). Latency path. */
+typedef enum graphep_fp8_scales {
+  GRAPHEP_FP8_SCALES_FLOAT = 0,  /* fp32, amax / 448 per 128 values */
+  GRAPHEP_FP8_SCALES_POW2 = 1,   /* fp32, amax / 448 rounded up to a power of two (DeepEP's round_scale) */
+  GRAPHEP_FP8_SCALES_UE8M0 = 2   /* those powers of two as their biased exponent bytes (UE8M0): the
+                                  * scales then hold [rows][H / 128] bytes, four per int32, value
+                                  * 4w + i in byte i (DeepEP's use_ue8m0) */
+} graphep_fp8_scales_t;
+/* graphep::MoeHalf: which part of an operation a call enqueues (half). Latency path. */
+typedef enum graphep_half {
+  GRAPHEP_HALF_WHOLE = 0,  /* one kernel: the send, then the receive in the same launch */
+  GRAPHEP_HALF_SEND = 1    /* the send half alone; graphep_receive enqueues the receive half later (the
+                            * stream may run other work between them, e.g. the other micro-batch's GEMMs) */
+} graphep_half_t;
 typedef enum graphep_index_type { GRAPHEP_INDEX_INT32 = 0, GRAPHEP_INDEX_INT64 = 1 } graphep_index_type_t;
 typedef enum graphep_path { GRAPHEP_PATH_AUTO = 0, GRAPHEP_PATH_LATENCY = 1, GRAPHEP_PATH_THROUGHPUT = 2 } graphep_path_t;
 /* graphep::ReceiveLayout. */
@@ -121,10 +139,16 @@ typedef struct graphep_dispatch_args {
   int* out_row_src_token;
   int* out_rank_prefix_matrix; /* [R, R] */
   long long out_rows;
+  /* Version 5 (graphep::DispatchArgs; 0 / NULL: as before). */
+  int scale_format;            /* graphep_fp8_scales_t of a dispatch graphep quantises; not FLOAT: latency path */
+  int* recv_stats;             /* [E_local] or NULL: each local expert's rows of this dispatch (kept or
+                                * dropped) added on the device (DeepEP's cumulative_local_expert_recv_stats);
+                                * not rank-major */
+  int half;                    /* graphep_half_t; SEND: latency path, graphep_receive completes it */
 } graphep_dispatch_args_t;
 #define GRAPHEP_DISPATCH_ARGS_INIT \
   { sizeof(graphep_dispatch_args_t), NULL, NULL, GRAPHEP_INDEX_INT32, NULL, NULL, 0, NULL, GRAPHEP_INPUT_CONFIG, NULL, 0, \
-    0, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0 }
+    0, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0, GRAPHEP_FP8_SCALES_FLOAT, NULL, GRAPHEP_HALF_WHOLE }
 
 /* graphep::CombineArgs. */
 typedef struct graphep_combine_args {
@@ -136,8 +160,14 @@ typedef struct graphep_combine_args {
   const float* row_values;     /* rank-major, direct path: [rows, num_values] fp32 summed like the rows */
   float* out_values;           /* [T, num_values] */
   int num_values;              /* 1 .. 16 with row_values */
+  /* Version 5 (graphep::CombineArgs). */
+  const float* topk_weights;   /* [T, K] (K: the dispatch's top_k) or NULL: the weights to reduce with in
+                                * place of the dispatch's (DeepEP's low-latency combine). Latency path,
+                                * expert-major or batched */
+  int half;                    /* graphep_half_t; SEND: latency path, graphep_receive completes it */
 } graphep_combine_args_t;
-#define GRAPHEP_COMBINE_ARGS_INIT { sizeof(graphep_combine_args_t), NULL, NULL, 0, NULL, NULL, 0 }
+#define GRAPHEP_COMBINE_ARGS_INIT \
+  { sizeof(graphep_combine_args_t), NULL, NULL, 0, NULL, NULL, 0, NULL, GRAPHEP_HALF_WHOLE }
 
 /* graphep::DispatchLayout: engine-owned device memory, fixed for the engine's life; the contents
  * are those of the last dispatch, valid until the next one. E_local = num_local_experts.
@@ -190,10 +220,20 @@ typedef struct graphep_layout {
   const int* rank_offsets;
   const int* row_experts;
   const float* row_expert_weights;
+  /* Version 5 (written only when the caller's struct_size covers them). Expert-major and batched
+   * (NULL for rank-major): [E_local][world size], the rows of expert j that came from rank q as
+   * begin << 32 | count, begin counted from the expert's first row (DeepEP's layout_range); kept
+   * rows only. */
+  const long long* expert_source_ranges;
+  /* The engine's scales buffer, [capacity, hidden / 128] fp32 (bytes with GRAPHEP_FP8_SCALES_UE8M0),
+   * there whenever hidden is a multiple of 128 whatever the dispatch_dtype: a bf16 engine's fp8
+   * dispatch writes e4m3 rows into recv_x and their scales here (recv_scales points to it after an
+   * fp8 dispatch). */
+  float* scales_buffer;
 } graphep_layout_t;
 #define GRAPHEP_LAYOUT_INIT \
   { sizeof(graphep_layout_t), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0, 0, 0, 0, NULL, 0, 0, \
-    NULL, NULL, NULL }
+    NULL, NULL, NULL, NULL, NULL }
 
 /* graphep::MoeStatus (the device error, if any, is in graphep_last_error() after the call). */
 typedef struct graphep_moe_status {
@@ -258,6 +298,11 @@ graphep_status_t graphep_engine_path(graphep_engine_t engine, int* path);
 /* Capturable; every rank must call them. */
 graphep_status_t graphep_dispatch(graphep_engine_t engine, const graphep_dispatch_args_t* args, cudaStream_t stream);
 graphep_status_t graphep_combine(graphep_engine_t engine, const graphep_combine_args_t* args, cudaStream_t stream);
+/* Capturable; every rank must call it. The receive half of this engine's last dispatch or combine
+ * enqueued with half = GRAPHEP_HALF_SEND, on `stream` (the same stream or another ordered after the
+ * send half). No other dispatch or combine of the engine may come between a send half and its
+ * receive; with none waiting, GRAPHEP_INVALID_ARGUMENT. Version 5. */
+graphep_status_t graphep_receive(graphep_engine_t engine, cudaStream_t stream);
 /* Diagnostics (synchronises the engine's device). */
 graphep_status_t graphep_engine_status(graphep_engine_t engine, graphep_moe_status_t* status);
 /* graphep::tokenLayout (DeepEP's get_dispatch_layout): per-rank and per-expert counts and the

@@ -31,6 +31,12 @@
  * process (this binary re-executed with --strict-child: a process that initialised CUDA cannot
  * fork a CUDA user), which must die of the trap's CUDA error (exit 3), within a time limit.
  *
+ * Latency halves (API version 5): round 0 passes version-4-sized dispatch and combine structs whose
+ * version-5 fields hold values the library would refuse (so they must not be read); later rounds
+ * enqueue each dispatch and combine as its send half on every rank, then graphep_receive on every
+ * rank, the combine bringing topk_weights (the dispatch's own, so the reference above holds) and the
+ * dispatch adding its per-expert rows to recv_stats. A receive with no send half waiting is refused.
+ *
  * Graphs (MoeGraph with an expert child graph, swapped between replays): the identity expert
  * (expert_output = recv_x, checked as out[t] = sum_k w_k x_t), the same after a memset, then the
  * host expert above as captured nodes (copies to pinned memory, a host node, the copy back), so
@@ -225,6 +231,8 @@ typedef struct {
   void *x, *idx, *out, *expert_out;
   float* w;
   int* n;
+  int* stats; /* [L] recv_stats of a halves run */
+  unsigned long long exp_stats[L];
   /* Host inputs of the current round. */
   uint16_t hx[T_MAX * H];
   long long hid[T_MAX * K];
@@ -271,6 +279,7 @@ typedef struct {
   int skew;              /* every token's first choice is expert 1 */
   int bad_input;         /* invalid ids, live counts T_max + 5 (even ranks) and -3 (odd ranks) */
   int caller_output;     /* combine reads the caller's expert output, not the layout's */
+  int halves;            /* latency path: round 0 version-4 structs, then send halves + graphep_receive */
   int graphs;
   int rounds;
 } run_cfg_t;
@@ -291,6 +300,8 @@ static const run_cfg_t kRuns[] = {
     {.name = "capacity 20 x world, skewed, alignment 4, throughput", .dtype = GRAPHEP_DTYPE_BF16,
      .index_type = GRAPHEP_INDEX_INT32, .path = GRAPHEP_PATH_THROUGHPUT, .alignment = 4, .capacity_per_rank = 20,
      .skew = 1, .caller_output = 1, .rounds = 2},
+    {.name = "latency halves, combine-time weights", .dtype = GRAPHEP_DTYPE_BF16, .index_type = GRAPHEP_INDEX_INT32,
+     .path = GRAPHEP_PATH_LATENCY, .alignment = 1, .halves = 1, .rounds = 3},
     {.name = "strict, clean inputs", .dtype = GRAPHEP_DTYPE_BF16, .index_type = GRAPHEP_INDEX_INT32,
      .path = GRAPHEP_PATH_AUTO, .alignment = 1, .strict = 1, .rounds = 2},
     {.name = "invalid ids and live counts, auto", .dtype = GRAPHEP_DTYPE_BF16, .index_type = GRAPHEP_INDEX_INT64,
@@ -704,17 +715,56 @@ static void sync_all(run_t* run) {
   }
 }
 
-/* dispatch on every rank -> read back and check each layout, the host expert -> combine. */
-static void eager_round(run_t* run, const graphep_dispatch_args_t* da, const graphep_combine_args_t* ca) {
-  new_inputs(run);
+/* How a round enqueues its dispatch and combine. */
+typedef enum { OPS_WHOLE, OPS_V4_STRUCTS, OPS_HALVES } ops_t;
+static const char* const kOpsNames[] = {"", ", version-4 structs", ", send halves + receive"};
+
+/* Junk in a field past a version-4 caller's struct_size: refused by name if the library read it. */
+#define NOT_READ_INT (-1)
+#define NOT_READ_PTR ((void*)(uintptr_t)8)
+
+/* Whole: as given. Version-4 structs: struct_size ends before the version-5 fields, which hold junk.
+ * Halves: every rank's send half, then every rank's receive half. */
+static void enqueue_ops(run_t* run, const graphep_dispatch_args_t* da, const graphep_combine_args_t* ca, int combine,
+                        ops_t ops) {
   for (int i = 0; i < run->world; ++i) { /* every rank enqueued before any waits */
-    CHECK_CUDA(cudaSetDevice(run->r[i].device));
-    CHECK_G(graphep_dispatch(run->r[i].engine, &da[i], run->r[i].stream));
+    rank_t* q = &run->r[i];
+    graphep_dispatch_args_t d = da[i];
+    graphep_combine_args_t o = ca[i];
+    if (ops == OPS_V4_STRUCTS) {
+      d.struct_size = offsetof(graphep_dispatch_args_t, scale_format);
+      d.scale_format = NOT_READ_INT;
+      d.recv_stats = (int*)NOT_READ_PTR;
+      d.half = NOT_READ_INT;
+      o.struct_size = offsetof(graphep_combine_args_t, topk_weights);
+      o.topk_weights = (const float*)NOT_READ_PTR;
+      o.half = NOT_READ_INT;
+    } else if (ops == OPS_HALVES) {
+      d.half = GRAPHEP_HALF_SEND;
+      d.recv_stats = q->stats;
+      o.half = GRAPHEP_HALF_SEND;
+      o.topk_weights = q->w; /* the dispatch's weights: the whole operation's result */
+    }
+    CHECK_CUDA(cudaSetDevice(q->device));
+    CHECK_G(combine ? graphep_combine(q->engine, &o, q->stream) : graphep_dispatch(q->engine, &d, q->stream));
   }
+  for (int i = 0; ops == OPS_HALVES && i < run->world; ++i) {
+    CHECK_CUDA(cudaSetDevice(run->r[i].device));
+    CHECK_G(graphep_receive(run->r[i].engine, run->r[i].stream));
+  }
+}
+
+/* dispatch on every rank -> read back and check each layout, the host expert -> combine. */
+static void eager_round(run_t* run, const graphep_dispatch_args_t* da, const graphep_combine_args_t* ca, ops_t ops) {
+  new_inputs(run);
+  enqueue_ops(run, da, ca, 0, ops);
   sync_all(run);
   reference_layouts(run);
   for (int i = 0; i < run->world; ++i) {
     rank_t* q = &run->r[i];
+    for (int j = 0; ops == OPS_HALVES && j < L; ++j) {
+      q->exp_stats[j] += (unsigned long long)(q->ref_counts[j] + q->ref_dropped[j]);
+    }
     check_layout(run, i);
     const expert_input_t in = {run->fp8, run->capacity, q->lay.first_local_expert, q->hb_x, q->hb_sc,
                                q->hb_offsets, q->hb_counts};
@@ -722,10 +772,7 @@ static void eager_round(run_t* run, const graphep_dispatch_args_t* da, const gra
     CHECK_CUDA(cudaMemcpyAsync(target_of(run, q), q->hy, (size_t)run->capacity * H * 2, cudaMemcpyHostToDevice,
                                q->stream));
   }
-  for (int i = 0; i < run->world; ++i) {
-    CHECK_CUDA(cudaSetDevice(run->r[i].device));
-    CHECK_G(graphep_combine(run->r[i].engine, &ca[i], run->r[i].stream));
-  }
+  enqueue_ops(run, da, ca, 1, ops);
   sync_all(run);
   check_outputs(run, EXPERT_SCALED);
 }
@@ -840,6 +887,17 @@ static void abi_checks(graphep_engine_t engine, const graphep_layout_t* full) {
              old.first_local_expert == full->first_local_expert && old.capacity == full->capacity,
          "a version-1 layout (struct_size %zu): struct_size %zu on return, expert_dropped %s", v1, old.struct_size,
          old.expert_dropped == &sentinel ? "kept" : "overwritten");
+  /* A version-4 caller: its struct ends before expert_source_ranges, left as it was. */
+  const size_t v4 = offsetof(graphep_layout_t, expert_source_ranges);
+  static const long long sentinel4 = 0;
+  graphep_layout_t old4 = GRAPHEP_LAYOUT_INIT;
+  old4.struct_size = v4;
+  old4.expert_source_ranges = &sentinel4;
+  CHECK_G(graphep_engine_layout(engine, &old4));
+  EXPECT(old4.struct_size == v4 && old4.expert_source_ranges == &sentinel4 && old4.scales_buffer == NULL &&
+             old4.row_expert_weights == full->row_expert_weights && old4.expert_dropped == full->expert_dropped,
+         "a version-4 layout (struct_size %zu): struct_size %zu on return, expert_source_ranges %s", v4,
+         old4.struct_size, old4.expert_source_ranges == &sentinel4 ? "kept" : "overwritten");
   graphep_layout_t small = GRAPHEP_LAYOUT_INIT;
   small.struct_size = v1 - 8;
   s = graphep_engine_layout(engine, &small);
@@ -902,6 +960,11 @@ static void run_config(graphep_comm_t comm, const char* comm_name, int peers_loa
                lay.expert_totals != NULL && lay.expert_output != NULL && (lay.recv_scales != NULL) == run.fp8,
            "%s: rank %d layout pointers (recv_scales %p for %s)", run.label, i, (void*)lay.recv_scales,
            run.fp8 ? "fp8" : "bf16");
+    /* Version 5: expert-major on either path; H a multiple of 128: a scales buffer on bf16 engines too. */
+    EXPECT(lay.expert_source_ranges != NULL && lay.scales_buffer != NULL &&
+               (!run.fp8 || lay.scales_buffer == lay.recv_scales),
+           "%s: rank %d layout expert_source_ranges %p, scales_buffer %p (recv_scales %p)", run.label, i,
+           (const void*)lay.expert_source_ranges, (void*)lay.scales_buffer, (void*)lay.recv_scales);
     if (lay.capacity != run.capacity) exit(1); /* every buffer below is sized by it */
     int path = -1;
     CHECK_G(graphep_engine_path(q->engine, &path));
@@ -922,6 +985,10 @@ static void run_config(graphep_comm_t comm, const char* comm_name, int peers_loa
     CHECK_CUDA(cudaMalloc((void**)&q->n, sizeof(int)));
     CHECK_CUDA(cudaMalloc(&q->out, (size_t)T_MAX * H * 2));
     if (c->caller_output) CHECK_CUDA(cudaMalloc(&q->expert_out, cap * H * 2));
+    if (c->halves) {
+      CHECK_CUDA(cudaMalloc((void**)&q->stats, L * sizeof(int)));
+      CHECK_CUDA(cudaMemset(q->stats, 0, L * sizeof(int)));
+    }
     q->ref_valid = (unsigned char*)malloc(cap);
     q->ref_src = (int*)malloc(cap * sizeof(int));
     q->ref_tok = (int*)malloc(cap * sizeof(int));
@@ -956,9 +1023,33 @@ static void run_config(graphep_comm_t comm, const char* comm_name, int peers_loa
     ca[i] = o;
   }
 
+  if (c->halves) {
+    set_label(&run, "refusals");
+    graphep_status_t s = graphep_receive(run.r[0].engine, run.r[0].stream);
+    EXPECT(s == GRAPHEP_INVALID_ARGUMENT && strstr(graphep_last_error(), "no send half") != NULL,
+           "%s: graphep_receive with nothing pending: %s \"%s\"", run.label, graphep_status_name(s),
+           graphep_last_error());
+    graphep_dispatch_args_t d = da[0];
+    d.half = GRAPHEP_HALF_SEND;
+    graphep_graph_t g = NULL;
+    s = graphep_graph_create(run.r[0].engine, &d, &ca[0], NULL, &g);
+    EXPECT(s == GRAPHEP_INVALID_ARGUMENT && strstr(graphep_last_error(), "whole operations") != NULL,
+           "%s: a MoeGraph of send halves: %s \"%s\"", run.label, graphep_status_name(s), graphep_last_error());
+  }
   for (int round = 0; round < c->rounds; ++round) {
-    set_label(&run, "eager round %d", round);
-    eager_round(&run, da, ca);
+    const ops_t ops = !c->halves ? OPS_WHOLE : round == 0 ? OPS_V4_STRUCTS : OPS_HALVES;
+    set_label(&run, "eager round %d%s", round, kOpsNames[ops]);
+    eager_round(&run, da, ca, ops);
+  }
+  for (int i = 0; c->halves && i < world; ++i) {
+    rank_t* q = &run.r[i];
+    int stats[L];
+    CHECK_CUDA(cudaSetDevice(q->device));
+    CHECK_CUDA(cudaMemcpy(stats, q->stats, sizeof stats, cudaMemcpyDeviceToHost));
+    for (int j = 0; j < L; ++j) {
+      EXPECT((unsigned long long)stats[j] == q->exp_stats[j], "%s: rank %d recv_stats[%d] = %d, expected %llu",
+             run.label, i, j, stats[j], q->exp_stats[j]);
+    }
   }
   if (c->graphs) graph_rounds(&run, da, ca);
   set_label(&run, "status");
@@ -978,6 +1069,7 @@ static void run_config(graphep_comm_t comm, const char* comm_name, int peers_loa
     CHECK_CUDA(cudaFree(q->n));
     CHECK_CUDA(cudaFree(q->out));
     if (q->expert_out != NULL) CHECK_CUDA(cudaFree(q->expert_out));
+    if (q->stats != NULL) CHECK_CUDA(cudaFree(q->stats));
     CHECK_CUDA(cudaStreamDestroy(q->stream));
     CHECK_G(graphep_engine_destroy(q->engine));
     free(q->ref_valid);
@@ -1004,6 +1096,10 @@ static double now_s(void) {
 
 static void run_all(graphep_comm_t comm, const char* comm_name, int peers_load_store) {
   for (size_t i = 0; i < sizeof kRuns / sizeof kRuns[0]; ++i) {
+    if (kRuns[i].path == GRAPHEP_PATH_LATENCY && !peers_load_store) {
+      printf("%s / %s: skipped (the latency path needs load/store peers)\n", comm_name, kRuns[i].name);
+      continue;
+    }
     const double t0 = now_s();
     run_config(comm, comm_name, peers_load_store, &kRuns[i], i == 0);
     printf("%s / %s: %.2f s\n", comm_name, kRuns[i].name, now_s() - t0);
@@ -1190,6 +1286,8 @@ static void memory_query(void) {
 
 int main(int argc, char** argv) {
   if (argc > 1 && strcmp(argv[1], STRICT_CHILD_ARG) == 0) return strict_child();
+  EXPECT(GRAPHEP_C_API_VERSION == 5 && graphep_api_version() == GRAPHEP_C_API_VERSION,
+         "API version: header %d, library %d, expected 5", GRAPHEP_C_API_VERSION, graphep_api_version());
   memory_query();
   if (failures != 0) return 1; /* checked without a GPU too */
   const long expected = expected_gpus();

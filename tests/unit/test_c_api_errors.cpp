@@ -65,6 +65,38 @@ TEST(Unit_CApi, ErrorsAreNamedStatusesPerThread) {
   }
 }
 
+// Version 5 (the latency path's capabilities): the version, the INIT defaults ("as before"), the
+// enums equal to the C++ ones, and graphep_receive's NULL engine named.
+TEST(Unit_CApi, Version5LatencyCapabilities) {
+  EXPECT_EQ(GRAPHEP_C_API_VERSION, 5);
+  EXPECT_EQ(graphep_api_version(), GRAPHEP_C_API_VERSION);
+  EXPECT_EQ(GRAPHEP_FP8_SCALES_FLOAT, static_cast<int>(Fp8Scales::kFloat));
+  EXPECT_EQ(GRAPHEP_FP8_SCALES_POW2, static_cast<int>(Fp8Scales::kPow2));
+  EXPECT_EQ(GRAPHEP_FP8_SCALES_UE8M0, static_cast<int>(Fp8Scales::kUe8m0));
+  EXPECT_EQ(GRAPHEP_HALF_WHOLE, static_cast<int>(MoeHalf::kWhole));
+  EXPECT_EQ(GRAPHEP_HALF_SEND, static_cast<int>(MoeHalf::kSend));
+
+  const graphep_dispatch_args_t d = GRAPHEP_DISPATCH_ARGS_INIT;
+  EXPECT_EQ(d.struct_size, sizeof(graphep_dispatch_args_t));
+  EXPECT_EQ(d.out_rows, 0);
+  EXPECT_EQ(d.scale_format, GRAPHEP_FP8_SCALES_FLOAT);
+  EXPECT_EQ(d.recv_stats, nullptr);
+  EXPECT_EQ(d.half, GRAPHEP_HALF_WHOLE);
+  const graphep_combine_args_t c = GRAPHEP_COMBINE_ARGS_INIT;
+  EXPECT_EQ(c.struct_size, sizeof(graphep_combine_args_t));
+  EXPECT_EQ(c.num_values, 0);
+  EXPECT_EQ(c.topk_weights, nullptr);
+  EXPECT_EQ(c.half, GRAPHEP_HALF_WHOLE);
+  const graphep_layout_t l = GRAPHEP_LAYOUT_INIT;
+  EXPECT_EQ(l.struct_size, sizeof(graphep_layout_t));
+  EXPECT_EQ(l.row_expert_weights, nullptr);
+  EXPECT_EQ(l.expert_source_ranges, nullptr);
+  EXPECT_EQ(l.scales_buffer, nullptr);
+
+  EXPECT_EQ(graphep_receive(nullptr, nullptr), GRAPHEP_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(graphep_last_error()).find("engine is NULL"), std::string::npos) << graphep_last_error();
+}
+
 // The memory query through the C ABI: the same figures as Engine::memoryRequirements, no GPU
 // needed, the bad field named.
 TEST(Unit_CApi, MemoryRequirementsMatchTheCppQuery) {
