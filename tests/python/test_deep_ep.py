@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import requires_gpus, requires_torch
+from deep_ep_worker import finish
 
 import graphep  # noqa: E402
 from graphep.deep_ep import Config, EventOverlap  # noqa: E402
@@ -512,21 +513,7 @@ def worker() -> int:
 
     torch.cuda.synchronize()
     status = buffer.status()
-    count("status", not status.ok)
-    if not status.ok:
-        print(f"rank {rank}: {status.describe()}", flush=True)
-    buffer.destroy()
-    bad = {k: v for k, v in wrong.items() if v}
-    if bad:
-        print(f"rank {rank}: wrong {bad}", flush=True)
-    total = torch.tensor([sum(bad.values())], device=device)
-    dist.all_reduce(total)
-    if rank == 0:
-        print(f"test_deep_ep worker: {R} ranks, {len(wrong)} checks each: {int(total)} wrong", flush=True)
-        print("PASS" if int(total) == 0 else "FAIL", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0 if int(total) == 0 else 1
+    return finish("test_deep_ep", buffer, wrong, status.ok, rank, R, device)
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:

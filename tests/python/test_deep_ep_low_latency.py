@@ -23,6 +23,7 @@ import sys
 import pytest
 
 from conftest import requires_gpus, requires_torch
+from deep_ep_worker import finish
 
 import graphep  # noqa: E402
 from graphep.deep_ep import config as dconfig  # noqa: E402
@@ -502,21 +503,7 @@ def worker() -> int:
 
     torch.cuda.synchronize()
     status = buffer.status()
-    count("status", not status.ok or len(status.low_latency) != 2)
-    if not status.ok:
-        print(f"rank {rank}: {status.describe()}", flush=True)
-    buffer.destroy()
-    bad = {name: v for name, v in wrong.items() if v}
-    if bad:
-        print(f"rank {rank}: wrong {bad}", flush=True)
-    total = torch.tensor([sum(bad.values())], device=device)
-    dist.all_reduce(total)
-    if rank == 0:
-        print(f"test_deep_ep_low_latency worker: {R} ranks, {len(wrong)} checks each: {int(total)} wrong", flush=True)
-        print("PASS" if int(total) == 0 else "FAIL", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0 if int(total) == 0 else 1
+    return finish("test_deep_ep_low_latency", buffer, wrong, status.ok and len(status.low_latency) == 2, rank, R, device)
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:
