@@ -170,3 +170,14 @@ def test_engine_views_export_through_dlpack_and_keep_their_owner():
     del view, a
     gc.collect()
     assert alive() is None
+
+
+def test_type_information_ships_with_the_package():
+    """PEP 561: py.typed and the extension's stub (nanobind's stubgen at build time), which declares
+    the compiled core's classes and their run-path methods."""
+    package = Path(graphep.__file__).parent
+    assert (package / "py.typed").is_file()
+    stub = (package / "_graphep.pyi").read_text()
+    for declaration in ("class EngineCore", "def dispatch(", "def combine(", "def receive(", "class Fp8Scales",
+                        "class MoeHalf", "class MoeConfig"):
+        assert declaration in stub, f"_graphep.pyi lacks {declaration!r}"
