@@ -13,6 +13,8 @@ namespace graphep {
 
 const char* versionString() noexcept { return GRAPHEP_VERSION_STRING; }
 
+const char* cudaTargets() noexcept { return GRAPHEP_CUDA_ARCHS_LIST; }
+
 int ncclRuntimeVersion() {
   int v = 0;
   GRAPHEP_NCCL_CHECK(ncclGetVersion(&v));

@@ -4,7 +4,10 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cstdio>
+#include <string>
 #include <exception>
 #include <vector>
 
@@ -31,6 +34,8 @@ int run() {
   std::printf("NCCL: built against %d.%d.%d, runtime %d\n", NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH,
               graphep::ncclRuntimeVersion());
   std::printf("MPI bootstrap: %s\n", graphep::mpiSupported() ? "built" : "not built");
+  std::printf("CUDA targets: %s (machine code for each, PTX of the last; GRAPHEP_CUDA_ARCHS)\n",
+              graphep::cudaTargets());
   int rt = 0, drv = 0;
   cudaRuntimeGetVersion(&rt);
   if (cudaDriverGetVersion(&drv) != cudaSuccess) drv = 0;
@@ -44,14 +49,29 @@ int run() {
     return 0;
   }
   std::printf("\nDevices (%d):\n", n);
+  // Whether the build has machine code for a device's compute capability (an arch-specific target
+  // such as 90a runs on that capability alone; the PTX of a plain one JITs on later ones too).
+  auto builtFor = [](int major, int minor) {
+    const std::string targets = graphep::cudaTargets(), cc = std::to_string(major * 10 + minor);
+    std::size_t at = 0;
+    while (at <= targets.size()) {
+      const std::size_t end = std::min(targets.find(' ', at), targets.size());
+      std::string t = targets.substr(at, end - at);
+      while (!t.empty() && std::isalpha(static_cast<unsigned char>(t.back()))) t.pop_back();
+      if (t == cc) return true;
+      at = end + 1;
+    }
+    return false;
+  };
   for (int d = 0; d < n; ++d) {
     cudaDeviceProp p{};
     if (cudaGetDeviceProperties(&p, d) != cudaSuccess) continue;
     char bus[32] = {0};
     cudaDeviceGetPCIBusId(bus, sizeof(bus), d);
-    std::printf("  [%d] %s  sm_%d%d  %d SMs  %.1f GiB  L2 %d MiB  pci %s\n", d, p.name, p.major,
+    std::printf("  [%d] %s  sm_%d%d  %d SMs  %.1f GiB  L2 %d MiB  pci %s%s\n", d, p.name, p.major,
                 p.minor, p.multiProcessorCount,
-                static_cast<double>(p.totalGlobalMem) / (1 << 30), p.l2CacheSize >> 20, bus);
+                static_cast<double>(p.totalGlobalMem) / (1 << 30), p.l2CacheSize >> 20, bus,
+                builtFor(p.major, p.minor) ? "" : "  (not a build target: rebuild with -DGRAPHEP_CUDA_ARCHS=...)");
   }
 
   const graphep::ForceTransport force = graphep::forceTransportFromEnv();

@@ -13,6 +13,10 @@ namespace graphep {
 // "0.1.0"
 const char* versionString() noexcept;
 
+// The CUDA targets the library's kernels were built for (GRAPHEP_CUDA_ARCHS), space-separated, e.g.
+// "90a" or "90a 100a": machine code for each, and the last one's PTX as well.
+const char* cudaTargets() noexcept;
+
 // Run-time NCCL version as ncclGetVersion() reports it (e.g. 22803), which may differ from the
 // headers graphep was built with.
 int ncclRuntimeVersion();

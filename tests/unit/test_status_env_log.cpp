@@ -1,6 +1,8 @@
 // CPU unit tests: status names, error messages, environment parsing, logging configuration.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cstdlib>
 #include <set>
 #include <string>
@@ -149,6 +151,25 @@ TEST(Unit_Version, VersionAndNccl) {
   EXPECT_STREQ(versionString(), GRAPHEP_VERSION_STRING);
   // libnccl loads without a driver; the run-time version is at least 2.18.
   EXPECT_GE(ncclRuntimeVersion(), 21800);
+}
+
+TEST(Unit_Version, CudaTargetsAreTheBuildsArchitectures) {
+  // Space-separated compute capabilities with an optional feature suffix (90a, 100f, 89), at least
+  // one: what graphep-info prints and a user compares with the GPU's.
+  const std::string targets = cudaTargets();
+  ASSERT_FALSE(targets.empty());
+  std::size_t at = 0, count = 0;
+  while (at < targets.size()) {
+    const std::size_t end = std::min(targets.find(' ', at), targets.size());
+    const std::string t = targets.substr(at, end - at);
+    std::size_t digits = 0;
+    while (digits < t.size() && std::isdigit(static_cast<unsigned char>(t[digits]))) ++digits;
+    EXPECT_GE(digits, 2u) << "'" << t << "' in '" << targets << "'";
+    EXPECT_LE(t.size() - digits, 1u) << "'" << t << "' in '" << targets << "'";
+    ++count;
+    at = end + 1;
+  }
+  EXPECT_GE(count, 1u);
 }
 
 }  // namespace
