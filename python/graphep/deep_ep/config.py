@@ -34,6 +34,10 @@ from graphep.engine import memory_requirements
 from graphep.errors import invalid_argument
 
 MAX_TOKENS_ENV = "GRAPHEP_DEEPEP_MAX_TOKENS"
+# The low-latency engines' SM budget (MoeConfig.sm_budget: the send CTAs of each operation; the
+# receive takes the SMs left). DeepEP's low-latency kernels have no Config; unset or 0: graphep's
+# default.
+LOW_LATENCY_SMS_ENV = "GRAPHEP_DEEPEP_LL_SMS"
 TOKENS_STEP = 128  # T_max from num_nvl_bytes is a multiple of this ...
 TOKENS_CAP = 8192  # ... and at most this
 MAX_TOP_K = 16  # graphep's kMoeMaxTopK: the engines' top_k is min(this, E)
@@ -123,6 +127,19 @@ def max_tokens_per_rank(num_nvl_bytes: int, heap_bytes: Callable[[int], int], en
         if heap_bytes(tokens) <= num_nvl_bytes:
             best = tokens
     return best
+
+
+def low_latency_sm_budget(env: Optional[str]) -> int:
+    """GRAPHEP_DEEPEP_LL_SMS's value as MoeConfig.sm_budget: 0 (the engine's default) when unset."""
+    if env is None or not env.strip():
+        return 0
+    try:
+        budget = int(env.strip())
+    except ValueError:
+        raise invalid_argument(f"{LOW_LATENCY_SMS_ENV}={env!r} is not an integer") from None
+    if not 0 <= budget <= 1024:
+        raise invalid_argument(f"{LOW_LATENCY_SMS_ENV}={budget} is out of range [0, 1024]")
+    return budget
 
 
 def low_latency_engine_config(max_tokens: int, hidden: int, num_experts: int, world_size: int,

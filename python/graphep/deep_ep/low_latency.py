@@ -42,12 +42,14 @@ How it maps (DeepEP's argument -> graphep):
 """
 
 import operator
+import os
 from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 
 from graphep._graphep import DispatchInput, Fp8Scales, MoeHalf, MoeStatus, validate
-from graphep.deep_ep.config import low_latency_engine_config, low_latency_rdma_size_hint
+from graphep.deep_ep.config import (LOW_LATENCY_SMS_ENV, low_latency_engine_config, low_latency_rdma_size_hint,
+                                    low_latency_sm_budget)
 from graphep.deep_ep.events import EventOverlap
 from graphep.deep_ep.tensors import ID_TYPES, check_tensor
 from graphep.engine import Engine, create_engine
@@ -146,7 +148,8 @@ class LowLatencyMode:
         key = (max_tokens, hidden, num_experts)
         st = self._ll_engines.get(key)
         if st is None:
-            cfg = low_latency_engine_config(max_tokens, hidden, num_experts, self.group_size)
+            cfg = low_latency_engine_config(max_tokens, hidden, num_experts, self.group_size,
+                                            low_latency_sm_budget(os.environ.get(LOW_LATENCY_SMS_ENV)))
             try:  # every rank refuses the same config here, before the collective creation
                 validate(cfg, self.group_size)
             except Error as e:
