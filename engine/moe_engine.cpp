@@ -316,10 +316,11 @@ int minOverRanks(Communicator& comm, const std::vector<std::int32_t>& mine) {
 }
 
 // Collective. The latency path's CTAs: `send`, the senders of each kernel (the SM budget, or 24), the same on
-// every rank (the arrival counters count them), and each local rank's receivers. The senders never
-// wait and the receivers wait only for senders (of every rank), so the ranks sharing a GPU must
+// every rank (the arrival counters count them), and each local rank's receivers. The senders wait
+// for nothing but other ranks' senders (the combine's weights, posted first) and the receivers
+// only for senders (of every rank), so the ranks sharing a GPU must
 // hold all their senders and receivers at once: send + receive <= the GPU's resident CTAs / the
-// ranks on it. A rank on a GPU of its own gives its receivers the SMs the senders leave (or
+// ranks on it. A rank on a GPU of its own gives its receivers one CTA per SM within what the senders leave (or
 // epilogueSms); ranks sharing a GPU take as many receivers as senders, so that two engines in
 // flight still fit (§3.7).
 struct LatencyCtas {

@@ -58,18 +58,24 @@ typedef enum graphep_status {
   GRAPHEP_INTERNAL_ERROR = 13
 } graphep_status_t;
 
+/* graphep::DType. FP8_E4M3: one fp32 scale per 128 values, scale = max(amax, 448 x 2^-126) / 448 (1 for
+ * an all-zero tile), each value e4m3(x * (1 / scale)) in fp32, rounded to nearest even and saturating
+ * at +-448. A token's row is quantised once per dispatch and every destination rank receives the same
+ * bytes. */
 typedef enum graphep_dtype { GRAPHEP_DTYPE_BF16 = 0, GRAPHEP_DTYPE_FP8_E4M3 = 1 } graphep_dtype_t;
 /* graphep::DispatchInput: what x holds and how its rows travel. */
 typedef enum graphep_dispatch_input {
   GRAPHEP_INPUT_CONFIG = 0,        /* x bf16, sent as the config's dispatch_dtype */
   GRAPHEP_INPUT_BF16 = 1,          /* x bf16, sent as bf16 (a bf16 engine) */
-  GRAPHEP_INPUT_FP8_QUANTIZE = 2,  /* x bf16, quantised by graphep (e4m3, an fp32 scale per 128 values) */
-  GRAPHEP_INPUT_FP8 = 3            /* x e4m3 bytes quantised by the caller, with x_scales */
+  GRAPHEP_INPUT_FP8_QUANTIZE = 2,  /* x bf16, quantised by graphep as GRAPHEP_DTYPE_FP8_E4M3 says */
+  GRAPHEP_INPUT_FP8 = 3            /* x e4m3 bytes quantised by the caller, with x_scales: sent as is */
 } graphep_dispatch_input_t;
-/* graphep::Fp8Scales: the fp8 scales of a dispatch graphep quantises (scale_format). Latency path. */
+/* graphep::Fp8Scales: the fp8 scales of a dispatch graphep quantises (scale_format); not FLOAT: latency
+ * path. The values are quantised with the scale each form holds. */
 typedef enum graphep_fp8_scales {
-  GRAPHEP_FP8_SCALES_FLOAT = 0,  /* fp32, amax / 448 per 128 values */
-  GRAPHEP_FP8_SCALES_POW2 = 1,   /* fp32, amax / 448 rounded up to a power of two (DeepEP's round_scale) */
+  GRAPHEP_FP8_SCALES_FLOAT = 0,  /* fp32, as GRAPHEP_DTYPE_FP8_E4M3 says */
+  GRAPHEP_FP8_SCALES_POW2 = 1,   /* fp32, that scale rounded up to a power of two (DeepEP's
+                                  * round_scale) */
   GRAPHEP_FP8_SCALES_UE8M0 = 2   /* those powers of two as their biased exponent bytes (UE8M0): the
                                   * scales then hold [rows][H / 128] bytes, four per int32, value
                                   * 4w + i in byte i (DeepEP's use_ue8m0) */
@@ -101,13 +107,20 @@ typedef struct graphep_moe_config {
   int num_experts;
   int top_k;
   int dispatch_dtype;          /* graphep_dtype_t */
-  long long recv_capacity;     /* rows; 0: the worst case */
+  /* Rows, expert-major (leave 0 for the other layouts). 0: T_max x R x min(K, E / R) + (E / R) x
+   * (expert_alignment - 1), which holds every row unless K > E / R and tokens name one expert in
+   * several slots (a row per slot). Rows past the capacity are dropped and counted. */
+  long long recv_capacity;
   int expert_alignment;        /* >= 1 */
-  int sm_budget;               /* 0: the engine's default */
+  /* CTAs each kernel may use, those epilogue_sms sets aside (graphep::MoeConfig::smBudget); 0: the
+   * default. */
+  int sm_budget;
   int strict;                  /* nonzero: trap on bad input instead of counting it */
   int path;                    /* graphep_path_t */
   /* Version 3 (a shorter caller's struct reads these as 0). */
-  int epilogue_sms;            /* 0: the engine's default (graphep::MoeConfig::epilogueSms) */
+  /* CTAs of the receiving side (graphep::MoeConfig::epilogueSms): the direct throughput path's fp8
+   * quantise, receive, combine reduce and final; the latency path's receive parts. 0: the default. */
+  int epilogue_sms;
   int receive_layout;          /* graphep_receive_layout_t */
   long long rows_per_expert;   /* batched: rows per local expert; 0: world size x max_tokens_per_rank */
 } graphep_moe_config_t;
@@ -143,7 +156,7 @@ typedef struct graphep_dispatch_args {
   int scale_format;            /* graphep_fp8_scales_t of a dispatch graphep quantises; not FLOAT: latency path */
   int* recv_stats;             /* [E_local] or NULL: each local expert's rows of this dispatch (kept or
                                 * dropped) added on the device (DeepEP's cumulative_local_expert_recv_stats);
-                                * not rank-major */
+                                * rank-major: its (row, slot) entries, as expert_counts */
   int half;                    /* graphep_half_t; SEND: latency path, graphep_receive completes it */
 } graphep_dispatch_args_t;
 #define GRAPHEP_DISPATCH_ARGS_INIT \
@@ -169,8 +182,11 @@ typedef struct graphep_combine_args {
 #define GRAPHEP_COMBINE_ARGS_INIT \
   { sizeof(graphep_combine_args_t), NULL, NULL, 0, NULL, NULL, 0, NULL, GRAPHEP_HALF_WHOLE }
 
-/* graphep::DispatchLayout: engine-owned device memory, fixed for the engine's life; the contents
- * are those of the last dispatch, valid until the next one. E_local = num_local_experts.
+/* graphep::DispatchLayout: pointers to engine-owned device memory, set at setup and fixed for the
+ * engine's life, recv_scales aside (as of the last graphep_dispatch call when this is filled: the
+ * scales buffer after an fp8 dispatch, NULL after a bf16 one; scales_buffer is the fixed pointer). The
+ * contents (expert_output aside) are the last dispatch's output: valid once it has run on its stream,
+ * until the next dispatch runs; a combine leaves them as they are. E_local = num_local_experts.
  *
  *   recv_x rows:  [ expert 0 | pad | expert 1 | pad | ... | expert E_local-1 ]  unused to capacity
  *                 ^offsets[0]=0    ^offsets[1]                                ^offsets[E_local]
@@ -188,9 +204,10 @@ typedef struct graphep_combine_args {
  *
  * That is the expert-major layout (receive_layout GRAPHEP_LAYOUT_EXPERT_MAJOR). Batched: expert
  * j's rows start at j x rows_per_expert, and an expert keeps its first rows_per_expert rows.
- * Rank-major: one row per (source token, this rank) holding a slot here, sources one after another
- * (rank_offsets); num_recv_rows is that row count, and expert_counts / expert_offsets count the
- * (row, slot) entries per expert (their sum may exceed the capacity); nothing is dropped. */
+ * Rank-major: one row per source token sent to this rank (a slot here, or token_in_rank), sources
+ * one after another (rank_offsets); num_recv_rows is that row count, and expert_counts / expert_offsets count the
+ * (row, slot) entries per expert (their sum may exceed the capacity). The capacity, R x T_max, holds
+ * every row, so expert_dropped is 0; only rows past out_rows are dropped (dropped_rows). */
 typedef struct graphep_layout {
   size_t struct_size;          /* on return: the bytes filled, min(struct_size, sizeof) */
   void* recv_x;                /* [capacity, hidden] bf16, or e4m3 bytes for fp8 dispatch */
@@ -202,7 +219,8 @@ typedef struct graphep_layout {
   const int* row_topk_slot;    /* [capacity]: ... the top-k slot of that token */
   const float* row_weight;     /* [capacity]: ... the slot's top-k weight */
   const int* num_recv_rows;    /* device scalar: rows kept, padding excluded */
-  /* [E_local]: rows routed to local expert j (kept or dropped) since the engine was created. */
+  /* [E_local]: rows routed to local expert j (kept or dropped) since the engine was created;
+   * rank-major: its (row, slot) entries. */
   const unsigned long long* expert_totals;
   void* expert_output;         /* [capacity, hidden] bf16, where experts may write for combine */
   long long capacity;          /* rows */
@@ -213,10 +231,11 @@ typedef struct graphep_layout {
   const int* expert_dropped;   /* [E_local]: rows of local expert j the last dispatch dropped */
   /* Version 3. */
   int receive_layout;          /* graphep_receive_layout_t */
-  long long rows_per_expert;   /* batched: rows of each expert's block; expert-major: 0 */
+  long long rows_per_expert;   /* batched: rows of each expert's block; expert-major, rank-major: 0 */
   /* Rank-major (NULL otherwise): [world size + 1] first row of each source's rows, then the end;
-   * [capacity, top_k] each row's local expert per top-k slot (-1: not on this rank) and weight.
-   * Experts write one row per received row: the weighted sum over its slots. */
+   * [capacity, top_k] (the dispatch's top_k) each row's local expert per top-k slot (-1: not on this
+   * rank, or the slot is unused) and weight (0 where the expert is -1). Experts write one row per
+   * received row: the weighted sum over its slots. */
   const int* rank_offsets;
   const int* row_experts;
   const float* row_expert_weights;
@@ -235,12 +254,15 @@ typedef struct graphep_layout {
   { sizeof(graphep_layout_t), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0, 0, 0, 0, NULL, 0, 0, \
     NULL, NULL, NULL, NULL, NULL }
 
-/* graphep::MoeStatus (the device error, if any, is in graphep_last_error() after the call). */
+/* graphep::MoeStatus (the device error, if any, is in graphep_last_error() after the call). Each
+ * engine counts what its rank's kernels found. */
 typedef struct graphep_moe_status {
   size_t struct_size;
-  unsigned long long invalid_expert_ids;
-  unsigned long long dropped_rows;
-  unsigned long long clamped_token_counts;
+  unsigned long long invalid_expert_ids;   /* ids outside [-1, E) in this rank's topk_idx: skipped */
+  unsigned long long dropped_rows;         /* rows this rank received past its capacity, a batched
+                                            * expert's block or out_rows: not written; the sending rank
+                                            * does not count them */
+  unsigned long long clamped_token_counts; /* this rank's dispatches, live count outside [0, T_max] */
   long long first_invalid_id;
   int first_invalid_token;
   int first_invalid_slot;
@@ -290,6 +312,8 @@ graphep_status_t graphep_engine_create_all(graphep_comm_t comm, const graphep_mo
 graphep_status_t graphep_memory_requirements(const graphep_moe_config_t* config, int world_size,
                                              graphep_moe_memory_t* memory);
 graphep_status_t graphep_engine_destroy(graphep_engine_t engine);
+/* Fills *layout with the engine's views (see graphep_layout_t for how long what they point to holds).
+ * Host only, not collective. */
 graphep_status_t graphep_engine_layout(graphep_engine_t engine, graphep_layout_t* layout);
 /* The path chosen at setup (a graphep_path_t, never GRAPHEP_PATH_AUTO: AUTO resolves to LATENCY
  * when max_tokens_per_rank <= 256 and every peer has load/store access, else THROUGHPUT). Host

@@ -24,7 +24,13 @@ namespace graphep {
 
 enum class DType : std::uint8_t {
   kBf16 = 0,
-  kFp8E4m3 = 1,  // e4m3 with one fp32 scale per 128 values, quantised on the fly
+  // e4m3 with one fp32 scale per 128 values, quantised on the fly. Per 128-value tile: scale =
+  // max(amax, 448 x 2^-126) / 448 (1 for an all-zero tile; the floor keeps 1 / scale finite), each
+  // value e4m3(x * (1 / scale)) in fp32, rounded to nearest even and saturating at +-448
+  // (Fp8Scales: the scales' other forms). A token's row is quantised once per dispatch and every
+  // destination rank receives the same bytes (on the latency path the own rank re-quantises it
+  // from x with the same arithmetic: the same bytes).
+  kFp8E4m3 = 1,
 };
 
 enum class IndexType : std::uint8_t { kInt32 = 0, kInt64 = 1 };
@@ -57,8 +63,12 @@ struct MoeConfig {
   int numExperts = 0;        // E: a multiple of the world size
   int topK = 0;              // K: 1 .. min(E, 16)
   DType dispatchType = DType::kBf16;
-  // Rows of recv_x per rank. 0: the worst case, T_max * worldSize * min(K, E / worldSize) plus the
-  // alignment padding; smaller values are allowed and rows past them are dropped and counted.
+  // Rows of recv_x per rank, expert-major (the other layouts size themselves: leave 0). 0:
+  // Engine::worstCaseCapacity, T_max * worldSize * min(K, E / worldSize) + (E / worldSize) *
+  // (expertAlignment - 1). Every (token, slot) that names a local expert is a row, repeats
+  // included, so rows can still be dropped when topK > E / worldSize, tokens name one expert in
+  // several slots and more than T_max * worldSize * (E / worldSize) rows arrive. Smaller values
+  // are allowed; rows past the capacity are dropped and counted.
   long long recvCapacity = 0;
   int expertAlignment = 1;  // each local expert's rows start at a multiple of this (expert-major)
   ReceiveLayout receiveLayout = ReceiveLayout::kExpertMajor;
@@ -67,16 +77,22 @@ struct MoeConfig {
   // rows past it are dropped and counted. A decode-sized layout:
   // the engine refuses by name one whose buffers do not fit the device.
   long long rowsPerExpert = 0;
-  // CTAs (SMs) each engine kernel may use: on the throughput path the CTAs of each routing /
-  // layout / reduce kernel and the data movers' channels per peer (0: one per SM, and 32
-  // channels); on the latency path the CTAs of each kernel (0: 24; lowered when ranks share a GPU,
-  // so that all their CTAs are resident at once).
+  // CTAs (SMs) each engine kernel may use, those epilogueSms sets aside: on the throughput path
+  // the CTAs of each routing / layout / reduce / send kernel and the data movers' channels per
+  // peer (0: on the direct dispatch the CTAs that carry the link as measured at setup, else one
+  // per SM; the movers' channels by message size, at most 32); on the latency path the senders of
+  // each kernel (0: 24; lowered when ranks share a GPU, so that all their CTAs are resident at
+  // once).
   int smBudget = 0;
-  // CTAs (SMs) of the throughput path's epilogues where the direct dispatch applies (every peer
-  // by load/store, one rank per GPU): the dispatch's receive (layout + expansion) and fp8
-  // quantise, the combine's final. They copy local memory and start while the communication
-  // kernels run. 0: the SMs smBudget leaves free, or every SM when it leaves fewer than half;
-  // otherwise this many, at most the SM count.
+  // CTAs of the receiving side, which runs beside the senders (smBudget).
+  // Throughput path with the direct dispatch (every peer by load/store, one rank per GPU): the
+  // dispatch's fp8 quantise and receive (layout + expansion), the combine's reduce and final;
+  // this many, at most the SM count (0: the SMs the send leaves free, or every SM when it leaves
+  // fewer than half), rounded down to a multiple of the epilogue cluster size
+  // (GRAPHEP_EPILOGUE_CLUSTER). The movers' throughput path does not use it. Latency path: the
+  // receive part of each dispatch and combine launch; this many (0: one per SM; ranks sharing a
+  // GPU: as many as the senders), at most the CTAs the GPU holds at once less the senders (ranks
+  // sharing a GPU: half of their share), at least 1.
   int epilogueSms = 0;
   // Trap (kill the kernel) on bad input instead of counting it.
   bool strict = false;
@@ -107,14 +123,17 @@ enum class DispatchInput : std::uint8_t {
   kConfig = 0,       // x bf16, sent as MoeConfig.dispatchType
   kBf16 = 1,         // x bf16, sent as bf16 (not on an engine whose dispatchType is fp8: its records
                      // have room for fp8 rows only)
-  kFp8Quantize = 2,  // x bf16, quantised by the engine: e4m3 with one fp32 scale per 128 values
-  kFp8 = 3,          // x e4m3 bytes [T, H] quantised by the caller, with DispatchArgs.xScales
+  kFp8Quantize = 2,  // x bf16, quantised by the engine as DType::kFp8E4m3 says (once per token,
+                     // the same bytes to every destination rank)
+  kFp8 = 3,          // x e4m3 bytes [T, H] quantised by the caller, with DispatchArgs.xScales: sent
+                     // as they are
 };
 
-// The fp8 scales of an engine-quantised dispatch (DispatchArgs.scaleFormat). Latency path.
+// The fp8 scales of an engine-quantised dispatch (DispatchArgs.scaleFormat). Not kFloat: latency
+// path. The values are quantised with the scale each form holds.
 enum class Fp8Scales : std::uint8_t {
-  kFloat = 0,  // fp32, amax / 448 per 128 values
-  kPow2 = 1,   // fp32, amax / 448 rounded up to a power of two (DeepEP's round_scale)
+  kFloat = 0,  // fp32, max(amax, 448 x 2^-126) / 448 per 128 values (1 for an all-zero tile)
+  kPow2 = 1,   // fp32, that scale rounded up to a power of two (DeepEP's round_scale)
   kUe8m0 = 2,  // those powers of two as their biased exponent bytes (UE8M0), recvScales then holds
                // [rows][H / 128] bytes: four per int32, value 4w + i in byte i (DeepEP's use_ue8m0)
 };
@@ -151,8 +170,9 @@ struct DispatchArgs {
   const float* topkWeights = nullptr;  // [T, K]
   const int* numTokens = nullptr;      // device scalar: the live T (clamped to [0, T_max])
   // Columns of topkIdx / topkWeights in this dispatch, at most MoeConfig.topK (0: MoeConfig.topK;
-  // with tokenInRank, 0 and topkIdx nullptr: no slots). The engine-owned rowExperts /
-  // rowExpertWeights views then have this many columns.
+  // with tokenInRank, 0 and topkIdx nullptr: no slots), the same on every rank of one dispatch (a
+  // record's slots, and the combine's weights, are read with the receiving rank's). The
+  // engine-owned rowExperts / rowExpertWeights views then have this many columns.
   int topK = 0;
   // [T, R] bytes (bool) or nullptr: route token t to rank r when tokenInRank[t][r] != 0 (DeepEP's
   // is_token_in_rank); its top-k entries whose expert lives on such a rank become its slots there,
@@ -169,14 +189,19 @@ struct DispatchArgs {
   // kFp8Quantize (or kConfig on an fp8 engine): the scales' form. Not kFloat: latency path.
   Fp8Scales scaleFormat = Fp8Scales::kFloat;
   // [E_local] int32 or nullptr: each local expert's rows of this dispatch (kept or dropped) are
-  // added to it on the device (DeepEP's cumulative_local_expert_recv_stats). Not rank-major.
+  // added to it on the device (DeepEP's cumulative_local_expert_recv_stats); rank-major: its
+  // (row, slot) entries, as expertCounts.
   int* recvStats = nullptr;
   MoeHalf half = MoeHalf::kWhole;
   DispatchOutputs outputs;
 };
 
-// Views of one rank's dispatch output, valid from the dispatch until the next one (device memory
-// owned by the engine). Rows of recv_x are grouped by local expert: expert j's rows are
+// Views of one rank's dispatch output, device memory owned by the engine. The pointers are set at
+// setup and fixed for the engine's life, recvScales aside (each dispatch call sets it: scalesBuffer
+// for an fp8 dispatch, nullptr for bf16). What they point to (expertOutput aside: the experts'
+// rows) is the last dispatch's output: valid once that dispatch has run on its stream, until the
+// next dispatch runs (a combine leaves it as it is).
+// Expert-major and batched: rows of recv_x are grouped by local expert: expert j's rows are
 // [expertOffsets[j], expertOffsets[j] + expertCounts[j]), each expert's first row a multiple of
 // MoeConfig.expertAlignment (expert-major) or j x rowsPerExpert (batched: expertOffsets[j] is that,
 // whatever arrives); within an expert, rows come in (source rank, source token, top-k slot)
@@ -209,21 +234,23 @@ struct DispatchLayout {
   const float* rowWeight = nullptr;   // [capacity]
   const int* numRecvRows = nullptr;   // device scalar: rows received and kept (padding excluded)
   // [E_local]: rows routed to each local expert (kept or dropped) since the engine was created:
-  // the demand, for load balancing.
+  // the demand, for load balancing. Rank-major: its (row, slot) entries, as expertCounts.
   const unsigned long long* expertTotals = nullptr;
   // [capacity, H] bf16, engine-owned: where experts may write their outputs for combine.
   void* expertOutput = nullptr;
   long long capacity = 0;
   ReceiveLayout receiveLayout = ReceiveLayout::kExpertMajor;
-  long long rowsPerExpert = 0;  // batched: rows of each expert's block; expert-major: 0
+  long long rowsPerExpert = 0;  // batched: rows of each expert's block; expert-major, rank-major: 0
   // Rank-major (nullptr otherwise): the first row of each source's records, then the end ([R + 1]:
   // rows [rankOffsets[q], rankOffsets[q + 1]) came from rank q, in its token order); per row, the
-  // local expert of each top-k slot (-1: that slot's expert is not on this rank) and its weight
-  // ([capacity][K]). rowSrcRank / rowSrcToken describe each row; rowTopkSlot is -1 and rowWeight 0.
+  // local expert of each top-k slot (-1: that slot's expert is not on this rank, or the slot is
+  // unused) and its weight (0 where the expert is -1) ([capacity][K], K the dispatch's topK).
+  // rowSrcRank / rowSrcToken describe each row; rowTopkSlot is -1 and rowWeight 0.
   // expertCounts[j] counts the (row, slot) entries of expert j, expertOffsets their packed prefix
-  // (what a gathering grouped GEMM sizes itself by); expertDropped is 0 (nothing is dropped).
-  // expertOutput (and combine's input): one row per received row, the weighted sum over the
-  // row's local slots.
+  // (what a gathering grouped GEMM sizes itself by). The capacity, R x T_max, holds every row a
+  // dispatch can bring, so expertDropped is 0; only rows past DispatchOutputs.rows are dropped
+  // (MoeStatus.droppedRows). expertOutput (and combine's input): one row per received row, the
+  // weighted sum over the row's local slots.
   const int* rankOffsets = nullptr;
   // Expert-major and batched (nullptr for rank-major): [E_local][R], the rows of expert j that came
   // from rank q as begin << 32 | count, begin counted from the expert's first row (DeepEP's
@@ -256,13 +283,20 @@ struct CombineArgs {
   MoeHalf half = MoeHalf::kWhole;
 };
 
-// Bad input the device counted (docs/DESIGN.md §5): nothing was written out of bounds.
+// Bad input the device counted (docs/DESIGN.md §5): nothing was written out of bounds. Each rank
+// counts what its own kernels found: an id or a live count in the rank that dispatched it, a
+// dropped row in the rank that received it, a missing row in the rank whose combine needed it.
 struct MoeStatus {
-  unsigned long long invalidExpertIds = 0;  // entries with an id outside [-1, E): skipped
-  unsigned long long droppedRows = 0;       // received rows past the capacity: not written
-  unsigned long long clampedTokenCounts = 0;  // dispatches whose live count was outside [0, T_max]
+  // Entries of this rank's topkIdx with an id outside [-1, E): skipped (counted here only, not by
+  // the rank the id would name).
+  unsigned long long invalidExpertIds = 0;
+  // Rows this rank received past its capacity, a batched expert's block or DispatchOutputs.rows:
+  // not written (counted here only, not by the rank that sent them).
+  unsigned long long droppedRows = 0;
+  // This rank's dispatches whose live count (*numTokens) was outside [0, T_max].
+  unsigned long long clampedTokenCounts = 0;
   long long firstInvalidId = 0;             // valid when invalidExpertIds > 0
-  int firstInvalidToken = -1;
+  int firstInvalidToken = -1;               // its token and slot in this rank's topkIdx
   int firstInvalidSlot = -1;
   int firstClampedCount = 0;                // valid when clampedTokenCounts > 0
   // Operation order. Dispatch -> dispatch and combine -> combine are defined: a dispatch replaces
@@ -326,10 +360,13 @@ class Engine {
   static std::unique_ptr<Engine> create(Communicator& comm, const MoeConfig& cfg);
   // Throws graphep::Error naming the first bad field; createAll calls it.
   static void validate(const MoeConfig& cfg, int worldSize);
-  // The worst-case receive capacity of an expert-major config (rows).
+  // The default expert-major receive capacity (rows): T_max x worldSize x min(K, E / worldSize) +
+  // (E / worldSize) x (expertAlignment - 1). It holds every row unless tokens repeat an expert id
+  // (MoeConfig.recvCapacity says when rows can still be dropped).
   static long long worstCaseCapacity(const MoeConfig& cfg, int worldSize);
-  // The rows of recv_x an engine with this config holds: expert-major, recvCapacity or the worst
-  // case; batched, E_local x rowsPerExpert (0: worldSize x T_max).
+  // The rows of recv_x an engine with this config holds: expert-major, recvCapacity or
+  // worstCaseCapacity; batched, E_local x rowsPerExpert (0: worldSize x T_max); rank-major,
+  // worldSize x T_max (one row per source token).
   static long long receiveCapacity(const MoeConfig& cfg, int worldSize);
   // Device memory per rank of an engine with this config, from the code that sizes createAll's
   // allocations; validates first. cfg.path kAuto: the latency path when the config fits it (what
@@ -356,22 +393,26 @@ class Engine {
   // replaces the last one (its layout, and what combine serves).
   const DispatchLayout& dispatch(const DispatchArgs& args, cudaStream_t stream);
   // Capturable. Returns the expert outputs of the last dispatch to their source ranks and reduces
-  // them: out[t] = sum over the token's kept slots k of topkWeights[t][k] * y(row of (t, k)).
+  // them. Expert-major and batched: out[t] = sum over the token's kept slots k of w[t][k] *
+  // y(row of (t, k)), w the dispatch's topkWeights (CombineArgs.topkWeights when given; 1 where a
+  // latency-path dispatch had none).
   // Arithmetic: each destination rank sums its slots of the token in fp32 (fused multiply-adds in
   // ascending slot order, from 0) and rounds the partial to bf16 (it crosses the link in bf16); the
   // home rank sums the partials in fp32 in ascending rank order and rounds once to bf16. A token
   // whose experts all live on one rank is that rank's partial, bit for bit; otherwise the result
   // carries two bf16 roundings (each within 2^-8 relative: of each partial, and of the sum).
-  // Rank-major: the experts have applied the weights and summed a row's slots; combine sums the
-  // rows over the destination ranks (fp32, ascending rank, one bf16 rounding). A combine may
-  // follow a combine: it serves the last dispatch again.
+  // Rank-major: the experts have applied the weights and summed a row's slots; combine computes
+  // out[t] = sum over the ranks r that received token t of y(t's row on r), in fp32 in ascending
+  // rank order, rounded once to bf16. A combine may follow a combine: it serves the last dispatch
+  // again.
   void combine(const CombineArgs& args, cudaStream_t stream);
   // Capturable. The receive half of the last dispatch or combine enqueued with MoeHalf::kSend, on
   // `stream` (the same or another stream ordered after the send half). Every rank calls it. No
   // other dispatch or combine of this engine may be enqueued between a send half and its receive.
   void receive(cudaStream_t stream);
 
-  // The layout views (valid once a dispatch ran on the stream).
+  // The layout views: the same object dispatch() returns, its pointers fixed from setup (recvScales
+  // as of the last dispatch call), their contents the last dispatch's (see DispatchLayout).
   const DispatchLayout& layout() const;
 
   // Diagnostics, not a run path: synchronises this rank's device. A device error (a timed-out

@@ -120,7 +120,9 @@ class Engine:
     config = property(lambda self: self._config)
     symmetric_heap_bytes = property(lambda self: self._core.symmetric_heap_bytes)
     private_bytes = property(lambda self: self._core.private_bytes)
-    layout = property(lambda self: self._layout, doc="the dispatch output views (fixed for the engine's life)")
+    layout = property(lambda self: self._layout,
+                      doc="the dispatch output views: fixed for the engine's life; what they hold is the last "
+                          "dispatch's output, from that dispatch until the next")
 
     # ---- run path (capturable) ---------------------------------------------------------------
     def dispatch(self, x, topk_idx, topk_weights, num_tokens, stream, *, top_k: Optional[int] = None,

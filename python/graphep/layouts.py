@@ -63,7 +63,7 @@ class ExpertMajorLayout:
     row_topk_slot: DeviceArray  # [capacity] int32
     row_weight: DeviceArray  # [capacity] float32
     num_recv_rows: DeviceArray  # [1] int32
-    expert_totals: DeviceArray  # [E_local] int64: rows received per expert since creation
+    expert_totals: DeviceArray  # [E_local] int64: rows routed to each expert (kept or dropped) since creation
     expert_output: DeviceArray  # [capacity, H] bfloat16: where experts may write for combine
     capacity: int
     hidden: int
