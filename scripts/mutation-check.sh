@@ -42,7 +42,7 @@ tests_for() {
     14-*) echo "$gpu --gtest_filter=Gpu1_Moe.MisuseFourEmulatedRanksLatency" ;;    # out-of-order results unchecked
     15-*) echo "$build/tests/graphep_c_api_test" ;;                                # the C test checked too little
     16-*) echo "$gpu --gtest_filter=Moe/Gpu2_Moe.Case/uniform_varying_T_throughput" ;;  # the direct dispatch's last block
-    17-*) echo "$gpu --gtest_filter=Gpu1_Moe.MisuseFourEmulatedRanksLatency:Gpu1_MoeGraph.FourEmulatedRanksLatency" ;;  # the combine receiver's own records (not run on a GPU yet)
+    17-*) echo "$gpu --gtest_filter=Gpu1_Moe.MisuseFourEmulatedRanksLatency:Gpu1_MoeGraph.FourEmulatedRanksLatency" ;;  # the combine receiver's own records
     18-*|19-*) echo "$gpu --gtest_filter=Gpu2_MoeCapabilities.RoutingAndCallerOutputs" ;;  # the rank prefix matrix; a mask leaving a rank out
     20-*) echo "$gpu --gtest_filter=Gpu2_MoeCapabilities.RepeatedOperationsAndCombineInputs" ;;  # the combine's values
     21-*) echo "$gpu --gtest_filter=Gpu2_MoeCapabilities.DispatchAfterDispatchWhileAPeerStillReads" ;;  # missed by the small shapes
