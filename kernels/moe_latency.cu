@@ -69,13 +69,6 @@ struct Part {
   int cta, ctas;
 };
 
-// The group slice of one part: as moeGroupSlice, over the part's CTAs instead of the grid.
-__device__ __forceinline__ MoeGroupSlice partSlice(Part part) {
-  const int tid = static_cast<int>(threadIdx.x), group = tid / kMoeGroupThreads;
-  return MoeGroupSlice{group, part.cta * kGroups + group, part.ctas * kGroups,
-                       MoeGroup{tid % kMoeGroupThreads, kMoeGroupThreads, 1 + group}};
-}
-
 // --- dispatch ---------------------------------------------------------------------------------
 
 __device__ void dispatchSend(const MoeParams& p, char* sm, Part part) {
@@ -92,7 +85,7 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part) {
   const int tid = static_cast<int>(threadIdx.x);
   const int K = p.topK, R = p.numRanks, L = p.localExperts, E = p.numExperts;
   const int W = (p.maxTokens + 31) / 32;
-  const MoeGroupSlice gs = partSlice(part);
+  const MoeGroupSlice gs = moeGroupSlice(part.cta, part.ctas);
   const int group = gs.group, firstItem = gs.first, items = gs.stride;
   const MoeGroup g = gs.g;
   const std::uint32_t step = p.llSteps[0];
@@ -214,7 +207,7 @@ __device__ void dispatchReceive(const MoeParams& p, Part part) {
   __shared__ MoeLayoutScratch<kThreads> scratch;
   __shared__ MoeSlotStage stages[kGroups];
   const int tid = static_cast<int>(threadIdx.x), R = p.numRanks;
-  const MoeGroupSlice gs = partSlice(part);
+  const MoeGroupSlice gs = moeGroupSlice(part.cta, part.ctas);
   const std::uint32_t step = p.llSteps[0];
   const int parity = static_cast<int>(step & 1u);
   const std::uint32_t arrived = (step + 1u) * static_cast<std::uint32_t>(p.llCtas);  // every send CTA, this step
@@ -307,7 +300,7 @@ __device__ __forceinline__ const float* combineWeightsOf(const MoeParams& p, int
 __device__ void combineSend(const MoeParams& p, Part part) {
   __shared__ MoeSlotStage stages[kGroups];
   const int tid = static_cast<int>(threadIdx.x);
-  const MoeGroupSlice gs = partSlice(part);
+  const MoeGroupSlice gs = moeGroupSlice(part.cta, part.ctas);
   const int group = gs.group, firstItem = gs.first, items = gs.stride;
   const MoeGroup g = gs.g;
   const int R = p.numRanks, K = p.topK;
@@ -359,7 +352,7 @@ __device__ void combineSend(const MoeParams& p, Part part) {
 __device__ void combineReceive(const MoeParams& p, Part part) {
   __shared__ const uint4* parts[kGroups][kMaxRanks];
   __shared__ MoeSlotStage stages[kGroups];
-  const MoeGroupSlice gs = partSlice(part);
+  const MoeGroupSlice gs = moeGroupSlice(part.cta, part.ctas);
   const int R = p.numRanks;
   const std::uint32_t cstep = p.llSteps[1];
   const int cparity = static_cast<int>(cstep & 1u);

@@ -350,17 +350,22 @@ struct MoeGroup {
   }
 };
 
-// This thread's group of kMoeGroupThreads in a grid working on items (records, tokens) one per
-// group at a time: the group's index in its CTA, its first item and the stride over items.
+// This thread's group of kMoeGroupThreads in `ctas` CTAs (this one the cta-th) working on items
+// (records, tokens) one per group at a time: the group's index in its CTA, its first item and the
+// stride over items. A kernel whose CTAs split into parts (kernels/moe_latency.cu) slices each
+// part; the others slice the grid.
 struct MoeGroupSlice {
   int group, first, stride;
   MoeGroup g;
 };
-__device__ __forceinline__ MoeGroupSlice moeGroupSlice() {
+__device__ __forceinline__ MoeGroupSlice moeGroupSlice(int cta, int ctas) {
   const int tid = static_cast<int>(threadIdx.x), group = tid / kMoeGroupThreads;
   const int perCta = static_cast<int>(blockDim.x) / kMoeGroupThreads;
-  return MoeGroupSlice{group, static_cast<int>(blockIdx.x) * perCta + group, static_cast<int>(gridDim.x) * perCta,
+  return MoeGroupSlice{group, cta * perCta + group, ctas * perCta,
                        MoeGroup{tid % kMoeGroupThreads, kMoeGroupThreads, 1 + group}};
+}
+__device__ __forceinline__ MoeGroupSlice moeGroupSlice() {
+  return moeGroupSlice(static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x));
 }
 
 // A record's slots resolved to recv_x rows, in slot order (deterministic sums); one per group, in
