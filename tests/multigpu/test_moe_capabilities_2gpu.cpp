@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "common/bf16.hpp"
+#include "common/expect_error.hpp"
 #include "common/fp8_reference.hpp"
 #include "common/gpu_env.hpp"
 #include "engine/error.hpp"
@@ -705,16 +706,6 @@ TEST(Gpu2_MoeCapabilities, CombineBeforeAnyDispatchIsCounted) {
     caps.engine(l).clearStatus();
   }
   caps.dispatchAndCheck(caps.inputs(Route::kTopk, kK, 7), CallOptions{}, "after the early combine");
-}
-
-void expectError(const std::function<void()>& f, Status status, const std::string& words) {
-  try {
-    f();
-    ADD_FAILURE() << "no error; expected one naming '" << words << "'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.status(), status) << e.what();
-    EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
-  }
 }
 
 // Bad arguments of the new fields: a named error before anything is enqueued.

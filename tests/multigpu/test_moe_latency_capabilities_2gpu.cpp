@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "common/bf16.hpp"
+#include "common/expect_error.hpp"
 #include "common/fp8_reference.hpp"
 #include "common/gpu_env.hpp"
 #include "common/graph_util.hpp"
@@ -704,16 +705,6 @@ void expectStatusOk(const Rig& rig, const std::string& what) {
   for (int r = 0; r < kRanks; ++r) {
     const MoeStatus st = rig.engine(r).status();
     EXPECT_TRUE(st.ok()) << what << ", rank " << r << ": " << st.describe();
-  }
-}
-
-void expectError(const std::function<void()>& f, Status status, const std::string& words) {
-  try {
-    f();
-    ADD_FAILURE() << "no error; expected one naming '" << words << "'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.status(), status) << e.what();
-    EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
   }
 }
 
