@@ -8,6 +8,8 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <optional>
+#include <string>
 #include <type_traits>
 
 #include "engine/device_pointer.hpp"
@@ -1001,6 +1003,13 @@ void requireRankMajorThroughput(const Engine::Impl& m, const char* what, bool di
 void requireNoHalf(const Engine::Impl& m, const char* op);
 // A capability of the latency path.
 void requireLatency(const Engine::Impl& m, const char* what);
+// `op`'s MoeHalf: a value of the enum, kSend on the latency path only.
+void requireHalf(const Engine::Impl& m, MoeHalf half, const char* op);
+// The latency path's launch of operation `op` (dispatch or combine) with `p`: both parts for
+// kWhole; the send part for kSend, remembered for Engine::receive; the receive part for nullopt
+// (Engine::receive).
+void launchLatency(Engine::Impl& m, MoeParams p, Engine::Impl::Half op, std::optional<MoeHalf> half,
+                   cudaStream_t stream);
 
 // The caller's DispatchOutputs over the engine's buffers in `p`: every given pointer checked and
 // taken, rows (the caller's) bounding what is written.
@@ -1059,9 +1068,7 @@ const DispatchLayout& Engine::dispatch(const DispatchArgs& a, cudaStream_t strea
                     static_cast<int>(a.scaleFormat), static_cast<int>(in));
     requireLatency(m, "scaleFormat other than kFloat");
   }
-  GRAPHEP_REQUIRE(a.half == MoeHalf::kWhole || a.half == MoeHalf::kSend, Status::kInvalidArgument,
-                  "dispatch: half=%d is not a MoeHalf", static_cast<int>(a.half));
-  if (a.half == MoeHalf::kSend) requireLatency(m, "half=kSend");
+  requireHalf(m, a.half, "dispatch");
   if (a.recvStats != nullptr) requireDevicePointer(a.recvStats, m.device, "dispatch: recvStats");
   if (in == DispatchInput::kFp8) {
     requireDevicePointer(a.xScales, m.device, "dispatch: xScales");
@@ -1098,12 +1105,7 @@ const DispatchLayout& Engine::dispatch(const DispatchArgs& a, cudaStream_t strea
   m.layout.recvScales = fp8 ? m.base.recvScales : nullptr;  // the engine's rows hold this type now
   m.p = p;  // combine reads the routing of the last dispatch
   if (m.path == MoePath::kLatency) {
-    p.llPhase = a.half == MoeHalf::kSend ? kMoeLatencySend : kMoeLatencySend | kMoeLatencyReceive;
-    GRAPHEP_CUDA_CHECK(launchMoeLatencyDispatch(p, stream));
-    if (a.half == MoeHalf::kSend) {
-      m.half = Impl::Half::kDispatch;
-      m.halfParams = p;
-    }
+    launchLatency(m, p, Impl::Half::kDispatch, a.half, stream);
     return m.layout;
   }
   GRAPHEP_CUDA_CHECK(launchMoeRoute(p, stream));
@@ -1128,10 +1130,7 @@ void Engine::combine(const CombineArgs& a, cudaStream_t stream) {
   requireNoHalf(m, "combine");
   DeviceGuard guard(m.device);
   MoeParams p = m.p;
-  GRAPHEP_REQUIRE(a.half == MoeHalf::kWhole || a.half == MoeHalf::kSend, Status::kInvalidArgument,
-                  "combine: half=%d is not a MoeHalf", static_cast<int>(a.half));
-  if (a.half == MoeHalf::kSend) requireLatency(m, "combine half=kSend");
-  p.combineWeights = nullptr;
+  requireHalf(m, a.half, "combine");
   if (a.topkWeights != nullptr) {
     requireLatency(m, "combine topkWeights");
     GRAPHEP_REQUIRE(m.cfg.receiveLayout != ReceiveLayout::kRankMajor, Status::kNotSupported,
@@ -1186,12 +1185,7 @@ void Engine::combine(const CombineArgs& a, cudaStream_t stream) {
                   "combine: out (%p) is not 16-byte aligned", a.out);
   p.out = static_cast<char*>(a.out);
   if (m.path == MoePath::kLatency) {
-    p.llPhase = a.half == MoeHalf::kSend ? kMoeLatencySend : kMoeLatencySend | kMoeLatencyReceive;
-    GRAPHEP_CUDA_CHECK(launchMoeLatencyCombine(p, stream));
-    if (a.half == MoeHalf::kSend) {
-      m.half = Impl::Half::kCombine;
-      m.halfParams = p;
-    }
+    launchLatency(m, p, Impl::Half::kCombine, a.half, stream);
     return;
   }
   if (m.direct) {
@@ -1213,11 +1207,9 @@ void Engine::receive(cudaStream_t stream) {
                   "half=kSend comes first)",
                   m.p.rank);
   DeviceGuard guard(m.device);
-  MoeParams p = m.halfParams;
-  p.llPhase = kMoeLatencyReceive;
-  const bool dispatch = m.half == Impl::Half::kDispatch;
+  const Impl::Half op = m.half;
   m.half = Impl::Half::kNone;
-  GRAPHEP_CUDA_CHECK(dispatch ? launchMoeLatencyDispatch(p, stream) : launchMoeLatencyCombine(p, stream));
+  launchLatency(m, m.halfParams, op, std::nullopt, stream);
 }
 
 MoeStatus Engine::status() const {
@@ -1263,6 +1255,25 @@ void requireLatency(const Engine::Impl& m, const char* what) {
                   "%s applies to the latency path; this engine is on the throughput path (MoeConfig.path, "
                   "maxTokensPerRank <= %d and load/store peers choose the latency path)",
                   what, kMoeLatencyMaxTokens);
+}
+
+void requireHalf(const Engine::Impl& m, MoeHalf half, const char* op) {
+  GRAPHEP_REQUIRE(half == MoeHalf::kWhole || half == MoeHalf::kSend, Status::kInvalidArgument,
+                  "%s: half=%d is not a MoeHalf", op, static_cast<int>(half));
+  if (half == MoeHalf::kSend) requireLatency(m, (std::string(op) + " half=kSend").c_str());
+}
+
+void launchLatency(Engine::Impl& m, MoeParams p, Engine::Impl::Half op, std::optional<MoeHalf> half,
+                   cudaStream_t stream) {
+  p.llPhase = !half ? kMoeLatencyReceive
+              : *half == MoeHalf::kSend ? kMoeLatencySend
+                                        : kMoeLatencySend | kMoeLatencyReceive;
+  GRAPHEP_CUDA_CHECK(op == Engine::Impl::Half::kDispatch ? launchMoeLatencyDispatch(p, stream)
+                                                           : launchMoeLatencyCombine(p, stream));
+  if (half == MoeHalf::kSend) {
+    m.half = op;
+    m.halfParams = p;
+  }
 }
 
 void requireRankMajorThroughput(const Engine::Impl& m, const char* what, bool direct) {
