@@ -1,5 +1,20 @@
-"""The end of a graphep.deep_ep torchrun worker (test_deep_ep.py, test_deep_ep_low_latency.py): the
-Buffer's status counted, the wrong counts summed over the ranks, one verdict line on rank 0."""
+"""The start and the end of a graphep.deep_ep torchrun worker (test_deep_ep.py,
+test_deep_ep_low_latency.py): torch.distributed over NCCL on this process's GPU; then the Buffer's
+status counted, the wrong counts summed over the ranks, one verdict line on rank 0."""
+
+import os
+
+
+def start():
+    """Joins the torchrun group on GPU LOCAL_RANK: (its torch.device, rank, world size)."""
+    import torch  # the worker's (this module is imported where PyTorch may be missing)
+    import torch.distributed as dist
+
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    dist.init_process_group("nccl", device_id=device)
+    return device, dist.get_rank(), dist.get_world_size()
 
 
 def finish(name: str, buffer, wrong: dict, status_ok: bool, rank: int, ranks: int, device) -> int:

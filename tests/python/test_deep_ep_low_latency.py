@@ -23,7 +23,7 @@ import sys
 import pytest
 
 from conftest import requires_gpus, requires_torch
-from deep_ep_worker import finish
+from deep_ep_worker import finish, start
 
 import graphep  # noqa: E402
 from graphep.deep_ep import config as dconfig  # noqa: E402
@@ -187,11 +187,7 @@ def worker() -> int:
 
     import graphep.deep_ep as deep_ep
 
-    local = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
-    device = torch.device("cuda", local)
-    dist.init_process_group("nccl", device_id=device)
-    rank, R = dist.get_rank(), dist.get_world_size()
+    device, rank, R = start()
     wrong = {}
 
     def count(name, n):
