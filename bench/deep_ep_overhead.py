@@ -112,16 +112,16 @@ def run_low_latency(rank: int, args) -> None:
             buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=fp8)
         return call
 
-    def ll_combine():
-        buffer.low_latency_combine(y, topk_idx, topk_w, buffer._last_low_latency_handle, out=out)
-
-    # low_latency_combine takes the handle of the shape's last dispatch.
-    buffer._last_low_latency_handle = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False)[2]
     report(rank, f"low-latency T={T} H={H} E={E} K={K}", [
         ("dispatch fp8", ll_dispatch(True), engine_dispatch(True)),
         ("dispatch bf16", ll_dispatch(False), engine_dispatch(False)),
     ])
-    buffer._last_low_latency_handle = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False)[2]
+    # low_latency_combine takes the handle of the shape's last dispatch.
+    last = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False)[2]
+
+    def ll_combine():
+        buffer.low_latency_combine(y, topk_idx, topk_w, last, out=out)
+
     report(rank, f"low-latency T={T} H={H} E={E} K={K}", [("combine bf16", ll_combine, engine_combine)])
     st_all = buffer.status()
     assert st_all.ok, st_all.describe()
