@@ -80,7 +80,7 @@ def report(rank: int, head: str, cases) -> None:
 def run_low_latency(rank: int, args) -> None:
     """low_latency_dispatch / low_latency_combine against the engine's own calls."""
     import graphep.deep_ep as deep_ep
-    from graphep._graphep import DispatchInput, Fp8Scales, IndexType  # noqa: F401
+    from graphep._graphep import DispatchInput, IndexType
 
     T, H, E, K = args.num_tokens, args.hidden, args.num_experts, args.num_topk
     R = args.num_processes
