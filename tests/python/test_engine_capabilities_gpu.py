@@ -287,19 +287,24 @@ def test_halves_and_receive(lat):
 
 # ---- 2 GPUs -----------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def two():
+def engines_on_two_gpus(**config):
+    """(torch, the engines of a local group on GPUs 0 and 1 with this config, a stream per engine);
+    skips without 2 GPUs or PyTorch."""
     if GPUS < 2:
         pytest.skip(f"needs 2 GPUs, found {GPUS}")
     torch = pytest.importorskip("torch", reason="PyTorch is not installed")
-    cfg = graphep.MoeConfig(max_tokens_per_rank=T, hidden=H, num_experts=E, top_k=K,
-                            receive_layout=graphep.ReceiveLayout.RANK_MAJOR, path=graphep.MoePath.THROUGHPUT)
+    cfg = graphep.MoeConfig(max_tokens_per_rank=T, hidden=H, num_experts=E, top_k=K, **config)
     engines = graphep.create_engines(graphep.Group.local([0, 1]), cfg)
     streams = []
     for e in engines:
         with torch.cuda.device(e.device):
             streams.append(torch.cuda.Stream())
     return torch, engines, streams
+
+
+@pytest.fixture(scope="module")
+def two():
+    return engines_on_two_gpus(receive_layout=graphep.ReceiveLayout.RANK_MAJOR, path=graphep.MoePath.THROUGHPUT)
 
 
 class Rank:
@@ -584,18 +589,8 @@ L_LOCAL, RPE = E // R, R * T  # local experts; rows per expert (DeepEP's R x T)
 
 @pytest.fixture(scope="module")
 def latency_two():
-    if GPUS < 2:
-        pytest.skip(f"needs 2 GPUs, found {GPUS}")
-    torch = pytest.importorskip("torch", reason="PyTorch is not installed")
-    cfg = graphep.MoeConfig(max_tokens_per_rank=T, hidden=H, num_experts=E, top_k=K,
-                            receive_layout=graphep.ReceiveLayout.BATCHED, rows_per_expert=RPE,
-                            path=graphep.MoePath.LATENCY)
-    engines = graphep.create_engines(graphep.Group.local([0, 1]), cfg)
-    streams = []
-    for e in engines:
-        with torch.cuda.device(e.device):
-            streams.append(torch.cuda.Stream())
-    return torch, engines, streams
+    return engines_on_two_gpus(receive_layout=graphep.ReceiveLayout.BATCHED, rows_per_expert=RPE,
+                               path=graphep.MoePath.LATENCY)
 
 
 def latency_views(torch, e):
