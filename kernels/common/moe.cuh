@@ -256,7 +256,6 @@ __device__ void moePublishLayout(const MoeParams& p, Msg msg, const std::int32_t
   const long long cap = p.capacity;
   std::int32_t keptHere = 0;
   if (p.rankMajor) {
-    for (int j = tid; j < L && p.recvStats != nullptr; j += kThreads) p.recvStats[j] += counts[j];
     // Rows are records (at most maxTokens per source: nothing is dropped); the per-expert views
     // count entries, packed: what a grouped GEMM that gathers rows sizes itself by.
     for (int j = tid; j <= L; j += kThreads) {
@@ -265,6 +264,7 @@ __device__ void moePublishLayout(const MoeParams& p, Msg msg, const std::int32_t
       p.expertCounts[j] = counts[j];
       p.expertDropped[j] = 0;
       p.expertTotals[j] += static_cast<unsigned long long>(counts[j]);
+      if (p.recvStats != nullptr) p.recvStats[j] += counts[j];
     }
     if (srcBase != p.srcBase) {
       for (int n = tid; n < p.numRanks * L; n += kThreads) p.srcBase[n] = srcBase[n];
