@@ -18,6 +18,15 @@ HAVE_TORCH = importlib.util.find_spec("torch") is not None
 GPUS, NO_GPU_REASON = graphep._graphep.cuda_device_count()
 
 
+def expect_error(status, needle, fn, *args, **kwargs):
+    """fn(*args, **kwargs) raises graphep.Error with `status` and a message containing `needle`."""
+    with pytest.raises(graphep.Error) as e:
+        fn(*args, **kwargs)
+    assert e.value.status == status, e.value
+    assert needle in e.value.message, e.value.message
+    return e.value
+
+
 def requires_gpus(n: int):
     why = f"needs {n} GPU(s), found {GPUS}" + (f" ({NO_GPU_REASON})" if NO_GPU_REASON else "")
     return pytest.mark.skipif(GPUS < n, reason=why)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import requires_gpus, requires_torch
+from conftest import expect_error, requires_gpus, requires_torch
 from deep_ep_worker import finish, start
 
 import graphep  # noqa: E402
@@ -37,14 +37,6 @@ def compat_runner():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def expect_error(status, needle, fn, *args, **kwargs):
-    with pytest.raises(graphep.Error) as e:
-        fn(*args, **kwargs)
-    assert e.value.status == status, e.value
-    assert needle in e.value.message, e.value.message
-    return e.value
 
 
 # ---- CPU ---------------------------------------------------------------------------------------

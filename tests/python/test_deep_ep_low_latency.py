@@ -22,19 +22,11 @@ import sys
 
 import pytest
 
-from conftest import requires_gpus, requires_torch
+from conftest import expect_error, requires_gpus, requires_torch
 from deep_ep_worker import finish, start
 
 import graphep  # noqa: E402
 from graphep.deep_ep import config as dconfig  # noqa: E402
-
-
-def expect_error(status, needle, fn, *args, **kwargs):
-    with pytest.raises(graphep.Error) as e:
-        fn(*args, **kwargs)
-    assert e.value.status == status, e.value
-    assert needle in e.value.message, e.value.message
-    return e.value
 
 
 # ---- CPU ---------------------------------------------------------------------------------------
