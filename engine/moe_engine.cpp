@@ -202,7 +202,7 @@ LocalCarve carveLocal(const MoeConfig& cfg, const MoeSizes& z, std::size_t cap, 
   o.combArrive = carve(throughput ? Rs * W * 4 : 0);  // the direct combine's block arrivals and flags
   o.combReady = carve(throughput ? Rs * W * 4 : 0);
   constexpr std::size_t kStamps = kMoeStampWords * static_cast<std::size_t>(MoeKernel::kCount);
-  o.timeline = carve(cfg.profile ? kStamps * 8 : 0);
+  o.timeline = carve(cfg.profile ? (kStamps + kMoeTraceWords) * 8 : 0);
   o.bytes = used;
   return o;
 }
@@ -1456,6 +1456,33 @@ void Engine::resetTimeline() {
     t[kW * k + 3] = 0;  // CTAs
   }
   GRAPHEP_CUDA_CHECK(cudaMemcpy(m.p.timeline, t, sizeof(t), cudaMemcpyHostToDevice));
+  GRAPHEP_CUDA_CHECK(cudaMemset(m.p.timeline + kW * kN, 0, kMoeTraceWords * sizeof(unsigned long long)));
+}
+
+std::vector<MoeStepTrace> Engine::stepTrace() const {
+  const Impl& m = *impl_;
+  std::vector<MoeStepTrace> steps;
+  if (m.p.timeline == nullptr) return steps;
+  DeviceGuard guard(m.device);
+  GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
+  constexpr int kE = static_cast<int>(MoeTraceEvent::kCount);
+  std::vector<unsigned long long> t(kMoeTraceWords);
+  GRAPHEP_CUDA_CHECK(cudaMemcpy(t.data(), m.p.timeline + kMoeStampWords * static_cast<int>(MoeKernel::kCount),
+                                t.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+  for (int op = 0; op < 2; ++op) {
+    for (int s = 0; s < kMoeTraceSteps; ++s) {
+      const unsigned long long* w = t.data() + (op * kMoeTraceSteps + s) * kE;
+      if (w[static_cast<int>(MoeTraceEvent::kDone)] == 0) continue;  // no operation of this slot completed
+      MoeStepTrace st;
+      st.combine = op == 1;
+      for (int e = 0; e < kE && e < 8; ++e) st.ns[e] = w[e];
+      steps.push_back(st);
+    }
+  }
+  std::sort(steps.begin(), steps.end(), [](const MoeStepTrace& a, const MoeStepTrace& b) {
+    return a.ns[static_cast<int>(MoeTraceEvent::kDone)] < b.ns[static_cast<int>(MoeTraceEvent::kDone)];
+  });
+  return steps;
 }
 
 std::string MoeStatus::describe() const {

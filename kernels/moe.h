@@ -129,6 +129,26 @@ enum class MoeKernel : int {
 // Timeline words per kernel: min entry, max exit (global timer, ns), sum of CTA durations, CTAs.
 inline constexpr int kMoeStampWords = 4;
 
+// The latency kernels' step trace (MoeConfig.profile), after the stamps in `timeline`: the global
+// timer (ns) at each event of the last kMoeTraceSteps operations of each kind, slot
+// [op (0 dispatch, 1 combine)][step % kMoeTraceSteps][event], written by thread 0 of the send
+// part's first CTA (kEnter to kSent), of the receive part's first CTA (kLayout to kReceived) and of
+// the launch's last CTA (kDone). One operation's events, unlike the stamps' means, show where its
+// time goes: the kernel boundary (the previous kDone to kReady), the send, the peers' signals.
+enum class MoeTraceEvent : int {
+  kEnter = 0,  // the send CTA started, before its wait for the stream's last kernel
+  kReady,      // that wait returned
+  kPosted,     // its count messages (dispatch) or combine weights posted
+  kSent,       // its records (partials) written and announced to every peer
+  kLayout,     // the receive CTA saw every source's counts (dispatch)
+  kArrived,    // it saw every peer's send CTAs arrive
+  kReceived,   // it expanded (summed) its share
+  kDone,       // the launch's last CTA advanced the step
+  kCount
+};
+inline constexpr int kMoeTraceSteps = 16;
+inline constexpr int kMoeTraceWords = 2 * kMoeTraceSteps * static_cast<int>(MoeTraceEvent::kCount);
+
 struct MoeParams {
   // Shape. topK, fp8 and payloadBytes are the dispatch's own (DispatchArgs.topK, .input): at most
   // the config's top-k, and a record slot holds the config's largest record (recBytes).
@@ -296,7 +316,8 @@ struct MoeParams {
   std::int32_t llCtas;
   SyncHandle sync;            // bounded waits (timeout, error record)
 
-  unsigned long long* timeline;  // [kMoeStampWords * MoeKernel::kCount], or nullptr (profiling off)
+  // [kMoeStampWords * MoeKernel::kCount] then the step trace [kMoeTraceWords], or nullptr (profiling off)
+  unsigned long long* timeline;
 };
 
 // Threads per CTA of the throughput path's kernels (groups of 128 threads work on one item each).

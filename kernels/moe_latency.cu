@@ -137,6 +137,7 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part) {
       __syncthreads();
       if (tid == 0) flagPost(peerCounter(p, r, p.llFlagOff) + p.rank, step + 1u);
     }
+    if (part.cta == 0 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kPosted);
     // Each token's index in each destination's list, for the combine of this dispatch.
     if (part.cta == part.ctas - 1) {
       for (int n = tid; n < T * R; n += kThreads) {
@@ -192,6 +193,7 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part) {
     }
   }
   arriveAtEveryPeer(p, p.llArriveOff);  // this CTA's records, to every peer
+  if (part.cta == 0 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kSent);
 }
 
 // Source q's count message of the step's parity in this rank's heap.
@@ -216,6 +218,7 @@ __device__ void dispatchReceive(const MoeParams& p, Part part) {
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyReceive);
     layoutOk = waitEveryRank(p, p.llFlagOff, step + 1u, WaitSite::kMoeDispatch);
+    if (part.cta == 0 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kLayout);
     if (layoutOk) {  // every CTA derives the offsets (its expansion needs them); CTA 0 publishes
       moeComputeOffsets<kThreads>(p, msgOf, counts, offsets, scratch);
       if (part.cta == 0) {
@@ -238,6 +241,7 @@ __device__ void dispatchReceive(const MoeParams& p, Part part) {
         // only expands. Placed earlier, it could hold the SMs that another engine's or another
         // rank's send part needs while this receive waits for it (a cycle across GPUs).
         if (k == R - 1) ptx::launchDependents();
+        if (k == R - 1 && part.cta == 0 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kArrived);
         moeSourceBases<kThreads>(p, msgOf, offsets, s, base);
         __syncthreads();
         const std::uint64_t sent = __ldcg(msgOf(s));
@@ -260,6 +264,16 @@ __device__ void dispatchReceive(const MoeParams& p, Part part) {
       }
     }
   }
+  if (part.cta == 0 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kReceived);
+}
+
+// The send part's first CTA: its start and the end of its wait for the stream's last kernel.
+__device__ __forceinline__ void traceStart(const MoeParams& p, int op, Part send, std::uint64_t entered) {
+  if (send.cta == 0 && threadIdx.x == 0 && p.timeline != nullptr) {
+    const std::uint32_t step = p.llSteps[op];
+    moeTrace(p, op, step, MoeTraceEvent::kEnter, entered);
+    moeTrace(p, op, step, MoeTraceEvent::kReady);
+  }
 }
 
 // The part of this launch that this CTA runs (cta -1: none). Both parts: CTAs [0, G) send and
@@ -277,13 +291,16 @@ __device__ __forceinline__ Part receivePart(const MoeParams& p) {
 
 __global__ void __launch_bounds__(kThreads) dispatchKernel(const __grid_constant__ MoeParams p) {
   extern __shared__ int4 smemRaw[];
+  const std::uint64_t entered = p.timeline != nullptr ? ptx::globalTimerNs() : 0;
   // The stream's last kernel (often the last operation, which lets it be placed early) has
   // finished and its memory is visible: nothing of this step is read before.
   ptx::gridDependencyWait();
   const Part send = sendPart(p), receive = receivePart(p);
+  traceStart(p, 0, send, entered);
   if (send.cta >= 0) dispatchSend(p, reinterpret_cast<char*>(smemRaw), send);
   if (receive.cta >= 0) dispatchReceive(p, receive);
   if ((p.llPhase & kMoeLatencyReceive) != 0 && lastBlock(&p.llDone[0]) && threadIdx.x == 0) {
+    moeTrace(p, 0, p.llSteps[0], MoeTraceEvent::kDone);
     p.llSteps[0] = p.llSteps[0] + 1u;  // every CTA read the step before lastBlock's barrier
     *p.pending = kMoeDispatched | kMoePendingCombine;
   }
@@ -327,6 +344,7 @@ __device__ void combineSend(const MoeParams& p, Part part) {
       __syncthreads();
       if (tid == 0) flagPost(peerCounter(p, r, p.llCombWFlagOff) + p.rank, cstep + 1u);
     }
+    if (part.cta == 0 && tid == 0) moeTrace(p, 1, cstep, MoeTraceEvent::kPosted);
   }
   // The peers' records only (their partials cross the link): the receive part reduces this rank's
   // own records.
@@ -347,6 +365,7 @@ __device__ void combineSend(const MoeParams& p, Part part) {
     }
   }
   arriveAtEveryPeer(p, p.llCombArriveOff);
+  if (part.cta == 0 && tid == 0) moeTrace(p, 1, cstep, MoeTraceEvent::kSent);
 }
 
 __device__ void combineReceive(const MoeParams& p, Part part) {
@@ -382,6 +401,7 @@ __device__ void combineReceive(const MoeParams& p, Part part) {
     if (waitEveryRank(p, p.llCombArriveOff, (cstep + 1u) * static_cast<std::uint32_t>(p.llCtas), WaitSite::kMoeCombine,
                       true)) {
       ptx::launchDependents();  // after the last wait on another rank, as in the dispatch receive
+      if (part.cta == 0 && threadIdx.x == 0) moeTrace(p, 1, cstep, MoeTraceEvent::kArrived);
       for (int t = gs.first; t < T; t += gs.stride) {
         moeFinalToken(
             p, t,
@@ -393,14 +413,18 @@ __device__ void combineReceive(const MoeParams& p, Part part) {
       }
     }
   }
+  if (part.cta == 0 && threadIdx.x == 0) moeTrace(p, 1, cstep, MoeTraceEvent::kReceived);
 }
 
 __global__ void __launch_bounds__(kThreads) combineKernel(const __grid_constant__ MoeParams p) {
+  const std::uint64_t entered = p.timeline != nullptr ? ptx::globalTimerNs() : 0;
   ptx::gridDependencyWait();  // as the dispatch: the stream's last kernel has finished
   const Part send = sendPart(p), receive = receivePart(p);
+  traceStart(p, 1, send, entered);
   if (send.cta >= 0) combineSend(p, send);
   if (receive.cta >= 0) combineReceive(p, receive);
   if ((p.llPhase & kMoeLatencyReceive) != 0 && lastBlock(&p.llDone[1]) && threadIdx.x == 0) {
+    moeTrace(p, 1, p.llSteps[1], MoeTraceEvent::kDone);
     p.llSteps[1] = p.llSteps[1] + 1u;
     *p.pending &= kMoeDispatched;
   }

@@ -118,6 +118,16 @@ struct MoeKernelSpan {
   unsigned long long startNs, endNs;
 };
 
+// One latency-path operation's events (MoeConfig.profile), in the GPU's global timer (ns; 0: not
+// reached): ns[0] the send CTA's start, [1] its wait for the stream's last kernel returned, [2]
+// its count messages (or combine weights) posted, [3] its records (partials) announced to every
+// peer, [4] the receive CTA saw every source's counts (dispatch only), [5] it saw every peer's
+// send CTAs arrive, [6] it finished its share, [7] the launch's last CTA advanced the step.
+struct MoeStepTrace {
+  bool combine = false;
+  unsigned long long ns[8] = {};
+};
+
 // What a dispatch's x holds and how its rows travel (DispatchArgs.input).
 enum class DispatchInput : std::uint8_t {
   kConfig = 0,       // x bf16, sent as MoeConfig.dispatchType
@@ -433,6 +443,9 @@ class Engine {
   // launch order of the engine's kernels, each once: run one operation between the two calls to
   // read its timeline. Synchronises this rank's device.
   std::vector<MoeKernelSpan> timeline() const;
+  // The latency path's last operations, one event trace each (MoeConfig.profile; empty otherwise
+  // or on the throughput path), oldest first. Synchronises this rank's device.
+  std::vector<MoeStepTrace> stepTrace() const;
   void resetTimeline();
 
   struct Impl;

@@ -45,6 +45,17 @@ class MoeStamp {
 };
 
 // Expert id of flattened (token, k) entry n.
+// Event e of latency operation `op` (0 dispatch, 1 combine) at `step` into the step trace
+// (MoeTraceEvent, kernels/moe.h), at time ns (0: now), when profiling.
+__device__ __forceinline__ void moeTrace(const MoeParams& p, int op, std::uint32_t step, MoeTraceEvent e,
+                                         std::uint64_t ns = 0) {
+  if (p.timeline == nullptr) return;
+  constexpr int kE = static_cast<int>(MoeTraceEvent::kCount);
+  p.timeline[kMoeStampWords * static_cast<int>(MoeKernel::kCount) +
+             (op * kMoeTraceSteps + static_cast<int>(step % kMoeTraceSteps)) * kE + static_cast<int>(e)] =
+      ns != 0 ? ns : ptx::globalTimerNs();
+}
+
 __device__ __forceinline__ long long moeReadId(const MoeParams& p, std::uint64_t n) {
   return p.int64Ids ? static_cast<const long long*>(p.topkIdx)[n]
                     : static_cast<long long>(static_cast<const int*>(p.topkIdx)[n]);
