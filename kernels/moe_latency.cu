@@ -128,24 +128,6 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part) {
     }
     __syncthreads();
     anyDup = dup != 0;
-    // Count messages first (they travel ahead of the payload): CTA c takes ranks c, c + G, ...
-    for (int r = part.cta; r < R; r += part.ctas) {
-      auto* msg = reinterpret_cast<std::uint64_t*>(p.peerUser[r] + p.llCntOff +
-                                                   (static_cast<std::uint64_t>(parity) * R + p.rank) * p.cntMsgBytes);
-      for (int j = tid; j < L; j += kThreads) msg[1 + j] = static_cast<std::uint64_t>(entriesBefore(r * L + j, T, 0));
-      if (tid == 0) msg[0] = static_cast<std::uint64_t>(popcBelow(dstBits + r * W, T));
-      __syncthreads();
-      if (tid == 0) flagPost(peerCounter(p, r, p.llFlagOff) + p.rank, step + 1u);
-    }
-    if (part.cta == 0 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kPosted);
-    // Each token's index in each destination's list, for the combine of this dispatch.
-    if (part.cta == part.ctas - 1) {
-      for (int n = tid; n < T * R; n += kThreads) {
-        const int t = n / R, r = n % R;
-        const bool goes = (dstBits[r * W + (t >> 5)] >> (t & 31)) & 1u;
-        p.tokRankIdx[n] = goes ? popcBelow(dstBits + r * W, t) : -1;
-      }
-    }
   }
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyRecords);
@@ -153,8 +135,9 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part) {
     // a warp per token from the routing in shared memory; then this CTA's arrival at this rank
     // (GPU scope: its receiver runs on this GPU), so that the receiver expands them while the
     // peers' records are written below.
+    const int warp = tid / 32, lane = tid % 32, warps = kThreads / 32;
     {
-      const int warp = tid / 32, lane = tid % 32, warps = kThreads / 32, me = p.rank;
+      const int me = p.rank;
       for (int t = part.cta * warps + warp; t < T; t += part.ctas * warps) {
         if (!((dstBits[me * W + (t >> 5)] >> (t & 31)) & 1u)) continue;  // uniform across the warp
         char* rec = p.peerUser[me] + p.llRecOff + llSlot(p, parity, me, popcBelow(dstBits + me * W, t), p.recBytes);
@@ -168,14 +151,36 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part) {
         atomicAdd(peerCounter(p, me, p.llArriveOff) + me, 1u);
       }
     }
-    // The peers' records: one token per group, its row read once for every peer. Every group of
-    // the CTA goes round the same number of times (one past the last token idles through its
-    // barriers): compute-sanitizer racecheck mis-orders a CTA-wide shared-memory exchange whose
-    // writer's group has passed its named barrier more often than the reader's (a false RAW
-    // hazard; tools/racecheck_probe.cu, docs/RELIABILITY.md); the receiver keeps the same rule.
-    for (int base = firstItem - group; base < T; base += items) {
-      const int t = base + group;
-      if (g.tid == 0 && t < T) {
+    // The count messages, ahead of the payload: the last warp of CTA G - 1 - i takes ranks i,
+    // i + G, ... (the last CTAs hold the fewest records: the records below fill the CTAs from the
+    // first). The warp posts each with its flag (a system fence by one lane after the warp's
+    // barrier) while the CTA's other warps go on to their records: no CTA barrier waits for it.
+    if (warp == warps - 1) {
+      for (int r = part.ctas - 1 - part.cta; r < R; r += part.ctas) {
+        auto* msg = reinterpret_cast<std::uint64_t*>(p.peerUser[r] + p.llCntOff +
+                                                     (static_cast<std::uint64_t>(parity) * R + p.rank) * p.cntMsgBytes);
+        for (int j = lane; j < L; j += 32) msg[1 + j] = static_cast<std::uint64_t>(entriesBefore(r * L + j, T, 0));
+        if (lane == 0) msg[0] = static_cast<std::uint64_t>(popcBelow(dstBits + r * W, T));
+        __syncwarp();
+        if (lane == 0) {
+          flagPost(peerCounter(p, r, p.llFlagOff) + p.rank, step + 1u);
+          if (r == 0) moeTrace(p, 0, step, MoeTraceEvent::kPosted);
+        }
+        __syncwarp();
+      }
+    }
+    // The peers' records. An item is a token's record, or at few tokens a chunk of it: each token
+    // splits into C chunks, C = min(groups / T, hidden / 1024) (at least 1), the C groups of a
+    // token acting as one group of C x kMoeGroupThreads threads over its row (read once for every
+    // peer); chunk 0 writes the metadata. Every group of the CTA goes round the same number of
+    // times (one past the last item idles through its barriers): compute-sanitizer racecheck
+    // mis-orders a CTA-wide shared-memory exchange whose writer's group has passed its named
+    // barrier more often than the reader's (a false RAW hazard; tools/racecheck_probe.cu,
+    // docs/RELIABILITY.md); the receiver keeps the same rule.
+    const int C = moeRecordChunks(items, T, p.hidden);
+    for (int base = firstItem - group; base < T * C; base += items) {
+      const int item = base + group, t = item / C, c = item % C;
+      if (g.tid == 0 && item < T * C) {
         int n = 0;
         for (int r = 0; r < R; ++r) {
           if (r == p.rank || !((dstBits[r * W + (t >> 5)] >> (t & 31)) & 1u)) continue;
@@ -185,15 +190,25 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part) {
         ndst[group] = n;
       }
       g.sync();
-      if (t < T && ndst[group] > 0) {
+      if (item < T * C && ndst[group] > 0) {
+        const MoeGroup chunk{c * g.nthreads + g.tid, C * g.nthreads, g.barrier};  // never synchronised
         moeWriteRecords(p, t, dsts[group], dstRanks[group], ndst[group],
-                        [&](int k) { return entriesBefore(ids[t * K + k], t, k); }, g, ndst[group]);
+                        [&](int k) { return entriesBefore(ids[t * K + k], t, k); }, chunk, ndst[group]);
       }
-      g.sync();  // dsts is rewritten for the next token
+      g.sync();  // dsts is rewritten for the next item
     }
   }
   arriveAtEveryPeer(p, p.llArriveOff);  // this CTA's records, to every peer
   if (part.cta == 0 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kSent);
+  // Each token's index in each destination's list, for the combine of this dispatch (the next
+  // kernel of the stream reads it, after this one completes).
+  if (part.cta == part.ctas - 1) {
+    for (int n = tid; n < T * R; n += kThreads) {
+      const int t = n / R, r = n % R;
+      const bool goes = (dstBits[r * W + (t >> 5)] >> (t & 31)) & 1u;
+      p.tokRankIdx[n] = goes ? popcBelow(dstBits + r * W, t) : -1;
+    }
+  }
 }
 
 // Source q's count message of the step's parity in this rank's heap.
@@ -230,23 +245,23 @@ __device__ void dispatchReceive(const MoeParams& p, Part part) {
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyExpand);
     if (layoutOk) {
-      // Each source's records once its G send CTAs have arrived, this rank's own first.
+      // Each source's records once its G send CTAs have arrived, this rank's own first. Its row
+      // bases come from the counts, known already: derived before the wait, not after it.
       for (int k = 0; k < R; ++k) {
         const int s = (p.rank + k) % R;
+        moeSourceBases<kThreads>(p, msgOf, offsets, s, base);
+        const std::uint64_t sent = __ldcg(msgOf(s));
+        const int rows = static_cast<int>(sent < static_cast<std::uint64_t>(p.maxTokens) ? sent : p.maxTokens);
+        const long long rankBase = p.rankMajor ? moeRankBase(p, msgOf, s) : -1;  // rank-major: its first row
         const bool failed =
             tid == 0 && !flagWait(p.sync, peerCounter(p, p.rank, p.llArriveOff) + s, arrived, s, WaitSite::kMoeDispatch);
-        if (__syncthreads_or(failed) != 0) break;  // thread 0's verdict, to every thread
+        if (__syncthreads_or(failed) != 0) break;  // thread 0's verdict, to every thread; base is written
         // After this CTA's last wait on another rank, not before: the stream's next kernel (the
         // next operation, or a caller's programmatic dependent) may then be placed while this one
         // only expands. Placed earlier, it could hold the SMs that another engine's or another
         // rank's send part needs while this receive waits for it (a cycle across GPUs).
         if (k == R - 1) ptx::launchDependents();
         if (k == R - 1 && part.cta == 0 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kArrived);
-        moeSourceBases<kThreads>(p, msgOf, offsets, s, base);
-        __syncthreads();
-        const std::uint64_t sent = __ldcg(msgOf(s));
-        const int rows = static_cast<int>(sent < static_cast<std::uint64_t>(p.maxTokens) ? sent : p.maxTokens);
-        const long long rankBase = p.rankMajor ? moeRankBase(p, msgOf, s) : -1;  // rank-major: its first row
         // Every group goes round equally (an idle one through the same barriers): base is
         // rewritten for the next source after the __syncthreads below.
         for (int b = gs.first - gs.group; b < rows; b += gs.stride) {
