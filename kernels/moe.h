@@ -131,18 +131,18 @@ inline constexpr int kMoeStampWords = 4;
 
 // The latency kernels' step trace (MoeConfig.profile), after the stamps in `timeline`: the global
 // timer (ns) at each event of the last kMoeTraceSteps operations of each kind, slot
-// [op (0 dispatch, 1 combine)][step % kMoeTraceSteps][event], written by thread 0 of the send
-// part's first CTA (kEnter to kSent), of the receive part's first CTA (kLayout to kReceived) and of
-// the launch's last CTA (kDone). One operation's events, unlike the stamps' means, show where its
-// time goes: the kernel boundary (the previous kDone to kReady), the send, the peers' signals.
+// [op (0 dispatch, 1 combine)][step % kMoeTraceSteps][event]. One operation's events, unlike the
+// stamps' means, show where its time goes: the kernel boundary (the previous kDone to kReady),
+// the send, the peers' signals, the receive.
 enum class MoeTraceEvent : int {
-  kEnter = 0,  // the send CTA started, before its wait for the stream's last kernel
+  kEnter = 0,  // the send part's first CTA started, before its wait for the stream's last kernel
   kReady,      // that wait returned
-  kPosted,     // its count messages (dispatch) or combine weights posted
-  kSent,       // its records (partials) written and announced to every peer
-  kLayout,     // the receive CTA saw every source's counts (dispatch)
-  kArrived,    // it saw every peer's send CTAs arrive
-  kReceived,   // it expanded (summed) its share
+  kPosted,     // the last count message (dispatch) or combine weights posted
+  kSent,       // the last send CTA announced its records (partials) to every peer
+  kLayout,     // the receive part's last CTA (no records of its own at up to 128 tokens) saw every
+               // source's counts (dispatch only)
+  kArrived,    // that CTA saw every peer's send CTAs arrive
+  kReceived,   // the last receive CTA finished its share
   kDone,       // the launch's last CTA advanced the step
   kCount
 };

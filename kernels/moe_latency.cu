@@ -49,6 +49,9 @@ namespace {
 
 constexpr int kThreads = kMoeLatencyThreads;
 constexpr int kGroups = kThreads / kMoeGroupThreads;
+// Named barrier of a send CTA's warps that write its own records' metadata (the groups' barriers
+// are 1 .. kGroups).
+constexpr int kMetaBarrier = kGroups + 1;
 
 __device__ __forceinline__ std::uint64_t llSlot(const MoeParams& p, int parity, int src, int i,
                                                 std::uint64_t bytes) {
@@ -68,6 +71,11 @@ __device__ __forceinline__ int popcBelow(const std::uint32_t* bits, int t) {
 struct Part {
   int cta, ctas;
 };
+
+// The thread of a CTA that announces it to the last peer (arriveAtEveryPeer): the send's end.
+__device__ __forceinline__ int lastArriver(const MoeParams& p) {
+  return p.rank == p.numRanks - 1 ? p.numRanks - 2 : p.numRanks - 1;
+}
 
 // --- dispatch ---------------------------------------------------------------------------------
 
@@ -131,31 +139,13 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part) {
   }
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyRecords);
-    // This rank's own records first, their metadata alone (the receiver reads their rows from x),
-    // a warp per token from the routing in shared memory; then this CTA's arrival at this rank
-    // (GPU scope: its receiver runs on this GPU), so that the receiver expands them while the
-    // peers' records are written below.
     const int warp = tid / 32, lane = tid % 32, warps = kThreads / 32;
-    {
-      const int me = p.rank;
-      for (int t = part.cta * warps + warp; t < T; t += part.ctas * warps) {
-        if (!((dstBits[me * W + (t >> 5)] >> (t & 31)) & 1u)) continue;  // uniform across the warp
-        char* rec = p.peerUser[me] + p.llRecOff + llSlot(p, parity, me, popcBelow(dstBits + me * W, t), p.recBytes);
-        moeWriteRecordMeta(
-            p, t, &rec, &me, 1, [&](int k) { return entriesBefore(ids[t * K + k], t, k); },
-            lane < K ? ids[t * K + lane] : -1, lane < K ? weights[t * K + lane] : 0.f, lane);
-      }
-      __syncthreads();
-      if (tid == 0) {
-        __threadfence();  // the CTA's metadata (ordered before by the barrier), then the count
-        atomicAdd(peerCounter(p, me, p.llArriveOff) + me, 1u);
-      }
-    }
-    // The count messages, ahead of the payload: the last warp of CTA G - 1 - i takes ranks i,
-    // i + G, ... (the last CTAs hold the fewest records: the records below fill the CTAs from the
-    // first). The warp posts each with its flag (a system fence by one lane after the warp's
-    // barrier) while the CTA's other warps go on to their records: no CTA barrier waits for it.
-    if (warp == warps - 1) {
+    // The count messages first, ahead of the payload: the last warp of CTA G - 1 - i takes ranks
+    // i, i + G, ... (the last CTAs hold the fewest records: the records below fill the CTAs from
+    // the first). It posts each with its flag (a system fence by one lane after the warp's
+    // barrier) while the CTA's other warps go on: no CTA barrier waits for it.
+    const bool poster = part.ctas - 1 - part.cta < R;
+    if (poster && warp == warps - 1) {
       for (int r = part.ctas - 1 - part.cta; r < R; r += part.ctas) {
         auto* msg = reinterpret_cast<std::uint64_t*>(p.peerUser[r] + p.llCntOff +
                                                      (static_cast<std::uint64_t>(parity) * R + p.rank) * p.cntMsgBytes);
@@ -164,9 +154,29 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part) {
         __syncwarp();
         if (lane == 0) {
           flagPost(peerCounter(p, r, p.llFlagOff) + p.rank, step + 1u);
-          if (r == 0) moeTrace(p, 0, step, MoeTraceEvent::kPosted);
+          moeTrace(p, 0, step, MoeTraceEvent::kPosted, 0, true);
         }
         __syncwarp();
+      }
+    } else {
+      // This rank's own records, their metadata alone (the receiver reads their rows from x), a
+      // warp per token from the routing in shared memory, each CTA its own range of tokens; then
+      // this CTA's arrival at this rank (GPU scope: its receiver runs on this GPU), so that the
+      // receiver expands them while the peers' records are written below. The other warps only
+      // (a named barrier): the poster's fence holds none of them.
+      const int me = p.rank, metaWarps = poster ? warps - 1 : warps, per = (T + part.ctas - 1) / part.ctas;
+      const int end = min(T, (part.cta + 1) * per);
+      for (int t = part.cta * per + warp; t < end; t += metaWarps) {
+        if (!((dstBits[me * W + (t >> 5)] >> (t & 31)) & 1u)) continue;  // uniform across the warp
+        char* rec = p.peerUser[me] + p.llRecOff + llSlot(p, parity, me, popcBelow(dstBits + me * W, t), p.recBytes);
+        moeWriteRecordMeta(
+            p, t, &rec, &me, 1, [&](int k) { return entriesBefore(ids[t * K + k], t, k); },
+            lane < K ? ids[t * K + lane] : -1, lane < K ? weights[t * K + lane] : 0.f, lane);
+      }
+      asm volatile("bar.sync %0, %1;" ::"r"(kMetaBarrier), "r"(metaWarps * 32) : "memory");
+      if (tid == 0) {
+        __threadfence();  // the CTA's metadata (ordered before by the barrier), then the count
+        atomicAdd(peerCounter(p, me, p.llArriveOff) + me, 1u);
       }
     }
     // The peers' records. An item is a token's record, or at few tokens a chunk of it: each token
@@ -199,7 +209,7 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part) {
     }
   }
   arriveAtEveryPeer(p, p.llArriveOff);  // this CTA's records, to every peer
-  if (part.cta == 0 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kSent);
+  if (tid == lastArriver(p)) moeTrace(p, 0, step, MoeTraceEvent::kSent, 0, true);
   // Each token's index in each destination's list, for the combine of this dispatch (the next
   // kernel of the stream reads it, after this one completes).
   if (part.cta == part.ctas - 1) {
@@ -233,7 +243,7 @@ __device__ void dispatchReceive(const MoeParams& p, Part part) {
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyReceive);
     layoutOk = waitEveryRank(p, p.llFlagOff, step + 1u, WaitSite::kMoeDispatch);
-    if (part.cta == 0 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kLayout);
+    if (part.cta == part.ctas - 1 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kLayout);
     if (layoutOk) {  // every CTA derives the offsets (its expansion needs them); CTA 0 publishes
       moeComputeOffsets<kThreads>(p, msgOf, counts, offsets, scratch);
       if (part.cta == 0) {
@@ -261,7 +271,7 @@ __device__ void dispatchReceive(const MoeParams& p, Part part) {
         // only expands. Placed earlier, it could hold the SMs that another engine's or another
         // rank's send part needs while this receive waits for it (a cycle across GPUs).
         if (k == R - 1) ptx::launchDependents();
-        if (k == R - 1 && part.cta == 0 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kArrived);
+        if (k == R - 1 && part.cta == part.ctas - 1 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kArrived);
         // Every group goes round equally (an idle one through the same barriers): base is
         // rewritten for the next source after the __syncthreads below.
         for (int b = gs.first - gs.group; b < rows; b += gs.stride) {
@@ -279,7 +289,7 @@ __device__ void dispatchReceive(const MoeParams& p, Part part) {
       }
     }
   }
-  if (part.cta == 0 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kReceived);
+  if (tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kReceived, 0, true);
 }
 
 // The send part's first CTA: its start and the end of its wait for the stream's last kernel.
@@ -359,7 +369,7 @@ __device__ void combineSend(const MoeParams& p, Part part) {
       __syncthreads();
       if (tid == 0) flagPost(peerCounter(p, r, p.llCombWFlagOff) + p.rank, cstep + 1u);
     }
-    if (part.cta == 0 && tid == 0) moeTrace(p, 1, cstep, MoeTraceEvent::kPosted);
+    if (tid == 0) moeTrace(p, 1, cstep, MoeTraceEvent::kPosted, 0, true);
   }
   // The peers' records only (their partials cross the link): the receive part reduces this rank's
   // own records.
@@ -380,7 +390,7 @@ __device__ void combineSend(const MoeParams& p, Part part) {
     }
   }
   arriveAtEveryPeer(p, p.llCombArriveOff);
-  if (part.cta == 0 && tid == 0) moeTrace(p, 1, cstep, MoeTraceEvent::kSent);
+  if (tid == lastArriver(p)) moeTrace(p, 1, cstep, MoeTraceEvent::kSent, 0, true);
 }
 
 __device__ void combineReceive(const MoeParams& p, Part part) {
@@ -416,7 +426,7 @@ __device__ void combineReceive(const MoeParams& p, Part part) {
     if (waitEveryRank(p, p.llCombArriveOff, (cstep + 1u) * static_cast<std::uint32_t>(p.llCtas), WaitSite::kMoeCombine,
                       true)) {
       ptx::launchDependents();  // after the last wait on another rank, as in the dispatch receive
-      if (part.cta == 0 && threadIdx.x == 0) moeTrace(p, 1, cstep, MoeTraceEvent::kArrived);
+      if (part.cta == part.ctas - 1 && threadIdx.x == 0) moeTrace(p, 1, cstep, MoeTraceEvent::kArrived);
       for (int t = gs.first; t < T; t += gs.stride) {
         moeFinalToken(
             p, t,
@@ -428,7 +438,7 @@ __device__ void combineReceive(const MoeParams& p, Part part) {
       }
     }
   }
-  if (part.cta == 0 && threadIdx.x == 0) moeTrace(p, 1, cstep, MoeTraceEvent::kReceived);
+  if (threadIdx.x == 0) moeTrace(p, 1, cstep, MoeTraceEvent::kReceived, 0, true);
 }
 
 __global__ void __launch_bounds__(kThreads) combineKernel(const __grid_constant__ MoeParams p) {

@@ -119,10 +119,11 @@ struct MoeKernelSpan {
 };
 
 // One latency-path operation's events (MoeConfig.profile), in the GPU's global timer (ns; 0: not
-// reached): ns[0] the send CTA's start, [1] its wait for the stream's last kernel returned, [2]
-// its count messages (or combine weights) posted, [3] its records (partials) announced to every
-// peer, [4] the receive CTA saw every source's counts (dispatch only), [5] it saw every peer's
-// send CTAs arrive, [6] it finished its share, [7] the launch's last CTA advanced the step.
+// reached): ns[0] the send part's first CTA started, [1] its wait for the stream's last kernel
+// returned, [2] the last count message (combine weights) posted, [3] the last send CTA announced
+// its records (partials) to every peer, [4] the receive part's last CTA saw every source's counts
+// (dispatch only), [5] it saw every peer's send CTAs arrive, [6] the last receive CTA finished its
+// share, [7] the launch's last CTA advanced the step.
 struct MoeStepTrace {
   bool combine = false;
   unsigned long long ns[8] = {};

@@ -47,13 +47,20 @@ class MoeStamp {
 // Expert id of flattened (token, k) entry n.
 // Event e of latency operation `op` (0 dispatch, 1 combine) at `step` into the step trace
 // (MoeTraceEvent, kernels/moe.h), at time ns (0: now), when profiling.
+// latest: the latest of the callers' times (an atomic max: the slot's value from kMoeTraceSteps
+// operations before is always earlier), for an event that many CTAs reach.
 __device__ __forceinline__ void moeTrace(const MoeParams& p, int op, std::uint32_t step, MoeTraceEvent e,
-                                         std::uint64_t ns = 0) {
+                                         std::uint64_t ns = 0, bool latest = false) {
   if (p.timeline == nullptr) return;
   constexpr int kE = static_cast<int>(MoeTraceEvent::kCount);
-  p.timeline[kMoeStampWords * static_cast<int>(MoeKernel::kCount) +
-             (op * kMoeTraceSteps + static_cast<int>(step % kMoeTraceSteps)) * kE + static_cast<int>(e)] =
-      ns != 0 ? ns : ptx::globalTimerNs();
+  unsigned long long* slot = p.timeline + kMoeStampWords * static_cast<int>(MoeKernel::kCount) +
+                             (op * kMoeTraceSteps + static_cast<int>(step % kMoeTraceSteps)) * kE + static_cast<int>(e);
+  const unsigned long long now = ns != 0 ? ns : ptx::globalTimerNs();
+  if (latest) {
+    atomicMax(slot, now);
+  } else {
+    *slot = now;
+  }
 }
 
 __device__ __forceinline__ long long moeReadId(const MoeParams& p, std::uint64_t n) {
