@@ -102,17 +102,18 @@ void printStepTrace(Ranks& r, std::vector<std::unique_ptr<Engine>>& engines, std
     std::sort(v.begin(), v.end());
     return v[v.size() / 2];
   };
-  static const char* const names[8] = {"enter", "ready", "posted", "sent", "layout", "arrived", "received", "done"};
+  static const char* const names[11] = {"enter", "ready", "posted", "sent", "layout", "arrived", "received", "done",
+                                        "own arrived (first CTA)", "own done (first CTA)", "arrived (first CTA)"};
   for (std::size_t i = 0; i < all.size(); ++i) {
     for (int op = 0; op < 2; ++op) {
-      std::vector<double> d[8], boundary, skew;
+      std::vector<double> d[11], boundary, skew;
       for (std::size_t k = 1; k < all[i].size(); ++k) {
         const MoeStepTrace& t = all[i][k];
         if (t.combine != (op == 1)) continue;
         const double ready = static_cast<double>(t.ns[1]);
         boundary.push_back((static_cast<double>(t.ns[0]) - static_cast<double>(all[i][k - 1].ns[7])) / 1e3);
         d[0].push_back((ready - static_cast<double>(t.ns[0])) / 1e3);
-        for (int e = 2; e < 8; ++e) {
+        for (int e = 2; e < 11; ++e) {
           if (t.ns[e] != 0) d[e].push_back((static_cast<double>(t.ns[e]) - ready) / 1e3);
         }
         if (i > 0 && k < all[0].size() && all[0][k].combine == t.combine) {
@@ -124,7 +125,7 @@ void printStepTrace(Ranks& r, std::vector<std::unique_ptr<Engine>>& engines, std
                   "enter -> ready %.2f; after ready:",
                   op == 0 ? "dispatch" : "combine", tokens, fp8 ? "fp8" : "bf16", r.rank(static_cast<int>(i)),
                   boundary.size(), median(boundary), median(d[0]));
-      for (int e = 2; e < 8; ++e) {
+      for (int e = 2; e < 11; ++e) {
         if (!d[e].empty()) std::printf(" %s %.2f;", names[e], median(d[e]));
       }
       if (!skew.empty()) std::printf(" ready - rank %d's ready %.2f", r.rank(0), median(skew));

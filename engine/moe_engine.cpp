@@ -1475,7 +1475,7 @@ std::vector<MoeStepTrace> Engine::stepTrace() const {
       if (w[static_cast<int>(MoeTraceEvent::kDone)] == 0) continue;  // no operation of this slot completed
       MoeStepTrace st;
       st.combine = op == 1;
-      for (int e = 0; e < kE && e < 8; ++e) st.ns[e] = w[e];
+      for (int e = 0; e < kE && e < 11; ++e) st.ns[e] = w[e];
       steps.push_back(st);
     }
   }

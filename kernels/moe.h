@@ -144,6 +144,11 @@ enum class MoeTraceEvent : int {
   kArrived,    // that CTA saw every peer's send CTAs arrive
   kReceived,   // the last receive CTA finished its share
   kDone,       // the launch's last CTA advanced the step
+  // The receive part's first CTA (the first records' expander): the wait for this rank's own
+  // send CTAs returned (dispatch), it finished this rank's own records, it saw every peer arrive.
+  kOwnArrived0,
+  kOwnDone0,
+  kArrived0,
   kCount
 };
 inline constexpr int kMoeTraceSteps = 16;

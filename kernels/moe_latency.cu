@@ -79,7 +79,7 @@ __device__ __forceinline__ int lastArriver(const MoeParams& p) {
 
 // --- dispatch ---------------------------------------------------------------------------------
 
-__device__ void dispatchSend(const MoeParams& p, char* sm, Part part) {
+__device__ __noinline__ void dispatchSend(const MoeParams& p, char* sm, Part part) {
   const MoeLatencySmem lay = moeLatencySmem(p.maxTokens, p.topK, p.numExperts, p.numRanks);
   auto* ids = reinterpret_cast<std::int32_t*>(sm + lay.ids);         // [T_max * K], -1: none
   auto* weights = reinterpret_cast<float*>(sm + lay.weights);        // [T_max * K]
@@ -227,7 +227,7 @@ __device__ __forceinline__ const std::uint64_t* latencyMsg(const MoeParams& p, i
                                                 (static_cast<std::uint64_t>(parity) * p.numRanks + q) * p.cntMsgBytes);
 }
 
-__device__ void dispatchReceive(const MoeParams& p, Part part) {
+__device__ __noinline__ void dispatchReceive(const MoeParams& p, Part part) {
   __shared__ std::int32_t counts[kMoeMaxLocalExperts];
   __shared__ std::int32_t offsets[kMoeMaxLocalExperts + 1];
   __shared__ std::int32_t base[kMoeMaxLocalExperts];
@@ -266,6 +266,9 @@ __device__ void dispatchReceive(const MoeParams& p, Part part) {
         const bool failed =
             tid == 0 && !flagWait(p.sync, peerCounter(p, p.rank, p.llArriveOff) + s, arrived, s, WaitSite::kMoeDispatch);
         if (__syncthreads_or(failed) != 0) break;  // thread 0's verdict, to every thread; base is written
+        if (part.cta == 0 && tid == 0) {
+          moeTrace(p, 0, step, k == R - 1 ? MoeTraceEvent::kArrived0 : MoeTraceEvent::kOwnArrived0);
+        }
         // After this CTA's last wait on another rank, not before: the stream's next kernel (the
         // next operation, or a caller's programmatic dependent) may then be placed while this one
         // only expands. Placed earlier, it could hold the SMs that another engine's or another
@@ -286,6 +289,7 @@ __device__ void dispatchReceive(const MoeParams& p, Part part) {
           }
         }
         __syncthreads();
+        if (k == 0 && part.cta == 0 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kOwnDone0);
       }
     }
   }
@@ -300,6 +304,11 @@ __device__ __forceinline__ void traceStart(const MoeParams& p, int op, Part send
     moeTrace(p, op, step, MoeTraceEvent::kReady);
   }
 }
+
+// dispatchSend, dispatchReceive, combineSend and combineReceive are __noinline__: inlined into
+// one kernel, their code shared one register allocation under the 128-register cap of 512
+// threads, which put the row loops' staging arrays in local memory (dispatchKernel: 264-byte stack
+// frame, 212 bytes of spill stores); as functions of their own each part is allocated alone.
 
 // The part of this launch that this CTA runs (cta -1: none). Both parts: CTAs [0, G) send and
 // CTAs [G, G + E) receive, as two kernels would (the receive starts at once, on its own SMs);
@@ -339,7 +348,7 @@ __device__ __forceinline__ const float* combineWeightsOf(const MoeParams& p, int
          ((static_cast<std::uint64_t>(parity) * p.numRanks + q) * p.maxTokens + i) * p.topK;
 }
 
-__device__ void combineSend(const MoeParams& p, Part part) {
+__device__ __noinline__ void combineSend(const MoeParams& p, Part part) {
   __shared__ MoeSlotStage stages[kGroups];
   const int tid = static_cast<int>(threadIdx.x);
   const MoeGroupSlice gs = moeGroupSlice(part.cta, part.ctas);
@@ -393,7 +402,7 @@ __device__ void combineSend(const MoeParams& p, Part part) {
   if (tid == lastArriver(p)) moeTrace(p, 1, cstep, MoeTraceEvent::kSent, 0, true);
 }
 
-__device__ void combineReceive(const MoeParams& p, Part part) {
+__device__ __noinline__ void combineReceive(const MoeParams& p, Part part) {
   __shared__ const uint4* parts[kGroups][kMaxRanks];
   __shared__ MoeSlotStage stages[kGroups];
   const MoeGroupSlice gs = moeGroupSlice(part.cta, part.ctas);
@@ -427,6 +436,7 @@ __device__ void combineReceive(const MoeParams& p, Part part) {
                       true)) {
       ptx::launchDependents();  // after the last wait on another rank, as in the dispatch receive
       if (part.cta == part.ctas - 1 && threadIdx.x == 0) moeTrace(p, 1, cstep, MoeTraceEvent::kArrived);
+      if (part.cta == 0 && threadIdx.x == 0) moeTrace(p, 1, cstep, MoeTraceEvent::kArrived0);
       for (int t = gs.first; t < T; t += gs.stride) {
         moeFinalToken(
             p, t,

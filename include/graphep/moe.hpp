@@ -123,10 +123,12 @@ struct MoeKernelSpan {
 // returned, [2] the last count message (combine weights) posted, [3] the last send CTA announced
 // its records (partials) to every peer, [4] the receive part's last CTA saw every source's counts
 // (dispatch only), [5] it saw every peer's send CTAs arrive, [6] the last receive CTA finished its
-// share, [7] the launch's last CTA advanced the step.
+// share, [7] the launch's last CTA advanced the step; the receive part's first CTA: [8] it saw
+// this rank's own send CTAs arrive (dispatch), [9] it finished this rank's own records, [10] it
+// saw every peer arrive.
 struct MoeStepTrace {
   bool combine = false;
-  unsigned long long ns[8] = {};
+  unsigned long long ns[11] = {};
 };
 
 // What a dispatch's x holds and how its rows travel (DispatchArgs.input).
