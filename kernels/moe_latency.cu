@@ -49,9 +49,6 @@ namespace {
 
 constexpr int kThreads = kMoeLatencyThreads;
 constexpr int kGroups = kThreads / kMoeGroupThreads;
-// Named barrier of a send CTA's warps that write its own records' metadata (the groups' barriers
-// are 1 .. kGroups).
-constexpr int kMetaBarrier = kGroups + 1;
 
 __device__ __forceinline__ std::uint64_t llSlot(const MoeParams& p, int parity, int src, int i,
                                                 std::uint64_t bytes) {
@@ -79,7 +76,7 @@ __device__ __forceinline__ int lastArriver(const MoeParams& p) {
 
 // --- dispatch ---------------------------------------------------------------------------------
 
-__device__ __noinline__ void dispatchSend(const MoeParams& p, char* sm, Part part) {
+__device__ void dispatchSend(const MoeParams& p, char* sm, Part part) {
   const MoeLatencySmem lay = moeLatencySmem(p.maxTokens, p.topK, p.numExperts, p.numRanks);
   auto* ids = reinterpret_cast<std::int32_t*>(sm + lay.ids);         // [T_max * K], -1: none
   auto* weights = reinterpret_cast<float*>(sm + lay.weights);        // [T_max * K]
@@ -136,61 +133,56 @@ __device__ __noinline__ void dispatchSend(const MoeParams& p, char* sm, Part par
     }
     __syncthreads();
     anyDup = dup != 0;
+    // Count messages first (they travel ahead of the payload): CTA c takes ranks c, c + G, ...
+    for (int r = part.cta; r < R; r += part.ctas) {
+      auto* msg = reinterpret_cast<std::uint64_t*>(p.peerUser[r] + p.llCntOff +
+                                                   (static_cast<std::uint64_t>(parity) * R + p.rank) * p.cntMsgBytes);
+      for (int j = tid; j < L; j += kThreads) msg[1 + j] = static_cast<std::uint64_t>(entriesBefore(r * L + j, T, 0));
+      if (tid == 0) msg[0] = static_cast<std::uint64_t>(popcBelow(dstBits + r * W, T));
+      __syncthreads();
+      if (tid == 0) {
+        flagPost(peerCounter(p, r, p.llFlagOff) + p.rank, step + 1u);
+        moeTrace(p, 0, step, MoeTraceEvent::kPosted, 0, true);
+      }
+    }
+    // Each token's index in each destination's list, for the combine of this dispatch.
+    if (part.cta == part.ctas - 1) {
+      for (int n = tid; n < T * R; n += kThreads) {
+        const int t = n / R, r = n % R;
+        const bool goes = (dstBits[r * W + (t >> 5)] >> (t & 31)) & 1u;
+        p.tokRankIdx[n] = goes ? popcBelow(dstBits + r * W, t) : -1;
+      }
+    }
   }
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyRecords);
-    const int warp = tid / 32, lane = tid % 32, warps = kThreads / 32;
-    // The count messages first, ahead of the payload: the last warp of CTA G - 1 - i takes ranks
-    // i, i + G, ... (the last CTAs hold the fewest records: the records below fill the CTAs from
-    // the first). It posts each with its flag (a system fence by one lane after the warp's
-    // barrier) while the CTA's other warps go on: no CTA barrier waits for it.
-    const bool poster = part.ctas - 1 - part.cta < R;
-    if (poster && warp == warps - 1) {
-      for (int r = part.ctas - 1 - part.cta; r < R; r += part.ctas) {
-        auto* msg = reinterpret_cast<std::uint64_t*>(p.peerUser[r] + p.llCntOff +
-                                                     (static_cast<std::uint64_t>(parity) * R + p.rank) * p.cntMsgBytes);
-        for (int j = lane; j < L; j += 32) msg[1 + j] = static_cast<std::uint64_t>(entriesBefore(r * L + j, T, 0));
-        if (lane == 0) msg[0] = static_cast<std::uint64_t>(popcBelow(dstBits + r * W, T));
-        __syncwarp();
-        if (lane == 0) {
-          flagPost(peerCounter(p, r, p.llFlagOff) + p.rank, step + 1u);
-          moeTrace(p, 0, step, MoeTraceEvent::kPosted, 0, true);
-        }
-        __syncwarp();
-      }
-    } else {
-      // This rank's own records, their metadata alone (the receiver reads their rows from x), a
-      // warp per token from the routing in shared memory, each CTA its own range of tokens; then
-      // this CTA's arrival at this rank (GPU scope: its receiver runs on this GPU), so that the
-      // receiver expands them while the peers' records are written below. The other warps only
-      // (a named barrier): the poster's fence holds none of them.
-      const int me = p.rank, metaWarps = poster ? warps - 1 : warps, per = (T + part.ctas - 1) / part.ctas;
-      const int end = min(T, (part.cta + 1) * per);
-      for (int t = part.cta * per + warp; t < end; t += metaWarps) {
+    // This rank's own records first, their metadata alone (the receiver reads their rows from x),
+    // a warp per token from the routing in shared memory; then this CTA's arrival at this rank
+    // (GPU scope: its receiver runs on this GPU), so that the receiver expands them while the
+    // peers' records are written below.
+    {
+      const int warp = tid / 32, lane = tid % 32, warps = kThreads / 32, me = p.rank;
+      for (int t = part.cta * warps + warp; t < T; t += part.ctas * warps) {
         if (!((dstBits[me * W + (t >> 5)] >> (t & 31)) & 1u)) continue;  // uniform across the warp
         char* rec = p.peerUser[me] + p.llRecOff + llSlot(p, parity, me, popcBelow(dstBits + me * W, t), p.recBytes);
         moeWriteRecordMeta(
             p, t, &rec, &me, 1, [&](int k) { return entriesBefore(ids[t * K + k], t, k); },
             lane < K ? ids[t * K + lane] : -1, lane < K ? weights[t * K + lane] : 0.f, lane);
       }
-      asm volatile("bar.sync %0, %1;" ::"r"(kMetaBarrier), "r"(metaWarps * 32) : "memory");
+      __syncthreads();
       if (tid == 0) {
         __threadfence();  // the CTA's metadata (ordered before by the barrier), then the count
         atomicAdd(peerCounter(p, me, p.llArriveOff) + me, 1u);
       }
     }
-    // The peers' records. An item is a token's record, or at few tokens a chunk of it: each token
-    // splits into C chunks, C = min(groups / T, hidden / 1024) (at least 1), the C groups of a
-    // token acting as one group of C x kMoeGroupThreads threads over its row (read once for every
-    // peer); chunk 0 writes the metadata. Every group of the CTA goes round the same number of
-    // times (one past the last item idles through its barriers): compute-sanitizer racecheck
-    // mis-orders a CTA-wide shared-memory exchange whose writer's group has passed its named
-    // barrier more often than the reader's (a false RAW hazard; tools/racecheck_probe.cu,
-    // docs/RELIABILITY.md); the receiver keeps the same rule.
-    const int C = moeRecordChunks(items, T, p.hidden);
-    for (int base = firstItem - group; base < T * C; base += items) {
-      const int item = base + group, t = item / C, c = item % C;
-      if (g.tid == 0 && item < T * C) {
+    // The peers' records: one token per group, its row read once for every peer. Every group of
+    // the CTA goes round the same number of times (one past the last token idles through its
+    // barriers): compute-sanitizer racecheck mis-orders a CTA-wide shared-memory exchange whose
+    // writer's group has passed its named barrier more often than the reader's (a false RAW
+    // hazard; tools/racecheck_probe.cu, docs/RELIABILITY.md); the receiver keeps the same rule.
+    for (int base = firstItem - group; base < T; base += items) {
+      const int t = base + group;
+      if (g.tid == 0 && t < T) {
         int n = 0;
         for (int r = 0; r < R; ++r) {
           if (r == p.rank || !((dstBits[r * W + (t >> 5)] >> (t & 31)) & 1u)) continue;
@@ -200,25 +192,15 @@ __device__ __noinline__ void dispatchSend(const MoeParams& p, char* sm, Part par
         ndst[group] = n;
       }
       g.sync();
-      if (item < T * C && ndst[group] > 0) {
-        const MoeGroup chunk{c * g.nthreads + g.tid, C * g.nthreads, g.barrier};  // never synchronised
+      if (t < T && ndst[group] > 0) {
         moeWriteRecords(p, t, dsts[group], dstRanks[group], ndst[group],
-                        [&](int k) { return entriesBefore(ids[t * K + k], t, k); }, chunk, ndst[group]);
+                        [&](int k) { return entriesBefore(ids[t * K + k], t, k); }, g, ndst[group]);
       }
-      g.sync();  // dsts is rewritten for the next item
+      g.sync();  // dsts is rewritten for the next token
     }
   }
   arriveAtEveryPeer(p, p.llArriveOff);  // this CTA's records, to every peer
   if (tid == lastArriver(p)) moeTrace(p, 0, step, MoeTraceEvent::kSent, 0, true);
-  // Each token's index in each destination's list, for the combine of this dispatch (the next
-  // kernel of the stream reads it, after this one completes).
-  if (part.cta == part.ctas - 1) {
-    for (int n = tid; n < T * R; n += kThreads) {
-      const int t = n / R, r = n % R;
-      const bool goes = (dstBits[r * W + (t >> 5)] >> (t & 31)) & 1u;
-      p.tokRankIdx[n] = goes ? popcBelow(dstBits + r * W, t) : -1;
-    }
-  }
 }
 
 // Source q's count message of the step's parity in this rank's heap.
@@ -227,7 +209,7 @@ __device__ __forceinline__ const std::uint64_t* latencyMsg(const MoeParams& p, i
                                                 (static_cast<std::uint64_t>(parity) * p.numRanks + q) * p.cntMsgBytes);
 }
 
-__device__ __noinline__ void dispatchReceive(const MoeParams& p, Part part) {
+__device__ void dispatchReceive(const MoeParams& p, Part part) {
   __shared__ std::int32_t counts[kMoeMaxLocalExperts];
   __shared__ std::int32_t offsets[kMoeMaxLocalExperts + 1];
   __shared__ std::int32_t base[kMoeMaxLocalExperts];
@@ -255,17 +237,12 @@ __device__ __noinline__ void dispatchReceive(const MoeParams& p, Part part) {
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyExpand);
     if (layoutOk) {
-      // Each source's records once its G send CTAs have arrived, this rank's own first. Its row
-      // bases come from the counts, known already: derived before the wait, not after it.
+      // Each source's records once its G send CTAs have arrived, this rank's own first.
       for (int k = 0; k < R; ++k) {
         const int s = (p.rank + k) % R;
-        moeSourceBases<kThreads>(p, msgOf, offsets, s, base);
-        const std::uint64_t sent = __ldcg(msgOf(s));
-        const int rows = static_cast<int>(sent < static_cast<std::uint64_t>(p.maxTokens) ? sent : p.maxTokens);
-        const long long rankBase = p.rankMajor ? moeRankBase(p, msgOf, s) : -1;  // rank-major: its first row
         const bool failed =
             tid == 0 && !flagWait(p.sync, peerCounter(p, p.rank, p.llArriveOff) + s, arrived, s, WaitSite::kMoeDispatch);
-        if (__syncthreads_or(failed) != 0) break;  // thread 0's verdict, to every thread; base is written
+        if (__syncthreads_or(failed) != 0) break;  // thread 0's verdict, to every thread
         if (part.cta == 0 && tid == 0) {
           moeTrace(p, 0, step, k == R - 1 ? MoeTraceEvent::kArrived0 : MoeTraceEvent::kOwnArrived0);
         }
@@ -275,6 +252,11 @@ __device__ __noinline__ void dispatchReceive(const MoeParams& p, Part part) {
         // rank's send part needs while this receive waits for it (a cycle across GPUs).
         if (k == R - 1) ptx::launchDependents();
         if (k == R - 1 && part.cta == part.ctas - 1 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kArrived);
+        moeSourceBases<kThreads>(p, msgOf, offsets, s, base);
+        __syncthreads();
+        const std::uint64_t sent = __ldcg(msgOf(s));
+        const int rows = static_cast<int>(sent < static_cast<std::uint64_t>(p.maxTokens) ? sent : p.maxTokens);
+        const long long rankBase = p.rankMajor ? moeRankBase(p, msgOf, s) : -1;  // rank-major: its first row
         // Every group goes round equally (an idle one through the same barriers): base is
         // rewritten for the next source after the __syncthreads below.
         for (int b = gs.first - gs.group; b < rows; b += gs.stride) {
@@ -304,11 +286,6 @@ __device__ __forceinline__ void traceStart(const MoeParams& p, int op, Part send
     moeTrace(p, op, step, MoeTraceEvent::kReady);
   }
 }
-
-// dispatchSend, dispatchReceive, combineSend and combineReceive are __noinline__: inlined into
-// one kernel, their code shared one register allocation under the 128-register cap of 512
-// threads, which put the row loops' staging arrays in local memory (dispatchKernel: 264-byte stack
-// frame, 212 bytes of spill stores); as functions of their own each part is allocated alone.
 
 // The part of this launch that this CTA runs (cta -1: none). Both parts: CTAs [0, G) send and
 // CTAs [G, G + E) receive, as two kernels would (the receive starts at once, on its own SMs);
@@ -348,7 +325,7 @@ __device__ __forceinline__ const float* combineWeightsOf(const MoeParams& p, int
          ((static_cast<std::uint64_t>(parity) * p.numRanks + q) * p.maxTokens + i) * p.topK;
 }
 
-__device__ __noinline__ void combineSend(const MoeParams& p, Part part) {
+__device__ void combineSend(const MoeParams& p, Part part) {
   __shared__ MoeSlotStage stages[kGroups];
   const int tid = static_cast<int>(threadIdx.x);
   const MoeGroupSlice gs = moeGroupSlice(part.cta, part.ctas);
@@ -402,7 +379,7 @@ __device__ __noinline__ void combineSend(const MoeParams& p, Part part) {
   if (tid == lastArriver(p)) moeTrace(p, 1, cstep, MoeTraceEvent::kSent, 0, true);
 }
 
-__device__ __noinline__ void combineReceive(const MoeParams& p, Part part) {
+__device__ void combineReceive(const MoeParams& p, Part part) {
   __shared__ const uint4* parts[kGroups][kMaxRanks];
   __shared__ MoeSlotStage stages[kGroups];
   const MoeGroupSlice gs = moeGroupSlice(part.cta, part.ctas);

@@ -382,14 +382,6 @@ __device__ __forceinline__ MoeGroupSlice moeGroupSlice(int cta, int ctas) {
   return MoeGroupSlice{group, cta * perCta + group, ctas * perCta,
                        MoeGroup{tid % kMoeGroupThreads, kMoeGroupThreads, 1 + group}};
 }
-// Chunks per token record when T tokens go to `groups` groups: at few tokens the groups left over
-// share a token's row, up to one per 1,024 values of it (so that every half-warp of a chunk has a
-// 128-value tile at least); 1 once there are as many tokens as groups.
-__device__ __forceinline__ int moeRecordChunks(int groups, int T, int hidden) {
-  const int byGroups = T > 0 ? groups / T : 1;
-  const int byRow = hidden / 1024;
-  return max(1, min(byGroups, byRow));
-}
 __device__ __forceinline__ MoeGroupSlice moeGroupSlice() {
   return moeGroupSlice(static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x));
 }
