@@ -1,4 +1,4 @@
-// The one check of a pointer a kernel will dereference (engine/moe_engine.cpp, engine/moe_token_layout.cpp):
+// The one check of a pointer a kernel will dereference (engine/moe/engine.cpp, engine/moe/token_layout.cpp):
 // device or managed memory of the given GPU, or a graphep::Error naming it.
 #pragma once
 

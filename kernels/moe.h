@@ -1,4 +1,4 @@
-// MoE dispatch / combine, device half (engine/moe_engine.cpp is the host half; docs/DESIGN.md §5).
+// MoE dispatch / combine, device half (engine/moe/ is the host half; docs/DESIGN.md §5).
 //
 // Throughput path, per rank, in stream order (every size fixed at capture, every count read from
 // device memory when the kernels run, so one captured graph serves any live token count):

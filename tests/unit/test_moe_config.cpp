@@ -8,7 +8,7 @@
 
 #include <graphep/graphep.hpp>
 
-#include "engine/moe_health.hpp"
+#include "engine/moe/health.hpp"
 #include "engine/semaphore.hpp"
 #include "kernels/moe.h"
 

@@ -1,0 +1,227 @@
+// The MoE engine's CTA plan (engine/moe/cta_plan.hpp): peer reachability, the latency path's
+// send and receive parts, the throughput path's grids (from the measured link when no budget).
+#include "engine/moe/cta_plan.hpp"
+
+#include <algorithm>
+#include <vector>
+
+#include "engine/device_pointer.hpp"
+#include "engine/env.hpp"
+#include "engine/error.hpp"
+#include "engine/log.hpp"
+#include "engine/platform.hpp"
+#include "engine/sm_model.hpp"
+#include "engine/topology.hpp"
+#include "kernels/moe.h"
+#include "kernels/probe.h"
+
+namespace graphep {
+namespace moe_setup {
+
+using detail::DeviceGuard;
+
+namespace {
+
+// CTAs of each latency kernel when no budget is given.
+constexpr int kLatencyDefaultCtas = 24;
+
+// Collective: whether every rank finds `ok` true of its class of every peer.
+template <class Ok>
+bool everyPeerIs(Communicator& comm, const SymmetricHeap& heap, Ok ok) {
+  std::vector<unsigned char> mine(static_cast<std::size_t>(heap.numLocalRanks()), 1);
+  for (int l = 0; l < heap.numLocalRanks(); ++l) {
+    for (int q = 0; q < heap.worldSize(); ++q) {
+      if (q != heap.rank(l) && !ok(heap.peerClass(l, q))) mine[static_cast<std::size_t>(l)] = 0;
+    }
+  }
+  std::vector<unsigned char> all(static_cast<std::size_t>(heap.worldSize()), 0);
+  comm.allgather(mine.data(), all.data(), 1);
+  return std::all_of(all.begin(), all.end(), [](unsigned char v) { return v != 0; });
+}
+
+// Collective: the lowest of the ranks' values (the CTA counts that arrival counters count).
+int minOverRanks(Communicator& comm, const std::vector<std::int32_t>& mine) {
+  std::vector<std::int32_t> all(static_cast<std::size_t>(comm.worldSize()), 0);
+  comm.allgather(mine.data(), all.data(), sizeof(std::int32_t));
+  return *std::min_element(all.begin(), all.end());
+}
+
+// Collective, setup only (every peer by load/store): every rank pushes into its next rank's record
+// slots (unused until the first dispatch) with one CTA, then with 64 (the slots pushed over again
+// until 64 MiB have gone, so the timing is not launch-bound), all ranks at once. This rank's local
+// ranks' rates; unknown (zeros) when the slots are under 4 MiB or a CUDA call fails here (logged:
+// setup goes on with the SM count; every rank still makes the same collective calls).
+std::vector<LinkRates> measureLinkRates(Communicator& comm, const SymmetricHeap& heap, std::size_t slotBytes) {
+  constexpr std::size_t kOneCtaBytes = std::size_t{4} << 20, kLinkBytes = std::size_t{64} << 20;
+  constexpr int kLinkCtas = 64;
+  const int R = heap.worldSize(), locals = heap.numLocalRanks();
+  std::vector<LinkRates> rates(static_cast<std::size_t>(locals));
+  const std::size_t regionBytes = std::min(kLinkBytes, slotBytes / 16 * 16);
+  if (R < 2 || regionBytes < kOneCtaBytes) return rates;  // the same on every rank (config sizes)
+  struct Probe {
+    char* src = nullptr;
+    cudaStream_t stream = nullptr;
+    cudaEvent_t ev[3] = {nullptr, nullptr, nullptr};
+  };
+  std::vector<Probe> probes(static_cast<std::size_t>(locals));
+  bool ok = true;
+  auto attempt = [&](auto&& step) {  // a failure here leaves this rank's rates unknown
+    if (!ok) return;
+    try {
+      step();
+    } catch (const Error& e) {
+      ok = false;
+      GRAPHEP_LOG_WARN(log::kTune, "rank %d: link probe failed (%s); the SM count is used", heap.rank(0), e.what());
+    }
+  };
+  attempt([&] {
+    for (int l = 0; l < locals; ++l) {
+      Probe& pr = probes[static_cast<std::size_t>(l)];
+      DeviceGuard guard(heap.device(l));
+      GRAPHEP_CUDA_CHECK(cudaMalloc(&pr.src, regionBytes));
+      GRAPHEP_CUDA_CHECK(cudaMemset(pr.src, 0x3c, regionBytes));
+      GRAPHEP_CUDA_CHECK(cudaStreamCreateWithFlags(&pr.stream, cudaStreamNonBlocking));
+      for (cudaEvent_t& e : pr.ev) GRAPHEP_CUDA_CHECK(cudaEventCreate(&e));
+      GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
+    }
+  });
+  comm.barrier();  // every rank pushes at once, as in a dispatch
+  attempt([&] {
+    for (int l = 0; l < locals; ++l) {
+      Probe& pr = probes[static_cast<std::size_t>(l)];
+      DeviceGuard guard(heap.device(l));
+      char* dst = heap.peerUser(l, (heap.rank(l) + 1) % R);
+      GRAPHEP_CUDA_CHECK(launchPushProbe(dst, pr.src, std::size_t{1} << 20, kLinkCtas, pr.stream));  // warm-up
+      GRAPHEP_CUDA_CHECK(cudaEventRecord(pr.ev[0], pr.stream));
+      GRAPHEP_CUDA_CHECK(launchPushProbe(dst, pr.src, kOneCtaBytes, 1, pr.stream));
+      GRAPHEP_CUDA_CHECK(cudaEventRecord(pr.ev[1], pr.stream));
+      for (std::size_t done = 0; done < kLinkBytes; done += regionBytes) {
+        GRAPHEP_CUDA_CHECK(launchPushProbe(dst, pr.src, regionBytes, kLinkCtas, pr.stream));
+      }
+      GRAPHEP_CUDA_CHECK(cudaEventRecord(pr.ev[2], pr.stream));
+    }
+    for (int l = 0; l < locals; ++l) {
+      Probe& pr = probes[static_cast<std::size_t>(l)];
+      DeviceGuard guard(heap.device(l));
+      GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(pr.stream));
+      float one = 0, link = 0;
+      GRAPHEP_CUDA_CHECK(cudaEventElapsedTime(&one, pr.ev[0], pr.ev[1]));
+      GRAPHEP_CUDA_CHECK(cudaEventElapsedTime(&link, pr.ev[1], pr.ev[2]));
+      const std::size_t linkTotal = (kLinkBytes + regionBytes - 1) / regionBytes * regionBytes;
+      rates[static_cast<std::size_t>(l)] =
+          LinkRates{one > 0 ? static_cast<double>(kOneCtaBytes) / (one * 1e6) : 0.0,
+                    link > 0 ? static_cast<double>(linkTotal) / (link * 1e6) : 0.0};
+    }
+  });
+  for (int l = 0; l < locals; ++l) {
+    Probe& pr = probes[static_cast<std::size_t>(l)];
+    DeviceGuard guard(heap.device(l));
+    if (pr.stream != nullptr) cudaStreamSynchronize(pr.stream);  // nothing in flight before the frees
+    for (cudaEvent_t e : pr.ev) {
+      if (e != nullptr) cudaEventDestroy(e);
+    }
+    if (pr.stream != nullptr) cudaStreamDestroy(pr.stream);
+    if (pr.src != nullptr) cudaFree(pr.src);
+  }
+  if (!ok) std::fill(rates.begin(), rates.end(), LinkRates{});
+  comm.barrier();  // no rank's probe still writes into a peer when setup goes on
+  return rates;
+}
+
+// The direct epilogues' cluster size on local rank l's GPU for `ctas` CTAs (GRAPHEP_EPILOGUE_CLUSTER
+// preferred, halved until the GPU can place it).
+int epilogueClusterFor(const SymmetricHeap& heap, int l, int ctas) {
+  DeviceGuard guard(heap.device(l));
+  const int size = clusterSizeFor(static_cast<int>(env::kEpilogueCluster.get()), ctas, [&](int s) {
+    bool fits = false;
+    GRAPHEP_CUDA_CHECK(moeDirectEpilogueFits(s, ctas / s * s, &fits));
+    return fits;
+  });
+  GRAPHEP_LOG_INFO(log::kTune, "rank %d: direct epilogues in clusters of %d CTAs (%d preferred)", heap.rank(l), size,
+                   static_cast<int>(env::kEpilogueCluster.get()));
+  return size;
+}
+
+}  // namespace
+
+bool everyPeerLoadStore(Communicator& comm, const SymmetricHeap& heap) {
+  return everyPeerIs(comm, heap, [](PeerClass c) { return isLoadStore(c); });
+}
+
+bool directDispatch(Communicator& comm, const SymmetricHeap& heap) {
+  return everyPeerIs(comm, heap, [](PeerClass c) { return isLoadStore(c) && c != PeerClass::kSameDevice; });
+}
+
+LatencyCtas latencyCtas(Communicator& comm, const SymmetricHeap& heap, const MoeConfig& cfg) {
+  const int R = heap.worldSize(), locals = heap.numLocalRanks();
+  const std::uint32_t smem = moeLatencySmem(cfg.maxTokensPerRank, cfg.topK, cfg.numExperts, R).bytes;
+  std::vector<std::int32_t> mine(static_cast<std::size_t>(locals));
+  std::vector<int> resident(static_cast<std::size_t>(locals)), sharing(static_cast<std::size_t>(locals));
+  std::vector<int> smCount(static_cast<std::size_t>(locals));
+  for (int l = 0; l < locals; ++l) {
+    const std::size_t ls = static_cast<std::size_t>(l);
+    DeviceGuard guard(heap.device(l));
+    int perSm = 0, sms = 0;
+    GRAPHEP_CUDA_CHECK(moeLatencyCtasPerSm(smem, &perSm));
+    GRAPHEP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, heap.device(l)));
+    sharing[ls] = 1;
+    for (int q = 0; q < R; ++q) sharing[ls] += heap.peerClass(l, q) == PeerClass::kSameDevice ? 1 : 0;
+    resident[ls] = perSm * sms / sharing[ls];
+    smCount[ls] = sms;
+    GRAPHEP_REQUIRE(resident[ls] >= 2, Status::kNotSupported,
+                    "MoE latency path: %d ranks share GPU %d, which holds %d of its CTAs at once (%d per "
+                    "SM, %u B of shared memory each); each rank needs 2 (a sender and a receiver)",
+                    sharing[ls], heap.device(l), perSm * sms, perSm, smem);
+    const int budget = cfg.smBudget > 0 ? cfg.smBudget : kLatencyDefaultCtas;
+    mine[ls] = std::min(budget, sharing[ls] > 1 ? resident[ls] / 2 : resident[ls] - 1);
+  }
+  LatencyCtas c;
+  c.send = minOverRanks(comm, mine);
+  for (int l = 0; l < locals; ++l) {
+    const std::size_t ls = static_cast<std::size_t>(l);
+    // At least 1 (send <= resident / 2 or resident - 1); ranks sharing a GPU keep to half of their
+    // share, so that two engines in flight still fit.
+    const int room = sharing[ls] > 1 ? resident[ls] / 2 : resident[ls] - c.send;
+    const int want = cfg.epilogueSms > 0 ? cfg.epilogueSms : (sharing[ls] > 1 ? c.send : smCount[ls]);
+    c.receive.push_back(std::max(1, std::min(want, room)));
+  }
+  return c;
+}
+
+ThroughputCtas throughputCtas(Communicator& comm, const SymmetricHeap& heap, const MoeConfig& cfg, bool direct,
+                              std::size_t slotBytes) {
+  ThroughputCtas c;
+  const int locals = heap.numLocalRanks();
+  const std::vector<LinkRates> rates =
+      direct && cfg.smBudget == 0 ? measureLinkRates(comm, heap, slotBytes) : std::vector<LinkRates>(locals);
+  std::vector<std::int32_t> sms(static_cast<std::size_t>(locals)), needNeg(static_cast<std::size_t>(locals));
+  const double share = remoteStoreShare(heap.worldSize());
+  for (int l = 0; l < locals; ++l) {
+    const std::size_t ls = static_cast<std::size_t>(l);
+    GRAPHEP_CUDA_CHECK(cudaDeviceGetAttribute(&sms[ls], cudaDevAttrMultiProcessorCount, heap.device(l)));
+    needNeg[ls] = -(cfg.smBudget > 0 ? cfg.smBudget : commCtasFor(rates[ls], sms[ls], share));
+    if (rates[ls].linkGBps > 0) {
+      GRAPHEP_LOG_INFO(log::kTune,
+                       "rank %d: link %.0f GB/s, one CTA %.1f GB/s, %.2f of its stores remote: %d communication "
+                       "CTAs needed",
+                       heap.rank(l), rates[ls].linkGBps, rates[ls].perCtaGBps, share, -needNeg[ls]);
+    }
+  }
+  const int most = -minOverRanks(comm, needNeg);  // the largest need
+  c.comm = cfg.smBudget > 0 ? most : std::min(most, minOverRanks(comm, sms));
+  // MoeConfig.epilogueSms, at most one per SM; by default the SMs the send leaves free (one CTA
+  // per SM: each kernel's CTA fills an SM's registers), so that every receive CTA starts at once
+  // beside the send; when it leaves fewer than half, one per SM (those past the free SMs start as
+  // the send ends).
+  for (int l = 0; l < locals; ++l) {
+    const int n = sms[static_cast<std::size_t>(l)];
+    const int ctas = cfg.epilogueSms > 0 ? std::min(cfg.epilogueSms, n) : (n - c.comm >= n / 2 ? n - c.comm : n);
+    const int cluster = direct ? epilogueClusterFor(heap, l, ctas) : 1;
+    c.epilogue.push_back(ctas / cluster * cluster);
+    c.cluster.push_back(cluster);
+  }
+  return c;
+}
+
+}  // namespace moe_setup
+}  // namespace graphep

@@ -1,0 +1,55 @@
+// The MoE engine's CTA plan (setup only, collective): which path the peers allow (load/store
+// everywhere for the latency path and the direct dispatch), and how many CTAs each kernel gets:
+// MoeConfig.smBudget and epilogueSms turned into the latency path's send and receive parts and
+// the throughput path's communication and epilogue grids, the same on every rank where peers'
+// counters count them.
+#pragma once
+
+#include <graphep/comm.hpp>
+#include <graphep/moe.hpp>
+
+#include <cstddef>
+#include <vector>
+
+#include "engine/heap.hpp"
+
+namespace graphep::moe_setup {
+
+// Collective: whether every local rank of every process reaches every peer by load/store (the
+// latency path writes peers' memory directly). Every rank gets the same answer.
+bool everyPeerLoadStore(Communicator& comm, const SymmetricHeap& heap);
+
+// Collective: the throughput path's direct dispatch (kernels/moe_direct.cu) needs every peer by
+// load/store and no two ranks on one GPU: its receive kernel's CTAs wait for the peers' send
+// kernels, which must find room on their GPUs (ranks sharing a GPU keep the movers, whose waiting
+// CTAs are capped).
+bool directDispatch(Communicator& comm, const SymmetricHeap& heap);
+
+// Collective. The latency path's CTAs: `send`, the senders of each kernel (the SM budget, or 24),
+// the same on every rank (the arrival counters count them), and each local rank's receivers. The
+// senders wait for nothing but other ranks' senders (the combine's weights, posted first) and the
+// receivers only for senders (of every rank), so the ranks sharing a GPU must hold all their
+// senders and receivers at once: send + receive <= the GPU's resident CTAs / the ranks on it. A
+// rank on a GPU of its own gives its receivers one CTA per SM within what the senders leave (or
+// epilogueSms); ranks sharing a GPU take as many receivers as senders, so that two engines in
+// flight still fit (§3.7).
+struct LatencyCtas {
+  int send = 0;
+  std::vector<int> receive;  // per local rank
+};
+LatencyCtas latencyCtas(Communicator& comm, const SymmetricHeap& heap, const MoeConfig& cfg);
+
+// Collective: the throughput kernels' CTAs, the same on every rank (the peers' flags count them):
+// the SM budget; without one, for the direct dispatch the most CTAs any rank needs to carry its
+// measured link (commCtasFor), within the smallest SM count; else one per SM of the smallest GPU.
+// And the direct epilogues' CTAs and cluster size per local rank. slotBytes: the record slots the
+// link probe may push into (unused until the first dispatch).
+struct ThroughputCtas {
+  int comm = 0;
+  std::vector<int> epilogue;  // per local rank
+  std::vector<int> cluster;   // per local rank; epilogue is a multiple of it
+};
+ThroughputCtas throughputCtas(Communicator& comm, const SymmetricHeap& heap, const MoeConfig& cfg, bool direct,
+                              std::size_t slotBytes);
+
+}  // namespace graphep::moe_setup

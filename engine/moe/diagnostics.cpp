@@ -1,0 +1,237 @@
+// The MoE engine's diagnostics: status counters, the health check and what a stalled latency rank
+// waits for (engine/moe/health.hpp), clearing the status, and the profile's timeline and step
+// trace (MoeConfig.profile).
+#include <graphep/moe.hpp>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "engine/device_pointer.hpp"
+#include "engine/error.hpp"
+#include "engine/platform.hpp"
+#include "engine/moe/health.hpp"
+#include "engine/moe/impl.hpp"
+#include "engine/watchdog.hpp"
+#include "kernels/common/counter.h"
+#include "kernels/moe.h"
+
+namespace graphep {
+
+using detail::DeviceGuard;
+
+MoeStatus Engine::status() const {
+  const Impl& m = *impl_;
+  DeviceGuard guard(m.device);
+  GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
+  MoeDeviceStatus d{};
+  GRAPHEP_CUDA_CHECK(cudaMemcpy(&d, m.p.status, sizeof(d), cudaMemcpyDeviceToHost));
+  MoeStatus s;
+  s.invalidExpertIds = d.invalidIds;
+  s.droppedRows = d.droppedRows;
+  s.clampedTokenCounts = d.clampedCounts;
+  s.unpairedDispatches = d.unpairedDispatches;
+  s.unpairedCombines = d.unpairedCombines;
+  s.missingCombineRows = d.missingCombineRows;
+  if (d.firstInvalidSet != 0) {
+    s.firstInvalidId = d.firstInvalidId;
+    s.firstInvalidToken = d.firstInvalidToken;
+    s.firstInvalidSlot = d.firstInvalidSlot;
+  }
+  if (d.firstClampedSet != 0) s.firstClampedCount = d.firstClampedCount;
+  s.deviceError = m.group->heap->errorMessage(m.local);
+  if (!s.deviceError.empty() && m.failure.empty()) m.failure = s.deviceError;
+  return s;
+}
+
+bool Engine::failed() const { return !impl_->failure.empty(); }
+
+HealthReport Engine::checkHealth(cudaStream_t stream, std::chrono::milliseconds timeout) {
+  Impl& m = *impl_;
+  DeviceGuard guard(m.device);
+  HealthReport r = detail::judgeStream(*m.group->heap, m.local, stream, m.watchEvent, timeout, [&]() -> std::string {
+    if (m.path != MoePath::kLatency) return "";
+    // The counters, copied on the private stream by a copy engine while the kernels spin.
+    const int R = m.p.numRanks;
+    std::uint32_t* h = m.snapshot;
+    const char* user = m.p.peerUser[m.p.rank];
+    GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h, m.p.llSteps, 2 * 4, cudaMemcpyDeviceToHost, m.watchStream));
+    GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h + 2, m.p.pending, 4, cudaMemcpyDeviceToHost, m.watchStream));
+    GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h + 3, user + m.p.llFlagOff, R * 4, cudaMemcpyDeviceToHost, m.watchStream));
+    GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h + 3 + R, user + m.p.llArriveOff, R * 4, cudaMemcpyDeviceToHost, m.watchStream));
+    GRAPHEP_CUDA_CHECK(
+        cudaMemcpyAsync(h + 3 + 2 * R, user + m.p.llCombArriveOff, R * 4, cudaMemcpyDeviceToHost, m.watchStream));
+    GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(m.watchStream));
+    detail::LatencyCounters c;
+    c.dispatchStep = h[0];
+    c.combineStep = h[1];
+    c.pending = h[2];
+    c.ctas = static_cast<std::uint32_t>(m.p.llCtas);
+    c.rank = m.p.rank;
+    c.flags.assign(h + 3, h + 3 + R);
+    c.arrivals.assign(h + 3 + R, h + 3 + 2 * R);
+    c.combineArrivals.assign(h + 3 + 2 * R, h + 3 + 3 * R);
+    return detail::describeLatencyStall(c);
+  });
+  if (!r.ok && m.failure.empty()) m.failure = r.message;
+  return r;
+}
+
+std::string detail::describeLatencyStall(const LatencyCounters& c) {
+  const std::uint32_t step = c.dispatchStep, cstep = c.combineStep, G = c.ctas;
+  const bool inCombine = (c.pending & kMoePendingCombine) != 0;
+  std::string missing;
+  for (std::size_t peer = 0; peer < c.flags.size(); ++peer) {
+    const std::uint32_t flag = c.flags[peer], arrive = c.arrivals[peer], comb = c.combineArrivals[peer];
+    if (!inCombine && !counterReached(flag, step + 1u)) {
+      missing += format("; rank %zu's count message for dispatch step %u has not arrived (flag %u)", peer, step, flag);
+    } else if (!inCombine && !counterReached(arrive, (step + 1u) * G)) {
+      missing += format("; %u of rank %zu's %u CTAs have delivered their records for dispatch step %u",
+                        arrive - step * G, peer, G, step);
+    } else if (inCombine && static_cast<int>(peer) != c.rank && !counterReached(comb, (cstep + 1u) * G)) {
+      missing += format("; %u of rank %zu's %u CTAs have delivered their partials for combine step %u",
+                        comb - cstep * G, peer, G, cstep);
+    }
+  }
+  return missing.empty() ? " (every peer's counters are complete: this rank's own kernels are behind)" : missing;
+}
+
+void Engine::clearStatus() {
+  Impl& m = *impl_;
+  DeviceGuard guard(m.device);
+  GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
+  GRAPHEP_CUDA_CHECK(cudaMemset(m.p.status, 0, sizeof(MoeDeviceStatus)));
+  m.group->heap->clearError(m.local);
+}
+
+namespace {
+const char* kernelName(MoeKernel k) {
+  switch (k) {
+    case MoeKernel::kRoute: return "route";
+    case MoeKernel::kPack: return "pack";
+    case MoeKernel::kOffsets: return "offsets";
+    case MoeKernel::kExpand: return "expand";
+    case MoeKernel::kCombineReduce: return "combine reduce";
+    case MoeKernel::kCombineFinal: return "combine final";
+    case MoeKernel::kLatencyDispatch: return "latency route";
+    case MoeKernel::kLatencyRecords: return "latency records";
+    case MoeKernel::kLatencyReceive: return "latency layout";
+    case MoeKernel::kLatencyExpand: return "latency expand";
+    case MoeKernel::kLatencyCombine: return "latency combine";
+    case MoeKernel::kLatencyCombineOwn: return "latency combine own rows";
+    case MoeKernel::kLatencyCombineReceive: return "latency combine receive";
+    case MoeKernel::kDirectQuantize: return "direct quantise";
+    case MoeKernel::kDirectSend: return "direct send";
+    case MoeKernel::kDirectReceive: return "direct receive";
+    case MoeKernel::kDirectOwn: return "direct own rows";
+    case MoeKernel::kDirectPeers: return "direct peers' rows";
+    case MoeKernel::kDirectCombineReduce: return "direct combine reduce";
+    case MoeKernel::kDirectCombineSend: return "direct combine send";
+    case MoeKernel::kDirectCombineFinal: return "direct combine final";
+    case MoeKernel::kCount: break;
+  }
+  return "?";
+}
+}  // namespace
+
+std::vector<MoeKernelSpan> Engine::timeline() const {
+  const Impl& m = *impl_;
+  std::vector<MoeKernelSpan> spans;
+  if (m.p.timeline == nullptr) return spans;
+  DeviceGuard guard(m.device);
+  GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
+  constexpr int kN = static_cast<int>(MoeKernel::kCount);
+  constexpr int kW = kMoeStampWords;
+  unsigned long long t[kW * kN];
+  GRAPHEP_CUDA_CHECK(cudaMemcpy(t, m.p.timeline, sizeof(t), cudaMemcpyDeviceToHost));
+  unsigned long long first = ~0ull;
+  for (int k = 0; k < kN; ++k) {
+    if (t[kW * k + 3] != 0) first = std::min(first, t[kW * k]);
+  }
+  for (int k = 0; k < kN; ++k) {
+    const unsigned long long* w = t + kW * k;
+    if (w[3] == 0) continue;  // did not run
+    spans.push_back(MoeKernelSpan{kernelName(static_cast<MoeKernel>(k)), static_cast<double>(w[0] - first) / 1e3,
+                                  static_cast<double>(w[1] - first) / 1e3,
+                                  static_cast<double>(w[2]) / static_cast<double>(w[3]) / 1e3, w[3], w[0], w[1]});
+  }
+  return spans;
+}
+
+void Engine::resetTimeline() {
+  const Impl& m = *impl_;
+  if (m.p.timeline == nullptr) return;
+  DeviceGuard guard(m.device);
+  GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
+  constexpr int kN = static_cast<int>(MoeKernel::kCount);
+  constexpr int kW = kMoeStampWords;
+  unsigned long long t[kW * kN];
+  for (int k = 0; k < kN; ++k) {
+    t[kW * k] = ~0ull;  // min of entry times
+    t[kW * k + 1] = 0;  // max of exit times
+    t[kW * k + 2] = 0;  // sum of CTA durations
+    t[kW * k + 3] = 0;  // CTAs
+  }
+  GRAPHEP_CUDA_CHECK(cudaMemcpy(m.p.timeline, t, sizeof(t), cudaMemcpyHostToDevice));
+  GRAPHEP_CUDA_CHECK(cudaMemset(m.p.timeline + kW * kN, 0, kMoeTraceWords * sizeof(unsigned long long)));
+}
+
+std::vector<MoeStepTrace> Engine::stepTrace() const {
+  const Impl& m = *impl_;
+  std::vector<MoeStepTrace> steps;
+  if (m.p.timeline == nullptr) return steps;
+  DeviceGuard guard(m.device);
+  GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
+  constexpr int kE = static_cast<int>(MoeTraceEvent::kCount);
+  std::vector<unsigned long long> t(kMoeTraceWords);
+  GRAPHEP_CUDA_CHECK(cudaMemcpy(t.data(), m.p.timeline + kMoeStampWords * static_cast<int>(MoeKernel::kCount),
+                                t.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+  for (int op = 0; op < 2; ++op) {
+    for (int s = 0; s < kMoeTraceSteps; ++s) {
+      const unsigned long long* w = t.data() + (op * kMoeTraceSteps + s) * kE;
+      if (w[static_cast<int>(MoeTraceEvent::kDone)] == 0) continue;  // no operation of this slot completed
+      MoeStepTrace st;
+      st.combine = op == 1;
+      for (int e = 0; e < kE && e < 11; ++e) st.ns[e] = w[e];
+      steps.push_back(st);
+    }
+  }
+  std::sort(steps.begin(), steps.end(), [](const MoeStepTrace& a, const MoeStepTrace& b) {
+    return a.ns[static_cast<int>(MoeTraceEvent::kDone)] < b.ns[static_cast<int>(MoeTraceEvent::kDone)];
+  });
+  return steps;
+}
+
+std::string MoeStatus::describe() const {
+  if (ok()) return "ok";
+  std::string s;
+  auto line = [&](const std::string& l) { s += (s.empty() ? "" : "\n") + l; };
+  if (invalidExpertIds > 0) {
+    line(detail::format("%llu expert id(s) outside [-1, E) skipped; the first: topk_idx[%d][%d] = %lld",
+                        invalidExpertIds, firstInvalidToken, firstInvalidSlot, firstInvalidId));
+  }
+  if (droppedRows > 0) {
+    line(detail::format("%llu received row(s) past the receive capacity (batched: past their expert's block) dropped",
+                        droppedRows));
+  }
+  if (clampedTokenCounts > 0) {
+    line(detail::format("%llu dispatch(es) had a live token count outside [0, maxTokensPerRank]; "
+                        "the first was %d (clamped)",
+                        clampedTokenCounts, firstClampedCount));
+  }
+  if (unpairedDispatches > 0) {
+    line(detail::format("%llu dispatch(es) counted as unpaired", unpairedDispatches));
+  }
+  if (unpairedCombines > 0) {
+    line(detail::format("%llu combine(s) ran before any dispatch (nothing to combine)", unpairedCombines));
+  }
+  if (missingCombineRows > 0) {
+    line(detail::format("%llu expert output row(s) a combine needed lay past CombineArgs.expertOutputRows (they "
+                        "added nothing)",
+                        missingCombineRows));
+  }
+  if (!deviceError.empty()) line(deviceError);
+  return s;
+}
+
+}  // namespace graphep

@@ -1,0 +1,498 @@
+// Engine: the host half of MoE dispatch / combine (kernels/moe.h is the device half). Setup sizes
+// and allocates everything once (engine/moe/plan, cta_plan, bind); dispatch() and combine() only
+// enqueue kernels and the movers' alltoallv, all of whose sizes are the configured maxima, so they
+// capture into graphs that replay with any live token count.
+#include <graphep/moe.hpp>
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <type_traits>
+
+#include "engine/device_pointer.hpp"
+#include "engine/error.hpp"
+#include "engine/platform.hpp"
+#include "engine/heap.hpp"
+#include "engine/log.hpp"
+#include "engine/moe/bind.hpp"
+#include "engine/moe/cta_plan.hpp"
+#include "engine/moe/impl.hpp"
+#include "engine/moe/plan.hpp"
+#include "engine/movers.hpp"
+#include "kernels/moe.h"
+
+namespace graphep {
+
+using detail::DeviceGuard;
+using detail::requireDevicePointer;
+using namespace moe_setup;
+
+namespace {
+// Every live engine of this process, to recognise another engine's buffers handed to this one.
+std::mutex registryMutex;
+std::vector<const Engine::Impl*> registry;
+}  // namespace
+
+Engine::Impl::Impl() {
+  std::lock_guard<std::mutex> lock(registryMutex);
+  registry.push_back(this);
+}
+
+Engine::Impl::~Impl() {
+  {
+    std::lock_guard<std::mutex> lock(registryMutex);
+    registry.erase(std::remove(registry.begin(), registry.end(), this), registry.end());
+  }
+  cudaSetDevice(device);
+  if (watchEvent != nullptr) cudaEventDestroy(watchEvent);
+  if (watchStream != nullptr) cudaStreamDestroy(watchStream);
+  if (snapshot != nullptr) cudaFreeHost(snapshot);
+  if (block != nullptr) cudaFree(block);
+}
+
+int otherEngineHolding(const Engine::Impl& m, const void* ptr) {
+  const char* c = static_cast<const char*>(ptr);
+  std::lock_guard<std::mutex> lock(registryMutex);
+  for (const Engine::Impl* other : registry) {
+    if (other != &m && other->block != nullptr && c >= other->block && c < other->block + other->blockBytes) {
+      return other->p.rank;
+    }
+  }
+  return -1;
+}
+
+namespace {
+// Preloads every MoE kernel on the current device (setup: nothing is loaded lazily in a capture).
+void preloadMoeKernels() {
+  GRAPHEP_CUDA_CHECK(preloadMoeLatencyKernels());
+  GRAPHEP_CUDA_CHECK(preloadMoeRouteKernels());
+  GRAPHEP_CUDA_CHECK(preloadMoeDispatchKernels());
+  GRAPHEP_CUDA_CHECK(preloadMoeDirectKernels());
+  GRAPHEP_CUDA_CHECK(preloadMoeCombineKernels());
+  GRAPHEP_CUDA_CHECK(preloadMoeTokenLayoutKernels());  // graphep::tokenLayout, beside the engine's
+}
+
+// Local rank l's engine: its buffers (one allocation, zeroed), its watchdog's tools, its kernel
+// parameters, counters, exchanges and layout views.
+std::unique_ptr<Engine::Impl> buildEngine(const BindPlan& plan, const std::shared_ptr<EngineGroup>& group, int l,
+                                          MoePath path) {
+  auto impl = std::make_unique<Engine::Impl>();
+  impl->group = group;
+  impl->local = l;
+  impl->device = group->heap->device(l);
+  impl->cfg = plan.cfg;
+  impl->path = path;
+  impl->direct = plan.direct;
+  DeviceGuard guard(impl->device);
+  preloadMoeKernels();
+  GRAPHEP_CUDA_CHECK(cudaMalloc(&impl->block, plan.carve.bytes));
+  impl->blockBytes = plan.carve.bytes;
+  GRAPHEP_CUDA_CHECK(cudaStreamCreateWithFlags(&impl->watchStream, cudaStreamNonBlocking));
+  GRAPHEP_CUDA_CHECK(cudaEventCreateWithFlags(&impl->watchEvent, cudaEventDisableTiming));
+  GRAPHEP_CUDA_CHECK(
+      cudaHostAlloc(&impl->snapshot, (3 + 3 * plan.sizes.R) * sizeof(std::uint32_t), cudaHostAllocDefault));
+  GRAPHEP_CUDA_CHECK(cudaMemset(impl->block, 0, plan.carve.bytes));
+  char* user = group->heap->user(l);
+  impl->p = bindParams(plan, *group->heap, l, impl->block);
+  startCounters(plan, impl->p, user);
+  bindExchanges(plan, impl->p, impl->block, user, *impl);
+  impl->base = impl->p;
+  impl->layout = layoutViews(plan, impl->p, impl->block);
+  const MoeConfig& cfg = plan.cfg;
+  GRAPHEP_LOG_INFO(log::kInit,
+                   "rank %d: MoE engine T_max=%d H=%d E=%d K=%d %s, %s path, capacity %lld rows, %zu B "
+                   "local, %zu B symmetric heap",
+                   impl->p.rank, cfg.maxTokensPerRank, cfg.hidden, cfg.numExperts, cfg.topK,
+                   cfg.dispatchType == DType::kFp8E4m3 ? "fp8" : "bf16",
+                   path == MoePath::kLatency ? "latency" : "throughput", plan.capacity, plan.carve.bytes,
+                   heapBytes(group->heap->config()));
+  return impl;
+}
+}  // namespace
+
+std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const MoeConfig& cfg) {
+  const int R = comm.worldSize();
+  requireSameConfig(comm, cfg);  // first: a rank whose config alone is invalid must not strand the others
+  validate(cfg, R);
+  const MoeSizes sizes = moeSizes(cfg, R);
+  const long long capacity = receiveCapacity(cfg, R);
+
+  // The heap is sized for the latency path when the config fits it; peer classes (known once the
+  // heap exists) decide, on every rank alike, whether it stays there or falls back to the
+  // throughput path, whose heap replaces it.
+  const bool latencyCandidate = preferredPath(cfg, R) == MoePath::kLatency;
+  PathHeap ph = pathHeap(latencyCandidate ? MoePath::kLatency : MoePath::kThroughput, sizes, cfg);
+  auto group = std::make_shared<EngineGroup>();
+  group->heap = SymmetricHeap::create(comm, ph.heap);
+  const bool allLoadStore = everyPeerLoadStore(comm, *group->heap);
+  GRAPHEP_REQUIRE(cfg.path != MoePath::kLatency || allLoadStore, Status::kNotSupported,
+                  "MoeConfig.path=kLatency needs load/store access to every peer; some are reached "
+                  "only through NCCL (use kAuto or kThroughput)");
+  const MoePath path = latencyCandidate && allLoadStore ? MoePath::kLatency : MoePath::kThroughput;
+  if (latencyCandidate && path == MoePath::kThroughput) {
+    ph = pathHeap(path, sizes, cfg);
+    group->heap->reallocate(ph.heap);
+  }
+  const bool throughput = path == MoePath::kThroughput;
+
+  // The CTA plan, the movers, and room for every rank's local buffers (before any is allocated).
+  const LatencyCtas lctas = throughput ? LatencyCtas{} : latencyCtas(comm, *group->heap, cfg);
+  const bool direct = throughput && directDispatch(comm, *group->heap);
+  const ThroughputCtas tctas =
+      throughput ? throughputCtas(comm, *group->heap, cfg, direct, sizes.R * sizes.T * sizes.recBytes)
+                 : ThroughputCtas{};
+  group->movers = Movers::createAll(*group->heap, engineMoverOptions(sizes));
+  const LocalCarve carve = carveLocal(cfg, sizes, static_cast<std::size_t>(capacity), throughput);
+  requireLocalBuffersFit(comm, *group->heap, cfg, carve.bytes, capacity);
+
+  const BindPlan plan{cfg, sizes, ph, carve, capacity, throughput, direct, lctas, tctas};
+  std::vector<std::unique_ptr<Engine>> engines;
+  for (int l = 0; l < group->heap->numLocalRanks(); ++l) {
+    engines.push_back(std::unique_ptr<Engine>(new Engine(buildEngine(plan, group, l, path))));
+    engines.back()->resetTimeline();
+  }
+  comm.barrier();
+  return engines;
+}
+
+std::unique_ptr<Engine> Engine::create(Communicator& comm, const MoeConfig& cfg) {
+  GRAPHEP_REQUIRE(comm.numLocalRanks() == 1, Status::kInvalidArgument,
+                  "Engine::create: this process drives %d ranks; use Engine::createAll",
+                  comm.numLocalRanks());
+  auto all = createAll(comm, cfg);
+  return std::move(all[0]);
+}
+
+Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Engine::~Engine() = default;
+
+int Engine::rank() const { return impl_->p.rank; }
+int Engine::device() const { return impl_->device; }
+int Engine::worldSize() const { return impl_->p.numRanks; }
+MoePath Engine::path() const { return impl_->path; }
+const MoeConfig& Engine::config() const { return impl_->cfg; }
+std::size_t Engine::symmetricHeapBytes() const { return heapBytes(impl_->group->heap->config()); }
+std::size_t Engine::privateBytes() const { return impl_->blockBytes; }
+const DispatchLayout& Engine::layout() const { return impl_->layout; }
+
+namespace {
+void requireHealthy(const Engine::Impl& m, int rank, const char* op);
+}  // namespace
+
+namespace {
+const char* layoutName(ReceiveLayout l) {
+  switch (l) {
+    case ReceiveLayout::kExpertMajor: return "expert-major";
+    case ReceiveLayout::kBatched: return "batched";
+    case ReceiveLayout::kRankMajor: return "rank-major";
+  }
+  return "?";
+}
+
+// A dispatch argument that needs the rank-major layout on the throughput path (and, with `direct`,
+// its direct dispatch: every peer by load/store, each rank on a GPU of its own).
+void requireRankMajorThroughput(const Engine::Impl& m, const char* what, bool direct);
+// No send half waits for its receive (Engine::receive) when `op` starts.
+void requireNoHalf(const Engine::Impl& m, const char* op);
+// A capability of the latency path.
+void requireLatency(const Engine::Impl& m, const char* what);
+// `op`'s MoeHalf: a value of the enum, kSend on the latency path only.
+void requireHalf(const Engine::Impl& m, MoeHalf half, const char* op);
+// The latency path's launch of operation `op` (dispatch or combine) with `p`: both parts for
+// kWhole; the send part for kSend, remembered for Engine::receive; the receive part for nullopt
+// (Engine::receive).
+void launchLatency(Engine::Impl& m, MoeParams p, Engine::Impl::Half op, std::optional<MoeHalf> half,
+                   cudaStream_t stream);
+
+// The caller's DispatchOutputs over the engine's buffers in `p`: every given pointer checked and
+// taken, rows (the caller's) bounding what is written.
+void applyOutputs(const Engine::Impl& m, const DispatchArgs& a, MoeParams& p);
+}  // namespace
+
+const DispatchLayout& Engine::dispatch(const DispatchArgs& a, cudaStream_t stream) {
+  Impl& m = *impl_;
+  requireHealthy(m, m.p.rank, "dispatch");
+  DeviceGuard guard(m.device);
+  const MoeConfig& c = m.cfg;
+  requireDevicePointer(a.x, m.device, "dispatch: x");
+  GRAPHEP_REQUIRE(a.tokenInRank != nullptr || a.topkIdx != nullptr, Status::kInvalidArgument,
+                  "dispatch: topkIdx is null (pass the top-k ids, or route by tokenInRank)");
+  requireNoHalf(m, "dispatch");
+  if (a.topkIdx != nullptr) {
+    requireDevicePointer(a.topkIdx, m.device, "dispatch: topkIdx");
+    // The latency path takes none (weights 1: its combine may bring them, CombineArgs.topkWeights).
+    if (m.path != MoePath::kLatency || a.topkWeights != nullptr) {
+      requireDevicePointer(a.topkWeights, m.device, "dispatch: topkWeights");
+    }
+  }
+  requireDevicePointer(a.numTokens, m.device, "dispatch: numTokens");
+  GRAPHEP_REQUIRE((reinterpret_cast<std::uintptr_t>(a.x) & 15u) == 0, Status::kInvalidArgument,
+                  "dispatch: x (%p) is not 16-byte aligned", a.x);
+  GRAPHEP_REQUIRE(a.indexType == IndexType::kInt32 || a.indexType == IndexType::kInt64,
+                  Status::kInvalidArgument, "dispatch: indexType=%d is not an IndexType",
+                  static_cast<int>(a.indexType));
+  const int topK = a.topkIdx == nullptr ? 0 : (a.topK == 0 ? c.topK : a.topK);
+  GRAPHEP_REQUIRE(a.topkIdx == nullptr || (topK >= 1 && topK <= c.topK), Status::kInvalidArgument,
+                  "dispatch: topK=%d is outside [1, MoeConfig.topK=%d]", a.topK, c.topK);
+  GRAPHEP_REQUIRE(a.topkIdx != nullptr || a.topK == 0, Status::kInvalidArgument,
+                  "dispatch: topK=%d with no topkIdx (routing by tokenInRank alone has no slots)", a.topK);
+  if (a.tokenInRank != nullptr) {
+    requireDevicePointer(a.tokenInRank, m.device, "dispatch: tokenInRank");
+    requireRankMajorThroughput(m, "tokenInRank", false);
+  }
+  const DispatchInput in = a.input;
+  GRAPHEP_REQUIRE(in == DispatchInput::kConfig || in == DispatchInput::kBf16 || in == DispatchInput::kFp8Quantize ||
+                      in == DispatchInput::kFp8,
+                  Status::kInvalidArgument, "dispatch: input=%d is not a DispatchInput", static_cast<int>(in));
+  const bool configFp8 = c.dispatchType == DType::kFp8E4m3;
+  const bool fp8 = in == DispatchInput::kConfig ? configFp8 : in != DispatchInput::kBf16;
+  GRAPHEP_REQUIRE(fp8 || !configFp8, Status::kInvalidArgument,
+                  "dispatch: input=kBf16 on an engine whose MoeConfig.dispatchType is fp8 (its record slots "
+                  "hold fp8 rows; create the engine with kBf16 to send both)");
+  GRAPHEP_REQUIRE(!fp8 || c.hidden % 128 == 0, Status::kInvalidArgument,
+                  "dispatch: an fp8 dispatch needs hidden=%d to be a multiple of 128", c.hidden);
+  GRAPHEP_REQUIRE(a.scaleFormat == Fp8Scales::kFloat || a.scaleFormat == Fp8Scales::kPow2 ||
+                      a.scaleFormat == Fp8Scales::kUe8m0,
+                  Status::kInvalidArgument, "dispatch: scaleFormat=%d is not an Fp8Scales",
+                  static_cast<int>(a.scaleFormat));
+  if (a.scaleFormat != Fp8Scales::kFloat) {
+    GRAPHEP_REQUIRE(fp8 && in != DispatchInput::kFp8, Status::kInvalidArgument,
+                    "dispatch: scaleFormat=%d applies to an fp8 dispatch the engine quantises (input=%d)",
+                    static_cast<int>(a.scaleFormat), static_cast<int>(in));
+    requireLatency(m, "scaleFormat other than kFloat");
+  }
+  requireHalf(m, a.half, "dispatch");
+  if (a.recvStats != nullptr) requireDevicePointer(a.recvStats, m.device, "dispatch: recvStats");
+  if (in == DispatchInput::kFp8) {
+    requireDevicePointer(a.xScales, m.device, "dispatch: xScales");
+    requireRankMajorThroughput(m, "input=kFp8 (caller-quantised x)", true);
+    GRAPHEP_REQUIRE((a.scaleTokenStride == 0 && a.scaleHiddenStride == 0) ||
+                        (a.scaleTokenStride > 0 && a.scaleHiddenStride > 0),
+                    Status::kInvalidArgument,
+                    "dispatch: scaleTokenStride=%lld, scaleHiddenStride=%lld (both 0 for row-major, or both "
+                    "positive element strides)",
+                    a.scaleTokenStride, a.scaleHiddenStride);
+  } else {
+    GRAPHEP_REQUIRE(a.xScales == nullptr, Status::kInvalidArgument,
+                    "dispatch: xScales is set but input=%d is not kFp8 (x would be read as bf16)",
+                    static_cast<int>(in));
+  }
+  MoeParams p = m.base;
+  p.x = a.x;
+  p.topkIdx = a.topkIdx;
+  p.int64Ids = a.indexType == IndexType::kInt64 ? 1 : 0;
+  p.topkWeights = a.topkWeights;
+  p.numTokens = a.numTokens;
+  p.topK = topK;
+  p.tokenInRank = reinterpret_cast<const std::uint8_t*>(a.tokenInRank);
+  p.fp8 = fp8 ? 1 : 0;
+  p.payloadBytes = moePayloadBytes(c.hidden, fp8);
+  p.fp8Input = in == DispatchInput::kFp8 ? 1 : 0;
+  p.xScales = a.xScales;
+  const bool rowMajorScales = a.scaleTokenStride == 0 && a.scaleHiddenStride == 0;
+  p.scaleTokenStride = rowMajorScales ? c.hidden / 128 : a.scaleTokenStride;
+  p.scaleHiddenStride = rowMajorScales ? 1 : a.scaleHiddenStride;
+  p.scaleFormat = static_cast<std::int32_t>(a.scaleFormat);
+  p.recvStats = a.recvStats;
+  applyOutputs(m, a, p);
+  m.layout.recvScales = fp8 ? m.base.recvScales : nullptr;  // the engine's rows hold this type now
+  m.p = p;  // combine reads the routing of the last dispatch
+  if (m.path == MoePath::kLatency) {
+    launchLatency(m, p, Impl::Half::kDispatch, a.half, stream);
+    return m.layout;
+  }
+  GRAPHEP_CUDA_CHECK(launchMoeRoute(p, stream));
+  if (m.direct) {
+    if (p.fp8) GRAPHEP_CUDA_CHECK(launchMoeDirectQuantize(p, stream));
+    GRAPHEP_CUDA_CHECK(launchMoeDirectSend(p, stream));
+    GRAPHEP_CUDA_CHECK(launchMoeDirectReceive(p, stream));
+    return m.layout;
+  }
+  const Movers& movers = m.movers();
+  GRAPHEP_CUDA_CHECK(launchMoePack(p, stream));
+  movers.allToAllv(stream, m.cntArgs);
+  GRAPHEP_CUDA_CHECK(launchMoeOffsets(p, stream));
+  movers.allToAllv(stream, m.dispArgs);
+  GRAPHEP_CUDA_CHECK(launchMoeExpand(p, stream));
+  return m.layout;
+}
+
+void Engine::combine(const CombineArgs& a, cudaStream_t stream) {
+  Impl& m = *impl_;
+  requireHealthy(m, m.p.rank, "combine");
+  requireNoHalf(m, "combine");
+  DeviceGuard guard(m.device);
+  MoeParams p = m.p;
+  requireHalf(m, a.half, "combine");
+  if (a.topkWeights != nullptr) {
+    requireLatency(m, "combine topkWeights");
+    GRAPHEP_REQUIRE(m.cfg.receiveLayout != ReceiveLayout::kRankMajor, Status::kNotSupported,
+                    "combine: topkWeights with the rank-major layout (its experts apply the weights)");
+    requireDevicePointer(a.topkWeights, m.device, "combine: topkWeights");
+    p.combineWeights = a.topkWeights;
+  }
+  GRAPHEP_REQUIRE(a.expertOutputRows >= 0, Status::kInvalidArgument, "combine: expertOutputRows=%lld is negative",
+                  a.expertOutputRows);
+  GRAPHEP_REQUIRE(a.expertOutput != nullptr || a.expertOutputRows <= m.layout.capacity, Status::kInvalidArgument,
+                  "combine: expertOutputRows=%lld exceeds the engine's expertOutput of %lld rows",
+                  a.expertOutputRows, m.layout.capacity);
+  p.y = m.base.y;
+  p.yRows = a.expertOutputRows > 0 ? a.expertOutputRows : m.layout.capacity;
+  GRAPHEP_REQUIRE((a.rowValues == nullptr) == (a.outValues == nullptr), Status::kInvalidArgument,
+                  "combine: rowValues (%p) and outValues (%p) come together", static_cast<const void*>(a.rowValues),
+                  static_cast<void*>(a.outValues));
+  p.rowValues = nullptr;
+  p.outValues = nullptr;
+  p.numValues = 0;
+  if (a.rowValues != nullptr) {
+    requireRankMajorThroughput(m, "rowValues", true);
+    requireDevicePointer(a.rowValues, m.device, "combine: rowValues");
+    requireDevicePointer(a.outValues, m.device, "combine: outValues");
+    GRAPHEP_REQUIRE(a.numValues >= 1 && a.numValues <= kMoeMaxValues, Status::kInvalidArgument,
+                    "combine: numValues=%d is outside [1, %d]", a.numValues, kMoeMaxValues);
+    p.rowValues = a.rowValues;
+    p.outValues = a.outValues;
+    p.numValues = a.numValues;
+  } else {
+    GRAPHEP_REQUIRE(a.numValues == 0, Status::kInvalidArgument, "combine: numValues=%d with no rowValues",
+                    a.numValues);
+  }
+  if (a.expertOutput != nullptr) {
+    requireDevicePointer(a.expertOutput, m.device, "combine: expertOutput");
+    GRAPHEP_REQUIRE((reinterpret_cast<std::uintptr_t>(a.expertOutput) & 15u) == 0,
+                    Status::kInvalidArgument, "combine: expertOutput (%p) is not 16-byte aligned",
+                    a.expertOutput);
+    p.y = static_cast<const char*>(a.expertOutput);
+    const int other = otherEngineHolding(m, a.expertOutput);
+    GRAPHEP_REQUIRE(other < 0, Status::kInvalidArgument,
+                    "combine: expertOutput (%p) lies in the buffers of another engine (rank %d); pass this "
+                    "engine's layout().expertOutput, or a buffer of your own",
+                    a.expertOutput, other);
+  }
+  requireDevicePointer(a.out, m.device, "combine: out");
+  GRAPHEP_REQUIRE((reinterpret_cast<std::uintptr_t>(a.out) & 15u) == 0, Status::kInvalidArgument,
+                  "combine: out (%p) is not 16-byte aligned", a.out);
+  p.out = static_cast<char*>(a.out);
+  if (m.path == MoePath::kLatency) {
+    launchLatency(m, p, Impl::Half::kCombine, a.half, stream);
+    return;
+  }
+  if (m.direct) {
+    GRAPHEP_CUDA_CHECK(launchMoeDirectCombineReduce(p, stream));
+    GRAPHEP_CUDA_CHECK(launchMoeDirectCombineSend(p, stream));
+    GRAPHEP_CUDA_CHECK(launchMoeDirectCombineFinal(p, stream));
+    return;
+  }
+  GRAPHEP_CUDA_CHECK(launchMoeCombineReduce(p, stream));
+  m.movers().allToAllv(stream, m.combArgs);
+  GRAPHEP_CUDA_CHECK(launchMoeCombineFinal(p, stream));
+}
+
+void Engine::receive(cudaStream_t stream) {
+  Impl& m = *impl_;
+  requireHealthy(m, m.p.rank, "receive");
+  GRAPHEP_REQUIRE(m.half != Impl::Half::kNone, Status::kInvalidArgument,
+                  "receive: rank %d has no send half waiting for its receive (dispatch or combine with "
+                  "half=kSend comes first)",
+                  m.p.rank);
+  DeviceGuard guard(m.device);
+  const Impl::Half op = m.half;
+  m.half = Impl::Half::kNone;
+  launchLatency(m, m.halfParams, op, std::nullopt, stream);
+}
+
+
+namespace {
+void requireHealthy(const Engine::Impl& m, int rank, const char* op) {
+  GRAPHEP_REQUIRE(m.failure.empty(), Status::kRemoteError,
+                  "%s: the engine of rank %d is in its failed state (%s); destroy it and create a new one",
+                  op, rank, m.failure.c_str());
+}
+
+void requireNoHalf(const Engine::Impl& m, const char* op) {
+  GRAPHEP_REQUIRE(m.half == Engine::Impl::Half::kNone, Status::kInvalidArgument,
+                  "%s: rank %d's last %s was enqueued as its send half; enqueue its receive half first "
+                  "(Engine::receive)",
+                  op, m.p.rank, m.half == Engine::Impl::Half::kDispatch ? "dispatch" : "combine");
+}
+
+void requireLatency(const Engine::Impl& m, const char* what) {
+  GRAPHEP_REQUIRE(m.path == MoePath::kLatency, Status::kNotSupported,
+                  "%s applies to the latency path; this engine is on the throughput path (MoeConfig.path, "
+                  "maxTokensPerRank <= %d and load/store peers choose the latency path)",
+                  what, kMoeLatencyMaxTokens);
+}
+
+void requireHalf(const Engine::Impl& m, MoeHalf half, const char* op) {
+  GRAPHEP_REQUIRE(half == MoeHalf::kWhole || half == MoeHalf::kSend, Status::kInvalidArgument,
+                  "%s: half=%d is not a MoeHalf", op, static_cast<int>(half));
+  if (half == MoeHalf::kSend) requireLatency(m, (std::string(op) + " half=kSend").c_str());
+}
+
+void launchLatency(Engine::Impl& m, MoeParams p, Engine::Impl::Half op, std::optional<MoeHalf> half,
+                   cudaStream_t stream) {
+  p.llPhase = !half ? kMoeLatencyReceive
+              : *half == MoeHalf::kSend ? kMoeLatencySend
+                                        : kMoeLatencySend | kMoeLatencyReceive;
+  GRAPHEP_CUDA_CHECK(op == Engine::Impl::Half::kDispatch ? launchMoeLatencyDispatch(p, stream)
+                                                           : launchMoeLatencyCombine(p, stream));
+  if (half == MoeHalf::kSend) {
+    m.half = op;
+    m.halfParams = p;
+  }
+}
+
+void requireRankMajorThroughput(const Engine::Impl& m, const char* what, bool direct) {
+  GRAPHEP_REQUIRE(m.cfg.receiveLayout == ReceiveLayout::kRankMajor && m.path == MoePath::kThroughput,
+                  Status::kNotSupported,
+                  "%s applies to the rank-major receive layout on the throughput path; this engine has the %s "
+                  "layout on the %s path (MoeConfig.receiveLayout, MoeConfig.path)",
+                  what, layoutName(m.cfg.receiveLayout), m.path == MoePath::kLatency ? "latency" : "throughput");
+  GRAPHEP_REQUIRE(!direct || m.direct, Status::kNotSupported,
+                  "%s needs the direct dispatch (every peer by load/store, each rank on a GPU of its own); this "
+                  "engine's peers go through the movers",
+                  what);
+}
+
+void applyOutputs(const Engine::Impl& m, const DispatchArgs& a, MoeParams& p) {
+  const DispatchOutputs& o = a.outputs;
+  const bool rowBuffers = o.recvX != nullptr || o.recvScales != nullptr || o.rowExperts != nullptr ||
+                          o.rowExpertWeights != nullptr || o.rowSrcRank != nullptr || o.rowSrcToken != nullptr;
+  GRAPHEP_REQUIRE(o.rows >= 0, Status::kInvalidArgument, "dispatch: outputs.rows=%lld is negative", o.rows);
+  if (!rowBuffers && o.rankPrefixMatrix == nullptr) {
+    GRAPHEP_REQUIRE(o.rows == 0, Status::kInvalidArgument, "dispatch: outputs.rows=%lld with no output buffer",
+                    o.rows);
+    return;
+  }
+  requireRankMajorThroughput(m, "DispatchOutputs", o.rankPrefixMatrix != nullptr);
+  GRAPHEP_REQUIRE(!rowBuffers || o.rows > 0, Status::kInvalidArgument,
+                  "dispatch: outputs.rows=0: give the rows your output buffers hold");
+  if (o.rows > 0) p.outRows = o.rows;
+  // Each buffer given is checked and replaces the engine's for this dispatch.
+  auto take = [&](auto* given, const char* what, auto*& into) {
+    if (given == nullptr) return;
+    requireDevicePointer(given, m.device, what);
+    into = static_cast<std::remove_reference_t<decltype(into)>>(given);
+  };
+  if (o.recvX != nullptr) {
+    GRAPHEP_REQUIRE((reinterpret_cast<std::uintptr_t>(o.recvX) & 15u) == 0, Status::kInvalidArgument,
+                    "dispatch: outputs.recvX (%p) is not 16-byte aligned", o.recvX);
+  }
+  GRAPHEP_REQUIRE(o.recvScales == nullptr || p.fp8 != 0, Status::kInvalidArgument,
+                  "dispatch: outputs.recvScales is set for a bf16 dispatch");
+  take(o.recvX, "dispatch: outputs.recvX", p.recvX);
+  take(o.recvScales, "dispatch: outputs.recvScales", p.recvScales);
+  take(o.rowExperts, "dispatch: outputs.rowExperts", p.rowExperts);
+  if (o.rowExperts != nullptr) p.rowExperts64 = a.indexType == IndexType::kInt64 ? 1 : 0;
+  take(o.rowExpertWeights, "dispatch: outputs.rowExpertWeights", p.rowExpertWeights);
+  take(o.rowSrcRank, "dispatch: outputs.rowSrcRank", p.rowSrcRank);
+  take(o.rowSrcToken, "dispatch: outputs.rowSrcToken", p.rowSrcToken);
+  take(o.rankPrefixMatrix, "dispatch: outputs.rankPrefixMatrix", p.rankPrefix);
+  // A row buffer the caller did not give is the engine's: its rows hold outRows (the capacity holds
+  // every rank-major row).
+}
+}  // namespace
+
+}  // namespace graphep

@@ -1,0 +1,58 @@
+// The MoE engine's private state (Engine::Impl) and the group its engines share: what
+// engine/moe/engine.cpp, bind.cpp and diagnostics.cpp work on.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <graphep/moe.hpp>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/heap.hpp"
+#include "engine/movers.hpp"
+#include "kernels/moe.h"
+
+namespace graphep {
+
+// The engines of one createAll share the heap and the movers.
+struct EngineGroup {
+  std::unique_ptr<SymmetricHeap> heap;
+  std::vector<Movers> movers;  // destroyed before the heap they point into
+};
+
+struct Engine::Impl {
+  std::shared_ptr<EngineGroup> group;
+  int local = 0;
+  int device = 0;
+  MoeConfig cfg;
+  MoeParams base{};  // every buffer of the engine, as createAll set them: each dispatch starts here
+  MoeParams p{};     // the last dispatch's (combine serves it)
+  // A latency-path operation enqueued as its send half (MoeHalf::kSend), whose receive half
+  // Engine::receive enqueues with these parameters; none between operations.
+  enum class Half { kNone, kDispatch, kCombine } half = Half::kNone;
+  MoeParams halfParams{};
+  DispatchLayout layout{};
+  AllToAllvArgs cntArgs, dispArgs, combArgs;
+  MoePath path = MoePath::kThroughput;
+  bool direct = false;    // the throughput path's dispatch by direct stores (kernels/moe_direct.cu)
+  char* block = nullptr;  // every local buffer, carved from one allocation
+  std::size_t blockBytes = 0;
+  // The failed state (why; "" when healthy) and the watchdog's tools: a private stream for
+  // snapshots, an event, pinned host memory for the counters.
+  mutable std::string failure;
+  cudaStream_t watchStream = nullptr;
+  cudaEvent_t watchEvent = nullptr;
+  std::uint32_t* snapshot = nullptr;  // pinned: llSteps[2], pending, then flags, arrivals, combine arrivals [R] each
+  Impl();  // joins the registry of this process's live engines (engine.cpp)
+  ~Impl();
+  const Movers& movers() const { return group->movers[static_cast<std::size_t>(local)]; }
+};
+
+// The rank of another live engine of this process whose buffers hold `ptr`, or -1 (a caller's
+// buffer handed to the wrong engine).
+int otherEngineHolding(const Engine::Impl& m, const void* ptr);
+
+}  // namespace graphep

@@ -1,0 +1,182 @@
+// The MoE engine's plan and its sizing (engine/moe/plan.hpp): sizes, heap placement, the local
+// carve, and the capacities and memory a config needs.
+#include "engine/moe/plan.hpp"
+
+#include <algorithm>
+#include <limits>
+
+#include "kernels/moe.h"
+
+namespace graphep {
+namespace moe_setup {
+
+// Whether a config fits the latency path's kernels (routing held in shared memory).
+bool latencyFits(const MoeConfig& c, int R) {
+  return c.maxTokensPerRank <= kMoeLatencyMaxTokens &&
+         static_cast<long long>(c.maxTokensPerRank) * c.topK <= kMoeLatencyMaxEntries &&
+         moeLatencySmem(c.maxTokensPerRank, c.topK, c.numExperts, R).bytes <= kMoeLatencyMaxSmem;
+}
+
+MoeSizes moeSizes(const MoeConfig& cfg, int R) {
+  const bool fp8 = cfg.dispatchType == DType::kFp8E4m3;
+  const std::size_t payloadBytes = moePayloadBytes(cfg.hidden, fp8);
+  return MoeSizes{static_cast<std::size_t>(R), static_cast<std::size_t>(cfg.maxTokensPerRank),
+                  static_cast<std::size_t>(cfg.hidden) * 2, payloadBytes,
+                  alignUp(payloadBytes + moeMetaBytes(cfg.topK), 16), moeCountMsgBytes(cfg.numExperts / R),
+                  moeDirectMsgBytes(cfg.numExperts / R, cfg.maxTokensPerRank, R)};
+}
+
+MoePath preferredPath(const MoeConfig& cfg, int R) {
+  return cfg.path != MoePath::kThroughput && latencyFits(cfg, R) ? MoePath::kLatency : MoePath::kThroughput;
+}
+
+PathHeap pathHeap(MoePath path, const MoeSizes& z, const MoeConfig& cfg) {
+  PathHeap h;
+  std::size_t end = 0;
+  if (path == MoePath::kLatency) {
+    h.llRec = 0;
+    h.llCnt = alignUp(h.llRec + 2 * z.R * z.T * z.recBytes, 256);
+    h.llComb = alignUp(h.llCnt + 2 * z.R * z.cntMsgBytes, 256);
+    h.llFlag = alignUp(h.llComb + 2 * z.R * z.T * z.rowBytes, 256);
+    h.llArrive = alignUp(h.llFlag + z.R * 4, 256);
+    h.llCombArrive = alignUp(h.llArrive + z.R * 4, 256);
+    // The combine's top-k weights from each source ([2][R][T][K] fp32) and their flags [R].
+    h.llCombW = alignUp(h.llCombArrive + z.R * 4, 256);
+    h.llCombWFlag = alignUp(h.llCombW + 2 * z.R * z.T * static_cast<std::size_t>(cfg.topK) * 4, 256);
+    end = h.llCombWFlag + z.R * 4;
+  } else {
+    // The records and partials, then the direct dispatch's [2][R] count messages, [R] flags and
+    // [R][W] block flags for the records and for the partials, its [R] acknowledgements of the
+    // records and of the partials, and the partials' [R][T][kMoeMaxValues] fp32 values
+    // (kernels/moe_direct.cu; a few KB and 64 B per slot, also when the movers carry the dispatch).
+    h.recRecv = 0;
+    h.combRecv = alignUp(h.recRecv + z.R * z.T * z.recBytes, 4096);
+    h.llCnt = alignUp(h.combRecv + z.R * z.T * z.rowBytes, 256);
+    h.llFlag = alignUp(h.llCnt + 2 * z.R * z.directMsgBytes, 256);
+    h.llBlock = alignUp(h.llFlag + z.R * 4, 256);
+    h.llCombBlock = alignUp(h.llBlock + z.R * moeRouteWords(static_cast<int>(z.T)) * 4, 256);
+    h.llDispAck = alignUp(h.llCombBlock + z.R * moeRouteWords(static_cast<int>(z.T)) * 4, 256);
+    h.llCombAck = alignUp(h.llDispAck + z.R * 4, 256);
+    h.llCombVal = alignUp(h.llCombAck + z.R * 4, 256);
+    end = h.llCombVal + z.R * z.T * kMoeMaxValues * 4;
+  }
+  h.heap.numRanks = static_cast<int>(z.R);
+  h.heap.userBytes = alignUp(end, 4096);
+  h.heap.moverSlotBytes = path == MoePath::kThroughput ? kEngineSlotBytes : 0;
+  if (cfg.smBudget > 0) h.heap.moverBlocks = cfg.smBudget;
+  h.heap.counterStart = cfg.counterStart;
+  return h;
+}
+
+MoverOptions engineMoverOptions(const MoeSizes& z) {
+  MoverOptions mo;
+  mo.maxRemoteBytesPerPeer = z.T * std::max(z.recBytes, z.rowBytes);
+  return mo;
+}
+
+LocalCarve carveLocal(const MoeConfig& cfg, const MoeSizes& z, std::size_t cap, bool throughput) {
+  // recv_x holds the config's type; a bf16 engine's rows have room for fp8 ones (H bytes of 2H),
+  // and the scales are there whenever H allows fp8 (1/64 of a bf16 recv_x): one engine serves
+  // both types.
+  const bool fp8 = cfg.dispatchType == DType::kFp8E4m3;
+  const bool scales = cfg.hidden % 128 == 0;
+  const std::size_t T = z.T, Rs = z.R, H = static_cast<std::size_t>(cfg.hidden);
+  const std::size_t L = static_cast<std::size_t>(cfg.numExperts) / Rs;
+  std::size_t used = 0;
+  auto carve = [&](std::size_t bytes) {
+    const std::size_t off = alignUp(used, 256);
+    used = off + std::max<std::size_t>(bytes, 1);
+    return off;
+  };
+  LocalCarve o{};
+  o.status = carve(sizeof(MoeDeviceStatus));
+  o.live = carve(sizeof(std::int32_t));
+  o.pending = carve(sizeof(std::uint32_t));
+  o.tokRank = carve(T * Rs * 4);
+  // Throughput path only (the latency path routes in shared memory and writes peers directly).
+  o.entry = carve(throughput ? T * static_cast<std::size_t>(cfg.topK) * 4 : 0);
+  o.expertCount = carve(throughput ? static_cast<std::size_t>(cfg.numExperts) * 4 : 0);
+  o.rankCount = carve(throughput ? Rs * 4 : 0);
+  const std::size_t W = moeRouteWords(cfg.maxTokensPerRank), Es = static_cast<std::size_t>(cfg.numExperts);
+  o.routeWords = W;
+  o.routeZero = ((Es + Rs) * W + Es * W + 1) * 4;  // bits, counts, the duplicate flag
+  o.routeBits = carve(throughput ? o.routeZero : 0);
+  o.routePrefix = carve(throughput ? (Es + Rs) * W * 4 : 0);
+  o.recSend = carve(throughput ? Rs * T * z.recBytes : 0);
+  o.cntSend = carve(throughput ? Rs * z.cntMsgBytes : 0);
+  o.cntRecv = carve(throughput ? Rs * z.cntMsgBytes : 0);
+  o.arrays = carve(throughput ? 12 * Rs * 8 : 0);  // EngineExchanges: 3 exchanges x 4 tables x [R]
+  o.recvRows = carve(Rs * 4);
+  o.srcBase = carve(Rs * L * 4);
+  o.offsets = carve((L + 1) * 4);
+  o.counts = carve(L * 4);
+  o.dropped = carve(L * 4);
+  o.numRows = carve(4);
+  o.totals = carve(L * 8);
+  o.recvX = carve(cap * (fp8 ? H : z.rowBytes));
+  o.scales = carve(scales ? cap * (H / 128) * 4 : 0);
+  o.rowRank = carve(cap * 4);
+  o.rowToken = carve(cap * 4);
+  o.rowSlot = carve(cap * 4);
+  o.rowWeight = carve(cap * 4);
+  o.y = carve(cap * z.rowBytes);
+  o.combSend = carve(throughput ? Rs * T * z.rowBytes : 0);
+  o.combValSend = carve(throughput ? Rs * T * kMoeMaxValues * 4 : 0);  // the direct combine's staged values
+  const bool rankMajor = cfg.receiveLayout == ReceiveLayout::kRankMajor;
+  const std::size_t K = static_cast<std::size_t>(cfg.topK);
+  o.rankOffsets = carve(rankMajor ? (Rs + 1) * 4 : 0);
+  o.rowExperts = carve(rankMajor ? cap * K * 4 : 0);
+  o.rowExpertWeights = carve(rankMajor ? cap * K * 4 : 0);
+  o.sourceRanges = carve(rankMajor ? 0 : L * Rs * 8);
+  o.llSteps = carve(2 * 4);  // dispatch and combine steps and last-CTA counters (latency and direct kernels)
+  o.llDone = carve(2 * 4);
+  o.combArrive = carve(throughput ? Rs * W * 4 : 0);  // the direct combine's block arrivals and flags
+  o.combReady = carve(throughput ? Rs * W * 4 : 0);
+  constexpr std::size_t kStamps = kMoeStampWords * static_cast<std::size_t>(MoeKernel::kCount);
+  o.timeline = carve(cfg.profile ? (kStamps + kMoeTraceWords) * 8 : 0);
+  o.bytes = used;
+  return o;
+}
+
+long long batchedRowsPerExpert(const MoeConfig& cfg, int worldSize) {
+  return cfg.rowsPerExpert > 0 ? cfg.rowsPerExpert : static_cast<long long>(worldSize) * cfg.maxTokensPerRank;
+}
+
+}  // namespace moe_setup
+
+using namespace moe_setup;
+
+long long Engine::worstCaseCapacity(const MoeConfig& cfg, int worldSize) {
+  const long long localExperts = cfg.numExperts / std::max(worldSize, 1);
+  const long long perToken = std::min<long long>(cfg.topK, localExperts);
+  return static_cast<long long>(cfg.maxTokensPerRank) * worldSize * perToken +
+         localExperts * (cfg.expertAlignment - 1);
+}
+
+long long Engine::receiveCapacity(const MoeConfig& cfg, int worldSize) {
+  if (cfg.receiveLayout == ReceiveLayout::kRankMajor) {  // one row per (source token, this rank)
+    return static_cast<long long>(std::max(worldSize, 1)) * cfg.maxTokensPerRank;
+  }
+  if (cfg.receiveLayout == ReceiveLayout::kBatched) {
+    const long long L = std::max(cfg.numExperts / std::max(worldSize, 1), 1);
+    const long long rows = batchedRowsPerExpert(cfg, worldSize);
+    // Saturated rather than wrapped: validate refuses anything at or above 2^31 by name.
+    return rows > std::numeric_limits<long long>::max() / L ? std::numeric_limits<long long>::max() : L * rows;
+  }
+  return cfg.recvCapacity > 0 ? cfg.recvCapacity : worstCaseCapacity(cfg, worldSize);
+}
+
+MoeMemory Engine::memoryRequirements(const MoeConfig& cfg, int worldSize) {
+  validate(cfg, worldSize);
+  const MoeSizes z = moeSizes(cfg, worldSize);
+  const long long capacity = receiveCapacity(cfg, worldSize);
+  MoeMemory m;
+  m.path = preferredPath(cfg, worldSize);
+  const bool throughput = m.path == MoePath::kThroughput;
+  m.symmetricHeapBytes = heapBytes(pathHeap(m.path, z, cfg).heap);
+  m.privateBytes = carveLocal(cfg, z, static_cast<std::size_t>(capacity), throughput).bytes;
+  m.ncclStagingBytes = throughput ? Movers::remoteStageBytes(engineMoverOptions(z), worldSize) : 0;
+  return m;
+}
+
+}  // namespace graphep

@@ -1,0 +1,83 @@
+// The MoE engine's plan and its sizing (setup only): which path a config takes, the byte sizes of
+// its records and messages, where the peer-written buffers sit in the symmetric heap, how one
+// rank's private buffers are carved from one allocation, and the config checks that run before
+// anything is allocated. Engine::createAll and Engine::memoryRequirements both size from here:
+// the one place the buffers are laid out.
+#pragma once
+
+#include <graphep/comm.hpp>
+#include <graphep/moe.hpp>
+
+#include <cstddef>
+
+#include "engine/heap.hpp"
+#include "engine/movers.hpp"
+
+namespace graphep::moe_setup {
+
+inline std::size_t alignUp(std::size_t v, std::size_t a) { return (v + a - 1) / a * a; }
+
+// Engine-wide default of the movers' staging slot: large enough for 4 KiB-row records to pipeline,
+// small enough that 32 channels x 4 slots x R peers stay a few hundred MiB at most.
+inline constexpr std::size_t kEngineSlotBytes = std::size_t{256} << 10;
+
+// Whether a config fits the latency path's kernels (routing held in shared memory).
+bool latencyFits(const MoeConfig& c, int R);
+
+// Byte sizes of one config's records and messages.
+struct MoeSizes {
+  std::size_t R, T, rowBytes, payloadBytes, recBytes, cntMsgBytes, directMsgBytes;
+};
+MoeSizes moeSizes(const MoeConfig& cfg, int R);
+
+// The path whose heap createAll sizes first: latency when the config fits it (peer classes may
+// still send it to the throughput path).
+MoePath preferredPath(const MoeConfig& cfg, int R);
+
+// Where a path's peer-written buffers sit in the heap's user region (the same on every rank), and
+// the heap that holds them: only the chosen path's buffers, and staging only for the throughput
+// path's movers.
+struct PathHeap {
+  // Throughput: [R][T] records and partials. Latency: [2][R][T] records, [2][R] count messages,
+  // [2][R][T] partials and the three [R] counter arrays (kernels/moe.h, MoeParams).
+  std::size_t recRecv = 0, combRecv = 0;
+  std::size_t llRec = 0, llCnt = 0, llComb = 0, llFlag = 0, llArrive = 0, llCombArrive = 0, llBlock = 0;
+  std::size_t llCombBlock = 0, llDispAck = 0, llCombAck = 0, llCombVal = 0, llCombW = 0, llCombWFlag = 0;
+  HeapConfig heap;
+};
+PathHeap pathHeap(MoePath path, const MoeSizes& z, const MoeConfig& cfg);
+
+// The movers' options of an engine: the largest message is the records, or partial rows (larger
+// than fp8 records).
+MoverOptions engineMoverOptions(const MoeSizes& z);
+
+// One rank's local buffers: one allocation, carved in this order (byte offsets). createAll carves
+// the allocation with it and memoryRequirements sizes it: the one place the buffers are laid out.
+struct LocalCarve {
+  std::size_t status, live, pending, tokRank;
+  std::size_t entry, expertCount, rankCount, routeBits, routePrefix, recSend, cntSend, cntRecv, arrays;
+  std::size_t recvRows, srcBase, offsets, counts, dropped, numRows, totals;
+  std::size_t recvX, scales, rowRank, rowToken, rowSlot, rowWeight, y, combSend, combValSend;
+  std::size_t rankOffsets, rowExperts, rowExpertWeights;  // rank-major layout only
+  std::size_t sourceRanges;                             // expert-major and batched only
+  std::size_t llSteps, llDone, combArrive, combReady, timeline;
+  std::size_t routeWords;  // moeRouteWords(maxTokensPerRank)
+  std::size_t routeZero;   // bytes of the routing words zeroed per dispatch (throughput path)
+  std::size_t bytes;       // the whole allocation
+};
+LocalCarve carveLocal(const MoeConfig& cfg, const MoeSizes& z, std::size_t cap, bool throughput);
+
+// The batched layout's rows per local expert: MoeConfig.rowsPerExpert, or worldSize x T_max.
+long long batchedRowsPerExpert(const MoeConfig& cfg, int worldSize);
+
+// Collective: every rank must pass the same config. The fields travel in an allgather (setup only);
+// a mismatch names the field, this rank's value and the first rank that differs, on every rank.
+void requireSameConfig(Communicator& comm, const MoeConfig& cfg);
+
+// Collective: every rank's local buffers (one allocation of `bytes`) fit its device's free memory,
+// or every rank raises the same kOutOfMemory naming the first rank that has no room and the
+// config fields that size the buffers (before anything is allocated, so no rank is left waiting).
+void requireLocalBuffersFit(Communicator& comm, const SymmetricHeap& heap, const MoeConfig& cfg, std::size_t bytes,
+                            long long capacity);
+
+}  // namespace graphep::moe_setup
