@@ -737,6 +737,33 @@ bool isInvalidEntry(const MoeConfig& g, const Inputs& in, long long id, int toke
 // capacity that overflows becomes 9 rows per expert (a batched expert overflows on its own) and
 // the rank-major layout's full R x T_max rows (it cannot overflow). A case written in another
 // layout runs as written only.
+// The latency path's step trace (Engine::stepTrace) of rank r: at least one dispatch and one
+// combine; in each operation the send CTA's start before its wait's return, and every event no
+// later than the step's advance (the launch's last CTA, after every other); the count messages
+// and the receive's view of them for a dispatch only; and in stream order each operation's wait
+// returning no earlier than the previous operation's advance (its kernel waited for that one).
+void expectStepTrace(const std::vector<MoeStepTrace>& steps, int r) {
+  constexpr int kReady = 1, kLayout = 4, kDone = 7;  // MoeStepTrace's ns[] (include/graphep/moe.hpp)
+  constexpr int kEvents = static_cast<int>(sizeof(MoeStepTrace::ns) / sizeof(MoeStepTrace::ns[0]));
+  int dispatches = 0, combines = 0;
+  for (std::size_t k = 0; k < steps.size(); ++k) {
+    const MoeStepTrace& t = steps[k];
+    (t.combine ? combines : dispatches) += 1;
+    EXPECT_NE(t.ns[0], 0u) << "rank " << r << ", operation " << k;
+    EXPECT_LE(t.ns[0], t.ns[kReady]) << "rank " << r << ", operation " << k << ": entered after its wait returned";
+    for (int e = 0; e < kEvents; ++e) {
+      if (t.ns[e] != 0) EXPECT_LE(t.ns[e], t.ns[kDone]) << "rank " << r << ", operation " << k << ", event " << e;
+    }
+    EXPECT_EQ(t.ns[kLayout] != 0, !t.combine) << "rank " << r << ", operation " << k;
+    if (k > 0) {
+      EXPECT_GE(t.ns[kReady], steps[k - 1].ns[kDone])
+          << "rank " << r << ", operation " << k << " started its work before operation " << k - 1 << " ended";
+    }
+  }
+  EXPECT_GE(dispatches, 1) << "rank " << r;
+  EXPECT_GE(combines, 1) << "rank " << r;
+}
+
 std::vector<MoeCase> inEveryLayout(const MoeCase& c) {
   std::vector<MoeCase> out{c};
   if (c.cfg.receiveLayout != ReceiveLayout::kExpertMajor || (c.cfg.expertAlignment > 1 && c.cfg.recvCapacity == 0)) {
@@ -933,6 +960,7 @@ void runMoeCaseInLayout(Communicator& comm, const MoeCase& c) {
           EXPECT_LE(spans[before].startUs, spans[k].startUs) << spans[k].kernel;
         }
       }
+      if (f.engine(l).path() == MoePath::kLatency) expectStepTrace(f.engine(l).stepTrace(), r);
     }
     if (!execs.empty()) cudaGraphExecDestroy(execs[ls]);
   }
