@@ -1,0 +1,149 @@
+// The MoE case suite's run of one case in every layout (runMoeCase): dispatch, expert, combine,
+// eagerly or replayed from a captured graph, every output against the host reference.
+#include "common/moe/harness.cuh"
+
+namespace graphep::test {
+
+using namespace moe;
+
+namespace {
+void runMoeCaseInLayout(Communicator& comm, const MoeCase& c);
+}  // namespace
+
+// Every case in each receive layout (inEveryLayout).
+void runMoeCase(Communicator& comm, const MoeCase& c) {
+  forEveryLayout(c, [&](const MoeCase& v) { runMoeCaseInLayout(comm, v); });
+}
+
+namespace {
+void runMoeCaseInLayout(Communicator& comm, const MoeCase& c) {
+  SCOPED_TRACE(describeCase(c));
+  const int R = comm.worldSize();
+  MoeFixture f(comm, c);
+  for (int l = 0; l < f.L(); ++l) {
+    EXPECT_EQ(f.engine(l).path(), expectedPath(c.cfg, R)) << "rank " << comm.globalRank(l);
+  }
+  const int runs = c.replays > 0 ? c.replays : static_cast<int>(c.tokens.size());
+  std::vector<cudaGraphExec_t> execs;
+  if (c.replays > 0) {
+    for (int l = 0; l < f.L(); ++l) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+      execs.push_back(captureOnStream(f.buf(l).stream, [&](cudaStream_t s) { f.enqueue(l, s); }));
+    }
+  }
+  const std::size_t nl = static_cast<std::size_t>(f.L());
+  std::vector<unsigned long long> expectInvalid(nl, 0), expectDropped(nl, 0), expectClamped(nl, 0);
+  std::vector<int> firstInvalidRun(nl, -1), firstClamped(nl, 0);
+  std::vector<std::vector<Inputs>> history;  // every run's inputs (the first-error fields name one)
+  std::vector<std::vector<unsigned long long>> expectTotals(nl);
+  for (int run = 0; run < runs; ++run) {
+    const std::uint64_t seed = 5000 + static_cast<std::uint64_t>(run) * 31;
+    std::vector<Inputs> all;
+    for (int q = 0; q < R; ++q) all.push_back(makeInputs(c, R, q, rankTokens(c, run, q), seed));
+    for (int l = 0; l < f.L(); ++l) f.prepare(l, all[static_cast<std::size_t>(comm.globalRank(l))]);
+    comm.barrier();
+    for (int l = 0; l < f.L(); ++l) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+      if (c.replays > 0) {
+        GRAPHEP_CUDA_CHECK(cudaGraphLaunch(execs[static_cast<std::size_t>(l)], f.buf(l).stream));
+      } else {
+        f.enqueue(l, f.buf(l).stream);
+      }
+    }
+    f.syncAll();
+    // Every rank's expected layout, once per run (the capacity is the same on every rank).
+    std::vector<RefLayout> refs;
+    for (int q = 0; q < R; ++q) refs.push_back(refLayout(c, all, q, f.layout(0).capacity));
+    expectLayoutShape(c, f.layout(0), R);
+    for (int l = 0; l < f.L(); ++l) {
+      const std::size_t ls = static_cast<std::size_t>(l);
+      const int r = comm.globalRank(l);
+      const Inputs& mine = all[static_cast<std::size_t>(r)];
+      const std::string what = "run " + std::to_string(run) + " T=" + std::to_string(mine.T);
+      EXPECT_EQ(f.check(l, all, refs, what), 0) << what << " rank " << r;
+      const unsigned long long invalid = invalidCount(c.cfg, mine);
+      if (invalid > 0 && firstInvalidRun[ls] < 0) firstInvalidRun[ls] = run;
+      expectInvalid[ls] += invalid;
+      if (mine.T > c.cfg.maxTokensPerRank || mine.T < 0) {
+        if (expectClamped[ls]++ == 0) firstClamped[ls] = mine.T;
+      }
+      const RefLayout& ref = refs[static_cast<std::size_t>(r)];
+      expectDropped[ls] += ref.droppedTotal;
+      auto& tot = expectTotals[ls];
+      tot.resize(ref.routed.size(), 0);
+      for (std::size_t j = 0; j < ref.routed.size(); ++j) tot[j] += static_cast<unsigned long long>(ref.routed[j]);
+    }
+    history.push_back(std::move(all));
+    comm.barrier();
+  }
+  for (int l = 0; l < f.L(); ++l) {
+    const std::size_t ls = static_cast<std::size_t>(l);
+    const MoeStatus st = f.engine(l).status();
+    const int r = comm.globalRank(l);
+    EXPECT_EQ(st.invalidExpertIds, expectInvalid[ls]) << "rank " << r;
+    EXPECT_EQ(st.droppedRows, expectDropped[ls]) << "rank " << r;
+    EXPECT_EQ(st.clampedTokenCounts, expectClamped[ls]) << "rank " << r;
+    if (expectClamped[ls] > 0) EXPECT_EQ(st.firstClampedCount, firstClamped[ls]) << "rank " << r;
+    if (firstInvalidRun[ls] >= 0) {
+      const Inputs& in = history[static_cast<std::size_t>(firstInvalidRun[ls])][static_cast<std::size_t>(r)];
+      EXPECT_TRUE(isInvalidEntry(c.cfg, in, st.firstInvalidId, st.firstInvalidToken, st.firstInvalidSlot))
+          << "rank " << r << ": the first invalid id recorded, topk_idx[" << st.firstInvalidToken << "]["
+          << st.firstInvalidSlot << "] = " << st.firstInvalidId << ", is not an invalid entry of run "
+          << firstInvalidRun[ls];
+      EXPECT_NE(st.describe().find("topk_idx[" + std::to_string(st.firstInvalidToken) + "]"), std::string::npos)
+          << st.describe();
+    }
+    EXPECT_EQ(st.deviceError, "") << "rank " << r;
+    std::vector<unsigned long long> totals(expectTotals[ls].size());
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    GRAPHEP_CUDA_CHECK(cudaMemcpy(totals.data(), f.engine(l).layout().expertTotals, totals.size() * 8,
+                                  cudaMemcpyDeviceToHost));
+    EXPECT_EQ(totals, expectTotals[ls]) << "rank " << r << ": cumulative expert totals";
+    if (c.cfg.profile) {  // every kernel of the path ran, in order, each span well formed
+      const std::vector<MoeKernelSpan> spans = f.engine(l).timeline();
+      std::vector<std::string> names;
+      for (const MoeKernelSpan& sp : spans) names.push_back(sp.kernel);
+      // Throughput: six kernels, or with the direct dispatch and combine (every peer by load/store,
+      // one rank per GPU) six, seven for fp8 (the quantise kernel), plus the receive's two phases;
+      // latency: the dispatch's route and records (sender), layout and expand (receiver), the
+      // combine's reduce of the peers' records (sender), then its own rows and sums (receiver).
+      const std::vector<std::vector<std::string>> want =
+          f.engine(l).path() == MoePath::kLatency
+              ? std::vector<std::vector<std::string>>{{"latency route", "latency records", "latency layout",
+                                                       "latency expand", "latency combine", "latency combine own rows",
+                                                       "latency combine receive"}}
+              : std::vector<std::vector<std::string>>{
+                    {"route", "pack", "offsets", "expand", "combine reduce", "combine final"},
+                    {"route", "direct send", "direct receive", "direct own rows", "direct peers' rows",
+                     "direct combine reduce", "direct combine send", "direct combine final"},
+                    {"route", "direct quantise", "direct send", "direct receive", "direct own rows",
+                     "direct peers' rows", "direct combine reduce", "direct combine send", "direct combine final"}};
+      EXPECT_NE(std::find(want.begin(), want.end(), names), want.end())
+          << "rank " << r << ": the kernels that ran: " << ::testing::PrintToString(names);
+      // Phases start in this order; on the latency path each kernel's receive part runs beside its
+      // send part (CTAs of their own), so only the phases within one part are ordered.
+      const std::map<std::string, std::string> after = {{"latency records", "latency route"},
+                                                        {"latency expand", "latency layout"},
+                                                        {"latency combine receive", "latency combine own rows"}};
+      for (std::size_t k = 0; k < spans.size(); ++k) {
+        EXPECT_LE(spans[k].startUs, spans[k].endUs) << spans[k].kernel;
+        if (k == 0) continue;
+        if (f.engine(l).path() != MoePath::kLatency) {
+          EXPECT_LE(spans[k - 1].startUs, spans[k].startUs) << spans[k].kernel;
+        } else if (after.count(names[k]) != 0) {
+          const std::size_t before = static_cast<std::size_t>(
+              std::find(names.begin(), names.end(), after.at(names[k])) - names.begin());
+          ASSERT_LT(before, k) << names[k];
+          EXPECT_LE(spans[before].startUs, spans[k].startUs) << spans[k].kernel;
+        }
+      }
+      if (f.engine(l).path() == MoePath::kLatency) expectStepTrace(f.engine(l).stepTrace(), r);
+    }
+    if (!execs.empty()) cudaGraphExecDestroy(execs[ls]);
+  }
+  comm.barrier();
+}
+}  // namespace
+
+
+}  // namespace graphep::test

@@ -1,0 +1,251 @@
+// The MoE misuse, missing-rank, watchdog and graph-lifetime suites: bad input named, a dead peer
+// reported, buffers kept alive by graphs.
+#include "common/expect_error.hpp"
+#include "common/moe/harness.cuh"
+
+namespace graphep::test {
+
+using namespace moe;
+
+namespace {
+
+// Bad pointers: named errors, thrown before anything is enqueued (so no peer waits on them).
+void misuseBadPointers(Communicator& comm, MoeFixture& f, MoeFixture& other) {
+  Engine& e = f.engine(0);
+  GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(0)));
+  cudaStream_t s = f.buf(0).stream;
+  DispatchArgs a = f.dispatchArgs(0, nullptr);
+  a.x = nullptr;
+  expectError([&] { e.dispatch(a, s); }, Status::kInvalidArgument, "dispatch: x");
+  a = f.dispatchArgs(0, nullptr);
+  a.x = static_cast<const char*>(a.x) + 2;
+  expectError([&] { e.dispatch(a, s); }, Status::kInvalidArgument, "is not 16-byte aligned");
+  void* pinned = nullptr;
+  GRAPHEP_CUDA_CHECK(cudaMallocHost(&pinned, 4096));
+  a = f.dispatchArgs(0, nullptr);
+  a.topkIdx = pinned;
+  expectError([&] { e.dispatch(a, s); }, Status::kInvalidArgument, "host memory");
+  std::vector<float> hostWeights(64);
+  a = f.dispatchArgs(0, nullptr);
+  a.topkWeights = hostWeights.data();
+  expectError([&] { e.dispatch(a, s); }, Status::kInvalidArgument, "dispatch: topkWeights");
+  GRAPHEP_CUDA_CHECK(cudaFreeHost(pinned));
+  CombineArgs ca;
+  expectError([&] { e.combine(ca, s); }, Status::kInvalidArgument, "combine: out");
+  ca.out = f.buf(0).out;
+  ca.expertOutput = other.engine(0).layout().expertOutput;
+  expectError([&] { e.combine(ca, s); }, Status::kInvalidArgument, "another engine");
+}
+
+// Repeated operations: dispatch A (the inputs already uploaded), dispatch B, expert, combine,
+// expert x2, combine on every rank: both orders are defined (nothing counted, nothing hangs) and
+// each does what moe.hpp says. A dispatch over an uncombined one replaces it: the layout and the
+// first combine are B's. A combine with no new dispatch combines the last dispatch again: the
+// second combine is B's with the new expert outputs.
+void repeatedOperations(Communicator& comm, const MoeCase& c, MoeFixture& f) {
+  const int R = comm.worldSize();
+  std::vector<Inputs> inB;
+  for (int q = 0; q < R; ++q) inB.push_back(makeInputs(c, R, q, 32 - 5 * q % 32, 4712));
+  for (int l = 0; l < f.L(); ++l) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    f.engine(l).dispatch(f.dispatchArgs(l, nullptr), f.buf(l).stream);
+  }
+  f.syncAll();
+  for (int l = 0; l < f.L(); ++l) f.prepare(l, inB[static_cast<std::size_t>(comm.globalRank(l))]);
+  comm.barrier();
+  for (int l = 0; l < f.L(); ++l) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    const DispatchLayout& v = f.engine(l).dispatch(f.dispatchArgs(l, nullptr), f.buf(l).stream);
+    f.expert(l, v, f.buf(l).stream, 1.0f);
+    CombineArgs ca;
+    ca.out = f.buf(l).out;
+    f.engine(l).combine(ca, f.buf(l).stream);
+  }
+  f.syncAll();
+  std::vector<RefLayout> refs;
+  for (int q = 0; q < R; ++q) refs.push_back(refLayout(c, inB, q, f.layout(0).capacity));
+  for (int l = 0; l < f.L(); ++l) EXPECT_EQ(f.check(l, inB, refs, "a dispatch over an uncombined one"), 0);
+  comm.barrier();
+  for (int l = 0; l < f.L(); ++l) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    GRAPHEP_CUDA_CHECK(cudaMemset(f.buf(l).out, kPoison,
+                                  static_cast<std::size_t>(c.cfg.maxTokensPerRank) * c.cfg.hidden * 2));
+    GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  comm.barrier();
+  for (int l = 0; l < f.L(); ++l) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    f.expert(l, f.layout(l), f.buf(l).stream, 2.0f);
+    CombineArgs ca;
+    ca.out = f.buf(l).out;
+    f.engine(l).combine(ca, f.buf(l).stream);
+  }
+  f.syncAll();
+  f.setYScale(2.0f);
+  for (int l = 0; l < f.L(); ++l) {
+    EXPECT_EQ(f.checkCombine(l, inB, refs, "a combine with no new dispatch"), 0);
+    const MoeStatus st = f.engine(l).status();
+    EXPECT_TRUE(st.ok()) << st.describe();  // dispatch -> dispatch and combine -> combine are defined
+  }
+  f.setYScale(1.0f);
+  comm.barrier();
+}
+
+// NaN and infinite weights (of `in`) propagate to their tokens' outputs; every other token stays
+// correct.
+void misuseNonFiniteWeights(Communicator& comm, const MoeCase& c, MoeFixture& f, std::vector<Inputs> in) {
+  const int R = comm.worldSize();
+  for (Inputs& x : in) {
+    x.w[0] = std::numeric_limits<float>::quiet_NaN();                   // token 0, slot 0
+    x.w[static_cast<std::size_t>(c.cfg.topK)] = std::numeric_limits<float>::infinity();  // token 1, slot 0
+  }
+  for (int l = 0; l < f.L(); ++l) f.prepare(l, in[static_cast<std::size_t>(comm.globalRank(l))]);
+  comm.barrier();
+  for (int l = 0; l < f.L(); ++l) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    f.enqueue(l, f.buf(l).stream);
+  }
+  f.syncAll();
+  f.setNonFiniteTokens({0, 1});
+  std::vector<RefLayout> refs;
+  for (int q = 0; q < R; ++q) refs.push_back(refLayout(c, in, q, f.engine(0).layout().capacity));
+  for (int l = 0; l < f.L(); ++l) {
+    EXPECT_EQ(f.check(l, in, refs, "non-finite weights"), 0);
+    const MoeStatus st = f.engine(l).status();
+    EXPECT_TRUE(st.ok()) << st.describe();
+  }
+  comm.barrier();
+}
+
+void runMoeMisuseInLayout(Communicator& comm, const MoeCase& c) {
+  SCOPED_TRACE("misuse, " + describeCase(c));
+  const int R = comm.worldSize();
+  MoeFixture f(comm, c), other(comm, c);
+  expectLayoutShape(c, f.layout(0), R);
+  std::vector<Inputs> in;
+  for (int q = 0; q < R; ++q) in.push_back(makeInputs(c, R, q, 32, 4711));
+  for (int l = 0; l < f.L(); ++l) f.prepare(l, in[static_cast<std::size_t>(comm.globalRank(l))]);
+  comm.barrier();
+  misuseBadPointers(comm, f, other);
+  repeatedOperations(comm, c, f);
+  misuseNonFiniteWeights(comm, c, f, std::move(in));
+}
+
+}  // namespace
+
+// Every layout (inEveryLayout). The suite tests no config validation (Engine::validate's layout
+// rules, rowsPerExpert among them, are tests/unit/test_moe_config.cpp's), so nothing here differs
+// by layout but the rows the stand-in expert reads and the reference it is checked against.
+void runMoeMisuse(Communicator& comm, MoePath path) {
+  forEveryLayout(smallCase(comm, 32, path), [&](const MoeCase& c) { runMoeMisuseInLayout(comm, c); });
+}
+
+void runMoeMissingRank(Communicator& comm, MoePath path) {
+  ScopedEnv timeout("GRAPHEP_TIMEOUT_MS", "300");  // read when the engines' heap is created
+  const MoeCase c = smallCase(comm, 32, path);
+  SCOPED_TRACE("a rank that never launches, " + describeCase(c));
+  const int R = comm.worldSize(), missing = R - 1;
+  MoeFixture f(comm, c);
+  std::vector<Inputs> in;
+  for (int q = 0; q < R; ++q) in.push_back(makeInputs(c, R, q, 32, 99));
+  for (int l = 0; l < f.L(); ++l) f.prepare(l, in[static_cast<std::size_t>(comm.globalRank(l))]);
+  comm.barrier();
+  for (int l = 0; l < f.L(); ++l) {
+    if (comm.globalRank(l) == missing) continue;  // this rank never launches
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    f.engine(l).dispatch(f.dispatchArgs(l, nullptr), f.buf(l).stream);
+  }
+  for (int l = 0; l < f.L(); ++l) {
+    if (comm.globalRank(l) == missing) continue;
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(f.buf(l).stream));  // returns: every wait is bounded
+    const MoeStatus st = f.engine(l).status();
+    EXPECT_NE(st.deviceError.find("peer " + std::to_string(missing)), std::string::npos)
+        << "rank " << comm.globalRank(l) << ": " << st.deviceError;
+    EXPECT_TRUE(f.engine(l).failed());
+    expectError([&] { f.engine(l).dispatch(f.dispatchArgs(l, nullptr), f.buf(l).stream); }, Status::kRemoteError,
+                "failed state");
+  }
+  comm.barrier();
+}  // the engines are destroyed here, without waiting on the missing rank
+
+void runMoeWatchdog(Communicator& comm) {
+  ScopedEnv timeout("GRAPHEP_TIMEOUT_MS", "20000");  // the device waits outlast the watchdog
+  const MoeCase c = smallCase(comm, 32, MoePath::kLatency);
+  SCOPED_TRACE("host watchdog, " + describeCase(c));
+  const int R = comm.worldSize(), late = R - 1;
+  MoeFixture f(comm, c);
+  std::vector<Inputs> in;
+  for (int q = 0; q < R; ++q) in.push_back(makeInputs(c, R, q, 32, 98));
+  for (int l = 0; l < f.L(); ++l) f.prepare(l, in[static_cast<std::size_t>(comm.globalRank(l))]);
+  comm.barrier();
+  int lateLocal = -1;
+  for (int l = 0; l < f.L(); ++l) {
+    if (comm.globalRank(l) == late) {
+      lateLocal = l;
+      continue;  // launches only after the watchdog has looked
+    }
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    f.engine(l).dispatch(f.dispatchArgs(l, nullptr), f.buf(l).stream);
+  }
+  for (int l = 0; l < f.L(); ++l) {
+    if (l == lateLocal) continue;
+    const HealthReport h = f.engine(l).checkHealth(f.buf(l).stream, std::chrono::milliseconds(200));
+    EXPECT_FALSE(h.ok);
+    EXPECT_NE(h.message.find("rank " + std::to_string(late) + "'s count message"), std::string::npos) << h.message;
+    EXPECT_TRUE(f.engine(l).failed());
+  }
+  comm.barrier();
+  if (lateLocal >= 0) {  // the late rank arrives: the others complete, and stay failed
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(lateLocal)));
+    f.engine(lateLocal).dispatch(f.dispatchArgs(lateLocal, nullptr), f.buf(lateLocal).stream);
+  }
+  f.syncAll();
+  for (int l = 0; l < f.L(); ++l) {
+    if (l == lateLocal) {
+      EXPECT_TRUE(f.engine(l).checkHealth(f.buf(l).stream, std::chrono::milliseconds(1000)).ok);
+      continue;
+    }
+    expectError([&] { f.engine(l).combine(CombineArgs{nullptr, f.buf(l).out}, f.buf(l).stream); },
+                Status::kRemoteError, "failed state");
+  }
+  comm.barrier();
+}
+
+void runMoeGraphOutlivesEngine(Communicator& comm) {
+  const MoeCase c = smallCase(comm, 64, MoePath::kAuto);
+  SCOPED_TRACE("MoeGraph replayed after its Engine object is destroyed, " + describeCase(c));
+  const int R = comm.worldSize();
+  MoeFixture f(comm, c);
+  std::vector<std::unique_ptr<MoeGraph>> graphs;
+  for (int l = 0; l < f.L(); ++l) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    MoeGraphArgs args;
+    args.dispatch = f.dispatchArgs(l, nullptr);
+    args.out = f.buf(l).out;
+    graphs.push_back(MoeGraph::capture(f.engine(l), args,
+                                       [&f, l](const DispatchLayout& v, cudaStream_t s) { f.expert(l, v, s, 1.0f); }));
+  }
+  comm.barrier();
+  f.dropEngines();
+  for (int round = 0; round < 3; ++round) {
+    std::vector<Inputs> in;
+    for (int q = 0; q < R; ++q) in.push_back(makeInputs(c, R, q, 64 - 20 * round, 300 + round));
+    for (int l = 0; l < f.L(); ++l) f.prepare(l, in[static_cast<std::size_t>(comm.globalRank(l))]);
+    comm.barrier();
+    for (int l = 0; l < f.L(); ++l) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+      graphs[static_cast<std::size_t>(l)]->launch(f.buf(l).stream);
+    }
+    f.syncAll();
+    std::vector<RefLayout> refs;
+    for (int q = 0; q < R; ++q) refs.push_back(refLayout(c, in, q, f.layout(0).capacity));
+    for (int l = 0; l < f.L(); ++l) EXPECT_EQ(f.check(l, in, refs, "after the Engine objects were destroyed"), 0);
+    comm.barrier();
+  }
+  graphs.clear();  // the engines' buffers go with the last graph
+  comm.barrier();
+}
+
+
+}  // namespace graphep::test
