@@ -5,7 +5,9 @@
 # at 24 SMs at H 2048, 128 experts, top-8; then DeepEP V1's low-latency kernels at 128 tokens at
 # both shapes (its own tests/test_low_latency.py through the baseline script beside its source),
 # and a table with the ratio DeepEP / graphep at 128 tokens, 24 SMs (DeepEP's fp8 dispatch against
-# graphep's fp8 and bf16 dispatch, its bf16 combine against graphep's combine).
+# graphep's fp8 and bf16 dispatch, its bf16 combine against graphep's combine), and the floor in
+# the same call: the flag round trip (graphep-bench pingpong) and the push rate to the peer on 24
+# SMs (graphep-bench sendrecv at 0.5-2 MiB).
 #
 #   scripts/decode-matrix.sh LOG_DIR [BUILD_DIR] [DEEPEP_SRC]
 #
@@ -40,6 +42,12 @@ done
 for layout in expert-major batched rank-major; do
   shape h2048 24 "$layout" --hidden 2048 --experts 128 --topk 8
 done
+# The floor, same call: a flag's round trip between the ranks (one way is half), and the push of
+# 0.5-2 MiB to the peer on 24 SMs (128 tokens of fp8 records are about 0.95 MB).
+{ "$bench" pingpong && "$bench" sendrecv -b 512K -e 2M -f 2 --sms 24; } >"$out/floor.log" 2>&1 ||
+  { echo "graphep-bench pingpong / sendrecv failed"; status=1; }
+echo "floor (same call): flag round trip and the push to the peer on 24 SMs"
+grep -E "^  (pingpong +flag-in-kernel|sendrecv)" "$out/floor.log"
 if [ -f "$deepep/deepep-ll-baseline.sh" ]; then
   bash "$deepep/deepep-ll-baseline.sh" "$deepep" 128 7168 8 256 >"$out/deepep_v3.log" 2>&1 || status=1
   bash "$deepep/deepep-ll-baseline.sh" "$deepep" 128 2048 8 128 >"$out/deepep_h2048.log" 2>&1 || status=1
