@@ -22,9 +22,6 @@ using detail::DeviceGuard;
 
 namespace {
 
-// CTAs of each latency kernel when no budget is given.
-constexpr int kLatencyDefaultCtas = 24;
-
 // Collective: whether every rank finds `ok` true of its class of every peer.
 template <class Ok>
 bool everyPeerIs(Communicator& comm, const SymmetricHeap& heap, Ok ok) {
@@ -144,6 +141,23 @@ int epilogueClusterFor(const SymmetricHeap& heap, int l, int ctas) {
 
 }  // namespace
 
+int latencySendCtas(int smBudget, int resident, int sharing) {
+  const int budget = smBudget > 0 ? smBudget : kLatencyDefaultCtas;
+  return std::min(budget, sharing > 1 ? resident / 2 : resident - 1);
+}
+
+int latencyReceiveCtas(int send, int epilogueSms, int resident, int sharing, int sms) {
+  // At least 1 (send <= resident / 2 or resident - 1); ranks sharing a GPU keep to half of their
+  // share, so that two engines in flight still fit.
+  const int room = sharing > 1 ? resident / 2 : resident - send;
+  const int want = epilogueSms > 0 ? epilogueSms : (sharing > 1 ? send : sms);
+  return std::max(1, std::min(want, room));
+}
+
+int throughputEpilogueCtas(int comm, int epilogueSms, int sms) {
+  return epilogueSms > 0 ? std::min(epilogueSms, sms) : (sms - comm >= sms / 2 ? sms - comm : sms);
+}
+
 bool everyPeerLoadStore(Communicator& comm, const SymmetricHeap& heap) {
   return everyPeerIs(comm, heap, [](PeerClass c) { return isLoadStore(c); });
 }
@@ -172,18 +186,13 @@ LatencyCtas latencyCtas(Communicator& comm, const SymmetricHeap& heap, const Moe
                     "MoE latency path: %d ranks share GPU %d, which holds %d of its CTAs at once (%d per "
                     "SM, %u B of shared memory each); each rank needs 2 (a sender and a receiver)",
                     sharing[ls], heap.device(l), perSm * sms, perSm, smem);
-    const int budget = cfg.smBudget > 0 ? cfg.smBudget : kLatencyDefaultCtas;
-    mine[ls] = std::min(budget, sharing[ls] > 1 ? resident[ls] / 2 : resident[ls] - 1);
+    mine[ls] = latencySendCtas(cfg.smBudget, resident[ls], sharing[ls]);
   }
   LatencyCtas c;
   c.send = minOverRanks(comm, mine);
   for (int l = 0; l < locals; ++l) {
     const std::size_t ls = static_cast<std::size_t>(l);
-    // At least 1 (send <= resident / 2 or resident - 1); ranks sharing a GPU keep to half of their
-    // share, so that two engines in flight still fit.
-    const int room = sharing[ls] > 1 ? resident[ls] / 2 : resident[ls] - c.send;
-    const int want = cfg.epilogueSms > 0 ? cfg.epilogueSms : (sharing[ls] > 1 ? c.send : smCount[ls]);
-    c.receive.push_back(std::max(1, std::min(want, room)));
+    c.receive.push_back(latencyReceiveCtas(c.send, cfg.epilogueSms, resident[ls], sharing[ls], smCount[ls]));
   }
   return c;
 }
@@ -215,7 +224,7 @@ ThroughputCtas throughputCtas(Communicator& comm, const SymmetricHeap& heap, con
   // the send ends).
   for (int l = 0; l < locals; ++l) {
     const int n = sms[static_cast<std::size_t>(l)];
-    const int ctas = cfg.epilogueSms > 0 ? std::min(cfg.epilogueSms, n) : (n - c.comm >= n / 2 ? n - c.comm : n);
+    const int ctas = throughputEpilogueCtas(c.comm, cfg.epilogueSms, n);
     const int cluster = direct ? epilogueClusterFor(heap, l, ctas) : 1;
     c.epilogue.push_back(ctas / cluster * cluster);
     c.cluster.push_back(cluster);

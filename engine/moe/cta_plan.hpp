@@ -33,6 +33,19 @@ bool directDispatch(Communicator& comm, const SymmetricHeap& heap);
 // rank on a GPU of its own gives its receivers one CTA per SM within what the senders leave (or
 // epilogueSms); ranks sharing a GPU take as many receivers as senders, so that two engines in
 // flight still fit (§3.7).
+// The rules of the plan, pure (unit-tested). A rank's latency send CTAs (before the lowest over
+// the ranks is taken): smBudget (or kLatencyDefaultCtas) within what leaves a receiver room on its
+// GPU, `resident` the CTAs of the latency kernel its share of the GPU holds at once and `sharing`
+// the ranks on that GPU. Its receive CTAs: epilogueSms, or one per SM (ranks sharing a GPU: as
+// many as the senders), within the room the senders leave (half of the share when shared, so that
+// two engines in flight fit), at least 1. The throughput epilogues' CTAs on a GPU of `sms` SMs:
+// epilogueSms (at most one per SM), or the SMs the `comm` CTAs leave free when that is at least
+// half of them, else one per SM.
+inline constexpr int kLatencyDefaultCtas = 24;
+int latencySendCtas(int smBudget, int resident, int sharing);
+int latencyReceiveCtas(int send, int epilogueSms, int resident, int sharing, int sms);
+int throughputEpilogueCtas(int comm, int epilogueSms, int sms);
+
 struct LatencyCtas {
   int send = 0;
   std::vector<int> receive;  // per local rank
