@@ -59,9 +59,19 @@ step "graphep-info"
 "$build/graphep-info" >"$out/info.log" 2>&1 || status=1
 head -30 "$out/info.log"
 
-step "tests (ctest, all labels)"
+# GRAPHEP_TIER=fast: every path, topology and receive layout once (each MoE case runs in all three
+# layouts; every non-case test runs), leaving out the MoE case suites' other cases, the long
+# decode and prefill shapes and the mpirun runs with more processes than 2 (issue 28: a fast tier
+# of at most 4 minutes on 2 GPUs). Unset: the full suite.
+tier_args=()
+if [ "${GRAPHEP_TIER:-full}" = fast ]; then
+  other='skewed|rank_empty|all_masked|invalid_ids_int64|top1|top8_of_256|aligned|overflow_aligned|budget3|fp8_wide'
+  other="$other|graph_replays_fp8|graph_replays_overflow|deepseek_v3_decode[a-z0-9_]*|prefill[a-z0-9_]*"
+  tier_args=(-E "(Case/($other)_(auto|throughput)( |\$)|Case/(invalid_ids|duplicates)_throughput( |\$)|Mpi_[A-Za-z]+\.np[48]\$)")
+fi
+step "tests (ctest, ${GRAPHEP_TIER:-full} tier)"
 timeout -s INT ${GRAPHEP_CTEST_BUDGET:-480} \
-  ctest --test-dir "$build" --output-on-failure --timeout 75 ${GRAPHEP_CTEST_ARGS:-} \
+  ctest --test-dir "$build" --output-on-failure --timeout 75 "${tier_args[@]}" ${GRAPHEP_CTEST_ARGS:-} \
   >"$out/ctest.log" 2>&1 || status=1
 grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|\(Skipped\)|Not Run" "$out/ctest.log" | head -60
 # Every skip with its reason: a gtest case's message (the first line after "file:line: Skipped"
