@@ -92,43 +92,43 @@ void printTimeline(Ranks& r, std::vector<std::unique_ptr<Engine>>& engines, Disp
 // --profile on the latency path: each local rank's step trace of the graph replays just timed
 // (Engine::stepTrace), medians over its last operations of each kind, in us: the kernel boundary
 // (the previous operation's last CTA to this one's first send CTA in, and its wait for the stream's
-// last kernel), then each event after that wait; and the rank's start against the first rank's.
+// last kernel), then each later event after that wait. The GPUs' timers are not synchronised, so
+// no rank's events are set against another's.
 void printStepTrace(Ranks& r, std::vector<std::unique_ptr<Engine>>& engines, std::size_t tokens, bool fp8) {
   std::vector<std::vector<MoeStepTrace>> all;
   for (auto& e : engines) all.push_back(e->stepTrace());
-  if (!isPrinter() || all.empty() || all[0].empty()) return;
+  if (!isPrinter()) return;
   auto median = [](std::vector<double> v) {
-    if (v.empty()) return -1.0;
     std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
+    return v.empty() ? -1.0 : v[v.size() / 2];
   };
-  static const char* const names[11] = {"enter", "ready", "posted", "sent", "layout", "arrived", "received", "done",
-                                        "own arrived (first CTA)", "own done (first CTA)", "arrived (first CTA)"};
+  auto us = [](unsigned long long to, unsigned long long from) {
+    return (static_cast<double>(to) - static_cast<double>(from)) / 1e3;
+  };
+  constexpr int kEvents = static_cast<int>(MoeTraceEvent::kCount), kFirstAfter = static_cast<int>(MoeTraceEvent::kPosted);
+  static const char* const names[kEvents] = {"enter", "ready", "posted", "sent", "layout", "arrived", "received", "done",
+                                             "own arrived (first CTA)", "own done (first CTA)", "arrived (first CTA)"};
   for (std::size_t i = 0; i < all.size(); ++i) {
     for (int op = 0; op < 2; ++op) {
-      std::vector<double> d[11], boundary, skew;
+      std::vector<double> after[kEvents], boundary, wait;
       for (std::size_t k = 1; k < all[i].size(); ++k) {
         const MoeStepTrace& t = all[i][k];
         if (t.combine != (op == 1)) continue;
-        const double ready = static_cast<double>(t.ns[1]);
-        boundary.push_back((static_cast<double>(t.ns[0]) - static_cast<double>(all[i][k - 1].ns[7])) / 1e3);
-        d[0].push_back((ready - static_cast<double>(t.ns[0])) / 1e3);
-        for (int e = 2; e < 11; ++e) {
-          if (t.ns[e] != 0) d[e].push_back((static_cast<double>(t.ns[e]) - ready) / 1e3);
-        }
-        if (i > 0 && k < all[0].size() && all[0][k].combine == t.combine) {
-          skew.push_back((ready - static_cast<double>(all[0][k].ns[1])) / 1e3);
+        const unsigned long long ready = t.at(MoeTraceEvent::kReady);
+        boundary.push_back(us(t.at(MoeTraceEvent::kEnter), all[i][k - 1].at(MoeTraceEvent::kDone)));
+        wait.push_back(us(ready, t.at(MoeTraceEvent::kEnter)));
+        for (int e = kFirstAfter; e < kEvents; ++e) {
+          if (t.ns[e] != 0) after[e].push_back(us(t.ns[e], ready));
         }
       }
       if (boundary.empty()) continue;
       std::printf("# trace %s %zu tokens %s, rank %d (graph replay, median of %zu, us): last CTA -> enter %.2f, "
                   "enter -> ready %.2f; after ready:",
                   op == 0 ? "dispatch" : "combine", tokens, fp8 ? "fp8" : "bf16", r.rank(static_cast<int>(i)),
-                  boundary.size(), median(boundary), median(d[0]));
-      for (int e = 2; e < 11; ++e) {
-        if (!d[e].empty()) std::printf(" %s %.2f;", names[e], median(d[e]));
+                  boundary.size(), median(boundary), median(wait));
+      for (int e = kFirstAfter; e < kEvents; ++e) {
+        if (!after[e].empty()) std::printf(" %s %.2f;", names[e], median(after[e]));
       }
-      if (!skew.empty()) std::printf(" ready - rank %d's ready %.2f", r.rank(0), median(skew));
       std::printf("\n");
     }
   }

@@ -131,26 +131,10 @@ inline constexpr int kMoeStampWords = 4;
 
 // The latency kernels' step trace (MoeConfig.profile), after the stamps in `timeline`: the global
 // timer (ns) at each event of the last kMoeTraceSteps operations of each kind, slot
-// [op (0 dispatch, 1 combine)][step % kMoeTraceSteps][event]. One operation's events, unlike the
-// stamps' means, show where its time goes: the kernel boundary (the previous kDone to kReady),
-// the send, the peers' signals, the receive.
-enum class MoeTraceEvent : int {
-  kEnter = 0,  // the send part's first CTA started, before its wait for the stream's last kernel
-  kReady,      // that wait returned
-  kPosted,     // the last count message (dispatch) or combine weights posted
-  kSent,       // the last send CTA announced its records (partials) to every peer
-  kLayout,     // the receive part's last CTA (no records of its own at up to 128 tokens) saw every
-               // source's counts (dispatch only)
-  kArrived,    // that CTA saw every peer's send CTAs arrive
-  kReceived,   // the last receive CTA finished its share
-  kDone,       // the launch's last CTA advanced the step
-  // The receive part's first CTA (the first records' expander): the wait for this rank's own
-  // send CTAs returned (dispatch), it finished this rank's own records, it saw every peer arrive.
-  kOwnArrived0,
-  kOwnDone0,
-  kArrived0,
-  kCount
-};
+// [op (0 dispatch, 1 combine)][step % kMoeTraceSteps][event], the events being graphep::MoeTraceEvent
+// (include/graphep/types.hpp). One operation's events, unlike the stamps' means, show where its
+// time goes: the kernel boundary (the previous kDone to kReady), the send, the peers' signals, the
+// receive.
 inline constexpr int kMoeTraceSteps = 16;
 inline constexpr int kMoeTraceWords = 2 * kMoeTraceSteps * static_cast<int>(MoeTraceEvent::kCount);
 

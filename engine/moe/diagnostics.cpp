@@ -189,15 +189,14 @@ std::vector<MoeStepTrace> Engine::stepTrace() const {
   for (int op = 0; op < 2; ++op) {
     for (int s = 0; s < kMoeTraceSteps; ++s) {
       const unsigned long long* w = t.data() + (op * kMoeTraceSteps + s) * kE;
-      if (w[static_cast<int>(MoeTraceEvent::kDone)] == 0) continue;  // no operation of this slot completed
       MoeStepTrace st;
       st.combine = op == 1;
-      for (int e = 0; e < kE && e < 11; ++e) st.ns[e] = w[e];
-      steps.push_back(st);
+      std::copy(w, w + kE, st.ns);
+      if (st.at(MoeTraceEvent::kDone) != 0) steps.push_back(st);  // an operation of this slot completed
     }
   }
   std::sort(steps.begin(), steps.end(), [](const MoeStepTrace& a, const MoeStepTrace& b) {
-    return a.ns[static_cast<int>(MoeTraceEvent::kDone)] < b.ns[static_cast<int>(MoeTraceEvent::kDone)];
+    return a.at(MoeTraceEvent::kDone) < b.at(MoeTraceEvent::kDone);
   });
   return steps;
 }

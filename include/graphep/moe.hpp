@@ -19,6 +19,7 @@
 #include <vector>
 
 #include <graphep/comm.hpp>
+#include <graphep/types.hpp>
 
 namespace graphep {
 
@@ -118,17 +119,12 @@ struct MoeKernelSpan {
   unsigned long long startNs, endNs;
 };
 
-// One latency-path operation's events (MoeConfig.profile), in the GPU's global timer (ns; 0: not
-// reached): ns[0] the send part's first CTA started, [1] its wait for the stream's last kernel
-// returned, [2] the last count message (combine weights) posted, [3] the last send CTA announced
-// its records (partials) to every peer, [4] the receive part's last CTA saw every source's counts
-// (dispatch only), [5] it saw every peer's send CTAs arrive, [6] the last receive CTA finished its
-// share, [7] the launch's last CTA advanced the step; the receive part's first CTA: [8] it saw
-// this rank's own send CTAs arrive (dispatch), [9] it finished this rank's own records, [10] it
-// saw every peer arrive.
+// One latency-path operation's events (MoeConfig.profile): ns[e] the GPU's global timer (ns; 0:
+// not reached) at event e, a MoeTraceEvent (include/graphep/types.hpp says what each is).
 struct MoeStepTrace {
   bool combine = false;
-  unsigned long long ns[11] = {};
+  unsigned long long ns[static_cast<int>(MoeTraceEvent::kCount)] = {};
+  unsigned long long at(MoeTraceEvent e) const { return ns[static_cast<int>(e)]; }
 };
 
 // What a dispatch's x holds and how its rows travel (DispatchArgs.input).

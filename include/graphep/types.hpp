@@ -23,4 +23,24 @@ const char* peerClassName(PeerClass c) noexcept;
 // than the rank itself as remote, so the NCCL path is testable on one node.
 enum class ForceTransport : std::uint8_t { kAuto = 0, kRemote = 1 };
 
+// The events of the latency path's step trace (MoeConfig.profile, Engine::stepTrace): the index of
+// each in MoeStepTrace::ns.
+enum class MoeTraceEvent : int {
+  kEnter = 0,  // the send part's first CTA started, before its wait for the stream's last kernel
+  kReady,      // that wait returned
+  kPosted,     // the last count message (dispatch) or combine weights posted
+  kSent,       // the last send CTA announced its records (partials) to every peer
+  kLayout,     // the receive part's last CTA (no records of its own at up to 128 tokens) saw every
+               // source's counts (dispatch only)
+  kArrived,    // that CTA saw every peer's send CTAs arrive
+  kReceived,   // the last receive CTA finished its share
+  kDone,       // the launch's last CTA advanced the step
+  // The receive part's first CTA (the first records' expander): the wait for this rank's own
+  // send CTAs returned (dispatch), it finished this rank's own records, it saw every peer arrive.
+  kOwnArrived0,
+  kOwnDone0,
+  kArrived0,
+  kCount
+};
+
 }  // namespace graphep

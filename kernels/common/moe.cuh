@@ -46,7 +46,7 @@ class MoeStamp {
 
 // Expert id of flattened (token, k) entry n.
 // Event e of latency operation `op` (0 dispatch, 1 combine) at `step` into the step trace
-// (MoeTraceEvent, kernels/moe.h), at time ns (0: now), when profiling.
+// (MoeTraceEvent, include/graphep/types.hpp), at time ns (0: now), when profiling.
 // latest: the latest of the callers' times (an atomic max: the slot's value from kMoeTraceSteps
 // operations before is always earlier), for an event that many CTAs reach.
 __device__ __forceinline__ void moeTrace(const MoeParams& p, int op, std::uint32_t step, MoeTraceEvent e,

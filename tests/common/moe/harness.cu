@@ -332,20 +332,20 @@ bool isInvalidEntry(const MoeConfig& g, const Inputs& in, long long id, int toke
 }
 
 void expectStepTrace(const std::vector<MoeStepTrace>& steps, int r) {
-  constexpr int kReady = 1, kLayout = 4, kDone = 7;  // MoeStepTrace's ns[] (include/graphep/moe.hpp)
-  constexpr int kEvents = static_cast<int>(sizeof(MoeStepTrace::ns) / sizeof(MoeStepTrace::ns[0]));
+  using E = MoeTraceEvent;
   int dispatches = 0, combines = 0;
   for (std::size_t k = 0; k < steps.size(); ++k) {
     const MoeStepTrace& t = steps[k];
     (t.combine ? combines : dispatches) += 1;
-    EXPECT_NE(t.ns[0], 0u) << "rank " << r << ", operation " << k;
-    EXPECT_LE(t.ns[0], t.ns[kReady]) << "rank " << r << ", operation " << k << ": entered after its wait returned";
-    for (int e = 0; e < kEvents; ++e) {
-      if (t.ns[e] != 0) EXPECT_LE(t.ns[e], t.ns[kDone]) << "rank " << r << ", operation " << k << ", event " << e;
+    EXPECT_NE(t.at(E::kEnter), 0u) << "rank " << r << ", operation " << k;
+    EXPECT_LE(t.at(E::kEnter), t.at(E::kReady))
+        << "rank " << r << ", operation " << k << ": entered after its wait returned";
+    for (int e = 0; e < static_cast<int>(E::kCount); ++e) {
+      if (t.ns[e] != 0) EXPECT_LE(t.ns[e], t.at(E::kDone)) << "rank " << r << ", operation " << k << ", event " << e;
     }
-    EXPECT_EQ(t.ns[kLayout] != 0, !t.combine) << "rank " << r << ", operation " << k;
+    EXPECT_EQ(t.at(E::kLayout) != 0, !t.combine) << "rank " << r << ", operation " << k;
     if (k > 0) {
-      EXPECT_GE(t.ns[kReady], steps[k - 1].ns[kDone])
+      EXPECT_GE(t.at(E::kReady), steps[k - 1].at(E::kDone))
           << "rank " << r << ", operation " << k << " started its work before operation " << k - 1 << " ended";
     }
   }
