@@ -134,22 +134,33 @@ const char* kernelName(MoeKernel k) {
 }
 }  // namespace
 
+namespace {
+constexpr int kStampKernels = static_cast<int>(MoeKernel::kCount);
+
+// Words [first, first + n) of an engine's profile block (MoeConfig.profile: the stamps, then the
+// step trace), once the device has finished (diagnostics: synchronises).
+std::vector<unsigned long long> readProfile(const Engine::Impl& m, std::size_t first, std::size_t n) {
+  DeviceGuard guard(m.device);
+  GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<unsigned long long> words(n);
+  GRAPHEP_CUDA_CHECK(cudaMemcpy(words.data(), m.p.timeline + first, n * sizeof(unsigned long long),
+                                cudaMemcpyDeviceToHost));
+  return words;
+}
+}  // namespace
+
 std::vector<MoeKernelSpan> Engine::timeline() const {
   const Impl& m = *impl_;
   std::vector<MoeKernelSpan> spans;
   if (m.p.timeline == nullptr) return spans;
-  DeviceGuard guard(m.device);
-  GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
-  constexpr int kN = static_cast<int>(MoeKernel::kCount);
-  constexpr int kW = kMoeStampWords;
-  unsigned long long t[kW * kN];
-  GRAPHEP_CUDA_CHECK(cudaMemcpy(t, m.p.timeline, sizeof(t), cudaMemcpyDeviceToHost));
+  constexpr int kN = kStampKernels, kW = kMoeStampWords;
+  const std::vector<unsigned long long> t = readProfile(m, 0, kW * kN);
   unsigned long long first = ~0ull;
   for (int k = 0; k < kN; ++k) {
     if (t[kW * k + 3] != 0) first = std::min(first, t[kW * k]);
   }
   for (int k = 0; k < kN; ++k) {
-    const unsigned long long* w = t + kW * k;
+    const unsigned long long* w = t.data() + kW * k;
     if (w[3] == 0) continue;  // did not run
     spans.push_back(MoeKernelSpan{kernelName(static_cast<MoeKernel>(k)), static_cast<double>(w[0] - first) / 1e3,
                                   static_cast<double>(w[1] - first) / 1e3,
@@ -163,29 +174,19 @@ void Engine::resetTimeline() {
   if (m.p.timeline == nullptr) return;
   DeviceGuard guard(m.device);
   GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
-  constexpr int kN = static_cast<int>(MoeKernel::kCount);
-  constexpr int kW = kMoeStampWords;
-  unsigned long long t[kW * kN];
-  for (int k = 0; k < kN; ++k) {
-    t[kW * k] = ~0ull;  // min of entry times
-    t[kW * k + 1] = 0;  // max of exit times
-    t[kW * k + 2] = 0;  // sum of CTA durations
-    t[kW * k + 3] = 0;  // CTAs
-  }
-  GRAPHEP_CUDA_CHECK(cudaMemcpy(m.p.timeline, t, sizeof(t), cudaMemcpyHostToDevice));
-  GRAPHEP_CUDA_CHECK(cudaMemset(m.p.timeline + kW * kN, 0, kMoeTraceWords * sizeof(unsigned long long)));
+  // Per kernel: min of entry times (~0), max of exit times, sum of CTA durations, CTAs (0); then
+  // the step trace (0: not reached).
+  std::vector<unsigned long long> t(kMoeStampWords * kStampKernels + kMoeTraceWords, 0);
+  for (int k = 0; k < kStampKernels; ++k) t[static_cast<std::size_t>(kMoeStampWords * k)] = ~0ull;
+  GRAPHEP_CUDA_CHECK(cudaMemcpy(m.p.timeline, t.data(), t.size() * sizeof(unsigned long long), cudaMemcpyHostToDevice));
 }
 
 std::vector<MoeStepTrace> Engine::stepTrace() const {
   const Impl& m = *impl_;
   std::vector<MoeStepTrace> steps;
   if (m.p.timeline == nullptr) return steps;
-  DeviceGuard guard(m.device);
-  GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
   constexpr int kE = static_cast<int>(MoeTraceEvent::kCount);
-  std::vector<unsigned long long> t(kMoeTraceWords);
-  GRAPHEP_CUDA_CHECK(cudaMemcpy(t.data(), m.p.timeline + kMoeStampWords * static_cast<int>(MoeKernel::kCount),
-                                t.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+  const std::vector<unsigned long long> t = readProfile(m, kMoeStampWords * kStampKernels, kMoeTraceWords);
   for (int op = 0; op < 2; ++op) {
     for (int s = 0; s < kMoeTraceSteps; ++s) {
       const unsigned long long* w = t.data() + (op * kMoeTraceSteps + s) * kE;
