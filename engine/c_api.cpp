@@ -119,6 +119,13 @@ graphep::Engine& engineOf(graphep_engine_t e) {
   return *e->engine;
 }
 
+// A versioned args struct's half field (op: "dispatch" or "combine"), checked.
+graphep::MoeHalf halfOf(int half, const char* op) {
+  GRAPHEP_REQUIRE(half == GRAPHEP_HALF_WHOLE || half == GRAPHEP_HALF_SEND, graphep::Status::kInvalidArgument,
+                  "%s args half=%d is not a graphep_half_t", op, half);
+  return static_cast<graphep::MoeHalf>(half);
+}
+
 graphep::DispatchArgs dispatchArgs(const graphep_dispatch_args_t* a) {
   const graphep_dispatch_args_t v = readVersioned(a, "dispatch args");
   GRAPHEP_REQUIRE(v.index_type == GRAPHEP_INDEX_INT32 || v.index_type == GRAPHEP_INDEX_INT64,
@@ -149,11 +156,9 @@ graphep::DispatchArgs dispatchArgs(const graphep_dispatch_args_t* a) {
   GRAPHEP_REQUIRE(v.scale_format >= GRAPHEP_FP8_SCALES_FLOAT && v.scale_format <= GRAPHEP_FP8_SCALES_UE8M0,
                   graphep::Status::kInvalidArgument, "dispatch args scale_format=%d is not a graphep_fp8_scales_t",
                   v.scale_format);
-  GRAPHEP_REQUIRE(v.half == GRAPHEP_HALF_WHOLE || v.half == GRAPHEP_HALF_SEND, graphep::Status::kInvalidArgument,
-                  "dispatch args half=%d is not a graphep_half_t", v.half);
   d.scaleFormat = static_cast<graphep::Fp8Scales>(v.scale_format);
   d.recvStats = v.recv_stats;
-  d.half = static_cast<graphep::MoeHalf>(v.half);
+  d.half = halfOf(v.half, "dispatch");
   return d;
 }
 
@@ -166,10 +171,8 @@ graphep::CombineArgs combineArgs(const graphep_combine_args_t* a) {
   c.rowValues = v.row_values;
   c.outValues = v.out_values;
   c.numValues = v.num_values;
-  GRAPHEP_REQUIRE(v.half == GRAPHEP_HALF_WHOLE || v.half == GRAPHEP_HALF_SEND, graphep::Status::kInvalidArgument,
-                  "combine args half=%d is not a graphep_half_t", v.half);
   c.topkWeights = v.topk_weights;
-  c.half = static_cast<graphep::MoeHalf>(v.half);
+  c.half = halfOf(v.half, "combine");
   return c;
 }
 
