@@ -32,4 +32,22 @@ def requires_gpus(n: int):
     return pytest.mark.skipif(GPUS < n, reason=why)
 
 
+# Tests left out of the fast tier (GRAPHEP_TIER=fast, scripts/gpu-check.sh): deselected there, not
+# skipped, so the tier's run reports no skip for them; every other run includes them.
+full_tier = pytest.mark.full_tier
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "full_tier: left out of the fast tier (GRAPHEP_TIER=fast)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("GRAPHEP_TIER") != "fast":
+        return
+    kept = [item for item in items if item.get_closest_marker("full_tier") is None]
+    if len(kept) != len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("full_tier")])
+        items[:] = kept
+
+
 requires_torch = pytest.mark.skipif(not HAVE_TORCH, reason="PyTorch is not installed (graphep.torch needs it)")

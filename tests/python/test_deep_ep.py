@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import expect_error, requires_gpus, requires_torch
+from conftest import expect_error, full_tier, requires_gpus, requires_torch
 from deep_ep_worker import finish, start
 
 import graphep  # noqa: E402
@@ -243,6 +243,7 @@ def test_missing_modes_raise_not_supported_by_name(method, args):
 
 @requires_torch
 @requires_gpus(2)
+@full_tier  # a torchrun launch; the fast tier keeps the low-latency one
 def test_buffer_on_two_ranks_under_torchrun():
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1")
     env.pop(dconfig.MAX_TOKENS_ENV, None)

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import GPUS, requires_gpus, requires_torch
+from conftest import GPUS, full_tier, requires_gpus, requires_torch
 
-pytestmark = [requires_torch, requires_gpus(1)]
+pytestmark = [requires_torch, requires_gpus(1), full_tier]  # a measurement beside the C++ bench: full tier
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed")
 

@@ -9,14 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from conftest import requires_gpus, requires_torch
+from conftest import full_tier, requires_gpus, requires_torch
 
 pytestmark = [requires_torch, requires_gpus(2)]
 
 SCRIPT = Path(__file__).resolve().parent / "torchrun_moe.py"
 
 
-@pytest.mark.parametrize("extra", [[], ["--dtype", "fp8"], ["--adopt"]], ids=["bootstrap", "bootstrap-fp8", "adopt"])
+# The fast tier keeps the first (a torchrun launch costs seconds); the other two are full tier.
+@pytest.mark.parametrize("extra", [[], pytest.param(["--dtype", "fp8"], marks=full_tier),
+                                   pytest.param(["--adopt"], marks=full_tier)], ids=["bootstrap", "bootstrap-fp8", "adopt"])
 def test_two_processes_under_torchrun(extra):
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1")
     torchrun = [sys.executable, "-m", "torch.distributed.run"]  # torchrun of this interpreter
