@@ -24,7 +24,7 @@
 
 #include "bench/harness.hpp"
 #include "engine/error.hpp"
-#include "kernels/moe.h"
+#include "kernels/moe/moe.h"
 
 namespace graphep::bench {
 

@@ -9,7 +9,7 @@
 #include "engine/moe/cta_plan.hpp"
 #include "engine/moe/impl.hpp"
 #include "engine/moe/plan.hpp"
-#include "kernels/moe.h"
+#include "kernels/moe/moe.h"
 
 namespace graphep::moe_setup {
 

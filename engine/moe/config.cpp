@@ -8,7 +8,7 @@
 #include "engine/error.hpp"
 #include "engine/moe/plan.hpp"
 #include "engine/platform.hpp"
-#include "kernels/moe.h"
+#include "kernels/moe/moe.h"
 
 namespace graphep {
 namespace moe_setup {

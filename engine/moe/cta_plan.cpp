@@ -12,7 +12,7 @@
 #include "engine/platform.hpp"
 #include "engine/sm_model.hpp"
 #include "engine/topology.hpp"
-#include "kernels/moe.h"
+#include "kernels/moe/moe.h"
 #include "kernels/probe.h"
 
 namespace graphep {

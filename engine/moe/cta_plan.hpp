@@ -19,7 +19,7 @@ namespace graphep::moe_setup {
 // latency path writes peers' memory directly). Every rank gets the same answer.
 bool everyPeerLoadStore(Communicator& comm, const SymmetricHeap& heap);
 
-// Collective: the throughput path's direct dispatch (kernels/moe_direct.cu) needs every peer by
+// Collective: the throughput path's direct dispatch (kernels/moe/direct.cu) needs every peer by
 // load/store and no two ranks on one GPU: its receive kernel's CTAs wait for the peers' send
 // kernels, which must find room on their GPUs (ranks sharing a GPU keep the movers, whose waiting
 // CTAs are capped).

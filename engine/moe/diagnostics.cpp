@@ -14,7 +14,7 @@
 #include "engine/moe/impl.hpp"
 #include "engine/watchdog.hpp"
 #include "kernels/common/counter.h"
-#include "kernels/moe.h"
+#include "kernels/moe/moe.h"
 
 namespace graphep {
 

@@ -1,4 +1,4 @@
-// Engine: the host half of MoE dispatch / combine (kernels/moe.h is the device half). Setup sizes
+// Engine: the host half of MoE dispatch / combine (kernels/moe/moe.h is the device half). Setup sizes
 // and allocates everything once (engine/moe/plan, cta_plan, bind); dispatch() and combine() only
 // enqueue kernels and the movers' alltoallv, all of whose sizes are the configured maxima, so they
 // capture into graphs that replay with any live token count.
@@ -21,7 +21,7 @@
 #include "engine/moe/impl.hpp"
 #include "engine/moe/plan.hpp"
 #include "engine/movers.hpp"
-#include "kernels/moe.h"
+#include "kernels/moe/moe.h"
 
 namespace graphep {
 

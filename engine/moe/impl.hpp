@@ -13,7 +13,7 @@
 
 #include "engine/heap.hpp"
 #include "engine/movers.hpp"
-#include "kernels/moe.h"
+#include "kernels/moe/moe.h"
 
 namespace graphep {
 
@@ -37,7 +37,7 @@ struct Engine::Impl {
   DispatchLayout layout{};
   AllToAllvArgs cntArgs, dispArgs, combArgs;
   MoePath path = MoePath::kThroughput;
-  bool direct = false;    // the throughput path's dispatch by direct stores (kernels/moe_direct.cu)
+  bool direct = false;    // the throughput path's dispatch by direct stores (kernels/moe/direct.cu)
   char* block = nullptr;  // every local buffer, carved from one allocation
   std::size_t blockBytes = 0;
   // The failed state (why; "" when healthy) and the watchdog's tools: a private stream for

@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <limits>
 
-#include "kernels/moe.h"
+#include "kernels/moe/moe.h"
 
 namespace graphep {
 namespace moe_setup {
@@ -48,7 +48,7 @@ PathHeap pathHeap(MoePath path, const MoeSizes& z, const MoeConfig& cfg) {
     // The records and partials, then the direct dispatch's [2][R] count messages, [R] flags and
     // [R][W] block flags for the records and for the partials, its [R] acknowledgements of the
     // records and of the partials, and the partials' [R][T][kMoeMaxValues] fp32 values
-    // (kernels/moe_direct.cu; a few KB and 64 B per slot, also when the movers carry the dispatch).
+    // (kernels/moe/direct.cu; a few KB and 64 B per slot, also when the movers carry the dispatch).
     h.recRecv = 0;
     h.combRecv = alignUp(h.recRecv + z.R * z.T * z.recBytes, 4096);
     h.llCnt = alignUp(h.combRecv + z.R * z.T * z.rowBytes, 256);

@@ -1,11 +1,11 @@
 // graphep::tokenLayout (include/graphep/moe.hpp): DeepEP's get_dispatch_layout, the argument checks
-// here and the kernel in kernels/moe_token_layout.cu. Not collective and no engine: it reads one
+// here and the kernel in kernels/moe/token_layout.cu. Not collective and no engine: it reads one
 // rank's top-k ids and writes its per-rank and per-expert counts and token-in-rank mask.
 #include <graphep/moe.hpp>
 
 #include "engine/device_pointer.hpp"
 #include "engine/error.hpp"
-#include "kernels/moe.h"
+#include "kernels/moe/moe.h"
 
 namespace graphep {
 

@@ -205,7 +205,7 @@ __device__ void checkRow(const bf16* out, const BucketRing& ring, int rank, int 
 }
 
 // Every thread of one block: this rank's layout views of replay s against every rank's routing,
-// in the layout's meaning (kernels/common/moe.cuh, moePublishLayout). In every layout
+// in the layout's meaning (kernels/moe/common.cuh, moePublishLayout). In every layout
 // expertCounts[j] counts the entries (token, slot) naming local expert j (nothing is dropped);
 // expertOffsets[j] is j x rowsPerExpert in batched, else the entries before j, packed (alignment
 // 1). numRecvRows: the entries in expert-major and batched; in rank-major the tokens with an

@@ -14,7 +14,7 @@
 #include "common/moe_suite.hpp"
 #include "common/nccl_comms.hpp"
 #include "engine/error.hpp"
-#include "kernels/moe.h"
+#include "kernels/moe/moe.h"
 
 namespace graphep::test {
 namespace {

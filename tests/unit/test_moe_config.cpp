@@ -10,7 +10,7 @@
 
 #include "engine/moe/health.hpp"
 #include "engine/semaphore.hpp"
-#include "kernels/moe.h"
+#include "kernels/moe/moe.h"
 
 namespace graphep {
 namespace {

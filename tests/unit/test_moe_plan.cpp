@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "engine/moe/plan.hpp"
-#include "kernels/moe.h"
+#include "kernels/moe/moe.h"
 
 namespace graphep {
 namespace {
@@ -76,7 +76,7 @@ TEST(Unit_MoePlan, LocalRegionsHoldWhatTheKernelsWrite) {
     const std::size_t K = static_cast<std::size_t>(c.topK);
     const bool fp8 = c.dispatchType == DType::kFp8E4m3, rankMajor = c.receiveLayout == ReceiveLayout::kRankMajor;
     const std::size_t stamps = (kMoeStampWords * static_cast<std::size_t>(MoeKernel::kCount) + kMoeTraceWords) * 8;
-    // In carve order, with the bytes each region must hold (docs/DESIGN.md §5.1, kernels/moe.h).
+    // In carve order, with the bytes each region must hold (docs/DESIGN.md §5.1, kernels/moe/moe.h).
     const std::vector<std::pair<std::size_t, std::size_t>> regions = {
         {o.status, sizeof(MoeDeviceStatus)},
         {o.live, 4},

@@ -12,7 +12,7 @@
 //             alltoallv count messages (staged), then records (zero-copy into the peer's heap)
 //             offsets   expert offsets (with alignment padding), per-(source, expert) bases, the
 //                       receive counts of the movers, cumulative per-expert totals; the published
-//                       views clamped to the capacity (kernels/common/moe.cuh, moePublishLayout)
+//                       views clamped to the capacity (kernels/moe/common.cuh, moePublishLayout)
 //             expand    records -> recv_x grouped by local expert, plus per-row source/weight
 //   combine   reduce    per received record: sum over its slots of weight * y[row], fp32, to bf16
 //             alltoallv partials back to their source ranks (zero-copy)
@@ -86,7 +86,7 @@ __host__ __device__ inline std::uint64_t moePayloadBytes(int hidden, bool fp8) {
 __host__ __device__ inline std::uint64_t moeCountMsgBytes(int localExperts) {
   return ((1 + static_cast<std::uint64_t>(localExperts)) * 8 + 15) & ~std::uint64_t{15};
 }
-// The direct dispatch's count message (kernels/moe_direct.cu): the count message, then u32
+// The direct dispatch's count message (kernels/moe/direct.cu): the count message, then u32
 // {live tokens T, first[0 .. W], rankCount[0 .. R)} with W = ceil(maxTokens / 32): first[w] is the
 // index of the first record of tokens >= 32 w (first[ceil(T / 32)] = the records sent), and
 // rankCount[r] the records the source sends to rank r (every destination gets the whole row, so
@@ -112,7 +112,7 @@ inline constexpr int kMoeMaxValues = 16;
 // layout beside the send's records).
 enum class MoeKernel : int {
   kRoute = 0, kPack, kOffsets, kExpand,
-  // The throughput path's direct dispatch (kernels/moe_direct.cu), after route: quantise (fp8),
+  // The throughput path's direct dispatch (kernels/moe/direct.cu), after route: quantise (fp8),
   // send, receive (layout + expand), and the receive's two phases: this rank's own rows, the
   // peers' records.
   kDirectQuantize, kDirectSend, kDirectReceive, kDirectOwn, kDirectPeers,
@@ -192,7 +192,7 @@ struct MoeParams {
   std::int32_t* entryIdx;     // [maxTokens, K]: index within the expert's list from this rank
   std::uint32_t* expertCount; // [E]: this rank's entries per expert
   std::uint32_t* rankCount;   // [R]: this rank's records per destination
-  // Throughput routing (kernels/moe_route.cu), W = ceil(maxTokens / 32) words per row. Zeroed
+  // Throughput routing (kernels/moe/route.cu), W = ceil(maxTokens / 32) words per row. Zeroed
   // before every dispatch (routeZeroBytes from routeBits): routeBits [E + R][W] (a bit per token
   // holding the expert / going to the rank), routeCount [E][W] (entries per expert per 32 tokens),
   // routeDup [1] (some token holds an expert twice). Then routePrefix [E + R][W]: entries (tokens)
@@ -205,7 +205,7 @@ struct MoeParams {
   // CTAs of the throughput path's kernels (kMoeThreads each; the SM budget, or the SM count), the
   // same on every rank (the direct dispatch's arrival counters count them).
   std::int32_t ctas;
-  // CTAs of the direct path's epilogue kernels (kernels/moe_direct.cu: fp8 quantise, receive,
+  // CTAs of the direct path's epilogue kernels (kernels/moe/direct.cu: fp8 quantise, receive,
   // combine reduce, combine final): by default the SMs the SM budget leaves free. They only touch
   // local memory, so they are not held to the SM budget.
   std::int32_t epilogueCtas;
@@ -269,7 +269,7 @@ struct MoeParams {
   // combine's): an operation that finds it in the wrong state is counted (MoeDeviceStatus).
   std::uint32_t* pending;
 
-  // Latency path (kernels/moe_latency.cu; the direct dispatch, kernels/moe_direct.cu, uses llRecOff
+  // Latency path (kernels/moe/latency.cu; the direct dispatch, kernels/moe/direct.cu, uses llRecOff
   // for its [R][maxTokens][recBytes] records (recRecv), llCnt for [2][R] messages of
   // directMsgBytes, llFlag, llSteps, llDone as described here, llBlockOff: u32 monotonic flags
   // [R][ceil(maxTokens / 32)], source q's records of tokens [32 w, 32 w + 32) have landed: step + 1;
@@ -318,7 +318,7 @@ __host__ __device__ inline std::uint32_t moeRouteWords(int maxTokens) {
 }
 
 // Launchers (each returns the launch error) and setup-time kernel loading, one family per file:
-// kernels/moe_route.cu, kernels/moe_dispatch.cu (pack, offsets, expand), kernels/moe_combine.cu.
+// kernels/moe/route.cu, kernels/moe/movers_dispatch.cu (pack, offsets, expand), kernels/moe/movers_combine.cu.
 // Route: zeroes the routing scratch (a memset node) and runs bits -> prefix -> assign.
 cudaError_t launchMoeRoute(const MoeParams& p, cudaStream_t stream);
 cudaError_t preloadMoeRouteKernels();
@@ -344,7 +344,7 @@ cudaError_t moeDirectEpilogueFits(int cluster, int ctas, bool* fits);
 cudaError_t launchMoeCombineReduce(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeCombineFinal(const MoeParams& p, cudaStream_t stream);
 cudaError_t preloadMoeCombineKernels();
-// DeepEP's get_dispatch_layout (kernels/moe_token_layout.cu; graphep::tokenLayout): the outputs are
+// DeepEP's get_dispatch_layout (kernels/moe/token_layout.cu; graphep::tokenLayout): the outputs are
 // zeroed (memset nodes) and filled by one kernel.
 struct MoeTokenLayoutParams {
   const void* topkIdx;        // [numTokens, topK] int32 / int64
@@ -357,7 +357,7 @@ struct MoeTokenLayoutParams {
 cudaError_t launchMoeTokenLayout(const MoeTokenLayoutParams& p, cudaStream_t stream);
 cudaError_t preloadMoeTokenLayoutKernels();
 
-// Latency path: one kernel per operation (kernels/moe_latency.cu): G = llCtas CTAs send and
+// Latency path: one kernel per operation (kernels/moe/latency.cu): G = llCtas CTAs send and
 // epilogueCtas CTAs beside them receive; a launch runs the send, the receive or both
 // (MoeParams::llPhase). Dynamic shared memory moeLatencySmem(...).bytes when it sends.
 inline constexpr int kMoeLatencyMaxTokens = 256;

@@ -1,4 +1,4 @@
-// MoE routing kernel family of the throughput path (see kernels/moe.h), its launcher below. Three
+// MoE routing kernel family of the throughput path (see kernels/moe/moe.h), its launcher below. Three
 // grid-stride kernels of p.ctas CTAs after a memset of the scratch:
 //
 //   bits    every (token, k) entry: its bit in the expert's row and in the destination rank's row,
@@ -13,7 +13,7 @@
 //           index in each destination rank's record list, or -1.
 #include <cub/warp/warp_scan.cuh>
 
-#include "kernels/common/moe.cuh"
+#include "kernels/moe/common.cuh"
 
 namespace graphep {
 namespace {

@@ -1,4 +1,4 @@
-// MoE latency-path kernel family (see kernels/moe.h), launchers below: one kernel per operation,
+// MoE latency-path kernel family (see kernels/moe/moe.h), launchers below: one kernel per operation,
 // graphep::moe_latency::dispatchKernel and combineKernel, each a send part on G = llCtas CTAs (the
 // SM budget) and a receive part on E = epilogueCtas CTAs beside them (CTAs [G, G + E)), so the
 // receive starts at once on SMs of its own and the expansion is not held to the budget. A launch
@@ -41,7 +41,7 @@
 // and its receive half keep the order: no operation of the engine comes between them
 // (Engine::receive). Counters only grow (mod 2^32): flags reach step + 1, arrival counters
 // (step + 1) x G.
-#include "kernels/common/moe_peer.cuh"
+#include "kernels/moe/peer.cuh"
 
 namespace graphep {
 namespace moe_latency {

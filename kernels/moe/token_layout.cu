@@ -1,9 +1,9 @@
-// MoE token layout kernel family (see kernels/moe.h), its launcher below: DeepEP's
+// MoE token layout kernel family (see kernels/moe/moe.h), its launcher below: DeepEP's
 // get_dispatch_layout. One grid-stride kernel over the tokens, one thread per token: its top-k ids
 // counted per expert, its destination ranks (a bit per rank, R <= 32) written to the token-in-rank
 // mask and counted per rank. The counts go through a per-CTA histogram in shared memory (experts
 // and ranks) when it fits, then one atomic per nonzero bin into the zeroed outputs.
-#include "kernels/common/moe.cuh"
+#include "kernels/moe/common.cuh"
 
 namespace graphep {
 namespace {

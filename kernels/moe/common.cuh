@@ -1,5 +1,5 @@
 // Device helpers shared by the MoE kernel families (kernels/moe_*.cu): reading routing entries and
-// recording bad input in the status word (MoeDeviceStatus, kernels/moe.h).
+// recording bad input in the status word (MoeDeviceStatus, kernels/moe/moe.h).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -12,7 +12,7 @@
 
 #include "kernels/common/hooks.cuh"
 #include "kernels/common/ptx.cuh"
-#include "kernels/moe.h"
+#include "kernels/moe/moe.h"
 
 namespace graphep {
 
@@ -370,7 +370,7 @@ struct MoeGroup {
 
 // This thread's group of kMoeGroupThreads in `ctas` CTAs (this one the cta-th) working on items
 // (records, tokens) one per group at a time: the group's index in its CTA, its first item and the
-// stride over items. A kernel whose CTAs split into parts (kernels/moe_latency.cu) slices each
+// stride over items. A kernel whose CTAs split into parts (kernels/moe/latency.cu) slices each
 // part; the others slice the grid.
 struct MoeGroupSlice {
   int group, first, stride;

@@ -1,7 +1,7 @@
-// MoE dispatch layout kernel family (see kernels/moe.h): pack (records and count messages), offsets
+// MoE dispatch layout kernel family (see kernels/moe/moe.h): pack (records and count messages), offsets
 // (expert offsets and per-source bases from the received count messages) and expand (records into
 // recv_x grouped by local expert); launchers below.
-#include "kernels/common/moe.cuh"
+#include "kernels/moe/common.cuh"
 
 namespace graphep {
 namespace {

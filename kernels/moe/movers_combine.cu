@@ -1,7 +1,7 @@
-// MoE combine kernel family (see kernels/moe.h): reduce (per received record, the weighted sum of
+// MoE combine kernel family (see kernels/moe/moe.h): reduce (per received record, the weighted sum of
 // its expert rows, fp32) and final (per token, the sum of the partials that came back, fp32);
 // launchers below. Both write bf16 rounded once from fp32.
-#include "kernels/common/moe.cuh"
+#include "kernels/moe/common.cuh"
 
 namespace graphep {
 namespace {

@@ -1,4 +1,4 @@
-// MoE direct dispatch kernel family (see kernels/moe.h), launchers below: the throughput path's
+// MoE direct dispatch kernel family (see kernels/moe/moe.h), launchers below: the throughput path's
 // dispatch when every peer is reached by load/store on a GPU of its own. No pack pass and no
 // movers: the sender stores each token's record straight into every destination's receive slot.
 //
@@ -30,7 +30,7 @@
 // a source writes its records of dispatch s + 1 only after its combine s received every
 // destination's partials, which each destination sends after reading the records of dispatch s.
 // Flags and acknowledgements only grow (mod 2^32): they reach step + 1.
-#include "kernels/common/moe_peer.cuh"
+#include "kernels/moe/peer.cuh"
 
 namespace graphep {
 namespace {

@@ -1,11 +1,11 @@
 // Device helpers of the MoE kernels that store straight into peers' memory (the latency path,
-// kernels/moe_latency.cu, and the throughput path's direct dispatch, kernels/moe_direct.cu):
+// kernels/moe/latency.cu, and the throughput path's direct dispatch, kernels/moe/direct.cu):
 // monotonic counters in every rank's symmetric user region (MoeParams::peerUser, the same offsets
 // on every rank), posted after a system-scope fence and waited for with bounded waits.
 #pragma once
 
 #include "kernels/common/flags.cuh"
-#include "kernels/common/moe.cuh"
+#include "kernels/moe/common.cuh"
 
 namespace graphep {
 
