@@ -17,6 +17,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <graphep/graphep.hpp>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -103,3 +104,19 @@ inline std::vector<int> ranksPerGpu(int perGpu) {
     if (graphepReq.verdict == ::graphep::test::GpuVerdict::kSkip)                          \
       GTEST_SKIP() << graphepReq.reason;                                                   \
   } while (0)
+
+namespace graphep::test {
+
+// The fixture of the one-GPU tests of four ranks emulated on GPU 0 (a local group with a repeated
+// device): the group is made in SetUp once the GPU is known to be there, so each test's body is
+// only what it runs on it.
+class FourEmulatedRanks : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    GRAPHEP_REQUIRE_GPUS(1);
+    comm_ = createLocalGroup({0, 0, 0, 0});
+  }
+  std::unique_ptr<Communicator> comm_;
+};
+
+}  // namespace graphep::test

@@ -7,6 +7,7 @@
 
 #include <graphep/graphep.hpp>
 
+#include "common/expect_error.hpp"
 #include "common/gpu_env.hpp"
 #include "common/nccl_comms.hpp"
 #include "common/sync_suite.hpp"
@@ -16,93 +17,65 @@
 namespace graphep::test {
 namespace {
 
-std::unique_ptr<Communicator> fourOnOne() { return createLocalGroup({0, 0, 0, 0}); }
+class Gpu1_Heap : public FourEmulatedRanks {};
+class Gpu1_Sync : public FourEmulatedRanks {};
 
-TEST(Gpu1_Heap, ExchangeFourEmulatedRanks) {
-  GRAPHEP_REQUIRE_GPUS(1);
-  auto comm = fourOnOne();
-  runHeapExchange(*comm, 1234);
-  runHeapExchange(*comm, 98765);  // fresh data, fresh heap
+TEST_F(Gpu1_Heap, ExchangeFourEmulatedRanks) {
+  runHeapExchange(*comm_, 1234);
+  runHeapExchange(*comm_, 98765);  // fresh data, fresh heap
 }
 
-TEST(Gpu1_Sync, FlagPingPongEagerNearWrap) {
-  GRAPHEP_REQUIRE_GPUS(1);
-  auto comm = fourOnOne();
-  runFlagPingPong(*comm, 10000, /*graph=*/false, kNearWrap);
+TEST_F(Gpu1_Sync, FlagPingPongEagerNearWrap) {
+  runFlagPingPong(*comm_, 10000, /*graph=*/false, kNearWrap);
 }
 
-TEST(Gpu1_Sync, FlagPingPongGraphNearWrap) {
-  GRAPHEP_REQUIRE_GPUS(1);
-  auto comm = fourOnOne();
-  runFlagPingPong(*comm, 10000, /*graph=*/true, kNearWrap);
+TEST_F(Gpu1_Sync, FlagPingPongGraphNearWrap) {
+  runFlagPingPong(*comm_, 10000, /*graph=*/true, kNearWrap);
 }
 
-TEST(Gpu1_Sync, SemaphorePingPongEagerNearWrap) {
-  GRAPHEP_REQUIRE_GPUS(1);
-  auto comm = fourOnOne();
-  runSemaphorePingPong(*comm, 10000, /*graph=*/false, kNearWrap);
+TEST_F(Gpu1_Sync, SemaphorePingPongEagerNearWrap) {
+  runSemaphorePingPong(*comm_, 10000, /*graph=*/false, kNearWrap);
 }
 
 // A short eager run that reports its time per round: same-GPU stream waits are the slow case.
-TEST(Gpu1_Sync, SemaphorePingPongEagerShortTimed) {
-  GRAPHEP_REQUIRE_GPUS(1);
-  auto comm = fourOnOne();
+TEST_F(Gpu1_Sync, SemaphorePingPongEagerShortTimed) {
   const auto t0 = std::chrono::steady_clock::now();
-  runSemaphorePingPong(*comm, 100, /*graph=*/false, kNearWrap);
+  runSemaphorePingPong(*comm_, 100, /*graph=*/false, kNearWrap);
   const double ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   std::printf("[ timing   ] 100 eager semaphore rounds, 4 ranks on 1 GPU: %.1f ms (%.3f ms/round)\n",
               ms, ms / 100);
 }
 
-TEST(Gpu1_Sync, SemaphorePingPongGraphNearWrap) {
-  GRAPHEP_REQUIRE_GPUS(1);
-  auto comm = fourOnOne();
-  runSemaphorePingPong(*comm, 10000, /*graph=*/true, kNearWrap);
+TEST_F(Gpu1_Sync, SemaphorePingPongGraphNearWrap) {
+  runSemaphorePingPong(*comm_, 10000, /*graph=*/true, kNearWrap);
 }
 
-TEST(Gpu1_Sync, MissingPeerTimesOutNamingThePeer) {
-  GRAPHEP_REQUIRE_GPUS(1);
-  auto comm = fourOnOne();
-  runMissingPeer(*comm, /*waiter=*/0, /*missing=*/2, /*timeoutMs=*/300);
+TEST_F(Gpu1_Sync, MissingPeerTimesOutNamingThePeer) {
+  runMissingPeer(*comm_, /*waiter=*/0, /*missing=*/2, /*timeoutMs=*/300);
 }
 
-TEST(Gpu1_Heap, ReallocateWhilePinnedIsAnError) {
-  GRAPHEP_REQUIRE_GPUS(1);
-  auto comm = fourOnOne();
-  HeapConfig cfg;
-  cfg.numRanks = 4;
-  cfg.userBytes = 4096;
-  auto heap = SymmetricHeap::create(*comm, cfg);
+TEST_F(Gpu1_Heap, ReallocateWhilePinnedIsAnError) {
+  const HeapConfig cfg{.numRanks = 4, .userBytes = 4096};
+  HeapConfig bigger = cfg;
+  bigger.userBytes = 1 << 20;
+  auto heap = SymmetricHeap::create(*comm_, cfg);
   char* before = heap->base(0);
   {
     SymmetricHeap::Pin pin = heap->pin();
     EXPECT_EQ(heap->numPins(), 1);
-    HeapConfig bigger = cfg;
-    bigger.userBytes = 1 << 20;
-    try {
-      heap->reallocate(bigger);
-      FAIL() << "reallocate while pinned must throw";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.status(), Status::kGraphInvalidated);
-      EXPECT_NE(std::string(e.what()).find("1 captured graph"), std::string::npos) << e.what();
-    }
+    expectError([&] { heap->reallocate(bigger); }, Status::kGraphInvalidated, "1 captured graph");
     EXPECT_EQ(heap->base(0), before) << "a failed reallocate must not move the arena";
   }
   EXPECT_EQ(heap->numPins(), 0);
-  HeapConfig bigger = cfg;
-  bigger.userBytes = 1 << 20;
   heap->reallocate(bigger);
   EXPECT_EQ(heap->config().userBytes, std::size_t{1} << 20);
-  runHeapExchange(*comm, 5);  // the group still works after reallocation
+  runHeapExchange(*comm_, 5);  // the group still works after reallocation
 }
 
-TEST(Gpu1_Heap, PeerClassesOfEmulatedRanks) {
-  GRAPHEP_REQUIRE_GPUS(1);
-  auto comm = fourOnOne();
-  HeapConfig cfg;
-  cfg.numRanks = 4;
-  auto heap = SymmetricHeap::create(*comm, cfg);
+TEST_F(Gpu1_Heap, PeerClassesOfEmulatedRanks) {
+  const HeapConfig cfg{.numRanks = 4};
+  auto heap = SymmetricHeap::create(*comm_, cfg);
   for (int l = 0; l < 4; ++l) {
     for (int p = 0; p < 4; ++p) {
       EXPECT_EQ(heap->peerClass(l, p), l == p ? PeerClass::kSelf : PeerClass::kSameDevice);
@@ -111,15 +84,12 @@ TEST(Gpu1_Heap, PeerClassesOfEmulatedRanks) {
   }
 }
 
-TEST(Gpu1_Heap, ForcedRemotePeersAreNotMapped) {
-  GRAPHEP_REQUIRE_GPUS(1);
-  auto comm = fourOnOne();
-  HeapConfig cfg;
-  cfg.numRanks = 4;
+TEST_F(Gpu1_Heap, ForcedRemotePeersAreNotMapped) {
+  const HeapConfig cfg{.numRanks = 4};
   std::unique_ptr<SymmetricHeap> heap;
   {
     ScopedEnv force("GRAPHEP_FORCE_TRANSPORT", "remote");
-    heap = SymmetricHeap::create(*comm, cfg);
+    heap = SymmetricHeap::create(*comm_, cfg);
   }
   for (int l = 0; l < 4; ++l) {
     for (int p = 0; p < 4; ++p) {
@@ -132,27 +102,12 @@ TEST(Gpu1_Heap, ForcedRemotePeersAreNotMapped) {
   EXPECT_NE(h.peerFlagInbox[0], nullptr);
   // Load/store signalling to a remote peer is refused with a message naming the peer class.
   SemaphoreOps ops(*heap, 0);
-  try {
-    ops.signal(nullptr, 0, 1u << 1);
-    FAIL() << "signalling a remote peer must be refused";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.status(), Status::kNotSupported);
-    EXPECT_NE(std::string(e.what()).find("remote"), std::string::npos) << e.what();
-  }
+  expectError([&] { ops.signal(nullptr, 0, 1u << 1); }, Status::kNotSupported, "remote");
 }
 
-TEST(Gpu1_Heap, MismatchedRankCountIsRejected) {
-  GRAPHEP_REQUIRE_GPUS(1);
-  auto comm = fourOnOne();
-  HeapConfig cfg;
-  cfg.numRanks = 3;
-  try {
-    SymmetricHeap::create(*comm, cfg);
-    FAIL() << "expected an error";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.status(), Status::kInvalidArgument);
-    EXPECT_NE(std::string(e.what()).find("numRanks=3"), std::string::npos) << e.what();
-  }
+TEST_F(Gpu1_Heap, MismatchedRankCountIsRejected) {
+  const HeapConfig cfg{.numRanks = 3};
+  expectError([&] { SymmetricHeap::create(*comm_, cfg); }, Status::kInvalidArgument, "numRanks=3");
 }
 
 }  // namespace
