@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <vector>
 
+#include "common/expect_error.hpp"
 #include "common/gpu_env.hpp"
 #include "common/moe_suite.hpp"
 #include "engine/error.hpp"
@@ -52,15 +53,9 @@ TEST(Gpu1_MoeMemory, QueryEqualsAllocation) {
   for (MoePath path : {MoePath::kAuto, MoePath::kThroughput}) {
     for (DType type : {DType::kBf16, DType::kFp8E4m3}) {
       for (long long capacity : {0ll, 300ll}) {
-        MoeConfig c;
-        c.maxTokensPerRank = 128;
-        c.hidden = 1024;
-        c.numExperts = 16;
-        c.topK = 4;
-        c.dispatchType = type;
-        c.recvCapacity = capacity;
-        c.path = path;
-        c.profile = capacity > 0;
+        const MoeConfig c{.maxTokensPerRank = 128, .hidden = 1024, .numExperts = 16, .topK = 4,
+                          .dispatchType = type, .recvCapacity = capacity, .path = path,
+                          .profile = capacity > 0};
         const MoeMemory want = Engine::memoryRequirements(c, comm->worldSize());
         auto engines = Engine::createAll(*comm, c);
         for (const auto& e : engines) {
@@ -73,69 +68,51 @@ TEST(Gpu1_MoeMemory, QueryEqualsAllocation) {
   }
 }
 
-TEST(Gpu1_Moe, MisuseFourEmulatedRanksLatency) {
-  GRAPHEP_REQUIRE_GPUS(1);
-  auto comm = createLocalGroup({0, 0, 0, 0});
-  runMoeMisuse(*comm, MoePath::kAuto);
+class Gpu1_Moe : public FourEmulatedRanks {};
+class Gpu1_MoeOverflow : public FourEmulatedRanks {};
+class Gpu1_MoeFaults : public FourEmulatedRanks {};
+
+TEST_F(Gpu1_Moe, MisuseFourEmulatedRanksLatency) {
+  runMoeMisuse(*comm_, MoePath::kAuto);
 }
 
-TEST(Gpu1_Moe, MisuseFourEmulatedRanksThroughput) {
-  GRAPHEP_REQUIRE_GPUS(1);
-  auto comm = createLocalGroup({0, 0, 0, 0});
-  runMoeMisuse(*comm, MoePath::kThroughput);
+TEST_F(Gpu1_Moe, MisuseFourEmulatedRanksThroughput) {
+  runMoeMisuse(*comm_, MoePath::kThroughput);
 }
 
 // Overflow with an expert that reads and writes exactly the documented rows into a buffer of
 // exactly the capacity (gpu-check runs this under compute-sanitizer memcheck).
-TEST(Gpu1_MoeOverflow, FourEmulatedRanksLatency) {
-  GRAPHEP_REQUIRE_GPUS(1);
-  auto comm = createLocalGroup({0, 0, 0, 0});
-  runMoeOverflow(*comm, MoePath::kLatency);
+TEST_F(Gpu1_MoeOverflow, FourEmulatedRanksLatency) {
+  runMoeOverflow(*comm_, MoePath::kLatency);
 }
 
-TEST(Gpu1_MoeOverflow, FourEmulatedRanksThroughput) {
-  GRAPHEP_REQUIRE_GPUS(1);
-  auto comm = createLocalGroup({0, 0, 0, 0});
-  runMoeOverflow(*comm, MoePath::kThroughput);
+TEST_F(Gpu1_MoeOverflow, FourEmulatedRanksThroughput) {
+  runMoeOverflow(*comm_, MoePath::kThroughput);
 }
 
-TEST(Gpu1_MoeFaults, MissingRankLatency) {
-  GRAPHEP_REQUIRE_GPUS(1);
-  auto comm = createLocalGroup({0, 0, 0, 0});
-  runMoeMissingRank(*comm, MoePath::kAuto);
+TEST_F(Gpu1_MoeFaults, MissingRankLatency) {
+  runMoeMissingRank(*comm_, MoePath::kAuto);
 }
 
-TEST(Gpu1_MoeFaults, MissingRankThroughput) {
-  GRAPHEP_REQUIRE_GPUS(1);
-  auto comm = createLocalGroup({0, 0, 0, 0});
-  runMoeMissingRank(*comm, MoePath::kThroughput);
+TEST_F(Gpu1_MoeFaults, MissingRankThroughput) {
+  runMoeMissingRank(*comm_, MoePath::kThroughput);
 }
 
-TEST(Gpu1_MoeFaults, WatchdogAndGraphLifetime) {
-  GRAPHEP_REQUIRE_GPUS(1);
-  auto comm = createLocalGroup({0, 0, 0, 0});
-  runMoeWatchdog(*comm);
-  runMoeGraphOutlivesEngine(*comm);
+TEST_F(Gpu1_MoeFaults, WatchdogAndGraphLifetime) {
+  runMoeWatchdog(*comm_);
+  runMoeGraphOutlivesEngine(*comm_);
 }
 
 // The latency path's limits, by name: more than 256 tokens per rank.
 TEST(Gpu1_MoePath, LatencyRefusesMoreThan256Tokens) {
   GRAPHEP_REQUIRE_GPUS(1);
   auto comm = createLocalGroup({0, 0});
-  MoeConfig cfg;
-  cfg.maxTokensPerRank = 257;
-  cfg.hidden = 256;
-  cfg.numExperts = 8;
-  cfg.topK = 2;
-  cfg.path = MoePath::kLatency;
-  try {
-    Engine::createAll(*comm, cfg);
-    ADD_FAILURE() << "maxTokensPerRank=257 on the latency path must be refused";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.status(), Status::kInvalidArgument);
-    EXPECT_NE(std::string(e.what()).find("path=kLatency needs maxTokensPerRank <= 256"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("maxTokensPerRank=257"), std::string::npos) << e.what();
-  }
+  MoeConfig cfg{.maxTokensPerRank = 257, .hidden = 256, .numExperts = 8, .topK = 2,
+                .path = MoePath::kLatency};
+  // Refused with a message that names the limit and the value.
+  expectError([&] { Engine::createAll(*comm, cfg); }, Status::kInvalidArgument,
+              "path=kLatency needs maxTokensPerRank <= 256");
+  expectError([&] { Engine::createAll(*comm, cfg); }, Status::kInvalidArgument, "maxTokensPerRank=257");
   cfg.maxTokensPerRank = 256;  // the limit itself is served by the latency path, and kAuto picks it
   EXPECT_EQ(Engine::createAll(*comm, cfg)[0]->path(), MoePath::kLatency);
   cfg.path = MoePath::kAuto;
@@ -152,13 +129,8 @@ enum class StrictFault { kNone, kInvalidId, kOverflow, kClampedCount };
 void strictChild(MoePath path, StrictFault fault) {
   dup2(STDERR_FILENO, STDOUT_FILENO);  // device printf goes through stdout
   auto comm = createLocalGroup({0});
-  MoeConfig cfg;
-  cfg.maxTokensPerRank = 16;
-  cfg.hidden = 128;
-  cfg.numExperts = 8;
-  cfg.topK = 2;
-  cfg.path = path;
-  cfg.strict = true;
+  MoeConfig cfg{.maxTokensPerRank = 16, .hidden = 128, .numExperts = 8, .topK = 2, .strict = true,
+                .path = path};
   if (fault == StrictFault::kOverflow) cfg.recvCapacity = 5;  // 16 tokens x 2 slots arrive
   auto engines = Engine::createAll(*comm, cfg);
   GRAPHEP_CUDA_CHECK(cudaSetDevice(comm->device(0)));
