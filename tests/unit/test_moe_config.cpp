@@ -8,6 +8,7 @@
 
 #include <graphep/graphep.hpp>
 
+#include "common/expect_error.hpp"
 #include "engine/moe/health.hpp"
 #include "engine/semaphore.hpp"
 #include "kernels/moe/moe.h"
@@ -15,96 +16,63 @@
 namespace graphep {
 namespace {
 
-MoeConfig good() {
-  MoeConfig c;
-  c.maxTokensPerRank = 128;
-  c.hidden = 7168;
-  c.numExperts = 256;
-  c.topK = 8;
-  return c;
-}
+MoeConfig good() { return {.maxTokensPerRank = 128, .hidden = 7168, .numExperts = 256, .topK = 8}; }
 
 void expectRejected(const MoeConfig& c, int ranks, const std::string& needle) {
-  try {
-    Engine::validate(c, ranks);
-    ADD_FAILURE() << "accepted; expected an error naming '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.status(), Status::kInvalidArgument);
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
+  test::expectError([&] { Engine::validate(c, ranks); }, Status::kInvalidArgument, needle);
 }
 
 TEST(Unit_MoeConfig, ValidationNamesTheValue) {
   EXPECT_NO_THROW(Engine::validate(good(), 8));
+  // Each bad config, as a change to good(), and the words its refusal must contain.
+  struct Bad {
+    void (*change)(MoeConfig&);
+    const char* words;
+  };
+  const Bad bad[] = {
+      {[](MoeConfig& c) { c.hidden = 7000 + 4; }, "hidden=7004 is not a positive multiple of 8"},
+      {[](MoeConfig& c) { c.hidden = 7168 + 8; c.dispatchType = DType::kFp8E4m3; },
+       "hidden=7176 is not a multiple of 128"},
+      {[](MoeConfig& c) { c.numExperts = 250; }, "numExperts=250 is not divisible by the 8 ranks"},
+      {[](MoeConfig& c) { c.topK = 9; c.numExperts = 8; }, "topK=9 exceeds numExperts=8"},
+      {[](MoeConfig& c) { c.topK = 0; }, "topK=0"},
+      {[](MoeConfig& c) { c.topK = 17; }, "topK=17 exceeds the supported 16"},
+      {[](MoeConfig& c) { c.maxTokensPerRank = 0; }, "maxTokensPerRank=0"},
+      {[](MoeConfig& c) { c.expertAlignment = 0; }, "expertAlignment=0"},
+      {[](MoeConfig& c) { c.recvCapacity = -1; }, "recvCapacity=-1"},
+      {[](MoeConfig& c) { c.smBudget = 65; }, "smBudget=65"},
+      {[](MoeConfig& c) { c.receiveLayout = ReceiveLayout::kBatched; c.recvCapacity = 100; },
+       "recvCapacity=100: the batched layout's capacity is E_local x rowsPerExpert"},
+      {[](MoeConfig& c) { c.receiveLayout = ReceiveLayout::kBatched; c.expertAlignment = 8; },
+       "expertAlignment=8 does not apply to the batched layout"},
+      {[](MoeConfig& c) { c.receiveLayout = ReceiveLayout::kRankMajor; c.recvCapacity = 100; },
+       "recvCapacity=100: the rank-major layout's capacity is worldSize x maxTokensPerRank"},
+      {[](MoeConfig& c) { c.receiveLayout = ReceiveLayout::kRankMajor; c.expertAlignment = 4; },
+       "expertAlignment=4 does not apply to the rank-major layout"},
+      {[](MoeConfig& c) { c.receiveLayout = ReceiveLayout::kRankMajor; c.rowsPerExpert = 8; },
+       "rowsPerExpert=8 applies to the batched layout only"},
+      {[](MoeConfig& c) { c.receiveLayout = static_cast<ReceiveLayout>(3); },
+       "receiveLayout=3 is not a ReceiveLayout"},
+      {[](MoeConfig& c) { c.rowsPerExpert = 64; }, "rowsPerExpert=64 applies to the batched layout only"},
+      {[](MoeConfig& c) { c.receiveLayout = ReceiveLayout::kBatched; c.rowsPerExpert = -1; },
+       "rowsPerExpert=-1 is negative"},
+      {[](MoeConfig& c) { c.receiveLayout = ReceiveLayout::kBatched; c.rowsPerExpert = 1ll << 30; },
+       "rowsPerExpert=1073741824: 32 local experts"},
+      {[](MoeConfig& c) { c.epilogueSms = -1; }, "epilogueSms=-1"},
+      {[](MoeConfig& c) { c.epilogueSms = 1025; }, "epilogueSms=1025"},
+  };
+  for (const Bad& b : bad) {
+    SCOPED_TRACE(b.words);
+    MoeConfig c = good();
+    b.change(c);
+    expectRejected(c, 8, b.words);
+  }
   MoeConfig c = good();
-  c.hidden = 7000 + 4;
-  expectRejected(c, 8, "hidden=7004 is not a positive multiple of 8");
-  c = good();
-  c.hidden = 7168 + 8;
-  c.dispatchType = DType::kFp8E4m3;
-  expectRejected(c, 8, "hidden=7176 is not a multiple of 128");
-  c = good();
-  c.numExperts = 250;
-  expectRejected(c, 8, "numExperts=250 is not divisible by the 8 ranks");
-  c = good();
-  c.topK = 9;
-  c.numExperts = 8;
-  expectRejected(c, 8, "topK=9 exceeds numExperts=8");
-  c = good();
-  c.topK = 0;
-  expectRejected(c, 8, "topK=0");
-  c = good();
-  c.topK = 17;
-  expectRejected(c, 8, "topK=17 exceeds the supported 16");
-  c = good();
-  c.maxTokensPerRank = 0;
-  expectRejected(c, 8, "maxTokensPerRank=0");
-  c = good();
-  c.expertAlignment = 0;
-  expectRejected(c, 8, "expertAlignment=0");
-  c = good();
-  c.recvCapacity = -1;
-  expectRejected(c, 8, "recvCapacity=-1");
-  c = good();
-  c.smBudget = 65;
-  expectRejected(c, 8, "smBudget=65");
-  c = good();
   c.receiveLayout = ReceiveLayout::kBatched;
-  c.recvCapacity = 100;
-  expectRejected(c, 8, "recvCapacity=100: the batched layout's capacity is E_local x rowsPerExpert");
-  c.recvCapacity = 0;
-  c.expertAlignment = 8;
-  expectRejected(c, 8, "expertAlignment=8 does not apply to the batched layout");
-  c = good();
-  c.receiveLayout = ReceiveLayout::kRankMajor;
-  c.recvCapacity = 100;
-  expectRejected(c, 8, "recvCapacity=100: the rank-major layout's capacity is worldSize x maxTokensPerRank");
-  c.recvCapacity = 0;
-  c.expertAlignment = 4;
-  expectRejected(c, 8, "expertAlignment=4 does not apply to the rank-major layout");
-  c.expertAlignment = 1;
-  c.rowsPerExpert = 8;
-  expectRejected(c, 8, "rowsPerExpert=8 applies to the batched layout only");
-  c = good();
-  c.receiveLayout = static_cast<ReceiveLayout>(3);
-  expectRejected(c, 8, "receiveLayout=3 is not a ReceiveLayout");
-  c = good();
-  c.rowsPerExpert = 64;
-  expectRejected(c, 8, "rowsPerExpert=64 applies to the batched layout only");
-  c.receiveLayout = ReceiveLayout::kBatched;
-  c.rowsPerExpert = -1;
-  expectRejected(c, 8, "rowsPerExpert=-1 is negative");
-  c.rowsPerExpert = 1ll << 30;
-  expectRejected(c, 8, "rowsPerExpert=1073741824: 32 local experts");
   for (const long long huge : {1ll << 62, 3ll << 61, std::numeric_limits<long long>::max()}) {
     c.rowsPerExpert = huge;  // a product that would wrap is refused, not accepted
     expectRejected(c, 8, "exceed 2^31 - 1 rows (lower rowsPerExpert)");
   }
-  c = good();
-  c.epilogueSms = -1;
-  expectRejected(c, 8, "epilogueSms=-1");
-  c.epilogueSms = 1025;
-  expectRejected(c, 8, "epilogueSms=1025");
   expectRejected(good(), 33, "world size 33");
 }
 
@@ -191,12 +159,7 @@ TEST(Unit_MoeHealth, NamesThePeerAndWhatIsMissing) {
 TEST(Unit_MoeMemory, PathAndPerRowBytes) {
   MoeConfig c = good();
   c.hidden = 7000 + 4;
-  try {
-    Engine::memoryRequirements(c, 8);
-    ADD_FAILURE() << "accepted hidden=7004";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("hidden=7004"), std::string::npos) << e.what();
-  }
+  test::expectError([&] { Engine::memoryRequirements(c, 8); }, Status::kInvalidArgument, "hidden=7004");
   c = good();
   const MoeMemory latency = Engine::memoryRequirements(c, 8);
   EXPECT_EQ(latency.path, MoePath::kLatency);

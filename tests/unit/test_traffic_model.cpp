@@ -51,20 +51,9 @@ Exact enumerate(const TrafficModelInput& in) {
 }
 
 TrafficModelInput small() {
-  TrafficModelInput in;
-  in.numRanks = 8;
-  in.ranksPerNode = 2;
-  in.tokensPerRank = 1000;
-  in.hidden = 128;
-  in.numExperts = 16;
-  in.topK = 3;
-  in.numGroups = 4;
-  in.groupsPerToken = 2;
-  in.dispatchRowBytes = 100;
-  in.combineRowBytes = 200;
-  in.nicGBps = 50;
-  in.nvlinkGBps = 150;
-  return in;
+  return {.numRanks = 8, .ranksPerNode = 2, .tokensPerRank = 1000, .hidden = 128, .numExperts = 16, .topK = 3,
+          .numGroups = 4, .groupsPerToken = 2, .dispatchRowBytes = 100, .combineRowBytes = 200, .nicGBps = 50,
+          .nvlinkGBps = 150};
 }
 
 TEST(Unit_TrafficModel, HitChancesMatchAnExactEnumeration) {
