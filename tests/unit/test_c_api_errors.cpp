@@ -97,27 +97,29 @@ TEST(Unit_CApi, Version5LatencyCapabilities) {
   EXPECT_NE(std::string(graphep_last_error()).find("engine is NULL"), std::string::npos) << graphep_last_error();
 }
 
+// A C config from GRAPHEP_MOE_CONFIG_INIT (the ABI's defaults) with the four shape fields set.
+graphep_moe_config_t cConfig(int tokens, int hidden, int experts, int topK) {
+  graphep_moe_config_t c = GRAPHEP_MOE_CONFIG_INIT;
+  c.max_tokens_per_rank = tokens;
+  c.hidden = hidden;
+  c.num_experts = experts;
+  c.top_k = topK;
+  return c;
+}
+
 // The memory query through the C ABI: the same figures as Engine::memoryRequirements, no GPU
 // needed, the bad field named.
 TEST(Unit_CApi, MemoryRequirementsMatchTheCppQuery) {
   for (int path : {GRAPHEP_PATH_AUTO, GRAPHEP_PATH_THROUGHPUT}) {
     for (int dtype : {GRAPHEP_DTYPE_BF16, GRAPHEP_DTYPE_FP8_E4M3}) {
-      graphep_moe_config_t c = GRAPHEP_MOE_CONFIG_INIT;
-      c.max_tokens_per_rank = 128;
-      c.hidden = 2048;
-      c.num_experts = 128;
-      c.top_k = 8;
+      graphep_moe_config_t c = cConfig(128, 2048, 128, 8);
       c.dispatch_dtype = dtype;
       c.path = path;
       graphep_moe_memory_t m = GRAPHEP_MOE_MEMORY_INIT;
       ASSERT_EQ(graphep_memory_requirements(&c, 2, &m), GRAPHEP_SUCCESS) << graphep_last_error();
-      MoeConfig cpp;
-      cpp.maxTokensPerRank = 128;
-      cpp.hidden = 2048;
-      cpp.numExperts = 128;
-      cpp.topK = 8;
-      cpp.dispatchType = dtype == GRAPHEP_DTYPE_FP8_E4M3 ? DType::kFp8E4m3 : DType::kBf16;
-      cpp.path = static_cast<MoePath>(path);
+      const MoeConfig cpp{.maxTokensPerRank = 128, .hidden = 2048, .numExperts = 128, .topK = 8,
+                          .dispatchType = dtype == GRAPHEP_DTYPE_FP8_E4M3 ? DType::kFp8E4m3 : DType::kBf16,
+                          .path = static_cast<MoePath>(path)};
       const MoeMemory want = Engine::memoryRequirements(cpp, 2);
       EXPECT_EQ(m.path, static_cast<int>(want.path));
       EXPECT_EQ(m.path, path == GRAPHEP_PATH_AUTO ? GRAPHEP_PATH_LATENCY : GRAPHEP_PATH_THROUGHPUT);
@@ -128,22 +130,14 @@ TEST(Unit_CApi, MemoryRequirementsMatchTheCppQuery) {
       EXPECT_EQ(m.struct_size, sizeof(graphep_moe_memory_t));
     }
   }
-  graphep_moe_config_t bad = GRAPHEP_MOE_CONFIG_INIT;
-  bad.max_tokens_per_rank = 16;
-  bad.hidden = 100;  // not a multiple of 8
-  bad.num_experts = 8;
-  bad.top_k = 2;
+  graphep_moe_config_t bad = cConfig(16, 100, 8, 2);  // hidden=100: not a multiple of 8
   graphep_moe_memory_t m = GRAPHEP_MOE_MEMORY_INIT;
   EXPECT_EQ(graphep_memory_requirements(&bad, 2, &m), GRAPHEP_INVALID_ARGUMENT);
   EXPECT_NE(std::string(graphep_last_error()).find("hidden=100"), std::string::npos) << graphep_last_error();
   EXPECT_EQ(graphep_memory_requirements(&bad, 2, nullptr), GRAPHEP_INVALID_ARGUMENT);
 
   // epilogue_sms (v3): read when the caller's struct has it, 0 for a v2 caller's shorter struct.
-  graphep_moe_config_t v3 = GRAPHEP_MOE_CONFIG_INIT;
-  v3.max_tokens_per_rank = 16;
-  v3.hidden = 256;
-  v3.num_experts = 8;
-  v3.top_k = 2;
+  graphep_moe_config_t v3 = cConfig(16, 256, 8, 2);
   v3.epilogue_sms = -1;
   EXPECT_EQ(graphep_memory_requirements(&v3, 2, &m), GRAPHEP_INVALID_ARGUMENT);
   EXPECT_NE(std::string(graphep_last_error()).find("epilogueSms=-1"), std::string::npos) << graphep_last_error();
@@ -156,13 +150,8 @@ TEST(Unit_CApi, MemoryRequirementsMatchTheCppQuery) {
   v3.receive_layout = GRAPHEP_LAYOUT_BATCHED;
   v3.rows_per_expert = 24;
   ASSERT_EQ(graphep_memory_requirements(&v3, 2, &m), GRAPHEP_SUCCESS) << graphep_last_error();
-  MoeConfig cpp;
-  cpp.maxTokensPerRank = 16;
-  cpp.hidden = 256;
-  cpp.numExperts = 8;
-  cpp.topK = 2;
-  cpp.receiveLayout = ReceiveLayout::kBatched;
-  cpp.rowsPerExpert = 24;
+  MoeConfig cpp{.maxTokensPerRank = 16, .hidden = 256, .numExperts = 8, .topK = 2,
+                .receiveLayout = ReceiveLayout::kBatched, .rowsPerExpert = 24};
   EXPECT_EQ(m.private_bytes, Engine::memoryRequirements(cpp, 2).privateBytes);
   EXPECT_EQ(Engine::receiveCapacity(cpp, 2), 4 * 24);
   v3.receive_layout = GRAPHEP_LAYOUT_RANK_MAJOR;
