@@ -6,6 +6,7 @@
 
 #include <graphep/graphep.hpp>
 
+#include "common/expect_error.hpp"
 #include "engine/heap_layout.hpp"
 #include "engine/topology.hpp"
 
@@ -78,14 +79,11 @@ TEST(Unit_HeapLayout, ClosedFormSize) {
 
 TEST(Unit_HeapLayout, ValidationNamesTheField) {
   HeapConfig cfg;
+  auto expectNamed = [&cfg](const char* words) {
+    test::expectError([&cfg] { cfg.validate(); }, Status::kInvalidArgument, words);
+  };
   cfg.numRanks = 33;
-  try {
-    cfg.validate();
-    FAIL();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.status(), Status::kInvalidArgument);
-    EXPECT_NE(std::string(e.what()).find("numRanks=33"), std::string::npos) << e.what();
-  }
+  expectNamed("numRanks=33");
   cfg.numRanks = 2;
   cfg.timeoutMs = 0;
   EXPECT_THROW(cfg.validate(), Error);
@@ -94,12 +92,7 @@ TEST(Unit_HeapLayout, ValidationNamesTheField) {
   EXPECT_THROW(cfg.validate(), Error);
   cfg.numSemChannels = 8;
   cfg.moverSlots = 3;
-  try {
-    cfg.validate();
-    FAIL();
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("moverSlots=3"), std::string::npos) << e.what();
-  }
+  expectNamed("moverSlots=3");
   cfg.moverSlots = 4;
   cfg.moverSlotBytes = 100;
   EXPECT_THROW(cfg.validate(), Error);
@@ -108,13 +101,7 @@ TEST(Unit_HeapLayout, ValidationNamesTheField) {
   EXPECT_THROW(cfg.validate(), Error);
   cfg.moverLLBytes = 4096;
   cfg.moverWarps = 9;
-  try {
-    cfg.validate();
-    FAIL();
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("moverWarps=9"), std::string::npos) << e.what();
-  }
-
+  expectNamed("moverWarps=9");
 }
 
 // The regions whose words start at counterStart exist under the names the heap initialises.
