@@ -56,6 +56,20 @@ std::string runModel(const Rules& rules, std::uint32_t numSlots, std::uint32_t s
   bool rStartedThis = false;
 
   auto staged = [&](std::size_t k) { return pipeChunks(launches[k].bytes, slotBytes); };
+  // The end of a launch that took `steps` steps: the side moves on to its next launch.
+  auto endSend = [&](std::uint32_t steps) {
+    sendStep = sStep0 + steps;
+    ++sk;
+    si = 0;
+    sStep0 = sendStep;
+  };
+  auto endRecv = [&](std::uint32_t steps) {
+    recvStep = rStep0 + steps;
+    ++rk;
+    ri = 0;
+    rStep0 = recvStep;
+    rStartedThis = false;
+  };
   for (int guard = 0; guard < 1000000; ++guard) {
     if (sk == L && rk == L) return "";
     // Enabled actions.
@@ -101,10 +115,7 @@ std::string runModel(const Rules& rules, std::uint32_t numSlots, std::uint32_t s
           }
           half = sStep0;
         }
-        sendStep = sStep0 + 1u;
-        ++sk;
-        si = 0;
-        sStep0 = sendStep;
+        endSend(1u);
       } else if (l.mode == Mode::kZeroCopy) {
         if (!recvStarted[sk]) {
           return "zero-copy launch " + std::to_string(sk) +
@@ -113,11 +124,8 @@ std::string runModel(const Rules& rules, std::uint32_t numSlots, std::uint32_t s
         zcWritten[sk] = true;
         const std::uint32_t n = rules.zeroCopySteps(l.bytes, slotBytes);
         head = sStep0 + n;
-        sendStep = sStep0 + n;
         sentChunks += n;
-        ++sk;
-        si = 0;
-        sStep0 = sendStep;
+        endSend(n);
       } else if (si < staged(sk)) {
         const std::uint32_t s = sStep0 + si;
         auto& slot = slots[slotOf(s, numSlots)];
@@ -129,10 +137,7 @@ std::string runModel(const Rules& rules, std::uint32_t numSlots, std::uint32_t s
         head = s + 1u;
         ++si;
       } else {
-        sendStep = sStep0 + staged(sk);
-        ++sk;
-        si = 0;
-        sStep0 = sendStep;
+        endSend(staged(sk));
       }
     } else {
       const Launch& l = launches[rk];
@@ -145,11 +150,7 @@ std::string runModel(const Rules& rules, std::uint32_t numSlots, std::uint32_t s
           half.reset();
         }
         tail = rStep0 + 1u;
-        recvStep = rStep0 + 1u;
-        ++rk;
-        ri = 0;
-        rStep0 = recvStep;
-        rStartedThis = false;
+        endRecv(1u);
       } else if (l.mode == Mode::kZeroCopy) {
         if (!rStartedThis) {
           ready = rules.readyTarget(rStep0);
@@ -161,12 +162,8 @@ std::string runModel(const Rules& rules, std::uint32_t numSlots, std::uint32_t s
           }
           const std::uint32_t n = rules.zeroCopySteps(l.bytes, slotBytes);
           tail = rStep0 + n;
-          recvStep = rStep0 + n;
           recvChunks += n;
-          ++rk;
-          ri = 0;
-          rStep0 = recvStep;
-          rStartedThis = false;
+          endRecv(n);
         }
       } else if (ri < staged(rk)) {
         const std::uint32_t s = rStep0 + ri;
@@ -181,11 +178,7 @@ std::string runModel(const Rules& rules, std::uint32_t numSlots, std::uint32_t s
         tail = s + 1u;
         ++ri;
       } else {
-        recvStep = rStep0 + staged(rk);
-        ++rk;
-        ri = 0;
-        rStep0 = recvStep;
-        rStartedThis = false;
+        endRecv(staged(rk));
       }
     }
   }
