@@ -205,8 +205,6 @@ TEST(Unit_PipeProtocol, RandomInterleavingsAcrossTheWrapAreClean) {
   }
 }
 
-// The rule the first version used (wait for ready >= step0, zero-copy launches of no chunk take no
-// step) lets the sender write dst before the receiver's launch started: the model must see it.
 TEST(Unit_PipeProtocol, LlFlagsAreNeverZeroAndUniquePerHalf) {
   EXPECT_EQ(llFlag(0xffffffffu), 1u);
   EXPECT_EQ(llFlag(0u), 1u);  // even half: flags are odd; odd half: the remapped 1 is unique
@@ -218,6 +216,8 @@ TEST(Unit_PipeProtocol, LlFlagsAreNeverZeroAndUniquePerHalf) {
   EXPECT_EQ(llLines(1), 1u);
 }
 
+// The rule the first version used (wait for ready >= step0, zero-copy launches of no chunk take no
+// step) lets the sender write dst before the receiver's launch started: the model must see it.
 TEST(Unit_PipeProtocol, ModelCatchesTheOldZeroCopyRule) {
   const Rules old{[](std::uint32_t step0) { return step0; }, pipeChunks};
   std::mt19937 rng(7);
