@@ -82,99 +82,99 @@ MoeParams bindParams(const BindPlan& plan, SymmetricHeap& heap, int l, char* blo
   char* b = block;
   char* user = heap.user(l);
   MoeParams p{};
-  p.rank = heap.rank(l);
-  p.numRanks = R;
-  p.hidden = cfg.hidden;
-  p.topK = cfg.topK;
-  p.numExperts = cfg.numExperts;
-  p.localExperts = L;
-  p.maxTokens = cfg.maxTokensPerRank;
-  p.fp8 = fp8 ? 1 : 0;
-  p.alignment = cfg.expertAlignment;
-  p.strict = cfg.strict ? 1 : 0;
-  p.capacity = capacity;
-  p.batchedRows = cfg.receiveLayout == ReceiveLayout::kBatched ? batchedRowsPerExpert(cfg, R) : 0;
-  p.rankMajor = cfg.receiveLayout == ReceiveLayout::kRankMajor ? 1 : 0;
-  p.rankOffsets = p.rankMajor ? reinterpret_cast<std::int32_t*>(b + o.rankOffsets) : nullptr;
-  p.rowExperts = p.rankMajor ? reinterpret_cast<std::int32_t*>(b + o.rowExperts) : nullptr;
-  p.rowExpertWeights = p.rankMajor ? reinterpret_cast<float*>(b + o.rowExpertWeights) : nullptr;
-  p.outRows = capacity;  // a dispatch's own outputs may lower it (DispatchOutputs.rows)
-  p.yRows = capacity;    // a combine's own input may lower it (CombineArgs.expertOutputRows)
-  p.recBytes = recBytes;
-  p.payloadBytes = sizes.payloadBytes;
-  p.cntMsgBytes = cntMsgBytes;
-  p.directMsgBytes = sizes.directMsgBytes;
-  p.status = reinterpret_cast<MoeDeviceStatus*>(b + o.status);
-  p.liveTokens = reinterpret_cast<std::int32_t*>(b + o.live);
-  p.pending = reinterpret_cast<std::uint32_t*>(b + o.pending);
-  p.tokRankIdx = reinterpret_cast<std::int32_t*>(b + o.tokRank);
-  p.entryIdx = reinterpret_cast<std::int32_t*>(b + o.entry);
-  p.expertCount = reinterpret_cast<std::uint32_t*>(b + o.expertCount);
-  p.rankCount = reinterpret_cast<std::uint32_t*>(b + o.rankCount);
-  p.routeBits = reinterpret_cast<std::uint32_t*>(b + o.routeBits);
-  p.routeCount = p.routeBits + (static_cast<std::size_t>(cfg.numExperts) + Rs) * o.routeWords;
-  p.routeDup = p.routeCount + static_cast<std::size_t>(cfg.numExperts) * o.routeWords;
-  p.routePrefix = reinterpret_cast<std::uint32_t*>(b + o.routePrefix);
-  p.routeZeroBytes = throughput ? o.routeZero : 0;
+  p.shape.rank = heap.rank(l);
+  p.shape.numRanks = R;
+  p.shape.hidden = cfg.hidden;
+  p.shape.topK = cfg.topK;
+  p.shape.numExperts = cfg.numExperts;
+  p.shape.localExperts = L;
+  p.shape.maxTokens = cfg.maxTokensPerRank;
+  p.shape.fp8 = fp8 ? 1 : 0;
+  p.layout.alignment = cfg.expertAlignment;
+  p.state.strict = cfg.strict ? 1 : 0;
+  p.layout.capacity = capacity;
+  p.layout.rowsPerExpert = cfg.receiveLayout == ReceiveLayout::kBatched ? batchedRowsPerExpert(cfg, R) : 0;
+  p.layout.rankMajor = cfg.receiveLayout == ReceiveLayout::kRankMajor ? 1 : 0;
+  p.layout.rankOffsets = p.layout.rankMajor ? reinterpret_cast<std::int32_t*>(b + o.rankOffsets) : nullptr;
+  p.layout.rowExperts = p.layout.rankMajor ? reinterpret_cast<std::int32_t*>(b + o.rowExperts) : nullptr;
+  p.layout.rowExpertWeights = p.layout.rankMajor ? reinterpret_cast<float*>(b + o.rowExpertWeights) : nullptr;
+  p.layout.outputRows = capacity;  // a dispatch's own outputs may lower it (DispatchOutputs.rows)
+  p.combine.expertOutputRows = capacity;    // a combine's own input may lower it (CombineArgs.expertOutputRows)
+  p.shape.recordBytes = recBytes;
+  p.shape.payloadBytes = sizes.payloadBytes;
+  p.shape.countMsgBytes = cntMsgBytes;
+  p.direct.msgBytes = sizes.directMsgBytes;
+  p.state.status = reinterpret_cast<MoeDeviceStatus*>(b + o.status);
+  p.routing.liveTokens = reinterpret_cast<std::int32_t*>(b + o.live);
+  p.state.pending = reinterpret_cast<std::uint32_t*>(b + o.pending);
+  p.routing.tokenRankIndex = reinterpret_cast<std::int32_t*>(b + o.tokRank);
+  p.routing.entryIndex = reinterpret_cast<std::int32_t*>(b + o.entry);
+  p.routing.expertEntries = reinterpret_cast<std::uint32_t*>(b + o.expertCount);
+  p.routing.rankRecords = reinterpret_cast<std::uint32_t*>(b + o.rankCount);
+  p.routing.bits = reinterpret_cast<std::uint32_t*>(b + o.routeBits);
+  p.routing.blockCounts = p.routing.bits + (static_cast<std::size_t>(cfg.numExperts) + Rs) * o.routeWords;
+  p.routing.duplicate = p.routing.blockCounts + static_cast<std::size_t>(cfg.numExperts) * o.routeWords;
+  p.routing.blockPrefix = reinterpret_cast<std::uint32_t*>(b + o.routePrefix);
+  p.routing.zeroBytes = throughput ? o.routeZero : 0;
   if (throughput) {  // the throughput kernels' CTAs: the SM budget, or one per SM
-    p.ctas = tctas.comm;
-    p.epilogueCtas = tctas.epilogue[static_cast<std::size_t>(l)];
-    p.epilogueCluster = tctas.cluster[static_cast<std::size_t>(l)];
+    p.grid.budgetCtas = tctas.comm;
+    p.grid.epilogueCtas = tctas.epilogue[static_cast<std::size_t>(l)];
+    p.grid.epilogueCluster = tctas.cluster[static_cast<std::size_t>(l)];
   }
-  p.recSend = b + o.recSend;
-  p.recRecv = throughput ? user + ph.recRecv : nullptr;
-  p.cntSend = b + o.cntSend;
-  p.cntRecv = b + o.cntRecv;
+  p.staging.recordStage = b + o.recSend;
+  p.staging.recordRecv = throughput ? user + ph.recRecv : nullptr;
+  p.movers.countSend = b + o.cntSend;
+  p.movers.countRecv = b + o.cntRecv;
   const EngineExchanges x = throughput ? setupExchangeTables(b + o.arrays, sizes) : EngineExchanges{};
-  p.dispSendCounts = x.records.sendCounts;
-  p.dispRecvCounts = x.records.recvCounts;
-  p.combSendCounts = x.partials.sendCounts;
-  p.combRecvCounts = x.partials.recvCounts;
-  p.recvRows = reinterpret_cast<std::int32_t*>(b + o.recvRows);
-  p.srcBase = reinterpret_cast<std::int32_t*>(b + o.srcBase);
-  p.expertOffsets = reinterpret_cast<std::int32_t*>(b + o.offsets);
-  p.expertCounts = reinterpret_cast<std::int32_t*>(b + o.counts);
-  p.expertDropped = reinterpret_cast<std::int32_t*>(b + o.dropped);
-  p.numRecvRows = reinterpret_cast<std::int32_t*>(b + o.numRows);
-  p.expertTotals = reinterpret_cast<unsigned long long*>(b + o.totals);
-  p.recvX = b + o.recvX;
-  p.recvScales = cfg.hidden % 128 == 0 ? reinterpret_cast<float*>(b + o.scales) : nullptr;
-  p.sourceRanges = p.rankMajor ? nullptr : reinterpret_cast<std::int64_t*>(b + o.sourceRanges);
-  p.rowSrcRank = reinterpret_cast<std::int32_t*>(b + o.rowRank);
-  p.rowSrcToken = reinterpret_cast<std::int32_t*>(b + o.rowToken);
-  p.rowTopkSlot = reinterpret_cast<std::int32_t*>(b + o.rowSlot);
-  p.rowWeight = reinterpret_cast<float*>(b + o.rowWeight);
-  p.y = b + o.y;
-  p.combSend = b + o.combSend;
-  p.combValSend = reinterpret_cast<float*>(b + o.combValSend);
-  p.combRecv = throughput ? user + ph.combRecv : nullptr;
+  p.movers.recordSendBytes = x.records.sendCounts;
+  p.movers.recordRecvBytes = x.records.recvCounts;
+  p.movers.partialSendBytes = x.partials.sendCounts;
+  p.movers.partialRecvBytes = x.partials.recvCounts;
+  p.layout.sourceRecords = reinterpret_cast<std::int32_t*>(b + o.recvRows);
+  p.layout.sourceBase = reinterpret_cast<std::int32_t*>(b + o.srcBase);
+  p.layout.expertOffsets = reinterpret_cast<std::int32_t*>(b + o.offsets);
+  p.layout.expertCounts = reinterpret_cast<std::int32_t*>(b + o.counts);
+  p.layout.expertDropped = reinterpret_cast<std::int32_t*>(b + o.dropped);
+  p.layout.numRecvRows = reinterpret_cast<std::int32_t*>(b + o.numRows);
+  p.layout.expertTotals = reinterpret_cast<unsigned long long*>(b + o.totals);
+  p.layout.recvX = b + o.recvX;
+  p.layout.recvScales = cfg.hidden % 128 == 0 ? reinterpret_cast<float*>(b + o.scales) : nullptr;
+  p.layout.expertSourceRanges = p.layout.rankMajor ? nullptr : reinterpret_cast<std::int64_t*>(b + o.sourceRanges);
+  p.layout.rowSrcRank = reinterpret_cast<std::int32_t*>(b + o.rowRank);
+  p.layout.rowSrcToken = reinterpret_cast<std::int32_t*>(b + o.rowToken);
+  p.layout.rowTopkSlot = reinterpret_cast<std::int32_t*>(b + o.rowSlot);
+  p.layout.rowWeight = reinterpret_cast<float*>(b + o.rowWeight);
+  p.combine.expertOutput = b + o.y;
+  p.staging.partialStage = b + o.combSend;
+  p.direct.valueStage = reinterpret_cast<float*>(b + o.combValSend);
+  p.movers.partialRecv = throughput ? user + ph.combRecv : nullptr;
   for (int q = 0; q < R; ++q) {
-    p.peerUser[q] = q == p.rank ? user : heap.peerUser(l, q);  // nullptr when remote
+    p.peers.userRegions[q] = q == p.shape.rank ? user : heap.peerUser(l, q);  // nullptr when remote
   }
-  p.llRecOff = throughput ? ph.recRecv : ph.llRec;
-  p.llCntOff = ph.llCnt;
-  p.llCombOff = throughput ? ph.combRecv : ph.llComb;
-  p.llFlagOff = ph.llFlag;
-  p.llArriveOff = ph.llArrive;
-  p.llCombArriveOff = ph.llCombArrive;
-  p.llBlockOff = ph.llBlock;
-  p.llCombBlockOff = ph.llCombBlock;
-  p.llDispAckOff = ph.llDispAck;
-  p.llCombAckOff = ph.llCombAck;
-  p.llCombValOff = ph.llCombVal;
-  p.llCombWOff = ph.llCombW;
-  p.llCombWFlagOff = ph.llCombWFlag;
-  p.llSteps = reinterpret_cast<std::uint32_t*>(b + o.llSteps);
-  p.llDone = reinterpret_cast<std::uint32_t*>(b + o.llDone);
-  p.combArrive = reinterpret_cast<std::uint32_t*>(b + o.combArrive);
-  p.combReady = reinterpret_cast<std::uint32_t*>(b + o.combReady);
-  p.llCtas = llCtas;
-  if (!throughput) {  // the latency receivers
-    p.epilogueCtas = lctas.receive[static_cast<std::size_t>(l)];
-    p.epilogueCluster = 1;
+  p.peers.recordsOff = throughput ? ph.recRecv : ph.llRec;
+  p.peers.countMsgsOff = ph.llCnt;
+  p.peers.partialsOff = throughput ? ph.combRecv : ph.llComb;
+  p.peers.countFlagsOff = ph.llFlag;
+  p.latency.recordArrivalsOff = ph.llArrive;
+  p.latency.partialArrivalsOff = ph.llCombArrive;
+  p.direct.recordFlagsOff = ph.llBlock;
+  p.direct.partialFlagsOff = ph.llCombBlock;
+  p.direct.dispatchAcksOff = ph.llDispAck;
+  p.direct.combineAcksOff = ph.llCombAck;
+  p.direct.valuesOff = ph.llCombVal;
+  p.latency.weightsOff = ph.llCombW;
+  p.latency.weightFlagsOff = ph.llCombWFlag;
+  p.peers.steps = reinterpret_cast<std::uint32_t*>(b + o.llSteps);
+  p.peers.lastCtaCounters = reinterpret_cast<std::uint32_t*>(b + o.llDone);
+  p.direct.partialArrivals = reinterpret_cast<std::uint32_t*>(b + o.combArrive);
+  p.direct.partialReady = reinterpret_cast<std::uint32_t*>(b + o.combReady);
+  if (!throughput) {  // the latency senders (the SM budget) and receivers
+    p.grid.budgetCtas = llCtas;
+    p.grid.epilogueCtas = lctas.receive[static_cast<std::size_t>(l)];
+    p.grid.epilogueCluster = 1;
   }
-  p.sync = heap.syncHandle(l);
-  p.timeline = cfg.profile ? reinterpret_cast<unsigned long long*>(b + o.timeline) : nullptr;
+  p.peers.sync = heap.syncHandle(l);
+  p.state.timeline = cfg.profile ? reinterpret_cast<unsigned long long*>(b + o.timeline) : nullptr;
   return p;
 }
 
@@ -189,15 +189,15 @@ void startCounters(const BindPlan& plan, const MoeParams& p, char* user) {
     // G x it (the latency arrivals, G the CTAs that post them).
     const std::uint32_t S = cfg.counterStart, SG = cfg.counterStart * static_cast<std::uint32_t>(llCtas);
     const std::uint32_t steps[2] = {S, S};
-    GRAPHEP_CUDA_CHECK(cudaMemcpy(p.llSteps, steps, sizeof(steps), cudaMemcpyHostToDevice));
+    GRAPHEP_CUDA_CHECK(cudaMemcpy(p.peers.steps, steps, sizeof(steps), cudaMemcpyHostToDevice));
     const std::vector<std::uint32_t> flags(Rs, S), arrivals(Rs, SG);
     GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llFlag, flags.data(), Rs * 4, cudaMemcpyHostToDevice));
     if (throughput) {
       const std::vector<std::uint32_t> blocks(Rs * moeRouteWords(cfg.maxTokensPerRank), S);
       GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llBlock, blocks.data(), blocks.size() * 4, cudaMemcpyHostToDevice));
       GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llCombBlock, blocks.data(), blocks.size() * 4, cudaMemcpyHostToDevice));
-      GRAPHEP_CUDA_CHECK(cudaMemcpy(p.combReady, blocks.data(), blocks.size() * 4, cudaMemcpyHostToDevice));
-      GRAPHEP_CUDA_CHECK(cudaMemset(p.combArrive, 0, blocks.size() * 4));
+      GRAPHEP_CUDA_CHECK(cudaMemcpy(p.direct.partialReady, blocks.data(), blocks.size() * 4, cudaMemcpyHostToDevice));
+      GRAPHEP_CUDA_CHECK(cudaMemset(p.direct.partialArrivals, 0, blocks.size() * 4));
       // The acknowledgements start as if step counterStart - 1 had been read everywhere.
       GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llDispAck, flags.data(), Rs * 4, cudaMemcpyHostToDevice));
       GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llCombAck, flags.data(), Rs * 4, cudaMemcpyHostToDevice));
@@ -235,10 +235,10 @@ void bindExchanges(const BindPlan& plan, const MoeParams& p, char* block, char* 
     a.zeroCopy = zeroCopy;
     return a;
   };
-  impl.cntArgs = exchange(x.counts, p.cntSend, Rs * cntMsgBytes, b + o.cntRecv, Rs * cntMsgBytes, cntMsgBytes, false);
-  impl.dispArgs = exchange(x.records, p.recSend, Rs * T * recBytes, user + ph.recRecv, Rs * T * recBytes,
+  impl.cntArgs = exchange(x.counts, p.movers.countSend, Rs * cntMsgBytes, b + o.cntRecv, Rs * cntMsgBytes, cntMsgBytes, false);
+  impl.dispArgs = exchange(x.records, p.staging.recordStage, Rs * T * recBytes, user + ph.recRecv, Rs * T * recBytes,
                             T * recBytes, true);
-  impl.combArgs = exchange(x.partials, p.combSend, Rs * T * rowBytes, user + ph.combRecv, Rs * T * rowBytes,
+  impl.combArgs = exchange(x.partials, p.staging.partialStage, Rs * T * rowBytes, user + ph.combRecv, Rs * T * rowBytes,
                             T * rowBytes, true);
 }
 
@@ -250,29 +250,29 @@ DispatchLayout layoutViews(const BindPlan& plan, const MoeParams& p, char* block
   char* b = block;
   const LocalCarve& o = plan.carve;
   DispatchLayout v{};
-  v.recvX = p.recvX;
-  v.recvScales = fp8 ? p.recvScales : nullptr;
-  v.scalesBuffer = p.recvScales;
-  v.expertOffsets = p.expertOffsets;
-  v.expertCounts = p.expertCounts;
-  v.expertDropped = p.expertDropped;
-  v.rowSrcRank = p.rowSrcRank;
-  v.rowSrcToken = p.rowSrcToken;
-  v.rowTopkSlot = p.rowTopkSlot;
-  v.rowWeight = p.rowWeight;
-  v.numRecvRows = p.numRecvRows;
-  v.expertTotals = p.expertTotals;
+  v.recvX = p.layout.recvX;
+  v.recvScales = fp8 ? p.layout.recvScales : nullptr;
+  v.scalesBuffer = p.layout.recvScales;
+  v.expertOffsets = p.layout.expertOffsets;
+  v.expertCounts = p.layout.expertCounts;
+  v.expertDropped = p.layout.expertDropped;
+  v.rowSrcRank = p.layout.rowSrcRank;
+  v.rowSrcToken = p.layout.rowSrcToken;
+  v.rowTopkSlot = p.layout.rowTopkSlot;
+  v.rowWeight = p.layout.rowWeight;
+  v.numRecvRows = p.layout.numRecvRows;
+  v.expertTotals = p.layout.expertTotals;
   v.expertOutput = b + o.y;
   v.capacity = capacity;
   v.receiveLayout = cfg.receiveLayout;
-  v.rowsPerExpert = p.batchedRows;
-  v.rankOffsets = p.rankOffsets;
-  v.expertSourceRanges = reinterpret_cast<const long long*>(p.sourceRanges);
-  v.rowExperts = static_cast<const int*>(p.rowExperts);
-  v.rowExpertWeights = p.rowExpertWeights;
+  v.rowsPerExpert = p.layout.rowsPerExpert;
+  v.rankOffsets = p.layout.rankOffsets;
+  v.expertSourceRanges = reinterpret_cast<const long long*>(p.layout.expertSourceRanges);
+  v.rowExperts = static_cast<const int*>(p.layout.rowExperts);
+  v.rowExpertWeights = p.layout.rowExpertWeights;
   v.hidden = cfg.hidden;
   v.numLocalExperts = L;
-  v.firstLocalExpert = p.rank * L;
+  v.firstLocalExpert = p.shape.rank * L;
   return v;
 }
 

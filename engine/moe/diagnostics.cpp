@@ -25,7 +25,7 @@ MoeStatus Engine::status() const {
   DeviceGuard guard(m.device);
   GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
   MoeDeviceStatus d{};
-  GRAPHEP_CUDA_CHECK(cudaMemcpy(&d, m.p.status, sizeof(d), cudaMemcpyDeviceToHost));
+  GRAPHEP_CUDA_CHECK(cudaMemcpy(&d, m.p.state.status, sizeof(d), cudaMemcpyDeviceToHost));
   MoeStatus s;
   s.invalidExpertIds = d.invalidIds;
   s.droppedRows = d.droppedRows;
@@ -52,22 +52,22 @@ HealthReport Engine::checkHealth(cudaStream_t stream, std::chrono::milliseconds 
   HealthReport r = detail::judgeStream(*m.group->heap, m.local, stream, m.watchEvent, timeout, [&]() -> std::string {
     if (m.path != MoePath::kLatency) return "";
     // The counters, copied on the private stream by a copy engine while the kernels spin.
-    const int R = m.p.numRanks;
+    const int R = m.p.shape.numRanks;
     std::uint32_t* h = m.snapshot;
-    const char* user = m.p.peerUser[m.p.rank];
-    GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h, m.p.llSteps, 2 * 4, cudaMemcpyDeviceToHost, m.watchStream));
-    GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h + 2, m.p.pending, 4, cudaMemcpyDeviceToHost, m.watchStream));
-    GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h + 3, user + m.p.llFlagOff, R * 4, cudaMemcpyDeviceToHost, m.watchStream));
-    GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h + 3 + R, user + m.p.llArriveOff, R * 4, cudaMemcpyDeviceToHost, m.watchStream));
+    const char* user = m.p.peers.userRegions[m.p.shape.rank];
+    GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h, m.p.peers.steps, 2 * 4, cudaMemcpyDeviceToHost, m.watchStream));
+    GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h + 2, m.p.state.pending, 4, cudaMemcpyDeviceToHost, m.watchStream));
+    GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h + 3, user + m.p.peers.countFlagsOff, R * 4, cudaMemcpyDeviceToHost, m.watchStream));
+    GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h + 3 + R, user + m.p.latency.recordArrivalsOff, R * 4, cudaMemcpyDeviceToHost, m.watchStream));
     GRAPHEP_CUDA_CHECK(
-        cudaMemcpyAsync(h + 3 + 2 * R, user + m.p.llCombArriveOff, R * 4, cudaMemcpyDeviceToHost, m.watchStream));
+        cudaMemcpyAsync(h + 3 + 2 * R, user + m.p.latency.partialArrivalsOff, R * 4, cudaMemcpyDeviceToHost, m.watchStream));
     GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(m.watchStream));
     detail::LatencyCounters c;
     c.dispatchStep = h[0];
     c.combineStep = h[1];
     c.pending = h[2];
-    c.ctas = static_cast<std::uint32_t>(m.p.llCtas);
-    c.rank = m.p.rank;
+    c.ctas = static_cast<std::uint32_t>(m.p.grid.budgetCtas);
+    c.rank = m.p.shape.rank;
     c.flags.assign(h + 3, h + 3 + R);
     c.arrivals.assign(h + 3 + R, h + 3 + 2 * R);
     c.combineArrivals.assign(h + 3 + 2 * R, h + 3 + 3 * R);
@@ -100,7 +100,7 @@ void Engine::clearStatus() {
   Impl& m = *impl_;
   DeviceGuard guard(m.device);
   GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
-  GRAPHEP_CUDA_CHECK(cudaMemset(m.p.status, 0, sizeof(MoeDeviceStatus)));
+  GRAPHEP_CUDA_CHECK(cudaMemset(m.p.state.status, 0, sizeof(MoeDeviceStatus)));
   m.group->heap->clearError(m.local);
 }
 
@@ -143,7 +143,7 @@ std::vector<unsigned long long> readProfile(const Engine::Impl& m, std::size_t f
   DeviceGuard guard(m.device);
   GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
   std::vector<unsigned long long> words(n);
-  GRAPHEP_CUDA_CHECK(cudaMemcpy(words.data(), m.p.timeline + first, n * sizeof(unsigned long long),
+  GRAPHEP_CUDA_CHECK(cudaMemcpy(words.data(), m.p.state.timeline + first, n * sizeof(unsigned long long),
                                 cudaMemcpyDeviceToHost));
   return words;
 }
@@ -152,7 +152,7 @@ std::vector<unsigned long long> readProfile(const Engine::Impl& m, std::size_t f
 std::vector<MoeKernelSpan> Engine::timeline() const {
   const Impl& m = *impl_;
   std::vector<MoeKernelSpan> spans;
-  if (m.p.timeline == nullptr) return spans;
+  if (m.p.state.timeline == nullptr) return spans;
   constexpr int kN = kStampKernels, kW = kMoeStampWords;
   const std::vector<unsigned long long> t = readProfile(m, 0, kW * kN);
   unsigned long long first = ~0ull;
@@ -171,20 +171,20 @@ std::vector<MoeKernelSpan> Engine::timeline() const {
 
 void Engine::resetTimeline() {
   const Impl& m = *impl_;
-  if (m.p.timeline == nullptr) return;
+  if (m.p.state.timeline == nullptr) return;
   DeviceGuard guard(m.device);
   GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
   // Per kernel: min of entry times (~0), max of exit times, sum of CTA durations, CTAs (0); then
   // the step trace (0: not reached).
   std::vector<unsigned long long> t(kMoeStampWords * kStampKernels + kMoeTraceWords, 0);
   for (int k = 0; k < kStampKernels; ++k) t[static_cast<std::size_t>(kMoeStampWords * k)] = ~0ull;
-  GRAPHEP_CUDA_CHECK(cudaMemcpy(m.p.timeline, t.data(), t.size() * sizeof(unsigned long long), cudaMemcpyHostToDevice));
+  GRAPHEP_CUDA_CHECK(cudaMemcpy(m.p.state.timeline, t.data(), t.size() * sizeof(unsigned long long), cudaMemcpyHostToDevice));
 }
 
 std::vector<MoeStepTrace> Engine::stepTrace() const {
   const Impl& m = *impl_;
   std::vector<MoeStepTrace> steps;
-  if (m.p.timeline == nullptr) return steps;
+  if (m.p.state.timeline == nullptr) return steps;
   constexpr int kE = static_cast<int>(MoeTraceEvent::kCount);
   const std::vector<unsigned long long> t = readProfile(m, kMoeStampWords * kStampKernels, kMoeTraceWords);
   for (int op = 0; op < 2; ++op) {

@@ -57,7 +57,7 @@ int otherEngineHolding(const Engine::Impl& m, const void* ptr) {
   std::lock_guard<std::mutex> lock(registryMutex);
   for (const Engine::Impl* other : registry) {
     if (other != &m && other->block != nullptr && c >= other->block && c < other->block + other->blockBytes) {
-      return other->p.rank;
+      return other->p.shape.rank;
     }
   }
   return -1;
@@ -104,7 +104,7 @@ std::unique_ptr<Engine::Impl> buildEngine(const BindPlan& plan, const std::share
   GRAPHEP_LOG_INFO(log::kInit,
                    "rank %d: MoE engine T_max=%d H=%d E=%d K=%d %s, %s path, capacity %lld rows, %zu B "
                    "local, %zu B symmetric heap",
-                   impl->p.rank, cfg.maxTokensPerRank, cfg.hidden, cfg.numExperts, cfg.topK,
+                   impl->p.shape.rank, cfg.maxTokensPerRank, cfg.hidden, cfg.numExperts, cfg.topK,
                    cfg.dispatchType == DType::kFp8E4m3 ? "fp8" : "bf16",
                    path == MoePath::kLatency ? "latency" : "throughput", plan.capacity, plan.carve.bytes,
                    heapBytes(group->heap->config()));
@@ -168,9 +168,9 @@ std::unique_ptr<Engine> Engine::create(Communicator& comm, const MoeConfig& cfg)
 Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Engine::~Engine() = default;
 
-int Engine::rank() const { return impl_->p.rank; }
+int Engine::rank() const { return impl_->p.shape.rank; }
 int Engine::device() const { return impl_->device; }
-int Engine::worldSize() const { return impl_->p.numRanks; }
+int Engine::worldSize() const { return impl_->p.shape.numRanks; }
 MoePath Engine::path() const { return impl_->path; }
 const MoeConfig& Engine::config() const { return impl_->cfg; }
 std::size_t Engine::symmetricHeapBytes() const { return heapBytes(impl_->group->heap->config()); }
@@ -213,7 +213,7 @@ void applyOutputs(const Engine::Impl& m, const DispatchArgs& a, MoeParams& p);
 
 const DispatchLayout& Engine::dispatch(const DispatchArgs& a, cudaStream_t stream) {
   Impl& m = *impl_;
-  requireHealthy(m, m.p.rank, "dispatch");
+  requireHealthy(m, m.p.shape.rank, "dispatch");
   DeviceGuard guard(m.device);
   const MoeConfig& c = m.cfg;
   requireDevicePointer(a.x, m.device, "dispatch: x");
@@ -280,24 +280,24 @@ const DispatchLayout& Engine::dispatch(const DispatchArgs& a, cudaStream_t strea
                     static_cast<int>(in));
   }
   MoeParams p = m.base;
-  p.x = a.x;
-  p.topkIdx = a.topkIdx;
-  p.int64Ids = a.indexType == IndexType::kInt64 ? 1 : 0;
-  p.topkWeights = a.topkWeights;
-  p.numTokens = a.numTokens;
-  p.topK = topK;
-  p.tokenInRank = reinterpret_cast<const std::uint8_t*>(a.tokenInRank);
-  p.fp8 = fp8 ? 1 : 0;
-  p.payloadBytes = moePayloadBytes(c.hidden, fp8);
-  p.fp8Input = in == DispatchInput::kFp8 ? 1 : 0;
-  p.xScales = a.xScales;
+  p.input.x = a.x;
+  p.input.topkIdx = a.topkIdx;
+  p.input.int64Ids = a.indexType == IndexType::kInt64 ? 1 : 0;
+  p.input.topkWeights = a.topkWeights;
+  p.input.numTokens = a.numTokens;
+  p.shape.topK = topK;
+  p.input.tokenInRank = reinterpret_cast<const std::uint8_t*>(a.tokenInRank);
+  p.shape.fp8 = fp8 ? 1 : 0;
+  p.shape.payloadBytes = moePayloadBytes(c.hidden, fp8);
+  p.input.xIsFp8 = in == DispatchInput::kFp8 ? 1 : 0;
+  p.input.xScales = a.xScales;
   const bool rowMajorScales = a.scaleTokenStride == 0 && a.scaleHiddenStride == 0;
-  p.scaleTokenStride = rowMajorScales ? c.hidden / 128 : a.scaleTokenStride;
-  p.scaleHiddenStride = rowMajorScales ? 1 : a.scaleHiddenStride;
-  p.scaleFormat = static_cast<std::int32_t>(a.scaleFormat);
-  p.recvStats = a.recvStats;
+  p.input.scaleTokenStride = rowMajorScales ? c.hidden / 128 : a.scaleTokenStride;
+  p.input.scaleHiddenStride = rowMajorScales ? 1 : a.scaleHiddenStride;
+  p.input.scaleFormat = static_cast<std::int32_t>(a.scaleFormat);
+  p.layout.recvStats = a.recvStats;
   applyOutputs(m, a, p);
-  m.layout.recvScales = fp8 ? m.base.recvScales : nullptr;  // the engine's rows hold this type now
+  m.layout.recvScales = fp8 ? m.base.layout.recvScales : nullptr;  // the engine's rows hold this type now
   m.p = p;  // combine reads the routing of the last dispatch
   if (m.path == MoePath::kLatency) {
     launchLatency(m, p, Impl::Half::kDispatch, a.half, stream);
@@ -305,7 +305,7 @@ const DispatchLayout& Engine::dispatch(const DispatchArgs& a, cudaStream_t strea
   }
   GRAPHEP_CUDA_CHECK(launchMoeRoute(p, stream));
   if (m.direct) {
-    if (p.fp8) GRAPHEP_CUDA_CHECK(launchMoeDirectQuantize(p, stream));
+    if (p.shape.fp8) GRAPHEP_CUDA_CHECK(launchMoeDirectQuantize(p, stream));
     GRAPHEP_CUDA_CHECK(launchMoeDirectSend(p, stream));
     GRAPHEP_CUDA_CHECK(launchMoeDirectReceive(p, stream));
     return m.layout;
@@ -321,7 +321,7 @@ const DispatchLayout& Engine::dispatch(const DispatchArgs& a, cudaStream_t strea
 
 void Engine::combine(const CombineArgs& a, cudaStream_t stream) {
   Impl& m = *impl_;
-  requireHealthy(m, m.p.rank, "combine");
+  requireHealthy(m, m.p.shape.rank, "combine");
   requireNoHalf(m, "combine");
   DeviceGuard guard(m.device);
   MoeParams p = m.p;
@@ -331,30 +331,30 @@ void Engine::combine(const CombineArgs& a, cudaStream_t stream) {
     GRAPHEP_REQUIRE(m.cfg.receiveLayout != ReceiveLayout::kRankMajor, Status::kNotSupported,
                     "combine: topkWeights with the rank-major layout (its experts apply the weights)");
     requireDevicePointer(a.topkWeights, m.device, "combine: topkWeights");
-    p.combineWeights = a.topkWeights;
+    p.combine.topkWeights = a.topkWeights;
   }
   GRAPHEP_REQUIRE(a.expertOutputRows >= 0, Status::kInvalidArgument, "combine: expertOutputRows=%lld is negative",
                   a.expertOutputRows);
   GRAPHEP_REQUIRE(a.expertOutput != nullptr || a.expertOutputRows <= m.layout.capacity, Status::kInvalidArgument,
                   "combine: expertOutputRows=%lld exceeds the engine's expertOutput of %lld rows",
                   a.expertOutputRows, m.layout.capacity);
-  p.y = m.base.y;
-  p.yRows = a.expertOutputRows > 0 ? a.expertOutputRows : m.layout.capacity;
+  p.combine.expertOutput = m.base.combine.expertOutput;
+  p.combine.expertOutputRows = a.expertOutputRows > 0 ? a.expertOutputRows : m.layout.capacity;
   GRAPHEP_REQUIRE((a.rowValues == nullptr) == (a.outValues == nullptr), Status::kInvalidArgument,
                   "combine: rowValues (%p) and outValues (%p) come together", static_cast<const void*>(a.rowValues),
                   static_cast<void*>(a.outValues));
-  p.rowValues = nullptr;
-  p.outValues = nullptr;
-  p.numValues = 0;
+  p.combine.rowValues = nullptr;
+  p.combine.outValues = nullptr;
+  p.combine.numValues = 0;
   if (a.rowValues != nullptr) {
     requireRankMajorThroughput(m, "rowValues", true);
     requireDevicePointer(a.rowValues, m.device, "combine: rowValues");
     requireDevicePointer(a.outValues, m.device, "combine: outValues");
     GRAPHEP_REQUIRE(a.numValues >= 1 && a.numValues <= kMoeMaxValues, Status::kInvalidArgument,
                     "combine: numValues=%d is outside [1, %d]", a.numValues, kMoeMaxValues);
-    p.rowValues = a.rowValues;
-    p.outValues = a.outValues;
-    p.numValues = a.numValues;
+    p.combine.rowValues = a.rowValues;
+    p.combine.outValues = a.outValues;
+    p.combine.numValues = a.numValues;
   } else {
     GRAPHEP_REQUIRE(a.numValues == 0, Status::kInvalidArgument, "combine: numValues=%d with no rowValues",
                     a.numValues);
@@ -364,7 +364,7 @@ void Engine::combine(const CombineArgs& a, cudaStream_t stream) {
     GRAPHEP_REQUIRE((reinterpret_cast<std::uintptr_t>(a.expertOutput) & 15u) == 0,
                     Status::kInvalidArgument, "combine: expertOutput (%p) is not 16-byte aligned",
                     a.expertOutput);
-    p.y = static_cast<const char*>(a.expertOutput);
+    p.combine.expertOutput = static_cast<const char*>(a.expertOutput);
     const int other = otherEngineHolding(m, a.expertOutput);
     GRAPHEP_REQUIRE(other < 0, Status::kInvalidArgument,
                     "combine: expertOutput (%p) lies in the buffers of another engine (rank %d); pass this "
@@ -374,7 +374,7 @@ void Engine::combine(const CombineArgs& a, cudaStream_t stream) {
   requireDevicePointer(a.out, m.device, "combine: out");
   GRAPHEP_REQUIRE((reinterpret_cast<std::uintptr_t>(a.out) & 15u) == 0, Status::kInvalidArgument,
                   "combine: out (%p) is not 16-byte aligned", a.out);
-  p.out = static_cast<char*>(a.out);
+  p.combine.out = static_cast<char*>(a.out);
   if (m.path == MoePath::kLatency) {
     launchLatency(m, p, Impl::Half::kCombine, a.half, stream);
     return;
@@ -392,11 +392,11 @@ void Engine::combine(const CombineArgs& a, cudaStream_t stream) {
 
 void Engine::receive(cudaStream_t stream) {
   Impl& m = *impl_;
-  requireHealthy(m, m.p.rank, "receive");
+  requireHealthy(m, m.p.shape.rank, "receive");
   GRAPHEP_REQUIRE(m.half != Impl::Half::kNone, Status::kInvalidArgument,
                   "receive: rank %d has no send half waiting for its receive (dispatch or combine with "
                   "half=kSend comes first)",
-                  m.p.rank);
+                  m.p.shape.rank);
   DeviceGuard guard(m.device);
   const Impl::Half op = m.half;
   m.half = Impl::Half::kNone;
@@ -415,7 +415,7 @@ void requireNoHalf(const Engine::Impl& m, const char* op) {
   GRAPHEP_REQUIRE(m.half == Engine::Impl::Half::kNone, Status::kInvalidArgument,
                   "%s: rank %d's last %s was enqueued as its send half; enqueue its receive half first "
                   "(Engine::receive)",
-                  op, m.p.rank, m.half == Engine::Impl::Half::kDispatch ? "dispatch" : "combine");
+                  op, m.p.shape.rank, m.half == Engine::Impl::Half::kDispatch ? "dispatch" : "combine");
 }
 
 void requireLatency(const Engine::Impl& m, const char* what) {
@@ -433,7 +433,7 @@ void requireHalf(const Engine::Impl& m, MoeHalf half, const char* op) {
 
 void launchLatency(Engine::Impl& m, MoeParams p, Engine::Impl::Half op, std::optional<MoeHalf> half,
                    cudaStream_t stream) {
-  p.llPhase = !half ? kMoeLatencyReceive
+  p.latency.phase = !half ? kMoeLatencyReceive
               : *half == MoeHalf::kSend ? kMoeLatencySend
                                         : kMoeLatencySend | kMoeLatencyReceive;
   GRAPHEP_CUDA_CHECK(op == Engine::Impl::Half::kDispatch ? launchMoeLatencyDispatch(p, stream)
@@ -469,7 +469,7 @@ void applyOutputs(const Engine::Impl& m, const DispatchArgs& a, MoeParams& p) {
   requireRankMajorThroughput(m, "DispatchOutputs", o.rankPrefixMatrix != nullptr);
   GRAPHEP_REQUIRE(!rowBuffers || o.rows > 0, Status::kInvalidArgument,
                   "dispatch: outputs.rows=0: give the rows your output buffers hold");
-  if (o.rows > 0) p.outRows = o.rows;
+  if (o.rows > 0) p.layout.outputRows = o.rows;
   // Each buffer given is checked and replaces the engine's for this dispatch.
   auto take = [&](auto* given, const char* what, auto*& into) {
     if (given == nullptr) return;
@@ -480,17 +480,17 @@ void applyOutputs(const Engine::Impl& m, const DispatchArgs& a, MoeParams& p) {
     GRAPHEP_REQUIRE((reinterpret_cast<std::uintptr_t>(o.recvX) & 15u) == 0, Status::kInvalidArgument,
                     "dispatch: outputs.recvX (%p) is not 16-byte aligned", o.recvX);
   }
-  GRAPHEP_REQUIRE(o.recvScales == nullptr || p.fp8 != 0, Status::kInvalidArgument,
+  GRAPHEP_REQUIRE(o.recvScales == nullptr || p.shape.fp8 != 0, Status::kInvalidArgument,
                   "dispatch: outputs.recvScales is set for a bf16 dispatch");
-  take(o.recvX, "dispatch: outputs.recvX", p.recvX);
-  take(o.recvScales, "dispatch: outputs.recvScales", p.recvScales);
-  take(o.rowExperts, "dispatch: outputs.rowExperts", p.rowExperts);
-  if (o.rowExperts != nullptr) p.rowExperts64 = a.indexType == IndexType::kInt64 ? 1 : 0;
-  take(o.rowExpertWeights, "dispatch: outputs.rowExpertWeights", p.rowExpertWeights);
-  take(o.rowSrcRank, "dispatch: outputs.rowSrcRank", p.rowSrcRank);
-  take(o.rowSrcToken, "dispatch: outputs.rowSrcToken", p.rowSrcToken);
-  take(o.rankPrefixMatrix, "dispatch: outputs.rankPrefixMatrix", p.rankPrefix);
-  // A row buffer the caller did not give is the engine's: its rows hold outRows (the capacity holds
+  take(o.recvX, "dispatch: outputs.recvX", p.layout.recvX);
+  take(o.recvScales, "dispatch: outputs.recvScales", p.layout.recvScales);
+  take(o.rowExperts, "dispatch: outputs.rowExperts", p.layout.rowExperts);
+  if (o.rowExperts != nullptr) p.layout.rowExperts64 = a.indexType == IndexType::kInt64 ? 1 : 0;
+  take(o.rowExpertWeights, "dispatch: outputs.rowExpertWeights", p.layout.rowExpertWeights);
+  take(o.rowSrcRank, "dispatch: outputs.rowSrcRank", p.layout.rowSrcRank);
+  take(o.rowSrcToken, "dispatch: outputs.rowSrcToken", p.layout.rowSrcToken);
+  take(o.rankPrefixMatrix, "dispatch: outputs.rankPrefixMatrix", p.layout.rankPrefix);
+  // A row buffer the caller did not give is the engine's: its rows hold layout.outputRows (the capacity holds
   // every rank-major row).
 }
 }  // namespace

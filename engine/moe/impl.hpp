@@ -45,7 +45,7 @@ struct Engine::Impl {
   mutable std::string failure;
   cudaStream_t watchStream = nullptr;
   cudaEvent_t watchEvent = nullptr;
-  std::uint32_t* snapshot = nullptr;  // pinned: llSteps[2], pending, then flags, arrivals, combine arrivals [R] each
+  std::uint32_t* snapshot = nullptr;  // pinned: peers.steps[2], pending, then flags, arrivals, combine arrivals [R] each
   Impl();  // joins the registry of this process's live engines (engine.cpp)
   ~Impl();
   const Movers& movers() const { return group->movers[static_cast<std::size_t>(local)]; }

@@ -22,7 +22,7 @@ namespace graphep {
 class MoeStamp {
  public:
   __device__ MoeStamp(const MoeParams& p, MoeKernel k)
-      : slot_(p.timeline != nullptr && threadIdx.x == 0 ? p.timeline + kMoeStampWords * static_cast<int>(k) : nullptr) {
+      : slot_(p.state.timeline != nullptr && threadIdx.x == 0 ? p.state.timeline + kMoeStampWords * static_cast<int>(k) : nullptr) {
     if (slot_ != nullptr) {
       start_ = ptx::globalTimerNs();
       atomicMin(slot_, static_cast<unsigned long long>(start_));
@@ -51,9 +51,9 @@ class MoeStamp {
 // operations before is always earlier), for an event that many CTAs reach.
 __device__ __forceinline__ void moeTrace(const MoeParams& p, int op, std::uint32_t step, MoeTraceEvent e,
                                          std::uint64_t ns = 0, bool latest = false) {
-  if (p.timeline == nullptr) return;
+  if (p.state.timeline == nullptr) return;
   constexpr int kE = static_cast<int>(MoeTraceEvent::kCount);
-  unsigned long long* slot = p.timeline + kMoeStampWords * static_cast<int>(MoeKernel::kCount) +
+  unsigned long long* slot = p.state.timeline + kMoeStampWords * static_cast<int>(MoeKernel::kCount) +
                              (op * kMoeTraceSteps + static_cast<int>(step % kMoeTraceSteps)) * kE + static_cast<int>(e);
   const unsigned long long now = ns != 0 ? ns : ptx::globalTimerNs();
   if (latest) {
@@ -64,38 +64,38 @@ __device__ __forceinline__ void moeTrace(const MoeParams& p, int op, std::uint32
 }
 
 __device__ __forceinline__ long long moeReadId(const MoeParams& p, std::uint64_t n) {
-  return p.int64Ids ? static_cast<const long long*>(p.topkIdx)[n]
-                    : static_cast<long long>(static_cast<const int*>(p.topkIdx)[n]);
+  return p.input.int64Ids ? static_cast<const long long*>(p.input.topkIdx)[n]
+                    : static_cast<long long>(static_cast<const int*>(p.input.topkIdx)[n]);
 }
 
 __device__ __forceinline__ bool moeValidId(const MoeParams& p, long long id) {
-  return id >= 0 && id < p.numExperts;
+  return id >= 0 && id < p.shape.numExperts;
 }
 
 // The top-k weight of flattened entry n: 1 when the dispatch has none (the latency path, whose
 // combine may bring them: CombineArgs.topkWeights).
 __device__ __forceinline__ float moeWeightOf(const MoeParams& p, std::uint64_t n) {
-  return p.topkWeights != nullptr ? p.topkWeights[n] : 1.f;
+  return p.input.topkWeights != nullptr ? p.input.topkWeights[n] : 1.f;
 }
 
 // Whether token t's entry of valid expert `id` is routed: always, unless tokenInRank leaves the
 // token out of that expert's rank (then the entry is no slot anywhere).
 __device__ __forceinline__ bool moeEntryRouted(const MoeParams& p, int t, long long id) {
-  return p.tokenInRank == nullptr ||
-         p.tokenInRank[static_cast<std::uint64_t>(t) * p.numRanks + id / p.localExperts] != 0;
+  return p.input.tokenInRank == nullptr ||
+         p.input.tokenInRank[static_cast<std::uint64_t>(t) * p.shape.numRanks + id / p.shape.localExperts] != 0;
 }
 
 // An id outside [-1, E): counted, the first one recorded; strict mode traps after counting.
 __device__ inline void moeReportInvalidId(const MoeParams& p, long long id, int token, int slot) {
-  atomicAdd(&p.status->invalidIds, 1ull);
-  if (atomicCAS(&p.status->firstInvalidSet, 0, 1) == 0) {
-    p.status->firstInvalidId = id;
-    p.status->firstInvalidToken = token;
-    p.status->firstInvalidSlot = slot;
+  atomicAdd(&p.state.status->invalidIds, 1ull);
+  if (atomicCAS(&p.state.status->firstInvalidSet, 0, 1) == 0) {
+    p.state.status->firstInvalidId = id;
+    p.state.status->firstInvalidToken = token;
+    p.state.status->firstInvalidSlot = slot;
   }
-  if (p.strict) {
-    printf("graphep: rank %d: topk_idx[%d][%d] = %lld is outside [-1, %d) (strict mode)\n", p.rank,
-           token, slot, id, p.numExperts);
+  if (p.state.strict) {
+    printf("graphep: rank %d: topk_idx[%d][%d] = %lld is outside [-1, %d) (strict mode)\n", p.shape.rank,
+           token, slot, id, p.shape.numExperts);
     __trap();
   }
 }
@@ -104,16 +104,16 @@ __device__ inline void moeReportInvalidId(const MoeParams& p, long long id, int 
 // (one thread of the grid) publishes it to liveTokens and counts an out-of-range value (strict mode
 // traps); every thread may call it for the value.
 __device__ inline int moeLiveTokens(const MoeParams& p, bool record) {
-  const int raw = *p.numTokens;
-  const int T = raw < 0 ? 0 : (raw > p.maxTokens ? p.maxTokens : raw);
+  const int raw = *p.input.numTokens;
+  const int T = raw < 0 ? 0 : (raw > p.shape.maxTokens ? p.shape.maxTokens : raw);
   if (record) {
-    *p.liveTokens = T;
+    *p.routing.liveTokens = T;
     if (raw != T) {
-      atomicAdd(&p.status->clampedCounts, 1ull);
-      if (atomicCAS(&p.status->firstClampedSet, 0u, 1u) == 0u) p.status->firstClampedCount = raw;
-      if (p.strict) {
-        printf("graphep: rank %d: live token count %d is outside [0, %d] (strict mode)\n", p.rank,
-               raw, p.maxTokens);
+      atomicAdd(&p.state.status->clampedCounts, 1ull);
+      if (atomicCAS(&p.state.status->firstClampedSet, 0u, 1u) == 0u) p.state.status->firstClampedCount = raw;
+      if (p.state.strict) {
+        printf("graphep: rank %d: live token count %d is outside [0, %d] (strict mode)\n", p.shape.rank,
+               raw, p.shape.maxTokens);
         __trap();
       }
     }
@@ -126,35 +126,35 @@ __device__ inline int moeLiveTokens(const MoeParams& p, bool record) {
 // dispatch (again). Only a combine before the engine's first dispatch has nothing to combine: it is
 // counted, and strict mode traps; it still runs (over no tokens).
 __device__ inline void moeCheckPairing(const MoeParams& p, bool dispatch) {
-  if (dispatch || (*p.pending & kMoeDispatched) != 0u) return;
-  atomicAdd(&p.status->unpairedCombines, 1ull);
-  if (p.strict) {
-    printf("graphep: rank %d: combine called before any dispatch (strict mode)\n", p.rank);
+  if (dispatch || (*p.state.pending & kMoeDispatched) != 0u) return;
+  atomicAdd(&p.state.status->unpairedCombines, 1ull);
+  if (p.state.strict) {
+    printf("graphep: rank %d: combine called before any dispatch (strict mode)\n", p.shape.rank);
     __trap();
   }
 }
 
 // A combine input row the layout needs past CombineArgs.expertOutputRows: it adds nothing, counted.
 __device__ inline void moeReportMissingRow(const MoeParams& p, long long row) {
-  atomicAdd(&p.status->missingCombineRows, 1ull);
-  if (p.strict) {
+  atomicAdd(&p.state.status->missingCombineRows, 1ull);
+  if (p.state.strict) {
     printf("graphep: rank %d: combine needs expert output row %lld, past the %lld rows given (strict mode)\n",
-           p.rank, row, static_cast<long long>(p.yRows));
+           p.shape.rank, row, static_cast<long long>(p.combine.expertOutputRows));
     __trap();
   }
 }
 
 // A received row whose place is past the capacity: counted (strict mode traps).
 __device__ inline void moeReportDroppedRow(const MoeParams& p, long long pos) {
-  atomicAdd(&p.status->droppedRows, 1ull);
-  if (p.strict) {
-    if (p.batchedRows > 0) {
+  atomicAdd(&p.state.status->droppedRows, 1ull);
+  if (p.state.strict) {
+    if (p.layout.rowsPerExpert > 0) {
       printf("graphep: rank %d: received row %lld is past its expert's block of %lld rows (batched layout, "
              "strict mode)\n",
-             p.rank, pos, static_cast<long long>(p.batchedRows));
+             p.shape.rank, pos, static_cast<long long>(p.layout.rowsPerExpert));
     } else {
-      printf("graphep: rank %d: received row %lld is past the capacity of %lld rows (strict mode)\n", p.rank, pos,
-             static_cast<long long>(p.capacity));
+      printf("graphep: rank %d: received row %lld is past the capacity of %lld rows (strict mode)\n", p.shape.rank, pos,
+             static_cast<long long>(p.layout.capacity));
     }
     __trap();
   }
@@ -193,15 +193,15 @@ template <int kThreads, class Msg>
 __device__ void moeComputeOffsets(const MoeParams& p, Msg msg, std::int32_t* counts, std::int32_t* offsets,
                                   MoeLayoutScratch<kThreads>& scratch) {
   constexpr int kItems = MoeLayoutScratch<kThreads>::kItems;
-  const int tid = static_cast<int>(threadIdx.x), L = p.localExperts;
-  if (p.batchedRows > 0) {  // batched: expert j's block starts at j x batchedRows, whatever arrives
+  const int tid = static_cast<int>(threadIdx.x), L = p.shape.localExperts;
+  if (p.layout.rowsPerExpert > 0) {  // batched: expert j's block starts at j x rowsPerExpert, whatever arrives
     for (int j = tid; j <= L; j += kThreads) {
       if (j < L) {
         std::int32_t c = 0;
-        for (int q = 0; q < p.numRanks; ++q) c += moeCountOf(msg(q), 1 + j);
+        for (int q = 0; q < p.shape.numRanks; ++q) c += moeCountOf(msg(q), 1 + j);
         counts[j] = c;
       }
-      offsets[j] = static_cast<std::int32_t>(static_cast<long long>(j) * p.batchedRows);
+      offsets[j] = static_cast<std::int32_t>(static_cast<long long>(j) * p.layout.rowsPerExpert);
     }
     __syncthreads();
     return;
@@ -212,10 +212,10 @@ __device__ void moeComputeOffsets(const MoeParams& p, Msg msg, std::int32_t* cou
     const int j = tid * kItems + i;
     std::int32_t c = 0;
     if (j < L) {
-      for (int q = 0; q < p.numRanks; ++q) c += moeCountOf(msg(q), 1 + j);
+      for (int q = 0; q < p.shape.numRanks; ++q) c += moeCountOf(msg(q), 1 + j);
       counts[j] = c;
     }
-    aligned[i] = (c + p.alignment - 1) / p.alignment * p.alignment;
+    aligned[i] = (c + p.layout.alignment - 1) / p.layout.alignment * p.layout.alignment;
   }
   std::int32_t total = 0;
   typename MoeLayoutScratch<kThreads>::Scan(scratch.scan).ExclusiveSum(aligned, aligned, total);
@@ -232,7 +232,7 @@ __device__ void moeComputeOffsets(const MoeParams& p, Msg msg, std::int32_t* cou
 // threads of the CTA, no synchronisation): offsets[j] plus the rows of the sources before q.
 template <int kThreads, class Msg>
 __device__ void moeSourceBases(const MoeParams& p, Msg msg, const std::int32_t* offsets, int q, std::int32_t* base) {
-  for (int j = static_cast<int>(threadIdx.x); j < p.localExperts; j += kThreads) {
+  for (int j = static_cast<int>(threadIdx.x); j < p.shape.localExperts; j += kThreads) {
     std::int32_t b = offsets[j];
     for (int r = 0; r < q; ++r) b += moeCountOf(msg(r), 1 + j);
     base[j] = b;
@@ -243,10 +243,10 @@ __device__ void moeSourceBases(const MoeParams& p, Msg msg, const std::int32_t* 
 // with the CTA synchronised.
 template <int kThreads, class Msg>
 __device__ void moeComputeSourceBases(const MoeParams& p, Msg msg, const std::int32_t* offsets, std::int32_t* srcBase) {
-  for (int j = static_cast<int>(threadIdx.x); j < p.localExperts; j += kThreads) {
+  for (int j = static_cast<int>(threadIdx.x); j < p.shape.localExperts; j += kThreads) {
     std::int32_t base = offsets[j];
-    for (int q = 0; q < p.numRanks; ++q) {
-      srcBase[q * p.localExperts + j] = base;
+    for (int q = 0; q < p.shape.numRanks; ++q) {
+      srcBase[q * p.shape.localExperts + j] = base;
       base += moeCountOf(msg(q), 1 + j);
     }
   }
@@ -265,74 +265,74 @@ __device__ void moeComputeLayout(const MoeParams& p, Msg msg, std::int32_t* coun
 // arrays. They describe only rows that exist: expertOffsets[j] = min(offsets[j], capacity),
 // expertCounts[j] = the rows of expert j kept (offsets + counts never pass the capacity),
 // expertDropped[j] = the rest, numRecvRows = the rows kept. Also the engine's own views: rows per
-// source, per-(source, expert) bases (copied to p.srcBase unless srcBase is p.srcBase) and the
+// source, per-(source, expert) bases (copied to p.layout.sourceBase unless srcBase is p.layout.sourceBase) and the
 // cumulative per-expert totals of rows routed (kept or dropped).
 template <int kThreads, class Msg>
 __device__ void moePublishLayout(const MoeParams& p, Msg msg, const std::int32_t* counts, const std::int32_t* offsets,
                                  const std::int32_t* srcBase, MoeLayoutScratch<kThreads>& scratch) {
-  const int tid = static_cast<int>(threadIdx.x), L = p.localExperts;
-  const long long cap = p.capacity;
+  const int tid = static_cast<int>(threadIdx.x), L = p.shape.localExperts;
+  const long long cap = p.layout.capacity;
   std::int32_t keptHere = 0;
-  if (p.rankMajor) {
+  if (p.layout.rankMajor) {
     // Rows are records (at most maxTokens per source: nothing is dropped); the per-expert views
     // count entries, packed: what a grouped GEMM that gathers rows sizes itself by.
     for (int j = tid; j <= L; j += kThreads) {
-      p.expertOffsets[j] = offsets[j];
+      p.layout.expertOffsets[j] = offsets[j];
       if (j == L) continue;
-      p.expertCounts[j] = counts[j];
-      p.expertDropped[j] = 0;
-      p.expertTotals[j] += static_cast<unsigned long long>(counts[j]);
-      if (p.recvStats != nullptr) p.recvStats[j] += counts[j];
+      p.layout.expertCounts[j] = counts[j];
+      p.layout.expertDropped[j] = 0;
+      p.layout.expertTotals[j] += static_cast<unsigned long long>(counts[j]);
+      if (p.layout.recvStats != nullptr) p.layout.recvStats[j] += counts[j];
     }
-    if (srcBase != p.srcBase) {
-      for (int n = tid; n < p.numRanks * L; n += kThreads) p.srcBase[n] = srcBase[n];
+    if (srcBase != p.layout.sourceBase) {
+      for (int n = tid; n < p.shape.numRanks * L; n += kThreads) p.layout.sourceBase[n] = srcBase[n];
     }
     if (tid == 0) {
       std::int32_t row = 0;
-      for (int q = 0; q < p.numRanks; ++q) {
+      for (int q = 0; q < p.shape.numRanks; ++q) {
         const std::uint64_t rows = __ldcg(msg(q));
-        const std::int32_t n = static_cast<std::int32_t>(rows < static_cast<std::uint64_t>(p.maxTokens) ? rows : p.maxTokens);
-        p.recvRows[q] = n;
-        p.rankOffsets[q] = row;
+        const std::int32_t n = static_cast<std::int32_t>(rows < static_cast<std::uint64_t>(p.shape.maxTokens) ? rows : p.shape.maxTokens);
+        p.layout.sourceRecords[q] = n;
+        p.layout.rankOffsets[q] = row;
         row += n;
       }
-      p.rankOffsets[p.numRanks] = row;
-      *p.numRecvRows = row;
+      p.layout.rankOffsets[p.shape.numRanks] = row;
+      *p.layout.numRecvRows = row;
     }
     return;
   }
   for (int j = tid; j <= L; j += kThreads) {
     const long long first = offsets[j] < cap ? offsets[j] : cap;
-    p.expertOffsets[j] = static_cast<std::int32_t>(first);
+    p.layout.expertOffsets[j] = static_cast<std::int32_t>(first);
     if (j == L) continue;
-    const long long room = p.batchedRows > 0 ? p.batchedRows : cap - first;  // batched: its block
+    const long long room = p.layout.rowsPerExpert > 0 ? p.layout.rowsPerExpert : cap - first;  // batched: its block
     const std::int32_t kept = static_cast<std::int32_t>(counts[j] < room ? counts[j] : room);
-    p.expertCounts[j] = kept;
-    p.expertDropped[j] = counts[j] - kept;
-    p.expertTotals[j] += static_cast<unsigned long long>(counts[j]);
-    if (p.recvStats != nullptr) p.recvStats[j] += counts[j];
+    p.layout.expertCounts[j] = kept;
+    p.layout.expertDropped[j] = counts[j] - kept;
+    p.layout.expertTotals[j] += static_cast<unsigned long long>(counts[j]);
+    if (p.layout.recvStats != nullptr) p.layout.recvStats[j] += counts[j];
     keptHere += kept;
-    if (p.sourceRanges != nullptr) {
+    if (p.layout.expertSourceRanges != nullptr) {
       // Each source's rows of expert j: from srcBase (the sources' rows follow each other), the
       // kept part only.
-      for (int q = 0; q < p.numRanks; ++q) {
+      for (int q = 0; q < p.shape.numRanks; ++q) {
         const long long begin = srcBase[q * L + j] - offsets[j];
         const long long sent = moeCountOf(msg(q), 1 + j);
         const long long n = begin >= kept ? 0 : (kept - begin < sent ? kept - begin : sent);
-        p.sourceRanges[static_cast<std::uint64_t>(j) * p.numRanks + q] = (begin << 32) | n;
+        p.layout.expertSourceRanges[static_cast<std::uint64_t>(j) * p.shape.numRanks + q] = (begin << 32) | n;
       }
     }
   }
-  if (srcBase != p.srcBase) {
-    for (int n = tid; n < p.numRanks * L; n += kThreads) p.srcBase[n] = srcBase[n];
+  if (srcBase != p.layout.sourceBase) {
+    for (int n = tid; n < p.shape.numRanks * L; n += kThreads) p.layout.sourceBase[n] = srcBase[n];
   }
-  for (int q = tid; q < p.numRanks; q += kThreads) {
+  for (int q = tid; q < p.shape.numRanks; q += kThreads) {
     // A source sends at most maxTokens records (one per token); its count is trusted to that bound.
     const std::uint64_t rows = __ldcg(msg(q));
-    p.recvRows[q] = static_cast<std::int32_t>(rows < static_cast<std::uint64_t>(p.maxTokens) ? rows : p.maxTokens);
+    p.layout.sourceRecords[q] = static_cast<std::int32_t>(rows < static_cast<std::uint64_t>(p.shape.maxTokens) ? rows : p.shape.maxTokens);
   }
   const std::int32_t kept = typename MoeLayoutScratch<kThreads>::Reduce(scratch.reduce).Sum(keptHere);
-  if (tid == 0) *p.numRecvRows = kept;
+  if (tid == 0) *p.layout.numRecvRows = kept;
 }
 
 // Rank-major: the first row of source s's records (the rows of the sources before it), from the
@@ -342,7 +342,7 @@ __device__ inline long long moeRankBase(const MoeParams& p, Msg msg, int s) {
   long long base = 0;
   for (int q = 0; q < s; ++q) {
     const std::uint64_t rows = __ldcg(msg(q));
-    base += static_cast<long long>(rows < static_cast<std::uint64_t>(p.maxTokens) ? rows : p.maxTokens);
+    base += static_cast<long long>(rows < static_cast<std::uint64_t>(p.shape.maxTokens) ? rows : p.shape.maxTokens);
   }
   return base;
 }
@@ -396,17 +396,17 @@ struct MoeSlotStage {
 };
 
 __device__ __forceinline__ const MoeRecordHeader* moeRecordHeader(const MoeParams& p, const char* rec) {
-  return reinterpret_cast<const MoeRecordHeader*>(rec + p.payloadBytes);
+  return reinterpret_cast<const MoeRecordHeader*>(rec + p.shape.payloadBytes);
 }
 __device__ __forceinline__ const MoeRecordSlot* moeRecordSlots(const MoeParams& p, const char* rec) {
-  return reinterpret_cast<const MoeRecordSlot*>(rec + p.payloadBytes + sizeof(MoeRecordHeader));
+  return reinterpret_cast<const MoeRecordSlot*>(rec + p.shape.payloadBytes + sizeof(MoeRecordHeader));
 }
 
 // The produce hook over one bf16 row of H values: each aligned half-warp quantises one 128-value
 // tile, kMoeUnroll at a time, and writes its wire tile to each of the n rows out[d].
 __device__ inline void moeQuantizeRow(const MoeParams& p, const char* row, char* const* out, int n, const MoeGroup& g) {
   constexpr int kLanes = ProduceFp8E4m3::kThreads;
-  const int tiles = p.hidden / kFp8TileValues, lane = g.tid % kLanes, step = g.nthreads / kLanes;
+  const int tiles = p.shape.hidden / kFp8TileValues, lane = g.tid % kLanes, step = g.nthreads / kLanes;
   for (int t0 = g.tid / kLanes; t0 < tiles; t0 += step * kMoeUnroll) {
     uint4 raw[kMoeUnroll];
 #pragma unroll
@@ -420,7 +420,7 @@ __device__ inline void moeQuantizeRow(const MoeParams& p, const char* row, char*
     for (int u = 0; u < kMoeUnroll; ++u) {
       const int tile = t0 + u * step;
       if (tile >= tiles) break;  // uniform across the half-warp (its shuffles stay converged)
-      const ProduceFp8E4m3::Regs q = ProduceFp8E4m3::quantize(raw[u], p.scaleFormat != kMoeScaleFloat);
+      const ProduceFp8E4m3::Regs q = ProduceFp8E4m3::quantize(raw[u], p.input.scaleFormat != kMoeScaleFloat);
       for (int d = 0; d < n; ++d) ProduceFp8E4m3::emit(out[d] + static_cast<std::uint64_t>(tile) * kFp8TileWireBytes, lane, q);
     }
   }
@@ -433,16 +433,16 @@ __device__ inline void moeQuantizeRow(const MoeParams& p, const char* row, char*
 template <class EntryIndex>
 __device__ inline void moeWriteRecordMeta(const MoeParams& p, int t, char* const* dst, const int* dstRank, int n,
                                           EntryIndex entryIndex, long long id, float w, int k) {
-  const bool valid = k < p.topK && moeValidId(p, id);
+  const bool valid = k < p.shape.topK && moeValidId(p, id);
   const std::int32_t index = valid ? entryIndex(k) : 0;
   for (int d = 0; d < n; ++d) {
-    const bool here = valid && id / p.localExperts == dstRank[d];
+    const bool here = valid && id / p.shape.localExperts == dstRank[d];
     const unsigned m = __ballot_sync(0xffffffffu, here);
     if (here) {
-      auto* slots = reinterpret_cast<MoeRecordSlot*>(dst[d] + p.payloadBytes + sizeof(MoeRecordHeader));
-      slots[__popc(m & ((1u << k) - 1u))] = MoeRecordSlot{static_cast<std::int32_t>(id % p.localExperts), index, w, k};
+      auto* slots = reinterpret_cast<MoeRecordSlot*>(dst[d] + p.shape.payloadBytes + sizeof(MoeRecordHeader));
+      slots[__popc(m & ((1u << k) - 1u))] = MoeRecordSlot{static_cast<std::int32_t>(id % p.shape.localExperts), index, w, k};
     }
-    if (k == 0) *reinterpret_cast<MoeRecordHeader*>(dst[d] + p.payloadBytes) = MoeRecordHeader{t, __popc(m), {0, 0}};
+    if (k == 0) *reinterpret_cast<MoeRecordHeader*>(dst[d] + p.shape.payloadBytes) = MoeRecordHeader{t, __popc(m), {0, 0}};
   }
 }
 
@@ -456,18 +456,18 @@ template <class EntryIndex>
 __device__ inline void moeWriteRecords(const MoeParams& p, int t, char* const* dst, const int* dstRank,
                                        int n, EntryIndex entryIndex, const MoeGroup& g, int nPayload,
                                        const char* wire = nullptr) {
-  const std::uint64_t H = static_cast<std::uint64_t>(p.hidden);
-  const char* row = static_cast<const char*>(p.x) + static_cast<std::uint64_t>(t) * H * 2;
+  const std::uint64_t H = static_cast<std::uint64_t>(p.shape.hidden);
+  const char* row = static_cast<const char*>(p.input.x) + static_cast<std::uint64_t>(t) * H * 2;
   // The first warp's lanes k < topK read slot k's id and weight before the row's loads are issued.
   const int k = g.tid;
-  const std::uint64_t e = static_cast<std::uint64_t>(t) * p.topK + (k < p.topK ? k : 0);
-  const long long id = k < p.topK ? moeReadId(p, e) : -1;
-  const float w = k < p.topK ? moeWeightOf(p, e) : 0.f;
-  if (nPayload > 0 && p.fp8 && wire == nullptr) {
+  const std::uint64_t e = static_cast<std::uint64_t>(t) * p.shape.topK + (k < p.shape.topK ? k : 0);
+  const long long id = k < p.shape.topK ? moeReadId(p, e) : -1;
+  const float w = k < p.shape.topK ? moeWeightOf(p, e) : 0.f;
+  if (nPayload > 0 && p.shape.fp8 && wire == nullptr) {
     moeQuantizeRow(p, row, dst, nPayload, g);
   } else if (nPayload > 0) {
     const auto* src = reinterpret_cast<const uint4*>(wire != nullptr ? wire : row);
-    const int vecs = static_cast<int>((wire != nullptr ? p.payloadBytes : H * 2) / 16);
+    const int vecs = static_cast<int>((wire != nullptr ? p.shape.payloadBytes : H * 2) / 16);
     for (int c0 = g.tid; c0 < vecs; c0 += g.nthreads * kMoeUnroll) {
       uint4 v[kMoeUnroll];
 #pragma unroll
@@ -490,18 +490,18 @@ __device__ inline void moeWriteRecords(const MoeParams& p, int t, char* const* d
 // (batched: past its expert's block; or for a slot graphep did not write).
 __device__ __forceinline__ long long moeSlotRow(const MoeParams& p, const std::int32_t* srcBase,
                                                 const MoeRecordSlot& slot) {
-  if (slot.localExpert < 0 || slot.localExpert >= p.localExperts) return -1;
+  if (slot.localExpert < 0 || slot.localExpert >= p.shape.localExperts) return -1;
   const long long pos = static_cast<long long>(srcBase[slot.localExpert]) + slot.index;
-  const long long end = p.batchedRows > 0 ? (slot.localExpert + 1ll) * p.batchedRows : p.capacity;
+  const long long end = p.layout.rowsPerExpert > 0 ? (slot.localExpert + 1ll) * p.layout.rowsPerExpert : p.layout.capacity;
   return pos >= 0 && pos < end ? pos : -1;
 }
 
 // Rank-major: whether row `rankRow` exists for this operation: a dispatch writes rows below
-// outRows (the caller's outputs or the capacity; a row past it is dropped and counted), a combine
-// reads rows below yRows (the rows of its input; a row past it adds nothing, counted). Lane 0
+// layout.outputRows (the caller's outputs or the capacity; a row past it is dropped and counted), a combine
+// reads rows below combine.expertOutputRows (the rows of its input; a row past it adds nothing, counted). Lane 0
 // counts.
 __device__ __forceinline__ bool moeRankRowExists(const MoeParams& p, long long rankRow, bool expand, int lane) {
-  const bool ok = rankRow < (expand ? p.outRows : p.yRows);
+  const bool ok = rankRow < (expand ? p.layout.outputRows : p.combine.expertOutputRows);
   if (!ok && lane == 0) {
     if (expand) {
       moeReportDroppedRow(p, rankRow);
@@ -514,13 +514,13 @@ __device__ __forceinline__ bool moeRankRowExists(const MoeParams& p, long long r
 
 // Rank-major: top-k slot k of row `row`, its local expert (-1: not on this rank) and weight (0 then).
 __device__ __forceinline__ void moeStoreRowSlot(const MoeParams& p, long long row, int k, int expert, float weight) {
-  const std::uint64_t n = static_cast<std::uint64_t>(row) * p.topK + k;
-  if (p.rowExperts64) {
-    static_cast<long long*>(p.rowExperts)[n] = expert;
+  const std::uint64_t n = static_cast<std::uint64_t>(row) * p.shape.topK + k;
+  if (p.layout.rowExperts64) {
+    static_cast<long long*>(p.layout.rowExperts)[n] = expert;
   } else {
-    static_cast<std::int32_t*>(p.rowExperts)[n] = expert;
+    static_cast<std::int32_t*>(p.layout.rowExperts)[n] = expert;
   }
-  p.rowExpertWeights[n] = weight;
+  p.layout.rowExpertWeights[n] = weight;
 }
 
 // Rank-major (rankRow >= 0): a record's one row. `stage` gets it with weight 1 (the payload goes
@@ -536,10 +536,10 @@ __device__ inline void moeStageRankRow(const MoeParams& p, long long rankRow, bo
     return;
   }
   if (expand) {
-    p.rowSrcRank[rankRow] = s;
-    p.rowSrcToken[rankRow] = t;
-    p.rowTopkSlot[rankRow] = -1;
-    p.rowWeight[rankRow] = 0.f;
+    p.layout.rowSrcRank[rankRow] = s;
+    p.layout.rowSrcToken[rankRow] = t;
+    p.layout.rowTopkSlot[rankRow] = -1;
+    p.layout.rowWeight[rankRow] = 0.f;
   }
   stage.n = 1;
   stage.row[0] = rankRow;
@@ -559,17 +559,17 @@ __device__ inline void moeResolveSlots(const MoeParams& p, int s, const char* re
     // The header and every slot at once (a record has room for topK slots).
     const int4 h = __ldcg(reinterpret_cast<const int4*>(moeRecordHeader(p, rec)));
     int4 v = make_int4(-1, 0, 0, 0);
-    if (g.tid < p.topK) v = __ldcg(reinterpret_cast<const int4*>(moeRecordSlots(p, rec)) + g.tid);
-    const int nslots = h.y < p.topK ? h.y : p.topK;
+    if (g.tid < p.shape.topK) v = __ldcg(reinterpret_cast<const int4*>(moeRecordSlots(p, rec)) + g.tid);
+    const int nslots = h.y < p.shape.topK ? h.y : p.shape.topK;
     MoeRecordSlot slot{-1, 0, 0.f, 0};
     if (g.tid < nslots) slot = MoeRecordSlot{v.x, v.y, __int_as_float(v.z), v.w};
     if (rankRow >= 0) {
       const bool exists = moeRankRowExists(p, rankRow, expand, g.tid);
       if (expand && exists) {  // every slot -1, then the record's (compacted) slots at their top-k positions
-        if (g.tid < p.topK) moeStoreRowSlot(p, rankRow, g.tid, -1, 0.f);
+        if (g.tid < p.shape.topK) moeStoreRowSlot(p, rankRow, g.tid, -1, 0.f);
         __syncwarp();
-        if (g.tid < nslots && slot.k >= 0 && slot.k < p.topK && slot.localExpert >= 0 &&
-            slot.localExpert < p.localExperts) {
+        if (g.tid < nslots && slot.k >= 0 && slot.k < p.shape.topK && slot.localExpert >= 0 &&
+            slot.localExpert < p.shape.localExperts) {
           moeStoreRowSlot(p, rankRow, slot.k, slot.localExpert, slot.weight);
         }
       }
@@ -577,7 +577,7 @@ __device__ inline void moeResolveSlots(const MoeParams& p, int s, const char* re
       __syncwarp();
     } else {
     long long pos = g.tid < nslots ? moeSlotRow(p, srcBase, slot) : -1;
-    if (!expand && pos >= p.yRows) {  // combine: the caller's expert outputs end before this row
+    if (!expand && pos >= p.combine.expertOutputRows) {  // combine: the caller's expert outputs end before this row
       moeReportMissingRow(p, pos);
       pos = -1;
     }
@@ -586,14 +586,14 @@ __device__ inline void moeResolveSlots(const MoeParams& p, int s, const char* re
       const int at = __popc(kept & ((1u << g.tid) - 1u));
       stage.row[at] = pos;
       stage.weight[at] = slotWeights == nullptr ? slot.weight
-                         : slot.k >= 0 && slot.k < p.topK ? __ldcg(slotWeights + slot.k) : 0.f;
+                         : slot.k >= 0 && slot.k < p.shape.topK ? __ldcg(slotWeights + slot.k) : 0.f;
       if (expand) {
-        p.rowSrcRank[pos] = s;
-        p.rowSrcToken[pos] = h.x;
-        p.rowTopkSlot[pos] = slot.k;
-        p.rowWeight[pos] = slot.weight;
+        p.layout.rowSrcRank[pos] = s;
+        p.layout.rowSrcToken[pos] = h.x;
+        p.layout.rowTopkSlot[pos] = slot.k;
+        p.layout.rowWeight[pos] = slot.weight;
       }
-    } else if (expand && g.tid < nslots && slot.localExpert >= 0 && slot.localExpert < p.localExperts) {
+    } else if (expand && g.tid < nslots && slot.localExpert >= 0 && slot.localExpert < p.shape.localExperts) {
       moeReportDroppedRow(p, static_cast<long long>(srcBase[slot.localExpert]) + slot.index);
     }
     if (g.tid == 0) {
@@ -623,21 +623,21 @@ __device__ inline void moeResolveOwnSlots(const MoeParams& p, int t, char* rec, 
                                           MoeSlotStage& stage, const MoeGroup& g, long long rankRow = -1) {
   g.sync();  // the previous user of `stage` is done
   if (g.tid < 32) {  // topK <= 16: the group's first warp, one lane per slot
-    const int k = g.tid, L = p.localExperts;
-    const std::uint64_t e = static_cast<std::uint64_t>(t) * p.topK + (k < p.topK ? k : 0);
-    const long long id = k < p.topK ? moeReadId(p, e) : -1;
-    const bool here = k < p.topK && moeValidId(p, id) && id / L == p.rank;  // invalid ids: counted by route
-    const MoeRecordSlot slot{here ? static_cast<std::int32_t>(id % L) : -1, here ? p.entryIdx[e] : 0,
+    const int k = g.tid, L = p.shape.localExperts;
+    const std::uint64_t e = static_cast<std::uint64_t>(t) * p.shape.topK + (k < p.shape.topK ? k : 0);
+    const long long id = k < p.shape.topK ? moeReadId(p, e) : -1;
+    const bool here = k < p.shape.topK && moeValidId(p, id) && id / L == p.shape.rank;  // invalid ids: counted by route
+    const MoeRecordSlot slot{here ? static_cast<std::int32_t>(id % L) : -1, here ? p.routing.entryIndex[e] : 0,
                              here ? moeWeightOf(p, e) : 0.f, k};
     const unsigned m = __ballot_sync(0xffffffffu, here);
     if (here) {
-      reinterpret_cast<MoeRecordSlot*>(rec + p.payloadBytes + sizeof(MoeRecordHeader))[__popc(m & ((1u << k) - 1u))] = slot;
+      reinterpret_cast<MoeRecordSlot*>(rec + p.shape.payloadBytes + sizeof(MoeRecordHeader))[__popc(m & ((1u << k) - 1u))] = slot;
     }
-    if (k == 0) *reinterpret_cast<MoeRecordHeader*>(rec + p.payloadBytes) = MoeRecordHeader{t, __popc(m), {0, 0}};
+    if (k == 0) *reinterpret_cast<MoeRecordHeader*>(rec + p.shape.payloadBytes) = MoeRecordHeader{t, __popc(m), {0, 0}};
     if (rankRow >= 0) {  // rank-major: the token's one row, each slot's local expert (-1: not here)
       const bool exists = moeRankRowExists(p, rankRow, true, k);
-      if (exists && k < p.topK) moeStoreRowSlot(p, rankRow, k, slot.localExpert, slot.weight);
-      moeStageRankRow(p, rankRow, exists, p.rank, t, true, stage, k);
+      if (exists && k < p.shape.topK) moeStoreRowSlot(p, rankRow, k, slot.localExpert, slot.weight);
+      moeStageRankRow(p, rankRow, exists, p.shape.rank, t, true, stage, k);
     } else {
     const long long pos = here ? moeSlotRow(p, srcBase, slot) : -1;
     const unsigned kept = __ballot_sync(0xffffffffu, pos >= 0);
@@ -645,10 +645,10 @@ __device__ inline void moeResolveOwnSlots(const MoeParams& p, int t, char* rec, 
       const int at = __popc(kept & ((1u << k) - 1u));
       stage.row[at] = pos;
       stage.weight[at] = slot.weight;
-      p.rowSrcRank[pos] = p.rank;
-      p.rowSrcToken[pos] = t;
-      p.rowTopkSlot[pos] = k;
-      p.rowWeight[pos] = slot.weight;
+      p.layout.rowSrcRank[pos] = p.shape.rank;
+      p.layout.rowSrcToken[pos] = t;
+      p.layout.rowTopkSlot[pos] = k;
+      p.layout.rowWeight[pos] = slot.weight;
     } else if (here) {
       moeReportDroppedRow(p, static_cast<long long>(srcBase[slot.localExpert]) + slot.index);
     }
@@ -664,10 +664,10 @@ __device__ inline void moeResolveOwnSlots(const MoeParams& p, int t, char* rec, 
 // Scale n of recv_scales: fp32, or with kMoeScaleUe8m0 the power of two's biased exponent in byte n
 // (DeepEP's packed UE8M0: four per int32 word, value 4w + i in byte i).
 __device__ __forceinline__ void moeStoreScale(const MoeParams& p, std::uint64_t n, float scale) {
-  if (p.scaleFormat == kMoeScaleUe8m0) {
-    reinterpret_cast<std::uint8_t*>(p.recvScales)[n] = static_cast<std::uint8_t>(__float_as_uint(scale) >> 23);
+  if (p.input.scaleFormat == kMoeScaleUe8m0) {
+    reinterpret_cast<std::uint8_t*>(p.layout.recvScales)[n] = static_cast<std::uint8_t>(__float_as_uint(scale) >> 23);
   } else {
-    p.recvScales[n] = scale;
+    p.layout.recvScales[n] = scale;
   }
 }
 
@@ -678,9 +678,9 @@ __device__ __forceinline__ void moeStoreScale(const MoeParams& p, std::uint64_t 
 template <class Resolve>
 __device__ inline void moeExpandRow(const MoeParams& p, const char* row, bool fromX, Resolve resolve,
                                     const MoeSlotStage& stage, const MoeGroup& g) {
-  const std::uint64_t H = static_cast<std::uint64_t>(p.hidden);
+  const std::uint64_t H = static_cast<std::uint64_t>(p.shape.hidden);
   // Each pass loads kMoeUnroll pieces per thread, then stores them to every row.
-  if (p.fp8) {
+  if (p.shape.fp8) {
     constexpr int kLanes = ProduceFp8E4m3::kThreads;
     const int tiles = static_cast<int>(H / kFp8TileValues), lane = g.tid % kLanes, step = g.nthreads / kLanes;
     Fp8WireRegs w[kMoeUnroll];
@@ -692,7 +692,7 @@ __device__ inline void moeExpandRow(const MoeParams& p, const char* row, bool fr
         if (fromX) {
           const ProduceFp8E4m3::Regs q = ProduceFp8E4m3::quantize(
               *reinterpret_cast<const uint4*>(row + static_cast<std::uint64_t>(tile) * kFp8TileSrcBytes + lane * 16),
-              p.scaleFormat != kMoeScaleFloat);
+              p.input.scaleFormat != kMoeScaleFloat);
           w[u] = Fp8WireRegs{q.q, q.scale};
         } else {
           w[u] = loadFp8Wire(row + static_cast<std::uint64_t>(tile) * kFp8TileWireBytes, lane);
@@ -710,7 +710,7 @@ __device__ inline void moeExpandRow(const MoeParams& p, const char* row, bool fr
         for (int u = 0; u < kMoeUnroll; ++u) {
           const int tile = t0 + u * step;
           if (tile >= tiles) break;
-          *reinterpret_cast<uint2*>(p.recvX + r * H + static_cast<std::uint64_t>(tile) * kFp8TileValues + lane * 8) = w[u].q;
+          *reinterpret_cast<uint2*>(p.layout.recvX + r * H + static_cast<std::uint64_t>(tile) * kFp8TileValues + lane * 8) = w[u].q;
           if (lane == 0) moeStoreScale(p, r * (H / kFp8TileValues) + tile, w[u].scale);
         }
       }
@@ -733,7 +733,7 @@ __device__ inline void moeExpandRow(const MoeParams& p, const char* row, bool fr
     const int n = stage.n;
     while (c0 < vecs) {
       for (int d = 0; d < n; ++d) {
-        auto* out = reinterpret_cast<uint4*>(p.recvX) + static_cast<std::uint64_t>(stage.row[d]) * vecs;
+        auto* out = reinterpret_cast<uint4*>(p.layout.recvX) + static_cast<std::uint64_t>(stage.row[d]) * vecs;
 #pragma unroll
         for (int u = 0; u < kMoeUnroll; ++u) {
           if (c0 + u * g.nthreads < vecs) out[c0 + u * g.nthreads] = v[u];
@@ -759,8 +759,8 @@ __device__ inline void moeExpandRecord(const MoeParams& p, int s, const char* re
 __device__ inline void moeExpandOwnRecord(const MoeParams& p, const char* rec, const std::int32_t* srcBase,
                                           MoeSlotStage& stage, const MoeGroup& g, long long rankRow = -1) {
   const int t = __ldcg(&moeRecordHeader(p, rec)->token);  // written by this rank's sender: t < maxTokens
-  const char* row = static_cast<const char*>(p.x) + static_cast<std::uint64_t>(t) * p.hidden * 2;
-  moeExpandRow(p, row, true, [&] { moeResolveSlots(p, p.rank, rec, srcBase, stage, true, g, rankRow); }, stage, g);
+  const char* row = static_cast<const char*>(p.input.x) + static_cast<std::uint64_t>(t) * p.shape.hidden * 2;
+  moeExpandRow(p, row, true, [&] { moeResolveSlots(p, p.shape.rank, rec, srcBase, stage, true, g, rankRow); }, stage, g);
 }
 
 // This rank's own token t (index i in its own list) into recv_x straight from x, or from `wire`
@@ -769,7 +769,7 @@ __device__ inline void moeExpandOwnRecord(const MoeParams& p, const char* rec, c
 __device__ inline void moeExpandOwnToken(const MoeParams& p, int t, char* rec, const std::int32_t* srcBase,
                                          MoeSlotStage& stage, const MoeGroup& g, const char* wire = nullptr,
                                          long long rankRow = -1) {
-  const char* row = wire != nullptr ? wire : static_cast<const char*>(p.x) + static_cast<std::uint64_t>(t) * p.hidden * 2;
+  const char* row = wire != nullptr ? wire : static_cast<const char*>(p.input.x) + static_cast<std::uint64_t>(t) * p.shape.hidden * 2;
   moeExpandRow(p, row, wire == nullptr, [&] { moeResolveOwnSlots(p, t, rec, srcBase, stage, g, rankRow); }, stage, g);
 }
 
@@ -815,7 +815,7 @@ template <class Src, class Weight>
 __device__ inline void moeWeightedSum(const MoeParams& p, int n, Src src, Weight weight, uint4* out,
                                       const MoeGroup& g) {
   constexpr int kU = kMoeUnroll / 2;
-  const int vecs = p.hidden / 8;
+  const int vecs = p.shape.hidden / 8;
   for (int c0 = g.tid; c0 < vecs; c0 += g.nthreads * kU) {
     float acc[kU][8];
 #pragma unroll
@@ -840,8 +840,8 @@ __device__ inline void moeReduceRecord(const MoeParams& p, const char* rec, cons
                                        char* out, MoeSlotStage& stage, const MoeGroup& g, long long rankRow = -1,
                                        const float* slotWeights = nullptr) {
   moeResolveSlots(p, -1, rec, srcBase, stage, false, g, rankRow, slotWeights);
-  const std::uint64_t vecs = static_cast<std::uint64_t>(p.hidden) / 8;
-  const auto* y = reinterpret_cast<const uint4*>(p.y);
+  const std::uint64_t vecs = static_cast<std::uint64_t>(p.shape.hidden) / 8;
+  const auto* y = reinterpret_cast<const uint4*>(p.combine.expertOutput);
   moeWeightedSum(
       p, stage.n, [&](int i) { return y + static_cast<std::uint64_t>(stage.row[i]) * vecs; },
       [&](int i) { return stage.weight[i]; }, reinterpret_cast<uint4*>(out), g);
@@ -855,19 +855,19 @@ __device__ inline void moeFinalToken(const MoeParams& p, int t, Partial partial,
   g.sync();  // the previous token's readers of `parts` are done
   if (g.tid == 0) {
     int n = 0;
-    for (int r = 0; r < p.numRanks; ++r) {
+    for (int r = 0; r < p.shape.numRanks; ++r) {
       const char* part = partial(r);
       if (part != nullptr) parts[n++] = reinterpret_cast<const uint4*>(part);
     }
-    for (int r = n; r < p.numRanks; ++r) parts[r] = nullptr;
+    for (int r = n; r < p.shape.numRanks; ++r) parts[r] = nullptr;
   }
   g.sync();
   int n = 0;
-  while (n < p.numRanks && parts[n] != nullptr) ++n;
-  const std::uint64_t vecs = static_cast<std::uint64_t>(p.hidden) / 8;
+  while (n < p.shape.numRanks && parts[n] != nullptr) ++n;
+  const std::uint64_t vecs = static_cast<std::uint64_t>(p.shape.hidden) / 8;
   moeWeightedSum(
       p, n, [&](int i) { return parts[i]; }, [](int) { return 1.0f; },
-      reinterpret_cast<uint4*>(p.out) + static_cast<std::uint64_t>(t) * vecs, g);
+      reinterpret_cast<uint4*>(p.combine.out) + static_cast<std::uint64_t>(t) * vecs, g);
 }
 
 }  // namespace graphep

@@ -2,13 +2,13 @@
 // dispatch when every peer is reached by load/store on a GPU of its own. No pack pass and no
 // movers: the sender stores each token's record straight into every destination's receive slot.
 //
-//   send     (MoeParams::ctas CTAs, the SM budget) after route: the CTAs split the destinations'
+//   send     (grid.budgetCtas CTAs, the SM budget) after route: the CTAs split the destinations'
 //            count messages (with the live count and, per block of 32 tokens, the index of its
 //            first record), each posted with its flag (step + 1) before any payload; then CTA c
 //            takes blocks c, c + G, ...: each group reads one token's row once and writes its
-//            record into every peer's slot [this rank][index] (index from route's tokRankIdx),
+//            record into every peer's slot [this rank][index] (index from route's routing.tokenRankIndex),
 //            and the block's flag (step + 1) is posted to every peer after a system fence.
-//   receive  (MoeParams::epilogueCtas CTAs, one per SM; launched as the send's programmatic
+//   receive  (MoeParams::grid.epilogueCtas CTAs, one per SM; launched as the send's programmatic
 //            dependent, so it starts on the SMs the send leaves free while the send runs) every
 //            CTA waits for every count flag and derives the layout (CTA 0 publishes it); then it
 //            expands this rank's own tokens straight from x, or for fp8 from the quantise kernel's
@@ -16,7 +16,7 @@
 //            combine reads), then each peer's records as the blocks' flags arrive, a block's 32
 //            spread over 8 CTAs (a record per group); the last CTA advances the step.
 //   combine  reduce (epilogueCtas CTAs) reduces each peer's records into a local staging, a block
-//            of 32 spread over 8 CTAs, marking each block ready; send (ctas CTAs, the reduce's
+//            of 32 spread over 8 CTAs, marking each block ready; send (grid.budgetCtas CTAs, the reduce's
 //            programmatic dependent) copies each ready block straight into the peer's partial
 //            slots and flags it there; final (epilogueCtas CTAs, the send's programmatic
 //            dependent) reduces the own rows and sums each token's partials in rank order.
@@ -45,73 +45,73 @@ static_assert(kMaxRanks <= 32, "the send resolves a token's destinations one per
 
 // Source `src`'s count message of the step's parity in rank `rank`'s heap (moeDirectMsgBytes).
 __device__ __forceinline__ std::uint64_t* directMsg(const MoeParams& p, int rank, int parity, int src) {
-  return reinterpret_cast<std::uint64_t*>(p.peerUser[rank] + p.llCntOff +
-                                          (static_cast<std::uint64_t>(parity) * p.numRanks + src) * p.directMsgBytes);
+  return reinterpret_cast<std::uint64_t*>(p.peers.userRegions[rank] + p.peers.countMsgsOff +
+                                          (static_cast<std::uint64_t>(parity) * p.shape.numRanks + src) * p.direct.msgBytes);
 }
 // Its u32 tail: {T, first[0 .. W]}.
 __device__ __forceinline__ std::uint32_t* directTail(const MoeParams& p, int rank, int parity, int src) {
   return reinterpret_cast<std::uint32_t*>(reinterpret_cast<char*>(directMsg(p, rank, parity, src)) +
-                                          moeCountMsgBytes(p.localExperts));
+                                          moeCountMsgBytes(p.shape.localExperts));
 }
 
-// Record slot `i` of source `src` in rank `rank`'s heap (recRecv: [R][maxTokens][recBytes]).
+// Record slot `i` of source `src` in rank `rank`'s heap (staging.recordRecv: [R][maxTokens][recordBytes]).
 __device__ __forceinline__ char* directRecord(const MoeParams& p, int rank, int src, int i) {
-  return p.peerUser[rank] + p.llRecOff + (static_cast<std::uint64_t>(src) * p.maxTokens + i) * p.recBytes;
+  return p.peers.userRegions[rank] + p.peers.recordsOff + (static_cast<std::uint64_t>(src) * p.shape.maxTokens + i) * p.shape.recordBytes;
 }
 
 // Rank `rank`'s flag for source `src`'s block w.
 __device__ __forceinline__ std::uint32_t* directBlockFlag(const MoeParams& p, int rank, int src, int w) {
-  return reinterpret_cast<std::uint32_t*>(p.peerUser[rank] + p.llBlockOff) +
-         static_cast<std::uint64_t>(src) * moeRouteWords(p.maxTokens) + w;
+  return reinterpret_cast<std::uint32_t*>(p.peers.userRegions[rank] + p.direct.recordFlagsOff) +
+         static_cast<std::uint64_t>(src) * moeRouteWords(p.shape.maxTokens) + w;
 }
 
-// Partial slot `i` from destination `dst` in rank `rank`'s heap (combRecv: [R][maxTokens][2H]).
+// Partial slot `i` from destination `dst` in rank `rank`'s heap (movers.partialRecv: [R][maxTokens][2H]).
 __device__ __forceinline__ char* directPartial(const MoeParams& p, int rank, int dst, int i) {
-  return p.peerUser[rank] + p.llCombOff + (static_cast<std::uint64_t>(dst) * p.maxTokens + i) * p.hidden * 2;
+  return p.peers.userRegions[rank] + p.peers.partialsOff + (static_cast<std::uint64_t>(dst) * p.shape.maxTokens + i) * p.shape.hidden * 2;
 }
 
 // Rank `rank`'s flag for destination `dst`'s partials of records [32 w, 32 w + 32).
 __device__ __forceinline__ std::uint32_t* directCombineFlag(const MoeParams& p, int rank, int dst, int w) {
-  return reinterpret_cast<std::uint32_t*>(p.peerUser[rank] + p.llCombBlockOff) +
-         static_cast<std::uint64_t>(dst) * moeRouteWords(p.maxTokens) + w;
+  return reinterpret_cast<std::uint32_t*>(p.peers.userRegions[rank] + p.direct.partialFlagsOff) +
+         static_cast<std::uint64_t>(dst) * moeRouteWords(p.shape.maxTokens) + w;
 }
 
-// The u32 word of rankCount[0] in a count message's tail (moeDirectMsgBytes).
+// The u32 word of rankCount[0] (the records per destination) in a count message's tail (moeDirectMsgBytes).
 __device__ __forceinline__ int directRankCountWord(const MoeParams& p) {
-  return static_cast<int>(moeDirectRankCountWord(p.maxTokens));
+  return static_cast<int>(moeDirectRankCountWord(p.shape.maxTokens));
 }
 
 // Partial values (CombineArgs.rowValues) of record `i` from destination `dst` in rank `rank`'s heap
 // ([R][maxTokens][kMoeMaxValues] fp32), and the local staging of peer s's values of record i.
 __device__ __forceinline__ float* directValues(const MoeParams& p, int rank, int dst, int i) {
-  return reinterpret_cast<float*>(p.peerUser[rank] + p.llCombValOff) +
-         (static_cast<std::uint64_t>(dst) * p.maxTokens + i) * kMoeMaxValues;
+  return reinterpret_cast<float*>(p.peers.userRegions[rank] + p.direct.valuesOff) +
+         (static_cast<std::uint64_t>(dst) * p.shape.maxTokens + i) * kMoeMaxValues;
 }
 __device__ __forceinline__ float* directStagedValues(const MoeParams& p, int s, int i) {
-  return p.combValSend + (static_cast<std::uint64_t>(s) * p.maxTokens + i) * kMoeMaxValues;
+  return p.direct.valueStage + (static_cast<std::uint64_t>(s) * p.shape.maxTokens + i) * kMoeMaxValues;
 }
 
-// The fp8 row of token t, in its wire tiles (recSend, unused otherwise by the direct dispatch,
+// The fp8 row of token t, in its wire tiles (staging.recordStage, unused otherwise by the direct dispatch,
 // holds [T][payloadBytes]: quantised by the quantise kernel, or packed from the caller's e4m3 bytes
 // and scales); nullptr for bf16.
 __device__ __forceinline__ const char* directWire(const MoeParams& p, int t) {
-  return p.fp8 ? p.recSend + static_cast<std::uint64_t>(t) * p.payloadBytes : nullptr;
+  return p.shape.fp8 ? p.staging.recordStage + static_cast<std::uint64_t>(t) * p.shape.payloadBytes : nullptr;
 }
 
-// Token t's caller-quantised row (fp8Input: e4m3 bytes in x, fp32 scales in xScales) into its wire
+// Token t's caller-quantised row (input.xIsFp8: e4m3 bytes in x, fp32 scales in xScales) into its wire
 // tiles at `wire`: per tile of 128 values its 128 bytes, its scale, 12 zero bytes (the produce
 // hook's record). A group of threads takes 16-byte pieces, 9 per tile.
 __device__ inline void moePackFp8Row(const MoeParams& p, int t, char* wire, const MoeGroup& g) {
-  const int tiles = p.hidden / static_cast<int>(kFp8TileValues);
-  const char* row = static_cast<const char*>(p.x) + static_cast<std::uint64_t>(t) * p.hidden;
-  const float* scales = p.xScales + static_cast<std::int64_t>(t) * p.scaleTokenStride;
+  const int tiles = p.shape.hidden / static_cast<int>(kFp8TileValues);
+  const char* row = static_cast<const char*>(p.input.x) + static_cast<std::uint64_t>(t) * p.shape.hidden;
+  const float* scales = p.input.xScales + static_cast<std::int64_t>(t) * p.input.scaleTokenStride;
   for (int n = g.tid; n < tiles * 9; n += g.nthreads) {
     const int tile = n / 9, part = n % 9;
     auto* out = reinterpret_cast<uint4*>(wire + static_cast<std::uint64_t>(tile) * kFp8TileWireBytes) + part;
     if (part < 8) {
       *out = *(reinterpret_cast<const uint4*>(row + static_cast<std::uint64_t>(tile) * kFp8TileValues) + part);
     } else {
-      *out = make_uint4(__float_as_uint(scales[static_cast<std::int64_t>(tile) * p.scaleHiddenStride]), 0, 0, 0);
+      *out = make_uint4(__float_as_uint(scales[static_cast<std::int64_t>(tile) * p.input.scaleHiddenStride]), 0, 0, 0);
     }
   }
 }
@@ -122,13 +122,13 @@ __device__ inline void moePackFp8Row(const MoeParams& p, int t, char* wire, cons
 __global__ void __launch_bounds__(kThreads) moeDirectQuantizeKernel(const __grid_constant__ MoeParams p) {
   const MoeStamp stamp(p, MoeKernel::kDirectQuantize);
   const MoeGroupSlice gs = moeGroupSlice();
-  const int T = *p.liveTokens;
+  const int T = *p.routing.liveTokens;
   for (int t = gs.first; t < T; t += gs.stride) {
-    char* out = p.recSend + static_cast<std::uint64_t>(t) * p.payloadBytes;
-    if (p.fp8Input) {
+    char* out = p.staging.recordStage + static_cast<std::uint64_t>(t) * p.shape.payloadBytes;
+    if (p.input.xIsFp8) {
       moePackFp8Row(p, t, out, gs.g);
     } else {
-      moeQuantizeRow(p, static_cast<const char*>(p.x) + static_cast<std::uint64_t>(t) * p.hidden * 2, &out, 1, gs.g);
+      moeQuantizeRow(p, static_cast<const char*>(p.input.x) + static_cast<std::uint64_t>(t) * p.shape.hidden * 2, &out, 1, gs.g);
     }
   }
 }
@@ -137,32 +137,32 @@ __global__ void __launch_bounds__(kThreads) moeDirectSendKernel(const __grid_con
   const MoeStamp stamp(p, MoeKernel::kDirectSend);
   __shared__ char* dst[kSendWarps][kMaxRanks];
   __shared__ int dstRank[kSendWarps][kMaxRanks];
-  const int tid = static_cast<int>(threadIdx.x), R = p.numRanks, L = p.localExperts;
-  const int E = p.numExperts, W = static_cast<int>(moeRouteWords(p.maxTokens));
-  const std::uint32_t step = p.llSteps[0];
+  const int tid = static_cast<int>(threadIdx.x), R = p.shape.numRanks, L = p.shape.localExperts;
+  const int E = p.shape.numExperts, W = static_cast<int>(moeRouteWords(p.shape.maxTokens));
+  const std::uint32_t step = p.peers.steps[0];
   const int parity = static_cast<int>(step & 1u);
   ptx::launchDependents();  // the receive may start on the SMs this grid leaves free
-  const int T = *p.liveTokens, blocks = (T + kBlockTokens - 1) / kBlockTokens;
+  const int T = *p.routing.liveTokens, blocks = (T + kBlockTokens - 1) / kBlockTokens;
   // Count messages first (they travel ahead of the payload): CTA c takes ranks c, c + G, ...
-  const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.hidden) * 2;
+  const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.shape.hidden) * 2;
   for (int r = static_cast<int>(blockIdx.x); r < R; r += static_cast<int>(gridDim.x)) {
-    std::uint64_t* msg = directMsg(p, r, parity, p.rank);
-    std::uint32_t* tail = directTail(p, r, parity, p.rank);
-    for (int j = tid; j < L; j += kThreads) msg[1 + j] = p.expertCount[r * L + j];
-    for (int w = tid; w <= blocks; w += kThreads) tail[1 + w] = w < W ? p.routePrefix[(E + r) * W + w] : p.rankCount[r];
-    for (int q = tid; q < R; q += kThreads) tail[directRankCountWord(p) + q] = p.rankCount[q];  // the whole row
+    std::uint64_t* msg = directMsg(p, r, parity, p.shape.rank);
+    std::uint32_t* tail = directTail(p, r, parity, p.shape.rank);
+    for (int j = tid; j < L; j += kThreads) msg[1 + j] = p.routing.expertEntries[r * L + j];
+    for (int w = tid; w <= blocks; w += kThreads) tail[1 + w] = w < W ? p.routing.blockPrefix[(E + r) * W + w] : p.routing.rankRecords[r];
+    for (int q = tid; q < R; q += kThreads) tail[directRankCountWord(p) + q] = p.routing.rankRecords[q];  // the whole row
     if (tid == 0) {
-      msg[0] = p.rankCount[r];
+      msg[0] = p.routing.rankRecords[r];
       tail[0] = static_cast<std::uint32_t>(T);
-      p.combRecvCounts[r] = p.rankCount[r] * rowBytes;  // the combine's partials from rank r
+      p.movers.partialRecvBytes[r] = p.routing.rankRecords[r] * rowBytes;  // the combine's partials from rank r
     }
     __syncthreads();
-    if (tid == 0) flagPost(peerCounter(p, r, p.llFlagOff) + p.rank, step + 1u);
+    if (tid == 0) flagPost(peerCounter(p, r, p.peers.countFlagsOff) + p.shape.rank, step + 1u);
   }
   // The records of the previous dispatch have been read by every peer (its acknowledgement: at
   // once in the usual order, see the header): only then are its slots rewritten. A failed wait is
   // recorded; the peers' waits for this dispatch's blocks report too.
-  if (!waitEveryRank(p, p.llDispAckOff, step, WaitSite::kMoeDispatchAck, true)) return;
+  if (!waitEveryRank(p, p.direct.dispatchAcksOff, step, WaitSite::kMoeDispatchAck, true)) return;
   // A warp per token (16 tokens in flight per CTA: the per-token reads of routing and metadata
   // overlap across them). Blocks of 32 tokens, CTA c taking blocks c, c + G, ... in order; each
   // block's flag posted to every peer once its records are written.
@@ -172,25 +172,25 @@ __global__ void __launch_bounds__(kThreads) moeDirectSendKernel(const __grid_con
     for (int t = w * kBlockTokens + warp; t < min(T, (w + 1) * kBlockTokens); t += kSendWarps) {
       // Lane r < R: destination r's index of the token (R <= kMaxRanks = 32), the peers only (the
       // receive takes this rank's own rows from x), compacted in rank order.
-      const int i = lane < R ? p.tokRankIdx[static_cast<std::uint64_t>(t) * R + lane] : -1;
-      const bool to = i >= 0 && lane != p.rank;
+      const int i = lane < R ? p.routing.tokenRankIndex[static_cast<std::uint64_t>(t) * R + lane] : -1;
+      const bool to = i >= 0 && lane != p.shape.rank;
       const unsigned m = __ballot_sync(0xffffffffu, to);
       if (to) {
         const int at = __popc(m & ((1u << lane) - 1u));
-        dst[warp][at] = directRecord(p, lane, p.rank, i);
+        dst[warp][at] = directRecord(p, lane, p.shape.rank, i);
         dstRank[warp][at] = lane;
       }
       __syncwarp();
       const int n = __popc(m);
       if (n > 0) {
-        const std::int32_t* entryIdx = p.entryIdx + static_cast<std::uint64_t>(t) * p.topK;
+        const std::int32_t* entryIdx = p.routing.entryIndex + static_cast<std::uint64_t>(t) * p.shape.topK;
         moeWriteRecords(p, t, dst[warp], dstRank[warp], n, [&](int k) { return entryIdx[k]; }, g, n, directWire(p, t));
       }
       __syncwarp();  // dst is rewritten for the next token
     }
     __threadfence_system();  // every thread's records, before the flags
     __syncthreads();
-    if (tid < R && tid != p.rank) ptx::stReleaseSys(directBlockFlag(p, tid, p.rank, w), step + 1u);
+    if (tid < R && tid != p.shape.rank) ptx::stReleaseSys(directBlockFlag(p, tid, p.shape.rank, w), step + 1u);
   }
 }
 
@@ -200,27 +200,27 @@ __global__ void __launch_bounds__(kThreads) moeDirectReceiveKernel(const __grid_
   __shared__ std::int32_t base[kMoeMaxLocalExperts];
   __shared__ MoeLayoutScratch<kThreads> scratch;
   __shared__ MoeSlotStage stages[kGroups];
-  const int tid = static_cast<int>(threadIdx.x), R = p.numRanks;
-  const std::uint32_t step = p.llSteps[0];
+  const int tid = static_cast<int>(threadIdx.x), R = p.shape.numRanks;
+  const std::uint32_t step = p.peers.steps[0];
   const int parity = static_cast<int>(step & 1u);
-  auto msgOf = [&](int q) { return static_cast<const std::uint64_t*>(directMsg(p, p.rank, parity, q)); };
+  auto msgOf = [&](int q) { return static_cast<const std::uint64_t*>(directMsg(p, p.shape.rank, parity, q)); };
   const MoeGroupSlice gs = moeGroupSlice();
   {
     const MoeStamp stamp(p, MoeKernel::kDirectReceive);
-    if (waitEveryRank(p, p.llFlagOff, step + 1u, WaitSite::kMoeDispatch)) {
+    if (waitEveryRank(p, p.peers.countFlagsOff, step + 1u, WaitSite::kMoeDispatch)) {
       moeComputeOffsets<kThreads>(p, msgOf, counts, offsets, scratch);
       if (blockIdx.x == 0) {  // the published layout, every source's bases and the movers' counts
-        moeComputeSourceBases<kThreads>(p, msgOf, offsets, p.srcBase);  // the offsets are above
-        moePublishLayout<kThreads>(p, msgOf, counts, offsets, p.srcBase, scratch);
-        __syncthreads();  // recvRows is written above
-        const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.hidden) * 2;
-        for (int q = tid; q < R; q += kThreads) p.combSendCounts[q] = static_cast<std::uint64_t>(p.recvRows[q]) * rowBytes;
-        if (p.rankPrefix != nullptr) {  // [i][j]: records ranks 0 .. i send to rank j (every source's row)
+        moeComputeSourceBases<kThreads>(p, msgOf, offsets, p.layout.sourceBase);  // the offsets are above
+        moePublishLayout<kThreads>(p, msgOf, counts, offsets, p.layout.sourceBase, scratch);
+        __syncthreads();  // layout.sourceRecords is written above
+        const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.shape.hidden) * 2;
+        for (int q = tid; q < R; q += kThreads) p.movers.partialSendBytes[q] = static_cast<std::uint64_t>(p.layout.sourceRecords[q]) * rowBytes;
+        if (p.layout.rankPrefix != nullptr) {  // [i][j]: records ranks 0 .. i send to rank j (every source's row)
           for (int j = tid; j < R; j += kThreads) {
             std::int32_t sum = 0;
             for (int i = 0; i < R; ++i) {
-              sum += static_cast<std::int32_t>(__ldcg(directTail(p, p.rank, parity, i) + directRankCountWord(p) + j));
-              p.rankPrefix[i * R + j] = sum;
+              sum += static_cast<std::int32_t>(__ldcg(directTail(p, p.shape.rank, parity, i) + directRankCountWord(p) + j));
+              p.layout.rankPrefix[i * R + j] = sum;
             }
           }
         }
@@ -229,15 +229,15 @@ __global__ void __launch_bounds__(kThreads) moeDirectReceiveKernel(const __grid_
       // metadata is written here for the combine), overlapping the peers' transfers.
       {
         const MoeStamp own(p, MoeKernel::kDirectOwn);
-        moeSourceBases<kThreads>(p, msgOf, offsets, p.rank, base);
+        moeSourceBases<kThreads>(p, msgOf, offsets, p.shape.rank, base);
         __syncthreads();
-        const int T = *p.liveTokens;
-        const long long rankBase = p.rankMajor ? moeRankBase(p, msgOf, p.rank) : -1;  // rank-major: own first row
+        const int T = *p.routing.liveTokens;
+        const long long rankBase = p.layout.rankMajor ? moeRankBase(p, msgOf, p.shape.rank) : -1;  // rank-major: own first row
         for (int t = gs.first; t < T; t += gs.stride) {
-          const int i = p.tokRankIdx[static_cast<std::uint64_t>(t) * R + p.rank];
+          const int i = p.routing.tokenRankIndex[static_cast<std::uint64_t>(t) * R + p.shape.rank];
           if (i >= 0) {
-            moeExpandOwnToken(p, t, directRecord(p, p.rank, p.rank, i), base, stages[gs.group], gs.g, directWire(p, t),
-                              p.rankMajor ? rankBase + i : -1);
+            moeExpandOwnToken(p, t, directRecord(p, p.shape.rank, p.shape.rank, i), base, stages[gs.group], gs.g, directWire(p, t),
+                              p.layout.rankMajor ? rankBase + i : -1);
           }
         }
         __syncthreads();  // base is rewritten for the next source
@@ -250,17 +250,17 @@ __global__ void __launch_bounds__(kThreads) moeDirectReceiveKernel(const __grid_
       const MoeStamp peers(p, MoeKernel::kDirectPeers);
       bool ok = true;
       for (int k = 1; k < R && ok; ++k) {
-        const int s = (p.rank + k) % R;
-        const std::uint32_t* tail = directTail(p, p.rank, parity, s);
+        const int s = (p.shape.rank + k) % R;
+        const std::uint32_t* tail = directTail(p, p.shape.rank, parity, s);
         const std::uint32_t sentT = __ldcg(tail);  // a peer's live count is at most maxTokens
-        const int T = static_cast<int>(sentT < static_cast<std::uint32_t>(p.maxTokens) ? sentT : p.maxTokens);
+        const int T = static_cast<int>(sentT < static_cast<std::uint32_t>(p.shape.maxTokens) ? sentT : p.shape.maxTokens);
         const int blocks = (T + kBlockTokens - 1) / kBlockTokens;
         moeSourceBases<kThreads>(p, msgOf, offsets, s, base);
         __syncthreads();
-        const long long rankBase = p.rankMajor ? moeRankBase(p, msgOf, s) : -1;  // rank-major: s's first row
+        const long long rankBase = p.layout.rankMajor ? moeRankBase(p, msgOf, s) : -1;  // rank-major: s's first row
         for (int m = static_cast<int>(blockIdx.x); m < blocks * kBlockParts; m += static_cast<int>(gridDim.x)) {
           const int w = m / kBlockParts;
-          const bool failed = tid == 0 && !flagWait(p.sync, directBlockFlag(p, p.rank, s, w), step + 1u, s,
+          const bool failed = tid == 0 && !flagWait(p.peers.sync, directBlockFlag(p, p.shape.rank, s, w), step + 1u, s,
                                                     WaitSite::kMoeDispatch);
           if (__syncthreads_or(failed) != 0) {  // thread 0's verdict, to every thread
             ok = false;
@@ -268,12 +268,12 @@ __global__ void __launch_bounds__(kThreads) moeDirectReceiveKernel(const __grid_
           }
           // A block of 32 tokens has at most 32 records for this rank, [first, end) (the route's
           // prefix counts one bit per token), so the kBlockParts x kGroups items cover it.
-          const int first = static_cast<int>(min(__ldcg(tail + 1 + w), static_cast<std::uint32_t>(p.maxTokens)));
-          const int end = static_cast<int>(min(__ldcg(tail + 2 + w), static_cast<std::uint32_t>(p.maxTokens)));
+          const int first = static_cast<int>(min(__ldcg(tail + 1 + w), static_cast<std::uint32_t>(p.shape.maxTokens)));
+          const int end = static_cast<int>(min(__ldcg(tail + 2 + w), static_cast<std::uint32_t>(p.shape.maxTokens)));
           const int i = first + (m % kBlockParts) * kGroups + gs.group;
           if (i < end) {
-            moeExpandRecord(p, s, directRecord(p, p.rank, s, i), base, stages[gs.group], gs.g,
-                            p.rankMajor ? rankBase + i : -1);
+            moeExpandRecord(p, s, directRecord(p, p.shape.rank, s, i), base, stages[gs.group], gs.g,
+                            p.layout.rankMajor ? rankBase + i : -1);
           }
         }
         __syncthreads();  // base is rewritten for the next source
@@ -283,14 +283,14 @@ __global__ void __launch_bounds__(kThreads) moeDirectReceiveKernel(const __grid_
   // The send grid (launched before this one, which may have started early) has completed and its
   // memory is visible: what follows in the stream sees a finished dispatch.
   ptx::gridDependencyWait();
-  if (lastBlock(&p.llDone[0])) {
+  if (lastBlock(&p.peers.lastCtaCounters[0])) {
     if (tid == 0) {
-      p.llSteps[0] = step + 1u;
-      *p.pending = kMoeDispatched | kMoePendingCombine;  // the dispatch's last kernel
+      p.peers.steps[0] = step + 1u;
+      *p.state.pending = kMoeDispatched | kMoePendingCombine;  // the dispatch's last kernel
     }
     // Every CTA's reads of the peers' records are ordered before this (lastBlock): the peers may
     // write their next dispatch's records.
-    postEveryPeer(p, p.llDispAckOff, step + 1u);
+    postEveryPeer(p, p.direct.dispatchAcksOff, step + 1u);
   }
 }
 
@@ -300,10 +300,10 @@ struct CombineBlock {
   int s, w;
 };
 __device__ inline CombineBlock combineBlock(const MoeParams& p, int n) {
-  const int R = p.numRanks;
-  int s = (p.rank + 1) % R;
+  const int R = p.shape.numRanks;
+  int s = (p.shape.rank + 1) % R;
   for (;;) {
-    const int blocks = (p.recvRows[s] + kBlockTokens - 1) / kBlockTokens;
+    const int blocks = (p.layout.sourceRecords[s] + kBlockTokens - 1) / kBlockTokens;
     if (n < blocks) return CombineBlock{s, n};
     n -= blocks;
     s = (s + 1) % R;
@@ -311,41 +311,41 @@ __device__ inline CombineBlock combineBlock(const MoeParams& p, int n) {
 }
 __device__ inline int combineBlocks(const MoeParams& p) {
   int items = 0;
-  for (int k = 1; k < p.numRanks; ++k) items += (p.recvRows[(p.rank + k) % p.numRanks] + kBlockTokens - 1) / kBlockTokens;
+  for (int k = 1; k < p.shape.numRanks; ++k) items += (p.layout.sourceRecords[(p.shape.rank + k) % p.shape.numRanks] + kBlockTokens - 1) / kBlockTokens;
   return items;
 }
 
-// Peer s's partial of record i, staged locally for the send (combSend, unused otherwise by the
+// Peer s's partial of record i, staged locally for the send (staging.partialStage, unused otherwise by the
 // direct path: [R][maxTokens][2H], so a block's 32 partials are contiguous).
 __device__ __forceinline__ char* directStaged(const MoeParams& p, int s, int i) {
-  return p.combSend + (static_cast<std::uint64_t>(s) * p.maxTokens + i) * p.hidden * 2;
+  return p.staging.partialStage + (static_cast<std::uint64_t>(s) * p.shape.maxTokens + i) * p.shape.hidden * 2;
 }
 
 // Combine, first kernel (epilogueCtas CTAs; the send, launched next, takes the SMs it leaves free): the peers' records
 // reduced into the local staging, each group one record (weight x y[row], fp32, bf16 once), a
 // block's 32 records spread over kBlockParts CTAs as in the receive; the last CTA of a block to
-// finish it marks the block ready (combReady = step + 1) for the send. The reads of the expert
+// finish it marks the block ready (direct.partialReady = step + 1) for the send. The reads of the expert
 // rows (every record's up to topK rows) run here on every free SM, not on the SM budget.
 __global__ void __launch_bounds__(kThreads) moeDirectCombineReduceKernel(const __grid_constant__ MoeParams p) {
   const MoeStamp stamp(p, MoeKernel::kDirectCombineReduce);
   __shared__ MoeSlotStage stages[kGroups];
   const int tid = static_cast<int>(threadIdx.x);
   if (blockIdx.x == 0 && tid == 0) moeCheckPairing(p, false);
-  const std::uint32_t cstep = p.llSteps[1];
+  const std::uint32_t cstep = p.peers.steps[1];
   ptx::launchDependents();  // the send starts on the SMs of the budget at once
   const MoeGroupSlice gs = moeGroupSlice();
-  const int W = static_cast<int>(moeRouteWords(p.maxTokens));
+  const int W = static_cast<int>(moeRouteWords(p.shape.maxTokens));
   const int items = combineBlocks(p);
   for (int m = static_cast<int>(blockIdx.x); m < items * kBlockParts; m += static_cast<int>(gridDim.x)) {
     const CombineBlock b = combineBlock(p, m / kBlockParts);
     const int i = b.w * kBlockTokens + (m % kBlockParts) * kGroups + gs.group;
-    if (i < p.recvRows[b.s]) {
-      const long long rankRow = p.rankMajor ? p.rankOffsets[b.s] + i : -1;
-      moeReduceRecord(p, p.recRecv + (static_cast<std::uint64_t>(b.s) * p.maxTokens + i) * p.recBytes,
-                      p.srcBase + b.s * p.localExperts, directStaged(p, b.s, i), stages[gs.group], gs.g, rankRow);
-      if (p.rowValues != nullptr && gs.g.tid < p.numValues) {  // rank-major: the row's values as they are
+    if (i < p.layout.sourceRecords[b.s]) {
+      const long long rankRow = p.layout.rankMajor ? p.layout.rankOffsets[b.s] + i : -1;
+      moeReduceRecord(p, p.staging.recordRecv + (static_cast<std::uint64_t>(b.s) * p.shape.maxTokens + i) * p.shape.recordBytes,
+                      p.layout.sourceBase + b.s * p.shape.localExperts, directStaged(p, b.s, i), stages[gs.group], gs.g, rankRow);
+      if (p.combine.rowValues != nullptr && gs.g.tid < p.combine.numValues) {  // rank-major: the row's values as they are
         directStagedValues(p, b.s, i)[gs.g.tid] =
-            rankRow < p.yRows ? p.rowValues[rankRow * p.numValues + gs.g.tid] : 0.f;
+            rankRow < p.combine.expertOutputRows ? p.combine.rowValues[rankRow * p.combine.numValues + gs.g.tid] : 0.f;
       }
     }
     // lastBlock's form over the block's kBlockParts CTAs, without its verdict's broadcast (a CTA
@@ -354,25 +354,25 @@ __global__ void __launch_bounds__(kThreads) moeDirectCombineReduceKernel(const _
     __syncthreads();  // every group's partial of this item is written
     if (tid == 0) {
       __threadfence();  // the CTA's partials, before its arrival
-      std::uint32_t* arrive = p.combArrive + b.s * W + b.w;
+      std::uint32_t* arrive = p.direct.partialArrivals + b.s * W + b.w;
       if (atomicAdd(arrive, 1u) == kBlockParts - 1u) {  // the block's last part: reset, then ready
         *arrive = 0u;
         __threadfence();  // every part's partials (seen through the arrivals) before the flag
-        ptx::stReleaseSys(p.combReady + b.s * W + b.w, cstep + 1u);
+        ptx::stReleaseSys(p.direct.partialReady + b.s * W + b.w, cstep + 1u);
       }
     }
   }
 }
 
-// Combine, send (ctas CTAs, the SM budget; the reduce kernel's programmatic dependent): each ready
+// Combine, send (grid.budgetCtas CTAs, the SM budget; the reduce kernel's programmatic dependent): each ready
 // block of staged partials copied straight into the peer's partial slots [this rank][index] (one
 // contiguous span of up to 32 x 2H bytes per block), then after a system fence the block's flag
 // (step + 1) stored at that peer. CTA c takes blocks c, c + G, ... in the reduce's order.
 __global__ void __launch_bounds__(kThreads) moeDirectCombineSendKernel(const __grid_constant__ MoeParams p) {
   const int tid = static_cast<int>(threadIdx.x);
-  const std::uint32_t cstep = p.llSteps[1];
+  const std::uint32_t cstep = p.peers.steps[1];
   ptx::launchDependents();  // the final kernel may start on the SMs the reduce leaves
-  const int W = static_cast<int>(moeRouteWords(p.maxTokens));
+  const int W = static_cast<int>(moeRouteWords(p.shape.maxTokens));
   const int items = combineBlocks(p);
   {
   const MoeStamp stamp(p, MoeKernel::kDirectCombineSend);  // the span ends before the wait below
@@ -381,18 +381,18 @@ __global__ void __launch_bounds__(kThreads) moeDirectCombineSendKernel(const __g
     // The block is reduced here, and the peer has summed this rank's partials of the previous
     // combine (its acknowledgement: at once in the usual order), so its slots may be rewritten.
     const bool failed =
-        tid == 0 && (!flagWait(p.sync, p.combReady + b.s * W + b.w, cstep + 1u, b.s, WaitSite::kMoeCombineStaged) ||
-                     !flagWait(p.sync, peerCounter(p, p.rank, p.llCombAckOff) + b.s, cstep, b.s,
+        tid == 0 && (!flagWait(p.peers.sync, p.direct.partialReady + b.s * W + b.w, cstep + 1u, b.s, WaitSite::kMoeCombineStaged) ||
+                     !flagWait(p.peers.sync, peerCounter(p, p.shape.rank, p.direct.combineAcksOff) + b.s, cstep, b.s,
                                WaitSite::kMoeCombineAck));
     if (__syncthreads_or(failed) != 0) break;  // recorded; the peer's wait for this block reports too
     const int first = b.w * kBlockTokens;
-    const int rows = min(kBlockTokens, p.recvRows[b.s] - first);
+    const int rows = min(kBlockTokens, p.layout.sourceRecords[b.s] - first);
     // A block's partials are whole 16-byte vectors at both ends, counted in int: this loop, not
     // copyBytes, whose 64-bit indexing and byte tail raise this kernel's spills from 20 B to 76 B
     // (ptxas, sm_90a, 512 threads).
     const auto* src = reinterpret_cast<const uint4*>(directStaged(p, b.s, first));
-    auto* dst = reinterpret_cast<uint4*>(directPartial(p, b.s, p.rank, first));
-    const int vecs = rows * (p.hidden / 8);
+    auto* dst = reinterpret_cast<uint4*>(directPartial(p, b.s, p.shape.rank, first));
+    const int vecs = rows * (p.shape.hidden / 8);
     for (int c0 = tid; c0 < vecs; c0 += kThreads * kMoeUnroll) {
       uint4 v[kMoeUnroll];
 #pragma unroll
@@ -404,14 +404,14 @@ __global__ void __launch_bounds__(kThreads) moeDirectCombineSendKernel(const __g
         if (c0 + u * kThreads < vecs) dst[c0 + u * kThreads] = v[u];
       }
     }
-    if (p.rowValues != nullptr) {  // the block's values: kMoeMaxValues floats per record, contiguous
+    if (p.combine.rowValues != nullptr) {  // the block's values: kMoeMaxValues floats per record, contiguous
       const auto* vsrc = reinterpret_cast<const uint4*>(directStagedValues(p, b.s, first));
-      auto* vdst = reinterpret_cast<uint4*>(directValues(p, b.s, p.rank, first));
+      auto* vdst = reinterpret_cast<uint4*>(directValues(p, b.s, p.shape.rank, first));
       for (int c = tid; c < rows * (kMoeMaxValues / 4); c += kThreads) vdst[c] = __ldcg(vsrc + c);
     }
     __threadfence_system();  // every thread's partials, before the flag
     __syncthreads();
-    if (tid == 0) ptx::stReleaseSys(directCombineFlag(p, b.s, p.rank, b.w), cstep + 1u);
+    if (tid == 0) ptx::stReleaseSys(directCombineFlag(p, b.s, p.shape.rank, b.w), cstep + 1u);
   }
   }
   ptx::gridDependencyWait();  // the reduce has completed: this grid ends after it
@@ -424,81 +424,81 @@ __global__ void __launch_bounds__(kThreads) moeDirectCombineSendKernel(const __g
 __global__ void __launch_bounds__(kThreads) moeDirectCombineFinalKernel(const __grid_constant__ MoeParams p) {
   __shared__ MoeSlotStage stages[kGroups];
   __shared__ const uint4* parts[kGroups][kMaxRanks];
-  const int tid = static_cast<int>(threadIdx.x), R = p.numRanks;
-  const std::uint32_t cstep = p.llSteps[1];
+  const int tid = static_cast<int>(threadIdx.x), R = p.shape.numRanks;
+  const std::uint32_t cstep = p.peers.steps[1];
   const MoeGroupSlice gs = moeGroupSlice();
   {
     const MoeStamp stamp(p, MoeKernel::kDirectCombineFinal);
-    const int T = *p.liveTokens;
+    const int T = *p.routing.liveTokens;
     for (int t = gs.first; t < T; t += gs.stride) {
-      const std::int32_t* idx = p.tokRankIdx + static_cast<std::uint64_t>(t) * R;
-      const int own = idx[p.rank];
+      const std::int32_t* idx = p.routing.tokenRankIndex + static_cast<std::uint64_t>(t) * R;
+      const int own = idx[p.shape.rank];
       if (own >= 0) {
-        moeReduceRecord(p, p.recRecv + (static_cast<std::uint64_t>(p.rank) * p.maxTokens + own) * p.recBytes,
-                        p.srcBase + p.rank * p.localExperts, directPartial(p, p.rank, p.rank, own), stages[gs.group],
-                        gs.g, p.rankMajor ? p.rankOffsets[p.rank] + own : -1);
+        moeReduceRecord(p, p.staging.recordRecv + (static_cast<std::uint64_t>(p.shape.rank) * p.shape.maxTokens + own) * p.shape.recordBytes,
+                        p.layout.sourceBase + p.shape.rank * p.shape.localExperts, directPartial(p, p.shape.rank, p.shape.rank, own), stages[gs.group],
+                        gs.g, p.layout.rankMajor ? p.layout.rankOffsets[p.shape.rank] + own : -1);
       }
       // Lane r < R of the group's first warp waits for destination r's block (a failed wait is
       // recorded; later waits of this rank then return at once, and the status reports it).
       const int r = gs.g.tid;
-      if (r < R && r != p.rank && idx[r] >= 0) {
-        flagWait(p.sync, directCombineFlag(p, p.rank, r, idx[r] / kBlockTokens), cstep + 1u, r,
+      if (r < R && r != p.shape.rank && idx[r] >= 0) {
+        flagWait(p.peers.sync, directCombineFlag(p, p.shape.rank, r, idx[r] / kBlockTokens), cstep + 1u, r,
                  WaitSite::kMoeCombine);
       }
       moeFinalToken(
-          p, t, [&](int q) -> const char* { return idx[q] < 0 ? nullptr : directPartial(p, p.rank, q, idx[q]); },
+          p, t, [&](int q) -> const char* { return idx[q] < 0 ? nullptr : directPartial(p, p.shape.rank, q, idx[q]); },
           parts[gs.group], gs.g);
-      if (p.rowValues != nullptr && gs.g.tid < p.numValues) {  // the values, summed alike (fp32, rank order)
+      if (p.combine.rowValues != nullptr && gs.g.tid < p.combine.numValues) {  // the values, summed alike (fp32, rank order)
         const int k = gs.g.tid;
         float sum = 0.f;
         for (int q = 0; q < R; ++q) {
           if (idx[q] < 0) continue;
-          if (q == p.rank) {
-            const long long row = p.rankOffsets[p.rank] + own;
-            sum += row < p.yRows ? p.rowValues[row * p.numValues + k] : 0.f;
+          if (q == p.shape.rank) {
+            const long long row = p.layout.rankOffsets[p.shape.rank] + own;
+            sum += row < p.combine.expertOutputRows ? p.combine.rowValues[row * p.combine.numValues + k] : 0.f;
           } else {
-            sum += __ldcg(directValues(p, p.rank, q, idx[q]) + k);  // landed with the block's flag
+            sum += __ldcg(directValues(p, p.shape.rank, q, idx[q]) + k);  // landed with the block's flag
           }
         }
-        p.outValues[static_cast<std::uint64_t>(t) * p.numValues + k] = sum;
+        p.combine.outValues[static_cast<std::uint64_t>(t) * p.combine.numValues + k] = sum;
       }
     }
   }
   ptx::gridDependencyWait();  // the first half has completed: the stream sees a finished combine
-  if (lastBlock(&p.llDone[1])) {
+  if (lastBlock(&p.peers.lastCtaCounters[1])) {
     if (tid == 0) {
-      p.llSteps[1] = cstep + 1u;
-      *p.pending &= kMoeDispatched;  // the combine's last kernel
+      p.peers.steps[1] = cstep + 1u;
+      *p.state.pending &= kMoeDispatched;  // the combine's last kernel
     }
     // Every CTA's reads of the peers' partials are ordered before this (lastBlock): the peers may
     // write their next combine's partials.
-    postEveryPeer(p, p.llCombAckOff, cstep + 1u);
+    postEveryPeer(p, p.direct.combineAcksOff, cstep + 1u);
   }
 }
 
 // Launches `kernel` (epilogueCtas CTAs, in clusters of epilogueCluster) as the programmatic
 // dependent of the stream's last kernel.
 cudaError_t launchDependent(const MoeParams& p, cudaStream_t stream, void (*kernel)(MoeParams)) {
-  if (p.epilogueCtas < 1 || p.numRanks > kMaxRanks || p.epilogueCluster < 1 ||
-      p.epilogueCtas % p.epilogueCluster != 0) {
+  if (p.grid.epilogueCtas < 1 || p.shape.numRanks > kMaxRanks || p.grid.epilogueCluster < 1 ||
+      p.grid.epilogueCtas % p.grid.epilogueCluster != 0) {
     return cudaErrorInvalidValue;
   }
   cudaLaunchAttribute attrs[2];
-  const cudaLaunchConfig_t cfg = moeLaunchConfig(p.epilogueCtas, kThreads, p.epilogueCluster, true, stream, attrs);
+  const cudaLaunchConfig_t cfg = moeLaunchConfig(p.grid.epilogueCtas, kThreads, p.grid.epilogueCluster, true, stream, attrs);
   return cudaLaunchKernelEx(&cfg, kernel, p);
 }
 
 }  // namespace
 
 cudaError_t launchMoeDirectQuantize(const MoeParams& p, cudaStream_t stream) {
-  if (p.epilogueCtas < 1) return cudaErrorInvalidValue;
-  moeDirectQuantizeKernel<<<static_cast<unsigned>(p.epilogueCtas), kThreads, 0, stream>>>(p);
+  if (p.grid.epilogueCtas < 1) return cudaErrorInvalidValue;
+  moeDirectQuantizeKernel<<<static_cast<unsigned>(p.grid.epilogueCtas), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
 cudaError_t launchMoeDirectSend(const MoeParams& p, cudaStream_t stream) {
-  if (p.ctas < 1 || p.numRanks > kMaxRanks || p.topK > kMoeMaxTopK) return cudaErrorInvalidValue;
-  moeDirectSendKernel<<<static_cast<unsigned>(p.ctas), kThreads, 0, stream>>>(p);
+  if (p.grid.budgetCtas < 1 || p.shape.numRanks > kMaxRanks || p.shape.topK > kMoeMaxTopK) return cudaErrorInvalidValue;
+  moeDirectSendKernel<<<static_cast<unsigned>(p.grid.budgetCtas), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -506,26 +506,26 @@ cudaError_t launchMoeDirectSend(const MoeParams& p, cudaStream_t stream) {
 // triggers at once), lay out and expand this rank's own rows, and wait for the peers' records by
 // their arrival counters, not by stream order.
 cudaError_t launchMoeDirectReceive(const MoeParams& p, cudaStream_t stream) {
-  if (p.localExperts > kMoeMaxLocalExperts) return cudaErrorInvalidValue;
+  if (p.shape.localExperts > kMoeMaxLocalExperts) return cudaErrorInvalidValue;
   return launchDependent(p, stream, moeDirectReceiveKernel);
 }
 
 // The combine's first kernel, on the epilogue CTAs (stream order after the experts: it reads y).
 cudaError_t launchMoeDirectCombineReduce(const MoeParams& p, cudaStream_t stream) {
-  if (p.epilogueCtas < 1 || p.numRanks > kMaxRanks || p.topK > kMoeMaxTopK || p.epilogueCluster < 1 ||
-      p.epilogueCtas % p.epilogueCluster != 0) {
+  if (p.grid.epilogueCtas < 1 || p.shape.numRanks > kMaxRanks || p.shape.topK > kMoeMaxTopK || p.grid.epilogueCluster < 1 ||
+      p.grid.epilogueCtas % p.grid.epilogueCluster != 0) {
     return cudaErrorInvalidValue;
   }
   cudaLaunchAttribute attrs[2];
-  const cudaLaunchConfig_t cfg = moeLaunchConfig(p.epilogueCtas, kThreads, p.epilogueCluster, false, stream, attrs);
+  const cudaLaunchConfig_t cfg = moeLaunchConfig(p.grid.epilogueCtas, kThreads, p.grid.epilogueCluster, false, stream, attrs);
   return cudaLaunchKernelEx(&cfg, moeDirectCombineReduceKernel, p);
 }
 
 // The reduce's programmatic dependent, on the SM budget: it copies blocks as the reduce marks them.
 cudaError_t launchMoeDirectCombineSend(const MoeParams& p, cudaStream_t stream) {
-  if (p.ctas < 1 || p.numRanks > kMaxRanks) return cudaErrorInvalidValue;
+  if (p.grid.budgetCtas < 1 || p.shape.numRanks > kMaxRanks) return cudaErrorInvalidValue;
   cudaLaunchAttribute attrs[2];
-  const cudaLaunchConfig_t cfg = moeLaunchConfig(p.ctas, kThreads, 1, true, stream, attrs);
+  const cudaLaunchConfig_t cfg = moeLaunchConfig(p.grid.budgetCtas, kThreads, 1, true, stream, attrs);
   return cudaLaunchKernelEx(&cfg, moeDirectCombineSendKernel, p);
 }
 

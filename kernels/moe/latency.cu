@@ -1,5 +1,5 @@
 // MoE latency-path kernel family (see kernels/moe/moe.h), launchers below: one kernel per operation,
-// graphep::moe_latency::dispatchKernel and combineKernel, each a send part on G = llCtas CTAs (the
+// graphep::moe_latency::dispatchKernel and combineKernel, each a send part on G = grid.budgetCtas CTAs (the
 // SM budget) and a receive part on E = epilogueCtas CTAs beside them (CTAs [G, G + E)), so the
 // receive starts at once on SMs of its own and the expansion is not held to the budget. A launch
 // runs both parts (no launch gap and no completion wait between them), or one of them: the send
@@ -52,7 +52,7 @@ constexpr int kGroups = kThreads / kMoeGroupThreads;
 
 __device__ __forceinline__ std::uint64_t llSlot(const MoeParams& p, int parity, int src, int i,
                                                 std::uint64_t bytes) {
-  return ((static_cast<std::uint64_t>(parity) * p.numRanks + src) * p.maxTokens + i) * bytes;
+  return ((static_cast<std::uint64_t>(parity) * p.shape.numRanks + src) * p.shape.maxTokens + i) * bytes;
 }
 
 // Set bits of bits[0 .. W) below bit t.
@@ -71,13 +71,13 @@ struct Part {
 
 // The thread of a CTA that announces it to the last peer (arriveAtEveryPeer): the send's end.
 __device__ __forceinline__ int lastArriver(const MoeParams& p) {
-  return p.rank == p.numRanks - 1 ? p.numRanks - 2 : p.numRanks - 1;
+  return p.shape.rank == p.shape.numRanks - 1 ? p.shape.numRanks - 2 : p.shape.numRanks - 1;
 }
 
 // --- dispatch ---------------------------------------------------------------------------------
 
 __device__ void dispatchSend(const MoeParams& p, char* sm, Part part) {
-  const MoeLatencySmem lay = moeLatencySmem(p.maxTokens, p.topK, p.numExperts, p.numRanks);
+  const MoeLatencySmem lay = moeLatencySmem(p.shape.maxTokens, p.shape.topK, p.shape.numExperts, p.shape.numRanks);
   auto* ids = reinterpret_cast<std::int32_t*>(sm + lay.ids);         // [T_max * K], -1: none
   auto* weights = reinterpret_cast<float*>(sm + lay.weights);        // [T_max * K]
   auto* expBits = reinterpret_cast<std::uint32_t*>(sm + lay.expBits);  // [E][W]: tokens per expert
@@ -88,12 +88,12 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part) {
   __shared__ int ndst[kGroups];
 
   const int tid = static_cast<int>(threadIdx.x);
-  const int K = p.topK, R = p.numRanks, L = p.localExperts, E = p.numExperts;
-  const int W = (p.maxTokens + 31) / 32;
+  const int K = p.shape.topK, R = p.shape.numRanks, L = p.shape.localExperts, E = p.shape.numExperts;
+  const int W = (p.shape.maxTokens + 31) / 32;
   const MoeGroupSlice gs = moeGroupSlice(part.cta, part.ctas);
   const int group = gs.group, firstItem = gs.first, items = gs.stride;
   const MoeGroup g = gs.g;
-  const std::uint32_t step = p.llSteps[0];
+  const std::uint32_t step = p.peers.steps[0];
   const int parity = static_cast<int>(step & 1u);
   const int T = moeLiveTokens(p, part.cta == 0 && tid == 0);
   bool anyDup = false;
@@ -135,13 +135,13 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part) {
     anyDup = dup != 0;
     // Count messages first (they travel ahead of the payload): CTA c takes ranks c, c + G, ...
     for (int r = part.cta; r < R; r += part.ctas) {
-      auto* msg = reinterpret_cast<std::uint64_t*>(p.peerUser[r] + p.llCntOff +
-                                                   (static_cast<std::uint64_t>(parity) * R + p.rank) * p.cntMsgBytes);
+      auto* msg = reinterpret_cast<std::uint64_t*>(p.peers.userRegions[r] + p.peers.countMsgsOff +
+                                                   (static_cast<std::uint64_t>(parity) * R + p.shape.rank) * p.shape.countMsgBytes);
       for (int j = tid; j < L; j += kThreads) msg[1 + j] = static_cast<std::uint64_t>(entriesBefore(r * L + j, T, 0));
       if (tid == 0) msg[0] = static_cast<std::uint64_t>(popcBelow(dstBits + r * W, T));
       __syncthreads();
       if (tid == 0) {
-        flagPost(peerCounter(p, r, p.llFlagOff) + p.rank, step + 1u);
+        flagPost(peerCounter(p, r, p.peers.countFlagsOff) + p.shape.rank, step + 1u);
         moeTrace(p, 0, step, MoeTraceEvent::kPosted, 0, true);
       }
     }
@@ -150,7 +150,7 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part) {
       for (int n = tid; n < T * R; n += kThreads) {
         const int t = n / R, r = n % R;
         const bool goes = (dstBits[r * W + (t >> 5)] >> (t & 31)) & 1u;
-        p.tokRankIdx[n] = goes ? popcBelow(dstBits + r * W, t) : -1;
+        p.routing.tokenRankIndex[n] = goes ? popcBelow(dstBits + r * W, t) : -1;
       }
     }
   }
@@ -161,10 +161,10 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part) {
     // (GPU scope: its receiver runs on this GPU), so that the receiver expands them while the
     // peers' records are written below.
     {
-      const int warp = tid / 32, lane = tid % 32, warps = kThreads / 32, me = p.rank;
+      const int warp = tid / 32, lane = tid % 32, warps = kThreads / 32, me = p.shape.rank;
       for (int t = part.cta * warps + warp; t < T; t += part.ctas * warps) {
         if (!((dstBits[me * W + (t >> 5)] >> (t & 31)) & 1u)) continue;  // uniform across the warp
-        char* rec = p.peerUser[me] + p.llRecOff + llSlot(p, parity, me, popcBelow(dstBits + me * W, t), p.recBytes);
+        char* rec = p.peers.userRegions[me] + p.peers.recordsOff + llSlot(p, parity, me, popcBelow(dstBits + me * W, t), p.shape.recordBytes);
         moeWriteRecordMeta(
             p, t, &rec, &me, 1, [&](int k) { return entriesBefore(ids[t * K + k], t, k); },
             lane < K ? ids[t * K + lane] : -1, lane < K ? weights[t * K + lane] : 0.f, lane);
@@ -172,7 +172,7 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part) {
       __syncthreads();
       if (tid == 0) {
         __threadfence();  // the CTA's metadata (ordered before by the barrier), then the count
-        atomicAdd(peerCounter(p, me, p.llArriveOff) + me, 1u);
+        atomicAdd(peerCounter(p, me, p.latency.recordArrivalsOff) + me, 1u);
       }
     }
     // The peers' records: one token per group, its row read once for every peer. Every group of
@@ -185,8 +185,8 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part) {
       if (g.tid == 0 && t < T) {
         int n = 0;
         for (int r = 0; r < R; ++r) {
-          if (r == p.rank || !((dstBits[r * W + (t >> 5)] >> (t & 31)) & 1u)) continue;
-          dsts[group][n] = p.peerUser[r] + p.llRecOff + llSlot(p, parity, p.rank, popcBelow(dstBits + r * W, t), p.recBytes);
+          if (r == p.shape.rank || !((dstBits[r * W + (t >> 5)] >> (t & 31)) & 1u)) continue;
+          dsts[group][n] = p.peers.userRegions[r] + p.peers.recordsOff + llSlot(p, parity, p.shape.rank, popcBelow(dstBits + r * W, t), p.shape.recordBytes);
           dstRanks[group][n++] = r;
         }
         ndst[group] = n;
@@ -199,14 +199,14 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part) {
       g.sync();  // dsts is rewritten for the next token
     }
   }
-  arriveAtEveryPeer(p, p.llArriveOff);  // this CTA's records, to every peer
+  arriveAtEveryPeer(p, p.latency.recordArrivalsOff);  // this CTA's records, to every peer
   if (tid == lastArriver(p)) moeTrace(p, 0, step, MoeTraceEvent::kSent, 0, true);
 }
 
 // Source q's count message of the step's parity in this rank's heap.
 __device__ __forceinline__ const std::uint64_t* latencyMsg(const MoeParams& p, int parity, int q) {
-  return reinterpret_cast<const std::uint64_t*>(p.peerUser[p.rank] + p.llCntOff +
-                                                (static_cast<std::uint64_t>(parity) * p.numRanks + q) * p.cntMsgBytes);
+  return reinterpret_cast<const std::uint64_t*>(p.peers.userRegions[p.shape.rank] + p.peers.countMsgsOff +
+                                                (static_cast<std::uint64_t>(parity) * p.shape.numRanks + q) * p.shape.countMsgBytes);
 }
 
 __device__ void dispatchReceive(const MoeParams& p, Part part) {
@@ -215,22 +215,22 @@ __device__ void dispatchReceive(const MoeParams& p, Part part) {
   __shared__ std::int32_t base[kMoeMaxLocalExperts];
   __shared__ MoeLayoutScratch<kThreads> scratch;
   __shared__ MoeSlotStage stages[kGroups];
-  const int tid = static_cast<int>(threadIdx.x), R = p.numRanks;
+  const int tid = static_cast<int>(threadIdx.x), R = p.shape.numRanks;
   const MoeGroupSlice gs = moeGroupSlice(part.cta, part.ctas);
-  const std::uint32_t step = p.llSteps[0];
+  const std::uint32_t step = p.peers.steps[0];
   const int parity = static_cast<int>(step & 1u);
-  const std::uint32_t arrived = (step + 1u) * static_cast<std::uint32_t>(p.llCtas);  // every send CTA, this step
+  const std::uint32_t arrived = (step + 1u) * static_cast<std::uint32_t>(p.grid.budgetCtas);  // every send CTA, this step
   auto msgOf = [&](int q) { return latencyMsg(p, parity, q); };
   bool layoutOk = false;
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyReceive);
-    layoutOk = waitEveryRank(p, p.llFlagOff, step + 1u, WaitSite::kMoeDispatch);
+    layoutOk = waitEveryRank(p, p.peers.countFlagsOff, step + 1u, WaitSite::kMoeDispatch);
     if (part.cta == part.ctas - 1 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kLayout);
     if (layoutOk) {  // every CTA derives the offsets (its expansion needs them); CTA 0 publishes
       moeComputeOffsets<kThreads>(p, msgOf, counts, offsets, scratch);
       if (part.cta == 0) {
-        moeComputeSourceBases<kThreads>(p, msgOf, offsets, p.srcBase);
-        moePublishLayout<kThreads>(p, msgOf, counts, offsets, p.srcBase, scratch);
+        moeComputeSourceBases<kThreads>(p, msgOf, offsets, p.layout.sourceBase);
+        moePublishLayout<kThreads>(p, msgOf, counts, offsets, p.layout.sourceBase, scratch);
       }
     }
   }
@@ -239,9 +239,9 @@ __device__ void dispatchReceive(const MoeParams& p, Part part) {
     if (layoutOk) {
       // Each source's records once its G send CTAs have arrived, this rank's own first.
       for (int k = 0; k < R; ++k) {
-        const int s = (p.rank + k) % R;
+        const int s = (p.shape.rank + k) % R;
         const bool failed =
-            tid == 0 && !flagWait(p.sync, peerCounter(p, p.rank, p.llArriveOff) + s, arrived, s, WaitSite::kMoeDispatch);
+            tid == 0 && !flagWait(p.peers.sync, peerCounter(p, p.shape.rank, p.latency.recordArrivalsOff) + s, arrived, s, WaitSite::kMoeDispatch);
         if (__syncthreads_or(failed) != 0) break;  // thread 0's verdict, to every thread
         if (part.cta == 0 && tid == 0) {
           moeTrace(p, 0, step, k == R - 1 ? MoeTraceEvent::kArrived0 : MoeTraceEvent::kOwnArrived0);
@@ -255,17 +255,17 @@ __device__ void dispatchReceive(const MoeParams& p, Part part) {
         moeSourceBases<kThreads>(p, msgOf, offsets, s, base);
         __syncthreads();
         const std::uint64_t sent = __ldcg(msgOf(s));
-        const int rows = static_cast<int>(sent < static_cast<std::uint64_t>(p.maxTokens) ? sent : p.maxTokens);
-        const long long rankBase = p.rankMajor ? moeRankBase(p, msgOf, s) : -1;  // rank-major: its first row
+        const int rows = static_cast<int>(sent < static_cast<std::uint64_t>(p.shape.maxTokens) ? sent : p.shape.maxTokens);
+        const long long rankBase = p.layout.rankMajor ? moeRankBase(p, msgOf, s) : -1;  // rank-major: its first row
         // Every group goes round equally (an idle one through the same barriers): base is
         // rewritten for the next source after the __syncthreads below.
         for (int b = gs.first - gs.group; b < rows; b += gs.stride) {
           const int i = b + gs.group;
-          const char* rec = p.peerUser[p.rank] + p.llRecOff + llSlot(p, parity, s, i, p.recBytes);
-          if (i < rows && s == p.rank) {  // its metadata alone: the row comes from x
-            moeExpandOwnRecord(p, rec, base, stages[gs.group], gs.g, p.rankMajor ? rankBase + i : -1);
+          const char* rec = p.peers.userRegions[p.shape.rank] + p.peers.recordsOff + llSlot(p, parity, s, i, p.shape.recordBytes);
+          if (i < rows && s == p.shape.rank) {  // its metadata alone: the row comes from x
+            moeExpandOwnRecord(p, rec, base, stages[gs.group], gs.g, p.layout.rankMajor ? rankBase + i : -1);
           } else if (i < rows) {
-            moeExpandRecord(p, s, rec, base, stages[gs.group], gs.g, p.rankMajor ? rankBase + i : -1);
+            moeExpandRecord(p, s, rec, base, stages[gs.group], gs.g, p.layout.rankMajor ? rankBase + i : -1);
           } else {
             moeIdleRecord(gs.g);
           }
@@ -280,8 +280,8 @@ __device__ void dispatchReceive(const MoeParams& p, Part part) {
 
 // The send part's first CTA: its start and the end of its wait for the stream's last kernel.
 __device__ __forceinline__ void traceStart(const MoeParams& p, int op, Part send, std::uint64_t entered) {
-  if (send.cta == 0 && threadIdx.x == 0 && p.timeline != nullptr) {
-    const std::uint32_t step = p.llSteps[op];
+  if (send.cta == 0 && threadIdx.x == 0 && p.state.timeline != nullptr) {
+    const std::uint32_t step = p.peers.steps[op];
     moeTrace(p, op, step, MoeTraceEvent::kEnter, entered);
     moeTrace(p, op, step, MoeTraceEvent::kReady);
   }
@@ -291,18 +291,18 @@ __device__ __forceinline__ void traceStart(const MoeParams& p, int op, Part send
 // CTAs [G, G + E) receive, as two kernels would (the receive starts at once, on its own SMs);
 // one part: every CTA runs it.
 __device__ __forceinline__ Part sendPart(const MoeParams& p) {
-  const bool sends = (p.llPhase & kMoeLatencySend) != 0 && static_cast<int>(blockIdx.x) < p.llCtas;
-  return Part{sends ? static_cast<int>(blockIdx.x) : -1, p.llCtas};
+  const bool sends = (p.latency.phase & kMoeLatencySend) != 0 && static_cast<int>(blockIdx.x) < p.grid.budgetCtas;
+  return Part{sends ? static_cast<int>(blockIdx.x) : -1, p.grid.budgetCtas};
 }
 __device__ __forceinline__ Part receivePart(const MoeParams& p) {
-  const int first = (p.llPhase & kMoeLatencySend) != 0 ? p.llCtas : 0;
-  const bool receives = (p.llPhase & kMoeLatencyReceive) != 0 && static_cast<int>(blockIdx.x) >= first;
-  return Part{receives ? static_cast<int>(blockIdx.x) - first : -1, p.epilogueCtas};
+  const int first = (p.latency.phase & kMoeLatencySend) != 0 ? p.grid.budgetCtas : 0;
+  const bool receives = (p.latency.phase & kMoeLatencyReceive) != 0 && static_cast<int>(blockIdx.x) >= first;
+  return Part{receives ? static_cast<int>(blockIdx.x) - first : -1, p.grid.epilogueCtas};
 }
 
 __global__ void __launch_bounds__(kThreads) dispatchKernel(const __grid_constant__ MoeParams p) {
   extern __shared__ int4 smemRaw[];
-  const std::uint64_t entered = p.timeline != nullptr ? ptx::globalTimerNs() : 0;
+  const std::uint64_t entered = p.state.timeline != nullptr ? ptx::globalTimerNs() : 0;
   // The stream's last kernel (often the last operation, which lets it be placed early) has
   // finished and its memory is visible: nothing of this step is read before.
   ptx::gridDependencyWait();
@@ -310,10 +310,10 @@ __global__ void __launch_bounds__(kThreads) dispatchKernel(const __grid_constant
   traceStart(p, 0, send, entered);
   if (send.cta >= 0) dispatchSend(p, reinterpret_cast<char*>(smemRaw), send);
   if (receive.cta >= 0) dispatchReceive(p, receive);
-  if ((p.llPhase & kMoeLatencyReceive) != 0 && lastBlock(&p.llDone[0]) && threadIdx.x == 0) {
-    moeTrace(p, 0, p.llSteps[0], MoeTraceEvent::kDone);
-    p.llSteps[0] = p.llSteps[0] + 1u;  // every CTA read the step before lastBlock's barrier
-    *p.pending = kMoeDispatched | kMoePendingCombine;
+  if ((p.latency.phase & kMoeLatencyReceive) != 0 && lastBlock(&p.peers.lastCtaCounters[0]) && threadIdx.x == 0) {
+    moeTrace(p, 0, p.peers.steps[0], MoeTraceEvent::kDone);
+    p.peers.steps[0] = p.peers.steps[0] + 1u;  // every CTA read the step before lastBlock's barrier
+    *p.state.pending = kMoeDispatched | kMoePendingCombine;
   }
 }
 
@@ -321,8 +321,8 @@ __global__ void __launch_bounds__(kThreads) dispatchKernel(const __grid_constant
 
 // Source q's top-k weights of its record i, in this rank's heap (CombineArgs.topkWeights).
 __device__ __forceinline__ const float* combineWeightsOf(const MoeParams& p, int parity, int q, int i) {
-  return reinterpret_cast<const float*>(p.peerUser[p.rank] + p.llCombWOff) +
-         ((static_cast<std::uint64_t>(parity) * p.numRanks + q) * p.maxTokens + i) * p.topK;
+  return reinterpret_cast<const float*>(p.peers.userRegions[p.shape.rank] + p.latency.weightsOff) +
+         ((static_cast<std::uint64_t>(parity) * p.shape.numRanks + q) * p.shape.maxTokens + i) * p.shape.topK;
 }
 
 __device__ void combineSend(const MoeParams& p, Part part) {
@@ -331,51 +331,51 @@ __device__ void combineSend(const MoeParams& p, Part part) {
   const MoeGroupSlice gs = moeGroupSlice(part.cta, part.ctas);
   const int group = gs.group, firstItem = gs.first, items = gs.stride;
   const MoeGroup g = gs.g;
-  const int R = p.numRanks, K = p.topK;
-  const std::uint32_t cstep = p.llSteps[1];
+  const int R = p.shape.numRanks, K = p.shape.topK;
+  const std::uint32_t cstep = p.peers.steps[1];
   const int cparity = static_cast<int>(cstep & 1u);
   // The records of the last dispatch (whose receive advanced the dispatch step past them).
-  const int dparity = static_cast<int>((p.llSteps[0] - 1u) & 1u);
-  const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.hidden) * 2;
+  const int dparity = static_cast<int>((p.peers.steps[0] - 1u) & 1u);
+  const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.shape.hidden) * 2;
   const MoeStamp stamp(p, MoeKernel::kLatencyCombine);
   if (part.cta == 0 && tid == 0) moeCheckPairing(p, false);
-  const bool weighted = p.combineWeights != nullptr;
+  const bool weighted = p.combine.topkWeights != nullptr;
   if (weighted) {
     // This rank's tokens' weights to each destination, at the token's record index there, before
     // any wait: CTA c takes destinations c, c + G, ...
-    const int T = *p.liveTokens;
+    const int T = *p.routing.liveTokens;
     for (int r = part.cta; r < R; r += part.ctas) {
-      if (r == p.rank) continue;
-      auto* dst = reinterpret_cast<float*>(p.peerUser[r] + p.llCombWOff) +
-                  (static_cast<std::uint64_t>(cparity) * R + p.rank) * p.maxTokens * K;
+      if (r == p.shape.rank) continue;
+      auto* dst = reinterpret_cast<float*>(p.peers.userRegions[r] + p.latency.weightsOff) +
+                  (static_cast<std::uint64_t>(cparity) * R + p.shape.rank) * p.shape.maxTokens * K;
       for (int e = tid; e < T * K; e += kThreads) {
-        const int t = e / K, i = p.tokRankIdx[static_cast<std::uint64_t>(t) * R + r];
-        if (i >= 0) dst[static_cast<std::uint64_t>(i) * K + e % K] = p.combineWeights[e];
+        const int t = e / K, i = p.routing.tokenRankIndex[static_cast<std::uint64_t>(t) * R + r];
+        if (i >= 0) dst[static_cast<std::uint64_t>(i) * K + e % K] = p.combine.topkWeights[e];
       }
       __syncthreads();
-      if (tid == 0) flagPost(peerCounter(p, r, p.llCombWFlagOff) + p.rank, cstep + 1u);
+      if (tid == 0) flagPost(peerCounter(p, r, p.latency.weightFlagsOff) + p.shape.rank, cstep + 1u);
     }
     if (tid == 0) moeTrace(p, 1, cstep, MoeTraceEvent::kPosted, 0, true);
   }
   // The peers' records only (their partials cross the link): the receive part reduces this rank's
   // own records.
   for (int k = 1; k < R; ++k) {
-    const int s = (p.rank + k) % R;
+    const int s = (p.shape.rank + k) % R;
     if (weighted) {
-      const bool failed = tid == 0 && !flagWait(p.sync, peerCounter(p, p.rank, p.llCombWFlagOff) + s, cstep + 1u, s,
+      const bool failed = tid == 0 && !flagWait(p.peers.sync, peerCounter(p, p.shape.rank, p.latency.weightFlagsOff) + s, cstep + 1u, s,
                                                 WaitSite::kMoeCombineWeights);
       if (__syncthreads_or(failed) != 0) return;  // recorded: the engine enters its failed state
     }
-    const int rows = p.recvRows[s];
-    const long long rankBase = p.rankMajor ? p.rankOffsets[s] : -1;  // rank-major: the source's first row
+    const int rows = p.layout.sourceRecords[s];
+    const long long rankBase = p.layout.rankMajor ? p.layout.rankOffsets[s] : -1;  // rank-major: the source's first row
     for (int i = firstItem; i < rows; i += items) {
-      moeReduceRecord(p, p.peerUser[p.rank] + p.llRecOff + llSlot(p, dparity, s, i, p.recBytes),
-                      p.srcBase + s * p.localExperts,
-                      p.peerUser[s] + p.llCombOff + llSlot(p, cparity, p.rank, i, rowBytes), stages[group], g,
-                      p.rankMajor ? rankBase + i : -1, weighted ? combineWeightsOf(p, cparity, s, i) : nullptr);
+      moeReduceRecord(p, p.peers.userRegions[p.shape.rank] + p.peers.recordsOff + llSlot(p, dparity, s, i, p.shape.recordBytes),
+                      p.layout.sourceBase + s * p.shape.localExperts,
+                      p.peers.userRegions[s] + p.peers.partialsOff + llSlot(p, cparity, p.shape.rank, i, rowBytes), stages[group], g,
+                      p.layout.rankMajor ? rankBase + i : -1, weighted ? combineWeightsOf(p, cparity, s, i) : nullptr);
     }
   }
-  arriveAtEveryPeer(p, p.llCombArriveOff);
+  arriveAtEveryPeer(p, p.latency.partialArrivalsOff);
   if (tid == lastArriver(p)) moeTrace(p, 1, cstep, MoeTraceEvent::kSent, 0, true);
 }
 
@@ -383,25 +383,25 @@ __device__ void combineReceive(const MoeParams& p, Part part) {
   __shared__ const uint4* parts[kGroups][kMaxRanks];
   __shared__ MoeSlotStage stages[kGroups];
   const MoeGroupSlice gs = moeGroupSlice(part.cta, part.ctas);
-  const int R = p.numRanks;
-  const std::uint32_t cstep = p.llSteps[1];
+  const int R = p.shape.numRanks;
+  const std::uint32_t cstep = p.peers.steps[1];
   const int cparity = static_cast<int>(cstep & 1u);
-  const int dparity = static_cast<int>((p.llSteps[0] - 1u) & 1u);  // the last dispatch's records
-  const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.hidden) * 2;
-  const int T = *p.liveTokens;
+  const int dparity = static_cast<int>((p.peers.steps[0] - 1u) & 1u);  // the last dispatch's records
+  const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.shape.hidden) * 2;
+  const int T = *p.routing.liveTokens;
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyCombineOwn);
     // This rank's own records, reduced into its own partial slots while the send part reduces the
     // peers' (no wait: the records, y and the weights are this rank's). Each group takes the same
     // tokens below, so its own barrier orders these partials before its sums.
     for (int t = gs.first; t < T; t += gs.stride) {
-      const int i = p.tokRankIdx[static_cast<std::uint64_t>(t) * R + p.rank];
+      const int i = p.routing.tokenRankIndex[static_cast<std::uint64_t>(t) * R + p.shape.rank];
       if (i >= 0) {
-        moeReduceRecord(p, p.peerUser[p.rank] + p.llRecOff + llSlot(p, dparity, p.rank, i, p.recBytes),
-                        p.srcBase + p.rank * p.localExperts,
-                        p.peerUser[p.rank] + p.llCombOff + llSlot(p, cparity, p.rank, i, rowBytes), stages[gs.group],
-                        gs.g, p.rankMajor ? p.rankOffsets[p.rank] + i : -1,
-                        p.combineWeights != nullptr ? p.combineWeights + static_cast<std::uint64_t>(t) * p.topK
+        moeReduceRecord(p, p.peers.userRegions[p.shape.rank] + p.peers.recordsOff + llSlot(p, dparity, p.shape.rank, i, p.shape.recordBytes),
+                        p.layout.sourceBase + p.shape.rank * p.shape.localExperts,
+                        p.peers.userRegions[p.shape.rank] + p.peers.partialsOff + llSlot(p, cparity, p.shape.rank, i, rowBytes), stages[gs.group],
+                        gs.g, p.layout.rankMajor ? p.layout.rankOffsets[p.shape.rank] + i : -1,
+                        p.combine.topkWeights != nullptr ? p.combine.topkWeights + static_cast<std::uint64_t>(t) * p.shape.topK
                                                     : nullptr);
       }
     }
@@ -409,7 +409,7 @@ __device__ void combineReceive(const MoeParams& p, Part part) {
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyCombineReceive);
     // Every peer destination's G send CTAs, this step.
-    if (waitEveryRank(p, p.llCombArriveOff, (cstep + 1u) * static_cast<std::uint32_t>(p.llCtas), WaitSite::kMoeCombine,
+    if (waitEveryRank(p, p.latency.partialArrivalsOff, (cstep + 1u) * static_cast<std::uint32_t>(p.grid.budgetCtas), WaitSite::kMoeCombine,
                       true)) {
       ptx::launchDependents();  // after the last wait on another rank, as in the dispatch receive
       if (part.cta == part.ctas - 1 && threadIdx.x == 0) moeTrace(p, 1, cstep, MoeTraceEvent::kArrived);
@@ -418,8 +418,8 @@ __device__ void combineReceive(const MoeParams& p, Part part) {
         moeFinalToken(
             p, t,
             [&](int r) -> const char* {
-              const int i = p.tokRankIdx[static_cast<std::uint64_t>(t) * R + r];
-              return i < 0 ? nullptr : p.peerUser[p.rank] + p.llCombOff + llSlot(p, cparity, r, i, rowBytes);
+              const int i = p.routing.tokenRankIndex[static_cast<std::uint64_t>(t) * R + r];
+              return i < 0 ? nullptr : p.peers.userRegions[p.shape.rank] + p.peers.partialsOff + llSlot(p, cparity, r, i, rowBytes);
             },
             parts[gs.group], gs.g);
       }
@@ -429,28 +429,28 @@ __device__ void combineReceive(const MoeParams& p, Part part) {
 }
 
 __global__ void __launch_bounds__(kThreads) combineKernel(const __grid_constant__ MoeParams p) {
-  const std::uint64_t entered = p.timeline != nullptr ? ptx::globalTimerNs() : 0;
+  const std::uint64_t entered = p.state.timeline != nullptr ? ptx::globalTimerNs() : 0;
   ptx::gridDependencyWait();  // as the dispatch: the stream's last kernel has finished
   const Part send = sendPart(p), receive = receivePart(p);
   traceStart(p, 1, send, entered);
   if (send.cta >= 0) combineSend(p, send);
   if (receive.cta >= 0) combineReceive(p, receive);
-  if ((p.llPhase & kMoeLatencyReceive) != 0 && lastBlock(&p.llDone[1]) && threadIdx.x == 0) {
-    moeTrace(p, 1, p.llSteps[1], MoeTraceEvent::kDone);
-    p.llSteps[1] = p.llSteps[1] + 1u;
-    *p.pending &= kMoeDispatched;
+  if ((p.latency.phase & kMoeLatencyReceive) != 0 && lastBlock(&p.peers.lastCtaCounters[1]) && threadIdx.x == 0) {
+    moeTrace(p, 1, p.peers.steps[1], MoeTraceEvent::kDone);
+    p.peers.steps[1] = p.peers.steps[1] + 1u;
+    *p.state.pending &= kMoeDispatched;
   }
 }
 
 // CTAs of one launch: the parts it runs, side by side.
 int launchCtas(const MoeParams& p) {
-  return ((p.llPhase & kMoeLatencySend) != 0 ? p.llCtas : 0) + ((p.llPhase & kMoeLatencyReceive) != 0 ? p.epilogueCtas : 0);
+  return ((p.latency.phase & kMoeLatencySend) != 0 ? p.grid.budgetCtas : 0) + ((p.latency.phase & kMoeLatencyReceive) != 0 ? p.grid.epilogueCtas : 0);
 }
 
 cudaError_t checkLaunch(const MoeParams& p) {
-  if (p.llPhase < kMoeLatencySend || p.llPhase > (kMoeLatencySend | kMoeLatencyReceive)) return cudaErrorInvalidValue;
-  if (p.epilogueCtas < 1 || p.llCtas < 1 || p.localExperts > kMoeMaxLocalExperts || p.numRanks > kMaxRanks ||
-      p.topK > kMoeMaxTopK) {
+  if (p.latency.phase < kMoeLatencySend || p.latency.phase > (kMoeLatencySend | kMoeLatencyReceive)) return cudaErrorInvalidValue;
+  if (p.grid.epilogueCtas < 1 || p.grid.budgetCtas < 1 || p.shape.localExperts > kMoeMaxLocalExperts || p.shape.numRanks > kMaxRanks ||
+      p.shape.topK > kMoeMaxTopK) {
     return cudaErrorInvalidValue;
   }
   return cudaSuccess;
@@ -461,14 +461,14 @@ cudaError_t checkLaunch(const MoeParams& p) {
 
 cudaError_t launchMoeLatencyDispatch(const MoeParams& p, cudaStream_t stream) {
   using namespace moe_latency;
-  const MoeLatencySmem lay = moeLatencySmem(p.maxTokens, p.topK, p.numExperts, p.numRanks);
-  if (checkLaunch(p) != cudaSuccess || p.maxTokens > kMoeLatencyMaxTokens ||
-      p.maxTokens * p.topK > kMoeLatencyMaxEntries || lay.bytes > kMoeLatencyMaxSmem) {
+  const MoeLatencySmem lay = moeLatencySmem(p.shape.maxTokens, p.shape.topK, p.shape.numExperts, p.shape.numRanks);
+  if (checkLaunch(p) != cudaSuccess || p.shape.maxTokens > kMoeLatencyMaxTokens ||
+      p.shape.maxTokens * p.shape.topK > kMoeLatencyMaxEntries || lay.bytes > kMoeLatencyMaxSmem) {
     return cudaErrorInvalidValue;
   }
   cudaLaunchAttribute attrs[2];
   cudaLaunchConfig_t cfg = moeLaunchConfig(launchCtas(p), kThreads, 1, true, stream, attrs);
-  cfg.dynamicSmemBytes = (p.llPhase & kMoeLatencySend) != 0 ? lay.bytes : 0;
+  cfg.dynamicSmemBytes = (p.latency.phase & kMoeLatencySend) != 0 ? lay.bytes : 0;
   return cudaLaunchKernelEx(&cfg, dispatchKernel, p);
 }
 

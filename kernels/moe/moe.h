@@ -26,6 +26,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include <graphep/types.hpp>
 
@@ -55,7 +56,7 @@ struct MoeDeviceStatus {
   unsigned long long missingCombineRows;
 };
 
-// MoeParams::pending, set by each operation's last kernel: bit 0 between a dispatch and a combine
+// MoeParams::state.pending, set by each operation's last kernel: bit 0 between a dispatch and a combine
 // (the watchdog's guess at which operation a stall is in), bit 1 once any dispatch has run (a
 // combine before it has nothing to combine: counted).
 inline constexpr std::uint32_t kMoePendingCombine = 1u;
@@ -138,176 +139,187 @@ inline constexpr int kMoeStampWords = 4;
 inline constexpr int kMoeTraceSteps = 16;
 inline constexpr int kMoeTraceWords = 2 * kMoeTraceSteps * static_cast<int>(MoeTraceEvent::kCount);
 
-struct MoeParams {
-  // Shape. topK, fp8 and payloadBytes are the dispatch's own (DispatchArgs.topK, .input): at most
-  // the config's top-k, and a record slot holds the config's largest record (recBytes).
+// --- MoeParams, grouped by owner ---------------------------------------------------------------
+// Each group is written by one place in the engine (engine/moe/bind.cpp at setup unless noted)
+// and read by the kernels named beside it. Plain aggregates: MoeParams stays trivially copyable
+// and is passed by value as a __grid_constant__ kernel parameter.
+
+// The sizes every kernel reads: the ranks, experts and tokens (setup), and the record format.
+// topK, fp8 and payloadBytes are the dispatch's own (Engine::dispatch from DispatchArgs.topK,
+// .input): at most the config's top-k, and a record slot (recordBytes) holds the config's
+// largest record. The int32 fields lead the struct, contiguous at offset 0: moving them raised
+// moeDirectReceiveKernel's spills (ptxas -v); re-check after any reorder.
+struct MoeShape {
   std::int32_t rank, numRanks, hidden, topK, numExperts, localExperts, maxTokens;
-  std::int32_t fp8;        // dispatch in fp8 e4m3 (records carry fp8 tiles)
-  std::int32_t int64Ids;   // topkIdx holds int64
-  std::int32_t alignment;  // per-expert row alignment of recv_x
-  std::int32_t strict;     // trap after counting bad input
-  std::int64_t capacity;   // rows of recv_x
-  // Batched receive layout: rows per local expert (expert j's rows start at j x batchedRows, and an
-  // expert keeps its first batchedRows rows); 0: expert-major (rows packed, aligned).
-  std::int64_t batchedRows;
-  // Rank-major receive layout: one row per record (source token, this rank), sources one after
-  // another (rankOffsets [R + 1]), each row's top-k local experts and weights (rowExperts,
-  // rowExpertWeights [capacity][topK], -1 / 0 where a slot's expert is not here).
-  std::int32_t rankMajor;
-  std::int32_t* rankOffsets;
-  void* rowExperts;          // int32, or int64 with rowExperts64 (a caller's output for int64 ids)
-  std::int32_t rowExperts64;
-  float* rowExpertWeights;
-  // Rank-major: rows of recvX / recvScales / row metadata this dispatch may write (the caller's
-  // DispatchOutputs.rows, or the capacity); a row past it is dropped and counted.
-  std::int64_t outRows;
-  // [R][R] or nullptr (the direct dispatch): [i][j] = records ranks 0 .. i send to rank j.
-  std::int32_t* rankPrefix;
-  std::uint64_t recBytes, payloadBytes, cntMsgBytes;
-  std::uint64_t directMsgBytes;  // moeDirectMsgBytes (the direct dispatch's count messages)
+  std::int32_t fp8;             // the dispatch's records carry fp8 e4m3 tiles
+  std::uint64_t recordBytes;    // a record slot (recBytes)
+  std::uint64_t payloadBytes;   // moePayloadBytes(hidden, fp8): the dispatch's record payload
+  std::uint64_t countMsgBytes;  // moeCountMsgBytes (the movers' and the latency path's count messages)
+};
 
-  // Inputs (dispatch).
-  const void* x;             // [T, H] bf16, or e4m3 bytes with fp8Input
-  const void* topkIdx;       // [T, K] int32 / int64; nullptr with topK 0 (tokenInRank routing alone)
-  const float* topkWeights;  // [T, K]
-  const int* numTokens;      // device scalar
-  // [T, R] bytes or nullptr: a token goes to rank r when tokenInRank[t][r] != 0 (its top-k entries
-  // whose expert lives on such a rank become its slots there, the others are left out); nullptr:
-  // to the ranks of its top-k experts.
-  const std::uint8_t* tokenInRank;
-  // Engine-quantised fp8: the scales' form (MoeScaleFormat: fp32, fp32 powers of two, or UE8M0
-  // exponent bytes in recvScales as [rows][H / 128] bytes). Latency path.
-  std::int32_t scaleFormat;
-  // [E_local] or nullptr: each local expert's rows of this dispatch (kept or dropped) are added.
-  std::int32_t* recvStats;
-  // x holds e4m3 bytes quantised by the caller, with fp32 scales xScales[t * scaleTokenStride +
-  // j * scaleHiddenStride] for values [128 j, 128 j + 128) (the direct dispatch packs them).
-  std::int32_t fp8Input;
-  const float* xScales;
+// One dispatch's inputs (Engine::dispatch from DispatchArgs, every path).
+struct MoeDispatchInput {
+  const void* x;                   // [T, H] bf16, or e4m3 bytes with xIsFp8
+  const void* topkIdx;             // [T, K] int32 / int64; nullptr with topK 0 (tokenInRank alone)
+  const float* topkWeights;        // [T, K]
+  const int* numTokens;            // device scalar
+  const std::uint8_t* tokenInRank; // [T, R] bytes or nullptr
+  const float* xScales;            // xIsFp8: fp32 scales, xScales[t * scaleTokenStride + j * scaleHiddenStride]
   std::int64_t scaleTokenStride, scaleHiddenStride;
+  std::int32_t int64Ids;           // topkIdx holds int64
+  std::int32_t xIsFp8;             // x holds caller-quantised e4m3 bytes (direct dispatch)
+  std::int32_t scaleFormat;        // MoeScaleFormat of engine-quantised fp8 (latency path)
+};
 
-  // Routing scratch (local).
-  std::int32_t* liveTokens;   // [1] the clamped live count of the last dispatch
-  std::int32_t* tokRankIdx;   // [maxTokens, R]: index in the rank's list or -1
-  std::int32_t* entryIdx;     // [maxTokens, K]: index within the expert's list from this rank
-  std::uint32_t* expertCount; // [E]: this rank's entries per expert
-  std::uint32_t* rankCount;   // [R]: this rank's records per destination
-  // Throughput routing (kernels/moe/route.cu), W = ceil(maxTokens / 32) words per row. Zeroed
-  // before every dispatch (routeZeroBytes from routeBits): routeBits [E + R][W] (a bit per token
-  // holding the expert / going to the rank), routeCount [E][W] (entries per expert per 32 tokens),
-  // routeDup [1] (some token holds an expert twice). Then routePrefix [E + R][W]: entries (tokens)
-  // before each 32-token block.
-  std::uint32_t* routeBits;
-  std::uint32_t* routeCount;
-  std::uint32_t* routeDup;
-  std::uint32_t* routePrefix;
-  std::uint64_t routeZeroBytes;
-  // CTAs of the throughput path's kernels (kMoeThreads each; the SM budget, or the SM count), the
-  // same on every rank (the direct dispatch's arrival counters count them).
-  std::int32_t ctas;
-  // CTAs of the direct path's epilogue kernels (kernels/moe/direct.cu: fp8 quantise, receive,
-  // combine reduce, combine final): by default the SMs the SM budget leaves free. They only touch
-  // local memory, so they are not held to the SM budget.
-  std::int32_t epilogueCtas;
-  // The cluster size of the direct epilogues' launches (receive, combine reduce, combine final):
-  // epilogueCtas is a multiple of it. Chosen at setup (moeDirectEpilogueFits); nothing in the
-  // kernels depends on it.
-  std::int32_t epilogueCluster;
+// Routing scratch (local): written by route (kernels/moe_route.cu) or the latency send, read by
+// every path. W = moeRouteWords(maxTokens).
+struct MoeRouting {
+  std::int32_t* liveTokens;      // [1] the clamped live count of the last dispatch
+  std::int32_t* tokenRankIndex;  // [maxTokens, R]: index in the rank's record list or -1
+  std::int32_t* entryIndex;      // [maxTokens, K]: index within the expert's entries from this rank
+  std::uint32_t* expertEntries;  // [E]: this rank's entries per expert
+  std::uint32_t* rankRecords;    // [R]: this rank's records per destination
+  std::uint32_t* bits;           // [E + R][W]: a bit per token holding the expert / going to the rank
+  std::uint32_t* blockCounts;    // [E][W]: entries per expert per 32 tokens
+  std::uint32_t* duplicate;      // [1]: some token holds an expert twice
+  std::uint32_t* blockPrefix;    // [E + R][W]: entries (tokens) before each 32-token block
+  std::uint64_t zeroBytes;       // bytes from `bits` zeroed before each dispatch (throughput path)
+};
 
-  // Records and count messages.
-  char* recSend;              // [R][maxTokens][recBytes] (local)
-  const char* recRecv;        // [R][maxTokens][recBytes] (this rank's heap: peers write it)
-  char* cntSend;              // [R][cntMsgBytes]
-  const char* cntRecv;        // [R][cntMsgBytes]
-
-  // Movers' device count arrays (bytes): dispatch records and combine partials.
-  std::uint64_t* dispSendCounts;
-  std::uint64_t* dispRecvCounts;
-  std::uint64_t* combSendCounts;
-  std::uint64_t* combRecvCounts;
-
-  // Dispatch layout (local).
-  std::int32_t* recvRows;      // [R]: records received from each source
-  std::int32_t* srcBase;       // [R][E_local]: first row of (source, expert) in recv_x
-  std::int32_t* expertOffsets; // [E_local + 1]
-  std::int32_t* expertCounts;  // [E_local]: rows kept (offsets + counts stay within the capacity)
-  std::int32_t* expertDropped; // [E_local]: rows past the capacity, dropped (this dispatch)
-  std::int32_t* numRecvRows;   // [1]: rows kept
-  // Expert-major / batched, or nullptr: [E_local][R] kept rows of (expert j, source q) as
-  // begin << 32 | count, begin from the expert's first row.
-  std::int64_t* sourceRanges;
-  unsigned long long* expertTotals;  // [E_local], cumulative
-  char* recvX;                 // [capacity, H] bf16 or fp8
-  float* recvScales;           // [capacity, H / 128] (fp8)
-  std::int32_t* rowSrcRank;    // [capacity]
+// The receive layout: its form (setup), the views a user reads (DispatchLayout's names), and
+// the row buffers the expand writes (the engine's, or the caller's DispatchOutputs).
+struct MoeLayout {
+  std::int64_t capacity;        // rows of recv_x
+  std::int64_t rowsPerExpert;   // batched layout: rows per local expert; 0 otherwise
+  std::int64_t outputRows;      // rank-major: rows this dispatch may write (DispatchOutputs.rows or capacity)
+  std::int32_t* sourceRecords;  // [R]: records received from each source
+  std::int32_t* sourceBase;     // [R][E_local]: first row of (source, expert) in recv_x
+  std::int32_t* expertOffsets;  // [E_local + 1]
+  std::int32_t* expertCounts;   // [E_local]: rows kept
+  std::int32_t* expertDropped;  // [E_local]: rows past the capacity (this dispatch)
+  std::int32_t* numRecvRows;    // [1]: rows kept
+  std::int64_t* expertSourceRanges;   // [E_local][R] begin << 32 | count, or nullptr (rank-major)
+  unsigned long long* expertTotals;   // [E_local], cumulative
+  std::int32_t* rankOffsets;    // rank-major: [R + 1]
+  std::int32_t* rankPrefix;     // [R][R] or nullptr (direct dispatch's DispatchOutputs.rankPrefixMatrix)
+  std::int32_t* recvStats;      // [E_local] or nullptr (DispatchArgs.recvStats)
+  char* recvX;                  // [capacity, H] bf16 or fp8
+  float* recvScales;            // [capacity, H / 128] (fp8)
+  std::int32_t* rowSrcRank;     // [capacity]
   std::int32_t* rowSrcToken;
   std::int32_t* rowTopkSlot;
   float* rowWeight;
-
-  // Combine.
-  const char* y;               // [yRows, H] bf16 expert outputs
-  std::int64_t yRows;          // rows of y; a row the layout places past them adds nothing (counted)
-  // Rank-major on the direct path, or nullptr: fp32 [yRows][numValues] per received row, summed
-  // over the destination ranks into outValues [T][numValues] like the rows (fp32, rank order),
-  // staged in combValSend [R][maxTokens][kMoeMaxValues] and landing in the heap's llCombValOff
-  // region of the same shape.
-  const float* rowValues;
-  float* outValues;
-  std::int32_t numValues;
-  float* combValSend;
-  char* combSend;              // [R][maxTokens][H] bf16 partials (local)
-  const char* combRecv;        // [R][maxTokens][H] bf16 partials (this rank's heap)
-  char* out;                   // [T, H] bf16
-  // Latency path, or nullptr: [T][topK] fp32 top-k weights given to the combine, in place of the
-  // dispatch's. Each source sends its tokens' weights to their destinations ahead of the sums:
-  // llCombWOff [2][R][maxTokens][topK(config)] fp32 (by the combine step's parity; [.][q][i]: the
-  // weights of source q's record i), flagged by llCombWFlagOff [R] (u32 monotonic: combine step + 1).
-  const float* combineWeights;
-
-  MoeDeviceStatus* status;
-  // 1 between a dispatch and its combine (set by the dispatch's last kernel, cleared by the
-  // combine's): an operation that finds it in the wrong state is counted (MoeDeviceStatus).
-  std::uint32_t* pending;
-
-  // Latency path (kernels/moe/latency.cu; the direct dispatch, kernels/moe/direct.cu, uses llRecOff
-  // for its [R][maxTokens][recBytes] records (recRecv), llCnt for [2][R] messages of
-  // directMsgBytes, llFlag, llSteps, llDone as described here, llBlockOff: u32 monotonic flags
-  // [R][ceil(maxTokens / 32)], source q's records of tokens [32 w, 32 w + 32) have landed: step + 1;
-  // and its combine llCombOff for the [R][maxTokens][2H] partials (combRecv) and llCombBlockOff:
-  // flags [R][ceil(maxTokens / 32)], destination q's partials of records [32 w, 32 w + 32) have
-  // landed: combine step + 1). Regions of every rank's symmetric user region, at the
-  // same offsets on every rank: llRec [2][R][maxTokens][recBytes] records from each source,
-  // llCnt [2][R][cntMsgBytes] their count messages, llComb [2][R][maxTokens][H] bf16 partials from
-  // each destination; u32 monotonic counters [R]: llFlag (source q's count message of step s has
-  // landed: s + 1), llArrive (CTAs of source q whose records have landed: G per step), llCombArrive
-  // (CTAs of peer destination q whose partials have landed: G per step; a rank's own slot is never
-  // posted, its receiver reducing its own records).
-  // [2]: by the parity of the operation's step, so consecutive operations never share a buffer.
-  // The direct path's acknowledgements, u32 monotonic [R] in the waiting (writing) rank's heap:
-  // llDispAckOff[q] = step + 1 once destination q has expanded this rank's records of dispatch
-  // `step`, llCombAckOff[q] = step + 1 once source q has summed this rank's partials of combine
-  // `step`; a dispatch (combine) writes into q only after q's ack of the previous one, so
-  // dispatch -> dispatch and combine -> combine never overwrite what a peer still reads.
-  char* peerUser[kMaxRanks];  // every rank's user region as this rank sees it (its own included)
-  std::uint64_t llRecOff, llCntOff, llCombOff, llFlagOff, llArriveOff, llCombArriveOff, llBlockOff, llCombBlockOff;
-  std::uint64_t llDispAckOff, llCombAckOff, llCombValOff, llCombWOff, llCombWFlagOff;
-  // Latency path: the parts of the operation this launch runs (kMoeLatencySend | kMoeLatencyReceive).
-  std::int32_t llPhase;
-  std::uint32_t* llSteps;     // local [2]: dispatch and combine steps (monotonic)
-  std::uint32_t* llDone;      // local [2]: last-CTA counters of the dispatch's and the combine's last kernels
-  // Direct combine, local [R][routeWords(maxTokens)]: the reduce's CTAs done with a block of a
-  // peer's records (the last resets it), and the block's ready flag (step + 1) for the send.
-  std::uint32_t* combArrive;
-  std::uint32_t* combReady;
-  // G: CTAs of each latency sender, the same on every rank (the arrival counters count them). When
-  // ranks share a GPU, all their senders and receivers must fit at once (a receiver may spin while
-  // another rank's sender waits for room).
-  std::int32_t llCtas;
-  SyncHandle sync;            // bounded waits (timeout, error record)
-
-  // [kMoeStampWords * MoeKernel::kCount] then the step trace [kMoeTraceWords], or nullptr (profiling off)
-  unsigned long long* timeline;
+  void* rowExperts;             // rank-major: [capacity][topK] int32, or int64 with rowExperts64
+  float* rowExpertWeights;      // rank-major: [capacity][topK]
+  std::int32_t alignment;       // per-expert row alignment of recv_x
+  std::int32_t rankMajor;
+  std::int32_t rowExperts64;
 };
+
+// One combine's arguments (Engine::combine; CombineArgs' names).
+struct MoeCombineArgs {
+  const char* expertOutput;      // [expertOutputRows, H] bf16 (y)
+  std::int64_t expertOutputRows;
+  char* out;                     // [T, H] bf16
+  const float* topkWeights;      // latency path, or nullptr: [T][topK] weights in place of the dispatch's
+  const float* rowValues;        // direct, rank-major, or nullptr: [expertOutputRows][numValues] fp32
+  float* outValues;              // [T][numValues]
+  std::int32_t numValues;
+};
+
+// CTAs (kMoeThreads / kMoeLatencyThreads each). budgetCtas: the SM budget (MoeConfig.smBudget;
+// by default the SM count, the link's need, or 24 on the latency path), the same on every rank
+// (arrival counters count them): the grid of route, pack, expand and the movers' combine, the
+// direct sends, the latency send part (G). epilogueCtas: the direct path's epilogue kernels and
+// the latency receive part (MoeConfig.epilogueSms), in clusters of epilogueCluster (direct).
+struct MoeGrid {
+  std::int32_t budgetCtas;
+  std::int32_t epilogueCtas;
+  std::int32_t epilogueCluster;
+};
+
+// The throughput path's local staging and this rank's record slots (movers and direct).
+struct MoeStaging {
+  char* recordStage;       // [R][maxTokens][recordBytes]; direct: [T][payloadBytes] fp8 wire rows
+  const char* recordRecv;  // [R][maxTokens][recordBytes] (this rank's heap: peers write it)
+  char* partialStage;      // [R][maxTokens][H] bf16 partials (local)
+};
+
+// The movers' exchanges (kernels/moe_dispatch.cu, moe_combine.cu): count messages and the
+// alltoallv byte counts of records and partials.
+struct MoeMoverParams {
+  char* countSend;                  // [R][countMsgBytes]
+  const char* countRecv;            // [R][countMsgBytes]
+  const char* partialRecv;          // [R][maxTokens][H] bf16 partials (this rank's heap)
+  std::uint64_t* recordSendBytes;   // [R]
+  std::uint64_t* recordRecvBytes;
+  std::uint64_t* partialSendBytes;
+  std::uint64_t* partialRecvBytes;
+};
+
+// The paths that store into peers' memory (latency, direct): every rank's symmetric user region
+// and the offsets of the regions both use, the step counters and the bounded waits. The regions
+// (the *Off fields here and in MoeDirectParams / MoeLatencyParams) sit at the same offsets in
+// every rank's user region; data regions are doubled, [2] by the parity of the operation's step,
+// so consecutive operations never share a buffer; flags and counters are u32 and monotonic (a
+// step s posts s + 1, a counter of CTAs grows by G per step), so they replay forever.
+struct MoePeers {
+  char* userRegions[kMaxRanks];  // every rank's user region as this rank sees it (its own included)
+  std::uint64_t recordsOff;      // records from each source
+  std::uint64_t countMsgsOff;    // count messages ([2][R], by parity)
+  std::uint64_t partialsOff;     // partials from each destination
+  std::uint64_t countFlagsOff;   // u32 [R]: source q's count message of step s landed: s + 1
+  std::uint32_t* steps;          // local [2]: dispatch and combine steps (monotonic)
+  std::uint32_t* lastCtaCounters;  // local [2]: last-CTA counters of the dispatch's and combine's last kernels
+  SyncHandle sync;               // bounded waits (timeout, error record)
+};
+
+// The direct path (kernels/moe_direct.cu) alone.
+struct MoeDirectParams {
+  std::uint64_t msgBytes;           // moeDirectMsgBytes (count message + tail)
+  std::uint64_t recordFlagsOff;     // u32 [R][W]: source q's records of block w landed: step + 1
+  std::uint64_t partialFlagsOff;    // u32 [R][W]: destination q's partials of block w landed
+  std::uint64_t dispatchAcksOff;    // u32 [R]: destination q expanded this rank's records
+  std::uint64_t combineAcksOff;     // u32 [R]: source q summed this rank's partials
+  std::uint64_t valuesOff;          // [R][maxTokens][kMoeMaxValues] fp32 (CombineArgs.rowValues)
+  float* valueStage;                // local [R][maxTokens][kMoeMaxValues]
+  std::uint32_t* partialArrivals;   // local [R][W]: reduce CTAs done with a block
+  std::uint32_t* partialReady;      // local [R][W]: the block's ready flag (step + 1) for the send
+};
+
+// The latency path (kernels/moe_latency.cu) alone.
+struct MoeLatencyParams {
+  std::uint64_t recordArrivalsOff;   // u32 [R]: CTAs of source q whose records landed (G per step)
+  std::uint64_t partialArrivalsOff;  // u32 [R]: CTAs of destination q whose partials landed
+  std::uint64_t weightsOff;          // [2][R][maxTokens][topK] fp32 combine weights
+  std::uint64_t weightFlagsOff;      // u32 [R]: combine step + 1
+  std::int32_t phase;                // kMoeLatencySend | kMoeLatencyReceive
+};
+
+// Operation state and checks (every path).
+struct MoeState {
+  MoeDeviceStatus* status;
+  std::uint32_t* pending;            // kMoePendingCombine | kMoeDispatched
+  unsigned long long* timeline;      // stamps then the step trace, or nullptr (profiling off)
+  std::int32_t strict;               // trap after counting bad input
+};
+
+struct MoeParams {
+  MoeShape shape;
+  MoeDispatchInput input;
+  MoeRouting routing;
+  MoeLayout layout;
+  MoeCombineArgs combine;
+  MoeGrid grid;
+  MoeStaging staging;
+  MoeMoverParams movers;
+  MoePeers peers;
+  MoeDirectParams direct;
+  MoeLatencyParams latency;
+  MoeState state;
+};
+static_assert(std::is_trivially_copyable_v<MoeParams>, "MoeParams is a by-value kernel parameter");
+static_assert(sizeof(MoeParams) <= 4096, "MoeParams must fit the 4 KiB kernel parameter space");
 
 // Threads per CTA of the throughput path's kernels (groups of 128 threads work on one item each).
 inline constexpr int kMoeThreads = 512;
@@ -326,13 +338,13 @@ cudaError_t launchMoePack(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeOffsets(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeExpand(const MoeParams& p, cudaStream_t stream);
 cudaError_t preloadMoeDispatchKernels();
-// Direct dispatch (every peer load/store, each rank on a GPU of its own): route, then send (ctas
+// Direct dispatch (every peer load/store, each rank on a GPU of its own): route, then send (grid.budgetCtas
 // CTAs) and receive (epilogueCtas CTAs).
-// fp8: every live row quantised once, on epilogueCtas CTAs, into recSend ([T][payloadBytes]).
+// fp8: every live row quantised once, on grid.epilogueCtas CTAs, into staging.recordStage ([T][payloadBytes]).
 cudaError_t launchMoeDirectQuantize(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeDirectSend(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeDirectReceive(const MoeParams& p, cudaStream_t stream);
-// Its combine: reduce (epilogueCtas CTAs), send (ctas CTAs), final (epilogueCtas CTAs).
+// Its combine: reduce (grid.epilogueCtas CTAs), send (grid.budgetCtas CTAs), final (grid.epilogueCtas CTAs).
 cudaError_t launchMoeDirectCombineReduce(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeDirectCombineSend(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeDirectCombineFinal(const MoeParams& p, cudaStream_t stream);
@@ -357,9 +369,9 @@ struct MoeTokenLayoutParams {
 cudaError_t launchMoeTokenLayout(const MoeTokenLayoutParams& p, cudaStream_t stream);
 cudaError_t preloadMoeTokenLayoutKernels();
 
-// Latency path: one kernel per operation (kernels/moe/latency.cu): G = llCtas CTAs send and
+// Latency path: one kernel per operation (kernels/moe/latency.cu): G = grid.budgetCtas CTAs send and
 // epilogueCtas CTAs beside them receive; a launch runs the send, the receive or both
-// (MoeParams::llPhase). Dynamic shared memory moeLatencySmem(...).bytes when it sends.
+// (MoeParams::latency.phase). Dynamic shared memory moeLatencySmem(...).bytes when it sends.
 inline constexpr int kMoeLatencyMaxTokens = 256;
 inline constexpr int kMoeLatencyMaxEntries = 4096;  // tokens x top-k
 inline constexpr int kMoeLatencyThreads = 512;
@@ -367,7 +379,7 @@ inline constexpr std::uint32_t kMoeLatencyMaxSmem = 96u << 10;
 inline constexpr std::int32_t kMoeLatencySend = 1;
 inline constexpr std::int32_t kMoeLatencyReceive = 2;
 
-// MoeParams::scaleFormat (graphep::Fp8Scales).
+// MoeParams::input.scaleFormat (graphep::Fp8Scales).
 inline constexpr std::int32_t kMoeScaleFloat = 0;
 inline constexpr std::int32_t kMoeScalePow2 = 1;
 inline constexpr std::int32_t kMoeScaleUe8m0 = 2;
@@ -391,7 +403,7 @@ __host__ __device__ inline MoeLatencySmem moeLatencySmem(int maxTokens, int topK
   return o;
 }
 
-// The launch of p.llPhase's parts of a dispatch / combine (G + epilogueCtas CTAs for both), the
+// The launch of p.latency.phase's parts of a dispatch / combine (G + epilogueCtas CTAs for both), the
 // programmatic dependent of the stream's last kernel.
 cudaError_t launchMoeLatencyDispatch(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeLatencyCombine(const MoeParams& p, cudaStream_t stream);

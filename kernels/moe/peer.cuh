@@ -1,6 +1,6 @@
 // Device helpers of the MoE kernels that store straight into peers' memory (the latency path,
 // kernels/moe/latency.cu, and the throughput path's direct dispatch, kernels/moe/direct.cu):
-// monotonic counters in every rank's symmetric user region (MoeParams::peerUser, the same offsets
+// monotonic counters in every rank's symmetric user region (MoeParams::peers.userRegions, the same offsets
 // on every rank), posted after a system-scope fence and waited for with bounded waits.
 #pragma once
 
@@ -36,7 +36,7 @@ inline cudaLaunchConfig_t moeLaunchConfig(int ctas, int threads, int cluster, bo
 }
 
 __device__ __forceinline__ std::uint32_t* peerCounter(const MoeParams& p, int rank, std::uint64_t off) {
-  return reinterpret_cast<std::uint32_t*>(p.peerUser[rank] + off);
+  return reinterpret_cast<std::uint32_t*>(p.peers.userRegions[rank] + off);
 }
 
 // Block-wide "am I the last of the grid's CTAs to get here": after the barrier, thread 0 fences at
@@ -69,9 +69,9 @@ __device__ inline bool lastBlock(std::uint32_t* counter) {
 // receiver's: nothing to announce to itself.)
 __device__ inline void arriveAtEveryPeer(const MoeParams& p, std::uint64_t counterOff) {
   __syncthreads();
-  if (static_cast<int>(threadIdx.x) < p.numRanks && static_cast<int>(threadIdx.x) != p.rank) {
+  if (static_cast<int>(threadIdx.x) < p.shape.numRanks && static_cast<int>(threadIdx.x) != p.shape.rank) {
     ptx::fenceAcqRelSys();
-    ptx::redReleaseSysAdd(peerCounter(p, static_cast<int>(threadIdx.x), counterOff) + p.rank, 1u);
+    ptx::redReleaseSysAdd(peerCounter(p, static_cast<int>(threadIdx.x), counterOff) + p.shape.rank, 1u);
   }
 }
 
@@ -80,9 +80,9 @@ __device__ inline void arriveAtEveryPeer(const MoeParams& p, std::uint64_t count
 // ordered before it (lastBlock), so that a peer's writes after it cannot reach what was read.
 __device__ inline void postEveryPeer(const MoeParams& p, std::uint64_t counterOff, std::uint32_t value) {
   const int r = static_cast<int>(threadIdx.x);
-  if (r < p.numRanks && r != p.rank) {
+  if (r < p.shape.numRanks && r != p.shape.rank) {
     ptx::fenceAcqRelSys();
-    ptx::stReleaseSys(peerCounter(p, r, counterOff) + p.rank, value);
+    ptx::stReleaseSys(peerCounter(p, r, counterOff) + p.shape.rank, value);
   }
 }
 
@@ -91,8 +91,8 @@ __device__ inline void postEveryPeer(const MoeParams& p, std::uint64_t counterOf
 __device__ inline bool waitEveryRank(const MoeParams& p, std::uint64_t counterOff, std::uint32_t target, WaitSite site,
                                      bool peersOnly = false) {
   const int q = static_cast<int>(threadIdx.x);
-  const bool mine = q < p.numRanks && !(peersOnly && q == p.rank);
-  const bool failed = mine && !flagWait(p.sync, peerCounter(p, p.rank, counterOff) + q, target, q, site);
+  const bool mine = q < p.shape.numRanks && !(peersOnly && q == p.shape.rank);
+  const bool failed = mine && !flagWait(p.peers.sync, peerCounter(p, p.shape.rank, counterOff) + q, target, q, site);
   return __syncthreads_or(failed) == 0;
 }
 

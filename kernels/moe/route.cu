@@ -1,5 +1,5 @@
 // MoE routing kernel family of the throughput path (see kernels/moe/moe.h), its launcher below. Three
-// grid-stride kernels of p.ctas CTAs after a memset of the scratch:
+// grid-stride kernels of p.grid.budgetCtas CTAs after a memset of the scratch:
 //
 //   bits    every (token, k) entry: its bit in the expert's row and in the destination rank's row,
 //           its count in the expert's 32-token block; invalid ids counted; CTA 0 clamps the live
@@ -28,11 +28,11 @@ __global__ void __launch_bounds__(kThreads) moeRouteBitsKernel(const __grid_cons
   const MoeStamp stamp(p, MoeKernel::kRoute);
   if (blockIdx.x == 0 && threadIdx.x == 0) moeCheckPairing(p, true);
   const int T = moeLiveTokens(p, blockIdx.x == 0 && threadIdx.x == 0);
-  const int W = static_cast<int>(moeRouteWords(p.maxTokens)), E = p.numExperts, K = p.topK, R = p.numRanks;
-  if (p.tokenInRank != nullptr) {  // the destinations, from the mask
+  const int W = static_cast<int>(moeRouteWords(p.shape.maxTokens)), E = p.shape.numExperts, K = p.shape.topK, R = p.shape.numRanks;
+  if (p.input.tokenInRank != nullptr) {  // the destinations, from the mask
     for (int n = gridThread(); n < T * R; n += gridThreads()) {
       const int t = n / R;
-      if (p.tokenInRank[n] != 0) atomicOr(&p.routeBits[(E + n % R) * W + (t >> 5)], 1u << (t & 31));
+      if (p.input.tokenInRank[n] != 0) atomicOr(&p.routing.bits[(E + n % R) * W + (t >> 5)], 1u << (t & 31));
     }
   }
   for (int i = gridThread(); i < T * K; i += gridThreads()) {
@@ -44,9 +44,9 @@ __global__ void __launch_bounds__(kThreads) moeRouteBitsKernel(const __grid_cons
     const int t = i / K, w = t >> 5;
     if (!moeEntryRouted(p, t, id)) continue;  // the mask does not send the token to its expert's rank
     const std::uint32_t bit = 1u << (t & 31);
-    if (atomicOr(&p.routeBits[id * W + w], bit) & bit) atomicExch(p.routeDup, 1u);
-    atomicAdd(&p.routeCount[id * W + w], 1u);
-    if (p.tokenInRank == nullptr) atomicOr(&p.routeBits[(E + id / p.localExperts) * W + w], bit);
+    if (atomicOr(&p.routing.bits[id * W + w], bit) & bit) atomicExch(p.routing.duplicate, 1u);
+    atomicAdd(&p.routing.blockCounts[id * W + w], 1u);
+    if (p.input.tokenInRank == nullptr) atomicOr(&p.routing.bits[(E + id / p.shape.localExperts) * W + w], bit);
   }
 }
 
@@ -54,26 +54,26 @@ __global__ void __launch_bounds__(kThreads) moeRoutePrefixKernel(const __grid_co
   const MoeStamp stamp(p, MoeKernel::kRoute);
   using WarpScan = cub::WarpScan<std::uint32_t>;
   __shared__ typename WarpScan::TempStorage scan[kWarps];
-  const int W = static_cast<int>(moeRouteWords(p.maxTokens)), E = p.numExperts;
+  const int W = static_cast<int>(moeRouteWords(p.shape.maxTokens)), E = p.shape.numExperts;
   const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) / 32;
   const int firstWarp = static_cast<int>(blockIdx.x) * kWarps + warp;
-  for (int row = firstWarp; row < E + p.numRanks; row += static_cast<int>(gridDim.x) * kWarps) {
+  for (int row = firstWarp; row < E + p.shape.numRanks; row += static_cast<int>(gridDim.x) * kWarps) {
     std::uint32_t carry = 0;
     for (int w0 = 0; w0 < W; w0 += 32) {  // the whole warp, every round (W is the same for all)
       const int w = w0 + lane;
       std::uint32_t v = 0;
-      if (w < W) v = row < E ? p.routeCount[row * W + w] : static_cast<std::uint32_t>(__popc(p.routeBits[row * W + w]));
+      if (w < W) v = row < E ? p.routing.blockCounts[row * W + w] : static_cast<std::uint32_t>(__popc(p.routing.bits[row * W + w]));
       std::uint32_t before = 0, total = 0;
       WarpScan(scan[warp]).ExclusiveSum(v, before, total);
       __syncwarp();  // the scan's storage is reused next round
-      if (w < W) p.routePrefix[row * W + w] = carry + before;
+      if (w < W) p.routing.blockPrefix[row * W + w] = carry + before;
       carry += total;
     }
     if (lane == 0) {
       if (row < E) {
-        p.expertCount[row] = carry;
+        p.routing.expertEntries[row] = carry;
       } else {
-        p.rankCount[row - E] = carry;
+        p.routing.rankRecords[row - E] = carry;
       }
     }
   }
@@ -81,15 +81,15 @@ __global__ void __launch_bounds__(kThreads) moeRoutePrefixKernel(const __grid_co
 
 __global__ void __launch_bounds__(kThreads) moeRouteAssignKernel(const __grid_constant__ MoeParams p) {
   const MoeStamp stamp(p, MoeKernel::kRoute);
-  const int T = *p.liveTokens;
-  const int W = static_cast<int>(moeRouteWords(p.maxTokens)), E = p.numExperts, K = p.topK, R = p.numRanks;
-  const bool dup = *p.routeDup != 0;
+  const int T = *p.routing.liveTokens;
+  const int W = static_cast<int>(moeRouteWords(p.shape.maxTokens)), E = p.shape.numExperts, K = p.shape.topK, R = p.shape.numRanks;
+  const bool dup = *p.routing.duplicate != 0;
   for (int i = gridThread(); i < T * K; i += gridThreads()) {
     const long long id = moeReadId(p, static_cast<std::uint64_t>(i));
     if (!moeValidId(p, id) || !moeEntryRouted(p, i / K, id)) continue;
     const int t = i / K, k = i % K, w = t >> 5;
-    const std::uint32_t below = p.routeBits[id * W + w] & ((1u << (t & 31)) - 1u);
-    int idx = static_cast<int>(p.routePrefix[id * W + w]);
+    const std::uint32_t below = p.routing.bits[id * W + w] & ((1u << (t & 31)) - 1u);
+    int idx = static_cast<int>(p.routing.blockPrefix[id * W + w]);
     if (!dup) {
       idx += __popc(below);
     } else {  // exact: the entries of this expert in the block's earlier tokens and earlier slots
@@ -99,13 +99,13 @@ __global__ void __launch_bounds__(kThreads) moeRouteAssignKernel(const __grid_co
       }
       for (int kk = 0; kk < k; ++kk) idx += moeReadId(p, static_cast<std::uint64_t>(t) * K + kk) == id;
     }
-    p.entryIdx[i] = idx;
+    p.routing.entryIndex[i] = idx;
   }
   for (int n = gridThread(); n < T * R; n += gridThreads()) {
     const int t = n / R, r = n % R, w = t >> 5;
-    const std::uint32_t bits = p.routeBits[(E + r) * W + w];
-    p.tokRankIdx[n] = (bits >> (t & 31)) & 1u
-                          ? static_cast<int>(p.routePrefix[(E + r) * W + w]) + __popc(bits & ((1u << (t & 31)) - 1u))
+    const std::uint32_t bits = p.routing.bits[(E + r) * W + w];
+    p.routing.tokenRankIndex[n] = (bits >> (t & 31)) & 1u
+                          ? static_cast<int>(p.routing.blockPrefix[(E + r) * W + w]) + __popc(bits & ((1u << (t & 31)) - 1u))
                           : -1;
   }
 }
@@ -114,13 +114,13 @@ __global__ void __launch_bounds__(kThreads) moeRouteAssignKernel(const __grid_co
 
 cudaError_t launchMoeRoute(const MoeParams& p, cudaStream_t stream) {
   // topK 0: routing by tokenInRank alone (no slots).
-  if (p.numExperts < 1 || p.numRanks < 1 || p.topK < 0 || p.topK > kMoeMaxTopK || p.ctas < 1 ||
-      (p.topK == 0 && p.tokenInRank == nullptr)) {
+  if (p.shape.numExperts < 1 || p.shape.numRanks < 1 || p.shape.topK < 0 || p.shape.topK > kMoeMaxTopK || p.grid.budgetCtas < 1 ||
+      (p.shape.topK == 0 && p.input.tokenInRank == nullptr)) {
     return cudaErrorInvalidValue;
   }
-  cudaError_t e = cudaMemsetAsync(p.routeBits, 0, p.routeZeroBytes, stream);
+  cudaError_t e = cudaMemsetAsync(p.routing.bits, 0, p.routing.zeroBytes, stream);
   if (e != cudaSuccess) return e;
-  const unsigned grid = static_cast<unsigned>(p.ctas);
+  const unsigned grid = static_cast<unsigned>(p.grid.budgetCtas);
   moeRouteBitsKernel<<<grid, kThreads, 0, stream>>>(p);
   moeRoutePrefixKernel<<<grid, kThreads, 0, stream>>>(p);
   moeRouteAssignKernel<<<grid, kThreads, 0, stream>>>(p);
