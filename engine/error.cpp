@@ -5,6 +5,7 @@
 
 #include "engine/platform.hpp"
 #include "engine/log.hpp"
+#include "kernels/common/launch.h"
 
 namespace graphep {
 
@@ -53,8 +54,11 @@ void throwCuda(cudaError_t err, const char* call, const char* file, int line, co
   Status status = Status::kCudaError;
   if (err == cudaErrorMemoryAllocation) status = Status::kOutOfMemory;
   if (err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver) status = Status::kNoDevice;
-  throwError(status, format("%s failed: %s (%s) at %s:%d in %s()", call, cudaGetErrorName(err),
-                            cudaGetErrorString(err), file, line, func));
+  // A launcher's refusal names the limit the launch breaks (kernels/common/launch.h).
+  const std::string refusal = takeLaunchRefusal();
+  const std::string why = err == cudaErrorInvalidValue && !refusal.empty() ? " (" + refusal + ")" : "";
+  throwError(status, format("%s failed: %s (%s)%s at %s:%d in %s()", call, cudaGetErrorName(err),
+                            cudaGetErrorString(err), why.c_str(), file, line, func));
 }
 
 void throwCu(CUresult err, const char* call, const char* file, int line, const char* func) {

@@ -1,6 +1,7 @@
 // alltoallv kernel family (see kernels/alltoallv.h), its launcher below.
 #include "kernels/alltoallv.h"
 
+#include "kernels/common/launch.h"
 #include "kernels/common/pipe.cuh"
 
 namespace graphep {
@@ -135,18 +136,22 @@ __global__ void __launch_bounds__(256) allToAllvGatherKernel(const __grid_consta
 
 cudaError_t launchAllToAllvGather(const AllToAllvParams& p, cudaStream_t stream) {
   if (p.remoteMask == 0) return cudaSuccess;
-  if (p.remoteSend == nullptr || p.remoteCap == 0) return cudaErrorInvalidValue;
+  GRAPHEP_LAUNCH_REQUIRE(p.remoteSend != nullptr && p.remoteCap != 0,
+                         "remote peers (mask 0x%llx) with no staging (%llu bytes per peer)",
+                         static_cast<unsigned long long>(p.remoteMask), static_cast<unsigned long long>(p.remoteCap));
   allToAllvGatherKernel<<<p.sync.numRanks * 4, 256, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
 cudaError_t launchAllToAllv(const AllToAllvParams& p, cudaStream_t stream) {
   const unsigned blocks = p.firstChannel[p.sync.numRanks];
-  if (p.warpsPerRole < 1 || p.warpsPerRole > kMaxWarpsPerRole || blocks == 0 || p.minBytesPerChannel == 0 ||
-      p.numSlots < 1 || (p.numSlots & (p.numSlots - 1)) != 0 || p.slotBytes % 16 != 0 ||
-      p.slotBytes == 0) {
-    return cudaErrorInvalidValue;
-  }
+  GRAPHEP_LAUNCH_REQUIRE(p.warpsPerRole >= 1 && p.warpsPerRole <= static_cast<unsigned>(kMaxWarpsPerRole),
+                         "warpsPerRole %u (1 to %d)", p.warpsPerRole, kMaxWarpsPerRole);
+  GRAPHEP_LAUNCH_REQUIRE(blocks != 0 && p.minBytesPerChannel != 0, "%u channels, minBytesPerChannel %llu (both nonzero)",
+                         blocks, static_cast<unsigned long long>(p.minBytesPerChannel));
+  GRAPHEP_LAUNCH_REQUIRE(p.numSlots >= 1 && (p.numSlots & (p.numSlots - 1)) == 0 && p.slotBytes != 0 && p.slotBytes % 16 == 0,
+                         "%u slots of %u bytes (a power-of-two count, slots a nonzero multiple of 16 bytes)",
+                         p.numSlots, p.slotBytes);
   allToAllvKernel<<<blocks, 2 * p.warpsPerRole * 32, 0, stream>>>(p);
   return cudaGetLastError();
 }
@@ -155,11 +160,6 @@ cudaError_t allToAllvCtasPerSm(int threads, int* ctas) {
   return cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas, allToAllvKernel, threads, 0);
 }
 
-cudaError_t preloadAllToAllvKernels() {
-  cudaFuncAttributes a{};
-  const cudaError_t e = cudaFuncGetAttributes(&a, allToAllvKernel);
-  if (e != cudaSuccess) return e;
-  return cudaFuncGetAttributes(&a, allToAllvGatherKernel);
-}
+cudaError_t preloadAllToAllvKernels() { return preloadKernels(allToAllvKernel, allToAllvGatherKernel); }
 
 }  // namespace graphep

@@ -1,6 +1,7 @@
 // Flag ping-pong probe (see kernels/probe.h).
 #include "kernels/probe.h"
 
+#include "kernels/common/launch.h"
 #include "kernels/common/copy.cuh"
 #include "kernels/common/flags.cuh"
 
@@ -39,7 +40,7 @@ __global__ void flagPingPongKernel(SyncHandle h, std::uint32_t channel, std::uin
 
 cudaError_t launchFlagPingPong(const SyncHandle& h, std::uint32_t channel, std::uint32_t rounds,
                                unsigned long long* errors, cudaStream_t stream) {
-  if (h.numRanks > 32) return cudaErrorInvalidValue;  // one thread per peer in one warp
+  GRAPHEP_LAUNCH_REQUIRE(h.numRanks <= 32, "numRanks %d (at most 32: one thread per peer in one warp)", h.numRanks);
   flagPingPongKernel<<<1, 32, 0, stream>>>(h, channel, rounds, errors);
   return cudaGetLastError();
 }
@@ -55,15 +56,11 @@ __global__ void __launch_bounds__(kPushThreads) pushProbeKernel(char* dst, const
 }
 
 cudaError_t launchPushProbe(char* dst, const char* src, std::size_t bytes, int ctas, cudaStream_t stream) {
-  if (ctas < 1 || bytes % 16 != 0) return cudaErrorInvalidValue;
+  GRAPHEP_LAUNCH_REQUIRE(ctas >= 1 && bytes % 16 == 0, "%d CTAs, %zu bytes (at least 1 CTA, a multiple of 16 bytes)", ctas, bytes);
   pushProbeKernel<<<static_cast<unsigned>(ctas), kPushThreads, 0, stream>>>(dst, src, bytes);
   return cudaGetLastError();
 }
 
-cudaError_t preloadProbeKernels() {
-  cudaFuncAttributes a{};
-  const cudaError_t e = cudaFuncGetAttributes(&a, flagPingPongKernel);
-  return e != cudaSuccess ? e : cudaFuncGetAttributes(&a, pushProbeKernel);
-}
+cudaError_t preloadProbeKernels() { return preloadKernels(flagPingPongKernel, pushProbeKernel); }
 
 }  // namespace graphep

@@ -1,6 +1,7 @@
 // Standalone counting-semaphore kernels: signal and consume (docs/DESIGN.md §3).
 #include "kernels/semaphore.h"
 
+#include "kernels/common/launch.h"
 #include "kernels/common/flags.cuh"
 #include "kernels/common/semaphore.cuh"
 
@@ -47,14 +48,7 @@ cudaError_t launchSemaphoreConsume(const SyncHandle& h, std::uint32_t channel, s
 }
 
 cudaError_t preloadSemaphoreKernels() {
-  cudaFuncAttributes a{};
-  for (const void* fn : {reinterpret_cast<const void*>(semaphoreSignalKernel),
-                         reinterpret_cast<const void*>(semaphoreConsumeKernel),
-                         reinterpret_cast<const void*>(semaphoreWaitKernel)}) {
-    cudaError_t e = cudaFuncGetAttributes(&a, fn);
-    if (e != cudaSuccess) return e;
-  }
-  return cudaSuccess;
+  return preloadKernels(semaphoreSignalKernel, semaphoreConsumeKernel, semaphoreWaitKernel);
 }
 
 }  // namespace graphep

@@ -3,6 +3,7 @@
 
 #include <type_traits>
 
+#include "kernels/common/launch.h"
 #include "kernels/common/pipe.cuh"
 
 namespace graphep {
@@ -93,23 +94,24 @@ bool sendRecvSupports(Wire wire, Consume consume) {
 
 cudaError_t launchSendRecv(const SendRecvParams& p, cudaStream_t stream) {
   for (const PipeShape& s : {p.sendShape, p.recvShape}) {
-    if (s.numChannels < 1 || s.numSlots < 1 || (s.numSlots & (s.numSlots - 1)) != 0 ||
-        s.slotBytes == 0 || s.slotBytes % 16 != 0) {
-      return cudaErrorInvalidValue;
-    }
+    GRAPHEP_LAUNCH_REQUIRE(s.numChannels >= 1 && s.numSlots >= 1 && (s.numSlots & (s.numSlots - 1)) == 0 &&
+                               s.slotBytes != 0 && s.slotBytes % 16 == 0,
+                           "a pipe of %u channels, %u slots of %u bytes (at least 1 channel, a power-of-two slot "
+                           "count, slots a nonzero multiple of 16 bytes)", s.numChannels, s.numSlots, s.slotBytes);
   }
-  if (p.warpsPerRole < 1 || p.warpsPerRole > kMaxWarpsPerRole) return cudaErrorInvalidValue;
-  if (p.localBytes > 0 && (p.localChannels == 0 || p.localSrc == nullptr || p.localDst == nullptr)) {
-    return cudaErrorInvalidValue;
-  }
-  if ((p.send.ce != CePhase::kNone && (p.send.direct == nullptr || p.sendShape.numChannels != 1)) ||
-      (p.recv.ce != CePhase::kNone && (!p.recv.direct || p.recvShape.numChannels != 1))) {
-    return cudaErrorInvalidValue;
-  }
-  if (p.wire == Wire::kFp8E4m3 && (p.send.ll || p.recv.ll || p.send.direct || p.recv.direct ||
-                                   p.sendShape.slotBytes < kFp8TileWireBytes)) {
-    return cudaErrorInvalidValue;
-  }
+  GRAPHEP_LAUNCH_REQUIRE(p.warpsPerRole >= 1 && p.warpsPerRole <= static_cast<std::uint32_t>(kMaxWarpsPerRole),
+                         "warpsPerRole %u (1 to %d)", p.warpsPerRole, kMaxWarpsPerRole);
+  GRAPHEP_LAUNCH_REQUIRE(p.localBytes == 0 || (p.localChannels != 0 && p.localSrc != nullptr && p.localDst != nullptr),
+                         "a local copy of %llu bytes with %u channels and %s buffers", static_cast<unsigned long long>(p.localBytes),
+                         p.localChannels, p.localSrc != nullptr && p.localDst != nullptr ? "both" : "missing");
+  GRAPHEP_LAUNCH_REQUIRE(p.send.ce == CePhase::kNone || (p.send.direct != nullptr && p.sendShape.numChannels == 1),
+                         "a copy-engine send needs a direct destination and 1 channel (has %u)", p.sendShape.numChannels);
+  GRAPHEP_LAUNCH_REQUIRE(p.recv.ce == CePhase::kNone || (p.recv.direct && p.recvShape.numChannels == 1),
+                         "a copy-engine receive needs a direct source and 1 channel (has %u)", p.recvShape.numChannels);
+  GRAPHEP_LAUNCH_REQUIRE(p.wire != Wire::kFp8E4m3 || (!p.send.ll && !p.recv.ll && !p.send.direct && !p.recv.direct &&
+                                                      p.sendShape.slotBytes >= kFp8TileWireBytes),
+                         "an fp8 wire is staged only, in slots of at least %u bytes (has %u)",
+                         static_cast<unsigned>(kFp8TileWireBytes), p.sendShape.slotBytes);
   const unsigned channels = p.sendShape.numChannels > p.recvShape.numChannels
                                 ? p.sendShape.numChannels
                                 : p.recvShape.numChannels;
@@ -120,7 +122,7 @@ cudaError_t launchSendRecv(const SendRecvParams& p, cudaStream_t stream) {
       return cudaGetLastError();
     }
   }
-  return cudaErrorInvalidValue;
+  return refuseLaunch(__func__, "no kernel for wire %d with consume %d", static_cast<int>(p.wire), static_cast<int>(p.recv.consume));
 }
 
 cudaError_t sendRecvCtasPerSm(int threads, int* ctas) {

@@ -68,9 +68,8 @@ namespace {
 void preloadMoeKernels() {
   GRAPHEP_CUDA_CHECK(preloadMoeLatencyKernels());
   GRAPHEP_CUDA_CHECK(preloadMoeRouteKernels());
-  GRAPHEP_CUDA_CHECK(preloadMoeDispatchKernels());
+  GRAPHEP_CUDA_CHECK(preloadMoeMoversKernels());
   GRAPHEP_CUDA_CHECK(preloadMoeDirectKernels());
-  GRAPHEP_CUDA_CHECK(preloadMoeCombineKernels());
   GRAPHEP_CUDA_CHECK(preloadMoeTokenLayoutKernels());  // graphep::tokenLayout, beside the engine's
 }
 

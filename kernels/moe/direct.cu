@@ -30,6 +30,7 @@
 // a source writes its records of dispatch s + 1 only after its combine s received every
 // destination's partials, which each destination sends after reading the records of dispatch s.
 // Flags and acknowledgements only grow (mod 2^32): they reach step + 1.
+#include "kernels/common/launch.h"
 #include "kernels/moe/peer.cuh"
 
 namespace graphep {
@@ -478,11 +479,18 @@ __global__ void __launch_bounds__(kThreads) moeDirectCombineFinalKernel(const __
 
 // Launches `kernel` (epilogueCtas CTAs, in clusters of epilogueCluster) as the programmatic
 // dependent of the stream's last kernel.
+// Refuses an epilogue grid that is empty or not whole clusters.
+cudaError_t checkEpilogue(const MoeParams& p) {
+  GRAPHEP_LAUNCH_REQUIRE(p.grid.epilogueCtas >= 1 && p.grid.epilogueCluster >= 1 &&
+                             p.grid.epilogueCtas % p.grid.epilogueCluster == 0,
+                         "grid.epilogueCtas %d in clusters of %d (at least 1 CTA, whole clusters)",
+                         p.grid.epilogueCtas, p.grid.epilogueCluster);
+  GRAPHEP_LAUNCH_REQUIRE(p.shape.numRanks <= kMaxRanks, "numRanks %d (at most %d)", p.shape.numRanks, kMaxRanks);
+  return cudaSuccess;
+}
+
 cudaError_t launchDependent(const MoeParams& p, cudaStream_t stream, void (*kernel)(MoeParams)) {
-  if (p.grid.epilogueCtas < 1 || p.shape.numRanks > kMaxRanks || p.grid.epilogueCluster < 1 ||
-      p.grid.epilogueCtas % p.grid.epilogueCluster != 0) {
-    return cudaErrorInvalidValue;
-  }
+  if (const cudaError_t e = checkEpilogue(p); e != cudaSuccess) return e;
   cudaLaunchAttribute attrs[2];
   const cudaLaunchConfig_t cfg = moeLaunchConfig(p.grid.epilogueCtas, kThreads, p.grid.epilogueCluster, true, stream, attrs);
   return cudaLaunchKernelEx(&cfg, kernel, p);
@@ -491,13 +499,15 @@ cudaError_t launchDependent(const MoeParams& p, cudaStream_t stream, void (*kern
 }  // namespace
 
 cudaError_t launchMoeDirectQuantize(const MoeParams& p, cudaStream_t stream) {
-  if (p.grid.epilogueCtas < 1) return cudaErrorInvalidValue;
+  GRAPHEP_LAUNCH_REQUIRE(p.grid.epilogueCtas >= 1, "grid.epilogueCtas %d (at least 1)", p.grid.epilogueCtas);
   moeDirectQuantizeKernel<<<static_cast<unsigned>(p.grid.epilogueCtas), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
 cudaError_t launchMoeDirectSend(const MoeParams& p, cudaStream_t stream) {
-  if (p.grid.budgetCtas < 1 || p.shape.numRanks > kMaxRanks || p.shape.topK > kMoeMaxTopK) return cudaErrorInvalidValue;
+  GRAPHEP_LAUNCH_REQUIRE(p.grid.budgetCtas >= 1, "grid.budgetCtas %d (at least 1)", p.grid.budgetCtas);
+  GRAPHEP_LAUNCH_REQUIRE(p.shape.numRanks <= kMaxRanks, "numRanks %d (at most %d)", p.shape.numRanks, kMaxRanks);
+  GRAPHEP_LAUNCH_REQUIRE(p.shape.topK <= kMoeMaxTopK, "topK %d (at most %d)", p.shape.topK, kMoeMaxTopK);
   moeDirectSendKernel<<<static_cast<unsigned>(p.grid.budgetCtas), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
@@ -506,16 +516,15 @@ cudaError_t launchMoeDirectSend(const MoeParams& p, cudaStream_t stream) {
 // triggers at once), lay out and expand this rank's own rows, and wait for the peers' records by
 // their arrival counters, not by stream order.
 cudaError_t launchMoeDirectReceive(const MoeParams& p, cudaStream_t stream) {
-  if (p.shape.localExperts > kMoeMaxLocalExperts) return cudaErrorInvalidValue;
+  GRAPHEP_LAUNCH_REQUIRE(p.shape.localExperts <= kMoeMaxLocalExperts, "localExperts %d (at most %d)",
+                         p.shape.localExperts, kMoeMaxLocalExperts);
   return launchDependent(p, stream, moeDirectReceiveKernel);
 }
 
 // The combine's first kernel, on the epilogue CTAs (stream order after the experts: it reads y).
 cudaError_t launchMoeDirectCombineReduce(const MoeParams& p, cudaStream_t stream) {
-  if (p.grid.epilogueCtas < 1 || p.shape.numRanks > kMaxRanks || p.shape.topK > kMoeMaxTopK || p.grid.epilogueCluster < 1 ||
-      p.grid.epilogueCtas % p.grid.epilogueCluster != 0) {
-    return cudaErrorInvalidValue;
-  }
+  if (const cudaError_t e = checkEpilogue(p); e != cudaSuccess) return e;
+  GRAPHEP_LAUNCH_REQUIRE(p.shape.topK <= kMoeMaxTopK, "topK %d (at most %d)", p.shape.topK, kMoeMaxTopK);
   cudaLaunchAttribute attrs[2];
   const cudaLaunchConfig_t cfg = moeLaunchConfig(p.grid.epilogueCtas, kThreads, p.grid.epilogueCluster, false, stream, attrs);
   return cudaLaunchKernelEx(&cfg, moeDirectCombineReduceKernel, p);
@@ -523,7 +532,8 @@ cudaError_t launchMoeDirectCombineReduce(const MoeParams& p, cudaStream_t stream
 
 // The reduce's programmatic dependent, on the SM budget: it copies blocks as the reduce marks them.
 cudaError_t launchMoeDirectCombineSend(const MoeParams& p, cudaStream_t stream) {
-  if (p.grid.budgetCtas < 1 || p.shape.numRanks > kMaxRanks) return cudaErrorInvalidValue;
+  GRAPHEP_LAUNCH_REQUIRE(p.grid.budgetCtas >= 1, "grid.budgetCtas %d (at least 1)", p.grid.budgetCtas);
+  GRAPHEP_LAUNCH_REQUIRE(p.shape.numRanks <= kMaxRanks, "numRanks %d (at most %d)", p.shape.numRanks, kMaxRanks);
   cudaLaunchAttribute attrs[2];
   const cudaLaunchConfig_t cfg = moeLaunchConfig(p.grid.budgetCtas, kThreads, 1, true, stream, attrs);
   return cudaLaunchKernelEx(&cfg, moeDirectCombineSendKernel, p);
@@ -535,22 +545,14 @@ cudaError_t launchMoeDirectCombineFinal(const MoeParams& p, cudaStream_t stream)
 }
 
 cudaError_t preloadMoeDirectKernels() {
-  cudaFuncAttributes a{};
-  for (const void* f : {reinterpret_cast<const void*>(moeDirectQuantizeKernel),
-                        reinterpret_cast<const void*>(moeDirectSendKernel),
-                        reinterpret_cast<const void*>(moeDirectReceiveKernel),
-                        reinterpret_cast<const void*>(moeDirectCombineReduceKernel),
-                        reinterpret_cast<const void*>(moeDirectCombineSendKernel),
-                        reinterpret_cast<const void*>(moeDirectCombineFinalKernel)}) {
-    const cudaError_t e = cudaFuncGetAttributes(&a, f);
-    if (e != cudaSuccess) return e;
-  }
-  return cudaSuccess;
+  return preloadKernels(moeDirectQuantizeKernel, moeDirectSendKernel, moeDirectReceiveKernel,
+                        moeDirectCombineReduceKernel, moeDirectCombineSendKernel, moeDirectCombineFinalKernel);
 }
 
 cudaError_t moeDirectEpilogueFits(int cluster, int ctas, bool* fits) {
   *fits = false;
-  if (cluster < 2 || ctas < cluster || ctas % cluster != 0) return cudaErrorInvalidValue;
+  GRAPHEP_LAUNCH_REQUIRE(cluster >= 2 && ctas >= cluster && ctas % cluster == 0,
+                         "clusters of %d in %d CTAs (at least 2 per cluster, whole clusters)", cluster, ctas);
   cudaLaunchAttribute attrs[2];
   // The cluster shape alone: the query places CTAs, not stream order.
   const cudaLaunchConfig_t cfg = moeLaunchConfig(ctas, kThreads, cluster, false, nullptr, attrs);

@@ -41,6 +41,7 @@
 // and its receive half keep the order: no operation of the engine comes between them
 // (Engine::receive). Counters only grow (mod 2^32): flags reach step + 1, arrival counters
 // (step + 1) x G.
+#include "kernels/common/launch.h"
 #include "kernels/moe/peer.cuh"
 
 namespace graphep {
@@ -448,11 +449,15 @@ int launchCtas(const MoeParams& p) {
 }
 
 cudaError_t checkLaunch(const MoeParams& p) {
-  if (p.latency.phase < kMoeLatencySend || p.latency.phase > (kMoeLatencySend | kMoeLatencyReceive)) return cudaErrorInvalidValue;
-  if (p.grid.epilogueCtas < 1 || p.grid.budgetCtas < 1 || p.shape.localExperts > kMoeMaxLocalExperts || p.shape.numRanks > kMaxRanks ||
-      p.shape.topK > kMoeMaxTopK) {
-    return cudaErrorInvalidValue;
-  }
+  GRAPHEP_LAUNCH_REQUIRE(p.latency.phase >= kMoeLatencySend && p.latency.phase <= (kMoeLatencySend | kMoeLatencyReceive),
+                         "latency.phase %d (send 1, receive 2, both 3)", p.latency.phase);
+  GRAPHEP_LAUNCH_REQUIRE(p.grid.budgetCtas >= 1 && p.grid.epilogueCtas >= 1,
+                         "grid.budgetCtas %d send CTAs, grid.epilogueCtas %d receive CTAs (at least 1 each)",
+                         p.grid.budgetCtas, p.grid.epilogueCtas);
+  GRAPHEP_LAUNCH_REQUIRE(p.shape.localExperts <= kMoeMaxLocalExperts, "localExperts %d (at most %d)",
+                         p.shape.localExperts, kMoeMaxLocalExperts);
+  GRAPHEP_LAUNCH_REQUIRE(p.shape.numRanks <= kMaxRanks, "numRanks %d (at most %d)", p.shape.numRanks, kMaxRanks);
+  GRAPHEP_LAUNCH_REQUIRE(p.shape.topK <= kMoeMaxTopK, "topK %d (at most %d)", p.shape.topK, kMoeMaxTopK);
   return cudaSuccess;
 }
 
@@ -462,10 +467,14 @@ cudaError_t checkLaunch(const MoeParams& p) {
 cudaError_t launchMoeLatencyDispatch(const MoeParams& p, cudaStream_t stream) {
   using namespace moe_latency;
   const MoeLatencySmem lay = moeLatencySmem(p.shape.maxTokens, p.shape.topK, p.shape.numExperts, p.shape.numRanks);
-  if (checkLaunch(p) != cudaSuccess || p.shape.maxTokens > kMoeLatencyMaxTokens ||
-      p.shape.maxTokens * p.shape.topK > kMoeLatencyMaxEntries || lay.bytes > kMoeLatencyMaxSmem) {
-    return cudaErrorInvalidValue;
-  }
+  if (const cudaError_t e = checkLaunch(p); e != cudaSuccess) return e;
+  GRAPHEP_LAUNCH_REQUIRE(p.shape.maxTokens <= kMoeLatencyMaxTokens, "maxTokens %d (at most %d on the latency path)",
+                         p.shape.maxTokens, kMoeLatencyMaxTokens);
+  GRAPHEP_LAUNCH_REQUIRE(p.shape.maxTokens * p.shape.topK <= kMoeLatencyMaxEntries,
+                         "maxTokens x topK = %d (at most %d on the latency path)", p.shape.maxTokens * p.shape.topK,
+                         kMoeLatencyMaxEntries);
+  GRAPHEP_LAUNCH_REQUIRE(lay.bytes <= kMoeLatencyMaxSmem, "the send's routing needs %u bytes of shared memory (at most %u)",
+                         lay.bytes, kMoeLatencyMaxSmem);
   cudaLaunchAttribute attrs[2];
   cudaLaunchConfig_t cfg = moeLaunchConfig(launchCtas(p), kThreads, 1, true, stream, attrs);
   cfg.dynamicSmemBytes = (p.latency.phase & kMoeLatencySend) != 0 ? lay.bytes : 0;
@@ -474,7 +483,7 @@ cudaError_t launchMoeLatencyDispatch(const MoeParams& p, cudaStream_t stream) {
 
 cudaError_t launchMoeLatencyCombine(const MoeParams& p, cudaStream_t stream) {
   using namespace moe_latency;
-  if (checkLaunch(p) != cudaSuccess) return cudaErrorInvalidValue;
+  if (const cudaError_t e = checkLaunch(p); e != cudaSuccess) return e;
   cudaLaunchAttribute attrs[2];
   const cudaLaunchConfig_t cfg = moeLaunchConfig(launchCtas(p), kThreads, 1, true, stream, attrs);
   return cudaLaunchKernelEx(&cfg, combineKernel, p);
@@ -483,9 +492,7 @@ cudaError_t launchMoeLatencyCombine(const MoeParams& p, cudaStream_t stream) {
 cudaError_t preloadMoeLatencyKernels() {
   cudaError_t e = cudaFuncSetAttribute(moe_latency::dispatchKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(kMoeLatencyMaxSmem));
-  if (e != cudaSuccess) return e;
-  cudaFuncAttributes a{};
-  return cudaFuncGetAttributes(&a, moe_latency::combineKernel);
+  return e != cudaSuccess ? e : preloadKernels(moe_latency::combineKernel);
 }
 
 cudaError_t moeLatencyCtasPerSm(std::uint32_t smemBytes, int* ctas) {

@@ -329,17 +329,21 @@ __host__ __device__ inline std::uint32_t moeRouteWords(int maxTokens) {
   return (static_cast<std::uint32_t>(maxTokens) + 31u) / 32u;
 }
 
-// Launchers (each returns the launch error) and setup-time kernel loading, one family per file:
-// kernels/moe/route.cu, kernels/moe/movers_dispatch.cu (pack, offsets, expand), kernels/moe/movers_combine.cu.
-// Route: zeroes the routing scratch (a memset node) and runs bits -> prefix -> assign.
+// Launchers and setup-time kernel loading, one family per file. Each launcher returns the launch
+// error; a parameter it refuses is named in the engine's error (kernels/common/launch.h).
+// Route (kernels/moe/route.cu): zeroes the routing scratch (a memset node) and runs bits -> prefix
+// -> assign.
 cudaError_t launchMoeRoute(const MoeParams& p, cudaStream_t stream);
 cudaError_t preloadMoeRouteKernels();
+// The movers path (kernels/moe/movers.cu): dispatch pack, offsets, expand; combine reduce, final.
 cudaError_t launchMoePack(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeOffsets(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeExpand(const MoeParams& p, cudaStream_t stream);
-cudaError_t preloadMoeDispatchKernels();
-// Direct dispatch (every peer load/store, each rank on a GPU of its own): route, then send (grid.budgetCtas
-// CTAs) and receive (epilogueCtas CTAs).
+cudaError_t launchMoeCombineReduce(const MoeParams& p, cudaStream_t stream);
+cudaError_t launchMoeCombineFinal(const MoeParams& p, cudaStream_t stream);
+cudaError_t preloadMoeMoversKernels();
+// The direct path (kernels/moe/direct.cu; every peer load/store, each rank on a GPU of its own):
+// route, then send (grid.budgetCtas CTAs) and receive (grid.epilogueCtas CTAs).
 // fp8: every live row quantised once, on grid.epilogueCtas CTAs, into staging.recordStage ([T][payloadBytes]).
 cudaError_t launchMoeDirectQuantize(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeDirectSend(const MoeParams& p, cudaStream_t stream);
@@ -353,9 +357,6 @@ cudaError_t preloadMoeDirectKernels();
 // kernel (receive, combine reduce, combine final) in a grid of `ctas` (a multiple of it). An error
 // of the query itself (a size the GPU does not support) reads as "does not fit".
 cudaError_t moeDirectEpilogueFits(int cluster, int ctas, bool* fits);
-cudaError_t launchMoeCombineReduce(const MoeParams& p, cudaStream_t stream);
-cudaError_t launchMoeCombineFinal(const MoeParams& p, cudaStream_t stream);
-cudaError_t preloadMoeCombineKernels();
 // DeepEP's get_dispatch_layout (kernels/moe/token_layout.cu; graphep::tokenLayout): the outputs are
 // zeroed (memset nodes) and filled by one kernel.
 struct MoeTokenLayoutParams {

@@ -13,6 +13,7 @@
 //           index in each destination rank's record list, or -1.
 #include <cub/warp/warp_scan.cuh>
 
+#include "kernels/common/launch.h"
 #include "kernels/moe/common.cuh"
 
 namespace graphep {
@@ -114,10 +115,11 @@ __global__ void __launch_bounds__(kThreads) moeRouteAssignKernel(const __grid_co
 
 cudaError_t launchMoeRoute(const MoeParams& p, cudaStream_t stream) {
   // topK 0: routing by tokenInRank alone (no slots).
-  if (p.shape.numExperts < 1 || p.shape.numRanks < 1 || p.shape.topK < 0 || p.shape.topK > kMoeMaxTopK || p.grid.budgetCtas < 1 ||
-      (p.shape.topK == 0 && p.input.tokenInRank == nullptr)) {
-    return cudaErrorInvalidValue;
-  }
+  GRAPHEP_LAUNCH_REQUIRE(p.shape.numExperts >= 1 && p.shape.numRanks >= 1, "numExperts %d, numRanks %d (at least 1 each)",
+                         p.shape.numExperts, p.shape.numRanks);
+  GRAPHEP_LAUNCH_REQUIRE(p.shape.topK >= 0 && p.shape.topK <= kMoeMaxTopK, "topK %d (0 to %d)", p.shape.topK, kMoeMaxTopK);
+  GRAPHEP_LAUNCH_REQUIRE(p.shape.topK > 0 || p.input.tokenInRank != nullptr, "topK 0 with no tokenInRank routing");
+  GRAPHEP_LAUNCH_REQUIRE(p.grid.budgetCtas >= 1, "grid.budgetCtas %d (at least 1)", p.grid.budgetCtas);
   cudaError_t e = cudaMemsetAsync(p.routing.bits, 0, p.routing.zeroBytes, stream);
   if (e != cudaSuccess) return e;
   const unsigned grid = static_cast<unsigned>(p.grid.budgetCtas);
@@ -128,14 +130,7 @@ cudaError_t launchMoeRoute(const MoeParams& p, cudaStream_t stream) {
 }
 
 cudaError_t preloadMoeRouteKernels() {
-  cudaFuncAttributes a{};
-  for (const void* f : {reinterpret_cast<const void*>(moeRouteBitsKernel),
-                        reinterpret_cast<const void*>(moeRoutePrefixKernel),
-                        reinterpret_cast<const void*>(moeRouteAssignKernel)}) {
-    const cudaError_t e = cudaFuncGetAttributes(&a, f);
-    if (e != cudaSuccess) return e;
-  }
-  return cudaSuccess;
+  return preloadKernels(moeRouteBitsKernel, moeRoutePrefixKernel, moeRouteAssignKernel);
 }
 
 }  // namespace graphep

@@ -3,6 +3,7 @@
 // counted per expert, its destination ranks (a bit per rank, R <= 32) written to the token-in-rank
 // mask and counted per rank. The counts go through a per-CTA histogram in shared memory (experts
 // and ranks) when it fits, then one atomic per nonzero bin into the zeroed outputs.
+#include "kernels/common/launch.h"
 #include "kernels/moe/common.cuh"
 
 namespace graphep {
@@ -51,10 +52,11 @@ __global__ void __launch_bounds__(kThreads) moeTokenLayoutKernel(const __grid_co
 }  // namespace
 
 cudaError_t launchMoeTokenLayout(const MoeTokenLayoutParams& p, cudaStream_t stream) {
-  if (p.numRanks < 1 || p.numRanks > 32 || p.numExperts < p.numRanks || p.numExperts % p.numRanks != 0 ||
-      p.topK < 1 || p.numTokens < 0) {
-    return cudaErrorInvalidValue;
-  }
+  GRAPHEP_LAUNCH_REQUIRE(p.numRanks >= 1 && p.numRanks <= 32, "numRanks %d (1 to 32)", p.numRanks);
+  GRAPHEP_LAUNCH_REQUIRE(p.numExperts >= p.numRanks && p.numExperts % p.numRanks == 0,
+                         "numExperts %d (a multiple of numRanks %d)", p.numExperts, p.numRanks);
+  GRAPHEP_LAUNCH_REQUIRE(p.topK >= 1 && p.numTokens >= 0, "topK %d (at least 1), numTokens %d (at least 0)", p.topK,
+                         p.numTokens);
   cudaError_t e = cudaMemsetAsync(p.tokensPerRank, 0, static_cast<std::size_t>(p.numRanks) * 4, stream);
   if (e == cudaSuccess) e = cudaMemsetAsync(p.tokensPerExpert, 0, static_cast<std::size_t>(p.numExperts) * 4, stream);
   if (e != cudaSuccess || p.numTokens == 0) return e;
@@ -65,9 +67,6 @@ cudaError_t launchMoeTokenLayout(const MoeTokenLayoutParams& p, cudaStream_t str
   return cudaGetLastError();
 }
 
-cudaError_t preloadMoeTokenLayoutKernels() {
-  cudaFuncAttributes a{};
-  return cudaFuncGetAttributes(&a, moeTokenLayoutKernel);
-}
+cudaError_t preloadMoeTokenLayoutKernels() { return preloadKernels(moeTokenLayoutKernel); }
 
 }  // namespace graphep

@@ -1,12 +1,18 @@
-// MoE dispatch layout kernel family (see kernels/moe/moe.h): pack (records and count messages), offsets
-// (expert offsets and per-source bases from the received count messages) and expand (records into
-// recv_x grouped by local expert); launchers below.
+// The movers path's MoE kernels (see kernels/moe/moe.h): where some peer is reached through NCCL,
+// or ranks share a GPU, the throughput path moves records and partials with the alltoallv movers
+// between these kernels.
+//   dispatch  pack (records and count messages), offsets (expert offsets and per-source bases from
+//             the received count messages), expand (records into recv_x grouped by local expert);
+//   combine   reduce (per received record, the weighted sum of its expert rows, fp32) and final
+//             (per token, the sum of the partials that came back, fp32), bf16 rounded once.
+// Launchers below.
+#include "kernels/common/launch.h"
 #include "kernels/moe/common.cuh"
 
 namespace graphep {
 namespace {
 
-constexpr int kThreads = kMoeThreads;  // pack / expand: kGroups records per CTA at a time
+constexpr int kThreads = kMoeThreads;  // kGroups records (tokens) per CTA at a time
 constexpr int kGroups = kThreads / kMoeGroupThreads;
 constexpr int kOffsetsThreads = 256;
 
@@ -74,7 +80,7 @@ __global__ void __launch_bounds__(kOffsetsThreads) moeOffsetsKernel(const __grid
 }
 
 // Grid: p.grid.budgetCtas CTAs; each group expands one received record at a time (source-major). Each slot of
-// a record puts a copy of its row at srcBase[source][expert] + index (dropped and counted past the
+// a record puts a copy of its row at layout.sourceBase[source][expert] + index (dropped and counted past the
 // capacity).
 __global__ void __launch_bounds__(kThreads) moeExpandKernel(const __grid_constant__ MoeParams p) {
   const MoeStamp stamp(p, MoeKernel::kExpand);
@@ -91,10 +97,48 @@ __global__ void __launch_bounds__(kThreads) moeExpandKernel(const __grid_constan
   }
 }
 
+// ---- combine ----------------------------------------------------------------------------------
+
+// Grid: p.grid.budgetCtas CTAs; each group reduces one received record at a time (source-major).
+__global__ void __launch_bounds__(kThreads) moeCombineReduceKernel(const __grid_constant__ MoeParams p) {
+  const MoeStamp stamp(p, MoeKernel::kCombineReduce);
+  __shared__ MoeSlotStage stage[kGroups];
+  const MoeGroupSlice gs = moeGroupSlice();
+  if (blockIdx.x == 0 && threadIdx.x == 0) moeCheckPairing(p, false);
+  const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.shape.hidden) * 2;
+  for (int s = 0; s < p.shape.numRanks; ++s) {
+    const long long rankBase = p.layout.rankMajor ? p.layout.rankOffsets[s] : -1;  // rank-major: the source's first row
+    for (int i = gs.first; i < p.layout.sourceRecords[s]; i += gs.stride) {
+      const std::uint64_t record = static_cast<std::uint64_t>(s) * p.shape.maxTokens + i;
+      moeReduceRecord(p, p.staging.recordRecv + record * p.shape.recordBytes, p.layout.sourceBase + s * p.shape.localExperts,
+                      p.staging.partialStage + record * rowBytes, stage[gs.group], gs.g, p.layout.rankMajor ? rankBase + i : -1);
+    }
+  }
+}
+
+// Grid: p.grid.budgetCtas CTAs; each group sums one token's partials at a time.
+__global__ void __launch_bounds__(kThreads) moeCombineFinalKernel(const __grid_constant__ MoeParams p) {
+  const MoeStamp stamp(p, MoeKernel::kCombineFinal);
+  __shared__ const uint4* parts[kGroups][kMaxRanks];
+  const MoeGroupSlice gs = moeGroupSlice();
+  if (blockIdx.x == 0 && threadIdx.x == 0) *p.state.pending &= kMoeDispatched;  // the combine's last kernel
+  const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.shape.hidden) * 2;
+  const int T = *p.routing.liveTokens;
+  for (int t = gs.first; t < T; t += gs.stride) {
+    moeFinalToken(
+        p, t,
+        [&](int r) -> const char* {
+          const int i = p.routing.tokenRankIndex[static_cast<std::uint64_t>(t) * p.shape.numRanks + r];
+          return i < 0 ? nullptr : p.movers.partialRecv + (static_cast<std::uint64_t>(r) * p.shape.maxTokens + i) * rowBytes;
+        },
+        parts[gs.group], gs.g);
+  }
+}
+
 }  // namespace
 
 cudaError_t launchMoePack(const MoeParams& p, cudaStream_t stream) {
-  if (p.grid.budgetCtas < 1) return cudaErrorInvalidValue;
+  GRAPHEP_LAUNCH_REQUIRE(p.grid.budgetCtas >= 1, "grid.budgetCtas %d (at least 1)", p.grid.budgetCtas);
   moePackKernel<<<static_cast<unsigned>(p.grid.budgetCtas), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
@@ -105,20 +149,25 @@ cudaError_t launchMoeOffsets(const MoeParams& p, cudaStream_t stream) {
 }
 
 cudaError_t launchMoeExpand(const MoeParams& p, cudaStream_t stream) {
-  if (p.grid.budgetCtas < 1) return cudaErrorInvalidValue;
+  GRAPHEP_LAUNCH_REQUIRE(p.grid.budgetCtas >= 1, "grid.budgetCtas %d (at least 1)", p.grid.budgetCtas);
   moeExpandKernel<<<static_cast<unsigned>(p.grid.budgetCtas), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
-cudaError_t preloadMoeDispatchKernels() {
-  cudaFuncAttributes a{};
-  for (const void* f : {reinterpret_cast<const void*>(moePackKernel),
-                        reinterpret_cast<const void*>(moeOffsetsKernel),
-                        reinterpret_cast<const void*>(moeExpandKernel)}) {
-    const cudaError_t e = cudaFuncGetAttributes(&a, f);
-    if (e != cudaSuccess) return e;
-  }
-  return cudaSuccess;
+cudaError_t launchMoeCombineReduce(const MoeParams& p, cudaStream_t stream) {
+  GRAPHEP_LAUNCH_REQUIRE(p.grid.budgetCtas >= 1, "grid.budgetCtas %d (at least 1)", p.grid.budgetCtas);
+  moeCombineReduceKernel<<<static_cast<unsigned>(p.grid.budgetCtas), kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t launchMoeCombineFinal(const MoeParams& p, cudaStream_t stream) {
+  GRAPHEP_LAUNCH_REQUIRE(p.grid.budgetCtas >= 1, "grid.budgetCtas %d (at least 1)", p.grid.budgetCtas);
+  moeCombineFinalKernel<<<static_cast<unsigned>(p.grid.budgetCtas), kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t preloadMoeMoversKernels() {
+  return preloadKernels(moePackKernel, moeOffsetsKernel, moeExpandKernel, moeCombineReduceKernel, moeCombineFinalKernel);
 }
 
 }  // namespace graphep
