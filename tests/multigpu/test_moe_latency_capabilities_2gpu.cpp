@@ -56,16 +56,14 @@ std::size_t at(long long i) { return static_cast<std::size_t>(i); }
 
 // A latency-path engine config: T_max 128, 32 experts (16 per rank), top-8, bf16.
 MoeConfig latencyConfig(int hidden, ReceiveLayout layout) {
-  MoeConfig c;
-  c.maxTokensPerRank = kTMax;
-  c.hidden = hidden;
-  c.numExperts = kExperts;
-  c.topK = kTopK;
-  c.dispatchType = DType::kBf16;
-  c.receiveLayout = layout;  // batched: rowsPerExpert 0, i.e. R x T_max
-  c.expertAlignment = layout == ReceiveLayout::kExpertMajor ? 8 : 1;  // expert-major: padded experts
-  c.path = MoePath::kLatency;
-  return c;
+  return {.maxTokensPerRank = kTMax,
+          .hidden = hidden,
+          .numExperts = kExperts,
+          .topK = kTopK,
+          .dispatchType = DType::kBf16,
+          .expertAlignment = layout == ReceiveLayout::kExpertMajor ? 8 : 1,  // expert-major: padded experts
+          .receiveLayout = layout,  // batched: rowsPerExpert 0, i.e. R x T_max
+          .path = MoePath::kLatency};
 }
 
 // The rows of recv_x the documentation gives this config (Engine::receiveCapacity's comment).
@@ -714,11 +712,16 @@ std::string stepName(int step, const Inputs& in) {
 
 // --- Tests ------------------------------------------------------------------------------------
 
+// Every test here needs GPUs 0 and 1: the fixture skips (or fails) the test without them.
+class Gpu2_MoeLatencyCapabilities : public ::testing::Test {
+ protected:
+  void SetUp() override { GRAPHEP_REQUIRE_GPUS(2); }
+};
+
 // Dispatch and combine enqueued as their send halves, a memset on the stream, then Engine::receive:
 // the results of the whole operations on the same inputs (each checked exactly against the one
 // reference), for live counts 128, 77 and 1.
-TEST(Gpu2_MoeLatencyCapabilities, SendHalfThenReceive) {
-  GRAPHEP_REQUIRE_GPUS(2);
+TEST_F(Gpu2_MoeLatencyCapabilities, SendHalfThenReceive) {
   Rig rig(latencyConfig(2048, ReceiveLayout::kBatched));
   std::uint64_t seed = 100;
   for (int step = 0; step < 6; ++step) {
@@ -742,8 +745,7 @@ TEST(Gpu2_MoeLatencyCapabilities, SendHalfThenReceive) {
 
 // While a send half waits for its receive, the engine's other operations are refused by name (and
 // enqueue nothing); a receive with no send half waiting is refused too. The halves then complete.
-TEST(Gpu2_MoeLatencyCapabilities, PendingSendHalfRefusesOtherOperations) {
-  GRAPHEP_REQUIRE_GPUS(2);
+TEST_F(Gpu2_MoeLatencyCapabilities, PendingSendHalfRefusesOtherOperations) {
   Rig rig(latencyConfig(2048, ReceiveLayout::kBatched));
   const Inputs in = rig.newInputs(200, 0);
   const std::vector<RefLayout> refs = rig.reference(in);
@@ -801,21 +803,18 @@ void runCombineTimeWeights(const MoeConfig& cfg, std::uint64_t seed) {
   }
 }
 
-TEST(Gpu2_MoeLatencyCapabilities, CombineTimeWeights) {
-  GRAPHEP_REQUIRE_GPUS(2);
+TEST_F(Gpu2_MoeLatencyCapabilities, CombineTimeWeights) {
   runCombineTimeWeights(latencyConfig(2048, ReceiveLayout::kBatched), 300);
 }
 
-TEST(Gpu2_MoeLatencyCapabilities, CombineTimeWeightsExpertMajorHidden7168) {
-  GRAPHEP_REQUIRE_GPUS(2);
+TEST_F(Gpu2_MoeLatencyCapabilities, CombineTimeWeightsExpertMajorHidden7168) {
   runCombineTimeWeights(latencyConfig(7168, ReceiveLayout::kExpertMajor), 400);
 }
 
 // fp8 dispatches of a bf16 engine (the engine quantises x) in each scale format: e4m3 bytes at row
 // stride H, the scales (fp32, or UE8M0 bytes) in recvScales == scalesBuffer, bit for bit; then a
 // bf16 dispatch on the same engine (recvScales back to nullptr).
-TEST(Gpu2_MoeLatencyCapabilities, Fp8ScaleFormats) {
-  GRAPHEP_REQUIRE_GPUS(2);
+TEST_F(Gpu2_MoeLatencyCapabilities, Fp8ScaleFormats) {
   Rig rig(latencyConfig(2048, ReceiveLayout::kBatched));
   ASSERT_NE(rig.layout(0).scalesBuffer, nullptr);
   std::uint64_t seed = 500;
@@ -874,21 +873,18 @@ void runSourceRangesAndStats(const MoeConfig& cfg, std::uint64_t seed) {
   expectStatusOk(rig, "source ranges and stats");
 }
 
-TEST(Gpu2_MoeLatencyCapabilities, SourceRangesAndStats) {
-  GRAPHEP_REQUIRE_GPUS(2);
+TEST_F(Gpu2_MoeLatencyCapabilities, SourceRangesAndStats) {
   runSourceRangesAndStats(latencyConfig(2048, ReceiveLayout::kBatched), 600);
 }
 
-TEST(Gpu2_MoeLatencyCapabilities, SourceRangesAndStatsExpertMajor) {
-  GRAPHEP_REQUIRE_GPUS(2);
+TEST_F(Gpu2_MoeLatencyCapabilities, SourceRangesAndStatsExpertMajor) {
   runSourceRangesAndStats(latencyConfig(2048, ReceiveLayout::kExpertMajor), 700);
 }
 
 // Captured once per rank: dispatch send half (no weights), a memset, receive; combine send half with
 // combine-time weights, a memset, receive. Replayed with new inputs, expert outputs and live counts
 // written into the same buffers before each replay; every replay checked.
-TEST(Gpu2_MoeLatencyCapabilities, GraphReplayOfHalves) {
-  GRAPHEP_REQUIRE_GPUS(2);
+TEST_F(Gpu2_MoeLatencyCapabilities, GraphReplayOfHalves) {
   Rig rig(latencyConfig(2048, ReceiveLayout::kBatched));
   DispatchOptions d;
   d.weighted = false;
@@ -931,8 +927,7 @@ TEST(Gpu2_MoeLatencyCapabilities, GraphReplayOfHalves) {
 
 // Bad arguments of the latency capabilities: named errors before anything is enqueued (the engine
 // then works), and the latency-only ones refused by a throughput engine.
-TEST(Gpu2_MoeLatencyCapabilities, BadInput) {
-  GRAPHEP_REQUIRE_GPUS(2);
+TEST_F(Gpu2_MoeLatencyCapabilities, BadInput) {
   Rig rig(latencyConfig(2048, ReceiveLayout::kBatched));
   const Inputs in = rig.newInputs(900, 0);
   Engine& e = rig.engine(0);
