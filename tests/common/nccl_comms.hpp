@@ -4,7 +4,9 @@
 #include <nccl.h>
 
 #include <cstdlib>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <graphep/comm.hpp>
@@ -26,6 +28,15 @@ struct CallerNcclComms {
   CallerNcclComms(const CallerNcclComms&) = delete;
   CallerNcclComms& operator=(const CallerNcclComms&) = delete;
   std::vector<ncclComm_t> comms;
+};
+
+// The caller's NCCL comms over `devices`, adopted into one communicator; `comm` is null when NCCL
+// refused (the test asserts it). Declared after the comms it borrows, so destroyed before them.
+struct AdoptedNcclGroup {
+  explicit AdoptedNcclGroup(std::vector<int> devices)
+      : nccl(std::move(devices)), comm(nccl.comms[0] != nullptr ? adoptNcclComms(nccl.comms) : nullptr) {}
+  CallerNcclComms nccl;
+  std::unique_ptr<Communicator> comm;
 };
 
 // Sets an environment variable for the lifetime of the object (restores the old value after).

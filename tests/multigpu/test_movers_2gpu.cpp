@@ -34,21 +34,19 @@ TEST(Gpu2_SendRecv, GraphReplaysStagedAndZeroCopy) {
 // GRAPHEP_FORCE_TRANSPORT=remote: every byte goes through NCCL send/recv (eager and captured).
 TEST(Gpu2_SendRecv, ForcedRemoteThroughAdoptedNccl) {
   GRAPHEP_REQUIRE_GPUS(2);
-  CallerNcclComms nccl(visibleGpus());
-  ASSERT_NE(nccl.comms[0], nullptr) << "ncclCommInitAll failed";
-  auto comm = adoptNcclComms(nccl.comms);
+  AdoptedNcclGroup g(visibleGpus());
+  ASSERT_NE(g.comm, nullptr) << "ncclCommInitAll failed";
   ScopedEnv force("GRAPHEP_FORCE_TRANSPORT", "remote");
-  runSendRecvCases(*comm, standardSendRecvCases(std::size_t{64} << 20));
-  runSendRecvReplays(*comm, std::size_t{1} << 20, 200, false);
+  runSendRecvCases(*g.comm, standardSendRecvCases(std::size_t{64} << 20));
+  runSendRecvReplays(*g.comm, std::size_t{1} << 20, 200, false);
 }
 
 // Every mover against NCCL on the same data (every visible GPU in one process, NCCL comms adopted).
 TEST(Gpu2_Movers, BitExactAgainstNccl) {
   GRAPHEP_REQUIRE_GPUS(2);
-  CallerNcclComms nccl(visibleGpus());
-  ASSERT_NE(nccl.comms[0], nullptr) << "ncclCommInitAll failed";
-  auto comm = adoptNcclComms(nccl.comms);
-  runAgainstNccl(*comm, std::size_t{64} << 20);
+  AdoptedNcclGroup g(visibleGpus());
+  ASSERT_NE(g.comm, nullptr) << "ncclCommInitAll failed";
+  runAgainstNccl(*g.comm, std::size_t{64} << 20);
 }
 
 TEST(Gpu2_Hooks, Fp8AndWeighted) {
@@ -80,12 +78,11 @@ TEST(Gpu2_AllToAllv, PatternsSizesAndReplays) {
 // thread issuing eager NCCL groups for two ranks one after the other may block in the first.
 TEST(Gpu2_AllToAllv, ForcedRemoteThroughAdoptedNccl) {
   GRAPHEP_REQUIRE_GPUS(2);
-  CallerNcclComms nccl(visibleGpus());
-  ASSERT_NE(nccl.comms[0], nullptr) << "ncclCommInitAll failed";
-  auto comm = adoptNcclComms(nccl.comms);
+  AdoptedNcclGroup g(visibleGpus());
+  ASSERT_NE(g.comm, nullptr) << "ncclCommInitAll failed";
   ScopedEnv force("GRAPHEP_FORCE_TRANSPORT", "remote");
-  runAllToAllv(*comm, CountPattern::kRandom, (std::size_t{64} << 10) + 3, 200);
-  runAllToAllv(*comm, CountPattern::kSomePairsZero, std::size_t{1} << 20, 50);
+  runAllToAllv(*g.comm, CountPattern::kRandom, (std::size_t{64} << 10) + 3, 200);
+  runAllToAllv(*g.comm, CountPattern::kSomePairsZero, std::size_t{1} << 20, 50);
 }
 
 TEST(Gpu2_Ring, AllGatherAndReduceScatter) {
