@@ -118,10 +118,7 @@ void runHeapExchange(Communicator& comm, std::uint64_t seed) {
   const int R = comm.worldSize();
   const std::size_t n = (1u << 16) + 7;  // odd tail on purpose
   // user region: published [n] | inbox [R][n] (peers write) | readback [R][n] (local writes)
-  HeapConfig cfg;
-  cfg.numRanks = R;
-  cfg.userBytes = (1 + 2 * static_cast<std::size_t>(R)) * n * 4;
-  auto heap = SymmetricHeap::create(comm, cfg);
+  auto heap = SymmetricHeap::create(comm, {.numRanks = R, .userBytes = (1 + 2 * static_cast<std::size_t>(R)) * n * 4});
   const int L = heap->numLocalRanks();
   auto published = [&](char* user) { return reinterpret_cast<std::uint32_t*>(user); };
   auto inbox = [&](char* user, int src) { return published(user) + n * (1 + src); };
@@ -182,10 +179,7 @@ void runHeapExchange(Communicator& comm, std::uint64_t seed) {
 
 void runFlagPingPong(Communicator& comm, int rounds, bool graph, std::uint32_t counterStart) {
   const int R = comm.worldSize();
-  HeapConfig cfg;
-  cfg.numRanks = R;
-  cfg.counterStart = counterStart;
-  auto heap = SymmetricHeap::create(comm, cfg);
+  auto heap = SymmetricHeap::create(comm, {.numRanks = R, .counterStart = counterStart});
   const int L = heap->numLocalRanks();
   constexpr std::uint32_t kChannel = 3;
   Streams st(*heap);
@@ -230,10 +224,7 @@ void runFlagPingPong(Communicator& comm, int rounds, bool graph, std::uint32_t c
 void runSemaphorePingPong(Communicator& comm, int rounds, bool graph,
                           std::uint32_t counterStart) {
   const int R = comm.worldSize();
-  HeapConfig cfg;
-  cfg.numRanks = R;
-  cfg.counterStart = counterStart;
-  auto heap = SymmetricHeap::create(comm, cfg);
+  auto heap = SymmetricHeap::create(comm, {.numRanks = R, .counterStart = counterStart});
   const int L = heap->numLocalRanks();
   constexpr int kChannel = 5;
   Streams st(*heap);
@@ -335,10 +326,7 @@ void checkSemaphoreWatchdog(SymmetricHeap& heap, int l, int missing, long long t
 }  // namespace
 
 void runMissingPeer(Communicator& comm, int waiter, int missing, long long timeoutMs) {
-  HeapConfig cfg;
-  cfg.numRanks = comm.worldSize();
-  cfg.timeoutMs = timeoutMs;
-  auto heap = SymmetricHeap::create(comm, cfg);
+  auto heap = SymmetricHeap::create(comm, {.numRanks = comm.worldSize(), .timeoutMs = timeoutMs});
   for (int l = 0; l < heap->numLocalRanks(); ++l) {
     if (heap->rank(l) != waiter) continue;
     GRAPHEP_CUDA_CHECK(cudaSetDevice(heap->device(l)));
