@@ -278,6 +278,16 @@ class MoeFixture {
     GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
   }
 
+  // Every rank's inputs of `tokens` live tokens from `seed` (each process builds them all, for the
+  // references), this process's ranks prepared.
+  std::vector<Inputs> prepareEvery(int tokens, std::uint64_t seed) {
+    const int R = comm_.worldSize();
+    std::vector<Inputs> in;
+    for (int q = 0; q < R; ++q) in.push_back(makeInputs(c_, R, q, tokens, seed));
+    for (int l = 0; l < L(); ++l) prepare(l, in[static_cast<std::size_t>(comm_.globalRank(l))]);
+    return in;
+  }
+
   // dispatch -> fake expert -> combine on this rank's stream.
   void enqueue(int l, cudaStream_t s) {
     const DispatchLayout& v = engine(l).dispatch(dispatchArgs(l, nullptr), s);

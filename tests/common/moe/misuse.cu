@@ -122,9 +122,7 @@ void runMoeMisuseInLayout(Communicator& comm, const MoeCase& c) {
   const int R = comm.worldSize();
   MoeFixture f(comm, c), other(comm, c);
   expectLayoutShape(c, f.layout(0), R);
-  std::vector<Inputs> in;
-  for (int q = 0; q < R; ++q) in.push_back(makeInputs(c, R, q, 32, 4711));
-  for (int l = 0; l < f.L(); ++l) f.prepare(l, in[static_cast<std::size_t>(comm.globalRank(l))]);
+  std::vector<Inputs> in = f.prepareEvery(32, 4711);
   comm.barrier();
   misuseBadPointers(comm, f, other);
   repeatedOperations(comm, c, f);
@@ -144,11 +142,9 @@ void runMoeMissingRank(Communicator& comm, MoePath path) {
   ScopedEnv timeout("GRAPHEP_TIMEOUT_MS", "300");  // read when the engines' heap is created
   const MoeCase c = smallCase(comm, 32, path);
   SCOPED_TRACE("a rank that never launches, " + describeCase(c));
-  const int R = comm.worldSize(), missing = R - 1;
+  const int missing = comm.worldSize() - 1;
   MoeFixture f(comm, c);
-  std::vector<Inputs> in;
-  for (int q = 0; q < R; ++q) in.push_back(makeInputs(c, R, q, 32, 99));
-  for (int l = 0; l < f.L(); ++l) f.prepare(l, in[static_cast<std::size_t>(comm.globalRank(l))]);
+  f.prepareEvery(32, 99);
   comm.barrier();
   for (int l = 0; l < f.L(); ++l) {
     if (comm.globalRank(l) == missing) continue;  // this rank never launches
@@ -173,11 +169,9 @@ void runMoeWatchdog(Communicator& comm) {
   ScopedEnv timeout("GRAPHEP_TIMEOUT_MS", "20000");  // the device waits outlast the watchdog
   const MoeCase c = smallCase(comm, 32, MoePath::kLatency);
   SCOPED_TRACE("host watchdog, " + describeCase(c));
-  const int R = comm.worldSize(), late = R - 1;
+  const int late = comm.worldSize() - 1;
   MoeFixture f(comm, c);
-  std::vector<Inputs> in;
-  for (int q = 0; q < R; ++q) in.push_back(makeInputs(c, R, q, 32, 98));
-  for (int l = 0; l < f.L(); ++l) f.prepare(l, in[static_cast<std::size_t>(comm.globalRank(l))]);
+  f.prepareEvery(32, 98);
   comm.barrier();
   int lateLocal = -1;
   for (int l = 0; l < f.L(); ++l) {
@@ -229,9 +223,7 @@ void runMoeGraphOutlivesEngine(Communicator& comm) {
   comm.barrier();
   f.dropEngines();
   for (int round = 0; round < 3; ++round) {
-    std::vector<Inputs> in;
-    for (int q = 0; q < R; ++q) in.push_back(makeInputs(c, R, q, 64 - 20 * round, 300 + round));
-    for (int l = 0; l < f.L(); ++l) f.prepare(l, in[static_cast<std::size_t>(comm.globalRank(l))]);
+    const std::vector<Inputs> in = f.prepareEvery(64 - 20 * round, 300 + round);
     comm.barrier();
     for (int l = 0; l < f.L(); ++l) {
       GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
