@@ -1072,18 +1072,10 @@ static void run_config(graphep_comm_t comm, const char* comm_name, int peers_loa
     if (q->stats != NULL) CHECK_CUDA(cudaFree(q->stats));
     CHECK_CUDA(cudaStreamDestroy(q->stream));
     CHECK_G(graphep_engine_destroy(q->engine));
-    free(q->ref_valid);
-    free(q->ref_src);
-    free(q->ref_tok);
-    free(q->ref_slot);
-    free(q->ref_w);
-    free(q->hb_x);
-    free(q->hb_sc);
-    free(q->hb_src);
-    free(q->hb_tok);
-    free(q->hb_slot);
-    free(q->hb_w);
-    free(q->hy);
+    /* The host arrays allocated with the rank (above). */
+    void* host[] = {q->ref_valid, q->ref_src, q->ref_tok, q->ref_slot, q->ref_w, q->hb_x,
+                    q->hb_sc, q->hb_src, q->hb_tok, q->hb_slot, q->hb_w, q->hy};
+    for (size_t k = 0; k < sizeof host / sizeof host[0]; ++k) free(host[k]);
   }
   free(run.r);
 }
