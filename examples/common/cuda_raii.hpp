@@ -25,23 +25,18 @@ class CudaError : public std::runtime_error {
                   " in " + function);
 }
 
-#define GRAPHEP_EXAMPLE_CUDA_CHECK(call)                                                                          \
-  do {                                                                                                            \
-    const cudaError_t graphepExampleStatus = (call);                                                              \
-    if (graphepExampleStatus != cudaSuccess) {                                                                    \
-      ::graphep::example::throwCudaError(#call, cudaGetErrorName(graphepExampleStatus),                           \
-                                         cudaGetErrorString(graphepExampleStatus), __FILE__, __LINE__, __func__); \
-    }                                                                                                             \
-  } while (0)
+// The check behind the macros, one overload per library's status type (a call's own status picks it).
+inline void checkStatus(cudaError_t s, const char* call, const char* file, int line, const char* function) {
+  if (s != cudaSuccess) throwCudaError(call, cudaGetErrorName(s), cudaGetErrorString(s), file, line, function);
+}
+inline void checkStatus(cublasStatus_t s, const char* call, const char* file, int line, const char* function) {
+  if (s != CUBLAS_STATUS_SUCCESS) {
+    throwCudaError(call, cublasGetStatusName(s), cublasGetStatusString(s), file, line, function);
+  }
+}
 
-#define GRAPHEP_EXAMPLE_CUBLAS_CHECK(call)                                                                           \
-  do {                                                                                                               \
-    const cublasStatus_t graphepExampleStatus = (call);                                                              \
-    if (graphepExampleStatus != CUBLAS_STATUS_SUCCESS) {                                                             \
-      ::graphep::example::throwCudaError(#call, cublasGetStatusName(graphepExampleStatus),                           \
-                                         cublasGetStatusString(graphepExampleStatus), __FILE__, __LINE__, __func__); \
-    }                                                                                                                \
-  } while (0)
+#define GRAPHEP_EXAMPLE_CUDA_CHECK(call) ::graphep::example::checkStatus((call), #call, __FILE__, __LINE__, __func__)
+#define GRAPHEP_EXAMPLE_CUBLAS_CHECK(call) ::graphep::example::checkStatus((call), #call, __FILE__, __LINE__, __func__)
 
 // Makes `device` current for its scope.
 class DeviceGuard {

@@ -109,25 +109,13 @@ SingleGpuLayer::SingleGpuLayer(int device, const LayerShape& shape, int rowsPerE
   GRAPHEP_EXAMPLE_CUDA_CHECK(cudaStreamSynchronize(stream.get()));
 
   const Graph graph = capture(device, stream.get(), [&](cudaStream_t s) {
-    RouterParams route;
-    route.routerWeights = routerWeights_.get();
-    route.step = step_.get();
-    route.x = x_.get();
-    route.topkIds = topkIds_.get();
-    route.topkWeights = topkWeights_.get();
-    route.numTokens = shape.numTokens();
-    route.shape = shape;
-    routeTokens(route, s);
-    GroupParams group;
-    group.topkIds = topkIds_.get();
-    group.x = x_.get();
-    group.batched = experts_.input();
-    group.rowOf = rowOf_.get();
-    group.overflow = overflow_.get();
-    group.numEntries = shape.numTokens() * shape.topK;
-    group.topK = shape.topK;
-    group.rowsPerExpert = rowsPerExpert;
-    group.hidden = shape.hidden;
+    routeTokens({.routerWeights = routerWeights_.get(), .step = step_.get(), .x = x_.get(), .topkIds = topkIds_.get(),
+                 .topkWeights = topkWeights_.get(), .numTokens = shape.numTokens(), .shape = shape},
+                s);
+    const GroupParams group{.topkIds = topkIds_.get(), .x = x_.get(), .batched = experts_.input(),
+                            .rowOf = rowOf_.get(), .overflow = overflow_.get(),
+                            .numEntries = shape.numTokens() * shape.topK, .topK = shape.topK,
+                            .rowsPerExpert = rowsPerExpert, .hidden = shape.hidden};
     groupByExpertKernel<<<static_cast<unsigned>(shape.numExperts), kGroupThreads, groupSmem, s>>>(group);
     GRAPHEP_EXAMPLE_CUDA_CHECK(cudaGetLastError());
     experts_.enqueue(s);
