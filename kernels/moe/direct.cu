@@ -196,11 +196,7 @@ __global__ void __launch_bounds__(kThreads) moeDirectSendKernel(const __grid_con
 }
 
 __global__ void __launch_bounds__(kThreads) moeDirectReceiveKernel(const __grid_constant__ MoeParams p) {
-  __shared__ std::int32_t counts[kMoeMaxLocalExperts];
-  __shared__ std::int32_t offsets[kMoeMaxLocalExperts + 1];
-  __shared__ std::int32_t base[kMoeMaxLocalExperts];
-  __shared__ MoeLayoutScratch<kThreads> scratch;
-  __shared__ MoeSlotStage stages[kGroups];
+  __shared__ MoeReceiveSmem<kThreads, kGroups> sm;
   const int tid = static_cast<int>(threadIdx.x), R = p.shape.numRanks;
   const std::uint32_t step = p.peers.steps[0];
   const int parity = static_cast<int>(step & 1u);
@@ -208,11 +204,8 @@ __global__ void __launch_bounds__(kThreads) moeDirectReceiveKernel(const __grid_
   const MoeGroupSlice gs = moeGroupSlice();
   {
     const MoeStamp stamp(p, MoeKernel::kDirectReceive);
-    if (waitEveryRank(p, p.peers.countFlagsOff, step + 1u, WaitSite::kMoeDispatch)) {
-      moeComputeOffsets<kThreads>(p, msgOf, counts, offsets, scratch);
-      if (blockIdx.x == 0) {  // the published layout, every source's bases and the movers' counts
-        moeComputeSourceBases<kThreads>(p, msgOf, offsets, p.layout.sourceBase);  // the offsets are above
-        moePublishLayout<kThreads>(p, msgOf, counts, offsets, p.layout.sourceBase, scratch);
+    if (moeReceiveLayout<kThreads, kGroups>(p, msgOf, step, blockIdx.x == 0, sm, [] {})) {
+      if (blockIdx.x == 0) {  // beside the published layout: the movers' counts, the rank prefix matrix
         __syncthreads();  // layout.sourceRecords is written above
         const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.shape.hidden) * 2;
         for (int q = tid; q < R; q += kThreads) p.movers.partialSendBytes[q] = static_cast<std::uint64_t>(p.layout.sourceRecords[q]) * rowBytes;
@@ -230,14 +223,14 @@ __global__ void __launch_bounds__(kThreads) moeDirectReceiveKernel(const __grid_
       // metadata is written here for the combine), overlapping the peers' transfers.
       {
         const MoeStamp own(p, MoeKernel::kDirectOwn);
-        moeSourceBases<kThreads>(p, msgOf, offsets, p.shape.rank, base);
+        moeSourceBases<kThreads>(p, msgOf, sm.offsets, p.shape.rank, sm.base);
         __syncthreads();
         const int T = *p.routing.liveTokens;
         const long long rankBase = p.layout.rankMajor ? moeRankBase(p, msgOf, p.shape.rank) : -1;  // rank-major: own first row
         for (int t = gs.first; t < T; t += gs.stride) {
           const int i = p.routing.tokenRankIndex[static_cast<std::uint64_t>(t) * R + p.shape.rank];
           if (i >= 0) {
-            moeExpandOwnToken(p, t, directRecord(p, p.shape.rank, p.shape.rank, i), base, stages[gs.group], gs.g, directWire(p, t),
+            moeExpandOwnToken(p, t, directRecord(p, p.shape.rank, p.shape.rank, i), sm.base, sm.stages[gs.group], gs.g, directWire(p, t),
                               p.layout.rankMajor ? rankBase + i : -1);
           }
         }
@@ -256,7 +249,7 @@ __global__ void __launch_bounds__(kThreads) moeDirectReceiveKernel(const __grid_
         const std::uint32_t sentT = __ldcg(tail);  // a peer's live count is at most maxTokens
         const int T = static_cast<int>(sentT < static_cast<std::uint32_t>(p.shape.maxTokens) ? sentT : p.shape.maxTokens);
         const int blocks = (T + kBlockTokens - 1) / kBlockTokens;
-        moeSourceBases<kThreads>(p, msgOf, offsets, s, base);
+        moeSourceBases<kThreads>(p, msgOf, sm.offsets, s, sm.base);
         __syncthreads();
         const long long rankBase = p.layout.rankMajor ? moeRankBase(p, msgOf, s) : -1;  // rank-major: s's first row
         for (int m = static_cast<int>(blockIdx.x); m < blocks * kBlockParts; m += static_cast<int>(gridDim.x)) {
@@ -273,7 +266,7 @@ __global__ void __launch_bounds__(kThreads) moeDirectReceiveKernel(const __grid_
           const int end = static_cast<int>(min(__ldcg(tail + 2 + w), static_cast<std::uint32_t>(p.shape.maxTokens)));
           const int i = first + (m % kBlockParts) * kGroups + gs.group;
           if (i < end) {
-            moeExpandRecord(p, s, directRecord(p, p.shape.rank, s, i), base, stages[gs.group], gs.g,
+            moeExpandRecord(p, s, directRecord(p, p.shape.rank, s, i), sm.base, sm.stages[gs.group], gs.g,
                             p.layout.rankMajor ? rankBase + i : -1);
           }
         }

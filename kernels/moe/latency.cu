@@ -211,11 +211,7 @@ __device__ __forceinline__ const std::uint64_t* latencyMsg(const MoeParams& p, i
 }
 
 __device__ void dispatchReceive(const MoeParams& p, Part part) {
-  __shared__ std::int32_t counts[kMoeMaxLocalExperts];
-  __shared__ std::int32_t offsets[kMoeMaxLocalExperts + 1];
-  __shared__ std::int32_t base[kMoeMaxLocalExperts];
-  __shared__ MoeLayoutScratch<kThreads> scratch;
-  __shared__ MoeSlotStage stages[kGroups];
+  __shared__ MoeReceiveSmem<kThreads, kGroups> sm;
   const int tid = static_cast<int>(threadIdx.x), R = p.shape.numRanks;
   const MoeGroupSlice gs = moeGroupSlice(part.cta, part.ctas);
   const std::uint32_t step = p.peers.steps[0];
@@ -225,15 +221,9 @@ __device__ void dispatchReceive(const MoeParams& p, Part part) {
   bool layoutOk = false;
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyReceive);
-    layoutOk = waitEveryRank(p, p.peers.countFlagsOff, step + 1u, WaitSite::kMoeDispatch);
-    if (part.cta == part.ctas - 1 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kLayout);
-    if (layoutOk) {  // every CTA derives the offsets (its expansion needs them); CTA 0 publishes
-      moeComputeOffsets<kThreads>(p, msgOf, counts, offsets, scratch);
-      if (part.cta == 0) {
-        moeComputeSourceBases<kThreads>(p, msgOf, offsets, p.layout.sourceBase);
-        moePublishLayout<kThreads>(p, msgOf, counts, offsets, p.layout.sourceBase, scratch);
-      }
-    }
+    layoutOk = moeReceiveLayout<kThreads, kGroups>(p, msgOf, step, part.cta == 0, sm, [&] {  // CTA 0 publishes
+      if (part.cta == part.ctas - 1 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kLayout);
+    });
   }
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyExpand);
@@ -253,7 +243,7 @@ __device__ void dispatchReceive(const MoeParams& p, Part part) {
         // rank's send part needs while this receive waits for it (a cycle across GPUs).
         if (k == R - 1) ptx::launchDependents();
         if (k == R - 1 && part.cta == part.ctas - 1 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kArrived);
-        moeSourceBases<kThreads>(p, msgOf, offsets, s, base);
+        moeSourceBases<kThreads>(p, msgOf, sm.offsets, s, sm.base);
         __syncthreads();
         const std::uint64_t sent = __ldcg(msgOf(s));
         const int rows = static_cast<int>(sent < static_cast<std::uint64_t>(p.shape.maxTokens) ? sent : p.shape.maxTokens);
@@ -264,9 +254,9 @@ __device__ void dispatchReceive(const MoeParams& p, Part part) {
           const int i = b + gs.group;
           const char* rec = p.peers.userRegions[p.shape.rank] + p.peers.recordsOff + llSlot(p, parity, s, i, p.shape.recordBytes);
           if (i < rows && s == p.shape.rank) {  // its metadata alone: the row comes from x
-            moeExpandOwnRecord(p, rec, base, stages[gs.group], gs.g, p.layout.rankMajor ? rankBase + i : -1);
+            moeExpandOwnRecord(p, rec, sm.base, sm.stages[gs.group], gs.g, p.layout.rankMajor ? rankBase + i : -1);
           } else if (i < rows) {
-            moeExpandRecord(p, s, rec, base, stages[gs.group], gs.g, p.layout.rankMajor ? rankBase + i : -1);
+            moeExpandRecord(p, s, rec, sm.base, sm.stages[gs.group], gs.g, p.layout.rankMajor ? rankBase + i : -1);
           } else {
             moeIdleRecord(gs.g);
           }

@@ -96,4 +96,33 @@ __device__ inline bool waitEveryRank(const MoeParams& p, std::uint64_t counterOf
   return __syncthreads_or(failed) == 0;
 }
 
+// The dispatch receives' shared memory (the direct and latency paths): the layout's per-expert
+// counts and offsets, one source's bases, the layout scratch and each group's slot stage.
+template <int kThreads, int kGroups>
+struct MoeReceiveSmem {
+  std::int32_t counts[kMoeMaxLocalExperts];
+  std::int32_t offsets[kMoeMaxLocalExperts + 1];
+  std::int32_t base[kMoeMaxLocalExperts];
+  MoeLayoutScratch<kThreads> scratch;
+  MoeSlotStage stages[kGroups];
+};
+
+// The dispatch receive's first step, the same on both paths: wait for every source's count message
+// of `step` (peers.countFlagsOff), then every CTA derives the expert offsets (its expansion needs
+// them) and the `publisher` CTA writes the per-source bases and publishes the layout. `seen` runs
+// once the wait returns (the step trace). False: a wait failed (reported), nothing was computed.
+template <int kThreads, int kGroups, typename Msg, typename Seen>
+__device__ __forceinline__ bool moeReceiveLayout(const MoeParams& p, Msg msgOf, std::uint32_t step, bool publisher,
+                                                 MoeReceiveSmem<kThreads, kGroups>& sm, Seen seen) {
+  const bool ok = waitEveryRank(p, p.peers.countFlagsOff, step + 1u, WaitSite::kMoeDispatch);
+  seen();
+  if (!ok) return false;
+  moeComputeOffsets<kThreads>(p, msgOf, sm.counts, sm.offsets, sm.scratch);
+  if (publisher) {
+    moeComputeSourceBases<kThreads>(p, msgOf, sm.offsets, p.layout.sourceBase);
+    moePublishLayout<kThreads>(p, msgOf, sm.counts, sm.offsets, p.layout.sourceBase, sm.scratch);
+  }
+  return true;
+}
+
 }  // namespace graphep
