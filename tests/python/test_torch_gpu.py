@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import GPUS, requires_gpus, requires_torch
+from conftest import GPUS, full_tier, requires_gpus, requires_torch
 
 pytestmark = [requires_torch, requires_gpus(1)]
 
@@ -29,8 +29,9 @@ def example():
     return module
 
 
-@pytest.mark.parametrize("one_gpu", [True, False], ids=["emulated2", "gpus2"])
-@pytest.mark.parametrize("dtype, index", [("bf16", "int32"), ("fp8", "int64")])
+# About 7 s each: the fast tier keeps bf16 on two GPUs, the full tier all four.
+@pytest.mark.parametrize("one_gpu", [pytest.param(True, marks=full_tier), False], ids=["emulated2", "gpus2"])
+@pytest.mark.parametrize("dtype, index", [("bf16", "int32"), pytest.param("fp8", "int64"), marks=full_tier)])
 def test_layer_graph_replayed_1000_times(one_gpu, dtype, index):
     if not one_gpu and GPUS < 2:
         pytest.skip(f"needs 2 GPUs, found {GPUS}")
