@@ -31,7 +31,7 @@ def example():
 
 # About 7 s each: the fast tier keeps bf16 on two GPUs, the full tier all four.
 @pytest.mark.parametrize("one_gpu", [pytest.param(True, marks=full_tier), False], ids=["emulated2", "gpus2"])
-@pytest.mark.parametrize("dtype, index", [("bf16", "int32"), pytest.param("fp8", "int64"), marks=full_tier)])
+@pytest.mark.parametrize("dtype, index", [("bf16", "int32"), pytest.param("fp8", "int64", marks=full_tier)])
 def test_layer_graph_replayed_1000_times(one_gpu, dtype, index):
     if not one_gpu and GPUS < 2:
         pytest.skip(f"needs 2 GPUs, found {GPUS}")
