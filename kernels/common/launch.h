@@ -2,6 +2,7 @@
 //  - GRAPHEP_LAUNCH_REQUIRE(cond, fmt, ...): a launcher's check of its parameters. A failed one
 //    records which limit the launch breaks, with the values, and returns cudaErrorInvalidValue;
 //    the engine's error for that call (GRAPHEP_CUDA_CHECK, engine/error.cpp) carries the text.
+//  - launchGrid(...): a launch on a grid of CTAs that must not be empty, the check included;
 //  - preloadKernels(kernels...): setup loads each kernel's code (cudaFuncGetAttributes forces
 //    the module load), so that no kernel is first loaded inside a stream capture.
 #pragma once
@@ -24,6 +25,18 @@ cudaError_t preloadKernels(Kernel... kernels) {
   ((e = e == cudaSuccess ? cudaFuncGetAttributes(&a, reinterpret_cast<const void*>(kernels)) : e), ...);
   return e;
 }
+
+#ifdef __CUDACC__
+// The launchers' common case: kernel<<<ctas, threads, 0, stream>>>(p), refused unless ctas >= 1
+// (`what` names the count in `launcher`'s refusal).
+template <typename P>
+cudaError_t launchGrid(const char* launcher, const char* what, int ctas, int threads, cudaStream_t stream,
+                       void (*kernel)(P), const P& p) {
+  if (ctas < 1) return refuseLaunch(launcher, "%s %d (at least 1)", what, ctas);
+  kernel<<<static_cast<unsigned>(ctas), static_cast<unsigned>(threads), 0, stream>>>(p);
+  return cudaGetLastError();
+}
+#endif
 
 }  // namespace graphep
 

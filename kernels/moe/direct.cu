@@ -492,17 +492,13 @@ cudaError_t launchDependent(const MoeParams& p, cudaStream_t stream, void (*kern
 }  // namespace
 
 cudaError_t launchMoeDirectQuantize(const MoeParams& p, cudaStream_t stream) {
-  GRAPHEP_LAUNCH_REQUIRE(p.grid.epilogueCtas >= 1, "grid.epilogueCtas %d (at least 1)", p.grid.epilogueCtas);
-  moeDirectQuantizeKernel<<<static_cast<unsigned>(p.grid.epilogueCtas), kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launchGrid(__func__, "grid.epilogueCtas", p.grid.epilogueCtas, kThreads, stream, moeDirectQuantizeKernel, p);
 }
 
 cudaError_t launchMoeDirectSend(const MoeParams& p, cudaStream_t stream) {
-  GRAPHEP_LAUNCH_REQUIRE(p.grid.budgetCtas >= 1, "grid.budgetCtas %d (at least 1)", p.grid.budgetCtas);
   GRAPHEP_LAUNCH_REQUIRE(p.shape.numRanks <= kMaxRanks, "numRanks %d (at most %d)", p.shape.numRanks, kMaxRanks);
   GRAPHEP_LAUNCH_REQUIRE(p.shape.topK <= kMoeMaxTopK, "topK %d (at most %d)", p.shape.topK, kMoeMaxTopK);
-  moeDirectSendKernel<<<static_cast<unsigned>(p.grid.budgetCtas), kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launchGrid(__func__, "grid.budgetCtas", p.grid.budgetCtas, kThreads, stream, moeDirectSendKernel, p);
 }
 
 // Launched as the send's programmatic dependent: its CTAs start while the send runs (the send

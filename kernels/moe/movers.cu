@@ -138,9 +138,7 @@ __global__ void __launch_bounds__(kThreads) moeCombineFinalKernel(const __grid_c
 }  // namespace
 
 cudaError_t launchMoePack(const MoeParams& p, cudaStream_t stream) {
-  GRAPHEP_LAUNCH_REQUIRE(p.grid.budgetCtas >= 1, "grid.budgetCtas %d (at least 1)", p.grid.budgetCtas);
-  moePackKernel<<<static_cast<unsigned>(p.grid.budgetCtas), kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launchGrid(__func__, "grid.budgetCtas", p.grid.budgetCtas, kThreads, stream, moePackKernel, p);
 }
 
 cudaError_t launchMoeOffsets(const MoeParams& p, cudaStream_t stream) {
@@ -149,21 +147,15 @@ cudaError_t launchMoeOffsets(const MoeParams& p, cudaStream_t stream) {
 }
 
 cudaError_t launchMoeExpand(const MoeParams& p, cudaStream_t stream) {
-  GRAPHEP_LAUNCH_REQUIRE(p.grid.budgetCtas >= 1, "grid.budgetCtas %d (at least 1)", p.grid.budgetCtas);
-  moeExpandKernel<<<static_cast<unsigned>(p.grid.budgetCtas), kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launchGrid(__func__, "grid.budgetCtas", p.grid.budgetCtas, kThreads, stream, moeExpandKernel, p);
 }
 
 cudaError_t launchMoeCombineReduce(const MoeParams& p, cudaStream_t stream) {
-  GRAPHEP_LAUNCH_REQUIRE(p.grid.budgetCtas >= 1, "grid.budgetCtas %d (at least 1)", p.grid.budgetCtas);
-  moeCombineReduceKernel<<<static_cast<unsigned>(p.grid.budgetCtas), kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launchGrid(__func__, "grid.budgetCtas", p.grid.budgetCtas, kThreads, stream, moeCombineReduceKernel, p);
 }
 
 cudaError_t launchMoeCombineFinal(const MoeParams& p, cudaStream_t stream) {
-  GRAPHEP_LAUNCH_REQUIRE(p.grid.budgetCtas >= 1, "grid.budgetCtas %d (at least 1)", p.grid.budgetCtas);
-  moeCombineFinalKernel<<<static_cast<unsigned>(p.grid.budgetCtas), kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launchGrid(__func__, "grid.budgetCtas", p.grid.budgetCtas, kThreads, stream, moeCombineFinalKernel, p);
 }
 
 cudaError_t preloadMoeMoversKernels() {
