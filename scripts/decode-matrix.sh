@@ -19,9 +19,7 @@ set -uo pipefail
 out=${1:?usage: scripts/decode-matrix.sh LOG_DIR [BUILD_DIR] [DEEPEP_SRC]}
 build=${2:-build-gpu}
 deepep=${3:-.deepep}
-mkdir -p "$out"
-out=$(cd "$out" && pwd)
-cd "$(dirname "$0")/.."
+source "$(dirname "$0")/lib/env.sh" && graphep_enter_repo || exit 2
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PATH=/usr/local/cuda/bin:$PATH
 bench="$build/bench/graphep-bench"
 status=0

@@ -16,9 +16,7 @@
 set -uo pipefail
 out=${1:?usage: scripts/gpu-check.sh LOG_DIR [BUILD_DIR]}
 build=${2:-build-gpu}
-mkdir -p "$out"
-out=$(cd "$out" && pwd)
-cd "$(dirname "$0")/.."
+source "$(dirname "$0")/lib/env.sh" && graphep_enter_repo || exit 2
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export PATH=/usr/local/cuda/bin:$PATH

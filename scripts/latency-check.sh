@@ -15,9 +15,7 @@
 set -uo pipefail
 out=${1:?usage: scripts/latency-check.sh LOG_DIR [BUILD_DIR]}
 build=${2:-build-gpu}
-mkdir -p "$out"
-out=$(cd "$out" && pwd)
-cd "$(dirname "$0")/.."
+source "$(dirname "$0")/lib/env.sh" && graphep_enter_repo || exit 2
 export NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 status=0
 

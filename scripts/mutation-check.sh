@@ -14,9 +14,7 @@ set -uo pipefail
 out=${1:?usage: scripts/mutation-check.sh LOG_DIR [BUILD_DIR] [MUTANT...]}
 build=${2:-build-gpu}
 shift $(($# >= 2 ? 2 : 1))
-mkdir -p "$out"
-out=$(cd "$out" && pwd)
-cd "$(dirname "$0")/.."
+source "$(dirname "$0")/lib/env.sh" && graphep_enter_repo || exit 2
 root=$(pwd)
 build=$(cd "$build" && pwd) || { echo "no build tree at $build"; exit 2; }
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 GRAPHEP_TIMEOUT_MS=2000

@@ -9,9 +9,7 @@
 set -uo pipefail
 out=${1:?usage: scripts/tune-movers.sh LOG_DIR [BUILD_DIR]}
 build=${2:-build-gpu}
-mkdir -p "$out"
-out=$(cd "$out" && pwd)
-cd "$(dirname "$0")/.."
+source "$(dirname "$0")/lib/env.sh" && graphep_enter_repo || exit 2
 export NCCL_NVLS_ENABLE=0
 bench="$build/bench/graphep-bench"
 op=${TUNE_OP:-sendrecv}
