@@ -135,6 +135,15 @@ def setup_axes(ax, op, ylabel, title, markers):
     ax.legend(handles=handles, fontsize=8)
 
 
+def save(fig, out_dir, op, kind):
+    """Writes the figure as OUT_DIR/bench_OP_KIND.png, closes it and returns the path."""
+    path = os.path.join(out_dir, f"bench_{op}_{kind}.png")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot_op(op, entry, out_dir, title_prefix):
     """Writes the op's plots; returns their paths and the rows with wrong values."""
     written, wrong_rows = [], []
@@ -152,11 +161,7 @@ def plot_op(op, entry, out_dir, title_prefix):
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.yaxis.set_minor_formatter(NullFormatter())
     setup_axes(ax, op, "time per operation (us)", f"{title}: time", markers)
-    path = os.path.join(out_dir, f"bench_{op}_time.png")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    written.append(path)
+    written.append(save(fig, out_dir, op, "time"))
 
     if not entry["nccl"]:
         print(f"plot-bench: {op}: no NCCL time in these rows, no ratio plot", file=sys.stderr)
@@ -171,11 +176,7 @@ def plot_op(op, entry, out_dir, title_prefix):
     top = max([p[2] for rows in entry["lines"].values() for p in rows if p[2] is not None] + [1.0])
     ax.set_ylim(0, math.ceil(top * 1.1 * 4) / 4)
     setup_axes(ax, op, "NCCL time / graphep time (> 1: graphep faster)", f"{title}: ratio to NCCL", markers)
-    path = os.path.join(out_dir, f"bench_{op}_ratio.png")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    written.append(path)
+    written.append(save(fig, out_dir, op, "ratio"))
     return written, wrong_rows
 
 
