@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <fstream>
 #include <set>
+#include <utility>
 
 #include <graphep/graphep.hpp>
 
@@ -198,6 +199,16 @@ long long totalOverRanks(Ranks& r, long long mine) {
   long long total = 0;
   for (long long v : all) total += v;
   return total;
+}
+
+void addMoverRow(std::vector<Row>& rows, Ranks& r, const char* op, std::string variant, std::size_t bytes,
+                 double us, BusBw bus, long long wrong, double ncclUs) {
+  const int R = r.worldSize();
+  const double algbw = us > 0 ? static_cast<double>(bytes) / (us * 1e3) : 0;
+  Row row{op, std::move(variant), bytes, us, algbw, bus == BusBw::kCollective ? algbw * (R - 1) / R : algbw,
+          totalOverRanks(r, wrong), ncclUs, ""};
+  printRow(row);
+  rows.push_back(row);
 }
 
 void launchEach(Ranks& r, const std::vector<cudaGraphExec_t>& execs) {

@@ -122,6 +122,25 @@ long long checkBytes(Ranks& r, int i, const void* p, std::size_t bytes, unsigned
 // wrong elements under mpirun too.
 long long totalOverRanks(Ranks& r, long long mine);
 
+// The bus bandwidth of a mover row (bench/README.md): the algbw itself (sendrecv), or
+// algbw * (R - 1) / R for the collectives (allgather, alltoallv), as nccl-tests reports them.
+enum class BusBw { kAlgBw, kCollective };
+// Prints and keeps one row of a mover benchmark: `bytes` per operation in `us` (algbw = bytes /
+// time), `wrong` this process's mismatches, summed over every process (a collective call: every
+// process adds its row at the same point).
+void addMoverRow(std::vector<Row>& rows, Ranks& r, const char* op, std::string variant, std::size_t bytes,
+                 double us, BusBw bus, long long wrong, double ncclUs);
+
+// Frees each local rank's buffer of every vector in `buffers` (one pointer per local rank) on its
+// device, the end of a benchmark; errors are ignored, as nothing after the sweep would report them.
+template <typename... Buffers>
+void freeEach(Ranks& r, const Buffers&... buffers) {
+  for (int i = 0; i < r.numLocal(); ++i) {
+    cudaSetDevice(r.devices[static_cast<size_t>(i)]);
+    (static_cast<void>(cudaFree(buffers[static_cast<size_t>(i)])), ...);
+  }
+}
+
 // The heap and movers of a mover benchmark, built from --sms, --warps, --slot, --slots, with a
 // `userBytes` symmetric user region (zero-copy destinations).
 struct MoverBench {

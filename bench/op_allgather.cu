@@ -61,19 +61,12 @@ std::vector<Row> runAllGather(const Options& o, Ranks& r) {
       for (int i = 0; o.check && i < r.numLocal(); ++i) {
         for (int q = 0; q < R; ++q) w += checkBytes(r, i, target(i) + chunk * q, chunk, salt(q));
       }
-      const double algbw = us > 0 ? static_cast<double>(chunk * R) / (us * 1e3) : 0;
-      Row row{"allgather", std::string(zeroCopy ? "ring zero-copy" : "ring staged"), chunk * R, us,
-              algbw, algbw * (R - 1) / R, totalOverRanks(r, w), ncclUs, ""};
-      printRow(row);
-      rows.push_back(row);
+      addMoverRow(rows, r, "allgather", zeroCopy ? "ring zero-copy" : "ring staged", chunk * R, us,
+                  BusBw::kCollective, w, ncclUs);
     }
     requireNoDeviceError(*heap);
   }
-  for (int i = 0; i < r.numLocal(); ++i) {
-    cudaSetDevice(r.devices[static_cast<size_t>(i)]);
-    cudaFree(in[static_cast<size_t>(i)]);
-    cudaFree(out[static_cast<size_t>(i)]);
-  }
+  freeEach(r, in, out);
   return rows;
 }
 

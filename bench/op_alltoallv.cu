@@ -95,20 +95,12 @@ std::vector<Row> runAllToAllv(const Options& o, Ranks& r) {
       for (int i = 0; o.check && i < r.numLocal(); ++i) {
         for (int q = 0; q < R; ++q) w += checkBytes(r, i, out(i) + per * q, per, salt(q, r.rank(i)));
       }
-      const double algbw = us > 0 ? static_cast<double>(per * R) / (us * 1e3) : 0;
-      Row row{"alltoallv", zeroCopy ? "equal counts zero-copy" : "equal counts", per * R, us, algbw,
-              algbw * (R - 1) / R, totalOverRanks(r, w), ncclUs, ""};
-      printRow(row);
-      rows.push_back(row);
+      addMoverRow(rows, r, "alltoallv", zeroCopy ? "equal counts zero-copy" : "equal counts", per * R, us,
+                  BusBw::kCollective, w, ncclUs);
     }
     requireNoDeviceError(*heap);
   }
-  for (int i = 0; i < r.numLocal(); ++i) {
-    cudaSetDevice(r.devices[static_cast<size_t>(i)]);
-    cudaFree(src[static_cast<size_t>(i)]);
-    cudaFree(dst[static_cast<size_t>(i)]);
-    cudaFree(counts[static_cast<size_t>(i)]);
-  }
+  freeEach(r, src, dst, counts);
   return rows;
 }
 

@@ -86,23 +86,16 @@ std::vector<Row> runSendRecv(const Options& o, Ranks& r) {
       for (int i = 0; o.check && i < r.numLocal(); ++i) {
         w += checkBytes(r, i, zeroCopy ? heap->user(i) : dst[i], bytes, salt(prev(i)));
       }
-      const double algbw = us > 0 ? static_cast<double>(bytes) / (us * 1e3) : 0;
-      Row row{"sendrecv",
-              ce         ? std::string("zero-copy CE")
-              : zeroCopy ? "zero-copy ch=" + std::to_string(zeroCopyChannels)
-                       : (llChannels > 0 ? "LL ch=" + std::to_string(llChannels)
-                                         : "staged ch=" + std::to_string(channels)),
-              bytes, us, algbw, algbw, totalOverRanks(r, w), ncclUs, ""};
-      printRow(row);
-      rows.push_back(row);
+      addMoverRow(rows, r, "sendrecv",
+                  ce         ? std::string("zero-copy CE")
+                  : zeroCopy ? "zero-copy ch=" + std::to_string(zeroCopyChannels)
+                           : (llChannels > 0 ? "LL ch=" + std::to_string(llChannels)
+                                             : "staged ch=" + std::to_string(channels)),
+                  bytes, us, BusBw::kAlgBw, w, ncclUs);
     }
     requireNoDeviceError(*heap);
   }
-  for (int i = 0; i < r.numLocal(); ++i) {
-    cudaSetDevice(r.devices[i]);
-    cudaFree(src[i]);
-    cudaFree(dst[i]);
-  }
+  freeEach(r, src, dst);
   return rows;
 }
 
