@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -84,33 +85,34 @@ TEST(Gpu1_Movers, BadArgumentsNameTheValue) {
   expectRefused("receive peer 2");
 }
 
-TEST(Gpu1_Ring, AllGatherEmulatedRanks) {
-  GRAPHEP_REQUIRE_GPUS(1);
+// The ring tests' sweep, at 4 and 8 emulated ranks on GPU 0: run(comm, size, flag, 1) for every
+// size with its flag off and on (allgather: zero-copy; reduce-scatter: bf16), each traced by the
+// rank count and `sizeName`, then replays(comm), the replayed runs at that rank count.
+template <typename Run, typename Replays>
+void ringSweep(const char* sizeName, std::initializer_list<std::size_t> sizes, Run run, Replays replays) {
   for (int ranks : {4, 8}) {
     auto comm = createLocalGroup(std::vector<int>(static_cast<size_t>(ranks), 0));
-    for (std::size_t chunk : {std::size_t{0}, std::size_t{3}, std::size_t{4095},
-                              std::size_t{1} << 20}) {
-      SCOPED_TRACE("ranks=" + std::to_string(ranks) + " chunk=" + std::to_string(chunk));
-      runAllGatherRing(*comm, chunk, false, 1);
-      runAllGatherRing(*comm, chunk, true, 1);
+    for (std::size_t size : sizes) {
+      SCOPED_TRACE("ranks=" + std::to_string(ranks) + " " + sizeName + "=" + std::to_string(size));
+      run(*comm, size, false, 1);
+      run(*comm, size, true, 1);
     }
-    runAllGatherRing(*comm, (std::size_t{256} << 10) + 16, true, 100);
-    runAllGatherRing(*comm, (std::size_t{3} << 20) + 16, true, 10);  // steps by the copy engine
+    replays(*comm);
   }
+}
+
+TEST(Gpu1_Ring, AllGatherEmulatedRanks) {
+  GRAPHEP_REQUIRE_GPUS(1);
+  ringSweep("chunk", {0, 3, 4095, std::size_t{1} << 20}, runAllGatherRing, [](Communicator& comm) {
+    runAllGatherRing(comm, (std::size_t{256} << 10) + 16, true, 100);
+    runAllGatherRing(comm, (std::size_t{3} << 20) + 16, true, 10);  // steps by the copy engine
+  });
 }
 
 TEST(Gpu1_Ring, ReduceScatterEmulatedRanks) {
   GRAPHEP_REQUIRE_GPUS(1);
-  for (int ranks : {4, 8}) {
-    auto comm = createLocalGroup(std::vector<int>(static_cast<size_t>(ranks), 0));
-    for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{1001},
-                              std::size_t{1} << 18}) {
-      SCOPED_TRACE("ranks=" + std::to_string(ranks) + " count=" + std::to_string(count));
-      runReduceScatterRing(*comm, count, false, 1);
-      runReduceScatterRing(*comm, count, true, 1);
-    }
-    runReduceScatterRing(*comm, 65536 + 7, true, 100);
-  }
+  ringSweep("count", {0, 1, 1001, std::size_t{1} << 18}, runReduceScatterRing,
+            [](Communicator& comm) { runReduceScatterRing(comm, 65536 + 7, true, 100); });
 }
 
 // Every count pattern, eager and replayed, staged and zero-copy, on `ranks` emulated ranks.
