@@ -122,6 +122,19 @@ struct MoeGraph::Impl {
     if (dispatchGraph != nullptr) cudaGraphDestroy(dispatchGraph);
     if (combineGraph != nullptr) cudaGraphDestroy(combineGraph);
   }
+
+  // Every factory's frame: on the engine's device, a graph holding the engine's state, whose
+  // template (and what goes with it) `fill` builds, instantiated last.
+  template <typename Fill>
+  static std::unique_ptr<MoeGraph> build(Engine& engine, Fill&& fill) {
+    DeviceGuard guard(engine.device());
+    auto impl = std::make_unique<Impl>();
+    impl->device = engine.device();
+    impl->engine = engine.impl_;
+    fill(*impl);
+    impl->exec = instantiate(impl->tmpl);
+    return std::unique_ptr<MoeGraph>(new MoeGraph(std::move(impl)));
+  }
 };
 
 MoeGraph::MoeGraph(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -130,57 +143,43 @@ MoeGraph::~MoeGraph() = default;
 std::unique_ptr<MoeGraph> MoeGraph::capture(Engine& engine, const MoeGraphArgs& args, const ExpertEnqueue& experts) {
   GRAPHEP_REQUIRE(static_cast<bool>(experts), Status::kInvalidArgument,
                   "MoeGraph::capture: the expert callback is empty (use withExpertGraph or dispatchOnly)");
-  DeviceGuard guard(engine.device());
-  auto impl = std::make_unique<Impl>();
-  impl->device = engine.device();
-  impl->engine = engine.impl_;
-  impl->tmpl = captureGraph([&](cudaStream_t s) {
-    impl->layout = engine.dispatch(args.dispatch, s);
-    experts(impl->layout, s);
-    engine.combine(combineArgs(args), s);
+  auto graph = Impl::build(engine, [&](Impl& m) {
+    m.tmpl = captureGraph([&](cudaStream_t s) {
+      m.layout = engine.dispatch(args.dispatch, s);
+      experts(m.layout, s);
+      engine.combine(combineArgs(args), s);
+    });
   });
-  impl->exec = instantiate(impl->tmpl);
   GRAPHEP_LOG_INFO(log::kGraph, "rank %d: MoeGraph captured (expert callback)", engine.rank());
-  return std::unique_ptr<MoeGraph>(new MoeGraph(std::move(impl)));
+  return graph;
 }
 
 std::unique_ptr<MoeGraph> MoeGraph::withExpertGraph(Engine& engine, const MoeGraphArgs& args, cudaGraph_t experts) {
   GRAPHEP_REQUIRE(experts != nullptr, Status::kInvalidArgument, "MoeGraph::withExpertGraph: experts is null");
-  DeviceGuard guard(engine.device());
-  auto impl = std::make_unique<Impl>();
-  impl->device = engine.device();
-  impl->engine = engine.impl_;
-  impl->dispatchGraph = captureGraph([&](cudaStream_t s) { impl->layout = engine.dispatch(args.dispatch, s); });
-  impl->combineGraph = captureGraph([&](cudaStream_t s) { engine.combine(combineArgs(args), s); });
-  const Template t = buildTemplate(impl->dispatchGraph, experts, impl->combineGraph);
-  impl->tmpl = t.graph;
-  impl->dispatchNode = t.dispatch;
-  impl->expertNode = t.experts;
-  impl->combineNode = t.combine;
-  impl->exec = instantiate(impl->tmpl);
+  auto graph = Impl::build(engine, [&](Impl& m) {
+    m.dispatchGraph = captureGraph([&](cudaStream_t s) { m.layout = engine.dispatch(args.dispatch, s); });
+    m.combineGraph = captureGraph([&](cudaStream_t s) { engine.combine(combineArgs(args), s); });
+    const Template t = buildTemplate(m.dispatchGraph, experts, m.combineGraph);
+    m.tmpl = t.graph;
+    m.dispatchNode = t.dispatch;
+    m.expertNode = t.experts;
+    m.combineNode = t.combine;
+  });
   GRAPHEP_LOG_INFO(log::kGraph, "rank %d: MoeGraph built (expert child graph)", engine.rank());
-  return std::unique_ptr<MoeGraph>(new MoeGraph(std::move(impl)));
+  return graph;
 }
 
 std::unique_ptr<MoeGraph> MoeGraph::dispatchOnly(Engine& engine, const DispatchArgs& args) {
-  DeviceGuard guard(engine.device());
-  auto impl = std::make_unique<Impl>();
-  impl->device = engine.device();
-  impl->engine = engine.impl_;
-  impl->tmpl = captureGraph([&](cudaStream_t s) { impl->layout = engine.dispatch(args, s); });
-  impl->exec = instantiate(impl->tmpl);
-  return std::unique_ptr<MoeGraph>(new MoeGraph(std::move(impl)));
+  return Impl::build(engine, [&](Impl& m) {
+    m.tmpl = captureGraph([&](cudaStream_t s) { m.layout = engine.dispatch(args, s); });
+  });
 }
 
 std::unique_ptr<MoeGraph> MoeGraph::combineOnly(Engine& engine, const CombineArgs& args) {
-  DeviceGuard guard(engine.device());
-  auto impl = std::make_unique<Impl>();
-  impl->device = engine.device();
-  impl->engine = engine.impl_;
-  impl->layout = engine.layout();
-  impl->tmpl = captureGraph([&](cudaStream_t s) { engine.combine(args, s); });
-  impl->exec = instantiate(impl->tmpl);
-  return std::unique_ptr<MoeGraph>(new MoeGraph(std::move(impl)));
+  return Impl::build(engine, [&](Impl& m) {
+    m.layout = engine.layout();
+    m.tmpl = captureGraph([&](cudaStream_t s) { engine.combine(args, s); });
+  });
 }
 
 void MoeGraph::launch(cudaStream_t stream) { GRAPHEP_CUDA_CHECK(cudaGraphLaunch(impl_->exec, stream)); }
