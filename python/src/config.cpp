@@ -4,6 +4,7 @@
 
 #include <nanobind/stl/string.h>
 
+#include <cstddef>
 #include <string>
 
 #include "bindings.hpp"
@@ -13,66 +14,73 @@ namespace nb = nanobind;
 namespace graphep::python {
 namespace {
 
-const char* pathName(MoePath p) {
-  switch (p) {
-    case MoePath::kAuto: return "AUTO";
-    case MoePath::kLatency: return "LATENCY";
-    case MoePath::kThroughput: return "THROUGHPUT";
+// Each enum's Python names, written once: the bindings and the reprs both read them.
+template <typename E>
+struct Named {
+  const char* name;
+  E value;
+};
+constexpr Named<DType> kDTypes[] = {{"BF16", DType::kBf16}, {"FP8_E4M3", DType::kFp8E4m3}};
+constexpr Named<DispatchInput> kDispatchInputs[] = {{"CONFIG", DispatchInput::kConfig}, {"BF16", DispatchInput::kBf16},
+                                                    {"FP8_QUANTIZE", DispatchInput::kFp8Quantize},
+                                                    {"FP8", DispatchInput::kFp8}};
+constexpr Named<Fp8Scales> kFp8Scales[] = {{"FLOAT", Fp8Scales::kFloat}, {"POW2", Fp8Scales::kPow2},
+                                           {"UE8M0", Fp8Scales::kUe8m0}};
+constexpr Named<MoeHalf> kMoeHalves[] = {{"WHOLE", MoeHalf::kWhole}, {"SEND", MoeHalf::kSend}};
+constexpr Named<IndexType> kIndexTypes[] = {{"INT32", IndexType::kInt32}, {"INT64", IndexType::kInt64}};
+constexpr Named<MoePath> kPaths[] = {{"AUTO", MoePath::kAuto}, {"LATENCY", MoePath::kLatency},
+                                     {"THROUGHPUT", MoePath::kThroughput}};
+constexpr Named<ReceiveLayout> kReceiveLayouts[] = {{"EXPERT_MAJOR", ReceiveLayout::kExpertMajor},
+                                                    {"BATCHED", ReceiveLayout::kBatched},
+                                                    {"RANK_MAJOR", ReceiveLayout::kRankMajor}};
+
+template <typename E, std::size_t N>
+const char* nameOf(const Named<E> (&names)[N], E value) {
+  for (const Named<E>& n : names) {
+    if (n.value == value) return n.name;
   }
   return "?";
+}
+
+template <typename E, std::size_t N>
+void bindEnum(nb::module_& m, const char* name, const char* doc, const Named<E> (&names)[N]) {
+  nb::enum_<E> e(m, name, doc);
+  for (const Named<E>& n : names) e.value(n.name, n.value);
 }
 
 std::string describe(const MoeConfig& c) {
   return "MoeConfig(max_tokens_per_rank=" + std::to_string(c.maxTokensPerRank) + ", hidden=" + std::to_string(c.hidden) +
          ", num_experts=" + std::to_string(c.numExperts) + ", top_k=" + std::to_string(c.topK) +
-         ", dispatch_type=" + (c.dispatchType == DType::kFp8E4m3 ? "FP8_E4M3" : "BF16") +
+         ", dispatch_type=" + nameOf(kDTypes, c.dispatchType) +
          ", recv_capacity=" + std::to_string(c.recvCapacity) + ", expert_alignment=" + std::to_string(c.expertAlignment) +
-         ", receive_layout=" +
-         (c.receiveLayout == ReceiveLayout::kBatched ? "BATCHED"
-          : c.receiveLayout == ReceiveLayout::kRankMajor ? "RANK_MAJOR" : "EXPERT_MAJOR") +
+         ", receive_layout=" + nameOf(kReceiveLayouts, c.receiveLayout) +
          ", rows_per_expert=" + std::to_string(c.rowsPerExpert) +
          ", sm_budget=" + std::to_string(c.smBudget) + ", epilogue_sms=" + std::to_string(c.epilogueSms) +
          ", strict=" + (c.strict ? "True" : "False") +
-         ", path=" + pathName(c.path) + ", profile=" + (c.profile ? "True" : "False") +
+         ", path=" + nameOf(kPaths, c.path) + ", profile=" + (c.profile ? "True" : "False") +
          ", counter_start=" + std::to_string(c.counterStart) + ")";
 }
 
 }  // namespace
 
 void bindConfig(nb::module_& m) {
-  nb::enum_<DType>(m, "DType", "What dispatch moves: bf16, or fp8 e4m3 with one fp32 scale per 128 values.")
-      .value("BF16", DType::kBf16)
-      .value("FP8_E4M3", DType::kFp8E4m3);
-  nb::enum_<DispatchInput>(m, "DispatchInput", "What a dispatch's x holds and how its rows travel (graphep::DispatchInput).")
-      .value("CONFIG", DispatchInput::kConfig)
-      .value("BF16", DispatchInput::kBf16)
-      .value("FP8_QUANTIZE", DispatchInput::kFp8Quantize)
-      .value("FP8", DispatchInput::kFp8);
-  nb::enum_<Fp8Scales>(m, "Fp8Scales",
-                       "The fp8 scales of an engine-quantised dispatch, latency path (graphep::Fp8Scales): FLOAT "
-                       "(amax / 448), POW2 (rounded up to a power of two, DeepEP's round_scale), UE8M0 (those powers "
-                       "as exponent bytes, four per int32, DeepEP's use_ue8m0).")
-      .value("FLOAT", Fp8Scales::kFloat)
-      .value("POW2", Fp8Scales::kPow2)
-      .value("UE8M0", Fp8Scales::kUe8m0);
-  nb::enum_<MoeHalf>(m, "MoeHalf",
-                     "Which part of a latency-path operation a call enqueues (graphep::MoeHalf): WHOLE, or SEND "
-                     "alone with Engine.receive() enqueuing the receive half later (DeepEP's return_recv_hook).")
-      .value("WHOLE", MoeHalf::kWhole)
-      .value("SEND", MoeHalf::kSend);
-  nb::enum_<IndexType>(m, "IndexType", "Element type of topk_idx.")
-      .value("INT32", IndexType::kInt32)
-      .value("INT64", IndexType::kInt64);
-  nb::enum_<MoePath>(m, "MoePath", "How dispatch and combine move data (DESIGN.md section 5).")
-      .value("AUTO", MoePath::kAuto)
-      .value("LATENCY", MoePath::kLatency)
-      .value("THROUGHPUT", MoePath::kThroughput);
+  bindEnum(m, "DType", "What dispatch moves: bf16, or fp8 e4m3 with one fp32 scale per 128 values.", kDTypes);
+  bindEnum(m, "DispatchInput", "What a dispatch's x holds and how its rows travel (graphep::DispatchInput).",
+           kDispatchInputs);
+  bindEnum(m, "Fp8Scales",
+           "The fp8 scales of an engine-quantised dispatch, latency path (graphep::Fp8Scales): FLOAT "
+           "(amax / 448), POW2 (rounded up to a power of two, DeepEP's round_scale), UE8M0 (those powers "
+           "as exponent bytes, four per int32, DeepEP's use_ue8m0).",
+           kFp8Scales);
+  bindEnum(m, "MoeHalf",
+           "Which part of a latency-path operation a call enqueues (graphep::MoeHalf): WHOLE, or SEND "
+           "alone with Engine.receive() enqueuing the receive half later (DeepEP's return_recv_hook).",
+           kMoeHalves);
+  bindEnum(m, "IndexType", "Element type of topk_idx.", kIndexTypes);
+  bindEnum(m, "MoePath", "How dispatch and combine move data (DESIGN.md section 5).", kPaths);
 
-  nb::enum_<ReceiveLayout>(m, "ReceiveLayout",
-                           "How dispatch lays out the rows a rank receives (graphep.layouts; DESIGN.md section 5.4).")
-      .value("EXPERT_MAJOR", ReceiveLayout::kExpertMajor)
-      .value("BATCHED", ReceiveLayout::kBatched)
-      .value("RANK_MAJOR", ReceiveLayout::kRankMajor);
+  bindEnum(m, "ReceiveLayout", "How dispatch lays out the rows a rank receives (graphep.layouts; DESIGN.md section 5.4).",
+           kReceiveLayouts);
 
   nb::class_<MoeConfig>(m, "MoeConfig", "graphep::MoeConfig (include/graphep/moe.hpp); every rank passes the same.")
       .def(
@@ -130,7 +138,7 @@ void bindConfig(nb::module_& m) {
       .def_ro("nccl_staging_bytes", &MoeMemory::ncclStagingBytes,
               "added when a peer is reached only through NCCL (throughput path)")
       .def("__repr__", [](const MoeMemory& r) {
-        return std::string("MemoryRequirements(path=") + pathName(r.path) +
+        return std::string("MemoryRequirements(path=") + nameOf(kPaths, r.path) +
                ", symmetric_heap_bytes=" + std::to_string(r.symmetricHeapBytes) +
                ", private_bytes=" + std::to_string(r.privateBytes) +
                ", nccl_staging_bytes=" + std::to_string(r.ncclStagingBytes) + ")";
