@@ -2,6 +2,7 @@
 // and the local buffers fitting every rank's device, all before anything is allocated.
 #include <graphep/moe.hpp>
 
+#include <iterator>
 #include <vector>
 
 #include "engine/device_pointer.hpp"
@@ -11,6 +12,19 @@
 #include "kernels/moe/moe.h"
 
 namespace graphep {
+
+const char* name(MoePath path) {
+  static constexpr const char* kNames[] = {"auto", "latency", "throughput"};
+  const auto i = static_cast<std::size_t>(path);
+  return i < std::size(kNames) ? kNames[i] : "?";
+}
+
+const char* name(ReceiveLayout layout) {
+  static constexpr const char* kNames[] = {"expert-major", "batched", "rank-major"};
+  const auto i = static_cast<std::size_t>(layout);
+  return i < std::size(kNames) ? kNames[i] : "?";
+}
+
 namespace moe_setup {
 
 using detail::DeviceGuard;

@@ -105,7 +105,7 @@ std::unique_ptr<Engine::Impl> buildEngine(const BindPlan& plan, const std::share
                    "local, %zu B symmetric heap",
                    impl->p.shape.rank, cfg.maxTokensPerRank, cfg.hidden, cfg.numExperts, cfg.topK,
                    cfg.dispatchType == DType::kFp8E4m3 ? "fp8" : "bf16",
-                   path == MoePath::kLatency ? "latency" : "throughput", plan.capacity, plan.carve.bytes,
+                   name(path), plan.capacity, plan.carve.bytes,
                    heapBytes(group->heap->config()));
   return impl;
 }
@@ -181,14 +181,6 @@ void requireHealthy(const Engine::Impl& m, int rank, const char* op);
 }  // namespace
 
 namespace {
-const char* layoutName(ReceiveLayout l) {
-  switch (l) {
-    case ReceiveLayout::kExpertMajor: return "expert-major";
-    case ReceiveLayout::kBatched: return "batched";
-    case ReceiveLayout::kRankMajor: return "rank-major";
-  }
-  return "?";
-}
 
 // A dispatch argument that needs the rank-major layout on the throughput path (and, with `direct`,
 // its direct dispatch: every peer by load/store, each rank on a GPU of its own).
@@ -448,7 +440,7 @@ void requireRankMajorThroughput(const Engine::Impl& m, const char* what, bool di
                   Status::kNotSupported,
                   "%s applies to the rank-major receive layout on the throughput path; this engine has the %s "
                   "layout on the %s path (MoeConfig.receiveLayout, MoeConfig.path)",
-                  what, layoutName(m.cfg.receiveLayout), m.path == MoePath::kLatency ? "latency" : "throughput");
+                  what, name(m.cfg.receiveLayout), name(m.path));
   GRAPHEP_REQUIRE(!direct || m.direct, Status::kNotSupported,
                   "%s needs the direct dispatch (every peer by load/store, each rank on a GPU of its own); this "
                   "engine's peers go through the movers",

@@ -58,6 +58,11 @@ enum class ReceiveLayout : std::uint8_t {
                      // one output row, and combine sums those rows over the ranks
 };
 
+// The names graphep's messages, graphep-bench and the tests use: "auto", "latency", "throughput";
+// "expert-major", "batched", "rank-major" ("?" for a value outside the enum).
+const char* name(MoePath path);
+const char* name(ReceiveLayout layout);
+
 struct MoeConfig {
   int maxTokensPerRank = 0;  // T_max: rows of x per dispatch at most
   int hidden = 0;            // H: a multiple of 8 (of 128 for fp8)

@@ -307,13 +307,8 @@ int maxBucket(const StressCase& sc) {
 
 // The layout in words (batched: with its rows per expert, 0: the engine's default).
 std::string layoutName(ReceiveLayout layout, long long rowsPerExpert) {
-  switch (layout) {
-    case ReceiveLayout::kExpertMajor: return "expert-major";
-    case ReceiveLayout::kBatched:
-      return "batched " + (rowsPerExpert > 0 ? std::to_string(rowsPerExpert) : std::string("default")) + " rows/expert";
-    case ReceiveLayout::kRankMajor: return "rank-major";
-  }
-  return "?";
+  if (layout != ReceiveLayout::kBatched) return name(layout);
+  return "batched " + (rowsPerExpert > 0 ? std::to_string(rowsPerExpert) : std::string("default")) + " rows/expert";
 }
 
 // The standard sequence in sc's layout, sc.replays on the latency path first.

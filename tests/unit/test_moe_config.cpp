@@ -215,5 +215,17 @@ TEST(Unit_SemaphoreHealth, NamesTheShortSource) {
   EXPECT_EQ(m.find("rank 1"), std::string::npos) << m;
 }
 
+// The enum names every message and report uses (include/graphep/moe.hpp).
+TEST(Unit_MoeConfig, PathAndLayoutNames) {
+  EXPECT_STREQ(name(MoePath::kAuto), "auto");
+  EXPECT_STREQ(name(MoePath::kLatency), "latency");
+  EXPECT_STREQ(name(MoePath::kThroughput), "throughput");
+  EXPECT_STREQ(name(static_cast<MoePath>(7)), "?");
+  EXPECT_STREQ(name(ReceiveLayout::kExpertMajor), "expert-major");
+  EXPECT_STREQ(name(ReceiveLayout::kBatched), "batched");
+  EXPECT_STREQ(name(ReceiveLayout::kRankMajor), "rank-major");
+  EXPECT_STREQ(name(static_cast<ReceiveLayout>(3)), "?");
+}
+
 }  // namespace
 }  // namespace graphep::test

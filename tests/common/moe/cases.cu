@@ -16,7 +16,7 @@ MoePath expectedPath(const MoeConfig& cfg, int worldSize) {
 }
 
 std::string moeCaseName(const MoeCase& c) {
-  std::string n = c.name + "_" + pathName(c.cfg.path);
+  std::string n = c.name + "_" + name(c.cfg.path);
   for (char& ch : n) {
     if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
   }

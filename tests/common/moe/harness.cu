@@ -289,22 +289,9 @@ const char* routingName(Routing r) {
   return "?";
 }
 
-const char* pathName(MoePath p) {
-  switch (p) {
-    case MoePath::kAuto: return "auto";
-    case MoePath::kLatency: return "latency";
-    case MoePath::kThroughput: return "throughput";
-  }
-  return "?";
-}
-
 std::string layoutName(const MoeConfig& g) {
-  switch (g.receiveLayout) {
-    case ReceiveLayout::kExpertMajor: return "expert-major";
-    case ReceiveLayout::kBatched: return "batched rows/expert=" + std::to_string(g.rowsPerExpert);
-    case ReceiveLayout::kRankMajor: return "rank-major";
-  }
-  return "?";
+  const std::string n = name(g.receiveLayout);
+  return g.receiveLayout == ReceiveLayout::kBatched ? n + " rows/expert=" + std::to_string(g.rowsPerExpert) : n;
 }
 
 std::string describeCase(const MoeCase& c) {
@@ -317,7 +304,7 @@ std::string describeCase(const MoeCase& c) {
          (c.indexType == IndexType::kInt64 ? " int64" : " int32") + " routing=" + routingName(c.routing) +
          " align=" + std::to_string(g.expertAlignment) + " cap=" + std::to_string(g.recvCapacity) +
          " layout=" + layoutName(g) + " sms=" + std::to_string(g.smBudget) + " tokens={" + tokens + "} replays=" + std::to_string(c.replays) +
-         " path=" + pathName(g.path);
+         " path=" + name(g.path);
 }
 
 int rankTokens(const MoeCase& c, int run, int q) {

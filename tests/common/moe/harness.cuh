@@ -121,8 +121,6 @@ CombineRef combineRef(const MoeConfig& g, const Inputs& mine, const std::vector<
 
 const char* routingName(Routing r);
 
-const char* pathName(MoePath p);
-
 // The receive layout in words (batched: with its rows per expert as configured, 0: the default).
 std::string layoutName(const MoeConfig& g);
 
