@@ -1,4 +1,4 @@
-// Device helpers shared by the MoE kernel families (kernels/moe_*.cu): reading routing entries and
+// Device helpers shared by the MoE kernel families (kernels/moe/*.cu): reading routing entries and
 // recording bad input in the status word (MoeDeviceStatus, kernels/moe/moe.h).
 #pragma once
 

@@ -171,7 +171,7 @@ struct MoeDispatchInput {
   std::int32_t scaleFormat;        // MoeScaleFormat of engine-quantised fp8 (latency path)
 };
 
-// Routing scratch (local): written by route (kernels/moe_route.cu) or the latency send, read by
+// Routing scratch (local): written by route (kernels/moe/route.cu) or the latency send, read by
 // every path. W = moeRouteWords(maxTokens).
 struct MoeRouting {
   std::int32_t* liveTokens;      // [1] the clamped live count of the last dispatch
@@ -245,7 +245,7 @@ struct MoeStaging {
   char* partialStage;      // [R][maxTokens][H] bf16 partials (local)
 };
 
-// The movers' exchanges (kernels/moe_dispatch.cu, moe_combine.cu): count messages and the
+// The movers' exchanges (kernels/moe/movers.cu): count messages and the
 // alltoallv byte counts of records and partials.
 struct MoeMoverParams {
   char* countSend;                  // [R][countMsgBytes]
@@ -274,7 +274,7 @@ struct MoePeers {
   SyncHandle sync;               // bounded waits (timeout, error record)
 };
 
-// The direct path (kernels/moe_direct.cu) alone.
+// The direct path (kernels/moe/direct.cu) alone.
 struct MoeDirectParams {
   std::uint64_t msgBytes;           // moeDirectMsgBytes (count message + tail)
   std::uint64_t recordFlagsOff;     // u32 [R][W]: source q's records of block w landed: step + 1
@@ -287,7 +287,7 @@ struct MoeDirectParams {
   std::uint32_t* partialReady;      // local [R][W]: the block's ready flag (step + 1) for the send
 };
 
-// The latency path (kernels/moe_latency.cu) alone.
+// The latency path (kernels/moe/latency.cu) alone.
 struct MoeLatencyParams {
   std::uint64_t recordArrivalsOff;   // u32 [R]: CTAs of source q whose records landed (G per step)
   std::uint64_t partialArrivalsOff;  // u32 [R]: CTAs of destination q whose partials landed
