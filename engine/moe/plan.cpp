@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "engine/heap_layout.hpp"
 #include "kernels/moe/moe.h"
 
 namespace graphep {
@@ -32,36 +33,35 @@ MoePath preferredPath(const MoeConfig& cfg, int R) {
 
 PathHeap pathHeap(MoePath path, const MoeSizes& z, const MoeConfig& cfg) {
   PathHeap h;
-  std::size_t end = 0;
+  BumpAllocator a(SIZE_MAX);  // offsets in the user region, the same on every rank
+  const std::size_t W = moeRouteWords(static_cast<int>(z.T));
   if (path == MoePath::kLatency) {
-    h.llRec = 0;
-    h.llCnt = alignUp(h.llRec + 2 * z.R * z.T * z.recBytes, 256);
-    h.llComb = alignUp(h.llCnt + 2 * z.R * z.cntMsgBytes, 256);
-    h.llFlag = alignUp(h.llComb + 2 * z.R * z.T * z.rowBytes, 256);
-    h.llArrive = alignUp(h.llFlag + z.R * 4, 256);
-    h.llCombArrive = alignUp(h.llArrive + z.R * 4, 256);
+    h.llRec = a.carve("llRec", 2 * z.R * z.T, z.recBytes, 256);
+    h.llCnt = a.carve("llCnt", 2 * z.R, z.cntMsgBytes, 256);
+    h.llComb = a.carve("llComb", 2 * z.R * z.T, z.rowBytes, 256);
+    h.llFlag = a.carve("llFlag", z.R, 4, 256);
+    h.llArrive = a.carve("llArrive", z.R, 4, 256);
+    h.llCombArrive = a.carve("llCombArrive", z.R, 4, 256);
     // The combine's top-k weights from each source ([2][R][T][K] fp32) and their flags [R].
-    h.llCombW = alignUp(h.llCombArrive + z.R * 4, 256);
-    h.llCombWFlag = alignUp(h.llCombW + 2 * z.R * z.T * static_cast<std::size_t>(cfg.topK) * 4, 256);
-    end = h.llCombWFlag + z.R * 4;
+    h.llCombW = a.carve("llCombW", 2 * z.R * z.T * static_cast<std::size_t>(cfg.topK), 4, 256);
+    h.llCombWFlag = a.carve("llCombWFlag", z.R, 4, 256);
   } else {
     // The records and partials, then the direct dispatch's [2][R] count messages, [R] flags and
     // [R][W] block flags for the records and for the partials, its [R] acknowledgements of the
     // records and of the partials, and the partials' [R][T][kMoeMaxValues] fp32 values
     // (kernels/moe/direct.cu; a few KB and 64 B per slot, also when the movers carry the dispatch).
-    h.recRecv = 0;
-    h.combRecv = alignUp(h.recRecv + z.R * z.T * z.recBytes, 4096);
-    h.llCnt = alignUp(h.combRecv + z.R * z.T * z.rowBytes, 256);
-    h.llFlag = alignUp(h.llCnt + 2 * z.R * z.directMsgBytes, 256);
-    h.llBlock = alignUp(h.llFlag + z.R * 4, 256);
-    h.llCombBlock = alignUp(h.llBlock + z.R * moeRouteWords(static_cast<int>(z.T)) * 4, 256);
-    h.llDispAck = alignUp(h.llCombBlock + z.R * moeRouteWords(static_cast<int>(z.T)) * 4, 256);
-    h.llCombAck = alignUp(h.llDispAck + z.R * 4, 256);
-    h.llCombVal = alignUp(h.llCombAck + z.R * 4, 256);
-    end = h.llCombVal + z.R * z.T * kMoeMaxValues * 4;
+    h.recRecv = a.carve("recRecv", z.R * z.T, z.recBytes, 4096);
+    h.combRecv = a.carve("combRecv", z.R * z.T, z.rowBytes, 4096);
+    h.llCnt = a.carve("llCnt", 2 * z.R, z.directMsgBytes, 256);
+    h.llFlag = a.carve("llFlag", z.R, 4, 256);
+    h.llBlock = a.carve("llBlock", z.R * W, 4, 256);
+    h.llCombBlock = a.carve("llCombBlock", z.R * W, 4, 256);
+    h.llDispAck = a.carve("llDispAck", z.R, 4, 256);
+    h.llCombAck = a.carve("llCombAck", z.R, 4, 256);
+    h.llCombVal = a.carve("llCombVal", z.R * z.T * kMoeMaxValues, 4, 256);
   }
   h.heap.numRanks = static_cast<int>(z.R);
-  h.heap.userBytes = alignUp(end, 4096);
+  h.heap.userBytes = alignUp(a.used(), 4096);
   h.heap.moverSlotBytes = path == MoePath::kThroughput ? kEngineSlotBytes : 0;
   if (cfg.smBudget > 0) h.heap.moverBlocks = cfg.smBudget;
   h.heap.counterStart = cfg.counterStart;
@@ -82,59 +82,56 @@ LocalCarve carveLocal(const MoeConfig& cfg, const MoeSizes& z, std::size_t cap, 
   const bool scales = cfg.hidden % 128 == 0;
   const std::size_t T = z.T, Rs = z.R, H = static_cast<std::size_t>(cfg.hidden);
   const std::size_t L = static_cast<std::size_t>(cfg.numExperts) / Rs;
-  std::size_t used = 0;
-  auto carve = [&](std::size_t bytes) {
-    const std::size_t off = alignUp(used, 256);
-    used = off + std::max<std::size_t>(bytes, 1);
-    return off;
-  };
+  // Every region 256-aligned; an empty one still takes a byte, so no two regions share an offset.
+  BumpAllocator a(SIZE_MAX);
+  auto carve = [&](const char* name, std::size_t bytes) { return a.carve(name, std::max<std::size_t>(bytes, 1), 1, 256); };
   LocalCarve o{};
-  o.status = carve(sizeof(MoeDeviceStatus));
-  o.live = carve(sizeof(std::int32_t));
-  o.pending = carve(sizeof(std::uint32_t));
-  o.tokRank = carve(T * Rs * 4);
+  o.status = carve("status", sizeof(MoeDeviceStatus));
+  o.live = carve("live", sizeof(std::int32_t));
+  o.pending = carve("pending", sizeof(std::uint32_t));
+  o.tokRank = carve("tokRank", T * Rs * 4);
   // Throughput path only (the latency path routes in shared memory and writes peers directly).
-  o.entry = carve(throughput ? T * static_cast<std::size_t>(cfg.topK) * 4 : 0);
-  o.expertCount = carve(throughput ? static_cast<std::size_t>(cfg.numExperts) * 4 : 0);
-  o.rankCount = carve(throughput ? Rs * 4 : 0);
+  o.entry = carve("entry", throughput ? T * static_cast<std::size_t>(cfg.topK) * 4 : 0);
+  o.expertCount = carve("expertCount", throughput ? static_cast<std::size_t>(cfg.numExperts) * 4 : 0);
+  o.rankCount = carve("rankCount", throughput ? Rs * 4 : 0);
   const std::size_t W = moeRouteWords(cfg.maxTokensPerRank), Es = static_cast<std::size_t>(cfg.numExperts);
   o.routeWords = W;
   o.routeZero = ((Es + Rs) * W + Es * W + 1) * 4;  // bits, counts, the duplicate flag
-  o.routeBits = carve(throughput ? o.routeZero : 0);
-  o.routePrefix = carve(throughput ? (Es + Rs) * W * 4 : 0);
-  o.recSend = carve(throughput ? Rs * T * z.recBytes : 0);
-  o.cntSend = carve(throughput ? Rs * z.cntMsgBytes : 0);
-  o.cntRecv = carve(throughput ? Rs * z.cntMsgBytes : 0);
-  o.arrays = carve(throughput ? 12 * Rs * 8 : 0);  // EngineExchanges: 3 exchanges x 4 tables x [R]
-  o.recvRows = carve(Rs * 4);
-  o.srcBase = carve(Rs * L * 4);
-  o.offsets = carve((L + 1) * 4);
-  o.counts = carve(L * 4);
-  o.dropped = carve(L * 4);
-  o.numRows = carve(4);
-  o.totals = carve(L * 8);
-  o.recvX = carve(cap * (fp8 ? H : z.rowBytes));
-  o.scales = carve(scales ? cap * (H / 128) * 4 : 0);
-  o.rowRank = carve(cap * 4);
-  o.rowToken = carve(cap * 4);
-  o.rowSlot = carve(cap * 4);
-  o.rowWeight = carve(cap * 4);
-  o.y = carve(cap * z.rowBytes);
-  o.combSend = carve(throughput ? Rs * T * z.rowBytes : 0);
-  o.combValSend = carve(throughput ? Rs * T * kMoeMaxValues * 4 : 0);  // the direct combine's staged values
+  o.routeBits = carve("routeBits", throughput ? o.routeZero : 0);
+  o.routePrefix = carve("routePrefix", throughput ? (Es + Rs) * W * 4 : 0);
+  o.recSend = carve("recSend", throughput ? Rs * T * z.recBytes : 0);
+  o.cntSend = carve("cntSend", throughput ? Rs * z.cntMsgBytes : 0);
+  o.cntRecv = carve("cntRecv", throughput ? Rs * z.cntMsgBytes : 0);
+  o.arrays = carve("arrays", throughput ? 12 * Rs * 8 : 0);  // EngineExchanges: 3 exchanges x 4 tables x [R]
+  o.recvRows = carve("recvRows", Rs * 4);
+  o.srcBase = carve("srcBase", Rs * L * 4);
+  o.offsets = carve("offsets", (L + 1) * 4);
+  o.counts = carve("counts", L * 4);
+  o.dropped = carve("dropped", L * 4);
+  o.numRows = carve("numRows", 4);
+  o.totals = carve("totals", L * 8);
+  o.recvX = carve("recvX", cap * (fp8 ? H : z.rowBytes));
+  o.scales = carve("scales", scales ? cap * (H / 128) * 4 : 0);
+  o.rowRank = carve("rowRank", cap * 4);
+  o.rowToken = carve("rowToken", cap * 4);
+  o.rowSlot = carve("rowSlot", cap * 4);
+  o.rowWeight = carve("rowWeight", cap * 4);
+  o.y = carve("y", cap * z.rowBytes);
+  o.combSend = carve("combSend", throughput ? Rs * T * z.rowBytes : 0);
+  o.combValSend = carve("combValSend", throughput ? Rs * T * kMoeMaxValues * 4 : 0);  // the direct combine's staged values
   const bool rankMajor = cfg.receiveLayout == ReceiveLayout::kRankMajor;
   const std::size_t K = static_cast<std::size_t>(cfg.topK);
-  o.rankOffsets = carve(rankMajor ? (Rs + 1) * 4 : 0);
-  o.rowExperts = carve(rankMajor ? cap * K * 4 : 0);
-  o.rowExpertWeights = carve(rankMajor ? cap * K * 4 : 0);
-  o.sourceRanges = carve(rankMajor ? 0 : L * Rs * 8);
-  o.llSteps = carve(2 * 4);  // dispatch and combine steps and last-CTA counters (latency and direct kernels)
-  o.llDone = carve(2 * 4);
-  o.combArrive = carve(throughput ? Rs * W * 4 : 0);  // the direct combine's block arrivals and flags
-  o.combReady = carve(throughput ? Rs * W * 4 : 0);
+  o.rankOffsets = carve("rankOffsets", rankMajor ? (Rs + 1) * 4 : 0);
+  o.rowExperts = carve("rowExperts", rankMajor ? cap * K * 4 : 0);
+  o.rowExpertWeights = carve("rowExpertWeights", rankMajor ? cap * K * 4 : 0);
+  o.sourceRanges = carve("sourceRanges", rankMajor ? 0 : L * Rs * 8);
+  o.llSteps = carve("llSteps", 2 * 4);  // dispatch and combine steps and last-CTA counters (latency and direct kernels)
+  o.llDone = carve("llDone", 2 * 4);
+  o.combArrive = carve("combArrive", throughput ? Rs * W * 4 : 0);  // the direct combine's block arrivals and flags
+  o.combReady = carve("combReady", throughput ? Rs * W * 4 : 0);
   constexpr std::size_t kStamps = kMoeStampWords * static_cast<std::size_t>(MoeKernel::kCount);
-  o.timeline = carve(cfg.profile ? (kStamps + kMoeTraceWords) * 8 : 0);
-  o.bytes = used;
+  o.timeline = carve("timeline", cfg.profile ? (kStamps + kMoeTraceWords) * 8 : 0);
+  o.bytes = a.used();
   return o;
 }
 
