@@ -124,15 +124,17 @@ struct MoeGraph::Impl {
   }
 
   // Every factory's frame: on the engine's device, a graph holding the engine's state, whose
-  // template (and what goes with it) `fill` builds, instantiated last.
+  // template (and what goes with it) `fill` builds, instantiated last; `built` (or nullptr) is
+  // logged there, still on the engine's device (the log names the current device).
   template <typename Fill>
-  static std::unique_ptr<MoeGraph> build(Engine& engine, Fill&& fill) {
+  static std::unique_ptr<MoeGraph> build(Engine& engine, const char* built, Fill&& fill) {
     DeviceGuard guard(engine.device());
     auto impl = std::make_unique<Impl>();
     impl->device = engine.device();
     impl->engine = engine.impl_;
     fill(*impl);
     impl->exec = instantiate(impl->tmpl);
+    if (built != nullptr) GRAPHEP_LOG_INFO(log::kGraph, "rank %d: %s", engine.rank(), built);
     return std::unique_ptr<MoeGraph>(new MoeGraph(std::move(impl)));
   }
 };
@@ -143,20 +145,18 @@ MoeGraph::~MoeGraph() = default;
 std::unique_ptr<MoeGraph> MoeGraph::capture(Engine& engine, const MoeGraphArgs& args, const ExpertEnqueue& experts) {
   GRAPHEP_REQUIRE(static_cast<bool>(experts), Status::kInvalidArgument,
                   "MoeGraph::capture: the expert callback is empty (use withExpertGraph or dispatchOnly)");
-  auto graph = Impl::build(engine, [&](Impl& m) {
+  return Impl::build(engine, "MoeGraph captured (expert callback)", [&](Impl& m) {
     m.tmpl = captureGraph([&](cudaStream_t s) {
       m.layout = engine.dispatch(args.dispatch, s);
       experts(m.layout, s);
       engine.combine(combineArgs(args), s);
     });
   });
-  GRAPHEP_LOG_INFO(log::kGraph, "rank %d: MoeGraph captured (expert callback)", engine.rank());
-  return graph;
 }
 
 std::unique_ptr<MoeGraph> MoeGraph::withExpertGraph(Engine& engine, const MoeGraphArgs& args, cudaGraph_t experts) {
   GRAPHEP_REQUIRE(experts != nullptr, Status::kInvalidArgument, "MoeGraph::withExpertGraph: experts is null");
-  auto graph = Impl::build(engine, [&](Impl& m) {
+  return Impl::build(engine, "MoeGraph built (expert child graph)", [&](Impl& m) {
     m.dispatchGraph = captureGraph([&](cudaStream_t s) { m.layout = engine.dispatch(args.dispatch, s); });
     m.combineGraph = captureGraph([&](cudaStream_t s) { engine.combine(combineArgs(args), s); });
     const Template t = buildTemplate(m.dispatchGraph, experts, m.combineGraph);
@@ -165,18 +165,16 @@ std::unique_ptr<MoeGraph> MoeGraph::withExpertGraph(Engine& engine, const MoeGra
     m.expertNode = t.experts;
     m.combineNode = t.combine;
   });
-  GRAPHEP_LOG_INFO(log::kGraph, "rank %d: MoeGraph built (expert child graph)", engine.rank());
-  return graph;
 }
 
 std::unique_ptr<MoeGraph> MoeGraph::dispatchOnly(Engine& engine, const DispatchArgs& args) {
-  return Impl::build(engine, [&](Impl& m) {
+  return Impl::build(engine, nullptr, [&](Impl& m) {
     m.tmpl = captureGraph([&](cudaStream_t s) { m.layout = engine.dispatch(args, s); });
   });
 }
 
 std::unique_ptr<MoeGraph> MoeGraph::combineOnly(Engine& engine, const CombineArgs& args) {
-  return Impl::build(engine, [&](Impl& m) {
+  return Impl::build(engine, nullptr, [&](Impl& m) {
     m.layout = engine.layout();
     m.tmpl = captureGraph([&](cudaStream_t s) { engine.combine(args, s); });
   });

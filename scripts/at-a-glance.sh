@@ -21,8 +21,11 @@ build=${2:-build-gpu}
 deepep=${3:-.deepep}
 source "$(dirname "$0")/lib/env.sh" && graphep_enter_repo || exit 2
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PATH=/usr/local/cuda/bin:$PATH
+# Two GPUs, as the DeepEP baselines use: graphep-bench would take every visible one.
+export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}
 bench="$build/bench/graphep-bench"
 status=0
+rm -f "$out"/*.json "$out"/deepep_v1.log "$out"/deepep_ll.log  # no row of an earlier run in a reused LOG_DIR
 { nvidia-smi -L; echo "tree $(scripts/tree-hash.sh)"; } >"$out/machine.log" 2>&1
 
 if [ -f "$deepep/deepep-v1-baseline.sh" ]; then
@@ -51,23 +54,29 @@ if [ -f "$deepep/deepep-v1-baseline.sh" ]; then
 fi
 
 python3 - "$out" <<'EOF' || status=1
-import glob, json, os, re, sys
+import json, os, sys
 out = sys.argv[1]
 rows, wrong = {}, 0
-for path in glob.glob(os.path.join(out, "*.json")):
+for name in ("prefill_em", "prefill_rm", "decode_batched", "decode_rm", "sendrecv", "alltoallv"):
+    path = os.path.join(out, name + ".json")
+    if not os.path.exists(path):
+        continue
     for r in json.load(open(path))["rows"]:
         rows[(r["op"], r["variant"], r["bytes"])] = r
         wrong += r["wrong"]
 def us(op, variant, size):
     r = rows.get((op, variant, size))
     return r["time_us"] if r else None
-rival = {}
+rival, missing = {}, []
 for name in ("deepep_v1", "deepep_ll"):
     path = os.path.join(out, name + ".log")
     if os.path.exists(path):
         for line in open(path):
-            if line.startswith("deepep-"):
-                rival[name] = dict(kv.split("=") for kv in line.split()[1:])
+            # a failed run prints "deepep-.. tokens=N failed: ..." (no figures): not measured
+            if line.startswith("deepep-") and "failed" not in line:
+                rival[name] = dict(kv.partition("=")[::2] for kv in line.split()[1:])
+    if name not in rival:
+        missing.append(name)
 machine = open(os.path.join(out, "machine.log")).read().strip().replace("\n", "; ")
 print("machine: " + machine)
 print()
@@ -81,7 +90,11 @@ def line(what, mine, name, theirs):
     print("| %s | %.2f | %s %.2f | %.2fx |" % (what, mine, name, theirs, theirs / mine))
 v1 = rival.get("deepep_v1", {})
 ll = rival.get("deepep_ll", {})
-f = lambda d, k: float(d[k]) if k in d else None
+def f(d, k):  # a figure, or None where the line lacks it (not measured)
+    try:
+        return float(d[k])
+    except (KeyError, ValueError):
+        return None
 for layout in ("expert-major", "rank-major"):
     for op, key in (("dispatch bf16", "dispatch_bf16_us"), ("dispatch fp8", "dispatch_fp8_us"), ("combine bf16", "combine_bf16_us")):
         line("prefill %s, 4096 tokens/rank, %s" % (op, layout), us("moe", "%s throughput%s" % (op, "" if layout == "expert-major" else " " + layout), 4096),
@@ -97,6 +110,8 @@ for op in ("sendrecv", "alltoallv"):
             line("%s %s, %d MiB" % (op, variant, size >> 20), r["time_us"], "NCCL", r["nccl_us"])
 print()
 print("wrong elements over every graphep row: %d" % wrong)
-sys.exit(1 if wrong else 0)
+if missing:
+    print("no figures from: " + ", ".join(missing) + " (see its log)")
+sys.exit(1 if wrong or missing else 0)
 EOF
 exit $status
