@@ -470,20 +470,19 @@ __global__ void __launch_bounds__(kThreads) moeDirectCombineFinalKernel(const __
   }
 }
 
-// Launches `kernel` (epilogueCtas CTAs, in clusters of epilogueCluster) as the programmatic
-// dependent of the stream's last kernel.
-// Refuses an epilogue grid that is empty or not whole clusters.
-cudaError_t checkEpilogue(const MoeParams& p) {
-  GRAPHEP_LAUNCH_REQUIRE(p.grid.epilogueCtas >= 1 && p.grid.epilogueCluster >= 1 &&
-                             p.grid.epilogueCtas % p.grid.epilogueCluster == 0,
-                         "grid.epilogueCtas %d in clusters of %d (at least 1 CTA, whole clusters)",
-                         p.grid.epilogueCtas, p.grid.epilogueCluster);
-  GRAPHEP_LAUNCH_REQUIRE(p.shape.numRanks <= kMaxRanks, "numRanks %d (at most %d)", p.shape.numRanks, kMaxRanks);
-  return cudaSuccess;
+// The epilogue grid (at least one CTA, whole clusters) and the paths' limits, refused for `launcher`.
+cudaError_t checkEpilogue(const char* launcher, const MoeParams& p) {
+  if (p.grid.epilogueCtas < 1 || p.grid.epilogueCluster < 1 || p.grid.epilogueCtas % p.grid.epilogueCluster != 0) {
+    return refuseLaunch(launcher, "grid.epilogueCtas %d in clusters of %d (at least 1 CTA, whole clusters)",
+                        p.grid.epilogueCtas, p.grid.epilogueCluster);
+  }
+  return moeCheckLimits(launcher, p);
 }
 
-cudaError_t launchDependent(const MoeParams& p, cudaStream_t stream, void (*kernel)(MoeParams)) {
-  if (const cudaError_t e = checkEpilogue(p); e != cudaSuccess) return e;
+// Launches `kernel` (epilogueCtas CTAs, in clusters of epilogueCluster) as the programmatic
+// dependent of the stream's last kernel.
+cudaError_t launchDependent(const char* launcher, const MoeParams& p, cudaStream_t stream, void (*kernel)(MoeParams)) {
+  if (const cudaError_t e = checkEpilogue(launcher, p); e != cudaSuccess) return e;
   cudaLaunchAttribute attrs[2];
   const cudaLaunchConfig_t cfg = moeLaunchConfig(p.grid.epilogueCtas, kThreads, p.grid.epilogueCluster, true, stream, attrs);
   return cudaLaunchKernelEx(&cfg, kernel, p);
@@ -496,8 +495,7 @@ cudaError_t launchMoeDirectQuantize(const MoeParams& p, cudaStream_t stream) {
 }
 
 cudaError_t launchMoeDirectSend(const MoeParams& p, cudaStream_t stream) {
-  GRAPHEP_LAUNCH_REQUIRE(p.shape.numRanks <= kMaxRanks, "numRanks %d (at most %d)", p.shape.numRanks, kMaxRanks);
-  GRAPHEP_LAUNCH_REQUIRE(p.shape.topK <= kMoeMaxTopK, "topK %d (at most %d)", p.shape.topK, kMoeMaxTopK);
+  if (const cudaError_t e = moeCheckLimits(__func__, p); e != cudaSuccess) return e;
   return launchGrid(__func__, "grid.budgetCtas", p.grid.budgetCtas, kThreads, stream, moeDirectSendKernel, p);
 }
 
@@ -505,15 +503,12 @@ cudaError_t launchMoeDirectSend(const MoeParams& p, cudaStream_t stream) {
 // triggers at once), lay out and expand this rank's own rows, and wait for the peers' records by
 // their arrival counters, not by stream order.
 cudaError_t launchMoeDirectReceive(const MoeParams& p, cudaStream_t stream) {
-  GRAPHEP_LAUNCH_REQUIRE(p.shape.localExperts <= kMoeMaxLocalExperts, "localExperts %d (at most %d)",
-                         p.shape.localExperts, kMoeMaxLocalExperts);
-  return launchDependent(p, stream, moeDirectReceiveKernel);
+  return launchDependent(__func__, p, stream, moeDirectReceiveKernel);
 }
 
 // The combine's first kernel, on the epilogue CTAs (stream order after the experts: it reads y).
 cudaError_t launchMoeDirectCombineReduce(const MoeParams& p, cudaStream_t stream) {
-  if (const cudaError_t e = checkEpilogue(p); e != cudaSuccess) return e;
-  GRAPHEP_LAUNCH_REQUIRE(p.shape.topK <= kMoeMaxTopK, "topK %d (at most %d)", p.shape.topK, kMoeMaxTopK);
+  if (const cudaError_t e = checkEpilogue(__func__, p); e != cudaSuccess) return e;
   cudaLaunchAttribute attrs[2];
   const cudaLaunchConfig_t cfg = moeLaunchConfig(p.grid.epilogueCtas, kThreads, p.grid.epilogueCluster, false, stream, attrs);
   return cudaLaunchKernelEx(&cfg, moeDirectCombineReduceKernel, p);
@@ -522,7 +517,7 @@ cudaError_t launchMoeDirectCombineReduce(const MoeParams& p, cudaStream_t stream
 // The reduce's programmatic dependent, on the SM budget: it copies blocks as the reduce marks them.
 cudaError_t launchMoeDirectCombineSend(const MoeParams& p, cudaStream_t stream) {
   GRAPHEP_LAUNCH_REQUIRE(p.grid.budgetCtas >= 1, "grid.budgetCtas %d (at least 1)", p.grid.budgetCtas);
-  GRAPHEP_LAUNCH_REQUIRE(p.shape.numRanks <= kMaxRanks, "numRanks %d (at most %d)", p.shape.numRanks, kMaxRanks);
+  if (const cudaError_t e = moeCheckLimits(__func__, p); e != cudaSuccess) return e;
   cudaLaunchAttribute attrs[2];
   const cudaLaunchConfig_t cfg = moeLaunchConfig(p.grid.budgetCtas, kThreads, 1, true, stream, attrs);
   return cudaLaunchKernelEx(&cfg, moeDirectCombineSendKernel, p);
@@ -530,7 +525,7 @@ cudaError_t launchMoeDirectCombineSend(const MoeParams& p, cudaStream_t stream) 
 
 // The first half's programmatic dependent, as the dispatch's receive is the send's.
 cudaError_t launchMoeDirectCombineFinal(const MoeParams& p, cudaStream_t stream) {
-  return launchDependent(p, stream, moeDirectCombineFinalKernel);
+  return launchDependent(__func__, p, stream, moeDirectCombineFinalKernel);
 }
 
 cudaError_t preloadMoeDirectKernels() {

@@ -438,17 +438,16 @@ int launchCtas(const MoeParams& p) {
   return ((p.latency.phase & kMoeLatencySend) != 0 ? p.grid.budgetCtas : 0) + ((p.latency.phase & kMoeLatencyReceive) != 0 ? p.grid.epilogueCtas : 0);
 }
 
-cudaError_t checkLaunch(const MoeParams& p) {
-  GRAPHEP_LAUNCH_REQUIRE(p.latency.phase >= kMoeLatencySend && p.latency.phase <= (kMoeLatencySend | kMoeLatencyReceive),
-                         "latency.phase %d (send 1, receive 2, both 3)", p.latency.phase);
-  GRAPHEP_LAUNCH_REQUIRE(p.grid.budgetCtas >= 1 && p.grid.epilogueCtas >= 1,
-                         "grid.budgetCtas %d send CTAs, grid.epilogueCtas %d receive CTAs (at least 1 each)",
-                         p.grid.budgetCtas, p.grid.epilogueCtas);
-  GRAPHEP_LAUNCH_REQUIRE(p.shape.localExperts <= kMoeMaxLocalExperts, "localExperts %d (at most %d)",
-                         p.shape.localExperts, kMoeMaxLocalExperts);
-  GRAPHEP_LAUNCH_REQUIRE(p.shape.numRanks <= kMaxRanks, "numRanks %d (at most %d)", p.shape.numRanks, kMaxRanks);
-  GRAPHEP_LAUNCH_REQUIRE(p.shape.topK <= kMoeMaxTopK, "topK %d (at most %d)", p.shape.topK, kMoeMaxTopK);
-  return cudaSuccess;
+// The parts, their CTAs and the paths' limits, refused for `launcher`.
+cudaError_t checkLaunch(const char* launcher, const MoeParams& p) {
+  if (p.latency.phase < kMoeLatencySend || p.latency.phase > (kMoeLatencySend | kMoeLatencyReceive)) {
+    return refuseLaunch(launcher, "latency.phase %d (send 1, receive 2, both 3)", p.latency.phase);
+  }
+  if (p.grid.budgetCtas < 1 || p.grid.epilogueCtas < 1) {
+    return refuseLaunch(launcher, "grid.budgetCtas %d send CTAs, grid.epilogueCtas %d receive CTAs (at least 1 each)",
+                        p.grid.budgetCtas, p.grid.epilogueCtas);
+  }
+  return moeCheckLimits(launcher, p);
 }
 
 }  // namespace
@@ -457,7 +456,7 @@ cudaError_t checkLaunch(const MoeParams& p) {
 cudaError_t launchMoeLatencyDispatch(const MoeParams& p, cudaStream_t stream) {
   using namespace moe_latency;
   const MoeLatencySmem lay = moeLatencySmem(p.shape.maxTokens, p.shape.topK, p.shape.numExperts, p.shape.numRanks);
-  if (const cudaError_t e = checkLaunch(p); e != cudaSuccess) return e;
+  if (const cudaError_t e = checkLaunch(__func__, p); e != cudaSuccess) return e;
   GRAPHEP_LAUNCH_REQUIRE(p.shape.maxTokens <= kMoeLatencyMaxTokens, "maxTokens %d (at most %d on the latency path)",
                          p.shape.maxTokens, kMoeLatencyMaxTokens);
   GRAPHEP_LAUNCH_REQUIRE(p.shape.maxTokens * p.shape.topK <= kMoeLatencyMaxEntries,
@@ -473,7 +472,7 @@ cudaError_t launchMoeLatencyDispatch(const MoeParams& p, cudaStream_t stream) {
 
 cudaError_t launchMoeLatencyCombine(const MoeParams& p, cudaStream_t stream) {
   using namespace moe_latency;
-  if (const cudaError_t e = checkLaunch(p); e != cudaSuccess) return e;
+  if (const cudaError_t e = checkLaunch(__func__, p); e != cudaSuccess) return e;
   cudaLaunchAttribute attrs[2];
   const cudaLaunchConfig_t cfg = moeLaunchConfig(launchCtas(p), kThreads, 1, true, stream, attrs);
   return cudaLaunchKernelEx(&cfg, combineKernel, p);

@@ -5,9 +5,21 @@
 #pragma once
 
 #include "kernels/common/flags.cuh"
+#include "kernels/common/launch.h"
 #include "kernels/moe/common.cuh"
 
 namespace graphep {
+
+// The limits every launch of these paths holds to (the kernels' shared arrays are sized by them),
+// refused by name for `launcher` (kernels/common/launch.h).
+inline cudaError_t moeCheckLimits(const char* launcher, const MoeParams& p) {
+  if (p.shape.numRanks > kMaxRanks) return refuseLaunch(launcher, "numRanks %d (at most %d)", p.shape.numRanks, kMaxRanks);
+  if (p.shape.topK > kMoeMaxTopK) return refuseLaunch(launcher, "topK %d (at most %d)", p.shape.topK, kMoeMaxTopK);
+  if (p.shape.localExperts > kMoeMaxLocalExperts) {
+    return refuseLaunch(launcher, "localExperts %d (at most %d)", p.shape.localExperts, kMoeMaxLocalExperts);
+  }
+  return cudaSuccess;
+}
 
 // The launch of `ctas` CTAs of `threads`, in clusters of `cluster` (1: none), as the programmatic
 // dependent of the stream's last kernel when `dependent` (it may start while that one runs, and

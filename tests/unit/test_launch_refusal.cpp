@@ -48,7 +48,17 @@ TEST(Unit_LaunchRefusal, NamesTheLimitAndTheValue) {
   p = latencyParams();
   p.latency.phase = 0;
   why = refusalOf(launchMoeLatencyCombine(p, nullptr));
-  EXPECT_NE(why.find("latency.phase 0"), std::string::npos) << why;
+  EXPECT_NE(why.find("launchMoeLatencyCombine: latency.phase 0"), std::string::npos) << why;
+
+  // The store-into-peers paths' shared limits (moeCheckLimits), named for the launcher that met them.
+  p = latencyParams();
+  p.shape.topK = kMoeMaxTopK + 1;
+  why = refusalOf(launchMoeDirectSend(p, nullptr));
+  EXPECT_NE(why.find("launchMoeDirectSend: topK 17 (at most 16)"), std::string::npos) << why;
+  p = latencyParams();
+  p.shape.localExperts = kMoeMaxLocalExperts + 1;
+  why = refusalOf(launchMoeLatencyDispatch(p, nullptr));
+  EXPECT_NE(why.find("launchMoeLatencyDispatch: localExperts 1025 (at most 1024)"), std::string::npos) << why;
 
   p = latencyParams();
   p.shape.topK = kMoeMaxTopK + 1;
