@@ -202,10 +202,13 @@ void launchLatency(Engine::Impl& m, MoeParams p, Engine::Impl::Half op, std::opt
 void applyOutputs(const Engine::Impl& m, const DispatchArgs& a, MoeParams& p);
 }  // namespace
 
-const DispatchLayout& Engine::dispatch(const DispatchArgs& a, cudaStream_t stream) {
-  Impl& m = *impl_;
-  requireHealthy(m, m.p.shape.rank, "dispatch");
-  DeviceGuard guard(m.device);
+namespace {
+// A dispatch's arguments against the engine (every refusal names the value): what it sends.
+struct DispatchChoice {
+  int topK;  // the dispatch's top-k (0: routing by tokenInRank alone)
+  bool fp8;  // its records carry fp8 rows
+};
+DispatchChoice checkDispatch(const Engine::Impl& m, const DispatchArgs& a) {
   const MoeConfig& c = m.cfg;
   requireDevicePointer(a.x, m.device, "dispatch: x");
   GRAPHEP_REQUIRE(a.tokenInRank != nullptr || a.topkIdx != nullptr, Status::kInvalidArgument,
@@ -270,6 +273,17 @@ const DispatchLayout& Engine::dispatch(const DispatchArgs& a, cudaStream_t strea
                     "dispatch: xScales is set but input=%d is not kFp8 (x would be read as bf16)",
                     static_cast<int>(in));
   }
+  return DispatchChoice{topK, fp8};
+}
+}  // namespace
+
+const DispatchLayout& Engine::dispatch(const DispatchArgs& a, cudaStream_t stream) {
+  Impl& m = *impl_;
+  requireHealthy(m, m.p.shape.rank, "dispatch");
+  DeviceGuard guard(m.device);
+  const auto [topK, fp8] = checkDispatch(m, a);
+  const MoeConfig& c = m.cfg;
+  const DispatchInput in = a.input;
   MoeParams p = m.base;
   p.input.x = a.x;
   p.input.topkIdx = a.topkIdx;
