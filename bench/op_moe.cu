@@ -519,7 +519,7 @@ std::vector<Row> runMoe(const Options& o, Ranks& r) {
       const double nvlink = static_cast<double>(remoteRecords) / R * static_cast<double>(recBytes);
       const std::string heap = "heap " + std::to_string(engines[0]->symmetricHeapBytes() >> 20) + " MiB";
       auto bw = [](double bytes, double us) { return us > 0 ? bytes / (us * 1e3) : 0.0; };
-      const std::string path = std::string(engines[0]->path() == MoePath::kLatency ? " latency" : " throughput") +
+      const std::string path = std::string(" ") + name(engines[0]->path()) +
                                (o.moeLayout == "expert-major" ? "" : " " + o.moeLayout);
       Row d{"moe", std::string("dispatch ") + (fp8 ? "fp8" : "bf16") + path, tokens, dUs, bw(logical, dUs),
             bw(nvlink, dUs), wrong, 0, heap};

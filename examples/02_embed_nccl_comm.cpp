@@ -138,7 +138,7 @@ int main(int argc, char** argv) {
     if (rank == 0) {
       std::printf("02_embed_nccl_comm: %d processes, engine on the adopted ncclComm_t (%s path), %lld wrong values "
                   "over all ranks: %s\n",
-                  size, engine->path() == graphep::MoePath::kLatency ? "latency" : "throughput", wrong,
+                  size, graphep::name(engine->path()), wrong,
                   wrong == 0 ? "PASS" : "FAIL");
     }
     for (void* p : {dx, dids, dw, dn, dout, static_cast<void*>(dwrong)}) cudaFree(p);

@@ -131,7 +131,7 @@ TEST(Unit_MoePlan, HeapRegionsHoldWhatThePeersWrite) {
     for (MoePath path : {MoePath::kLatency, MoePath::kThroughput}) {
       if (path == MoePath::kLatency && !moe_setup::latencyFits(c, R)) continue;
       const PathHeap h = moe_setup::pathHeap(path, z, c);
-      const std::string where = pc.name + (path == MoePath::kLatency ? " latency" : " throughput");
+      const std::string where = pc.name + " " + name(path);
       if (path == MoePath::kLatency) {
         expectLaidOut({{h.llRec, 2 * Rs * T * z.recBytes},
                        {h.llCnt, 2 * Rs * z.cntMsgBytes},
