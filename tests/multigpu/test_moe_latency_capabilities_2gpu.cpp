@@ -39,6 +39,7 @@
 #include "common/fp8_reference.hpp"
 #include "common/gpu_env.hpp"
 #include "common/graph_util.hpp"
+#include "common/moe/step_trace.hpp"
 #include "engine/error.hpp"
 
 namespace graphep::test {
@@ -923,6 +924,53 @@ TEST_F(Gpu2_MoeLatencyCapabilities, GraphReplayOfHalves) {
     EXPECT_EQ(checkCombine(rig, in, refs, y, Weights::kCombine, what), 0);
   }
   expectStatusOk(rig, "graph replays");
+}
+
+// Captured once per rank: four dispatch / combine pairs back to back with no other kernel between
+// them, profiled (MoeConfig.profile). Each operation's kernel is launched as a dependent of the one
+// before (programmatic dependent launch) and can start before it ends, so its step trace must show
+// every operation's wait returning no earlier than the previous operation's advance, the order
+// that no trace with the expert's kernel or the host between operations can test. The last pair's
+// results are checked on every replay (each pair moves the same inputs).
+TEST_F(Gpu2_MoeLatencyCapabilities, StepTraceOfBackToBackOperations) {
+  MoeConfig cfg = latencyConfig(2048, ReceiveLayout::kBatched);
+  cfg.profile = true;
+  Rig rig(cfg);
+  const DispatchOptions d;
+  const CombineOptions c;
+  struct Graphs {
+    std::vector<cudaGraphExec_t> exec;
+    ~Graphs() {
+      for (cudaGraphExec_t g : exec) cudaGraphExecDestroy(g);
+    }
+  } graphs;
+  for (int r = 0; r < kRanks; ++r) {
+    rig.select(r);
+    graphs.exec.push_back(captureOnStream(rig.stream(r), [&](cudaStream_t s) {
+      for (int pair = 0; pair < 4; ++pair) {
+        rig.enqueueDispatch(r, d, s);
+        rig.enqueueCombine(r, c, s);
+      }
+    }));
+  }
+  std::uint64_t seed = 900;
+  for (int i = 0; i < 3; ++i) {
+    const Inputs in = rig.newInputs(++seed, i);
+    const std::vector<RefLayout> refs = rig.reference(in);
+    const auto y = rig.newExpertOutputs(++seed);
+    rig.poisonDispatchOutputs();
+    rig.poisonCombineOutputs();
+    for (int r = 0; r < kRanks; ++r) {
+      rig.select(r);
+      GRAPHEP_CUDA_CHECK(cudaGraphLaunch(graphs.exec[at(r)], rig.stream(r)));
+    }
+    rig.syncAll();
+    const std::string what = "replay " + std::to_string(i) + ", " + stepName(i, in);
+    EXPECT_EQ(checkDispatch(rig, in, refs, d, what), 0);
+    EXPECT_EQ(checkCombine(rig, in, refs, y, Weights::kDispatch, what), 0);
+    for (int r = 0; r < kRanks; ++r) expectStepTrace(rig.engine(r).stepTrace(), r);
+  }
+  expectStatusOk(rig, "back-to-back replays");
 }
 
 // Bad arguments of the latency capabilities: named errors before anything is enqueued (the engine

@@ -1,6 +1,7 @@
 // The MoE case suite's run of one case in every layout (runMoeCase): dispatch, expert, combine,
 // eagerly or replayed from a captured graph, every output against the host reference.
 #include "common/moe/harness.cuh"
+#include "common/moe/step_trace.hpp"
 
 namespace graphep::test {
 

@@ -139,13 +139,6 @@ bool isInvalidEntry(const MoeConfig& g, const Inputs& in, long long id, int toke
 // capacity that overflows becomes 9 rows per expert (a batched expert overflows on its own) and
 // the rank-major layout's full R x T_max rows (it cannot overflow). A case written in another
 // layout runs as written only.
-// The latency path's step trace (Engine::stepTrace) of rank r: at least one dispatch and one
-// combine; in each operation the send CTA's start before its wait's return, and every event no
-// later than the step's advance (the launch's last CTA, after every other); the count messages
-// and the receive's view of them for a dispatch only; and in stream order each operation's wait
-// returning no earlier than the previous operation's advance (its kernel waited for that one).
-void expectStepTrace(const std::vector<MoeStepTrace>& steps, int r);
-
 std::vector<MoeCase> inEveryLayout(const MoeCase& c);
 
 // What a rank's layout views `v` say of their layout: its kind; batched, E_local x rowsPerExpert
