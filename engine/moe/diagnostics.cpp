@@ -234,4 +234,25 @@ std::string MoeStatus::describe() const {
   return s;
 }
 
+DirectBlockFlags Engine::directBlockFlags() const {
+  const Impl& m = *impl_;
+  DirectBlockFlags f;
+  if (!m.direct) return f;
+  DeviceGuard guard(m.device);
+  GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
+  const int W = static_cast<int>(moeRouteWords(m.p.shape.maxTokens));
+  const std::size_t n = static_cast<std::size_t>(m.p.shape.numRanks) * static_cast<std::size_t>(W);
+  const char* mine = m.p.peers.userRegions[m.p.shape.rank];
+  f.blocksPerRank = W;
+  f.records.resize(n);
+  f.partials.resize(n);
+  GRAPHEP_CUDA_CHECK(cudaMemcpy(f.records.data(), mine + m.p.direct.recordFlagsOff, n * 4, cudaMemcpyDeviceToHost));
+  GRAPHEP_CUDA_CHECK(cudaMemcpy(f.partials.data(), mine + m.p.direct.partialFlagsOff, n * 4, cudaMemcpyDeviceToHost));
+  std::uint32_t steps[2] = {0, 0};
+  GRAPHEP_CUDA_CHECK(cudaMemcpy(steps, m.p.peers.steps, sizeof steps, cudaMemcpyDeviceToHost));
+  f.dispatchStep = steps[0];
+  f.combineStep = steps[1];
+  return f;
+}
+
 }  // namespace graphep

@@ -132,6 +132,20 @@ struct MoeStepTrace {
   unsigned long long at(MoeTraceEvent e) const { return ns[static_cast<int>(e)]; }
 };
 
+// The direct path's block flags as this rank holds them (Engine::directBlockFlags, diagnostics).
+// W = blocksPerRank = ceil(maxTokensPerRank / 32). records[q * W + w]: source q's flag for its
+// records of tokens [32 w, 32 w + 32) here; partials[q * W + w]: destination q's flag for its
+// partials of this rank's records [32 w, 32 w + 32) here; each the step after the operation that
+// last posted it. dispatchStep / combineStep: this rank's step counters, the step after its last
+// dispatch / combine. After every operation every peer's flags equal them, the flags of the
+// blocks that operation left empty included (none falls behind: 2^31 steps behind, a flag would
+// read as ahead in the wrap-safe comparison of a wait).
+struct DirectBlockFlags {
+  int blocksPerRank = 0;
+  std::uint32_t dispatchStep = 0, combineStep = 0;
+  std::vector<std::uint32_t> records, partials;
+};
+
 // What a dispatch's x holds and how its rows travel (DispatchArgs.input).
 enum class DispatchInput : std::uint8_t {
   kConfig = 0,       // x bf16, sent as MoeConfig.dispatchType
@@ -450,6 +464,11 @@ class Engine {
   // The latency path's last operations, one event trace each (MoeConfig.profile; empty otherwise
   // or on the throughput path), oldest first. Synchronises this rank's device.
   std::vector<MoeStepTrace> stepTrace() const;
+  // The direct path's block flags and step counters in this rank's memory (DirectBlockFlags);
+  // blocksPerRank 0 and nothing else unless this engine dispatches by direct stores (the
+  // throughput path, every peer by load/store, each rank on a GPU of its own). Synchronises this
+  // rank's device.
+  DirectBlockFlags directBlockFlags() const;
   void resetTimeline();
 
   struct Impl;

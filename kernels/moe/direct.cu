@@ -134,6 +134,19 @@ __global__ void __launch_bounds__(kThreads) moeDirectQuantizeKernel(const __grid
   }
 }
 
+// The flags (step + 1) of the blocks an operation leaves empty, at every peer q: blocks
+// [used(q), W) of this rank's records (or partials) there, spread over the grid's threads;
+// flag(p, q, this rank, w) names one.
+template <typename Used, typename Flag>
+__device__ inline void postEmptyBlocks(const MoeParams& p, std::uint32_t step, Used used, Flag flag) {
+  const int W = static_cast<int>(moeRouteWords(p.shape.maxTokens)), R = p.shape.numRanks;
+  const int first = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x), all = static_cast<int>(gridDim.x * blockDim.x);
+  for (int n = first; n < R * W; n += all) {
+    const int q = n / W, w = n % W;
+    if (q != p.shape.rank && w >= used(q)) ptx::stReleaseSys(flag(p, q, p.shape.rank, w), step + 1u);
+  }
+}
+
 __global__ void __launch_bounds__(kThreads) moeDirectSendKernel(const __grid_constant__ MoeParams p) {
   const MoeStamp stamp(p, MoeKernel::kDirectSend);
   __shared__ char* dst[kSendWarps][kMaxRanks];
@@ -193,6 +206,13 @@ __global__ void __launch_bounds__(kThreads) moeDirectSendKernel(const __grid_con
     __syncthreads();
     if (tid < R && tid != p.shape.rank) ptx::stReleaseSys(directBlockFlag(p, tid, p.shape.rank, w), step + 1u);
   }
+  // The blocks this dispatch leaves empty get their flag too, so that every flag keeps pace with
+  // the step: a flag left as it was since the last dispatch that filled its block would, 2^31
+  // steps later, read as ahead of the step in the wrap-safe comparison, and a receive would take
+  // stale records. No receive waits for these blocks in this dispatch (it reads this rank's T
+  // first) and none of a previous dispatch can still be waiting for one (that dispatch's sender,
+  // this rank's previous kernel, posted its flags before this one started).
+  postEmptyBlocks(p, step, [&](int) { return blocks; }, directBlockFlag);
 }
 
 __global__ void __launch_bounds__(kThreads) moeDirectReceiveKernel(const __grid_constant__ MoeParams p) {
@@ -407,6 +427,10 @@ __global__ void __launch_bounds__(kThreads) moeDirectCombineSendKernel(const __g
     __syncthreads();
     if (tid == 0) ptx::stReleaseSys(directCombineFlag(p, b.s, p.shape.rank, b.w), cstep + 1u);
   }
+  // The blocks this combine leaves empty at each source (past its records here) get their flag
+  // too, as the dispatch's do: no flag falls behind the step.
+  postEmptyBlocks(
+      p, cstep, [&](int q) { return (p.layout.sourceRecords[q] + kBlockTokens - 1) / kBlockTokens; }, directCombineFlag);
   }
   ptx::gridDependencyWait();  // the reduce has completed: this grid ends after it
 }

@@ -686,6 +686,58 @@ TEST(Gpu2_MoeCapabilities, DispatchAfterDispatchWhileAPeerStillReads) {
   }
 }
 
+// The direct path's block flags keep pace with the steps (the first open finding of
+// docs/RELIABILITY.md): after every dispatch every peer's record-block flag here equals the
+// dispatch step, and after every combine every partial-block flag the combine step, the blocks
+// the operation left empty included. Posting only the filled blocks left the others as old as
+// the last operation that filled them; 2^31 steps on, a wait's wrap-safe comparison would read
+// such a flag as ahead and take stale records. The token counts go from full to few (80 tokens
+// are 3 blocks of 32).
+TEST(Gpu2_MoeCapabilities, DirectBlockFlagsKeepPaceWithTheSteps) {
+  GRAPHEP_REQUIRE_GPUS(2);
+  Caps caps;
+  const int L = caps.L(), R = caps.R();
+  ASSERT_GT(caps.engine(0).directBlockFlags().blocksPerRank, 0) << "not the direct path";
+  const CallOptions o;
+  std::uint64_t seed = 9001;
+  for (const int T : {80, 1, 33, 2, 80, 5}) {
+    const std::vector<RankInputs> in = caps.inputs(Route::kTopk, kK, ++seed, {T});
+    std::vector<RefRows> ref;
+    for (int d = 0; d < R; ++d) ref.push_back(reference(in, d));
+    std::vector<RankCall> calls;
+    std::vector<Caps::CombineCall> ys;
+    for (int l = 0; l < L; ++l) {
+      calls.push_back(caps.prepare(l, in[static_cast<std::size_t>(l)], ref[static_cast<std::size_t>(l)], o));
+      ys.push_back(caps.prepareCombine(l, ref[static_cast<std::size_t>(l)], kK, 0, ++seed));
+    }
+    for (int op = 0; op < 2; ++op) {  // the dispatch, then its combine
+      for (int l = 0; l < L; ++l) {
+        GRAPHEP_CUDA_CHECK(cudaSetDevice(l));
+        if (op == 0) {
+          caps.engine(l).dispatch(caps.args(in[static_cast<std::size_t>(l)], calls[static_cast<std::size_t>(l)], o), caps.stream(l));
+        } else {
+          caps.enqueueCombine(l, ys[static_cast<std::size_t>(l)], kK);
+        }
+      }
+      caps.syncAll();
+      for (int l = 0; l < L; ++l) {
+        const DirectBlockFlags f = caps.engine(l).directBlockFlags();
+        const std::vector<std::uint32_t>& flags = op == 0 ? f.records : f.partials;
+        const std::uint32_t want = op == 0 ? f.dispatchStep : f.combineStep;
+        int stale = 0;
+        for (int q = 0; q < R; ++q) {
+          for (int w = 0; w < f.blocksPerRank && q != l; ++w) {
+            stale += flags[static_cast<std::size_t>(q * f.blocksPerRank + w)] != want;
+          }
+        }
+        EXPECT_EQ(stale, 0) << "T=" << T << (op == 0 ? " dispatch" : " combine") << ", rank " << l << ": " << stale
+                            << " block flags differ from the step " << want;
+        EXPECT_TRUE(caps.engine(l).status().ok()) << caps.engine(l).status().describe();
+      }
+    }
+  }
+}
+
 // A combine before the engine's first dispatch has nothing to combine: counted, named, no hang.
 TEST(Gpu2_MoeCapabilities, CombineBeforeAnyDispatchIsCounted) {
   GRAPHEP_REQUIRE_GPUS(2);
