@@ -33,9 +33,14 @@ const IntVar kEpilogueCluster({"GRAPHEP_EPILOGUE_CLUSTER", Type::kInt, "1",
                                 "the largest power of two up to it that the GPU can place, down to 1",
                                 nullptr, 1, 16});
 
+const StringVar kFaultAfterLaunch({"GRAPHEP_FAULT_AFTER_LAUNCH", Type::kString, "",
+                                   "tests only: an MoE operation fails right after queuing the named launch "
+                                   "(e.g. direct-send), as a refused later launch would; read at engine setup",
+                                   nullptr, 0, 0});
+
 const std::vector<const Var*>& all() {
-  static const std::vector<const Var*> vars = {&kDebug, &kDebugSubsys, &kTimeoutMs,
-                                               &kTrapOnTimeout, &kForceTransport, &kEpilogueCluster};
+  static const std::vector<const Var*> vars = {&kDebug,          &kDebugSubsys,     &kTimeoutMs,       &kTrapOnTimeout,
+                                               &kForceTransport, &kEpilogueCluster, &kFaultAfterLaunch};
   return vars;
 }
 

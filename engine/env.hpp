@@ -69,6 +69,7 @@ extern const IntVar kTimeoutMs;
 extern const BoolVar kTrapOnTimeout;
 extern const ChoiceVar kForceTransport;
 extern const IntVar kEpilogueCluster;
+extern const StringVar kFaultAfterLaunch;
 
 // All variables, in declaration order.
 const std::vector<const Var*>& all();

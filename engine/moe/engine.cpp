@@ -5,6 +5,7 @@
 #include <graphep/moe.hpp>
 
 #include <algorithm>
+#include <exception>
 #include <cstring>
 #include <mutex>
 #include <optional>
@@ -12,6 +13,7 @@
 #include <type_traits>
 
 #include "engine/device_pointer.hpp"
+#include "engine/env.hpp"
 #include "engine/error.hpp"
 #include "engine/platform.hpp"
 #include "engine/heap.hpp"
@@ -84,6 +86,7 @@ std::unique_ptr<Engine::Impl> buildEngine(const BindPlan& plan, const std::share
   impl->cfg = plan.cfg;
   impl->path = path;
   impl->direct = plan.direct;
+  impl->faultAfterLaunch = env::kFaultAfterLaunch.get();
   DeviceGuard guard(impl->device);
   preloadMoeKernels();
   GRAPHEP_CUDA_CHECK(cudaMalloc(&impl->block, plan.carve.bytes));
@@ -197,6 +200,37 @@ void requireHalf(const Engine::Impl& m, MoeHalf half, const char* op);
 void launchLatency(Engine::Impl& m, MoeParams p, Engine::Impl::Half op, std::optional<MoeHalf> half,
                    cudaStream_t stream);
 
+// An operation's launches, named as they are queued: once one is queued, a later one failing (a
+// refused launch, a CUDA error) can leave this rank's step counters out of step with its peers' (a
+// sender posted, its receiver never advances the step). The engine then enters its failed state,
+// naming the operation and what was queued, before the error reaches the caller; its operations
+// are refused from then on. Tests make the failure happen with GRAPHEP_FAULT_AFTER_LAUNCH.
+class Launches {
+ public:
+  Launches(Engine::Impl& m, const char* op) : m_(m), op_(op), unwinding_(std::uncaught_exceptions()) {}
+  Launches(const Launches&) = delete;
+  Launches& operator=(const Launches&) = delete;
+  ~Launches() {
+    if (last_ == nullptr || std::uncaught_exceptions() <= unwinding_ || !m_.failure.empty()) return;
+    m_.failure = detail::format(
+        "rank %d: %s stopped part-way (%s was queued, a later launch failed): its step counters may no longer "
+        "match its peers'; destroy the engine and create a new one",
+        m_.p.shape.rank, op_, last_);
+  }
+  // `what` has been queued.
+  void queued(const char* what) {
+    last_ = what;
+    GRAPHEP_REQUIRE(m_.faultAfterLaunch != what, Status::kCudaError,
+                    "%s: the launch after %s failed (injected by GRAPHEP_FAULT_AFTER_LAUNCH)", op_, what);
+  }
+
+ private:
+  Engine::Impl& m_;
+  const char* op_;
+  int unwinding_;
+  const char* last_ = nullptr;
+};
+
 // The caller's DispatchOutputs over the engine's buffers in `p`: every given pointer checked and
 // taken, rows (the caller's) bounding what is written.
 void applyOutputs(const Engine::Impl& m, const DispatchArgs& a, MoeParams& p);
@@ -308,18 +342,28 @@ const DispatchLayout& Engine::dispatch(const DispatchArgs& a, cudaStream_t strea
     launchLatency(m, p, Impl::Half::kDispatch, a.half, stream);
     return m.layout;
   }
+  Launches launches(m, "dispatch");
   GRAPHEP_CUDA_CHECK(launchMoeRoute(p, stream));
+  launches.queued("route");
   if (m.direct) {
-    if (p.shape.fp8) GRAPHEP_CUDA_CHECK(launchMoeDirectQuantize(p, stream));
+    if (p.shape.fp8) {
+      GRAPHEP_CUDA_CHECK(launchMoeDirectQuantize(p, stream));
+      launches.queued("direct-quantize");
+    }
     GRAPHEP_CUDA_CHECK(launchMoeDirectSend(p, stream));
+    launches.queued("direct-send");
     GRAPHEP_CUDA_CHECK(launchMoeDirectReceive(p, stream));
     return m.layout;
   }
   const Movers& movers = m.movers();
   GRAPHEP_CUDA_CHECK(launchMoePack(p, stream));
+  launches.queued("pack");
   movers.allToAllv(stream, m.cntArgs);
+  launches.queued("count-exchange");
   GRAPHEP_CUDA_CHECK(launchMoeOffsets(p, stream));
+  launches.queued("offsets");
   movers.allToAllv(stream, m.dispArgs);
+  launches.queued("record-exchange");
   GRAPHEP_CUDA_CHECK(launchMoeExpand(p, stream));
   return m.layout;
 }
@@ -384,14 +428,19 @@ void Engine::combine(const CombineArgs& a, cudaStream_t stream) {
     launchLatency(m, p, Impl::Half::kCombine, a.half, stream);
     return;
   }
+  Launches launches(m, "combine");
   if (m.direct) {
     GRAPHEP_CUDA_CHECK(launchMoeDirectCombineReduce(p, stream));
+    launches.queued("direct-combine-reduce");
     GRAPHEP_CUDA_CHECK(launchMoeDirectCombineSend(p, stream));
+    launches.queued("direct-combine-send");
     GRAPHEP_CUDA_CHECK(launchMoeDirectCombineFinal(p, stream));
     return;
   }
   GRAPHEP_CUDA_CHECK(launchMoeCombineReduce(p, stream));
+  launches.queued("combine-reduce");
   m.movers().allToAllv(stream, m.combArgs);
+  launches.queued("partial-exchange");
   GRAPHEP_CUDA_CHECK(launchMoeCombineFinal(p, stream));
 }
 
@@ -405,6 +454,9 @@ void Engine::receive(cudaStream_t stream) {
   DeviceGuard guard(m.device);
   const Impl::Half op = m.half;
   m.half = Impl::Half::kNone;
+  // The send half is queued already: its receive half failing leaves the counters part-way.
+  Launches launches(m, op == Impl::Half::kDispatch ? "dispatch" : "combine");
+  launches.queued("send-half");
   launchLatency(m, m.halfParams, op, std::nullopt, stream);
 }
 

@@ -43,6 +43,9 @@ struct Engine::Impl {
   // The failed state (why; "" when healthy) and the watchdog's tools: a private stream for
   // snapshots, an event, pinned host memory for the counters.
   mutable std::string failure;
+  // Tests only (GRAPHEP_FAULT_AFTER_LAUNCH, read at setup): the launch after which an operation
+  // fails as a refused later launch would; empty: none.
+  std::string faultAfterLaunch;
   cudaStream_t watchStream = nullptr;
   cudaEvent_t watchEvent = nullptr;
   std::uint32_t* snapshot = nullptr;  // pinned: peers.steps[2], pending, then flags, arrivals, combine arrivals [R] each

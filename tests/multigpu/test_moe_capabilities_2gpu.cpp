@@ -27,6 +27,7 @@
 #include "common/expect_error.hpp"
 #include "common/fp8_reference.hpp"
 #include "common/gpu_env.hpp"
+#include "common/nccl_comms.hpp"
 #include "engine/error.hpp"
 
 namespace graphep::test {
@@ -735,6 +736,52 @@ TEST(Gpu2_MoeCapabilities, DirectBlockFlagsKeepPaceWithTheSteps) {
         EXPECT_TRUE(caps.engine(l).status().ok()) << caps.engine(l).status().describe();
       }
     }
+  }
+}
+
+// An operation stopped part-way (the third open finding of docs/RELIABILITY.md): a launch failing
+// once the operation's first launches are queued (made to happen with GRAPHEP_FAULT_AFTER_LAUNCH
+// right after the direct dispatch's send, then after the direct combine's send) reaches the
+// caller, and the engine enters its failed state naming the operation and what was queued: its
+// counters may no longer match its peers'. The next operation is refused with kRemoteError,
+// naming it; status() stays readable.
+TEST(Gpu2_MoeCapabilities, OperationStoppedPartWayFailsTheEngineByName) {
+  GRAPHEP_REQUIRE_GPUS(2);
+  for (const char* after : {"direct-send", "direct-combine-send"}) {
+    SCOPED_TRACE(after);
+    const ScopedEnv fault("GRAPHEP_FAULT_AFTER_LAUNCH", after);
+    Caps caps;
+    const int L = caps.L(), R = caps.R();
+    const bool inDispatch = std::string(after) == "direct-send";
+    const char* op = inDispatch ? "dispatch" : "combine";
+    const CallOptions o;
+    const std::vector<RankInputs> in = caps.inputs(Route::kTopk, kK, 9501, {40});
+    std::vector<RefRows> ref;
+    for (int d = 0; d < R; ++d) ref.push_back(reference(in, d));
+    std::vector<RankCall> calls;
+    std::vector<Caps::CombineCall> ys;
+    for (int l = 0; l < L; ++l) {
+      calls.push_back(caps.prepare(l, in[static_cast<std::size_t>(l)], ref[static_cast<std::size_t>(l)], o));
+      ys.push_back(caps.prepareCombine(l, ref[static_cast<std::size_t>(l)], kK, 0, 9601));
+    }
+    for (int l = 0; l < L; ++l) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(l));
+      const auto dispatch = [&] {
+        caps.engine(l).dispatch(caps.args(in[static_cast<std::size_t>(l)], calls[static_cast<std::size_t>(l)], o), caps.stream(l));
+      };
+      if (inDispatch) {
+        expectError(dispatch, Status::kCudaError, "dispatch: the launch after direct-send failed");
+      } else {
+        dispatch();
+        expectError([&] { caps.enqueueCombine(l, ys[static_cast<std::size_t>(l)], kK); }, Status::kCudaError,
+                    "combine: the launch after direct-combine-send failed");
+      }
+      EXPECT_TRUE(caps.engine(l).failed());
+      expectError(dispatch, Status::kRemoteError,
+                  std::string(op) + " stopped part-way (" + after + " was queued, a later launch failed)");
+    }
+    caps.syncAll();  // what was queued completes: the sends do not wait for the receives
+    for (int l = 0; l < L; ++l) (void)caps.engine(l).status();
   }
 }
 
