@@ -49,6 +49,7 @@ tests_for() {
     24-*) echo "$gpu --gtest_filter=Gpu2_MoeLatencyCapabilities.SendHalfThenReceive" ;;  # a send half alone keeps the step
     25-*) echo "$gpu --gtest_filter=Gpu2_MoeLatencyCapabilities.StepTraceOfBackToBackOperations:Moe/Gpu2_Moe.Case/graph_replays_auto" ;;  # the step trace's order: only operations back to back (no expert kernel, no host between) enter early
     26-*) echo "$gpu --gtest_filter=Gpu2_MoeCapabilities.DirectBlockFlagsKeepPaceWithTheSteps" ;;  # empty blocks' flags fell behind
+    27-*) echo "$gpu --gtest_filter=Gpu2_MoeCapabilities.OperationStoppedPartWayFailsTheEngineByName" ;;  # a part-way stop left the engine healthy
     *) return 1 ;;
   esac
 }
