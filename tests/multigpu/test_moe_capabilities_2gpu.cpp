@@ -785,6 +785,55 @@ TEST(Gpu2_MoeCapabilities, OperationStoppedPartWayFailsTheEngineByName) {
   }
 }
 
+// Combine -> combine while a peer still reads (the combine's acknowledgement, the second open
+// finding of docs/RELIABILITY.md): rank 0 sends 2,048 wide records to the others and they send it
+// 16, so rank 0's final sums 2,048 tokens' partials on 2 CTAs (epilogueSms) while the others,
+// done with their 16, start the second combine. Its partials must wait for rank 0's
+// acknowledgement of the first (mutant 28 drops the wait: they then overwrite what rank 0 still
+// reads, and the first combine's sums come out as the second's). No host synchronisation between
+// the two combines.
+TEST(Gpu2_MoeCapabilities, CombineAfterCombineWhileAPeerStillReads) {
+  GRAPHEP_REQUIRE_GPUS(2);
+  const ShapeScope shape(2048, 7168);
+  MoeConfig cfg = Caps::capsConfig(static_cast<int>(visibleGpus().size()));
+  cfg.epilogueSms = 2;  // a slow final: the lagging reader
+  Caps caps(cfg);
+  const int L = caps.L(), R = caps.R();
+  const CallOptions o;
+  std::uint64_t seed = 6001;
+  for (int round = 0; round < 4; ++round) {
+    const std::vector<RankInputs> in = caps.inputs(Route::kOthersOnly, kK, ++seed, {2048, 16});
+    std::vector<RefRows> ref;
+    for (int d = 0; d < R; ++d) ref.push_back(reference(in, d));
+    std::vector<RankCall> calls;
+    std::vector<Caps::CombineCall> y1, y2;
+    for (int l = 0; l < L; ++l) {
+      calls.push_back(caps.prepare(l, in[static_cast<std::size_t>(l)], ref[static_cast<std::size_t>(l)], o));
+      y1.push_back(caps.prepareCombine(l, ref[static_cast<std::size_t>(l)], kK, 0, ++seed));
+      y2.push_back(caps.prepareCombine(l, ref[static_cast<std::size_t>(l)], kK, 0, ++seed));
+    }
+    for (int l = 0; l < L; ++l) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(l));
+      caps.engine(l).dispatch(caps.args(in[static_cast<std::size_t>(l)], calls[static_cast<std::size_t>(l)], o), caps.stream(l));
+      caps.enqueueCombine(l, y1[static_cast<std::size_t>(l)], kK);
+      caps.enqueueCombine(l, y2[static_cast<std::size_t>(l)], kK);
+    }
+    caps.syncAll();
+    std::vector<const Caps::CombineCall*> p1, p2;
+    for (int l = 0; l < L; ++l) {
+      p1.push_back(&y1[static_cast<std::size_t>(l)]);
+      p2.push_back(&y2[static_cast<std::size_t>(l)]);
+    }
+    const std::string what = "uneven round " + std::to_string(round);
+    for (int l = 0; l < L; ++l) {
+      EXPECT_EQ(caps.checkCombine(l, in, ref, p1, y1[static_cast<std::size_t>(l)], kK, what + " combine 1"), 0);
+      EXPECT_EQ(caps.checkCombine(l, in, ref, p2, y2[static_cast<std::size_t>(l)], kK, what + " combine 2"), 0);
+      const MoeStatus st = caps.engine(l).status();
+      EXPECT_TRUE(st.ok()) << what << ": " << st.describe();
+    }
+  }
+}
+
 // A combine before the engine's first dispatch has nothing to combine: counted, named, no hang.
 TEST(Gpu2_MoeCapabilities, CombineBeforeAnyDispatchIsCounted) {
   GRAPHEP_REQUIRE_GPUS(2);
