@@ -50,6 +50,7 @@ tests_for() {
     25-*) echo "$gpu --gtest_filter=Gpu2_MoeLatencyCapabilities.StepTraceOfBackToBackOperations:Moe/Gpu2_Moe.Case/graph_replays_auto" ;;  # the step trace's order: only operations back to back (no expert kernel, no host between) enter early
     26-*) echo "$gpu --gtest_filter=Gpu2_MoeCapabilities.DirectBlockFlagsKeepPaceWithTheSteps" ;;  # empty blocks' flags fell behind
     27-*) echo "$gpu --gtest_filter=Gpu2_MoeCapabilities.OperationStoppedPartWayFailsTheEngineByName" ;;  # a part-way stop left the engine healthy
+    28-*) echo "$gpu --gtest_filter=Gpu2_MoeCapabilities.CombineAfterCombineWhileAPeerStillReads" ;;  # the combine's ack had no mutant
     *) return 1 ;;
   esac
 }
