@@ -14,7 +14,9 @@ void expectStepTrace(const std::vector<MoeStepTrace>& steps, int r) {
     EXPECT_LE(t.at(E::kEnter), t.at(E::kReady))
         << "rank " << r << ", operation " << k << ": entered after its wait returned";
     for (int e = 0; e < static_cast<int>(E::kCount); ++e) {
-      if (t.ns[e] != 0) EXPECT_LE(t.ns[e], t.at(E::kDone)) << "rank " << r << ", operation " << k << ", event " << e;
+      if (t.ns[e] != 0) {
+        EXPECT_LE(t.ns[e], t.at(E::kDone)) << "rank " << r << ", operation " << k << ", event " << e;
+      }
     }
     EXPECT_EQ(t.at(E::kLayout) != 0, !t.combine) << "rank " << r << ", operation " << k;
     if (k > 0) {
