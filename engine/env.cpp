@@ -38,9 +38,16 @@ const StringVar kFaultAfterLaunch({"GRAPHEP_FAULT_AFTER_LAUNCH", Type::kString, 
                                    "(e.g. direct-send), as a refused later launch would; read at engine setup",
                                    nullptr, 0, 0});
 
+const StringVar kSlowCombineFinal({"GRAPHEP_SLOW_COMBINE_FINAL", Type::kString, "",
+                                   "tests only: RANK:US makes that rank's direct combine final kernel wait US "
+                                   "microseconds before it reads its peers' partials (a lagging reader); read "
+                                   "at engine setup",
+                                   nullptr, 0, 0});
+
 const std::vector<const Var*>& all() {
   static const std::vector<const Var*> vars = {&kDebug,          &kDebugSubsys,     &kTimeoutMs,       &kTrapOnTimeout,
-                                               &kForceTransport, &kEpilogueCluster, &kFaultAfterLaunch};
+                                               &kForceTransport, &kEpilogueCluster, &kFaultAfterLaunch,
+                                               &kSlowCombineFinal};
   return vars;
 }
 

@@ -70,6 +70,7 @@ extern const BoolVar kTrapOnTimeout;
 extern const ChoiceVar kForceTransport;
 extern const IntVar kEpilogueCluster;
 extern const StringVar kFaultAfterLaunch;
+extern const StringVar kSlowCombineFinal;
 
 // All variables, in declaration order.
 const std::vector<const Var*>& all();

@@ -5,6 +5,7 @@
 #include <graphep/moe.hpp>
 
 #include <algorithm>
+#include <cstdio>
 #include <exception>
 #include <cstring>
 #include <mutex>
@@ -75,6 +76,20 @@ void preloadMoeKernels() {
   GRAPHEP_CUDA_CHECK(preloadMoeTokenLayoutKernels());  // graphep::tokenLayout, beside the engine's
 }
 
+// GRAPHEP_SLOW_COMBINE_FINAL ("RANK:US", tests only): the wait, in ns, of `rank`'s direct combine
+// final before it reads its peers' partials; 0 for the other ranks and when unset.
+std::uint64_t slowCombineFinalNs(int rank) {
+  const std::string v = env::kSlowCombineFinal.get();
+  if (v.empty()) return 0;
+  int r = -1;
+  unsigned long long us = 0;
+  char tail = 0;
+  GRAPHEP_REQUIRE(std::sscanf(v.c_str(), "%d:%llu%c", &r, &us, &tail) == 2 && us <= 10'000'000ull,
+                  Status::kInvalidArgument, "GRAPHEP_SLOW_COMBINE_FINAL=%s is not RANK:US (US at most 10,000,000)",
+                  v.c_str());
+  return r == rank ? us * 1000ull : 0;
+}
+
 // Local rank l's engine: its buffers (one allocation, zeroed), its watchdog's tools, its kernel
 // parameters, counters, exchanges and layout views.
 std::unique_ptr<Engine::Impl> buildEngine(const BindPlan& plan, const std::shared_ptr<EngineGroup>& group, int l,
@@ -98,6 +113,7 @@ std::unique_ptr<Engine::Impl> buildEngine(const BindPlan& plan, const std::share
   GRAPHEP_CUDA_CHECK(cudaMemset(impl->block, 0, plan.carve.bytes));
   char* user = group->heap->user(l);
   impl->p = bindParams(plan, *group->heap, l, impl->block);
+  impl->p.direct.slowFinalNs = slowCombineFinalNs(impl->p.shape.rank);
   startCounters(plan, impl->p, user);
   bindExchanges(plan, impl->p, impl->block, user, *impl);
   impl->base = impl->p;

@@ -447,6 +447,11 @@ __global__ void __launch_bounds__(kThreads) moeDirectCombineFinalKernel(const __
   const MoeGroupSlice gs = moeGroupSlice();
   {
     const MoeStamp stamp(p, MoeKernel::kDirectCombineFinal);
+    if (p.direct.slowFinalNs != 0) {  // tests only: a lagging reader of the peers' partials
+      const std::uint64_t until = ptx::globalTimerNs() + p.direct.slowFinalNs;
+      while (ptx::globalTimerNs() < until) {
+      }
+    }
     const int T = *p.routing.liveTokens;
     for (int t = gs.first; t < T; t += gs.stride) {
       const std::int32_t* idx = p.routing.tokenRankIndex + static_cast<std::uint64_t>(t) * R;

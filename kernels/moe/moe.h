@@ -285,6 +285,7 @@ struct MoeDirectParams {
   float* valueStage;                // local [R][maxTokens][kMoeMaxValues]
   std::uint32_t* partialArrivals;   // local [R][W]: reduce CTAs done with a block
   std::uint32_t* partialReady;      // local [R][W]: the block's ready flag (step + 1) for the send
+  std::uint64_t slowFinalNs;        // tests only (GRAPHEP_SLOW_COMBINE_FINAL): the final's wait before it reads
 };
 
 // The latency path (kernels/moe/latency.cu) alone.
