@@ -532,6 +532,13 @@ class Caps {
     }
     return wrong.n;
   }
+  // The same for one call per local rank (calls[l] is local rank l's).
+  long long checkCombine(int l, const std::vector<RankInputs>& in, const std::vector<RefRows>& refs,
+                         const std::vector<CombineCall>& calls, int K, const std::string& what) {
+    std::vector<const CombineCall*> all;
+    for (const CombineCall& c : calls) all.push_back(&c);
+    return checkCombine(l, in, refs, all, calls[static_cast<std::size_t>(l)], K, what);
+  }
 
  private:
   std::unique_ptr<Communicator> comm_;
@@ -619,18 +626,13 @@ TEST(Gpu2_MoeCapabilities, RepeatedOperationsAndCombineInputs) {
       caps.enqueueCombine(l, y2[static_cast<std::size_t>(l)], K);
     }
     caps.syncAll();
-    std::vector<const Caps::CombineCall*> p1, p2;
-    for (int l = 0; l < L; ++l) {
-      p1.push_back(&y1[static_cast<std::size_t>(l)]);
-      p2.push_back(&y2[static_cast<std::size_t>(l)]);
-    }
     const std::string what = "round " + std::to_string(round);
     for (int l = 0; l < L; ++l) {
       EXPECT_EQ(caps.check(l, a, refA[static_cast<std::size_t>(l)], ca[static_cast<std::size_t>(l)], o, what + " dispatch A",
                            false), 0);  // the layout is B's
       EXPECT_EQ(caps.check(l, b, refB[static_cast<std::size_t>(l)], cb[static_cast<std::size_t>(l)], o, what + " dispatch B"), 0);
-      EXPECT_EQ(caps.checkCombine(l, b, refB, p1, y1[static_cast<std::size_t>(l)], K, what + " combine 1"), 0);
-      EXPECT_EQ(caps.checkCombine(l, b, refB, p2, y2[static_cast<std::size_t>(l)], K, what + " combine 2"), 0);
+      EXPECT_EQ(caps.checkCombine(l, b, refB, y1, K, what + " combine 1"), 0);
+      EXPECT_EQ(caps.checkCombine(l, b, refB, y2, K, what + " combine 2"), 0);
       const MoeStatus st = caps.engine(l).status();
       const long long missing = std::max<long long>(refB[static_cast<std::size_t>(l)].n() - y2[static_cast<std::size_t>(l)].rows, 0);
       EXPECT_EQ(st.missingCombineRows, static_cast<unsigned long long>(missing)) << what << ": " << st.describe();
@@ -826,15 +828,10 @@ TEST(Gpu2_MoeCapabilities, CombineAfterCombineWhileAPeerStillReads) {
       caps.enqueueCombine(l, y2[static_cast<std::size_t>(l)], kK);
     }
     caps.syncAll();
-    std::vector<const Caps::CombineCall*> p1, p2;
-    for (int l = 0; l < L; ++l) {
-      p1.push_back(&y1[static_cast<std::size_t>(l)]);
-      p2.push_back(&y2[static_cast<std::size_t>(l)]);
-    }
     const std::string what = "round " + std::to_string(round);
     for (int l = 0; l < L; ++l) {
-      EXPECT_EQ(caps.checkCombine(l, in, ref, p1, y1[static_cast<std::size_t>(l)], kK, what + " combine 1"), 0);
-      EXPECT_EQ(caps.checkCombine(l, in, ref, p2, y2[static_cast<std::size_t>(l)], kK, what + " combine 2"), 0);
+      EXPECT_EQ(caps.checkCombine(l, in, ref, y1, kK, what + " combine 1"), 0);
+      EXPECT_EQ(caps.checkCombine(l, in, ref, y2, kK, what + " combine 2"), 0);
       const MoeStatus st = caps.engine(l).status();
       EXPECT_TRUE(st.ok()) << what << ": " << st.describe();
     }

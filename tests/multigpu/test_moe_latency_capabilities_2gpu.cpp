@@ -711,6 +711,50 @@ std::string stepName(int step, const Inputs& in) {
   return "step " + std::to_string(step) + " (T = " + std::to_string(in[0].T) + ", " + std::to_string(in[1].T) + ")";
 }
 
+// One captured graph per rank (rank r's operations, from body(r, stream)), launched on every rank
+// at once; destroyed with the object.
+class RankGraphs {
+ public:
+  RankGraphs(const Rig& rig, const std::function<void(int, cudaStream_t)>& body) : rig_(rig) {
+    for (int r = 0; r < kRanks; ++r) {
+      rig.select(r);
+      exec_.push_back(captureOnStream(rig.stream(r), [&](cudaStream_t s) { body(r, s); }));
+    }
+  }
+  ~RankGraphs() {
+    for (cudaGraphExec_t g : exec_) cudaGraphExecDestroy(g);
+  }
+  RankGraphs(const RankGraphs&) = delete;
+  RankGraphs& operator=(const RankGraphs&) = delete;
+  void launch() const {
+    for (int r = 0; r < kRanks; ++r) {
+      rig_.select(r);
+      GRAPHEP_CUDA_CHECK(cudaGraphLaunch(exec_[at(r)], rig_.stream(r)));
+    }
+  }
+
+ private:
+  const Rig& rig_;
+  std::vector<cudaGraphExec_t> exec_;
+};
+
+// Step i's fresh inputs (uploaded) and their reference, fresh expert outputs (uploaded), and every
+// output poisoned: what a replay or an eager step starts from.
+struct FreshStep {
+  Inputs in;
+  std::vector<RefLayout> refs;
+  std::vector<std::vector<std::uint16_t>> y;
+};
+FreshStep freshStep(const Rig& rig, std::uint64_t& seed, int i) {
+  FreshStep f;
+  f.in = rig.newInputs(++seed, i);
+  f.refs = rig.reference(f.in);
+  f.y = rig.newExpertOutputs(++seed);
+  rig.poisonDispatchOutputs();
+  rig.poisonCombineOutputs();
+  return f;
+}
+
 // --- Tests ------------------------------------------------------------------------------------
 
 // Every test here needs GPUs 0 and 1: the fixture skips (or fails) the test without them.
@@ -893,35 +937,19 @@ TEST_F(Gpu2_MoeLatencyCapabilities, GraphReplayOfHalves) {
   CombineOptions c;
   c.weighted = true;
   c.half = MoeHalf::kSend;
-  struct Graphs {
-    std::vector<cudaGraphExec_t> exec;
-    ~Graphs() {
-      for (cudaGraphExec_t g : exec) cudaGraphExecDestroy(g);
-    }
-  } graphs;
-  for (int r = 0; r < kRanks; ++r) {
-    rig.select(r);
-    graphs.exec.push_back(captureOnStream(rig.stream(r), [&](cudaStream_t s) {
-      rig.enqueueDispatch(r, d, s);
-      rig.enqueueCombine(r, c, s);
-    }));
-  }
+  const RankGraphs graphs(rig, [&](int r, cudaStream_t s) {
+    rig.enqueueDispatch(r, d, s);
+    rig.enqueueCombine(r, c, s);
+  });
   const long long replays = replaysFromEnv("GRAPHEP_TEST_REPLAYS", 20);
   std::uint64_t seed = 800;
   for (int i = 0; i < replays; ++i) {
-    const Inputs in = rig.newInputs(++seed, i);
-    const std::vector<RefLayout> refs = rig.reference(in);
-    const auto y = rig.newExpertOutputs(++seed);
-    rig.poisonDispatchOutputs();
-    rig.poisonCombineOutputs();
-    for (int r = 0; r < kRanks; ++r) {
-      rig.select(r);
-      GRAPHEP_CUDA_CHECK(cudaGraphLaunch(graphs.exec[at(r)], rig.stream(r)));
-    }
+    const FreshStep f = freshStep(rig, seed, i);
+    graphs.launch();
     rig.syncAll();
-    const std::string what = "replay " + std::to_string(i) + ", " + stepName(i, in);
-    EXPECT_EQ(checkDispatch(rig, in, refs, d, what), 0);
-    EXPECT_EQ(checkCombine(rig, in, refs, y, Weights::kCombine, what), 0);
+    const std::string what = "replay " + std::to_string(i) + ", " + stepName(i, f.in);
+    EXPECT_EQ(checkDispatch(rig, f.in, f.refs, d, what), 0);
+    EXPECT_EQ(checkCombine(rig, f.in, f.refs, f.y, Weights::kCombine, what), 0);
   }
   expectStatusOk(rig, "graph replays");
 }
@@ -938,36 +966,20 @@ TEST_F(Gpu2_MoeLatencyCapabilities, StepTraceOfBackToBackOperations) {
   Rig rig(cfg);
   const DispatchOptions d;
   const CombineOptions c;
-  struct Graphs {
-    std::vector<cudaGraphExec_t> exec;
-    ~Graphs() {
-      for (cudaGraphExec_t g : exec) cudaGraphExecDestroy(g);
+  const RankGraphs graphs(rig, [&](int r, cudaStream_t s) {
+    for (int pair = 0; pair < 4; ++pair) {
+      rig.enqueueDispatch(r, d, s);
+      rig.enqueueCombine(r, c, s);
     }
-  } graphs;
-  for (int r = 0; r < kRanks; ++r) {
-    rig.select(r);
-    graphs.exec.push_back(captureOnStream(rig.stream(r), [&](cudaStream_t s) {
-      for (int pair = 0; pair < 4; ++pair) {
-        rig.enqueueDispatch(r, d, s);
-        rig.enqueueCombine(r, c, s);
-      }
-    }));
-  }
+  });
   std::uint64_t seed = 900;
   for (int i = 0; i < 3; ++i) {
-    const Inputs in = rig.newInputs(++seed, i);
-    const std::vector<RefLayout> refs = rig.reference(in);
-    const auto y = rig.newExpertOutputs(++seed);
-    rig.poisonDispatchOutputs();
-    rig.poisonCombineOutputs();
-    for (int r = 0; r < kRanks; ++r) {
-      rig.select(r);
-      GRAPHEP_CUDA_CHECK(cudaGraphLaunch(graphs.exec[at(r)], rig.stream(r)));
-    }
+    const FreshStep f = freshStep(rig, seed, i);
+    graphs.launch();
     rig.syncAll();
-    const std::string what = "replay " + std::to_string(i) + ", " + stepName(i, in);
-    EXPECT_EQ(checkDispatch(rig, in, refs, d, what), 0);
-    EXPECT_EQ(checkCombine(rig, in, refs, y, Weights::kDispatch, what), 0);
+    const std::string what = "replay " + std::to_string(i) + ", " + stepName(i, f.in);
+    EXPECT_EQ(checkDispatch(rig, f.in, f.refs, d, what), 0);
+    EXPECT_EQ(checkCombine(rig, f.in, f.refs, f.y, Weights::kDispatch, what), 0);
     for (int r = 0; r < kRanks; ++r) expectStepTrace(rig.engine(r).stepTrace(), r);
   }
   expectStatusOk(rig, "back-to-back replays");
