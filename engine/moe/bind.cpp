@@ -166,6 +166,12 @@ MoeParams bindParams(const BindPlan& plan, SymmetricHeap& heap, int l, char* blo
   p.latency.weightFlagsOff = ph.llCombWFlag;
   p.peers.steps = reinterpret_cast<std::uint32_t*>(b + o.llSteps);
   p.peers.lastCtaCounters = reinterpret_cast<std::uint32_t*>(b + o.llDone);
+  if (!throughput) {
+    p.latency.live = reinterpret_cast<const std::uint32_t*>(b + o.llMask);
+    p.latency.dispatchLive = reinterpret_cast<std::uint32_t*>(b + o.llMask) + 1;
+    p.latency.expected = reinterpret_cast<std::uint32_t*>(b + o.llExpected);
+    p.latency.zeroMsg = reinterpret_cast<const std::uint64_t*>(b + o.llZeroMsg);
+  }
   p.direct.partialArrivals = reinterpret_cast<std::uint32_t*>(b + o.combArrive);
   p.direct.partialReady = reinterpret_cast<std::uint32_t*>(b + o.combReady);
   if (!throughput) {  // the latency senders (the SM budget) and receivers
@@ -205,6 +211,11 @@ void startCounters(const BindPlan& plan, const MoeParams& p, char* user) {
       GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llArrive, arrivals.data(), Rs * 4, cudaMemcpyHostToDevice));
       GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llCombArrive, arrivals.data(), Rs * 4, cudaMemcpyHostToDevice));
       GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llCombWFlag, flags.data(), Rs * 4, cudaMemcpyHostToDevice));
+      // Every rank active; the arrivals expected so far match the counters' start.
+      const std::uint32_t mask[2] = {allRanksMask(static_cast<int>(Rs)), allRanksMask(static_cast<int>(Rs))};
+      GRAPHEP_CUDA_CHECK(cudaMemcpy(p.latency.dispatchLive - 1, mask, sizeof(mask), cudaMemcpyHostToDevice));
+      const std::vector<std::uint32_t> expected(2 * Rs, SG);
+      GRAPHEP_CUDA_CHECK(cudaMemcpy(p.latency.expected, expected.data(), expected.size() * 4, cudaMemcpyHostToDevice));
     }
   }
 }

@@ -33,6 +33,7 @@ MoeStatus Engine::status() const {
   s.unpairedDispatches = d.unpairedDispatches;
   s.unpairedCombines = d.unpairedCombines;
   s.missingCombineRows = d.missingCombineRows;
+  for (int r = 0; r < kMaxRanks; ++r) s.maskedEntries[static_cast<std::size_t>(r)] = d.maskedEntries[r];
   if (d.firstInvalidSet != 0) {
     s.firstInvalidId = d.firstInvalidId;
     s.firstInvalidToken = d.firstInvalidToken;

@@ -228,6 +228,7 @@ class Launches {
   Launches& operator=(const Launches&) = delete;
   ~Launches() {
     if (last_ == nullptr || std::uncaught_exceptions() <= unwinding_ || !m_.failure.empty()) return;
+    m_.stoppedPartWay = true;
     m_.failure = detail::format(
         "rank %d: %s stopped part-way (%s was queued, a later launch failed): its step counters may no longer "
         "match its peers'; destroy the engine and create a new one",
@@ -458,6 +459,51 @@ void Engine::combine(const CombineArgs& a, cudaStream_t stream) {
   m.movers().allToAllv(stream, m.combArgs);
   launches.queued("partial-exchange");
   GRAPHEP_CUDA_CHECK(launchMoeCombineFinal(p, stream));
+}
+
+void Engine::setActiveRanks(std::uint32_t mask, cudaStream_t stream) {
+  Impl& m = *impl_;
+  const int R = m.p.shape.numRanks;
+  GRAPHEP_REQUIRE((mask & ~allRanksMask(R)) == 0, Status::kInvalidArgument,
+                  "setActiveRanks: mask 0x%x names ranks past the last (world size %d)", mask, R);
+  GRAPHEP_REQUIRE(mask != 0, Status::kInvalidArgument, "setActiveRanks: mask 0 leaves no rank");
+  GRAPHEP_REQUIRE(m.path == MoePath::kLatency || mask == allRanksMask(R), Status::kNotSupported,
+                  "setActiveRanks: mask 0x%x on the throughput path, which takes every rank (MoeConfig.path="
+                  "kLatency takes a mask)",
+                  mask);
+  GRAPHEP_REQUIRE(m.half == Impl::Half::kNone, Status::kInvalidArgument,
+                  "setActiveRanks: rank %d has a send half waiting for its receive", m.p.shape.rank);
+  if (m.path != MoePath::kLatency) return;  // every rank: nothing to write
+  DeviceGuard guard(m.device);
+  GRAPHEP_CU_CHECK(detail::driver().streamWriteValue32(reinterpret_cast<CUstream>(stream),
+                                                        reinterpret_cast<CUdeviceptr>(m.p.latency.live), mask,
+                                                        CU_STREAM_WRITE_VALUE_DEFAULT));
+}
+
+void Engine::recover(std::uint32_t mask, cudaStream_t stream) {
+  Impl& m = *impl_;
+  GRAPHEP_REQUIRE(m.path == MoePath::kLatency, Status::kNotSupported,
+                  "recover: rank %d's engine is on the throughput path, which has no active-rank mask; destroy the "
+                  "engine and create a new one",
+                  m.p.shape.rank);
+  GRAPHEP_REQUIRE(!m.stoppedPartWay, Status::kRemoteError, "recover: %s", m.failure.c_str());
+  // Validated before anything is cleared: a refused mask leaves the engine as it was.
+  GRAPHEP_REQUIRE(mask != 0 && (mask & ~allRanksMask(m.p.shape.numRanks)) == 0, Status::kInvalidArgument,
+                  "recover: mask 0x%x (world size %d; at least one rank)", mask, m.p.shape.numRanks);
+  GRAPHEP_REQUIRE((mask >> m.p.shape.rank) & 1u, Status::kInvalidArgument,
+                  "recover: mask 0x%x leaves out rank %d itself", mask, m.p.shape.rank);
+  GRAPHEP_REQUIRE(m.half == Impl::Half::kNone, Status::kRemoteError,
+                  "recover: rank %d failed between a send half and its receive (its counters are part-way); "
+                  "destroy the engine and create a new one",
+                  m.p.shape.rank);
+  clearStatus();  // synchronises: the failed operation's kernels have returned (every wait is bounded)
+  m.failure.clear();
+  setActiveRanks(mask, stream);
+}
+
+std::uint32_t* Engine::activeRanksDevice() const {
+  const Impl& m = *impl_;
+  return m.path == MoePath::kLatency ? const_cast<std::uint32_t*>(m.p.latency.live) : nullptr;
 }
 
 void Engine::receive(cudaStream_t stream) {

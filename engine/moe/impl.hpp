@@ -43,6 +43,9 @@ struct Engine::Impl {
   // The failed state (why; "" when healthy) and the watchdog's tools: a private stream for
   // snapshots, an event, pinned host memory for the counters.
   mutable std::string failure;
+  // The failure left this rank's own counters out of step (an operation stopped part-way):
+  // Engine::recover cannot repair it.
+  bool stoppedPartWay = false;
   // Tests only (GRAPHEP_FAULT_AFTER_LAUNCH, read at setup): the launch after which an operation
   // fails as a refused later launch would; empty: none.
   std::string faultAfterLaunch;

@@ -11,6 +11,7 @@
 
 #include <cuda_runtime.h>
 
+#include <array>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -336,6 +337,10 @@ struct MoeStatus {
   unsigned long long unpairedCombines = 0;
   // Expert-output rows a combine needed past CombineArgs.expertOutputRows: they added nothing.
   unsigned long long missingCombineRows = 0;
+  // maskedEntries[r]: (token, k) entries of this rank's dispatches whose expert lives on rank r
+  // while r was outside the active-rank mask (all of them while this rank was outside it): not
+  // sent (Engine::setActiveRanks). Not a problem: ok() does not count them.
+  std::array<unsigned long long, kMaxRanks> maskedEntries{};
   std::string deviceError;                  // a timeout or protocol error, "" when none
   bool ok() const {
     return invalidExpertIds == 0 && droppedRows == 0 && clampedTokenCounts == 0 && unpairedDispatches == 0 &&
@@ -379,6 +384,9 @@ struct TokenLayoutArgs {
 };
 // Throws graphep::Error naming a bad argument. Enqueued on `stream` (the pointers' device current).
 void tokenLayout(const TokenLayoutArgs& args, cudaStream_t stream);
+
+// The active-rank mask naming every rank of a world of `worldSize` (Engine::setActiveRanks).
+constexpr std::uint32_t allRanksMask(int worldSize) { return worldSize >= 32 ? ~0u : (1u << worldSize) - 1u; }
 
 class Engine {
  public:
@@ -438,6 +446,37 @@ class Engine {
   // `stream` (the same or another stream ordered after the send half). Every rank calls it. No
   // other dispatch or combine of this engine may be enqueued between a send half and its receive.
   void receive(cudaStream_t stream);
+
+  // Capturable. The active-rank mask (bit r: rank r takes part; allRanksMask(worldSize) at setup),
+  // written on `stream` in stream order (a stream-memory write: no host synchronisation, no
+  // recapture; a captured write replays with the value given). Latency path only (the throughput
+  // path refuses any mask but every rank). Each dispatch reads the mask once and its combine uses
+  // the same; every rank must give the same mask for the same step (a dispatch and the combine
+  // that follows), and no mask may come between a send half and its receive. A rank outside the
+  // mask is sent nothing and waited for by no one: the entries routed to its experts are dropped
+  // and counted per rank (MoeStatus.maskedEntries), the layout describes only the rows of the ranks
+  // in the mask, and combine adds nothing for them. A rank outside its own mask takes part in
+  // nothing (an empty layout; combine writes zeros) but keeps its steps in lockstep, so it can be
+  // put back in the mask later. Refused: bits of ranks >= worldSize, or no rank.
+  void setActiveRanks(std::uint32_t mask, cudaStream_t stream);
+  // The mask's device word (u32, local to this rank's GPU), for a caller's kernel that changes it
+  // in stream order (as DeepEP's low_latency_update_mask_buffer does); nullptr on the throughput
+  // path. The same rules as setActiveRanks.
+  std::uint32_t* activeRanksDevice() const;
+  // Back to service among the survivors, after a bounded wait named a peer that died or stalled
+  // (status().deviceError; failed() is true): synchronises this rank's device (the failed
+  // operation's kernels have returned: every wait is bounded), clears the status and the failed
+  // state, and writes `mask` (this rank in it, the named peer out) as setActiveRanks does. Every
+  // survivor calls it with the same mask before its next operation; graphs captured before keep
+  // working (nothing is recaptured). The failed operation's results are lost; the next dispatch
+  // and combine are exact for the ranks in the mask. Not setup-free: it synchronises, so call it
+  // outside captures. Refused: the throughput path (no mask yet), and an engine whose operation
+  // stopped part-way or failed between a send half and its receive (its own counters are out of
+  // step: create a new engine). Not recoverable, and
+  // not detected: a peer that dies while its stores into this rank's memory are in flight, or one
+  // that stalls and resumes after the mask left it out (its late stores land in slots the
+  // survivors reuse); leave such a peer's process stopped.
+  void recover(std::uint32_t mask, cudaStream_t stream);
 
   // The layout views: the same object dispatch() returns, its pointers fixed from setup (recvScales
   // as of the last dispatch call), their contents the last dispatch's (see DispatchLayout).

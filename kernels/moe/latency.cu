@@ -39,8 +39,16 @@
 // (in any order of operations: each send starts after its previous receive, which waited for
 // every peer's previous send, which started after that peer's receive before it). A send half
 // and its receive half keep the order: no operation of the engine comes between them
-// (Engine::receive). Counters only grow (mod 2^32): flags reach step + 1, arrival counters
-// (step + 1) x G.
+// (Engine::receive). Counters only grow (mod 2^32): flags reach step + 1, arrival counters grow
+// by G in each step both ranks take part in (latency.expected keeps that count per rank).
+//
+// The active-rank mask (latency.live, the same on every rank in each step: the caller's promise):
+// every rank still runs every operation and advances its steps, so steps and parities stay in
+// lockstep; a rank outside the mask is sent nothing, its entries count as masked, and no one waits
+// for it; a rank outside its own mask does nothing but advance. The parity argument above holds
+// between any two ranks through the last step both took part in: writes into a rank's slots happen
+// only in steps it takes part in, and each such step's send starts after the writer's previous
+// receive among the ranks of that step.
 #include "kernels/common/launch.h"
 #include "kernels/moe/peer.cuh"
 
@@ -75,9 +83,30 @@ __device__ __forceinline__ int lastArriver(const MoeParams& p) {
   return p.shape.rank == p.shape.numRanks - 1 ? p.shape.numRanks - 2 : p.shape.numRanks - 1;
 }
 
+// Rank r takes part in an operation whose mask is `live`.
+__device__ __forceinline__ bool isLive(std::uint32_t live, int r) { return ((live >> r) & 1u) != 0; }
+
+// This dispatch's mask: the caller's (Engine::setActiveRanks; bits past the ranks dropped), or no
+// rank at all while this rank is outside it (it then sends, receives and waits for nothing).
+__device__ __forceinline__ std::uint32_t dispatchMask(const MoeParams& p) {
+  const int R = p.shape.numRanks;
+  const std::uint32_t m = *p.latency.live & (R >= 32 ? ~0u : (1u << R) - 1u);
+  return isLive(m, p.shape.rank) ? m : 0u;
+}
+
+// The launch's last CTA, once the operation's receive is done: the arrivals the next step waits
+// for grow by G from each rank that took part in this one (op 0: the dispatch, whose own records
+// this rank always counts; 1: the combine, the peers only).
+__device__ __forceinline__ void advanceExpected(const MoeParams& p, int op, std::uint32_t live) {
+  std::uint32_t* expected = p.latency.expected + op * p.shape.numRanks;
+  for (int q = 0; q < p.shape.numRanks; ++q) {
+    if (isLive(live, q) || (op == 0 && q == p.shape.rank)) expected[q] += static_cast<std::uint32_t>(p.grid.budgetCtas);
+  }
+}
+
 // --- dispatch ---------------------------------------------------------------------------------
 
-__device__ void dispatchSend(const MoeParams& p, char* sm, Part part) {
+__device__ void dispatchSend(const MoeParams& p, char* sm, Part part, std::uint32_t live) {
   const MoeLatencySmem lay = moeLatencySmem(p.shape.maxTokens, p.shape.topK, p.shape.numExperts, p.shape.numRanks);
   auto* ids = reinterpret_cast<std::int32_t*>(sm + lay.ids);         // [T_max * K], -1: none
   auto* weights = reinterpret_cast<float*>(sm + lay.weights);        // [T_max * K]
@@ -121,8 +150,10 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part) {
     // Route every entry (invalid ids: -1 here, counted by CTA 0).
     for (int e = tid; e < T * K; e += kThreads) {
       const long long id = moeReadId(p, static_cast<std::uint64_t>(e));
-      const bool valid = moeValidId(p, id);
-      if (!valid && id != -1 && part.cta == 0) moeReportInvalidId(p, id, e / K, e % K);
+      const bool known = moeValidId(p, id);
+      if (!known && id != -1 && part.cta == 0) moeReportInvalidId(p, id, e / K, e % K);
+      const bool valid = known && isLive(live, static_cast<int>(id / L));  // its rank takes part
+      if (known && !valid && part.cta == 0) atomicAdd(&p.state.status->maskedEntries[id / L], 1ull);
       ids[e] = valid ? static_cast<std::int32_t>(id) : -1;
       weights[e] = moeWeightOf(p, static_cast<std::uint64_t>(e));
       if (valid) {
@@ -136,6 +167,7 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part) {
     anyDup = dup != 0;
     // Count messages first (they travel ahead of the payload): CTA c takes ranks c, c + G, ...
     for (int r = part.cta; r < R; r += part.ctas) {
+      if (!isLive(live, r)) continue;  // the same r in every thread
       auto* msg = reinterpret_cast<std::uint64_t*>(p.peers.userRegions[r] + p.peers.countMsgsOff +
                                                    (static_cast<std::uint64_t>(parity) * R + p.shape.rank) * p.shape.countMsgBytes);
       for (int j = tid; j < L; j += kThreads) msg[1 + j] = static_cast<std::uint64_t>(entriesBefore(r * L + j, T, 0));
@@ -200,7 +232,7 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part) {
       g.sync();  // dsts is rewritten for the next token
     }
   }
-  arriveAtEveryPeer(p, p.latency.recordArrivalsOff);  // this CTA's records, to every peer
+  arriveAtEveryPeer(p, p.latency.recordArrivalsOff, live);  // this CTA's records, to every peer taking part
   if (tid == lastArriver(p)) moeTrace(p, 0, step, MoeTraceEvent::kSent, 0, true);
 }
 
@@ -210,20 +242,21 @@ __device__ __forceinline__ const std::uint64_t* latencyMsg(const MoeParams& p, i
                                                 (static_cast<std::uint64_t>(parity) * p.shape.numRanks + q) * p.shape.countMsgBytes);
 }
 
-__device__ void dispatchReceive(const MoeParams& p, Part part) {
+__device__ void dispatchReceive(const MoeParams& p, Part part, std::uint32_t live) {
   __shared__ MoeReceiveSmem<kThreads, kGroups> sm;
   const int tid = static_cast<int>(threadIdx.x), R = p.shape.numRanks;
   const MoeGroupSlice gs = moeGroupSlice(part.cta, part.ctas);
   const std::uint32_t step = p.peers.steps[0];
   const int parity = static_cast<int>(step & 1u);
-  const std::uint32_t arrived = (step + 1u) * static_cast<std::uint32_t>(p.grid.budgetCtas);  // every send CTA, this step
-  auto msgOf = [&](int q) { return latencyMsg(p, parity, q); };
+  const std::uint32_t G = static_cast<std::uint32_t>(p.grid.budgetCtas);  // every send CTA, this step
+  // A source outside the mask sent nothing: its message reads as zeros, so the layout leaves it out.
+  auto msgOf = [&](int q) { return isLive(live, q) ? latencyMsg(p, parity, q) : p.latency.zeroMsg; };
   bool layoutOk = false;
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyReceive);
     layoutOk = moeReceiveLayout<kThreads, kGroups>(p, msgOf, step, part.cta == 0, sm, [&] {  // CTA 0 publishes
       if (part.cta == part.ctas - 1 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kLayout);
-    });
+    }, live);
   }
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyExpand);
@@ -231,8 +264,9 @@ __device__ void dispatchReceive(const MoeParams& p, Part part) {
       // Each source's records once its G send CTAs have arrived, this rank's own first.
       for (int k = 0; k < R; ++k) {
         const int s = (p.shape.rank + k) % R;
-        const bool failed =
-            tid == 0 && !flagWait(p.peers.sync, peerCounter(p, p.shape.rank, p.latency.recordArrivalsOff) + s, arrived, s, WaitSite::kMoeDispatch);
+        const bool failed = tid == 0 && isLive(live, s) &&
+                            !flagWait(p.peers.sync, peerCounter(p, p.shape.rank, p.latency.recordArrivalsOff) + s,
+                                      p.latency.expected[s] + G, s, WaitSite::kMoeDispatch);
         if (__syncthreads_or(failed) != 0) break;  // thread 0's verdict, to every thread
         if (part.cta == 0 && tid == 0) {
           moeTrace(p, 0, step, k == R - 1 ? MoeTraceEvent::kArrived0 : MoeTraceEvent::kOwnArrived0);
@@ -298,12 +332,16 @@ __global__ void __launch_bounds__(kThreads) dispatchKernel(const __grid_constant
   // finished and its memory is visible: nothing of this step is read before.
   ptx::gridDependencyWait();
   const Part send = sendPart(p), receive = receivePart(p);
+  const std::uint32_t live = dispatchMask(p);
   traceStart(p, 0, send, entered);
-  if (send.cta >= 0) dispatchSend(p, reinterpret_cast<char*>(smemRaw), send);
-  if (receive.cta >= 0) dispatchReceive(p, receive);
+  if (send.cta >= 0) dispatchSend(p, reinterpret_cast<char*>(smemRaw), send, live);
+  if (receive.cta >= 0) dispatchReceive(p, receive, live);
   if ((p.latency.phase & kMoeLatencyReceive) != 0 && lastBlock(&p.peers.lastCtaCounters[0]) && threadIdx.x == 0) {
     moeTrace(p, 0, p.peers.steps[0], MoeTraceEvent::kDone);
-    p.peers.steps[0] = p.peers.steps[0] + 1u;  // every CTA read the step before lastBlock's barrier
+    // Every CTA read the step and the expected arrivals before lastBlock's barrier.
+    p.peers.steps[0] = p.peers.steps[0] + 1u;
+    advanceExpected(p, 0, live);
+    *p.latency.dispatchLive = live;  // its combine's mask
     *p.state.pending = kMoeDispatched | kMoePendingCombine;
   }
 }
@@ -316,7 +354,7 @@ __device__ __forceinline__ const float* combineWeightsOf(const MoeParams& p, int
          ((static_cast<std::uint64_t>(parity) * p.shape.numRanks + q) * p.shape.maxTokens + i) * p.shape.topK;
 }
 
-__device__ void combineSend(const MoeParams& p, Part part) {
+__device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live) {
   __shared__ MoeSlotStage stages[kGroups];
   const int tid = static_cast<int>(threadIdx.x);
   const MoeGroupSlice gs = moeGroupSlice(part.cta, part.ctas);
@@ -336,7 +374,7 @@ __device__ void combineSend(const MoeParams& p, Part part) {
     // any wait: CTA c takes destinations c, c + G, ...
     const int T = *p.routing.liveTokens;
     for (int r = part.cta; r < R; r += part.ctas) {
-      if (r == p.shape.rank) continue;
+      if (r == p.shape.rank || !isLive(live, r)) continue;  // the same r in every thread
       auto* dst = reinterpret_cast<float*>(p.peers.userRegions[r] + p.latency.weightsOff) +
                   (static_cast<std::uint64_t>(cparity) * R + p.shape.rank) * p.shape.maxTokens * K;
       for (int e = tid; e < T * K; e += kThreads) {
@@ -352,10 +390,13 @@ __device__ void combineSend(const MoeParams& p, Part part) {
   // own records.
   for (int k = 1; k < R; ++k) {
     const int s = (p.shape.rank + k) % R;
-    if (weighted) {
+    if (weighted && isLive(live, s)) {  // a source outside the mask sent no records
       const bool failed = tid == 0 && !flagWait(p.peers.sync, peerCounter(p, p.shape.rank, p.latency.weightFlagsOff) + s, cstep + 1u, s,
                                                 WaitSite::kMoeCombineWeights);
-      if (__syncthreads_or(failed) != 0) return;  // recorded: the engine enters its failed state
+      // Recorded (the engine enters its failed state); the other sources' records are still
+      // reduced and every peer still counts this CTA's arrival, so the survivors' counters stay
+      // in step with each other when the failed source is masked (Engine::setActiveRanks).
+      if (__syncthreads_or(failed) != 0) continue;
     }
     const int rows = p.layout.sourceRecords[s];
     const long long rankBase = p.layout.rankMajor ? p.layout.rankOffsets[s] : -1;  // rank-major: the source's first row
@@ -366,11 +407,11 @@ __device__ void combineSend(const MoeParams& p, Part part) {
                       p.layout.rankMajor ? rankBase + i : -1, weighted ? combineWeightsOf(p, cparity, s, i) : nullptr);
     }
   }
-  arriveAtEveryPeer(p, p.latency.partialArrivalsOff);
+  arriveAtEveryPeer(p, p.latency.partialArrivalsOff, live);
   if (tid == lastArriver(p)) moeTrace(p, 1, cstep, MoeTraceEvent::kSent, 0, true);
 }
 
-__device__ void combineReceive(const MoeParams& p, Part part) {
+__device__ void combineReceive(const MoeParams& p, Part part, std::uint32_t live) {
   __shared__ const uint4* parts[kGroups][kMaxRanks];
   __shared__ MoeSlotStage stages[kGroups];
   const MoeGroupSlice gs = moeGroupSlice(part.cta, part.ctas);
@@ -399,9 +440,9 @@ __device__ void combineReceive(const MoeParams& p, Part part) {
   }
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyCombineReceive);
-    // Every peer destination's G send CTAs, this step.
-    if (waitEveryRank(p, p.latency.partialArrivalsOff, (cstep + 1u) * static_cast<std::uint32_t>(p.grid.budgetCtas), WaitSite::kMoeCombine,
-                      true)) {
+    // Every peer destination's G send CTAs, this step (the destinations taking part).
+    if (waitEveryRank(p, p.latency.partialArrivalsOff, static_cast<std::uint32_t>(p.grid.budgetCtas), WaitSite::kMoeCombine,
+                      true, live, p.latency.expected + R)) {
       ptx::launchDependents();  // after the last wait on another rank, as in the dispatch receive
       if (part.cta == part.ctas - 1 && threadIdx.x == 0) moeTrace(p, 1, cstep, MoeTraceEvent::kArrived);
       if (part.cta == 0 && threadIdx.x == 0) moeTrace(p, 1, cstep, MoeTraceEvent::kArrived0);
@@ -423,12 +464,14 @@ __global__ void __launch_bounds__(kThreads) combineKernel(const __grid_constant_
   const std::uint64_t entered = p.state.timeline != nullptr ? ptx::globalTimerNs() : 0;
   ptx::gridDependencyWait();  // as the dispatch: the stream's last kernel has finished
   const Part send = sendPart(p), receive = receivePart(p);
+  const std::uint32_t live = *p.latency.dispatchLive;  // the mask of the dispatch it combines
   traceStart(p, 1, send, entered);
-  if (send.cta >= 0) combineSend(p, send);
-  if (receive.cta >= 0) combineReceive(p, receive);
+  if (send.cta >= 0) combineSend(p, send, live);
+  if (receive.cta >= 0) combineReceive(p, receive, live);
   if ((p.latency.phase & kMoeLatencyReceive) != 0 && lastBlock(&p.peers.lastCtaCounters[1]) && threadIdx.x == 0) {
     moeTrace(p, 1, p.peers.steps[1], MoeTraceEvent::kDone);
     p.peers.steps[1] = p.peers.steps[1] + 1u;
+    advanceExpected(p, 1, live);
     *p.state.pending &= kMoeDispatched;
   }
 }

@@ -54,6 +54,9 @@ struct MoeDeviceStatus {
   unsigned long long unpairedCombines;    // combines before the engine's first dispatch (nothing to combine)
   // Combine inputs shorter than the layout (CombineArgs.expertOutputRows): rows past them add nothing.
   unsigned long long missingCombineRows;
+  // (token, k) entries of this rank's dispatches whose expert lives on rank r outside the active
+  // mask (or all of them while this rank is outside it): not sent, counted by destination rank.
+  unsigned long long maskedEntries[kMaxRanks];
 };
 
 // MoeParams::state.pending, set by each operation's last kernel: bit 0 between a dispatch and a combine
@@ -295,6 +298,15 @@ struct MoeLatencyParams {
   std::uint64_t weightsOff;          // [2][R][maxTokens][topK] fp32 combine weights
   std::uint64_t weightFlagsOff;      // u32 [R]: combine step + 1
   std::int32_t phase;                // kMoeLatencySend | kMoeLatencyReceive
+  // The active-rank mask (Engine::setActiveRanks): bit r, rank r takes part. A dispatch reads it
+  // once and leaves the mask it used in dispatchLive for its combine; a rank outside the mask is
+  // sent nothing and waited for by no one, and a rank outside its own mask takes part in nothing.
+  const std::uint32_t* live;         // local, written in stream order by the caller
+  std::uint32_t* dispatchLive;       // local: the last dispatch's mask (0 when this rank was out)
+  // Local [2][R]: the arrivals expected so far from each rank (dispatch records, combine partials):
+  // they grow by G only in the steps both ranks took part in, as the counters they are waited on do.
+  std::uint32_t* expected;
+  const std::uint64_t* zeroMsg;      // local: a count message of zeros (a rank outside the mask)
 };
 
 // Operation state and checks (every path).

@@ -79,9 +79,11 @@ __device__ inline bool lastBlock(std::uint32_t* counter) {
 // (kernels/common/flags.cuh), a release cumulative over the writes the barrier ordered before it,
 // instead of a system fence in every thread. (A rank's own records and partials are its own
 // receiver's: nothing to announce to itself.)
-__device__ inline void arriveAtEveryPeer(const MoeParams& p, std::uint64_t counterOff) {
+// `live`: the ranks taking part (bit r); the others are sent nothing.
+__device__ inline void arriveAtEveryPeer(const MoeParams& p, std::uint64_t counterOff, std::uint32_t live = ~0u) {
   __syncthreads();
-  if (static_cast<int>(threadIdx.x) < p.shape.numRanks && static_cast<int>(threadIdx.x) != p.shape.rank) {
+  if (static_cast<int>(threadIdx.x) < p.shape.numRanks && static_cast<int>(threadIdx.x) != p.shape.rank &&
+      ((live >> threadIdx.x) & 1u) != 0) {
     ptx::fenceAcqRelSys();
     ptx::redReleaseSysAdd(peerCounter(p, static_cast<int>(threadIdx.x), counterOff) + p.shape.rank, 1u);
   }
@@ -98,13 +100,16 @@ __device__ inline void postEveryPeer(const MoeParams& p, std::uint64_t counterOf
   }
 }
 
-// Threads q < R wait until this rank's counter for q reaches `target`; true when all did (every
-// thread gets the answer). `peersOnly`: every q but this rank.
+// Threads q < R wait until this rank's counter for q reaches `target` (plus base[q] when `base` is
+// given: a per-rank count); true when all did (every thread gets the answer). `peersOnly`: every q
+// but this rank; `live`: only the ranks taking part (bit q).
 __device__ inline bool waitEveryRank(const MoeParams& p, std::uint64_t counterOff, std::uint32_t target, WaitSite site,
-                                     bool peersOnly = false) {
+                                     bool peersOnly = false, std::uint32_t live = ~0u,
+                                     const std::uint32_t* base = nullptr) {
   const int q = static_cast<int>(threadIdx.x);
-  const bool mine = q < p.shape.numRanks && !(peersOnly && q == p.shape.rank);
-  const bool failed = mine && !flagWait(p.peers.sync, peerCounter(p, p.shape.rank, counterOff) + q, target, q, site);
+  const bool mine = q < p.shape.numRanks && !(peersOnly && q == p.shape.rank) && ((live >> (q & 31)) & 1u) != 0;
+  const std::uint32_t want = mine && base != nullptr ? base[q] + target : target;
+  const bool failed = mine && !flagWait(p.peers.sync, peerCounter(p, p.shape.rank, counterOff) + q, want, q, site);
   return __syncthreads_or(failed) == 0;
 }
 
@@ -120,13 +125,14 @@ struct MoeReceiveSmem {
 };
 
 // The dispatch receive's first step, the same on both paths: wait for every source's count message
-// of `step` (peers.countFlagsOff), then every CTA derives the expert offsets (its expansion needs
-// them) and the `publisher` CTA writes the per-source bases and publishes the layout. `seen` runs
-// once the wait returns (the step trace). False: a wait failed (reported), nothing was computed.
+// of `step` (peers.countFlagsOff; the sources in `live` only, msgOf giving zeros for the others),
+// then every CTA derives the expert offsets (its expansion needs them) and the `publisher` CTA
+// writes the per-source bases and publishes the layout. `seen` runs once the wait returns (the
+// step trace). False: a wait failed (reported), nothing was computed.
 template <int kThreads, int kGroups, typename Msg, typename Seen>
 __device__ __forceinline__ bool moeReceiveLayout(const MoeParams& p, Msg msgOf, std::uint32_t step, bool publisher,
-                                                 MoeReceiveSmem<kThreads, kGroups>& sm, Seen seen) {
-  const bool ok = waitEveryRank(p, p.peers.countFlagsOff, step + 1u, WaitSite::kMoeDispatch);
+                                                 MoeReceiveSmem<kThreads, kGroups>& sm, Seen seen, std::uint32_t live = ~0u) {
+  const bool ok = waitEveryRank(p, p.peers.countFlagsOff, step + 1u, WaitSite::kMoeDispatch, false, live);
   seen();
   if (!ok) return false;
   moeComputeOffsets<kThreads>(p, msgOf, sm.counts, sm.offsets, sm.scratch);

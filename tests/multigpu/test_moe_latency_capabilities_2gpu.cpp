@@ -40,6 +40,7 @@
 #include "common/gpu_env.hpp"
 #include "common/graph_util.hpp"
 #include "common/moe/step_trace.hpp"
+#include "common/nccl_comms.hpp"
 #include "engine/error.hpp"
 
 namespace graphep::test {
@@ -660,10 +661,12 @@ void checkFp8Rows(const DispatchLayout& v, const Inputs& in, const RefLayout& re
 }
 
 // Every rank's dispatch outputs (the engine's layout views) against the reference; wrong elements.
+// `ranks`: only the ranks of this mask.
 long long checkDispatch(const Rig& rig, const Inputs& in, const std::vector<RefLayout>& refs,
-                        const DispatchOptions& o, const std::string& what) {
+                        const DispatchOptions& o, const std::string& what, std::uint32_t ranks = ~0u) {
   long long n = 0;
   for (int d = 0; d < kRanks; ++d) {
+    if (((ranks >> d) & 1u) == 0) continue;
     rig.select(d);
     Wrong wrong{what + ", rank " + std::to_string(d)};
     const DispatchLayout& v = rig.layout(d);
@@ -683,10 +686,12 @@ long long checkDispatch(const Rig& rig, const Inputs& in, const std::vector<RefL
 
 // Every rank's combine output: rows [0, T) the reference, the rest keep their poison.
 long long checkCombine(const Rig& rig, const Inputs& in, const std::vector<RefLayout>& refs,
-                       const std::vector<std::vector<std::uint16_t>>& y, Weights weights, const std::string& what) {
+                       const std::vector<std::vector<std::uint16_t>>& y, Weights weights, const std::string& what,
+                       std::uint32_t ranks = ~0u) {
   long long n = 0;
   const int H = rig.H();
   for (int q = 0; q < kRanks; ++q) {
+    if (((ranks >> q) & 1u) == 0) continue;
     Wrong wrong{what + ", rank " + std::to_string(q) + " combine"};
     const std::vector<std::uint16_t> want = referenceCombine(in, refs, y, q, weights, H);
     rig.select(q);
@@ -983,6 +988,157 @@ TEST_F(Gpu2_MoeLatencyCapabilities, StepTraceOfBackToBackOperations) {
     for (int r = 0; r < kRanks; ++r) expectStepTrace(rig.engine(r).stepTrace(), r);
   }
   expectStatusOk(rig, "back-to-back replays");
+}
+
+// The inputs as an operation under active-rank mask `mask` sees them: every entry whose expert
+// lives on a rank outside the mask removed (-1), and every entry of a rank outside it. masked[r]
+// counts the live tokens' entries removed for destination r on top of what it held.
+Inputs underMask(const Inputs& in, std::uint32_t mask, std::vector<std::vector<unsigned long long>>& masked) {
+  Inputs out = in;
+  for (int q = 0; q < kRanks; ++q) {
+    RankInputs& r = out[at(q)];
+    for (int t = 0; t < kTMax; ++t) {
+      for (int k = 0; k < kTopK; ++k) {
+        int& e = r.ids[at(t) * kTopK + k];
+        if (e < 0) continue;
+        const int d = e / kLocal;
+        if (((mask >> q) & 1u) != 0 && ((mask >> d) & 1u) != 0) continue;
+        if (t < r.T) ++masked[at(q)][at(d)];
+        e = -1;
+      }
+    }
+  }
+  return out;
+}
+
+// The active-rank mask (Engine::setActiveRanks): one captured graph per rank (dispatch, then
+// combine), replayed with fresh inputs and live counts under a random mask set on both ranks
+// between replays (never empty: a rank alone, the other alone, both), with no recapture. Every
+// replay is checked against the reference of the inputs the mask leaves (a rank outside the mask
+// is sent nothing; a rank outside its own mask receives nothing and its combine writes zeros), so
+// a mask change that left a counter or a parity behind would show as wrong rows or a timeout; and
+// each rank's MoeStatus.maskedEntries equals the entries the masks removed, per destination.
+// GRAPHEP_MASK_REPLAYS sets the replays (default 60).
+TEST_F(Gpu2_MoeLatencyCapabilities, ActiveRankMaskFlips) {
+  Rig rig(latencyConfig(2048, ReceiveLayout::kBatched));
+  const DispatchOptions d;
+  const CombineOptions c;
+  struct Graphs {
+    std::vector<cudaGraphExec_t> exec;
+    ~Graphs() {
+      for (cudaGraphExec_t g : exec) cudaGraphExecDestroy(g);
+    }
+  } graphs;
+  for (int r = 0; r < kRanks; ++r) {
+    rig.select(r);
+    graphs.exec.push_back(captureOnStream(rig.stream(r), [&](cudaStream_t s) {
+      rig.enqueueDispatch(r, d, s);
+      rig.enqueueCombine(r, c, s);
+    }));
+  }
+  const long long replays = replaysFromEnv("GRAPHEP_MASK_REPLAYS", 60);
+  std::mt19937_64 pick(4242);
+  std::vector<std::vector<unsigned long long>> masked(kRanks, std::vector<unsigned long long>(kRanks, 0));
+  std::uint64_t seed = 1000;
+  long long wrong = 0;
+  for (int i = 0; i < replays; ++i) {
+    // Both ranks alone, then both together, then random; allRanksMask(2) = 3.
+    const std::uint32_t mask = i < 3 ? static_cast<std::uint32_t>(i + 1) : static_cast<std::uint32_t>(1 + pick() % 3);
+    const Inputs in = rig.newInputs(++seed, i);
+    const Inputs seen = underMask(in, mask, masked);
+    const std::vector<RefLayout> refs = rig.reference(seen);
+    const auto y = rig.newExpertOutputs(++seed);
+    rig.poisonDispatchOutputs();
+    rig.poisonCombineOutputs();
+    for (int r = 0; r < kRanks; ++r) {
+      rig.select(r);
+      rig.engine(r).setActiveRanks(mask, rig.stream(r));
+      GRAPHEP_CUDA_CHECK(cudaGraphLaunch(graphs.exec[at(r)], rig.stream(r)));
+    }
+    rig.syncAll();
+    const std::string what = "replay " + std::to_string(i) + ", mask " + std::to_string(mask) + ", " + stepName(i, in);
+    const long long n = checkDispatch(rig, seen, refs, d, what) + checkCombine(rig, seen, refs, y, Weights::kDispatch, what);
+    EXPECT_EQ(n, 0) << what;
+    wrong += n;
+    if (wrong > 0) break;  // the first wrong replay is the one to read
+  }
+  for (int r = 0; r < kRanks; ++r) {
+    const MoeStatus st = rig.engine(r).status();
+    EXPECT_TRUE(st.ok()) << "rank " << r << ": " << st.describe();
+    for (int q = 0; q < kRanks; ++q) {
+      EXPECT_EQ(st.maskedEntries[at(q)], masked[at(r)][at(q)]) << "rank " << r << "'s entries for rank " << q;
+    }
+  }
+}
+
+// Recovery (Engine::recover): after two good steps rank 1 stops (it enqueues nothing more, as a
+// dead process would); rank 0's next dispatch times out naming it, the engine fails and refuses
+// work by name; rank 0 recovers with the mask {0}, and its next replays (dispatch, combine) are
+// exact for its own experts, with nothing from or for rank 1, and no recapture or new engine.
+TEST_F(Gpu2_MoeLatencyCapabilities, RecoverAfterAPeerStops) {
+  const ScopedEnv timeout("GRAPHEP_TIMEOUT_MS", "500");  // read at setup
+  Rig rig(latencyConfig(2048, ReceiveLayout::kBatched));
+  const DispatchOptions d;
+  const CombineOptions c;
+  std::uint64_t seed = 3000;
+  std::vector<std::vector<unsigned long long>> masked(kRanks, std::vector<unsigned long long>(kRanks, 0));
+  auto step = [&](int i, std::uint32_t ranks, bool check) {
+    const Inputs in = rig.newInputs(++seed, i);
+    const Inputs seen = underMask(in, ranks, masked);
+    const std::vector<RefLayout> refs = rig.reference(seen);
+    const auto y = rig.newExpertOutputs(++seed);
+    rig.poisonDispatchOutputs();
+    rig.poisonCombineOutputs();
+    for (int r = 0; r < kRanks; ++r) {
+      if (((ranks >> r) & 1u) == 0) continue;
+      rig.select(r);
+      rig.enqueueDispatch(r, d, rig.stream(r));
+      rig.enqueueCombine(r, c, rig.stream(r));
+    }
+    rig.syncAll();
+    if (!check) return;
+    const std::string what = "step " + std::to_string(i) + ", ranks " + std::to_string(ranks);
+    EXPECT_EQ(checkDispatch(rig, seen, refs, d, what, ranks), 0);
+    EXPECT_EQ(checkCombine(rig, seen, refs, y, Weights::kDispatch, what, ranks), 0);
+  };
+  step(0, 3u, true);
+  step(1, 3u, true);
+  step(2, 1u, false);  // rank 1 has stopped; rank 0 still runs every rank's protocol
+  Engine& e = rig.engine(0);
+  const MoeStatus st = e.status();
+  EXPECT_NE(st.deviceError.find("peer 1"), std::string::npos) << st.deviceError;
+  EXPECT_TRUE(e.failed());
+  expectError([&] { rig.enqueueDispatch(0, d, rig.stream(0)); }, Status::kRemoteError, "peer 1");
+  e.recover(1u, rig.stream(0));
+  EXPECT_FALSE(e.failed());
+  for (int i = 3; i < 23; ++i) step(i, 1u, true);
+  const MoeStatus after = e.status();
+  EXPECT_TRUE(after.ok()) << after.describe();
+}
+
+// Bad masks are refused by name before anything is written, and the engine then works.
+TEST_F(Gpu2_MoeLatencyCapabilities, ActiveRankMaskBadInput) {
+  Rig rig(latencyConfig(2048, ReceiveLayout::kBatched));
+  Engine& e = rig.engine(0);
+  expectError([&] { e.setActiveRanks(0u, rig.stream(0)); }, Status::kInvalidArgument, "mask 0 leaves no rank");
+  expectError([&] { e.setActiveRanks(4u, rig.stream(0)); }, Status::kInvalidArgument,
+              "mask 0x4 names ranks past the last (world size 2)");
+  expectError([&] { e.recover(2u, rig.stream(0)); }, Status::kInvalidArgument, "mask 0x2 leaves out rank 0 itself");
+  ASSERT_NE(e.activeRanksDevice(), nullptr);
+  const Inputs in = rig.newInputs(77, 0);
+  const std::vector<RefLayout> refs = rig.reference(in);
+  const auto y = rig.newExpertOutputs(78);
+  rig.poisonDispatchOutputs();
+  rig.poisonCombineOutputs();
+  for (int r = 0; r < kRanks; ++r) {
+    rig.select(r);
+    rig.enqueueDispatch(r, DispatchOptions{}, rig.stream(r));
+    rig.enqueueCombine(r, CombineOptions{}, rig.stream(r));
+  }
+  rig.syncAll();
+  EXPECT_EQ(checkDispatch(rig, in, refs, DispatchOptions{}, "after the refused masks"), 0);
+  EXPECT_EQ(checkCombine(rig, in, refs, y, Weights::kDispatch, "after the refused masks"), 0);
+  expectStatusOk(rig, "after the refused masks");
 }
 
 // Bad arguments of the latency capabilities: named errors before anything is enqueued (the engine
