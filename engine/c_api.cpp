@@ -348,6 +348,14 @@ graphep_status_t graphep_receive(graphep_engine_t engine, cudaStream_t stream) {
   return guarded([&] { engineOf(engine).receive(stream); });
 }
 
+graphep_status_t graphep_set_active_ranks(graphep_engine_t engine, unsigned int mask, cudaStream_t stream) {
+  return guarded([&] { engineOf(engine).setActiveRanks(mask, stream); });
+}
+
+graphep_status_t graphep_engine_recover(graphep_engine_t engine, unsigned int mask, cudaStream_t stream) {
+  return guarded([&] { engineOf(engine).recover(mask, stream); });
+}
+
 graphep_status_t graphep_engine_status(graphep_engine_t engine, graphep_moe_status_t* status) {
   return guarded([&] {
     (void)readVersioned(status, "status");

@@ -51,6 +51,7 @@ tests_for() {
     26-*) echo "$gpu --gtest_filter=Gpu2_MoeCapabilities.DirectBlockFlagsKeepPaceWithTheSteps" ;;  # empty blocks' flags fell behind
     27-*) echo "$gpu --gtest_filter=Gpu2_MoeCapabilities.OperationStoppedPartWayFailsTheEngineByName" ;;  # a part-way stop left the engine healthy
     28-*) echo "$gpu --gtest_filter=Gpu2_MoeCapabilities.CombineAfterCombineWhileAPeerStillReads" ;;  # the combine's ack had no mutant
+    29-*|30-*) echo "$gpu --gtest_filter=Gpu2_MoeLatencyCapabilities.ActiveRankMaskFlips" ;;  # the active-rank mask: a masked rank sent to, waited for
     *) return 1 ;;
   esac
 }

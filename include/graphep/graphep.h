@@ -37,8 +37,9 @@ extern "C" {
  * 5 (the latency path's capabilities): graphep_dispatch_args_t.scale_format, recv_stats, half;
  * graphep_combine_args_t.topk_weights, half; graphep_layout_t.expert_source_ranges, scales_buffer;
  * graphep_receive; graphep_fp8_scales_t, graphep_half_t. A version-4 caller's structs (dispatch
- * args 160 bytes, combine args 56, layout 168 on 64-bit hosts) keep working. */
-#define GRAPHEP_C_API_VERSION 5
+ * args 160 bytes, combine args 56, layout 168 on 64-bit hosts) keep working.
+ * 6 (the active-rank mask): graphep_set_active_ranks, graphep_engine_recover. */
+#define GRAPHEP_C_API_VERSION 6
 
 /* Mirrors graphep::Status (include/graphep/status.hpp). */
 typedef enum graphep_status {
@@ -327,6 +328,19 @@ graphep_status_t graphep_combine(graphep_engine_t engine, const graphep_combine_
  * send half). No other dispatch or combine of the engine may come between a send half and its
  * receive; with none waiting, GRAPHEP_INVALID_ARGUMENT. Version 5. */
 graphep_status_t graphep_receive(graphep_engine_t engine, cudaStream_t stream);
+/* Capturable. The active-rank mask (bit r: rank r takes part; every rank at setup), written on
+ * `stream` in stream order; latency path (the throughput path refuses any mask but every rank).
+ * Every rank gives the same mask for the same dispatch and its combine; a rank outside it is sent
+ * nothing and waited for by no one, the entries routed to its experts are dropped and counted, and
+ * a rank outside its own mask takes part in nothing (graphep::Engine::setActiveRanks). Refused
+ * (GRAPHEP_INVALID_ARGUMENT): bits of ranks >= world size, or no rank. Version 6. */
+graphep_status_t graphep_set_active_ranks(graphep_engine_t engine, unsigned int mask, cudaStream_t stream);
+/* Back to service among the survivors after a bounded wait named a dead peer: synchronises the
+ * engine's device, clears its status and failed state, and writes `mask` (this rank in it, the
+ * dead peer out) as graphep_set_active_ranks does; every survivor calls it with the same mask,
+ * nothing is recaptured (graphep::Engine::recover says what cannot be recovered). Not capturable.
+ * Version 6. */
+graphep_status_t graphep_engine_recover(graphep_engine_t engine, unsigned int mask, cudaStream_t stream);
 /* Diagnostics (synchronises the engine's device). */
 graphep_status_t graphep_engine_status(graphep_engine_t engine, graphep_moe_status_t* status);
 /* graphep::tokenLayout (DeepEP's get_dispatch_layout): per-rank and per-expert counts and the

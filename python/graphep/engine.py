@@ -100,6 +100,18 @@ def _require_strided(info: ArrayInfo, name: str, *, rows: int, cols: int, dtypes
         raise invalid_argument(f"{name} has strides [0, 0] (one broadcast value); pass a materialised array")
 
 
+def _rank_mask(ranks, world_size: int) -> int:
+    """An active-rank mask from an int mask or an iterable of ranks (each in [0, world_size))."""
+    if isinstance(ranks, int):
+        return ranks
+    mask = 0
+    for r in ranks:
+        if not 0 <= int(r) < world_size:
+            raise ValueError(f"rank {r} is outside [0, {world_size})")
+        mask |= 1 << int(r)
+    return mask
+
+
 class Engine:
     """One rank's engine; make them with create_engines. Holds its group and GPU buffers."""
 
@@ -344,6 +356,27 @@ class Engine:
         combine called with half=SEND (the same stream, or one ordered after the send). No other
         dispatch or combine of this engine may come between the two halves."""
         self._core.receive(stream_handle(stream))
+
+    # ---- the active-rank mask (latency path) -------------------------------------------------
+    def set_active_ranks(self, ranks, stream) -> None:
+        """Capturable: the ranks that take part from the next dispatch on (an int bit mask, bit r
+        for rank r, or an iterable of ranks), written on `stream` in stream order. Every rank gives
+        the same ranks for a dispatch and its combine; a rank left out is sent nothing and waited
+        for by no one, and the entries routed to its experts are dropped and counted
+        (status().masked_entries). Latency path (graphep::Engine::setActiveRanks)."""
+        self._core.set_active_ranks(_rank_mask(ranks, self._core.world_size), stream_handle(stream))
+
+    def recover(self, ranks, stream) -> None:
+        """After a wait named a dead peer (failed is True): back to service among `ranks` (this
+        rank in them, the dead one out), with no graph recaptured. Synchronises this rank's device;
+        every survivor calls it with the same ranks (graphep::Engine::recover)."""
+        self._core.recover(_rank_mask(ranks, self._core.world_size), stream_handle(stream))
+
+    @property
+    def active_ranks_device(self) -> int:
+        """The mask's device word (a uint32 pointer) for a kernel that changes it in stream order;
+        0 on the throughput path."""
+        return self._core.active_ranks_device
 
     # ---- diagnostics (not capturable) ------------------------------------------------------
     def status(self) -> _graphep.MoeStatus:

@@ -127,6 +127,10 @@ void bindEngine(nb::module_& m) {
       .def_ro("unpaired_dispatches", &MoeStatus::unpairedDispatches)
       .def_ro("unpaired_combines", &MoeStatus::unpairedCombines)
       .def_ro("missing_combine_rows", &MoeStatus::missingCombineRows)
+      .def_prop_ro(
+          "masked_entries",
+          [](const MoeStatus& s) { return std::vector<unsigned long long>(s.maskedEntries.begin(), s.maskedEntries.end()); },
+          "Per destination rank: entries not sent because the rank was outside the active-rank mask.")
       .def_ro("device_error", &MoeStatus::deviceError)
       .def_prop_ro("ok", &MoeStatus::ok)
       .def("describe", &MoeStatus::describe)
@@ -219,6 +223,25 @@ void bindEngine(nb::module_& m) {
           nb::arg("stream"),
           "Capturable, collective. The receive half of the last dispatch or combine enqueued with half=SEND "
           "(graphep::Engine::receive).")
+      .def(
+          "set_active_ranks",
+          [](EngineCore& c, std::uint32_t mask, std::uintptr_t stream) { c.engine->setActiveRanks(mask, streamOf(stream)); },
+          nb::arg("mask"), nb::arg("stream"),
+          "Capturable. The active-rank mask, bit r for rank r, written in stream order; latency path "
+          "(graphep::Engine::setActiveRanks).")
+      .def(
+          "recover",
+          [](EngineCore& c, std::uint32_t mask, std::uintptr_t stream) {
+            nb::gil_scoped_release release;
+            c.engine->recover(mask, streamOf(stream));
+          },
+          nb::arg("mask"), nb::arg("stream"),
+          "Back to service among the survivors after a wait named a dead peer; synchronises "
+          "(graphep::Engine::recover).")
+      .def_prop_ro(
+          "active_ranks_device",
+          [](const EngineCore& c) { return reinterpret_cast<std::uintptr_t>(c.engine->activeRanksDevice()); },
+          "The mask's device word (uint32), 0 on the throughput path.")
       .def(
           "status",
           [](const EngineCore& c) {

@@ -61,6 +61,12 @@ class RecordingCore:
     def receive(self, *args, **kwargs):
         self.calls.append(("receive", args, kwargs))
 
+    def set_active_ranks(self, *args, **kwargs):
+        self.calls.append(("set_active_ranks", args, kwargs))
+
+    def recover(self, *args, **kwargs):
+        self.calls.append(("recover", args, kwargs))
+
 
 def recording_engine(monkeypatch, layout, path):
     real = engine_module.describe
@@ -283,6 +289,17 @@ def test_halves_and_receive(lat):
     assert last(lat)[2] == {"topk_weights": w.info.ptr, "half": MoeHalf.SEND}
     bad("half='send' is not a graphep.MoeHalf (WHOLE, SEND)", lat.dispatch, x, ids, None, n, 5, half="send")
     bad("half=1 is not a graphep.MoeHalf", lat.combine, out, 5, half=1)
+
+
+def test_active_ranks_as_a_mask_or_a_list(lat):
+    lat.set_active_ranks(0b10, 5)
+    assert last(lat) == ("set_active_ranks", (0b10, 5), {})
+    lat.set_active_ranks([0, 1], 5)
+    assert last(lat) == ("set_active_ranks", (0b11, 5), {})
+    lat.recover((0,), 7)
+    assert last(lat) == ("recover", (0b01, 7), {})
+    with pytest.raises(ValueError, match=r"rank 2 is outside \[0, 2\)"):
+        lat.set_active_ranks([0, 2], 5)
 
 
 # ---- 2 GPUs -----------------------------------------------------------------------------------------
@@ -772,3 +789,44 @@ def test_torch_layout_keeps_bf16_engines_without_scales(latency_two):
     e = engines[0]
     assert e.layout.recv_scales is not None and e.layout.recv_x_fp8 is not None
     assert gt.torch_layout(e).recv_scales is None
+
+
+@requires_torch
+@requires_gpus(2)
+def test_active_rank_mask_drops_and_counts():
+    """The active-rank mask on the latency path: rank 1 left out on both ranks. Rank 0 receives only
+    its own entries, rank 1 nothing; each rank's status counts, per destination, the live entries
+    the mask removed (all of rank 1's); a bad mask is refused by name; every rank back in, the next
+    dispatch counts nothing more."""
+    torch, engines, streams = engines_on_two_gpus(receive_layout=graphep.ReceiveLayout.BATCHED,
+                                                  path=graphep.MoePath.LATENCY)
+    L = E // R
+    ranks = make_ranks(torch, 900)
+    for e, s in zip(engines, streams):
+        with torch.cuda.device(e.device):
+            e.set_active_ranks([0], s)
+    dispatch_all(torch, engines, streams, ranks, lambda e, r: ((r.x, r.ids, r.w), {}))
+    want = [[0, 0], [0, 0]]
+    for q, r in enumerate(ranks):
+        ids = r.ids[: r.live].long().cpu()
+        for d in range(R):
+            n = int(((ids >= d * L) & (ids < (d + 1) * L)).sum())
+            if q == 1 or d == 1:
+                want[q][d] += n
+    for q, e in enumerate(engines):
+        st = e.status()
+        assert list(st.masked_entries[:R]) == want[q], (q, list(st.masked_entries[:R]), want[q])
+        assert st.ok, st.describe()
+        with torch.cuda.device(e.device):
+            counts = torch.from_dlpack(e.layout.expert_counts).long().cpu()
+        own = ranks[q].ids[: ranks[q].live].long().cpu()
+        own = int(((own >= q * L) & (own < (q + 1) * L)).sum())
+        assert int(counts.sum()) == (own if q == 0 else 0), (q, counts)
+    bad("mask 0 leaves no rank", engines[0].set_active_ranks, 0, streams[0])
+    bad("names ranks past the last (world size 2)", engines[0].set_active_ranks, 0b100, streams[0])
+    for e, s in zip(engines, streams):
+        with torch.cuda.device(e.device):
+            e.set_active_ranks([0, 1], s)
+    dispatch_all(torch, engines, streams, ranks, lambda e, r: ((r.x, r.ids, r.w), {}))
+    for q, e in enumerate(engines):
+        assert list(e.status().masked_entries[:R]) == want[q]

@@ -32,6 +32,11 @@ TEST(Unit_CApi, ErrorsAreNamedStatusesPerThread) {
   EXPECT_NE(std::string(graphep_last_error()).find("engine is NULL"), std::string::npos);
   EXPECT_EQ(graphep_graph_launch(nullptr, nullptr), GRAPHEP_INVALID_ARGUMENT);
   EXPECT_NE(std::string(graphep_last_error()).find("graph is NULL"), std::string::npos);
+  // The active-rank mask (version 6): a NULL engine named.
+  EXPECT_EQ(graphep_set_active_ranks(nullptr, 1u, nullptr), GRAPHEP_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(graphep_last_error()).find("engine is NULL"), std::string::npos);
+  EXPECT_EQ(graphep_engine_recover(nullptr, 1u, nullptr), GRAPHEP_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(graphep_last_error()).find("engine is NULL"), std::string::npos);
 
   // graphep_engine_path (version 2): each NULL named, the output left alone on failure.
   EXPECT_GE(GRAPHEP_C_API_VERSION, 3);
@@ -68,7 +73,7 @@ TEST(Unit_CApi, ErrorsAreNamedStatusesPerThread) {
 // Version 5 (the latency path's capabilities): the version, the INIT defaults ("as before"), the
 // enums equal to the C++ ones, and graphep_receive's NULL engine named.
 TEST(Unit_CApi, Version5LatencyCapabilities) {
-  EXPECT_EQ(GRAPHEP_C_API_VERSION, 5);
+  EXPECT_EQ(GRAPHEP_C_API_VERSION, 6);
   EXPECT_EQ(graphep_api_version(), GRAPHEP_C_API_VERSION);
   EXPECT_EQ(GRAPHEP_FP8_SCALES_FLOAT, static_cast<int>(Fp8Scales::kFloat));
   EXPECT_EQ(GRAPHEP_FP8_SCALES_POW2, static_cast<int>(Fp8Scales::kPow2));
