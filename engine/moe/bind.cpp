@@ -169,6 +169,7 @@ MoeParams bindParams(const BindPlan& plan, SymmetricHeap& heap, int l, char* blo
   if (!throughput) {
     p.latency.live = reinterpret_cast<const std::uint32_t*>(b + o.llMask);
     p.latency.dispatchLive = reinterpret_cast<std::uint32_t*>(b + o.llMask) + 1;
+    p.latency.halfLive = reinterpret_cast<std::uint32_t*>(b + o.llMask) + 2;
     p.latency.expected = reinterpret_cast<std::uint32_t*>(b + o.llExpected);
     p.latency.zeroMsg = reinterpret_cast<const std::uint64_t*>(b + o.llZeroMsg);
   }

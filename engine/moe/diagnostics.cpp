@@ -62,6 +62,9 @@ HealthReport Engine::checkHealth(cudaStream_t stream, std::chrono::milliseconds 
     GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h + 3 + R, user + m.p.latency.recordArrivalsOff, R * 4, cudaMemcpyDeviceToHost, m.watchStream));
     GRAPHEP_CUDA_CHECK(
         cudaMemcpyAsync(h + 3 + 2 * R, user + m.p.latency.partialArrivalsOff, R * 4, cudaMemcpyDeviceToHost, m.watchStream));
+    // The masks (the caller's, the last dispatch's) and the expected arrivals.
+    GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h + 3 + 3 * R, m.p.latency.live, 2 * 4, cudaMemcpyDeviceToHost, m.watchStream));
+    GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h + 5 + 3 * R, m.p.latency.expected, 2 * R * 4, cudaMemcpyDeviceToHost, m.watchStream));
     GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(m.watchStream));
     detail::LatencyCounters c;
     c.dispatchStep = h[0];
@@ -72,6 +75,11 @@ HealthReport Engine::checkHealth(cudaStream_t stream, std::chrono::milliseconds 
     c.flags.assign(h + 3, h + 3 + R);
     c.arrivals.assign(h + 3 + R, h + 3 + 2 * R);
     c.combineArrivals.assign(h + 3 + 2 * R, h + 3 + 3 * R);
+    const std::uint32_t live = h[3 + 3 * R] & allRanksMask(R);
+    c.dispatchLive = ((live >> c.rank) & 1u) != 0 ? live : 0u;  // as the dispatch reads it
+    c.combineLive = h[4 + 3 * R];
+    c.expected.assign(h + 5 + 3 * R, h + 5 + 4 * R);
+    c.combineExpected.assign(h + 5 + 4 * R, h + 5 + 5 * R);
     return detail::describeLatencyStall(c);
   });
   if (!r.ok && m.failure.empty()) m.failure = r.message;
@@ -84,14 +92,17 @@ std::string detail::describeLatencyStall(const LatencyCounters& c) {
   std::string missing;
   for (std::size_t peer = 0; peer < c.flags.size(); ++peer) {
     const std::uint32_t flag = c.flags[peer], arrive = c.arrivals[peer], comb = c.combineArrivals[peer];
-    if (!inCombine && !counterReached(flag, step + 1u)) {
+    const std::uint32_t base = c.expected.empty() ? step * G : c.expected[peer];
+    const std::uint32_t cbase = c.combineExpected.empty() ? cstep * G : c.combineExpected[peer];
+    const bool live = ((c.dispatchLive >> (peer & 31)) & 1u) != 0, clive = ((c.combineLive >> (peer & 31)) & 1u) != 0;
+    if (!inCombine && live && !counterReached(flag, step + 1u)) {
       missing += format("; rank %zu's count message for dispatch step %u has not arrived (flag %u)", peer, step, flag);
-    } else if (!inCombine && !counterReached(arrive, (step + 1u) * G)) {
+    } else if (!inCombine && live && !counterReached(arrive, base + G)) {
       missing += format("; %u of rank %zu's %u CTAs have delivered their records for dispatch step %u",
-                        arrive - step * G, peer, G, step);
-    } else if (inCombine && static_cast<int>(peer) != c.rank && !counterReached(comb, (cstep + 1u) * G)) {
+                        arrive - base, peer, G, step);
+    } else if (inCombine && clive && static_cast<int>(peer) != c.rank && !counterReached(comb, cbase + G)) {
       missing += format("; %u of rank %zu's %u CTAs have delivered their partials for combine step %u",
-                        comb - cstep * G, peer, G, cstep);
+                        comb - cbase, peer, G, cstep);
     }
   }
   return missing.empty() ? " (every peer's counters are complete: this rank's own kernels are behind)" : missing;

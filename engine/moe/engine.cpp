@@ -109,7 +109,7 @@ std::unique_ptr<Engine::Impl> buildEngine(const BindPlan& plan, const std::share
   GRAPHEP_CUDA_CHECK(cudaStreamCreateWithFlags(&impl->watchStream, cudaStreamNonBlocking));
   GRAPHEP_CUDA_CHECK(cudaEventCreateWithFlags(&impl->watchEvent, cudaEventDisableTiming));
   GRAPHEP_CUDA_CHECK(
-      cudaHostAlloc(&impl->snapshot, (3 + 3 * plan.sizes.R) * sizeof(std::uint32_t), cudaHostAllocDefault));
+      cudaHostAlloc(&impl->snapshot, (5 + 5 * plan.sizes.R) * sizeof(std::uint32_t), cudaHostAllocDefault));
   GRAPHEP_CUDA_CHECK(cudaMemset(impl->block, 0, plan.carve.bytes));
   char* user = group->heap->user(l);
   impl->p = bindParams(plan, *group->heap, l, impl->block);
@@ -499,6 +499,10 @@ void Engine::recover(std::uint32_t mask, cudaStream_t stream) {
   clearStatus();  // synchronises: the failed operation's kernels have returned (every wait is bounded)
   m.failure.clear();
   setActiveRanks(mask, stream);
+  // A combine of the failed step's dispatch, if one still comes, leaves the dead rank out too.
+  GRAPHEP_CU_CHECK(detail::driver().streamWriteValue32(reinterpret_cast<CUstream>(stream),
+                                                        reinterpret_cast<CUdeviceptr>(m.p.latency.dispatchLive), mask,
+                                                        CU_STREAM_WRITE_VALUE_DEFAULT));
 }
 
 std::uint32_t* Engine::activeRanksDevice() const {

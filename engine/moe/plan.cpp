@@ -127,7 +127,7 @@ LocalCarve carveLocal(const MoeConfig& cfg, const MoeSizes& z, std::size_t cap, 
   o.sourceRanges = carve("sourceRanges", rankMajor ? 0 : L * Rs * 8);
   o.llSteps = carve("llSteps", 2 * 4);  // dispatch and combine steps and last-CTA counters (latency and direct kernels)
   o.llDone = carve("llDone", 2 * 4);
-  o.llMask = carve("llMask", throughput ? 0 : 2 * 4);  // the active-rank mask and the last dispatch's
+  o.llMask = carve("llMask", throughput ? 0 : 3 * 4);  // the active-rank mask, the last dispatch's, a send half's
   o.llExpected = carve("llExpected", throughput ? 0 : 2 * Rs * 4);
   o.llZeroMsg = carve("llZeroMsg", throughput ? 0 : z.cntMsgBytes);  // zeros (the block is zeroed at setup)
   o.combArrive = carve("combArrive", throughput ? Rs * W * 4 : 0);  // the direct combine's block arrivals and flags

@@ -466,9 +466,12 @@ class Engine {
   // Back to service among the survivors, after a bounded wait named a peer that died or stalled
   // (status().deviceError; failed() is true): synchronises this rank's device (the failed
   // operation's kernels have returned: every wait is bounded), clears the status and the failed
-  // state, and writes `mask` (this rank in it, the named peer out) as setActiveRanks does. Every
-  // survivor calls it with the same mask before its next operation; graphs captured before keep
-  // working (nothing is recaptured). The failed operation's results are lost; the next dispatch
+  // state, and writes `mask` (this rank in it, the named peer out) as setActiveRanks does, also
+  // for the combine of the last dispatch. Every survivor calls it with the same mask before its
+  // next operation, after enqueueing the same operations as the other survivors since their last
+  // good step (replaying the same graph does; a rank that stopped enqueueing early enqueues the
+  // missing ones first: their waits fail at once); graphs captured before keep working (nothing
+  // is recaptured). The failed operation's results are lost; the next dispatch
   // and combine are exact for the ranks in the mask. Not setup-free: it synchronises, so call it
   // outside captures. Refused: the throughput path (no mask yet), and an engine whose operation
   // stopped part-way or failed between a send half and its receive (its own counters are out of

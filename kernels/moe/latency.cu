@@ -332,7 +332,11 @@ __global__ void __launch_bounds__(kThreads) dispatchKernel(const __grid_constant
   // finished and its memory is visible: nothing of this step is read before.
   ptx::gridDependencyWait();
   const Part send = sendPart(p), receive = receivePart(p);
-  const std::uint32_t live = dispatchMask(p);
+  // A receive half uses its send half's mask (a caller's kernel may have changed the mask word
+  // between the halves); the send half leaves it.
+  const bool sends = (p.latency.phase & kMoeLatencySend) != 0;
+  const std::uint32_t live = sends ? dispatchMask(p) : *p.latency.halfLive;
+  if (sends && (p.latency.phase & kMoeLatencyReceive) == 0 && blockIdx.x == 0 && threadIdx.x == 0) *p.latency.halfLive = live;
   traceStart(p, 0, send, entered);
   if (send.cta >= 0) dispatchSend(p, reinterpret_cast<char*>(smemRaw), send, live);
   if (receive.cta >= 0) dispatchReceive(p, receive, live);
@@ -388,15 +392,22 @@ __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live) {
   }
   // The peers' records only (their partials cross the link): the receive part reduces this rank's
   // own records.
+  std::uint32_t unserved = 0;  // sources whose weights never came (the same in every thread)
   for (int k = 1; k < R; ++k) {
     const int s = (p.shape.rank + k) % R;
-    if (weighted && isLive(live, s)) {  // a source outside the mask sent no records
+    if (!isLive(live, s)) continue;  // outside the mask: no records to reduce, nothing to send it
+    if (weighted) {
       const bool failed = tid == 0 && !flagWait(p.peers.sync, peerCounter(p, p.shape.rank, p.latency.weightFlagsOff) + s, cstep + 1u, s,
                                                 WaitSite::kMoeCombineWeights);
-      // Recorded (the engine enters its failed state); the other sources' records are still
-      // reduced and every peer still counts this CTA's arrival, so the survivors' counters stay
-      // in step with each other when the failed source is masked (Engine::setActiveRanks).
-      if (__syncthreads_or(failed) != 0) continue;
+      // Recorded (the engine enters its failed state). The other sources' records are still
+      // reduced and announced, so the survivors' counters stay in step with each other once the
+      // failed source is masked (Engine::recover); the failed source gets no arrival from this
+      // CTA (its partials were not written), so its own wait fails and reports instead of
+      // summing an old slot.
+      if (__syncthreads_or(failed) != 0) {
+        unserved |= 1u << s;
+        continue;
+      }
     }
     const int rows = p.layout.sourceRecords[s];
     const long long rankBase = p.layout.rankMajor ? p.layout.rankOffsets[s] : -1;  // rank-major: the source's first row
@@ -407,7 +418,7 @@ __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live) {
                       p.layout.rankMajor ? rankBase + i : -1, weighted ? combineWeightsOf(p, cparity, s, i) : nullptr);
     }
   }
-  arriveAtEveryPeer(p, p.latency.partialArrivalsOff, live);
+  arriveAtEveryPeer(p, p.latency.partialArrivalsOff, live & ~unserved);
   if (tid == lastArriver(p)) moeTrace(p, 1, cstep, MoeTraceEvent::kSent, 0, true);
 }
 
@@ -451,7 +462,9 @@ __device__ void combineReceive(const MoeParams& p, Part part, std::uint32_t live
             p, t,
             [&](int r) -> const char* {
               const int i = p.routing.tokenRankIndex[static_cast<std::uint64_t>(t) * R + r];
-              return i < 0 ? nullptr : p.peers.userRegions[p.shape.rank] + p.peers.partialsOff + llSlot(p, cparity, r, i, rowBytes);
+              // A rank outside the mask (recover may shrink it after the dispatch) adds nothing.
+              return i < 0 || !isLive(live, r) ? nullptr
+                                               : p.peers.userRegions[p.shape.rank] + p.peers.partialsOff + llSlot(p, cparity, r, i, rowBytes);
             },
             parts[gs.group], gs.g);
       }

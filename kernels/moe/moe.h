@@ -303,6 +303,7 @@ struct MoeLatencyParams {
   // sent nothing and waited for by no one, and a rank outside its own mask takes part in nothing.
   const std::uint32_t* live;         // local, written in stream order by the caller
   std::uint32_t* dispatchLive;       // local: the last dispatch's mask (0 when this rank was out)
+  std::uint32_t* halfLive;           // local: a dispatch send half's mask, for its receive half
   // Local [2][R]: the arrivals expected so far from each rank (dispatch records, combine partials):
   // they grow by G only in the steps both ranks took part in, as the counters they are waited on do.
   std::uint32_t* expected;
