@@ -189,6 +189,33 @@ TEST(Unit_MoeMemory, PathAndPerRowBytes) {
   }
 }
 
+// Under an active-rank mask (issue 30): a rank outside it is waited for by no one, so it is never
+// named; the others are measured against the arrivals expected of them (latency.expected), which
+// fall behind step x G by G for every step they sat out.
+TEST(Unit_MoeHealth, OnlyTheRanksInTheMaskAgainstTheirExpectedCounts) {
+  detail::LatencyCounters c = stalled(7, 24, 4);
+  c.expected.assign(4, 7 * 24);
+  c.combineExpected.assign(4, 7 * 24);
+  c.flags[2] = 3;  // rank 2 is outside the mask: its old flag and counters are not missing
+  c.arrivals[2] = 3 * 24;
+  c.dispatchLive = 0b1011;
+  EXPECT_NE(detail::describeLatencyStall(c).find("every peer's counters are complete"), std::string::npos)
+      << detail::describeLatencyStall(c);
+  c.expected[1] = 5 * 24;  // rank 1 sat out two steps: its counter stands at 5 x 24 + 10
+  c.arrivals[1] = 5 * 24 + 10;
+  std::string m = detail::describeLatencyStall(c);
+  EXPECT_NE(m.find("10 of rank 1's 24 CTAs have delivered their records for dispatch step 7"), std::string::npos) << m;
+  EXPECT_EQ(m.find("rank 2"), std::string::npos) << m;
+  c = stalled(7, 24, 3);
+  c.pending = 1;
+  c.combineExpected = {6 * 24, 7 * 24, 7 * 24};
+  c.combineArrivals = {6 * 24 + 5, 8 * 24, 0};
+  c.combineLive = 0b011;  // rank 2 outside the last dispatch's mask
+  m = detail::describeLatencyStall(c);
+  EXPECT_NE(m.find("5 of rank 0's 24 CTAs have delivered their partials for combine step 7"), std::string::npos) << m;
+  EXPECT_EQ(m.find("rank 2"), std::string::npos) << m;
+}
+
 TEST(Unit_MoeHealth, AcrossTheWrap) {
   // Step 2^32 - 1: complete counters have wrapped to small values; a late peer still reads as late.
   detail::LatencyCounters c = stalled(0xffffffffu, 24, 3);
