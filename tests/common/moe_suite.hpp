@@ -42,6 +42,10 @@ struct MoeCase {
   // once and replayed when `replays` > 0 (then the counts cycle).
   std::vector<int> tokens;
   int replays = 0;
+  // Active-rank masks (Engine::setActiveRanks), one per run, cycling (bits past the ranks dropped;
+  // a mask left empty by that means every rank); set only when the engine is on the latency path.
+  // Empty: every rank, never set.
+  std::vector<std::uint32_t> masks;
 };
 
 void runMoeCase(Communicator& comm, const MoeCase& c);

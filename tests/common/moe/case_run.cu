@@ -9,6 +9,35 @@ using namespace moe;
 
 namespace {
 void runMoeCaseInLayout(Communicator& comm, const MoeCase& c);
+
+// Run `run`'s active-rank mask of a case on R ranks (every rank when it has none, or none left).
+std::uint32_t caseMask(const MoeCase& c, int run, int R) {
+  if (c.masks.empty()) return allRanksMask(R);
+  const std::uint32_t m = c.masks[static_cast<std::size_t>(run) % c.masks.size()] & allRanksMask(R);
+  return m != 0 ? m : allRanksMask(R);
+}
+
+// The inputs as an operation under `mask` sees them: the entries whose expert lives on a rank
+// outside the mask become -1, and every valid entry of a rank outside it; masked[q][d] counts the
+// live tokens' entries so removed (q's status counts them by destination d).
+std::vector<Inputs> underMask(const MoeCase& c, const std::vector<Inputs>& all, std::uint32_t mask,
+                              std::vector<std::vector<unsigned long long>>& masked) {
+  std::vector<Inputs> out = all;
+  const int R = static_cast<int>(all.size()), K = c.cfg.topK, E = c.cfg.numExperts, L = E / R;
+  for (int q = 0; q < R; ++q) {
+    Inputs& in = out[static_cast<std::size_t>(q)];
+    const int live = liveCount(c.cfg, in.T);
+    for (std::size_t n = 0; n < in.idx.size(); ++n) {
+      long long& e = in.idx[n];
+      if (e < 0 || e >= E) continue;  // none, or invalid (counted as invalid, mask or not)
+      const int d = static_cast<int>(e / L);
+      if (((mask >> q) & 1u) != 0 && ((mask >> d) & 1u) != 0) continue;
+      if (static_cast<int>(n) / K < live) ++masked[static_cast<std::size_t>(q)][static_cast<std::size_t>(d)];
+      e = -1;
+    }
+  }
+  return out;
+}
 }  // namespace
 
 // Every case in each receive layout (inEveryLayout).
@@ -37,14 +66,20 @@ void runMoeCaseInLayout(Communicator& comm, const MoeCase& c) {
   std::vector<int> firstInvalidRun(nl, -1), firstClamped(nl, 0);
   std::vector<std::vector<Inputs>> history;  // every run's inputs (the first-error fields name one)
   std::vector<std::vector<unsigned long long>> expectTotals(nl);
+  const bool masks = !c.masks.empty() && f.engine(0).path() == MoePath::kLatency;
+  std::vector<std::vector<unsigned long long>> masked(static_cast<std::size_t>(R), std::vector<unsigned long long>(static_cast<std::size_t>(R), 0));
   for (int run = 0; run < runs; ++run) {
     const std::uint64_t seed = 5000 + static_cast<std::uint64_t>(run) * 31;
     std::vector<Inputs> all;
     for (int q = 0; q < R; ++q) all.push_back(makeInputs(c, R, q, rankTokens(c, run, q), seed));
     for (int l = 0; l < f.L(); ++l) f.prepare(l, all[static_cast<std::size_t>(comm.globalRank(l))]);
+    const std::uint32_t mask = caseMask(c, run, R);
+    // What the engines see under the mask (every input as it is without one); the reference's.
+    const std::vector<Inputs> seen = masks ? underMask(c, all, mask, masked) : all;
     comm.barrier();
     for (int l = 0; l < f.L(); ++l) {
       GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+      if (masks) f.engine(l).setActiveRanks(mask, f.buf(l).stream);
       if (c.replays > 0) {
         GRAPHEP_CUDA_CHECK(cudaGraphLaunch(execs[static_cast<std::size_t>(l)], f.buf(l).stream));
       } else {
@@ -54,14 +89,15 @@ void runMoeCaseInLayout(Communicator& comm, const MoeCase& c) {
     f.syncAll();
     // Every rank's expected layout, once per run (the capacity is the same on every rank).
     std::vector<RefLayout> refs;
-    for (int q = 0; q < R; ++q) refs.push_back(refLayout(c, all, q, f.layout(0).capacity));
+    for (int q = 0; q < R; ++q) refs.push_back(refLayout(c, seen, q, f.layout(0).capacity));
     expectLayoutShape(c, f.layout(0), R);
     for (int l = 0; l < f.L(); ++l) {
       const std::size_t ls = static_cast<std::size_t>(l);
       const int r = comm.globalRank(l);
       const Inputs& mine = all[static_cast<std::size_t>(r)];
-      const std::string what = "run " + std::to_string(run) + " T=" + std::to_string(mine.T);
-      EXPECT_EQ(f.check(l, all, refs, what), 0) << what << " rank " << r;
+      const std::string what = "run " + std::to_string(run) + " T=" + std::to_string(mine.T) +
+                               (masks ? " mask=" + std::to_string(mask) : std::string());
+      EXPECT_EQ(f.check(l, seen, refs, what), 0) << what << " rank " << r;
       const unsigned long long invalid = invalidCount(c.cfg, mine);
       if (invalid > 0 && firstInvalidRun[ls] < 0) firstInvalidRun[ls] = run;
       expectInvalid[ls] += invalid;
@@ -84,6 +120,11 @@ void runMoeCaseInLayout(Communicator& comm, const MoeCase& c) {
     EXPECT_EQ(st.invalidExpertIds, expectInvalid[ls]) << "rank " << r;
     EXPECT_EQ(st.droppedRows, expectDropped[ls]) << "rank " << r;
     EXPECT_EQ(st.clampedTokenCounts, expectClamped[ls]) << "rank " << r;
+    for (int d = 0; d < R; ++d) {
+      EXPECT_EQ(st.maskedEntries[static_cast<std::size_t>(d)],
+                masked[static_cast<std::size_t>(r)][static_cast<std::size_t>(d)])
+          << "rank " << r << "'s entries for rank " << d << " left out by the active-rank mask";
+    }
     if (expectClamped[ls] > 0) EXPECT_EQ(st.firstClampedCount, firstClamped[ls]) << "rank " << r;
     if (firstInvalidRun[ls] >= 0) {
       const Inputs& in = history[static_cast<std::size_t>(firstInvalidRun[ls])][static_cast<std::size_t>(r)];

@@ -135,6 +135,16 @@ std::vector<MoeCase> standardMoeCases(int R, bool large) {
     c.cfg.path = MoePath::kThroughput;
     cases.push_back(c);
   }
+  {  // the active-rank mask changed between runs (latency path; kAuto, so that a forced-remote
+     // run takes the throughput path with no mask): every rank, ranks left out, put back in
+    MoeCase c = base("active_mask", 64, 256, 4 * R, 4);
+    c.tokens = {64, 33, 1, 0, 64, 50, 17};
+    c.masks = {~0u, 0b1110u, 0b0110u, ~0u, 0b0101u, 0b1011u, 0b0001u, 0b1101u, 0b0010u};
+    cases.push_back(c);
+    c.name = "active_mask_graph";  // one captured graph, the mask changed between replays
+    c.replays = 18;
+    cases.push_back(c);
+  }
   if (large) {  // the DeepSeek-V3 shape at decode size, both paths
     MoeCase c = base("deepseek_v3_decode", 128, 7168, 256, 8);
     c.tokens = {128, 77};
