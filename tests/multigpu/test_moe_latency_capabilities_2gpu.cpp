@@ -1023,19 +1023,10 @@ TEST_F(Gpu2_MoeLatencyCapabilities, ActiveRankMaskFlips) {
   Rig rig(latencyConfig(2048, ReceiveLayout::kBatched));
   const DispatchOptions d;
   const CombineOptions c;
-  struct Graphs {
-    std::vector<cudaGraphExec_t> exec;
-    ~Graphs() {
-      for (cudaGraphExec_t g : exec) cudaGraphExecDestroy(g);
-    }
-  } graphs;
-  for (int r = 0; r < kRanks; ++r) {
-    rig.select(r);
-    graphs.exec.push_back(captureOnStream(rig.stream(r), [&](cudaStream_t s) {
-      rig.enqueueDispatch(r, d, s);
-      rig.enqueueCombine(r, c, s);
-    }));
-  }
+  const RankGraphs graphs(rig, [&](int r, cudaStream_t s) {
+    rig.enqueueDispatch(r, d, s);
+    rig.enqueueCombine(r, c, s);
+  });
   const long long replays = replaysFromEnv("GRAPHEP_MASK_REPLAYS", 60);
   std::mt19937_64 pick(4242);
   std::vector<std::vector<unsigned long long>> masked(kRanks, std::vector<unsigned long long>(kRanks, 0));
@@ -1053,8 +1044,8 @@ TEST_F(Gpu2_MoeLatencyCapabilities, ActiveRankMaskFlips) {
     for (int r = 0; r < kRanks; ++r) {
       rig.select(r);
       rig.engine(r).setActiveRanks(mask, rig.stream(r));
-      GRAPHEP_CUDA_CHECK(cudaGraphLaunch(graphs.exec[at(r)], rig.stream(r)));
     }
+    graphs.launch();
     rig.syncAll();
     const std::string what = "replay " + std::to_string(i) + ", mask " + std::to_string(mask) + ", " + stepName(i, in);
     const long long n = checkDispatch(rig, seen, refs, d, what) + checkCombine(rig, seen, refs, y, Weights::kDispatch, what);
