@@ -499,9 +499,12 @@ void Engine::recover(std::uint32_t mask, cudaStream_t stream) {
   clearStatus();  // synchronises: the failed operation's kernels have returned (every wait is bounded)
   m.failure.clear();
   setActiveRanks(mask, stream);
-  // A combine of the failed step's dispatch, if one still comes, leaves the dead rank out too.
+  // A combine of the failed step's dispatch, if one still comes, leaves the dead rank out too
+  // (and brings back no rank that dispatch left out).
+  std::uint32_t last = 0;
+  GRAPHEP_CUDA_CHECK(cudaMemcpy(&last, m.p.latency.dispatchLive, 4, cudaMemcpyDeviceToHost));
   GRAPHEP_CU_CHECK(detail::driver().streamWriteValue32(reinterpret_cast<CUstream>(stream),
-                                                        reinterpret_cast<CUdeviceptr>(m.p.latency.dispatchLive), mask,
+                                                        reinterpret_cast<CUdeviceptr>(m.p.latency.dispatchLive), mask & last,
                                                         CU_STREAM_WRITE_VALUE_DEFAULT));
 }
 

@@ -452,7 +452,10 @@ class Engine {
   // recapture; a captured write replays with the value given). Latency path only (the throughput
   // path refuses any mask but every rank). Each dispatch reads the mask once and its combine uses
   // the same; every rank must give the same mask for the same step (a dispatch and the combine
-  // that follows), and no mask may come between a send half and its receive. A rank outside the
+  // that follows), no mask may come between a send half and its receive, and across a mask
+  // change each dispatch is followed by its combine before the next dispatch (dispatch ->
+  // dispatch is ordered only among the ranks that took part in both: a rank left out of the
+  // first could still be reading the slots the second writes). A rank outside the
   // mask is sent nothing and waited for by no one: the entries routed to its experts are dropped
   // and counted per rank (MoeStatus.maskedEntries), the layout describes only the rows of the ranks
   // in the mask, and combine adds nothing for them. A rank outside its own mask takes part in

@@ -23,10 +23,12 @@ __device__ __forceinline__ void flagPost(std::uint32_t* slot, std::uint32_t valu
 // Polls until poll(&observed) returns true, bounded by SyncHandle::timeoutNs. Returns true on
 // success; on timeout records the error (rank, peer, site, expected = target, observed, address)
 // and returns false (or traps when asked to). Also returns false promptly once another wait of
-// this rank has failed.
+// this rank has failed, unless `ownTimeout` (then only its own timeout ends it: a caller that
+// must tell a late peer from one that never came).
 template <class Poll>
 __device__ inline bool boundedPoll(const SyncHandle& h, Poll poll, std::uint32_t target,
-                                   std::int32_t peer, WaitSite site, const void* address) {
+                                   std::int32_t peer, WaitSite site, const void* address,
+                                   bool ownTimeout = false) {
   std::uint32_t v = 0;
   if (poll(&v)) return true;
   const std::uint64_t start = ptx::globalTimerNs();
@@ -40,7 +42,7 @@ __device__ inline bool boundedPoll(const SyncHandle& h, Poll poll, std::uint32_t
         if (h.trapOnTimeout) __trap();
         return false;
       }
-      if (deviceErrorRaised(h.error)) return false;
+      if (!ownTimeout && deviceErrorRaised(h.error)) return false;
     }
   }
 }
@@ -49,7 +51,7 @@ __device__ inline bool boundedPoll(const SyncHandle& h, Poll poll, std::uint32_t
 template <class Reached>
 __device__ inline bool boundedWait(const SyncHandle& h, const std::uint32_t* slot,
                                    std::uint32_t target, Reached reached, std::int32_t peer,
-                                   WaitSite site, std::uint32_t* observed) {
+                                   WaitSite site, std::uint32_t* observed, bool ownTimeout = false) {
   std::uint32_t last = 0;
   const bool ok = boundedPoll(
       h,
@@ -58,18 +60,18 @@ __device__ inline bool boundedWait(const SyncHandle& h, const std::uint32_t* slo
         last = *v;
         return reached(*v);
       },
-      target, peer, site, slot);
+      target, peer, site, slot, ownTimeout);
   if (observed) *observed = last;
   return ok;
 }
 
-// Waits until the monotonic flag *slot reaches `target` (wrap-safe).
+// Waits until the monotonic flag *slot reaches `target` (wrap-safe); `ownTimeout` as boundedPoll.
 __device__ inline bool flagWait(const SyncHandle& h, const std::uint32_t* slot,
                                 std::uint32_t target, std::int32_t peer, WaitSite site,
-                                std::uint32_t* observed = nullptr) {
+                                std::uint32_t* observed = nullptr, bool ownTimeout = false) {
   return boundedWait(
       h, slot, target, [target](std::uint32_t v) { return ptx::counterReached(v, target); }, peer,
-      site, observed);
+      site, observed, ownTimeout);
 }
 
 }  // namespace graphep

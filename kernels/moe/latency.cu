@@ -397,8 +397,10 @@ __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live) {
     const int s = (p.shape.rank + k) % R;
     if (!isLive(live, s)) continue;  // outside the mask: no records to reduce, nothing to send it
     if (weighted) {
+      // Its own full timeout, even after another wait of this rank failed: a source marked
+      // unserved below gets no arrival from this CTA, so only one that never posted may be.
       const bool failed = tid == 0 && !flagWait(p.peers.sync, peerCounter(p, p.shape.rank, p.latency.weightFlagsOff) + s, cstep + 1u, s,
-                                                WaitSite::kMoeCombineWeights);
+                                                WaitSite::kMoeCombineWeights, nullptr, true);
       // Recorded (the engine enters its failed state). The other sources' records are still
       // reduced and announced, so the survivors' counters stay in step with each other once the
       // failed source is masked (Engine::recover); the failed source gets no arrival from this
