@@ -215,10 +215,9 @@ def test_torch_names():
     (dict(group=object(), comm=object()), "NOT_SUPPORTED", "mpi4py communicators are not supported"),
     (dict(group=object(), num_rdma_bytes=1 << 30), "NOT_SUPPORTED",
      "Buffer(num_rdma_bytes=1073741824) without low_latency_mode"),
-    (dict(group=object(), enable_shrink=True), "NOT_SUPPORTED", "Buffer(enable_shrink=True)"),
-    (dict(group=object(), low_latency_mode=True, num_rdma_bytes=1 << 30, enable_shrink=True), "NOT_SUPPORTED",
-     "active-rank mask"),
-], ids=["no-group", "mpi4py", "rdma", "shrink", "low-latency-shrink"])
+    (dict(group=object(), enable_shrink=True), "NOT_SUPPORTED",
+     "Buffer(enable_shrink=True) without low_latency_mode"),
+], ids=["no-group", "mpi4py", "rdma", "shrink-without-low-latency"])
 def test_buffer_refuses_what_it_lacks_before_any_work(kwargs, status, needle):
     from graphep.deep_ep import Buffer
 
@@ -227,8 +226,7 @@ def test_buffer_refuses_what_it_lacks_before_any_work(kwargs, status, needle):
 
 @requires_torch
 @pytest.mark.parametrize("method, args", [
-    ("low_latency_update_mask_buffer", (1,)), ("low_latency_query_mask_buffer", (None,)),
-    ("low_latency_clean_mask_buffer", ()), ("internode_dispatch", (None,)), ("internode_combine", (None,)),
+    ("internode_dispatch", (None,)), ("internode_combine", (None,)),
     ("get_local_buffer_tensor", (None,)),
 ])
 def test_missing_modes_raise_not_supported_by_name(method, args):

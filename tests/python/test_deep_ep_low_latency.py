@@ -71,19 +71,20 @@ def test_buffer_low_latency_hint_is_the_config_one():
 
 
 @requires_torch
-def test_buffer_refuses_shrink_mode_by_name():
+def test_buffer_refuses_shrink_mode_without_low_latency_by_name():
     from graphep.deep_ep import Buffer
 
-    expect_error(graphep.Status.NOT_SUPPORTED, "Buffer(enable_shrink=True)", Buffer, group=object(),
-                 num_rdma_bytes=1 << 30, low_latency_mode=True, enable_shrink=True)
+    expect_error(graphep.Status.NOT_SUPPORTED, "Buffer(enable_shrink=True) without low_latency_mode", Buffer,
+                 group=object(), enable_shrink=True)
 
 
-def _bare_buffer(low_latency_mode=True):
+def _bare_buffer(low_latency_mode=True, enable_shrink=False):
     """A Buffer with the state the low-latency checks read and no engine (they refuse before one)."""
     from graphep.deep_ep import Buffer
 
     b = Buffer.__new__(Buffer)
     b._destroyed, b.low_latency_mode, b.group_size, b._device, b._ll_engines = False, low_latency_mode, 2, 0, {}
+    b.enable_shrink, b._masked_ranks = enable_shrink, set()
     return b
 
 
@@ -112,9 +113,9 @@ def _bare_buffer(low_latency_mode=True):
     (lambda b, t: b.get_next_low_latency_combine_buffer((None,) * 5), "INVALID_ARGUMENT",
      "the handle is not one of this"),
     (lambda b, t: b.clean_low_latency_buffer(8, 128, 7), "INVALID_ARGUMENT", "num_experts=7 is not a multiple"),
-    (lambda b, t: b.low_latency_update_mask_buffer(1, True), "NOT_SUPPORTED", "active-rank mask"),
-    (lambda b, t: b.low_latency_query_mask_buffer(t.ids), "NOT_SUPPORTED", "active-rank mask"),
-    (lambda b, t: b.low_latency_clean_mask_buffer(), "NOT_SUPPORTED", "active-rank mask"),
+    (lambda b, t: b.low_latency_update_mask_buffer(1, True), "INVALID_ARGUMENT", "shrink mode is off"),
+    (lambda b, t: b.low_latency_query_mask_buffer(t.ids), "INVALID_ARGUMENT", "shrink mode is off"),
+    (lambda b, t: b.low_latency_clean_mask_buffer(), "INVALID_ARGUMENT", "shrink mode is off"),
 ], ids=["wait-stats", "ue8m0-without-round", "too-many-tokens", "experts-vs-ranks", "zero-tokens-max",
         "x-on-cpu", "x-1d", "logfmt", "combine-wait-stats", "foreign-handle", "next-buffer-foreign-handle",
         "clean-bad-experts", "update-mask", "query-mask", "clean-mask"])
@@ -126,6 +127,44 @@ def test_low_latency_refusals_before_any_engine(call, status, needle):
     t = types.SimpleNamespace(x=torch.zeros(8, 128, dtype=torch.bfloat16), ids=torch.zeros(8, 2, dtype=torch.int64),
                               w=torch.zeros(8, 2), y=torch.zeros(8, 16, 128, dtype=torch.bfloat16))
     expect_error(getattr(graphep.Status, status), needle, call, _bare_buffer(), t)
+
+
+@requires_torch
+def test_shrink_mode_masks_every_low_latency_engine(monkeypatch):
+    """Shrink mode (no GPU): the mask-buffer calls keep the masked ranks and hand every low-latency
+    engine the active ranks, a new engine too; a mask that would leave no rank and a bad rank are
+    refused by name and change nothing; query refuses a tensor that is not int32 [num_ranks] on a GPU."""
+    import types
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *args, **kwargs: None)  # no GPU needed
+    calls = []
+
+    class Recording:
+        def __init__(self, name):
+            self.name = name
+
+        def set_active_ranks(self, mask, stream):
+            calls.append((self.name, mask))
+
+    b = _bare_buffer(enable_shrink=True)
+    b._ll_engines = {"a": types.SimpleNamespace(engine=Recording("a"), pending=None)}
+    b.low_latency_update_mask_buffer(1, True)
+    assert calls == [("a", 0b01)] and b._masked_ranks == {1}
+    expect_error(graphep.Status.INVALID_ARGUMENT, "masking rank 0 would leave no rank",
+                 b.low_latency_update_mask_buffer, 0, True)
+    expect_error(graphep.Status.INVALID_ARGUMENT, "rank_to_mask=2 is not a rank in [0, 2)",
+                 b.low_latency_update_mask_buffer, 2, True)
+    assert b._masked_ranks == {1} and len(calls) == 1
+    b._ll_engines["b"] = types.SimpleNamespace(engine=Recording("b"), pending=None)
+    b.low_latency_update_mask_buffer(1, False)
+    assert calls[1:] == [("a", 0b11), ("b", 0b11)] and b._masked_ranks == set()
+    b.low_latency_update_mask_buffer(0, True)
+    b.low_latency_clean_mask_buffer()
+    assert calls[-2:] == [("a", 0b11), ("b", 0b11)] and b._masked_ranks == set()
+    expect_error(graphep.Status.INVALID_ARGUMENT, "mask_status must be an int32 CUDA tensor of [2]",
+                 b.low_latency_query_mask_buffer, torch.zeros(2, dtype=torch.int32))
 
 
 @requires_torch

@@ -116,8 +116,10 @@ class Buffer(LowLatencyMode):
     (graphep.deep_ep.config); num_rdma_bytes is accepted with low_latency_mode=True and not read
     (the low-latency engines size themselves: get_low_latency_rdma_size_hint says their symmetric
     heap). num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl and use_fabric are
-    accepted and not read. num_rdma_bytes > 0 without low_latency_mode (internode), enable_shrink=True,
-    comm (mpi4py) and groups that span nodes raise graphep.Error NOT_SUPPORTED.
+    accepted and not read. enable_shrink=True (with low_latency_mode) maps DeepEP's mask buffer onto
+    the low-latency engines' active-rank mask (graphep/deep_ep/low_latency.py). num_rdma_bytes > 0
+    without low_latency_mode (internode), enable_shrink without low_latency_mode, comm (mpi4py) and
+    groups that span nodes raise graphep.Error NOT_SUPPORTED.
     """
 
     num_sms: int = 20
@@ -136,14 +138,15 @@ class Buffer(LowLatencyMode):
         if num_rdma_bytes > 0 and not low_latency_mode:
             raise not_supported(f"Buffer(num_rdma_bytes={num_rdma_bytes}) without low_latency_mode: there is no RDMA "
                                 f"buffer; {_INTERNODE}: pass num_rdma_bytes=0, or low_latency_mode=True")
-        if enable_shrink:
-            raise not_supported("Buffer(enable_shrink=True): shrink mode (masking failed ranks) is not supported yet; "
-                                "a later change maps it onto an active-rank mask of the engines")
+        if enable_shrink and not low_latency_mode:
+            raise not_supported("Buffer(enable_shrink=True) without low_latency_mode: shrink mode masks ranks of "
+                                "the low-latency engines (their active-rank mask)")
         if not torch.cuda.is_available():
             raise Error(Status.NO_DEVICE, "Buffer: PyTorch sees no CUDA device")
         self.rank, self.group, self.group_size = group.rank(), group, group.size()
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
-        self.low_latency_mode, self.enable_shrink = bool(low_latency_mode), False
+        self.low_latency_mode, self.enable_shrink = bool(low_latency_mode), bool(enable_shrink)
+        self._masked_ranks: set = set()  # shrink mode: the ranks left out (low_latency_update_mask_buffer)
         self.explicitly_destroy = explicitly_destroy
         self._device = torch.cuda.current_device()
         hosts: List[Optional[str]] = [None] * self.group_size

@@ -37,8 +37,13 @@ How it maps (DeepEP's argument -> graphep):
   between a send half and its hook the engine takes no other operation (DeepEP's two buffers let
   a second send start first; graphep's one engine per shape does not).
 - clean_low_latency_buffer does nothing: graphep's counters only grow, nothing needs zeroing.
+- Shrink mode (enable_shrink=True): low_latency_update_mask_buffer, low_latency_query_mask_buffer and
+  low_latency_clean_mask_buffer keep the set of masked ranks and write it as every low-latency
+  engine's active-rank mask (Engine.set_active_ranks) on the current stream. DeepEP's kernels also
+  mask a rank that times out, inside the operation; graphep's fail the engine instead, naming the
+  rank (Engine.recover brings the survivors back).
 - Not supported (graphep.Error NOT_SUPPORTED, naming it): use_logfmt, dispatch_wait_recv_cost_stats
-  and combine_wait_recv_cost_stats, shrink mode (enable_shrink and the mask-buffer calls).
+  and combine_wait_recv_cost_stats.
 """
 
 import operator
@@ -55,8 +60,6 @@ from graphep.deep_ep.tensors import ID_TYPES, check_tensor
 from graphep.engine import Engine, create_engine
 from graphep.errors import Error, invalid_argument, not_supported
 
-_SHRINK = ("shrink mode (masking failed ranks) is not supported yet: a later change maps it onto an active-rank "
-           "mask of the engines")
 
 
 class LowLatencyHandle(tuple):
@@ -158,6 +161,8 @@ class LowLatencyMode:
                                       f"{e.message}") from None
             engine = create_engine(self._group, cfg)
             st = self._ll_engines[key] = _LowLatencyState(engine, max_tokens, hidden, num_experts, self.group_size)
+            if getattr(self, "_masked_ranks", None):  # shrink mode: the ranks masked so far
+                engine.set_active_ranks(self._active_ranks(), torch.cuda.current_stream())
         return st
 
     def _low_latency_head(self, handle, what: str) -> LowLatencyHandle:
@@ -359,14 +364,64 @@ class LowLatencyMode:
         return self._low_latency_head(handle, "get_next_low_latency_combine_buffer").state.expert_output
 
     # ---- shrink mode (not in this version) -------------------------------------------------------
+    # ---- shrink mode: DeepEP's mask buffer as the engines' active-rank mask ----------------------
+    def _require_shrink(self, what: str) -> None:
+        self._require_low_latency(what)
+        if not self.enable_shrink:
+            raise invalid_argument(f"{what}: shrink mode is off (create the Buffer with enable_shrink=True)")
+
+    def _active_ranks(self) -> int:
+        return sum(1 << r for r in range(self.group_size) if r not in self._masked_ranks)
+
+    def _apply_mask(self, what: str) -> None:
+        """Every low-latency engine's active-rank mask, on the current stream (in order with the calls
+        around it; captured when a capture is running)."""
+        for st in self._ll_engines.values():
+            self._check_pending(st, what)
+        stream = torch.cuda.current_stream()
+        for st in self._ll_engines.values():
+            st.engine.set_active_ranks(self._active_ranks(), stream)
+
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False):
-        raise not_supported(f"low_latency_update_mask_buffer: {_SHRINK}")
+        """Masks (mask=True) or unmasks a rank from the next low-latency dispatch on: it is sent
+        nothing and waited for by no one, and the entries routed to its experts are dropped (and
+        counted); every rank must make the same calls. DeepEP's kernels also mask a rank that times
+        out on their own; graphep's do not: a timeout fails the engine, naming the rank."""
+        self._require_shrink("low_latency_update_mask_buffer")
+        if not isinstance(rank_to_mask, int) or not 0 <= rank_to_mask < self.group_size:
+            raise invalid_argument(f"low_latency_update_mask_buffer: rank_to_mask={rank_to_mask!r} is not a rank "
+                                   f"in [0, {self.group_size})")
+        masked = set(self._masked_ranks)
+        (masked.add if mask else masked.discard)(rank_to_mask)
+        if len(masked) == self.group_size:
+            raise invalid_argument(f"low_latency_update_mask_buffer: masking rank {rank_to_mask} would leave no rank")
+        before, self._masked_ranks = self._masked_ranks, masked
+        try:
+            self._apply_mask("low_latency_update_mask_buffer")
+        except Error:
+            self._masked_ranks = before
+            raise
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor):
-        raise not_supported(f"low_latency_query_mask_buffer: {_SHRINK}")
+        """Writes 1 for every masked rank and 0 for the others into mask_status (int32
+        [num_ranks], on this rank's GPU), on the current stream."""
+        self._require_shrink("low_latency_query_mask_buffer")
+        if (not isinstance(mask_status, torch.Tensor) or mask_status.dtype != torch.int32
+                or tuple(mask_status.shape) != (self.group_size,) or mask_status.device.type != "cuda"):
+            raise invalid_argument(f"low_latency_query_mask_buffer: mask_status must be an int32 CUDA tensor of "
+                                   f"[{self.group_size}] (num_ranks)")
+        status = [1 if r in self._masked_ranks else 0 for r in range(self.group_size)]
+        mask_status.copy_(torch.tensor(status, dtype=torch.int32))
 
     def low_latency_clean_mask_buffer(self):
-        raise not_supported(f"low_latency_clean_mask_buffer: {_SHRINK}")
+        """Unmasks every rank."""
+        self._require_shrink("low_latency_clean_mask_buffer")
+        before, self._masked_ranks = self._masked_ranks, set()
+        try:
+            self._apply_mask("low_latency_clean_mask_buffer")
+        except Error:
+            self._masked_ranks = before
+            raise
 
     def _low_latency_status(self) -> Dict[Tuple[int, int, int], MoeStatus]:
         return {key: st.engine.status() for key, st in self._ll_engines.items()}
