@@ -105,7 +105,10 @@ std::string detail::describeLatencyStall(const LatencyCounters& c) {
                         comb - cbase, peer, G, cstep);
     }
   }
-  return missing.empty() ? " (every peer's counters are complete: this rank's own kernels are behind)" : missing;
+  if (!missing.empty()) return missing;
+  const bool outside = c.rank >= 0 && (inCombine ? ((c.combineLive >> (c.rank & 31)) & 1u) == 0 : c.dispatchLive == 0);
+  return outside ? " (this rank is outside the active-rank mask and waits for no peer: its own kernels are behind)"
+                 : " (every peer's counters are complete: this rank's own kernels are behind)";
 }
 
 void Engine::clearStatus() {

@@ -214,6 +214,12 @@ TEST(Unit_MoeHealth, OnlyTheRanksInTheMaskAgainstTheirExpectedCounts) {
   m = detail::describeLatencyStall(c);
   EXPECT_NE(m.find("5 of rank 0's 24 CTAs have delivered their partials for combine step 7"), std::string::npos) << m;
   EXPECT_EQ(m.find("rank 2"), std::string::npos) << m;
+  c = stalled(7, 24, 3);  // rank 1 outside its own mask: its dispatch uses no rank and waits for none
+  c.rank = 1;
+  c.dispatchLive = 0;
+  c.flags[0] = 3;
+  m = detail::describeLatencyStall(c);
+  EXPECT_NE(m.find("outside the active-rank mask and waits for no peer"), std::string::npos) << m;
 }
 
 TEST(Unit_MoeHealth, AcrossTheWrap) {
