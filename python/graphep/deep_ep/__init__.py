@@ -10,8 +10,8 @@ runs against it (tests/compat). The low-latency mode (Buffer(..., low_latency_mo
 low_latency_dispatch / low_latency_combine, the receive hooks) on graphep's latency path, on one
 node; DeepEP's tests/test_low_latency.py runs against it. What graphep does differently: docs in
 graphep/deep_ep/buffer.py, low_latency.py and config.py, and README "Serving stacks: DeepEP's API
-on graphep". Internode groups, shrink mode and LogFMT raise graphep.Error NOT_SUPPORTED naming
-what is missing (they come later).
+on graphep". Internode groups and LogFMT raise graphep.Error NOT_SUPPORTED naming what is missing
+(they come later); shrink mode maps the mask buffer onto the engines' active-rank mask.
 
 Config and EventOverlap need no PyTorch; Buffer and topk_idx_t import it on first use.
 """

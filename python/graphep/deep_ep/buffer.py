@@ -26,7 +26,7 @@ How it maps (docs: README "Serving stacks: DeepEP's API on graphep"):
   handle is accepted when its dispatch is that one, or routed the same tokens (the same
   is_token_in_rank tensor and token count).
 - Not in this version (graphep.Error NOT_SUPPORTED, naming it): internode (RDMA) groups, shrink
-  mode, mpi4py communicators, packed int32 fp8 scales in the normal mode.
+  mode without low_latency_mode, mpi4py communicators, packed int32 fp8 scales in the normal mode.
 """
 
 import os

@@ -41,7 +41,9 @@ How it maps (DeepEP's argument -> graphep):
   low_latency_clean_mask_buffer keep the set of masked ranks and write it as every low-latency
   engine's active-rank mask (Engine.set_active_ranks) on the current stream. DeepEP's kernels also
   mask a rank that times out, inside the operation; graphep's fail the engine instead, naming the
-  rank (Engine.recover brings the survivors back).
+  rank (the engines' Engine.recover brings the survivors back; the Buffer has no call for it yet).
+  Across a mask change each low_latency_dispatch is followed by its low_latency_combine before the
+  next dispatch (the engine's rule, graphep::Engine::setActiveRanks).
 - Not supported (graphep.Error NOT_SUPPORTED, naming it): use_logfmt, dispatch_wait_recv_cost_stats
   and combine_wait_recv_cost_stats.
 """
@@ -59,7 +61,6 @@ from graphep.deep_ep.events import EventOverlap
 from graphep.deep_ep.tensors import ID_TYPES, check_tensor
 from graphep.engine import Engine, create_engine
 from graphep.errors import Error, invalid_argument, not_supported
-
 
 
 class LowLatencyHandle(tuple):
@@ -363,7 +364,6 @@ class LowLatencyMode:
         self._require_low_latency("get_next_low_latency_combine_buffer")
         return self._low_latency_head(handle, "get_next_low_latency_combine_buffer").state.expert_output
 
-    # ---- shrink mode (not in this version) -------------------------------------------------------
     # ---- shrink mode: DeepEP's mask buffer as the engines' active-rank mask ----------------------
     def _require_shrink(self, what: str) -> None:
         self._require_low_latency(what)
@@ -373,14 +373,24 @@ class LowLatencyMode:
     def _active_ranks(self) -> int:
         return sum(1 << r for r in range(self.group_size) if r not in self._masked_ranks)
 
-    def _apply_mask(self, what: str) -> None:
-        """Every low-latency engine's active-rank mask, on the current stream (in order with the calls
-        around it; captured when a capture is running)."""
+    def _set_masked(self, masked: set, what: str) -> None:
+        """Makes `masked` the masked ranks: every low-latency engine's active-rank mask, on the
+        current stream (in order with the calls around it; captured when a capture is running). On
+        a refusal every engine keeps, and the Buffer reports, the mask it had."""
         for st in self._ll_engines.values():
             self._check_pending(st, what)
         stream = torch.cuda.current_stream()
-        for st in self._ll_engines.values():
-            st.engine.set_active_ranks(self._active_ranks(), stream)
+        before, self._masked_ranks = self._masked_ranks, masked
+        done = []
+        try:
+            for st in self._ll_engines.values():
+                st.engine.set_active_ranks(self._active_ranks(), stream)
+                done.append(st)
+        except Error:
+            self._masked_ranks = before
+            for st in done:
+                st.engine.set_active_ranks(self._active_ranks(), stream)
+            raise
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False):
         """Masks (mask=True) or unmasks a rank from the next low-latency dispatch on: it is sent
@@ -388,40 +398,37 @@ class LowLatencyMode:
         counted); every rank must make the same calls. DeepEP's kernels also mask a rank that times
         out on their own; graphep's do not: a timeout fails the engine, naming the rank."""
         self._require_shrink("low_latency_update_mask_buffer")
-        if not isinstance(rank_to_mask, int) or not 0 <= rank_to_mask < self.group_size:
+        try:
+            rank = operator.index(rank_to_mask)  # an int, a numpy integer, a 0-d integer tensor
+        except TypeError:
+            rank = -1
+        if not 0 <= rank < self.group_size:
             raise invalid_argument(f"low_latency_update_mask_buffer: rank_to_mask={rank_to_mask!r} is not a rank "
                                    f"in [0, {self.group_size})")
         masked = set(self._masked_ranks)
-        (masked.add if mask else masked.discard)(rank_to_mask)
+        (masked.add if mask else masked.discard)(rank)
         if len(masked) == self.group_size:
-            raise invalid_argument(f"low_latency_update_mask_buffer: masking rank {rank_to_mask} would leave no rank")
-        before, self._masked_ranks = self._masked_ranks, masked
-        try:
-            self._apply_mask("low_latency_update_mask_buffer")
-        except Error:
-            self._masked_ranks = before
-            raise
+            raise invalid_argument(f"low_latency_update_mask_buffer: masking rank {rank} would leave no rank")
+        self._set_masked(masked, "low_latency_update_mask_buffer")
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor):
         """Writes 1 for every masked rank and 0 for the others into mask_status (int32
-        [num_ranks], on this rank's GPU), on the current stream."""
+        [num_ranks], on this rank's GPU), on the current stream, by fills (capturable: no copy from
+        the host). It reports the masks set through this Buffer."""
         self._require_shrink("low_latency_query_mask_buffer")
         if (not isinstance(mask_status, torch.Tensor) or mask_status.dtype != torch.int32
-                or tuple(mask_status.shape) != (self.group_size,) or mask_status.device.type != "cuda"):
+                or tuple(mask_status.shape) != (self.group_size,) or mask_status.device.type != "cuda"
+                or mask_status.device.index != self._device):
             raise invalid_argument(f"low_latency_query_mask_buffer: mask_status must be an int32 CUDA tensor of "
-                                   f"[{self.group_size}] (num_ranks)")
-        status = [1 if r in self._masked_ranks else 0 for r in range(self.group_size)]
-        mask_status.copy_(torch.tensor(status, dtype=torch.int32))
+                                   f"[{self.group_size}] (num_ranks) on cuda:{self._device}")
+        mask_status.zero_()
+        for r in sorted(self._masked_ranks):
+            mask_status[r] = 1
 
     def low_latency_clean_mask_buffer(self):
         """Unmasks every rank."""
         self._require_shrink("low_latency_clean_mask_buffer")
-        before, self._masked_ranks = self._masked_ranks, set()
-        try:
-            self._apply_mask("low_latency_clean_mask_buffer")
-        except Error:
-            self._masked_ranks = before
-            raise
+        self._set_masked(set(), "low_latency_clean_mask_buffer")
 
     def _low_latency_status(self) -> Dict[Tuple[int, int, int], MoeStatus]:
         return {key: st.engine.status() for key, st in self._ll_engines.items()}
