@@ -39,7 +39,10 @@ namespace {
 constexpr int kThreads = kMoeThreads;
 constexpr int kGroups = kThreads / kMoeGroupThreads;
 constexpr int kBlockTokens = 32;  // the tokens of one route word: the unit of progress
+// The blocks that `tokens` records (at least 0) fill, the last one part-full: a block is a route word.
+__host__ __device__ inline int blocksOf(int tokens) { return static_cast<int>(moeRouteWords(tokens)); }
 constexpr int kBlockParts = kBlockTokens / kGroups;  // the receive's items per block: a record per group
+static_assert(kBlockTokens == 32, "a block is the tokens of one route word (moeRouteWords)");
 static_assert(kBlockTokens % kGroups == 0, "a block's records split evenly over a CTA's groups");
 constexpr int kSendWarps = kThreads / 32;  // the dispatch send's groups: a warp per token
 static_assert(kMaxRanks <= 32, "the send resolves a token's destinations one per lane");
@@ -156,7 +159,7 @@ __global__ void __launch_bounds__(kThreads) moeDirectSendKernel(const __grid_con
   const std::uint32_t step = p.peers.steps[0];
   const int parity = static_cast<int>(step & 1u);
   ptx::launchDependents();  // the receive may start on the SMs this grid leaves free
-  const int T = *p.routing.liveTokens, blocks = (T + kBlockTokens - 1) / kBlockTokens;
+  const int T = *p.routing.liveTokens, blocks = blocksOf(T);
   // Count messages first (they travel ahead of the payload): CTA c takes ranks c, c + G, ...
   const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.shape.hidden) * 2;
   for (int r = static_cast<int>(blockIdx.x); r < R; r += static_cast<int>(gridDim.x)) {
@@ -268,7 +271,7 @@ __global__ void __launch_bounds__(kThreads) moeDirectReceiveKernel(const __grid_
         const std::uint32_t* tail = directTail(p, p.shape.rank, parity, s);
         const std::uint32_t sentT = __ldcg(tail);  // a peer's live count is at most maxTokens
         const int T = static_cast<int>(sentT < static_cast<std::uint32_t>(p.shape.maxTokens) ? sentT : p.shape.maxTokens);
-        const int blocks = (T + kBlockTokens - 1) / kBlockTokens;
+        const int blocks = blocksOf(T);
         moeSourceBases<kThreads>(p, msgOf, sm.offsets, s, sm.base);
         __syncthreads();
         const long long rankBase = p.layout.rankMajor ? moeRankBase(p, msgOf, s) : -1;  // rank-major: s's first row
@@ -317,7 +320,7 @@ __device__ inline CombineBlock combineBlock(const MoeParams& p, int n) {
   const int R = p.shape.numRanks;
   int s = (p.shape.rank + 1) % R;
   for (;;) {
-    const int blocks = (p.layout.sourceRecords[s] + kBlockTokens - 1) / kBlockTokens;
+    const int blocks = blocksOf(p.layout.sourceRecords[s]);
     if (n < blocks) return CombineBlock{s, n};
     n -= blocks;
     s = (s + 1) % R;
@@ -325,7 +328,7 @@ __device__ inline CombineBlock combineBlock(const MoeParams& p, int n) {
 }
 __device__ inline int combineBlocks(const MoeParams& p) {
   int items = 0;
-  for (int k = 1; k < p.shape.numRanks; ++k) items += (p.layout.sourceRecords[(p.shape.rank + k) % p.shape.numRanks] + kBlockTokens - 1) / kBlockTokens;
+  for (int k = 1; k < p.shape.numRanks; ++k) items += blocksOf(p.layout.sourceRecords[(p.shape.rank + k) % p.shape.numRanks]);
   return items;
 }
 
@@ -430,7 +433,7 @@ __global__ void __launch_bounds__(kThreads) moeDirectCombineSendKernel(const __g
   // The blocks this combine leaves empty at each source (past its records here) get their flag
   // too, as the dispatch's do: no flag falls behind the step.
   postEmptyBlocks(
-      p, cstep, [&](int q) { return (p.layout.sourceRecords[q] + kBlockTokens - 1) / kBlockTokens; }, directCombineFlag);
+      p, cstep, [&](int q) { return blocksOf(p.layout.sourceRecords[q]); }, directCombineFlag);
   }
   ptx::gridDependencyWait();  // the reduce has completed: this grid ends after it
 }
