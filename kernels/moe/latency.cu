@@ -261,7 +261,15 @@ __device__ void dispatchReceive(const MoeParams& p, Part part, std::uint32_t liv
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyExpand);
     if (layoutOk) {
-      // Each source's records once its G send CTAs have arrived, this rank's own first.
+      // Each source's records once its G send CTAs have arrived, this rank's own first. The
+      // records of every source, in this order, are dealt to the receive groups one per CTA in
+      // turn (group-major: consecutive records on different SMs), from CTA 1 (CTA 0 publishes the
+      // layout): group slot n takes records n - 1, n - 1 + stride, ... So a source's records do
+      // not queue behind the earlier sources' in the same groups: at few tokens this rank's own
+      // records and each peer's are expanded side by side.
+      const int stride = gs.stride, slot = gs.group * part.ctas + part.cta;
+      const long long mineAt = (slot + stride - 1) % stride;  // this group's records: mineAt (mod stride)
+      long long before = 0;  // records of the sources before this one
       for (int k = 0; k < R; ++k) {
         const int s = (p.shape.rank + k) % R;
         const bool failed = tid == 0 && isLive(live, s) &&
@@ -284,8 +292,9 @@ __device__ void dispatchReceive(const MoeParams& p, Part part, std::uint32_t liv
         const long long rankBase = p.layout.rankMajor ? moeRankBase(p, msgOf, s) : -1;  // rank-major: its first row
         // Every group goes round equally (an idle one through the same barriers): base is
         // rewritten for the next source after the __syncthreads below.
-        for (int b = gs.first - gs.group; b < rows; b += gs.stride) {
-          const int i = b + gs.group;
+        for (long long round = before / stride * stride; round < before + rows; round += stride) {
+          const long long j = round + mineAt;
+          const int i = j >= before && j < before + rows ? static_cast<int>(j - before) : rows;
           const char* rec = p.peers.userRegions[p.shape.rank] + p.peers.recordsOff + llSlot(p, parity, s, i, p.shape.recordBytes);
           if (i < rows && s == p.shape.rank) {  // its metadata alone: the row comes from x
             moeExpandOwnRecord(p, rec, sm.base, sm.stages[gs.group], gs.g, p.layout.rankMajor ? rankBase + i : -1);
@@ -296,6 +305,7 @@ __device__ void dispatchReceive(const MoeParams& p, Part part, std::uint32_t liv
           }
         }
         __syncthreads();
+        before += rows;
         if (k == 0 && part.cta == 0 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kOwnDone0);
       }
     }
