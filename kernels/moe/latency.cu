@@ -267,9 +267,17 @@ __device__ void dispatchReceive(const MoeParams& p, Part part, std::uint32_t liv
       // layout): group slot n takes records n - 1, n - 1 + stride, ... So a source's records do
       // not queue behind the earlier sources' in the same groups: at few tokens this rank's own
       // records and each peer's are expanded side by side.
+      // At few records, the groups left over share each record's row (C chunks per record,
+      // moeRecordChunks): item j x C + c is chunk c of record j.
       const int stride = gs.stride, slot = gs.group * part.ctas + part.cta;
-      const long long mineAt = (slot + stride - 1) % stride;  // this group's records: mineAt (mod stride)
-      long long before = 0;  // records of the sources before this one
+      const long long mineAt = (slot + stride - 1) % stride;  // this group's items: mineAt (mod stride)
+      long long records = 0;
+      for (int q = 0; q < R; ++q) {
+        const std::uint64_t sent = __ldcg(msgOf(q));
+        records += static_cast<long long>(sent < static_cast<std::uint64_t>(p.shape.maxTokens) ? sent : p.shape.maxTokens);
+      }
+      const int C = moeRecordChunks(stride, records, p.shape.hidden);
+      long long before = 0;  // items of the sources before this one
       for (int k = 0; k < R; ++k) {
         const int s = (p.shape.rank + k) % R;
         const bool failed = tid == 0 && isLive(live, s) &&
@@ -292,20 +300,23 @@ __device__ void dispatchReceive(const MoeParams& p, Part part, std::uint32_t liv
         const long long rankBase = p.layout.rankMajor ? moeRankBase(p, msgOf, s) : -1;  // rank-major: its first row
         // Every group goes round equally (an idle one through the same barriers): base is
         // rewritten for the next source after the __syncthreads below.
-        for (long long round = before / stride * stride; round < before + rows; round += stride) {
-          const long long j = round + mineAt;
-          const int i = j >= before && j < before + rows ? static_cast<int>(j - before) : rows;
+        const long long items = static_cast<long long>(rows) * C;
+        for (long long round = before / stride * stride; round < before + items; round += stride) {
+          const long long item = round + mineAt;
+          const bool mine = item >= before && item < before + items;
+          const int i = mine ? static_cast<int>((item - before) / C) : rows;
+          const MoeChunk chunk{mine ? static_cast<int>((item - before) % C) : 0, C};
           const char* rec = p.peers.userRegions[p.shape.rank] + p.peers.recordsOff + llSlot(p, parity, s, i, p.shape.recordBytes);
           if (i < rows && s == p.shape.rank) {  // its metadata alone: the row comes from x
-            moeExpandOwnRecord(p, rec, sm.base, sm.stages[gs.group], gs.g, p.layout.rankMajor ? rankBase + i : -1);
+            moeExpandOwnRecord(p, rec, sm.base, sm.stages[gs.group], gs.g, p.layout.rankMajor ? rankBase + i : -1, chunk);
           } else if (i < rows) {
-            moeExpandRecord(p, s, rec, sm.base, sm.stages[gs.group], gs.g, p.layout.rankMajor ? rankBase + i : -1);
+            moeExpandRecord(p, s, rec, sm.base, sm.stages[gs.group], gs.g, p.layout.rankMajor ? rankBase + i : -1, chunk);
           } else {
             moeIdleRecord(gs.g);
           }
         }
         __syncthreads();
-        before += rows;
+        before += items;
         if (k == 0 && part.cta == 0 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kOwnDone0);
       }
     }
