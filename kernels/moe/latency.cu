@@ -213,9 +213,13 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part, std::uint3
     // barriers): compute-sanitizer racecheck mis-orders a CTA-wide shared-memory exchange whose
     // writer's group has passed its named barrier more often than the reader's (a false RAW
     // hazard; tools/racecheck_probe.cu, docs/RELIABILITY.md); the receiver keeps the same rule.
-    for (int base = firstItem - group; base < T; base += items) {
-      const int t = base + group;
-      if (g.tid == 0 && t < T) {
+    // At few tokens the groups left over share a token's row: item t x C + c is chunk c of token
+    // t, the C groups of a token acting as one group of C x kMoeGroupThreads threads over its row
+    // (moeWriteRecords synchronises none of them; chunk 0 writes the metadata).
+    const int C = moeRecordChunks(items, T, p.shape.hidden);
+    for (int base = firstItem - group; base < T * C; base += items) {
+      const int item = base + group, t = item / C, c = item % C;
+      if (g.tid == 0 && item < T * C) {
         int n = 0;
         for (int r = 0; r < R; ++r) {
           if (r == p.shape.rank || !((dstBits[r * W + (t >> 5)] >> (t & 31)) & 1u)) continue;
@@ -225,11 +229,12 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part, std::uint3
         ndst[group] = n;
       }
       g.sync();
-      if (t < T && ndst[group] > 0) {
+      if (item < T * C && ndst[group] > 0) {
+        const MoeGroup chunk{c * g.nthreads + g.tid, C * g.nthreads, g.barrier};  // never synchronised
         moeWriteRecords(p, t, dsts[group], dstRanks[group], ndst[group],
-                        [&](int k) { return entriesBefore(ids[t * K + k], t, k); }, g, ndst[group]);
+                        [&](int k) { return entriesBefore(ids[t * K + k], t, k); }, chunk, ndst[group]);
       }
-      g.sync();  // dsts is rewritten for the next token
+      g.sync();  // dsts is rewritten for the next item
     }
   }
   arriveAtEveryPeer(p, p.latency.recordArrivalsOff, live);  // this CTA's records, to every peer taking part
