@@ -83,16 +83,20 @@ TEST(Gpu1_TokenLayout, AgainstHostCounts) {
     a.tokensPerRank = perRank;
     a.tokensPerExpert = perExpert;
     a.tokenInRank = inRank;
+    // Everything on s, the stream the layout runs on: a cudaMemset or pageable cudaMemcpy on the
+    // legacy stream is not ordered with the non-blocking s, and its poison once landed between the
+    // graph's zeroing and its counts (run 135: every count read as 0x5a5a5a5a + count).
     auto upload = [&](const std::vector<long long>& v) {
       if (c.int64Ids) {
-        GRAPHEP_CUDA_CHECK(cudaMemcpy(ids, v.data(), n * 8, cudaMemcpyHostToDevice));
+        GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(ids, v.data(), n * 8, cudaMemcpyHostToDevice, s));
       } else {
         const std::vector<int> v32(v.begin(), v.end());
-        GRAPHEP_CUDA_CHECK(cudaMemcpy(ids, v32.data(), n * 4, cudaMemcpyHostToDevice));
+        GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(ids, v32.data(), n * 4, cudaMemcpyHostToDevice, s));
+        GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(s));  // v32 goes out of scope
       }
-      GRAPHEP_CUDA_CHECK(cudaMemset(perRank, 0x5a, static_cast<std::size_t>(c.R) * 4));
-      GRAPHEP_CUDA_CHECK(cudaMemset(perExpert, 0x5a, static_cast<std::size_t>(c.E) * 4));
-      GRAPHEP_CUDA_CHECK(cudaMemset(inRank, 0x5a, static_cast<std::size_t>(c.T) * c.R));
+      GRAPHEP_CUDA_CHECK(cudaMemsetAsync(perRank, 0x5a, static_cast<std::size_t>(c.R) * 4, s));
+      GRAPHEP_CUDA_CHECK(cudaMemsetAsync(perExpert, 0x5a, static_cast<std::size_t>(c.E) * 4, s));
+      GRAPHEP_CUDA_CHECK(cudaMemsetAsync(inRank, 0x5a, static_cast<std::size_t>(c.T) * c.R, s));
     };
     auto check = [&](const std::vector<long long>& v, const std::string& when) {
       const HostLayout want = hostLayout(v, c);
