@@ -49,7 +49,8 @@ std::vector<Row> runAllToAllv(const Options& o, Ranks& r) {
         h[static_cast<size_t>(3 * R + q)] = per * q;
         fillBytes(src[static_cast<size_t>(i)] + per * q, per, salt(r.rank(i), q), r.streams[static_cast<size_t>(i)]);
       }
-      GRAPHEP_CUDA_CHECK(cudaMemcpy(counts[static_cast<size_t>(i)], h.data(), h.size() * 8, cudaMemcpyHostToDevice));
+      GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(counts[static_cast<size_t>(i)], h.data(), h.size() * 8, cudaMemcpyHostToDevice,
+                                         r.streams[static_cast<size_t>(i)]));  // on the stream the movers use
       GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(r.streams[static_cast<size_t>(i)]));
     }
     double ncclUs = 0;

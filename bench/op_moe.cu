@@ -262,6 +262,7 @@ void runMicroBatches(const Options& o, Ranks& r, std::size_t tokens) {
     GRAPHEP_CUDA_CHECK(cudaMalloc(&q.out, static_cast<std::size_t>(T) * H * 2));
     GRAPHEP_CUDA_CHECK(cudaMalloc(&q.stamps, 4 * 8));
     GRAPHEP_CUDA_CHECK(cudaStreamCreateWithFlags(&q.sb, cudaStreamNonBlocking));
+    GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());  // the inputs above landed before the non-blocking streams run
     GRAPHEP_CUDA_CHECK(cudaEventCreateWithFlags(&q.dispatched, cudaEventDisableTiming));
     GRAPHEP_CUDA_CHECK(cudaEventCreateWithFlags(&q.done, cudaEventDisableTiming));
   }
@@ -340,6 +341,7 @@ void runMicroBatches(const Options& o, Ranks& r, std::size_t tokens) {
     GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[static_cast<std::size_t>(i)]));
     const unsigned long long init[4] = {~0ull, 0ull, ~0ull, 0ull};
     GRAPHEP_CUDA_CHECK(cudaMemcpy(b[static_cast<std::size_t>(i)].stamps, init, sizeof(init), cudaMemcpyHostToDevice));
+    GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());  // landed before the busy expert's stream stamps it
   }
   r.comm->barrier();
   inFlight();
@@ -455,6 +457,7 @@ std::vector<Row> runMoe(const Options& o, Ranks& r) {
         std::vector<float> ws(mine.size(), 1.0f / static_cast<float>(K));
         GRAPHEP_CUDA_CHECK(cudaMemcpy(w[li], ws.data(), ws.size() * 4, cudaMemcpyHostToDevice));
         GRAPHEP_CUDA_CHECK(cudaMemcpy(n[li], &T, 4, cudaMemcpyHostToDevice));
+        GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());  // landed before the engine's (non-blocking) streams read it
       }
       auto argsOf = [&](int i) {
         const std::size_t li = static_cast<std::size_t>(i);

@@ -95,6 +95,7 @@ std::vector<Row> runPingPong(const Options& o, Ranks& r) {
     GRAPHEP_CUDA_CHECK(preloadProbeKernels());
     GRAPHEP_CUDA_CHECK(cudaMalloc(&errors[i], sizeof(unsigned long long)));
     GRAPHEP_CUDA_CHECK(cudaMemset(errors[i], 0, sizeof(unsigned long long)));
+    GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());  // landed before the (non-blocking) probe streams use it
   }
   long long ncclWrong = 0;
   progress("nccl baseline");

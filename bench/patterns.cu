@@ -40,7 +40,8 @@ long long checkBytes(Ranks& r, int i, const void* p, std::size_t bytes, unsigned
   GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[static_cast<size_t>(i)]));
   unsigned long long* wrong = nullptr;
   GRAPHEP_CUDA_CHECK(cudaMalloc(&wrong, sizeof(unsigned long long)));
-  GRAPHEP_CUDA_CHECK(cudaMemset(wrong, 0, sizeof(unsigned long long)));
+  // On the check's stream: a legacy-stream memset is not ordered before the non-blocking stream.
+  GRAPHEP_CUDA_CHECK(cudaMemsetAsync(wrong, 0, sizeof(unsigned long long), r.streams[static_cast<size_t>(i)]));
   if (bytes > 0) {
     checkKernel<<<1024, 256, 0, r.streams[static_cast<size_t>(i)]>>>(
         static_cast<const unsigned char*>(p), bytes, salt, wrong);

@@ -122,6 +122,10 @@ std::vector<Movers> Movers::createAll(const SymmetricHeap& heap, const MoverOpti
     if (all[0].remoteCap_ > 0) sizes.push_back(all[0].remoteCap_);
     MeshTransport::warmUp(heap, meshes, sizes);
   }
+  for (int l = 0; l < heap.numLocalRanks(); ++l) {  // the setup's legacy-stream writes landed
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(heap.device(l)));
+    GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
+  }
   heap.comm().barrier();
   return all;
 }
@@ -617,6 +621,7 @@ void Movers::resetProfile() const {
   GRAPHEP_CUDA_CHECK(cudaSetDevice(heap_->device(local_)));
   GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
   GRAPHEP_CUDA_CHECK(cudaMemset(profile_.get(), 0, sizeof(ProfileCounters)));
+  GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());  // landed before the caller's next (non-blocking) stream work
 }
 
 }  // namespace graphep

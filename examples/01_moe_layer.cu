@@ -57,9 +57,10 @@ struct RankLayer {
     const ex::DeviceGuard guard(device);
     ex::fillWeights(routerWeights.get(), routerWeights.size(), ex::Tensor::kRouter, 0, routerWeights.size(), s.hidden,
                     stream.get());
-    GRAPHEP_EXAMPLE_CUDA_CHECK(cudaMemcpy(numTokens.get(), &s.tokensPerRank, sizeof(int), cudaMemcpyHostToDevice));
-    GRAPHEP_EXAMPLE_CUDA_CHECK(cudaMemset(step.get(), 0, step.bytes()));
-    GRAPHEP_EXAMPLE_CUDA_CHECK(cudaMemset(overflow.get(), 0, overflow.bytes()));
+    GRAPHEP_EXAMPLE_CUDA_CHECK(
+        cudaMemcpyAsync(numTokens.get(), &s.tokensPerRank, sizeof(int), cudaMemcpyHostToDevice, stream.get()));
+    GRAPHEP_EXAMPLE_CUDA_CHECK(cudaMemsetAsync(step.get(), 0, step.bytes(), stream.get()));
+    GRAPHEP_EXAMPLE_CUDA_CHECK(cudaMemsetAsync(overflow.get(), 0, overflow.bytes(), stream.get()));
     GRAPHEP_EXAMPLE_CUDA_CHECK(cudaStreamSynchronize(stream.get()));
   }
   int rank, device;

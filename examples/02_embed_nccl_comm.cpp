@@ -88,12 +88,14 @@ int main(int argc, char** argv) {
     CUDA_OK(cudaMalloc(&dw, w.size() * 4));
     CUDA_OK(cudaMalloc(&dn, 4));
     CUDA_OK(cudaMalloc(&dout, x.size() * 2));
-    CUDA_OK(cudaMemcpy(dx, x.data(), x.size() * 2, cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemcpy(dids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemcpy(dw, w.data(), w.size() * 4, cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemcpy(dn, &kTokens, 4, cudaMemcpyHostToDevice));
     cudaStream_t stream = nullptr;
     CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    // The inputs on the stream the engine runs on (a non-blocking stream is not ordered after
+    // the legacy stream a plain cudaMemcpy uses).
+    CUDA_OK(cudaMemcpyAsync(dx, x.data(), x.size() * 2, cudaMemcpyHostToDevice, stream));
+    CUDA_OK(cudaMemcpyAsync(dids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice, stream));
+    CUDA_OK(cudaMemcpyAsync(dw, w.data(), w.size() * 4, cudaMemcpyHostToDevice, stream));
+    CUDA_OK(cudaMemcpyAsync(dn, &kTokens, 4, cudaMemcpyHostToDevice, stream));
 
     graphep::DispatchArgs da;
     da.x = dx;
@@ -128,7 +130,7 @@ int main(int argc, char** argv) {
     // The stack's own collective on the communicator graphep also uses.
     long long* dwrong = nullptr;
     CUDA_OK(cudaMalloc(&dwrong, sizeof(long long)));
-    CUDA_OK(cudaMemcpy(dwrong, &wrong, sizeof(long long), cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpyAsync(dwrong, &wrong, sizeof(long long), cudaMemcpyHostToDevice, stream));
     if (ncclAllReduce(dwrong, dwrong, 1, ncclInt64, ncclSum, nccl, stream) != ncclSuccess) {
       std::fprintf(stderr, "rank %d: ncclAllReduce failed\n", rank);
       MPI_Abort(MPI_COMM_WORLD, 1);

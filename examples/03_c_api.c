@@ -107,8 +107,9 @@ int main(void) {
         w[r][t * K + 1] = 0.25f;
       }
       CUDA(cudaSetDevice(devices[r]));
-      CUDA(cudaMemcpy(dids[r], ids[r], sizeof ids[r], cudaMemcpyHostToDevice));
-      CUDA(cudaMemcpy(dw[r], w[r], sizeof w[r], cudaMemcpyHostToDevice));
+      /* on the rank's stream: the graph launched on it is not ordered after the legacy stream */
+      CUDA(cudaMemcpyAsync(dids[r], ids[r], sizeof ids[r], cudaMemcpyHostToDevice, stream[r]));
+      CUDA(cudaMemcpyAsync(dw[r], w[r], sizeof w[r], cudaMemcpyHostToDevice, stream[r]));
     }
     for (int r = 0; r < RANKS; ++r) {
       CUDA(cudaSetDevice(devices[r]));

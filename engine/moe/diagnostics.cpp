@@ -117,6 +117,9 @@ void Engine::clearStatus() {
   GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
   GRAPHEP_CUDA_CHECK(cudaMemset(m.p.state.status, 0, sizeof(MoeDeviceStatus)));
   m.group->heap->clearError(m.local);
+  // Landed before the caller's next operation (on a non-blocking stream, not ordered after the
+  // legacy stream the memset went to) counts into the status.
+  GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 namespace {
@@ -194,6 +197,7 @@ void Engine::resetTimeline() {
   std::vector<unsigned long long> t(kMoeStampWords * kStampKernels + kMoeTraceWords, 0);
   for (int k = 0; k < kStampKernels; ++k) t[static_cast<std::size_t>(kMoeStampWords * k)] = ~0ull;
   GRAPHEP_CUDA_CHECK(cudaMemcpy(m.p.state.timeline, t.data(), t.size() * sizeof(unsigned long long), cudaMemcpyHostToDevice));
+  GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());  // landed before the caller's next (non-blocking) stream work
 }
 
 std::vector<MoeStepTrace> Engine::stepTrace() const {

@@ -171,6 +171,13 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     engines.push_back(std::unique_ptr<Engine>(new Engine(buildEngine(plan, group, l, path))));
     engines.back()->resetTimeline();
   }
+  // The setup's memsets and copies went to each device's legacy stream, which the caller's
+  // (non-blocking) streams and the peers' operations are not ordered after: every one has landed
+  // before any rank passes the barrier (a late one would overwrite a peer's first arrival).
+  for (int l = 0; l < group->heap->numLocalRanks(); ++l) {
+    DeviceGuard guard(group->heap->device(l));
+    GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
+  }
   comm.barrier();
   return engines;
 }

@@ -988,6 +988,7 @@ static void run_config(graphep_comm_t comm, const char* comm_name, int peers_loa
     if (c->halves) {
       CHECK_CUDA(cudaMalloc((void**)&q->stats, L * sizeof(int)));
       CHECK_CUDA(cudaMemset(q->stats, 0, L * sizeof(int)));
+      CHECK_CUDA(cudaDeviceSynchronize()); /* landed before the rank's non-blocking stream uses it */
     }
     q->ref_valid = (unsigned char*)malloc(cap);
     q->ref_src = (int*)malloc(cap * sizeof(int));
@@ -1160,6 +1161,7 @@ static int strict_child(void) {
   CHECK_CUDA(cudaMemcpy(di, ids, sizeof ids, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(dw, w, sizeof w, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(dn, &T, sizeof T, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaDeviceSynchronize()); /* landed: the non-blocking stream below is not ordered after the copies */
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   graphep_dispatch_args_t d = GRAPHEP_DISPATCH_ARGS_INIT;

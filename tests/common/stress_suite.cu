@@ -397,8 +397,8 @@ void runMoeStress(Communicator& comm, const StressCase& sc) {
     GRAPHEP_CUDA_CHECK(cudaMalloc(&k.numTokens, 4));
     GRAPHEP_CUDA_CHECK(cudaMalloc(&k.out, static_cast<std::size_t>(Tmax) * kHidden * 2));
     GRAPHEP_CUDA_CHECK(cudaMalloc(&k.st, sizeof(StressState)));
-    GRAPHEP_CUDA_CHECK(cudaMemset(k.st, 0, sizeof(StressState)));
     GRAPHEP_CUDA_CHECK(cudaStreamCreateWithFlags(&k.stream, cudaStreamNonBlocking));
+    GRAPHEP_CUDA_CHECK(cudaMemsetAsync(k.st, 0, sizeof(StressState), k.stream));  // ordered before the replays
     MoeGraphArgs args;
     args.dispatch.x = k.x;
     args.dispatch.topkIdx = k.idx;

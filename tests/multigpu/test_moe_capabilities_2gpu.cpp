@@ -295,6 +295,9 @@ class Caps {
     c.expertsOut64 = std::make_unique<DeviceBuffer<long long>>(rowsAlloc * K);
     c.expertsOut32 = std::make_unique<DeviceBuffer<int>>(rowsAlloc * K);
     c.weightsOut = std::make_unique<DeviceBuffer<float>>(rowsAlloc * K);
+    // The uploads and poisons went to the legacy stream, which the rank's non-blocking stream is
+    // not ordered after: landed before the call.
+    GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
     return c;
   }
 
@@ -474,6 +477,7 @@ class Caps {
     c.values->upload(c.valuesHost);
     c.out = std::make_unique<DeviceBuffer<std::uint16_t>>(static_cast<std::size_t>(gShape.tMax) * gShape.hidden);
     c.outValues = std::make_unique<DeviceBuffer<float>>(static_cast<std::size_t>(gShape.tMax) * std::max(K, 1));
+    GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());  // as in prepare: landed before the call
     return c;
   }
   void enqueueCombine(int l, const CombineCall& c, int K) {

@@ -478,6 +478,8 @@ def combine_all(torch, engines, streams, ranks, outs, values=3, rows=None):
             v = torch.stack([o.row_src_rank[:keep].float(), o.row_src_token[:keep].float(),
                              torch.full((keep,), float(q), device=y.device)], dim=1)[:, :values].contiguous()
             ys.append(y), vals.append(v)
+    for e in engines:  # y and v were made on the default stream, which s is not ordered after
+        torch.cuda.synchronize(e.device)
     for e, s, y, v in zip(engines, streams, ys, vals):
         with torch.cuda.device(e.device), torch.cuda.stream(s):
             out = torch.full((T, H), -3.0e38, dtype=torch.bfloat16, device=y.device)
