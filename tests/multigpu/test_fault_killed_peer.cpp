@@ -3,9 +3,12 @@
 // it, each replay with new inputs into poisoned outputs, every output checked. The expert slot
 // holds a host node that stalls when asked to; for its last replay the child asks, so it is killed
 // (SIGKILL) between its dispatch and its combine, with the replay in flight. The survivor's replay
-// must end within the device timeout: it finds the error naming the dead peer, the engine refuses
-// new work, and the survivor tears down and exits 0. No mpirun: mpirun would take the whole job
-// down with the dead process.
+// must end within the device timeout: it finds the error naming the dead peer, and the engine
+// refuses new work. Then it recovers among the survivors (Engine::recover with the mask {0}, the
+// same graph, nothing recaptured) and replays 1,000 times, each replay exact: the tokens' expert
+// on rank 0 alone (expert 2 lived on the dead rank: nothing from it), and every entry routed to
+// the dead rank counted in MoeStatus.maskedEntries. Then it tears down and exits 0. No mpirun:
+// mpirun would take the whole job down with the dead process.
 //
 // Exit code 0: as described; 1: a check failed, or fewer than 2 GPUs where GRAPHEP_EXPECT_GPUS says
 // there are 2 or more (common/gpu_env.hpp); 77: fewer than 2 GPUs otherwise (skipped).
@@ -31,7 +34,7 @@
 
 namespace {
 
-constexpr int kTokens = 32, kHidden = 256, kTopK = 2, kReplaysBeforeKill = 5;
+constexpr int kTokens = 32, kHidden = 256, kTopK = 2, kReplaysBeforeKill = 5, kReplaysAfterRecovery = 1000;
 constexpr unsigned char kPoison = 0xff;  // 0xffff: a bf16 NaN, which no correct output is
 
 // bf16 of a small integer (exact): the high half of its float.
@@ -83,6 +86,7 @@ int run(int rank, const ncclUniqueId& id) {
     cudaMemcpy(dids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice);
     cudaMemcpy(dw, w.data(), w.size() * 4, cudaMemcpyHostToDevice);
     cudaMemcpy(dn, &kTokens, 4, cudaMemcpyHostToDevice);
+    cudaDeviceSynchronize();  // landed: the non-blocking stream below is not ordered after these copies
     cudaStream_t s;
     cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
     graphep::MoeGraphArgs args;
@@ -104,24 +108,25 @@ int run(int rank, const ncclUniqueId& id) {
       cudaMemsetAsync(dout, kPoison, x.size() * 2, s);
     };
     std::vector<unsigned short> out(x.size());
-    for (int i = 0; i < kReplaysBeforeKill; ++i) {
-      const std::string replay = "replay " + std::to_string(i);
-      prepare(i);
-      graph->launch(s);
-      if (cudaStreamSynchronize(s) != cudaSuccess) return fail(who, replay + " failed");
+    // Every output of the replay equal to `want`; the error names the first one that is not.
+    auto check = [&](const std::string& replay, unsigned short want) -> std::string {
+      if (cudaStreamSynchronize(s) != cudaSuccess) return replay + " failed";
       cudaMemcpy(out.data(), dout, out.size() * 2, cudaMemcpyDeviceToHost);
-      const unsigned short want = bf16(2.0f * static_cast<float>(i + 1));
       long long wrong = 0, first = -1;
       for (std::size_t e = 0; e < out.size(); ++e) {
         if (out[e] != want && wrong++ == 0) first = static_cast<long long>(e);
       }
-      if (wrong != 0) {
-        char what[160];
-        std::snprintf(what, sizeof(what), "%s: %lld of %zu outputs wrong (first [%lld] = 0x%04x, want 0x%04x)",
-                      replay.c_str(), wrong, out.size(), first, out[static_cast<std::size_t>(first)],
-                      want);
-        return fail(who, what);
-      }
+      if (wrong == 0) return {};
+      char what[160];
+      std::snprintf(what, sizeof(what), "%s: %lld of %zu outputs wrong (first [%lld] = 0x%04x, want 0x%04x)",
+                    replay.c_str(), wrong, out.size(), first, out[static_cast<std::size_t>(first)], want);
+      return what;
+    };
+    for (int i = 0; i < kReplaysBeforeKill; ++i) {
+      prepare(i);
+      graph->launch(s);
+      const std::string bad = check("replay " + std::to_string(i), bf16(2.0f * static_cast<float>(i + 1)));
+      if (!bad.empty()) return fail(who, bad);
     }
     if (rank == 1) {  // the victim: one more replay, killed inside its expert slot
       gStallInExpert.store(true);
@@ -141,16 +146,38 @@ int run(int rank, const ncclUniqueId& id) {
     if (st.deviceError.find("peer 1") == std::string::npos) return fail(who, "the error does not name peer 1");
     if (!engine->failed()) return fail(who, "the engine is not in its failed state");
     try {
-      graph.reset();
-      engine->dispatch(args.dispatch, s);
+      engine->dispatch(args.dispatch, s);  // refused before anything is enqueued
       return fail(who, "a failed engine accepted a dispatch");
     } catch (const graphep::Error& err) {
       if (err.status() != graphep::Status::kRemoteError) return fail(who, err.what());
     }
+    // Back to service without the dead rank: the same graph, replayed.
+    engine->recover(1u, s);
+    if (engine->failed()) return fail(who, "the engine is still failed after recover");
+    for (int i = 0; i < kReplaysAfterRecovery; ++i) {
+      const int v = i % 250 + 1;  // exact in bf16, and never the previous replay's
+      std::fill(x.begin(), x.end(), bf16(static_cast<float>(v)));
+      cudaMemcpyAsync(dx, x.data(), x.size() * 2, cudaMemcpyHostToDevice, s);
+      cudaMemsetAsync(dout, kPoison, x.size() * 2, s);
+      graph->launch(s);
+      // Expert 0 (rank 0) alone, weight 1: out = x; expert 2 (the dead rank) adds nothing.
+      const std::string bad = check("replay " + std::to_string(i) + " after recovery", bf16(static_cast<float>(v)));
+      if (!bad.empty()) return fail(who, bad);
+    }
+    const graphep::MoeStatus after = engine->status();
+    if (!after.ok()) return fail(who, "status after the replays: " + after.describe());
+    const unsigned long long masked = static_cast<unsigned long long>(kTokens) * kReplaysAfterRecovery;
+    if (after.maskedEntries[1] != masked || after.maskedEntries[0] != 0) {
+      return fail(who, "maskedEntries " + std::to_string(after.maskedEntries[0]) + ", " +
+                           std::to_string(after.maskedEntries[1]) + " (want 0, " + std::to_string(masked) + ")");
+    }
+    std::printf("survivor: recovered with the mask {0}: %d replays exact, %llu entries to the dead rank masked\n",
+                kReplaysAfterRecovery, masked);
+    graph.reset();
     cudaStreamDestroy(s);
     for (void* p : {dx, dids, dw, dn, dout}) cudaFree(p);
     engine.reset();  // must not wait on the dead peer
-    std::printf("survivor: torn down after the peer died: PASS\n");
+    std::printf("survivor: torn down after the peer died and the recovery: PASS\n");
     return 0;
   } catch (const graphep::Error& err) {
     return fail(who, err.what());
