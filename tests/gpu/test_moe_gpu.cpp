@@ -98,6 +98,13 @@ TEST_F(Gpu1_MoeFaults, MissingRankThroughput) {
   runMoeMissingRank(*comm_, MoePath::kThroughput);
 }
 
+// The missing rank and the recovery among 7 survivors on one GPU.
+TEST(Gpu1_MoeFaults8, MissingRankLatencyEightEmulatedRanks) {
+  GRAPHEP_REQUIRE_GPUS(1);
+  auto comm = createLocalGroup({0, 0, 0, 0, 0, 0, 0, 0});
+  runMoeMissingRank(*comm, MoePath::kAuto);
+}
+
 TEST_F(Gpu1_MoeFaults, WatchdogAndGraphLifetime) {
   runMoeWatchdog(*comm_);
   runMoeGraphOutlivesEngine(*comm_);

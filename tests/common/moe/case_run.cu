@@ -17,27 +17,6 @@ std::uint32_t caseMask(const MoeCase& c, int run, int R) {
   return m != 0 ? m : allRanksMask(R);
 }
 
-// The inputs as an operation under `mask` sees them: the entries whose expert lives on a rank
-// outside the mask become -1, and every valid entry of a rank outside it; masked[q][d] counts the
-// live tokens' entries so removed (q's status counts them by destination d).
-std::vector<Inputs> underMask(const MoeCase& c, const std::vector<Inputs>& all, std::uint32_t mask,
-                              std::vector<std::vector<unsigned long long>>& masked) {
-  std::vector<Inputs> out = all;
-  const int R = static_cast<int>(all.size()), K = c.cfg.topK, E = c.cfg.numExperts, L = E / R;
-  for (int q = 0; q < R; ++q) {
-    Inputs& in = out[static_cast<std::size_t>(q)];
-    const int live = liveCount(c.cfg, in.T);
-    for (std::size_t n = 0; n < in.idx.size(); ++n) {
-      long long& e = in.idx[n];
-      if (e < 0 || e >= E) continue;  // none, or invalid (counted as invalid, mask or not)
-      const int d = static_cast<int>(e / L);
-      if (((mask >> q) & 1u) != 0 && ((mask >> d) & 1u) != 0) continue;
-      if (static_cast<int>(n) / K < live) ++masked[static_cast<std::size_t>(q)][static_cast<std::size_t>(d)];
-      e = -1;
-    }
-  }
-  return out;
-}
 }  // namespace
 
 // Every case in each receive layout (inEveryLayout).

@@ -138,6 +138,25 @@ Inputs makeInputs(const MoeCase& c, int R, int rank, int T, std::uint64_t seed) 
 
 int liveCount(const MoeConfig& g, int T) { return std::clamp(T, 0, g.maxTokensPerRank); }
 
+std::vector<Inputs> underMask(const MoeCase& c, const std::vector<Inputs>& all, std::uint32_t mask,
+                              std::vector<std::vector<unsigned long long>>& masked) {
+  std::vector<Inputs> out = all;
+  const int R = static_cast<int>(all.size()), K = c.cfg.topK, E = c.cfg.numExperts, L = E / R;
+  for (int q = 0; q < R; ++q) {
+    Inputs& in = out[static_cast<std::size_t>(q)];
+    const int live = liveCount(c.cfg, in.T);
+    for (std::size_t n = 0; n < in.idx.size(); ++n) {
+      long long& e = in.idx[n];
+      if (e < 0 || e >= E) continue;  // none, or invalid (counted as invalid, mask or not)
+      const int d = static_cast<int>(e / L);
+      if (((mask >> q) & 1u) != 0 && ((mask >> d) & 1u) != 0) continue;
+      if (static_cast<int>(n) / K < live) ++masked[static_cast<std::size_t>(q)][static_cast<std::size_t>(d)];
+      e = -1;
+    }
+  }
+  return out;
+}
+
 long long batchedRows(const MoeConfig& g, int R) {
   if (g.receiveLayout != ReceiveLayout::kBatched) return 0;
   return g.rowsPerExpert > 0 ? g.rowsPerExpert : static_cast<long long>(R) * g.maxTokensPerRank;

@@ -107,6 +107,11 @@ class WrongValues {
 Inputs makeInputs(const MoeCase& c, int R, int rank, int T, std::uint64_t seed);
 
 int liveCount(const MoeConfig& g, int T);
+// The inputs as an operation under the active-rank `mask` sees them: the entries whose expert
+// lives on a rank outside the mask become -1, and every valid entry of a rank outside it;
+// masked[q][d] counts the live tokens' entries so removed (q's status counts them by destination d).
+std::vector<Inputs> underMask(const MoeCase& c, const std::vector<Inputs>& all, std::uint32_t mask,
+                              std::vector<std::vector<unsigned long long>>& masked);
 
 // The batched layout's rows per expert as documented (MoeConfig.rowsPerExpert, 0: R x T_max); 0
 // for expert-major.

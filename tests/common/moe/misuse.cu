@@ -1,6 +1,7 @@
 // The MoE misuse, missing-rank, watchdog and graph-lifetime suites: bad input named, a dead peer
 // reported, buffers kept alive by graphs.
 #include "common/expect_error.hpp"
+#include "common/gpu_env.hpp"
 #include "common/moe/harness.cuh"
 
 namespace graphep::test {
@@ -138,12 +139,81 @@ void runMoeMisuse(Communicator& comm, MoePath path) {
   forEveryLayout(smallCase(comm, 32, path), [&](const MoeCase& c) { runMoeMisuseInLayout(comm, c); });
 }
 
-void runMoeMissingRank(Communicator& comm, MoePath path) {
-  ScopedEnv timeout("GRAPHEP_TIMEOUT_MS", "300");  // read when the engines' heap is created
-  const MoeCase c = smallCase(comm, 32, path);
+namespace {
+
+// After the missing rank was named (latency path): every survivor recovers with the mask that
+// leaves it out (Engine::recover) and replays the graph it captured before the failure, nothing
+// recaptured, with fresh inputs into poisoned outputs; every survivor's outputs are checked against
+// the reference of the inputs the mask leaves (the missing rank's experts add nothing), and each
+// survivor's status counts the entries routed to the missing rank. GRAPHEP_RECOVERY_REPLAYS sets
+// the replays (default 12).
+void recoverAndReplay(Communicator& comm, const MoeCase& c, MoeFixture& f, const std::vector<cudaGraphExec_t>& execs,
+                      int missing) {
+  const int R = comm.worldSize();
+  const std::uint32_t mask = allRanksMask(R) & ~(1u << missing);
+  auto survivor = [&](int l) { return comm.globalRank(l) != missing; };
+  for (int l = 0; l < f.L(); ++l) {
+    if (!survivor(l)) continue;
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    f.engine(l).recover(mask, f.buf(l).stream);
+    EXPECT_FALSE(f.engine(l).failed()) << "rank " << comm.globalRank(l);
+  }
+  std::vector<std::vector<unsigned long long>> masked(static_cast<std::size_t>(R),
+                                                      std::vector<unsigned long long>(static_cast<std::size_t>(R), 0));
+  const long long replays = replaysFromEnv("GRAPHEP_RECOVERY_REPLAYS", 12);
+  const std::vector<int> tokens = {32, 17, 1, 0, 32, 9};
+  long long wrong = 0;
+  for (long long i = 0; i < replays && wrong == 0; ++i) {
+    std::vector<Inputs> all;
+    for (int q = 0; q < R; ++q) {
+      const int T = tokens[static_cast<std::size_t>(i + q) % tokens.size()];
+      all.push_back(makeInputs(c, R, q, T, 7000 + static_cast<std::uint64_t>(i) * 13));
+    }
+    const std::vector<Inputs> seen = underMask(c, all, mask, masked);
+    for (int l = 0; l < f.L(); ++l) {
+      if (survivor(l)) f.prepare(l, all[static_cast<std::size_t>(comm.globalRank(l))]);
+    }
+    comm.barrier();
+    for (int l = 0; l < f.L(); ++l) {
+      if (!survivor(l)) continue;
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+      GRAPHEP_CUDA_CHECK(cudaGraphLaunch(execs[static_cast<std::size_t>(l)], f.buf(l).stream));
+    }
+    f.syncAll();
+    std::vector<RefLayout> refs;
+    for (int q = 0; q < R; ++q) refs.push_back(refLayout(c, seen, q, f.layout(0).capacity));
+    for (int l = 0; l < f.L(); ++l) {
+      if (!survivor(l)) continue;
+      const std::string what = "replay " + std::to_string(i) + " after the recovery";
+      const long long n = f.check(l, seen, refs, what);
+      EXPECT_EQ(n, 0) << what << ", rank " << comm.globalRank(l);
+      wrong += n;
+    }
+    comm.barrier();
+  }
+  for (int l = 0; l < f.L(); ++l) {
+    if (!survivor(l)) continue;
+    const int r = comm.globalRank(l);
+    const MoeStatus st = f.engine(l).status();
+    EXPECT_TRUE(st.ok()) << "rank " << r << ": " << st.describe();
+    for (int d = 0; d < R; ++d) {
+      EXPECT_EQ(st.maskedEntries[static_cast<std::size_t>(d)], masked[static_cast<std::size_t>(r)][static_cast<std::size_t>(d)])
+          << "rank " << r << "'s entries for rank " << d;
+    }
+  }
+}
+
+void missingRankInLayout(Communicator& comm, const MoeCase& c) {
   SCOPED_TRACE("a rank that never launches, " + describeCase(c));
   const int missing = comm.worldSize() - 1;
   MoeFixture f(comm, c);
+  // The latency path recovers: each rank's graph, captured before the failure, is replayed after.
+  const bool recovers = f.engine(0).path() == MoePath::kLatency;
+  std::vector<cudaGraphExec_t> execs(static_cast<std::size_t>(f.L()), nullptr);
+  for (int l = 0; recovers && l < f.L(); ++l) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    execs[static_cast<std::size_t>(l)] = captureOnStream(f.buf(l).stream, [&](cudaStream_t s) { f.enqueue(l, s); });
+  }
   f.prepareEvery(32, 99);
   comm.barrier();
   for (int l = 0; l < f.L(); ++l) {
@@ -163,7 +233,18 @@ void runMoeMissingRank(Communicator& comm, MoePath path) {
                 "failed state");
   }
   comm.barrier();
+  if (recovers && !::testing::Test::HasFailure()) recoverAndReplay(comm, c, f, execs, missing);
+  for (cudaGraphExec_t e : execs) {
+    if (e != nullptr) GRAPHEP_CUDA_CHECK(cudaGraphExecDestroy(e));
+  }
 }  // the engines are destroyed here, without waiting on the missing rank
+
+}  // namespace
+
+void runMoeMissingRank(Communicator& comm, MoePath path) {
+  ScopedEnv timeout("GRAPHEP_TIMEOUT_MS", "300");  // read when the engines' heap is created
+  forEveryLayout(smallCase(comm, 32, path), [&](const MoeCase& c) { missingRankInLayout(comm, c); });
+}
 
 void runMoeWatchdog(Communicator& comm) {
   ScopedEnv timeout("GRAPHEP_TIMEOUT_MS", "20000");  // the device waits outlast the watchdog
