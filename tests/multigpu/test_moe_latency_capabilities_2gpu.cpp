@@ -743,17 +743,42 @@ class RankGraphs {
   std::vector<cudaGraphExec_t> exec_;
 };
 
-// Step i's fresh inputs (uploaded) and their reference, fresh expert outputs (uploaded), and every
-// output poisoned: what a replay or an eager step starts from.
+// The inputs as an operation under active-rank mask `mask` sees them: every entry whose expert
+// lives on a rank outside the mask removed (-1), and every entry of a rank outside it. masked[r]
+// counts the live tokens' entries removed for destination r on top of what it held.
+Inputs underMask(const Inputs& in, std::uint32_t mask, std::vector<std::vector<unsigned long long>>& masked) {
+  Inputs out = in;
+  for (int q = 0; q < kRanks; ++q) {
+    RankInputs& r = out[at(q)];
+    for (int t = 0; t < kTMax; ++t) {
+      for (int k = 0; k < kTopK; ++k) {
+        int& e = r.ids[at(t) * kTopK + k];
+        if (e < 0) continue;
+        const int d = e / kLocal;
+        if (((mask >> q) & 1u) != 0 && ((mask >> d) & 1u) != 0) continue;
+        if (t < r.T) ++masked[at(q)][at(d)];
+        e = -1;
+      }
+    }
+  }
+  return out;
+}
+
+// Step i's fresh inputs (uploaded), what the active-rank `mask` leaves of them (`seen`; every
+// input without a mask) and its reference, fresh expert outputs (uploaded), and every output
+// poisoned: what a replay or an eager step starts from. `masked` (with a mask) counts the entries
+// the mask removes, as underMask does.
 struct FreshStep {
-  Inputs in;
+  Inputs in, seen;
   std::vector<RefLayout> refs;
   std::vector<std::vector<std::uint16_t>> y;
 };
-FreshStep freshStep(const Rig& rig, std::uint64_t& seed, int i) {
+FreshStep freshStep(const Rig& rig, std::uint64_t& seed, int i, std::uint32_t mask = allRanksMask(kRanks),
+                    std::vector<std::vector<unsigned long long>>* masked = nullptr) {
   FreshStep f;
   f.in = rig.newInputs(++seed, i);
-  f.refs = rig.reference(f.in);
+  f.seen = masked != nullptr ? underMask(f.in, mask, *masked) : f.in;
+  f.refs = rig.reference(f.seen);
   f.y = rig.newExpertOutputs(++seed);
   rig.poisonDispatchOutputs();
   rig.poisonCombineOutputs();
@@ -990,27 +1015,6 @@ TEST_F(Gpu2_MoeLatencyCapabilities, StepTraceOfBackToBackOperations) {
   expectStatusOk(rig, "back-to-back replays");
 }
 
-// The inputs as an operation under active-rank mask `mask` sees them: every entry whose expert
-// lives on a rank outside the mask removed (-1), and every entry of a rank outside it. masked[r]
-// counts the live tokens' entries removed for destination r on top of what it held.
-Inputs underMask(const Inputs& in, std::uint32_t mask, std::vector<std::vector<unsigned long long>>& masked) {
-  Inputs out = in;
-  for (int q = 0; q < kRanks; ++q) {
-    RankInputs& r = out[at(q)];
-    for (int t = 0; t < kTMax; ++t) {
-      for (int k = 0; k < kTopK; ++k) {
-        int& e = r.ids[at(t) * kTopK + k];
-        if (e < 0) continue;
-        const int d = e / kLocal;
-        if (((mask >> q) & 1u) != 0 && ((mask >> d) & 1u) != 0) continue;
-        if (t < r.T) ++masked[at(q)][at(d)];
-        e = -1;
-      }
-    }
-  }
-  return out;
-}
-
 // The active-rank mask (Engine::setActiveRanks): one captured graph per rank (dispatch, then
 // combine), replayed with fresh inputs and live counts under a random mask set on both ranks
 // between replays (never empty: a rank alone, the other alone, both), with no recapture. Every
@@ -1036,20 +1040,16 @@ TEST_F(Gpu2_MoeLatencyCapabilities, ActiveRankMaskFlips) {
   for (int i = 0; i < replays; ++i) {
     // Both ranks alone, then both together, then random; allRanksMask(2) = 3.
     const std::uint32_t mask = i < 3 ? static_cast<std::uint32_t>(i + 1) : static_cast<std::uint32_t>(1 + pick() % 3);
-    const Inputs in = rig.newInputs(++seed, i);
-    const Inputs seen = underMask(in, mask, masked);
-    const std::vector<RefLayout> refs = rig.reference(seen);
-    const auto y = rig.newExpertOutputs(++seed);
-    rig.poisonDispatchOutputs();
-    rig.poisonCombineOutputs();
+    const FreshStep f = freshStep(rig, seed, i, mask, &masked);
     for (int r = 0; r < kRanks; ++r) {
       rig.select(r);
       rig.engine(r).setActiveRanks(mask, rig.stream(r));
     }
     graphs.launch();
     rig.syncAll();
-    const std::string what = "replay " + std::to_string(i) + ", mask " + std::to_string(mask) + ", " + stepName(i, in);
-    const long long n = checkDispatch(rig, seen, refs, d, what) + checkCombine(rig, seen, refs, y, Weights::kDispatch, what);
+    const std::string what = "replay " + std::to_string(i) + ", mask " + std::to_string(mask) + ", " + stepName(i, f.in);
+    const long long n = checkDispatch(rig, f.seen, f.refs, d, what) +
+                        checkCombine(rig, f.seen, f.refs, f.y, Weights::kDispatch, what);
     EXPECT_EQ(n, 0) << what;
     wrong += n;
     if (wrong > 0) break;  // the first wrong replay is the one to read
@@ -1075,12 +1075,7 @@ TEST_F(Gpu2_MoeLatencyCapabilities, RecoverAfterAPeerStops) {
   std::uint64_t seed = 3000;
   std::vector<std::vector<unsigned long long>> masked(kRanks, std::vector<unsigned long long>(kRanks, 0));
   auto step = [&](int i, std::uint32_t ranks, bool check) {
-    const Inputs in = rig.newInputs(++seed, i);
-    const Inputs seen = underMask(in, ranks, masked);
-    const std::vector<RefLayout> refs = rig.reference(seen);
-    const auto y = rig.newExpertOutputs(++seed);
-    rig.poisonDispatchOutputs();
-    rig.poisonCombineOutputs();
+    const FreshStep f = freshStep(rig, seed, i, ranks, &masked);
     for (int r = 0; r < kRanks; ++r) {
       if (((ranks >> r) & 1u) == 0) continue;
       rig.select(r);
@@ -1090,8 +1085,8 @@ TEST_F(Gpu2_MoeLatencyCapabilities, RecoverAfterAPeerStops) {
     rig.syncAll();
     if (!check) return;
     const std::string what = "step " + std::to_string(i) + ", ranks " + std::to_string(ranks);
-    EXPECT_EQ(checkDispatch(rig, seen, refs, d, what, ranks), 0);
-    EXPECT_EQ(checkCombine(rig, seen, refs, y, Weights::kDispatch, what, ranks), 0);
+    EXPECT_EQ(checkDispatch(rig, f.seen, f.refs, d, what, ranks), 0);
+    EXPECT_EQ(checkCombine(rig, f.seen, f.refs, f.y, Weights::kDispatch, what, ranks), 0);
   };
   step(0, 3u, true);
   step(1, 3u, true);
