@@ -76,8 +76,10 @@ int main(void) {
     CUDA(cudaMalloc(&dw[r], sizeof w[r]));
     CUDA(cudaMalloc(&dn[r], sizeof(int)));
     CUDA(cudaMalloc(&dout[r], sizeof out));
-    CUDA(cudaMemcpy(dx[r], x[r], sizeof x[r], cudaMemcpyHostToDevice));
-    CUDA(cudaMemcpy(dn[r], &tokens, sizeof(int), cudaMemcpyHostToDevice));
+    /* on the rank's stream, which the graph replays on (it is not ordered after the legacy stream) */
+    CUDA(cudaMemcpyAsync(dx[r], x[r], sizeof x[r], cudaMemcpyHostToDevice, stream[r]));
+    CUDA(cudaMemcpyAsync(dn[r], &tokens, sizeof(int), cudaMemcpyHostToDevice, stream[r]));
+    CUDA(cudaStreamSynchronize(stream[r])); /* `tokens` goes out of scope */
 
     /* The expert slot: the caller's graph. Here one copy, recv_x -> expert_output. */
     graphep_layout_t lay = GRAPHEP_LAYOUT_INIT;

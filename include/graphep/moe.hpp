@@ -476,12 +476,14 @@ class Engine {
   // missing ones first: their waits fail at once); graphs captured before keep working (nothing
   // is recaptured). The failed operation's results are lost; the next dispatch
   // and combine are exact for the ranks in the mask. Not setup-free: it synchronises, so call it
-  // outside captures. Refused: the throughput path (no mask yet), and an engine whose operation
-  // stopped part-way or failed between a send half and its receive (its own counters are out of
-  // step: create a new engine). Not recoverable, and
-  // not detected: a peer that dies while its stores into this rank's memory are in flight, or one
-  // that stalls and resumes after the mask left it out (its late stores land in slots the
-  // survivors reuse); leave such a peer's process stopped.
+  // outside captures. Several ranks of one process on one GPU: recover every one of them before
+  // enqueueing work on any (the synchronisation would otherwise wait for a recovered rank's kernel
+  // that waits for a rank not yet recovered). Refused: the throughput path (no mask yet), and an
+  // engine whose operation stopped part-way or failed between a send half and its receive (its own
+  // counters are out of step: create a new engine). Not recoverable, and not detected: a peer that
+  // dies while its stores into this rank's memory are in flight, or one that stalls and resumes
+  // after the mask left it out (its late stores land in slots the survivors reuse); leave such a
+  // peer's process stopped.
   void recover(std::uint32_t mask, cudaStream_t stream);
 
   // The layout views: the same object dispatch() returns, its pointers fixed from setup (recvScales

@@ -1024,10 +1024,13 @@ TEST_F(Gpu2_MoeLatencyCapabilities, StepTraceOfBackToBackOperations) {
 // each rank's MoeStatus.maskedEntries equals the entries the masks removed, per destination.
 // GRAPHEP_MASK_REPLAYS sets the replays (default 60). H is 512: the mask is what is tested, and the
 // host's reference and checks, not the GPU, set the time of a replay (about 4x faster than H 2048).
-TEST_F(Gpu2_MoeLatencyCapabilities, ActiveRankMaskFlips) {
+// `combineWeights`: the combine takes its own top-k weights (DeepEP's low-latency combine does),
+// whose per-source waits the mask must skip too.
+void runActiveRankMaskFlips(bool combineWeights) {
   Rig rig(latencyConfig(512, ReceiveLayout::kBatched));
   const DispatchOptions d;
-  const CombineOptions c;
+  CombineOptions c;
+  c.weighted = combineWeights;
   const RankGraphs graphs(rig, [&](int r, cudaStream_t s) {
     rig.enqueueDispatch(r, d, s);
     rig.enqueueCombine(r, c, s);
@@ -1049,7 +1052,7 @@ TEST_F(Gpu2_MoeLatencyCapabilities, ActiveRankMaskFlips) {
     rig.syncAll();
     const std::string what = "replay " + std::to_string(i) + ", mask " + std::to_string(mask) + ", " + stepName(i, f.in);
     const long long n = checkDispatch(rig, f.seen, f.refs, d, what) +
-                        checkCombine(rig, f.seen, f.refs, f.y, Weights::kDispatch, what);
+                        checkCombine(rig, f.seen, f.refs, f.y, combineWeights ? Weights::kCombine : Weights::kDispatch, what);
     EXPECT_EQ(n, 0) << what;
     wrong += n;
     if (wrong > 0) break;  // the first wrong replay is the one to read
@@ -1062,6 +1065,10 @@ TEST_F(Gpu2_MoeLatencyCapabilities, ActiveRankMaskFlips) {
     }
   }
 }
+
+TEST_F(Gpu2_MoeLatencyCapabilities, ActiveRankMaskFlips) { runActiveRankMaskFlips(false); }
+
+TEST_F(Gpu2_MoeLatencyCapabilities, ActiveRankMaskFlipsCombineWeights) { runActiveRankMaskFlips(true); }
 
 // Recovery (Engine::recover): after two good steps rank 1 stops (it enqueues nothing more, as a
 // dead process would); rank 0's next dispatch times out naming it, the engine fails and refuses
@@ -1098,9 +1105,14 @@ TEST_F(Gpu2_MoeLatencyCapabilities, RecoverAfterAPeerStops) {
   expectError([&] { rig.enqueueDispatch(0, d, rig.stream(0)); }, Status::kRemoteError, "peer 1");
   e.recover(1u, rig.stream(0));
   EXPECT_FALSE(e.failed());
+  std::fill(masked[0].begin(), masked[0].end(), 0ull);  // recover cleared rank 0's status
   for (int i = 3; i < 23; ++i) step(i, 1u, true);
   const MoeStatus after = e.status();
   EXPECT_TRUE(after.ok()) << after.describe();
+  for (int q = 0; q < kRanks; ++q) {
+    EXPECT_EQ(after.maskedEntries[at(q)], masked[0][at(q)]) << "rank 0's entries for rank " << q << " after the recovery";
+  }
+  EXPECT_GT(masked[0][1], 0ull) << "no entry went to the stopped rank: the recovery's masking is untested";
 }
 
 // Bad masks are refused by name before anything is written, and the engine then works.

@@ -142,11 +142,12 @@ void runMoeMisuse(Communicator& comm, MoePath path) {
 namespace {
 
 // After the missing rank was named (latency path): every survivor recovers with the mask that
-// leaves it out (Engine::recover) and replays the graph it captured before the failure, nothing
-// recaptured, with fresh inputs into poisoned outputs; every survivor's outputs are checked against
-// the reference of the inputs the mask leaves (the missing rank's experts add nothing), and each
-// survivor's status counts the entries routed to the missing rank. GRAPHEP_RECOVERY_REPLAYS sets
-// the replays (default 12).
+// leaves it out (Engine::recover; every local rank before any enqueues work) and replays the graph
+// it captured before the failure, nothing recaptured, with fresh inputs into poisoned outputs;
+// every survivor's outputs are checked against the reference of the inputs the mask leaves (the
+// missing rank's experts add nothing, though its messages, records and partials of the good step
+// before the failure lie in the survivors' memory), and each survivor's status counts the entries
+// routed to the missing rank. GRAPHEP_RECOVERY_REPLAYS sets the replays (default 12).
 void recoverAndReplay(Communicator& comm, const MoeCase& c, MoeFixture& f, const std::vector<cudaGraphExec_t>& execs,
                       int missing) {
   const int R = comm.worldSize();
@@ -200,6 +201,8 @@ void recoverAndReplay(Communicator& comm, const MoeCase& c, MoeFixture& f, const
       EXPECT_EQ(st.maskedEntries[static_cast<std::size_t>(d)], masked[static_cast<std::size_t>(r)][static_cast<std::size_t>(d)])
           << "rank " << r << "'s entries for rank " << d;
     }
+    EXPECT_GT(masked[static_cast<std::size_t>(r)][static_cast<std::size_t>(missing)], 0ull)
+        << "rank " << r << " routed nothing to the missing rank: its masking is untested";
   }
 }
 
@@ -207,12 +210,27 @@ void missingRankInLayout(Communicator& comm, const MoeCase& c) {
   SCOPED_TRACE("a rank that never launches, " + describeCase(c));
   const int missing = comm.worldSize() - 1;
   MoeFixture f(comm, c);
+  ASSERT_EQ(f.engine(0).path(), expectedPath(c.cfg, comm.worldSize()));  // a fallback would skip the recovery
   // The latency path recovers: each rank's graph, captured before the failure, is replayed after.
   const bool recovers = f.engine(0).path() == MoePath::kLatency;
   std::vector<cudaGraphExec_t> execs(static_cast<std::size_t>(f.L()), nullptr);
   for (int l = 0; recovers && l < f.L(); ++l) {
     GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
     execs[static_cast<std::size_t>(l)] = captureOnStream(f.buf(l).stream, [&](cudaStream_t s) { f.enqueue(l, s); });
+  }
+  if (recovers) {  // one good step of every rank first: the missing rank's messages, records and
+                   // partials then lie in the survivors' memory, which the recovery must not use
+    const std::vector<Inputs> good = f.prepareEvery(32, 98);
+    comm.barrier();
+    for (int l = 0; l < f.L(); ++l) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+      GRAPHEP_CUDA_CHECK(cudaGraphLaunch(execs[static_cast<std::size_t>(l)], f.buf(l).stream));
+    }
+    f.syncAll();
+    std::vector<RefLayout> refs;
+    for (int q = 0; q < comm.worldSize(); ++q) refs.push_back(refLayout(c, good, q, f.layout(0).capacity));
+    for (int l = 0; l < f.L(); ++l) EXPECT_EQ(f.check(l, good, refs, "the good step"), 0) << "rank " << comm.globalRank(l);
+    comm.barrier();
   }
   f.prepareEvery(32, 99);
   comm.barrier();
