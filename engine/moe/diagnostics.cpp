@@ -267,6 +267,8 @@ DirectBlockFlags Engine::directBlockFlags() const {
   f.partials.resize(n);
   GRAPHEP_CUDA_CHECK(cudaMemcpy(f.records.data(), mine + m.p.direct.recordFlagsOff, n * 4, cudaMemcpyDeviceToHost));
   GRAPHEP_CUDA_CHECK(cudaMemcpy(f.partials.data(), mine + m.p.direct.partialFlagsOff, n * 4, cudaMemcpyDeviceToHost));
+  f.partialsReady.resize(n);
+  GRAPHEP_CUDA_CHECK(cudaMemcpy(f.partialsReady.data(), m.p.direct.partialReady, n * 4, cudaMemcpyDeviceToHost));
   std::uint32_t steps[2] = {0, 0};
   GRAPHEP_CUDA_CHECK(cudaMemcpy(steps, m.p.peers.steps, sizeof steps, cudaMemcpyDeviceToHost));
   f.dispatchStep = steps[0];

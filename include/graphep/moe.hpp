@@ -145,6 +145,9 @@ struct DirectBlockFlags {
   int blocksPerRank = 0;
   std::uint32_t dispatchStep = 0, combineStep = 0;
   std::vector<std::uint32_t> records, partials;
+  // [R][blocksPerRank], local: the combine's reduce marks each peer's block of partials ready for
+  // this rank's send (the combine step + 1), every block every combine.
+  std::vector<std::uint32_t> partialsReady;
 };
 
 // What a dispatch's x holds and how its rows travel (DispatchArgs.input).

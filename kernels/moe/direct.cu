@@ -341,7 +341,8 @@ __device__ __forceinline__ char* directStaged(const MoeParams& p, int s, int i) 
 // Combine, first kernel (epilogueCtas CTAs; the send, launched next, takes the SMs it leaves free): the peers' records
 // reduced into the local staging, each group one record (weight x y[row], fp32, bf16 once), a
 // block's 32 records spread over kBlockParts CTAs as in the receive; the last CTA of a block to
-// finish it marks the block ready (direct.partialReady = step + 1) for the send. The reads of the expert
+// finish it marks the block ready (direct.partialReady = step + 1) for the send, and every block
+// without records is marked at once. The reads of the expert
 // rows (every record's up to topK rows) run here on every free SM, not on the SM budget.
 __global__ void __launch_bounds__(kThreads) moeDirectCombineReduceKernel(const __grid_constant__ MoeParams p) {
   const MoeStamp stamp(p, MoeKernel::kDirectCombineReduce);
@@ -353,6 +354,17 @@ __global__ void __launch_bounds__(kThreads) moeDirectCombineReduceKernel(const _
   const MoeGroupSlice gs = moeGroupSlice();
   const int W = static_cast<int>(moeRouteWords(p.shape.maxTokens));
   const int items = combineBlocks(p);
+  // Every peer's block without records this step is ready too (nothing to reduce): no block's
+  // flag falls behind the step. One left unposted for 2^31 combines (a source's count staying
+  // below it) would read as ready when used again, the send's comparison being by signed distance,
+  // and its unreduced partials would be sent. The send waits for no such block this step.
+  const int R = p.shape.numRanks;
+  for (int k = static_cast<int>(blockIdx.x * blockDim.x) + tid; k < R * W; k += static_cast<int>(gridDim.x * blockDim.x)) {
+    const int s = k / W, w = k % W;
+    if (s != p.shape.rank && w >= blocksOf(p.layout.sourceRecords[s])) {
+      ptx::stReleaseSys(p.direct.partialReady + k, cstep + 1u);
+    }
+  }
   for (int m = static_cast<int>(blockIdx.x); m < items * kBlockParts; m += static_cast<int>(gridDim.x)) {
     const CombineBlock b = combineBlock(p, m / kBlockParts);
     const int i = b.w * kBlockTokens + (m % kBlockParts) * kGroups + gs.group;

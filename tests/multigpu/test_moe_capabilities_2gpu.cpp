@@ -698,7 +698,9 @@ TEST(Gpu2_MoeCapabilities, DispatchAfterDispatchWhileAPeerStillReads) {
 // dispatch step, and after every combine every partial-block flag the combine step, the blocks
 // the operation left empty included. Posting only the filled blocks left the others as old as
 // the last operation that filled them; 2^31 steps on, a wait's wrap-safe comparison would read
-// such a flag as ahead and take stale records. The token counts go from full to few (80 tokens
+// such a flag as ahead and take stale records. The same holds for the combine's local flags by
+// which the reduce tells this rank's send that a peer's block of partials is ready (a block left
+// unmarked that long would be sent unreduced). The token counts go from full to few (80 tokens
 // are 3 blocks of 32).
 TEST(Gpu2_MoeCapabilities, DirectBlockFlagsKeepPaceWithTheSteps) {
   GRAPHEP_REQUIRE_GPUS(2);
@@ -748,6 +750,14 @@ TEST(Gpu2_MoeCapabilities, DirectBlockFlagsKeepPaceWithTheSteps) {
         }
         EXPECT_EQ(stale, 0) << "T=" << T << (op == 0 ? " dispatch" : " combine") << ", rank " << l << ": " << stale
                             << " block flags differ from the step " << want;
+        int notReady = 0;  // the combine's local ready flags, every peer's block, records or not
+        for (int q = 0; q < R && op == 1; ++q) {
+          for (int w = 0; w < f.blocksPerRank && q != caps.engine(l).rank(); ++w) {
+            notReady += f.partialsReady[static_cast<std::size_t>(q * f.blocksPerRank + w)] != want;
+          }
+        }
+        EXPECT_EQ(notReady, 0) << "T=" << T << " combine, rank " << l << ": " << notReady
+                               << " ready flags of the reduce differ from the step " << want;
         EXPECT_TRUE(caps.engine(l).status().ok()) << caps.engine(l).status().describe();
       }
     }
