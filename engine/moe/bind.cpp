@@ -166,12 +166,14 @@ MoeParams bindParams(const BindPlan& plan, SymmetricHeap& heap, int l, char* blo
   p.latency.weightFlagsOff = ph.llCombWFlag;
   p.peers.steps = reinterpret_cast<std::uint32_t*>(b + o.llSteps);
   p.peers.lastCtaCounters = reinterpret_cast<std::uint32_t*>(b + o.llDone);
-  if (!throughput) {
-    p.latency.live = reinterpret_cast<const std::uint32_t*>(b + o.llMask);
-    p.latency.dispatchLive = reinterpret_cast<std::uint32_t*>(b + o.llMask) + 1;
+  p.peers.live = reinterpret_cast<const std::uint32_t*>(b + o.llMask);
+  p.peers.dispatchLive = reinterpret_cast<std::uint32_t*>(b + o.llMask) + 1;
+  p.peers.zeroMsg = reinterpret_cast<const std::uint64_t*>(b + o.llZeroMsg);
+  if (throughput) {
+    p.direct.shared = reinterpret_cast<std::uint32_t*>(b + o.llExpected);
+  } else {
     p.latency.halfLive = reinterpret_cast<std::uint32_t*>(b + o.llMask) + 2;
     p.latency.expected = reinterpret_cast<std::uint32_t*>(b + o.llExpected);
-    p.latency.zeroMsg = reinterpret_cast<const std::uint64_t*>(b + o.llZeroMsg);
   }
   p.direct.partialArrivals = reinterpret_cast<std::uint32_t*>(b + o.combArrive);
   p.direct.partialReady = reinterpret_cast<std::uint32_t*>(b + o.combReady);
@@ -191,6 +193,9 @@ void startCounters(const BindPlan& plan, const MoeParams& p, char* user) {
   const bool throughput = plan.throughput;
   const std::size_t Rs = plan.sizes.R;
   const int llCtas = plan.latency.send;
+  // Every rank active: the mask and the last dispatch's (the mover path keeps them so).
+  const std::uint32_t mask[2] = {allRanksMask(static_cast<int>(Rs)), allRanksMask(static_cast<int>(Rs))};
+  GRAPHEP_CUDA_CHECK(cudaMemcpy(const_cast<std::uint32_t*>(p.peers.live), mask, sizeof(mask), cudaMemcpyHostToDevice));
   if (!throughput || plan.direct) {
     // The latency and direct counters start at counterStart (steps, flags, block flags) and
     // G x it (the latency arrivals, G the CTAs that post them).
@@ -205,16 +210,17 @@ void startCounters(const BindPlan& plan, const MoeParams& p, char* user) {
       GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llCombBlock, blocks.data(), blocks.size() * 4, cudaMemcpyHostToDevice));
       GRAPHEP_CUDA_CHECK(cudaMemcpy(p.direct.partialReady, blocks.data(), blocks.size() * 4, cudaMemcpyHostToDevice));
       GRAPHEP_CUDA_CHECK(cudaMemset(p.direct.partialArrivals, 0, blocks.size() * 4));
-      // The acknowledgements start as if step counterStart - 1 had been read everywhere.
+      // The acknowledgements start as if step counterStart - 1 had been read everywhere; every
+      // pair has shared counterStart steps of each operation.
       GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llDispAck, flags.data(), Rs * 4, cudaMemcpyHostToDevice));
       GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llCombAck, flags.data(), Rs * 4, cudaMemcpyHostToDevice));
+      const std::vector<std::uint32_t> shared(2 * Rs, S);
+      GRAPHEP_CUDA_CHECK(cudaMemcpy(p.direct.shared, shared.data(), shared.size() * 4, cudaMemcpyHostToDevice));
     } else {
       GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llArrive, arrivals.data(), Rs * 4, cudaMemcpyHostToDevice));
       GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llCombArrive, arrivals.data(), Rs * 4, cudaMemcpyHostToDevice));
       GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llCombWFlag, flags.data(), Rs * 4, cudaMemcpyHostToDevice));
-      // Every rank active; the arrivals expected so far match the counters' start.
-      const std::uint32_t mask[2] = {allRanksMask(static_cast<int>(Rs)), allRanksMask(static_cast<int>(Rs))};
-      GRAPHEP_CUDA_CHECK(cudaMemcpy(p.latency.dispatchLive - 1, mask, sizeof(mask), cudaMemcpyHostToDevice));
+      // The arrivals expected so far match the counters' start.
       const std::vector<std::uint32_t> expected(2 * Rs, SG);
       GRAPHEP_CUDA_CHECK(cudaMemcpy(p.latency.expected, expected.data(), expected.size() * 4, cudaMemcpyHostToDevice));
     }

@@ -63,7 +63,7 @@ HealthReport Engine::checkHealth(cudaStream_t stream, std::chrono::milliseconds 
     GRAPHEP_CUDA_CHECK(
         cudaMemcpyAsync(h + 3 + 2 * R, user + m.p.latency.partialArrivalsOff, R * 4, cudaMemcpyDeviceToHost, m.watchStream));
     // The masks (the caller's, the last dispatch's) and the expected arrivals.
-    GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h + 3 + 3 * R, m.p.latency.live, 2 * 4, cudaMemcpyDeviceToHost, m.watchStream));
+    GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h + 3 + 3 * R, m.p.peers.live, 2 * 4, cudaMemcpyDeviceToHost, m.watchStream));
     GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h + 5 + 3 * R, m.p.latency.expected, 2 * R * 4, cudaMemcpyDeviceToHost, m.watchStream));
     GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(m.watchStream));
     detail::LatencyCounters c;

@@ -468,30 +468,39 @@ void Engine::combine(const CombineArgs& a, cudaStream_t stream) {
   GRAPHEP_CUDA_CHECK(launchMoeCombineFinal(p, stream));
 }
 
+namespace {
+// The engine's operations honour an active-rank mask: the latency path, and the throughput path's
+// direct variant (every peer by load/store, one rank per GPU). The movers' exchanges take every
+// rank: a captured NCCL call is bound to its peer, and the load/store movers' per-link counters
+// assume every peer in every exchange.
+bool takesMask(const Engine::Impl& m) { return m.path == MoePath::kLatency || m.direct; }
+}  // namespace
+
 void Engine::setActiveRanks(std::uint32_t mask, cudaStream_t stream) {
   Impl& m = *impl_;
   const int R = m.p.shape.numRanks;
   GRAPHEP_REQUIRE((mask & ~allRanksMask(R)) == 0, Status::kInvalidArgument,
                   "setActiveRanks: mask 0x%x names ranks past the last (world size %d)", mask, R);
   GRAPHEP_REQUIRE(mask != 0, Status::kInvalidArgument, "setActiveRanks: mask 0 leaves no rank");
-  GRAPHEP_REQUIRE(m.path == MoePath::kLatency || mask == allRanksMask(R), Status::kNotSupported,
-                  "setActiveRanks: mask 0x%x on the throughput path, which takes every rank (MoeConfig.path="
-                  "kLatency takes a mask)",
+  GRAPHEP_REQUIRE(takesMask(m) || mask == allRanksMask(R), Status::kNotSupported,
+                  "setActiveRanks: mask 0x%x on the throughput path over the movers (ranks sharing a GPU, or "
+                  "peers reached through NCCL), which takes every rank (the latency path and the direct "
+                  "throughput path take a mask)",
                   mask);
   GRAPHEP_REQUIRE(m.half == Impl::Half::kNone, Status::kInvalidArgument,
                   "setActiveRanks: rank %d has a send half waiting for its receive", m.p.shape.rank);
-  if (m.path != MoePath::kLatency) return;  // every rank: nothing to write
+  if (!takesMask(m)) return;  // every rank: nothing to write
   DeviceGuard guard(m.device);
   GRAPHEP_CU_CHECK(detail::driver().streamWriteValue32(reinterpret_cast<CUstream>(stream),
-                                                        reinterpret_cast<CUdeviceptr>(m.p.latency.live), mask,
+                                                        reinterpret_cast<CUdeviceptr>(m.p.peers.live), mask,
                                                         CU_STREAM_WRITE_VALUE_DEFAULT));
 }
 
 void Engine::recover(std::uint32_t mask, cudaStream_t stream) {
   Impl& m = *impl_;
-  GRAPHEP_REQUIRE(m.path == MoePath::kLatency, Status::kNotSupported,
-                  "recover: rank %d's engine is on the throughput path, which has no active-rank mask; destroy the "
-                  "engine and create a new one",
+  GRAPHEP_REQUIRE(takesMask(m), Status::kNotSupported,
+                  "recover: rank %d's engine is on the throughput path over the movers (ranks sharing a GPU, or peers "
+                  "reached through NCCL), which has no active-rank mask; destroy the engine and create a new one",
                   m.p.shape.rank);
   GRAPHEP_REQUIRE(!m.stoppedPartWay, Status::kRemoteError, "recover: %s", m.failure.c_str());
   // Validated before anything is cleared: a refused mask leaves the engine as it was.
@@ -509,15 +518,15 @@ void Engine::recover(std::uint32_t mask, cudaStream_t stream) {
   // A combine of the failed step's dispatch, if one still comes, leaves the dead rank out too
   // (and brings back no rank that dispatch left out).
   std::uint32_t last = 0;
-  GRAPHEP_CUDA_CHECK(cudaMemcpy(&last, m.p.latency.dispatchLive, 4, cudaMemcpyDeviceToHost));
+  GRAPHEP_CUDA_CHECK(cudaMemcpy(&last, m.p.peers.dispatchLive, 4, cudaMemcpyDeviceToHost));
   GRAPHEP_CU_CHECK(detail::driver().streamWriteValue32(reinterpret_cast<CUstream>(stream),
-                                                        reinterpret_cast<CUdeviceptr>(m.p.latency.dispatchLive), mask & last,
+                                                        reinterpret_cast<CUdeviceptr>(m.p.peers.dispatchLive), mask & last,
                                                         CU_STREAM_WRITE_VALUE_DEFAULT));
 }
 
 std::uint32_t* Engine::activeRanksDevice() const {
   const Impl& m = *impl_;
-  return m.path == MoePath::kLatency ? const_cast<std::uint32_t*>(m.p.latency.live) : nullptr;
+  return takesMask(m) ? const_cast<std::uint32_t*>(m.p.peers.live) : nullptr;
 }
 
 void Engine::receive(cudaStream_t stream) {

@@ -127,9 +127,10 @@ LocalCarve carveLocal(const MoeConfig& cfg, const MoeSizes& z, std::size_t cap, 
   o.sourceRanges = carve("sourceRanges", rankMajor ? 0 : L * Rs * 8);
   o.llSteps = carve("llSteps", 2 * 4);  // dispatch and combine steps and last-CTA counters (latency and direct kernels)
   o.llDone = carve("llDone", 2 * 4);
-  o.llMask = carve("llMask", throughput ? 0 : 3 * 4);  // the active-rank mask, the last dispatch's, a send half's
-  o.llExpected = carve("llExpected", throughput ? 0 : 2 * Rs * 4);
-  o.llZeroMsg = carve("llZeroMsg", throughput ? 0 : z.cntMsgBytes);  // zeros (the block is zeroed at setup)
+  o.llMask = carve("llMask", 3 * 4);  // the active-rank mask, the last dispatch's, a latency send half's
+  o.llExpected = carve("llExpected", 2 * Rs * 4);  // latency: the arrivals expected; direct: the steps shared
+  // A count message of zeros (the block is zeroed at setup), as long as either path's.
+  o.llZeroMsg = carve("llZeroMsg", std::max(z.cntMsgBytes, z.directMsgBytes));
   o.combArrive = carve("combArrive", throughput ? Rs * W * 4 : 0);  // the direct combine's block arrivals and flags
   o.combReady = carve("combReady", throughput ? Rs * W * 4 : 0);
   constexpr std::size_t kStamps = kMoeStampWords * static_cast<std::size_t>(MoeKernel::kCount);

@@ -329,7 +329,8 @@ graphep_status_t graphep_combine(graphep_engine_t engine, const graphep_combine_
  * receive; with none waiting, GRAPHEP_INVALID_ARGUMENT. Version 5. */
 graphep_status_t graphep_receive(graphep_engine_t engine, cudaStream_t stream);
 /* Capturable. The active-rank mask (bit r: rank r takes part; every rank at setup), written on
- * `stream` in stream order; latency path (the throughput path refuses any mask but every rank).
+ * `stream` in stream order; the latency path and the direct throughput path (the throughput path
+ * over the movers refuses any mask but every rank).
  * Every rank gives the same mask for the same dispatch and its combine; a rank outside it is sent
  * nothing and waited for by no one, the entries routed to its experts are dropped and counted, and
  * a rank outside its own mask takes part in nothing (graphep::Engine::setActiveRanks). Refused

@@ -452,13 +452,14 @@ class Engine {
 
   // Capturable. The active-rank mask (bit r: rank r takes part; allRanksMask(worldSize) at setup),
   // written on `stream` in stream order (a stream-memory write: no host synchronisation, no
-  // recapture; a captured write replays with the value given). Latency path only (the throughput
-  // path refuses any mask but every rank). Each dispatch reads the mask once and its combine uses
-  // the same; every rank must give the same mask for the same step (a dispatch and the combine
-  // that follows), no mask may come between a send half and its receive, and across a mask
-  // change each dispatch is followed by its combine before the next dispatch (dispatch ->
-  // dispatch is ordered only among the ranks that took part in both: a rank left out of the
-  // first could still be reading the slots the second writes). A rank outside the
+  // recapture; a captured write replays with the value given). The latency path and the direct
+  // throughput path (every peer by load/store, one rank per GPU; Engine::directBlockFlags); the
+  // throughput path over the movers refuses any mask but every rank. Each dispatch reads the mask
+  // once and its combine uses the same; every rank must give the same mask for the same step (a
+  // dispatch and the combine that follows), no mask may come between a send half and its
+  // receive, and across a mask change each dispatch is followed by its combine before the next
+  // dispatch (dispatch -> dispatch is ordered only among the ranks that took part in both: a rank
+  // left out of the first could still be reading the slots the second writes). A rank outside the
   // mask is sent nothing and waited for by no one: the entries routed to its experts are dropped
   // and counted per rank (MoeStatus.maskedEntries), the layout describes only the rows of the ranks
   // in the mask, and combine adds nothing for them. A rank outside its own mask takes part in
@@ -467,7 +468,7 @@ class Engine {
   void setActiveRanks(std::uint32_t mask, cudaStream_t stream);
   // The mask's device word (u32, local to this rank's GPU), for a caller's kernel that changes it
   // in stream order (as DeepEP's low_latency_update_mask_buffer does); nullptr on the throughput
-  // path. The same rules as setActiveRanks.
+  // path over the movers. The same rules as setActiveRanks.
   std::uint32_t* activeRanksDevice() const;
   // Back to service among the survivors, after a bounded wait named a peer that died or stalled
   // (status().deviceError; failed() is true): synchronises this rank's device (the failed
@@ -481,7 +482,7 @@ class Engine {
   // and combine are exact for the ranks in the mask. Not setup-free: it synchronises, so call it
   // outside captures. Several ranks of one process on one GPU: recover every one of them before
   // enqueueing work on any (the synchronisation would otherwise wait for a recovered rank's kernel
-  // that waits for a rank not yet recovered). Refused: the throughput path (no mask yet), and an
+  // that waits for a rank not yet recovered). Refused: the throughput path over the movers (no mask), and an
   // engine whose operation stopped part-way or failed between a send half and its receive (its own
   // counters are out of step: create a new engine). Not recoverable, and not detected: a peer that
   // dies while its stores into this rank's memory are in flight, or one that stalls and resumes

@@ -78,6 +78,19 @@ __device__ __forceinline__ float moeWeightOf(const MoeParams& p, std::uint64_t n
   return p.input.topkWeights != nullptr ? p.input.topkWeights[n] : 1.f;
 }
 
+// Rank r takes part in an operation whose mask is `live`.
+__device__ __forceinline__ bool isLive(std::uint32_t live, int r) { return ((live >> r) & 1u) != 0; }
+
+// This dispatch's mask: the caller's (Engine::setActiveRanks; bits past the ranks dropped), or no
+// rank at all while this rank is outside it (it then sends, receives and waits for nothing).
+// Every rank on the mover path. Read by each kernel of the dispatch: the word changes only in
+// stream order between operations.
+__device__ __forceinline__ std::uint32_t dispatchMask(const MoeParams& p) {
+  const int R = p.shape.numRanks;
+  const std::uint32_t m = *p.peers.live & (R >= 32 ? ~0u : (1u << R) - 1u);
+  return isLive(m, p.shape.rank) ? m : 0u;
+}
+
 // Whether token t's entry of valid expert `id` is routed: always, unless tokenInRank leaves the
 // token out of that expert's rank (then the entry is no slot anywhere).
 __device__ __forceinline__ bool moeEntryRouted(const MoeParams& p, int t, long long id) {

@@ -29,7 +29,12 @@
 // posts. In the usual dispatch -> combine -> dispatch order the acknowledgement has long arrived:
 // a source writes its records of dispatch s + 1 only after its combine s received every
 // destination's partials, which each destination sends after reading the records of dispatch s.
-// Flags and acknowledgements only grow (mod 2^32): they reach step + 1.
+// Flags and acknowledgements only grow (mod 2^32). Under the active-rank mask (peers.live) a rank
+// outside it is sent nothing and waited for by no one, and its entries are dropped in the route;
+// so that a rank left out of steps finds its pair's flags in step when put back, every flag and
+// acknowledgement between ranks q and r is the count of the steps both took part in + 1
+// (direct.shared, pairSteps), not the step + 1; the count messages alternate by that count's parity.
+// With every rank in every step the two are equal.
 #include "kernels/common/launch.h"
 #include "kernels/moe/peer.cuh"
 
@@ -67,6 +72,29 @@ __device__ __forceinline__ char* directRecord(const MoeParams& p, int rank, int 
 __device__ __forceinline__ std::uint32_t* directBlockFlag(const MoeParams& p, int rank, int src, int w) {
   return reinterpret_cast<std::uint32_t*>(p.peers.userRegions[rank] + p.direct.recordFlagsOff) +
          static_cast<std::uint64_t>(src) * moeRouteWords(p.shape.maxTokens) + w;
+}
+
+// The steps of operation `op` (0 dispatch, 1 combine) that this rank and rank q both took part in
+// (direct.shared): the base of every flag and acknowledgement between the two. Advanced only by
+// the operation's last CTA, once every reader of this launch is done.
+__device__ __forceinline__ std::uint32_t pairSteps(const MoeParams& p, int op, int q) {
+  return p.direct.shared[op * p.shape.numRanks + q];
+}
+
+// The last CTA of an operation (op 0: the dispatch's receive, 1: the combine's final), once every
+// CTA's reads of the peers' memory are ordered before it: thread q < R acknowledges to peer q in
+// `live` (the pair's steps + 1: the peer may write its next operation's slots) and advances the
+// pair's steps (the dispatch counts this rank's own too: its count message to itself).
+__device__ inline void finishPairs(const MoeParams& p, int op, std::uint32_t live, std::uint64_t acksOff) {
+  const int q = static_cast<int>(threadIdx.x);
+  if (q >= p.shape.numRanks || !isLive(live, q) || (op == 1 && q == p.shape.rank)) return;
+  std::uint32_t* shared = p.direct.shared + op * p.shape.numRanks + q;
+  const std::uint32_t n = *shared;
+  if (q != p.shape.rank) {
+    ptx::fenceAcqRelSys();
+    ptx::stReleaseSys(peerCounter(p, q, acksOff) + p.shape.rank, n + 1u);
+  }
+  *shared = n + 1u;
 }
 
 // Partial slot `i` from destination `dst` in rank `rank`'s heap (movers.partialRecv: [R][maxTokens][2H]).
@@ -137,16 +165,18 @@ __global__ void __launch_bounds__(kThreads) moeDirectQuantizeKernel(const __grid
   }
 }
 
-// The flags (step + 1) of the blocks an operation leaves empty, at every peer q: blocks
-// [used(q), W) of this rank's records (or partials) there, spread over the grid's threads;
-// flag(p, q, this rank, w) names one.
+// The flags (the pair's steps of operation `op` + 1) of the blocks an operation leaves empty, at
+// every peer q in `live`: blocks [used(q), W) of this rank's records (or partials) there, spread
+// over the grid's threads; flag(p, q, this rank, w) names one.
 template <typename Used, typename Flag>
-__device__ inline void postEmptyBlocks(const MoeParams& p, std::uint32_t step, Used used, Flag flag) {
+__device__ inline void postEmptyBlocks(const MoeParams& p, int op, std::uint32_t live, Used used, Flag flag) {
   const int W = static_cast<int>(moeRouteWords(p.shape.maxTokens)), R = p.shape.numRanks;
   const int first = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x), all = static_cast<int>(gridDim.x * blockDim.x);
   for (int n = first; n < R * W; n += all) {
     const int q = n / W, w = n % W;
-    if (q != p.shape.rank && w >= used(q)) ptx::stReleaseSys(flag(p, q, p.shape.rank, w), step + 1u);
+    if (q != p.shape.rank && isLive(live, q) && w >= used(q)) {
+      ptx::stReleaseSys(flag(p, q, p.shape.rank, w), pairSteps(p, op, q) + 1u);
+    }
   }
 }
 
@@ -156,13 +186,17 @@ __global__ void __launch_bounds__(kThreads) moeDirectSendKernel(const __grid_con
   __shared__ int dstRank[kSendWarps][kMaxRanks];
   const int tid = static_cast<int>(threadIdx.x), R = p.shape.numRanks, L = p.shape.localExperts;
   const int E = p.shape.numExperts, W = static_cast<int>(moeRouteWords(p.shape.maxTokens));
-  const std::uint32_t step = p.peers.steps[0];
-  const int parity = static_cast<int>(step & 1u);
+  const std::uint32_t live = dispatchMask(p);  // the ranks taking part (the route dropped the others' entries)
   ptx::launchDependents();  // the receive may start on the SMs this grid leaves free
   const int T = *p.routing.liveTokens, blocks = blocksOf(T);
   // Count messages first (they travel ahead of the payload): CTA c takes ranks c, c + G, ...
   const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.shape.hidden) * 2;
   for (int r = static_cast<int>(blockIdx.x); r < R; r += static_cast<int>(gridDim.x)) {
+    if (!isLive(live, r)) {  // outside the mask: sent nothing (the same r in every thread)
+      if (tid == 0) p.movers.partialRecvBytes[r] = 0;
+      continue;
+    }
+    const int parity = static_cast<int>(pairSteps(p, 0, r) & 1u);
     std::uint64_t* msg = directMsg(p, r, parity, p.shape.rank);
     std::uint32_t* tail = directTail(p, r, parity, p.shape.rank);
     for (int j = tid; j < L; j += kThreads) msg[1 + j] = p.routing.expertEntries[r * L + j];
@@ -174,12 +208,12 @@ __global__ void __launch_bounds__(kThreads) moeDirectSendKernel(const __grid_con
       p.movers.partialRecvBytes[r] = p.routing.rankRecords[r] * rowBytes;  // the combine's partials from rank r
     }
     __syncthreads();
-    if (tid == 0) flagPost(peerCounter(p, r, p.peers.countFlagsOff) + p.shape.rank, step + 1u);
+    if (tid == 0) flagPost(peerCounter(p, r, p.peers.countFlagsOff) + p.shape.rank, pairSteps(p, 0, r) + 1u);
   }
   // The records of the previous dispatch have been read by every peer (its acknowledgement: at
   // once in the usual order, see the header): only then are its slots rewritten. A failed wait is
   // recorded; the peers' waits for this dispatch's blocks report too.
-  if (!waitEveryRank(p, p.direct.dispatchAcksOff, step, WaitSite::kMoeDispatchAck, true)) return;
+  if (!waitEveryRank(p, p.direct.dispatchAcksOff, 0u, WaitSite::kMoeDispatchAck, true, live, p.direct.shared)) return;
   // A warp per token (16 tokens in flight per CTA: the per-token reads of routing and metadata
   // overlap across them). Blocks of 32 tokens, CTA c taking blocks c, c + G, ... in order; each
   // block's flag posted to every peer once its records are written.
@@ -190,7 +224,7 @@ __global__ void __launch_bounds__(kThreads) moeDirectSendKernel(const __grid_con
       // Lane r < R: destination r's index of the token (R <= kMaxRanks = 32), the peers only (the
       // receive takes this rank's own rows from x), compacted in rank order.
       const int i = lane < R ? p.routing.tokenRankIndex[static_cast<std::uint64_t>(t) * R + lane] : -1;
-      const bool to = i >= 0 && lane != p.shape.rank;
+      const bool to = i >= 0 && lane != p.shape.rank && isLive(live, lane);  // (the route left -1 for the others)
       const unsigned m = __ballot_sync(0xffffffffu, to);
       if (to) {
         const int at = __popc(m & ((1u << lane) - 1u));
@@ -207,7 +241,9 @@ __global__ void __launch_bounds__(kThreads) moeDirectSendKernel(const __grid_con
     }
     __threadfence_system();  // every thread's records, before the flags
     __syncthreads();
-    if (tid < R && tid != p.shape.rank) ptx::stReleaseSys(directBlockFlag(p, tid, p.shape.rank, w), step + 1u);
+    if (tid < R && tid != p.shape.rank && isLive(live, tid)) {
+      ptx::stReleaseSys(directBlockFlag(p, tid, p.shape.rank, w), pairSteps(p, 0, tid) + 1u);
+    }
   }
   // The blocks this dispatch leaves empty get their flag too, so that every flag keeps pace with
   // the step: a flag left as it was since the last dispatch that filled its block would, 2^31
@@ -215,19 +251,24 @@ __global__ void __launch_bounds__(kThreads) moeDirectSendKernel(const __grid_con
   // stale records. No receive waits for these blocks in this dispatch (it reads this rank's T
   // first) and none of a previous dispatch can still be waiting for one (that dispatch's sender,
   // this rank's previous kernel, posted its flags before this one started).
-  postEmptyBlocks(p, step, [&](int) { return blocks; }, directBlockFlag);
+  postEmptyBlocks(p, 0, live, [&](int) { return blocks; }, directBlockFlag);
 }
 
 __global__ void __launch_bounds__(kThreads) moeDirectReceiveKernel(const __grid_constant__ MoeParams p) {
   __shared__ MoeReceiveSmem<kThreads, kGroups> sm;
   const int tid = static_cast<int>(threadIdx.x), R = p.shape.numRanks;
   const std::uint32_t step = p.peers.steps[0];
-  const int parity = static_cast<int>(step & 1u);
-  auto msgOf = [&](int q) { return static_cast<const std::uint64_t*>(directMsg(p, p.shape.rank, parity, q)); };
+  const std::uint32_t live = dispatchMask(p);
+  // Source q's count message and tail, of the parity of the pair's steps; a source outside the
+  // mask sent none: its message reads as zeros (the layout leaves it out), its tail is not read.
+  auto parityOf = [&](int q) { return static_cast<int>(pairSteps(p, 0, q) & 1u); };
+  auto msgOf = [&](int q) {
+    return isLive(live, q) ? static_cast<const std::uint64_t*>(directMsg(p, p.shape.rank, parityOf(q), q)) : p.peers.zeroMsg;
+  };
   const MoeGroupSlice gs = moeGroupSlice();
   {
     const MoeStamp stamp(p, MoeKernel::kDirectReceive);
-    if (moeReceiveLayout<kThreads, kGroups>(p, msgOf, step, blockIdx.x == 0, sm, [] {})) {
+    if (moeReceiveLayout<kThreads, kGroups>(p, msgOf, step, blockIdx.x == 0, sm, [] {}, live, p.direct.shared)) {
       if (blockIdx.x == 0) {  // beside the published layout: the movers' counts, the rank prefix matrix
         __syncthreads();  // layout.sourceRecords is written above
         const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.shape.hidden) * 2;
@@ -236,7 +277,7 @@ __global__ void __launch_bounds__(kThreads) moeDirectReceiveKernel(const __grid_
           for (int j = tid; j < R; j += kThreads) {
             std::int32_t sum = 0;
             for (int i = 0; i < R; ++i) {
-              sum += static_cast<std::int32_t>(__ldcg(directTail(p, p.shape.rank, parity, i) + directRankCountWord(p) + j));
+              if (isLive(live, i)) sum += static_cast<std::int32_t>(__ldcg(directTail(p, p.shape.rank, parityOf(i), i) + directRankCountWord(p) + j));
               p.layout.rankPrefix[i * R + j] = sum;
             }
           }
@@ -268,7 +309,8 @@ __global__ void __launch_bounds__(kThreads) moeDirectReceiveKernel(const __grid_
       bool ok = true;
       for (int k = 1; k < R && ok; ++k) {
         const int s = (p.shape.rank + k) % R;
-        const std::uint32_t* tail = directTail(p, p.shape.rank, parity, s);
+        if (!isLive(live, s)) continue;  // outside the mask: no records (the same s in every thread)
+        const std::uint32_t* tail = directTail(p, p.shape.rank, parityOf(s), s);
         const std::uint32_t sentT = __ldcg(tail);  // a peer's live count is at most maxTokens
         const int T = static_cast<int>(sentT < static_cast<std::uint32_t>(p.shape.maxTokens) ? sentT : p.shape.maxTokens);
         const int blocks = blocksOf(T);
@@ -277,8 +319,8 @@ __global__ void __launch_bounds__(kThreads) moeDirectReceiveKernel(const __grid_
         const long long rankBase = p.layout.rankMajor ? moeRankBase(p, msgOf, s) : -1;  // rank-major: s's first row
         for (int m = static_cast<int>(blockIdx.x); m < blocks * kBlockParts; m += static_cast<int>(gridDim.x)) {
           const int w = m / kBlockParts;
-          const bool failed = tid == 0 && !flagWait(p.peers.sync, directBlockFlag(p, p.shape.rank, s, w), step + 1u, s,
-                                                    WaitSite::kMoeDispatch);
+          const bool failed = tid == 0 && !flagWait(p.peers.sync, directBlockFlag(p, p.shape.rank, s, w),
+                                                    pairSteps(p, 0, s) + 1u, s, WaitSite::kMoeDispatch);
           if (__syncthreads_or(failed) != 0) {  // thread 0's verdict, to every thread
             ok = false;
             break;
@@ -303,32 +345,37 @@ __global__ void __launch_bounds__(kThreads) moeDirectReceiveKernel(const __grid_
   if (lastBlock(&p.peers.lastCtaCounters[0])) {
     if (tid == 0) {
       p.peers.steps[0] = step + 1u;
+      *p.peers.dispatchLive = live;  // its combine's mask
       *p.state.pending = kMoeDispatched | kMoePendingCombine;  // the dispatch's last kernel
     }
-    // Every CTA's reads of the peers' records are ordered before this (lastBlock): the peers may
-    // write their next dispatch's records.
-    postEveryPeer(p, p.direct.dispatchAcksOff, step + 1u);
+    // Every CTA's reads of the peers' records are ordered before this (lastBlock): the peers in
+    // the mask may write their next dispatch's records.
+    finishPairs(p, 0, live, p.direct.dispatchAcksOff);
   }
 }
 
 // The combine's work items: the blocks of 32 record indices of every peer's records, peers in
-// rank order after this one; item n is block w of peer s.
+// rank order after this one, the peers in the dispatch's mask `dlive` only (Engine::recover may
+// shrink it after the dispatch laid out a rank now left out); item n is block w of peer s.
 struct CombineBlock {
   int s, w;
 };
-__device__ inline CombineBlock combineBlock(const MoeParams& p, int n) {
+__device__ inline int combineBlocksOf(const MoeParams& p, int s, std::uint32_t dlive) {
+  return isLive(dlive, s) ? blocksOf(p.layout.sourceRecords[s]) : 0;
+}
+__device__ inline CombineBlock combineBlock(const MoeParams& p, int n, std::uint32_t dlive) {
   const int R = p.shape.numRanks;
   int s = (p.shape.rank + 1) % R;
   for (;;) {
-    const int blocks = blocksOf(p.layout.sourceRecords[s]);
+    const int blocks = combineBlocksOf(p, s, dlive);
     if (n < blocks) return CombineBlock{s, n};
     n -= blocks;
     s = (s + 1) % R;
   }
 }
-__device__ inline int combineBlocks(const MoeParams& p) {
+__device__ inline int combineBlocks(const MoeParams& p, std::uint32_t dlive) {
   int items = 0;
-  for (int k = 1; k < p.shape.numRanks; ++k) items += blocksOf(p.layout.sourceRecords[(p.shape.rank + k) % p.shape.numRanks]);
+  for (int k = 1; k < p.shape.numRanks; ++k) items += combineBlocksOf(p, (p.shape.rank + k) % p.shape.numRanks, dlive);
   return items;
 }
 
@@ -350,10 +397,11 @@ __global__ void __launch_bounds__(kThreads) moeDirectCombineReduceKernel(const _
   const int tid = static_cast<int>(threadIdx.x);
   if (blockIdx.x == 0 && tid == 0) moeCheckPairing(p, false);
   const std::uint32_t cstep = p.peers.steps[1];
+  const std::uint32_t dlive = *p.peers.dispatchLive;  // the mask of the dispatch it combines
   ptx::launchDependents();  // the send starts on the SMs of the budget at once
   const MoeGroupSlice gs = moeGroupSlice();
   const int W = static_cast<int>(moeRouteWords(p.shape.maxTokens));
-  const int items = combineBlocks(p);
+  const int items = combineBlocks(p, dlive);
   // Every peer's block without records this step is ready too (nothing to reduce): no block's
   // flag falls behind the step. One left unposted for 2^31 combines (a source's count staying
   // below it) would read as ready when used again, the send's comparison being by signed distance,
@@ -361,12 +409,12 @@ __global__ void __launch_bounds__(kThreads) moeDirectCombineReduceKernel(const _
   const int R = p.shape.numRanks;
   for (int k = static_cast<int>(blockIdx.x * blockDim.x) + tid; k < R * W; k += static_cast<int>(gridDim.x * blockDim.x)) {
     const int s = k / W, w = k % W;
-    if (s != p.shape.rank && w >= blocksOf(p.layout.sourceRecords[s])) {
+    if (s != p.shape.rank && w >= combineBlocksOf(p, s, dlive)) {
       ptx::stReleaseSys(p.direct.partialReady + k, cstep + 1u);
     }
   }
   for (int m = static_cast<int>(blockIdx.x); m < items * kBlockParts; m += static_cast<int>(gridDim.x)) {
-    const CombineBlock b = combineBlock(p, m / kBlockParts);
+    const CombineBlock b = combineBlock(p, m / kBlockParts, dlive);
     const int i = b.w * kBlockTokens + (m % kBlockParts) * kGroups + gs.group;
     if (i < p.layout.sourceRecords[b.s]) {
       const long long rankRow = p.layout.rankMajor ? p.layout.rankOffsets[b.s] + i : -1;
@@ -400,19 +448,20 @@ __global__ void __launch_bounds__(kThreads) moeDirectCombineReduceKernel(const _
 __global__ void __launch_bounds__(kThreads) moeDirectCombineSendKernel(const __grid_constant__ MoeParams p) {
   const int tid = static_cast<int>(threadIdx.x);
   const std::uint32_t cstep = p.peers.steps[1];
+  const std::uint32_t dlive = *p.peers.dispatchLive;
   ptx::launchDependents();  // the final kernel may start on the SMs the reduce leaves
   const int W = static_cast<int>(moeRouteWords(p.shape.maxTokens));
-  const int items = combineBlocks(p);
+  const int items = combineBlocks(p, dlive);
   {
   const MoeStamp stamp(p, MoeKernel::kDirectCombineSend);  // the span ends before the wait below
   for (int n = static_cast<int>(blockIdx.x); n < items; n += static_cast<int>(gridDim.x)) {
-    const CombineBlock b = combineBlock(p, n);
+    const CombineBlock b = combineBlock(p, n, dlive);
     // The block is reduced here, and the peer has summed this rank's partials of the previous
     // combine (its acknowledgement: at once in the usual order), so its slots may be rewritten.
     const bool failed =
         tid == 0 && (!flagWait(p.peers.sync, p.direct.partialReady + b.s * W + b.w, cstep + 1u, b.s, WaitSite::kMoeCombineStaged) ||
-                     !flagWait(p.peers.sync, peerCounter(p, p.shape.rank, p.direct.combineAcksOff) + b.s, cstep, b.s,
-                               WaitSite::kMoeCombineAck));
+                     !flagWait(p.peers.sync, peerCounter(p, p.shape.rank, p.direct.combineAcksOff) + b.s,
+                               pairSteps(p, 1, b.s), b.s, WaitSite::kMoeCombineAck));
     if (__syncthreads_or(failed) != 0) break;  // recorded; the peer's wait for this block reports too
     const int first = b.w * kBlockTokens;
     const int rows = min(kBlockTokens, p.layout.sourceRecords[b.s] - first);
@@ -440,12 +489,12 @@ __global__ void __launch_bounds__(kThreads) moeDirectCombineSendKernel(const __g
     }
     __threadfence_system();  // every thread's partials, before the flag
     __syncthreads();
-    if (tid == 0) ptx::stReleaseSys(directCombineFlag(p, b.s, p.shape.rank, b.w), cstep + 1u);
+    if (tid == 0) ptx::stReleaseSys(directCombineFlag(p, b.s, p.shape.rank, b.w), pairSteps(p, 1, b.s) + 1u);
   }
   // The blocks this combine leaves empty at each source (past its records here) get their flag
   // too, as the dispatch's do: no flag falls behind the step.
   postEmptyBlocks(
-      p, cstep, [&](int q) { return blocksOf(p.layout.sourceRecords[q]); }, directCombineFlag);
+      p, 1, dlive, [&](int q) { return combineBlocksOf(p, q, dlive); }, directCombineFlag);
   }
   ptx::gridDependencyWait();  // the reduce has completed: this grid ends after it
 }
@@ -459,6 +508,7 @@ __global__ void __launch_bounds__(kThreads) moeDirectCombineFinalKernel(const __
   __shared__ const uint4* parts[kGroups][kMaxRanks];
   const int tid = static_cast<int>(threadIdx.x), R = p.shape.numRanks;
   const std::uint32_t cstep = p.peers.steps[1];
+  const std::uint32_t dlive = *p.peers.dispatchLive;  // the ranks whose partials it sums
   const MoeGroupSlice gs = moeGroupSlice();
   {
     const MoeStamp stamp(p, MoeKernel::kDirectCombineFinal);
@@ -479,18 +529,21 @@ __global__ void __launch_bounds__(kThreads) moeDirectCombineFinalKernel(const __
       // Lane r < R of the group's first warp waits for destination r's block (a failed wait is
       // recorded; later waits of this rank then return at once, and the status reports it).
       const int r = gs.g.tid;
-      if (r < R && r != p.shape.rank && idx[r] >= 0) {
-        flagWait(p.peers.sync, directCombineFlag(p, p.shape.rank, r, idx[r] / kBlockTokens), cstep + 1u, r,
+      if (r < R && r != p.shape.rank && idx[r] >= 0 && isLive(dlive, r)) {
+        flagWait(p.peers.sync, directCombineFlag(p, p.shape.rank, r, idx[r] / kBlockTokens), pairSteps(p, 1, r) + 1u, r,
                  WaitSite::kMoeCombine);
       }
       moeFinalToken(
-          p, t, [&](int q) -> const char* { return idx[q] < 0 ? nullptr : directPartial(p, p.shape.rank, q, idx[q]); },
+          p, t,
+          [&](int q) -> const char* {
+            return idx[q] < 0 || !isLive(dlive, q) ? nullptr : directPartial(p, p.shape.rank, q, idx[q]);
+          },
           parts[gs.group], gs.g);
       if (p.combine.rowValues != nullptr && gs.g.tid < p.combine.numValues) {  // the values, summed alike (fp32, rank order)
         const int k = gs.g.tid;
         float sum = 0.f;
         for (int q = 0; q < R; ++q) {
-          if (idx[q] < 0) continue;
+          if (idx[q] < 0 || !isLive(dlive, q)) continue;
           if (q == p.shape.rank) {
             const long long row = p.layout.rankOffsets[p.shape.rank] + own;
             sum += row < p.combine.expertOutputRows ? p.combine.rowValues[row * p.combine.numValues + k] : 0.f;
@@ -508,9 +561,9 @@ __global__ void __launch_bounds__(kThreads) moeDirectCombineFinalKernel(const __
       p.peers.steps[1] = cstep + 1u;
       *p.state.pending &= kMoeDispatched;  // the combine's last kernel
     }
-    // Every CTA's reads of the peers' partials are ordered before this (lastBlock): the peers may
-    // write their next combine's partials.
-    postEveryPeer(p, p.direct.combineAcksOff, cstep + 1u);
+    // Every CTA's reads of the peers' partials are ordered before this (lastBlock): the peers in
+    // the dispatch's mask may write their next combine's partials.
+    finishPairs(p, 1, dlive, p.direct.combineAcksOff);
   }
 }
 

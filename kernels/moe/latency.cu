@@ -42,7 +42,7 @@
 // (Engine::receive). Counters only grow (mod 2^32): flags reach step + 1, arrival counters grow
 // by G in each step both ranks take part in (latency.expected keeps that count per rank).
 //
-// The active-rank mask (latency.live, the same on every rank in each step: the caller's promise):
+// The active-rank mask (peers.live, the same on every rank in each step: the caller's promise):
 // every rank still runs every operation and advances its steps, so steps and parities stay in
 // lockstep; a rank outside the mask is sent nothing, its entries count as masked, and no one waits
 // for it; a rank outside its own mask does nothing but advance. The parity argument above holds
@@ -83,16 +83,6 @@ __device__ __forceinline__ int lastArriver(const MoeParams& p) {
   return p.shape.rank == p.shape.numRanks - 1 ? p.shape.numRanks - 2 : p.shape.numRanks - 1;
 }
 
-// Rank r takes part in an operation whose mask is `live`.
-__device__ __forceinline__ bool isLive(std::uint32_t live, int r) { return ((live >> r) & 1u) != 0; }
-
-// This dispatch's mask: the caller's (Engine::setActiveRanks; bits past the ranks dropped), or no
-// rank at all while this rank is outside it (it then sends, receives and waits for nothing).
-__device__ __forceinline__ std::uint32_t dispatchMask(const MoeParams& p) {
-  const int R = p.shape.numRanks;
-  const std::uint32_t m = *p.latency.live & (R >= 32 ? ~0u : (1u << R) - 1u);
-  return isLive(m, p.shape.rank) ? m : 0u;
-}
 
 // The launch's last CTA, once the operation's receive is done: the arrivals the next step waits
 // for grow by G from each rank that took part in this one (op 0: the dispatch, whose own records
@@ -255,7 +245,7 @@ __device__ void dispatchReceive(const MoeParams& p, Part part, std::uint32_t liv
   const int parity = static_cast<int>(step & 1u);
   const std::uint32_t G = static_cast<std::uint32_t>(p.grid.budgetCtas);  // every send CTA, this step
   // A source outside the mask sent nothing: its message reads as zeros, so the layout leaves it out.
-  auto msgOf = [&](int q) { return isLive(live, q) ? latencyMsg(p, parity, q) : p.latency.zeroMsg; };
+  auto msgOf = [&](int q) { return isLive(live, q) ? latencyMsg(p, parity, q) : p.peers.zeroMsg; };
   bool layoutOk = false;
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyReceive);
@@ -371,7 +361,7 @@ __global__ void __launch_bounds__(kThreads) dispatchKernel(const __grid_constant
     // Every CTA read the step and the expected arrivals before lastBlock's barrier.
     p.peers.steps[0] = p.peers.steps[0] + 1u;
     advanceExpected(p, 0, live);
-    *p.latency.dispatchLive = live;  // its combine's mask
+    *p.peers.dispatchLive = live;  // its combine's mask
     *p.state.pending = kMoeDispatched | kMoePendingCombine;
   }
 }
@@ -505,7 +495,7 @@ __global__ void __launch_bounds__(kThreads) combineKernel(const __grid_constant_
   const std::uint64_t entered = p.state.timeline != nullptr ? ptx::globalTimerNs() : 0;
   ptx::gridDependencyWait();  // as the dispatch: the stream's last kernel has finished
   const Part send = sendPart(p), receive = receivePart(p);
-  const std::uint32_t live = *p.latency.dispatchLive;  // the mask of the dispatch it combines
+  const std::uint32_t live = *p.peers.dispatchLive;  // the mask of the dispatch it combines
   traceStart(p, 1, send, entered);
   if (send.cta >= 0) combineSend(p, send, live);
   if (receive.cta >= 0) combineReceive(p, receive, live);

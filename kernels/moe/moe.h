@@ -275,6 +275,13 @@ struct MoePeers {
   std::uint32_t* steps;          // local [2]: dispatch and combine steps (monotonic)
   std::uint32_t* lastCtaCounters;  // local [2]: last-CTA counters of the dispatch's and combine's last kernels
   SyncHandle sync;               // bounded waits (timeout, error record)
+  // The active-rank mask (Engine::setActiveRanks; the latency path and the direct throughput
+  // path): bit r, rank r takes part. A dispatch reads it once and leaves the mask it used in
+  // dispatchLive for its combine; a rank outside the mask is sent nothing and waited for by no
+  // one, and a rank outside its own mask takes part in nothing. Every rank on the mover path.
+  const std::uint32_t* live;     // local, written in stream order by the caller
+  std::uint32_t* dispatchLive;   // local: the last dispatch's mask (0 when this rank was out)
+  const std::uint64_t* zeroMsg;  // local: a count message of zeros (a rank outside the mask)
 };
 
 // The direct path (kernels/moe/direct.cu) alone.
@@ -288,6 +295,11 @@ struct MoeDirectParams {
   float* valueStage;                // local [R][maxTokens][kMoeMaxValues]
   std::uint32_t* partialArrivals;   // local [R][W]: reduce CTAs done with a block
   std::uint32_t* partialReady;      // local [R][W]: the block's ready flag (step + 1) for the send
+  // Local [2][R]: the steps of each operation (dispatch, combine) this rank and rank q both took
+  // part in (the active-rank mask), from counterStart: every flag and acknowledgement between the
+  // two is that count + 1, so a rank left out of steps finds its pair's flags in step when put
+  // back (equal to the steps while no mask left anyone out).
+  std::uint32_t* shared;
   std::uint64_t slowFinalNs;        // tests only (GRAPHEP_SLOW_COMBINE_FINAL): the final's wait before it reads
 };
 
@@ -298,16 +310,10 @@ struct MoeLatencyParams {
   std::uint64_t weightsOff;          // [2][R][maxTokens][topK] fp32 combine weights
   std::uint64_t weightFlagsOff;      // u32 [R]: combine step + 1
   std::int32_t phase;                // kMoeLatencySend | kMoeLatencyReceive
-  // The active-rank mask (Engine::setActiveRanks): bit r, rank r takes part. A dispatch reads it
-  // once and leaves the mask it used in dispatchLive for its combine; a rank outside the mask is
-  // sent nothing and waited for by no one, and a rank outside its own mask takes part in nothing.
-  const std::uint32_t* live;         // local, written in stream order by the caller
-  std::uint32_t* dispatchLive;       // local: the last dispatch's mask (0 when this rank was out)
-  std::uint32_t* halfLive;           // local: a dispatch send half's mask, for its receive half
+  std::uint32_t* halfLive;           // local: a dispatch send half's mask (peers.live), for its receive half
   // Local [2][R]: the arrivals expected so far from each rank (dispatch records, combine partials):
   // they grow by G only in the steps both ranks took part in, as the counters they are waited on do.
   std::uint32_t* expected;
-  const std::uint64_t* zeroMsg;      // local: a count message of zeros (a rank outside the mask)
 };
 
 // Operation state and checks (every path).

@@ -125,14 +125,17 @@ struct MoeReceiveSmem {
 };
 
 // The dispatch receive's first step, the same on both paths: wait for every source's count message
-// of `step` (peers.countFlagsOff; the sources in `live` only, msgOf giving zeros for the others),
-// then every CTA derives the expert offsets (its expansion needs them) and the `publisher` CTA
-// writes the per-source bases and publishes the layout. `seen` runs once the wait returns (the
-// step trace). False: a wait failed (reported), nothing was computed.
+// of `step` (peers.countFlagsOff reaching step + 1, or with `pairBase` (the direct path's steps
+// shared with each source) pairBase[q] + 1; the sources in `live` only, msgOf giving zeros for the
+// others), then every CTA derives the expert offsets (its expansion needs them) and the
+// `publisher` CTA writes the per-source bases and publishes the layout. `seen` runs once the wait
+// returns (the step trace). False: a wait failed (reported), nothing was computed.
 template <int kThreads, int kGroups, typename Msg, typename Seen>
 __device__ __forceinline__ bool moeReceiveLayout(const MoeParams& p, Msg msgOf, std::uint32_t step, bool publisher,
-                                                 MoeReceiveSmem<kThreads, kGroups>& sm, Seen seen, std::uint32_t live = ~0u) {
-  const bool ok = waitEveryRank(p, p.peers.countFlagsOff, step + 1u, WaitSite::kMoeDispatch, false, live);
+                                                 MoeReceiveSmem<kThreads, kGroups>& sm, Seen seen, std::uint32_t live = ~0u,
+                                                 const std::uint32_t* pairBase = nullptr) {
+  const bool ok = waitEveryRank(p, p.peers.countFlagsOff, pairBase != nullptr ? 1u : step + 1u, WaitSite::kMoeDispatch,
+                                false, live, pairBase);
   seen();
   if (!ok) return false;
   moeComputeOffsets<kThreads>(p, msgOf, sm.counts, sm.offsets, sm.scratch);

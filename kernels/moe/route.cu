@@ -4,7 +4,9 @@
 //   bits    every (token, k) entry: its bit in the expert's row and in the destination rank's row,
 //           its count in the expert's 32-token block; invalid ids counted; CTA 0 clamps the live
 //           token count. With tokenInRank, the ranks' rows come from the mask instead, and an
-//           entry counts only where the mask sends its token to its expert's rank.
+//           entry counts only where the mask sends its token to its expert's rank. Entries whose
+//           expert's rank is outside the active-rank mask are dropped and counted
+//           (maskedEntries), and no rank row of such a rank gets a bit.
 //   prefix  one warp per row: entries (tokens, for rank rows) before each 32-token block (a CUB
 //           warp scan per 32 blocks), and the row's total (expertCount, rankCount).
 //   assign  each entry's index within its expert's entries from this rank (token-major order, so
@@ -30,16 +32,21 @@ __global__ void __launch_bounds__(kThreads) moeRouteBitsKernel(const __grid_cons
   if (blockIdx.x == 0 && threadIdx.x == 0) moeCheckPairing(p, true);
   const int T = moeLiveTokens(p, blockIdx.x == 0 && threadIdx.x == 0);
   const int W = static_cast<int>(moeRouteWords(p.shape.maxTokens)), E = p.shape.numExperts, K = p.shape.topK, R = p.shape.numRanks;
-  if (p.input.tokenInRank != nullptr) {  // the destinations, from the mask
+  const std::uint32_t live = dispatchMask(p);  // the active-rank mask (the direct path; every rank on the movers')
+  if (p.input.tokenInRank != nullptr) {  // the destinations, from the token-in-rank mask
     for (int n = gridThread(); n < T * R; n += gridThreads()) {
       const int t = n / R;
-      if (p.input.tokenInRank[n] != 0) atomicOr(&p.routing.bits[(E + n % R) * W + (t >> 5)], 1u << (t & 31));
+      if (p.input.tokenInRank[n] != 0 && isLive(live, n % R)) atomicOr(&p.routing.bits[(E + n % R) * W + (t >> 5)], 1u << (t & 31));
     }
   }
   for (int i = gridThread(); i < T * K; i += gridThreads()) {
     const long long id = moeReadId(p, static_cast<std::uint64_t>(i));
     if (!moeValidId(p, id)) {
       if (id != -1) moeReportInvalidId(p, id, i / K, i % K);
+      continue;
+    }
+    if (!isLive(live, static_cast<int>(id / p.shape.localExperts))) {  // its rank is outside the active-rank mask
+      atomicAdd(&p.state.status->maskedEntries[id / p.shape.localExperts], 1ull);
       continue;
     }
     const int t = i / K, w = t >> 5;
@@ -85,9 +92,10 @@ __global__ void __launch_bounds__(kThreads) moeRouteAssignKernel(const __grid_co
   const int T = *p.routing.liveTokens;
   const int W = static_cast<int>(moeRouteWords(p.shape.maxTokens)), E = p.shape.numExperts, K = p.shape.topK, R = p.shape.numRanks;
   const bool dup = *p.routing.duplicate != 0;
+  const std::uint32_t live = dispatchMask(p);
   for (int i = gridThread(); i < T * K; i += gridThreads()) {
     const long long id = moeReadId(p, static_cast<std::uint64_t>(i));
-    if (!moeValidId(p, id) || !moeEntryRouted(p, i / K, id)) continue;
+    if (!moeValidId(p, id) || !isLive(live, static_cast<int>(id / p.shape.localExperts)) || !moeEntryRouted(p, i / K, id)) continue;
     const int t = i / K, k = i % K, w = t >> 5;
     const std::uint32_t below = p.routing.bits[id * W + w] & ((1u << (t & 31)) - 1u);
     int idx = static_cast<int>(p.routing.blockPrefix[id * W + w]);
