@@ -72,9 +72,11 @@ void runMoeMisuse(Communicator& comm, MoePath path);
 
 // Faults: the last rank never launches. Every other rank's wait expires within the (short) timeout
 // naming it, the engine enters its failed state and refuses work, and destruction does not hang.
-// On the latency path the survivors then recover (Engine::recover, the missing rank masked) and
-// replay the graphs they captured before the failure, every output exact for the experts left
-// (GRAPHEP_RECOVERY_REPLAYS replays, default 12). In every receive layout, one after the other.
+// Where the engines take an active-rank mask (the latency path, the direct throughput path) the
+// survivors then recover (Engine::recover, the missing rank masked) and replay the graphs they
+// captured before the failure, every output exact for the experts left (GRAPHEP_RECOVERY_REPLAYS
+// replays, default 12); elsewhere recover is refused by name. In every receive layout, one after
+// the other.
 void runMoeMissingRank(Communicator& comm, MoePath path);
 // The host watchdog (latency path): with long device waits, checkHealth finds within 200 ms that
 // the last rank's count message has not arrived, names it, and fails the engine; the late rank then

@@ -45,7 +45,11 @@ void runMoeCaseInLayout(Communicator& comm, const MoeCase& c) {
   std::vector<int> firstInvalidRun(nl, -1), firstClamped(nl, 0);
   std::vector<std::vector<Inputs>> history;  // every run's inputs (the first-error fields name one)
   std::vector<std::vector<unsigned long long>> expectTotals(nl);
-  const bool masks = !c.masks.empty() && f.engine(0).path() == MoePath::kLatency;
+  // The masks are set where the engine takes them: the latency path and the direct throughput path
+  // (a direct engine that took none would run its mask cases unmasked, unseen: asserted).
+  const bool takesMask = f.engine(0).activeRanksDevice() != nullptr;
+  EXPECT_EQ(takesMask, f.engine(0).path() == MoePath::kLatency || f.engine(0).directBlockFlags().blocksPerRank > 0);
+  const bool masks = !c.masks.empty() && takesMask;
   std::vector<std::vector<unsigned long long>> masked(static_cast<std::size_t>(R), std::vector<unsigned long long>(static_cast<std::size_t>(R), 0));
   for (int run = 0; run < runs; ++run) {
     const std::uint64_t seed = 5000 + static_cast<std::uint64_t>(run) * 31;

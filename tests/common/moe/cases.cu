@@ -135,8 +135,9 @@ std::vector<MoeCase> standardMoeCases(int R, bool large) {
     c.cfg.path = MoePath::kThroughput;
     cases.push_back(c);
   }
-  {  // the active-rank mask changed between runs (latency path; kAuto, so that a forced-remote
-     // run takes the throughput path with no mask): every rank, ranks left out, put back in
+  {  // the active-rank mask changed between runs: every rank, ranks left out, put back in. On
+     // the latency path (kAuto) and the throughput path; engines that take no mask (the movers:
+     // ranks sharing a GPU, or forced remote) run the case with every rank
     MoeCase c = base("active_mask", 64, 256, 4 * R, 4);
     c.tokens = {64, 33, 1, 0, 64, 50, 17};
     c.masks = {~0u, 0b1110u, 0b0110u, ~0u, 0b0101u, 0b1011u, 0b0001u, 0b1101u, 0b0010u};
@@ -144,6 +145,12 @@ std::vector<MoeCase> standardMoeCases(int R, bool large) {
     c.name = "active_mask_graph";  // one captured graph, the mask changed between replays
     c.replays = 18;
     cases.push_back(c);
+    for (const char* name : {"active_mask", "active_mask_graph"}) {
+      c.name = name;
+      c.replays = c.name == "active_mask" ? 0 : 18;
+      c.cfg.path = MoePath::kThroughput;
+      cases.push_back(c);
+    }
   }
   if (large) {  // the DeepSeek-V3 shape at decode size, both paths
     MoeCase c = base("deepseek_v3_decode", 128, 7168, 256, 8);

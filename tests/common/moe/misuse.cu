@@ -141,13 +141,14 @@ void runMoeMisuse(Communicator& comm, MoePath path) {
 
 namespace {
 
-// After the missing rank was named (latency path): every survivor recovers with the mask that
-// leaves it out (Engine::recover; every local rank before any enqueues work) and replays the graph
-// it captured before the failure, nothing recaptured, with fresh inputs into poisoned outputs;
-// every survivor's outputs are checked against the reference of the inputs the mask leaves (the
-// missing rank's experts add nothing, though its messages, records and partials of the good step
-// before the failure lie in the survivors' memory), and each survivor's status counts the entries
-// routed to the missing rank. GRAPHEP_RECOVERY_REPLAYS sets the replays (default 12).
+// After the missing rank was named (an engine with an active-rank mask: the latency path, the
+// direct throughput path): every survivor recovers with the mask that leaves it out
+// (Engine::recover; every local rank before any enqueues work) and replays the graph it captured
+// before the failure, nothing recaptured, with fresh inputs into poisoned outputs; every
+// survivor's outputs are checked against the reference of the inputs the mask leaves (the missing
+// rank's experts add nothing, though its messages, records and partials of the good step before
+// the failure lie in the survivors' memory), and each survivor's status counts the entries routed
+// to the missing rank. GRAPHEP_RECOVERY_REPLAYS sets the replays (default 12).
 void recoverAndReplay(Communicator& comm, const MoeCase& c, MoeFixture& f, const std::vector<cudaGraphExec_t>& execs,
                       int missing) {
   const int R = comm.worldSize();
@@ -211,8 +212,9 @@ void missingRankInLayout(Communicator& comm, const MoeCase& c) {
   const int missing = comm.worldSize() - 1;
   MoeFixture f(comm, c);
   ASSERT_EQ(f.engine(0).path(), expectedPath(c.cfg, comm.worldSize()));  // a fallback would skip the recovery
-  // The latency path recovers: each rank's graph, captured before the failure, is replayed after.
-  const bool recovers = f.engine(0).path() == MoePath::kLatency;
+  // The engines with an active-rank mask recover (the latency path, the direct throughput path):
+  // each rank's graph, captured before the failure, is replayed after.
+  const bool recovers = f.engine(0).activeRanksDevice() != nullptr;
   std::vector<cudaGraphExec_t> execs(static_cast<std::size_t>(f.L()), nullptr);
   for (int l = 0; recovers && l < f.L(); ++l) {
     GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
@@ -252,6 +254,12 @@ void missingRankInLayout(Communicator& comm, const MoeCase& c) {
   }
   comm.barrier();
   if (recovers && !::testing::Test::HasFailure()) recoverAndReplay(comm, c, f, execs, missing);
+  for (int l = 0; !recovers && l < f.L(); ++l) {  // the movers' engines: no mask, refused by name
+    if (comm.globalRank(l) == missing) continue;
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    expectError([&] { f.engine(l).recover(allRanksMask(comm.worldSize()) & ~(1u << missing), f.buf(l).stream); },
+                Status::kNotSupported, "over the movers");
+  }
   for (cudaGraphExec_t e : execs) {
     if (e != nullptr) GRAPHEP_CUDA_CHECK(cudaGraphExecDestroy(e));
   }
