@@ -4,10 +4,10 @@
 //
 //   send     (grid.budgetCtas CTAs, the SM budget) after route: the CTAs split the destinations'
 //            count messages (with the live count and, per block of 32 tokens, the index of its
-//            first record), each posted with its flag (step + 1) before any payload; then CTA c
+//            first record), each posted with its flag (the pair's steps + 1, below) before any payload; then CTA c
 //            takes blocks c, c + G, ...: each group reads one token's row once and writes its
 //            record into every peer's slot [this rank][index] (index from route's routing.tokenRankIndex),
-//            and the block's flag (step + 1) is posted to every peer after a system fence.
+//            and the block's flag is posted to every peer after a system fence.
 //   receive  (MoeParams::grid.epilogueCtas CTAs, one per SM; launched as the send's programmatic
 //            dependent, so it starts on the SMs the send leaves free while the send runs) every
 //            CTA waits for every count flag and derives the layout (CTA 0 publishes it); then it
@@ -21,7 +21,7 @@
 //            slots and flags it there; final (epilogueCtas CTAs, the send's programmatic
 //            dependent) reduces the own rows and sums each token's partials in rank order.
 //
-// Count messages alternate by the step's parity; the records have one slot per (source, index),
+// Count messages alternate by the parity of the pair's steps; the records have one slot per (source, index),
 // the same region the movers' path uses, and so do the partials. So that dispatch -> dispatch and
 // combine -> combine never overwrite what a peer still reads, a send writes into a peer only after
 // that peer's acknowledgement of the previous operation (llDispAck: the receive has expanded this

@@ -83,7 +83,6 @@ __device__ __forceinline__ int lastArriver(const MoeParams& p) {
   return p.shape.rank == p.shape.numRanks - 1 ? p.shape.numRanks - 2 : p.shape.numRanks - 1;
 }
 
-
 // The launch's last CTA, once the operation's receive is done: the arrivals the next step waits
 // for grow by G from each rank that took part in this one (op 0: the dispatch, whose own records
 // this rank always counts; 1: the combine, the peers only).

@@ -4,9 +4,10 @@
 //   bits    every (token, k) entry: its bit in the expert's row and in the destination rank's row,
 //           its count in the expert's 32-token block; invalid ids counted; CTA 0 clamps the live
 //           token count. With tokenInRank, the ranks' rows come from the mask instead, and an
-//           entry counts only where the mask sends its token to its expert's rank. Entries whose
-//           expert's rank is outside the active-rank mask are dropped and counted
-//           (maskedEntries), and no rank row of such a rank gets a bit.
+//           entry counts only where the mask sends its token to its expert's rank. Entries that
+//           would be sent to a rank outside the active-rank mask are dropped and counted
+//           (maskedEntries), and no rank row of such a rank gets a bit (with token-in-rank routing
+//           alone, topK 0, there are no entries to count).
 //   prefix  one warp per row: entries (tokens, for rank rows) before each 32-token block (a CUB
 //           warp scan per 32 blocks), and the row's total (expertCount, rankCount).
 //   assign  each entry's index within its expert's entries from this rank (token-major order, so
@@ -45,12 +46,12 @@ __global__ void __launch_bounds__(kThreads) moeRouteBitsKernel(const __grid_cons
       if (id != -1) moeReportInvalidId(p, id, i / K, i % K);
       continue;
     }
+    const int t = i / K, w = t >> 5;
+    if (!moeEntryRouted(p, t, id)) continue;  // the token-in-rank mask does not send the token to its expert's rank
     if (!isLive(live, static_cast<int>(id / p.shape.localExperts))) {  // its rank is outside the active-rank mask
       atomicAdd(&p.state.status->maskedEntries[id / p.shape.localExperts], 1ull);
       continue;
     }
-    const int t = i / K, w = t >> 5;
-    if (!moeEntryRouted(p, t, id)) continue;  // the mask does not send the token to its expert's rank
     const std::uint32_t bit = 1u << (t & 31);
     if (atomicOr(&p.routing.bits[id * W + w], bit) & bit) atomicExch(p.routing.duplicate, 1u);
     atomicAdd(&p.routing.blockCounts[id * W + w], 1u);

@@ -227,8 +227,8 @@ void bindEngine(nb::module_& m) {
           "set_active_ranks",
           [](EngineCore& c, std::uint32_t mask, std::uintptr_t stream) { c.engine->setActiveRanks(mask, streamOf(stream)); },
           nb::arg("mask"), nb::arg("stream"),
-          "Capturable. The active-rank mask, bit r for rank r, written in stream order; latency path "
-          "(graphep::Engine::setActiveRanks).")
+          "Capturable. The active-rank mask, bit r for rank r, written in stream order; the latency path "
+          "and the direct throughput path (graphep::Engine::setActiveRanks).")
       .def(
           "recover",
           [](EngineCore& c, std::uint32_t mask, std::uintptr_t stream) {
@@ -241,7 +241,7 @@ void bindEngine(nb::module_& m) {
       .def_prop_ro(
           "active_ranks_device",
           [](const EngineCore& c) { return reinterpret_cast<std::uintptr_t>(c.engine->activeRanksDevice()); },
-          "The mask's device word (uint32), 0 on the throughput path.")
+          "The mask's device word (uint32), 0 on the throughput path over the movers.")
       .def(
           "status",
           [](const EngineCore& c) {
