@@ -113,6 +113,9 @@ TEST(Unit_MoePlan, LocalRegionsHoldWhatTheKernelsWrite) {
         {o.sourceRanges, rankMajor ? 0 : L * Rs * 8},
         {o.llSteps, 8},
         {o.llDone, 8},
+        {o.llMask, 3 * 4},         // the active-rank mask, the last dispatch's, a latency send half's
+        {o.llExpected, 2 * Rs * 4},  // latency: the arrivals expected; direct: the steps each pair shared
+        {o.llZeroMsg, std::max(z.cntMsgBytes, z.directMsgBytes)},  // read as either path's count message
         {o.combArrive, throughput ? Rs * o.routeWords * 4 : 0},
         {o.combReady, throughput ? Rs * o.routeWords * 4 : 0},
         {o.timeline, c.profile ? stamps : 0},
