@@ -1,5 +1,6 @@
 // The MoE case suite's run of one case in every layout (runMoeCase): dispatch, expert, combine,
 // eagerly or replayed from a captured graph, every output against the host reference.
+#include "common/gpu_env.hpp"
 #include "common/moe/harness.cuh"
 #include "common/moe/step_trace.hpp"
 
@@ -10,10 +11,16 @@ using namespace moe;
 namespace {
 void runMoeCaseInLayout(Communicator& comm, const MoeCase& c);
 
-// Run `run`'s active-rank mask of a case on R ranks (every rank when it has none, or none left).
+// Run `run`'s active-rank mask of a case on R ranks: its listed masks first (every rank when it
+// has none, or none left), then random non-empty ones, the same on every process (drawn from the
+// run's number).
 std::uint32_t caseMask(const MoeCase& c, int run, int R) {
   if (c.masks.empty()) return allRanksMask(R);
-  const std::uint32_t m = c.masks[static_cast<std::size_t>(run) % c.masks.size()] & allRanksMask(R);
+  if (static_cast<std::size_t>(run) >= c.masks.size()) {
+    std::mt19937 pick(static_cast<std::uint32_t>(run) * 2654435761u + 17u);
+    return 1u + static_cast<std::uint32_t>(pick() % allRanksMask(R));  // 1 .. every rank
+  }
+  const std::uint32_t m = c.masks[static_cast<std::size_t>(run)] & allRanksMask(R);
   return m != 0 ? m : allRanksMask(R);
 }
 
@@ -32,7 +39,11 @@ void runMoeCaseInLayout(Communicator& comm, const MoeCase& c) {
   for (int l = 0; l < f.L(); ++l) {
     EXPECT_EQ(f.engine(l).path(), expectedPath(c.cfg, R)) << "rank " << comm.globalRank(l);
   }
-  const int runs = c.replays > 0 ? c.replays : static_cast<int>(c.tokens.size());
+  // GRAPHEP_MASK_REPLAYS: the replays of a graph case with masks (the mask flipped every replay).
+  const int replays = c.replays > 0 && !c.masks.empty()
+                          ? static_cast<int>(replaysFromEnv("GRAPHEP_MASK_REPLAYS", c.replays))
+                          : c.replays;
+  const int runs = replays > 0 ? replays : static_cast<int>(c.tokens.size());
   std::vector<cudaGraphExec_t> execs;
   if (c.replays > 0) {
     for (int l = 0; l < f.L(); ++l) {
@@ -43,7 +54,7 @@ void runMoeCaseInLayout(Communicator& comm, const MoeCase& c) {
   const std::size_t nl = static_cast<std::size_t>(f.L());
   std::vector<unsigned long long> expectInvalid(nl, 0), expectDropped(nl, 0), expectClamped(nl, 0);
   std::vector<int> firstInvalidRun(nl, -1), firstClamped(nl, 0);
-  std::vector<std::vector<Inputs>> history;  // every run's inputs (the first-error fields name one)
+  std::map<int, std::vector<Inputs>> firstInvalidInputs;  // the inputs of each rank's first run with invalid ids
   std::vector<std::vector<unsigned long long>> expectTotals(nl);
   // The masks are set where the engine takes them: the latency path and the direct throughput path
   // (a direct engine that took none would run its mask cases unmasked, unseen: asserted).
@@ -93,7 +104,9 @@ void runMoeCaseInLayout(Communicator& comm, const MoeCase& c) {
       tot.resize(ref.routed.size(), 0);
       for (std::size_t j = 0; j < ref.routed.size(); ++j) tot[j] += static_cast<unsigned long long>(ref.routed[j]);
     }
-    history.push_back(std::move(all));
+    for (int l = 0; l < f.L(); ++l) {
+      if (firstInvalidRun[static_cast<std::size_t>(l)] == run) firstInvalidInputs[run] = all;
+    }
     comm.barrier();
   }
   for (int l = 0; l < f.L(); ++l) {
@@ -110,7 +123,7 @@ void runMoeCaseInLayout(Communicator& comm, const MoeCase& c) {
     }
     if (expectClamped[ls] > 0) EXPECT_EQ(st.firstClampedCount, firstClamped[ls]) << "rank " << r;
     if (firstInvalidRun[ls] >= 0) {
-      const Inputs& in = history[static_cast<std::size_t>(firstInvalidRun[ls])][static_cast<std::size_t>(r)];
+      const Inputs& in = firstInvalidInputs.at(firstInvalidRun[ls])[static_cast<std::size_t>(r)];
       EXPECT_TRUE(isInvalidEntry(c.cfg, in, st.firstInvalidId, st.firstInvalidToken, st.firstInvalidSlot))
           << "rank " << r << ": the first invalid id recorded, topk_idx[" << st.firstInvalidToken << "]["
           << st.firstInvalidSlot << "] = " << st.firstInvalidId << ", is not an invalid entry of run "
