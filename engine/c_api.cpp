@@ -356,6 +356,8 @@ graphep_status_t graphep_engine_recover(graphep_engine_t engine, unsigned int ma
   return guarded([&] { engineOf(engine).recover(mask, stream); });
 }
 
+static_assert(GRAPHEP_MAX_RANKS == graphep::kMaxRanks, "graphep.h's GRAPHEP_MAX_RANKS is graphep::kMaxRanks");
+
 graphep_status_t graphep_engine_status(graphep_engine_t engine, graphep_moe_status_t* status) {
   return guarded([&] {
     (void)readVersioned(status, "status");
@@ -372,6 +374,7 @@ graphep_status_t graphep_engine_status(graphep_engine_t engine, graphep_moe_stat
     o.unpaired_dispatches = s.unpairedDispatches;
     o.unpaired_combines = s.unpairedCombines;
     o.missing_combine_rows = s.missingCombineRows;
+    for (int r = 0; r < GRAPHEP_MAX_RANKS; ++r) o.masked_entries[r] = s.maskedEntries[static_cast<std::size_t>(r)];
     if (!s.deviceError.empty()) lastError = s.deviceError;
     writeVersioned(status, o);
   });

@@ -38,8 +38,11 @@ extern "C" {
  * graphep_combine_args_t.topk_weights, half; graphep_layout_t.expert_source_ranges, scales_buffer;
  * graphep_receive; graphep_fp8_scales_t, graphep_half_t. A version-4 caller's structs (dispatch
  * args 160 bytes, combine args 56, layout 168 on 64-bit hosts) keep working.
- * 6 (the active-rank mask): graphep_set_active_ranks, graphep_engine_recover. */
-#define GRAPHEP_C_API_VERSION 6
+ * 6 (the active-rank mask): graphep_set_active_ranks, graphep_engine_recover.
+ * 7: graphep_moe_status_t.masked_entries; the mask on the direct throughput path. */
+#define GRAPHEP_C_API_VERSION 7
+/* The most ranks an engine takes (graphep::kMaxRanks). */
+#define GRAPHEP_MAX_RANKS 32
 
 /* Mirrors graphep::Status (include/graphep/status.hpp). */
 typedef enum graphep_status {
@@ -273,8 +276,11 @@ typedef struct graphep_moe_status {
   unsigned long long unpaired_combines;    /* combines before the first dispatch */
   /* Version 4. */
   unsigned long long missing_combine_rows; /* expert output rows a combine needed past expert_output_rows */
+  /* Version 7. [r]: this rank's (token, slot) entries whose expert lives on rank r, dropped because
+   * r (or this rank) was outside the active-rank mask (graphep_set_active_ranks): not an error. */
+  unsigned long long masked_entries[GRAPHEP_MAX_RANKS];
 } graphep_moe_status_t;
-#define GRAPHEP_MOE_STATUS_INIT { sizeof(graphep_moe_status_t), 0, 0, 0, 0, -1, -1, 0, 0, 0, 0, 0 }
+#define GRAPHEP_MOE_STATUS_INIT { sizeof(graphep_moe_status_t), 0, 0, 0, 0, -1, -1, 0, 0, 0, 0, 0, {0} }
 
 /* graphep::MoeMemory: what an engine of a config allocates per rank, known before anything is
  * allocated (size a KV cache after it). */
@@ -329,8 +335,8 @@ graphep_status_t graphep_combine(graphep_engine_t engine, const graphep_combine_
  * receive; with none waiting, GRAPHEP_INVALID_ARGUMENT. Version 5. */
 graphep_status_t graphep_receive(graphep_engine_t engine, cudaStream_t stream);
 /* Capturable. The active-rank mask (bit r: rank r takes part; every rank at setup), written on
- * `stream` in stream order; the latency path and the direct throughput path (the throughput path
- * over the movers refuses any mask but every rank).
+ * `stream` in stream order; the latency path and (version 7) the direct throughput path (the
+ * throughput path over the movers refuses any mask but every rank, GRAPHEP_NOT_SUPPORTED).
  * Every rank gives the same mask for the same dispatch and its combine; a rank outside it is sent
  * nothing and waited for by no one, the entries routed to its experts are dropped and counted, and
  * a rank outside its own mask takes part in nothing (graphep::Engine::setActiveRanks). Refused

@@ -905,6 +905,63 @@ static void abi_checks(graphep_engine_t engine, const graphep_layout_t* full) {
          "a layout of struct_size %zu: %s \"%s\"", v1 - 8, graphep_status_name(s), graphep_last_error());
 }
 
+/* The active-rank mask through the C ABI: every rank sets the same mask, the last rank left out,
+ * for one eager dispatch + combine of fresh inputs (their results are not checked), then puts
+ * every rank back. Each rank's status (version 7) counts, per destination, the entries of its live
+ * tokens that went to a rank outside the mask (on the left-out rank: every valid entry), with no
+ * device error. An engine that takes no mask (the throughput path over the movers) refuses it with
+ * GRAPHEP_NOT_SUPPORTED, naming the movers. */
+static void mask_step(run_t* run, const graphep_dispatch_args_t* da, const graphep_combine_args_t* ca) {
+  const int R = run->world, out = R - 1, per = run->experts / R;
+  if (R < 2) return;
+  const unsigned all = (1u << R) - 1u, mask = all & ~(1u << out);
+  set_label(run, "active-rank mask");
+  CHECK_CUDA(cudaSetDevice(run->r[0].device));
+  const graphep_status_t s = graphep_set_active_ranks(run->r[0].engine, mask, run->r[0].stream);
+  if (s == GRAPHEP_NOT_SUPPORTED) {
+    EXPECT(strstr(graphep_last_error(), "movers") != NULL, "%s: the refusal does not name the movers: \"%s\"",
+           run->label, graphep_last_error());
+    return;
+  }
+  CHECK_G(s);
+  for (int i = 1; i < R; ++i) {
+    CHECK_CUDA(cudaSetDevice(run->r[i].device));
+    CHECK_G(graphep_set_active_ranks(run->r[i].engine, mask, run->r[i].stream));
+  }
+  unsigned long long before[MAX_RANKS][MAX_RANKS];
+  for (int i = 0; i < R; ++i) {
+    graphep_moe_status_t st = GRAPHEP_MOE_STATUS_INIT;
+    CHECK_G(graphep_engine_status(run->r[i].engine, &st));
+    for (int d = 0; d < R; ++d) before[i][d] = st.masked_entries[d];
+  }
+  new_inputs(run);
+  enqueue_ops(run, da, ca, 0, OPS_WHOLE);
+  enqueue_ops(run, da, ca, 1, OPS_WHOLE);
+  sync_all(run);
+  for (int i = 0; i < R; ++i) {
+    const rank_t* q = &run->r[i];
+    unsigned long long want[MAX_RANKS] = {0};
+    for (int n = 0; n < q->T * K; ++n) {
+      const long long e = q->hid[n];
+      if (e < 0 || e >= run->experts) continue;
+      const int d = (int)(e / per);
+      if (i == out || d == out) ++want[d];
+    }
+    graphep_moe_status_t st = GRAPHEP_MOE_STATUS_INIT;
+    CHECK_G(graphep_engine_status(q->engine, &st));
+    EXPECT(st.struct_size == sizeof st && !st.device_error, "%s: rank %d status size %zu, device error %d (%s)",
+           run->label, i, st.struct_size, st.device_error, graphep_last_error());
+    for (int d = 0; d < R; ++d) {
+      EXPECT(st.masked_entries[d] - before[i][d] == want[d], "%s: rank %d masked_entries[%d] grew by %llu, expected %llu",
+             run->label, i, d, st.masked_entries[d] - before[i][d], want[d]);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    CHECK_CUDA(cudaSetDevice(run->r[i].device));
+    CHECK_G(graphep_set_active_ranks(run->r[i].engine, all, run->r[i].stream));
+  }
+}
+
 static void run_config(graphep_comm_t comm, const char* comm_name, int peers_load_store, const run_cfg_t* c,
                        int abi) {
   int world = 0, local = 0;
@@ -1055,6 +1112,7 @@ static void run_config(graphep_comm_t comm, const char* comm_name, int peers_loa
   if (c->graphs) graph_rounds(&run, da, ca);
   set_label(&run, "status");
   check_status(&run);
+  mask_step(&run, da, ca);
   if (c->skew) {
     unsigned long long dropped = 0;
     for (int i = 0; i < world; ++i) dropped += run.r[i].exp_dropped;

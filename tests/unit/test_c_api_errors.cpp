@@ -70,10 +70,22 @@ TEST(Unit_CApi, ErrorsAreNamedStatusesPerThread) {
   }
 }
 
+// Version 7: the status's masked entries per rank, appended (a version-6 caller's struct, which
+// ends before them, keeps its size and is written only that far), zero from the INIT macro.
+TEST(Unit_CApi, Version7MaskedEntries) {
+  EXPECT_EQ(GRAPHEP_MAX_RANKS, kMaxRanks);
+  const graphep_moe_status_t st = GRAPHEP_MOE_STATUS_INIT;
+  EXPECT_EQ(st.struct_size, sizeof(graphep_moe_status_t));
+  for (unsigned long long m : st.masked_entries) EXPECT_EQ(m, 0ull);
+  EXPECT_EQ(offsetof(graphep_moe_status_t, masked_entries),
+            offsetof(graphep_moe_status_t, missing_combine_rows) + sizeof(unsigned long long));
+  EXPECT_EQ(graphep_engine_status(nullptr, nullptr), GRAPHEP_INVALID_ARGUMENT);
+}
+
 // Version 5 (the latency path's capabilities): the version, the INIT defaults ("as before"), the
 // enums equal to the C++ ones, and graphep_receive's NULL engine named.
 TEST(Unit_CApi, Version5LatencyCapabilities) {
-  EXPECT_EQ(GRAPHEP_C_API_VERSION, 6);
+  EXPECT_EQ(GRAPHEP_C_API_VERSION, 7);
   EXPECT_EQ(graphep_api_version(), GRAPHEP_C_API_VERSION);
   EXPECT_EQ(GRAPHEP_FP8_SCALES_FLOAT, static_cast<int>(Fp8Scales::kFloat));
   EXPECT_EQ(GRAPHEP_FP8_SCALES_POW2, static_cast<int>(Fp8Scales::kPow2));
