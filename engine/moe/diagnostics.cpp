@@ -269,6 +269,8 @@ DirectBlockFlags Engine::directBlockFlags() const {
   GRAPHEP_CUDA_CHECK(cudaMemcpy(f.partials.data(), mine + m.p.direct.partialFlagsOff, n * 4, cudaMemcpyDeviceToHost));
   f.partialsReady.resize(n);
   GRAPHEP_CUDA_CHECK(cudaMemcpy(f.partialsReady.data(), m.p.direct.partialReady, n * 4, cudaMemcpyDeviceToHost));
+  f.pairSteps.resize(2 * static_cast<std::size_t>(m.p.shape.numRanks));
+  GRAPHEP_CUDA_CHECK(cudaMemcpy(f.pairSteps.data(), m.p.direct.shared, f.pairSteps.size() * 4, cudaMemcpyDeviceToHost));
   std::uint32_t steps[2] = {0, 0};
   GRAPHEP_CUDA_CHECK(cudaMemcpy(steps, m.p.peers.steps, sizeof steps, cudaMemcpyDeviceToHost));
   f.dispatchStep = steps[0];

@@ -148,6 +148,10 @@ struct DirectBlockFlags {
   // [R][blocksPerRank], local: the combine's reduce marks each peer's block of partials ready for
   // this rank's send (the combine step + 1), every block every combine.
   std::vector<std::uint32_t> partialsReady;
+  // [2][R]: the dispatches (row 0) and combines (row 1) this rank and rank q both took part in
+  // (the active-rank mask), from counterStart. The flags from q equal them after every operation
+  // q took part in (the steps themselves while no mask left anyone out).
+  std::vector<std::uint32_t> pairSteps;
 };
 
 // What a dispatch's x holds and how its rows travel (DispatchArgs.input).

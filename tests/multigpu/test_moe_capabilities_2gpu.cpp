@@ -764,6 +764,73 @@ TEST(Gpu2_MoeCapabilities, DirectBlockFlagsKeepPaceWithTheSteps) {
   }
 }
 
+// The direct path under the active-rank mask (DESIGN §5.6): every dispatch and combine runs under
+// a mask set on both ranks (both, one alone, both, the other alone, both). After each operation,
+// on each rank in the mask: the steps it shared with each rank grew by one exactly where both took
+// part; every block flag from a peer in the mask equals the steps they shared (the flags of a
+// dispatch, or of a combine); and no flag of a rank left out moved (nothing was posted to it).
+// Every status stays ok (a wait for a rank left out would time out). The outputs under masks are
+// checked by the MoE case suite's active_mask cases; this checks the protocol's counters.
+TEST(Gpu2_MoeCapabilities, DirectPairStepsUnderTheMask) {
+  GRAPHEP_REQUIRE_GPUS(2);
+  Caps caps;
+  const int L = caps.L(), R = caps.R();
+  ASSERT_GT(caps.engine(0).directBlockFlags().blocksPerRank, 0) << "not the direct path";
+  const CallOptions o;
+  std::uint64_t seed = 9101;
+  for (const std::uint32_t mask : {3u, 1u, 3u, 2u, 3u, 1u, 1u, 3u}) {
+    const std::vector<RankInputs> in = caps.inputs(Route::kTopk, kK, ++seed, {80, 47});
+    std::vector<RefRows> ref;
+    for (int d = 0; d < R; ++d) ref.push_back(reference(in, d));
+    std::vector<RankCall> calls;
+    std::vector<Caps::CombineCall> ys;
+    for (int l = 0; l < L; ++l) {
+      calls.push_back(caps.prepare(l, in[static_cast<std::size_t>(l)], ref[static_cast<std::size_t>(l)], o));
+      ys.push_back(caps.prepareCombine(l, ref[static_cast<std::size_t>(l)], kK, 0, ++seed));
+    }
+    for (int op = 0; op < 2; ++op) {  // the dispatch, then its combine
+      std::vector<DirectBlockFlags> before;
+      for (int l = 0; l < L; ++l) before.push_back(caps.engine(l).directBlockFlags());
+      for (int l = 0; l < L; ++l) {
+        GRAPHEP_CUDA_CHECK(cudaSetDevice(l));
+        if (op == 0) {
+          caps.engine(l).setActiveRanks(mask, caps.stream(l));
+          caps.engine(l).dispatch(caps.args(in[static_cast<std::size_t>(l)], calls[static_cast<std::size_t>(l)], o), caps.stream(l));
+        } else {
+          caps.enqueueCombine(l, ys[static_cast<std::size_t>(l)], kK);
+        }
+      }
+      caps.syncAll();
+      for (int l = 0; l < L; ++l) {
+        const int me = caps.engine(l).rank();
+        const std::string what = "mask " + std::to_string(mask) + (op == 0 ? " dispatch" : " combine") + ", rank " +
+                                 std::to_string(me);
+        EXPECT_TRUE(caps.engine(l).status().ok()) << what << ": " << caps.engine(l).status().describe();
+        const DirectBlockFlags& b = before[static_cast<std::size_t>(l)];
+        const DirectBlockFlags f = caps.engine(l).directBlockFlags();
+        const std::vector<std::uint32_t>& flags = op == 0 ? f.records : f.partials;
+        const std::vector<std::uint32_t>& was = op == 0 ? b.records : b.partials;
+        const bool meIn = ((mask >> me) & 1u) != 0;
+        for (int q = 0; q < R; ++q) {
+          const bool both = meIn && ((mask >> q) & 1u) != 0;
+          const std::size_t at = static_cast<std::size_t>(op * R + q);
+          if (op == 0 || q != me) {  // a combine shares no steps with this rank itself
+            EXPECT_EQ(f.pairSteps[at], b.pairSteps[at] + (both ? 1u : 0u)) << what << ": the steps shared with rank " << q;
+          }
+          if (q == me) continue;
+          int off = 0;
+          for (int w = 0; w < f.blocksPerRank; ++w) {
+            const std::size_t k = static_cast<std::size_t>(q * f.blocksPerRank + w);
+            off += both ? flags[k] != f.pairSteps[at] : flags[k] != was[k];
+          }
+          EXPECT_EQ(off, 0) << what << ": " << off << " block flags from rank " << q
+                            << (both ? " differ from the steps they shared" : " moved though it was left out");
+        }
+      }
+    }
+  }
+}
+
 // An operation stopped part-way (the third open finding of docs/RELIABILITY.md): a launch failing
 // once the operation's first launches are queued (made to happen with GRAPHEP_FAULT_AFTER_LAUNCH
 // right after the direct dispatch's send, then after the direct combine's send) reaches the
