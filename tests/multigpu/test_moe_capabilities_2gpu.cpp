@@ -493,6 +493,36 @@ class Caps {
     }
     engine(l).combine(a, stream(l));
   }
+
+  // A dispatch and its combine on every rank: fresh top-k inputs with `tokens` live per rank, their
+  // reference, every rank's call (inputs uploaded, outputs poisoned) and fresh expert outputs.
+  struct Step {
+    std::vector<RankInputs> in;
+    std::vector<RefRows> ref;
+    std::vector<RankCall> calls;
+    std::vector<CombineCall> ys;
+  };
+  Step step(const std::vector<int>& tokens, std::uint64_t& seed, const CallOptions& o) {
+    Step s;
+    s.in = inputs(Route::kTopk, kK, ++seed, tokens);
+    for (int d = 0; d < R(); ++d) s.ref.push_back(reference(s.in, d));
+    for (int l = 0; l < L(); ++l) {
+      s.calls.push_back(prepare(l, s.in[static_cast<std::size_t>(l)], s.ref[static_cast<std::size_t>(l)], o));
+      s.ys.push_back(prepareCombine(l, s.ref[static_cast<std::size_t>(l)], kK, 0, ++seed));
+    }
+    return s;
+  }
+  // op 0: every rank's dispatch of the step; 1: every rank's combine (not waited for).
+  void enqueueOp(int op, const Step& s, const CallOptions& o) {
+    for (int l = 0; l < L(); ++l) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(comm_->device(l)));
+      if (op == 0) {
+        engine(l).dispatch(args(s.in[static_cast<std::size_t>(l)], s.calls[static_cast<std::size_t>(l)], o), stream(l));
+      } else {
+        enqueueCombine(l, s.ys[static_cast<std::size_t>(l)], kK);
+      }
+    }
+  }
   long long checkCombine(int l, const std::vector<RankInputs>& in, const std::vector<RefRows>& refs,
                          const std::vector<const CombineCall*>& calls, const CombineCall& mine, int K,
                          const std::string& what) {
@@ -711,24 +741,13 @@ TEST(Gpu2_MoeCapabilities, DirectBlockFlagsKeepPaceWithTheSteps) {
   std::uint64_t seed = 9001;
   for (const int T : {80, 1, 33, 2, 80, 5}) {
     // Uneven: each source leaves a different number of blocks empty (80 tokens are 3 blocks).
-    const std::vector<RankInputs> in = caps.inputs(Route::kTopk, kK, ++seed, {T, 81 - T});
-    std::vector<RefRows> ref;
-    for (int d = 0; d < R; ++d) ref.push_back(reference(in, d));
-    std::vector<RankCall> calls;
-    std::vector<Caps::CombineCall> ys;
-    for (int l = 0; l < L; ++l) {
-      calls.push_back(caps.prepare(l, in[static_cast<std::size_t>(l)], ref[static_cast<std::size_t>(l)], o));
-      ys.push_back(caps.prepareCombine(l, ref[static_cast<std::size_t>(l)], kK, 0, ++seed));
-    }
+    const Caps::Step st = caps.step({T, 81 - T}, seed, o);
+    const std::vector<RankInputs>& in = st.in;
+    const std::vector<RefRows>& ref = st.ref;
+    const std::vector<RankCall>& calls = st.calls;
+    const std::vector<Caps::CombineCall>& ys = st.ys;
     for (int op = 0; op < 2; ++op) {  // the dispatch, then its combine
-      for (int l = 0; l < L; ++l) {
-        GRAPHEP_CUDA_CHECK(cudaSetDevice(l));
-        if (op == 0) {
-          caps.engine(l).dispatch(caps.args(in[static_cast<std::size_t>(l)], calls[static_cast<std::size_t>(l)], o), caps.stream(l));
-        } else {
-          caps.enqueueCombine(l, ys[static_cast<std::size_t>(l)], kK);
-        }
-      }
+      caps.enqueueOp(op, st, o);
       caps.syncAll();
       for (int l = 0; l < L; ++l) {
         const std::string what = "T=" + std::to_string(T) + (op == 0 ? " dispatch" : " combine");
@@ -779,27 +798,15 @@ TEST(Gpu2_MoeCapabilities, DirectPairStepsUnderTheMask) {
   const CallOptions o;
   std::uint64_t seed = 9101;
   for (const std::uint32_t mask : {3u, 1u, 3u, 2u, 3u, 1u, 1u, 3u}) {
-    const std::vector<RankInputs> in = caps.inputs(Route::kTopk, kK, ++seed, {80, 47});
-    std::vector<RefRows> ref;
-    for (int d = 0; d < R; ++d) ref.push_back(reference(in, d));
-    std::vector<RankCall> calls;
-    std::vector<Caps::CombineCall> ys;
-    for (int l = 0; l < L; ++l) {
-      calls.push_back(caps.prepare(l, in[static_cast<std::size_t>(l)], ref[static_cast<std::size_t>(l)], o));
-      ys.push_back(caps.prepareCombine(l, ref[static_cast<std::size_t>(l)], kK, 0, ++seed));
-    }
+    const Caps::Step st = caps.step({80, 47}, seed, o);
     for (int op = 0; op < 2; ++op) {  // the dispatch, then its combine
       std::vector<DirectBlockFlags> before;
       for (int l = 0; l < L; ++l) before.push_back(caps.engine(l).directBlockFlags());
-      for (int l = 0; l < L; ++l) {
+      for (int l = 0; op == 0 && l < L; ++l) {
         GRAPHEP_CUDA_CHECK(cudaSetDevice(l));
-        if (op == 0) {
-          caps.engine(l).setActiveRanks(mask, caps.stream(l));
-          caps.engine(l).dispatch(caps.args(in[static_cast<std::size_t>(l)], calls[static_cast<std::size_t>(l)], o), caps.stream(l));
-        } else {
-          caps.enqueueCombine(l, ys[static_cast<std::size_t>(l)], kK);
-        }
+        caps.engine(l).setActiveRanks(mask, caps.stream(l));
       }
+      caps.enqueueOp(op, st, o);
       caps.syncAll();
       for (int l = 0; l < L; ++l) {
         const int me = caps.engine(l).rank();
