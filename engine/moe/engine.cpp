@@ -474,14 +474,20 @@ namespace {
 // rank: a captured NCCL call is bound to its peer, and the load/store movers' per-link counters
 // assume every peer in every exchange.
 bool takesMask(const Engine::Impl& m) { return m.path == MoePath::kLatency || m.direct; }
+
+// A mask `who` (setActiveRanks, recover) may write: some rank, and none past the world.
+void requireMaskFits(const Engine::Impl& m, std::uint32_t mask, const char* who) {
+  const int R = m.p.shape.numRanks;
+  GRAPHEP_REQUIRE((mask & ~allRanksMask(R)) == 0, Status::kInvalidArgument,
+                  "%s: mask 0x%x names ranks past the last (world size %d)", who, mask, R);
+  GRAPHEP_REQUIRE(mask != 0, Status::kInvalidArgument, "%s: mask 0 leaves no rank", who);
+}
 }  // namespace
 
 void Engine::setActiveRanks(std::uint32_t mask, cudaStream_t stream) {
   Impl& m = *impl_;
   const int R = m.p.shape.numRanks;
-  GRAPHEP_REQUIRE((mask & ~allRanksMask(R)) == 0, Status::kInvalidArgument,
-                  "setActiveRanks: mask 0x%x names ranks past the last (world size %d)", mask, R);
-  GRAPHEP_REQUIRE(mask != 0, Status::kInvalidArgument, "setActiveRanks: mask 0 leaves no rank");
+  requireMaskFits(m, mask, "setActiveRanks");
   GRAPHEP_REQUIRE(takesMask(m) || mask == allRanksMask(R), Status::kNotSupported,
                   "setActiveRanks: mask 0x%x on the throughput path over the movers (ranks sharing a GPU, or "
                   "peers reached through NCCL), which takes every rank (the latency path and the direct "
@@ -504,8 +510,7 @@ void Engine::recover(std::uint32_t mask, cudaStream_t stream) {
                   m.p.shape.rank);
   GRAPHEP_REQUIRE(!m.stoppedPartWay, Status::kRemoteError, "recover: %s", m.failure.c_str());
   // Validated before anything is cleared: a refused mask leaves the engine as it was.
-  GRAPHEP_REQUIRE(mask != 0 && (mask & ~allRanksMask(m.p.shape.numRanks)) == 0, Status::kInvalidArgument,
-                  "recover: mask 0x%x (world size %d; at least one rank)", mask, m.p.shape.numRanks);
+  requireMaskFits(m, mask, "recover");
   GRAPHEP_REQUIRE((mask >> m.p.shape.rank) & 1u, Status::kInvalidArgument,
                   "recover: mask 0x%x leaves out rank %d itself", mask, m.p.shape.rank);
   GRAPHEP_REQUIRE(m.half == Impl::Half::kNone, Status::kRemoteError,

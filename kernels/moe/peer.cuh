@@ -89,17 +89,6 @@ __device__ inline void arriveAtEveryPeer(const MoeParams& p, std::uint64_t count
   }
 }
 
-// Threads r < R, r != this rank, store `value` into peer r's counter for this rank (release,
-// system scope, after a fence): the acknowledgements, posted by one CTA once every CTA's reads are
-// ordered before it (lastBlock), so that a peer's writes after it cannot reach what was read.
-__device__ inline void postEveryPeer(const MoeParams& p, std::uint64_t counterOff, std::uint32_t value) {
-  const int r = static_cast<int>(threadIdx.x);
-  if (r < p.shape.numRanks && r != p.shape.rank) {
-    ptx::fenceAcqRelSys();
-    ptx::stReleaseSys(peerCounter(p, r, counterOff) + p.shape.rank, value);
-  }
-}
-
 // Threads q < R wait until this rank's counter for q reaches `target` (plus base[q] when `base` is
 // given: a per-rank count); true when all did (every thread gets the answer). `peersOnly`: every q
 // but this rank; `live`: only the ranks taking part (bit q).
