@@ -33,6 +33,13 @@ const IntVar kEpilogueCluster({"GRAPHEP_EPILOGUE_CLUSTER", Type::kInt, "1",
                                 "the largest power of two up to it that the GPU can place, down to 1",
                                 nullptr, 1, 16});
 
+const ChoiceVar kMoeKernels({"GRAPHEP_MOE_KERNELS", Type::kChoice, "auto",
+                             "auto: the MoE throughput path runs its direct kernels wherever every peer is "
+                             "reached by load/store (ranks sharing a GPU included, when their share of it holds "
+                             "the kernels); movers: it runs over the movers instead (tests, comparison); read at "
+                             "engine setup, and any rank asking for the movers moves every rank to them",
+                             "auto|movers", 0, 0});
+
 const StringVar kFaultAfterLaunch({"GRAPHEP_FAULT_AFTER_LAUNCH", Type::kString, "",
                                    "tests only: an MoE operation fails right after queuing the named launch "
                                    "(e.g. direct-send), as a refused later launch would; read at engine setup",
@@ -46,7 +53,7 @@ const StringVar kSlowCombineFinal({"GRAPHEP_SLOW_COMBINE_FINAL", Type::kString, 
 
 const std::vector<const Var*>& all() {
   static const std::vector<const Var*> vars = {&kDebug,          &kDebugSubsys,     &kTimeoutMs,       &kTrapOnTimeout,
-                                               &kForceTransport, &kEpilogueCluster, &kFaultAfterLaunch,
+                                               &kForceTransport, &kEpilogueCluster, &kMoeKernels,     &kFaultAfterLaunch,
                                                &kSlowCombineFinal};
   return vars;
 }

@@ -69,6 +69,7 @@ extern const IntVar kTimeoutMs;
 extern const BoolVar kTrapOnTimeout;
 extern const ChoiceVar kForceTransport;
 extern const IntVar kEpilogueCluster;
+extern const ChoiceVar kMoeKernels;
 extern const StringVar kFaultAfterLaunch;
 extern const StringVar kSlowCombineFinal;
 

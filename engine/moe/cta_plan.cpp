@@ -22,18 +22,41 @@ using detail::DeviceGuard;
 
 namespace {
 
-// Collective: whether every rank finds `ok` true of its class of every peer.
+// Collective: whether `ok(l)` holds for every local rank l of every process.
 template <class Ok>
-bool everyPeerIs(Communicator& comm, const SymmetricHeap& heap, Ok ok) {
+bool everyRank(Communicator& comm, const SymmetricHeap& heap, Ok ok) {
   std::vector<unsigned char> mine(static_cast<std::size_t>(heap.numLocalRanks()), 1);
-  for (int l = 0; l < heap.numLocalRanks(); ++l) {
-    for (int q = 0; q < heap.worldSize(); ++q) {
-      if (q != heap.rank(l) && !ok(heap.peerClass(l, q))) mine[static_cast<std::size_t>(l)] = 0;
-    }
-  }
+  for (int l = 0; l < heap.numLocalRanks(); ++l) mine[static_cast<std::size_t>(l)] = ok(l) ? 1 : 0;
   std::vector<unsigned char> all(static_cast<std::size_t>(heap.worldSize()), 0);
   comm.allgather(mine.data(), all.data(), 1);
   return std::all_of(all.begin(), all.end(), [](unsigned char v) { return v != 0; });
+}
+
+// Collective: whether every rank finds `ok` true of its class of every peer.
+template <class Ok>
+bool everyPeerIs(Communicator& comm, const SymmetricHeap& heap, Ok ok) {
+  return everyRank(comm, heap, [&](int l) {
+    for (int q = 0; q < heap.worldSize(); ++q) {
+      if (q != heap.rank(l) && !ok(heap.peerClass(l, q))) return false;
+    }
+    return true;
+  });
+}
+
+// The ranks on local rank l's GPU (itself included).
+int ranksOnGpu(const SymmetricHeap& heap, int l) {
+  int sharing = 1;
+  for (int q = 0; q < heap.worldSize(); ++q) sharing += heap.peerClass(l, q) == PeerClass::kSameDevice ? 1 : 0;
+  return sharing;
+}
+
+// Local rank l's share of the direct kernels' resident CTAs on its GPU.
+int directShare(const SymmetricHeap& heap, int l) {
+  DeviceGuard guard(heap.device(l));
+  int perSm = 0, sms = 0;
+  GRAPHEP_CUDA_CHECK(moeDirectCtasPerSm(&perSm));
+  GRAPHEP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, heap.device(l)));
+  return perSm * sms / ranksOnGpu(heap, l);
 }
 
 // Collective: the lowest of the ranks' values (the CTA counts that arrival counters count).
@@ -162,8 +185,26 @@ bool everyPeerLoadStore(Communicator& comm, const SymmetricHeap& heap) {
   return everyPeerIs(comm, heap, [](PeerClass c) { return isLoadStore(c); });
 }
 
+int directSharedCtas(int want, int share) {
+  const int most = share / kDirectSharedParts;
+  return want > 0 ? std::min(want, most) : most;
+}
+
 bool directDispatch(Communicator& comm, const SymmetricHeap& heap) {
-  return everyPeerIs(comm, heap, [](PeerClass c) { return isLoadStore(c) && c != PeerClass::kSameDevice; });
+  const bool movers = env::kMoeKernels.get() == "movers";
+  return everyRank(comm, heap, [&](int l) {
+    for (int q = 0; q < heap.worldSize(); ++q) {
+      if (q != heap.rank(l) && !isLoadStore(heap.peerClass(l, q))) return false;
+    }
+    if (movers) return false;
+    if (ranksOnGpu(heap, l) == 1) return true;
+    const int share = directShare(heap, l);
+    if (share >= kDirectSharedParts) return true;
+    GRAPHEP_LOG_INFO(log::kTune, "rank %d: %d ranks share GPU %d, %d resident direct CTAs each (%d needed): the "
+                     "throughput path runs over the movers", heap.rank(l), ranksOnGpu(heap, l), heap.device(l),
+                     share, kDirectSharedParts);
+    return false;
+  });
 }
 
 LatencyCtas latencyCtas(Communicator& comm, const SymmetricHeap& heap, const MoeConfig& cfg) {
@@ -178,8 +219,7 @@ LatencyCtas latencyCtas(Communicator& comm, const SymmetricHeap& heap, const Moe
     int perSm = 0, sms = 0;
     GRAPHEP_CUDA_CHECK(moeLatencyCtasPerSm(smem, &perSm));
     GRAPHEP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, heap.device(l)));
-    sharing[ls] = 1;
-    for (int q = 0; q < R; ++q) sharing[ls] += heap.peerClass(l, q) == PeerClass::kSameDevice ? 1 : 0;
+    sharing[ls] = ranksOnGpu(heap, l);
     resident[ls] = perSm * sms / sharing[ls];
     smCount[ls] = sms;
     GRAPHEP_REQUIRE(resident[ls] >= 2, Status::kNotSupported,
@@ -201,6 +241,19 @@ ThroughputCtas throughputCtas(Communicator& comm, const SymmetricHeap& heap, con
                               std::size_t slotBytes) {
   ThroughputCtas c;
   const int locals = heap.numLocalRanks();
+  if (direct && !everyPeerIs(comm, heap, [](PeerClass k) { return k != PeerClass::kSameDevice; })) {
+    std::vector<std::int32_t> mine;
+    for (int l = 0; l < locals; ++l) mine.push_back(directSharedCtas(cfg.smBudget, directShare(heap, l)));
+    c.comm = minOverRanks(comm, mine);
+    for (int l = 0; l < locals; ++l) {
+      c.epilogue.push_back(directSharedCtas(cfg.epilogueSms, directShare(heap, l)));
+      c.cluster.push_back(1);
+      GRAPHEP_LOG_INFO(log::kTune, "rank %d: %d ranks share GPU %d: direct kernels of %d communication and %d "
+                       "epilogue CTAs (%d resident each)", heap.rank(l), ranksOnGpu(heap, l), heap.device(l), c.comm,
+                       c.epilogue.back(), directShare(heap, l));
+    }
+    return c;
+  }
   const std::vector<LinkRates> rates =
       direct && cfg.smBudget == 0 ? measureLinkRates(comm, heap, slotBytes) : std::vector<LinkRates>(locals);
   std::vector<std::int32_t> sms(static_cast<std::size_t>(locals)), needNeg(static_cast<std::size_t>(locals));

@@ -19,11 +19,22 @@ namespace graphep::moe_setup {
 // latency path writes peers' memory directly). Every rank gets the same answer.
 bool everyPeerLoadStore(Communicator& comm, const SymmetricHeap& heap);
 
-// Collective: the throughput path's direct dispatch (kernels/moe/direct.cu) needs every peer by
-// load/store and no two ranks on one GPU: its receive kernel's CTAs wait for the peers' send
-// kernels, which must find room on their GPUs (ranks sharing a GPU keep the movers, whose waiting
-// CTAs are capped).
+// Collective: whether the throughput path runs its direct kernels (kernels/moe/direct.cu): every
+// peer by load/store, GRAPHEP_MOE_KERNELS not "movers" on any rank, and on a GPU that ranks share,
+// room for each rank's kernels (its share of the GPU's resident CTAs at least
+// kDirectSharedParts: the receive's CTAs wait for the peers' send kernels, which must find room on
+// the same GPU; directSharedCtas). Every rank gets the same answer.
 bool directDispatch(Communicator& comm, const SymmetricHeap& heap);
+
+// Ranks sharing a GPU on the direct kernels. At most three of one rank's grids wait at once (the
+// combine's reduce, send and final; the dispatch's send and receive are two), and two engines in
+// flight on one rank make five: each grid keeps to a sixth of the rank's `share` (the direct
+// kernels' resident CTAs on its GPU / the ranks on it), so that every rank's waiting grids and the
+// grids they wait for are resident together. A grid's CTAs: `want` (the SM budget, or
+// epilogueSms) within that sixth, or the sixth when `want` is 0; at least 1 when share >=
+// kDirectSharedParts (directDispatch keeps the movers below it).
+inline constexpr int kDirectSharedParts = 6;
+int directSharedCtas(int want, int share);
 
 // Collective. The latency path's CTAs: `send`, the senders of each kernel (the SM budget, or 24),
 // the same on every rank (the arrival counters count them), and each local rank's receivers. The
@@ -55,6 +66,8 @@ LatencyCtas latencyCtas(Communicator& comm, const SymmetricHeap& heap, const Moe
 // Collective: the throughput kernels' CTAs, the same on every rank (the peers' flags count them):
 // the SM budget; without one, for the direct dispatch the most CTAs any rank needs to carry its
 // measured link (commCtasFor), within the smallest SM count; else one per SM of the smallest GPU.
+// Direct kernels on a GPU that ranks share: directSharedCtas for both grids (the lowest over the
+// ranks for the communication CTAs), no clusters, no link probe.
 // And the direct epilogues' CTAs and cluster size per local rank. slotBytes: the record slots the
 // link probe may push into (unused until the first dispatch).
 struct ThroughputCtas {

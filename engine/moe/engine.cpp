@@ -209,7 +209,7 @@ void requireHealthy(const Engine::Impl& m, int rank, const char* op);
 namespace {
 
 // A dispatch argument that needs the rank-major layout on the throughput path (and, with `direct`,
-// its direct dispatch: every peer by load/store, each rank on a GPU of its own).
+// its direct dispatch: every peer by load/store).
 void requireRankMajorThroughput(const Engine::Impl& m, const char* what, bool direct);
 // No send half waits for its receive (Engine::receive) when `op` starts.
 void requireNoHalf(const Engine::Impl& m, const char* op);
@@ -470,9 +470,9 @@ void Engine::combine(const CombineArgs& a, cudaStream_t stream) {
 
 namespace {
 // The engine's operations honour an active-rank mask: the latency path, and the throughput path's
-// direct variant (every peer by load/store, one rank per GPU). The movers' exchanges take every
+// direct variant (every peer by load/store). The movers' exchanges take every
 // rank: a captured NCCL call is bound to its peer, and the load/store movers' per-link counters
-// assume every peer in every exchange.
+// (GRAPHEP_MOE_KERNELS=movers) assume every peer in every exchange.
 bool takesMask(const Engine::Impl& m) { return m.path == MoePath::kLatency || m.direct; }
 
 // A mask `who` (setActiveRanks, recover) may write: some rank, and none past the world.
@@ -489,8 +489,8 @@ void Engine::setActiveRanks(std::uint32_t mask, cudaStream_t stream) {
   const int R = m.p.shape.numRanks;
   requireMaskFits(m, mask, "setActiveRanks");
   GRAPHEP_REQUIRE(takesMask(m) || mask == allRanksMask(R), Status::kNotSupported,
-                  "setActiveRanks: mask 0x%x on the throughput path over the movers (ranks sharing a GPU, or "
-                  "peers reached through NCCL), which takes every rank (the latency path and the direct "
+                  "setActiveRanks: mask 0x%x on the throughput path over the movers (peers reached through NCCL, "
+                  "or GRAPHEP_MOE_KERNELS=movers), which takes every rank (the latency path and the direct "
                   "throughput path take a mask)",
                   mask);
   GRAPHEP_REQUIRE(m.half == Impl::Half::kNone, Status::kInvalidArgument,
@@ -505,8 +505,8 @@ void Engine::setActiveRanks(std::uint32_t mask, cudaStream_t stream) {
 void Engine::recover(std::uint32_t mask, cudaStream_t stream) {
   Impl& m = *impl_;
   GRAPHEP_REQUIRE(takesMask(m), Status::kNotSupported,
-                  "recover: rank %d's engine is on the throughput path over the movers (ranks sharing a GPU, or peers "
-                  "reached through NCCL), which has no active-rank mask; destroy the engine and create a new one",
+                  "recover: rank %d's engine is on the throughput path over the movers (peers reached through NCCL, or "
+                  "GRAPHEP_MOE_KERNELS=movers), which has no active-rank mask; destroy the engine and create a new one",
                   m.p.shape.rank);
   GRAPHEP_REQUIRE(!m.stoppedPartWay, Status::kRemoteError, "recover: %s", m.failure.c_str());
   // Validated before anything is cleared: a refused mask leaves the engine as it was.
@@ -598,7 +598,7 @@ void requireRankMajorThroughput(const Engine::Impl& m, const char* what, bool di
                   "layout on the %s path (MoeConfig.receiveLayout, MoeConfig.path)",
                   what, name(m.cfg.receiveLayout), name(m.path));
   GRAPHEP_REQUIRE(!direct || m.direct, Status::kNotSupported,
-                  "%s needs the direct dispatch (every peer by load/store, each rank on a GPU of its own); this "
+                  "%s needs the direct dispatch (every peer by load/store); this "
                   "engine's peers go through the movers",
                   what);
 }

@@ -86,13 +86,14 @@ struct MoeConfig {
   long long rowsPerExpert = 0;
   // CTAs (SMs) each engine kernel may use, those epilogueSms sets aside: on the throughput path
   // the CTAs of each routing / layout / reduce / send kernel and the data movers' channels per
-  // peer (0: on the direct dispatch the CTAs that carry the link as measured at setup, else one
+  // peer (0: on the direct dispatch the CTAs that carry the link as measured at setup, or with
+  // ranks sharing a GPU a sixth of each rank's share of it, which also caps a budget; else one
   // per SM; the movers' channels by message size, at most 32); on the latency path the senders of
   // each kernel (0: 24; lowered when ranks share a GPU, so that all their CTAs are resident at
   // once).
   int smBudget = 0;
   // CTAs of the receiving side, which runs beside the senders (smBudget).
-  // Throughput path with the direct dispatch (every peer by load/store, one rank per GPU): the
+  // Throughput path with the direct dispatch (every peer by load/store): the
   // dispatch's fp8 quantise and receive (layout + expansion), the combine's reduce and final;
   // this many, at most the SM count (0: the SMs the send leaves free, or every SM when it leaves
   // fewer than half), rounded down to a multiple of the epilogue cluster size
@@ -182,7 +183,7 @@ enum class MoeHalf : std::uint8_t {
 };
 
 // The caller's own buffers for one dispatch's received rows, instead of the engine's (rank-major
-// layout, throughput path with every peer by load/store on a GPU of its own). Every pointer is
+// layout, throughput path with every peer by load/store). Every pointer is
 // optional (nullptr: the engine's buffer, or not written); the rows go where they would in the
 // engine's (source rank, then source token order). A row at or past `rows` is dropped and counted
 // (MoeStatus.droppedRows); the published layout (DispatchLayout.numRecvRows, rankOffsets) still
@@ -218,7 +219,7 @@ struct DispatchArgs {
   DispatchInput input = DispatchInput::kConfig;
   // kFp8: fp32 scales, value j of token t scaled by xScales[t * scaleTokenStride + (j / 128) *
   // scaleHiddenStride] (0 and 0: H / 128 and 1, row-major). Direct dispatch only (every peer by
-  // load/store, each rank on a GPU of its own).
+  // load/store).
   const float* xScales = nullptr;
   long long scaleTokenStride = 0;
   long long scaleHiddenStride = 0;
@@ -457,7 +458,7 @@ class Engine {
   // Capturable. The active-rank mask (bit r: rank r takes part; allRanksMask(worldSize) at setup),
   // written on `stream` in stream order (a stream-memory write: no host synchronisation, no
   // recapture; a captured write replays with the value given). The latency path and the direct
-  // throughput path (every peer by load/store, one rank per GPU; Engine::directBlockFlags); the
+  // throughput path (every peer by load/store; Engine::directBlockFlags); the
   // throughput path over the movers refuses any mask but every rank. Each dispatch reads the mask
   // once and its combine uses the same; every rank must give the same mask for the same step (a
   // dispatch and the combine that follows), no mask may come between a send half and its
@@ -521,7 +522,7 @@ class Engine {
   std::vector<MoeStepTrace> stepTrace() const;
   // The direct path's block flags and step counters in this rank's memory (DirectBlockFlags);
   // blocksPerRank 0 and nothing else unless this engine dispatches by direct stores (the
-  // throughput path, every peer by load/store, each rank on a GPU of its own). Synchronises this
+  // throughput path, every peer by load/store). Synchronises this
   // rank's device.
   DirectBlockFlags directBlockFlags() const;
   void resetTimeline();

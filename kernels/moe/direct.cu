@@ -1,5 +1,5 @@
 // MoE direct dispatch kernel family (see kernels/moe/moe.h), launchers below: the throughput path's
-// dispatch when every peer is reached by load/store on a GPU of its own. No pack pass and no
+// dispatch when every peer is reached by load/store. No pack pass and no
 // movers: the sender stores each token's record straight into every destination's receive slot.
 //
 //   send     (grid.budgetCtas CTAs, the SM budget) after route: the CTAs split the destinations'
@@ -646,6 +646,18 @@ cudaError_t moeDirectEpilogueFits(int cluster, int ctas, bool* fits) {
     if (clusters < 1) return cudaSuccess;
   }
   *fits = true;
+  return cudaSuccess;
+}
+
+cudaError_t moeDirectCtasPerSm(int* ctas) {
+  int lowest = 0;
+  for (void (*k)(MoeParams) : {moeDirectQuantizeKernel, moeDirectSendKernel, moeDirectReceiveKernel,
+                               moeDirectCombineReduceKernel, moeDirectCombineSendKernel, moeDirectCombineFinalKernel}) {
+    int n = 0;
+    if (const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k, kThreads, 0); e != cudaSuccess) return e;
+    lowest = lowest == 0 || n < lowest ? n : lowest;
+  }
+  *ctas = lowest;
   return cudaSuccess;
 }
 

@@ -362,7 +362,7 @@ cudaError_t launchMoeExpand(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeCombineReduce(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeCombineFinal(const MoeParams& p, cudaStream_t stream);
 cudaError_t preloadMoeMoversKernels();
-// The direct path (kernels/moe/direct.cu; every peer load/store, each rank on a GPU of its own):
+// The direct path (kernels/moe/direct.cu; every peer load/store):
 // route, then send (grid.budgetCtas CTAs) and receive (grid.epilogueCtas CTAs).
 // fp8: every live row quantised once, on grid.epilogueCtas CTAs, into staging.recordStage ([T][payloadBytes]).
 cudaError_t launchMoeDirectQuantize(const MoeParams& p, cudaStream_t stream);
@@ -377,6 +377,8 @@ cudaError_t preloadMoeDirectKernels();
 // kernel (receive, combine reduce, combine final) in a grid of `ctas` (a multiple of it). An error
 // of the query itself (a size the GPU does not support) reads as "does not fit".
 cudaError_t moeDirectEpilogueFits(int cluster, int ctas, bool* fits);
+// Setup: CTAs of the direct kernels (the lowest over them) that fit on one SM.
+cudaError_t moeDirectCtasPerSm(int* ctas);
 // DeepEP's get_dispatch_layout (kernels/moe/token_layout.cu; graphep::tokenLayout): the outputs are
 // zeroed (memset nodes) and filled by one kernel.
 struct MoeTokenLayoutParams {

@@ -14,7 +14,7 @@ x (the engine clamps it to max_tokens_per_rank; with x of max_tokens_per_rank ro
 safe). Several ranks driven by one thread need one stream per rank.
 
 Keywords of the rank-major layout on the throughput path where every peer is reached by
-load/store on a GPU of its own (the direct dispatch; elsewhere the engine raises NOT_SUPPORTED
+load/store (the direct dispatch; elsewhere the engine raises NOT_SUPPORTED
 naming the argument), what DeepEP's normal mode needs (graphep.deep_ep):
 
     engine.dispatch(x, None, None, num_tokens, stream, token_in_rank=mask,     # route by [T, R] bool

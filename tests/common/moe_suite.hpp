@@ -76,8 +76,9 @@ void runMoeMisuse(Communicator& comm, MoePath path);
 // survivors then recover (Engine::recover, the missing rank masked) and replay the graphs they
 // captured before the failure, every output exact for the experts left (GRAPHEP_RECOVERY_REPLAYS
 // replays, default 12); elsewhere recover is refused by name. In every receive layout, one after
-// the other.
-void runMoeMissingRank(Communicator& comm, MoePath path);
+// the other. `recovers`: whether the engines must take the mask (asserted: a fallback to the
+// movers would otherwise skip the recovery unseen).
+void runMoeMissingRank(Communicator& comm, MoePath path, bool recovers);
 // The host watchdog (latency path): with long device waits, checkHealth finds within 200 ms that
 // the last rank's count message has not arrived, names it, and fails the engine; the late rank then
 // arrives, the work completes, and the failed engines keep refusing work.

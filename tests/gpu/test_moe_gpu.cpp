@@ -13,6 +13,7 @@
 #include "common/expect_error.hpp"
 #include "common/gpu_env.hpp"
 #include "common/moe_suite.hpp"
+#include "common/nccl_comms.hpp"
 #include "engine/error.hpp"
 
 namespace graphep::test {
@@ -21,6 +22,9 @@ namespace {
 class Gpu1_Moe1Rank : public ::testing::TestWithParam<MoeCaseIndex> {};
 class Gpu1_Moe4Ranks : public ::testing::TestWithParam<MoeCaseIndex> {};
 class Gpu1_Moe8Ranks : public ::testing::TestWithParam<MoeCaseIndex> {};
+// The same cases with the throughput path over the movers (GRAPHEP_MOE_KERNELS=movers), which the
+// direct kernels replace wherever every peer is reached by load/store.
+class Gpu1_Moe4RanksMovers : public ::testing::TestWithParam<MoeCaseIndex> {};
 
 TEST_P(Gpu1_Moe1Rank, Case) {
   GRAPHEP_REQUIRE_GPUS(1);
@@ -29,6 +33,12 @@ TEST_P(Gpu1_Moe1Rank, Case) {
 }
 TEST_P(Gpu1_Moe4Ranks, Case) {
   GRAPHEP_REQUIRE_GPUS(1);
+  auto comm = createLocalGroup({0, 0, 0, 0});
+  runMoeCaseAt(*comm, GetParam());
+}
+TEST_P(Gpu1_Moe4RanksMovers, Case) {
+  GRAPHEP_REQUIRE_GPUS(1);
+  ScopedEnv movers("GRAPHEP_MOE_KERNELS", "movers");
   auto comm = createLocalGroup({0, 0, 0, 0});
   runMoeCaseAt(*comm, GetParam());
 }
@@ -41,6 +51,15 @@ INSTANTIATE_TEST_SUITE_P(Moe, Gpu1_Moe1Rank, ::testing::ValuesIn(moeCaseIndices(
                          MoeCaseIndexName());
 INSTANTIATE_TEST_SUITE_P(Moe, Gpu1_Moe4Ranks, ::testing::ValuesIn(moeCaseIndices(MoeCaseList::kSmall)),
                          MoeCaseIndexName());
+// The throughput path's cases only (the latency path has no movers).
+std::vector<MoeCaseIndex> throughputCaseIndices() {
+  std::vector<MoeCaseIndex> out;
+  for (const MoeCaseIndex& c : moeCaseIndices(MoeCaseList::kSmall)) {
+    if (c.name.size() > 11 && c.name.compare(c.name.size() - 11, 11, "_throughput") == 0) out.push_back(c);
+  }
+  return out;
+}
+INSTANTIATE_TEST_SUITE_P(Moe, Gpu1_Moe4RanksMovers, ::testing::ValuesIn(throughputCaseIndices()), MoeCaseIndexName());
 INSTANTIATE_TEST_SUITE_P(Moe, Gpu1_Moe8Ranks, ::testing::ValuesIn(moeCaseIndices(MoeCaseList::kSmall)),
                          MoeCaseIndexName());
 
@@ -91,18 +110,30 @@ TEST_F(Gpu1_MoeOverflow, FourEmulatedRanksThroughput) {
 }
 
 TEST_F(Gpu1_MoeFaults, MissingRankLatency) {
-  runMoeMissingRank(*comm_, MoePath::kAuto);
+  runMoeMissingRank(*comm_, MoePath::kAuto, true);
 }
 
+// The throughput path's direct kernels on ranks sharing a GPU take the mask and recover.
 TEST_F(Gpu1_MoeFaults, MissingRankThroughput) {
-  runMoeMissingRank(*comm_, MoePath::kThroughput);
+  runMoeMissingRank(*comm_, MoePath::kThroughput, true);
+}
+
+// Over the movers (GRAPHEP_MOE_KERNELS=movers) the throughput path takes no mask: recover is refused by name.
+TEST_F(Gpu1_MoeFaults, MissingRankThroughputOverTheMovers) {
+  ScopedEnv movers("GRAPHEP_MOE_KERNELS", "movers");
+  runMoeMissingRank(*comm_, MoePath::kThroughput, false);
 }
 
 // The missing rank and the recovery among 7 survivors on one GPU.
 TEST(Gpu1_MoeFaults8, MissingRankLatencyEightEmulatedRanks) {
   GRAPHEP_REQUIRE_GPUS(1);
   auto comm = createLocalGroup({0, 0, 0, 0, 0, 0, 0, 0});
-  runMoeMissingRank(*comm, MoePath::kAuto);
+  runMoeMissingRank(*comm, MoePath::kAuto, true);
+}
+TEST(Gpu1_MoeFaults8, MissingRankThroughputEightEmulatedRanks) {
+  GRAPHEP_REQUIRE_GPUS(1);
+  auto comm = createLocalGroup({0, 0, 0, 0, 0, 0, 0, 0});
+  runMoeMissingRank(*comm, MoePath::kThroughput, true);
 }
 
 TEST_F(Gpu1_MoeFaults, WatchdogAndGraphLifetime) {

@@ -236,8 +236,8 @@ TEST(Mpi_MoeConfig, MismatchedConfigsAreRejectedOnEveryRank) {
 TEST(Mpi_MoeFaults, MissingRankAndWatchdog) {
   GRAPHEP_REQUIRE_MPI_GPUS();
   auto comm = createMpiCommunicator(-1, false);
-  runMoeMissingRank(*comm, MoePath::kAuto);
-  runMoeMissingRank(*comm, MoePath::kThroughput);
+  runMoeMissingRank(*comm, MoePath::kAuto, true);
+  runMoeMissingRank(*comm, MoePath::kThroughput, true);  // the direct kernels
   runMoeWatchdog(*comm);
   runMoeGraphOutlivesEngine(*comm);
 }

@@ -83,8 +83,8 @@ TEST(Gpu2_MoeOverflow, BothPaths) {
 TEST(Gpu2_MoeFaults, MissingRankWatchdogAndGraphLifetime) {
   GRAPHEP_REQUIRE_GPUS(2);
   auto comm = createLocalGroup(visibleGpus());
-  runMoeMissingRank(*comm, MoePath::kAuto);
-  runMoeMissingRank(*comm, MoePath::kThroughput);
+  runMoeMissingRank(*comm, MoePath::kAuto, true);
+  runMoeMissingRank(*comm, MoePath::kThroughput, true);  // the direct kernels
   runMoeWatchdog(*comm);
   runMoeGraphOutlivesEngine(*comm);
 }

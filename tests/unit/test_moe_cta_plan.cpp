@@ -12,6 +12,8 @@
 namespace graphep {
 namespace {
 
+using moe_setup::directSharedCtas;
+using moe_setup::kDirectSharedParts;
 using moe_setup::kLatencyDefaultCtas;
 using moe_setup::latencyReceiveCtas;
 using moe_setup::latencySendCtas;
@@ -64,6 +66,27 @@ TEST(Unit_MoeCtaPlan, ThroughputEpiloguesTakeTheFreeSms) {
       EXPECT_LE(e, sms) << sms << " SMs, " << comm << " communication CTAs";
     }
   }
+}
+
+// Ranks sharing a GPU on the direct kernels: every rank's waiting grids (at most five at once: two
+// engines in flight, one in its combine's reduce, send and final, one in its dispatch's send and
+// receive) fit its share of the GPU, whatever the budget asked for.
+TEST(Unit_MoeCtaPlan, DirectGridsOfRanksSharingAGpuFitTheirShare) {
+  for (int share = kDirectSharedParts; share <= 264; ++share) {
+    for (int want : {0, 1, 4, 24, 132, 1024}) {
+      const int ctas = directSharedCtas(want, share);
+      const auto where = ::testing::Message() << "share " << share << ", want " << want << ": " << ctas;
+      EXPECT_GE(ctas, 1) << where;
+      EXPECT_LE(5 * ctas, share) << where;
+      if (want > 0) {
+        EXPECT_LE(ctas, want) << where;
+      }
+      EXPECT_EQ(ctas, want > 0 ? std::min(want, share / kDirectSharedParts) : share / kDirectSharedParts) << where;
+    }
+  }
+  EXPECT_EQ(directSharedCtas(0, 33), 5);   // 4 ranks on 132 SMs, one CTA per SM
+  EXPECT_EQ(directSharedCtas(24, 66), 11);  // the budget within a sixth of the share
+  EXPECT_EQ(directSharedCtas(2, 66), 2);
 }
 
 }  // namespace

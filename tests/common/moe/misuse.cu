@@ -207,7 +207,7 @@ void recoverAndReplay(Communicator& comm, const MoeCase& c, MoeFixture& f, const
   }
 }
 
-void missingRankInLayout(Communicator& comm, const MoeCase& c) {
+void missingRankInLayout(Communicator& comm, const MoeCase& c, bool expectRecovery) {
   SCOPED_TRACE("a rank that never launches, " + describeCase(c));
   const int missing = comm.worldSize() - 1;
   MoeFixture f(comm, c);
@@ -215,6 +215,7 @@ void missingRankInLayout(Communicator& comm, const MoeCase& c) {
   // The engines with an active-rank mask recover (the latency path, the direct throughput path):
   // each rank's graph, captured before the failure, is replayed after.
   const bool recovers = f.engine(0).activeRanksDevice() != nullptr;
+  ASSERT_EQ(recovers, expectRecovery) << "the engines " << (recovers ? "take" : "take no") << " active-rank mask";
   std::vector<cudaGraphExec_t> execs(static_cast<std::size_t>(f.L()), nullptr);
   for (int l = 0; recovers && l < f.L(); ++l) {
     GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
@@ -267,9 +268,9 @@ void missingRankInLayout(Communicator& comm, const MoeCase& c) {
 
 }  // namespace
 
-void runMoeMissingRank(Communicator& comm, MoePath path) {
+void runMoeMissingRank(Communicator& comm, MoePath path, bool recovers) {
   ScopedEnv timeout("GRAPHEP_TIMEOUT_MS", "300");  // read when the engines' heap is created
-  forEveryLayout(smallCase(comm, 32, path), [&](const MoeCase& c) { missingRankInLayout(comm, c); });
+  forEveryLayout(smallCase(comm, 32, path), [&](const MoeCase& c) { missingRankInLayout(comm, c, recovers); });
 }
 
 void runMoeWatchdog(Communicator& comm) {
