@@ -449,11 +449,13 @@ __global__ void __launch_bounds__(kThreads) moeDirectCombineSendKernel(const __g
   const int tid = static_cast<int>(threadIdx.x);
   const std::uint32_t cstep = p.peers.steps[1];
   const std::uint32_t dlive = *p.peers.dispatchLive;
-  ptx::launchDependents();  // the final kernel may start on the SMs the reduce leaves
   const int W = static_cast<int>(moeRouteWords(p.shape.maxTokens));
   const int items = combineBlocks(p, dlive);
   {
   const MoeStamp stamp(p, MoeKernel::kDirectCombineSend);  // the span ends before the wait below
+  // The final kernel may start on the SMs the reduce leaves; after the stamp, so that the final's
+  // span never starts before this one's (with few CTAs, as on ranks sharing a GPU, it could).
+  ptx::launchDependents();
   for (int n = static_cast<int>(blockIdx.x); n < items; n += static_cast<int>(gridDim.x)) {
     const CombineBlock b = combineBlock(p, n, dlive);
     // The block is reduced here, and the peer has summed this rank's partials of the previous
