@@ -34,6 +34,7 @@ MoeStatus Engine::status() const {
   s.unpairedCombines = d.unpairedCombines;
   s.missingCombineRows = d.missingCombineRows;
   for (int r = 0; r < kMaxRanks; ++r) s.maskedEntries[static_cast<std::size_t>(r)] = d.maskedEntries[r];
+  s.shrunkRanks = d.shrunkRanks;
   if (d.firstInvalidSet != 0) {
     s.firstInvalidId = d.firstInvalidId;
     s.firstInvalidToken = d.firstInvalidToken;
@@ -222,9 +223,16 @@ std::vector<MoeStepTrace> Engine::stepTrace() const {
 }
 
 std::string MoeStatus::describe() const {
-  if (ok()) return "ok";
   std::string s;
   auto line = [&](const std::string& l) { s += (s.empty() ? "" : "\n") + l; };
+  if (shrunkRanks != 0) {  // not a problem, but a change the caller should see
+    std::string ranks;
+    for (int r = 0; r < 32; ++r) {
+      if (((shrunkRanks >> r) & 1u) != 0) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+    }
+    line("masked after a timeout (MoeConfig::shrinkOnTimeout): rank(s) " + ranks);
+  }
+  if (ok()) return s.empty() ? "ok" : s;
   if (invalidExpertIds > 0) {
     line(detail::format("%llu expert id(s) outside [-1, E) skipped; the first: topk_idx[%d][%d] = %lld",
                         invalidExpertIds, firstInvalidToken, firstInvalidSlot, firstInvalidId));

@@ -154,6 +154,9 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
     group->heap->reallocate(ph.heap);
   }
   const bool throughput = path == MoePath::kThroughput;
+  GRAPHEP_REQUIRE(!throughput || !cfg.shrinkOnTimeout, Status::kNotSupported,
+                  "MoeConfig.shrinkOnTimeout needs the latency path; this engine is on the throughput path "
+                  "(MoeConfig.path, the sizes, or a peer reached only through NCCL): use recover after a timeout");
 
   // The CTA plan, the movers, and room for every rank's local buffers (before any is allocated).
   const LatencyCtas lctas = throughput ? LatencyCtas{} : latencyCtas(comm, *group->heap, cfg);

@@ -129,6 +129,7 @@ LocalCarve carveLocal(const MoeConfig& cfg, const MoeSizes& z, std::size_t cap, 
   o.llDone = carve("llDone", 2 * 4);
   o.llMask = carve("llMask", 3 * 4);  // the active-rank mask, the last dispatch's, a latency send half's
   o.llExpected = carve("llExpected", 2 * Rs * 4);  // latency: the arrivals expected; direct: the steps shared
+  o.llShrink = carve("llShrink", !throughput && cfg.shrinkOnTimeout ? 2 * 4 * 4 : 0);  // shrink on timeout
   // A count message of zeros (the block is zeroed at setup), as long as either path's.
   o.llZeroMsg = carve("llZeroMsg", std::max(z.cntMsgBytes, z.directMsgBytes));
   o.combArrive = carve("combArrive", throughput ? Rs * W * 4 : 0);  // the direct combine's block arrivals and flags

@@ -61,7 +61,7 @@ struct LocalCarve {
   std::size_t rankOffsets, rowExperts, rowExpertWeights;  // rank-major layout only
   std::size_t sourceRanges;                             // expert-major and batched only
   std::size_t llSteps, llDone, combArrive, combReady, timeline;
-  std::size_t llMask, llExpected, llZeroMsg;  // the active-rank mask; latency: expected arrivals, direct: steps shared; zero message
+  std::size_t llMask, llExpected, llShrink, llZeroMsg;  // the active-rank mask; latency: expected arrivals, direct: steps shared; zero message
   std::size_t routeWords;  // moeRouteWords(maxTokensPerRank)
   std::size_t routeZero;   // bytes of the routing words zeroed per dispatch (throughput path)
   std::size_t bytes;       // the whole allocation

@@ -111,6 +111,14 @@ struct MoeConfig {
   // Initial value of every monotonic device counter (flags, steps, arrival counts) of this engine
   // and its movers. Tests start it just below 2^32 so replays cross the wrap; 0 otherwise.
   std::uint32_t counterStart = 0;
+  // Latency path only (DeepEP's shrink mode): a wait on a peer that has not arrived when its
+  // timeout (GRAPHEP_TIMEOUT_MS) ends masks that peer instead of failing the engine, and the
+  // operation goes on among the others, its results exact for them: the peer's count message,
+  // its combine weights or all of its partials never came. It is cleared from the active-rank
+  // mask (the next operations leave it out from the start) and reported in
+  // MoeStatus::shrunkRanks. A peer whose records came in part still fails the engine (recover).
+  // A late peer that comes back after being masked is not detected (as with recover).
+  bool shrinkOnTimeout = false;
 };
 
 // One kernel's (or kernel phase's) span over the operations since Engine::resetTimeline(), in
@@ -349,6 +357,9 @@ struct MoeStatus {
   // while r was outside the active-rank mask (all of them while this rank was outside it): not
   // sent (Engine::setActiveRanks). Not a problem: ok() does not count them.
   std::array<unsigned long long, kMaxRanks> maskedEntries{};
+  // The ranks (bit r) that a wait timed out on and MoeConfig::shrinkOnTimeout masked. Not a
+  // problem: ok() does not count them; describe() names them.
+  std::uint32_t shrunkRanks = 0;
   std::string deviceError;                  // a timeout or protocol error, "" when none
   bool ok() const {
     return invalidExpertIds == 0 && droppedRows == 0 && clampedTokenCounts == 0 && unpairedDispatches == 0 &&

@@ -24,11 +24,13 @@ __device__ __forceinline__ void flagPost(std::uint32_t* slot, std::uint32_t valu
 // success; on timeout records the error (rank, peer, site, expected = target, observed, address)
 // and returns false (or traps when asked to). Also returns false promptly once another wait of
 // this rank has failed, unless `ownTimeout` (then only its own timeout ends it: a caller that
-// must tell a late peer from one that never came).
+// must tell a late peer from one that never came). `quiet`: the timeout is the caller's to handle
+// (a peer masked after it: MoeConfig::shrinkOnTimeout), neither recorded nor trapped; only its own
+// timeout ends the wait.
 template <class Poll>
 __device__ inline bool boundedPoll(const SyncHandle& h, Poll poll, std::uint32_t target,
                                    std::int32_t peer, WaitSite site, const void* address,
-                                   bool ownTimeout = false) {
+                                   bool ownTimeout = false, bool quiet = false) {
   std::uint32_t v = 0;
   if (poll(&v)) return true;
   const std::uint64_t start = ptx::globalTimerNs();
@@ -37,12 +39,13 @@ __device__ inline bool boundedPoll(const SyncHandle& h, Poll poll, std::uint32_t
     if ((iter & 255u) == 0u) {
       const std::uint64_t elapsed = ptx::globalTimerNs() - start;
       if (elapsed > h.timeoutNs) {
+        if (quiet) return false;
         reportDeviceError(h.error, DeviceErrorKind::kTimeout, h.rank, peer, site, target, v,
                           elapsed, address);
         if (h.trapOnTimeout) __trap();
         return false;
       }
-      if (!ownTimeout && deviceErrorRaised(h.error)) return false;
+      if (!ownTimeout && !quiet && deviceErrorRaised(h.error)) return false;
     }
   }
 }
@@ -51,7 +54,8 @@ __device__ inline bool boundedPoll(const SyncHandle& h, Poll poll, std::uint32_t
 template <class Reached>
 __device__ inline bool boundedWait(const SyncHandle& h, const std::uint32_t* slot,
                                    std::uint32_t target, Reached reached, std::int32_t peer,
-                                   WaitSite site, std::uint32_t* observed, bool ownTimeout = false) {
+                                   WaitSite site, std::uint32_t* observed, bool ownTimeout = false,
+                                   bool quiet = false) {
   std::uint32_t last = 0;
   const bool ok = boundedPoll(
       h,
@@ -60,18 +64,19 @@ __device__ inline bool boundedWait(const SyncHandle& h, const std::uint32_t* slo
         last = *v;
         return reached(*v);
       },
-      target, peer, site, slot, ownTimeout);
+      target, peer, site, slot, ownTimeout, quiet);
   if (observed) *observed = last;
   return ok;
 }
 
-// Waits until the monotonic flag *slot reaches `target` (wrap-safe); `ownTimeout` as boundedPoll.
+// Waits until the monotonic flag *slot reaches `target` (wrap-safe); `ownTimeout` and `quiet` as
+// boundedPoll.
 __device__ inline bool flagWait(const SyncHandle& h, const std::uint32_t* slot,
                                 std::uint32_t target, std::int32_t peer, WaitSite site,
-                                std::uint32_t* observed = nullptr, bool ownTimeout = false) {
+                                std::uint32_t* observed = nullptr, bool ownTimeout = false, bool quiet = false) {
   return boundedWait(
       h, slot, target, [target](std::uint32_t v) { return ptx::counterReached(v, target); }, peer,
-      site, observed, ownTimeout);
+      site, observed, ownTimeout, quiet);
 }
 
 }  // namespace graphep

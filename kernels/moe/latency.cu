@@ -93,6 +93,39 @@ __device__ __forceinline__ void advanceExpected(const MoeParams& p, int op, std:
   }
 }
 
+// Shrink on timeout (MoeConfig::shrinkOnTimeout; p.latency.shrink, else nullptr): operation op's
+// words {masked, barrier count, barrier generation, unused}. A wait on rank q that times out masks
+// q (maskAfterTimeout) instead of failing; the receive part's CTAs then meet here, so that each
+// reads the same masked ranks (every CTA's timeouts are recorded before it arrives), and leave
+// them out of the rest of the operation. The CTAs are resident together (the CTA plan); the meeting
+// is bounded like any wait. Every thread gets the ranks to leave out.
+__device__ std::uint32_t settleMasked(const MoeParams& p, std::uint32_t* words, int ctas, WaitSite site) {
+  __syncthreads();  // every thread's timeouts recorded
+  bool failed = false;
+  if (threadIdx.x == 0) {
+    const std::uint32_t gen = ptx::ldAcquireSys(words + 2);  // read before arriving: this meeting's generation
+    ptx::fenceAcqRelSys();
+    if (atomicAdd(words + 1, 1u) == static_cast<std::uint32_t>(ctas) - 1u) {
+      words[1] = 0;  // every CTA counted: ready for the next operation
+      flagPost(words + 2, gen + 1u);
+    } else {
+      failed = !flagWait(p.peers.sync, words + 2, gen + 1u, p.shape.rank, site);
+    }
+  }
+  __syncthreads_or(failed);  // every thread past the meeting (a failed one is recorded)
+  return ptx::ldAcquireSys(words);
+}
+
+// The operation's ranks once the ranks masked after a timeout are left out (finishing CTA: every
+// CTA is done), and its words made ready for the next operation.
+__device__ __forceinline__ std::uint32_t settledLive(const MoeParams& p, int op, std::uint32_t live) {
+  if (p.latency.shrink == nullptr) return live;
+  std::uint32_t* masked = p.latency.shrink + 4 * op;
+  const std::uint32_t out = live & ~*masked;
+  *masked = 0;
+  return out;
+}
+
 // --- dispatch ---------------------------------------------------------------------------------
 
 __device__ void dispatchSend(const MoeParams& p, char* sm, Part part, std::uint32_t live) {
@@ -244,13 +277,17 @@ __device__ void dispatchReceive(const MoeParams& p, Part part, std::uint32_t liv
   const int parity = static_cast<int>(step & 1u);
   const std::uint32_t G = static_cast<std::uint32_t>(p.grid.budgetCtas);  // every send CTA, this step
   // A source outside the mask sent nothing: its message reads as zeros, so the layout leaves it out.
+  // Shrink on timeout: a source whose count message never came is left out like one outside the mask.
   auto msgOf = [&](int q) { return isLive(live, q) ? latencyMsg(p, parity, q) : p.peers.zeroMsg; };
+  std::uint32_t* masked = p.latency.shrink;  // the dispatch's words, or nullptr
   bool layoutOk = false;
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyReceive);
     layoutOk = moeReceiveLayout<kThreads, kGroups>(p, msgOf, step, part.cta == 0, sm, [&] {  // CTA 0 publishes
       if (part.cta == part.ctas - 1 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kLayout);
-    }, live);
+      if (masked != nullptr) live &= ~settleMasked(p, masked, part.ctas, WaitSite::kMoeDispatch);
+      return true;
+    }, live, nullptr, masked);
   }
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyExpand);
@@ -359,8 +396,9 @@ __global__ void __launch_bounds__(kThreads) dispatchKernel(const __grid_constant
     moeTrace(p, 0, p.peers.steps[0], MoeTraceEvent::kDone);
     // Every CTA read the step and the expected arrivals before lastBlock's barrier.
     p.peers.steps[0] = p.peers.steps[0] + 1u;
-    advanceExpected(p, 0, live);
-    *p.peers.dispatchLive = live;  // its combine's mask
+    const std::uint32_t settled = settledLive(p, 0, live);  // less the ranks masked after a timeout
+    advanceExpected(p, 0, settled);
+    *p.peers.dispatchLive = settled;  // its combine's mask
     *p.state.pending = kMoeDispatched | kMoePendingCombine;
   }
 }
@@ -408,6 +446,7 @@ __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live) {
   // The peers' records only (their partials cross the link): the receive part reduces this rank's
   // own records.
   std::uint32_t unserved = 0;  // sources whose weights never came (the same in every thread)
+  std::uint32_t* masked = p.latency.shrink != nullptr ? p.latency.shrink + 4 : nullptr;  // shrink on timeout
   for (int k = 1; k < R; ++k) {
     const int s = (p.shape.rank + k) % R;
     if (!isLive(live, s)) continue;  // outside the mask: no records to reduce, nothing to send it
@@ -415,8 +454,9 @@ __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live) {
       // Its own full timeout, even after another wait of this rank failed: a source marked
       // unserved below gets no arrival from this CTA, so only one that never posted may be.
       const bool failed = tid == 0 && !flagWait(p.peers.sync, peerCounter(p, p.shape.rank, p.latency.weightFlagsOff) + s, cstep + 1u, s,
-                                                WaitSite::kMoeCombineWeights, nullptr, true);
-      // Recorded (the engine enters its failed state). The other sources' records are still
+                                                WaitSite::kMoeCombineWeights, nullptr, true, masked != nullptr);
+      if (failed && masked != nullptr) maskAfterTimeout(p, masked, s);  // shrink on timeout: masked, not an error
+      // Recorded (the engine enters its failed state), or masked. The other sources' records are still
       // reduced and announced, so the survivors' counters stay in step with each other once the
       // failed source is masked (Engine::recover); the failed source gets no arrival from this
       // CTA (its partials were not written), so its own wait fails and reports instead of
@@ -469,8 +509,13 @@ __device__ void combineReceive(const MoeParams& p, Part part, std::uint32_t live
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyCombineReceive);
     // Every peer destination's G send CTAs, this step (the destinations taking part).
-    if (waitEveryRank(p, p.latency.partialArrivalsOff, static_cast<std::uint32_t>(p.grid.budgetCtas), WaitSite::kMoeCombine,
-                      true, live, p.latency.expected + R)) {
+    // Shrink on timeout: a destination whose partials never came all is masked, and every CTA
+    // leaves the same ranks out of the sums.
+    std::uint32_t* masked = p.latency.shrink != nullptr ? p.latency.shrink + 4 : nullptr;
+    const bool arrived = waitEveryRank(p, p.latency.partialArrivalsOff, static_cast<std::uint32_t>(p.grid.budgetCtas),
+                                       WaitSite::kMoeCombine, true, live, p.latency.expected + R, masked);
+    if (masked != nullptr) live &= ~settleMasked(p, masked, part.ctas, WaitSite::kMoeCombine);
+    if (arrived) {
       ptx::launchDependents();  // after the last wait on another rank, as in the dispatch receive
       if (part.cta == part.ctas - 1 && threadIdx.x == 0) moeTrace(p, 1, cstep, MoeTraceEvent::kArrived);
       if (part.cta == 0 && threadIdx.x == 0) moeTrace(p, 1, cstep, MoeTraceEvent::kArrived0);
@@ -501,7 +546,7 @@ __global__ void __launch_bounds__(kThreads) combineKernel(const __grid_constant_
   if ((p.latency.phase & kMoeLatencyReceive) != 0 && lastBlock(&p.peers.lastCtaCounters[1]) && threadIdx.x == 0) {
     moeTrace(p, 1, p.peers.steps[1], MoeTraceEvent::kDone);
     p.peers.steps[1] = p.peers.steps[1] + 1u;
-    advanceExpected(p, 1, live);
+    advanceExpected(p, 1, settledLive(p, 1, live));  // less the ranks masked after a timeout
     *p.state.pending &= kMoeDispatched;
   }
 }

@@ -57,6 +57,9 @@ struct MoeDeviceStatus {
   // (token, k) entries of this rank's dispatches whose expert lives on rank r outside the active
   // mask (or all of them while this rank is outside it): not sent, counted by destination rank.
   unsigned long long maskedEntries[kMaxRanks];
+  // Ranks (bit r) masked after a wait on them timed out (MoeConfig::shrinkOnTimeout).
+  std::uint32_t shrunkRanks;
+  std::uint32_t pad2;
 };
 
 // MoeParams::state.pending, set by each operation's last kernel: bit 0 between a dispatch and a combine
@@ -314,6 +317,9 @@ struct MoeLatencyParams {
   // Local [2][R]: the arrivals expected so far from each rank (dispatch records, combine partials):
   // they grow by G only in the steps both ranks took part in, as the counters they are waited on do.
   std::uint32_t* expected;
+  // Local [2][4], MoeConfig::shrinkOnTimeout (else nullptr): per operation, the ranks masked after
+  // a timeout in it, and its receive CTAs' meeting (count, generation). Zero at setup.
+  std::uint32_t* shrink;
 };
 
 // Operation state and checks (every path).

@@ -89,16 +89,34 @@ __device__ inline void arriveAtEveryPeer(const MoeParams& p, std::uint64_t count
   }
 }
 
+// MoeConfig::shrinkOnTimeout: rank q, which a wait of this operation timed out on, is masked: in
+// the operation's word `masked` (the ranks this operation leaves out from here on), in the
+// engine's active-rank mask (the next operations'; Engine::activeRanksDevice) and in the status
+// (MoeStatus::shrunkRanks). Not an error: the operation goes on among the others.
+__device__ inline void maskAfterTimeout(const MoeParams& p, std::uint32_t* masked, int q) {
+  const std::uint32_t bit = 1u << q;
+  atomicOr(masked, bit);
+  atomicAnd(const_cast<std::uint32_t*>(p.peers.live), ~bit);  // the engine's mask word (stream writes between operations)
+  atomicOr(&p.state.status->shrunkRanks, bit);
+}
+
 // Threads q < R wait until this rank's counter for q reaches `target` (plus base[q] when `base` is
 // given: a per-rank count); true when all did (every thread gets the answer). `peersOnly`: every q
-// but this rank; `live`: only the ranks taking part (bit q).
+// but this rank; `live`: only the ranks taking part (bit q). `masked` (shrink on timeout): a rank
+// whose wait times out is masked (maskAfterTimeout) instead of failing the wait.
 __device__ inline bool waitEveryRank(const MoeParams& p, std::uint64_t counterOff, std::uint32_t target, WaitSite site,
                                      bool peersOnly = false, std::uint32_t live = ~0u,
-                                     const std::uint32_t* base = nullptr) {
+                                     const std::uint32_t* base = nullptr, std::uint32_t* masked = nullptr) {
   const int q = static_cast<int>(threadIdx.x);
   const bool mine = q < p.shape.numRanks && !(peersOnly && q == p.shape.rank) && ((live >> (q & 31)) & 1u) != 0;
   const std::uint32_t want = mine && base != nullptr ? base[q] + target : target;
-  const bool failed = mine && !flagWait(p.peers.sync, peerCounter(p, p.shape.rank, counterOff) + q, want, q, site);
+  const bool shrink = masked != nullptr;
+  bool failed = mine && !flagWait(p.peers.sync, peerCounter(p, p.shape.rank, counterOff) + q, want, q, site, nullptr,
+                                  shrink, shrink);
+  if (failed && shrink) {
+    maskAfterTimeout(p, masked, q);
+    failed = false;
+  }
   return __syncthreads_or(failed) == 0;
 }
 
@@ -118,15 +136,16 @@ struct MoeReceiveSmem {
 // shared with each source) pairBase[q] + 1; the sources in `live` only, msgOf giving zeros for the
 // others), then every CTA derives the expert offsets (its expansion needs them) and the
 // `publisher` CTA writes the per-source bases and publishes the layout. `seen` runs once the wait
-// returns (the step trace). False: a wait failed (reported), nothing was computed.
+// returns (the step trace; with `masked`, shrink on timeout, it also settles the sources msgOf
+// gives: the ranks masked after a timeout read as zeros); false from it stops the layout. False:
+// a wait failed (reported), nothing was computed.
 template <int kThreads, int kGroups, typename Msg, typename Seen>
 __device__ __forceinline__ bool moeReceiveLayout(const MoeParams& p, Msg msgOf, std::uint32_t step, bool publisher,
                                                  MoeReceiveSmem<kThreads, kGroups>& sm, Seen seen, std::uint32_t live = ~0u,
-                                                 const std::uint32_t* pairBase = nullptr) {
+                                                 const std::uint32_t* pairBase = nullptr, std::uint32_t* masked = nullptr) {
   const bool ok = waitEveryRank(p, p.peers.countFlagsOff, pairBase != nullptr ? 1u : step + 1u, WaitSite::kMoeDispatch,
-                                false, live, pairBase);
-  seen();
-  if (!ok) return false;
+                                false, live, pairBase, masked);
+  if (!seen() || !ok) return false;
   moeComputeOffsets<kThreads>(p, msgOf, sm.counts, sm.offsets, sm.scratch);
   if (publisher) {
     moeComputeSourceBases<kThreads>(p, msgOf, sm.offsets, p.layout.sourceBase);

@@ -40,6 +40,7 @@ std::vector<PlanCase> planCases() {
         c.receiveLayout = layout;
         if (layout == ReceiveLayout::kBatched && tokens > 256) c.rowsPerExpert = 512;
         c.profile = tokens == 128;
+        c.shrinkOnTimeout = tokens == 128 && type == DType::kBf16;  // latency only: its words
         out.push_back({"layout" + std::to_string(static_cast<int>(layout)) + "_type" +
                            std::to_string(static_cast<int>(type)) + "_T" + std::to_string(tokens),
                        c, 8});
@@ -115,6 +116,7 @@ TEST(Unit_MoePlan, LocalRegionsHoldWhatTheKernelsWrite) {
         {o.llDone, 8},
         {o.llMask, 3 * 4},         // the active-rank mask, the last dispatch's, a latency send half's
         {o.llExpected, 2 * Rs * 4},  // latency: the arrivals expected; direct: the steps each pair shared
+        {o.llShrink, !throughput && c.shrinkOnTimeout ? 2 * 4 * 4 : 0},  // shrink on timeout: [2 operations][4 words]
         {o.llZeroMsg, std::max(z.cntMsgBytes, z.directMsgBytes)},  // read as either path's count message
         {o.combArrive, throughput ? Rs * o.routeWords * 4 : 0},
         {o.combReady, throughput ? Rs * o.routeWords * 4 : 0},
