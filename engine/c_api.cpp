@@ -199,6 +199,7 @@ graphep::MoeConfig moeConfig(const graphep_moe_config_t* config) {
   m.epilogueSms = c.epilogue_sms;
   m.receiveLayout = static_cast<graphep::ReceiveLayout>(c.receive_layout);
   m.rowsPerExpert = c.rows_per_expert;
+  m.shrinkOnTimeout = c.shrink_on_timeout != 0;
   m.strict = c.strict != 0;
   m.path = static_cast<graphep::MoePath>(c.path);
   return m;
@@ -375,6 +376,7 @@ graphep_status_t graphep_engine_status(graphep_engine_t engine, graphep_moe_stat
     o.unpaired_combines = s.unpairedCombines;
     o.missing_combine_rows = s.missingCombineRows;
     for (int r = 0; r < GRAPHEP_MAX_RANKS; ++r) o.masked_entries[r] = s.maskedEntries[static_cast<std::size_t>(r)];
+    o.shrunk_ranks = s.shrunkRanks;
     if (!s.deviceError.empty()) lastError = s.deviceError;
     writeVersioned(status, o);
   });

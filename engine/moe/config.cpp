@@ -141,6 +141,10 @@ void Engine::validate(const MoeConfig& c, int R) {
                   "its routing in %u B of shared memory (maxTokensPerRank=%d, topK=%d, numExperts=%d)",
                   kMoeLatencyMaxTokens, kMoeLatencyMaxEntries, kMoeLatencyMaxSmem, c.maxTokensPerRank, c.topK,
                   c.numExperts);
+  GRAPHEP_REQUIRE(!c.shrinkOnTimeout || preferredPath(c, R) == MoePath::kLatency, Status::kInvalidArgument,
+                  "MoeConfig.shrinkOnTimeout needs the latency path; this config takes the throughput path "
+                  "(path=%d, maxTokensPerRank=%d)",
+                  static_cast<int>(c.path), c.maxTokensPerRank);
   GRAPHEP_REQUIRE(c.recvCapacity >= 0, Status::kInvalidArgument,
                   "MoeConfig.recvCapacity=%lld is negative", c.recvCapacity);
   GRAPHEP_REQUIRE(c.receiveLayout == ReceiveLayout::kExpertMajor || c.receiveLayout == ReceiveLayout::kBatched ||

@@ -39,8 +39,9 @@ extern "C" {
  * graphep_receive; graphep_fp8_scales_t, graphep_half_t. A version-4 caller's structs (dispatch
  * args 160 bytes, combine args 56, layout 168 on 64-bit hosts) keep working.
  * 6 (the active-rank mask): graphep_set_active_ranks, graphep_engine_recover.
- * 7: graphep_moe_status_t.masked_entries; the mask on the direct throughput path. */
-#define GRAPHEP_C_API_VERSION 7
+ * 7: graphep_moe_status_t.masked_entries; the mask on the direct throughput path.
+ * 8 (shrink on timeout): graphep_moe_config_t.shrink_on_timeout, graphep_moe_status_t.shrunk_ranks. */
+#define GRAPHEP_C_API_VERSION 8
 /* The most ranks an engine takes (graphep::kMaxRanks). */
 #define GRAPHEP_MAX_RANKS 32
 
@@ -127,9 +128,12 @@ typedef struct graphep_moe_config {
   int epilogue_sms;
   int receive_layout;          /* graphep_receive_layout_t */
   long long rows_per_expert;   /* batched: rows per local expert; 0: world size x max_tokens_per_rank */
+  /* Version 8. Nonzero: latency path only, a wait that times out masks its peer instead of failing
+   * the engine (graphep::MoeConfig::shrinkOnTimeout; graphep_moe_status_t.shrunk_ranks). */
+  int shrink_on_timeout;
 } graphep_moe_config_t;
 #define GRAPHEP_MOE_CONFIG_INIT \
-  { sizeof(graphep_moe_config_t), 0, 0, 0, 0, GRAPHEP_DTYPE_BF16, 0, 1, 0, 0, GRAPHEP_PATH_AUTO, 0, GRAPHEP_LAYOUT_EXPERT_MAJOR, 0 }
+  { sizeof(graphep_moe_config_t), 0, 0, 0, 0, GRAPHEP_DTYPE_BF16, 0, 1, 0, 0, GRAPHEP_PATH_AUTO, 0, GRAPHEP_LAYOUT_EXPERT_MAJOR, 0, 0 }
 
 /* graphep::DispatchArgs: device pointers, rewritten in place between graph replays. */
 typedef struct graphep_dispatch_args {
@@ -279,8 +283,11 @@ typedef struct graphep_moe_status {
   /* Version 7. [r]: this rank's (token, slot) entries whose expert lives on rank r, dropped because
    * r (or this rank) was outside the active-rank mask (graphep_set_active_ranks): not an error. */
   unsigned long long masked_entries[GRAPHEP_MAX_RANKS];
+  /* Version 8. Bit r: rank r was masked after a wait on it timed out (shrink_on_timeout): not an
+   * error. */
+  unsigned int shrunk_ranks;
 } graphep_moe_status_t;
-#define GRAPHEP_MOE_STATUS_INIT { sizeof(graphep_moe_status_t), 0, 0, 0, 0, -1, -1, 0, 0, 0, 0, 0, {0} }
+#define GRAPHEP_MOE_STATUS_INIT { sizeof(graphep_moe_status_t), 0, 0, 0, 0, -1, -1, 0, 0, 0, 0, 0, {0}, 0 }
 
 /* graphep::MoeMemory: what an engine of a config allocates per rank, known before anything is
  * allocated (size a KV cache after it). */

@@ -58,7 +58,8 @@ std::string describe(const MoeConfig& c) {
          ", sm_budget=" + std::to_string(c.smBudget) + ", epilogue_sms=" + std::to_string(c.epilogueSms) +
          ", strict=" + (c.strict ? "True" : "False") +
          ", path=" + nameOf(kPaths, c.path) + ", profile=" + (c.profile ? "True" : "False") +
-         ", counter_start=" + std::to_string(c.counterStart) + ")";
+         ", counter_start=" + std::to_string(c.counterStart) +
+         ", shrink_on_timeout=" + (c.shrinkOnTimeout ? "True" : "False") + ")";
 }
 
 }  // namespace
@@ -87,7 +88,8 @@ void bindConfig(nb::module_& m) {
           "__init__",
           [](MoeConfig* c, int maxTokensPerRank, int hidden, int numExperts, int topK, DType dispatchType,
              long long recvCapacity, int expertAlignment, int smBudget, bool strict, MoePath path, bool profile,
-             std::uint32_t counterStart, int epilogueSms, ReceiveLayout receiveLayout, long long rowsPerExpert) {
+             std::uint32_t counterStart, int epilogueSms, ReceiveLayout receiveLayout, long long rowsPerExpert,
+             bool shrinkOnTimeout) {
             new (c) MoeConfig{};
             c->maxTokensPerRank = maxTokensPerRank;
             c->hidden = hidden;
@@ -104,13 +106,14 @@ void bindConfig(nb::module_& m) {
             c->path = path;
             c->profile = profile;
             c->counterStart = counterStart;
+            c->shrinkOnTimeout = shrinkOnTimeout;
           },
           nb::kw_only(), nb::arg("max_tokens_per_rank") = 0, nb::arg("hidden") = 0, nb::arg("num_experts") = 0,
           nb::arg("top_k") = 0, nb::arg("dispatch_type") = DType::kBf16, nb::arg("recv_capacity") = 0,
           nb::arg("expert_alignment") = 1, nb::arg("sm_budget") = 0, nb::arg("strict") = false,
           nb::arg("path") = MoePath::kAuto, nb::arg("profile") = false, nb::arg("counter_start") = 0,
           nb::arg("epilogue_sms") = 0, nb::arg("receive_layout") = ReceiveLayout::kExpertMajor,
-          nb::arg("rows_per_expert") = 0)
+          nb::arg("rows_per_expert") = 0, nb::arg("shrink_on_timeout") = false)
       .def_rw("max_tokens_per_rank", &MoeConfig::maxTokensPerRank, "T_max: rows of x per dispatch at most")
       .def_rw("hidden", &MoeConfig::hidden, "H: a multiple of 8 (of 128 for fp8)")
       .def_rw("num_experts", &MoeConfig::numExperts, "E: a multiple of the world size")
@@ -129,6 +132,8 @@ void bindConfig(nb::module_& m) {
       .def_rw("path", &MoeConfig::path)
       .def_rw("profile", &MoeConfig::profile)
       .def_rw("counter_start", &MoeConfig::counterStart)
+      .def_rw("shrink_on_timeout", &MoeConfig::shrinkOnTimeout,
+              "latency path: a wait that times out masks its peer instead of failing the engine (DeepEP's shrink mode)")
       .def("__repr__", &describe);
 
   nb::class_<MoeMemory>(m, "MemoryRequirements", "Device bytes one rank's engine allocates (per rank).")

@@ -131,6 +131,8 @@ void bindEngine(nb::module_& m) {
           "masked_entries",
           [](const MoeStatus& s) { return std::vector<unsigned long long>(s.maskedEntries.begin(), s.maskedEntries.end()); },
           "Per destination rank: entries not sent because the rank was outside the active-rank mask.")
+      .def_ro("shrunk_ranks", &MoeStatus::shrunkRanks,
+              "Bit r: rank r masked after a wait on it timed out (MoeConfig.shrink_on_timeout): not an error.")
       .def_ro("device_error", &MoeStatus::deviceError)
       .def_prop_ro("ok", &MoeStatus::ok)
       .def("describe", &MoeStatus::describe)

@@ -1338,8 +1338,8 @@ static void memory_query(void) {
 
 int main(int argc, char** argv) {
   if (argc > 1 && strcmp(argv[1], STRICT_CHILD_ARG) == 0) return strict_child();
-  EXPECT(GRAPHEP_C_API_VERSION == 7 && graphep_api_version() == GRAPHEP_C_API_VERSION,
-         "API version: header %d, library %d, expected 7", GRAPHEP_C_API_VERSION, graphep_api_version());
+  EXPECT(GRAPHEP_C_API_VERSION == 8 && graphep_api_version() == GRAPHEP_C_API_VERSION,
+         "API version: header %d, library %d, expected 8", GRAPHEP_C_API_VERSION, graphep_api_version());
   memory_query();
   if (failures != 0) return 1; /* checked without a GPU too */
   const long expected = expected_gpus();

@@ -82,10 +82,41 @@ TEST(Unit_CApi, Version7MaskedEntries) {
   EXPECT_EQ(graphep_engine_status(nullptr, nullptr), GRAPHEP_INVALID_ARGUMENT);
 }
 
+// Version 8 (shrink on timeout): the config's flag and the status's masked ranks, after the
+// version-7 fields, zero from the INIT macros; a version-7 caller's config (without the flag) reads
+// it as off.
+TEST(Unit_CApi, Version8ShrinkOnTimeout) {
+  const graphep_moe_config_t c = GRAPHEP_MOE_CONFIG_INIT;
+  EXPECT_EQ(c.shrink_on_timeout, 0);
+  EXPECT_GT(offsetof(graphep_moe_config_t, shrink_on_timeout), offsetof(graphep_moe_config_t, rows_per_expert));
+  const graphep_moe_status_t st = GRAPHEP_MOE_STATUS_INIT;
+  EXPECT_EQ(st.shrunk_ranks, 0u);
+  EXPECT_EQ(offsetof(graphep_moe_status_t, shrunk_ranks),
+            offsetof(graphep_moe_status_t, masked_entries) + sizeof(st.masked_entries));
+  // Read from a version-8 struct: on the throughput path the flag is refused by name; a version-7
+  // caller's struct ends before it, so the same bytes past its end are not read.
+  graphep_moe_config_t v8 = GRAPHEP_MOE_CONFIG_INIT;
+  v8.max_tokens_per_rank = 64;
+  v8.hidden = 1024;
+  v8.num_experts = 8;
+  v8.top_k = 2;
+  v8.path = GRAPHEP_PATH_THROUGHPUT;
+  v8.shrink_on_timeout = 1;
+  graphep_moe_memory_t mem = GRAPHEP_MOE_MEMORY_INIT;
+  EXPECT_EQ(graphep_memory_requirements(&v8, 2, &mem), GRAPHEP_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(graphep_last_error()).find("shrinkOnTimeout"), std::string::npos) << graphep_last_error();
+  graphep_moe_config_t v7 = v8;
+  v7.struct_size = offsetof(graphep_moe_config_t, shrink_on_timeout);
+  EXPECT_EQ(graphep_memory_requirements(&v7, 2, &mem), GRAPHEP_SUCCESS) << graphep_last_error();
+  v8.path = GRAPHEP_PATH_AUTO;  // the latency path at this size: taken
+  EXPECT_EQ(graphep_memory_requirements(&v8, 2, &mem), GRAPHEP_SUCCESS) << graphep_last_error();
+  EXPECT_EQ(mem.path, GRAPHEP_PATH_LATENCY);
+}
+
 // Version 5 (the latency path's capabilities): the version, the INIT defaults ("as before"), the
 // enums equal to the C++ ones, and graphep_receive's NULL engine named.
 TEST(Unit_CApi, Version5LatencyCapabilities) {
-  EXPECT_EQ(GRAPHEP_C_API_VERSION, 7);
+  EXPECT_EQ(GRAPHEP_C_API_VERSION, 8);
   EXPECT_EQ(graphep_api_version(), GRAPHEP_C_API_VERSION);
   EXPECT_EQ(GRAPHEP_FP8_SCALES_FLOAT, static_cast<int>(Fp8Scales::kFloat));
   EXPECT_EQ(GRAPHEP_FP8_SCALES_POW2, static_cast<int>(Fp8Scales::kPow2));
