@@ -54,6 +54,7 @@ tests_for() {
     29-*|30-*) echo "$gpu --gtest_filter=Gpu2_MoeLatencyCapabilities.ActiveRankMaskFlips" ;;  # the active-rank mask: a masked rank sent to, waited for
     34-*|35-*) echo "$gpu --gtest_filter=Moe/Gpu2_Moe.Case/active_mask_throughput:Moe/Gpu2_Moe.Case/active_mask_graph_throughput" ;;  # the direct path's mask: a masked source waited for; acknowledgements by the global step
     36-*) echo "$gpu --gtest_filter=Gpu2_MoeCapabilities.DirectPairStepsUnderTheMask" ;;  # the direct send's block flags posted to a masked peer
+    37-*) echo "$gpu --gtest_filter=Gpu1_MoeFaults.ShrinkOnTimeout" ;;  # the receive keeps a rank masked after a timeout
     33-*) echo "$gpu --gtest_filter=Gpu2_MoeLatencyCapabilities.ActiveRankMaskFlipsCombineWeights" ;;  # the combine-time weights of a masked source waited for
     31-*) echo "$build/tests/graphep_fault_killed_peer" ;;  # recovery after a killed process: the dead rank left in the mask
     *) return 1 ;;

@@ -79,6 +79,11 @@ void runMoeMisuse(Communicator& comm, MoePath path);
 // the other. `recovers`: whether the engines must take the mask (asserted: a fallback to the
 // movers would otherwise skip the recovery unseen).
 void runMoeMissingRank(Communicator& comm, MoePath path, bool recovers);
+// Shrink on timeout (MoeConfig::shrinkOnTimeout, the latency path): the last rank sits out one
+// step after a good one; the survivors' step completes exact for the experts left, with no failure,
+// the rank masked (active-rank mask, MoeStatus::shrunkRanks); then their graphs replay exactly
+// (GRAPHEP_RECOVERY_REPLAYS, default 12) with no recover. In every receive layout.
+void runMoeShrinkOnTimeout(Communicator& comm);
 // The host watchdog (latency path): with long device waits, checkHealth finds within 200 ms that
 // the last rank's count message has not arrived, names it, and fails the engine; the late rank then
 // arrives, the work completes, and the failed engines keep refusing work.

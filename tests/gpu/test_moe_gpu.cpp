@@ -130,6 +130,14 @@ TEST(Gpu1_MoeFaults8, MissingRankLatencyEightEmulatedRanks) {
   auto comm = createLocalGroup({0, 0, 0, 0, 0, 0, 0, 0});
   runMoeMissingRank(*comm, MoePath::kAuto, true);
 }
+TEST_F(Gpu1_MoeFaults, ShrinkOnTimeout) {
+  runMoeShrinkOnTimeout(*comm_);
+}
+TEST(Gpu1_MoeFaults8, ShrinkOnTimeoutEightEmulatedRanks) {
+  GRAPHEP_REQUIRE_GPUS(1);
+  auto comm = createLocalGroup({0, 0, 0, 0, 0, 0, 0, 0});
+  runMoeShrinkOnTimeout(*comm);
+}
 TEST(Gpu1_MoeFaults8, MissingRankThroughputEightEmulatedRanks) {
   GRAPHEP_REQUIRE_GPUS(1);
   auto comm = createLocalGroup({0, 0, 0, 0, 0, 0, 0, 0});

@@ -237,6 +237,7 @@ TEST(Mpi_MoeFaults, MissingRankAndWatchdog) {
   GRAPHEP_REQUIRE_MPI_GPUS();
   auto comm = createMpiCommunicator(-1, false);
   runMoeMissingRank(*comm, MoePath::kAuto, true);
+  runMoeShrinkOnTimeout(*comm);
   runMoeMissingRank(*comm, MoePath::kThroughput, true);  // the direct kernels
   runMoeWatchdog(*comm);
   runMoeGraphOutlivesEngine(*comm);

@@ -84,6 +84,7 @@ TEST(Gpu2_MoeFaults, MissingRankWatchdogAndGraphLifetime) {
   GRAPHEP_REQUIRE_GPUS(2);
   auto comm = createLocalGroup(visibleGpus());
   runMoeMissingRank(*comm, MoePath::kAuto, true);
+  runMoeShrinkOnTimeout(*comm);
   runMoeMissingRank(*comm, MoePath::kThroughput, true);  // the direct kernels
   runMoeWatchdog(*comm);
   runMoeGraphOutlivesEngine(*comm);

@@ -141,6 +141,50 @@ void runMoeMisuse(Communicator& comm, MoePath path) {
 
 namespace {
 
+// The survivors (every rank but `missing`) replay their graphs `replays` times on fresh inputs,
+// each replay's outputs against the reference of the inputs with the missing rank's experts left
+// out; `masked` accumulates the entries that reference drops per (rank, destination). The wrong
+// elements in all.
+long long replayAmongSurvivors(Communicator& comm, const MoeCase& c, MoeFixture& f,
+                               const std::vector<cudaGraphExec_t>& execs, int missing, long long replays,
+                               std::uint64_t seed, const std::string& label,
+                               std::vector<std::vector<unsigned long long>>& masked) {
+  const int R = comm.worldSize();
+  const std::uint32_t mask = allRanksMask(R) & ~(1u << missing);
+  auto survivor = [&](int l) { return comm.globalRank(l) != missing; };
+  const std::vector<int> tokens = {32, 17, 1, 0, 32, 9};
+  long long wrong = 0;
+  for (long long i = 0; i < replays && wrong == 0; ++i) {
+    std::vector<Inputs> all;
+    for (int q = 0; q < R; ++q) {
+      const int T = tokens[static_cast<std::size_t>(i + q) % tokens.size()];
+      all.push_back(makeInputs(c, R, q, T, seed + static_cast<std::uint64_t>(i) * 13));
+    }
+    const std::vector<Inputs> seen = underMask(c, all, mask, masked);
+    for (int l = 0; l < f.L(); ++l) {
+      if (survivor(l)) f.prepare(l, all[static_cast<std::size_t>(comm.globalRank(l))]);
+    }
+    comm.barrier();
+    for (int l = 0; l < f.L(); ++l) {
+      if (!survivor(l)) continue;
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+      GRAPHEP_CUDA_CHECK(cudaGraphLaunch(execs[static_cast<std::size_t>(l)], f.buf(l).stream));
+    }
+    f.syncAll();
+    std::vector<RefLayout> refs;
+    for (int q = 0; q < R; ++q) refs.push_back(refLayout(c, seen, q, f.layout(0).capacity));
+    for (int l = 0; l < f.L(); ++l) {
+      if (!survivor(l)) continue;
+      const std::string what = "replay " + std::to_string(i) + " " + label;
+      const long long n = f.check(l, seen, refs, what);
+      EXPECT_EQ(n, 0) << what << ", rank " << comm.globalRank(l);
+      wrong += n;
+    }
+    comm.barrier();
+  }
+  return wrong;
+}
+
 // After the missing rank was named (an engine with an active-rank mask: the latency path, the
 // direct throughput path): every survivor recovers with the mask that leaves it out
 // (Engine::recover; every local rank before any enqueues work) and replays the graph it captured
@@ -162,37 +206,8 @@ void recoverAndReplay(Communicator& comm, const MoeCase& c, MoeFixture& f, const
   }
   std::vector<std::vector<unsigned long long>> masked(static_cast<std::size_t>(R),
                                                       std::vector<unsigned long long>(static_cast<std::size_t>(R), 0));
-  const long long replays = replaysFromEnv("GRAPHEP_RECOVERY_REPLAYS", 12);
-  const std::vector<int> tokens = {32, 17, 1, 0, 32, 9};
-  long long wrong = 0;
-  for (long long i = 0; i < replays && wrong == 0; ++i) {
-    std::vector<Inputs> all;
-    for (int q = 0; q < R; ++q) {
-      const int T = tokens[static_cast<std::size_t>(i + q) % tokens.size()];
-      all.push_back(makeInputs(c, R, q, T, 7000 + static_cast<std::uint64_t>(i) * 13));
-    }
-    const std::vector<Inputs> seen = underMask(c, all, mask, masked);
-    for (int l = 0; l < f.L(); ++l) {
-      if (survivor(l)) f.prepare(l, all[static_cast<std::size_t>(comm.globalRank(l))]);
-    }
-    comm.barrier();
-    for (int l = 0; l < f.L(); ++l) {
-      if (!survivor(l)) continue;
-      GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
-      GRAPHEP_CUDA_CHECK(cudaGraphLaunch(execs[static_cast<std::size_t>(l)], f.buf(l).stream));
-    }
-    f.syncAll();
-    std::vector<RefLayout> refs;
-    for (int q = 0; q < R; ++q) refs.push_back(refLayout(c, seen, q, f.layout(0).capacity));
-    for (int l = 0; l < f.L(); ++l) {
-      if (!survivor(l)) continue;
-      const std::string what = "replay " + std::to_string(i) + " after the recovery";
-      const long long n = f.check(l, seen, refs, what);
-      EXPECT_EQ(n, 0) << what << ", rank " << comm.globalRank(l);
-      wrong += n;
-    }
-    comm.barrier();
-  }
+  replayAmongSurvivors(comm, c, f, execs, missing, replaysFromEnv("GRAPHEP_RECOVERY_REPLAYS", 12), 7000,
+                       "after the recovery", masked);
   for (int l = 0; l < f.L(); ++l) {
     if (!survivor(l)) continue;
     const int r = comm.globalRank(l);
@@ -268,9 +283,76 @@ void missingRankInLayout(Communicator& comm, const MoeCase& c, bool expectRecove
 
 }  // namespace
 
+// Shrink on timeout (MoeConfig::shrinkOnTimeout, latency path): after a good step of every rank,
+// the last rank sits out one step. The survivors' step completes without a failure, exact for the
+// experts left (the missing rank's add nothing), the missing rank is out of their active-rank mask
+// and in MoeStatus::shrunkRanks; then the same graphs replay among the survivors, exact, the
+// missing rank's entries masked from the start. Nobody calls recover.
+void shrinkInLayout(Communicator& comm, MoeCase c) {
+  c.cfg.shrinkOnTimeout = true;
+  SCOPED_TRACE("shrink on timeout, a rank that sits out a step, " + describeCase(c));
+  const int R = comm.worldSize(), missing = R - 1;
+  const std::uint32_t mask = allRanksMask(R) & ~(1u << missing);
+  MoeFixture f(comm, c);
+  ASSERT_EQ(f.engine(0).path(), MoePath::kLatency);
+  std::vector<cudaGraphExec_t> execs(static_cast<std::size_t>(f.L()), nullptr);
+  for (int l = 0; l < f.L(); ++l) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    execs[static_cast<std::size_t>(l)] = captureOnStream(f.buf(l).stream, [&](cudaStream_t s) { f.enqueue(l, s); });
+  }
+  std::vector<std::vector<unsigned long long>> sentAnyway(static_cast<std::size_t>(R),
+                                                          std::vector<unsigned long long>(static_cast<std::size_t>(R), 0));
+  {  // every rank: the missing rank's messages of this step then lie in the survivors' memory
+    const std::vector<Inputs> good = f.prepareEvery(32, 98);
+    comm.barrier();
+    for (int l = 0; l < f.L(); ++l) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+      GRAPHEP_CUDA_CHECK(cudaGraphLaunch(execs[static_cast<std::size_t>(l)], f.buf(l).stream));
+    }
+    f.syncAll();
+    std::vector<RefLayout> refs;
+    for (int q = 0; q < R; ++q) refs.push_back(refLayout(c, good, q, f.layout(0).capacity));
+    for (int l = 0; l < f.L(); ++l) EXPECT_EQ(f.check(l, good, refs, "the good step"), 0) << "rank " << comm.globalRank(l);
+    comm.barrier();
+  }
+  // The step it sits out: its entries are sent (the mask still held it), so they are not counted as masked.
+  EXPECT_EQ(replayAmongSurvivors(comm, c, f, execs, missing, 1, 6000, "the missing rank sat out", sentAnyway), 0);
+  for (int l = 0; l < f.L(); ++l) {
+    if (comm.globalRank(l) == missing) continue;
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    const MoeStatus st = f.engine(l).status();
+    EXPECT_FALSE(f.engine(l).failed()) << "rank " << comm.globalRank(l) << ": " << st.describe();
+    EXPECT_TRUE(st.ok()) << "rank " << comm.globalRank(l) << ": " << st.describe();
+    EXPECT_EQ(st.shrunkRanks, 1u << missing) << "rank " << comm.globalRank(l);
+    EXPECT_NE(st.describe().find("rank(s) " + std::to_string(missing)), std::string::npos) << st.describe();
+    std::uint32_t live = 0;
+    GRAPHEP_CUDA_CHECK(cudaMemcpy(&live, f.engine(l).activeRanksDevice(), 4, cudaMemcpyDeviceToHost));
+    EXPECT_EQ(live, mask) << "rank " << comm.globalRank(l) << "'s active-rank mask";
+  }
+  std::vector<std::vector<unsigned long long>> masked(static_cast<std::size_t>(R),
+                                                      std::vector<unsigned long long>(static_cast<std::size_t>(R), 0));
+  replayAmongSurvivors(comm, c, f, execs, missing, replaysFromEnv("GRAPHEP_RECOVERY_REPLAYS", 12), 8000,
+                       "after the shrink", masked);
+  for (int l = 0; l < f.L(); ++l) {
+    if (comm.globalRank(l) == missing) continue;
+    const int r = comm.globalRank(l);
+    const MoeStatus st = f.engine(l).status();
+    EXPECT_TRUE(st.ok()) << "rank " << r << ": " << st.describe();
+    EXPECT_EQ(st.maskedEntries[static_cast<std::size_t>(missing)],
+              masked[static_cast<std::size_t>(r)][static_cast<std::size_t>(missing)])
+        << "rank " << r << "'s entries for the missing rank";
+  }
+  for (cudaGraphExec_t e : execs) GRAPHEP_CUDA_CHECK(cudaGraphExecDestroy(e));
+}
+
 void runMoeMissingRank(Communicator& comm, MoePath path, bool recovers) {
   ScopedEnv timeout("GRAPHEP_TIMEOUT_MS", "300");  // read when the engines' heap is created
   forEveryLayout(smallCase(comm, 32, path), [&](const MoeCase& c) { missingRankInLayout(comm, c, recovers); });
+}
+
+void runMoeShrinkOnTimeout(Communicator& comm) {
+  ScopedEnv timeout("GRAPHEP_TIMEOUT_MS", "300");  // read when the engines' heap is created
+  forEveryLayout(smallCase(comm, 32, MoePath::kAuto), [&](const MoeCase& c) { shrinkInLayout(comm, c); });
 }
 
 void runMoeWatchdog(Communicator& comm) {
