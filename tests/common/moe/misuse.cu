@@ -141,6 +141,21 @@ void runMoeMisuse(Communicator& comm, MoePath path) {
 
 namespace {
 
+// One step of every rank (each replays its graph), every output exact.
+void goodStep(Communicator& comm, const MoeCase& c, MoeFixture& f, const std::vector<cudaGraphExec_t>& execs) {
+  const std::vector<Inputs> good = f.prepareEvery(32, 98);
+  comm.barrier();
+  for (int l = 0; l < f.L(); ++l) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    GRAPHEP_CUDA_CHECK(cudaGraphLaunch(execs[static_cast<std::size_t>(l)], f.buf(l).stream));
+  }
+  f.syncAll();
+  std::vector<RefLayout> refs;
+  for (int q = 0; q < comm.worldSize(); ++q) refs.push_back(refLayout(c, good, q, f.layout(0).capacity));
+  for (int l = 0; l < f.L(); ++l) EXPECT_EQ(f.check(l, good, refs, "the good step"), 0) << "rank " << comm.globalRank(l);
+  comm.barrier();
+}
+
 // The survivors (every rank but `missing`) replay their graphs `replays` times on fresh inputs,
 // each replay's outputs against the reference of the inputs with the missing rank's experts left
 // out; `masked` accumulates the entries that reference drops per (rank, destination). The wrong
@@ -238,17 +253,7 @@ void missingRankInLayout(Communicator& comm, const MoeCase& c, bool expectRecove
   }
   if (recovers) {  // one good step of every rank first: the missing rank's messages, records and
                    // partials then lie in the survivors' memory, which the recovery must not use
-    const std::vector<Inputs> good = f.prepareEvery(32, 98);
-    comm.barrier();
-    for (int l = 0; l < f.L(); ++l) {
-      GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
-      GRAPHEP_CUDA_CHECK(cudaGraphLaunch(execs[static_cast<std::size_t>(l)], f.buf(l).stream));
-    }
-    f.syncAll();
-    std::vector<RefLayout> refs;
-    for (int q = 0; q < comm.worldSize(); ++q) refs.push_back(refLayout(c, good, q, f.layout(0).capacity));
-    for (int l = 0; l < f.L(); ++l) EXPECT_EQ(f.check(l, good, refs, "the good step"), 0) << "rank " << comm.globalRank(l);
-    comm.barrier();
+    goodStep(comm, c, f, execs);
   }
   f.prepareEvery(32, 99);
   comm.barrier();
@@ -302,19 +307,7 @@ void shrinkInLayout(Communicator& comm, MoeCase c) {
   }
   std::vector<std::vector<unsigned long long>> sentAnyway(static_cast<std::size_t>(R),
                                                           std::vector<unsigned long long>(static_cast<std::size_t>(R), 0));
-  {  // every rank: the missing rank's messages of this step then lie in the survivors' memory
-    const std::vector<Inputs> good = f.prepareEvery(32, 98);
-    comm.barrier();
-    for (int l = 0; l < f.L(); ++l) {
-      GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
-      GRAPHEP_CUDA_CHECK(cudaGraphLaunch(execs[static_cast<std::size_t>(l)], f.buf(l).stream));
-    }
-    f.syncAll();
-    std::vector<RefLayout> refs;
-    for (int q = 0; q < R; ++q) refs.push_back(refLayout(c, good, q, f.layout(0).capacity));
-    for (int l = 0; l < f.L(); ++l) EXPECT_EQ(f.check(l, good, refs, "the good step"), 0) << "rank " << comm.globalRank(l);
-    comm.barrier();
-  }
+  goodStep(comm, c, f, execs);  // the missing rank's messages of this step then lie in the survivors' memory
   // The step it sits out: its entries are sent (the mask still held it), so they are not counted as masked.
   EXPECT_EQ(replayAmongSurvivors(comm, c, f, execs, missing, 1, 6000, "the missing rank sat out", sentAnyway), 0);
   for (int l = 0; l < f.L(); ++l) {
