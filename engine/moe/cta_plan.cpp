@@ -192,11 +192,9 @@ int directSharedCtas(int want, int share) {
 
 bool directDispatch(Communicator& comm, const SymmetricHeap& heap) {
   const bool movers = env::kMoeKernels.get() == "movers";
+  const bool loadStore = everyPeerLoadStore(comm, heap);  // collective: every rank calls both
   return everyRank(comm, heap, [&](int l) {
-    for (int q = 0; q < heap.worldSize(); ++q) {
-      if (q != heap.rank(l) && !isLoadStore(heap.peerClass(l, q))) return false;
-    }
-    if (movers) return false;
+    if (!loadStore || movers) return false;
     if (ranksOnGpu(heap, l) == 1) return true;
     const int share = directShare(heap, l);
     if (share >= kDirectSharedParts) return true;
@@ -242,15 +240,20 @@ ThroughputCtas throughputCtas(Communicator& comm, const SymmetricHeap& heap, con
   ThroughputCtas c;
   const int locals = heap.numLocalRanks();
   if (direct && !everyPeerIs(comm, heap, [](PeerClass k) { return k != PeerClass::kSameDevice; })) {
+    std::vector<int> share;
     std::vector<std::int32_t> mine;
-    for (int l = 0; l < locals; ++l) mine.push_back(directSharedCtas(cfg.smBudget, directShare(heap, l)));
+    for (int l = 0; l < locals; ++l) {
+      share.push_back(directShare(heap, l));
+      mine.push_back(directSharedCtas(cfg.smBudget, share.back()));
+    }
     c.comm = minOverRanks(comm, mine);
     for (int l = 0; l < locals; ++l) {
-      c.epilogue.push_back(directSharedCtas(cfg.epilogueSms, directShare(heap, l)));
+      const int s = share[static_cast<std::size_t>(l)];
+      c.epilogue.push_back(directSharedCtas(cfg.epilogueSms, s));
       c.cluster.push_back(1);
       GRAPHEP_LOG_INFO(log::kTune, "rank %d: %d ranks share GPU %d: direct kernels of %d communication and %d "
                        "epilogue CTAs (%d resident each)", heap.rank(l), ranksOnGpu(heap, l), heap.device(l), c.comm,
-                       c.epilogue.back(), directShare(heap, l));
+                       c.epilogue.back(), s);
     }
     return c;
   }

@@ -68,6 +68,12 @@ inline GpuRequirement gpuRequirement(int needed) {
   return gpuRequirement(needed, found, why, std::getenv(kExpectGpusVar));
 }
 
+// Whether the environment variable `var` is set to `value`.
+inline bool envIs(const char* var, const char* value) {
+  const char* v = std::getenv(var);
+  return v != nullptr && std::string(v) == value;
+}
+
 // A replay count from the environment variable `var` when set to a positive number, else
 // `fallback` (GRAPHEP_STRESS_REPLAYS: the MoeGraph stress; GRAPHEP_TEST_REPLAYS: the mover replay
 // test, which gpu-check's racecheck step lowers, the tool being slow).

@@ -54,6 +54,10 @@ std::string moeCaseName(const MoeCase& c);
 // The path Engine::createAll must choose for `cfg` (kAuto: latency when the config fits its
 // kernels and GRAPHEP_FORCE_TRANSPORT is not "remote").
 MoePath expectedPath(const MoeConfig& cfg, int worldSize);
+// Whether the throughput path is expected to run its direct kernels: every peer is reached by
+// load/store on the machines the tests run on (ranks sharing a GPU included) unless
+// GRAPHEP_FORCE_TRANSPORT=remote, and GRAPHEP_MOE_KERNELS=movers keeps the movers.
+bool expectedDirect();
 
 // MoeGraph on one engine per rank: an expert callback graph, an expert child graph swapped in
 // place and across topologies, four bucket graphs (1 / 8 / 33 / 64 live tokens), a dispatch-only +

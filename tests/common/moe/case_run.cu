@@ -14,12 +14,6 @@ void runMoeCaseInLayout(Communicator& comm, const MoeCase& c);
 // Run `run`'s active-rank mask of a case on R ranks: its listed masks first (every rank when it
 // has none, or none left), then random non-empty ones, the same on every process (drawn from the
 // run's number).
-// The environment's value of `name` ("" when unset).
-std::string envText(const char* name) {
-  const char* v = std::getenv(name);
-  return v != nullptr ? v : "";
-}
-
 std::uint32_t caseMask(const MoeCase& c, int run, int R) {
   if (c.masks.empty()) return allRanksMask(R);
   if (static_cast<std::size_t>(run) >= c.masks.size()) {
@@ -67,13 +61,8 @@ void runMoeCaseInLayout(Communicator& comm, const MoeCase& c) {
   const bool takesMask = f.engine(0).activeRanksDevice() != nullptr;
   const bool direct = f.engine(0).directBlockFlags().blocksPerRank > 0;
   EXPECT_EQ(takesMask, f.engine(0).path() == MoePath::kLatency || direct);
-  // The throughput path runs the direct kernels wherever every peer is reached by load/store
-  // (ranks sharing a GPU included) unless the movers are asked for; peers are remote here only
-  // when forced.
   if (f.engine(0).path() == MoePath::kThroughput) {
-    EXPECT_EQ(direct, envText("GRAPHEP_MOE_KERNELS") != "movers" && envText("GRAPHEP_FORCE_TRANSPORT") != "remote")
-        << "GRAPHEP_MOE_KERNELS=" << envText("GRAPHEP_MOE_KERNELS")
-        << ", GRAPHEP_FORCE_TRANSPORT=" << envText("GRAPHEP_FORCE_TRANSPORT");
+    EXPECT_EQ(direct, expectedDirect()) << "the throughput path's kernels: direct " << direct;
   }
   const bool masks = !c.masks.empty() && takesMask;
   std::vector<std::vector<unsigned long long>> masked(static_cast<std::size_t>(R), std::vector<unsigned long long>(static_cast<std::size_t>(R), 0));

@@ -1,5 +1,6 @@
 // The MoE cases: the standard and mixed-placement lists, their names and indices, and the path each
 // is expected to take.
+#include "common/gpu_env.hpp"
 #include "common/moe/harness.cuh"
 
 namespace graphep::test {
@@ -9,10 +10,13 @@ using namespace moe;
 
 MoePath expectedPath(const MoeConfig& cfg, int worldSize) {
   if (cfg.path != MoePath::kAuto) return cfg.path;
-  const char* force = std::getenv("GRAPHEP_FORCE_TRANSPORT");
-  const bool remote = force != nullptr && std::string(force) == "remote";
+  const bool remote = envIs("GRAPHEP_FORCE_TRANSPORT", "remote");
   const bool fits = cfg.maxTokensPerRank <= 256 && cfg.maxTokensPerRank * cfg.topK <= 4096;
   return fits && !remote ? MoePath::kLatency : MoePath::kThroughput;
+}
+
+bool expectedDirect() {
+  return !envIs("GRAPHEP_MOE_KERNELS", "movers") && !envIs("GRAPHEP_FORCE_TRANSPORT", "remote");
 }
 
 std::string moeCaseName(const MoeCase& c) {
