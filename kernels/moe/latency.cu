@@ -94,11 +94,17 @@ __device__ __forceinline__ void advanceExpected(const MoeParams& p, int op, std:
 }
 
 // Shrink on timeout (MoeConfig::shrinkOnTimeout; p.latency.shrink, else nullptr): operation op's
-// words {masked, barrier count, barrier generation, unused}. A wait on rank q that times out masks
-// q (maskAfterTimeout) instead of failing; the receive part's CTAs then meet here, so that each
-// reads the same masked ranks (every CTA's timeouts are recorded before it arrives), and leave
-// them out of the rest of the operation. The CTAs are resident together (the CTA plan); the meeting
-// is bounded like any wait. Every thread gets the ranks to leave out.
+// words {masked by the receive part, barrier count, barrier generation, masked by the send part},
+// or nullptr. A wait on rank q that times out masks q (maskAfterTimeout) instead of failing. The
+// send part records its ranks apart, so that no send CTA changes the set the receive CTAs settle on.
+__device__ __forceinline__ std::uint32_t* shrinkWords(const MoeParams& p, int op) {
+  return p.latency.shrink != nullptr ? p.latency.shrink + 4 * op : nullptr;
+}
+
+// The receive part's CTAs meet here after their waits, so that each reads the same ranks masked
+// by the receive (every CTA's timeouts are recorded before it arrives), and leave them out of the
+// rest of the operation. The CTAs are resident together (the CTA plan); the meeting is bounded
+// like any wait. Every thread gets the ranks to leave out.
 __device__ std::uint32_t settleMasked(const MoeParams& p, std::uint32_t* words, int ctas, WaitSite site) {
   __syncthreads();  // every thread's timeouts recorded
   bool failed = false;
@@ -119,10 +125,11 @@ __device__ std::uint32_t settleMasked(const MoeParams& p, std::uint32_t* words, 
 // The operation's ranks once the ranks masked after a timeout are left out (finishing CTA: every
 // CTA is done), and its words made ready for the next operation.
 __device__ __forceinline__ std::uint32_t settledLive(const MoeParams& p, int op, std::uint32_t live) {
-  if (p.latency.shrink == nullptr) return live;
-  std::uint32_t* masked = p.latency.shrink + 4 * op;
-  const std::uint32_t out = live & ~*masked;
-  *masked = 0;
+  std::uint32_t* words = shrinkWords(p, op);
+  if (words == nullptr) return live;
+  const std::uint32_t out = live & ~(words[0] | words[3]);
+  words[0] = 0;
+  words[3] = 0;
   return out;
 }
 
@@ -279,7 +286,7 @@ __device__ void dispatchReceive(const MoeParams& p, Part part, std::uint32_t liv
   // A source outside the mask sent nothing: its message reads as zeros, so the layout leaves it out.
   // Shrink on timeout: a source whose count message never came is left out like one outside the mask.
   auto msgOf = [&](int q) { return isLive(live, q) ? latencyMsg(p, parity, q) : p.peers.zeroMsg; };
-  std::uint32_t* masked = p.latency.shrink;  // the dispatch's words, or nullptr
+  std::uint32_t* masked = shrinkWords(p, 0);  // the dispatch's (the receive part's ranks first), or nullptr
   bool layoutOk = false;
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyReceive);
@@ -446,7 +453,8 @@ __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live) {
   // The peers' records only (their partials cross the link): the receive part reduces this rank's
   // own records.
   std::uint32_t unserved = 0;  // sources whose weights never came (the same in every thread)
-  std::uint32_t* masked = p.latency.shrink != nullptr ? p.latency.shrink + 4 : nullptr;  // shrink on timeout
+  std::uint32_t* words = shrinkWords(p, 1);  // shrink on timeout: this part's ranks in words[3]
+  std::uint32_t* masked = words != nullptr ? words + 3 : nullptr;
   for (int k = 1; k < R; ++k) {
     const int s = (p.shape.rank + k) % R;
     if (!isLive(live, s)) continue;  // outside the mask: no records to reduce, nothing to send it
@@ -511,7 +519,7 @@ __device__ void combineReceive(const MoeParams& p, Part part, std::uint32_t live
     // Every peer destination's G send CTAs, this step (the destinations taking part).
     // Shrink on timeout: a destination whose partials never came all is masked, and every CTA
     // leaves the same ranks out of the sums.
-    std::uint32_t* masked = p.latency.shrink != nullptr ? p.latency.shrink + 4 : nullptr;
+    std::uint32_t* masked = shrinkWords(p, 1);
     const bool arrived = waitEveryRank(p, p.latency.partialArrivalsOff, static_cast<std::uint32_t>(p.grid.budgetCtas),
                                        WaitSite::kMoeCombine, true, live, p.latency.expected + R, masked);
     if (masked != nullptr) live &= ~settleMasked(p, masked, part.ctas, WaitSite::kMoeCombine);

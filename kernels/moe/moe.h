@@ -317,8 +317,9 @@ struct MoeLatencyParams {
   // Local [2][R]: the arrivals expected so far from each rank (dispatch records, combine partials):
   // they grow by G only in the steps both ranks took part in, as the counters they are waited on do.
   std::uint32_t* expected;
-  // Local [2][4], MoeConfig::shrinkOnTimeout (else nullptr): per operation, the ranks masked after
-  // a timeout in it, and its receive CTAs' meeting (count, generation). Zero at setup.
+  // Local [2][4], MoeConfig::shrinkOnTimeout (else nullptr): per operation, the ranks its receive
+  // part masked after a timeout, its receive CTAs' meeting (count, generation), and the ranks its
+  // send part masked. Zero at setup.
   std::uint32_t* shrink;
 };
 
