@@ -112,7 +112,7 @@ __device__ inline bool waitEveryRank(const MoeParams& p, std::uint64_t counterOf
   const std::uint32_t want = mine && base != nullptr ? base[q] + target : target;
   const bool shrink = masked != nullptr;
   bool failed = mine && !flagWait(p.peers.sync, peerCounter(p, p.shape.rank, counterOff) + q, want, q, site, nullptr,
-                                  shrink, shrink);
+                                  false, shrink);  // quiet: its own timeout only
   if (failed && shrink) {
     maskAfterTimeout(p, masked, q);
     failed = false;
