@@ -41,7 +41,7 @@ from typing import Any, List, Optional
 
 from graphep import _graphep
 from graphep._graphep import DispatchInput, Fp8Scales, MoeHalf, MoePath
-from graphep.arrays import ArrayInfo, _require_on, describe, require_matrix, require_scalar, stream_handle
+from graphep.arrays import ArrayInfo, DeviceArray, _require_on, describe, require_matrix, require_scalar, stream_handle
 from graphep.errors import invalid_argument
 from graphep.layouts import ExpertMajorLayout, receive_layout
 
@@ -371,6 +371,14 @@ class Engine:
         rank in them, the dead one out), with no graph recaptured. Synchronises this rank's device;
         every survivor calls it with the same ranks (graphep::Engine::recover)."""
         self._core.recover(_rank_mask(ranks, self._core.world_size), stream_handle(stream))
+
+    @property
+    def active_ranks(self):
+        """The active-rank mask's device word as an int32 [1] DeviceArray (bit r: rank r takes
+        part; with MoeConfig.shrink_on_timeout the kernels clear the bits of the ranks they mask),
+        fixed for the engine's life; None on the throughput path over the movers."""
+        nd = self._core.active_ranks_view()
+        return None if nd is None else DeviceArray(nd)
 
     @property
     def active_ranks_device(self) -> int:

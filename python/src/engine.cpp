@@ -157,6 +157,15 @@ void bindEngine(nb::module_& m) {
       .def_prop_ro("num_local_experts", [](const EngineCore& c) { return c.engine->layout().numLocalExperts; })
       .def_prop_ro("first_local_expert", [](const EngineCore& c) { return c.engine->layout().firstLocalExpert; })
       .def("views", &views)
+      .def(
+          "active_ranks_view",
+          [](nb::handle self) -> nb::object {
+            const Engine& e = *nb::cast<EngineCore&>(self).engine;
+            if (e.activeRanksDevice() == nullptr) return nb::none();
+            return view(self, e.activeRanksDevice(), 1, 0, nb::dtype<std::int32_t>(), e.device());
+          },
+          "The active-rank mask's device word as an int32 [1] view (bit r: rank r takes part), or None on "
+          "the throughput path over the movers.")
       .def("rank_major_views", &rankMajorViews)
       .def(
           "dispatch",

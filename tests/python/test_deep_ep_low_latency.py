@@ -130,39 +130,45 @@ def test_low_latency_refusals_before_any_engine(call, status, needle):
 
 
 @requires_torch
-def test_shrink_mode_masks_every_low_latency_engine(monkeypatch):
-    """Shrink mode (no GPU): the mask-buffer calls keep the masked ranks and hand every low-latency
-    engine the active ranks, a new engine too; a mask that would leave no rank and a bad rank are
-    refused by name and change nothing; query refuses a tensor that is not int32 [num_ranks] on a GPU."""
+def test_shrink_mode_masks_every_low_latency_engine():
+    """Shrink mode (no GPU): the mask-buffer calls keep the masked ranks and change, in every
+    low-latency engine's mask word, only the bits of the ranks they mask or unmask (a rank the
+    kernels masked after a timeout stays masked until unmasked by name or clean); a mask that would leave no
+    rank and a bad rank are refused by name and change nothing; query refuses a tensor that is not
+    int32 [num_ranks] on a GPU."""
     import types
 
     import torch
 
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *args, **kwargs: None)  # no GPU needed
-    calls = []
+    def engine():  # the mask word (int32 [1]) as the engine's view holds it: every rank in
+        return types.SimpleNamespace(active=torch.full((1,), 0b11, dtype=torch.int32), pending=None)
 
-    class Recording:
-        def __init__(self, name):
-            self.name = name
-
-        def set_active_ranks(self, mask, stream):
-            calls.append((self.name, mask))
+    def words(b):
+        return {k: int(st.active[0]) for k, st in b._ll_engines.items()}
 
     b = _bare_buffer(enable_shrink=True)
-    b._ll_engines = {"a": types.SimpleNamespace(engine=Recording("a"), pending=None)}
+    b._ll_engines = {"a": engine()}
     b.low_latency_update_mask_buffer(1, True)
-    assert calls == [("a", 0b01)] and b._masked_ranks == {1}
+    assert words(b) == {"a": 0b01} and b._masked_ranks == {1}
     expect_error(graphep.Status.INVALID_ARGUMENT, "masking rank 0 would leave no rank",
                  b.low_latency_update_mask_buffer, 0, True)
     expect_error(graphep.Status.INVALID_ARGUMENT, "rank_to_mask=2 is not a rank in [0, 2)",
                  b.low_latency_update_mask_buffer, 2, True)
-    assert b._masked_ranks == {1} and len(calls) == 1
-    b._ll_engines["b"] = types.SimpleNamespace(engine=Recording("b"), pending=None)
+    assert words(b) == {"a": 0b01} and b._masked_ranks == {1}
+    b._ll_engines["b"] = engine()
+    b._ll_engines["b"].active.fill_(0b01)  # as _low_latency_engine leaves a new engine: the masks so far
     b.low_latency_update_mask_buffer(1, False)
-    assert calls[1:] == [("a", 0b11), ("b", 0b11)] and b._masked_ranks == set()
+    assert words(b) == {"a": 0b11, "b": 0b11} and b._masked_ranks == set()
+    b._ll_engines["a"].active.fill_(0b01)  # engine a's kernels masked rank 1 after a timeout
     b.low_latency_update_mask_buffer(0, True)
-    b.low_latency_clean_mask_buffer()
-    assert calls[-2:] == [("a", 0b11), ("b", 0b11)] and b._masked_ranks == set()
+    assert words(b) == {"a": 0b00, "b": 0b10}, "rank 1, masked by the kernels, stays masked in engine a"
+    b.low_latency_update_mask_buffer(0, False)
+    assert words(b) == {"a": 0b01, "b": 0b11}, "rank 0 back; rank 1, masked by the kernels, still out of engine a"
+    b.low_latency_update_mask_buffer(1, False)  # unmasked by name: back in every engine
+    assert words(b) == {"a": 0b11, "b": 0b11} and b._masked_ranks == set()
+    b._ll_engines["b"].active.fill_(0b10)  # engine b's kernels masked rank 0
+    b.low_latency_clean_mask_buffer()  # every rank back, as DeepEP's clean does
+    assert words(b) == {"a": 0b11, "b": 0b11} and b._masked_ranks == set()
     expect_error(graphep.Status.INVALID_ARGUMENT, "mask_status must be an int32 CUDA tensor of [2]",
                  b.low_latency_query_mask_buffer, torch.zeros(2, dtype=torch.int32))
 

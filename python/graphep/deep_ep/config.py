@@ -143,12 +143,14 @@ def low_latency_sm_budget(env: Optional[str]) -> int:
 
 
 def low_latency_engine_config(max_tokens: int, hidden: int, num_experts: int, world_size: int,
-                              budget: int = 0) -> _graphep.MoeConfig:
-    """The MoeConfig of a Buffer's low-latency engine for (T = max_tokens, hidden, num_experts)."""
+                              budget: int = 0, shrink: bool = False) -> _graphep.MoeConfig:
+    """The MoeConfig of a Buffer's low-latency engine for (T = max_tokens, hidden, num_experts);
+    `shrink` (Buffer(enable_shrink=True)): a peer that times out is masked by the kernels."""
     top_k = max(1, min(MAX_TOP_K, num_experts, LATENCY_SLOTS // max(1, max_tokens)))
     return _graphep.MoeConfig(max_tokens_per_rank=max_tokens, hidden=hidden, num_experts=num_experts, top_k=top_k,
                               receive_layout=_graphep.ReceiveLayout.BATCHED, rows_per_expert=world_size * max_tokens,
-                              path=_graphep.MoePath.LATENCY, dispatch_type=_graphep.DType.BF16, sm_budget=budget)
+                              path=_graphep.MoePath.LATENCY, dispatch_type=_graphep.DType.BF16, sm_budget=budget,
+                              shrink_on_timeout=shrink)
 
 
 def low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,

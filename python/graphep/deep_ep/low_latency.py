@@ -37,11 +37,14 @@ How it maps (DeepEP's argument -> graphep):
   between a send half and its hook the engine takes no other operation (DeepEP's two buffers let
   a second send start first; graphep's one engine per shape does not).
 - clean_low_latency_buffer does nothing: graphep's counters only grow, nothing needs zeroing.
-- Shrink mode (enable_shrink=True): low_latency_update_mask_buffer, low_latency_query_mask_buffer and
-  low_latency_clean_mask_buffer keep the set of masked ranks and write it as every low-latency
-  engine's active-rank mask (Engine.set_active_ranks) on the current stream. DeepEP's kernels also
-  mask a rank that times out, inside the operation; graphep's fail the engine instead, naming the
-  rank (the engines' Engine.recover brings the survivors back; the Buffer has no call for it yet).
+- Shrink mode (enable_shrink=True): the low-latency engines are made with
+  MoeConfig.shrink_on_timeout, so that, as DeepEP's, their kernels mask a rank whose count message,
+  combine weights or partials do not come within GRAPHEP_TIMEOUT_MS, and the operation completes
+  among the others. low_latency_update_mask_buffer and low_latency_clean_mask_buffer set and clear
+  the bits of the ranks they name in every engine's active-rank mask word (Engine.active_ranks) on
+  the current stream, leaving the bits the kernels cleared; low_latency_query_mask_buffer reads
+  the words (a rank out of any engine's word is masked). A rank whose records came in part still
+  fails the engine, naming it (Engine.recover brings the survivors back).
   Across a mask change each low_latency_dispatch is followed by its low_latency_combine before the
   next dispatch (the engine's rule, graphep::Engine::setActiveRanks).
 - Not supported (graphep.Error NOT_SUPPORTED, naming it): use_logfmt, dispatch_wait_recv_cost_stats
@@ -61,6 +64,12 @@ from graphep.deep_ep.events import EventOverlap
 from graphep.deep_ep.tensors import ID_TYPES, check_tensor
 from graphep.engine import Engine, create_engine
 from graphep.errors import Error, invalid_argument, not_supported
+
+
+def _signed32(bits: int) -> int:
+    """`bits` (a 32-bit mask) as the int32 value with the same bits (what an int32 tensor holds)."""
+    bits &= 0xFFFFFFFF
+    return bits - (1 << 32) if bits >= (1 << 31) else bits
 
 
 class LowLatencyHandle(tuple):
@@ -115,6 +124,10 @@ class _LowLatencyState:
         self.idle_ids = torch.full((1, self.top_k), -1, dtype=torch.int64, device=device)
         self.idle_weights = torch.zeros((1, self.top_k), dtype=torch.float32, device=device)
         self.idle_out = torch.empty((1, H), dtype=torch.bfloat16, device=device)
+        # The engine's active-rank mask word (int32 [1], bit r: rank r takes part), which shrink mode's
+        # kernels clear bits of, and the rank numbers its query shifts it by.
+        self.active = torch.from_dlpack(engine.active_ranks)
+        self.rank_ids = torch.arange(world, dtype=torch.int64, device=device)
         self.seq = 0  # dispatches so far: a handle names its own
         # (what, token) while a send half waits for its hook: the engine takes nothing in between.
         self.pending: Optional[Tuple[str, object]] = None
@@ -153,7 +166,8 @@ class LowLatencyMode:
         st = self._ll_engines.get(key)
         if st is None:
             cfg = low_latency_engine_config(max_tokens, hidden, num_experts, self.group_size,
-                                            low_latency_sm_budget(os.environ.get(LOW_LATENCY_SMS_ENV)))
+                                            low_latency_sm_budget(os.environ.get(LOW_LATENCY_SMS_ENV)),
+                                            shrink=self.enable_shrink)
             try:  # every rank refuses the same config here, before the collective creation
                 validate(cfg, self.group_size)
             except Error as e:
@@ -161,9 +175,12 @@ class LowLatencyMode:
                                       f"hidden={hidden}, num_experts={num_experts} over {self.group_size} ranks: "
                                       f"{e.message}") from None
             engine = create_engine(self._group, cfg)
+            others = list(self._ll_engines.values())
             st = self._ll_engines[key] = _LowLatencyState(engine, max_tokens, hidden, num_experts, self.group_size)
             if getattr(self, "_masked_ranks", None):  # shrink mode: the ranks masked so far
                 engine.set_active_ranks(self._active_ranks(), torch.cuda.current_stream())
+            for other in others if self.enable_shrink else ():  # and those the other engines' kernels masked
+                st.active.bitwise_and_(other.active)
         return st
 
     def _low_latency_head(self, handle, what: str) -> LowLatencyHandle:
@@ -373,30 +390,27 @@ class LowLatencyMode:
     def _active_ranks(self) -> int:
         return sum(1 << r for r in range(self.group_size) if r not in self._masked_ranks)
 
-    def _set_masked(self, masked: set, what: str) -> None:
-        """Makes `masked` the masked ranks: every low-latency engine's active-rank mask, on the
-        current stream (in order with the calls around it; captured when a capture is running). On
-        a refusal every engine keeps, and the Buffer reports, the mask it had."""
+    def _set_masked(self, masked: set, what: str, unmask: frozenset = frozenset()) -> None:
+        """Makes `masked` the masked ranks: in every low-latency engine's active-rank mask word, the
+        bits of the ranks this call masks are cleared and of those it unmasks set, on the current
+        stream (in order with the calls around it; captured when a capture is running). The other
+        bits stay: a rank the kernels masked after a timeout stays masked, unless in `unmask` (the
+        ranks unmasked by name: their bits set in every engine). On a refusal (a send half
+        waiting) no engine changes."""
         for st in self._ll_engines.values():
             self._check_pending(st, what)
-        stream = torch.cuda.current_stream()
-        before, self._masked_ranks = self._masked_ranks, masked
-        done = []
-        try:
-            for st in self._ll_engines.values():
-                st.engine.set_active_ranks(self._active_ranks(), stream)
-                done.append(st)
-        except Error:
-            self._masked_ranks = before
-            for st in done:
-                st.engine.set_active_ranks(self._active_ranks(), stream)
-            raise
+        clear = _signed32(sum(1 << r for r in masked - self._masked_ranks))
+        set_ = _signed32(sum(1 << r for r in (self._masked_ranks | unmask) - masked))
+        self._masked_ranks = masked
+        for st in self._ll_engines.values():
+            st.active.bitwise_and_(~clear).bitwise_or_(set_)
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False):
         """Masks (mask=True) or unmasks a rank from the next low-latency dispatch on: it is sent
         nothing and waited for by no one, and the entries routed to its experts are dropped (and
-        counted); every rank must make the same calls. DeepEP's kernels also mask a rank that times
-        out on their own; graphep's do not: a timeout fails the engine, naming the rank."""
+        counted); every rank must make the same calls. As DeepEP's, the kernels also mask a rank
+        whose count message, combine weights or partials do not come within GRAPHEP_TIMEOUT_MS
+        (MoeConfig.shrink_on_timeout); the operation completes among the others."""
         self._require_shrink("low_latency_update_mask_buffer")
         try:
             rank = operator.index(rank_to_mask)  # an int, a numpy integer, a 0-d integer tensor
@@ -409,26 +423,34 @@ class LowLatencyMode:
         (masked.add if mask else masked.discard)(rank)
         if len(masked) == self.group_size:
             raise invalid_argument(f"low_latency_update_mask_buffer: masking rank {rank} would leave no rank")
-        self._set_masked(masked, "low_latency_update_mask_buffer")
+        self._set_masked(masked, "low_latency_update_mask_buffer", frozenset() if mask else frozenset({rank}))
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor):
         """Writes 1 for every masked rank and 0 for the others into mask_status (int32
-        [num_ranks], on this rank's GPU), on the current stream, by fills (capturable: no copy from
-        the host). It reports the masks set through this Buffer."""
+        [num_ranks], on this rank's GPU), on the current stream (capturable: no copy to or from the
+        host): the ranks masked through this Buffer and those its engines' kernels masked after a
+        timeout (a rank out of any engine's mask word)."""
         self._require_shrink("low_latency_query_mask_buffer")
         if (not isinstance(mask_status, torch.Tensor) or mask_status.dtype != torch.int32
                 or tuple(mask_status.shape) != (self.group_size,) or mask_status.device.type != "cuda"
                 or mask_status.device.index != self._device):
             raise invalid_argument(f"low_latency_query_mask_buffer: mask_status must be an int32 CUDA tensor of "
                                    f"[{self.group_size}] (num_ranks) on cuda:{self._device}")
-        mask_status.zero_()
-        for r in sorted(self._masked_ranks):
-            mask_status[r] = 1
+        if not self._ll_engines:  # no engine yet: the masks set through this Buffer
+            mask_status.zero_()
+            for r in sorted(self._masked_ranks):
+                mask_status[r] = 1
+            return
+        states = list(self._ll_engines.values())
+        live = states[0].active.to(torch.int64)
+        for st in states[1:]:
+            live = live & st.active.to(torch.int64)
+        mask_status.copy_(((live >> states[0].rank_ids) & 1).eq(0))
 
     def low_latency_clean_mask_buffer(self):
-        """Unmasks every rank."""
+        """Unmasks every rank, those the kernels masked after a timeout too (as DeepEP's)."""
         self._require_shrink("low_latency_clean_mask_buffer")
-        self._set_masked(set(), "low_latency_clean_mask_buffer")
+        self._set_masked(set(), "low_latency_clean_mask_buffer", frozenset(range(self.group_size)))
 
     def _low_latency_status(self) -> Dict[Tuple[int, int, int], MoeStatus]:
         return {key: st.engine.status() for key, st in self._ll_engines.items()}
