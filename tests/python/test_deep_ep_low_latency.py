@@ -174,6 +174,28 @@ def test_shrink_mode_masks_every_low_latency_engine():
 
 
 @requires_torch
+def test_shrink_mode_query_reads_every_engine_word():
+    """The query's device half (no GPU): a rank out of any engine's mask word reads 1, bit 31 too."""
+    import types
+
+    import torch
+
+    from graphep.deep_ep.low_latency import _masked_by_words
+
+    def state(word, world):
+        return types.SimpleNamespace(active=torch.tensor([word], dtype=torch.int32),
+                                     rank_ids=torch.arange(world, dtype=torch.int32),
+                                     live=torch.empty(1, dtype=torch.int32))
+
+    out = torch.full((3,), 7, dtype=torch.int32)
+    _masked_by_words([state(0b101, 3), state(0b011, 3)], out)
+    assert out.tolist() == [0, 1, 1]
+    out = torch.full((32,), 7, dtype=torch.int32)
+    _masked_by_words([state(-(1 << 31) | 0b1, 32)], out)  # ranks 0 and 31 in
+    assert out.tolist() == [0] + [1] * 30 + [0]
+
+
+@requires_torch
 def test_low_latency_calls_need_low_latency_mode():
     import torch
 

@@ -72,6 +72,17 @@ def _signed32(bits: int) -> int:
     return bits - (1 << 32) if bits >= (1 << 31) else bits
 
 
+def _masked_by_words(states, out) -> None:
+    """out[r] = 1 where rank r is out of any engine's mask word (states' `active`), else 0, on the
+    current stream, through the first state's scratch word and rank numbers (no allocation)."""
+    first = states[0]
+    first.live.copy_(first.active)
+    for st in states[1:]:
+        first.live.bitwise_and_(st.active)
+    torch.bitwise_right_shift(first.live, first.rank_ids, out=out)  # int32: bit 31 shifts in ones, & 1 drops them
+    out.bitwise_and_(1).bitwise_xor_(1)
+
+
 class LowLatencyHandle(tuple):
     """DeepEP's low-latency handle, (src_info, layout_range, num_max_dispatch_tokens_per_rank,
     hidden, num_experts): a 5-tuple indexed and unpacked as DeepEP's, which also knows the Buffer,
@@ -125,9 +136,10 @@ class _LowLatencyState:
         self.idle_weights = torch.zeros((1, self.top_k), dtype=torch.float32, device=device)
         self.idle_out = torch.empty((1, H), dtype=torch.bfloat16, device=device)
         # The engine's active-rank mask word (int32 [1], bit r: rank r takes part), which shrink mode's
-        # kernels clear bits of, and the rank numbers its query shifts it by.
+        # kernels clear bits of; the rank numbers the query shifts it by, and its scratch word.
         self.active = torch.from_dlpack(engine.active_ranks)
-        self.rank_ids = torch.arange(world, dtype=torch.int64, device=device)
+        self.rank_ids = torch.arange(world, dtype=torch.int32, device=device)
+        self.live = torch.empty(1, dtype=torch.int32, device=device)
         self.seq = 0  # dispatches so far: a handle names its own
         # (what, token) while a send half waits for its hook: the engine takes nothing in between.
         self.pending: Optional[Tuple[str, object]] = None
@@ -441,11 +453,7 @@ class LowLatencyMode:
             for r in sorted(self._masked_ranks):
                 mask_status[r] = 1
             return
-        states = list(self._ll_engines.values())
-        live = states[0].active.to(torch.int64)
-        for st in states[1:]:
-            live = live & st.active.to(torch.int64)
-        mask_status.copy_(((live >> states[0].rank_ids) & 1).eq(0))
+        _masked_by_words(list(self._ll_engines.values()), mask_status)
 
     def low_latency_clean_mask_buffer(self):
         """Unmasks every rank, those the kernels masked after a timeout too (as DeepEP's)."""
