@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """DeepEP's own tests, run against graphep.deep_ep: the acceptance suite of DeepEP's API on graphep.
 
-    python3 tests/compat/run_deepep_tests.py --deepep-src DIR --test intranode|low_latency|all \\
+    python3 tests/compat/run_deepep_tests.py --deepep-src DIR --test intranode|low_latency|shrink|all \\
         [--num-processes 2] [-- --hidden 2048 --num-experts 128 --num-topk 8]
 
 DIR is a DeepEP source tree (its tests/ folder is what is used; nothing is fetched or built). The
@@ -10,7 +10,13 @@ so their `import deep_ep` gets graphep. test_intranode.py gets two edits, each a
 once: its two tuning sweeps over NVL chunk sizes (graphep has no chunk knob) become one pass at
 DeepEP's default chunk for the rank count, so the timing lines still print in DeepEP's format;
 every assertion is untouched. test_low_latency.py runs as it is (it has no sweep to replace).
-`--test all` runs test_intranode.py, then test_low_latency.py, with the same arguments.
+`shrink` runs test_low_latency.py with --shrink-test (DeepEP's shrink mode: a rank stops at its
+first dispatch, combine or clean, and the others' kernels mask it after their timeout) and one
+edit: the failure schedule (rank 1 at the first dispatch, 3 at the first combine, 5 at the first
+clean) keeps only the ranks the world has, since on fewer than 6 ranks the test would expect ranks
+the mask cannot hold (on 6 ranks or more the edit changes nothing); GRAPHEP_TIMEOUT_MS defaults to
+2000 there. `--test all` runs test_intranode.py, test_low_latency.py, then the shrink test, with
+the same arguments.
 
 Each test runs as `python3 test_<name>.py --num-processes N ...` with PYTHONPATH=<temp>:<graphep>
 (GRAPHEP_PYTHONPATH, else this repository's build/python) and NCCL_NVLS_ENABLE=0; its output
@@ -25,6 +31,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
@@ -40,8 +47,27 @@ INTRANODE_EDITS: Tuple[Tuple[str, str], ...] = (
      "for nvl_chunk_size in (deep_ep.Buffer.get_combine_config(num_ranks).num_max_nvl_chunked_send_tokens, ):"),
 )
 
-EDITS = {"intranode": INTRANODE_EDITS, "low_latency": ()}
-ALL = "all"  # --test all: every test of EDITS, in this order
+# test_low_latency.py's failure schedule, cut to the ranks the world has (the module's docstring).
+SHRINK_EDITS: Tuple[Tuple[str, str], ...] = (
+    ("if api in failed_api_ranks.keys():",
+     "if api in failed_api_ranks.keys() and failed_api_ranks[api] < dist.get_world_size():"),
+)
+
+
+@dataclass(frozen=True)
+class DeepEpTest:
+    script: str  # the file in DeepEP's tests/
+    edits: Tuple[Tuple[str, str], ...]
+    args: Tuple[str, ...] = ()  # before the caller's
+    env: Tuple[Tuple[str, str], ...] = ()  # defaults (the caller's environment wins)
+
+
+TESTS = {
+    "intranode": DeepEpTest("test_intranode.py", INTRANODE_EDITS),
+    "low_latency": DeepEpTest("test_low_latency.py", ()),
+    "shrink": DeepEpTest("test_low_latency.py", SHRINK_EDITS, ("--shrink-test",), (("GRAPHEP_TIMEOUT_MS", "2000"),)),
+}
+ALL = "all"  # --test all: every test of TESTS, in this order
 
 SHIM = '''"""deep_ep for DeepEP's tests: graphep.deep_ep (written by graphep's tests/compat/run_deepep_tests.py)."""
 from graphep.deep_ep import Buffer, Config, EventOverlap, topk_idx_t  # noqa: F401
@@ -57,6 +83,12 @@ def apply_edits(source: str, edits: Sequence[Tuple[str, str]], name: str = "the 
             raise ValueError(f"{name}: expected exactly one occurrence of {old!r}, found {count}")
         source = source.replace(old, new)
     return source
+
+
+def label(test: str) -> str:
+    """How the output names a test: its DeepEP file, with its extra arguments."""
+    t = TESTS[test]
+    return " ".join((t.script,) + t.args)
 
 
 def graphep_pythonpath() -> Path:
@@ -79,7 +111,7 @@ def prepare(deepep_src: Path, test: str, workdir: Path) -> Path:
     """Copies DeepEP's tests into `workdir`, writes the deep_ep shim, applies the edits; returns the
     test script."""
     tests = deepep_src / "tests"
-    script = tests / f"test_{test}.py"
+    script = tests / TESTS[test].script
     if not script.is_file():
         raise FileNotFoundError(f"--deepep-src {deepep_src}: {script} does not exist")
     for f in sorted(tests.glob("*.py")):
@@ -87,7 +119,7 @@ def prepare(deepep_src: Path, test: str, workdir: Path) -> Path:
     (workdir / "deep_ep").mkdir()
     (workdir / "deep_ep" / "__init__.py").write_text(SHIM)
     target = workdir / script.name
-    target.write_text(apply_edits(target.read_text(), EDITS[test], script.name))
+    target.write_text(apply_edits(target.read_text(), TESTS[test].edits, script.name))
     return target
 
 
@@ -100,15 +132,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--deepep-src", required=True, type=Path, help="a DeepEP source tree (its tests/ are used)")
-    p.add_argument("--test", required=True, choices=sorted(EDITS) + [ALL],
-                   help="which DeepEP test to run (all: intranode, then low_latency)")
+    p.add_argument("--test", required=True, choices=sorted(TESTS) + [ALL],
+                   help="which DeepEP test to run (all: intranode, low_latency, then shrink)")
     p.add_argument("--num-processes", type=int, default=2, help="processes (one GPU each); default 2")
     args = p.parse_args(argv)
 
-    tests = list(EDITS) if args.test == ALL else [args.test]
+    tests = list(TESTS) if args.test == ALL else [args.test]
     reason = skip_reason(args.num_processes)
     if reason is not None:
-        print(f"run_deepep_tests: SKIPPED {', '.join(f'test_{t}.py' for t in tests)}: {reason}", flush=True)
+        print(f"run_deepep_tests: SKIPPED {', '.join(label(t) for t in tests)}: {reason}", flush=True)
         return SKIP
     package = graphep_pythonpath()
     if not (package / "graphep" / "__init__.py").is_file():
@@ -117,7 +149,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     results = [(test, run_one(args.deepep_src.resolve(), test, package, args.num_processes, extra)) for test in tests]
     if len(results) > 1:
-        print("run_deepep_tests: " + ", ".join(f"test_{t}.py exit {rc}" for t, rc in results), flush=True)
+        print("run_deepep_tests: " + ", ".join(f"{label(t)} exit {rc}" for t, rc in results), flush=True)
     return next((rc for _, rc in results if rc != 0), 0)
 
 
@@ -126,10 +158,11 @@ def run_one(deepep_src: Path, test: str, package: Path, num_processes: int, extr
     with tempfile.TemporaryDirectory(prefix="graphep-deepep-") as tmp:
         workdir = Path(tmp)
         script = prepare(deepep_src, test, workdir)
-        env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1")
+        env = dict(TESTS[test].env)
+        env.update(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = os.pathsep.join(
             [str(workdir), str(package.resolve())] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-        cmd = [sys.executable, script.name, "--num-processes", str(num_processes)] + extra
+        cmd = [sys.executable, script.name, "--num-processes", str(num_processes)] + list(TESTS[test].args) + extra
         print(f"run_deepep_tests: {' '.join(cmd)} (in {workdir}, graphep from {package})", flush=True)
         return subprocess.call(cmd, cwd=workdir, env=env)
 

@@ -129,7 +129,7 @@ def test_compat_edit_replaces_exactly_the_two_sweeps():
         run.apply_edits(SNIPPET.replace("range(4, 33, 2)", "range(4, 34, 2)"), run.INTRANODE_EDITS)
     with pytest.raises(ValueError, match="found 2"):
         run.apply_edits(SNIPPET + SNIPPET, run.INTRANODE_EDITS)
-    assert run.EDITS["low_latency"] == ()
+    assert run.TESTS["low_latency"].edits == ()
 
 
 @pytest.mark.skipif(not (DEEPEP_SRC / "tests" / "test_intranode.py").is_file(),
@@ -150,6 +150,13 @@ def test_compat_edit_on_deepeps_test_intranode(tmp_path):
     (tmp_path / "ll").mkdir()
     untouched = run.prepare(DEEPEP_SRC, "low_latency", tmp_path / "ll")
     assert untouched.read_text() == (DEEPEP_SRC / "tests" / "test_low_latency.py").read_text()
+    # shrink: one line of the failure schedule, every assertion kept
+    (tmp_path / "shrink").mkdir()
+    shrink = run.prepare(DEEPEP_SRC, "shrink", tmp_path / "shrink").read_text().splitlines()
+    ll = untouched.read_text().splitlines()
+    assert len(shrink) == len(ll)
+    assert [(a.strip(), b.strip()) for a, b in zip(ll, shrink) if a != b] == list(run.SHRINK_EDITS)
+    assert [line for line in ll if "assert" in line] == [line for line in shrink if "assert" in line]
 
 
 def test_compat_runner_skips_without_what_it_needs(monkeypatch, capsys):
@@ -164,27 +171,37 @@ def test_compat_runner_all_runs_each_test_in_order(monkeypatch, tmp_path, capsys
     src = tmp_path / "deepep"
     (src / "tests").mkdir(parents=True)
     (src / "tests" / "test_intranode.py").write_text(SNIPPET)
-    (src / "tests" / "test_low_latency.py").write_text("assert True\n")
+    low_latency = "def fail(api):\n    if api in failed_api_ranks.keys():\n        pass\n"
+    (src / "tests" / "test_low_latency.py").write_text(low_latency)
     package = tmp_path / "pkg"
     (package / "graphep").mkdir(parents=True)
     (package / "graphep" / "__init__.py").write_text("")
     calls = []
 
     def call(cmd, cwd, env):
-        calls.append((cmd[1], cmd[2:], Path(cwd, cmd[1]).read_text(), env["PYTHONPATH"].split(os.pathsep)[1]))
+        calls.append((cmd[1], cmd[2:], Path(cwd, cmd[1]).read_text(), env["PYTHONPATH"].split(os.pathsep)[1],
+                      env.get("GRAPHEP_TIMEOUT_MS")))
         return 3 if cmd[1] == "test_intranode.py" else 0
 
     monkeypatch.setattr(run, "skip_reason", lambda n: None)
     monkeypatch.setattr(run, "graphep_pythonpath", lambda: package)
     monkeypatch.setattr(run.subprocess, "call", call)
+    monkeypatch.delenv("GRAPHEP_TIMEOUT_MS", raising=False)
     assert run.main(["--deepep-src", str(src), "--test", "all", "--", "--num-topk", "2"]) == 3  # the first failure
-    assert [c[0] for c in calls] == ["test_intranode.py", "test_low_latency.py"]
-    assert all(c[1] == ["--num-processes", "2", "--num-topk", "2"] for c in calls)
-    assert calls[0][2] == run.apply_edits(SNIPPET, run.INTRANODE_EDITS) and calls[1][2] == "assert True\n"
+    assert [c[0] for c in calls] == ["test_intranode.py", "test_low_latency.py", "test_low_latency.py"]
+    assert [c[1] for c in calls] == [["--num-processes", "2", "--num-topk", "2"]] * 2 + [
+        ["--num-processes", "2", "--shrink-test", "--num-topk", "2"]]
+    assert calls[0][2] == run.apply_edits(SNIPPET, run.INTRANODE_EDITS) and calls[1][2] == low_latency
+    assert calls[2][2] == low_latency.replace("keys():", "keys() and failed_api_ranks[api] < dist.get_world_size():")
     assert all(c[3] == str(package.resolve()) for c in calls)
-    assert "test_intranode.py exit 3, test_low_latency.py exit 0" in capsys.readouterr().out
+    assert [c[4] for c in calls] == [None, None, "2000"]  # the shrink test's default timeout
+    assert ("test_intranode.py exit 3, test_low_latency.py exit 0, test_low_latency.py --shrink-test exit 0"
+            in capsys.readouterr().out)
     calls.clear()
     assert run.main(["--deepep-src", str(src), "--test", "low_latency"]) == 0 and len(calls) == 1
+    calls.clear()
+    monkeypatch.setenv("GRAPHEP_TIMEOUT_MS", "500")  # the caller's wins
+    assert run.main(["--deepep-src", str(src), "--test", "shrink"]) == 0 and calls[0][4] == "500"
 
 
 # ---- CPU, with PyTorch ---------------------------------------------------------------------------

@@ -71,6 +71,30 @@ def test_buffer_low_latency_hint_is_the_config_one():
 
 
 @requires_torch
+def test_the_hinted_shapes_are_the_constructors_engines(monkeypatch):
+    # The hint remembers each shape once, in order; the constructor makes the engines of those of
+    # its rank count whose hint fits num_rdma_bytes, once every rank agrees (else every rank
+    # refuses, naming the first that differs).
+    from graphep.deep_ep import Buffer
+    from graphep.deep_ep import low_latency as ll
+
+    monkeypatch.setattr(ll, "HINTED", {})
+    small = Buffer.get_low_latency_rdma_size_hint(8, 128, 2, 16)
+    Buffer.get_low_latency_rdma_size_hint(8, 128, 4, 16)  # another rank count
+    big = Buffer.get_low_latency_rdma_size_hint(64, 1024, 2, 16)
+    assert Buffer.get_low_latency_rdma_size_hint(8, 128, 2, 16) == small  # asked again: kept once
+    assert small < big and list(ll.HINTED) == [(8, 128, 2, 16), (8, 128, 4, 16), (64, 1024, 2, 16)]
+    assert ll.hinted_shapes(ll.HINTED, 2, big) == [(8, 128, 16), (64, 1024, 16)]
+    assert ll.hinted_shapes(ll.HINTED, 2, big - 1) == [(8, 128, 16)]  # a hint past num_rdma_bytes: not made
+    assert ll.hinted_shapes(ll.HINTED, 4, 1 << 30) == [(8, 128, 16)]
+    assert ll.hinted_shapes(ll.HINTED, 2, 0) == []  # DeepEP's normal mode passes 0
+    assert ll.agreed_shapes([[(8, 128, 16)], [(8, 128, 16)]]) == [(8, 128, 16)]
+    expect_error(graphep.Status.INVALID_ARGUMENT,
+                 "rank 2 asked get_low_latency_rdma_size_hint for the shapes (T, hidden, num_experts) [], rank 0 "
+                 "for [(8, 128, 16)]", ll.agreed_shapes, [[(8, 128, 16)], [(8, 128, 16)], []])
+
+
+@requires_torch
 def test_buffer_refuses_shrink_mode_without_low_latency_by_name():
     from graphep.deep_ep import Buffer
 
@@ -388,7 +412,7 @@ def worker() -> int:
     buffer = deep_ep.Buffer(dist.group.WORLD, num_rdma_bytes=hint, low_latency_mode=True, num_qps_per_rank=L,
                             explicitly_destroy=True)
     buffer.clean_low_latency_buffer(T, H, E)  # nothing to clean
-    warm = inputs(shape, 99)[rank]  # makes the engine (collective), so that the rounds poison its views first
+    warm = inputs(shape, 99)[rank]  # the constructor made the hinted shape's engine; a first round before the poisoning
     buffer.low_latency_combine(torch.zeros(L, R * T, H, dtype=torch.bfloat16, device=device), warm.ids, warm.w,
                                buffer.low_latency_dispatch(warm.x, warm.ids, T, E)[2])
 

@@ -42,7 +42,7 @@ from graphep._graphep import DispatchInput, MoeStatus, Status, token_layout
 from graphep.deep_ep.config import (MAX_TOKENS_ENV, TOKENS_CAP, TOKENS_STEP, Config, combine_config, dispatch_config,
                                     engine_config, heap_bytes_for, max_tokens_per_rank, sm_budget)
 from graphep.deep_ep.events import EventOverlap
-from graphep.deep_ep.low_latency import LowLatencyMode, _LowLatencyState
+from graphep.deep_ep.low_latency import HINTED, LowLatencyMode, _LowLatencyState, agreed_shapes, hinted_shapes
 from graphep.deep_ep.tensors import ID_TYPES as _ID_TYPES
 from graphep.deep_ep.tensors import check_tensor as _check_tensor
 from graphep.engine import _INDEX_TYPES, DispatchOutputs, Engine, create_engine, memory_requirements
@@ -113,9 +113,9 @@ class Buffer(LowLatencyMode):
     to create, like DeepEP's.
 
     Arguments as DeepEP's. num_nvl_bytes sizes the normal mode's engines' T_max
-    (graphep.deep_ep.config); num_rdma_bytes is accepted with low_latency_mode=True and not read
-    (the low-latency engines size themselves: get_low_latency_rdma_size_hint says their symmetric
-    heap). num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl and use_fabric are
+    (graphep.deep_ep.config). With low_latency_mode=True the constructor makes the low-latency
+    engines of the shapes get_low_latency_rdma_size_hint was asked for (each hint within
+    num_rdma_bytes; the engines size themselves); graphep/deep_ep/low_latency.py says more. num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl and use_fabric are
     accepted and not read. enable_shrink=True (with low_latency_mode) maps DeepEP's mask buffer onto
     the low-latency engines' active-rank mask (graphep/deep_ep/low_latency.py). num_rdma_bytes > 0
     without low_latency_mode (internode), enable_shrink without low_latency_mode, comm (mpi4py) and
@@ -149,11 +149,15 @@ class Buffer(LowLatencyMode):
         self._masked_ranks: set = set()  # shrink mode: the ranks left out (low_latency_update_mask_buffer)
         self.explicitly_destroy = explicitly_destroy
         self._device = torch.cuda.current_device()
-        hosts: List[Optional[str]] = [None] * self.group_size
-        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        # Each rank's host, and the low-latency shapes it hinted (whose engines are made below).
+        hinted = hinted_shapes(HINTED, self.group_size, num_rdma_bytes) if self.low_latency_mode else []
+        facts: List[Optional[Tuple[str, list]]] = [None] * self.group_size
+        dist.all_gather_object(facts, (socket.gethostname(), hinted), group=group)
+        hosts = [f[0] for f in facts]
         if len(set(hosts)) > 1:
             raise not_supported(f"Buffer: the group spans {len(set(hosts))} nodes ({', '.join(sorted(set(hosts)))}); "
                                 f"{_INTERNODE}")
+        shapes = agreed_shapes([f[1] for f in facts])  # every rank refuses a disagreement alike
         self._group = group_from_process_group(group, device=self._device)  # collective
         self._comm_stream = torch.cuda.Stream(device=self._device)
         self._engines: Dict[Tuple[int, int], _EngineState] = {}
@@ -162,6 +166,8 @@ class Buffer(LowLatencyMode):
         self._sm_budget: Optional[int] = None
         self._warned_sms = False
         self._destroyed = False
+        for shape in shapes:  # as DeepEP allocates its RDMA buffer here
+            self._low_latency_engine(*shape)
 
     # ---- lifetime ----------------------------------------------------------------------------
     def destroy(self) -> None:

@@ -14,7 +14,8 @@ of 128, from 128 to 8,192, whose symmetric heap fits the Buffer's num_nvl_bytes 
 does: the engine then takes what it needs, graphep.memory_requirements says how much).
 
 The low-latency mode's engines (one per (num_max_dispatch_tokens_per_rank T, hidden, num_experts),
-made on the first low_latency_dispatch that needs one):
+made by the Buffer's constructor for the shapes get_low_latency_rdma_size_hint was asked for, else
+on the first low_latency_dispatch that needs one):
 
     MoeConfig(max_tokens_per_rank=T, hidden=H, num_experts=E, top_k=min(16, E, 4096 // T),
               receive_layout=BATCHED, rows_per_expert=world x T, path=LATENCY, dispatch_type=BF16,

@@ -8,18 +8,24 @@
 
 How it maps (DeepEP's argument -> graphep):
 
-- One engine per (num_max_dispatch_tokens_per_rank T, hidden, num_experts), made on the first
-  low_latency_dispatch that needs it (collective: every rank makes the same calls in the same
-  order, as DeepEP requires): the latency path, batched receive layout with R x T rows per local
-  expert, bf16 records (graphep.deep_ep.config.low_latency_engine_config). DeepEP's
-  [E_local, R x T, H] receive tensor is that layout's recv_x.
+- One engine per (num_max_dispatch_tokens_per_rank T, hidden, num_experts): the latency path,
+  batched receive layout with R x T rows per local expert, bf16 records
+  (graphep.deep_ep.config.low_latency_engine_config). DeepEP's [E_local, R x T, H] receive tensor
+  is that layout's recv_x. Where DeepEP allocates its RDMA buffer, in the Buffer's constructor,
+  graphep makes the engines of the shapes get_low_latency_rdma_size_hint was asked for in this
+  process (for the group's rank count, each hint within num_rdma_bytes; every rank must have asked
+  the same, which the constructor checks): so a rank that stops before its first dispatch (shrink
+  mode) leaves no collective waiting, and the first dispatch can be captured. A shape no hint
+  named gets its engine on its first low_latency_dispatch (collective: every rank makes the same
+  calls in the same order, as DeepEP requires).
 - recv_x, recv_count, the handle's src_info / layout_range and get_next_low_latency_combine_buffer
   are views of the engine's own buffers (no copy, nothing allocated per call): each dispatch
   rewrites them, as DeepEP's buffers are reused. recv_count is the engine's expert_counts,
   src_info its row_src_token (the source token of each row), layout_range its
   expert_source_ranges (begin << 32 | count per expert and source rank).
-- Capturable (torch.cuda.graph), but the first low_latency_dispatch of a shape makes its engine
-  (setup: host syncs, collective) and so must run eagerly, as serving stacks' warm-up runs do.
+- Capturable (torch.cuda.graph); the first low_latency_dispatch of a shape whose engine the
+  constructor did not make makes it (setup: host syncs, collective), and so must run eagerly, as
+  serving stacks' warm-up runs do.
   The live token count is a device scalar made at engine creation: nothing is copied per call.
 - use_fp8: the engine quantises (input FP8_QUANTIZE), e4m3 rows into recv_x's memory (viewed as
   float8_e4m3fn [E_local, R x T, H]) and scales: float32 [E_local, R x T, H / 128] (round_scale:
@@ -53,7 +59,7 @@ How it maps (DeepEP's argument -> graphep):
 
 import operator
 import os
-from typing import Callable, Dict, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -64,6 +70,31 @@ from graphep.deep_ep.events import EventOverlap
 from graphep.deep_ep.tensors import ID_TYPES, check_tensor
 from graphep.engine import Engine, create_engine
 from graphep.errors import Error, invalid_argument, not_supported
+
+# The shapes get_low_latency_rdma_size_hint was asked for in this process, in the order asked:
+# (T, hidden, num_ranks, num_experts) -> the bytes it answered. A Buffer makes their engines when it
+# is constructed (hinted_shapes, agreed_shapes).
+HINTED: Dict[Tuple[int, int, int, int], int] = {}
+
+
+def hinted_shapes(hinted: Dict[Tuple[int, int, int, int], int], ranks: int,
+                  num_rdma_bytes: int) -> List[Tuple[int, int, int]]:
+    """(T, hidden, num_experts) of each hinted shape of `ranks` ranks whose hint fits num_rdma_bytes
+    (the RDMA buffer DeepEP would allocate for it), in the order asked."""
+    return [(t, h, e) for (t, h, r, e), size in hinted.items() if r == ranks and size <= num_rdma_bytes]
+
+
+def agreed_shapes(per_rank: List[List[Tuple[int, int, int]]]) -> List[Tuple[int, int, int]]:
+    """The shapes every rank hinted (each rank's hinted_shapes, gathered); graphep.Error naming the
+    first rank that differs from rank 0: the engines' creation is collective, so the ranks must
+    make the same ones."""
+    for r, shapes in enumerate(per_rank):
+        if list(shapes) != list(per_rank[0]):
+            raise invalid_argument(
+                f"Buffer: rank {r} asked get_low_latency_rdma_size_hint for the shapes (T, hidden, num_experts) "
+                f"{list(shapes)}, rank 0 for {list(per_rank[0])}: every rank must ask for the same shapes, in the "
+                "same order, before constructing the Buffer (it makes their engines, collectively)")
+    return list(per_rank[0])
 
 
 def _signed32(bits: int) -> int:
@@ -173,7 +204,8 @@ class LowLatencyMode:
         return values[0], values[1], values[2]
 
     def _low_latency_engine(self, max_tokens: int, hidden: int, num_experts: int) -> _LowLatencyState:
-        """The engine for (T, hidden, num_experts), made on first use (collective)."""
+        """The engine for (T, hidden, num_experts): made by the constructor when hinted, else here
+        on first use (collective)."""
         key = (max_tokens, hidden, num_experts)
         st = self._ll_engines.get(key)
         if st is None:
@@ -248,9 +280,12 @@ class LowLatencyMode:
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
         """The symmetric heap bytes per rank of the low-latency engine for these values (no GPU
-        needed). graphep sizes its engines itself: num_rdma_bytes is not read, and each engine
-        also has private buffers (graphep.memory_requirements says both)."""
-        return low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+        needed; each engine also has private buffers: graphep.memory_requirements says both).
+        The shape is remembered: a Buffer constructed after it, with low_latency_mode, this many
+        ranks and num_rdma_bytes at least this, makes its engine then (the module's docstring)."""
+        size = low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+        HINTED.setdefault((num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts), size)
+        return size
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Checks the arguments and does nothing: DeepEP zeroes the flags of its RDMA buffer here
