@@ -357,6 +357,10 @@ graphep_status_t graphep_engine_recover(graphep_engine_t engine, unsigned int ma
   return guarded([&] { engineOf(engine).recover(mask, stream); });
 }
 
+graphep_status_t graphep_engine_barrier(graphep_engine_t engine, cudaStream_t stream) {
+  return guarded([&] { engineOf(engine).barrier(stream); });
+}
+
 static_assert(GRAPHEP_MAX_RANKS == graphep::kMaxRanks, "graphep.h's GRAPHEP_MAX_RANKS is graphep::kMaxRanks");
 
 graphep_status_t graphep_engine_status(graphep_engine_t engine, graphep_moe_status_t* status) {

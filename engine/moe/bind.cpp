@@ -169,6 +169,8 @@ MoeParams bindParams(const BindPlan& plan, SymmetricHeap& heap, int l, char* blo
   p.peers.live = reinterpret_cast<const std::uint32_t*>(b + o.llMask);
   p.peers.dispatchLive = reinterpret_cast<std::uint32_t*>(b + o.llMask) + 1;
   p.peers.zeroMsg = reinterpret_cast<const std::uint64_t*>(b + o.llZeroMsg);
+  p.peers.barrierOff = ph.llBarrier;
+  p.peers.barrierPairs = reinterpret_cast<std::uint32_t*>(b + o.llBarrier);
   if (throughput) {
     p.direct.shared = reinterpret_cast<std::uint32_t*>(b + o.llExpected);
   } else {
@@ -205,6 +207,9 @@ void startCounters(const BindPlan& plan, const MoeParams& p, char* user) {
     GRAPHEP_CUDA_CHECK(cudaMemcpy(p.peers.steps, steps, sizeof(steps), cudaMemcpyHostToDevice));
     const std::vector<std::uint32_t> flags(Rs, S), arrivals(Rs, SG);
     GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llFlag, flags.data(), Rs * 4, cudaMemcpyHostToDevice));
+    // The device barrier: every pair has passed counterStart barriers together.
+    GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llBarrier, flags.data(), Rs * 4, cudaMemcpyHostToDevice));
+    GRAPHEP_CUDA_CHECK(cudaMemcpy(p.peers.barrierPairs, flags.data(), Rs * 4, cudaMemcpyHostToDevice));
     if (throughput) {
       const std::vector<std::uint32_t> blocks(Rs * moeRouteWords(cfg.maxTokensPerRank), S);
       GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llBlock, blocks.data(), blocks.size() * 4, cudaMemcpyHostToDevice));

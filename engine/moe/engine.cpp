@@ -73,6 +73,7 @@ void preloadMoeKernels() {
   GRAPHEP_CUDA_CHECK(preloadMoeRouteKernels());
   GRAPHEP_CUDA_CHECK(preloadMoeMoversKernels());
   GRAPHEP_CUDA_CHECK(preloadMoeDirectKernels());
+  GRAPHEP_CUDA_CHECK(preloadMoeBarrierKernels());
   GRAPHEP_CUDA_CHECK(preloadMoeTokenLayoutKernels());  // graphep::tokenLayout, beside the engine's
 }
 
@@ -530,6 +531,19 @@ void Engine::recover(std::uint32_t mask, cudaStream_t stream) {
   GRAPHEP_CU_CHECK(detail::driver().streamWriteValue32(reinterpret_cast<CUstream>(stream),
                                                         reinterpret_cast<CUdeviceptr>(m.p.peers.dispatchLive), mask & last,
                                                         CU_STREAM_WRITE_VALUE_DEFAULT));
+}
+
+void Engine::barrier(cudaStream_t stream) {
+  Impl& m = *impl_;
+  requireHealthy(m, m.p.shape.rank, "barrier");
+  GRAPHEP_REQUIRE(takesMask(m), Status::kNotSupported,
+                  "barrier: rank %d's engine is on the throughput path over the movers (peers reached through NCCL, "
+                  "or GRAPHEP_MOE_KERNELS=movers), which has no load/store barrier; the latency path and the direct "
+                  "throughput path have one",
+                  m.p.shape.rank);
+  requireNoHalf(m, "barrier");
+  DeviceGuard guard(m.device);
+  GRAPHEP_CUDA_CHECK(launchMoeBarrier(m.p, stream));
 }
 
 std::uint32_t* Engine::activeRanksDevice() const {

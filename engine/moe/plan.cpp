@@ -45,6 +45,7 @@ PathHeap pathHeap(MoePath path, const MoeSizes& z, const MoeConfig& cfg) {
     // The combine's top-k weights from each source ([2][R][T][K] fp32) and their flags [R].
     h.llCombW = a.carve("llCombW", 2 * z.R * z.T * static_cast<std::size_t>(cfg.topK), 4, 256);
     h.llCombWFlag = a.carve("llCombWFlag", z.R, 4, 256);
+    h.llBarrier = a.carve("llBarrier", z.R, 4, 256);
   } else {
     // The records and partials, then the direct dispatch's [2][R] count messages, [R] flags and
     // [R][W] block flags for the records and for the partials, its [R] acknowledgements of the
@@ -59,6 +60,7 @@ PathHeap pathHeap(MoePath path, const MoeSizes& z, const MoeConfig& cfg) {
     h.llDispAck = a.carve("llDispAck", z.R, 4, 256);
     h.llCombAck = a.carve("llCombAck", z.R, 4, 256);
     h.llCombVal = a.carve("llCombVal", z.R * z.T * kMoeMaxValues, 4, 256);
+    h.llBarrier = a.carve("llBarrier", z.R, 4, 256);
   }
   h.heap.numRanks = static_cast<int>(z.R);
   h.heap.userBytes = alignUp(a.used(), 4096);
@@ -132,6 +134,7 @@ LocalCarve carveLocal(const MoeConfig& cfg, const MoeSizes& z, std::size_t cap, 
   o.llShrink = carve("llShrink", !throughput && cfg.shrinkOnTimeout ? 2 * 4 * 4 : 0);  // shrink on timeout
   // A count message of zeros (the block is zeroed at setup), as long as either path's.
   o.llZeroMsg = carve("llZeroMsg", std::max(z.cntMsgBytes, z.directMsgBytes));
+  o.llBarrier = carve("llBarrier", Rs * 4);  // the device barrier's pair counts (Engine::barrier)
   o.combArrive = carve("combArrive", throughput ? Rs * W * 4 : 0);  // the direct combine's block arrivals and flags
   o.combReady = carve("combReady", throughput ? Rs * W * 4 : 0);
   constexpr std::size_t kStamps = kMoeStampWords * static_cast<std::size_t>(MoeKernel::kCount);

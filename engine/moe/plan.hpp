@@ -43,6 +43,7 @@ struct PathHeap {
   std::size_t recRecv = 0, combRecv = 0;
   std::size_t llRec = 0, llCnt = 0, llComb = 0, llFlag = 0, llArrive = 0, llCombArrive = 0, llBlock = 0;
   std::size_t llCombBlock = 0, llDispAck = 0, llCombAck = 0, llCombVal = 0, llCombW = 0, llCombWFlag = 0;
+  std::size_t llBarrier = 0;  // the device barrier's [R] pair counts (Engine::barrier), both paths
   HeapConfig heap;
 };
 PathHeap pathHeap(MoePath path, const MoeSizes& z, const MoeConfig& cfg);
@@ -62,6 +63,7 @@ struct LocalCarve {
   std::size_t sourceRanges;                             // expert-major and batched only
   std::size_t llSteps, llDone, combArrive, combReady, timeline;
   std::size_t llMask, llExpected, llShrink, llZeroMsg;  // the active-rank mask; latency: expected arrivals, direct: steps shared; zero message
+  std::size_t llBarrier;   // the device barrier's pair counts [R] (Engine::barrier)
   std::size_t routeWords;  // moeRouteWords(maxTokensPerRank)
   std::size_t routeZero;   // bytes of the routing words zeroed per dispatch (throughput path)
   std::size_t bytes;       // the whole allocation

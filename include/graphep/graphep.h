@@ -40,8 +40,9 @@ extern "C" {
  * args 160 bytes, combine args 56, layout 168 on 64-bit hosts) keep working.
  * 6 (the active-rank mask): graphep_set_active_ranks, graphep_engine_recover.
  * 7: graphep_moe_status_t.masked_entries; the mask on the direct throughput path.
- * 8 (shrink on timeout): graphep_moe_config_t.shrink_on_timeout, graphep_moe_status_t.shrunk_ranks. */
-#define GRAPHEP_C_API_VERSION 8
+ * 8 (shrink on timeout): graphep_moe_config_t.shrink_on_timeout, graphep_moe_status_t.shrunk_ranks.
+ * 9: graphep_engine_barrier. */
+#define GRAPHEP_C_API_VERSION 9
 /* The most ranks an engine takes (graphep::kMaxRanks). */
 #define GRAPHEP_MAX_RANKS 32
 
@@ -355,6 +356,12 @@ graphep_status_t graphep_set_active_ranks(graphep_engine_t engine, unsigned int 
  * nothing is recaptured (graphep::Engine::recover says what cannot be recovered). Not capturable.
  * Version 6. */
 graphep_status_t graphep_engine_recover(graphep_engine_t engine, unsigned int mask, cudaStream_t stream);
+/* Capturable, collective. A device barrier among the ranks of the active-rank mask on `stream`: it
+ * returns on each rank once every rank of the mask reached it. A rank that does not come within
+ * GRAPHEP_TIMEOUT_MS is named (the engine fails), or with shrink_on_timeout masked while the
+ * barrier completes among the others (graphep::Engine::barrier). The throughput path over the
+ * movers refuses it (GRAPHEP_NOT_SUPPORTED). Version 9. */
+graphep_status_t graphep_engine_barrier(graphep_engine_t engine, cudaStream_t stream);
 /* Diagnostics (synchronises the engine's device). */
 graphep_status_t graphep_engine_status(graphep_engine_t engine, graphep_moe_status_t* status);
 /* graphep::tokenLayout (DeepEP's get_dispatch_layout): per-rank and per-expert counts and the

@@ -505,6 +505,17 @@ class Engine {
   // after the mask left it out (its late stores land in slots the survivors reuse); leave such a
   // peer's process stopped.
   void recover(std::uint32_t mask, cudaStream_t stream);
+  // A device barrier among the ranks of the active-rank mask, enqueued on `stream` (one kernel;
+  // capturable, replayable forever: each pair of ranks counts the barriers both took part in):
+  // it returns on each rank once every rank of the mask has reached it, and the writes each rank
+  // enqueued before it are visible to the others' work after it. A rank outside its own mask
+  // takes part in nothing. A peer that does not come within GRAPHEP_TIMEOUT_MS is named (status,
+  // failed state, as every bounded wait), or with MoeConfig::shrinkOnTimeout masked
+  // (MoeStatus::shrunkRanks) while the barrier completes among the others: DeepEP's
+  // clean_low_latency_buffer in its shrink mode. Every rank of the mask makes the same barrier
+  // calls in the same order between the same operations. Refused: the throughput path over the
+  // movers (no load/store peers), and a send half waiting for its receive.
+  void barrier(cudaStream_t stream);
 
   // The layout views: the same object dispatch() returns, its pointers fixed from setup (recvScales
   // as of the last dispatch call), their contents the last dispatch's (see DispatchLayout).

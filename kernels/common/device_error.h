@@ -45,6 +45,7 @@ enum class WaitSite : std::uint32_t {
   kMoeCombineAck = 15,    // MoE direct combine send: waiting for a source to finish summing this rank's
                           // partials of the previous combine
   kMoeCombineWeights = 16,  // MoE latency combine: waiting for a source's top-k weights (CombineArgs.topkWeights)
+  kMoeBarrier = 17,         // MoE device barrier (Engine::barrier): waiting for the peer to reach it
 };
 
 struct DeviceErrorRecord {
@@ -92,6 +93,7 @@ __host__ __device__ inline const char* waitSiteName(std::uint32_t site) {
     case WaitSite::kMoeCombineAck:
       return "moe combine send: waiting for the peer to finish summing this rank's partials of the previous combine";
     case WaitSite::kMoeCombineWeights: return "moe combine: waiting for a source's top-k weights";
+    case WaitSite::kMoeBarrier: return "moe barrier: waiting for the peer to reach the barrier";
   }
   return "unknown wait site";
 }

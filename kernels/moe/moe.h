@@ -285,6 +285,11 @@ struct MoePeers {
   const std::uint32_t* live;     // local, written in stream order by the caller
   std::uint32_t* dispatchLive;   // local: the last dispatch's mask (0 when this rank was out)
   const std::uint64_t* zeroMsg;  // local: a count message of zeros (a rank outside the mask)
+  // The device barrier (Engine::barrier, kernels/moe/barrier.cu): u32 [R] in every user region,
+  // slot q: the barriers rank q and this rank took part in together, as q posted it; and this
+  // rank's count of them per peer (local [R]).
+  std::uint64_t barrierOff;
+  std::uint32_t* barrierPairs;
 };
 
 // The direct path (kernels/moe/direct.cu) alone.
@@ -439,6 +444,12 @@ cudaError_t launchMoeLatencyDispatch(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeLatencyCombine(const MoeParams& p, cudaStream_t stream);
 // Loads the two kernels and allows them the largest dynamic shared memory.
 cudaError_t preloadMoeLatencyKernels();
+
+// kernels/moe/barrier.cu: the device barrier among the ranks of the active-rank mask (one CTA;
+// MoePeers::barrierOff and barrierPairs; with p.latency.shrink a peer that does not come within
+// the timeout is masked).
+cudaError_t launchMoeBarrier(const MoeParams& p, cudaStream_t stream);
+cudaError_t preloadMoeBarrierKernels();
 // CTAs of the latency kernels (the lower of the two) that fit on one SM.
 cudaError_t moeLatencyCtasPerSm(std::uint32_t smemBytes, int* ctas);
 

@@ -372,6 +372,15 @@ class Engine:
         every survivor calls it with the same ranks (graphep::Engine::recover)."""
         self._core.recover(_rank_mask(ranks, self._core.world_size), stream_handle(stream))
 
+    def barrier(self, stream) -> None:
+        """Capturable, collective: a device barrier on `stream` among the ranks of the active-rank
+        mask (every rank of the mask makes the same barrier calls between the same operations).
+        A rank that does not come within GRAPHEP_TIMEOUT_MS is named and the engine fails, or with
+        MoeConfig.shrink_on_timeout it is masked and the barrier completes among the others
+        (status().shrunk_ranks). The latency path and the direct throughput path
+        (graphep::Engine::barrier)."""
+        self._core.barrier(stream_handle(stream))
+
     @property
     def active_ranks(self):
         """The active-rank mask's device word as an int32 [1] DeviceArray (bit r: rank r takes

@@ -249,6 +249,11 @@ void bindEngine(nb::module_& m) {
           nb::arg("mask"), nb::arg("stream"),
           "Back to service among the survivors after a wait named a dead peer; synchronises "
           "(graphep::Engine::recover).")
+      .def(
+          "barrier", [](EngineCore& c, std::uintptr_t stream) { c.engine->barrier(streamOf(stream)); },
+          nb::arg("stream"),
+          "Capturable, collective. A device barrier among the ranks of the active-rank mask; with "
+          "shrink_on_timeout a rank that does not come is masked (graphep::Engine::barrier).")
       .def_prop_ro(
           "active_ranks_device",
           [](const EngineCore& c) { return reinterpret_cast<std::uintptr_t>(c.engine->activeRanksDevice()); },

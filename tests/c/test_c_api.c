@@ -921,6 +921,9 @@ static void mask_step(run_t* run, const graphep_dispatch_args_t* da, const graph
   if (s == GRAPHEP_NOT_SUPPORTED) {
     EXPECT(strstr(graphep_last_error(), "movers") != NULL, "%s: the refusal does not name the movers: \"%s\"",
            run->label, graphep_last_error());
+    const graphep_status_t b = graphep_engine_barrier(run->r[0].engine, run->r[0].stream);  /* version 9 */
+    EXPECT(b == GRAPHEP_NOT_SUPPORTED && strstr(graphep_last_error(), "movers") != NULL,
+           "%s: the barrier over the movers: %s \"%s\"", run->label, graphep_status_name(b), graphep_last_error());
     return;
   }
   CHECK_G(s);
@@ -959,6 +962,17 @@ static void mask_step(run_t* run, const graphep_dispatch_args_t* da, const graph
   for (int i = 0; i < R; ++i) {
     CHECK_CUDA(cudaSetDevice(run->r[i].device));
     CHECK_G(graphep_set_active_ranks(run->r[i].engine, all, run->r[i].stream));
+  }
+  /* Every rank back, then a device barrier of every rank (version 9): it completes, no failure. */
+  for (int i = 0; i < R; ++i) {
+    CHECK_CUDA(cudaSetDevice(run->r[i].device));
+    CHECK_G(graphep_engine_barrier(run->r[i].engine, run->r[i].stream));
+  }
+  sync_all(run);
+  for (int i = 0; i < R; ++i) {
+    graphep_moe_status_t st = GRAPHEP_MOE_STATUS_INIT;
+    CHECK_G(graphep_engine_status(run->r[i].engine, &st));
+    EXPECT(!st.device_error, "%s: rank %d: a device error after the barrier (%s)", run->label, i, graphep_last_error());
   }
 }
 
@@ -1338,8 +1352,8 @@ static void memory_query(void) {
 
 int main(int argc, char** argv) {
   if (argc > 1 && strcmp(argv[1], STRICT_CHILD_ARG) == 0) return strict_child();
-  EXPECT(GRAPHEP_C_API_VERSION == 8 && graphep_api_version() == GRAPHEP_C_API_VERSION,
-         "API version: header %d, library %d, expected 8", GRAPHEP_C_API_VERSION, graphep_api_version());
+  EXPECT(GRAPHEP_C_API_VERSION == 9 && graphep_api_version() == GRAPHEP_C_API_VERSION,
+         "API version: header %d, library %d, expected 9", GRAPHEP_C_API_VERSION, graphep_api_version());
   memory_query();
   if (failures != 0) return 1; /* checked without a GPU too */
   const long expected = expected_gpus();

@@ -88,6 +88,12 @@ void runMoeMissingRank(Communicator& comm, MoePath path, bool recovers);
 // the rank masked (active-rank mask, MoeStatus::shrunkRanks); then their graphs replay exactly
 // (GRAPHEP_RECOVERY_REPLAYS, default 12) with no recover. In every receive layout.
 void runMoeShrinkOnTimeout(Communicator& comm);
+// The device barrier (Engine::barrier) on `path`: no rank's barrier returns before a late rank
+// reached it; barriers around the operations of captured graphs replay with exact results; a rank
+// that skips a barrier is masked by the others' with shrinkOnTimeout (latency path: no failure,
+// MoeStatus::shrunkRanks, the mask word, and the next barrier passes among them), else named.
+// Over the movers (no load/store peers) every rank's barrier is refused by name.
+void runMoeBarrier(Communicator& comm, MoePath path);
 // The host watchdog (latency path): with long device waits, checkHealth finds within 200 ms that
 // the last rank's count message has not arrived, names it, and fails the engine; the late rank then
 // arrives, the work completes, and the failed engines keep refusing work.

@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """DeepEP's own tests, run against graphep.deep_ep: the acceptance suite of DeepEP's API on graphep.
 
-    python3 tests/compat/run_deepep_tests.py --deepep-src DIR --test intranode|low_latency|shrink|all \\
+    python3 tests/compat/run_deepep_tests.py --deepep-src DIR --test NAME|all \\
         [--num-processes 2] [-- --hidden 2048 --num-experts 128 --num-topk 8]
+
+NAME: intranode, low_latency, shrink, shrink_at_combine or shrink_at_clean (TESTS below).
 
 DIR is a DeepEP source tree (its tests/ folder is what is used; nothing is fetched or built). The
 tests are copied into a temporary folder beside a package `deep_ep` that re-exports graphep.deep_ep,
@@ -15,8 +17,11 @@ first dispatch, combine or clean, and the others' kernels mask it after their ti
 edit: the failure schedule (rank 1 at the first dispatch, 3 at the first combine, 5 at the first
 clean) keeps only the ranks the world has, since on fewer than 6 ranks the test would expect ranks
 the mask cannot hold (on 6 ranks or more the edit changes nothing); GRAPHEP_TIMEOUT_MS defaults to
-2000 there. `--test all` runs test_intranode.py, test_low_latency.py, then the shrink test, with
-the same arguments.
+2000 there. On 2 ranks that tests a failure at the first dispatch only, so `shrink_at_combine` and
+`shrink_at_clean` move rank 1's failure to its first combine (the others' combine masks it) or
+its first clean (their clean, a barrier in shrink mode, masks it), two more edits each (DeepEP's
+own schedule fails ranks 3 and 5 there). `--test all` runs test_intranode.py,
+test_low_latency.py, then the three shrink tests, with the same arguments.
 
 Each test runs as `python3 test_<name>.py --num-processes N ...` with PYTHONPATH=<temp>:<graphep>
 (GRAPHEP_PYTHONPATH, else this repository's build/python) and NCCL_NVLS_ENABLE=0; its output
@@ -47,11 +52,16 @@ INTRANODE_EDITS: Tuple[Tuple[str, str], ...] = (
      "for nvl_chunk_size in (deep_ep.Buffer.get_combine_config(num_ranks).num_max_nvl_chunked_send_tokens, ):"),
 )
 
-# test_low_latency.py's failure schedule, cut to the ranks the world has (the module's docstring).
+# test_low_latency.py's failure schedule, cut to the ranks the world has (the module's docstring);
+# and moved so that rank 1 fails at its first combine, or at its first clean, instead of its
+# first dispatch (no rank fails at dispatch: the rank there is the world size, which is cut).
 SHRINK_EDITS: Tuple[Tuple[str, str], ...] = (
     ("if api in failed_api_ranks.keys():",
      "if api in failed_api_ranks.keys() and failed_api_ranks[api] < dist.get_world_size():"),
 )
+NO_DISPATCH_FAILURE = ("'dispatch': 1,", "'dispatch': dist.get_world_size(),")
+SHRINK_AT_COMBINE_EDITS = SHRINK_EDITS + (NO_DISPATCH_FAILURE, ("'combine': 3,", "'combine': 1,"))
+SHRINK_AT_CLEAN_EDITS = SHRINK_EDITS + (NO_DISPATCH_FAILURE, ("'clean': 5", "'clean': 1"))
 
 
 @dataclass(frozen=True)
@@ -66,6 +76,10 @@ TESTS = {
     "intranode": DeepEpTest("test_intranode.py", INTRANODE_EDITS),
     "low_latency": DeepEpTest("test_low_latency.py", ()),
     "shrink": DeepEpTest("test_low_latency.py", SHRINK_EDITS, ("--shrink-test",), (("GRAPHEP_TIMEOUT_MS", "2000"),)),
+    "shrink_at_combine": DeepEpTest("test_low_latency.py", SHRINK_AT_COMBINE_EDITS, ("--shrink-test",),
+                                    (("GRAPHEP_TIMEOUT_MS", "2000"),)),
+    "shrink_at_clean": DeepEpTest("test_low_latency.py", SHRINK_AT_CLEAN_EDITS, ("--shrink-test",),
+                                  (("GRAPHEP_TIMEOUT_MS", "2000"),)),
 }
 ALL = "all"  # --test all: every test of TESTS, in this order
 
@@ -133,7 +147,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--deepep-src", required=True, type=Path, help="a DeepEP source tree (its tests/ are used)")
     p.add_argument("--test", required=True, choices=sorted(TESTS) + [ALL],
-                   help="which DeepEP test to run (all: intranode, low_latency, then shrink)")
+                   help="which DeepEP test to run (all: each, in this order)")
     p.add_argument("--num-processes", type=int, default=2, help="processes (one GPU each); default 2")
     args = p.parse_args(argv)
 

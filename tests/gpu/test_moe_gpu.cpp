@@ -144,6 +144,23 @@ TEST(Gpu1_MoeFaults8, MissingRankThroughputEightEmulatedRanks) {
   runMoeMissingRank(*comm, MoePath::kThroughput, true);
 }
 
+// The device barrier on both paths (the throughput path on its direct kernels), a late rank, a
+// skipped barrier with and without shrink on timeout.
+TEST_F(Gpu1_MoeFaults, Barrier) {
+  runMoeBarrier(*comm_, MoePath::kAuto);
+  runMoeBarrier(*comm_, MoePath::kThroughput);
+}
+TEST(Gpu1_MoeFaults8, BarrierEightEmulatedRanks) {
+  GRAPHEP_REQUIRE_GPUS(1);
+  auto comm = createLocalGroup({0, 0, 0, 0, 0, 0, 0, 0});
+  runMoeBarrier(*comm, MoePath::kAuto);
+}
+// Over the movers there is no load/store barrier: refused by name.
+TEST_F(Gpu1_MoeFaults, BarrierOverTheMoversIsRefused) {
+  ScopedEnv movers("GRAPHEP_MOE_KERNELS", "movers");
+  runMoeBarrier(*comm_, MoePath::kThroughput);
+}
+
 TEST_F(Gpu1_MoeFaults, WatchdogAndGraphLifetime) {
   runMoeWatchdog(*comm_);
   runMoeGraphOutlivesEngine(*comm_);

@@ -243,6 +243,13 @@ TEST(Mpi_MoeFaults, MissingRankAndWatchdog) {
   runMoeGraphOutlivesEngine(*comm);
 }
 
+TEST(Mpi_MoeFaults, Barrier) {
+  GRAPHEP_REQUIRE_MPI_GPUS();
+  auto comm = createMpiCommunicator(-1, false);
+  runMoeBarrier(*comm, MoePath::kAuto);
+  runMoeBarrier(*comm, MoePath::kThroughput);
+}
+
 TEST(Mpi_Moe, Misuse) {
   GRAPHEP_REQUIRE_MPI_GPUS();
   auto comm = createMpiCommunicator(-1, false);

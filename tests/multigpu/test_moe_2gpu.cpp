@@ -90,6 +90,13 @@ TEST(Gpu2_MoeFaults, MissingRankWatchdogAndGraphLifetime) {
   runMoeGraphOutlivesEngine(*comm);
 }
 
+TEST(Gpu2_MoeFaults, Barrier) {
+  GRAPHEP_REQUIRE_GPUS(2);
+  auto comm = createLocalGroup(visibleGpus());
+  runMoeBarrier(*comm, MoePath::kAuto);
+  runMoeBarrier(*comm, MoePath::kThroughput);
+}
+
 TEST(Gpu2_MoeGraph, LocalGroupBothPaths) {
   GRAPHEP_REQUIRE_GPUS(2);
   auto comm = createLocalGroup(visibleGpus());

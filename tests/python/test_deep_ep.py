@@ -150,13 +150,16 @@ def test_compat_edit_on_deepeps_test_intranode(tmp_path):
     (tmp_path / "ll").mkdir()
     untouched = run.prepare(DEEPEP_SRC, "low_latency", tmp_path / "ll")
     assert untouched.read_text() == (DEEPEP_SRC / "tests" / "test_low_latency.py").read_text()
-    # shrink: one line of the failure schedule, every assertion kept
-    (tmp_path / "shrink").mkdir()
-    shrink = run.prepare(DEEPEP_SRC, "shrink", tmp_path / "shrink").read_text().splitlines()
+    # the shrink tests: lines of the failure schedule, every assertion kept
     ll = untouched.read_text().splitlines()
-    assert len(shrink) == len(ll)
-    assert [(a.strip(), b.strip()) for a, b in zip(ll, shrink) if a != b] == list(run.SHRINK_EDITS)
-    assert [line for line in ll if "assert" in line] == [line for line in shrink if "assert" in line]
+    for name, edits in (("shrink", run.SHRINK_EDITS), ("shrink_at_combine", run.SHRINK_AT_COMBINE_EDITS),
+                        ("shrink_at_clean", run.SHRINK_AT_CLEAN_EDITS)):
+        (tmp_path / name).mkdir()
+        shrink = run.prepare(DEEPEP_SRC, name, tmp_path / name).read_text().splitlines()
+        assert len(shrink) == len(ll)
+        changed = [(a.strip(), b.strip()) for a, b in zip(ll, shrink) if a != b]
+        assert sorted(changed) == sorted(edits), name
+        assert [line for line in ll if "assert" in line] == [line for line in shrink if "assert" in line]
 
 
 def test_compat_runner_skips_without_what_it_needs(monkeypatch, capsys):
@@ -171,7 +174,8 @@ def test_compat_runner_all_runs_each_test_in_order(monkeypatch, tmp_path, capsys
     src = tmp_path / "deepep"
     (src / "tests").mkdir(parents=True)
     (src / "tests" / "test_intranode.py").write_text(SNIPPET)
-    low_latency = "def fail(api):\n    if api in failed_api_ranks.keys():\n        pass\n"
+    low_latency = ("def fail(api):\n    failed_api_ranks = {\n        'dispatch': 1,\n        'combine': 3,\n"
+                   "        'clean': 5\n    }\n    if api in failed_api_ranks.keys():\n        pass\n")
     (src / "tests" / "test_low_latency.py").write_text(low_latency)
     package = tmp_path / "pkg"
     (package / "graphep").mkdir(parents=True)
@@ -188,15 +192,19 @@ def test_compat_runner_all_runs_each_test_in_order(monkeypatch, tmp_path, capsys
     monkeypatch.setattr(run.subprocess, "call", call)
     monkeypatch.delenv("GRAPHEP_TIMEOUT_MS", raising=False)
     assert run.main(["--deepep-src", str(src), "--test", "all", "--", "--num-topk", "2"]) == 3  # the first failure
-    assert [c[0] for c in calls] == ["test_intranode.py", "test_low_latency.py", "test_low_latency.py"]
+    assert [c[0] for c in calls] == ["test_intranode.py"] + ["test_low_latency.py"] * 4
     assert [c[1] for c in calls] == [["--num-processes", "2", "--num-topk", "2"]] * 2 + [
-        ["--num-processes", "2", "--shrink-test", "--num-topk", "2"]]
+        ["--num-processes", "2", "--shrink-test", "--num-topk", "2"]] * 3
     assert calls[0][2] == run.apply_edits(SNIPPET, run.INTRANODE_EDITS) and calls[1][2] == low_latency
-    assert calls[2][2] == low_latency.replace("keys():", "keys() and failed_api_ranks[api] < dist.get_world_size():")
+    cut = low_latency.replace("keys():", "keys() and failed_api_ranks[api] < dist.get_world_size():")
+    no_dispatch = cut.replace("'dispatch': 1,", "'dispatch': dist.get_world_size(),")
+    assert calls[2][2] == cut
+    assert calls[3][2] == no_dispatch.replace("'combine': 3,", "'combine': 1,")  # rank 1 fails at its combine
+    assert calls[4][2] == no_dispatch.replace("'clean': 5", "'clean': 1")  # at its clean
     assert all(c[3] == str(package.resolve()) for c in calls)
-    assert [c[4] for c in calls] == [None, None, "2000"]  # the shrink test's default timeout
-    assert ("test_intranode.py exit 3, test_low_latency.py exit 0, test_low_latency.py --shrink-test exit 0"
-            in capsys.readouterr().out)
+    assert [c[4] for c in calls] == [None, None, "2000", "2000", "2000"]  # the shrink tests' default timeout
+    assert ("test_intranode.py exit 3, test_low_latency.py exit 0, " + ", ".join(
+        ["test_low_latency.py --shrink-test exit 0"] * 3)) in capsys.readouterr().out
     calls.clear()
     assert run.main(["--deepep-src", str(src), "--test", "low_latency"]) == 0 and len(calls) == 1
     calls.clear()

@@ -198,6 +198,39 @@ def test_shrink_mode_masks_every_low_latency_engine():
 
 
 @requires_torch
+def test_clean_is_the_barrier_in_shrink_mode(monkeypatch):
+    """clean_low_latency_buffer (no GPU): in shrink mode the engine of the named shape enqueues its
+    barrier on the current stream (DeepEP's clean is a barrier that masks a rank that does not
+    come); other shapes' engines, a shape with no engine yet and a Buffer without shrink mode
+    enqueue nothing; a send half waiting for its hook is refused by name."""
+    import types
+
+    import torch
+
+    calls = []
+
+    def engine(key):
+        return types.SimpleNamespace(engine=types.SimpleNamespace(barrier=lambda s: calls.append((key, s))),
+                                     pending=None)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: "the current stream")
+    for shrink in (True, False):
+        b = _bare_buffer(enable_shrink=shrink)
+        b._ll_engines = {k: engine(k) for k in ((8, 128, 16), (16, 256, 16))}
+        calls.clear()
+        b.clean_low_latency_buffer(8, 128, 16)
+        b.clean_low_latency_buffer(32, 128, 16)  # no engine of this shape: nothing to wait for
+        assert calls == ([((8, 128, 16), "the current stream")] if shrink else [])
+    b = _bare_buffer(enable_shrink=True)
+    b._ll_engines = {(8, 128, 16): engine((8, 128, 16))}
+    b._ll_engines[(8, 128, 16)].pending = ("the receive hook of low_latency_dispatch", object())
+    calls.clear()
+    expect_error(graphep.Status.INVALID_ARGUMENT, "clean_low_latency_buffer: the receive hook of low_latency_dispatch "
+                 "has not been called", b.clean_low_latency_buffer, 8, 128, 16)
+    assert calls == []
+
+
+@requires_torch
 def test_shrink_mode_query_reads_every_engine_word():
     """The query's device half (no GPU): a rank out of any engine's mask word reads 1, bit 31 too."""
     import types

@@ -37,6 +37,8 @@ TEST(Unit_CApi, ErrorsAreNamedStatusesPerThread) {
   EXPECT_NE(std::string(graphep_last_error()).find("engine is NULL"), std::string::npos);
   EXPECT_EQ(graphep_engine_recover(nullptr, 1u, nullptr), GRAPHEP_INVALID_ARGUMENT);
   EXPECT_NE(std::string(graphep_last_error()).find("engine is NULL"), std::string::npos);
+  EXPECT_EQ(graphep_engine_barrier(nullptr, nullptr), GRAPHEP_INVALID_ARGUMENT);  // version 9
+  EXPECT_NE(std::string(graphep_last_error()).find("engine is NULL"), std::string::npos);
 
   // graphep_engine_path (version 2): each NULL named, the output left alone on failure.
   EXPECT_GE(GRAPHEP_C_API_VERSION, 3);
@@ -116,7 +118,7 @@ TEST(Unit_CApi, Version8ShrinkOnTimeout) {
 // Version 5 (the latency path's capabilities): the version, the INIT defaults ("as before"), the
 // enums equal to the C++ ones, and graphep_receive's NULL engine named.
 TEST(Unit_CApi, Version5LatencyCapabilities) {
-  EXPECT_EQ(GRAPHEP_C_API_VERSION, 8);
+  EXPECT_EQ(GRAPHEP_C_API_VERSION, 9);
   EXPECT_EQ(graphep_api_version(), GRAPHEP_C_API_VERSION);
   EXPECT_EQ(GRAPHEP_FP8_SCALES_FLOAT, static_cast<int>(Fp8Scales::kFloat));
   EXPECT_EQ(GRAPHEP_FP8_SCALES_POW2, static_cast<int>(Fp8Scales::kPow2));

@@ -42,7 +42,9 @@ How it maps (DeepEP's argument -> graphep):
 - The engine combines its last dispatch: a handle of an older dispatch is refused by name, and
   between a send half and its hook the engine takes no other operation (DeepEP's two buffers let
   a second send start first; graphep's one engine per shape does not).
-- clean_low_latency_buffer does nothing: graphep's counters only grow, nothing needs zeroing.
+- clean_low_latency_buffer zeroes nothing: graphep's counters only grow. In shrink mode it is
+  DeepEP's barrier (Engine.barrier on that shape's engine, a rank that does not come masked);
+  otherwise it does nothing.
 - Shrink mode (enable_shrink=True): the low-latency engines are made with
   MoeConfig.shrink_on_timeout, so that, as DeepEP's, their kernels mask a rank whose count message,
   combine weights or partials do not come within GRAPHEP_TIMEOUT_MS, and the operation completes
@@ -288,12 +290,20 @@ class LowLatencyMode:
         return size
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """Checks the arguments and does nothing: DeepEP zeroes the flags of its RDMA buffer here
-        (after the normal mode used it); graphep's engines are separate, and their counters only
-        grow (each operation waits for the next value), so nothing is ever stale."""
-        self._require_low_latency("clean_low_latency_buffer")
-        self._check_low_latency_shape("clean_low_latency_buffer", num_max_dispatch_tokens_per_rank, hidden,
-                                      num_experts)
+        """DeepEP zeroes the flags of its RDMA buffer here (after the normal mode used it), between
+        two barriers; graphep's engines are separate and their counters only grow (each operation
+        waits for the next value), so nothing is ever stale, and without shrink mode this checks
+        the arguments and does nothing. In shrink mode it is the barrier, as DeepEP's: the
+        engine of this shape (when made) enqueues Engine.barrier on the current stream, and a
+        rank that does not come within GRAPHEP_TIMEOUT_MS is masked (the query then names it).
+        Every rank makes the same calls."""
+        what = "clean_low_latency_buffer"
+        self._require_low_latency(what)
+        key = self._check_low_latency_shape(what, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        st = self._ll_engines.get(tuple(key)) if self.enable_shrink else None
+        if st is not None:
+            self._check_pending(st, what)
+            st.engine.barrier(torch.cuda.current_stream())
 
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,

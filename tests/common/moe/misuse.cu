@@ -338,6 +338,112 @@ void shrinkInLayout(Communicator& comm, MoeCase c) {
   for (cudaGraphExec_t e : execs) GRAPHEP_CUDA_CHECK(cudaGraphExecDestroy(e));
 }
 
+namespace {
+// Holds its stream for `ns` nanoseconds (a rank that comes late to a barrier).
+__global__ void holdKernel(unsigned long long ns) {
+  unsigned long long start = 0, now = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    __nanosleep(10000);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  } while (now - start < ns);
+}
+
+// Rank 0 comes to the barrier 50 ms late: no other rank's barrier returns before it came (the
+// other ranks' streams take at least 40 ms from the common start; causality, not speed).
+void barrierWaitsForTheLateRank(Communicator& comm, MoeFixture& f) {
+  comm.barrier();
+  const auto start = std::chrono::steady_clock::now();
+  for (int l = 0; l < f.L(); ++l) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    if (comm.globalRank(l) == 0) holdKernel<<<1, 1, 0, f.buf(l).stream>>>(50ull * 1000 * 1000);
+    f.engine(l).barrier(f.buf(l).stream);
+  }
+  for (int l = 0; l < f.L(); ++l) {
+    if (comm.globalRank(l) == 0) continue;
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(f.buf(l).stream));
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
+    EXPECT_GE(ms.count(), 40) << "rank " << comm.globalRank(l) << "'s barrier returned before rank 0 reached it";
+  }
+  f.syncAll();
+  comm.barrier();
+}
+
+// The last rank skips one barrier: with shrinkOnTimeout the others' barrier completes with it
+// masked and no failure, and their next barrier passes among them; without, they fail naming it
+// and the barrier.
+void barrierWithoutTheLastRank(Communicator& comm, MoeCase c, bool shrink) {
+  c.cfg.shrinkOnTimeout = shrink;
+  SCOPED_TRACE(std::string("a rank that skips a barrier, shrink on timeout ") + (shrink ? "on" : "off"));
+  const int R = comm.worldSize(), last = R - 1;
+  MoeFixture f(comm, c);
+  comm.barrier();
+  for (int round = 0; round < (shrink ? 2 : 1); ++round) {
+    for (int l = 0; l < f.L(); ++l) {
+      if (comm.globalRank(l) == last) continue;
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+      f.engine(l).barrier(f.buf(l).stream);
+    }
+    for (int l = 0; l < f.L(); ++l) {
+      if (comm.globalRank(l) == last) continue;
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+      GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(f.buf(l).stream));  // returns: every wait is bounded
+      const MoeStatus st = f.engine(l).status();
+      const std::string who = "rank " + std::to_string(comm.globalRank(l)) + ", round " + std::to_string(round);
+      if (!shrink) {
+        EXPECT_TRUE(f.engine(l).failed()) << who;
+        EXPECT_NE(st.deviceError.find("peer " + std::to_string(last)), std::string::npos) << who << ": " << st.deviceError;
+        EXPECT_NE(st.deviceError.find("moe barrier"), std::string::npos) << who << ": " << st.deviceError;
+        continue;
+      }
+      EXPECT_FALSE(f.engine(l).failed()) << who << ": " << st.describe();
+      EXPECT_TRUE(st.ok()) << who << ": " << st.describe();
+      EXPECT_EQ(st.shrunkRanks, 1u << last) << who;
+      std::uint32_t live = 0;
+      GRAPHEP_CUDA_CHECK(cudaMemcpy(&live, f.engine(l).activeRanksDevice(), 4, cudaMemcpyDeviceToHost));
+      EXPECT_EQ(live, allRanksMask(R) & ~(1u << last)) << who << "'s active-rank mask";
+    }
+  }
+  comm.barrier();
+}
+}  // namespace
+
+void runMoeBarrier(Communicator& comm, MoePath path) {
+  ScopedEnv timeout("GRAPHEP_TIMEOUT_MS", "300");  // read when the engines' heap is created
+  const MoeCase c = smallCase(comm, 32, path);
+  SCOPED_TRACE("device barrier, " + describeCase(c));
+  {
+    MoeFixture f(comm, c);
+    ASSERT_EQ(f.engine(0).path(), expectedPath(c.cfg, comm.worldSize()));
+    if (f.engine(0).activeRanksDevice() == nullptr) {  // the throughput path over the movers
+      for (int l = 0; l < f.L(); ++l) {
+        expectError([&] { f.engine(l).barrier(f.buf(l).stream); }, Status::kNotSupported, "no load/store barrier");
+      }
+      return;
+    }
+    barrierWaitsForTheLateRank(comm, f);
+    // Barriers around the operations of a captured graph, replayed: every result exact, no failure.
+    std::vector<cudaGraphExec_t> execs(static_cast<std::size_t>(f.L()), nullptr);
+    for (int l = 0; l < f.L(); ++l) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+      execs[static_cast<std::size_t>(l)] = captureOnStream(f.buf(l).stream, [&](cudaStream_t s) {
+        f.engine(l).barrier(s);
+        f.enqueue(l, s);
+        f.engine(l).barrier(s);
+      });
+    }
+    for (int replay = 0; replay < 3; ++replay) goodStep(comm, c, f, execs);
+    for (int l = 0; l < f.L(); ++l) {
+      EXPECT_FALSE(f.engine(l).failed()) << "rank " << comm.globalRank(l) << ": " << f.engine(l).status().describe();
+    }
+    for (cudaGraphExec_t e : execs) GRAPHEP_CUDA_CHECK(cudaGraphExecDestroy(e));
+  }
+  if (comm.worldSize() < 2) return;
+  if (expectedPath(c.cfg, comm.worldSize()) == MoePath::kLatency) barrierWithoutTheLastRank(comm, c, true);
+  barrierWithoutTheLastRank(comm, c, false);
+}
+
 void runMoeMissingRank(Communicator& comm, MoePath path, bool recovers) {
   ScopedEnv timeout("GRAPHEP_TIMEOUT_MS", "300");  // read when the engines' heap is created
   forEveryLayout(smallCase(comm, 32, path), [&](const MoeCase& c) { missingRankInLayout(comm, c, recovers); });
