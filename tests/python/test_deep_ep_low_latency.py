@@ -10,12 +10,16 @@ every rank's inputs (per-rank seeds, fresh data each round, outputs poisoned fir
               powers as exponent bytes), src_info, layout_range, the cumulative stats
     combine   sum_k w x y(t, k) within two bf16 roundings: from x, zero_copy (x not read), into
               out, after return_recv_hook's hooks, with async_finish's event
-    more      a rank with no tokens, a second engine shape, capture in a CUDA graph and replays
-              with new inputs, the errors (each names the value), Buffer.status().ok at the end
+    more      the hinted shape's engine made by the constructor, a rank with no tokens, a second
+              engine shape (made on its first call), capture in a CUDA graph and replays with new
+              inputs, the errors (each names the value), Buffer.status().ok at the end
+    shrink    a shrink-mode Buffer whose last rank stops after the constructor: the others' two
+              rounds exact without it, the query and MoeStatus.shrunk_ranks naming it
 
     torchrun --nproc_per_node 2 tests/python/test_deep_ep_low_latency.py --worker
 """
 
+import copy
 import os
 import subprocess
 import sys
@@ -270,16 +274,17 @@ def test_low_latency_calls_need_low_latency_mode():
 @requires_torch
 @requires_gpus(2)
 def test_low_latency_on_two_ranks_under_torchrun():
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1", GRAPHEP_TIMEOUT_MS="4000")  # shrink's wait
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__, "--worker"]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     print(r.stdout[-6000:], r.stderr[-6000:])
     assert r.returncode == 0 and "PASS" in r.stdout
 
 
-# The main shape (T, H, E, k): hidden a multiple of 512 (UE8M0), the engine's top-k 16 > k; and a
-# second shape on the same Buffer (hidden 640: fp8 yes, UE8M0 no; k = the engine's top-k, 4).
-SHAPES = {"main": (64, 1024, 16, 4), "second": (16, 640, 4, 4)}
+# The main shape (T, H, E, k): hidden a multiple of 512 (UE8M0), the engine's top-k 16 > k; a
+# second shape on the same Buffer (hidden 640: fp8 yes, UE8M0 no; k = the engine's top-k, 4); and
+# the shrink-mode Buffer's.
+SHAPES = {"main": (64, 1024, 16, 4), "second": (16, 640, 4, 4), "shrink": (32, 512, 8, 4)}
 POISON = -3.0e38  # bf16 / fp32 poison: far from anything the engine writes
 
 
@@ -445,7 +450,8 @@ def worker() -> int:
     buffer = deep_ep.Buffer(dist.group.WORLD, num_rdma_bytes=hint, low_latency_mode=True, num_qps_per_rank=L,
                             explicitly_destroy=True)
     buffer.clean_low_latency_buffer(T, H, E)  # nothing to clean
-    warm = inputs(shape, 99)[rank]  # the constructor made the hinted shape's engine; a first round before the poisoning
+    count("engine_made_by_the_constructor", list(buffer._ll_engines) != [(T, H, E)])  # the hinted shape
+    warm = inputs(shape, 99)[rank]
     buffer.low_latency_combine(torch.zeros(L, R * T, H, dtype=torch.bfloat16, device=device), warm.ids, warm.w,
                                buffer.low_latency_dispatch(warm.x, warm.ids, T, E)[2])
 
@@ -621,6 +627,45 @@ def worker() -> int:
     expect_error("error.x_shape", graphep.Status.INVALID_ARGUMENT, ["low_latency_combine: x has shape"],
                  buffer.low_latency_combine, y[:, :T], me.ids, me.w, handle_b)
     combined, _, _ = buffer.low_latency_combine(y, me.ids, me.w, handle_b)  # the last handle is still served
+
+    # Shrink mode (DeepEP's enable_shrink): the last rank stops right after the constructor and
+    # releases its Buffer, as a rank that dies before its first dispatch (DeepEP's --shrink-test
+    # fails rank 1 there, and its failed rank destroys its Buffer at once, as here). Its engine
+    # existed (the constructor made it), so nothing collective waits for it; the others' first
+    # dispatch masks it after GRAPHEP_TIMEOUT_MS and completes with their own tokens, combine adds
+    # nothing for its experts, the query names it; the second round finds it masked. (The stopped
+    # rank destroying its Buffer after the others destroyed theirs hung in the group's NCCL
+    # teardown: docs/RELIABILITY.md.)
+    shape3 = SHAPES["shrink"]
+    T3, H3, E3, k3 = shape3
+    gone = R - 1
+    shrink = deep_ep.Buffer(dist.group.WORLD, num_rdma_bytes=deep_ep.Buffer.get_low_latency_rdma_size_hint(
+        T3, H3, R, E3), low_latency_mode=True, explicitly_destroy=True, enable_shrink=True)
+    count("shrink.engine_made", (T3, H3, E3) not in shrink._ll_engines)
+    if rank == gone:
+        shrink.destroy()
+    else:
+        all_in = inputs(shape3, 60, [T3 if s != gone else 0 for s in range(R)])  # the reference: nothing from it
+        me = all_in[rank]
+        live = copy.copy(me)  # the reference's routing: the entries to its experts dropped
+        live.ids = torch.where(me.ids // (E3 // R) == gone, -1, me.ids)
+        mask = torch.full((R,), -7, dtype=torch.int32, device=device)
+        for round_ in range(2):
+            recv, recv_count, handle, _, _ = shrink.low_latency_dispatch(me.x, me.ids, T3, E3, use_fp8=False)
+            rows = check_dispatch(f"shrink.dispatch.{round_}", all_in, shape3, recv, recv_count, handle, None)
+            y = experts(rows, shape3, torch.empty(E3 // R, R * T3, H3, dtype=torch.bfloat16, device=device),
+                        all_x(all_in, shape3))
+            combined, _, _ = shrink.low_latency_combine(y, me.ids, me.w, handle)
+            check_combined(f"shrink.combine.{round_}", combined, live, shape3)
+            shrink.low_latency_query_mask_buffer(mask)
+            count(f"shrink.query.{round_}", mask.tolist() != [int(r == gone) for r in range(R)])
+        shrink.clean_low_latency_buffer(T3, H3, E3)  # the barrier, among the ranks left
+        shrink.low_latency_query_mask_buffer(mask)
+        count("shrink.query.clean", mask.tolist() != [int(r == gone) for r in range(R)])
+        st = shrink.status().low_latency[(T3, H3, E3)]
+        count("shrink.status", not st.ok or st.shrunk_ranks != 1 << gone)
+        shrink.destroy()
+    dist.barrier()
 
     torch.cuda.synchronize()
     status = buffer.status()
