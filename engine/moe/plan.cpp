@@ -45,7 +45,6 @@ PathHeap pathHeap(MoePath path, const MoeSizes& z, const MoeConfig& cfg) {
     // The combine's top-k weights from each source ([2][R][T][K] fp32) and their flags [R].
     h.llCombW = a.carve("llCombW", 2 * z.R * z.T * static_cast<std::size_t>(cfg.topK), 4, 256);
     h.llCombWFlag = a.carve("llCombWFlag", z.R, 4, 256);
-    h.llBarrier = a.carve("llBarrier", z.R, 4, 256);
   } else {
     // The records and partials, then the direct dispatch's [2][R] count messages, [R] flags and
     // [R][W] block flags for the records and for the partials, its [R] acknowledgements of the
@@ -60,8 +59,8 @@ PathHeap pathHeap(MoePath path, const MoeSizes& z, const MoeConfig& cfg) {
     h.llDispAck = a.carve("llDispAck", z.R, 4, 256);
     h.llCombAck = a.carve("llCombAck", z.R, 4, 256);
     h.llCombVal = a.carve("llCombVal", z.R * z.T * kMoeMaxValues, 4, 256);
-    h.llBarrier = a.carve("llBarrier", z.R, 4, 256);
   }
+  h.llBarrier = a.carve("llBarrier", z.R, 4, 256);  // the device barrier's [R] pair counts (both paths)
   h.heap.numRanks = static_cast<int>(z.R);
   h.heap.userBytes = alignUp(a.used(), 4096);
   h.heap.moverSlotBytes = path == MoePath::kThroughput ? kEngineSlotBytes : 0;

@@ -512,9 +512,11 @@ class Engine {
   // takes part in nothing. A peer that does not come within GRAPHEP_TIMEOUT_MS is named (status,
   // failed state, as every bounded wait), or with MoeConfig::shrinkOnTimeout masked
   // (MoeStatus::shrunkRanks) while the barrier completes among the others: DeepEP's
-  // clean_low_latency_buffer in its shrink mode. Every rank of the mask makes the same barrier
-  // calls in the same order between the same operations. Refused: the throughput path over the
-  // movers (no load/store peers), and a send half waiting for its receive.
+  // clean_low_latency_buffer in its shrink mode (the combine of a dispatch before it leaves the
+  // rank out too). Every rank of the mask makes the same barrier calls in the same order between
+  // the same operations; a rank left out by the mask and put back is in step, but one masked
+  // after a timeout is not to be put back (its late post is not detected). Refused: the
+  // throughput path over the movers (no load/store peers), and a send half waiting for its receive.
   void barrier(cudaStream_t stream);
 
   // The layout views: the same object dispatch() returns, its pointers fixed from setup (recvScales

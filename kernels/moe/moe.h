@@ -445,12 +445,13 @@ cudaError_t launchMoeLatencyCombine(const MoeParams& p, cudaStream_t stream);
 // Loads the two kernels and allows them the largest dynamic shared memory.
 cudaError_t preloadMoeLatencyKernels();
 
+// CTAs of the latency kernels (the lower of the two) that fit on one SM.
+cudaError_t moeLatencyCtasPerSm(std::uint32_t smemBytes, int* ctas);
+
 // kernels/moe/barrier.cu: the device barrier among the ranks of the active-rank mask (one CTA;
 // MoePeers::barrierOff and barrierPairs; with p.latency.shrink a peer that does not come within
 // the timeout is masked).
 cudaError_t launchMoeBarrier(const MoeParams& p, cudaStream_t stream);
 cudaError_t preloadMoeBarrierKernels();
-// CTAs of the latency kernels (the lower of the two) that fit on one SM.
-cudaError_t moeLatencyCtasPerSm(std::uint32_t smemBytes, int* ctas);
 
 }  // namespace graphep

@@ -118,6 +118,7 @@ TEST(Unit_MoePlan, LocalRegionsHoldWhatTheKernelsWrite) {
         {o.llExpected, 2 * Rs * 4},  // latency: the arrivals expected; direct: the steps each pair shared
         {o.llShrink, !throughput && c.shrinkOnTimeout ? 2 * 4 * 4 : 0},  // shrink on timeout: [2 operations][4 words]
         {o.llZeroMsg, std::max(z.cntMsgBytes, z.directMsgBytes)},  // read as either path's count message
+        {o.llBarrier, Rs * 4},  // the device barrier's pair counts
         {o.combArrive, throughput ? Rs * o.routeWords * 4 : 0},
         {o.combReady, throughput ? Rs * o.routeWords * 4 : 0},
         {o.timeline, c.profile ? stamps : 0},
@@ -145,7 +146,8 @@ TEST(Unit_MoePlan, HeapRegionsHoldWhatThePeersWrite) {
                        {h.llArrive, Rs * 4},
                        {h.llCombArrive, Rs * 4},
                        {h.llCombW, 2 * Rs * T * K * 4},
-                       {h.llCombWFlag, Rs * 4}},
+                       {h.llCombWFlag, Rs * 4},
+                       {h.llBarrier, Rs * 4}},
                       h.heap.userBytes, where);
         EXPECT_EQ(h.heap.moverSlotBytes, 0u) << where << ": the latency path has no movers' staging";
       } else {
@@ -158,7 +160,8 @@ TEST(Unit_MoePlan, HeapRegionsHoldWhatThePeersWrite) {
                        {h.llCombBlock, Rs * W * 4},
                        {h.llDispAck, Rs * 4},
                        {h.llCombAck, Rs * 4},
-                       {h.llCombVal, Rs * T * kMoeMaxValues * 4}},
+                       {h.llCombVal, Rs * T * kMoeMaxValues * 4},
+                       {h.llBarrier, Rs * 4}},
                       h.heap.userBytes, where);
         EXPECT_GT(h.heap.moverSlotBytes, 0u) << where;
       }

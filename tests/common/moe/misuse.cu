@@ -3,6 +3,7 @@
 #include "common/expect_error.hpp"
 #include "common/gpu_env.hpp"
 #include "common/moe/harness.cuh"
+#include "kernels/common/ptx.cuh"
 
 namespace graphep::test {
 
@@ -341,12 +342,31 @@ void shrinkInLayout(Communicator& comm, MoeCase c) {
 namespace {
 // Holds its stream for `ns` nanoseconds (a rank that comes late to a barrier).
 __global__ void holdKernel(unsigned long long ns) {
-  unsigned long long start = 0, now = 0;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  const std::uint64_t start = ptx::globalTimerNs();
   do {
     __nanosleep(10000);
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-  } while (now - start < ns);
+  } while (ptx::globalTimerNs() - start < ns);
+}
+
+// Barriers while the last rank is outside the mask of every rank (it calls them too: outside its
+// own mask it takes part in none), then every rank back: each pair's count is where both left it,
+// so the barriers after it pass with no failure (a single count for every pair would leave the
+// last rank behind the others and their next barrier would time out on it).
+void barriersWithTheLastRankLeftOut(Communicator& comm, MoeFixture& f) {
+  const int R = comm.worldSize(), last = R - 1;
+  for (const std::uint32_t mask : {allRanksMask(R) & ~(1u << last), allRanksMask(R)}) {
+    for (int l = 0; l < f.L(); ++l) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+      f.engine(l).setActiveRanks(mask, f.buf(l).stream);
+      for (int b = 0; b < 3; ++b) f.engine(l).barrier(f.buf(l).stream);
+    }
+    f.syncAll();
+    for (int l = 0; l < f.L(); ++l) {
+      EXPECT_FALSE(f.engine(l).failed()) << "rank " << comm.globalRank(l) << " after barriers with the mask 0x"
+                                         << std::hex << mask << std::dec << ": " << f.engine(l).status().describe();
+    }
+  }
+  comm.barrier();
 }
 
 // Rank 0 comes to the barrier 50 ms late: no other rank's barrier returns before it came (the
@@ -380,6 +400,7 @@ void barrierWithoutTheLastRank(Communicator& comm, MoeCase c, bool shrink) {
   MoeFixture f(comm, c);
   comm.barrier();
   for (int round = 0; round < (shrink ? 2 : 1); ++round) {
+    const auto start = std::chrono::steady_clock::now();
     for (int l = 0; l < f.L(); ++l) {
       if (comm.globalRank(l) == last) continue;
       GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
@@ -391,6 +412,10 @@ void barrierWithoutTheLastRank(Communicator& comm, MoeCase c, bool shrink) {
       GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(f.buf(l).stream));  // returns: every wait is bounded
       const MoeStatus st = f.engine(l).status();
       const std::string who = "rank " + std::to_string(comm.globalRank(l)) + ", round " + std::to_string(round);
+      if (round == 1) {  // the masked rank is waited for by no one: nowhere near the 300 ms timeout
+        const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
+        EXPECT_LT(ms.count(), 150) << who << ": the barrier after the shrink waited for the masked rank";
+      }
       if (!shrink) {
         EXPECT_TRUE(f.engine(l).failed()) << who;
         EXPECT_NE(st.deviceError.find("peer " + std::to_string(last)), std::string::npos) << who << ": " << st.deviceError;
@@ -422,6 +447,7 @@ void runMoeBarrier(Communicator& comm, MoePath path) {
       }
       return;
     }
+    barriersWithTheLastRankLeftOut(comm, f);
     barrierWaitsForTheLateRank(comm, f);
     // Barriers around the operations of a captured graph, replayed: every result exact, no failure.
     std::vector<cudaGraphExec_t> execs(static_cast<std::size_t>(f.L()), nullptr);
