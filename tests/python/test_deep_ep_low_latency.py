@@ -77,8 +77,7 @@ def test_buffer_low_latency_hint_is_the_config_one():
 @requires_torch
 def test_the_hinted_shapes_are_the_constructors_engines(monkeypatch):
     # The hint remembers each shape once, in order; the constructor makes the engines of those of
-    # its rank count whose hint fits num_rdma_bytes, once every rank agrees (else every rank
-    # refuses, naming the first that differs).
+    # its rank count whose hint fits num_rdma_bytes, on every rank those any rank asked for.
     from graphep.deep_ep import Buffer
     from graphep.deep_ep import low_latency as ll
 
@@ -92,10 +91,12 @@ def test_the_hinted_shapes_are_the_constructors_engines(monkeypatch):
     assert ll.hinted_shapes(ll.HINTED, 2, big - 1) == [(8, 128, 16)]  # a hint past num_rdma_bytes: not made
     assert ll.hinted_shapes(ll.HINTED, 4, 1 << 30) == [(8, 128, 16)]
     assert ll.hinted_shapes(ll.HINTED, 2, 0) == []  # DeepEP's normal mode passes 0
-    assert ll.agreed_shapes([[(8, 128, 16)], [(8, 128, 16)]]) == [(8, 128, 16)]
-    expect_error(graphep.Status.INVALID_ARGUMENT,
-                 "rank 2 asked get_low_latency_rdma_size_hint for the shapes (T, hidden, num_experts) [], rank 0 "
-                 "for [(8, 128, 16)]", ll.agreed_shapes, [[(8, 128, 16)], [(8, 128, 16)], []])
+    assert ll.hinted_by_any_rank([[(8, 128, 16)], [(8, 128, 16)]]) == [(8, 128, 16)]
+    # Ranks that asked for other shapes, or none (a stack that sizes on one rank): every rank makes
+    # the engines of every shape any rank asked for, rank 0's first, in the same order on each.
+    assert ll.hinted_by_any_rank([[], [(16, 256, 16), (8, 128, 16)], [(8, 128, 16)]]) == [(16, 256, 16),
+                                                                                          (8, 128, 16)]
+    assert ll.hinted_by_any_rank([[(8, 128, 16)], [[16, 256, 16]]]) == [(8, 128, 16), (16, 256, 16)]  # gathered lists
 
 
 @requires_torch

@@ -42,7 +42,7 @@ from graphep._graphep import DispatchInput, MoeStatus, Status, token_layout
 from graphep.deep_ep.config import (MAX_TOKENS_ENV, TOKENS_CAP, TOKENS_STEP, Config, combine_config, dispatch_config,
                                     engine_config, heap_bytes_for, max_tokens_per_rank, sm_budget)
 from graphep.deep_ep.events import EventOverlap
-from graphep.deep_ep.low_latency import HINTED, LowLatencyMode, _LowLatencyState, agreed_shapes, hinted_shapes
+from graphep.deep_ep.low_latency import HINTED, LowLatencyMode, _LowLatencyState, hinted_by_any_rank, hinted_shapes
 from graphep.deep_ep.tensors import ID_TYPES as _ID_TYPES
 from graphep.deep_ep.tensors import check_tensor as _check_tensor
 from graphep.engine import _INDEX_TYPES, DispatchOutputs, Engine, create_engine, memory_requirements
@@ -157,7 +157,7 @@ class Buffer(LowLatencyMode):
         if len(set(hosts)) > 1:
             raise not_supported(f"Buffer: the group spans {len(set(hosts))} nodes ({', '.join(sorted(set(hosts)))}); "
                                 f"{_INTERNODE}")
-        shapes = agreed_shapes([f[1] for f in facts])  # every rank refuses a disagreement alike
+        shapes = hinted_by_any_rank([f[1] for f in facts])  # the same list on every rank
         self._group = group_from_process_group(group, device=self._device)  # collective
         self._comm_stream = torch.cuda.Stream(device=self._device)
         self._engines: Dict[Tuple[int, int], _EngineState] = {}

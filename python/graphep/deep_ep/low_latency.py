@@ -13,8 +13,8 @@ How it maps (DeepEP's argument -> graphep):
   (graphep.deep_ep.config.low_latency_engine_config). DeepEP's [E_local, R x T, H] receive tensor
   is that layout's recv_x. Where DeepEP allocates its RDMA buffer, in the Buffer's constructor,
   graphep makes the engines of the shapes get_low_latency_rdma_size_hint was asked for in this
-  process (for the group's rank count, each hint within num_rdma_bytes; every rank must have asked
-  the same, which the constructor checks): so a rank that stops before its first dispatch (shrink
+  process (for the group's rank count, each hint within num_rdma_bytes; the shapes of every rank,
+  gathered, so that the ranks make the same engines): so a rank that stops before its first dispatch (shrink
   mode) leaves no collective waiting, and the first dispatch can be captured. A shape no hint
   named gets its engine on its first low_latency_dispatch (collective: every rank makes the same
   calls in the same order, as DeepEP requires).
@@ -75,7 +75,7 @@ from graphep.errors import Error, invalid_argument, not_supported
 
 # The shapes get_low_latency_rdma_size_hint was asked for in this process, in the order asked:
 # (T, hidden, num_ranks, num_experts) -> the bytes it answered. A Buffer makes their engines when it
-# is constructed (hinted_shapes, agreed_shapes).
+# is constructed (hinted_shapes, hinted_by_any_rank).
 HINTED: Dict[Tuple[int, int, int, int], int] = {}
 
 
@@ -86,17 +86,15 @@ def hinted_shapes(hinted: Dict[Tuple[int, int, int, int], int], ranks: int,
     return [(t, h, e) for (t, h, r, e), size in hinted.items() if r == ranks and size <= num_rdma_bytes]
 
 
-def agreed_shapes(per_rank: List[List[Tuple[int, int, int]]]) -> List[Tuple[int, int, int]]:
-    """The shapes every rank hinted (each rank's hinted_shapes, gathered); graphep.Error naming the
-    first rank that differs from rank 0: the engines' creation is collective, so the ranks must
-    make the same ones."""
-    for r, shapes in enumerate(per_rank):
-        if list(shapes) != list(per_rank[0]):
-            raise invalid_argument(
-                f"Buffer: rank {r} asked get_low_latency_rdma_size_hint for the shapes (T, hidden, num_experts) "
-                f"{list(shapes)}, rank 0 for {list(per_rank[0])}: every rank must ask for the same shapes, in the "
-                "same order, before constructing the Buffer (it makes their engines, collectively)")
-    return list(per_rank[0])
+def hinted_by_any_rank(per_rank: List[List[Tuple[int, int, int]]]) -> List[Tuple[int, int, int]]:
+    """The shapes any rank hinted (each rank's hinted_shapes, gathered), rank 0's first, each once:
+    every rank computes the same list from the same gathered lists, so their collective engine
+    creations match even where only some ranks asked for the hint (a stack that sizes the buffer
+    on one rank and broadcasts the number)."""
+    shapes: List[Tuple[int, int, int]] = []
+    for rank_shapes in per_rank:
+        shapes += [tuple(s) for s in rank_shapes if tuple(s) not in shapes]
+    return shapes
 
 
 def _signed32(bits: int) -> int:
