@@ -66,6 +66,9 @@ HealthReport Engine::checkHealth(cudaStream_t stream, std::chrono::milliseconds 
     // The masks (the caller's, the last dispatch's) and the expected arrivals.
     GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h + 3 + 3 * R, m.p.peers.live, 2 * 4, cudaMemcpyDeviceToHost, m.watchStream));
     GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h + 5 + 3 * R, m.p.latency.expected, 2 * R * 4, cudaMemcpyDeviceToHost, m.watchStream));
+    // The device barrier's pair counts and the peers' posts of them.
+    GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h + 5 + 5 * R, m.p.peers.barrierPairs, R * 4, cudaMemcpyDeviceToHost, m.watchStream));
+    GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h + 5 + 6 * R, user + m.p.peers.barrierOff, R * 4, cudaMemcpyDeviceToHost, m.watchStream));
     GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(m.watchStream));
     detail::LatencyCounters c;
     c.dispatchStep = h[0];
@@ -81,6 +84,8 @@ HealthReport Engine::checkHealth(cudaStream_t stream, std::chrono::milliseconds 
     c.combineLive = h[4 + 3 * R];
     c.expected.assign(h + 5 + 3 * R, h + 5 + 4 * R);
     c.combineExpected.assign(h + 5 + 4 * R, h + 5 + 5 * R);
+    c.barrierPairs.assign(h + 5 + 5 * R, h + 5 + 6 * R);
+    c.barrierPosts.assign(h + 5 + 6 * R, h + 5 + 7 * R);
     return detail::describeLatencyStall(c);
   });
   if (!r.ok && m.failure.empty()) m.failure = r.message;
@@ -91,6 +96,14 @@ std::string detail::describeLatencyStall(const LatencyCounters& c) {
   const std::uint32_t step = c.dispatchStep, cstep = c.combineStep, G = c.ctas;
   const bool inCombine = (c.pending & kMoePendingCombine) != 0;
   std::string missing;
+  for (std::size_t peer = 0; peer < c.barrierPairs.size() && peer < c.barrierPosts.size(); ++peer) {
+    const bool live = ((c.dispatchLive >> (peer & 31)) & 1u) != 0;
+    if (live && static_cast<int>(peer) != c.rank && !counterReached(c.barrierPosts[peer], c.barrierPairs[peer])) {
+      missing += format("; rank %zu has not reached barrier %u (its post %u)", peer, c.barrierPairs[peer],
+                        c.barrierPosts[peer]);
+    }
+  }
+  if (!missing.empty()) return missing;
   for (std::size_t peer = 0; peer < c.flags.size(); ++peer) {
     const std::uint32_t flag = c.flags[peer], arrive = c.arrivals[peer], comb = c.combineArrivals[peer];
     const std::uint32_t base = c.expected.empty() ? step * G : c.expected[peer];

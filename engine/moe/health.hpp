@@ -20,10 +20,15 @@ struct LatencyCounters {
   // (latency.expected); empty: step x G (every rank took part in every step).
   std::uint32_t dispatchLive = ~0u, combineLive = ~0u;
   std::vector<std::uint32_t> expected, combineExpected;
+  // The device barrier (Engine::barrier): this rank's count of barriers with each rank, and each
+  // rank's post of it in this rank's slot; empty: not snapshot.
+  std::vector<std::uint32_t> barrierPairs, barrierPosts;
 };
 
 // "; rank q's count message for dispatch step s has not arrived (flag f)", one clause per peer
-// that is short of the step; a sentence saying every peer is complete when none is.
+// that is short of the step; a sentence saying every peer is complete when none is. A barrier
+// this rank entered and a live peer has not reached comes first ("; rank q has not reached
+// barrier n (its post p)"): the barrier's kernel is then what waits.
 std::string describeLatencyStall(const LatencyCounters& c);
 
 }  // namespace graphep::detail

@@ -51,7 +51,9 @@ struct Engine::Impl {
   std::string faultAfterLaunch;
   cudaStream_t watchStream = nullptr;
   cudaEvent_t watchEvent = nullptr;
-  std::uint32_t* snapshot = nullptr;  // pinned: peers.steps[2], pending, then flags, arrivals, combine arrivals [R] each
+  // pinned: peers.steps[2], pending, flags, arrivals, combine arrivals [R] each, the masks [2], the
+  // expected arrivals [2][R], the barrier's pair counts and posts [R] each
+  std::uint32_t* snapshot = nullptr;
   Impl();  // joins the registry of this process's live engines (engine.cpp)
   ~Impl();
   const Movers& movers() const { return group->movers[static_cast<std::size_t>(local)]; }

@@ -153,6 +153,25 @@ TEST(Unit_MoeHealth, NamesThePeerAndWhatIsMissing) {
   EXPECT_NE(detail::describeLatencyStall(c).find("every peer's counters are complete"), std::string::npos);
 }
 
+// A barrier this rank entered (its pair counts at 5) that rank 2 has not reached (its post 4)
+// comes first; rank 3 outside the mask, and this rank itself, are not waited for; once every
+// post is in, the step's counters speak again.
+TEST(Unit_MoeHealth, NamesAPeerThatHasNotReachedTheBarrier) {
+  detail::LatencyCounters c = stalled(7, 24, 4);
+  c.rank = 0;
+  c.flags[1] = 7;  // also short of the step: the barrier comes first
+  c.barrierPairs = {0, 5, 5, 5};
+  c.barrierPosts = {0, 5, 4, 4};
+  c.dispatchLive = 0b0111;
+  std::string m = detail::describeLatencyStall(c);
+  EXPECT_NE(m.find("; rank 2 has not reached barrier 5 (its post 4)"), std::string::npos) << m;
+  EXPECT_EQ(m.find("rank 3"), std::string::npos) << m;
+  EXPECT_EQ(m.find("count message"), std::string::npos) << m;
+  c.barrierPosts = {0, 5, 5, 4};
+  m = detail::describeLatencyStall(c);
+  EXPECT_NE(m.find("rank 1's count message for dispatch step 7"), std::string::npos) << m;
+}
+
 // The static memory query: validates first, picks the path createAll starts from, and its private
 // bytes grow with the receive capacity by exactly the per-row buffers (recv_x, scales, four
 // metadata words, the bf16 expert output), up to one 256-byte alignment per region.
