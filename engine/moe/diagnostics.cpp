@@ -240,7 +240,7 @@ std::string MoeStatus::describe() const {
   auto line = [&](const std::string& l) { s += (s.empty() ? "" : "\n") + l; };
   if (shrunkRanks != 0) {  // not a problem, but a change the caller should see
     std::string ranks;
-    for (int r = 0; r < 32; ++r) {
+    for (int r = 0; r < kMaxRanks; ++r) {
       if (((shrunkRanks >> r) & 1u) != 0) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
     }
     line("masked after a timeout (MoeConfig::shrinkOnTimeout): rank(s) " + ranks);

@@ -293,7 +293,6 @@ __device__ void dispatchReceive(const MoeParams& p, Part part, std::uint32_t liv
     layoutOk = moeReceiveLayout<kThreads, kGroups>(p, msgOf, step, part.cta == 0, sm, [&] {  // CTA 0 publishes
       if (part.cta == part.ctas - 1 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kLayout);
       if (masked != nullptr) live &= ~settleMasked(p, masked, part.ctas, WaitSite::kMoeDispatch);
-      return true;
     }, live, nullptr, masked);
   }
   {

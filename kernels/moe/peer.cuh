@@ -137,15 +137,16 @@ struct MoeReceiveSmem {
 // others), then every CTA derives the expert offsets (its expansion needs them) and the
 // `publisher` CTA writes the per-source bases and publishes the layout. `seen` runs once the wait
 // returns (the step trace; with `masked`, shrink on timeout, it also settles the sources msgOf
-// gives: the ranks masked after a timeout read as zeros); false from it stops the layout. False:
-// a wait failed (reported), nothing was computed.
+// gives: the ranks masked after a timeout read as zeros). False: a wait failed (reported), nothing
+// was computed.
 template <int kThreads, int kGroups, typename Msg, typename Seen>
 __device__ __forceinline__ bool moeReceiveLayout(const MoeParams& p, Msg msgOf, std::uint32_t step, bool publisher,
                                                  MoeReceiveSmem<kThreads, kGroups>& sm, Seen seen, std::uint32_t live = ~0u,
                                                  const std::uint32_t* pairBase = nullptr, std::uint32_t* masked = nullptr) {
   const bool ok = waitEveryRank(p, p.peers.countFlagsOff, pairBase != nullptr ? 1u : step + 1u, WaitSite::kMoeDispatch,
                                 false, live, pairBase, masked);
-  if (!seen() || !ok) return false;
+  seen();
+  if (!ok) return false;
   moeComputeOffsets<kThreads>(p, msgOf, sm.counts, sm.offsets, sm.scratch);
   if (publisher) {
     moeComputeSourceBases<kThreads>(p, msgOf, sm.offsets, p.layout.sourceBase);

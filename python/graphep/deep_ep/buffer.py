@@ -115,8 +115,9 @@ class Buffer(LowLatencyMode):
     Arguments as DeepEP's. num_nvl_bytes sizes the normal mode's engines' T_max
     (graphep.deep_ep.config). With low_latency_mode=True the constructor makes the low-latency
     engines of the shapes get_low_latency_rdma_size_hint was asked for (each hint within
-    num_rdma_bytes; the engines size themselves); graphep/deep_ep/low_latency.py says more. num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl and use_fabric are
-    accepted and not read. enable_shrink=True (with low_latency_mode) maps DeepEP's mask buffer onto
+    num_rdma_bytes; the engines size themselves); graphep/deep_ep/low_latency.py says more.
+    num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl and use_fabric are accepted
+    and not read. enable_shrink=True (with low_latency_mode) maps DeepEP's mask buffer onto
     the low-latency engines' active-rank mask (graphep/deep_ep/low_latency.py). num_rdma_bytes > 0
     without low_latency_mode (internode), enable_shrink without low_latency_mode, comm (mpi4py) and
     groups that span nodes raise graphep.Error NOT_SUPPORTED.
