@@ -20,6 +20,7 @@ every rank's inputs (per-rank seeds, fresh data each round, outputs poisoned fir
 """
 
 import copy
+import gc
 import os
 import subprocess
 import sys
@@ -634,18 +635,15 @@ def worker() -> int:
     # fails rank 1 there, and its failed rank destroys its Buffer at once, as here). Its engine
     # existed (the constructor made it), so nothing collective waits for it; the others' first
     # dispatch masks it after GRAPHEP_TIMEOUT_MS and completes with their own tokens, combine adds
-    # nothing for its experts, the query names it; the second round finds it masked. (The stopped
-    # rank destroying its Buffer after the others destroyed theirs hung in the group's NCCL
-    # teardown: docs/RELIABILITY.md.)
+    # nothing for its experts, the query names it; the second round finds it masked. The survivors'
+    # part runs in a function: the tensors it holds view the engine (they keep it, and its group,
+    # alive), and the stopped rank's group teardown waits until the survivors' groups are gone
+    # (docs/RELIABILITY.md; the views held past destroy() hung runs 146-148 here).
     shape3 = SHAPES["shrink"]
     T3, H3, E3, k3 = shape3
     gone = R - 1
-    shrink = deep_ep.Buffer(dist.group.WORLD, num_rdma_bytes=deep_ep.Buffer.get_low_latency_rdma_size_hint(
-        T3, H3, R, E3), low_latency_mode=True, explicitly_destroy=True, enable_shrink=True)
-    count("shrink.engine_made", (T3, H3, E3) not in shrink._ll_engines)
-    if rank == gone:
-        shrink.destroy()
-    else:
+
+    def survive(shrink):
         all_in = inputs(shape3, 60, [T3 if s != gone else 0 for s in range(R)])  # the reference: nothing from it
         me = all_in[rank]
         live = copy.copy(me)  # the reference's routing: the entries to its experts dropped
@@ -665,7 +663,15 @@ def worker() -> int:
         count("shrink.query.clean", mask.tolist() != [int(r == gone) for r in range(R)])
         st = shrink.status().low_latency[(T3, H3, E3)]
         count("shrink.status", not st.ok or st.shrunk_ranks != 1 << gone)
-        shrink.destroy()
+
+    shrink = deep_ep.Buffer(dist.group.WORLD, num_rdma_bytes=deep_ep.Buffer.get_low_latency_rdma_size_hint(
+        T3, H3, R, E3), low_latency_mode=True, explicitly_destroy=True, enable_shrink=True)
+    count("shrink.engine_made", (T3, H3, E3) not in shrink._ll_engines)
+    if rank != gone:
+        survive(shrink)
+    gc.collect()  # nothing left that views the engine
+    shrink.destroy()
+    del shrink
     dist.barrier()
 
     torch.cuda.synchronize()

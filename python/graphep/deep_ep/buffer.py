@@ -173,7 +173,12 @@ class Buffer(LowLatencyMode):
     # ---- lifetime ----------------------------------------------------------------------------
     def destroy(self) -> None:
         """Releases the engines and the graphep group (Buffer(explicitly_destroy=True) only, as in
-        DeepEP). Waits for this rank's device first."""
+        DeepEP). Waits for this rank's device first. Unlike DeepEP's destroy, nothing is left
+        dangling: a tensor this Buffer returned that views an engine's buffers (the recv_x,
+        recv_count and handle of low_latency_dispatch, get_next_low_latency_combine_buffer's)
+        keeps that engine, and the group's NCCL communicator, alive until it is released. Release
+        them before destroy(): a peer's destroy() waits in NCCL's teardown until this rank's
+        communicator is gone too."""
         if not self.explicitly_destroy:
             raise invalid_argument("Buffer.destroy() needs Buffer(explicitly_destroy=True), as in DeepEP (otherwise "
                                    "the Buffer's resources go with it)")
