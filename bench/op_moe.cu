@@ -9,7 +9,14 @@
 // busbw = NVLink bandwidth: the bytes of the records that crossed to other ranks (payload and
 // metadata) / time. Both are rank averages. #wrong: ranks whose expert counts differ from the
 // host's or whose status reports a drop.
+//   baseline   NCCL's all-to-all-v (grouped ncclSend/ncclRecv, nccl-tests' alltoall, in a graph)
+//              moving the operation's payload: rank s sends rank d one row per (token of s,
+//              destination d) of the dispatch's row bytes (its own share included), and combine
+//              the same counts of bf16 rows back; exact counts known on the host, so no count
+//              exchange. Printed where every rank has an NCCL communicator (a GPU of its own, or
+//              mpirun).
 #include <cuda_runtime.h>
+#include <nccl.h>
 
 #include <algorithm>
 #include <chrono>
@@ -205,6 +212,61 @@ void printHostCost(const Options& o, Ranks& r, std::vector<std::unique_ptr<Engin
                 "GPU %.2f us\n",
                 tokens, fp8 ? "fp8" : "bf16", o.iters, eager.first, eager.second, graph.first, graph.second);
   }
+}
+
+// NCCL's all-to-all-v of `rowBytes` rows, rows[s][d] from rank s to rank d (forward) or from d to s
+// (reverse), timed as the movers' baselines are (graph of o.opsPerGraph operations); 0 when the
+// ranks have no NCCL communicators. The buffers are this function's; the bytes are not checked
+// (NCCL's own result is not graphep's to count).
+double ncclAllToAllvUs(const Options& o, Ranks& r, const std::vector<std::vector<long long>>& rows,
+                       std::size_t rowBytes, bool reverse) {
+  if (!r.hasNccl()) return 0;
+  const int R = r.worldSize(), L = r.numLocal();
+  auto count = [&](int from, int to) {
+    const long long n = reverse ? rows[static_cast<std::size_t>(to)][static_cast<std::size_t>(from)]
+                                : rows[static_cast<std::size_t>(from)][static_cast<std::size_t>(to)];
+    return static_cast<std::size_t>(n) * rowBytes;
+  };
+  std::vector<char*> src(static_cast<std::size_t>(L)), dst(src.size());
+  for (int i = 0; i < L; ++i) {
+    std::size_t out = 0, in = 0;
+    for (int q = 0; q < R; ++q) {
+      out += count(r.rank(i), q);
+      in += count(q, r.rank(i));
+    }
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[static_cast<std::size_t>(i)]));
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&src[static_cast<std::size_t>(i)], std::max<std::size_t>(out, 1)));
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&dst[static_cast<std::size_t>(i)], std::max<std::size_t>(in, 1)));
+    GRAPHEP_CUDA_CHECK(cudaMemset(src[static_cast<std::size_t>(i)], 0x3c, std::max<std::size_t>(out, 1)));
+  }
+  for (int i = 0; i < L; ++i) {  // the fills landed before NCCL's streams read them
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[static_cast<std::size_t>(i)]));
+    GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  auto execs = captureOpsAll(o, r, [&] {
+    GRAPHEP_NCCL_CHECK(ncclGroupStart());
+    for (int i = 0; i < L; ++i) {
+      const int me = r.rank(i);
+      std::size_t sendOff = 0, recvOff = 0;
+      for (int q = 0; q < R; ++q) {
+        const std::size_t out = count(me, q), in = count(q, me);
+        if (out > 0) {
+          GRAPHEP_NCCL_CHECK(ncclSend(src[static_cast<std::size_t>(i)] + sendOff, out, ncclChar, q, r.ncclComm(i),
+                                      r.streams[static_cast<std::size_t>(i)]));
+        }
+        if (in > 0) {
+          GRAPHEP_NCCL_CHECK(ncclRecv(dst[static_cast<std::size_t>(i)] + recvOff, in, ncclChar, q, r.ncclComm(i),
+                                      r.streams[static_cast<std::size_t>(i)]));
+        }
+        sendOff += out;
+        recvOff += in;
+      }
+    }
+    GRAPHEP_NCCL_CHECK(ncclGroupEnd());
+  });
+  const double us = timeOps(o, r, execs);
+  freeEach(r, src, dst);
+  return us;
 }
 
 // A stand-in for expert compute: `ctas` CTAs spin for `ns`; the first and last timer readings go to
@@ -524,14 +586,17 @@ std::vector<Row> runMoe(const Options& o, Ranks& r) {
       auto bw = [](double bytes, double us) { return us > 0 ? bytes / (us * 1e3) : 0.0; };
       const std::string path = std::string(" ") + name(engines[0]->path()) +
                                (o.moeLayout == "expert-major" ? "" : " " + o.moeLayout);
+      const double ncclDispatchUs = ncclAllToAllvUs(o, r, records, static_cast<std::size_t>(payload), false);
       Row d{"moe", std::string("dispatch ") + (fp8 ? "fp8" : "bf16") + path, tokens, dUs, bw(logical, dUs),
-            bw(nvlink, dUs), wrong, 0, heap};
+            bw(nvlink, dUs), wrong, ncclDispatchUs, heap};
       printRow(d);
       rows.push_back(d);
       if (!fp8) {  // combine moves bf16 partials whatever the dispatch type
         const double cLogical = static_cast<double>(allRecords) / R * H * 2.0;
         const double cNvlink = static_cast<double>(remoteRecords) / R * H * 2.0;
-        Row c{"moe", "combine bf16" + path, tokens, cUs, bw(cLogical, cUs), bw(cNvlink, cUs), wrong, 0, heap};
+        const double ncclCombineUs = ncclAllToAllvUs(o, r, records, static_cast<std::size_t>(H) * 2, true);
+        Row c{"moe", "combine bf16" + path, tokens, cUs, bw(cLogical, cUs), bw(cNvlink, cUs), wrong, ncclCombineUs,
+              heap};
         printRow(c);
         rows.push_back(c);
       }
