@@ -505,7 +505,10 @@ AllToAllvParams Movers::allToAllvParams(const AllToAllvArgs& a) const {
   const std::size_t maxBytes = a.maxBytesPerPeer > 0 ? a.maxBytesPerPeer : std::max(a.srcBytes, a.dstBytes);
   const int full = std::min(a.channelsPerPeer > 0 ? a.channelsPerPeer : channelsFor(maxBytes), linkChannels_);
   int next = 0;
-  p.remoteCap = remoteCap_;
+  // Each remote peer's NCCL message: the stage capacity, or maxBytesPerPeer where smaller (every
+  // rank passes the same, so both ends of a message agree on its size): a count exchange of a few
+  // hundred bytes then moves that, not the stage's megabytes.
+  p.remoteCap = a.maxBytesPerPeer > 0 ? std::min(remoteCap_, a.maxBytesPerPeer) : remoteCap_;
   if (remoteStage_) {
     p.remoteSend = remoteStage_.get();
     p.remoteRecv = remoteStage_.get() + remoteCap_ * static_cast<std::size_t>(R);
@@ -517,11 +520,12 @@ AllToAllvParams Movers::allToAllvParams(const AllToAllvArgs& a) const {
                     "allToAllv: rank %d reaches rank %d only as %s, and "
                     "MoverOptions.maxRemoteBytesPerPeer is 0 (set it to stage NCCL messages)",
                     me, q, peerClassName(c));
-    // Per-class channel counts: peers sharing this GPU and remote peers' staged copies need few
-    // CTAs; NVLink / PCIe peers and the rank's own block (a local copy, as large as any) get the
-    // full count.
+    // Per-class channel counts: peers sharing this GPU need few CTAs; NVLink / PCIe peers, the
+    // rank's own block (a local copy, as large as any) and remote peers (the gather into and the
+    // unpack out of their NCCL stages: local copies of a whole message, which CTAs that wait on
+    // nothing make) get the full count.
     int ch = full;
-    if (c == PeerClass::kSameDevice || route == Route::kNccl) {
+    if (c == PeerClass::kSameDevice && route != Route::kNccl) {
       ch = std::min(full, static_cast<int>(kSameDeviceMaxChannels));
     }
     p.firstChannel[q] = static_cast<std::uint16_t>(next);
@@ -559,8 +563,8 @@ void Movers::allToAllv(cudaStream_t stream, const AllToAllvArgs& args) const {
     GRAPHEP_NCCL_CHECK(ncclGroupStart());
     for (int q = 0; q < heap_->worldSize(); ++q) {
       if ((p.remoteMask & (1u << q)) == 0) continue;
-      mesh_.nccl().put(stream, q, p.remoteSend + remoteCap_ * q, remoteCap_);
-      mesh_.nccl().get(stream, q, const_cast<char*>(p.remoteRecv) + remoteCap_ * q, remoteCap_);
+      mesh_.nccl().put(stream, q, p.remoteSend + p.remoteCap * q, p.remoteCap);
+      mesh_.nccl().get(stream, q, const_cast<char*>(p.remoteRecv) + p.remoteCap * q, p.remoteCap);
     }
     GRAPHEP_NCCL_CHECK(ncclGroupEnd());
   }

@@ -80,7 +80,10 @@ struct AllToAllvArgs {
   const std::uint64_t* recvOffsets = nullptr;
   // Channel counts. Both ends of a link derive its active channels from them, so they must be
   // equal on every rank (as the buffers' capacities are, in an engine built from one config).
-  std::size_t maxBytesPerPeer = 0;  // sizes the channel counts (0: the larger capacity)
+  // maxBytesPerPeer sizes the channel counts (0: the larger capacity) and is also each remote
+  // peer's NCCL message where it is below MoverOptions.maxRemoteBytesPerPeer: a remote segment
+  // beyond it is dropped and reported, as one beyond a capacity is.
+  std::size_t maxBytesPerPeer = 0;
   int channelsPerPeer = 0;          // 0: from maxBytesPerPeer and each peer's topology class
   // dst lies in this rank's user region: load/store peers write straight into it (each receiving
   // channel tells its sender where, with its ready flag), no staging, for segments of at least

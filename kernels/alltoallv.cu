@@ -116,18 +116,23 @@ __global__ void __launch_bounds__(2 * kMaxWarpsPerRole * 32)
   }
 }
 
-// One CTA per (remote peer, channel): copy the peer's segment into its fixed-capacity stage.
+// One CTA per (remote peer, channel), the channels of firstChannel: copy the peer's segment into
+// its stage. Nothing waits: the copies run at the copy's speed on as many CTAs as the peer has.
 __global__ void __launch_bounds__(256) allToAllvGatherKernel(const __grid_constant__ AllToAllvParams p) {
-  constexpr std::uint32_t kChannels = 4;
-  const int peer = static_cast<int>(blockIdx.x / kChannels);
-  const std::uint32_t c = blockIdx.x % kChannels;
-  if (peer >= p.sync.numRanks || (p.remoteMask & (1u << peer)) == 0) return;
+  const int R = p.sync.numRanks;
+  int peer = 0;
+  while (peer + 1 <= R && blockIdx.x >= p.firstChannel[peer + 1]) ++peer;
+  if (peer >= R || (p.remoteMask & (1u << peer)) == 0) return;
+  const std::uint32_t avail = p.firstChannel[peer + 1] - p.firstChannel[peer];
+  const std::uint32_t c = blockIdx.x - p.firstChannel[peer];
   const std::uint64_t off = p.sendOffsets[peer];
   const bool report = c == 0 && threadIdx.x == 0;
   std::uint64_t bytes = checkedCount(p, off, p.sendCounts[peer], p.srcBytes, peer, report);
   bytes = checkedCount(p, 0, bytes, p.remoteCap, peer, report);
+  const std::uint32_t n = activeChannels(bytes, p.minBytesPerChannel, avail);
+  if (c >= n) return;
   std::uint64_t begin, end;
-  channelRange(bytes, kChannels, c, &begin, &end);
+  channelRange(bytes, n, c, &begin, &end);
   copyBytes<LoadKind::kDefault>(p.remoteSend + p.remoteCap * peer + begin, p.src + off + begin,
                                 end - begin, static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x));
 }
@@ -139,7 +144,7 @@ cudaError_t launchAllToAllvGather(const AllToAllvParams& p, cudaStream_t stream)
   GRAPHEP_LAUNCH_REQUIRE(p.remoteSend != nullptr && p.remoteCap != 0,
                          "remote peers (mask 0x%llx) with no staging (%llu bytes per peer)",
                          static_cast<unsigned long long>(p.remoteMask), static_cast<unsigned long long>(p.remoteCap));
-  allToAllvGatherKernel<<<p.sync.numRanks * 4, 256, 0, stream>>>(p);
+  allToAllvGatherKernel<<<p.firstChannel[p.sync.numRanks], 256, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

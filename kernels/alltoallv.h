@@ -46,9 +46,10 @@ struct AllToAllvParams {
   SendLink send[kMaxRanks];  // channel tables per peer (src/bytes filled in by the kernel)
   RecvLink recv[kMaxRanks];
 
-  // Remote peers (bit p of remoteMask): fixed-capacity NCCL messages through stages of remoteCap
-  // bytes per peer. The gather kernel packs src segments into remoteSend + p * remoteCap; the
-  // alltoallv kernel unpacks remoteRecv + p * remoteCap into dst.
+  // Remote peers (bit p of remoteMask): fixed-size NCCL messages of remoteCap bytes per peer
+  // (this call's size, at most the stages' capacity). The gather kernel packs src segments into
+  // remoteSend + p * remoteCap over peer p's channels (firstChannel); the alltoallv kernel
+  // unpacks remoteRecv + p * remoteCap into dst over the same channels.
   std::uint32_t remoteMask;
   std::uint64_t remoteCap;
   char* remoteSend;
