@@ -120,6 +120,7 @@ std::vector<Movers> Movers::createAll(const SymmetricHeap& heap, const MoverOpti
   if (anyRemote) {
     std::vector<std::size_t> sizes{std::size_t{16}, std::size_t{1} << 20};
     if (all[0].remoteCap_ > 0) sizes.push_back(all[0].remoteCap_);
+    if (options.fixedSlotBytes > 0) sizes.push_back(options.fixedSlotBytes);
     MeshTransport::warmUp(heap, meshes, sizes);
   }
   for (int l = 0; l < heap.numLocalRanks(); ++l) {  // the setup's legacy-stream writes landed
@@ -476,6 +477,13 @@ AllToAllvParams Movers::allToAllvParams(const AllToAllvArgs& a) const {
                   Status::kInvalidArgument,
                   "allToAllv: channelsPerPeer=%d is out of range [0, %d] (HeapConfig.moverBlocks)",
                   a.channelsPerPeer, cfg.moverBlocks);
+  if (a.fixedSlots) {
+    const std::size_t need = a.maxBytesPerPeer * static_cast<std::size_t>(R);
+    GRAPHEP_REQUIRE(a.maxBytesPerPeer > 0 && a.srcBytes >= need && a.dstBytes >= need, Status::kInvalidArgument,
+                    "allToAllv: fixedSlots needs maxBytesPerPeer > 0 and src and dst of %d slots of it (%zu bytes); "
+                    "maxBytesPerPeer=%zu, srcBytes=%zu, dstBytes=%zu",
+                    R, need, a.maxBytesPerPeer, a.srcBytes, a.dstBytes);
+  }
   AllToAllvParams p{};
   p.sync = heap_->syncHandle(local_);
   const PipeShape sh = shape(1);
@@ -509,14 +517,17 @@ AllToAllvParams Movers::allToAllvParams(const AllToAllvArgs& a) const {
   // rank passes the same, so both ends of a message agree on its size): a count exchange of a few
   // hundred bytes then moves that, not the stage's megabytes.
   p.remoteCap = a.maxBytesPerPeer > 0 ? std::min(remoteCap_, a.maxBytesPerPeer) : remoteCap_;
-  if (remoteStage_) {
+  if (a.fixedSlots) {
+    p.remoteInPlace = 1;
+    p.remoteCap = a.maxBytesPerPeer;
+  } else if (remoteStage_) {
     p.remoteSend = remoteStage_.get();
     p.remoteRecv = remoteStage_.get() + remoteCap_ * static_cast<std::size_t>(R);
   }
   for (int q = 0; q < R; ++q) {
     const PeerClass c = heap_->peerClass(local_, q);
     const Route route = mesh_.route(q);
-    GRAPHEP_REQUIRE(route != Route::kNccl || remoteCap_ > 0, Status::kNotSupported,
+    GRAPHEP_REQUIRE(route != Route::kNccl || remoteCap_ > 0 || a.fixedSlots, Status::kNotSupported,
                     "allToAllv: rank %d reaches rank %d only as %s, and "
                     "MoverOptions.maxRemoteBytesPerPeer is 0 (set it to stage NCCL messages)",
                     me, q, peerClassName(c));
@@ -528,6 +539,7 @@ AllToAllvParams Movers::allToAllvParams(const AllToAllvArgs& a) const {
     if (c == PeerClass::kSameDevice && route != Route::kNccl) {
       ch = std::min(full, static_cast<int>(kSameDeviceMaxChannels));
     }
+    if (route == Route::kNccl && a.fixedSlots) ch = 1;  // NCCL moves it in place: one CTA checks the tables
     p.firstChannel[q] = static_cast<std::uint16_t>(next);
     next += ch;
     p.send[q].peer = -1;
@@ -557,14 +569,17 @@ AllToAllvParams Movers::allToAllvParams(const AllToAllvArgs& a) const {
 void Movers::allToAllv(cudaStream_t stream, const AllToAllvArgs& args) const {
   const AllToAllvParams p = allToAllvParams(args);
   if (p.remoteMask != 0) {
-    // Remote peers: gather their segments into fixed-capacity stages, exchange the stages through
-    // NCCL, and let the alltoallv kernel scatter the received stages by their device counts.
-    GRAPHEP_CUDA_CHECK(launchAllToAllvGather(p, stream));
+    // Remote peers: fixed-size NCCL messages, straight between the slots of src and dst (fixed
+    // slots), or else gathered into stages, exchanged, and scattered by the alltoallv kernel by
+    // their device counts.
+    if (!p.remoteInPlace) GRAPHEP_CUDA_CHECK(launchAllToAllvGather(p, stream));
+    const char* from = p.remoteInPlace ? p.src : p.remoteSend;
+    char* to = p.remoteInPlace ? p.dst : const_cast<char*>(p.remoteRecv);
     GRAPHEP_NCCL_CHECK(ncclGroupStart());
     for (int q = 0; q < heap_->worldSize(); ++q) {
       if ((p.remoteMask & (1u << q)) == 0) continue;
-      mesh_.nccl().put(stream, q, p.remoteSend + p.remoteCap * q, p.remoteCap);
-      mesh_.nccl().get(stream, q, const_cast<char*>(p.remoteRecv) + p.remoteCap * q, p.remoteCap);
+      mesh_.nccl().put(stream, q, from + p.remoteCap * q, p.remoteCap);
+      mesh_.nccl().get(stream, q, to + p.remoteCap * q, p.remoteCap);
     }
     GRAPHEP_NCCL_CHECK(ncclGroupEnd());
   }

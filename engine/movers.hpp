@@ -89,6 +89,12 @@ struct AllToAllvArgs {
   // channel tells its sender where, with its ready flag), no staging, for segments of at least
   // MoverOptions.allToAllvZeroCopyMinBytes. Every rank passes the same.
   bool zeroCopy = false;
+  // Fixed slots: peer q's segment is at q * maxBytesPerPeer in src and in dst (sendOffsets and
+  // recvOffsets say so; counts at most maxBytesPerPeer), so a remote peer's NCCL message goes
+  // straight from src's slot into dst's (the whole slot, bytes past the count included), with no
+  // stage and no copy, and needs no MoverOptions.maxRemoteBytesPerPeer. A table that breaks the
+  // promise is reported (the alltoallv bounds check). Every rank passes the same.
+  bool fixedSlots = false;
 };
 
 struct MoverOptions {
@@ -96,6 +102,10 @@ struct MoverOptions {
   // needs sizes on the host): this many bytes per peer, staged in buffers allocated at setup.
   // 0: alltoallv refuses remote peers.
   std::size_t maxRemoteBytesPerPeer = 0;
+  // The largest fixed-slot alltoallv message (AllToAllvArgs::fixedSlots) a remote peer will get:
+  // NCCL sets up the connections and channels of that size at setup (no stage is allocated for
+  // it), so a captured exchange never does. 0: none beyond the stage size and the small ones.
+  std::size_t fixedSlotBytes = 0;
   // Count where staged transfers spend their time (ProfileCounters in kernels/common/pipe.h):
   // thread 0 of each role reads the global timer at phase boundaries. For benchmarks and tuning.
   bool profile = false;

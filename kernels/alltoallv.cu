@@ -33,6 +33,14 @@ __device__ std::uint64_t checkedCount(const AllToAllvParams& p, std::uint64_t of
   return 0;
 }
 
+// An offset that is not its peer's fixed slot (AllToAllvArgs::fixedSlots), reported as a bounds
+// error: expected the slot's offset, observed the table's.
+__device__ void reportSlot(const AllToAllvParams& p, std::int32_t peer, std::uint64_t slot, std::uint64_t offset) {
+  auto clamp = [](std::uint64_t v) { return static_cast<std::uint32_t>(v > 0xffffffffull ? 0xffffffffull : v); };
+  reportDeviceError(p.sync.error, DeviceErrorKind::kOutOfBounds, p.sync.rank, peer, WaitSite::kAllToAllvBounds,
+                    clamp(slot), clamp(offset), 0, nullptr);
+}
+
 __global__ void __launch_bounds__(2 * kMaxWarpsPerRole * 32)
     allToAllvKernel(const __grid_constant__ AllToAllvParams p) {
   __shared__ int abortFlag[2];
@@ -65,6 +73,15 @@ __global__ void __launch_bounds__(2 * kMaxWarpsPerRole * 32)
   }
 
   if (p.remoteMask & (1u << peer)) {
+    if (p.remoteInPlace) {  // NCCL moved the slot in place: check that the tables describe slots
+      if (sender || c != 0 || tid != 0) return;
+      const std::uint64_t slot = p.remoteCap * static_cast<std::uint64_t>(peer);
+      checkedCount(p, 0, p.sendCounts[peer], p.remoteCap, peer, true);
+      checkedCount(p, 0, p.recvCounts[peer], p.remoteCap, peer, true);
+      if (p.sendOffsets[peer] != slot) reportSlot(p, peer, slot, p.sendOffsets[peer]);
+      if (p.recvOffsets[peer] != slot) reportSlot(p, peer, slot, p.recvOffsets[peer]);
+      return;
+    }
     // Remote peer: its bytes arrived in the receive stage (NCCL ran before this kernel on the
     // stream); the receiver role's warps unpack them.
     if (sender) return;

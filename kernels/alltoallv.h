@@ -50,7 +50,10 @@ struct AllToAllvParams {
   // (this call's size, at most the stages' capacity). The gather kernel packs src segments into
   // remoteSend + p * remoteCap over peer p's channels (firstChannel); the alltoallv kernel
   // unpacks remoteRecv + p * remoteCap into dst over the same channels.
+  // remoteInPlace (AllToAllvArgs::fixedSlots): NCCL moved each remote peer's slot straight from
+  // src + p * remoteCap into dst + p * remoteCap; the kernel only checks the tables' promise.
   std::uint32_t remoteMask;
+  std::uint32_t remoteInPlace;
   std::uint64_t remoteCap;
   char* remoteSend;
   const char* remoteRecv;

@@ -257,6 +257,7 @@ void bindExchanges(const BindPlan& plan, const MoeParams& p, char* block, char* 
     a.maxBytesPerPeer = perPeer;
     a.channelsPerPeer = cfg.smBudget;
     a.zeroCopy = zeroCopy;
+    a.fixedSlots = true;  // every peer's message at [peer][perPeer] (setupExchangeTables): NCCL peers in place
     return a;
   };
   impl.cntArgs = exchange(x.counts, p.movers.countSend, Rs * cntMsgBytes, b + o.cntRecv, Rs * cntMsgBytes, cntMsgBytes, false);

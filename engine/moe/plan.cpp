@@ -70,8 +70,8 @@ PathHeap pathHeap(MoePath path, const MoeSizes& z, const MoeConfig& cfg) {
 }
 
 MoverOptions engineMoverOptions(const MoeSizes& z) {
-  MoverOptions mo;
-  mo.maxRemoteBytesPerPeer = z.T * std::max(z.recBytes, z.rowBytes);
+  MoverOptions mo;  // every exchange moves fixed slots (bindExchanges): NCCL peers need no stage
+  mo.fixedSlotBytes = z.T * std::max(z.recBytes, z.rowBytes);
   return mo;
 }
 

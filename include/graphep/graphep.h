@@ -297,7 +297,7 @@ typedef struct graphep_moe_memory {
   int path;                    /* graphep_path_t the figures are for (never AUTO) */
   size_t symmetric_heap_bytes; /* the symmetric heap */
   size_t private_bytes;        /* the engine's local buffers */
-  size_t nccl_staging_bytes;   /* throughput path with peers reached through NCCL only */
+  size_t nccl_staging_bytes;   /* 0: NCCL moves the exchanges' slots in place (kept for the layout) */
 } graphep_moe_memory_t;
 #define GRAPHEP_MOE_MEMORY_INIT { sizeof(graphep_moe_memory_t), 0, 0, 0, 0 }
 

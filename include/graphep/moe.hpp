@@ -376,8 +376,8 @@ struct MoeMemory {
   // The engine's local buffers, one allocation (Engine::privateBytes()): recv_x and its scales, the
   // row metadata, the expert outputs, routing and exchange scratch.
   std::size_t privateBytes = 0;
-  // Throughput path only: the movers' NCCL staging, allocated when some peer has no load/store
-  // access (another node, or GRAPHEP_FORCE_TRANSPORT=remote); 0 on the latency path.
+  // NCCL staging beside the heap: 0 on both paths (the throughput path's exchanges to peers
+  // reached through NCCL move fixed slots of the heap in place). Kept for the ABI's layout.
   std::size_t ncclStagingBytes = 0;
 };
 

@@ -14,6 +14,7 @@
 #include <random>
 #include <string>
 
+#include "common/expect_error.hpp"
 #include "common/graph_util.hpp"
 #include "common/nccl_comms.hpp"
 #include "common/sync_suite.hpp"
@@ -389,8 +390,9 @@ AllToAllvArgs allToAllvArgs(const Fixture& f, int l, const CountArrays& ca, std:
 }  // namespace
 
 void runAllToAllv(Communicator& comm, CountPattern pattern, std::size_t maxPerPeer, int replays,
-                  bool zeroCopy) {
+                  bool zeroCopy, bool fixedSlots) {
   SCOPED_TRACE(zeroCopy ? "alltoallv zero-copy" : "alltoallv staged");
+  SCOPED_TRACE(fixedSlots ? "fixed slots" : "packed offsets");
   const int R = comm.worldSize();
   const std::size_t cap = maxPerPeer * static_cast<std::size_t>(R);
   Fixture f(comm, cap, std::size_t{64} << 10, kNearWrap);
@@ -404,6 +406,7 @@ void runAllToAllv(Communicator& comm, CountPattern pattern, std::size_t maxPerPe
   auto args = [&](int l) {
     AllToAllvArgs a = allToAllvArgs(f, l, ca[static_cast<size_t>(l)], cap, zeroCopy);
     a.maxBytesPerPeer = maxPerPeer;
+    a.fixedSlots = fixedSlots;
     return a;
   };
   std::uint64_t lastSeed = ~0ull;
@@ -416,7 +419,7 @@ void runAllToAllv(Communicator& comm, CountPattern pattern, std::size_t maxPerPe
           lastSeed = seed;
         }
         const int me = f.heap->rank(l);
-        uploadCounts(ca[static_cast<size_t>(l)], m, me, s);
+        uploadCounts(ca[static_cast<size_t>(l)], m, me, s, fixedSlots ? maxPerPeer : 0);
         const auto& h = ca[static_cast<size_t>(l)].host;
         for (int q = 0; q < R; ++q) {
           GRAPHEP_CUDA_CHECK(launchFillPattern(f.bufs[static_cast<size_t>(l)].src + h[static_cast<size_t>(R + q)],
@@ -479,6 +482,76 @@ void runAllToAllvOutOfBounds(Communicator& comm, bool zeroCopy) {
     cudaSetDevice(f.heap->device(l));
     cudaFree(ca[static_cast<size_t>(l)].d);
   }
+}
+
+void runAllToAllvFixedSlotsMisuse(Communicator& comm) {
+  const int R = comm.worldSize();
+  const std::size_t perPeer = 4096;
+  const std::size_t cap = perPeer * static_cast<std::size_t>(R);
+  Fixture f(comm, cap, std::size_t{64} << 10, 0);
+  const int L = f.heap->numLocalRanks();
+  auto m = countMatrix(CountPattern::kEqual, R, perPeer, 1);
+  std::vector<CountArrays> ca(static_cast<size_t>(L));
+  for (int l = 0; l < L; ++l) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&ca[static_cast<size_t>(l)].d, 4 * static_cast<size_t>(R) * 8));
+    uploadCounts(ca[static_cast<size_t>(l)], m, f.heap->rank(l), f.bufs[static_cast<size_t>(l)].stream, perPeer);
+  }
+  f.syncAll();
+  auto args = [&](int l) {
+    AllToAllvArgs a = allToAllvArgs(f, l, ca[static_cast<size_t>(l)], cap, false);
+    a.maxBytesPerPeer = perPeer;
+    a.fixedSlots = true;
+    return a;
+  };
+  for (int l = 0; l < L; ++l) {  // refused before anything is enqueued
+    AllToAllvArgs a = args(l);
+    a.maxBytesPerPeer = 0;
+    expectError([&] { f.movers[static_cast<size_t>(l)].allToAllv(f.bufs[static_cast<size_t>(l)].stream, a); },
+                Status::kInvalidArgument, "fixedSlots needs maxBytesPerPeer > 0");
+    a = args(l);
+    a.dstBytes = cap - 1;
+    expectError([&] { f.movers[static_cast<size_t>(l)].allToAllv(f.bufs[static_cast<size_t>(l)].stream, a); },
+                Status::kInvalidArgument, "dstBytes=" + std::to_string(cap - 1));
+  }
+  bool anyRemote = false;
+  for (int l = 0; l < L; ++l) {
+    for (int q = 0; q < R; ++q) anyRemote |= f.heap->peerClass(l, q) == PeerClass::kRemote;
+  }
+  if (!anyRemote || R < 2) return;  // the device check is the remote peers'
+  // Rank 0's table puts its segment to rank 1 at offset 0, not at its slot (perPeer).
+  for (int l = 0; l < L; ++l) {
+    if (f.heap->rank(l) != 0) continue;
+    ca[static_cast<size_t>(l)].host[static_cast<size_t>(R + 1)] = 0;
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+    GRAPHEP_CUDA_CHECK(cudaMemcpy(ca[static_cast<size_t>(l)].d, ca[static_cast<size_t>(l)].host.data(),
+                                  ca[static_cast<size_t>(l)].host.size() * 8, cudaMemcpyHostToDevice));
+  }
+  SymmetricHeap::Pin pin;
+  std::vector<cudaGraphExec_t> execs =
+      captureRanks(f, [&](int l, cudaStream_t s) { f.movers[static_cast<size_t>(l)].allToAllv(s, args(l)); }, &pin);
+  f.syncAll();
+  for (int l = 0; l < L; ++l) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+    GRAPHEP_CUDA_CHECK(cudaGraphLaunch(execs[static_cast<size_t>(l)], f.bufs[static_cast<size_t>(l)].stream));
+  }
+  f.syncAll();
+  for (int l = 0; l < L; ++l) {
+    const int me = f.heap->rank(l);
+    const DeviceErrorRecord rec = f.heap->errorRecord(l);
+    if (me == 0) {
+      EXPECT_EQ(rec.kind, static_cast<std::uint32_t>(DeviceErrorKind::kOutOfBounds)) << f.heap->errorMessage(l);
+      EXPECT_EQ(rec.peer, 1) << f.heap->errorMessage(l);
+      EXPECT_EQ(rec.expected, perPeer) << f.heap->errorMessage(l);
+      EXPECT_EQ(rec.observed, 0u) << f.heap->errorMessage(l);
+    } else {
+      EXPECT_EQ(f.heap->errorMessage(l), "") << "rank " << me;
+    }
+    cudaGraphExecDestroy(execs[static_cast<size_t>(l)]);
+    cudaSetDevice(f.heap->device(l));
+    cudaFree(ca[static_cast<size_t>(l)].d);
+  }
+  f.heap->comm().barrier();
 }
 
 void runAllToAllvZeroCopyMismatch(Communicator& comm) {

@@ -50,8 +50,10 @@ enum class CountPattern { kEqual, kRandom, kSomePairsZero, kEmpty };
 // offsets, so segments are unaligned). With replays > 1 one captured graph per rank is replayed
 // with new counts (written into the device count arrays) and new data every time.
 // zeroCopy: dst is the user region and load/store peers write straight into it.
+// fixedSlots (AllToAllvArgs::fixedSlots): offsets q * maxPerPeer, remote peers' slots moved by
+// NCCL in place.
 void runAllToAllv(Communicator& comm, CountPattern pattern, std::size_t maxPerPeer, int replays,
-                  bool zeroCopy = false);
+                  bool zeroCopy = false, bool fixedSlots = false);
 
 // A count that overflows both the sender's and the receiver's buffer is dropped on both sides
 // (nothing written, no hang) and reported with kOutOfBounds naming the peer.
@@ -61,6 +63,12 @@ void runAllToAllvOutOfBounds(Communicator& comm, bool zeroCopy = false);
 // reports kCountMismatch naming rank 1 and both channel counts, sends nothing on the channel that
 // disagrees (the others arrive intact), and nobody hangs.
 void runAllToAllvZeroCopyMismatch(Communicator& comm);
+
+// Fixed slots misused: refused by name on the host (maxBytesPerPeer 0; buffers smaller than the
+// slots), and, with remote peers (GRAPHEP_FORCE_TRANSPORT=remote), a device table whose offset to
+// peer 1 is off its slot is reported (kOutOfBounds naming the peer, expected the slot's offset),
+// the run captured so no eager NCCL group blocks the one thread.
+void runAllToAllvFixedSlotsMisuse(Communicator& comm);
 
 }  // namespace graphep::test
 

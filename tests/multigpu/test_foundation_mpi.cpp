@@ -102,6 +102,9 @@ TEST(Mpi_AllToAllv, ForcedRemoteThroughNccl) {
   ScopedEnv force("GRAPHEP_FORCE_TRANSPORT", "remote");
   runAllToAllv(*comm, CountPattern::kRandom, (std::size_t{64} << 10) + 3, 1);
   runAllToAllv(*comm, CountPattern::kSomePairsZero, std::size_t{16} << 10, 200);
+  runAllToAllv(*comm, CountPattern::kRandom, (std::size_t{64} << 10) + 3, 1, false, true);  // fixed slots: in place
+  runAllToAllv(*comm, CountPattern::kSomePairsZero, std::size_t{1} << 20, 100, false, true);
+  runAllToAllvFixedSlotsMisuse(*comm);
 }
 
 // One test instance per case (the same on every process, in the same order).

@@ -85,6 +85,28 @@ TEST(Gpu2_AllToAllv, ForcedRemoteThroughAdoptedNccl) {
   runAllToAllv(*g.comm, CountPattern::kSomePairsZero, std::size_t{1} << 20, 50);
 }
 
+// Fixed slots with every peer remote: NCCL moves each slot straight between src and dst (no
+// stage, no copy), as the MoE exchanges do; random counts per replay, poisoned destinations; and
+// the misuse checks (host refusals, a table off its slot reported).
+TEST(Gpu2_AllToAllv, FixedSlotsForcedRemote) {
+  GRAPHEP_REQUIRE_GPUS(2);
+  AdoptedNcclGroup g(visibleGpus());
+  ASSERT_NE(g.comm, nullptr) << "ncclCommInitAll failed";
+  ScopedEnv force("GRAPHEP_FORCE_TRANSPORT", "remote");
+  runAllToAllv(*g.comm, CountPattern::kRandom, (std::size_t{64} << 10) + 3, 200, false, true);
+  runAllToAllv(*g.comm, CountPattern::kSomePairsZero, (std::size_t{8} << 20) + 16, 30, false, true);
+  runAllToAllvFixedSlotsMisuse(*g.comm);
+}
+
+// Fixed slots among load/store peers: the tables' offsets are the slots, the path is the usual one.
+TEST(Gpu2_AllToAllv, FixedSlotsLoadStore) {
+  GRAPHEP_REQUIRE_GPUS(2);
+  auto comm = createLocalGroup(visibleGpus());
+  runAllToAllv(*comm, CountPattern::kRandom, (std::size_t{64} << 10) + 3, 100, false, true);
+  runAllToAllv(*comm, CountPattern::kRandom, (std::size_t{64} << 10) + 3, 100, true, true);
+  runAllToAllvFixedSlotsMisuse(*comm);
+}
+
 TEST(Gpu2_Ring, AllGatherAndReduceScatter) {
   GRAPHEP_REQUIRE_GPUS(2);
   auto comm = createLocalGroup(visibleGpus());
