@@ -31,7 +31,7 @@ tests_for() {
     05-*) echo "$gpu --gtest_filter=Moe/Gpu1_Moe4Ranks.Case/invalid_ids_auto" ;;   # first_* never asserted
     06-*) echo "$gpu --gtest_filter=Moe/Gpu1_Moe4Ranks.Case/uniform_varying_T_auto" ;;
     07-*) echo "$gpu --gtest_filter=Moe/Gpu1_Moe4Ranks.Case/skewed_auto" ;;        # the path never asserted
-    08-*) echo "$gpu --gtest_filter=Moe/Gpu2_MoeRemote.Case/uniform_varying_T_auto" ;;  # remote path only under MPI
+    08-*) echo "$gpu --gtest_filter=Gpu2_AllToAllv.ForcedRemoteThroughAdoptedNccl" ;;  # the staged remote path (the MoE's goes in place since fixed slots)
     09-*) echo "$gpu --gtest_filter=Moe/Gpu1_Moe4Ranks.Case/uniform_varying_T_auto" ;;  # every rank had one count
     10-*) echo "$gpu --gtest_filter=Moe/Gpu1_Moe1Rank.Case/uniform_varying_T_auto" ;;   # combine within 2^-7 only
     11-*) echo "$gpu --gtest_filter=Moe/Gpu1_Moe4Ranks.Case/rank_empty_auto" ;;    # layout words never poisoned
@@ -58,6 +58,7 @@ tests_for() {
     33-*) echo "$gpu --gtest_filter=Gpu2_MoeLatencyCapabilities.ActiveRankMaskFlipsCombineWeights" ;;  # the combine-time weights of a masked source waited for
     31-*) echo "$build/tests/graphep_fault_killed_peer" ;;  # recovery after a killed process: the dead rank left in the mask
     38-*|39-*) echo "$gpu --gtest_filter=Gpu1_MoeFaults.Barrier" ;;  # the device barrier: returns without waiting; a rank outside its own mask takes part
+    40-*) echo "$gpu --gtest_filter=Gpu2_AllToAllv.FixedSlotsForcedRemote" ;;  # a fixed-slot table off its slot goes unreported
     *) return 1 ;;
   esac
 }
