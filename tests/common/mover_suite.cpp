@@ -387,6 +387,18 @@ AllToAllvArgs allToAllvArgs(const Fixture& f, int l, const CountArrays& ca, std:
   return a;
 }
 
+// Every local rank's count arrays of matrix m with offsets q * stride, allocated and uploaded on
+// its stream (the caller frees them).
+std::vector<CountArrays> slotCounts(Fixture& f, const std::vector<std::vector<std::uint64_t>>& m, std::size_t stride) {
+  std::vector<CountArrays> ca(static_cast<size_t>(f.heap->numLocalRanks()));
+  for (int l = 0; l < f.heap->numLocalRanks(); ++l) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&ca[static_cast<size_t>(l)].d, 4 * m.size() * 8));
+    uploadCounts(ca[static_cast<size_t>(l)], m, f.heap->rank(l), f.bufs[static_cast<size_t>(l)].stream, stride);
+  }
+  return ca;
+}
+
 }  // namespace
 
 void runAllToAllv(Communicator& comm, CountPattern pattern, std::size_t maxPerPeer, int replays,
@@ -452,12 +464,9 @@ void runAllToAllvOutOfBounds(Communicator& comm, bool zeroCopy) {
   auto m = countMatrix(CountPattern::kEqual, R, perPeer, 1);
   // Rank 0 -> rank 1 asks for more than either buffer holds.
   m[0][1] = cap + 1;
-  std::vector<CountArrays> ca(static_cast<size_t>(L));
+  std::vector<CountArrays> ca = slotCounts(f, m, perPeer);
   for (int l = 0; l < L; ++l) {
     GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
-    GRAPHEP_CUDA_CHECK(cudaMalloc(&ca[static_cast<size_t>(l)].d, 4 * static_cast<size_t>(R) * 8));
-    uploadCounts(ca[static_cast<size_t>(l)], m, f.heap->rank(l), f.bufs[static_cast<size_t>(l)].stream,
-                 perPeer);
     GRAPHEP_CUDA_CHECK(cudaMemsetAsync(allToAllvDst(f, l, zeroCopy), kPoison, cap + kSlack,
                                        f.bufs[static_cast<size_t>(l)].stream));
   }
@@ -490,13 +499,7 @@ void runAllToAllvFixedSlotsMisuse(Communicator& comm) {
   const std::size_t cap = perPeer * static_cast<std::size_t>(R);
   Fixture f(comm, cap, std::size_t{64} << 10, 0);
   const int L = f.heap->numLocalRanks();
-  auto m = countMatrix(CountPattern::kEqual, R, perPeer, 1);
-  std::vector<CountArrays> ca(static_cast<size_t>(L));
-  for (int l = 0; l < L; ++l) {
-    GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
-    GRAPHEP_CUDA_CHECK(cudaMalloc(&ca[static_cast<size_t>(l)].d, 4 * static_cast<size_t>(R) * 8));
-    uploadCounts(ca[static_cast<size_t>(l)], m, f.heap->rank(l), f.bufs[static_cast<size_t>(l)].stream, perPeer);
-  }
+  std::vector<CountArrays> ca = slotCounts(f, countMatrix(CountPattern::kEqual, R, perPeer, 1), perPeer);
   f.syncAll();
   auto args = [&](int l) {
     AllToAllvArgs a = allToAllvArgs(f, l, ca[static_cast<size_t>(l)], cap, false);
