@@ -540,6 +540,7 @@ AllToAllvParams Movers::allToAllvParams(const AllToAllvArgs& a) const {
       ch = std::min(full, static_cast<int>(kSameDeviceMaxChannels));
     }
     if (route == Route::kNccl && a.fixedSlots) ch = 1;  // NCCL moves it in place: one CTA checks the tables
+    if (q == me && a.skipOwnBlock) ch = 0;
     p.firstChannel[q] = static_cast<std::uint16_t>(next);
     next += ch;
     p.send[q].peer = -1;

@@ -95,6 +95,8 @@ struct AllToAllvArgs {
   // stage and no copy, and needs no MoverOptions.maxRemoteBytesPerPeer. A table that breaks the
   // promise is reported (the alltoallv bounds check). Every rank passes the same.
   bool fixedSlots = false;
+  // The rank's own block is not copied (its consumer reads it from src): no channels for it.
+  bool skipOwnBlock = false;
 };
 
 struct MoverOptions {

@@ -260,11 +260,15 @@ void bindExchanges(const BindPlan& plan, const MoeParams& p, char* block, char* 
     a.fixedSlots = true;  // every peer's message at [peer][perPeer] (setupExchangeTables): NCCL peers in place
     return a;
   };
+  // Records and partials: this rank's own stay where pack and reduce wrote them (kernels/moe/movers.cu
+  // reads them there), so their exchanges skip the own block; the count messages are copied.
   impl.cntArgs = exchange(x.counts, p.movers.countSend, Rs * cntMsgBytes, b + o.cntRecv, Rs * cntMsgBytes, cntMsgBytes, false);
   impl.dispArgs = exchange(x.records, p.staging.recordStage, Rs * T * recBytes, user + ph.recRecv, Rs * T * recBytes,
                             T * recBytes, true);
+  impl.dispArgs.skipOwnBlock = true;
   impl.combArgs = exchange(x.partials, p.staging.partialStage, Rs * T * rowBytes, user + ph.combRecv, Rs * T * rowBytes,
                             T * rowBytes, true);
+  impl.combArgs.skipOwnBlock = true;
 }
 
 DispatchLayout layoutViews(const BindPlan& plan, const MoeParams& p, char* block) {

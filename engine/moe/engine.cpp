@@ -51,6 +51,9 @@ Engine::Impl::~Impl() {
   cudaSetDevice(device);
   if (watchEvent != nullptr) cudaEventDestroy(watchEvent);
   if (watchStream != nullptr) cudaStreamDestroy(watchStream);
+  if (forkEvent != nullptr) cudaEventDestroy(forkEvent);
+  if (joinEvent != nullptr) cudaEventDestroy(joinEvent);
+  if (sideStream != nullptr) cudaStreamDestroy(sideStream);
   if (snapshot != nullptr) cudaFreeHost(snapshot);
   if (block != nullptr) cudaFree(block);
 }
@@ -109,6 +112,11 @@ std::unique_ptr<Engine::Impl> buildEngine(const BindPlan& plan, const std::share
   impl->blockBytes = plan.carve.bytes;
   GRAPHEP_CUDA_CHECK(cudaStreamCreateWithFlags(&impl->watchStream, cudaStreamNonBlocking));
   GRAPHEP_CUDA_CHECK(cudaEventCreateWithFlags(&impl->watchEvent, cudaEventDisableTiming));
+  if (path == MoePath::kThroughput && !plan.direct) {
+    GRAPHEP_CUDA_CHECK(cudaStreamCreateWithFlags(&impl->sideStream, cudaStreamNonBlocking));
+    GRAPHEP_CUDA_CHECK(cudaEventCreateWithFlags(&impl->forkEvent, cudaEventDisableTiming));
+    GRAPHEP_CUDA_CHECK(cudaEventCreateWithFlags(&impl->joinEvent, cudaEventDisableTiming));
+  }
   GRAPHEP_CUDA_CHECK(
       cudaHostAlloc(&impl->snapshot, (5 + 7 * plan.sizes.R) * sizeof(std::uint32_t), cudaHostAllocDefault));
   GRAPHEP_CUDA_CHECK(cudaMemset(impl->block, 0, plan.carve.bytes));
@@ -259,6 +267,27 @@ class Launches {
   const char* last_ = nullptr;
 };
 
+// The movers path's work beside an exchange: forks the engine's second stream from `stream` (an
+// event) and joins it back when the scope ends, also when a launch in it throws, so a capture is
+// never left with an unjoined stream.
+class SideStream {
+ public:
+  SideStream(Engine::Impl& m, cudaStream_t stream) : m_(m), stream_(stream) {
+    GRAPHEP_CUDA_CHECK(cudaEventRecord(m.forkEvent, stream));
+    GRAPHEP_CUDA_CHECK(cudaStreamWaitEvent(m.sideStream, m.forkEvent, 0));
+  }
+  SideStream(const SideStream&) = delete;
+  SideStream& operator=(const SideStream&) = delete;
+  ~SideStream() {
+    if (cudaEventRecord(m_.joinEvent, m_.sideStream) == cudaSuccess) cudaStreamWaitEvent(stream_, m_.joinEvent, 0);
+  }
+  cudaStream_t stream() const { return m_.sideStream; }
+
+ private:
+  Engine::Impl& m_;
+  cudaStream_t stream_;
+};
+
 // The caller's DispatchOutputs over the engine's buffers in `p`: every given pointer checked and
 // taken, rows (the caller's) bounding what is written.
 void applyOutputs(const Engine::Impl& m, const DispatchArgs& a, MoeParams& p);
@@ -390,9 +419,14 @@ const DispatchLayout& Engine::dispatch(const DispatchArgs& a, cudaStream_t strea
   launches.queued("count-exchange");
   GRAPHEP_CUDA_CHECK(launchMoeOffsets(p, stream));
   launches.queued("offsets");
-  movers.allToAllv(stream, m.dispArgs);
-  launches.queued("record-exchange");
-  GRAPHEP_CUDA_CHECK(launchMoeExpand(p, stream));
+  {  // this rank's own records expand while the peers' are exchanged
+    SideStream side(m, stream);
+    GRAPHEP_CUDA_CHECK(launchMoeExpand(p, MoeSources::kOwn, side.stream()));
+    launches.queued("expand-own");
+    movers.allToAllv(stream, m.dispArgs);
+    launches.queued("record-exchange");
+    GRAPHEP_CUDA_CHECK(launchMoeExpand(p, MoeSources::kPeers, stream));
+  }
   return m.layout;
 }
 
@@ -465,10 +499,15 @@ void Engine::combine(const CombineArgs& a, cudaStream_t stream) {
     GRAPHEP_CUDA_CHECK(launchMoeDirectCombineFinal(p, stream));
     return;
   }
-  GRAPHEP_CUDA_CHECK(launchMoeCombineReduce(p, stream));
+  GRAPHEP_CUDA_CHECK(launchMoeCombineReduce(p, MoeSources::kPeers, stream));
   launches.queued("combine-reduce");
-  m.movers().allToAllv(stream, m.combArgs);
-  launches.queued("partial-exchange");
+  {  // this rank's own partials reduce while the peers' are exchanged
+    SideStream side(m, stream);
+    GRAPHEP_CUDA_CHECK(launchMoeCombineReduce(p, MoeSources::kOwn, side.stream()));
+    launches.queued("combine-reduce-own");
+    m.movers().allToAllv(stream, m.combArgs);
+    launches.queued("partial-exchange");
+  }
   GRAPHEP_CUDA_CHECK(launchMoeCombineFinal(p, stream));
 }
 

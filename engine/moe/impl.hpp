@@ -51,6 +51,11 @@ struct Engine::Impl {
   std::string faultAfterLaunch;
   cudaStream_t watchStream = nullptr;
   cudaEvent_t watchEvent = nullptr;
+  // The movers path's second stream and its fork and join events (engine.cpp, SideStream): this
+  // rank's own records expand, and its own partials reduce, while the peers' are exchanged.
+  cudaStream_t sideStream = nullptr;
+  cudaEvent_t forkEvent = nullptr;
+  cudaEvent_t joinEvent = nullptr;
   // pinned: peers.steps[2], pending, flags, arrivals, combine arrivals [R] each, the masks [2], the
   // expected arrivals [2][R], the barrier's pair counts and posts [R] each
   std::uint32_t* snapshot = nullptr;

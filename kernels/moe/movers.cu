@@ -79,16 +79,28 @@ __global__ void __launch_bounds__(kOffsetsThreads) moeOffsetsKernel(const __grid
   }
 }
 
-// Grid: p.grid.budgetCtas CTAs; each group expands one received record at a time (source-major). Each slot of
-// a record puts a copy of its row at layout.sourceBase[source][expert] + index (dropped and counted past the
-// capacity).
-__global__ void __launch_bounds__(kThreads) moeExpandKernel(const __grid_constant__ MoeParams p) {
+// Source s's records: a peer's where the record exchange put them, this rank's own where pack wrote
+// them (the exchange does not copy them: AllToAllvArgs::skipOwnBlock).
+__device__ inline const char* moeSourceRecords(const MoeParams& p, int s) {
+  const char* base = s == p.shape.rank ? p.staging.recordStage : p.staging.recordRecv;
+  return base + static_cast<std::uint64_t>(s) * p.shape.maxTokens * p.shape.recordBytes;
+}
+
+__device__ inline bool moeTakesSource(MoeSources sources, int s, int rank) {
+  return sources == MoeSources::kAll || (sources == MoeSources::kOwn) == (s == rank);
+}
+
+// Grid: p.grid.budgetCtas CTAs; each group expands one record of `sources` at a time (source-major).
+// Each slot of a record puts a copy of its row at layout.sourceBase[source][expert] + index (dropped
+// and counted past the capacity).
+__global__ void __launch_bounds__(kThreads) moeExpandKernel(const __grid_constant__ MoeParams p, MoeSources sources) {
   const MoeStamp stamp(p, MoeKernel::kExpand);
   __shared__ MoeSlotStage stage[kGroups];
   const MoeGroupSlice gs = moeGroupSlice();
   if (blockIdx.x == 0 && threadIdx.x == 0) *p.state.pending = kMoeDispatched | kMoePendingCombine;  // the dispatch's last kernel
   for (int s = 0; s < p.shape.numRanks; ++s) {
-    const char* recs = p.staging.recordRecv + static_cast<std::uint64_t>(s) * p.shape.maxTokens * p.shape.recordBytes;
+    if (!moeTakesSource(sources, s, p.shape.rank)) continue;
+    const char* recs = moeSourceRecords(p, s);
     const long long rankBase = p.layout.rankMajor ? p.layout.rankOffsets[s] : -1;  // rank-major: the source's first row
     for (int i = gs.first; i < p.layout.sourceRecords[s]; i += gs.stride) {
       moeExpandRecord(p, s, recs + static_cast<std::uint64_t>(i) * p.shape.recordBytes, p.layout.sourceBase + s * p.shape.localExperts,
@@ -99,18 +111,21 @@ __global__ void __launch_bounds__(kThreads) moeExpandKernel(const __grid_constan
 
 // ---- combine ----------------------------------------------------------------------------------
 
-// Grid: p.grid.budgetCtas CTAs; each group reduces one received record at a time (source-major).
-__global__ void __launch_bounds__(kThreads) moeCombineReduceKernel(const __grid_constant__ MoeParams p) {
+// Grid: p.grid.budgetCtas CTAs; each group reduces one record of `sources` at a time (source-major),
+// into partialStage[source][record]. The launch of the peers' records (or of all) checks the pairing.
+__global__ void __launch_bounds__(kThreads) moeCombineReduceKernel(const __grid_constant__ MoeParams p, MoeSources sources) {
   const MoeStamp stamp(p, MoeKernel::kCombineReduce);
   __shared__ MoeSlotStage stage[kGroups];
   const MoeGroupSlice gs = moeGroupSlice();
-  if (blockIdx.x == 0 && threadIdx.x == 0) moeCheckPairing(p, false);
+  if (blockIdx.x == 0 && threadIdx.x == 0 && sources != MoeSources::kOwn) moeCheckPairing(p, false);
   const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.shape.hidden) * 2;
   for (int s = 0; s < p.shape.numRanks; ++s) {
+    if (!moeTakesSource(sources, s, p.shape.rank)) continue;
     const long long rankBase = p.layout.rankMajor ? p.layout.rankOffsets[s] : -1;  // rank-major: the source's first row
+    const char* recs = moeSourceRecords(p, s);
     for (int i = gs.first; i < p.layout.sourceRecords[s]; i += gs.stride) {
       const std::uint64_t record = static_cast<std::uint64_t>(s) * p.shape.maxTokens + i;
-      moeReduceRecord(p, p.staging.recordRecv + record * p.shape.recordBytes, p.layout.sourceBase + s * p.shape.localExperts,
+      moeReduceRecord(p, recs + static_cast<std::uint64_t>(i) * p.shape.recordBytes, p.layout.sourceBase + s * p.shape.localExperts,
                       p.staging.partialStage + record * rowBytes, stage[gs.group], gs.g, p.layout.rankMajor ? rankBase + i : -1);
     }
   }
@@ -129,7 +144,9 @@ __global__ void __launch_bounds__(kThreads) moeCombineFinalKernel(const __grid_c
         p, t,
         [&](int r) -> const char* {
           const int i = p.routing.tokenRankIndex[static_cast<std::uint64_t>(t) * p.shape.numRanks + r];
-          return i < 0 ? nullptr : p.movers.partialRecv + (static_cast<std::uint64_t>(r) * p.shape.maxTokens + i) * rowBytes;
+          // This rank's own partials stay where reduce wrote them (the exchange skips the own block).
+          const char* base = r == p.shape.rank ? p.staging.partialStage : p.movers.partialRecv;
+          return i < 0 ? nullptr : base + (static_cast<std::uint64_t>(r) * p.shape.maxTokens + i) * rowBytes;
         },
         parts[gs.group], gs.g);
   }
@@ -146,12 +163,16 @@ cudaError_t launchMoeOffsets(const MoeParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-cudaError_t launchMoeExpand(const MoeParams& p, cudaStream_t stream) {
-  return launchGrid(__func__, "grid.budgetCtas", p.grid.budgetCtas, kThreads, stream, moeExpandKernel, p);
+cudaError_t launchMoeExpand(const MoeParams& p, MoeSources sources, cudaStream_t stream) {
+  GRAPHEP_LAUNCH_REQUIRE(p.grid.budgetCtas >= 1, "grid.budgetCtas %d (at least 1)", p.grid.budgetCtas);
+  moeExpandKernel<<<static_cast<unsigned>(p.grid.budgetCtas), kThreads, 0, stream>>>(p, sources);
+  return cudaGetLastError();
 }
 
-cudaError_t launchMoeCombineReduce(const MoeParams& p, cudaStream_t stream) {
-  return launchGrid(__func__, "grid.budgetCtas", p.grid.budgetCtas, kThreads, stream, moeCombineReduceKernel, p);
+cudaError_t launchMoeCombineReduce(const MoeParams& p, MoeSources sources, cudaStream_t stream) {
+  GRAPHEP_LAUNCH_REQUIRE(p.grid.budgetCtas >= 1, "grid.budgetCtas %d (at least 1)", p.grid.budgetCtas);
+  moeCombineReduceKernel<<<static_cast<unsigned>(p.grid.budgetCtas), kThreads, 0, stream>>>(p, sources);
+  return cudaGetLastError();
 }
 
 cudaError_t launchMoeCombineFinal(const MoeParams& p, cudaStream_t stream) {
