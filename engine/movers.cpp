@@ -515,8 +515,9 @@ AllToAllvParams Movers::allToAllvParams(const AllToAllvArgs& a) const {
   int next = 0;
   // Each remote peer's NCCL message: the stage capacity, or maxBytesPerPeer where smaller (every
   // rank passes the same, so both ends of a message agree on its size): a count exchange of a few
-  // hundred bytes then moves that, not the stage's megabytes.
-  p.remoteCap = a.maxBytesPerPeer > 0 ? std::min(remoteCap_, a.maxBytesPerPeer) : remoteCap_;
+  // hundred bytes then moves that, not the stage's megabytes. Rounded up to 16 bytes, as the stage's
+  // capacity is, so every peer's stage slot stays aligned for the copies.
+  p.remoteCap = a.maxBytesPerPeer > 0 ? std::min(remoteCap_, (a.maxBytesPerPeer + 15) & ~std::size_t{15}) : remoteCap_;
   if (a.fixedSlots) {
     p.remoteInPlace = 1;
     p.remoteCap = a.maxBytesPerPeer;
@@ -584,6 +585,8 @@ void Movers::allToAllv(cudaStream_t stream, const AllToAllvArgs& args) const {
     }
     GRAPHEP_NCCL_CHECK(ncclGroupEnd());
   }
+  // No channels (one rank whose own block is skipped, every other peer in place): nothing to launch.
+  if (p.firstChannel[heap_->worldSize()] == 0) return;
   GRAPHEP_CUDA_CHECK(launchAllToAllv(p, stream));
 }
 

@@ -174,8 +174,9 @@ class Movers {
   void reduceScatterRing(cudaStream_t stream, const void* in, void* out, void* scratch,
                          std::size_t count, Consume addKind) const;
 
-  // Capturable. Peers without load/store access exchange MoverOptions.maxRemoteBytesPerPeer bytes
-  // through NCCL whatever the count (a count beyond it is dropped and reported).
+  // Capturable. Peers without load/store access exchange a fixed-size NCCL message whatever the
+  // count: the slot with fixed slots, else MoverOptions.maxRemoteBytesPerPeer or maxBytesPerPeer
+  // where smaller, rounded up to 16 (a count beyond it is dropped and reported).
   void allToAllv(cudaStream_t stream, const AllToAllvArgs& args) const;
 
   // The staged-transfer phase profile accumulated since setup or the last resetProfile()

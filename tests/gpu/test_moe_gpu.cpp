@@ -25,6 +25,8 @@ class Gpu1_Moe8Ranks : public ::testing::TestWithParam<MoeCaseIndex> {};
 // The same cases with the throughput path over the movers (GRAPHEP_MOE_KERNELS=movers), which the
 // direct kernels replace wherever every peer is reached by load/store.
 class Gpu1_Moe4RanksMovers : public ::testing::TestWithParam<MoeCaseIndex> {};
+// One rank over the movers: its exchanges have no peer and skip the own block (nothing to launch).
+class Gpu1_Moe1RankMovers : public ::testing::TestWithParam<MoeCaseIndex> {};
 
 TEST_P(Gpu1_Moe1Rank, Case) {
   GRAPHEP_REQUIRE_GPUS(1);
@@ -40,6 +42,12 @@ TEST_P(Gpu1_Moe4RanksMovers, Case) {
   GRAPHEP_REQUIRE_GPUS(1);
   ScopedEnv movers("GRAPHEP_MOE_KERNELS", "movers");
   auto comm = createLocalGroup({0, 0, 0, 0});
+  runMoeCaseAt(*comm, GetParam());
+}
+TEST_P(Gpu1_Moe1RankMovers, Case) {
+  GRAPHEP_REQUIRE_GPUS(1);
+  ScopedEnv movers("GRAPHEP_MOE_KERNELS", "movers");
+  auto comm = createLocalGroup({0});
   runMoeCaseAt(*comm, GetParam());
 }
 TEST_P(Gpu1_Moe8Ranks, Case) {
@@ -60,6 +68,7 @@ std::vector<MoeCaseIndex> throughputCaseIndices() {
   return out;
 }
 INSTANTIATE_TEST_SUITE_P(Moe, Gpu1_Moe4RanksMovers, ::testing::ValuesIn(throughputCaseIndices()), MoeCaseIndexName());
+INSTANTIATE_TEST_SUITE_P(Moe, Gpu1_Moe1RankMovers, ::testing::ValuesIn(throughputCaseIndices()), MoeCaseIndexName());
 INSTANTIATE_TEST_SUITE_P(Moe, Gpu1_Moe8Ranks, ::testing::ValuesIn(moeCaseIndices(MoeCaseList::kSmall)),
                          MoeCaseIndexName());
 
