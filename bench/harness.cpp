@@ -141,6 +141,29 @@ std::vector<cudaGraphExec_t> captureOpsAll(const Options& o, Ranks& r, const std
   });
 }
 
+double ncclAllToAllvUs(const Options& o, Ranks& r, const std::vector<char*>& src, const std::vector<char*>& dst,
+                       const std::function<std::size_t(int from, int to)>& bytes) {
+  if (!r.hasNccl()) return 0;
+  const int R = r.worldSize();
+  auto execs = captureOpsAll(o, r, [&] {
+    GRAPHEP_NCCL_CHECK(ncclGroupStart());
+    for (int i = 0; i < r.numLocal(); ++i) {
+      const int me = r.rank(i);
+      const std::size_t li = static_cast<std::size_t>(i);
+      std::size_t sendOff = 0, recvOff = 0;
+      for (int q = 0; q < R; ++q) {
+        const std::size_t out = bytes(me, q), in = bytes(q, me);
+        if (out > 0) GRAPHEP_NCCL_CHECK(ncclSend(src[li] + sendOff, out, ncclChar, q, r.ncclComm(i), r.streams[li]));
+        if (in > 0) GRAPHEP_NCCL_CHECK(ncclRecv(dst[li] + recvOff, in, ncclChar, q, r.ncclComm(i), r.streams[li]));
+        sendOff += out;
+        recvOff += in;
+      }
+    }
+    GRAPHEP_NCCL_CHECK(ncclGroupEnd());
+  });
+  return timeOps(o, r, execs);
+}
+
 double timeOps(const Options& o, Ranks& r, std::vector<cudaGraphExec_t>& execs) {
   // -R repeats the timed loop and keeps the median (the slowest rank's time in each repeat, so
   // every process takes the same value).

@@ -100,6 +100,11 @@ std::vector<cudaGraphExec_t> captureOps(const Options& o, Ranks& r,
 std::vector<cudaGraphExec_t> captureOpsAll(const Options& o, Ranks& r, const std::function<void()>& enqueueAll);
 // Times the graphs (o.warmup + o.iters launches), destroys them, returns microseconds per operation.
 double timeOps(const Options& o, Ranks& r, std::vector<cudaGraphExec_t>& execs);
+// The NCCL baseline of an all-to-all-v (nccl-tests' alltoall: grouped ncclSend/ncclRecv, timed as
+// timeOps does): local rank i sends bytes(rank(i), q) from src[i] and receives bytes(q, rank(i))
+// into dst[i], each side's segments packed in peer order. 0 when the ranks have no NCCL.
+double ncclAllToAllvUs(const Options& o, Ranks& r, const std::vector<char*>& src, const std::vector<char*>& dst,
+                       const std::function<std::size_t(int from, int to)>& bytes);
 void destroyEach(Ranks& r, std::vector<cudaGraphExec_t>& execs);
 
 // Output goes through the process that holds global rank 0 (setPrinter), one line per row.

@@ -4,7 +4,6 @@
 //               or zero-copy into the user region ("equal counts zero-copy")
 //   baseline    NCCL grouped ncclSend/ncclRecv to every rank (nccl-tests' alltoall), in a graph
 #include <cuda_runtime.h>
-#include <nccl.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -53,22 +52,7 @@ std::vector<Row> runAllToAllv(const Options& o, Ranks& r) {
                                          r.streams[static_cast<size_t>(i)]));  // on the stream the movers use
       GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(r.streams[static_cast<size_t>(i)]));
     }
-    double ncclUs = 0;
-    if (r.hasNccl()) {
-      auto execs = captureOpsAll(o, r, [&] {
-        GRAPHEP_NCCL_CHECK(ncclGroupStart());
-        for (int i = 0; i < r.numLocal(); ++i) {
-          for (int q = 0; q < R; ++q) {
-            GRAPHEP_NCCL_CHECK(ncclSend(src[static_cast<size_t>(i)] + per * q, per, ncclChar, q,
-                                        r.ncclComm(i), r.streams[static_cast<size_t>(i)]));
-            GRAPHEP_NCCL_CHECK(ncclRecv(dst[static_cast<size_t>(i)] + per * q, per, ncclChar, q,
-                                        r.ncclComm(i), r.streams[static_cast<size_t>(i)]));
-          }
-        }
-        GRAPHEP_NCCL_CHECK(ncclGroupEnd());
-      });
-      ncclUs = timeOps(o, r, execs);
-    }
+    const double ncclUs = ncclAllToAllvUs(o, r, src, dst, [per](int, int) { return per; });
     for (bool zeroCopy : {false, true}) {
       auto out = [&](int i) { return zeroCopy ? heap->user(i) : dst[static_cast<size_t>(i)]; };
       for (int i = 0; i < r.numLocal(); ++i) {

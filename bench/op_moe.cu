@@ -16,7 +16,6 @@
 //              exchange. Printed where every rank has an NCCL communicator (a GPU of its own, or
 //              mpirun).
 #include <cuda_runtime.h>
-#include <nccl.h>
 
 #include <algorithm>
 #include <chrono>
@@ -215,11 +214,10 @@ void printHostCost(const Options& o, Ranks& r, std::vector<std::unique_ptr<Engin
 }
 
 // NCCL's all-to-all-v of `rowBytes` rows, rows[s][d] from rank s to rank d (forward) or from d to s
-// (reverse), timed as the movers' baselines are (graph of o.opsPerGraph operations); 0 when the
-// ranks have no NCCL communicators. The buffers are this function's; the bytes are not checked
-// (NCCL's own result is not graphep's to count).
-double ncclAllToAllvUs(const Options& o, Ranks& r, const std::vector<std::vector<long long>>& rows,
-                       std::size_t rowBytes, bool reverse) {
+// (reverse), in buffers of this function's (ncclAllToAllvUs; 0 without NCCL). The bytes are not
+// checked (NCCL's own result is not graphep's to count).
+double ncclRowsUs(const Options& o, Ranks& r, const std::vector<std::vector<long long>>& rows, std::size_t rowBytes,
+                  bool reverse) {
   if (!r.hasNccl()) return 0;
   const int R = r.worldSize(), L = r.numLocal();
   auto count = [&](int from, int to) {
@@ -243,28 +241,7 @@ double ncclAllToAllvUs(const Options& o, Ranks& r, const std::vector<std::vector
     GRAPHEP_CUDA_CHECK(cudaSetDevice(r.devices[static_cast<std::size_t>(i)]));
     GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
   }
-  auto execs = captureOpsAll(o, r, [&] {
-    GRAPHEP_NCCL_CHECK(ncclGroupStart());
-    for (int i = 0; i < L; ++i) {
-      const int me = r.rank(i);
-      std::size_t sendOff = 0, recvOff = 0;
-      for (int q = 0; q < R; ++q) {
-        const std::size_t out = count(me, q), in = count(q, me);
-        if (out > 0) {
-          GRAPHEP_NCCL_CHECK(ncclSend(src[static_cast<std::size_t>(i)] + sendOff, out, ncclChar, q, r.ncclComm(i),
-                                      r.streams[static_cast<std::size_t>(i)]));
-        }
-        if (in > 0) {
-          GRAPHEP_NCCL_CHECK(ncclRecv(dst[static_cast<std::size_t>(i)] + recvOff, in, ncclChar, q, r.ncclComm(i),
-                                      r.streams[static_cast<std::size_t>(i)]));
-        }
-        sendOff += out;
-        recvOff += in;
-      }
-    }
-    GRAPHEP_NCCL_CHECK(ncclGroupEnd());
-  });
-  const double us = timeOps(o, r, execs);
+  const double us = ncclAllToAllvUs(o, r, src, dst, count);
   freeEach(r, src, dst);
   return us;
 }
@@ -586,7 +563,7 @@ std::vector<Row> runMoe(const Options& o, Ranks& r) {
       auto bw = [](double bytes, double us) { return us > 0 ? bytes / (us * 1e3) : 0.0; };
       const std::string path = std::string(" ") + name(engines[0]->path()) +
                                (o.moeLayout == "expert-major" ? "" : " " + o.moeLayout);
-      const double ncclDispatchUs = ncclAllToAllvUs(o, r, records, static_cast<std::size_t>(payload), false);
+      const double ncclDispatchUs = ncclRowsUs(o, r, records, static_cast<std::size_t>(payload), false);
       Row d{"moe", std::string("dispatch ") + (fp8 ? "fp8" : "bf16") + path, tokens, dUs, bw(logical, dUs),
             bw(nvlink, dUs), wrong, ncclDispatchUs, heap};
       printRow(d);
@@ -594,7 +571,7 @@ std::vector<Row> runMoe(const Options& o, Ranks& r) {
       if (!fp8) {  // combine moves bf16 partials whatever the dispatch type
         const double cLogical = static_cast<double>(allRecords) / R * H * 2.0;
         const double cNvlink = static_cast<double>(remoteRecords) / R * H * 2.0;
-        const double ncclCombineUs = ncclAllToAllvUs(o, r, records, static_cast<std::size_t>(H) * 2, true);
+        const double ncclCombineUs = ncclRowsUs(o, r, records, static_cast<std::size_t>(H) * 2, true);
         Row c{"moe", "combine bf16" + path, tokens, cUs, bw(cLogical, cUs), bw(cNvlink, cUs), wrong, ncclCombineUs,
               heap};
         printRow(c);

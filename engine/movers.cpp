@@ -513,17 +513,20 @@ AllToAllvParams Movers::allToAllvParams(const AllToAllvArgs& a) const {
   const std::size_t maxBytes = a.maxBytesPerPeer > 0 ? a.maxBytesPerPeer : std::max(a.srcBytes, a.dstBytes);
   const int full = std::min(a.channelsPerPeer > 0 ? a.channelsPerPeer : channelsFor(maxBytes), linkChannels_);
   int next = 0;
-  // Each remote peer's NCCL message: the stage capacity, or maxBytesPerPeer where smaller (every
-  // rank passes the same, so both ends of a message agree on its size): a count exchange of a few
-  // hundred bytes then moves that, not the stage's megabytes. Rounded up to 16 bytes, as the stage's
-  // capacity is, so every peer's stage slot stays aligned for the copies.
-  p.remoteCap = a.maxBytesPerPeer > 0 ? std::min(remoteCap_, (a.maxBytesPerPeer + 15) & ~std::size_t{15}) : remoteCap_;
+  // Each remote peer's NCCL message (every rank passes the same arguments, so both ends of a
+  // message agree on its size): with fixed slots the slot itself, moved in place; else the stage
+  // capacity, or maxBytesPerPeer where smaller (a count exchange of a few hundred bytes then moves
+  // that, not the stage's megabytes), rounded up to 16 bytes as the capacity is, so every peer's
+  // stage slot stays aligned for the copies.
   if (a.fixedSlots) {
     p.remoteInPlace = 1;
     p.remoteCap = a.maxBytesPerPeer;
-  } else if (remoteStage_) {
-    p.remoteSend = remoteStage_.get();
-    p.remoteRecv = remoteStage_.get() + remoteCap_ * static_cast<std::size_t>(R);
+  } else {
+    p.remoteCap = a.maxBytesPerPeer > 0 ? std::min(remoteCap_, (a.maxBytesPerPeer + 15) & ~std::size_t{15}) : remoteCap_;
+    if (remoteStage_) {
+      p.remoteSend = remoteStage_.get();
+      p.remoteRecv = remoteStage_.get() + remoteCap_ * static_cast<std::size_t>(R);
+    }
   }
   for (int q = 0; q < R; ++q) {
     const PeerClass c = heap_->peerClass(local_, q);

@@ -27,13 +27,13 @@ cudaError_t preloadKernels(Kernel... kernels) {
 }
 
 #ifdef __CUDACC__
-// The launchers' common case: kernel<<<ctas, threads, 0, stream>>>(p), refused unless ctas >= 1
-// (`what` names the count in `launcher`'s refusal).
-template <typename P>
+// The launchers' common case: kernel<<<ctas, threads, 0, stream>>>(args...), refused unless
+// ctas >= 1 (`what` names the count in `launcher`'s refusal).
+template <typename... Params, typename... Args>
 cudaError_t launchGrid(const char* launcher, const char* what, int ctas, int threads, cudaStream_t stream,
-                       void (*kernel)(P), const P& p) {
+                       void (*kernel)(Params...), const Args&... args) {
   if (ctas < 1) return refuseLaunch(launcher, "%s %d (at least 1)", what, ctas);
-  kernel<<<static_cast<unsigned>(ctas), static_cast<unsigned>(threads), 0, stream>>>(p);
+  kernel<<<static_cast<unsigned>(ctas), static_cast<unsigned>(threads), 0, stream>>>(args...);
   return cudaGetLastError();
 }
 #endif

@@ -370,9 +370,9 @@ cudaError_t preloadMoeRouteKernels();
 // The movers path (kernels/moe/movers.cu): dispatch pack, offsets, expand; combine reduce, final.
 cudaError_t launchMoePack(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeOffsets(const MoeParams& p, cudaStream_t stream);
-// Which sources' records an expand or a combine reduce takes: all, this rank's own, or its peers'
-// (the own records' share runs beside the exchange of the peers', on a second stream).
-enum class MoeSources : std::uint32_t { kAll, kOwn, kPeers };
+// Which sources' records an expand or a combine reduce takes: this rank's own (on a second stream,
+// beside the exchange of the peers') or its peers'.
+enum class MoeSources : std::uint32_t { kOwn, kPeers };
 cudaError_t launchMoeExpand(const MoeParams& p, MoeSources sources, cudaStream_t stream);
 cudaError_t launchMoeCombineReduce(const MoeParams& p, MoeSources sources, cudaStream_t stream);
 cudaError_t launchMoeCombineFinal(const MoeParams& p, cudaStream_t stream);

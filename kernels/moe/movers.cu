@@ -87,7 +87,7 @@ __device__ inline const char* moeSourceRecords(const MoeParams& p, int s) {
 }
 
 __device__ inline bool moeTakesSource(MoeSources sources, int s, int rank) {
-  return sources == MoeSources::kAll || (sources == MoeSources::kOwn) == (s == rank);
+  return (sources == MoeSources::kOwn) == (s == rank);
 }
 
 // Grid: p.grid.budgetCtas CTAs; each group expands one record of `sources` at a time (source-major).
@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(kThreads) moeExpandKernel(const __grid_constan
 // ---- combine ----------------------------------------------------------------------------------
 
 // Grid: p.grid.budgetCtas CTAs; each group reduces one record of `sources` at a time (source-major),
-// into partialStage[source][record]. The launch of the peers' records (or of all) checks the pairing.
+// into partialStage[source][record]. The launch of the peers' records checks the pairing.
 __global__ void __launch_bounds__(kThreads) moeCombineReduceKernel(const __grid_constant__ MoeParams p, MoeSources sources) {
   const MoeStamp stamp(p, MoeKernel::kCombineReduce);
   __shared__ MoeSlotStage stage[kGroups];
@@ -164,15 +164,12 @@ cudaError_t launchMoeOffsets(const MoeParams& p, cudaStream_t stream) {
 }
 
 cudaError_t launchMoeExpand(const MoeParams& p, MoeSources sources, cudaStream_t stream) {
-  GRAPHEP_LAUNCH_REQUIRE(p.grid.budgetCtas >= 1, "grid.budgetCtas %d (at least 1)", p.grid.budgetCtas);
-  moeExpandKernel<<<static_cast<unsigned>(p.grid.budgetCtas), kThreads, 0, stream>>>(p, sources);
-  return cudaGetLastError();
+  return launchGrid(__func__, "grid.budgetCtas", p.grid.budgetCtas, kThreads, stream, moeExpandKernel, p, sources);
 }
 
 cudaError_t launchMoeCombineReduce(const MoeParams& p, MoeSources sources, cudaStream_t stream) {
-  GRAPHEP_LAUNCH_REQUIRE(p.grid.budgetCtas >= 1, "grid.budgetCtas %d (at least 1)", p.grid.budgetCtas);
-  moeCombineReduceKernel<<<static_cast<unsigned>(p.grid.budgetCtas), kThreads, 0, stream>>>(p, sources);
-  return cudaGetLastError();
+  return launchGrid(__func__, "grid.budgetCtas", p.grid.budgetCtas, kThreads, stream, moeCombineReduceKernel, p,
+                    sources);
 }
 
 cudaError_t launchMoeCombineFinal(const MoeParams& p, cudaStream_t stream) {

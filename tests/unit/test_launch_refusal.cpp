@@ -84,11 +84,11 @@ TEST(Unit_LaunchRefusal, NamesTheLimitAndTheValue) {
 TEST(Unit_LaunchRefusal, IsTakenOnceAndOnlyForInvalidValue) {
   MoeParams p = latencyParams();
   p.grid.budgetCtas = 0;
-  EXPECT_EQ(launchMoeExpand(p, MoeSources::kAll, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(launchMoeExpand(p, MoeSources::kPeers, nullptr), cudaErrorInvalidValue);
   EXPECT_NE(takeLaunchRefusal().find("launchMoeExpand"), std::string::npos);
   EXPECT_EQ(takeLaunchRefusal(), "");  // cleared once read
   // Another CUDA error does not carry a refusal left from an earlier launch.
-  EXPECT_EQ(launchMoeExpand(p, MoeSources::kAll, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(launchMoeExpand(p, MoeSources::kPeers, nullptr), cudaErrorInvalidValue);
   try {
     GRAPHEP_CUDA_CHECK(cudaErrorMemoryAllocation);
     FAIL() << "no error thrown";
