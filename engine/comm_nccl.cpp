@@ -8,6 +8,7 @@
 
 #include "engine/error.hpp"
 #include "engine/log.hpp"
+#include "engine/nccl_group.hpp"
 #include "engine/nvtx.hpp"
 
 namespace graphep {
@@ -24,6 +25,10 @@ class NcclComm final : public Communicator {
       GRAPHEP_NCCL_CHECK(ncclCommCount(comms_[i], &n));
       GRAPHEP_NCCL_CHECK(ncclCommUserRank(comms_[i], &r));
       GRAPHEP_NCCL_CHECK(ncclCommCuDevice(comms_[i], &d));
+      GRAPHEP_REQUIRE(n >= 1 && r >= 0 && r < n, Status::kInvalidArgument,
+                      "NCCL communicator %zu reports rank %d of %d ranks: not initialised (an NCCL group left open "
+                      "on this thread queues ncclCommInitAll unrun)",
+                      i, r, n);
       if (i == 0) world_ = n;
       GRAPHEP_REQUIRE(n == world_, Status::kInvalidArgument,
                       "NCCL communicator %zu has %d ranks, communicator 0 has %d", i, n, world_);
@@ -58,12 +63,12 @@ class NcclComm final : public Communicator {
       GRAPHEP_CUDA_CHECK(cudaMemcpy(dsend[i], static_cast<const char*>(send) + i * bytes, bytes,
                                     cudaMemcpyHostToDevice));
     }
-    GRAPHEP_NCCL_CHECK(ncclGroupStart());
+    NcclGroup group;
     for (size_t i = 0; i < n; ++i) {
       GRAPHEP_NCCL_CHECK(
           ncclAllGather(dsend[i], drecv[i], bytes, ncclChar, comms_[i], streams[i]));
     }
-    GRAPHEP_NCCL_CHECK(ncclGroupEnd());
+    group.end();
     for (size_t i = 0; i < n; ++i) {
       GRAPHEP_CUDA_CHECK(cudaSetDevice(devices_[i]));
       GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(streams[i]));

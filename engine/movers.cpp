@@ -4,6 +4,7 @@
 
 #include "engine/error.hpp"
 #include "engine/log.hpp"
+#include "engine/nccl_group.hpp"
 #include "engine/topology.hpp"
 
 namespace graphep {
@@ -580,13 +581,16 @@ void Movers::allToAllv(cudaStream_t stream, const AllToAllvArgs& args) const {
     if (!p.remoteInPlace) GRAPHEP_CUDA_CHECK(launchAllToAllvGather(p, stream));
     const char* from = p.remoteInPlace ? p.src : p.remoteSend;
     char* to = p.remoteInPlace ? p.dst : const_cast<char*>(p.remoteRecv);
-    GRAPHEP_NCCL_CHECK(ncclGroupStart());
+    for (int q = 0; q < heap_->worldSize(); ++q) {
+      if ((p.remoteMask & (1u << q)) != 0) mesh_.nccl().require(q);
+    }
+    NcclGroup group;
     for (int q = 0; q < heap_->worldSize(); ++q) {
       if ((p.remoteMask & (1u << q)) == 0) continue;
       mesh_.nccl().put(stream, q, from + p.remoteCap * q, p.remoteCap);
       mesh_.nccl().get(stream, q, to + p.remoteCap * q, p.remoteCap);
     }
-    GRAPHEP_NCCL_CHECK(ncclGroupEnd());
+    group.end();
   }
   // No channels (one rank whose own block is skipped, every other peer in place): nothing to launch.
   if (p.firstChannel[heap_->worldSize()] == 0) return;
@@ -627,10 +631,12 @@ void Movers::sendRecv(cudaStream_t stream, const SendRecvArgs& args) const {
   const bool ncclRecvRole = args.recvPeer >= 0 && remote(args.recvPeer) && args.recvBytes > 0;
   if (!ncclSendRole && !ncclRecvRole) return;
   // After the kernel on the same stream; grouped so a send and a receive cannot block each other.
-  GRAPHEP_NCCL_CHECK(ncclGroupStart());
+  if (ncclSendRole) mesh_.nccl().require(args.sendPeer);
+  if (ncclRecvRole) mesh_.nccl().require(args.recvPeer);
+  NcclGroup group;
   if (ncclSendRole) mesh_.nccl().put(stream, args.sendPeer, args.src, args.sendBytes);
   if (ncclRecvRole) mesh_.nccl().get(stream, args.recvPeer, args.dst, args.recvBytes);
-  GRAPHEP_NCCL_CHECK(ncclGroupEnd());
+  group.end();
 }
 
 ProfileCounters Movers::profile() const {

@@ -1,6 +1,7 @@
 #include "engine/transport.hpp"
 
 #include "engine/error.hpp"
+#include "engine/nccl_group.hpp"
 #include "engine/topology.hpp"
 
 namespace graphep {
@@ -44,6 +45,11 @@ bool MeshTransport::anyRemote() const {
 void MeshTransport::warmUp(const SymmetricHeap& heap, const std::vector<const MeshTransport*>& meshes,
                            const std::vector<std::size_t>& sizes) {
   const int R = heap.worldSize();
+  for (int l = 0; l < heap.numLocalRanks(); ++l) {  // refused before anything is allocated or grouped
+    for (int p = 0; p < R; ++p) {
+      if (meshes[static_cast<size_t>(l)]->route(p) == Route::kNccl) meshes[static_cast<size_t>(l)]->nccl().require(p);
+    }
+  }
   for (std::size_t bytes : sizes) {
     std::vector<char*> bufs;
     std::vector<cudaStream_t> streams;
@@ -56,7 +62,7 @@ void MeshTransport::warmUp(const SymmetricHeap& heap, const std::vector<const Me
       bufs.push_back(static_cast<char*>(b));
       streams.push_back(s);
     }
-    GRAPHEP_NCCL_CHECK(ncclGroupStart());
+    NcclGroup group;
     for (int l = 0; l < heap.numLocalRanks(); ++l) {
       const MeshTransport& m = *meshes[static_cast<size_t>(l)];
       char* b = bufs[static_cast<size_t>(l)];
@@ -66,7 +72,7 @@ void MeshTransport::warmUp(const SymmetricHeap& heap, const std::vector<const Me
         m.nccl().get(streams[static_cast<size_t>(l)], p, b + 2 * bytes * p + bytes, bytes);
       }
     }
-    GRAPHEP_NCCL_CHECK(ncclGroupEnd());
+    group.end();
     for (int l = 0; l < heap.numLocalRanks(); ++l) {
       GRAPHEP_CUDA_CHECK(cudaSetDevice(heap.device(l)));
       GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(streams[static_cast<size_t>(l)]));

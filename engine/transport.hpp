@@ -31,9 +31,12 @@ enum class Route { kSelf, kLoadStore, kNccl };
 class NcclTransport {
  public:
   NcclTransport(const SymmetricHeap& heap, int local) : heap_(&heap), local_(local) {}
-  // Capturable. Callers pair them inside ncclGroupStart / ncclGroupEnd as NCCL requires.
+  // Capturable. Callers pair them inside one NcclGroup (engine/nccl_group.hpp) as NCCL requires,
+  // after require(): so nothing in the group throws for want of a communicator.
   void put(cudaStream_t stream, int peer, const void* src, std::size_t bytes) const;
   void get(cudaStream_t stream, int peer, void* dst, std::size_t bytes) const;
+  // Throws, naming the ranks, when this rank's communicator has no NCCL communicator to reach `peer`.
+  void require(int peer) const { (void)comm(peer); }
 
  private:
   ncclComm_t comm(int peer) const;  // errors name the rank when the communicator has no NCCL

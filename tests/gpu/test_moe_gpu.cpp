@@ -2,6 +2,7 @@
 // test instance per (topology, case), so a failure or a hang names its case and --gtest_filter
 // runs one alone.
 #include <gtest/gtest.h>
+#include <nccl.h>
 
 #include <graphep/graphep.hpp>
 
@@ -191,6 +192,20 @@ TEST(Gpu1_MoePath, LatencyRefusesMoreThan256Tokens) {
   EXPECT_EQ(Engine::createAll(*comm, cfg)[0]->path(), MoePath::kLatency);
   cfg.maxTokensPerRank = 257;  // past it, kAuto falls back to the throughput path
   EXPECT_EQ(Engine::createAll(*comm, cfg)[0]->path(), MoePath::kThroughput);
+}
+
+// Peers that only NCCL could reach in a group with no NCCL communicators (a local group with every
+// peer forced remote): createAll is refused by name before any NCCL group opens, so none is left
+// open on this thread (an open group would queue every later NCCL call here unrun: a later
+// ncclCommInitAll then returns communicators of 0 ranks). ncclGroupEnd then finds no group.
+TEST(Gpu1_MoePath, RemotePeersWithoutNcclRefusedWithNoNcclGroupLeftOpen) {
+  GRAPHEP_REQUIRE_GPUS(1);
+  const ScopedEnv force("GRAPHEP_FORCE_TRANSPORT", "remote");
+  auto comm = createLocalGroup({0, 0});
+  MoeConfig cfg{.maxTokensPerRank = 300, .hidden = 256, .numExperts = 8, .topK = 2};
+  expectError([&] { Engine::createAll(*comm, cfg); }, Status::kNotSupported,
+              "reaches rank 1 only as a remote peer, but its 'local-group' communicator has no NCCL communicator");
+  EXPECT_EQ(ncclGroupEnd(), ncclInvalidUsage) << "an NCCL group was left open on this thread";
 }
 
 // Strict mode traps after counting, which kills the CUDA context: each case runs in a child
