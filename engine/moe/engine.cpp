@@ -267,9 +267,26 @@ class Launches {
   const char* last_ = nullptr;
 };
 
+// The movers path's second stream, joined into a capture by a fork, stays in that capture until it
+// ends: while it belongs to a capture that `stream` is not in (another capture of this engine
+// still open, or an eager call during one), an operation is refused by name, before anything is
+// queued, instead of being recorded into the other graph.
+void requireSideStreamFree(const Engine::Impl& m, cudaStream_t stream, const char* op) {
+  if (m.sideStream == nullptr) return;
+  cudaStreamCaptureStatus side = cudaStreamCaptureStatusNone, caller = cudaStreamCaptureStatusNone;
+  unsigned long long sideId = 0, callerId = 0;
+  GRAPHEP_CUDA_CHECK(cudaStreamGetCaptureInfo(m.sideStream, &side, &sideId));
+  GRAPHEP_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &caller, &callerId));
+  GRAPHEP_REQUIRE(side == cudaStreamCaptureStatusNone || (caller == cudaStreamCaptureStatusActive && sideId == callerId),
+                  Status::kInvalidArgument,
+                  "rank %d: %s: the engine's earlier operations are part of a stream capture (id %llu) that is still "
+                  "open; end it first (one open capture of an engine at a time, and no eager call while one is open)",
+                  m.p.shape.rank, op, sideId);
+}
+
 // The movers path's work beside an exchange: forks the engine's second stream from `stream` (an
 // event) and joins it back when the scope ends, also when a launch in it throws, so a capture is
-// never left with an unjoined stream.
+// never left with an unjoined stream (requireSideStreamFree was called before the operation).
 class SideStream {
  public:
   SideStream(Engine::Impl& m, cudaStream_t stream) : m_(m), stream_(stream) {
@@ -399,6 +416,7 @@ const DispatchLayout& Engine::dispatch(const DispatchArgs& a, cudaStream_t strea
     launchLatency(m, p, Impl::Half::kDispatch, a.half, stream);
     return m.layout;
   }
+  requireSideStreamFree(m, stream, "dispatch");
   Launches launches(m, "dispatch");
   GRAPHEP_CUDA_CHECK(launchMoeRoute(p, stream));
   launches.queued("route");
@@ -490,6 +508,7 @@ void Engine::combine(const CombineArgs& a, cudaStream_t stream) {
     launchLatency(m, p, Impl::Half::kCombine, a.half, stream);
     return;
   }
+  requireSideStreamFree(m, stream, "combine");
   Launches launches(m, "combine");
   if (m.direct) {
     GRAPHEP_CUDA_CHECK(launchMoeDirectCombineReduce(p, stream));
