@@ -101,6 +101,11 @@ void runMoeWatchdog(Communicator& comm);
 // A MoeGraph replayed (with a full check) after its Engine objects were destroyed: the graph keeps
 // the engine's buffers alive.
 void runMoeGraphOutlivesEngine(Communicator& comm);
+// The movers path (GRAPHEP_MOE_KERNELS=movers or NCCL peers) while a capture of an engine's
+// dispatch is still open: an eager combine of that engine on another stream is refused by name
+// (its second stream belongs to the open capture), nothing is queued, and the engine is not
+// failed; once the capture ended, the graph replays and the combine runs, checked.
+void runMoeOpenCaptureRefused(Communicator& comm);
 
 // Two engines (two buffer sets) per rank with their operations in flight at once on two streams:
 // every round both micro-batches' outputs are checked. Ranks sharing a GPU need a budget small

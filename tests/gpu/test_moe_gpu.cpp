@@ -194,6 +194,14 @@ TEST(Gpu1_MoePath, LatencyRefusesMoreThan256Tokens) {
   EXPECT_EQ(Engine::createAll(*comm, cfg)[0]->path(), MoePath::kThroughput);
 }
 
+// The movers path's second stream and an open capture (runMoeOpenCaptureRefused), on 2 emulated ranks.
+TEST(Gpu1_MoeGraph, MoversOpenCaptureRefusesAnotherStream) {
+  GRAPHEP_REQUIRE_GPUS(1);
+  ScopedEnv movers("GRAPHEP_MOE_KERNELS", "movers");
+  auto comm = createLocalGroup({0, 0});
+  runMoeOpenCaptureRefused(*comm);
+}
+
 // Peers that only NCCL could reach in a group with no NCCL communicators (a local group with every
 // peer forced remote): createAll is refused by name before any NCCL group opens, so none is left
 // open on this thread (an open group would queue every later NCCL call here unrun: a later

@@ -524,6 +524,45 @@ void runMoeWatchdog(Communicator& comm) {
   comm.barrier();
 }
 
+void runMoeOpenCaptureRefused(Communicator& comm) {
+  const MoeCase c = smallCase(comm, 32, MoePath::kThroughput);
+  SCOPED_TRACE("an open capture of the movers path, " + describeCase(c));
+  MoeFixture f(comm, c);
+  const std::vector<Inputs> in = f.prepareEvery(32, 4242);
+  std::vector<cudaStream_t> other(static_cast<std::size_t>(f.L()));
+  std::vector<cudaGraphExec_t> execs(static_cast<std::size_t>(f.L()), nullptr);
+  for (int l = 0; l < f.L(); ++l) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    GRAPHEP_CUDA_CHECK(cudaStreamCreateWithFlags(&other[static_cast<std::size_t>(l)], cudaStreamNonBlocking));
+    cudaStream_t s = f.buf(l).stream;
+    GRAPHEP_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    f.engine(l).dispatch(f.dispatchArgs(l, nullptr), s);
+    expectError([&] { f.engine(l).combine(CombineArgs{nullptr, f.buf(l).out}, other[static_cast<std::size_t>(l)]); },
+                Status::kInvalidArgument, "part of a stream capture");
+    EXPECT_FALSE(f.engine(l).failed()) << "rank " << comm.globalRank(l);
+    cudaGraph_t g = nullptr;
+    GRAPHEP_CUDA_CHECK(cudaStreamEndCapture(s, &g));
+    GRAPHEP_CUDA_CHECK(cudaGraphInstantiate(&execs[static_cast<std::size_t>(l)], g, 0));
+    GRAPHEP_CUDA_CHECK(cudaGraphDestroy(g));
+  }
+  comm.barrier();
+  for (int l = 0; l < f.L(); ++l) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
+    GRAPHEP_CUDA_CHECK(cudaGraphLaunch(execs[static_cast<std::size_t>(l)], f.buf(l).stream));
+    f.expert(l, f.engine(l).layout(), f.buf(l).stream, 1.0f);
+    f.engine(l).combine(CombineArgs{nullptr, f.buf(l).out}, f.buf(l).stream);
+  }
+  f.syncAll();
+  std::vector<RefLayout> refs;
+  for (int q = 0; q < comm.worldSize(); ++q) refs.push_back(refLayout(c, in, q, f.layout(0).capacity));
+  for (int l = 0; l < f.L(); ++l) {
+    EXPECT_EQ(f.check(l, in, refs, "after a refused call during an open capture"), 0);
+    GRAPHEP_CUDA_CHECK(cudaGraphExecDestroy(execs[static_cast<std::size_t>(l)]));
+    GRAPHEP_CUDA_CHECK(cudaStreamDestroy(other[static_cast<std::size_t>(l)]));
+  }
+  comm.barrier();
+}
+
 void runMoeGraphOutlivesEngine(Communicator& comm) {
   const MoeCase c = smallCase(comm, 64, MoePath::kAuto);
   SCOPED_TRACE("MoeGraph replayed after its Engine object is destroyed, " + describeCase(c));
