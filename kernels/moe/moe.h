@@ -235,9 +235,10 @@ struct MoeCombineArgs {
 
 // CTAs (kMoeThreads / kMoeLatencyThreads each). budgetCtas: the SM budget (MoeConfig.smBudget;
 // by default the SM count, the link's need, or 24 on the latency path), the same on every rank
-// (arrival counters count them): the grid of route, pack, expand and the movers' combine, the
-// direct sends, the latency send part (G). epilogueCtas: the direct path's epilogue kernels and
-// the latency receive part (MoeConfig.epilogueSms), in clusters of epilogueCluster (direct).
+// (arrival counters count them): the grid of route, the direct sends, the latency send part (G).
+// epilogueCtas: the throughput path's local kernels (the direct epilogues; the movers' pack,
+// expand, reduce and final) and the latency receive part (MoeConfig.epilogueSms), in clusters of
+// epilogueCluster (direct).
 struct MoeGrid {
   std::int32_t budgetCtas;
   std::int32_t epilogueCtas;

@@ -5,6 +5,9 @@
 //             the received count messages), expand (records into recv_x grouped by local expert);
 //   combine   reduce (per received record, the weighted sum of its expert rows, fp32) and final
 //             (per token, the sum of the partials that came back, fp32), bf16 rounded once.
+// Pack, expand, reduce and final only read and write this GPU's memory (the movers carry the bytes),
+// so they run on p.grid.epilogueCtas CTAs, the SMs the communication budget leaves free, as the
+// direct path's quantise, receive, reduce and final do; offsets is one CTA.
 // Launchers below.
 #include "kernels/common/launch.h"
 #include "kernels/moe/common.cuh"
@@ -16,7 +19,7 @@ constexpr int kThreads = kMoeThreads;  // kGroups records (tokens) per CTA at a 
 constexpr int kGroups = kThreads / kMoeGroupThreads;
 constexpr int kOffsetsThreads = 256;
 
-// Grid: p.grid.budgetCtas CTAs. Each group writes one token's record for every rank it goes to (the row read
+// Grid: p.grid.epilogueCtas CTAs. Each group writes one token's record for every rank it goes to (the row read
 // once) at a time; the last CTA also writes the count messages and the movers' send counts.
 __global__ void __launch_bounds__(kThreads) moePackKernel(const __grid_constant__ MoeParams p) {
   const MoeStamp stamp(p, MoeKernel::kPack);
@@ -90,7 +93,7 @@ __device__ inline bool moeTakesSource(MoeSources sources, int s, int rank) {
   return (sources == MoeSources::kOwn) == (s == rank);
 }
 
-// Grid: p.grid.budgetCtas CTAs; each group expands one record of `sources` at a time (source-major).
+// Grid: p.grid.epilogueCtas CTAs; each group expands one record of `sources` at a time (source-major).
 // Each slot of a record puts a copy of its row at layout.sourceBase[source][expert] + index (dropped
 // and counted past the capacity).
 __global__ void __launch_bounds__(kThreads) moeExpandKernel(const __grid_constant__ MoeParams p, MoeSources sources) {
@@ -111,7 +114,7 @@ __global__ void __launch_bounds__(kThreads) moeExpandKernel(const __grid_constan
 
 // ---- combine ----------------------------------------------------------------------------------
 
-// Grid: p.grid.budgetCtas CTAs; each group reduces one record of `sources` at a time (source-major),
+// Grid: p.grid.epilogueCtas CTAs; each group reduces one record of `sources` at a time (source-major),
 // into partialStage[source][record]. The launch of the peers' records checks the pairing.
 __global__ void __launch_bounds__(kThreads) moeCombineReduceKernel(const __grid_constant__ MoeParams p, MoeSources sources) {
   const MoeStamp stamp(p, MoeKernel::kCombineReduce);
@@ -131,7 +134,7 @@ __global__ void __launch_bounds__(kThreads) moeCombineReduceKernel(const __grid_
   }
 }
 
-// Grid: p.grid.budgetCtas CTAs; each group sums one token's partials at a time.
+// Grid: p.grid.epilogueCtas CTAs; each group sums one token's partials at a time.
 __global__ void __launch_bounds__(kThreads) moeCombineFinalKernel(const __grid_constant__ MoeParams p) {
   const MoeStamp stamp(p, MoeKernel::kCombineFinal);
   __shared__ const uint4* parts[kGroups][kMaxRanks];
@@ -155,7 +158,7 @@ __global__ void __launch_bounds__(kThreads) moeCombineFinalKernel(const __grid_c
 }  // namespace
 
 cudaError_t launchMoePack(const MoeParams& p, cudaStream_t stream) {
-  return launchGrid(__func__, "grid.budgetCtas", p.grid.budgetCtas, kThreads, stream, moePackKernel, p);
+  return launchGrid(__func__, "grid.epilogueCtas", p.grid.epilogueCtas, kThreads, stream, moePackKernel, p);
 }
 
 cudaError_t launchMoeOffsets(const MoeParams& p, cudaStream_t stream) {
@@ -164,16 +167,16 @@ cudaError_t launchMoeOffsets(const MoeParams& p, cudaStream_t stream) {
 }
 
 cudaError_t launchMoeExpand(const MoeParams& p, MoeSources sources, cudaStream_t stream) {
-  return launchGrid(__func__, "grid.budgetCtas", p.grid.budgetCtas, kThreads, stream, moeExpandKernel, p, sources);
+  return launchGrid(__func__, "grid.epilogueCtas", p.grid.epilogueCtas, kThreads, stream, moeExpandKernel, p, sources);
 }
 
 cudaError_t launchMoeCombineReduce(const MoeParams& p, MoeSources sources, cudaStream_t stream) {
-  return launchGrid(__func__, "grid.budgetCtas", p.grid.budgetCtas, kThreads, stream, moeCombineReduceKernel, p,
+  return launchGrid(__func__, "grid.epilogueCtas", p.grid.epilogueCtas, kThreads, stream, moeCombineReduceKernel, p,
                     sources);
 }
 
 cudaError_t launchMoeCombineFinal(const MoeParams& p, cudaStream_t stream) {
-  return launchGrid(__func__, "grid.budgetCtas", p.grid.budgetCtas, kThreads, stream, moeCombineFinalKernel, p);
+  return launchGrid(__func__, "grid.epilogueCtas", p.grid.epilogueCtas, kThreads, stream, moeCombineFinalKernel, p);
 }
 
 cudaError_t preloadMoeMoversKernels() {
