@@ -40,6 +40,13 @@ const ChoiceVar kMoeKernels({"GRAPHEP_MOE_KERNELS", Type::kChoice, "auto",
                              "engine setup, and any rank asking for the movers moves every rank to them",
                              "auto|movers", 0, 0});
 
+const IntVar kExchangeChunks({"GRAPHEP_EXCHANGE_CHUNKS", Type::kInt, "0",
+                               "the MoE throughput path over the movers exchanges records and partials in this "
+                               "many chunks, so that pack, exchange and expand overlap (0: automatic, several "
+                               "where some peer is reached through NCCL); read at engine setup, the largest "
+                               "over the ranks",
+                               nullptr, 0, 8});
+
 const StringVar kFaultAfterLaunch({"GRAPHEP_FAULT_AFTER_LAUNCH", Type::kString, "",
                                    "tests only: an MoE operation fails right after queuing the named launch "
                                    "(e.g. direct-send), as a refused later launch would; read at engine setup",
@@ -53,7 +60,8 @@ const StringVar kSlowCombineFinal({"GRAPHEP_SLOW_COMBINE_FINAL", Type::kString, 
 
 const std::vector<const Var*>& all() {
   static const std::vector<const Var*> vars = {&kDebug,          &kDebugSubsys,     &kTimeoutMs,       &kTrapOnTimeout,
-                                               &kForceTransport, &kEpilogueCluster, &kMoeKernels,     &kFaultAfterLaunch,
+                                               &kForceTransport, &kEpilogueCluster, &kMoeKernels,     &kExchangeChunks,
+                                               &kFaultAfterLaunch,
                                                &kSlowCombineFinal};
   return vars;
 }

@@ -70,6 +70,7 @@ extern const BoolVar kTrapOnTimeout;
 extern const ChoiceVar kForceTransport;
 extern const IntVar kEpilogueCluster;
 extern const ChoiceVar kMoeKernels;
+extern const IntVar kExchangeChunks;
 extern const StringVar kFaultAfterLaunch;
 extern const StringVar kSlowCombineFinal;
 

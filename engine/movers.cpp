@@ -478,12 +478,16 @@ AllToAllvParams Movers::allToAllvParams(const AllToAllvArgs& a) const {
                   Status::kInvalidArgument,
                   "allToAllv: channelsPerPeer=%d is out of range [0, %d] (HeapConfig.moverBlocks)",
                   a.channelsPerPeer, cfg.moverBlocks);
+  GRAPHEP_REQUIRE(a.slotStride == 0 || (a.fixedSlots && a.slotStride >= a.maxBytesPerPeer), Status::kInvalidArgument,
+                  "allToAllv: slotStride=%zu needs fixedSlots and at least maxBytesPerPeer=%zu", a.slotStride,
+                  a.maxBytesPerPeer);
+  const std::size_t stride = a.slotStride > 0 ? a.slotStride : a.maxBytesPerPeer;
   if (a.fixedSlots) {
-    const std::size_t need = a.maxBytesPerPeer * static_cast<std::size_t>(R);
+    const std::size_t need = stride * static_cast<std::size_t>(R - 1) + a.maxBytesPerPeer;
     GRAPHEP_REQUIRE(a.maxBytesPerPeer > 0 && a.srcBytes >= need && a.dstBytes >= need, Status::kInvalidArgument,
-                    "allToAllv: fixedSlots needs maxBytesPerPeer > 0 and src and dst of %d slots of it (%zu bytes); "
-                    "maxBytesPerPeer=%zu, srcBytes=%zu, dstBytes=%zu",
-                    R, need, a.maxBytesPerPeer, a.srcBytes, a.dstBytes);
+                    "allToAllv: fixedSlots needs maxBytesPerPeer > 0 and src and dst of %d slots of it %zu bytes apart "
+                    "(%zu bytes); maxBytesPerPeer=%zu, srcBytes=%zu, dstBytes=%zu",
+                    R, stride, need, a.maxBytesPerPeer, a.srcBytes, a.dstBytes);
   }
   AllToAllvParams p{};
   p.sync = heap_->syncHandle(local_);
@@ -522,12 +526,14 @@ AllToAllvParams Movers::allToAllvParams(const AllToAllvArgs& a) const {
   if (a.fixedSlots) {
     p.remoteInPlace = 1;
     p.remoteCap = a.maxBytesPerPeer;
+    p.remoteStride = stride;
   } else {
     p.remoteCap = a.maxBytesPerPeer > 0 ? std::min(remoteCap_, (a.maxBytesPerPeer + 15) & ~std::size_t{15}) : remoteCap_;
     if (remoteStage_) {
       p.remoteSend = remoteStage_.get();
       p.remoteRecv = remoteStage_.get() + remoteCap_ * static_cast<std::size_t>(R);
     }
+    p.remoteStride = p.remoteCap;
   }
   for (int q = 0; q < R; ++q) {
     const PeerClass c = heap_->peerClass(local_, q);
@@ -587,8 +593,8 @@ void Movers::allToAllv(cudaStream_t stream, const AllToAllvArgs& args) const {
     NcclGroup group;
     for (int q = 0; q < heap_->worldSize(); ++q) {
       if ((p.remoteMask & (1u << q)) == 0) continue;
-      mesh_.nccl().put(stream, q, from + p.remoteCap * q, p.remoteCap);
-      mesh_.nccl().get(stream, q, to + p.remoteCap * q, p.remoteCap);
+      mesh_.nccl().put(stream, q, from + p.remoteStride * q, p.remoteCap);
+      mesh_.nccl().get(stream, q, to + p.remoteStride * q, p.remoteCap);
     }
     group.end();
   }

@@ -95,6 +95,10 @@ struct AllToAllvArgs {
   // stage and no copy, and needs no MoverOptions.maxRemoteBytesPerPeer. A table that breaks the
   // promise is reported (the alltoallv bounds check). Every rank passes the same.
   bool fixedSlots = false;
+  // With fixed slots: peer q's segment starts at q * slotStride in src and dst (0: maxBytesPerPeer),
+  // so one call can move a window of maxBytesPerPeer bytes inside larger slots (the MoE engine's
+  // chunks: src and dst point at the window's start in slot 0). Every rank passes the same.
+  std::size_t slotStride = 0;
   // The rank's own block is not copied (its consumer reads it from src): no channels for it.
   bool skipOwnBlock = false;
 };

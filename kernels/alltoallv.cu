@@ -75,7 +75,7 @@ __global__ void __launch_bounds__(2 * kMaxWarpsPerRole * 32)
   if (p.remoteMask & (1u << peer)) {
     if (p.remoteInPlace) {  // NCCL moved the slot in place: check that the tables describe slots
       if (sender || c != 0 || tid != 0) return;
-      const std::uint64_t slot = p.remoteCap * static_cast<std::uint64_t>(peer);
+      const std::uint64_t slot = p.remoteStride * static_cast<std::uint64_t>(peer);
       checkedCount(p, 0, p.sendCounts[peer], p.remoteCap, peer, true);
       checkedCount(p, 0, p.recvCounts[peer], p.remoteCap, peer, true);
       if (p.sendOffsets[peer] != slot) reportSlot(p, peer, slot, p.sendOffsets[peer]);

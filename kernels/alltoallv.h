@@ -50,11 +50,14 @@ struct AllToAllvParams {
   // (this call's size, at most the stages' capacity). The gather kernel packs src segments into
   // remoteSend + p * remoteCap over peer p's channels (firstChannel); the alltoallv kernel
   // unpacks remoteRecv + p * remoteCap into dst over the same channels.
-  // remoteInPlace (AllToAllvArgs::fixedSlots): NCCL moved each remote peer's slot straight from
-  // src + p * remoteCap into dst + p * remoteCap; the kernel only checks the tables' promise.
+  // remoteInPlace (AllToAllvArgs::fixedSlots): NCCL moved remoteCap bytes of each remote peer's
+  // slot straight from src + p * remoteStride into dst + p * remoteStride (remoteStride: the
+  // slots' spacing, AllToAllvArgs::slotStride; remoteCap when staged); the kernel only checks the
+  // tables' promise.
   std::uint32_t remoteMask;
   std::uint32_t remoteInPlace;
   std::uint64_t remoteCap;
+  std::uint64_t remoteStride;
   char* remoteSend;
   const char* remoteRecv;
 };

@@ -2,6 +2,7 @@
 // carved buffers and heap, its counters' start, the throughput path's exchanges, the layout views.
 #include "engine/moe/bind.hpp"
 
+#include <algorithm>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -12,8 +13,9 @@ namespace graphep {
 namespace moe_setup {
 namespace {
 
-// The device tables of one alltoallv exchange of the throughput path: [R] byte counts and offsets
-// per direction. The offsets and the count messages' counts are constant (setupExchangeTables);
+// The device tables of one alltoallv exchange of the throughput path: byte counts and offsets per
+// direction, [R] each; the records' and partials' counts [kMoeMaxChunks][R], one row per chunk
+// (MoeMoverParams). The offsets and the count messages' counts are constant (setupExchangeTables);
 // the kernels write the record and partial counts of every dispatch.
 struct ExchangeTables {
   std::uint64_t* sendCounts;
@@ -26,20 +28,25 @@ struct EngineExchanges {
   ExchangeTables counts, records, partials;
 };
 
-// The three exchanges' tables in the carved region (LocalCarve.arrays: 12 x R words).
-// (exchangeTablesAt), and setupExchangeTables writes their constant halves: a count message of cntMsgBytes to and from every peer, and every
-// peer's records and partials at a fixed place ([peer][maxTokens][record]).
+// The three exchanges' tables in the carved region (LocalCarve.arrays: moeExchangeTableWords(R)
+// words); setupExchangeTables writes their constant halves: a count message of cntMsgBytes to and
+// from every peer, and every peer's records and partials at a fixed place
+// ([peer][maxTokens][record]).
 EngineExchanges exchangeTablesAt(char* region, const MoeSizes& z) {
   auto* w = reinterpret_cast<std::uint64_t*>(region);
-  auto next = [&]() {
-    ExchangeTables t{w, w + z.R, w + 2 * z.R, w + 3 * z.R};
-    w += 4 * z.R;
+  auto next = [&](std::size_t countRows) {
+    ExchangeTables t{};
+    t.sendCounts = w;
+    t.sendOffsets = w + countRows * z.R;
+    t.recvCounts = t.sendOffsets + z.R;
+    t.recvOffsets = t.recvCounts + countRows * z.R;
+    w = t.recvOffsets + z.R;
     return t;
   };
   EngineExchanges x;
-  x.counts = next();
-  x.records = next();
-  x.partials = next();
+  x.counts = next(1);
+  x.records = next(kMoeMaxChunks);
+  x.partials = next(kMoeMaxChunks);
   return x;
 }
 
@@ -52,7 +59,7 @@ EngineExchanges setupExchangeTables(char* region, const MoeSizes& z) {
     rowAt[q] = q * z.T * z.rowBytes;
   }
   const std::size_t bytes = z.R * sizeof(std::uint64_t);
-  GRAPHEP_CUDA_CHECK(cudaMemset(region, 0, 12 * bytes));
+  GRAPHEP_CUDA_CHECK(cudaMemset(region, 0, moeExchangeTableWords(z.R) * sizeof(std::uint64_t)));
   for (auto [dst, src] : {std::pair{x.counts.sendCounts, &msgBytes}, std::pair{x.counts.sendOffsets, &msgAt},
                           std::pair{x.counts.recvCounts, &msgBytes}, std::pair{x.counts.recvOffsets, &msgAt},
                           std::pair{x.records.sendOffsets, &recAt}, std::pair{x.records.recvOffsets, &recAt},
@@ -108,6 +115,7 @@ MoeParams bindParams(const BindPlan& plan, SymmetricHeap& heap, int l, char* blo
   p.routing.liveTokens = reinterpret_cast<std::int32_t*>(b + o.live);
   p.state.pending = reinterpret_cast<std::uint32_t*>(b + o.pending);
   p.routing.tokenRankIndex = reinterpret_cast<std::int32_t*>(b + o.tokRank);
+  p.routing.rankTokens = throughput && !plan.direct ? reinterpret_cast<std::int32_t*>(b + o.rankTok) : nullptr;
   p.routing.entryIndex = reinterpret_cast<std::int32_t*>(b + o.entry);
   p.routing.expertEntries = reinterpret_cast<std::uint32_t*>(b + o.expertCount);
   p.routing.rankRecords = reinterpret_cast<std::uint32_t*>(b + o.rankCount);
@@ -130,6 +138,8 @@ MoeParams bindParams(const BindPlan& plan, SymmetricHeap& heap, int l, char* blo
   p.movers.recordRecvBytes = x.records.recvCounts;
   p.movers.partialSendBytes = x.partials.sendCounts;
   p.movers.partialRecvBytes = x.partials.recvCounts;
+  p.movers.chunks = throughput ? tctas.chunks : 1;
+  p.movers.chunkRecords = static_cast<std::int32_t>((sizes.T + p.movers.chunks - 1) / p.movers.chunks);
   p.layout.sourceRecords = reinterpret_cast<std::int32_t*>(b + o.recvRows);
   p.layout.sourceBase = reinterpret_cast<std::int32_t*>(b + o.srcBase);
   p.layout.expertOffsets = reinterpret_cast<std::int32_t*>(b + o.offsets);
@@ -269,6 +279,28 @@ void bindExchanges(const BindPlan& plan, const MoeParams& p, char* block, char* 
   impl.combArgs = exchange(x.partials, p.staging.partialStage, Rs * T * rowBytes, user + ph.combRecv, Rs * T * rowBytes,
                             T * rowBytes, true);
   impl.combArgs.skipOwnBlock = true;
+  // Chunk j of the records and of the partials: list indices [j * chunkRecords, ...) of every slot,
+  // a window of each slot (AllToAllvArgs::slotStride) with the counts of row j.
+  impl.dispChunks.clear();
+  impl.combChunks.clear();
+  const std::size_t per = static_cast<std::size_t>(p.movers.chunkRecords);
+  for (int j = 0; j < p.movers.chunks; ++j) {
+    const std::size_t first = static_cast<std::size_t>(j) * per, n = std::min(per, T - first);
+    auto window = [&](AllToAllvArgs a, std::size_t unit, std::size_t countRow) {
+      const std::size_t skip = first * unit;
+      a.src = static_cast<const char*>(a.src) + skip;
+      a.srcBytes -= skip;
+      a.dst = static_cast<char*>(a.dst) + skip;
+      a.dstBytes -= skip;
+      a.sendCounts += countRow;
+      a.recvCounts += countRow;
+      a.maxBytesPerPeer = n * unit;
+      a.slotStride = T * unit;
+      return a;
+    };
+    impl.dispChunks.push_back(window(impl.dispArgs, recBytes, static_cast<std::size_t>(j) * Rs));
+    impl.combChunks.push_back(window(impl.combArgs, rowBytes, static_cast<std::size_t>(j) * Rs));
+  }
 }
 
 DispatchLayout layoutViews(const BindPlan& plan, const MoeParams& p, char* block) {

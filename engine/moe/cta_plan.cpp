@@ -235,10 +235,25 @@ LatencyCtas latencyCtas(Communicator& comm, const SymmetricHeap& heap, const Moe
   return c;
 }
 
+int exchangeChunks(int maxTokens, bool anyRemote, int requested) {
+  const int most = std::max(1, std::min(maxTokens, kMoeMaxChunks));
+  if (requested > 0) return std::min(requested, most);
+  if (!anyRemote) return 1;
+  return std::clamp(maxTokens / kExchangeChunkTokens, 1, std::min(kExchangeAutoChunks, most));
+}
+
 ThroughputCtas throughputCtas(Communicator& comm, const SymmetricHeap& heap, const MoeConfig& cfg, bool direct,
                               std::size_t slotBytes) {
   ThroughputCtas c;
   const int locals = heap.numLocalRanks();
+  if (!direct) {  // the same on every rank: the exchanges are collective
+    const bool anyRemote = !everyPeerIs(comm, heap, [](PeerClass k) { return k != PeerClass::kRemote; });
+    const std::vector<std::int32_t> want(static_cast<std::size_t>(locals),
+                                         -static_cast<std::int32_t>(env::kExchangeChunks.get()));
+    c.chunks = exchangeChunks(cfg.maxTokensPerRank, anyRemote, -minOverRanks(comm, want));
+    GRAPHEP_LOG_INFO(log::kTune, "rank %d: the movers path exchanges records and partials in %d chunk(s)%s",
+                     heap.rank(0), c.chunks, anyRemote ? " (some peer through NCCL)" : "");
+  }
   if (direct && !everyPeerIs(comm, heap, [](PeerClass k) { return k != PeerClass::kSameDevice; })) {
     std::vector<int> share;
     std::vector<std::int32_t> mine;

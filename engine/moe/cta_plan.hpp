@@ -70,11 +70,23 @@ LatencyCtas latencyCtas(Communicator& comm, const SymmetricHeap& heap, const Moe
 // ranks for the communication CTAs), no clusters, no link probe.
 // And the direct epilogues' CTAs and cluster size per local rank. slotBytes: the record slots the
 // link probe may push into (unused until the first dispatch).
+// The movers path also moves records and partials in `chunks` exchanges (exchangeChunks).
 struct ThroughputCtas {
   int comm = 0;
   std::vector<int> epilogue;  // per local rank
   std::vector<int> cluster;   // per local rank; epilogue is a multiple of it
+  int chunks = 1;
 };
+
+// The movers path's chunks (MoeMoverParams; docs/DESIGN.md §5.5), pure: `requested`
+// (GRAPHEP_EXCHANGE_CHUNKS; 0: automatic) within [1, maxTokens]; automatically, where some peer is
+// reached through NCCL, one chunk per kExchangeChunkTokens slots of maxTokens, from 1 to
+// kExchangeAutoChunks (each chunk's NCCL group costs a few microseconds: small exchanges gain
+// nothing from overlap); 1 where every peer is reached by load/store (the movers' channels already
+// overlap their own copies).
+inline constexpr int kExchangeChunkTokens = 1024;
+inline constexpr int kExchangeAutoChunks = 4;
+int exchangeChunks(int maxTokens, bool anyRemote, int requested);
 ThroughputCtas throughputCtas(Communicator& comm, const SymmetricHeap& heap, const MoeConfig& cfg, bool direct,
                               std::size_t slotBytes);
 

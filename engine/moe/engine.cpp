@@ -51,9 +51,9 @@ Engine::Impl::~Impl() {
   cudaSetDevice(device);
   if (watchEvent != nullptr) cudaEventDestroy(watchEvent);
   if (watchStream != nullptr) cudaStreamDestroy(watchStream);
-  if (forkEvent != nullptr) cudaEventDestroy(forkEvent);
-  if (joinEvent != nullptr) cudaEventDestroy(joinEvent);
+  for (cudaEvent_t e : events) cudaEventDestroy(e);
   if (sideStream != nullptr) cudaStreamDestroy(sideStream);
+  if (commStream != nullptr) cudaStreamDestroy(commStream);
   if (snapshot != nullptr) cudaFreeHost(snapshot);
   if (block != nullptr) cudaFree(block);
 }
@@ -114,8 +114,11 @@ std::unique_ptr<Engine::Impl> buildEngine(const BindPlan& plan, const std::share
   GRAPHEP_CUDA_CHECK(cudaEventCreateWithFlags(&impl->watchEvent, cudaEventDisableTiming));
   if (path == MoePath::kThroughput && !plan.direct) {
     GRAPHEP_CUDA_CHECK(cudaStreamCreateWithFlags(&impl->sideStream, cudaStreamNonBlocking));
-    GRAPHEP_CUDA_CHECK(cudaEventCreateWithFlags(&impl->forkEvent, cudaEventDisableTiming));
-    GRAPHEP_CUDA_CHECK(cudaEventCreateWithFlags(&impl->joinEvent, cudaEventDisableTiming));
+    GRAPHEP_CUDA_CHECK(cudaStreamCreateWithFlags(&impl->commStream, cudaStreamNonBlocking));
+    for (int i = 0; i < kMoversEvents; ++i) {
+      impl->events.push_back(nullptr);
+      GRAPHEP_CUDA_CHECK(cudaEventCreateWithFlags(&impl->events.back(), cudaEventDisableTiming));
+    }
   }
   GRAPHEP_CUDA_CHECK(
       cudaHostAlloc(&impl->snapshot, (5 + 7 * plan.sizes.R) * sizeof(std::uint32_t), cudaHostAllocDefault));
@@ -267,43 +270,71 @@ class Launches {
   const char* last_ = nullptr;
 };
 
-// The movers path's second stream, joined into a capture by a fork, stays in that capture until it
-// ends: while it belongs to a capture that `stream` is not in (another capture of this engine
-// still open, or an eager call during one), an operation is refused by name, before anything is
-// queued, instead of being recorded into the other graph.
+// The movers path's streams, joined into a capture by a fork, stay in that capture until it ends:
+// while they belong to a capture that `stream` is not in (another capture of this engine still
+// open, or an eager call during one), an operation is refused by name, before anything is queued,
+// instead of being recorded into the other graph.
 void requireSideStreamFree(const Engine::Impl& m, cudaStream_t stream, const char* op) {
-  if (m.sideStream == nullptr) return;
-  cudaStreamCaptureStatus side = cudaStreamCaptureStatusNone, caller = cudaStreamCaptureStatusNone;
-  unsigned long long sideId = 0, callerId = 0;
-  GRAPHEP_CUDA_CHECK(cudaStreamGetCaptureInfo(m.sideStream, &side, &sideId));
-  GRAPHEP_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &caller, &callerId));
-  GRAPHEP_REQUIRE(side == cudaStreamCaptureStatusNone || (caller == cudaStreamCaptureStatusActive && sideId == callerId),
-                  Status::kInvalidArgument,
-                  "rank %d: %s: the engine's earlier operations are part of a stream capture (id %llu) that is still "
-                  "open; end it first (one open capture of an engine at a time, and no eager call while one is open)",
-                  m.p.shape.rank, op, sideId);
+  for (cudaStream_t own : {m.sideStream, m.commStream}) {
+    if (own == nullptr) continue;
+    cudaStreamCaptureStatus side = cudaStreamCaptureStatusNone, caller = cudaStreamCaptureStatusNone;
+    unsigned long long sideId = 0, callerId = 0;
+    GRAPHEP_CUDA_CHECK(cudaStreamGetCaptureInfo(own, &side, &sideId));
+    GRAPHEP_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &caller, &callerId));
+    GRAPHEP_REQUIRE(side == cudaStreamCaptureStatusNone || (caller == cudaStreamCaptureStatusActive && sideId == callerId),
+                    Status::kInvalidArgument,
+                    "rank %d: %s: the engine's earlier operations are part of a stream capture (id %llu) that is "
+                    "still open; end it first (one open capture of an engine at a time, and no eager call while one "
+                    "is open)",
+                    m.p.shape.rank, op, sideId);
+  }
 }
 
-// The movers path's work beside an exchange: forks the engine's second stream from `stream` (an
-// event) and joins it back when the scope ends, also when a launch in it throws, so a capture is
-// never left with an unjoined stream (requireSideStreamFree was called before the operation).
-class SideStream {
+// One movers-path operation's three streams: forks the engine's side stream (this rank's own
+// share) and comm stream (the exchanges) from the caller's `stream` and joins both back when the
+// scope ends, also when a launch throws, so a capture is never left with an unjoined stream
+// (requireSideStreamFree was called before the operation). Between them, order() and mark() /
+// wait() record and wait on the engine's events, each used once per operation.
+class MoversStreams {
  public:
-  SideStream(Engine::Impl& m, cudaStream_t stream) : m_(m), stream_(stream) {
-    GRAPHEP_CUDA_CHECK(cudaEventRecord(m.forkEvent, stream));
-    GRAPHEP_CUDA_CHECK(cudaStreamWaitEvent(m.sideStream, m.forkEvent, 0));
+  MoversStreams(Engine::Impl& m, cudaStream_t stream) : m_(m), caller_(stream) {
+    const cudaEvent_t fork = mark(stream);
+    wait(m.sideStream, fork);
+    wait(m.commStream, fork);
   }
-  SideStream(const SideStream&) = delete;
-  SideStream& operator=(const SideStream&) = delete;
-  ~SideStream() {
-    if (cudaEventRecord(m_.joinEvent, m_.sideStream) == cudaSuccess) cudaStreamWaitEvent(stream_, m_.joinEvent, 0);
+  MoversStreams(const MoversStreams&) = delete;
+  MoversStreams& operator=(const MoversStreams&) = delete;
+  ~MoversStreams() {
+    const std::size_t n = m_.events.size();
+    if (cudaEventRecord(m_.events[n - 2], m_.sideStream) == cudaSuccess) cudaStreamWaitEvent(caller_, m_.events[n - 2], 0);
+    if (cudaEventRecord(m_.events[n - 1], m_.commStream) == cudaSuccess) cudaStreamWaitEvent(caller_, m_.events[n - 1], 0);
   }
-  cudaStream_t stream() const { return m_.sideStream; }
+  cudaStream_t side() const { return m_.sideStream; }
+  cudaStream_t comm() const { return m_.commStream; }
+  // What `signaller` has queued so far, as an event to wait() on later.
+  cudaEvent_t mark(cudaStream_t signaller) {
+    GRAPHEP_REQUIRE(used_ + 2 < m_.events.size(), Status::kInternalError,
+                    "rank %d: a movers-path operation ran out of its %zu stream events", m_.p.shape.rank,
+                    m_.events.size());
+    const cudaEvent_t e = m_.events[used_++];
+    GRAPHEP_CUDA_CHECK(cudaEventRecord(e, signaller));
+    return e;
+  }
+  void wait(cudaStream_t waiter, cudaEvent_t e) { GRAPHEP_CUDA_CHECK(cudaStreamWaitEvent(waiter, e, 0)); }
+  // `waiter` waits for what `signaller` has queued so far.
+  void order(cudaStream_t waiter, cudaStream_t signaller) { wait(waiter, mark(signaller)); }
 
  private:
   Engine::Impl& m_;
-  cudaStream_t stream_;
+  cudaStream_t caller_;
+  std::size_t used_ = 0;
 };
+
+// Chunk j's list indices (MoeMoverParams).
+MoeRange chunkRange(const MoeParams& p, int j) {
+  const int first = j * p.movers.chunkRecords;
+  return MoeRange{first, std::min(first + p.movers.chunkRecords, p.shape.maxTokens)};
+}
 
 // The caller's DispatchOutputs over the engine's buffers in `p`: every given pointer checked and
 // taken, rows (the caller's) bounding what is written.
@@ -430,20 +461,37 @@ const DispatchLayout& Engine::dispatch(const DispatchArgs& a, cudaStream_t strea
     GRAPHEP_CUDA_CHECK(launchMoeDirectReceive(p, stream));
     return m.layout;
   }
+  // Over the movers (docs/DESIGN.md §5.5): the peers' records packed chunk by chunk on `stream`,
+  // each chunk exchanged on the comm stream once packed (the count messages and the layout before
+  // the first) and expanded on `stream` once it arrived; this rank's own records packed and
+  // expanded on the side stream meanwhile.
   const Movers& movers = m.movers();
-  GRAPHEP_CUDA_CHECK(launchMoePack(p, stream));
-  launches.queued("pack");
-  movers.allToAllv(stream, m.cntArgs);
-  launches.queued("count-exchange");
-  GRAPHEP_CUDA_CHECK(launchMoeOffsets(p, stream));
-  launches.queued("offsets");
-  {  // this rank's own records expand while the peers' are exchanged
-    SideStream side(m, stream);
-    GRAPHEP_CUDA_CHECK(launchMoeExpand(p, MoeSources::kOwn, side.stream()));
-    launches.queued("expand-own");
-    movers.allToAllv(stream, m.dispArgs);
+  const MoeRange all{0, p.shape.maxTokens};
+  MoversStreams lanes(m, stream);
+  GRAPHEP_CUDA_CHECK(launchMoePack(p, MoeSources::kOwn, all, lanes.side()));
+  launches.queued("pack-own");
+  std::vector<cudaEvent_t> arrived;
+  for (int j = 0; j < p.movers.chunks; ++j) {
+    GRAPHEP_CUDA_CHECK(launchMoePack(p, MoeSources::kPeers, chunkRange(p, j), stream));
+    launches.queued("pack");
+    lanes.order(lanes.comm(), stream);
+    if (j == 0) {
+      movers.allToAllv(lanes.comm(), m.cntArgs);
+      launches.queued("count-exchange");
+      GRAPHEP_CUDA_CHECK(launchMoeOffsets(p, lanes.comm()));
+      launches.queued("offsets");
+      lanes.order(lanes.side(), lanes.comm());
+    }
+    movers.allToAllv(lanes.comm(), m.dispChunks[static_cast<std::size_t>(j)]);
     launches.queued("record-exchange");
-    GRAPHEP_CUDA_CHECK(launchMoeExpand(p, MoeSources::kPeers, stream));
+    arrived.push_back(lanes.mark(lanes.comm()));
+  }
+  GRAPHEP_CUDA_CHECK(launchMoeExpand(p, MoeSources::kOwn, all, lanes.side()));
+  launches.queued("expand-own");
+  for (int j = 0; j < p.movers.chunks; ++j) {
+    lanes.wait(stream, arrived[static_cast<std::size_t>(j)]);
+    GRAPHEP_CUDA_CHECK(launchMoeExpand(p, MoeSources::kPeers, chunkRange(p, j), stream));
+    launches.queued("expand");
   }
   return m.layout;
 }
@@ -518,16 +566,28 @@ void Engine::combine(const CombineArgs& a, cudaStream_t stream) {
     GRAPHEP_CUDA_CHECK(launchMoeDirectCombineFinal(p, stream));
     return;
   }
-  GRAPHEP_CUDA_CHECK(launchMoeCombineReduce(p, MoeSources::kPeers, stream));
-  launches.queued("combine-reduce");
-  {  // this rank's own partials reduce while the peers' are exchanged
-    SideStream side(m, stream);
-    GRAPHEP_CUDA_CHECK(launchMoeCombineReduce(p, MoeSources::kOwn, side.stream()));
-    launches.queued("combine-reduce-own");
-    m.movers().allToAllv(stream, m.combArgs);
+  // Over the movers: the peers' partials reduced chunk by chunk on `stream`, each chunk exchanged on
+  // the comm stream once reduced, the tokens of chunk j summed once it (and this rank's own
+  // partials, reduced on the side stream) arrived: token t's partials sit at list indices <= t.
+  const MoeRange all{0, p.shape.maxTokens};
+  MoversStreams lanes(m, stream);
+  GRAPHEP_CUDA_CHECK(launchMoeCombineReduce(p, MoeSources::kOwn, all, lanes.side()));
+  launches.queued("combine-reduce-own");
+  std::vector<cudaEvent_t> arrived;
+  for (int j = 0; j < p.movers.chunks; ++j) {
+    GRAPHEP_CUDA_CHECK(launchMoeCombineReduce(p, MoeSources::kPeers, chunkRange(p, j), stream));
+    launches.queued("combine-reduce");
+    lanes.order(lanes.comm(), stream);
+    m.movers().allToAllv(lanes.comm(), m.combChunks[static_cast<std::size_t>(j)]);
     launches.queued("partial-exchange");
+    arrived.push_back(lanes.mark(lanes.comm()));
   }
-  GRAPHEP_CUDA_CHECK(launchMoeCombineFinal(p, stream));
+  lanes.order(stream, lanes.side());
+  for (int j = 0; j < p.movers.chunks; ++j) {
+    lanes.wait(stream, arrived[static_cast<std::size_t>(j)]);
+    GRAPHEP_CUDA_CHECK(launchMoeCombineFinal(p, chunkRange(p, j), stream));
+    launches.queued("combine-final");
+  }
 }
 
 namespace {

@@ -23,6 +23,10 @@ struct EngineGroup {
   std::vector<Movers> movers;  // destroyed before the heap they point into
 };
 
+// Events one movers-path operation orders its three streams with (engine.cpp, MoversStreams): the
+// fork, a chunk's pack (reduce) and its arrival, the layout (the own partials), the two joins.
+inline constexpr int kMoversEvents = 2 * kMoeMaxChunks + 4;
+
 struct Engine::Impl {
   std::shared_ptr<EngineGroup> group;
   int local = 0;
@@ -36,6 +40,7 @@ struct Engine::Impl {
   MoeParams halfParams{};
   DispatchLayout layout{};
   AllToAllvArgs cntArgs, dispArgs, combArgs;
+  std::vector<AllToAllvArgs> dispChunks, combChunks;  // the movers path's exchanges of records and partials, by chunk
   MoePath path = MoePath::kThroughput;
   bool direct = false;    // the throughput path's dispatch by direct stores (kernels/moe/direct.cu)
   char* block = nullptr;  // every local buffer, carved from one allocation
@@ -51,11 +56,12 @@ struct Engine::Impl {
   std::string faultAfterLaunch;
   cudaStream_t watchStream = nullptr;
   cudaEvent_t watchEvent = nullptr;
-  // The movers path's second stream and its fork and join events (engine.cpp, SideStream): this
-  // rank's own records expand, and its own partials reduce, while the peers' are exchanged.
+  // The movers path's streams beside the caller's (engine.cpp, MoversStreams): `sideStream`
+  // carries this rank's own share (its records packed and expanded, its partials reduced),
+  // `commStream` the exchanges, chunk by chunk; `events` (kMoversEvents) order the three.
   cudaStream_t sideStream = nullptr;
-  cudaEvent_t forkEvent = nullptr;
-  cudaEvent_t joinEvent = nullptr;
+  cudaStream_t commStream = nullptr;
+  std::vector<cudaEvent_t> events;
   // pinned: peers.steps[2], pending, flags, arrivals, combine arrivals [R] each, the masks [2], the
   // expected arrivals [2][R], the barrier's pair counts and posts [R] each
   std::uint32_t* snapshot = nullptr;

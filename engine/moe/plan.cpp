@@ -103,7 +103,8 @@ LocalCarve carveLocal(const MoeConfig& cfg, const MoeSizes& z, std::size_t cap, 
   o.recSend = carve("recSend", throughput ? Rs * T * z.recBytes : 0);
   o.cntSend = carve("cntSend", throughput ? Rs * z.cntMsgBytes : 0);
   o.cntRecv = carve("cntRecv", throughput ? Rs * z.cntMsgBytes : 0);
-  o.arrays = carve("arrays", throughput ? 12 * Rs * 8 : 0);  // EngineExchanges: 3 exchanges x 4 tables x [R]
+  o.rankTok = carve("rankTok", throughput ? Rs * T * 4 : 0);  // the movers path's pack: the token of each record
+  o.arrays = carve("arrays", throughput ? moeExchangeTableWords(Rs) * 8 : 0);  // EngineExchanges (bind.cpp)
   o.recvRows = carve("recvRows", Rs * 4);
   o.srcBase = carve("srcBase", Rs * L * 4);
   o.offsets = carve("offsets", (L + 1) * 4);

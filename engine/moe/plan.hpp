@@ -12,6 +12,7 @@
 
 #include "engine/heap.hpp"
 #include "engine/movers.hpp"
+#include "kernels/moe/moe.h"
 
 namespace graphep::moe_setup {
 
@@ -20,6 +21,11 @@ inline std::size_t alignUp(std::size_t v, std::size_t a) { return (v + a - 1) / 
 // Engine-wide default of the movers' staging slot: large enough for 4 KiB-row records to pipeline,
 // small enough that 32 channels x 4 slots x R peers stay a few hundred MiB at most.
 inline constexpr std::size_t kEngineSlotBytes = std::size_t{256} << 10;
+
+// Words of the throughput path's exchange tables (bind.cpp, EngineExchanges): the count messages'
+// four [R] tables; for records and for partials, [kMoeMaxChunks][R] send and receive counts and [R]
+// send and receive offsets.
+inline std::size_t moeExchangeTableWords(std::size_t R) { return 4 * R + 2 * (2 * kMoeMaxChunks * R + 2 * R); }
 
 // Whether a config fits the latency path's kernels (routing held in shared memory).
 bool latencyFits(const MoeConfig& c, int R);
@@ -56,7 +62,7 @@ MoverOptions engineMoverOptions(const MoeSizes& z);
 // the allocation with it and memoryRequirements sizes it: the one place the buffers are laid out.
 struct LocalCarve {
   std::size_t status, live, pending, tokRank;
-  std::size_t entry, expertCount, rankCount, routeBits, routePrefix, recSend, cntSend, cntRecv, arrays;
+  std::size_t entry, expertCount, rankCount, routeBits, routePrefix, recSend, cntSend, cntRecv, rankTok, arrays;
   std::size_t recvRows, srcBase, offsets, counts, dropped, numRows, totals;
   std::size_t recvX, scales, rowRank, rowToken, rowSlot, rowWeight, y, combSend, combValSend;
   std::size_t rankOffsets, rowExperts, rowExpertWeights;  // rank-major layout only

@@ -182,6 +182,8 @@ struct MoeDispatchInput {
 struct MoeRouting {
   std::int32_t* liveTokens;      // [1] the clamped live count of the last dispatch
   std::int32_t* tokenRankIndex;  // [maxTokens, R]: index in the rank's record list or -1
+  std::int32_t* rankTokens;      // [R, maxTokens]: the token of each index of a rank's record list
+                                 // (the movers path's pack reads it), or nullptr
   std::int32_t* entryIndex;      // [maxTokens, K]: index within the expert's entries from this rank
   std::uint32_t* expertEntries;  // [E]: this rank's entries per expert
   std::uint32_t* rankRecords;    // [R]: this rank's records per destination
@@ -253,15 +255,27 @@ struct MoeStaging {
 };
 
 // The movers' exchanges (kernels/moe/movers.cu): count messages and the
-// alltoallv byte counts of records and partials.
+// alltoallv byte counts of records and partials. Records and partials move in `chunks` exchanges
+// (docs/DESIGN.md §5.5): chunk j carries list indices [j * chunkRecords, (j + 1) * chunkRecords)
+// of every (source, destination) pair, so pack, exchange and expand (reduce, exchange, final)
+// overlap; its byte counts are [j][R] in the four arrays.
+inline constexpr int kMoeMaxChunks = 8;
 struct MoeMoverParams {
   char* countSend;                  // [R][countMsgBytes]
   const char* countRecv;            // [R][countMsgBytes]
   const char* partialRecv;          // [R][maxTokens][H] bf16 partials (this rank's heap)
-  std::uint64_t* recordSendBytes;   // [R]
+  std::uint64_t* recordSendBytes;   // [chunks][R]
   std::uint64_t* recordRecvBytes;
   std::uint64_t* partialSendBytes;
   std::uint64_t* partialRecvBytes;
+  std::int32_t chunks;              // 1 .. kMoeMaxChunks
+  std::int32_t chunkRecords;        // list indices (and, in final, tokens) per chunk
+};
+
+// A range [first, end) of record-list indices (pack, expand, reduce) or tokens (final).
+struct MoeRange {
+  std::int32_t first;
+  std::int32_t end;
 };
 
 // The paths that store into peers' memory (latency, direct): every rank's symmetric user region
@@ -369,14 +383,17 @@ __host__ __device__ inline std::uint32_t moeRouteWords(int maxTokens) {
 cudaError_t launchMoeRoute(const MoeParams& p, cudaStream_t stream);
 cudaError_t preloadMoeRouteKernels();
 // The movers path (kernels/moe/movers.cu): dispatch pack, offsets, expand; combine reduce, final.
-cudaError_t launchMoePack(const MoeParams& p, cudaStream_t stream);
-cudaError_t launchMoeOffsets(const MoeParams& p, cudaStream_t stream);
-// Which sources' records an expand or a combine reduce takes: this rank's own (on a second stream,
+// Which records a pack, an expand or a combine reduce takes: this rank's own (on a second stream,
 // beside the exchange of the peers') or its peers'.
 enum class MoeSources : std::uint32_t { kOwn, kPeers };
-cudaError_t launchMoeExpand(const MoeParams& p, MoeSources sources, cudaStream_t stream);
-cudaError_t launchMoeCombineReduce(const MoeParams& p, MoeSources sources, cudaStream_t stream);
-cudaError_t launchMoeCombineFinal(const MoeParams& p, cudaStream_t stream);
+// Pack, expand and reduce take the records of list indices `range` to (from) each rank in
+// `sources`; final the tokens of `range`. The first peers' pack (range.first 0) also writes the
+// count messages and every chunk's send counts; the first peers' reduce checks the pairing.
+cudaError_t launchMoePack(const MoeParams& p, MoeSources sources, MoeRange range, cudaStream_t stream);
+cudaError_t launchMoeOffsets(const MoeParams& p, cudaStream_t stream);
+cudaError_t launchMoeExpand(const MoeParams& p, MoeSources sources, MoeRange range, cudaStream_t stream);
+cudaError_t launchMoeCombineReduce(const MoeParams& p, MoeSources sources, MoeRange range, cudaStream_t stream);
+cudaError_t launchMoeCombineFinal(const MoeParams& p, MoeRange range, cudaStream_t stream);
 cudaError_t preloadMoeMoversKernels();
 // The direct path (kernels/moe/direct.cu; every peer load/store):
 // route, then send (grid.budgetCtas CTAs) and receive (grid.epilogueCtas CTAs).

@@ -19,43 +19,62 @@ constexpr int kThreads = kMoeThreads;  // kGroups records (tokens) per CTA at a 
 constexpr int kGroups = kThreads / kMoeGroupThreads;
 constexpr int kOffsetsThreads = 256;
 
-// Grid: p.grid.epilogueCtas CTAs. Each group writes one token's record for every rank it goes to (the row read
-// once) at a time; the last CTA also writes the count messages and the movers' send counts.
-__global__ void __launch_bounds__(kThreads) moePackKernel(const __grid_constant__ MoeParams p) {
+__device__ inline bool moeTakesSource(MoeSources sources, int s, int rank) {
+  return (sources == MoeSources::kOwn) == (s == rank);
+}
+
+// Records of list indices [range.first, range.end) of a list of n: how many.
+__device__ inline int moeInRange(MoeRange range, long long n) {
+  const long long hi = n < range.end ? n : range.end;
+  return hi > range.first ? static_cast<int>(hi - range.first) : 0;
+}
+
+// Chunk j's share of a list of n entries, in bytes of `unit` each (MoeMoverParams: chunk j holds
+// list indices [j * chunkRecords, (j + 1) * chunkRecords)).
+__device__ inline std::uint64_t moeChunkBytes(const MoeParams& p, int j, long long n, std::uint64_t unit) {
+  const MoeRange c{j * p.movers.chunkRecords, (j + 1) * p.movers.chunkRecords};
+  return static_cast<std::uint64_t>(moeInRange(c, n)) * unit;
+}
+
+// Grid: p.grid.epilogueCtas CTAs. Each group writes one record at a time: list index i of a
+// destination r of `sources` within `range`, token rankTokens[r][i] (its row read once per
+// destination), into recordStage[r][i]. The first peers' launch's last CTA also writes the count
+// messages and every chunk's send counts of records and receive counts of partials.
+__global__ void __launch_bounds__(kThreads) moePackKernel(const __grid_constant__ MoeParams p, MoeSources sources,
+                                                          MoeRange range) {
   const MoeStamp stamp(p, MoeKernel::kPack);
-  __shared__ char* dst[kGroups][kMaxRanks];
-  __shared__ int dstRank[kGroups][kMaxRanks];
-  __shared__ int ndst[kGroups];
-  const int tid = static_cast<int>(threadIdx.x);
-  if (blockIdx.x == gridDim.x - 1) {
+  const int tid = static_cast<int>(threadIdx.x), R = p.shape.numRanks;
+  if (sources == MoeSources::kPeers && range.first == 0 && blockIdx.x == gridDim.x - 1) {
     const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.shape.hidden) * 2;
-    for (int r = tid; r < p.shape.numRanks; r += kThreads) {
-      const std::uint64_t rows = p.routing.rankRecords[r];
-      p.movers.recordSendBytes[r] = rows * p.shape.recordBytes;
-      p.movers.partialRecvBytes[r] = rows * rowBytes;
+    for (int r = tid; r < R; r += kThreads) {
+      const std::uint32_t rows = p.routing.rankRecords[r];
+      for (int j = 0; j < p.movers.chunks; ++j) {
+        p.movers.recordSendBytes[j * R + r] = moeChunkBytes(p, j, rows, p.shape.recordBytes);
+        p.movers.partialRecvBytes[j * R + r] = moeChunkBytes(p, j, rows, rowBytes);
+      }
       auto* msg = reinterpret_cast<std::uint64_t*>(p.movers.countSend + static_cast<std::uint64_t>(r) * p.shape.countMsgBytes);
       msg[0] = rows;
       for (int j = 0; j < p.shape.localExperts; ++j) msg[1 + j] = p.routing.expertEntries[r * p.shape.localExperts + j];
     }
   }
+  int total = 0;
+  for (int r = 0; r < R; ++r) {
+    if (moeTakesSource(sources, r, p.shape.rank)) total += moeInRange(range, p.routing.rankRecords[r]);
+  }
   const MoeGroupSlice gs = moeGroupSlice();
-  const int T = *p.routing.liveTokens;
-  for (int t = gs.first; t < T; t += gs.stride) {
-    if (gs.g.tid == 0) {
-      int n = 0;
-      for (int r = 0; r < p.shape.numRanks; ++r) {
-        const int i = p.routing.tokenRankIndex[static_cast<std::uint64_t>(t) * p.shape.numRanks + r];
-        if (i < 0) continue;
-        dst[gs.group][n] = p.staging.recordStage + (static_cast<std::uint64_t>(r) * p.shape.maxTokens + i) * p.shape.recordBytes;
-        dstRank[gs.group][n++] = r;
-      }
-      ndst[gs.group] = n;
+  for (int m = gs.first; m < total; m += gs.stride) {
+    int r = 0, i = m;  // item m: the destinations' records in rank order
+    for (; r < R; ++r) {
+      if (!moeTakesSource(sources, r, p.shape.rank)) continue;
+      const int n = moeInRange(range, p.routing.rankRecords[r]);
+      if (i < n) break;
+      i -= n;
     }
-    gs.g.sync();
+    i += range.first;
+    const int t = p.routing.rankTokens[static_cast<std::uint64_t>(r) * p.shape.maxTokens + i];
+    char* dst = p.staging.recordStage + (static_cast<std::uint64_t>(r) * p.shape.maxTokens + i) * p.shape.recordBytes;
     const std::int32_t* entryIdx = p.routing.entryIndex + static_cast<std::uint64_t>(t) * p.shape.topK;
-    moeWriteRecords(p, t, dst[gs.group], dstRank[gs.group], ndst[gs.group], [&](int k) { return entryIdx[k]; },
-                    gs.g, ndst[gs.group]);
-    gs.g.sync();  // dst is rewritten for the next token
+    moeWriteRecords(p, t, &dst, &r, 1, [&](int k) { return entryIdx[k]; }, gs.g, 1);
   }
 }
 
@@ -75,10 +94,13 @@ __global__ void __launch_bounds__(kOffsetsThreads) moeOffsetsKernel(const __grid
   moePublishLayout<kOffsetsThreads>(p, msg, counts, offsets, p.layout.sourceBase, scratch);
   __syncthreads();  // layout.sourceRecords is written above
   const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.shape.hidden) * 2;
-  for (int q = tid; q < p.shape.numRanks; q += kOffsetsThreads) {
-    const std::uint64_t rows = static_cast<std::uint64_t>(p.layout.sourceRecords[q]);
-    p.movers.recordRecvBytes[q] = rows * p.shape.recordBytes;
-    p.movers.partialSendBytes[q] = rows * rowBytes;
+  const int R = p.shape.numRanks;
+  for (int q = tid; q < R; q += kOffsetsThreads) {
+    const int rows = p.layout.sourceRecords[q];
+    for (int j = 0; j < p.movers.chunks; ++j) {
+      p.movers.recordRecvBytes[j * R + q] = moeChunkBytes(p, j, rows, p.shape.recordBytes);
+      p.movers.partialSendBytes[j * R + q] = moeChunkBytes(p, j, rows, rowBytes);
+    }
   }
 }
 
@@ -89,14 +111,12 @@ __device__ inline const char* moeSourceRecords(const MoeParams& p, int s) {
   return base + static_cast<std::uint64_t>(s) * p.shape.maxTokens * p.shape.recordBytes;
 }
 
-__device__ inline bool moeTakesSource(MoeSources sources, int s, int rank) {
-  return (sources == MoeSources::kOwn) == (s == rank);
-}
-
-// Grid: p.grid.epilogueCtas CTAs; each group expands one record of `sources` at a time (source-major).
+// Grid: p.grid.epilogueCtas CTAs; each group expands one record of `sources` within `range` at a
+// time (source-major).
 // Each slot of a record puts a copy of its row at layout.sourceBase[source][expert] + index (dropped
 // and counted past the capacity).
-__global__ void __launch_bounds__(kThreads) moeExpandKernel(const __grid_constant__ MoeParams p, MoeSources sources) {
+__global__ void __launch_bounds__(kThreads) moeExpandKernel(const __grid_constant__ MoeParams p, MoeSources sources,
+                                                            MoeRange range) {
   const MoeStamp stamp(p, MoeKernel::kExpand);
   __shared__ MoeSlotStage stage[kGroups];
   const MoeGroupSlice gs = moeGroupSlice();
@@ -105,7 +125,8 @@ __global__ void __launch_bounds__(kThreads) moeExpandKernel(const __grid_constan
     if (!moeTakesSource(sources, s, p.shape.rank)) continue;
     const char* recs = moeSourceRecords(p, s);
     const long long rankBase = p.layout.rankMajor ? p.layout.rankOffsets[s] : -1;  // rank-major: the source's first row
-    for (int i = gs.first; i < p.layout.sourceRecords[s]; i += gs.stride) {
+    const int end = range.first + moeInRange(range, p.layout.sourceRecords[s]);
+    for (int i = range.first + gs.first; i < end; i += gs.stride) {
       moeExpandRecord(p, s, recs + static_cast<std::uint64_t>(i) * p.shape.recordBytes, p.layout.sourceBase + s * p.shape.localExperts,
                       stage[gs.group], gs.g, p.layout.rankMajor ? rankBase + i : -1);
     }
@@ -114,19 +135,22 @@ __global__ void __launch_bounds__(kThreads) moeExpandKernel(const __grid_constan
 
 // ---- combine ----------------------------------------------------------------------------------
 
-// Grid: p.grid.epilogueCtas CTAs; each group reduces one record of `sources` at a time (source-major),
-// into partialStage[source][record]. The launch of the peers' records checks the pairing.
-__global__ void __launch_bounds__(kThreads) moeCombineReduceKernel(const __grid_constant__ MoeParams p, MoeSources sources) {
+// Grid: p.grid.epilogueCtas CTAs; each group reduces one record of `sources` within `range` at a
+// time (source-major), into partialStage[source][record]. The first launch of the peers' records
+// checks the pairing.
+__global__ void __launch_bounds__(kThreads) moeCombineReduceKernel(const __grid_constant__ MoeParams p,
+                                                                   MoeSources sources, MoeRange range) {
   const MoeStamp stamp(p, MoeKernel::kCombineReduce);
   __shared__ MoeSlotStage stage[kGroups];
   const MoeGroupSlice gs = moeGroupSlice();
-  if (blockIdx.x == 0 && threadIdx.x == 0 && sources != MoeSources::kOwn) moeCheckPairing(p, false);
+  if (blockIdx.x == 0 && threadIdx.x == 0 && sources != MoeSources::kOwn && range.first == 0) moeCheckPairing(p, false);
   const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.shape.hidden) * 2;
   for (int s = 0; s < p.shape.numRanks; ++s) {
     if (!moeTakesSource(sources, s, p.shape.rank)) continue;
     const long long rankBase = p.layout.rankMajor ? p.layout.rankOffsets[s] : -1;  // rank-major: the source's first row
     const char* recs = moeSourceRecords(p, s);
-    for (int i = gs.first; i < p.layout.sourceRecords[s]; i += gs.stride) {
+    const int end = range.first + moeInRange(range, p.layout.sourceRecords[s]);
+    for (int i = range.first + gs.first; i < end; i += gs.stride) {
       const std::uint64_t record = static_cast<std::uint64_t>(s) * p.shape.maxTokens + i;
       moeReduceRecord(p, recs + static_cast<std::uint64_t>(i) * p.shape.recordBytes, p.layout.sourceBase + s * p.shape.localExperts,
                       p.staging.partialStage + record * rowBytes, stage[gs.group], gs.g, p.layout.rankMajor ? rankBase + i : -1);
@@ -134,15 +158,17 @@ __global__ void __launch_bounds__(kThreads) moeCombineReduceKernel(const __grid_
   }
 }
 
-// Grid: p.grid.epilogueCtas CTAs; each group sums one token's partials at a time.
-__global__ void __launch_bounds__(kThreads) moeCombineFinalKernel(const __grid_constant__ MoeParams p) {
+// Grid: p.grid.epilogueCtas CTAs; each group sums one token's partials at a time, tokens `range`
+// (token t's partial from rank r sits at list index tokenRankIndex[t][r] <= t: in chunk t's
+// exchange or an earlier one).
+__global__ void __launch_bounds__(kThreads) moeCombineFinalKernel(const __grid_constant__ MoeParams p, MoeRange range) {
   const MoeStamp stamp(p, MoeKernel::kCombineFinal);
   __shared__ const uint4* parts[kGroups][kMaxRanks];
   const MoeGroupSlice gs = moeGroupSlice();
   if (blockIdx.x == 0 && threadIdx.x == 0) *p.state.pending &= kMoeDispatched;  // the combine's last kernel
   const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.shape.hidden) * 2;
-  const int T = *p.routing.liveTokens;
-  for (int t = gs.first; t < T; t += gs.stride) {
+  const int end = range.first + moeInRange(range, *p.routing.liveTokens);
+  for (int t = range.first + gs.first; t < end; t += gs.stride) {
     moeFinalToken(
         p, t,
         [&](int r) -> const char* {
@@ -157,8 +183,9 @@ __global__ void __launch_bounds__(kThreads) moeCombineFinalKernel(const __grid_c
 
 }  // namespace
 
-cudaError_t launchMoePack(const MoeParams& p, cudaStream_t stream) {
-  return launchGrid(__func__, "grid.epilogueCtas", p.grid.epilogueCtas, kThreads, stream, moePackKernel, p);
+cudaError_t launchMoePack(const MoeParams& p, MoeSources sources, MoeRange range, cudaStream_t stream) {
+  return launchGrid(__func__, "grid.epilogueCtas", p.grid.epilogueCtas, kThreads, stream, moePackKernel, p, sources,
+                    range);
 }
 
 cudaError_t launchMoeOffsets(const MoeParams& p, cudaStream_t stream) {
@@ -166,17 +193,19 @@ cudaError_t launchMoeOffsets(const MoeParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-cudaError_t launchMoeExpand(const MoeParams& p, MoeSources sources, cudaStream_t stream) {
-  return launchGrid(__func__, "grid.epilogueCtas", p.grid.epilogueCtas, kThreads, stream, moeExpandKernel, p, sources);
+cudaError_t launchMoeExpand(const MoeParams& p, MoeSources sources, MoeRange range, cudaStream_t stream) {
+  return launchGrid(__func__, "grid.epilogueCtas", p.grid.epilogueCtas, kThreads, stream, moeExpandKernel, p, sources,
+                    range);
 }
 
-cudaError_t launchMoeCombineReduce(const MoeParams& p, MoeSources sources, cudaStream_t stream) {
+cudaError_t launchMoeCombineReduce(const MoeParams& p, MoeSources sources, MoeRange range, cudaStream_t stream) {
   return launchGrid(__func__, "grid.epilogueCtas", p.grid.epilogueCtas, kThreads, stream, moeCombineReduceKernel, p,
-                    sources);
+                    sources, range);
 }
 
-cudaError_t launchMoeCombineFinal(const MoeParams& p, cudaStream_t stream) {
-  return launchGrid(__func__, "grid.epilogueCtas", p.grid.epilogueCtas, kThreads, stream, moeCombineFinalKernel, p);
+cudaError_t launchMoeCombineFinal(const MoeParams& p, MoeRange range, cudaStream_t stream) {
+  return launchGrid(__func__, "grid.epilogueCtas", p.grid.epilogueCtas, kThreads, stream, moeCombineFinalKernel, p,
+                    range);
 }
 
 cudaError_t preloadMoeMoversKernels() {

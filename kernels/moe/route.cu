@@ -114,9 +114,11 @@ __global__ void __launch_bounds__(kThreads) moeRouteAssignKernel(const __grid_co
   for (int n = gridThread(); n < T * R; n += gridThreads()) {
     const int t = n / R, r = n % R, w = t >> 5;
     const std::uint32_t bits = p.routing.bits[(E + r) * W + w];
-    p.routing.tokenRankIndex[n] = (bits >> (t & 31)) & 1u
-                          ? static_cast<int>(p.routing.blockPrefix[(E + r) * W + w]) + __popc(bits & ((1u << (t & 31)) - 1u))
-                          : -1;
+    const int i = (bits >> (t & 31)) & 1u
+                      ? static_cast<int>(p.routing.blockPrefix[(E + r) * W + w]) + __popc(bits & ((1u << (t & 31)) - 1u))
+                      : -1;
+    p.routing.tokenRankIndex[n] = i;
+    if (i >= 0 && p.routing.rankTokens != nullptr) p.routing.rankTokens[static_cast<std::uint64_t>(r) * p.shape.maxTokens + i] = t;
   }
 }
 

@@ -28,6 +28,9 @@ class Gpu1_Moe8Ranks : public ::testing::TestWithParam<MoeCaseIndex> {};
 class Gpu1_Moe4RanksMovers : public ::testing::TestWithParam<MoeCaseIndex> {};
 // One rank over the movers: its exchanges have no peer and skip the own block (nothing to launch).
 class Gpu1_Moe1RankMovers : public ::testing::TestWithParam<MoeCaseIndex> {};
+// 4 ranks over the movers with records and partials exchanged in 3 chunks (load/store channels
+// moving windows of the slots; the last chunk shorter where 3 does not divide T_max).
+class Gpu1_Moe4RanksMoversChunked : public ::testing::TestWithParam<MoeCaseIndex> {};
 
 TEST_P(Gpu1_Moe1Rank, Case) {
   GRAPHEP_REQUIRE_GPUS(1);
@@ -42,6 +45,13 @@ TEST_P(Gpu1_Moe4Ranks, Case) {
 TEST_P(Gpu1_Moe4RanksMovers, Case) {
   GRAPHEP_REQUIRE_GPUS(1);
   ScopedEnv movers("GRAPHEP_MOE_KERNELS", "movers");
+  auto comm = createLocalGroup({0, 0, 0, 0});
+  runMoeCaseAt(*comm, GetParam());
+}
+TEST_P(Gpu1_Moe4RanksMoversChunked, Case) {
+  GRAPHEP_REQUIRE_GPUS(1);
+  ScopedEnv movers("GRAPHEP_MOE_KERNELS", "movers");
+  ScopedEnv chunks("GRAPHEP_EXCHANGE_CHUNKS", "3");
   auto comm = createLocalGroup({0, 0, 0, 0});
   runMoeCaseAt(*comm, GetParam());
 }
@@ -70,6 +80,8 @@ std::vector<MoeCaseIndex> throughputCaseIndices() {
 }
 INSTANTIATE_TEST_SUITE_P(Moe, Gpu1_Moe4RanksMovers, ::testing::ValuesIn(throughputCaseIndices()), MoeCaseIndexName());
 INSTANTIATE_TEST_SUITE_P(Moe, Gpu1_Moe1RankMovers, ::testing::ValuesIn(throughputCaseIndices()), MoeCaseIndexName());
+INSTANTIATE_TEST_SUITE_P(Moe, Gpu1_Moe4RanksMoversChunked, ::testing::ValuesIn(throughputCaseIndices()),
+                         MoeCaseIndexName());
 INSTANTIATE_TEST_SUITE_P(Moe, Gpu1_Moe8Ranks, ::testing::ValuesIn(moeCaseIndices(MoeCaseList::kSmall)),
                          MoeCaseIndexName());
 

@@ -118,13 +118,14 @@ TEST_P(Mpi_Moe, Case) {
 INSTANTIATE_TEST_SUITE_P(Moe, Mpi_Moe, ::testing::ValuesIn(moeCaseIndices(MoeCaseList::kLarge)), MoeCaseIndexName());
 
 // Every peer classified remote: the engine takes the throughput path and the movers carry the
-// count messages, records and partials through NCCL (fixed-capacity messages).
+// count messages, records and partials through NCCL (fixed-capacity messages, in 3 chunks).
 class Mpi_MoeRemote : public ::testing::TestWithParam<MoeCaseIndex> {};
 
 TEST_P(Mpi_MoeRemote, Case) {
   GRAPHEP_REQUIRE_MPI_GPUS();
   auto comm = createMpiCommunicator(-1, /*withNccl=*/true);
   ScopedEnv force("GRAPHEP_FORCE_TRANSPORT", "remote");
+  ScopedEnv chunks("GRAPHEP_EXCHANGE_CHUNKS", "3");
   runMoeCaseAt(*comm, GetParam());
 }
 

@@ -124,9 +124,11 @@ TEST(Gpu2_MoeStress, LocalGroupBothPaths) {
 class Gpu2_MoeRemote : public ::testing::TestWithParam<MoeCaseIndex> {};
 
 // The caller's NCCL communicators, one rank per visible GPU, with every peer forced remote (the
-// variable is set before the communicator and its heap exist).
+// variable is set before the communicator and its heap exist), and the records and partials
+// exchanged in 3 chunks (the last one shorter where 3 does not divide T_max).
 struct RemoteGroup {
   ScopedEnv force{"GRAPHEP_FORCE_TRANSPORT", "remote"};
+  ScopedEnv chunks{"GRAPHEP_EXCHANGE_CHUNKS", "3"};
   CallerNcclComms nccl{visibleGpus()};
   std::unique_ptr<Communicator> comm = nccl.comms[0] != nullptr ? adoptNcclComms(nccl.comms) : nullptr;
 };

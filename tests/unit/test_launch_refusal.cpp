@@ -66,9 +66,9 @@ TEST(Unit_LaunchRefusal, NamesTheLimitAndTheValue) {
   EXPECT_NE(why.find("topK 17 (0 to 16)"), std::string::npos) << why;
 
   p = latencyParams();
-  p.grid.budgetCtas = 0;
-  why = refusalOf(launchMoePack(p, nullptr));
-  EXPECT_NE(why.find("grid.budgetCtas 0 (at least 1)"), std::string::npos) << why;
+  p.grid.epilogueCtas = 0;
+  why = refusalOf(launchMoePack(p, MoeSources::kPeers, MoeRange{0, 1}, nullptr));
+  EXPECT_NE(why.find("grid.epilogueCtas 0 (at least 1)"), std::string::npos) << why;
 
   MoeTokenLayoutParams t{};
   t.numRanks = 3;
@@ -83,12 +83,12 @@ TEST(Unit_LaunchRefusal, NamesTheLimitAndTheValue) {
 
 TEST(Unit_LaunchRefusal, IsTakenOnceAndOnlyForInvalidValue) {
   MoeParams p = latencyParams();
-  p.grid.budgetCtas = 0;
-  EXPECT_EQ(launchMoeExpand(p, MoeSources::kPeers, nullptr), cudaErrorInvalidValue);
+  p.grid.epilogueCtas = 0;
+  EXPECT_EQ(launchMoeExpand(p, MoeSources::kPeers, MoeRange{0, 1}, nullptr), cudaErrorInvalidValue);
   EXPECT_NE(takeLaunchRefusal().find("launchMoeExpand"), std::string::npos);
   EXPECT_EQ(takeLaunchRefusal(), "");  // cleared once read
   // Another CUDA error does not carry a refusal left from an earlier launch.
-  EXPECT_EQ(launchMoeExpand(p, MoeSources::kPeers, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(launchMoeExpand(p, MoeSources::kPeers, MoeRange{0, 1}, nullptr), cudaErrorInvalidValue);
   try {
     GRAPHEP_CUDA_CHECK(cudaErrorMemoryAllocation);
     FAIL() << "no error thrown";

@@ -8,11 +8,15 @@
 #include <algorithm>
 
 #include "engine/moe/cta_plan.hpp"
+#include "kernels/moe/moe.h"
 
 namespace graphep {
 namespace {
 
 using moe_setup::directSharedCtas;
+using moe_setup::exchangeChunks;
+using moe_setup::kExchangeAutoChunks;
+using moe_setup::kExchangeChunkTokens;
 using moe_setup::kDirectSharedParts;
 using moe_setup::kLatencyDefaultCtas;
 using moe_setup::latencyReceiveCtas;
@@ -87,6 +91,32 @@ TEST(Unit_MoeCtaPlan, DirectGridsOfRanksSharingAGpuFitTheirShare) {
   EXPECT_EQ(directSharedCtas(0, 33), 5);   // 4 ranks on 132 SMs, one CTA per SM
   EXPECT_EQ(directSharedCtas(24, 66), 11);  // the budget within a sixth of the share
   EXPECT_EQ(directSharedCtas(2, 66), 2);
+}
+
+// The movers path's chunks: asked for, within [1, T_max] and kMoeMaxChunks; automatic, several only
+// where some peer is reached through NCCL and T_max holds kExchangeChunkTokens per chunk.
+TEST(Unit_MoeCtaPlan, ExchangeChunksFollowTheRequestAndTheTokens) {
+  for (int T : {1, 2, 3, 32, 1000, 1024, 2048, 4096, 16384}) {
+    for (bool remote : {false, true}) {
+      for (int asked = 0; asked <= kMoeMaxChunks; ++asked) {
+        const int c = exchangeChunks(T, remote, asked);
+        const auto where = ::testing::Message() << "T " << T << (remote ? ", remote" : ", load/store") << ", asked "
+                                                << asked << ": " << c;
+        EXPECT_GE(c, 1) << where;
+        EXPECT_LE(c, std::min(T, kMoeMaxChunks)) << where;
+        if (asked > 0) {
+          EXPECT_EQ(c, std::min(asked, T)) << where;
+        } else if (!remote) {
+          EXPECT_EQ(c, 1) << where;
+        } else {
+          EXPECT_EQ(c, std::clamp(T / kExchangeChunkTokens, 1, kExchangeAutoChunks)) << where;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(exchangeChunks(4096, true, 0), 4);
+  EXPECT_EQ(exchangeChunks(1024, true, 0), 1);
+  EXPECT_EQ(exchangeChunks(32, false, 3), 3);
 }
 
 }  // namespace
