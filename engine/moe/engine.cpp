@@ -52,7 +52,6 @@ Engine::Impl::~Impl() {
   if (watchEvent != nullptr) cudaEventDestroy(watchEvent);
   if (watchStream != nullptr) cudaStreamDestroy(watchStream);
   for (cudaEvent_t e : events) cudaEventDestroy(e);
-  if (sideStream != nullptr) cudaStreamDestroy(sideStream);
   if (commStream != nullptr) cudaStreamDestroy(commStream);
   if (snapshot != nullptr) cudaFreeHost(snapshot);
   if (block != nullptr) cudaFree(block);
@@ -113,7 +112,6 @@ std::unique_ptr<Engine::Impl> buildEngine(const BindPlan& plan, const std::share
   GRAPHEP_CUDA_CHECK(cudaStreamCreateWithFlags(&impl->watchStream, cudaStreamNonBlocking));
   GRAPHEP_CUDA_CHECK(cudaEventCreateWithFlags(&impl->watchEvent, cudaEventDisableTiming));
   if (path == MoePath::kThroughput && !plan.direct) {
-    GRAPHEP_CUDA_CHECK(cudaStreamCreateWithFlags(&impl->sideStream, cudaStreamNonBlocking));
     GRAPHEP_CUDA_CHECK(cudaStreamCreateWithFlags(&impl->commStream, cudaStreamNonBlocking));
     for (int i = 0; i < kMoversEvents; ++i) {
       impl->events.push_back(nullptr);
@@ -270,50 +268,41 @@ class Launches {
   const char* last_ = nullptr;
 };
 
-// The movers path's streams, joined into a capture by a fork, stay in that capture until it ends:
-// while they belong to a capture that `stream` is not in (another capture of this engine still
+// The movers path's comm stream, joined into a capture by a fork, stays in that capture until it
+// ends: while it belongs to a capture that `stream` is not in (another capture of this engine still
 // open, or an eager call during one), an operation is refused by name, before anything is queued,
 // instead of being recorded into the other graph.
-void requireSideStreamFree(const Engine::Impl& m, cudaStream_t stream, const char* op) {
-  for (cudaStream_t own : {m.sideStream, m.commStream}) {
-    if (own == nullptr) continue;
-    cudaStreamCaptureStatus side = cudaStreamCaptureStatusNone, caller = cudaStreamCaptureStatusNone;
-    unsigned long long sideId = 0, callerId = 0;
-    GRAPHEP_CUDA_CHECK(cudaStreamGetCaptureInfo(own, &side, &sideId));
-    GRAPHEP_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &caller, &callerId));
-    GRAPHEP_REQUIRE(side == cudaStreamCaptureStatusNone || (caller == cudaStreamCaptureStatusActive && sideId == callerId),
-                    Status::kInvalidArgument,
-                    "rank %d: %s: the engine's earlier operations are part of a stream capture (id %llu) that is "
-                    "still open; end it first (one open capture of an engine at a time, and no eager call while one "
-                    "is open)",
-                    m.p.shape.rank, op, sideId);
-  }
+void requireCommStreamFree(const Engine::Impl& m, cudaStream_t stream, const char* op) {
+  if (m.commStream == nullptr) return;
+  cudaStreamCaptureStatus comm = cudaStreamCaptureStatusNone, caller = cudaStreamCaptureStatusNone;
+  unsigned long long commId = 0, callerId = 0;
+  GRAPHEP_CUDA_CHECK(cudaStreamGetCaptureInfo(m.commStream, &comm, &commId));
+  GRAPHEP_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &caller, &callerId));
+  GRAPHEP_REQUIRE(comm == cudaStreamCaptureStatusNone || (caller == cudaStreamCaptureStatusActive && commId == callerId),
+                  Status::kInvalidArgument,
+                  "rank %d: %s: the engine's earlier operations are part of a stream capture (id %llu) that is still "
+                  "open; end it first (one open capture of an engine at a time, and no eager call while one is open)",
+                  m.p.shape.rank, op, commId);
 }
 
-// One movers-path operation's three streams: forks the engine's side stream (this rank's own
-// share) and comm stream (the exchanges) from the caller's `stream` and joins both back when the
-// scope ends, also when a launch throws, so a capture is never left with an unjoined stream
-// (requireSideStreamFree was called before the operation). Between them, order() and mark() /
-// wait() record and wait on the engine's events, each used once per operation.
+// One movers-path operation's two streams: forks the engine's comm stream (the exchanges) from the
+// caller's `stream` and joins it back when the scope ends, also when a launch throws, so a capture
+// is never left with an unjoined stream (requireCommStreamFree was called before the operation).
+// Between them, order() and mark() / wait() record and wait on the engine's events, each used once
+// per operation.
 class MoversStreams {
  public:
-  MoversStreams(Engine::Impl& m, cudaStream_t stream) : m_(m), caller_(stream) {
-    const cudaEvent_t fork = mark(stream);
-    wait(m.sideStream, fork);
-    wait(m.commStream, fork);
-  }
+  MoversStreams(Engine::Impl& m, cudaStream_t stream) : m_(m), caller_(stream) { order(m.commStream, stream); }
   MoversStreams(const MoversStreams&) = delete;
   MoversStreams& operator=(const MoversStreams&) = delete;
   ~MoversStreams() {
-    const std::size_t n = m_.events.size();
-    if (cudaEventRecord(m_.events[n - 2], m_.sideStream) == cudaSuccess) cudaStreamWaitEvent(caller_, m_.events[n - 2], 0);
-    if (cudaEventRecord(m_.events[n - 1], m_.commStream) == cudaSuccess) cudaStreamWaitEvent(caller_, m_.events[n - 1], 0);
+    const cudaEvent_t join = m_.events.back();
+    if (cudaEventRecord(join, m_.commStream) == cudaSuccess) cudaStreamWaitEvent(caller_, join, 0);
   }
-  cudaStream_t side() const { return m_.sideStream; }
   cudaStream_t comm() const { return m_.commStream; }
   // What `signaller` has queued so far, as an event to wait() on later.
   cudaEvent_t mark(cudaStream_t signaller) {
-    GRAPHEP_REQUIRE(used_ + 2 < m_.events.size(), Status::kInternalError,
+    GRAPHEP_REQUIRE(used_ + 1 < m_.events.size(), Status::kInternalError,
                     "rank %d: a movers-path operation ran out of its %zu stream events", m_.p.shape.rank,
                     m_.events.size());
     const cudaEvent_t e = m_.events[used_++];
@@ -447,7 +436,7 @@ const DispatchLayout& Engine::dispatch(const DispatchArgs& a, cudaStream_t strea
     launchLatency(m, p, Impl::Half::kDispatch, a.half, stream);
     return m.layout;
   }
-  requireSideStreamFree(m, stream, "dispatch");
+  requireCommStreamFree(m, stream, "dispatch");
   Launches launches(m, "dispatch");
   GRAPHEP_CUDA_CHECK(launchMoeRoute(p, stream));
   launches.queued("route");
@@ -463,13 +452,11 @@ const DispatchLayout& Engine::dispatch(const DispatchArgs& a, cudaStream_t strea
   }
   // Over the movers (docs/DESIGN.md §5.5): the peers' records packed chunk by chunk on `stream`,
   // each chunk exchanged on the comm stream once packed (the count messages and the layout before
-  // the first) and expanded on `stream` once it arrived; this rank's own records packed and
-  // expanded on the side stream meanwhile.
+  // the first), this rank's own records packed and expanded meanwhile, then each chunk of the
+  // peers' expanded once it arrived.
   const Movers& movers = m.movers();
-  const MoeRange all{0, p.shape.maxTokens};
   MoversStreams lanes(m, stream);
-  GRAPHEP_CUDA_CHECK(launchMoePack(p, MoeSources::kOwn, all, lanes.side()));
-  launches.queued("pack-own");
+  cudaEvent_t layout = nullptr;
   std::vector<cudaEvent_t> arrived;
   for (int j = 0; j < p.movers.chunks; ++j) {
     GRAPHEP_CUDA_CHECK(launchMoePack(p, MoeSources::kPeers, chunkRange(p, j), stream));
@@ -480,13 +467,17 @@ const DispatchLayout& Engine::dispatch(const DispatchArgs& a, cudaStream_t strea
       launches.queued("count-exchange");
       GRAPHEP_CUDA_CHECK(launchMoeOffsets(p, lanes.comm()));
       launches.queued("offsets");
-      lanes.order(lanes.side(), lanes.comm());
+      layout = lanes.mark(lanes.comm());
     }
     movers.allToAllv(lanes.comm(), m.dispChunks[static_cast<std::size_t>(j)]);
     launches.queued("record-exchange");
     arrived.push_back(lanes.mark(lanes.comm()));
   }
-  GRAPHEP_CUDA_CHECK(launchMoeExpand(p, MoeSources::kOwn, all, lanes.side()));
+  const MoeRange all{0, p.shape.maxTokens};
+  GRAPHEP_CUDA_CHECK(launchMoePack(p, MoeSources::kOwn, all, stream));
+  launches.queued("pack-own");
+  lanes.wait(stream, layout);
+  GRAPHEP_CUDA_CHECK(launchMoeExpand(p, MoeSources::kOwn, all, stream));
   launches.queued("expand-own");
   for (int j = 0; j < p.movers.chunks; ++j) {
     lanes.wait(stream, arrived[static_cast<std::size_t>(j)]);
@@ -556,7 +547,7 @@ void Engine::combine(const CombineArgs& a, cudaStream_t stream) {
     launchLatency(m, p, Impl::Half::kCombine, a.half, stream);
     return;
   }
-  requireSideStreamFree(m, stream, "combine");
+  requireCommStreamFree(m, stream, "combine");
   Launches launches(m, "combine");
   if (m.direct) {
     GRAPHEP_CUDA_CHECK(launchMoeDirectCombineReduce(p, stream));
@@ -567,12 +558,9 @@ void Engine::combine(const CombineArgs& a, cudaStream_t stream) {
     return;
   }
   // Over the movers: the peers' partials reduced chunk by chunk on `stream`, each chunk exchanged on
-  // the comm stream once reduced, the tokens of chunk j summed once it (and this rank's own
-  // partials, reduced on the side stream) arrived: token t's partials sit at list indices <= t.
-  const MoeRange all{0, p.shape.maxTokens};
+  // the comm stream once reduced, this rank's own reduced meanwhile, then the tokens of chunk j
+  // summed once it arrived: token t's partials sit at list indices <= t.
   MoversStreams lanes(m, stream);
-  GRAPHEP_CUDA_CHECK(launchMoeCombineReduce(p, MoeSources::kOwn, all, lanes.side()));
-  launches.queued("combine-reduce-own");
   std::vector<cudaEvent_t> arrived;
   for (int j = 0; j < p.movers.chunks; ++j) {
     GRAPHEP_CUDA_CHECK(launchMoeCombineReduce(p, MoeSources::kPeers, chunkRange(p, j), stream));
@@ -582,7 +570,8 @@ void Engine::combine(const CombineArgs& a, cudaStream_t stream) {
     launches.queued("partial-exchange");
     arrived.push_back(lanes.mark(lanes.comm()));
   }
-  lanes.order(stream, lanes.side());
+  GRAPHEP_CUDA_CHECK(launchMoeCombineReduce(p, MoeSources::kOwn, MoeRange{0, p.shape.maxTokens}, stream));
+  launches.queued("combine-reduce-own");
   for (int j = 0; j < p.movers.chunks; ++j) {
     lanes.wait(stream, arrived[static_cast<std::size_t>(j)]);
     GRAPHEP_CUDA_CHECK(launchMoeCombineFinal(p, chunkRange(p, j), stream));

@@ -23,9 +23,9 @@ struct EngineGroup {
   std::vector<Movers> movers;  // destroyed before the heap they point into
 };
 
-// Events one movers-path operation orders its three streams with (engine.cpp, MoversStreams): the
-// fork, a chunk's pack (reduce) and its arrival, the layout (the own partials), the two joins.
-inline constexpr int kMoversEvents = 2 * kMoeMaxChunks + 4;
+// Events one movers-path operation orders its two streams with (engine.cpp, MoversStreams): the
+// fork, a chunk's pack (reduce) and its arrival, the layout, the join.
+inline constexpr int kMoversEvents = 2 * kMoeMaxChunks + 3;
 
 struct Engine::Impl {
   std::shared_ptr<EngineGroup> group;
@@ -56,10 +56,11 @@ struct Engine::Impl {
   std::string faultAfterLaunch;
   cudaStream_t watchStream = nullptr;
   cudaEvent_t watchEvent = nullptr;
-  // The movers path's streams beside the caller's (engine.cpp, MoversStreams): `sideStream`
-  // carries this rank's own share (its records packed and expanded, its partials reduced),
-  // `commStream` the exchanges, chunk by chunk; `events` (kMoversEvents) order the three.
-  cudaStream_t sideStream = nullptr;
+  // The movers path's stream beside the caller's (engine.cpp, MoversStreams): `commStream` carries
+  // the exchanges, chunk by chunk, while the caller's packs, expands and reduces; `events`
+  // (kMoversEvents) order the two. One stream, not more: the GPU runs a few hardware queues
+  // (CUDA_DEVICE_MAX_CONNECTIONS, 8 by default), and ranks sharing a GPU with three streams each
+  // put two ranks' exchanges in one queue, where one's waiting kernel held the other's back.
   cudaStream_t commStream = nullptr;
   std::vector<cudaEvent_t> events;
   // pinned: peers.steps[2], pending, flags, arrivals, combine arrivals [R] each, the masks [2], the

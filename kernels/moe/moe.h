@@ -383,8 +383,8 @@ __host__ __device__ inline std::uint32_t moeRouteWords(int maxTokens) {
 cudaError_t launchMoeRoute(const MoeParams& p, cudaStream_t stream);
 cudaError_t preloadMoeRouteKernels();
 // The movers path (kernels/moe/movers.cu): dispatch pack, offsets, expand; combine reduce, final.
-// Which records a pack, an expand or a combine reduce takes: this rank's own (on a second stream,
-// beside the exchange of the peers') or its peers'.
+// Which records a pack, an expand or a combine reduce takes: this rank's own (while the peers' are
+// exchanged) or its peers'.
 enum class MoeSources : std::uint32_t { kOwn, kPeers };
 // Pack, expand and reduce take the records of list indices `range` to (from) each rank in
 // `sources`; final the tokens of `range`. The first peers' pack (range.first 0) also writes the

@@ -103,7 +103,7 @@ void runMoeWatchdog(Communicator& comm);
 void runMoeGraphOutlivesEngine(Communicator& comm);
 // The movers path (GRAPHEP_MOE_KERNELS=movers or NCCL peers) while a capture of an engine's
 // dispatch is still open: an eager combine of that engine on another stream is refused by name
-// (its second stream belongs to the open capture), nothing is queued, and the engine is not
+// (its comm stream belongs to the open capture), nothing is queued, and the engine is not
 // failed; once the capture ended, the graph replays and the combine runs, checked.
 void runMoeOpenCaptureRefused(Communicator& comm);
 

@@ -206,7 +206,7 @@ TEST(Gpu1_MoePath, LatencyRefusesMoreThan256Tokens) {
   EXPECT_EQ(Engine::createAll(*comm, cfg)[0]->path(), MoePath::kThroughput);
 }
 
-// The movers path's second stream and an open capture (runMoeOpenCaptureRefused), on 2 emulated ranks.
+// The movers path's comm stream and an open capture (runMoeOpenCaptureRefused), on 2 emulated ranks.
 TEST(Gpu1_MoeGraph, MoversOpenCaptureRefusesAnotherStream) {
   GRAPHEP_REQUIRE_GPUS(1);
   ScopedEnv movers("GRAPHEP_MOE_KERNELS", "movers");
