@@ -42,9 +42,9 @@ const ChoiceVar kMoeKernels({"GRAPHEP_MOE_KERNELS", Type::kChoice, "auto",
 
 const IntVar kExchangeChunks({"GRAPHEP_EXCHANGE_CHUNKS", Type::kInt, "0",
                                "the MoE throughput path over the movers exchanges records and partials in this "
-                               "many chunks, so that pack, exchange and expand overlap (0: automatic, several "
-                               "where some peer is reached through NCCL); read at engine setup, the largest "
-                               "over the ranks",
+                               "many chunks, so that pack, exchange and expand overlap (0: automatic, 2 from "
+                               "4,096 tokens where some peer is reached through NCCL, else 1); read at engine "
+                               "setup, the largest over the ranks",
                                nullptr, 0, 8});
 
 const StringVar kFaultAfterLaunch({"GRAPHEP_FAULT_AFTER_LAUNCH", Type::kString, "",

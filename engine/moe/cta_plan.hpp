@@ -81,11 +81,13 @@ struct ThroughputCtas {
 // The movers path's chunks (MoeMoverParams; docs/DESIGN.md §5.5), pure: `requested`
 // (GRAPHEP_EXCHANGE_CHUNKS; 0: automatic) within [1, maxTokens]; automatically, where some peer is
 // reached through NCCL, one chunk per kExchangeChunkTokens slots of maxTokens, from 1 to
-// kExchangeAutoChunks (each chunk's NCCL group costs a few microseconds: small exchanges gain
-// nothing from overlap); 1 where every peer is reached by load/store (the movers' channels already
-// overlap their own copies).
-inline constexpr int kExchangeChunkTokens = 1024;
-inline constexpr int kExchangeAutoChunks = 4;
+// kExchangeAutoChunks; 1 where every peer is reached by load/store (the movers' channels already
+// overlap their own copies). Measured on 2x H200 over NCCL (docs/PERFORMANCE.md, run 158): 2
+// chunks beat 1 at 4,096 and 16,384 tokens (combine by 8-10%, dispatch by 2-4%), 4 lost to 1 at
+// 4,096 (the exchange, not the pack or the expansion, is the bottleneck, and each chunk's NCCL
+// group costs its own start).
+inline constexpr int kExchangeChunkTokens = 2048;
+inline constexpr int kExchangeAutoChunks = 2;
 int exchangeChunks(int maxTokens, bool anyRemote, int requested);
 ThroughputCtas throughputCtas(Communicator& comm, const SymmetricHeap& heap, const MoeConfig& cfg, bool direct,
                               std::size_t slotBytes);

@@ -114,8 +114,10 @@ TEST(Unit_MoeCtaPlan, ExchangeChunksFollowTheRequestAndTheTokens) {
       }
     }
   }
-  EXPECT_EQ(exchangeChunks(4096, true, 0), 4);
+  EXPECT_EQ(exchangeChunks(4096, true, 0), 2);
+  EXPECT_EQ(exchangeChunks(16384, true, 0), 2);
   EXPECT_EQ(exchangeChunks(1024, true, 0), 1);
+  EXPECT_EQ(exchangeChunks(4096, false, 0), 1);
   EXPECT_EQ(exchangeChunks(32, false, 3), 3);
 }
 
