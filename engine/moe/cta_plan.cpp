@@ -237,9 +237,15 @@ LatencyCtas latencyCtas(Communicator& comm, const SymmetricHeap& heap, const Moe
 
 int exchangeChunks(int maxTokens, bool anyRemote, int requested) {
   const int most = std::max(1, std::min(maxTokens, kMoeMaxChunks));
-  if (requested > 0) return std::min(requested, most);
-  if (!anyRemote) return 1;
-  return std::clamp(maxTokens / kExchangeChunkTokens, 1, std::min(kExchangeAutoChunks, most));
+  int c = 1;
+  if (requested > 0) {
+    c = std::min(requested, most);
+  } else if (anyRemote) {
+    c = std::clamp(maxTokens / kExchangeChunkTokens, 1, std::min(kExchangeAutoChunks, most));
+  }
+  // Chunks of ceil(T / c) list indices; as many as that fills, so none is empty (T 4 in 3: 2 + 2).
+  const int per = (std::max(maxTokens, 1) + c - 1) / c;
+  return (std::max(maxTokens, 1) + per - 1) / per;
 }
 
 ThroughputCtas throughputCtas(Communicator& comm, const SymmetricHeap& heap, const MoeConfig& cfg, bool direct,

@@ -79,7 +79,8 @@ struct ThroughputCtas {
 };
 
 // The movers path's chunks (MoeMoverParams; docs/DESIGN.md §5.5), pure: `requested`
-// (GRAPHEP_EXCHANGE_CHUNKS; 0: automatic) within [1, maxTokens]; automatically, where some peer is
+// (GRAPHEP_EXCHANGE_CHUNKS; 0: automatic) within [1, maxTokens], lowered so that none of the
+// chunks of ceil(maxTokens / chunks) list indices is empty; automatically, where some peer is
 // reached through NCCL, one chunk per kExchangeChunkTokens slots of maxTokens, from 1 to
 // kExchangeAutoChunks; 1 where every peer is reached by load/store (the movers' channels already
 // overlap their own copies). Measured on 2x H200 over NCCL (docs/PERFORMANCE.md, run 158): 2
