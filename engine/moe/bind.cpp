@@ -2,7 +2,6 @@
 // carved buffers and heap, its counters' start, the throughput path's exchanges, the layout views.
 #include "engine/moe/bind.hpp"
 
-#include <algorithm>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -273,19 +272,19 @@ void bindExchanges(const BindPlan& plan, const MoeParams& p, char* block, char* 
   // Records and partials: this rank's own stay where pack and reduce wrote them (kernels/moe/movers.cu
   // reads them there), so their exchanges skip the own block; the count messages are copied.
   impl.cntArgs = exchange(x.counts, p.movers.countSend, Rs * cntMsgBytes, b + o.cntRecv, Rs * cntMsgBytes, cntMsgBytes, false);
-  impl.dispArgs = exchange(x.records, p.staging.recordStage, Rs * T * recBytes, user + ph.recRecv, Rs * T * recBytes,
-                            T * recBytes, true);
-  impl.dispArgs.skipOwnBlock = true;
-  impl.combArgs = exchange(x.partials, p.staging.partialStage, Rs * T * rowBytes, user + ph.combRecv, Rs * T * rowBytes,
-                            T * rowBytes, true);
-  impl.combArgs.skipOwnBlock = true;
-  // Chunk j of the records and of the partials: list indices [j * chunkRecords, ...) of every slot,
-  // a window of each slot (AllToAllvArgs::slotStride) with the counts of row j.
+  AllToAllvArgs records = exchange(x.records, p.staging.recordStage, Rs * T * recBytes, user + ph.recRecv,
+                                   Rs * T * recBytes, T * recBytes, true);
+  records.skipOwnBlock = true;
+  AllToAllvArgs partials = exchange(x.partials, p.staging.partialStage, Rs * T * rowBytes, user + ph.combRecv,
+                                    Rs * T * rowBytes, T * rowBytes, true);
+  partials.skipOwnBlock = true;
+  // Chunk j of the records and of the partials (moeChunk): a window of each slot
+  // (AllToAllvArgs::slotStride) with the counts of row j.
   impl.dispChunks.clear();
   impl.combChunks.clear();
-  const std::size_t per = static_cast<std::size_t>(p.movers.chunkRecords);
   for (int j = 0; j < p.movers.chunks; ++j) {
-    const std::size_t first = static_cast<std::size_t>(j) * per, n = std::min(per, T - first);
+    const MoeRange c = moeChunk(p.movers, j, p.shape.maxTokens);
+    const std::size_t first = static_cast<std::size_t>(c.first), n = static_cast<std::size_t>(c.end - c.first);
     auto window = [&](AllToAllvArgs a, std::size_t unit, std::size_t countRow) {
       const std::size_t skip = first * unit;
       a.src = static_cast<const char*>(a.src) + skip;
@@ -298,8 +297,8 @@ void bindExchanges(const BindPlan& plan, const MoeParams& p, char* block, char* 
       a.slotStride = T * unit;
       return a;
     };
-    impl.dispChunks.push_back(window(impl.dispArgs, recBytes, static_cast<std::size_t>(j) * Rs));
-    impl.combChunks.push_back(window(impl.combArgs, rowBytes, static_cast<std::size_t>(j) * Rs));
+    impl.dispChunks.push_back(window(records, recBytes, static_cast<std::size_t>(j) * Rs));
+    impl.combChunks.push_back(window(partials, rowBytes, static_cast<std::size_t>(j) * Rs));
   }
 }
 

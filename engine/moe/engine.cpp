@@ -5,6 +5,7 @@
 #include <graphep/moe.hpp>
 
 #include <algorithm>
+#include <array>
 #include <cstdio>
 #include <exception>
 #include <cstring>
@@ -320,10 +321,7 @@ class MoversStreams {
 };
 
 // Chunk j's list indices (MoeMoverParams).
-MoeRange chunkRange(const MoeParams& p, int j) {
-  const int first = j * p.movers.chunkRecords;
-  return MoeRange{first, std::min(first + p.movers.chunkRecords, p.shape.maxTokens)};
-}
+MoeRange chunkRange(const MoeParams& p, int j) { return moeChunk(p.movers, j, p.shape.maxTokens); }
 
 // The caller's DispatchOutputs over the engine's buffers in `p`: every given pointer checked and
 // taken, rows (the caller's) bounding what is written.
@@ -457,7 +455,7 @@ const DispatchLayout& Engine::dispatch(const DispatchArgs& a, cudaStream_t strea
   const Movers& movers = m.movers();
   MoversStreams lanes(m, stream);
   cudaEvent_t layout = nullptr;
-  std::vector<cudaEvent_t> arrived;
+  std::array<cudaEvent_t, kMoeMaxChunks> arrived{};
   for (int j = 0; j < p.movers.chunks; ++j) {
     GRAPHEP_CUDA_CHECK(launchMoePack(p, MoeSources::kPeers, chunkRange(p, j), stream));
     launches.queued("pack");
@@ -471,7 +469,7 @@ const DispatchLayout& Engine::dispatch(const DispatchArgs& a, cudaStream_t strea
     }
     movers.allToAllv(lanes.comm(), m.dispChunks[static_cast<std::size_t>(j)]);
     launches.queued("record-exchange");
-    arrived.push_back(lanes.mark(lanes.comm()));
+    arrived[static_cast<std::size_t>(j)] = lanes.mark(lanes.comm());
   }
   const MoeRange all{0, p.shape.maxTokens};
   GRAPHEP_CUDA_CHECK(launchMoePack(p, MoeSources::kOwn, all, stream));
@@ -561,14 +559,14 @@ void Engine::combine(const CombineArgs& a, cudaStream_t stream) {
   // the comm stream once reduced, this rank's own reduced meanwhile, then the tokens of chunk j
   // summed once it arrived: token t's partials sit at list indices <= t.
   MoversStreams lanes(m, stream);
-  std::vector<cudaEvent_t> arrived;
+  std::array<cudaEvent_t, kMoeMaxChunks> arrived{};
   for (int j = 0; j < p.movers.chunks; ++j) {
     GRAPHEP_CUDA_CHECK(launchMoeCombineReduce(p, MoeSources::kPeers, chunkRange(p, j), stream));
     launches.queued("combine-reduce");
     lanes.order(lanes.comm(), stream);
     m.movers().allToAllv(lanes.comm(), m.combChunks[static_cast<std::size_t>(j)]);
     launches.queued("partial-exchange");
-    arrived.push_back(lanes.mark(lanes.comm()));
+    arrived[static_cast<std::size_t>(j)] = lanes.mark(lanes.comm());
   }
   GRAPHEP_CUDA_CHECK(launchMoeCombineReduce(p, MoeSources::kOwn, MoeRange{0, p.shape.maxTokens}, stream));
   launches.queued("combine-reduce-own");

@@ -39,8 +39,9 @@ struct Engine::Impl {
   enum class Half { kNone, kDispatch, kCombine } half = Half::kNone;
   MoeParams halfParams{};
   DispatchLayout layout{};
-  AllToAllvArgs cntArgs, dispArgs, combArgs;
-  std::vector<AllToAllvArgs> dispChunks, combChunks;  // the movers path's exchanges of records and partials, by chunk
+  // The movers path's exchanges: the count messages, and the records and partials by chunk.
+  AllToAllvArgs cntArgs;
+  std::vector<AllToAllvArgs> dispChunks, combChunks;
   MoePath path = MoePath::kThroughput;
   bool direct = false;    // the throughput path's dispatch by direct stores (kernels/moe/direct.cu)
   char* block = nullptr;  // every local buffer, carved from one allocation

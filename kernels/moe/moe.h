@@ -278,6 +278,13 @@ struct MoeRange {
   std::int32_t end;
 };
 
+// Chunk j of lists of up to maxTokens entries: [j * chunkRecords, (j + 1) * chunkRecords) within
+// maxTokens (the kernels' counts, the engine's launches and its exchange windows all take it here).
+__host__ __device__ inline MoeRange moeChunk(const MoeMoverParams& m, int j, int maxTokens) {
+  const int first = j * m.chunkRecords, end = first + m.chunkRecords;
+  return MoeRange{first, end < maxTokens ? end : maxTokens};
+}
+
 // The paths that store into peers' memory (latency, direct): every rank's symmetric user region
 // and the offsets of the regions both use, the step counters and the bounded waits. The regions
 // (the *Off fields here and in MoeDirectParams / MoeLatencyParams) sit at the same offsets in

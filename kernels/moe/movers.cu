@@ -32,8 +32,7 @@ __device__ inline int moeInRange(MoeRange range, long long n) {
 // Chunk j's share of a list of n entries, in bytes of `unit` each (MoeMoverParams: chunk j holds
 // list indices [j * chunkRecords, (j + 1) * chunkRecords)).
 __device__ inline std::uint64_t moeChunkBytes(const MoeParams& p, int j, long long n, std::uint64_t unit) {
-  const MoeRange c{j * p.movers.chunkRecords, (j + 1) * p.movers.chunkRecords};
-  return static_cast<std::uint64_t>(moeInRange(c, n)) * unit;
+  return static_cast<std::uint64_t>(moeInRange(moeChunk(p.movers, j, p.shape.maxTokens), n)) * unit;
 }
 
 // Grid: p.grid.epilogueCtas CTAs. Each group writes one record at a time: list index i of a

@@ -42,24 +42,25 @@ TEST_P(Gpu1_Moe4Ranks, Case) {
   auto comm = createLocalGroup({0, 0, 0, 0});
   runMoeCaseAt(*comm, GetParam());
 }
+// A case over the movers on `ranks` emulated ranks, the records and partials in `chunks` exchanges
+// ("0": the automatic count).
+void runMoversCase(int ranks, const char* chunks, const MoeCaseIndex& c) {
+  ScopedEnv movers("GRAPHEP_MOE_KERNELS", "movers");
+  ScopedEnv chunked("GRAPHEP_EXCHANGE_CHUNKS", chunks);
+  auto comm = createLocalGroup(std::vector<int>(static_cast<std::size_t>(ranks), 0));
+  runMoeCaseAt(*comm, c);
+}
 TEST_P(Gpu1_Moe4RanksMovers, Case) {
   GRAPHEP_REQUIRE_GPUS(1);
-  ScopedEnv movers("GRAPHEP_MOE_KERNELS", "movers");
-  auto comm = createLocalGroup({0, 0, 0, 0});
-  runMoeCaseAt(*comm, GetParam());
+  runMoversCase(4, "0", GetParam());
 }
 TEST_P(Gpu1_Moe4RanksMoversChunked, Case) {
   GRAPHEP_REQUIRE_GPUS(1);
-  ScopedEnv movers("GRAPHEP_MOE_KERNELS", "movers");
-  ScopedEnv chunks("GRAPHEP_EXCHANGE_CHUNKS", "3");
-  auto comm = createLocalGroup({0, 0, 0, 0});
-  runMoeCaseAt(*comm, GetParam());
+  runMoversCase(4, "3", GetParam());
 }
 TEST_P(Gpu1_Moe1RankMovers, Case) {
   GRAPHEP_REQUIRE_GPUS(1);
-  ScopedEnv movers("GRAPHEP_MOE_KERNELS", "movers");
-  auto comm = createLocalGroup({0});
-  runMoeCaseAt(*comm, GetParam());
+  runMoversCase(1, "0", GetParam());
 }
 TEST_P(Gpu1_Moe8Ranks, Case) {
   GRAPHEP_REQUIRE_GPUS(1);
