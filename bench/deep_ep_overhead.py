@@ -5,6 +5,7 @@ timed, the first timed one dropped, the mean), on one rank per GPU:
 
     python3 bench/deep_ep_overhead.py [--num-processes 2] [--num-tokens 4096] [--hidden 7168]
                                       [--num-experts 256] [--num-topk 8] [--num-sms 24] [--low-latency]
+                                      [--default-device] [--profile N]
 
 For the cached dispatch (bf16 and fp8, as DeepEP's tuning loop times it) and the combine, or with
 --low-latency for low_latency_dispatch (fp8, bf16) and low_latency_combine (T = --num-tokens tokens
@@ -14,7 +15,11 @@ per rank, the batched latency engine), rank 0 prints one line each:
     gpu       the engine's call enqueued 50 times back to back, then one sync: the time per call
               with the host ahead of the device (kernels only)
     host      the adapter's host time per call (perf_counter around 50 calls, no sync between)
-and adapter / engine. Needs PyTorch and a GPU per process; NCCL_NVLS_ENABLE=0 is set.
+and adapter / engine. --default-device runs everything as DeepEP's tests do, after
+torch.set_default_dtype(torch.bfloat16) and torch.set_default_device('cuda') (the second puts a
+Python function mode in front of every torch call). --profile N: rank 0 also prints the 12 most
+costly functions (own time) of N adapter calls of each case under cProfile. Needs PyTorch and a
+GPU per process; NCCL_NVLS_ENABLE=0 is set.
 """
 
 import argparse
@@ -69,12 +74,36 @@ def host_time(fn) -> float:
     return (t1 - t0) * 1e6 / TIMED
 
 
+PROFILE = 0  # --profile N
+
+
+def profile(rank: int, name: str, fn) -> None:
+    """N calls of fn under cProfile (every rank makes them); rank 0 prints the costliest functions."""
+    import cProfile
+    import io
+    import pstats
+
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(PROFILE):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    if rank == 0:
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(12)
+        print(f"[rank 0] profile of {PROFILE} calls, {name}:\n{out.getvalue()}", flush=True)
+
+
 def report(rank: int, head: str, cases) -> None:
     for name, adapter, engine in cases:
         a, e, g, h = event_mean(adapter), event_mean(engine), back_to_back(engine), host_time(adapter)
         if rank == 0:
             print(f"[rank 0] {head} {name}: adapter {a:.1f} us, engine {e:.1f} us, gpu {g:.1f} us, host {h:.1f} us, "
                   f"adapter / engine {a / e:.3f}", flush=True)
+        if PROFILE:
+            profile(rank, f"{head} {name}", adapter)
 
 
 def run_low_latency(rank: int, args) -> None:
@@ -132,6 +161,11 @@ def run(local_rank: int, args) -> None:
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{args.port}", world_size=args.num_processes,
                             rank=local_rank, device_id=torch.device("cuda", local_rank))
     torch.cuda.set_device(local_rank)
+    global PROFILE
+    PROFILE = args.profile
+    if args.default_device:  # as DeepEP's tests/utils.py init_dist
+        torch.set_default_dtype(torch.bfloat16)
+        torch.set_default_device("cuda")
     if args.low_latency:
         run_low_latency(dist.get_rank(), args)
         dist.destroy_process_group()
@@ -157,7 +191,7 @@ def run(local_rank: int, args) -> None:
                                                       topk_weights=topk_w, config=config)
     st = handle[5].state
     core, n, comm = st.engine._core, recv_x.shape[0], torch.cuda.current_stream()
-    count = buffer._token_count(T, x.device)
+    count = buffer._token_count(T, x.device, None)
     out_x = torch.empty((n, H), dtype=torch.bfloat16, device="cuda")
     out_x8 = torch.empty((n, H), dtype=torch.uint8, device="cuda")
     out_s = torch.empty((n, H // 128), dtype=torch.float32, device="cuda")
@@ -201,5 +235,8 @@ if __name__ == "__main__":
     p.add_argument("--num-sms", type=int, default=24)
     p.add_argument("--port", type=int, default=8371)
     p.add_argument("--low-latency", action="store_true", help="the low-latency calls (T = --num-tokens)")
+    p.add_argument("--default-device", action="store_true",
+                   help="torch.set_default_device('cuda') and bf16 default dtype, as DeepEP's tests")
+    p.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile N adapter calls of each case")
     args = p.parse_args()
     torch.multiprocessing.spawn(run, args=(args,), nprocs=args.num_processes)

@@ -38,3 +38,21 @@ def finish(name: str, buffer, wrong: dict, status_ok: bool, rank: int, ranks: in
     dist.barrier()
     dist.destroy_process_group()
     return 0 if int(total) == 0 else 1
+
+
+def counting_mode():
+    """A Python function mode that records each torch call reaching it. DeepEP's tests run under
+    one (torch.set_default_device('cuda') installs a mode); graphep.deep_ep's calls should reach
+    none of theirs (they run as DeepEP's C++ extension does)."""
+    from torch.overrides import TorchFunctionMode  # the worker's (PyTorch may be missing here)
+
+    class Counting(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.calls.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    return Counting()

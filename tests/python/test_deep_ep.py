@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import expect_error, full_tier, requires_gpus, requires_torch
-from deep_ep_worker import finish, start
+from deep_ep_worker import counting_mode, finish, start
 
 import graphep  # noqa: E402
 from graphep.deep_ep import Config, EventOverlap  # noqa: E402
@@ -491,6 +491,22 @@ def worker() -> int:
         poison()
         r_comb, r_comb_w, _ = buffer.combine(y_a, handle_r, topk_weights=recv_w, config=cfg)
         count("repeat.combine", not (torch.equal(r_comb, combined) and torch.equal(r_comb_w, combined_w)))
+
+    # Under a Python function mode (DeepEP's tests install one with torch.set_default_device): no
+    # torch call of the Buffer's reaches it, and the results are the same.
+    mode = counting_mode()
+    poison()
+    with mode:
+        lay_m = buffer.get_dispatch_layout(me.ids, E)
+        m_x, m_ids, m_w, m_list, handle_m, _ = buffer.dispatch(me.x, topk_idx=me.ids, topk_weights=me.w, **common)
+        m_comb, m_comb_w, _ = buffer.combine(y_a, handle_m, topk_weights=recv_w, config=cfg)
+    count("mode.calls", len(mode.calls))
+    if mode.calls:
+        print(f"rank {rank}: the mode saw {len(mode.calls)} calls: {mode.calls[:8]}", flush=True)
+    count("mode.layout", (lay_m[3] != me.mask).sum() + (lay_m[2] != me.per_expert).sum())
+    count("mode.dispatch", not (torch.equal(m_x, recv_x) and torch.equal(m_ids, recv_ids) and torch.equal(m_w, recv_w)
+                                and m_list == per_list))
+    count("mode.combine", not (torch.equal(m_comb, combined) and torch.equal(m_comb_w, combined_w)))
 
     # A rank with no tokens (rank 1): it still receives, and its combine returns [0, H].
     idle_tokens = [TOKENS[0] if s != 1 else 0 for s in range(R)]

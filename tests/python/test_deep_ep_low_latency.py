@@ -28,7 +28,7 @@ import sys
 import pytest
 
 from conftest import expect_error, requires_gpus, requires_torch
-from deep_ep_worker import finish, start
+from deep_ep_worker import counting_mode, finish, start
 
 import graphep  # noqa: E402
 from graphep.deep_ep import config as dconfig  # noqa: E402
@@ -543,6 +543,24 @@ def worker() -> int:
     combined, event, _ = buffer.low_latency_combine(y, me.ids, me.w, handle, async_finish=True)
     event.current_stream_wait()
     check_combined("async.combine", combined, me, shape)
+
+    # Under a Python function mode (DeepEP's tests install one with torch.set_default_device): no
+    # torch call of the Buffer's reaches it, and the results are right.
+    all_in = inputs(shape, 13)
+    me = all_in[rank]
+    poison_views(shape)
+    mode = counting_mode()
+    with mode:
+        recv, recv_count, handle, _, _ = buffer.low_latency_dispatch(me.x, me.ids, T, E, use_fp8=False)
+    rows = check_dispatch("mode.dispatch", all_in, shape, recv, recv_count, handle, None)
+    y = experts(rows, shape, torch.empty(L, R * T, H, dtype=torch.bfloat16, device=device), all_x(all_in, shape))
+    with mode:
+        combined, _, _ = buffer.low_latency_combine(y, me.ids, me.w, handle)
+        buffer.get_next_low_latency_combine_buffer(handle)
+    check_combined("mode.combine", combined, me, shape)
+    count("mode.calls", len(mode.calls))
+    if mode.calls:
+        print(f"rank {rank}: the mode saw {len(mode.calls)} calls: {mode.calls[:8]}", flush=True)
 
     # Rank 1 has no tokens: it still receives, and its combine returns [0, H].
     all_in = inputs(shape, 12, [T if s != 1 else 0 for s in range(R)])

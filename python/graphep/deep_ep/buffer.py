@@ -17,10 +17,12 @@ How it maps (docs: README "Serving stacks: DeepEP's API on graphep"):
   rank-major receive layout (DeepEP's receive order: sources in rank order, each source's tokens
   in order), throughput path, bf16 records; fp8 dispatches send the caller's e4m3 rows and
   scales. Its T_max and SM budget: graphep.deep_ep.config.
-- The work runs on the Buffer's comm stream, which first waits for previous_event (or the
-  current stream); outputs are fresh torch tensors each call (never engine memory). A non-cached
-  dispatch without num_worst_tokens reads its row count and per-expert counts back: one host
-  sync, as DeepEP's. With num_worst_tokens or a handle (cached), nothing syncs.
+- Streams: with async_finish the work runs on the Buffer's comm stream, which first waits for
+  previous_event (or the current stream); without it, on the current stream (after
+  previous_event), which is the order DeepEP's comm stream and its wait give the caller.
+  Outputs are fresh torch tensors each call (never engine memory). A non-cached dispatch without
+  num_worst_tokens reads its row count and per-expert counts back: one host sync, as DeepEP's.
+  With num_worst_tokens or a handle (cached), nothing syncs.
 - combine is DeepEP's: an unweighted sum over the ranks (the experts applied the weights), bias
   added after it (on the comm stream, not fused). graphep combines an engine's last dispatch: a
   handle is accepted when its dispatch is that one, or routed the same tokens (the same
@@ -29,6 +31,7 @@ How it maps (docs: README "Serving stacks: DeepEP's API on graphep"):
   mode without low_latency_mode, mpi4py communicators, packed int32 fp8 scales in the normal mode.
 """
 
+import contextlib
 import os
 import socket
 import warnings
@@ -44,6 +47,7 @@ from graphep.deep_ep.config import (MAX_TOKENS_ENV, TOKENS_CAP, TOKENS_STEP, Con
 from graphep.deep_ep.events import EventOverlap
 from graphep.deep_ep.low_latency import HINTED, LowLatencyMode, _LowLatencyState, hinted_by_any_rank, hinted_shapes
 from graphep.deep_ep.tensors import ID_TYPES as _ID_TYPES
+from graphep.deep_ep.tensors import as_extension, current_raw_stream
 from graphep.deep_ep.tensors import check_tensor as _check_tensor
 from graphep.engine import _INDEX_TYPES, DispatchOutputs, Engine, create_engine, memory_requirements
 from graphep.errors import Error, invalid_argument, not_supported
@@ -274,11 +278,12 @@ class Buffer(LowLatencyMode):
                                f"{st.max_tokens} tokens per rank (hidden={st.hidden}, num_experts={st.num_experts}, "
                                f"from num_nvl_bytes={self.num_nvl_bytes}); {how}")
 
-    def _token_count(self, num_tokens: int, device: torch.device) -> torch.Tensor:
-        """The device int32 live count for num_tokens, made once (on the comm stream)."""
+    def _token_count(self, num_tokens: int, device: torch.device, work) -> torch.Tensor:
+        """The device int32 live count for num_tokens, made once (on the stream of the work that
+        first reads it)."""
         count = self._token_counts.get(num_tokens)
         if count is None:
-            with torch.cuda.stream(self._comm_stream):
+            with self._on(work):
                 count = torch.full((1,), num_tokens, dtype=torch.int32, device=device)
             self._token_counts[num_tokens] = count
         return count
@@ -297,34 +302,50 @@ class Buffer(LowLatencyMode):
             raise invalid_argument("allocate_on_comm_stream=True needs previous_event and async_finish=True, as in "
                                    "DeepEP")
 
-    def _begin(self, previous_event, allocate_on_comm_stream: bool):
-        """The comm stream waits for previous_event, or the current stream; returns (compute, comm,
-        the stream outputs are allocated on)."""
-        compute, comm = torch.cuda.current_stream(), self._comm_stream
+    def _begin(self, previous_event, async_finish: bool):
+        """The stream the work runs on. None: the current stream (a call without async_finish,
+        after previous_event when given). DeepEP runs such a call on its comm stream and makes
+        the current stream wait for it: the caller sees the same order, and graphep saves the
+        two stream switches and their events. With async_finish: the comm stream, after
+        previous_event, or else after the current stream."""
         event = getattr(previous_event, "event", None)
+        if not async_finish:
+            if event is not None:
+                torch.cuda.current_stream(self._device).wait_event(event)
+            return None
+        comm = self._comm_stream
         if event is not None:
             comm.wait_event(event)
         else:
-            comm.wait_stream(compute)
-        return compute, comm, (comm if allocate_on_comm_stream else compute)
+            comm.wait_stream(torch.cuda.current_stream(self._device))
+        return comm
 
     @staticmethod
-    def _finish(compute, comm, async_finish: bool, allocate_on_comm_stream: bool, tensors) -> EventOverlap:
-        """async_finish: an event on the comm stream, the tensors recorded on the streams that use
-        them; else the current stream waits for the comm stream."""
-        if not async_finish:
-            compute.wait_stream(comm)
+    def _on(stream):
+        """A context that makes `stream` current (None: the current stream already is)."""
+        return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+
+    def _raw(self, stream) -> int:
+        """The cudaStream_t of `stream` (None: the current stream)."""
+        return current_raw_stream(self._device) if stream is None else stream.cuda_stream
+
+    def _finish(self, work, allocate_on_comm_stream: bool, tensors) -> EventOverlap:
+        """async_finish (work is the comm stream): an event on it, the tensors recorded on the
+        streams that use them. Otherwise the work ran on the current stream: nothing to wait."""
+        if work is None:
             return EventOverlap()
         event = torch.cuda.Event()
-        event.record(comm)
+        event.record(work)
+        compute = torch.cuda.current_stream(self._device) if allocate_on_comm_stream else None
         for t in tensors:
             if isinstance(t, torch.Tensor):
-                t.record_stream(comm)
-                if allocate_on_comm_stream:
+                t.record_stream(work)
+                if compute is not None:
                     t.record_stream(compute)
         return EventOverlap(event)
 
     # ---- layout ------------------------------------------------------------------------------
+    @as_extension
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
                             previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                             allocate_on_comm_stream: bool = False) -> \
@@ -343,24 +364,24 @@ class Buffer(LowLatencyMode):
             raise invalid_argument(f"get_dispatch_layout: topk_idx is on {topk_idx.device}, expected "
                                    f"cuda:{self._device}")
         T, k, R = topk_idx.shape[0], topk_idx.shape[1], self.group_size
-        compute, comm, alloc = self._begin(previous_event, allocate_on_comm_stream)
+        work = self._begin(previous_event, async_finish)
         device = topk_idx.device
-        with torch.cuda.stream(alloc):
+        with self._on(work if allocate_on_comm_stream else None):
             per_rank = torch.empty((R,), dtype=torch.int32, device=device)
             per_expert = torch.empty((num_experts,), dtype=torch.int32, device=device)
             in_rank = torch.empty((T, R), dtype=torch.bool, device=device)
-        with torch.cuda.stream(comm):
-            if T == 0:
+        if T == 0:
+            with self._on(work):
                 per_rank.zero_()
                 per_expert.zero_()
-            else:
-                token_layout(topk_idx.data_ptr(), index, T, k, num_experts, R, per_rank.data_ptr(),
-                             per_expert.data_ptr(), in_rank.data_ptr(), comm.cuda_stream)
-        event = self._finish(compute, comm, async_finish, allocate_on_comm_stream,
-                             (topk_idx, per_rank, per_expert, in_rank))
+        else:
+            token_layout(topk_idx.data_ptr(), index, T, k, num_experts, R, per_rank.data_ptr(),
+                         per_expert.data_ptr(), in_rank.data_ptr(), self._raw(work))
+        event = self._finish(work, allocate_on_comm_stream, (topk_idx, per_rank, per_expert, in_rank))
         return per_rank, None, per_expert, in_rank, event
 
     # ---- dispatch ----------------------------------------------------------------------------
+    @as_extension
     def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]], handle: Optional[Tuple] = None,
                  num_tokens_per_rank: Optional[torch.Tensor] = None,
                  num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
@@ -438,9 +459,9 @@ class Buffer(LowLatencyMode):
         sync = not cached and num_worst_tokens == 0
         rows = n if cached else (num_worst_tokens if num_worst_tokens > 0 else R * st.max_tokens)
 
-        compute, comm, alloc = self._begin(previous_event, allocate_on_comm_stream)
+        work = self._begin(previous_event, async_finish)
         device = x.device
-        with torch.cuda.stream(alloc):
+        with self._on(work if allocate_on_comm_stream else None):
             shape = (max(rows, 1), H)  # the engine takes at least one row: [:0] views of it when none come
             recv_x = torch.empty(shape, dtype=x.dtype, device=device)
             recv_scales = torch.empty((shape[0], H // 128), dtype=torch.float32, device=device) if fp8 else None
@@ -455,21 +476,22 @@ class Buffer(LowLatencyMode):
                                   rank_prefix_matrix=rank_prefix_matrix)
         per_expert: Optional[List[int]] = None if cached else []
         if T == 0 or (recv_topk_idx is not None and num_worst_tokens > 0):
-            with torch.cuda.stream(comm):
+            with self._on(work):
                 if recv_topk_idx is not None and num_worst_tokens > 0:
                     recv_topk_idx.fill_(-1)  # the rows past the received ones read -1, as DeepEP's
                 xs, ss, ms, ids, ws = (x, x_scales, mask, topk_idx, topk_weights) if T > 0 else \
                     self._stand_ins(x, fp8, k, topk_idx)
         else:
             xs, ss, ms, ids, ws = x, x_scales, mask, topk_idx, topk_weights
-        self._engine_dispatch(st, xs, ss, ms, ids, ws, self._token_count(T, device), comm, k, outputs)
+        self._engine_dispatch(st, xs, ss, ms, ids, ws, self._token_count(T, device, work),
+                              self._raw(work), k, outputs)
         st.seq += 1
         st.last_tokens, st.last_mask = T, mask
         if sync:
-            with torch.cuda.stream(comm):
+            with self._on(work):
                 n, counts = self._read_counts(st, k > 0, num_tokens_per_expert)
             per_expert = [_align(c, expert_alignment) for c in counts]
-        event = self._finish(compute, comm, async_finish, allocate_on_comm_stream,
+        event = self._finish(work, allocate_on_comm_stream,
                              (x, x_scales, mask, topk_idx, topk_weights, num_tokens_per_expert, recv_x, recv_scales,
                               recv_topk_idx, recv_topk_weights, recv_src_idx, rank_prefix_matrix))
         if rows == 0 or sync:
@@ -485,7 +507,7 @@ class Buffer(LowLatencyMode):
         return received, recv_topk_idx, recv_topk_weights, per_expert, handle, event
 
     @staticmethod
-    def _engine_dispatch(st: _EngineState, x, x_scales, mask, topk_idx, topk_weights, count, comm, k: int,
+    def _engine_dispatch(st: _EngineState, x, x_scales, mask, topk_idx, topk_weights, count, stream: int, k: int,
                          o: DispatchOutputs) -> None:
         """The engine's dispatch with the arrays' pointers: graphep's own call, nothing checked twice
         (dispatch above checked every tensor; the engine checks the pointers and alignment)."""
@@ -498,14 +520,15 @@ class Buffer(LowLatencyMode):
             kw["input"] = DispatchInput.BF16
         st.engine._core.dispatch(
             x.data_ptr(), ptr(topk_idx), _ID_TYPES[topk_idx.dtype] if topk_idx is not None else _ID_TYPES[torch.int64],
-            ptr(topk_weights), count.data_ptr(), comm.cuda_stream, top_k=k, token_in_rank=mask.data_ptr(),
+            ptr(topk_weights), count.data_ptr(), stream, top_k=k, token_in_rank=mask.data_ptr(),
             out_recv_x=o.recv_x.data_ptr(), out_recv_scales=ptr(o.recv_scales), out_row_experts=ptr(o.row_experts),
             out_row_expert_weights=ptr(o.row_expert_weights), out_row_src_token=ptr(o.row_src_token),
             out_rank_prefix_matrix=ptr(o.rank_prefix_matrix), out_rows=o.recv_x.shape[0], **kw)
 
     def _stand_ins(self, x: torch.Tensor, fp8: bool, k: int, topk_idx: Optional[torch.Tensor]):
         """One-row inputs for a dispatch of no tokens (the engine takes x of 1 to T_max rows; the
-        live count is 0, so nothing of them is read). Made on the comm stream."""
+        live count is 0, so nothing of them is read). Made on the current stream (the caller's
+        `with` says which)."""
         device, H, R = x.device, x.shape[1], self.group_size
         xs = torch.zeros((1, H), dtype=torch.uint8 if fp8 else x.dtype, device=device)
         xs = xs.view(torch.float8_e4m3fn) if fp8 else xs
@@ -530,6 +553,7 @@ class Buffer(LowLatencyMode):
         return host[0], host[1:]
 
     # ---- combine -----------------------------------------------------------------------------
+    @as_extension
     def combine(self, x: torch.Tensor, handle: Tuple, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], None] = None,
                 config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
@@ -566,29 +590,29 @@ class Buffer(LowLatencyMode):
                 raise invalid_argument(f"combine: bias has dtype {b.dtype}, shape {list(b.shape)}, expected "
                                        f"torch.bfloat16 [{T}, {H}]")
 
-        compute, comm, alloc = self._begin(previous_event, allocate_on_comm_stream)
+        work = self._begin(previous_event, async_finish)
         device = x.device
-        with torch.cuda.stream(alloc):
+        with self._on(work if allocate_on_comm_stream else None):
             combined_x = torch.empty((max(T, 1), H), dtype=torch.bfloat16, device=device)
             combined_w = torch.empty((max(T, 1), k), dtype=torch.float32, device=device) if k else None
         y, w = x, topk_weights
         if n == 0:  # the engine reads at least one row: nothing of it counts
-            with torch.cuda.stream(comm):
+            with self._on(work):
                 y = torch.zeros((1, H), dtype=torch.bfloat16, device=device)
                 w = None if k == 0 else torch.zeros((1, k), dtype=torch.float32, device=device)
         # graphep's own call with the pointers (every tensor checked above; the engine checks them
         # as pointers and their alignment).
-        st.engine._core.combine(y.data_ptr(), combined_x.data_ptr(), comm.cuda_stream, expert_output_rows=y.shape[0],
+        st.engine._core.combine(y.data_ptr(), combined_x.data_ptr(), self._raw(work), expert_output_rows=y.shape[0],
                                 row_values=0 if w is None else w.data_ptr(),
                                 out_values=0 if combined_w is None else combined_w.data_ptr(), num_values=k)
         if T > 0 and any(b is not None for b in biases):
-            with torch.cuda.stream(comm):
+            with self._on(work):
                 total = combined_x.float()
                 for b in biases:
                     if b is not None:
                         total += b.float()
                 combined_x.copy_(total)  # one more bf16 rounding: the bias is not fused
-        event = self._finish(compute, comm, async_finish, allocate_on_comm_stream,
+        event = self._finish(work, allocate_on_comm_stream,
                              (x, topk_weights, combined_x, combined_w) + biases)
         if T == 0:
             combined_x, combined_w = combined_x[:0], None if combined_w is None else combined_w[:0]

@@ -69,7 +69,7 @@ from graphep._graphep import DispatchInput, Fp8Scales, MoeHalf, MoeStatus, valid
 from graphep.deep_ep.config import (LOW_LATENCY_SMS_ENV, low_latency_engine_config, low_latency_rdma_size_hint,
                                     low_latency_sm_budget)
 from graphep.deep_ep.events import EventOverlap
-from graphep.deep_ep.tensors import ID_TYPES, check_tensor
+from graphep.deep_ep.tensors import ID_TYPES, as_extension, check_tensor
 from graphep.engine import Engine, create_engine
 from graphep.errors import Error, invalid_argument, not_supported
 
@@ -241,21 +241,20 @@ class LowLatencyMode:
 
     def _launch_stream(self, async_finish: bool, return_recv_hook: bool, what: str):
         """The stream the work runs on: for async_finish the comm stream, after the current one;
-        else the current stream. DeepEP runs a call without async_finish or a hook on its comm
-        stream and makes the current stream wait for it: the caller sees the same order, and
-        graphep saves the two stream switches."""
+        else None, the current stream (Buffer._raw gives either's handle). DeepEP runs a call
+        without async_finish or a hook on its comm stream and makes the current stream wait for
+        it: the caller sees the same order, and graphep saves the two stream switches."""
         if async_finish and return_recv_hook:
             raise invalid_argument(f"{what}: async_finish=True and return_recv_hook=True together; pass one, as "
                                    "in DeepEP")
-        compute = torch.cuda.current_stream()
         if not async_finish:
-            return compute
-        self._comm_stream.wait_stream(compute)
+            return None
+        self._comm_stream.wait_stream(torch.cuda.current_stream(self._device))
         return self._comm_stream
 
     @staticmethod
-    def _receive_hook(st: _LowLatencyState, what: str, stream) -> Callable[[], None]:
-        """The hook of a send half: enqueues its receive half on `stream` (once)."""
+    def _receive_hook(st: _LowLatencyState, what: str, stream: int) -> Callable[[], None]:
+        """The hook of a send half: enqueues its receive half on `stream`, a cudaStream_t (once)."""
         token = object()
         st.pending = (f"the receive hook of {what}", token)
 
@@ -263,7 +262,7 @@ class LowLatencyMode:
             if st.pending is None or st.pending[1] is not token:
                 raise invalid_argument(f"the receive hook of {what} was called already")
             st.pending = None
-            st.core.receive(stream.cuda_stream)
+            st.core.receive(stream)
 
         return hook
 
@@ -303,6 +302,7 @@ class LowLatencyMode:
             self._check_pending(st, what)
             st.engine.barrier(torch.cuda.current_stream())
 
+    @as_extension
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
                              dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
@@ -360,6 +360,7 @@ class LowLatencyMode:
             check_tensor(stats, f"{what}: cumulative_local_expert_recv_stats", (torch.int32,), (st.num_local,), dev)
         self._check_pending(st, what)
         stream = self._launch_stream(async_finish, return_recv_hook, what)
+        raw = self._raw(stream)
         xs, ids = (x, topk_idx) if n > 0 else (st.idle_x, st.idle_ids)
         kwargs = {"top_k": k, "input": DispatchInput.FP8_QUANTIZE if use_fp8 else DispatchInput.BF16}
         if scale_format != Fp8Scales.FLOAT:
@@ -370,10 +371,10 @@ class LowLatencyMode:
             kwargs["half"] = MoeHalf.SEND
         # No weights: the latency path takes weight 1 here; combine brings the caller's.
         st.core.dispatch(xs.data_ptr(), ids.data_ptr(), ID_TYPES[ids.dtype], 0, st.counts_ptr + 4 * n,
-                         stream.cuda_stream, **kwargs)
+                         raw, **kwargs)
         st.seq += 1
         handle = LowLatencyHandle((st.src_info, st.layout_range, T, H, E), self, st, st.seq, n, k)
-        hook = self._receive_hook(st, f"low_latency_dispatch {st.seq}", stream) if return_recv_hook else None
+        hook = self._receive_hook(st, f"low_latency_dispatch {st.seq}", raw) if return_recv_hook else None
         event = self._low_latency_event(stream, async_finish, (x, topk_idx, stats))
         if use_fp8:
             recv = (st.recv_x_fp8, st.scales_ue8m0 if use_ue8m0 else st.scales)
@@ -381,6 +382,7 @@ class LowLatencyMode:
             recv = st.recv_x
         return recv, st.recv_count, handle, event, hook
 
+    @as_extension
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,
@@ -417,6 +419,7 @@ class LowLatencyMode:
             check_tensor(out, f"{what}: out", (torch.bfloat16,), (n, H), dev)
         self._check_pending(st, what)
         stream = self._launch_stream(async_finish, return_recv_hook, what)
+        raw = self._raw(stream)
         combined = out if out is not None else torch.empty((n, H), dtype=torch.bfloat16, device=x.device)
         target, weights = (combined, topk_weights) if n > 0 else (st.idle_out, st.idle_weights)
         kwargs = {"topk_weights": weights.data_ptr()}
@@ -424,12 +427,13 @@ class LowLatencyMode:
             kwargs["expert_output_rows"] = st.expert_output.shape[0] * st.expert_output.shape[1]
         if return_recv_hook:
             kwargs["half"] = MoeHalf.SEND
-        st.core.combine(0 if zero_copy else x.data_ptr(), target.data_ptr(), stream.cuda_stream, **kwargs)
-        hook = self._receive_hook(st, f"low_latency_combine of dispatch {head.seq}", stream) if return_recv_hook \
+        st.core.combine(0 if zero_copy else x.data_ptr(), target.data_ptr(), raw, **kwargs)
+        hook = self._receive_hook(st, f"low_latency_combine of dispatch {head.seq}", raw) if return_recv_hook \
             else None
         event = self._low_latency_event(stream, async_finish, (x, topk_idx, topk_weights, combined))
         return combined, event, hook
 
+    @as_extension
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """The engine's expert-output buffer as bfloat16 [E_local, R x T, hidden] (a view): rows
         written here are what low_latency_combine(..., zero_copy=True) sends."""

@@ -1,7 +1,11 @@
-"""The one check of every tensor a Buffer hands its engines (both modes), and DeepEP's id dtypes.
+"""How a Buffer treats torch tensors (both modes): the one check of every tensor it hands its
+engines, DeepEP's id dtypes, the current stream's raw handle, and `as_extension`, which runs a
+Buffer call as DeepEP's C++ extension sees torch.
 
 A Buffer checks each tensor here, once, and calls its engine's core with the bare pointers; the
 engine then checks only pointers and alignment."""
+
+import functools
 
 import torch
 
@@ -9,6 +13,37 @@ from graphep.engine import _INDEX_TYPES
 from graphep.errors import invalid_argument
 
 ID_TYPES = {torch.int64: _INDEX_TYPES["int64"], torch.int32: _INDEX_TYPES["int32"]}
+
+# torch's switch for Python function modes and subclass overrides (private, present since torch
+# 1.13); without it a Buffer call runs with them, only slower.
+_DisableTorchFunction = getattr(torch._C, "DisableTorchFunction", None)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def as_extension(method):
+    """Runs a Buffer method with torch's Python function modes and subclass overrides off, as
+    DeepEP's C++ extension runs (its at:: calls never reach Python). DeepEP's tests call
+    torch.set_default_device('cuda'), a function mode that puts a Python call in front of every
+    torch call and attribute the method makes (a dozen or more per dispatch); with it off, they
+    cost what they cost in a serving process. Every tensor the methods make names its device, so
+    the default device is not needed inside."""
+    if _DisableTorchFunction is None:
+        return method
+
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        with _DisableTorchFunction():
+            return method(*args, **kwargs)
+
+    return call
+
+
+def current_raw_stream(device: int) -> int:
+    """The current stream of cuda:`device` as a cudaStream_t (an int), without making a
+    torch.cuda.Stream object."""
+    if _raw_stream is not None:
+        return _raw_stream(device)
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 def check_tensor(t, name: str, dtypes, shape, device: int, contiguous: bool = True) -> None:
