@@ -439,7 +439,7 @@ const DispatchLayout& Engine::dispatch(const DispatchArgs& a, cudaStream_t strea
   GRAPHEP_CUDA_CHECK(launchMoeRoute(p, stream));
   launches.queued("route");
   if (m.direct) {
-    if (p.shape.fp8) {
+    if (p.shape.fp8 && !p.input.xIsFp8) {  // the caller's e4m3 rows are sent as they are read
       GRAPHEP_CUDA_CHECK(launchMoeDirectQuantize(p, stream));
       launches.queued("direct-quantize");
     }

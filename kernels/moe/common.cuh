@@ -475,12 +475,28 @@ __device__ inline void moeWriteRecordMeta(const MoeParams& p, int t, char* const
   }
 }
 
+// Token t's caller-quantised row (input.xIsFp8: e4m3 bytes in x, fp32 scales in xScales) read as
+// its wire tiles (per tile of 128 values: its 128 bytes in 8 pieces, then a piece of its scale and
+// 12 zero bytes): piece n of 16 bytes.
+__device__ __forceinline__ uint4 moeCallerFp8Piece(const MoeParams& p, int t, int n) {
+  const int tile = n / 9, part = n % 9;
+  if (part < 8) {
+    const char* row = static_cast<const char*>(p.input.x) + static_cast<std::uint64_t>(t) * p.shape.hidden;
+    return *(reinterpret_cast<const uint4*>(row + static_cast<std::uint64_t>(tile) * kFp8TileValues) + part);
+  }
+  const float s = p.input.xScales[static_cast<std::int64_t>(t) * p.input.scaleTokenStride +
+                                  static_cast<std::int64_t>(tile) * p.input.scaleHiddenStride];
+  return make_uint4(__float_as_uint(s), 0, 0, 0);
+}
+static_assert(kFp8TileWireBytes == 9 * 16, "a wire tile is 8 pieces of e4m3 bytes and one of its scale");
+
 // Writes token t's record to each of the n destinations dst[d] (rank dstRank[d]; local or peers'
-// memory): the row is read once (bf16 copied, or quantised once to fp8 tiles by the produce hook)
-// and stored to every destination, with the metadata of the slots whose experts live on that rank.
-// Only the first nPayload destinations get the row (the others, the metadata alone). `wire`: the
-// row already in its record form (payloadBytes, e.g. quantised beforehand), copied as it is.
-// entryIndex(k): slot k's index within its expert's rows from this rank.
+// memory): the row is read once (bf16 copied, quantised once to fp8 tiles by the produce hook, or
+// the caller's e4m3 bytes and scales read as wire tiles) and stored to every destination, with the
+// metadata of the slots whose experts live on that rank. Only the first nPayload destinations get
+// the row (the others, the metadata alone). `wire`: the row already in its record form
+// (payloadBytes, e.g. quantised beforehand), copied as it is. entryIndex(k): slot k's index within
+// its expert's rows from this rank.
 template <class EntryIndex>
 __device__ inline void moeWriteRecords(const MoeParams& p, int t, char* const* dst, const int* dstRank,
                                        int n, EntryIndex entryIndex, const MoeGroup& g, int nPayload,
@@ -492,16 +508,18 @@ __device__ inline void moeWriteRecords(const MoeParams& p, int t, char* const* d
   const std::uint64_t e = static_cast<std::uint64_t>(t) * p.shape.topK + (k < p.shape.topK ? k : 0);
   const long long id = k < p.shape.topK ? moeReadId(p, e) : -1;
   const float w = k < p.shape.topK ? moeWeightOf(p, e) : 0.f;
-  if (nPayload > 0 && p.shape.fp8 && wire == nullptr) {
+  const bool callerFp8 = p.input.xIsFp8 && wire == nullptr;  // read as wire tiles (moeCallerFp8Piece)
+  if (nPayload > 0 && p.shape.fp8 && wire == nullptr && !callerFp8) {
     moeQuantizeRow(p, row, dst, nPayload, g);
   } else if (nPayload > 0) {
     const auto* src = reinterpret_cast<const uint4*>(wire != nullptr ? wire : row);
-    const int vecs = static_cast<int>((wire != nullptr ? p.shape.payloadBytes : H * 2) / 16);
+    const int vecs = static_cast<int>((wire != nullptr || callerFp8 ? p.shape.payloadBytes : H * 2) / 16);
     for (int c0 = g.tid; c0 < vecs; c0 += g.nthreads * kMoeUnroll) {
       uint4 v[kMoeUnroll];
 #pragma unroll
       for (int u = 0; u < kMoeUnroll; ++u) {
-        if (c0 + u * g.nthreads < vecs) v[u] = src[c0 + u * g.nthreads];
+        const int c = c0 + u * g.nthreads;
+        if (c < vecs) v[u] = callerFp8 ? moeCallerFp8Piece(p, t, c) : src[c];
       }
       for (int d = 0; d < nPayload; ++d) {
         auto* out = reinterpret_cast<uint4*>(dst[d]);
@@ -702,11 +720,13 @@ __device__ __forceinline__ void moeStoreScale(const MoeParams& p, std::uint64_t 
 
 // Copies one row into recv_x at each row of `stage`, which resolve() fills (called once, after
 // the first loads are issued: they do not depend on it). The row is a record's payload (bf16, or
-// fp8 wire tiles: e4m3 bytes into recv_x, the scale into recv_scales), or with `fromX` a bf16 row of
-// x (quantised here by the produce hook for fp8).
+// fp8 wire tiles: e4m3 bytes into recv_x, the scale into recv_scales), or with `fromX` a row of x:
+// bf16 (quantised here by the produce hook for fp8), or with `xScales` the caller's e4m3 bytes
+// (input.xIsFp8) and xScales[tile * input.scaleHiddenStride] their scales.
 template <class Resolve>
 __device__ inline void moeExpandRow(const MoeParams& p, const char* row, bool fromX, Resolve resolve,
-                                    const MoeSlotStage& stage, const MoeGroup& g, MoeChunk chunk = {}) {
+                                    const MoeSlotStage& stage, const MoeGroup& g, MoeChunk chunk = {},
+                                    const float* xScales = nullptr) {
   const std::uint64_t H = static_cast<std::uint64_t>(p.shape.hidden);
   // This thread among the chunks' threads (one group's without chunks).
   const int ctid = chunk.index * g.nthreads + g.tid, cthreads = chunk.count * g.nthreads;
@@ -720,7 +740,10 @@ __device__ inline void moeExpandRow(const MoeParams& p, const char* row, bool fr
       for (int u = 0; u < kMoeUnroll; ++u) {
         const int tile = t0 + u * step;
         if (tile >= tiles) break;  // uniform across the half-warp (the quantiser's shuffles)
-        if (fromX) {
+        if (fromX && xScales != nullptr) {
+          w[u] = Fp8WireRegs{*reinterpret_cast<const uint2*>(row + static_cast<std::uint64_t>(tile) * kFp8TileValues + lane * 8),
+                             xScales[static_cast<std::int64_t>(tile) * p.input.scaleHiddenStride]};
+        } else if (fromX) {
           const ProduceFp8E4m3::Regs q = ProduceFp8E4m3::quantize(
               *reinterpret_cast<const uint4*>(row + static_cast<std::uint64_t>(tile) * kFp8TileSrcBytes + lane * 16),
               p.input.scaleFormat != kMoeScaleFloat);
@@ -802,14 +825,19 @@ __device__ inline void moeExpandOwnRecord(const MoeParams& p, const char* rec, c
       g, chunk);
 }
 
-// This rank's own token t (index i in its own list) into recv_x straight from x, or from `wire`
-// (its row already quantised to fp8 wire tiles), with no record: moeResolveOwnSlots writes the
-// record's metadata to `rec` for the combine.
+// This rank's own token t (index i in its own list) into recv_x straight from x (bf16, or the
+// caller's e4m3 bytes and scales with input.xIsFp8), or from `wire` (its row already quantised to
+// fp8 wire tiles), with no record: moeResolveOwnSlots writes the record's metadata to `rec` for
+// the combine.
 __device__ inline void moeExpandOwnToken(const MoeParams& p, int t, char* rec, const std::int32_t* srcBase,
                                          MoeSlotStage& stage, const MoeGroup& g, const char* wire = nullptr,
                                          long long rankRow = -1) {
-  const char* row = wire != nullptr ? wire : static_cast<const char*>(p.input.x) + static_cast<std::uint64_t>(t) * p.shape.hidden * 2;
-  moeExpandRow(p, row, wire == nullptr, [&] { moeResolveOwnSlots(p, t, rec, srcBase, stage, g, rankRow); }, stage, g);
+  const bool callerFp8 = wire == nullptr && p.input.xIsFp8;
+  const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.shape.hidden) * (callerFp8 ? 1 : 2);
+  const char* row = wire != nullptr ? wire : static_cast<const char*>(p.input.x) + static_cast<std::uint64_t>(t) * rowBytes;
+  const float* scales = callerFp8 ? p.input.xScales + static_cast<std::int64_t>(t) * p.input.scaleTokenStride : nullptr;
+  moeExpandRow(p, row, wire == nullptr, [&] { moeResolveOwnSlots(p, t, rec, srcBase, stage, g, rankRow); }, stage, g, {},
+               scales);
 }
 
 __device__ __forceinline__ void moeAddBf16x8(float (&acc)[8], uint4 v, float w) {

@@ -11,9 +11,10 @@
 //   receive  (MoeParams::grid.epilogueCtas CTAs, one per SM; launched as the send's programmatic
 //            dependent, so it starts on the SMs the send leaves free while the send runs) every
 //            CTA waits for every count flag and derives the layout (CTA 0 publishes it); then it
-//            expands this rank's own tokens straight from x, or for fp8 from the quantise kernel's
-//            tiles (the send writes no record to its own rank: the receive writes the metadata the
-//            combine reads), then each peer's records as the blocks' flags arrive, a block's 32
+//            expands this rank's own tokens straight from x (the caller's e4m3 rows included), or
+//            for fp8 from bf16 from the quantise kernel's tiles (the send writes no record to its
+//            own rank: the receive writes the metadata the combine reads), then each peer's
+//            records as the blocks' flags arrive, a block's 32
 //            spread over 8 CTAs (a record per group); the last CTA advances the step.
 //   combine  reduce (epilogueCtas CTAs) reduces each peer's records into a local staging, a block
 //            of 32 spread over 8 CTAs, marking each block ready; send (grid.budgetCtas CTAs, the reduce's
@@ -124,44 +125,22 @@ __device__ __forceinline__ float* directStagedValues(const MoeParams& p, int s, 
 }
 
 // The fp8 row of token t, in its wire tiles (staging.recordStage, unused otherwise by the direct dispatch,
-// holds [T][payloadBytes]: quantised by the quantise kernel, or packed from the caller's e4m3 bytes
-// and scales); nullptr for bf16.
+// holds [T][payloadBytes], quantised by the quantise kernel); nullptr for bf16 and for the caller's
+// e4m3 rows (input.xIsFp8), which the send and the own expansion read as they are.
 __device__ __forceinline__ const char* directWire(const MoeParams& p, int t) {
-  return p.shape.fp8 ? p.staging.recordStage + static_cast<std::uint64_t>(t) * p.shape.payloadBytes : nullptr;
+  return p.shape.fp8 && !p.input.xIsFp8 ? p.staging.recordStage + static_cast<std::uint64_t>(t) * p.shape.payloadBytes : nullptr;
 }
 
-// Token t's caller-quantised row (input.xIsFp8: e4m3 bytes in x, fp32 scales in xScales) into its wire
-// tiles at `wire`: per tile of 128 values its 128 bytes, its scale, 12 zero bytes (the produce
-// hook's record). A group of threads takes 16-byte pieces, 9 per tile.
-__device__ inline void moePackFp8Row(const MoeParams& p, int t, char* wire, const MoeGroup& g) {
-  const int tiles = p.shape.hidden / static_cast<int>(kFp8TileValues);
-  const char* row = static_cast<const char*>(p.input.x) + static_cast<std::uint64_t>(t) * p.shape.hidden;
-  const float* scales = p.input.xScales + static_cast<std::int64_t>(t) * p.input.scaleTokenStride;
-  for (int n = g.tid; n < tiles * 9; n += g.nthreads) {
-    const int tile = n / 9, part = n % 9;
-    auto* out = reinterpret_cast<uint4*>(wire + static_cast<std::uint64_t>(tile) * kFp8TileWireBytes) + part;
-    if (part < 8) {
-      *out = *(reinterpret_cast<const uint4*>(row + static_cast<std::uint64_t>(tile) * kFp8TileValues) + part);
-    } else {
-      *out = make_uint4(__float_as_uint(scales[static_cast<std::int64_t>(tile) * p.input.scaleHiddenStride]), 0, 0, 0);
-    }
-  }
-}
-
-// fp8 (epilogueCtas CTAs, before the send): each group quantises one live row at a time into its
-// wire tiles (or packs the caller's quantised row), so that the send only copies bytes and the
-// receive's own rows need no quantiser.
+// fp8 from bf16 (epilogueCtas CTAs, before the send): each group quantises one live row at a time
+// into its wire tiles, so that the send only copies bytes and the receive's own rows need no
+// quantiser. Not launched for the caller's e4m3 rows.
 __global__ void __launch_bounds__(kThreads) moeDirectQuantizeKernel(const __grid_constant__ MoeParams p) {
   const MoeStamp stamp(p, MoeKernel::kDirectQuantize);
   const MoeGroupSlice gs = moeGroupSlice();
   const int T = *p.routing.liveTokens;
   for (int t = gs.first; t < T; t += gs.stride) {
     char* out = p.staging.recordStage + static_cast<std::uint64_t>(t) * p.shape.payloadBytes;
-    if (p.input.xIsFp8) {
-      moePackFp8Row(p, t, out, gs.g);
-    } else {
-      moeQuantizeRow(p, static_cast<const char*>(p.input.x) + static_cast<std::uint64_t>(t) * p.shape.hidden * 2, &out, 1, gs.g);
-    }
+    moeQuantizeRow(p, static_cast<const char*>(p.input.x) + static_cast<std::uint64_t>(t) * p.shape.hidden * 2, &out, 1, gs.g);
   }
 }
 
