@@ -15,7 +15,7 @@ per rank, the batched latency engine), rank 0 prints one line each:
     gpu       the engine's call enqueued 50 times back to back, then one sync: the time per call
               with the host ahead of the device (kernels only)
     host      the adapter's host time per call (perf_counter around 50 calls, no sync between)
-and adapter / engine. --default-device runs everything as DeepEP's tests do, after
+and adapter / engine (adapter and engine each timed 3 times in turn: the medians). --default-device runs everything as DeepEP's tests do, after
 torch.set_default_dtype(torch.bfloat16) and torch.set_default_device('cuda') (the second puts a
 Python function mode in front of every torch call). --profile N: rank 0 also prints the 12 most
 costly functions (own time) of N adapter calls of each case under cProfile. Needs PyTorch and a
@@ -96,9 +96,16 @@ def profile(rank: int, name: str, fn) -> None:
         print(f"[rank 0] profile of {PROFILE} calls, {name}:\n{out.getvalue()}", flush=True)
 
 
+ROUNDS = 3  # adapter and engine timed in turn this many times; the medians are reported
+
+
 def report(rank: int, head: str, cases) -> None:
     for name, adapter, engine in cases:
-        a, e, g, h = event_mean(adapter), event_mean(engine), back_to_back(engine), host_time(adapter)
+        # In turn, so that a drift of the machine (or of the peer's pace) falls on both alike.
+        rounds = [(event_mean(adapter), event_mean(engine)) for _ in range(ROUNDS)]
+        a = sorted(r[0] for r in rounds)[ROUNDS // 2]
+        e = sorted(r[1] for r in rounds)[ROUNDS // 2]
+        g, h = back_to_back(engine), host_time(adapter)
         if rank == 0:
             print(f"[rank 0] {head} {name}: adapter {a:.1f} us, engine {e:.1f} us, gpu {g:.1f} us, host {h:.1f} us, "
                   f"adapter / engine {a / e:.3f}", flush=True)
