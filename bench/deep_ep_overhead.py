@@ -198,7 +198,7 @@ def run(local_rank: int, args) -> None:
                                                       topk_weights=topk_w, config=config)
     st = handle[5].state
     core, n, comm = st.engine._core, recv_x.shape[0], torch.cuda.current_stream()
-    count = buffer._token_count(T, x.device, None)
+    count = st.count_ptr(T)
     out_x = torch.empty((n, H), dtype=torch.bfloat16, device="cuda")
     out_x8 = torch.empty((n, H), dtype=torch.uint8, device="cuda")
     out_s = torch.empty((n, H // 128), dtype=torch.float32, device="cuda")
@@ -211,7 +211,7 @@ def run(local_rank: int, args) -> None:
                       scale_hidden_stride=x_fp8[1].stride(1), out_recv_scales=out_s.data_ptr()) if fp8 else \
                 dict(input=DispatchInput.BF16)
             core.dispatch((x_fp8[0] if fp8 else x).data_ptr(), 0, IndexType.INT64, 0,
-                          count.data_ptr(), comm.cuda_stream, top_k=0, token_in_rank=in_rank.data_ptr(),
+                          count, comm.cuda_stream, top_k=0, token_in_rank=in_rank.data_ptr(),
                           out_recv_x=(out_x8 if fp8 else out_x).data_ptr(), out_rows=n, **kw)
         return call
 

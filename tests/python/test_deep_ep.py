@@ -523,6 +523,46 @@ def worker() -> int:
     i_comb, _, _ = buffer.combine(expert(i_x), handle_i, config=cfg)
     check_combined("idle.combine", i_comb, combined_ref(idle_in, topk_mask))
 
+    # Captured (num_worst_tokens: nothing syncs): dispatch, the experts and combine in one CUDA
+    # graph, with a token count this Buffer had not dispatched before the capture. Then an eager
+    # dispatch of that count before the first replay (its live count must not be one the capture
+    # made: that memory is filled only by a replay), then replays with fresh inputs copied into
+    # the captured tensors.
+    cap_tokens = [TOKENS[s % 2] - 5 for s in range(R)]
+    cap_worst = sum(cap_tokens) + 3
+    first = inputs(21, cap_tokens)
+    c_in = {a: getattr(first[rank], a).clone() for a in ("x", "ids", "w", "mask", "per_expert", "per_rank")}
+
+    def captured_args():
+        return dict(topk_idx=c_in["ids"], topk_weights=c_in["w"], num_tokens_per_rank=c_in["per_rank"],
+                    is_token_in_rank=c_in["mask"], num_tokens_per_expert=c_in["per_expert"],
+                    num_worst_tokens=cap_worst, config=cfg)
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_x, g_ids, g_w, _, g_handle, _ = buffer.dispatch(c_in["x"], **captured_args())
+        g_comb, g_comb_w, _ = buffer.combine(expert(g_x), g_handle, topk_weights=g_w, config=cfg)
+    e_x, e_ids, e_w, _, e_handle, _ = buffer.dispatch(c_in["x"], **captured_args())  # eager, before a replay
+    n_first = expected(first, topk_mask)[0].numel()
+    check_dispatch("captured.eager_first", first, topk_mask, e_x[:n_first], e_ids[:n_first], e_w[:n_first])
+    for round_ in range(3):
+        fresh = inputs(22 + round_, cap_tokens)
+        for a in c_in:
+            c_in[a].copy_(getattr(fresh[rank], a))
+        for t in (g_x, g_w, g_comb, g_comb_w):  # the graph's outputs, poisoned: the replay rewrites them
+            t.view(torch.uint8).fill_(0x7F)
+        g_ids.fill_(0x7F7F7F7F)
+        graph.replay()
+        n = expected(fresh, topk_mask)[0].numel()
+        check_dispatch(f"captured.replay{round_}", fresh, topk_mask, g_x[:n], g_ids[:n], g_w[:n])
+        count(f"captured.replay{round_}.unreceived_ids", not bool((g_ids[n:] == -1).all()))
+        check_combined(f"captured.replay{round_}.combine", g_comb, combined_ref(fresh, topk_mask))
+        want_w = torch.where((fresh[rank].ids >= 0) & fresh[rank].mask.gather(1, fresh[rank].ids.clamp(min=0) // L),
+                             fresh[rank].w, torch.zeros_like(fresh[rank].w))
+        count(f"captured.replay{round_}.combine.topk_weights",
+              (g_comb_w.view(torch.int32) != want_w.view(torch.int32)).sum())
+    del graph
+
     # Errors, named: every rank makes the same bad call, so no rank is left waiting.
     expect_error("error.scales_dtype", graphep.Status.INVALID_ARGUMENT, ["x_scales has dtype torch.float16"],
                  buffer.dispatch, (me.x_fp8, me.scales.half()), **common)

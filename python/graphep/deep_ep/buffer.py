@@ -79,12 +79,21 @@ class _EngineState:
 
     def __init__(self, engine: Engine, hidden: int, num_experts: int, max_tokens: int):
         self.engine, self.hidden, self.num_experts, self.max_tokens = engine, hidden, num_experts, max_tokens
-        # Views of the engine's layout counts (each dispatch writes them), read back on the comm stream.
+        # Views of the engine's layout counts (each dispatch writes them), read back by a synchronous dispatch.
         self.num_recv_rows = torch.from_dlpack(engine.layout.num_recv_rows)
         self.expert_counts = torch.from_dlpack(engine.layout.expert_counts)
+        # The live token counts 0 .. max_tokens as a device table, made here (setup, never during a
+        # capture): a dispatch of T tokens passes the address of entry T.
+        device = self.num_recv_rows.device
+        self.counts = torch.arange(max_tokens + 1, dtype=torch.int32, device=device)
+        torch.cuda.current_stream(device).synchronize()
         self.seq = 0  # dispatches so far
         self.last_tokens: Optional[int] = None
         self.last_mask = None
+
+    def count_ptr(self, num_tokens: int) -> int:
+        """The device address of the live count num_tokens (at most max_tokens: _check_tokens)."""
+        return self.counts.data_ptr() + 4 * num_tokens
 
 
 @dataclass(frozen=True)
@@ -167,7 +176,6 @@ class Buffer(LowLatencyMode):
         self._comm_stream = torch.cuda.Stream(device=self._device)
         self._engines: Dict[Tuple[int, int], _EngineState] = {}
         self._ll_engines: Dict[Tuple[int, int, int], _LowLatencyState] = {}  # (T, hidden, num_experts)
-        self._token_counts: Dict[int, torch.Tensor] = {}  # T -> the device int32 live count
         self._sm_budget: Optional[int] = None
         self._warned_sms = False
         self._destroyed = False
@@ -190,7 +198,6 @@ class Buffer(LowLatencyMode):
         torch.cuda.synchronize(self._device)
         self._engines.clear()
         self._ll_engines.clear()
-        self._token_counts.clear()
         self._group = None
         self._destroyed = True
 
@@ -277,16 +284,6 @@ class Buffer(LowLatencyMode):
         raise invalid_argument(f"dispatch: num_tokens={num_tokens} (rows of x) exceeds this Buffer's limit of "
                                f"{st.max_tokens} tokens per rank (hidden={st.hidden}, num_experts={st.num_experts}, "
                                f"from num_nvl_bytes={self.num_nvl_bytes}); {how}")
-
-    def _token_count(self, num_tokens: int, device: torch.device, work) -> torch.Tensor:
-        """The device int32 live count for num_tokens, made once (on the stream of the work that
-        first reads it)."""
-        count = self._token_counts.get(num_tokens)
-        if count is None:
-            with self._on(work):
-                count = torch.full((1,), num_tokens, dtype=torch.int32, device=device)
-            self._token_counts[num_tokens] = count
-        return count
 
     def _head(self, handle) -> SendHead:
         if (not isinstance(handle, (tuple, list)) or len(handle) != 6 or not isinstance(handle[5], SendHead)
@@ -483,7 +480,7 @@ class Buffer(LowLatencyMode):
                     self._stand_ins(x, fp8, k, topk_idx)
         else:
             xs, ss, ms, ids, ws = x, x_scales, mask, topk_idx, topk_weights
-        self._engine_dispatch(st, xs, ss, ms, ids, ws, self._token_count(T, device, work),
+        self._engine_dispatch(st, xs, ss, ms, ids, ws, st.count_ptr(T),
                               self._raw(work), k, outputs)
         st.seq += 1
         st.last_tokens, st.last_mask = T, mask
@@ -507,8 +504,8 @@ class Buffer(LowLatencyMode):
         return received, recv_topk_idx, recv_topk_weights, per_expert, handle, event
 
     @staticmethod
-    def _engine_dispatch(st: _EngineState, x, x_scales, mask, topk_idx, topk_weights, count, stream: int, k: int,
-                         o: DispatchOutputs) -> None:
+    def _engine_dispatch(st: _EngineState, x, x_scales, mask, topk_idx, topk_weights, count: int, stream: int,
+                         k: int, o: DispatchOutputs) -> None:
         """The engine's dispatch with the arrays' pointers: graphep's own call, nothing checked twice
         (dispatch above checked every tensor; the engine checks the pointers and alignment)."""
         ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
@@ -520,7 +517,7 @@ class Buffer(LowLatencyMode):
             kw["input"] = DispatchInput.BF16
         st.engine._core.dispatch(
             x.data_ptr(), ptr(topk_idx), _ID_TYPES[topk_idx.dtype] if topk_idx is not None else _ID_TYPES[torch.int64],
-            ptr(topk_weights), count.data_ptr(), stream, top_k=k, token_in_rank=mask.data_ptr(),
+            ptr(topk_weights), count, stream, top_k=k, token_in_rank=mask.data_ptr(),
             out_recv_x=o.recv_x.data_ptr(), out_recv_scales=ptr(o.recv_scales), out_row_experts=ptr(o.row_experts),
             out_row_expert_weights=ptr(o.row_expert_weights), out_row_src_token=ptr(o.row_src_token),
             out_rank_prefix_matrix=ptr(o.rank_prefix_matrix), out_rows=o.recv_x.shape[0], **kw)
