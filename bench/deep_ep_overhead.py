@@ -14,7 +14,8 @@ per rank, the batched latency engine), rank 0 prints one line each:
     engine    the engine's own call with the same inputs into outputs allocated once
     gpu       the engine's call enqueued 50 times back to back, then one sync: the time per call
               with the host ahead of the device (kernels only)
-    host      the adapter's host time per call (perf_counter around 50 calls, no sync between)
+    host      the adapter's host time per call (perf_counter around 50 calls, no sync between),
+              and the engine's call's beside it
 and adapter / engine (adapter and engine each timed 3 times in turn: the medians). --default-device runs everything as DeepEP's tests do, after
 torch.set_default_dtype(torch.bfloat16) and torch.set_default_device('cuda') (the second puts a
 Python function mode in front of every torch call). --profile N: rank 0 also prints the 12 most
@@ -105,10 +106,10 @@ def report(rank: int, head: str, cases) -> None:
         rounds = [(event_mean(adapter), event_mean(engine)) for _ in range(ROUNDS)]
         a = sorted(r[0] for r in rounds)[ROUNDS // 2]
         e = sorted(r[1] for r in rounds)[ROUNDS // 2]
-        g, h = back_to_back(engine), host_time(adapter)
+        g, h, he = back_to_back(engine), host_time(adapter), host_time(engine)
         if rank == 0:
-            print(f"[rank 0] {head} {name}: adapter {a:.1f} us, engine {e:.1f} us, gpu {g:.1f} us, host {h:.1f} us, "
-                  f"adapter / engine {a / e:.3f}", flush=True)
+            print(f"[rank 0] {head} {name}: adapter {a:.1f} us, engine {e:.1f} us, gpu {g:.1f} us, host {h:.1f} us "
+                  f"(engine's {he:.1f}), adapter / engine {a / e:.3f}", flush=True)
         if PROFILE:
             profile(rank, f"{head} {name}", adapter)
 
