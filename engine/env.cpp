@@ -47,6 +47,13 @@ const IntVar kExchangeChunks({"GRAPHEP_EXCHANGE_CHUNKS", Type::kInt, "0",
                                "setup, the largest over the ranks",
                                nullptr, 0, 8});
 
+const IntVar kEmulatedNodes({"GRAPHEP_EMULATED_NODES", Type::kInt, "0",
+                              "tests only: the ranks split into this many equal nodes of consecutive ranks (each "
+                              "inside one machine), and the movers count the bytes their all-to-all-v carries "
+                              "between nodes as an emulated network's (Movers::networkBytes; the MoE engine then "
+                              "runs over the movers); 0: the nodes are the machines; read at setup",
+                              nullptr, 0, 32});
+
 const StringVar kFaultAfterLaunch({"GRAPHEP_FAULT_AFTER_LAUNCH", Type::kString, "",
                                    "tests only: an MoE operation fails right after queuing the named launch "
                                    "(e.g. direct-send), as a refused later launch would; read at engine setup",
@@ -61,7 +68,7 @@ const StringVar kSlowCombineFinal({"GRAPHEP_SLOW_COMBINE_FINAL", Type::kString, 
 const std::vector<const Var*>& all() {
   static const std::vector<const Var*> vars = {&kDebug,          &kDebugSubsys,     &kTimeoutMs,       &kTrapOnTimeout,
                                                &kForceTransport, &kEpilogueCluster, &kMoeKernels,     &kExchangeChunks,
-                                               &kFaultAfterLaunch,
+                                               &kEmulatedNodes,  &kFaultAfterLaunch,
                                                &kSlowCombineFinal};
   return vars;
 }

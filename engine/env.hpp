@@ -71,6 +71,7 @@ extern const ChoiceVar kForceTransport;
 extern const IntVar kEpilogueCluster;
 extern const ChoiceVar kMoeKernels;
 extern const IntVar kExchangeChunks;
+extern const IntVar kEmulatedNodes;
 extern const StringVar kFaultAfterLaunch;
 extern const StringVar kSlowCombineFinal;
 

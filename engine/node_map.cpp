@@ -1,0 +1,109 @@
+#include "engine/node_map.hpp"
+
+#include <string>
+
+#include "engine/env.hpp"
+#include "engine/error.hpp"
+#include "engine/topology.hpp"
+
+namespace graphep {
+
+std::uint32_t NodeMap::networkMask(int rank) const {
+  std::uint32_t mask = 0;
+  for (std::size_t q = 0; q < nodeOf.size(); ++q) {
+    if (apart(rank, static_cast<int>(q))) mask |= 1u << q;
+  }
+  return mask;
+}
+
+namespace {
+
+// Reach's classes, refusing an asymmetric or non-transitive reach by name.
+NodeMap reachClasses(const std::vector<std::vector<bool>>& reach) {
+  const int R = static_cast<int>(reach.size());
+  auto reaches = [&](int a, int b) { return reach[static_cast<std::size_t>(a)][static_cast<std::size_t>(b)]; };
+  for (int a = 0; a < R; ++a) {
+    GRAPHEP_REQUIRE(reaches(a, a), Status::kInvalidArgument, "nodes: rank %d's reach leaves out rank %d itself", a, a);
+    for (int b = a + 1; b < R; ++b) {
+      GRAPHEP_REQUIRE(reaches(a, b) == reaches(b, a), Status::kNotSupported,
+                      "nodes: rank %d reaches rank %d by load/store but not the other way: the ranks' reach is not "
+                      "symmetric, so they do not group into machines",
+                      reaches(a, b) ? a : b, reaches(a, b) ? b : a);
+    }
+  }
+  // Each node is what its lowest rank reaches; every rank must reach exactly its node.
+  NodeMap m;
+  m.nodeOf.assign(static_cast<std::size_t>(R), -1);
+  m.numNodes = 0;
+  std::vector<int> lowest;
+  for (int a = 0; a < R; ++a) {
+    if (m.nodeOf[static_cast<std::size_t>(a)] >= 0) continue;
+    lowest.push_back(a);
+    for (int b = a; b < R; ++b) {
+      if (reaches(a, b) && m.nodeOf[static_cast<std::size_t>(b)] < 0) m.nodeOf[static_cast<std::size_t>(b)] = m.numNodes;
+    }
+    ++m.numNodes;
+  }
+  for (int a = 0; a < R; ++a) {
+    const int first = lowest[static_cast<std::size_t>(m.nodeOf[static_cast<std::size_t>(a)])];
+    for (int b = 0; b < R; ++b) {
+      GRAPHEP_REQUIRE(reaches(a, b) == reaches(first, b), Status::kNotSupported,
+                      "nodes: rank %d %s rank %d by load/store, but rank %d, which it reaches, %s: the ranks' "
+                      "reach is not transitive, so they do not group into machines",
+                      a, reaches(a, b) ? "reaches" : "does not reach", b, first, reaches(first, b) ? "does" : "does not");
+    }
+  }
+  return m;
+}
+
+}  // namespace
+
+NodeMap nodeMap(const std::vector<std::vector<bool>>& reach, int emulatedNodes) {
+  const int R = static_cast<int>(reach.size());
+  GRAPHEP_REQUIRE(R >= 1 && R <= 32, Status::kInvalidArgument, "nodes: %d ranks (1 to 32)", R);
+  for (const std::vector<bool>& row : reach) {
+    GRAPHEP_REQUIRE(static_cast<int>(row.size()) == R, Status::kInvalidArgument,
+                    "nodes: a reach row has %zu entries for %d ranks", row.size(), R);
+  }
+  GRAPHEP_REQUIRE(emulatedNodes >= 0, Status::kInvalidArgument, "nodes: emulatedNodes=%d is negative", emulatedNodes);
+  const NodeMap machines = reachClasses(reach);
+  if (emulatedNodes == 0) return machines;
+  GRAPHEP_REQUIRE(R % emulatedNodes == 0, Status::kInvalidArgument,
+                  "GRAPHEP_EMULATED_NODES=%d does not divide the %d ranks into equal nodes", emulatedNodes, R);
+  const int size = R / emulatedNodes;
+  NodeMap m;
+  m.numNodes = emulatedNodes;
+  m.nodeOf.resize(static_cast<std::size_t>(R));
+  for (int r = 0; r < R; ++r) {
+    m.nodeOf[static_cast<std::size_t>(r)] = r / size;
+    GRAPHEP_REQUIRE(!machines.apart(r, r / size * size), Status::kInvalidArgument,
+                    "GRAPHEP_EMULATED_NODES=%d puts ranks %d and %d in one node, but rank %d does not reach rank %d "
+                    "by load/store (an emulated node lies inside one machine)",
+                    emulatedNodes, r / size * size, r, r / size * size, r);
+  }
+  return m;
+}
+
+NodeMap nodeMapOf(const SymmetricHeap& heap) {
+  const int R = heap.worldSize(), L = heap.numLocalRanks();
+  std::vector<std::uint8_t> mine(static_cast<std::size_t>(L) * static_cast<std::size_t>(R), 0);
+  for (int l = 0; l < L; ++l) {
+    for (int q = 0; q < R; ++q) {
+      const PeerClass c = heap.peerClass(l, q);
+      mine[static_cast<std::size_t>(l) * static_cast<std::size_t>(R) + static_cast<std::size_t>(q)] =
+          c == PeerClass::kSelf || isLoadStore(c) ? 1 : 0;
+    }
+  }
+  std::vector<std::uint8_t> all(static_cast<std::size_t>(R) * static_cast<std::size_t>(R), 0);
+  heap.comm().allgather(mine.data(), all.data(), static_cast<std::size_t>(R));
+  std::vector<std::vector<bool>> reach(static_cast<std::size_t>(R), std::vector<bool>(static_cast<std::size_t>(R)));
+  for (int a = 0; a < R; ++a) {
+    for (int b = 0; b < R; ++b) {
+      reach[static_cast<std::size_t>(a)][static_cast<std::size_t>(b)] =
+          all[static_cast<std::size_t>(a) * static_cast<std::size_t>(R) + static_cast<std::size_t>(b)] != 0;
+    }
+  }
+  return nodeMap(reach, static_cast<int>(env::kEmulatedNodes.get()));
+}
+
+}  // namespace graphep

@@ -1,0 +1,79 @@
+// Nodes from the ranks' load/store reach, and the emulated nodes of GRAPHEP_EMULATED_NODES
+// (engine/node_map.hpp): against machines built by hand, and the refusals by name.
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "common/expect_error.hpp"
+#include "engine/node_map.hpp"
+
+namespace graphep {
+namespace {
+
+// The reach of machines holding `sizes` ranks each, in that order (rank-consecutive), or with
+// `owner` the machine of each rank.
+std::vector<std::vector<bool>> machinesOf(const std::vector<int>& owner) {
+  const std::size_t R = owner.size();
+  std::vector<std::vector<bool>> reach(R, std::vector<bool>(R));
+  for (std::size_t a = 0; a < R; ++a) {
+    for (std::size_t b = 0; b < R; ++b) reach[a][b] = owner[a] == owner[b];
+  }
+  return reach;
+}
+
+TEST(Unit_NodeMap, MachinesAreTheReachClasses) {
+  // Machines interleaved over the ranks (0 2 4 | 1 3 | 5), numbered by their lowest rank.
+  const NodeMap m = nodeMap(machinesOf({7, 3, 7, 3, 7, 9}), 0);
+  EXPECT_EQ(m.numNodes, 3);
+  EXPECT_EQ(m.nodeOf, (std::vector<int>{0, 1, 0, 1, 0, 2}));
+  EXPECT_FALSE(m.apart(0, 4));
+  EXPECT_TRUE(m.apart(0, 1));
+  EXPECT_EQ(m.networkMask(1), 0b110101u);  // ranks 0, 2, 4, 5
+  EXPECT_EQ(m.networkMask(5), 0b011111u);
+  // One machine: no network.
+  const NodeMap one = nodeMap(machinesOf({0, 0, 0, 0}), 0);
+  EXPECT_EQ(one.numNodes, 1);
+  EXPECT_EQ(one.networkMask(2), 0u);
+}
+
+TEST(Unit_NodeMap, EmulatedNodesSplitAMachineIntoConsecutiveRanks) {
+  // 8 ranks of one machine as 2 and as 4 nodes; 4 ranks on 2 machines as 4 nodes.
+  const NodeMap two = nodeMap(machinesOf({0, 0, 0, 0, 0, 0, 0, 0}), 2);
+  EXPECT_EQ(two.numNodes, 2);
+  EXPECT_EQ(two.nodeOf, (std::vector<int>{0, 0, 0, 0, 1, 1, 1, 1}));
+  EXPECT_EQ(two.networkMask(0), 0xF0u);
+  EXPECT_EQ(two.networkMask(6), 0x0Fu);
+  const NodeMap four = nodeMap(machinesOf({0, 0, 0, 0, 0, 0, 0, 0}), 4);
+  EXPECT_EQ(four.nodeOf, (std::vector<int>{0, 0, 1, 1, 2, 2, 3, 3}));
+  EXPECT_EQ(four.networkMask(3), 0xF3u);
+  const NodeMap split = nodeMap(machinesOf({0, 0, 1, 1}), 4);
+  EXPECT_EQ(split.numNodes, 4);
+  EXPECT_EQ(split.networkMask(0), 0b1110u);
+  // Every rank its own machine, as many nodes: the same map.
+  EXPECT_EQ(nodeMap(machinesOf({0, 1, 2}), 3).nodeOf, (std::vector<int>{0, 1, 2}));
+}
+
+TEST(Unit_NodeMap, RefusalsNameTheRanks) {
+  using test::expectError;
+  // An emulated node across two machines; a count that does not divide the ranks.
+  EXPECT_EQ(nodeMap(machinesOf({0, 0, 0, 1, 1, 1}), 2).nodeOf, (std::vector<int>{0, 0, 0, 1, 1, 1}));
+  expectError([] { nodeMap(machinesOf({0, 0, 0, 1, 1, 1}), 3); }, Status::kInvalidArgument,
+              "puts ranks 2 and 3 in one node, but rank 2 does not reach rank 3");
+  expectError([] { nodeMap(machinesOf({0, 0, 0, 0, 0, 0}), 4); }, Status::kInvalidArgument,
+              "GRAPHEP_EMULATED_NODES=4 does not divide the 6 ranks");
+  // Asymmetric and non-transitive reach: not machines.
+  std::vector<std::vector<bool>> reach = machinesOf({0, 0, 1});
+  reach[2][1] = true;
+  expectError([&] { nodeMap(reach, 0); }, Status::kNotSupported,
+              "rank 2 reaches rank 1 by load/store but not the other way");
+  reach[1][2] = true;  // 0-1 and 1-2, not 0-2
+  expectError([&] { nodeMap(reach, 0); }, Status::kNotSupported, "not transitive");
+  reach = machinesOf({0, 0});
+  reach[1][1] = false;
+  expectError([&] { nodeMap(reach, 0); }, Status::kInvalidArgument, "rank 1's reach leaves out rank 1 itself");
+  expectError([] { nodeMap(machinesOf({0, 0}), -1); }, Status::kInvalidArgument, "emulatedNodes=-1 is negative");
+  expectError([] { nodeMap({}, 0); }, Status::kInvalidArgument, "0 ranks");
+}
+
+}  // namespace
+}  // namespace graphep
