@@ -2,9 +2,13 @@
 
 #include <algorithm>
 
+#include <string>
+
+#include "engine/env.hpp"
 #include "engine/error.hpp"
 #include "engine/log.hpp"
 #include "engine/nccl_group.hpp"
+#include "engine/node_map.hpp"
 #include "engine/topology.hpp"
 
 namespace graphep {
@@ -20,6 +24,20 @@ int moverLinkChannels(int residentCtas, int ranksOnGpu, int linkPeers, int sameD
 }
 
 namespace {
+// The emulated nodes, once per process: "node 0: ranks 0 1 | node 1: ranks 2 3".
+void logNodes(const SymmetricHeap& heap, const NodeMap& nodes) {
+  if (heap.rank(0) != 0) return;
+  std::string text;
+  for (int n = 0; n < nodes.numNodes; ++n) {
+    text.append(n > 0 ? " | node " : "node ").append(std::to_string(n)).append(": ranks");
+    for (int r = 0; r < heap.worldSize(); ++r) {
+      if (nodes.nodeOf[static_cast<std::size_t>(r)] == n) text.append(" ").append(std::to_string(r));
+    }
+  }
+  GRAPHEP_LOG_INFO(log::kTopo, "emulated network (GRAPHEP_EMULATED_NODES=%d): %s; the movers count the bytes between "
+                   "nodes", nodes.numNodes, text.c_str());
+}
+
 // Bytes of one peer's remote stage: the largest message, rounded up to 16.
 std::size_t remoteCapOf(const MoverOptions& options) { return (options.maxRemoteBytesPerPeer + 15) & ~std::size_t{15}; }
 
@@ -63,14 +81,16 @@ int agreedLinkChannels(const SymmetricHeap& heap) {
 }
 }  // namespace
 
-Movers::Movers(const SymmetricHeap& heap, int local, const MoverOptions& options, int linkChannels)
+Movers::Movers(const SymmetricHeap& heap, int local, const MoverOptions& options, int linkChannels,
+               std::uint32_t networkMask)
     : heap_(&heap),
       local_(local),
       warpsPerRole_(heap.config().moverWarps),
       ceMinBytes_(options.copyEngineMinBytes),
       a2aZeroCopyMinBytes_(options.allToAllvZeroCopyMinBytes),
       linkChannels_(linkChannels),
-      mesh_(heap, local) {
+      mesh_(heap, local),
+      networkMask_(networkMask) {
   GRAPHEP_CUDA_CHECK(cudaSetDevice(heap.device(local)));
   if (mesh_.anyRemote() && options.maxRemoteBytesPerPeer > 0) {
     remoteCap_ = remoteCapOf(options);
@@ -93,6 +113,18 @@ Movers::Movers(const SymmetricHeap& heap, int local, const MoverOptions& options
                                                   cudaFree(q);
                                                 });
   }
+  if (networkMask_ != 0) {
+    const std::size_t bytes = static_cast<std::size_t>(heap.worldSize()) * sizeof(unsigned long long);
+    void* counters = nullptr;
+    GRAPHEP_CUDA_CHECK(cudaMalloc(&counters, bytes));
+    GRAPHEP_CUDA_CHECK(cudaMemset(counters, 0, bytes));
+    const int device = heap.device(local);
+    networkBytes_ = std::shared_ptr<unsigned long long>(static_cast<unsigned long long*>(counters),
+                                                        [device](unsigned long long* q) {
+                                                          cudaSetDevice(device);
+                                                          cudaFree(q);
+                                                        });
+  }
   GRAPHEP_CUDA_CHECK(preloadSendRecvKernels());
   GRAPHEP_CUDA_CHECK(preloadAllToAllvKernels());
 }
@@ -107,8 +139,14 @@ std::vector<Movers> Movers::createAll(const SymmetricHeap& heap, const MoverOpti
     GRAPHEP_LOG_INFO(log::kTune, "data movers: at most %d channels per link, so that every waiting CTA of the ranks "
                      "sharing a GPU is resident at once", linkChannels);
   }
+  // Emulated nodes (tests): the peers on other nodes, whose bytes the movers count.
+  const NodeMap nodes = nodeMapOf(heap);  // collective
+  const bool emulated = nodes.numNodes > 1;
+  if (emulated) logNodes(heap, nodes);
   std::vector<Movers> all;
-  for (int l = 0; l < heap.numLocalRanks(); ++l) all.push_back(Movers(heap, l, options, linkChannels));
+  for (int l = 0; l < heap.numLocalRanks(); ++l) {
+    all.push_back(Movers(heap, l, options, linkChannels, emulated ? nodes.networkMask(heap.rank(l)) : 0u));
+  }
   // Warm-up, outside any capture: exchanges of 16 B, 1 MiB and the alltoallv stage size with every
   // remote peer, so NCCL sets up its connections (and the channels larger messages use) now rather
   // than inside a captured graph.
@@ -580,6 +618,7 @@ AllToAllvParams Movers::allToAllvParams(const AllToAllvArgs& a) const {
 
 void Movers::allToAllv(cudaStream_t stream, const AllToAllvArgs& args) const {
   const AllToAllvParams p = allToAllvParams(args);
+  if (networkMask_ != 0) GRAPHEP_CUDA_CHECK(launchAllToAllvNetworkBytes(p, networkMask_, networkBytes_.get(), stream));
   if (p.remoteMask != 0) {
     // Remote peers: fixed-size NCCL messages, straight between the slots of src and dst (fixed
     // slots), or else gathered into stages, exchanged, and scattered by the alltoallv kernel by
@@ -643,6 +682,26 @@ void Movers::sendRecv(cudaStream_t stream, const SendRecvArgs& args) const {
   if (ncclSendRole) mesh_.nccl().put(stream, args.sendPeer, args.src, args.sendBytes);
   if (ncclRecvRole) mesh_.nccl().get(stream, args.recvPeer, args.dst, args.recvBytes);
   group.end();
+}
+
+std::vector<std::uint64_t> Movers::networkBytes() const {
+  std::vector<std::uint64_t> bytes(static_cast<std::size_t>(heap_->worldSize()), 0);
+  if (!networkBytes_) return bytes;
+  GRAPHEP_CUDA_CHECK(cudaSetDevice(heap_->device(local_)));
+  GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
+  static_assert(sizeof(unsigned long long) == sizeof(std::uint64_t), "the counters are 64-bit");
+  GRAPHEP_CUDA_CHECK(cudaMemcpy(bytes.data(), networkBytes_.get(), bytes.size() * sizeof(std::uint64_t),
+                                cudaMemcpyDeviceToHost));
+  return bytes;
+}
+
+void Movers::resetNetworkBytes() const {
+  if (!networkBytes_) return;
+  GRAPHEP_CUDA_CHECK(cudaSetDevice(heap_->device(local_)));
+  GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());
+  GRAPHEP_CUDA_CHECK(cudaMemset(networkBytes_.get(), 0,
+                                static_cast<std::size_t>(heap_->worldSize()) * sizeof(unsigned long long)));
+  GRAPHEP_CUDA_CHECK(cudaDeviceSynchronize());  // landed before the caller's next (non-blocking) stream work
 }
 
 ProfileCounters Movers::profile() const {

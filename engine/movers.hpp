@@ -189,8 +189,16 @@ class Movers {
   ProfileCounters profile() const;
   void resetProfile() const;
 
+  // The emulated network (GRAPHEP_EMULATED_NODES, engine/node_map.hpp): the bytes this rank's
+  // allToAllv calls sent each peer on another node since setup or the last resetNetworkBytes(),
+  // counted on the device after each call ([worldSize]; all zero for peers of this node, and
+  // without emulated nodes). Diagnostics, not a run path: synchronises the device.
+  std::vector<std::uint64_t> networkBytes() const;
+  void resetNetworkBytes() const;
+
  private:
-  Movers(const SymmetricHeap& heap, int local, const MoverOptions& options, int linkChannels);
+  Movers(const SymmetricHeap& heap, int local, const MoverOptions& options, int linkChannels,
+         std::uint32_t networkMask);
   // Validate the arguments (errors name the values) and build the kernels' by-value params.
   SendRecvParams params(const SendRecvArgs& args) const;
   bool copyEngine(const SendRecvArgs& args, std::size_t bytes) const;
@@ -212,6 +220,10 @@ class Movers {
   std::size_t remoteCap_ = 0;
   std::shared_ptr<char> remoteStage_;  // [2][worldSize][remoteCap_]: send stages, receive stages
   std::shared_ptr<ProfileCounters> profile_;  // device, MoverOptions.profile only
+  // The emulated network: the peers on other nodes (GRAPHEP_EMULATED_NODES only, else 0) and
+  // their byte counters (device, [worldSize]).
+  std::uint32_t networkMask_ = 0;
+  std::shared_ptr<unsigned long long> networkBytes_;
 };
 
 }  // namespace graphep

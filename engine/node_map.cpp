@@ -1,5 +1,6 @@
 #include "engine/node_map.hpp"
 
+#include <algorithm>
 #include <string>
 
 #include "engine/env.hpp"
@@ -85,25 +86,35 @@ NodeMap nodeMap(const std::vector<std::vector<bool>>& reach, int emulatedNodes) 
 }
 
 NodeMap nodeMapOf(const SymmetricHeap& heap) {
+  // Each local rank's row: GRAPHEP_EMULATED_NODES as it reads it, then its reach of every rank.
   const int R = heap.worldSize(), L = heap.numLocalRanks();
-  std::vector<std::uint8_t> mine(static_cast<std::size_t>(L) * static_cast<std::size_t>(R), 0);
+  const std::size_t row = static_cast<std::size_t>(R) + 1;
+  const auto asked = static_cast<std::uint8_t>(env::kEmulatedNodes.get());
+  std::vector<std::uint8_t> mine(static_cast<std::size_t>(L) * row, 0);
   for (int l = 0; l < L; ++l) {
+    mine[static_cast<std::size_t>(l) * row] = asked;
     for (int q = 0; q < R; ++q) {
       const PeerClass c = heap.peerClass(l, q);
-      mine[static_cast<std::size_t>(l) * static_cast<std::size_t>(R) + static_cast<std::size_t>(q)] =
-          c == PeerClass::kSelf || isLoadStore(c) ? 1 : 0;
+      mine[static_cast<std::size_t>(l) * row + 1 + static_cast<std::size_t>(q)] = isLoadStore(c) ? 1 : 0;
     }
   }
-  std::vector<std::uint8_t> all(static_cast<std::size_t>(R) * static_cast<std::size_t>(R), 0);
-  heap.comm().allgather(mine.data(), all.data(), static_cast<std::size_t>(R));
+  std::vector<std::uint8_t> all(static_cast<std::size_t>(R) * row, 0);
+  heap.comm().allgather(mine.data(), all.data(), row);
+  int emulated = 0;  // the largest any rank asked for, so that every rank builds the same map
+  for (int a = 0; a < R; ++a) emulated = std::max(emulated, static_cast<int>(all[static_cast<std::size_t>(a) * row]));
+  if (emulated == 0) {  // the machines, unchecked: nothing reads them yet but the emulated network
+    NodeMap one;
+    one.nodeOf.assign(static_cast<std::size_t>(R), 0);
+    return one;
+  }
   std::vector<std::vector<bool>> reach(static_cast<std::size_t>(R), std::vector<bool>(static_cast<std::size_t>(R)));
   for (int a = 0; a < R; ++a) {
     for (int b = 0; b < R; ++b) {
       reach[static_cast<std::size_t>(a)][static_cast<std::size_t>(b)] =
-          all[static_cast<std::size_t>(a) * static_cast<std::size_t>(R) + static_cast<std::size_t>(b)] != 0;
+          all[static_cast<std::size_t>(a) * row + 1 + static_cast<std::size_t>(b)] != 0;
     }
   }
-  return nodeMap(reach, static_cast<int>(env::kEmulatedNodes.get()));
+  return nodeMap(reach, emulated);
 }
 
 }  // namespace graphep

@@ -27,8 +27,10 @@ struct NodeMap {
 // such node lies inside one of reach's classes.
 NodeMap nodeMap(const std::vector<std::vector<bool>>& reach, int emulatedNodes);
 
-// Setup, collective over the heap's communicator: every rank's load/store reach gathered, then
-// nodeMap with GRAPHEP_EMULATED_NODES (0 when unset). The same map on every rank.
+// Setup, collective over the heap's communicator: with GRAPHEP_EMULATED_NODES N > 0 on some rank
+// (the largest asked), every rank's load/store reach gathered and nodeMap(reach, N); without it,
+// one node of every rank (nothing checked: only the emulated network reads the map so far). The
+// same map on every rank.
 NodeMap nodeMapOf(const SymmetricHeap& heap);
 
 }  // namespace graphep

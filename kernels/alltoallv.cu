@@ -154,7 +154,26 @@ __global__ void __launch_bounds__(256) allToAllvGatherKernel(const __grid_consta
                                 end - begin, static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x));
 }
 
+// The emulated network's meter (GRAPHEP_EMULATED_NODES, engine/node_map.hpp): a thread per peer
+// adds the bytes this call sends it to bytes[peer] where the peer is in networkMask (on another
+// node). A count past src is dropped by the exchange (and reported there): it adds nothing.
+__global__ void __launch_bounds__(kMaxRanks) allToAllvNetworkBytesKernel(const __grid_constant__ AllToAllvParams p,
+                                                                         std::uint32_t networkMask,
+                                                                         unsigned long long* bytes) {
+  const int q = static_cast<int>(threadIdx.x);
+  if (q >= p.sync.numRanks || (networkMask & (1u << q)) == 0) return;
+  const std::uint64_t off = p.sendOffsets[q], n = p.sendCounts[q];
+  if (off <= p.srcBytes && n <= p.srcBytes - off) atomicAdd(bytes + q, static_cast<unsigned long long>(n));
+}
+
 }  // namespace
+
+cudaError_t launchAllToAllvNetworkBytes(const AllToAllvParams& p, std::uint32_t networkMask, unsigned long long* bytes,
+                                        cudaStream_t stream) {
+  GRAPHEP_LAUNCH_REQUIRE(bytes != nullptr, "no network byte counters for peers 0x%x", networkMask);
+  allToAllvNetworkBytesKernel<<<1, kMaxRanks, 0, stream>>>(p, networkMask, bytes);
+  return cudaGetLastError();
+}
 
 cudaError_t launchAllToAllvGather(const AllToAllvParams& p, cudaStream_t stream) {
   if (p.remoteMask == 0) return cudaSuccess;
@@ -182,6 +201,8 @@ cudaError_t allToAllvCtasPerSm(int threads, int* ctas) {
   return cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas, allToAllvKernel, threads, 0);
 }
 
-cudaError_t preloadAllToAllvKernels() { return preloadKernels(allToAllvKernel, allToAllvGatherKernel); }
+cudaError_t preloadAllToAllvKernels() {
+  return preloadKernels(allToAllvKernel, allToAllvGatherKernel, allToAllvNetworkBytesKernel);
+}
 
 }  // namespace graphep

@@ -191,7 +191,8 @@ int directSharedCtas(int want, int share) {
 }
 
 bool directDispatch(Communicator& comm, const SymmetricHeap& heap) {
-  const bool movers = env::kMoeKernels.get() == "movers";
+  // The emulated network is metered in the movers' all-to-all-v: its engines run over them.
+  const bool movers = env::kMoeKernels.get() == "movers" || env::kEmulatedNodes.get() > 0;
   const bool loadStore = everyPeerLoadStore(comm, heap);  // collective: every rank calls both
   return everyRank(comm, heap, [&](int l) {
     if (!loadStore || movers) return false;

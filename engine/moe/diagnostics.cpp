@@ -20,6 +20,10 @@ namespace graphep {
 
 using detail::DeviceGuard;
 
+std::vector<std::uint64_t> Engine::networkBytes() const { return impl_->movers().networkBytes(); }
+
+void Engine::resetNetworkBytes() { impl_->movers().resetNetworkBytes(); }
+
 MoeStatus Engine::status() const {
   const Impl& m = *impl_;
   DeviceGuard guard(m.device);

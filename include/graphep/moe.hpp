@@ -526,6 +526,13 @@ class Engine {
   // Diagnostics, not a run path: synchronises this rank's device. A device error (a timed-out
   // wait) puts the engine in its failed state.
   MoeStatus status() const;
+  // The emulated network (tests: GRAPHEP_EMULATED_NODES=N splits the ranks into N nodes of
+  // consecutive ranks, and the engines run the throughput path over the movers): the bytes this
+  // rank's operations sent each rank on another node since setup or resetNetworkBytes(), [world
+  // size], counted on the device where the exchanges move them; all zero without emulated nodes.
+  // Diagnostics, not a run path: synchronises this rank's device.
+  std::vector<std::uint64_t> networkBytes() const;
+  void resetNetworkBytes();
   // Host watchdog, not a run path, and it never synchronises the device: waits up to `timeout`
   // for the work enqueued so far on `stream` (this rank's operations, eager or in graphs) to
   // finish. If it does not, or the device recorded an error, the engine enters its failed state

@@ -56,7 +56,8 @@ std::string moeCaseName(const MoeCase& c);
 MoePath expectedPath(const MoeConfig& cfg, int worldSize);
 // Whether the throughput path is expected to run its direct kernels: every peer is reached by
 // load/store on the machines the tests run on (ranks sharing a GPU included) unless
-// GRAPHEP_FORCE_TRANSPORT=remote, and GRAPHEP_MOE_KERNELS=movers keeps the movers.
+// GRAPHEP_FORCE_TRANSPORT=remote, and GRAPHEP_MOE_KERNELS=movers or GRAPHEP_EMULATED_NODES keeps
+// the movers.
 bool expectedDirect();
 
 // MoeGraph on one engine per rank: an expert callback graph, an expert child graph swapped in
@@ -132,6 +133,8 @@ struct MoeCaseIndex {
 std::vector<MoeCase> moeCases(MoeCaseList list, int worldSize);
 std::vector<MoeCaseIndex> moeCaseIndices(MoeCaseList list);
 void runMoeCaseAt(Communicator& comm, const MoeCaseIndex& at);
+// The small list's throughput-path cases (those over the movers, where the latency path has none).
+std::vector<MoeCaseIndex> throughputCaseIndices();
 // GoogleTest prints a parameter by its name.
 inline void PrintTo(const MoeCaseIndex& at, std::ostream* os) { *os << at.name; }
 // GoogleTest's name for an instance.

@@ -493,6 +493,54 @@ void runAllToAllvOutOfBounds(Communicator& comm, bool zeroCopy) {
   }
 }
 
+void runAllToAllvNetworkBytes(Communicator& comm, int nodes) {
+  SCOPED_TRACE("emulated network of " + std::to_string(nodes) + " nodes");
+  const ScopedEnv emulated("GRAPHEP_EMULATED_NODES", std::to_string(nodes).c_str());
+  const int R = comm.worldSize(), size = R / nodes;
+  const std::size_t perPeer = 8192;
+  const std::size_t cap = perPeer * static_cast<std::size_t>(R);
+  Fixture f(comm, cap, std::size_t{64} << 10, 0);
+  const int L = f.heap->numLocalRanks();
+  std::vector<std::vector<std::uint64_t>> want(static_cast<size_t>(L), std::vector<std::uint64_t>(static_cast<size_t>(R)));
+  std::vector<CountArrays> ca;
+  std::uint64_t total = 0;
+  for (int run = 0; run < 2; ++run) {
+    const auto m = countMatrix(CountPattern::kRandom, R, perPeer, 11 + static_cast<std::uint64_t>(run));
+    if (run == 0) {
+      ca = slotCounts(f, m, perPeer);
+    } else {
+      for (int l = 0; l < L; ++l) {
+        GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+        uploadCounts(ca[static_cast<size_t>(l)], m, f.heap->rank(l), f.bufs[static_cast<size_t>(l)].stream, perPeer);
+      }
+    }
+    f.syncAll();
+    for (int l = 0; l < L; ++l) {
+      GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+      f.movers[static_cast<size_t>(l)].allToAllv(f.bufs[static_cast<size_t>(l)].stream,
+                                                 allToAllvArgs(f, l, ca[static_cast<size_t>(l)], cap, false));
+      const int me = f.heap->rank(l);
+      for (int q = 0; q < R; ++q) {
+        if (me / size == q / size) continue;  // the same node: no network
+        want[static_cast<size_t>(l)][static_cast<size_t>(q)] += m[static_cast<size_t>(me)][static_cast<size_t>(q)];
+        total += m[static_cast<size_t>(me)][static_cast<size_t>(q)];
+      }
+    }
+    f.syncAll();
+  }
+  EXPECT_GT(total, 0u) << "the counts sent nothing between nodes: the check would be empty";
+  for (int l = 0; l < L; ++l) {
+    const int me = f.heap->rank(l);
+    EXPECT_EQ(f.movers[static_cast<size_t>(l)].networkBytes(), want[static_cast<size_t>(l)]) << "rank " << me;
+    EXPECT_EQ(f.heap->errorMessage(l), "") << "rank " << me;
+    f.movers[static_cast<size_t>(l)].resetNetworkBytes();
+    EXPECT_EQ(f.movers[static_cast<size_t>(l)].networkBytes(), std::vector<std::uint64_t>(static_cast<size_t>(R), 0))
+        << "rank " << me << " after resetNetworkBytes";
+    cudaSetDevice(f.heap->device(l));
+    cudaFree(ca[static_cast<size_t>(l)].d);
+  }
+}
+
 void runAllToAllvFixedSlotsMisuse(Communicator& comm) {
   const int R = comm.worldSize();
   const std::size_t perPeer = 4096;

@@ -70,6 +70,12 @@ void runAllToAllvZeroCopyMismatch(Communicator& comm);
 // the run captured so no eager NCCL group blocks the one thread.
 void runAllToAllvFixedSlotsMisuse(Communicator& comm);
 
+// The emulated network (GRAPHEP_EMULATED_NODES=nodes, set here): two alltoallv runs with random
+// counts; each rank's Movers::networkBytes() equals, per peer, the bytes it sent that peer where
+// the peer is on another node (R / nodes consecutive ranks each) and 0 on its own; zero after
+// resetNetworkBytes().
+void runAllToAllvNetworkBytes(Communicator& comm, int nodes);
+
 }  // namespace graphep::test
 
 namespace graphep::test {

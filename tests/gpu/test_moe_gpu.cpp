@@ -31,6 +31,11 @@ class Gpu1_Moe1RankMovers : public ::testing::TestWithParam<MoeCaseIndex> {};
 // 4 ranks over the movers with records and partials exchanged in 3 chunks (load/store channels
 // moving windows of the slots; the last chunk shorter where 3 does not divide T_max).
 class Gpu1_Moe4RanksMoversChunked : public ::testing::TestWithParam<MoeCaseIndex> {};
+// The throughput cases on an emulated network (GRAPHEP_EMULATED_NODES): 4 ranks as 2 nodes, 8 as
+// 4, over the movers; each run's bytes to every rank on another node against the flat scheme's
+// (runMoeCase).
+class Gpu1_Moe4RanksEmulatedNodes : public ::testing::TestWithParam<MoeCaseIndex> {};
+class Gpu1_Moe8RanksEmulatedNodes : public ::testing::TestWithParam<MoeCaseIndex> {};
 
 TEST_P(Gpu1_Moe1Rank, Case) {
   GRAPHEP_REQUIRE_GPUS(1);
@@ -62,6 +67,19 @@ TEST_P(Gpu1_Moe1RankMovers, Case) {
   GRAPHEP_REQUIRE_GPUS(1);
   runMoversCase(1, "0", GetParam());
 }
+void runEmulatedNodesCase(int ranks, const char* nodes, const MoeCaseIndex& c) {
+  ScopedEnv emulated("GRAPHEP_EMULATED_NODES", nodes);
+  auto comm = createLocalGroup(std::vector<int>(static_cast<std::size_t>(ranks), 0));
+  runMoeCaseAt(*comm, c);
+}
+TEST_P(Gpu1_Moe4RanksEmulatedNodes, Case) {
+  GRAPHEP_REQUIRE_GPUS(1);
+  runEmulatedNodesCase(4, "2", GetParam());
+}
+TEST_P(Gpu1_Moe8RanksEmulatedNodes, Case) {
+  GRAPHEP_REQUIRE_GPUS(1);
+  runEmulatedNodesCase(8, "4", GetParam());
+}
 TEST_P(Gpu1_Moe8Ranks, Case) {
   GRAPHEP_REQUIRE_GPUS(1);
   auto comm = createLocalGroup({0, 0, 0, 0, 0, 0, 0, 0});
@@ -71,19 +89,15 @@ INSTANTIATE_TEST_SUITE_P(Moe, Gpu1_Moe1Rank, ::testing::ValuesIn(moeCaseIndices(
                          MoeCaseIndexName());
 INSTANTIATE_TEST_SUITE_P(Moe, Gpu1_Moe4Ranks, ::testing::ValuesIn(moeCaseIndices(MoeCaseList::kSmall)),
                          MoeCaseIndexName());
-// The throughput path's cases only (the latency path has no movers).
-std::vector<MoeCaseIndex> throughputCaseIndices() {
-  std::vector<MoeCaseIndex> out;
-  for (const MoeCaseIndex& c : moeCaseIndices(MoeCaseList::kSmall)) {
-    if (c.name.size() > 11 && c.name.compare(c.name.size() - 11, 11, "_throughput") == 0) out.push_back(c);
-  }
-  return out;
-}
 INSTANTIATE_TEST_SUITE_P(Moe, Gpu1_Moe4RanksMovers, ::testing::ValuesIn(throughputCaseIndices()), MoeCaseIndexName());
 INSTANTIATE_TEST_SUITE_P(Moe, Gpu1_Moe1RankMovers, ::testing::ValuesIn(throughputCaseIndices()), MoeCaseIndexName());
 INSTANTIATE_TEST_SUITE_P(Moe, Gpu1_Moe4RanksMoversChunked, ::testing::ValuesIn(throughputCaseIndices()),
                          MoeCaseIndexName());
 INSTANTIATE_TEST_SUITE_P(Moe, Gpu1_Moe8Ranks, ::testing::ValuesIn(moeCaseIndices(MoeCaseList::kSmall)),
+                         MoeCaseIndexName());
+INSTANTIATE_TEST_SUITE_P(Moe, Gpu1_Moe4RanksEmulatedNodes, ::testing::ValuesIn(throughputCaseIndices()),
+                         MoeCaseIndexName());
+INSTANTIATE_TEST_SUITE_P(Moe, Gpu1_Moe8RanksEmulatedNodes, ::testing::ValuesIn(throughputCaseIndices()),
                          MoeCaseIndexName());
 
 // Engine::memoryRequirements, computed before anything is allocated, equals what createAll

@@ -136,6 +136,15 @@ TEST(Gpu1_AllToAllv, FourEmulatedRanks) {
   runAllToAllvEmulated(4);
 }
 
+// The emulated network's byte counts: 4 ranks as 2 and 4 nodes, 8 ranks as 2 and 4 nodes.
+TEST(Gpu1_AllToAllv, EmulatedNodesCountNetworkBytes) {
+  GRAPHEP_REQUIRE_GPUS(1);
+  for (const auto& [ranks, nodes] : std::vector<std::pair<int, int>>{{4, 2}, {4, 4}, {8, 2}, {8, 4}}) {
+    auto comm = createLocalGroup(std::vector<int>(static_cast<size_t>(ranks), 0));
+    runAllToAllvNetworkBytes(*comm, nodes);
+  }
+}
+
 TEST(Gpu1_AllToAllv, EightEmulatedRanks) {
   GRAPHEP_REQUIRE_GPUS(1);
   runAllToAllvEmulated(8);

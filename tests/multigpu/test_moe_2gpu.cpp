@@ -19,6 +19,9 @@ namespace {
 
 class Gpu2_Moe : public ::testing::TestWithParam<MoeCaseIndex> {};
 class Gpu2_MoeFourRanksPerGpu : public ::testing::TestWithParam<MoeCaseIndex> {};
+// The throughput cases on an emulated network over 2 GPUs: 2 ranks per GPU as 2 nodes (a node per
+// GPU) and 4 ranks per GPU as 2; each run's bytes between nodes against the flat scheme's.
+class Gpu2_MoeEmulatedNodes : public ::testing::TestWithParam<MoeCaseIndex> {};
 
 TEST_P(Gpu2_Moe, Case) {
   GRAPHEP_REQUIRE_GPUS(2);
@@ -36,6 +39,17 @@ INSTANTIATE_TEST_SUITE_P(Moe, Gpu2_MoeFourRanksPerGpu, ::testing::ValuesIn(moeCa
                          MoeCaseIndexName());
 INSTANTIATE_TEST_SUITE_P(Mixed, Gpu2_MoeFourRanksPerGpu,
                          ::testing::ValuesIn(moeCaseIndices(MoeCaseList::kMixedPlacement)), MoeCaseIndexName());
+
+TEST_P(Gpu2_MoeEmulatedNodes, Case) {
+  GRAPHEP_REQUIRE_GPUS(2);
+  ScopedEnv emulated("GRAPHEP_EMULATED_NODES", "2");
+  for (int perGpu : {2, 4}) {
+    SCOPED_TRACE(std::to_string(perGpu) + " ranks per GPU");
+    auto comm = createLocalGroup(ranksPerGpu(perGpu));
+    runMoeCaseAt(*comm, GetParam());
+  }
+}
+INSTANTIATE_TEST_SUITE_P(Moe, Gpu2_MoeEmulatedNodes, ::testing::ValuesIn(throughputCaseIndices()), MoeCaseIndexName());
 
 TEST(Gpu2_MoeFourRanksPerGpu, GraphsBothPaths) {
   GRAPHEP_REQUIRE_GPUS(2);

@@ -145,6 +145,16 @@ TEST(Gpu2_MoversFourRanksPerGpu, AllToAllv) {
   }
 }
 
+// The emulated network over 2 GPUs: 2 ranks per GPU as 2 nodes (a node per GPU), 4 ranks per GPU
+// as 2 and as 4 nodes (nodes inside a GPU and across the NVLink alike).
+TEST(Gpu2_MoversFourRanksPerGpu, EmulatedNodesCountNetworkBytes) {
+  GRAPHEP_REQUIRE_GPUS(2);
+  runAllToAllvNetworkBytes(*createLocalGroup(ranksPerGpu(2)), 2);
+  auto comm = createLocalGroup(ranksPerGpu(4));
+  runAllToAllvNetworkBytes(*comm, 2);
+  runAllToAllvNetworkBytes(*comm, 4);
+}
+
 TEST(Gpu2_MoversFourRanksPerGpu, Ring) {
   GRAPHEP_REQUIRE_GPUS(2);
   auto comm = createLocalGroup(ranksPerGpu(4));

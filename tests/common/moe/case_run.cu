@@ -3,6 +3,8 @@
 #include "common/gpu_env.hpp"
 #include "common/moe/harness.cuh"
 #include "common/moe/step_trace.hpp"
+#include "engine/env.hpp"
+#include "engine/moe/plan.hpp"
 
 namespace graphep::test {
 
@@ -22,6 +24,34 @@ std::uint32_t caseMask(const MoeCase& c, int run, int R) {
   }
   const std::uint32_t m = c.masks[static_cast<std::size_t>(run)] & allRanksMask(R);
   return m != 0 ? m : allRanksMask(R);
+}
+
+// The emulated network (GRAPHEP_EMULATED_NODES: `nodes` nodes of R / nodes consecutive ranks):
+// what one dispatch and combine of rank r over the movers send each rank q on another node in the
+// flat scheme: the count message and one record per token with an expert on q (dispatch), and back
+// one partial per record q sent r (combine). Zero for q on r's node.
+std::vector<std::uint64_t> flatNetworkBytes(const MoeConfig& cfg, const std::vector<Inputs>& all, int r, int nodes) {
+  const int R = static_cast<int>(all.size()), size = R / nodes, Lx = cfg.numExperts / R;
+  const moe_setup::MoeSizes z = moe_setup::moeSizes(cfg, R);
+  auto records = [&](int from, int to) {  // tokens of `from` with an expert on `to`
+    const Inputs& in = all[static_cast<std::size_t>(from)];
+    std::uint64_t n = 0;
+    for (int t = 0; t < liveCount(cfg, in.T); ++t) {
+      bool hit = false;
+      for (int k = 0; k < cfg.topK; ++k) {
+        const long long id = in.idx[static_cast<std::size_t>(t) * static_cast<std::size_t>(cfg.topK) + static_cast<std::size_t>(k)];
+        hit |= id >= 0 && id < cfg.numExperts && id / Lx == to;
+      }
+      n += hit ? 1 : 0;
+    }
+    return n;
+  };
+  std::vector<std::uint64_t> bytes(static_cast<std::size_t>(R), 0);
+  for (int q = 0; q < R; ++q) {
+    if (q / size == r / size) continue;
+    bytes[static_cast<std::size_t>(q)] = z.cntMsgBytes + records(r, q) * z.recBytes + records(q, r) * z.rowBytes;
+  }
+  return bytes;
 }
 
 }  // namespace
@@ -65,6 +95,9 @@ void runMoeCaseInLayout(Communicator& comm, const MoeCase& c) {
     EXPECT_EQ(direct, expectedDirect()) << "the throughput path's kernels: direct " << direct;
   }
   const bool masks = !c.masks.empty() && takesMask;
+  // The emulated network's bytes, per run (its engines run over the movers: checked above).
+  const int nodes = static_cast<int>(env::kEmulatedNodes.get());
+  const bool metered = nodes > 0 && f.engine(0).path() == MoePath::kThroughput;
   std::vector<std::vector<unsigned long long>> masked(static_cast<std::size_t>(R), std::vector<unsigned long long>(static_cast<std::size_t>(R), 0));
   for (int run = 0; run < runs; ++run) {
     const std::uint64_t seed = 5000 + static_cast<std::uint64_t>(run) * 31;
@@ -74,6 +107,9 @@ void runMoeCaseInLayout(Communicator& comm, const MoeCase& c) {
     const std::uint32_t mask = caseMask(c, run, R);
     // What the engines see under the mask (every input as it is without one); the reference's.
     const std::vector<Inputs> seen = masks ? underMask(c, all, mask, masked) : all;
+    if (metered) {
+      for (int l = 0; l < f.L(); ++l) f.engine(l).resetNetworkBytes();
+    }
     comm.barrier();
     for (int l = 0; l < f.L(); ++l) {
       GRAPHEP_CUDA_CHECK(cudaSetDevice(comm.device(l)));
@@ -96,6 +132,10 @@ void runMoeCaseInLayout(Communicator& comm, const MoeCase& c) {
       const std::string what = "run " + std::to_string(run) + " T=" + std::to_string(mine.T) +
                                (masks ? " mask=" + std::to_string(mask) : std::string());
       EXPECT_EQ(f.check(l, seen, refs, what), 0) << what << " rank " << r;
+      if (metered) {
+        EXPECT_EQ(f.engine(l).networkBytes(), flatNetworkBytes(c.cfg, seen, r, nodes))
+            << what << " rank " << r << ": the bytes sent to each rank on another node";
+      }
       const unsigned long long invalid = invalidCount(c.cfg, mine);
       if (invalid > 0 && firstInvalidRun[ls] < 0) firstInvalidRun[ls] = run;
       expectInvalid[ls] += invalid;

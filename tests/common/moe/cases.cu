@@ -16,7 +16,9 @@ MoePath expectedPath(const MoeConfig& cfg, int worldSize) {
 }
 
 bool expectedDirect() {
-  return !envIs("GRAPHEP_MOE_KERNELS", "movers") && !envIs("GRAPHEP_FORCE_TRANSPORT", "remote");
+  const char* nodes = std::getenv("GRAPHEP_EMULATED_NODES");
+  const bool emulated = nodes != nullptr && std::atoi(nodes) > 0;
+  return !envIs("GRAPHEP_MOE_KERNELS", "movers") && !envIs("GRAPHEP_FORCE_TRANSPORT", "remote") && !emulated;
 }
 
 std::string moeCaseName(const MoeCase& c) {
@@ -188,6 +190,16 @@ std::vector<MoeCaseIndex> moeCaseIndices(MoeCaseList list) {
   std::vector<MoeCaseIndex> out;
   const std::vector<MoeCase> cases = moeCases(list, 2);
   for (std::size_t i = 0; i < cases.size(); ++i) out.push_back(MoeCaseIndex{list, static_cast<int>(i), moeCaseName(cases[i])});
+  return out;
+}
+
+std::vector<MoeCaseIndex> throughputCaseIndices() {
+  std::vector<MoeCaseIndex> out;
+  std::string tail = "_";
+  tail += name(MoePath::kThroughput);
+  for (const MoeCaseIndex& c : moeCaseIndices(MoeCaseList::kSmall)) {
+    if (c.name.size() > tail.size() && c.name.compare(c.name.size() - tail.size(), tail.size(), tail) == 0) out.push_back(c);
+  }
   return out;
 }
 
