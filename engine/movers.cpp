@@ -1,7 +1,6 @@
 #include "engine/movers.hpp"
 
 #include <algorithm>
-
 #include <string>
 
 #include "engine/env.hpp"
@@ -36,6 +35,20 @@ void logNodes(const SymmetricHeap& heap, const NodeMap& nodes) {
   }
   GRAPHEP_LOG_INFO(log::kTopo, "emulated network (GRAPHEP_EMULATED_NODES=%d): %s; the movers count the bytes between "
                    "nodes", nodes.numNodes, text.c_str());
+}
+
+// `count` Ts of device memory on `device` (the current device), zeroed unless `zeroed` is false,
+// freed with the last owner.
+template <class T>
+std::shared_ptr<T> deviceArray(int device, std::size_t count, bool zeroed = true) {
+  void* p = nullptr;
+  GRAPHEP_CUDA_CHECK(cudaMalloc(&p, count * sizeof(T)));
+  std::shared_ptr<T> owned(static_cast<T*>(p), [device](T* q) {
+    cudaSetDevice(device);
+    cudaFree(q);
+  });
+  if (zeroed) GRAPHEP_CUDA_CHECK(cudaMemset(p, 0, count * sizeof(T)));
+  return owned;
 }
 
 // Bytes of one peer's remote stage: the largest message, rounded up to 16.
@@ -92,38 +105,14 @@ Movers::Movers(const SymmetricHeap& heap, int local, const MoverOptions& options
       mesh_(heap, local),
       networkMask_(networkMask) {
   GRAPHEP_CUDA_CHECK(cudaSetDevice(heap.device(local)));
+  const int device = heap.device(local);
   if (mesh_.anyRemote() && options.maxRemoteBytesPerPeer > 0) {
     remoteCap_ = remoteCapOf(options);
-    void* stage = nullptr;
-    GRAPHEP_CUDA_CHECK(cudaMalloc(&stage, remoteStageBytes(options, heap.worldSize())));
-    const int device = heap.device(local);
-    remoteStage_ = std::shared_ptr<char>(static_cast<char*>(stage), [device](char* q) {
-      cudaSetDevice(device);
-      cudaFree(q);
-    });
+    remoteStage_ = deviceArray<char>(device, remoteStageBytes(options, heap.worldSize()), false);
   }
-  if (options.profile) {
-    void* counters = nullptr;
-    GRAPHEP_CUDA_CHECK(cudaMalloc(&counters, sizeof(ProfileCounters)));
-    GRAPHEP_CUDA_CHECK(cudaMemset(counters, 0, sizeof(ProfileCounters)));
-    const int device = heap.device(local);
-    profile_ = std::shared_ptr<ProfileCounters>(static_cast<ProfileCounters*>(counters),
-                                                [device](ProfileCounters* q) {
-                                                  cudaSetDevice(device);
-                                                  cudaFree(q);
-                                                });
-  }
+  if (options.profile) profile_ = deviceArray<ProfileCounters>(device, 1);
   if (networkMask_ != 0) {
-    const std::size_t bytes = static_cast<std::size_t>(heap.worldSize()) * sizeof(unsigned long long);
-    void* counters = nullptr;
-    GRAPHEP_CUDA_CHECK(cudaMalloc(&counters, bytes));
-    GRAPHEP_CUDA_CHECK(cudaMemset(counters, 0, bytes));
-    const int device = heap.device(local);
-    networkBytes_ = std::shared_ptr<unsigned long long>(static_cast<unsigned long long*>(counters),
-                                                        [device](unsigned long long* q) {
-                                                          cudaSetDevice(device);
-                                                          cudaFree(q);
-                                                        });
+    networkBytes_ = deviceArray<unsigned long long>(device, static_cast<std::size_t>(heap.worldSize()));
   }
   GRAPHEP_CUDA_CHECK(preloadSendRecvKernels());
   GRAPHEP_CUDA_CHECK(preloadAllToAllvKernels());

@@ -1,7 +1,7 @@
 #include "engine/node_map.hpp"
 
 #include <algorithm>
-#include <string>
+#include <vector>
 
 #include "engine/env.hpp"
 #include "engine/error.hpp"

@@ -475,17 +475,24 @@ __device__ inline void moeWriteRecordMeta(const MoeParams& p, int t, char* const
   }
 }
 
-// Token t's caller-quantised row (input.xIsFp8: e4m3 bytes in x, fp32 scales in xScales) read as
-// its wire tiles (per tile of 128 values: its 128 bytes in 8 pieces, then a piece of its scale and
-// 12 zero bytes): piece n of 16 bytes.
+// Token t's caller-quantised row (input.xIsFp8): its e4m3 bytes in x, and its scales in xScales,
+// tile j's at [j * input.scaleHiddenStride] from the second pointer.
+__device__ __forceinline__ const char* moeCallerFp8Row(const MoeParams& p, int t) {
+  return static_cast<const char*>(p.input.x) + static_cast<std::uint64_t>(t) * p.shape.hidden;
+}
+__device__ __forceinline__ const float* moeCallerFp8Scales(const MoeParams& p, int t) {
+  return p.input.xScales + static_cast<std::int64_t>(t) * p.input.scaleTokenStride;
+}
+
+// That row read as its wire tiles (per tile of 128 values: its 128 bytes in 8 pieces, then a
+// piece of its scale and 12 zero bytes): piece n of 16 bytes.
 __device__ __forceinline__ uint4 moeCallerFp8Piece(const MoeParams& p, int t, int n) {
   const int tile = n / 9, part = n % 9;
   if (part < 8) {
-    const char* row = static_cast<const char*>(p.input.x) + static_cast<std::uint64_t>(t) * p.shape.hidden;
-    return *(reinterpret_cast<const uint4*>(row + static_cast<std::uint64_t>(tile) * kFp8TileValues) + part);
+    return *(reinterpret_cast<const uint4*>(moeCallerFp8Row(p, t) + static_cast<std::uint64_t>(tile) * kFp8TileValues) +
+             part);
   }
-  const float s = p.input.xScales[static_cast<std::int64_t>(t) * p.input.scaleTokenStride +
-                                  static_cast<std::int64_t>(tile) * p.input.scaleHiddenStride];
+  const float s = moeCallerFp8Scales(p, t)[static_cast<std::int64_t>(tile) * p.input.scaleHiddenStride];
   return make_uint4(__float_as_uint(s), 0, 0, 0);
 }
 static_assert(kFp8TileWireBytes == 9 * 16, "a wire tile is 8 pieces of e4m3 bytes and one of its scale");
@@ -509,7 +516,7 @@ __device__ inline void moeWriteRecords(const MoeParams& p, int t, char* const* d
   const long long id = k < p.shape.topK ? moeReadId(p, e) : -1;
   const float w = k < p.shape.topK ? moeWeightOf(p, e) : 0.f;
   const bool callerFp8 = p.input.xIsFp8 && wire == nullptr;  // read as wire tiles (moeCallerFp8Piece)
-  if (nPayload > 0 && p.shape.fp8 && wire == nullptr && !callerFp8) {
+  if (nPayload > 0 && p.shape.fp8 && wire == nullptr && !p.input.xIsFp8) {
     moeQuantizeRow(p, row, dst, nPayload, g);
   } else if (nPayload > 0) {
     const auto* src = reinterpret_cast<const uint4*>(wire != nullptr ? wire : row);
@@ -833,9 +840,10 @@ __device__ inline void moeExpandOwnToken(const MoeParams& p, int t, char* rec, c
                                          MoeSlotStage& stage, const MoeGroup& g, const char* wire = nullptr,
                                          long long rankRow = -1) {
   const bool callerFp8 = wire == nullptr && p.input.xIsFp8;
-  const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.shape.hidden) * (callerFp8 ? 1 : 2);
-  const char* row = wire != nullptr ? wire : static_cast<const char*>(p.input.x) + static_cast<std::uint64_t>(t) * rowBytes;
-  const float* scales = callerFp8 ? p.input.xScales + static_cast<std::int64_t>(t) * p.input.scaleTokenStride : nullptr;
+  const char* row = wire != nullptr ? wire
+                    : callerFp8     ? moeCallerFp8Row(p, t)
+                                    : static_cast<const char*>(p.input.x) + static_cast<std::uint64_t>(t) * p.shape.hidden * 2;
+  const float* scales = callerFp8 ? moeCallerFp8Scales(p, t) : nullptr;
   moeExpandRow(p, row, wire == nullptr, [&] { moeResolveOwnSlots(p, t, rec, srcBase, stage, g, rankRow); }, stage, g, {},
                scales);
 }

@@ -14,8 +14,8 @@
 //            expands this rank's own tokens straight from x (the caller's e4m3 rows included), or
 //            for fp8 from bf16 from the quantise kernel's tiles (the send writes no record to its
 //            own rank: the receive writes the metadata the combine reads), then each peer's
-//            records as the blocks' flags arrive, a block's 32
-//            spread over 8 CTAs (a record per group); the last CTA advances the step.
+//            records as the blocks' flags arrive, a block's 32 spread over 8 CTAs (a record per
+//            group); the last CTA advances the step.
 //   combine  reduce (epilogueCtas CTAs) reduces each peer's records into a local staging, a block
 //            of 32 spread over 8 CTAs, marking each block ready; send (grid.budgetCtas CTAs, the reduce's
 //            programmatic dependent) copies each ready block straight into the peer's partial

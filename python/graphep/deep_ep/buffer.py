@@ -79,7 +79,8 @@ class _EngineState:
 
     def __init__(self, engine: Engine, hidden: int, num_experts: int, max_tokens: int):
         self.engine, self.hidden, self.num_experts, self.max_tokens = engine, hidden, num_experts, max_tokens
-        # Views of the engine's layout counts (each dispatch writes them), read back by a synchronous dispatch.
+        # Views of the engine's layout counts (each dispatch writes them), read back by a
+        # synchronous dispatch.
         self.num_recv_rows = torch.from_dlpack(engine.layout.num_recv_rows)
         self.expert_counts = torch.from_dlpack(engine.layout.expert_counts)
         # The live token counts 0 .. max_tokens as a device table, made here (setup, never during a

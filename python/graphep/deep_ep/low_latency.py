@@ -240,17 +240,12 @@ class LowLatencyMode:
                                    "operation between a send (return_recv_hook=True) and its receive hook")
 
     def _launch_stream(self, async_finish: bool, return_recv_hook: bool, what: str):
-        """The stream the work runs on: for async_finish the comm stream, after the current one;
-        else None, the current stream (Buffer._raw gives either's handle). DeepEP runs a call
-        without async_finish or a hook on its comm stream and makes the current stream wait for
-        it: the caller sees the same order, and graphep saves the two stream switches."""
+        """The stream the work runs on, as the normal mode's (Buffer._begin, no previous event):
+        for async_finish the comm stream, after the current one; else None, the current stream."""
         if async_finish and return_recv_hook:
             raise invalid_argument(f"{what}: async_finish=True and return_recv_hook=True together; pass one, as "
                                    "in DeepEP")
-        if not async_finish:
-            return None
-        self._comm_stream.wait_stream(torch.cuda.current_stream(self._device))
-        return self._comm_stream
+        return self._begin(None, async_finish)
 
     @staticmethod
     def _receive_hook(st: _LowLatencyState, what: str, stream: int) -> Callable[[], None]:
