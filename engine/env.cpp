@@ -54,6 +54,13 @@ const IntVar kEmulatedNodes({"GRAPHEP_EMULATED_NODES", Type::kInt, "0",
                               "runs over the movers); 0: the nodes are the machines; read at setup",
                               nullptr, 0, 32});
 
+const IntVar kNodeAware({"GRAPHEP_NODE_AWARE", Type::kInt, "1",
+                          "the MoE throughput path over the movers, with ranks on several nodes (some with "
+                          "several ranks), sends a token once per remote node and forwards it inside the node "
+                          "(1), or once per remote rank (0: the flat scheme); read at engine setup, 0 on any "
+                          "rank makes every rank flat",
+                          nullptr, 0, 1});
+
 const StringVar kFaultAfterLaunch({"GRAPHEP_FAULT_AFTER_LAUNCH", Type::kString, "",
                                    "tests only: an MoE operation fails right after queuing the named launch "
                                    "(e.g. direct-send), as a refused later launch would; read at engine setup",
@@ -68,7 +75,7 @@ const StringVar kSlowCombineFinal({"GRAPHEP_SLOW_COMBINE_FINAL", Type::kString, 
 const std::vector<const Var*>& all() {
   static const std::vector<const Var*> vars = {&kDebug,          &kDebugSubsys,     &kTimeoutMs,       &kTrapOnTimeout,
                                                &kForceTransport, &kEpilogueCluster, &kMoeKernels,     &kExchangeChunks,
-                                               &kEmulatedNodes,  &kFaultAfterLaunch,
+                                               &kEmulatedNodes,  &kNodeAware,       &kFaultAfterLaunch,
                                                &kSlowCombineFinal};
   return vars;
 }

@@ -122,15 +122,15 @@ std::size_t Movers::remoteStageBytes(const MoverOptions& options, int worldSize)
   return 2 * remoteCapOf(options) * static_cast<std::size_t>(worldSize);  // [2][worldSize][cap]
 }
 
-std::vector<Movers> Movers::createAll(const SymmetricHeap& heap, const MoverOptions& options) {
+std::vector<Movers> Movers::createAll(const SymmetricHeap& heap, const MoverOptions& options, const NodeMap* known) {
   const int linkChannels = agreedLinkChannels(heap);
   if (linkChannels < heap.config().moverBlocks) {
     GRAPHEP_LOG_INFO(log::kTune, "data movers: at most %d channels per link, so that every waiting CTA of the ranks "
                      "sharing a GPU is resident at once", linkChannels);
   }
   // Emulated nodes (tests): the peers on other nodes, whose bytes the movers count.
-  const NodeMap nodes = nodeMapOf(heap);  // collective
-  const bool emulated = nodes.numNodes > 1;
+  const NodeMap nodes = known != nullptr ? *known : nodeMapOf(heap);  // collective
+  const bool emulated = nodes.emulated && nodes.numNodes > 1;
   if (emulated) logNodes(heap, nodes);
   std::vector<Movers> all;
   for (int l = 0; l < heap.numLocalRanks(); ++l) {
@@ -579,25 +579,31 @@ AllToAllvParams Movers::allToAllvParams(const AllToAllvArgs& a) const {
     }
     if (route == Route::kNccl && a.fixedSlots) ch = 1;  // NCCL moves it in place: one CTA checks the tables
     if (q == me && a.skipOwnBlock) ch = 0;
+    const bool sends = ((a.sendPeers >> q) & 1u) != 0, receives = ((a.recvPeers >> q) & 1u) != 0;
+    if (!sends && !receives) ch = 0;  // no link with q in this call
     p.firstChannel[q] = static_cast<std::uint16_t>(next);
     next += ch;
     p.send[q].peer = -1;
     p.recv[q].peer = -1;
     if (route == Route::kNccl) {
-      p.remoteMask |= 1u << q;
-    } else if (route == Route::kLoadStore) {
-      p.send[q] = sendLink(q);
-      p.recv[q] = recvLink(q);
+      if (sends || receives) p.remoteMask |= 1u << q;
+    } else if (route == Route::kLoadStore && (sends || receives)) {
+      if (sends) p.send[q] = sendLink(q);
+      if (receives) p.recv[q] = recvLink(q);
       if (a.zeroCopy) {
         const std::size_t B = static_cast<std::size_t>(cfg.moverBlocks);
         auto mailbox = [&](char* base, int slot) {
           return reinterpret_cast<std::uint64_t*>(base + heap_->layout().moverMailbox) +
                  static_cast<std::size_t>(slot) * B * 2;
         };
-        p.send[q].direct = heap_->peerUser(local_, q);
-        p.send[q].mailbox = mailbox(heap_->base(local_), q);              // q writes it
-        p.recv[q].direct = 1;
-        p.recv[q].mailbox = mailbox(heap_->peerBase(local_, q), me);      // in q's heap
+        if (sends) {
+          p.send[q].direct = heap_->peerUser(local_, q);
+          p.send[q].mailbox = mailbox(heap_->base(local_), q);              // q writes it
+        }
+        if (receives) {
+          p.recv[q].direct = 1;
+          p.recv[q].mailbox = mailbox(heap_->peerBase(local_, q), me);      // in q's heap
+        }
       }
     }
   }
@@ -607,7 +613,9 @@ AllToAllvParams Movers::allToAllvParams(const AllToAllvArgs& a) const {
 
 void Movers::allToAllv(cudaStream_t stream, const AllToAllvArgs& args) const {
   const AllToAllvParams p = allToAllvParams(args);
-  if (networkMask_ != 0) GRAPHEP_CUDA_CHECK(launchAllToAllvNetworkBytes(p, networkMask_, networkBytes_.get(), stream));
+  if ((networkMask_ & args.sendPeers) != 0) {
+    GRAPHEP_CUDA_CHECK(launchAllToAllvNetworkBytes(p, networkMask_ & args.sendPeers, networkBytes_.get(), stream));
+  }
   if (p.remoteMask != 0) {
     // Remote peers: fixed-size NCCL messages, straight between the slots of src and dst (fixed
     // slots), or else gathered into stages, exchanged, and scattered by the alltoallv kernel by
@@ -621,8 +629,8 @@ void Movers::allToAllv(cudaStream_t stream, const AllToAllvArgs& args) const {
     NcclGroup group;
     for (int q = 0; q < heap_->worldSize(); ++q) {
       if ((p.remoteMask & (1u << q)) == 0) continue;
-      mesh_.nccl().put(stream, q, from + p.remoteStride * q, p.remoteCap);
-      mesh_.nccl().get(stream, q, to + p.remoteStride * q, p.remoteCap);
+      if ((args.sendPeers >> q) & 1u) mesh_.nccl().put(stream, q, from + p.remoteStride * q, p.remoteCap);
+      if ((args.recvPeers >> q) & 1u) mesh_.nccl().get(stream, q, to + p.remoteStride * q, p.remoteCap);
     }
     group.end();
   }

@@ -18,6 +18,8 @@
 
 namespace graphep {
 
+struct NodeMap;  // engine/node_map.hpp
+
 // Who moves the bytes of a zero-copy transfer to a load/store peer.
 enum class ZeroCopyEngine {
   kAuto,        // the copy engine from MoverOptions.copyEngineMinBytes up, else the SMs
@@ -101,6 +103,12 @@ struct AllToAllvArgs {
   std::size_t slotStride = 0;
   // The rank's own block is not copied (its consumer reads it from src): no channels for it.
   bool skipOwnBlock = false;
+  // The peers this call sends to and receives from (bit q; every peer by default). A peer left out
+  // of a direction gets no link, channel or NCCL message that way, whatever its count (which must
+  // be 0); both ends of each pair must leave it out alike, as a rule both derive from the same
+  // facts (the node-aware records exchange: the node's ranks and the landing ranks).
+  std::uint32_t sendPeers = ~0u;
+  std::uint32_t recvPeers = ~0u;
 };
 
 struct MoverOptions {
@@ -149,7 +157,9 @@ class Movers {
   // Setup, collective over the heap's communicator: loads the kernels on every local rank's GPU,
   // allocates the remote staging of alltoallv, and warms up the NCCL connection to every remote
   // peer at every message size the run path uses (so capture never sets one up).
-  static std::vector<Movers> createAll(const SymmetricHeap& heap, const MoverOptions& options = {});
+  // `nodes`: the ranks' nodes where the caller has them (nodeMapOf), else gathered here.
+  static std::vector<Movers> createAll(const SymmetricHeap& heap, const MoverOptions& options = {},
+                                       const NodeMap* nodes = nullptr);
   // Device bytes of the remote staging a rank allocates when some peer is remote (else none).
   static std::size_t remoteStageBytes(const MoverOptions& options, int worldSize);
 

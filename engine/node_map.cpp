@@ -17,6 +17,23 @@ std::uint32_t NodeMap::networkMask(int rank) const {
   return mask;
 }
 
+int NodeMap::landing(int rank, int node) const {
+  const int R = static_cast<int>(nodeOf.size());
+  int index = 0, size = 0;  // rank's index in its own node; the size of `node`
+  for (int q = 0; q < R; ++q) {
+    if (q < rank && !apart(q, rank)) ++index;
+    if (nodeOf[static_cast<std::size_t>(q)] == node) ++size;
+  }
+  GRAPHEP_REQUIRE(rank >= 0 && rank < R && size > 0, Status::kInvalidArgument,
+                  "nodes: no landing rank for rank %d on node %d (%d ranks, %d nodes)", rank, node, R, numNodes);
+  if (nodeOf[static_cast<std::size_t>(rank)] == node) return rank;
+  for (int q = 0, i = 0; q < R; ++q) {
+    if (nodeOf[static_cast<std::size_t>(q)] != node) continue;
+    if (i++ == index % size) return q;
+  }
+  return -1;  // not reached: `node` has `size` ranks
+}
+
 namespace {
 
 // Reach's classes, refusing an asymmetric or non-transitive reach by name.
@@ -86,35 +103,50 @@ NodeMap nodeMap(const std::vector<std::vector<bool>>& reach, int emulatedNodes) 
 }
 
 NodeMap nodeMapOf(const SymmetricHeap& heap) {
-  // Each local rank's row: GRAPHEP_EMULATED_NODES as it reads it, then its reach of every rank.
+  // Each local rank's row: GRAPHEP_EMULATED_NODES and GRAPHEP_NODE_AWARE as it reads them, then its
+  // reach of every rank.
   const int R = heap.worldSize(), L = heap.numLocalRanks();
-  const std::size_t row = static_cast<std::size_t>(R) + 1;
+  const std::size_t row = static_cast<std::size_t>(R) + 2;
   const auto asked = static_cast<std::uint8_t>(env::kEmulatedNodes.get());
+  const auto flat = static_cast<std::uint8_t>(env::kNodeAware.get() == 0 ? 1 : 0);
   std::vector<std::uint8_t> mine(static_cast<std::size_t>(L) * row, 0);
   for (int l = 0; l < L; ++l) {
     mine[static_cast<std::size_t>(l) * row] = asked;
+    mine[static_cast<std::size_t>(l) * row + 1] = flat;
     for (int q = 0; q < R; ++q) {
       const PeerClass c = heap.peerClass(l, q);
-      mine[static_cast<std::size_t>(l) * row + 1 + static_cast<std::size_t>(q)] = isLoadStore(c) ? 1 : 0;
+      mine[static_cast<std::size_t>(l) * row + 2 + static_cast<std::size_t>(q)] = isLoadStore(c) ? 1 : 0;
     }
   }
   std::vector<std::uint8_t> all(static_cast<std::size_t>(R) * row, 0);
   heap.comm().allgather(mine.data(), all.data(), row);
   int emulated = 0;  // the largest any rank asked for, so that every rank builds the same map
-  for (int a = 0; a < R; ++a) emulated = std::max(emulated, static_cast<int>(all[static_cast<std::size_t>(a) * row]));
-  if (emulated == 0) {  // the machines, unchecked: nothing reads them yet but the emulated network
-    NodeMap one;
-    one.nodeOf.assign(static_cast<std::size_t>(R), 0);
-    return one;
+  bool flatAsked = false;
+  for (int a = 0; a < R; ++a) {
+    emulated = std::max(emulated, static_cast<int>(all[static_cast<std::size_t>(a) * row]));
+    flatAsked = flatAsked || all[static_cast<std::size_t>(a) * row + 1] != 0;
   }
   std::vector<std::vector<bool>> reach(static_cast<std::size_t>(R), std::vector<bool>(static_cast<std::size_t>(R)));
   for (int a = 0; a < R; ++a) {
     for (int b = 0; b < R; ++b) {
       reach[static_cast<std::size_t>(a)][static_cast<std::size_t>(b)] =
-          all[static_cast<std::size_t>(a) * row + 1 + static_cast<std::size_t>(b)] != 0;
+          all[static_cast<std::size_t>(a) * row + 2 + static_cast<std::size_t>(b)] != 0;
     }
   }
-  return nodeMap(reach, emulated);
+  NodeMap m;
+  if (emulated > 0) {
+    m = nodeMap(reach, emulated);
+    m.emulated = true;
+  } else {
+    try {
+      m = nodeMap(reach, 0);  // the machines
+    } catch (const Error&) {  // a reach that is no equivalence (the same on every rank: it is gathered)
+      m.nodeOf.assign(static_cast<std::size_t>(R), 0);
+      m.numNodes = 1;
+    }
+  }
+  m.flatAsked = flatAsked;
+  return m;
 }
 
 }  // namespace graphep

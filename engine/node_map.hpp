@@ -14,10 +14,21 @@ namespace graphep {
 struct NodeMap {
   std::vector<int> nodeOf;  // [R]: each rank's node, numbered by their lowest rank, from 0
   int numNodes = 1;
+  bool emulated = false;  // GRAPHEP_EMULATED_NODES made these nodes (the movers then meter the network)
+  bool flatAsked = false; // some rank set GRAPHEP_NODE_AWARE=0: the MoE engine stays flat
   // Whether ranks a and b are on different nodes (their traffic crosses the network).
   bool apart(int a, int b) const { return nodeOf[static_cast<std::size_t>(a)] != nodeOf[static_cast<std::size_t>(b)]; }
   // The ranks on other nodes than `rank`, as a bit mask (R <= 32).
   std::uint32_t networkMask(int rank) const;
+  // The ranks on `rank`'s node, as a bit mask (rank included).
+  std::uint32_t nodeMask(int rank) const { return ~networkMask(rank) & (nodeOf.size() >= 32 ? ~0u : (1u << nodeOf.size()) - 1u); }
+  // The rank of node `node` that `rank`'s records for that node land on (the node-aware dispatch,
+  // docs/DESIGN.md §5.10): the one whose index in its node is rank's index in its own, modulo the
+  // node's size (nodes may differ in size); `rank` itself on its own node.
+  int landing(int rank, int node) const;
+  // Whether the node-aware dispatch can gain anything: several nodes, and some with several ranks
+  // (with one rank per node every record already crosses once per (token, node)).
+  bool worthGrouping() const { return numNodes > 1 && numNodes < static_cast<int>(nodeOf.size()); }
 };
 
 // Pure. reach[a][b]: rank a reaches rank b by load/store (reach[a][a] true). With emulatedNodes 0
@@ -27,10 +38,11 @@ struct NodeMap {
 // such node lies inside one of reach's classes.
 NodeMap nodeMap(const std::vector<std::vector<bool>>& reach, int emulatedNodes);
 
-// Setup, collective over the heap's communicator: with GRAPHEP_EMULATED_NODES N > 0 on some rank
-// (the largest asked), every rank's load/store reach gathered and nodeMap(reach, N); without it,
-// one node of every rank (nothing checked: only the emulated network reads the map so far). The
-// same map on every rank.
+// Setup, collective over the heap's communicator: every rank's load/store reach gathered, then
+// with GRAPHEP_EMULATED_NODES N > 0 on some rank (the largest asked) nodeMap(reach, N), marked
+// emulated; without it, the machines (reach's classes), or one node of every rank where the reach
+// does not group into machines (the engine then stays flat); flatAsked where some rank set
+// GRAPHEP_NODE_AWARE=0. The same map on every rank.
 NodeMap nodeMapOf(const SymmetricHeap& heap);
 
 }  // namespace graphep

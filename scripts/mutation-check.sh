@@ -62,6 +62,8 @@ tests_for() {
     41-*) echo "$gpu --gtest_filter=Moe/Gpu2_MoeRemote.Case/uniform_varying_T_auto:Moe/Gpu1_Moe4RanksMovers.Case/uniform_varying_T_throughput" ;;  # the own records, no longer copied by the exchange
     42-*) echo "$gpu --gtest_filter=Moe/Gpu2_MoeRemote.Case/uniform_varying_T_auto:Moe/Gpu1_Moe4RanksMoversChunked.Case/uniform_varying_T_throughput" ;;  # every chunk's exchange moves the first chunk's window
     43-*) echo "$gpu --gtest_filter=Gpu1_AllToAllv.EmulatedNodesCountNetworkBytes:Moe/Gpu1_Moe4RanksEmulatedNodes.Case/uniform_varying_T_throughput" ;;  # the emulated network's meter misses a peer
+    44-*) echo "$gpu --gtest_filter=Moe/Gpu1_Moe4RanksEmulatedNodes.Case/uniform_varying_T_throughput" ;;  # the landing rank's own share of the hop records not forwarded
+    45-*) echo "$gpu --gtest_filter=Moe/Gpu1_Moe4RanksEmulatedNodes.Case/uniform_varying_T_throughput" ;;  # the node-aware dispatch never chosen: flat bytes
     *) return 1 ;;
   esac
 }

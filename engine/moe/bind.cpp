@@ -119,7 +119,7 @@ MoeParams bindParams(const BindPlan& plan, SymmetricHeap& heap, int l, char* blo
   p.routing.expertEntries = reinterpret_cast<std::uint32_t*>(b + o.expertCount);
   p.routing.rankRecords = reinterpret_cast<std::uint32_t*>(b + o.rankCount);
   p.routing.bits = reinterpret_cast<std::uint32_t*>(b + o.routeBits);
-  p.routing.blockCounts = p.routing.bits + (static_cast<std::size_t>(cfg.numExperts) + Rs) * o.routeWords;
+  p.routing.blockCounts = p.routing.bits + (static_cast<std::size_t>(cfg.numExperts) + 2 * Rs) * o.routeWords;
   p.routing.duplicate = p.routing.blockCounts + static_cast<std::size_t>(cfg.numExperts) * o.routeWords;
   p.routing.blockPrefix = reinterpret_cast<std::uint32_t*>(b + o.routePrefix);
   p.routing.zeroBytes = throughput ? o.routeZero : 0;
@@ -194,6 +194,20 @@ MoeParams bindParams(const BindPlan& plan, SymmetricHeap& heap, int l, char* blo
     p.grid.epilogueCtas = lctas.receive[static_cast<std::size_t>(l)];
     p.grid.epilogueCluster = 1;
   }
+  if (throughput && sizes.nodeAware) {  // the node-aware dispatch (MoeNodeParams)
+    const NodeMap& nodes = plan.nodes;
+    p.node.aware = 1;
+    p.node.numNodes = nodes.numNodes;
+    p.node.nodeMask = nodes.nodeMask(p.shape.rank);
+    for (int q = 0; q < R; ++q) p.node.nodeOf[q] = static_cast<std::int8_t>(nodes.nodeOf[static_cast<std::size_t>(q)]);
+    for (int m = 0; m < nodes.numNodes; ++m) p.node.landing[m] = static_cast<std::int8_t>(nodes.landing(p.shape.rank, m));
+    p.node.nodeTokens = reinterpret_cast<std::int32_t*>(b + o.nodeTokens);
+    p.node.nodeRecords = reinterpret_cast<std::uint32_t*>(b + o.nodeRecords);
+    p.node.fwdRecvOff = ph.fwdRecv;
+    p.node.readyOff = ph.nodeReady;
+    p.node.forwardedOff = ph.nodeForwarded;
+    p.node.seen = reinterpret_cast<std::uint32_t*>(b + o.nodeSeen);
+  }
   p.peers.sync = heap.syncHandle(l);
   p.state.timeline = cfg.profile ? reinterpret_cast<unsigned long long*>(b + o.timeline) : nullptr;
   return p;
@@ -205,6 +219,12 @@ void startCounters(const BindPlan& plan, const MoeParams& p, char* user) {
   const bool throughput = plan.throughput;
   const std::size_t Rs = plan.sizes.R;
   const int llCtas = plan.latency.send;
+  if (p.node.aware) {  // the node peers' readiness and forwards, counted from counterStart
+    const std::vector<std::uint32_t> start(2 * Rs, cfg.counterStart);
+    GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.nodeReady, start.data(), Rs * 4, cudaMemcpyHostToDevice));
+    GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.nodeForwarded, start.data(), Rs * 4, cudaMemcpyHostToDevice));
+    GRAPHEP_CUDA_CHECK(cudaMemcpy(p.node.seen, start.data(), 2 * Rs * 4, cudaMemcpyHostToDevice));
+  }
   // Every rank active: the mask and the last dispatch's (the mover path keeps them so).
   const std::uint32_t mask[2] = {allRanksMask(static_cast<int>(Rs)), allRanksMask(static_cast<int>(Rs))};
   GRAPHEP_CUDA_CHECK(cudaMemcpy(const_cast<std::uint32_t*>(p.peers.live), mask, sizeof(mask), cudaMemcpyHostToDevice));
@@ -275,6 +295,16 @@ void bindExchanges(const BindPlan& plan, const MoeParams& p, char* block, char* 
   AllToAllvArgs records = exchange(x.records, p.staging.recordStage, Rs * T * recBytes, user + ph.recRecv,
                                    Rs * T * recBytes, T * recBytes, true);
   records.skipOwnBlock = true;
+  if (p.node.aware) {  // records to this node's ranks and to the landing ranks on the others; hop records from the ranks landing here
+    const NodeMap& nodes = plan.nodes;
+    const int me = p.shape.rank;
+    records.sendPeers = records.recvPeers = nodes.nodeMask(me);
+    for (int q = 0; q < static_cast<int>(Rs); ++q) {
+      if (!nodes.apart(me, q)) continue;
+      if (nodes.landing(me, nodes.nodeOf[static_cast<std::size_t>(q)]) == q) records.sendPeers |= 1u << q;
+      if (nodes.landing(q, nodes.nodeOf[static_cast<std::size_t>(me)]) == me) records.recvPeers |= 1u << q;
+    }
+  }
   AllToAllvArgs partials = exchange(x.partials, p.staging.partialStage, Rs * T * rowBytes, user + ph.combRecv,
                                     Rs * T * rowBytes, T * rowBytes, true);
   partials.skipOwnBlock = true;

@@ -6,6 +6,7 @@
 #include <graphep/moe.hpp>
 
 #include "engine/heap.hpp"
+#include "engine/node_map.hpp"
 #include "engine/moe/cta_plan.hpp"
 #include "engine/moe/impl.hpp"
 #include "engine/moe/plan.hpp"
@@ -23,6 +24,7 @@ struct BindPlan {
   bool throughput, direct;
   const LatencyCtas& latency;
   const ThroughputCtas& tput;
+  const NodeMap& nodes;  // the node-aware dispatch where sizes.nodeAware
 };
 
 // Local rank l's kernel parameters over its buffers `block` (carved as plan.carve) and its heap.

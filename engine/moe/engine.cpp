@@ -25,6 +25,7 @@
 #include "engine/moe/impl.hpp"
 #include "engine/moe/plan.hpp"
 #include "engine/movers.hpp"
+#include "engine/node_map.hpp"
 #include "kernels/moe/moe.h"
 
 namespace graphep {
@@ -145,7 +146,7 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
   const int R = comm.worldSize();
   requireSameConfig(comm, cfg);  // first: a rank whose config alone is invalid must not strand the others
   validate(cfg, R);
-  const MoeSizes sizes = moeSizes(cfg, R);
+  MoeSizes sizes = moeSizes(cfg, R);
   const long long capacity = receiveCapacity(cfg, R);
 
   // The heap is sized for the latency path when the config fits it; peer classes (known once the
@@ -172,14 +173,22 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
   // The CTA plan, the movers, and room for every rank's local buffers (before any is allocated).
   const LatencyCtas lctas = throughput ? LatencyCtas{} : latencyCtas(comm, *group->heap, cfg);
   const bool direct = throughput && directDispatch(comm, *group->heap);
+  // Ranks on several nodes: the movers path sends a token once per remote node (docs/DESIGN.md
+  // §5.10), with room for it in the records and heap regions of its own (a reallocation).
+  const NodeMap nodes = nodeMapOf(*group->heap);  // collective
+  if (throughput && !direct && nodes.worthGrouping() && !nodes.flatAsked) {
+    sizes = moeSizes(cfg, R, true);
+    ph = pathHeap(path, sizes, cfg);
+    group->heap->reallocate(ph.heap);
+  }
   const ThroughputCtas tctas =
       throughput ? throughputCtas(comm, *group->heap, cfg, direct, sizes.R * sizes.T * sizes.recBytes)
                  : ThroughputCtas{};
-  group->movers = Movers::createAll(*group->heap, engineMoverOptions(sizes));
+  group->movers = Movers::createAll(*group->heap, engineMoverOptions(sizes), &nodes);
   const LocalCarve carve = carveLocal(cfg, sizes, static_cast<std::size_t>(capacity), throughput);
   requireLocalBuffersFit(comm, *group->heap, cfg, carve.bytes, capacity);
 
-  const BindPlan plan{cfg, sizes, ph, carve, capacity, throughput, direct, lctas, tctas};
+  const BindPlan plan{cfg, sizes, ph, carve, capacity, throughput, direct, lctas, tctas, nodes};
   std::vector<std::unique_ptr<Engine>> engines;
   for (int l = 0; l < group->heap->numLocalRanks(); ++l) {
     engines.push_back(std::unique_ptr<Engine>(new Engine(buildEngine(plan, group, l, path))));
@@ -452,9 +461,17 @@ const DispatchLayout& Engine::dispatch(const DispatchArgs& a, cudaStream_t strea
   // each chunk exchanged on the comm stream once packed (the count messages and the layout before
   // the first), this rank's own records packed and expanded meanwhile, then each chunk of the
   // peers' expanded once it arrived.
+  // Node-aware (p.node.aware, §5.10): the records exchange carries this node's records and the hop
+  // records of the other nodes; once it is done this rank forwards the hop records that landed
+  // here to their destinations on its node, and the peers' records are expanded once every landing
+  // rank of the node has forwarded.
   const Movers& movers = m.movers();
+  if (p.node.aware) {  // this rank's previous operations are done with its forwarded records
+    GRAPHEP_CUDA_CHECK(launchMoeNodePost(p, kMoeNodeReady, stream));
+    launches.queued("node-ready");
+  }
   MoversStreams lanes(m, stream);
-  cudaEvent_t layout = nullptr;
+  cudaEvent_t layout = nullptr, forwarded = nullptr;
   std::array<cudaEvent_t, kMoeMaxChunks> arrived{};
   for (int j = 0; j < p.movers.chunks; ++j) {
     GRAPHEP_CUDA_CHECK(launchMoePack(p, MoeSources::kPeers, chunkRange(p, j), stream));
@@ -471,12 +488,26 @@ const DispatchLayout& Engine::dispatch(const DispatchArgs& a, cudaStream_t strea
     launches.queued("record-exchange");
     arrived[static_cast<std::size_t>(j)] = lanes.mark(lanes.comm());
   }
+  if (p.node.aware) {
+    GRAPHEP_CUDA_CHECK(launchMoeNodeWait(p, kMoeNodeReady, lanes.comm()));
+    launches.queued("node-ready-wait");
+    GRAPHEP_CUDA_CHECK(launchMoeForward(p, lanes.comm()));
+    launches.queued("forward");
+    GRAPHEP_CUDA_CHECK(launchMoeNodePost(p, kMoeNodeForwarded, lanes.comm()));
+    launches.queued("node-forwarded");
+    forwarded = lanes.mark(lanes.comm());
+  }
   const MoeRange all{0, p.shape.maxTokens};
   GRAPHEP_CUDA_CHECK(launchMoePack(p, MoeSources::kOwn, all, stream));
   launches.queued("pack-own");
   lanes.wait(stream, layout);
   GRAPHEP_CUDA_CHECK(launchMoeExpand(p, MoeSources::kOwn, all, stream));
   launches.queued("expand-own");
+  if (p.node.aware) {  // this rank's own forwards, then every other landing rank's of this node
+    lanes.wait(stream, forwarded);
+    GRAPHEP_CUDA_CHECK(launchMoeNodeWait(p, kMoeNodeForwarded, stream));
+    launches.queued("node-forwarded-wait");
+  }
   for (int j = 0; j < p.movers.chunks; ++j) {
     lanes.wait(stream, arrived[static_cast<std::size_t>(j)]);
     GRAPHEP_CUDA_CHECK(launchMoeExpand(p, MoeSources::kPeers, chunkRange(p, j), stream));

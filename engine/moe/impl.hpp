@@ -25,7 +25,7 @@ struct EngineGroup {
 
 // Events one movers-path operation orders its two streams with (engine.cpp, MoversStreams): the
 // fork, a chunk's pack (reduce) and its arrival, the layout, the join.
-inline constexpr int kMoversEvents = 2 * kMoeMaxChunks + 3;
+inline constexpr int kMoversEvents = 2 * kMoeMaxChunks + 4;
 
 struct Engine::Impl {
   std::shared_ptr<EngineGroup> group;

@@ -18,13 +18,15 @@ bool latencyFits(const MoeConfig& c, int R) {
          moeLatencySmem(c.maxTokensPerRank, c.topK, c.numExperts, R).bytes <= kMoeLatencyMaxSmem;
 }
 
-MoeSizes moeSizes(const MoeConfig& cfg, int R) {
+MoeSizes moeSizes(const MoeConfig& cfg, int R, bool nodeAware) {
   const bool fp8 = cfg.dispatchType == DType::kFp8E4m3;
   const std::size_t payloadBytes = moePayloadBytes(cfg.hidden, fp8);
+  const std::size_t forwardBytes = nodeAware ? static_cast<std::size_t>(R) * 4 : 0;  // a hop record's [R] indices
+  const int L = cfg.numExperts / R;
   return MoeSizes{static_cast<std::size_t>(R), static_cast<std::size_t>(cfg.maxTokensPerRank),
                   static_cast<std::size_t>(cfg.hidden) * 2, payloadBytes,
-                  alignUp(payloadBytes + moeMetaBytes(cfg.topK), 16), moeCountMsgBytes(cfg.numExperts / R),
-                  moeDirectMsgBytes(cfg.numExperts / R, cfg.maxTokensPerRank, R)};
+                  alignUp(payloadBytes + moeMetaBytes(cfg.topK) + forwardBytes, 16),
+                  moeCountMsgBytes(nodeAware ? L + 1 : L), moeDirectMsgBytes(L, cfg.maxTokensPerRank, R), nodeAware};
 }
 
 MoePath preferredPath(const MoeConfig& cfg, int R) {
@@ -59,6 +61,11 @@ PathHeap pathHeap(MoePath path, const MoeSizes& z, const MoeConfig& cfg) {
     h.llDispAck = a.carve("llDispAck", z.R, 4, 256);
     h.llCombAck = a.carve("llCombAck", z.R, 4, 256);
     h.llCombVal = a.carve("llCombVal", z.R * z.T * kMoeMaxValues, 4, 256);
+    if (z.nodeAware) {
+      h.fwdRecv = a.carve("fwdRecv", z.R * z.T, z.recBytes, 4096);
+      h.nodeReady = a.carve("nodeReady", z.R, 4, 256);
+      h.nodeForwarded = a.carve("nodeForwarded", z.R, 4, 256);
+    }
   }
   h.llBarrier = a.carve("llBarrier", z.R, 4, 256);  // the device barrier's [R] pair counts (both paths)
   h.heap.numRanks = static_cast<int>(z.R);
@@ -97,9 +104,9 @@ LocalCarve carveLocal(const MoeConfig& cfg, const MoeSizes& z, std::size_t cap, 
   o.rankCount = carve("rankCount", throughput ? Rs * 4 : 0);
   const std::size_t W = moeRouteWords(cfg.maxTokensPerRank), Es = static_cast<std::size_t>(cfg.numExperts);
   o.routeWords = W;
-  o.routeZero = ((Es + Rs) * W + Es * W + 1) * 4;  // bits, counts, the duplicate flag
+  o.routeZero = ((Es + 2 * Rs) * W + Es * W + 1) * 4;  // bits (experts, ranks, nodes), counts, the duplicate flag
   o.routeBits = carve("routeBits", throughput ? o.routeZero : 0);
-  o.routePrefix = carve("routePrefix", throughput ? (Es + Rs) * W * 4 : 0);
+  o.routePrefix = carve("routePrefix", throughput ? (Es + 2 * Rs) * W * 4 : 0);
   o.recSend = carve("recSend", throughput ? Rs * T * z.recBytes : 0);
   o.cntSend = carve("cntSend", throughput ? Rs * z.cntMsgBytes : 0);
   o.cntRecv = carve("cntRecv", throughput ? Rs * z.cntMsgBytes : 0);
@@ -135,6 +142,9 @@ LocalCarve carveLocal(const MoeConfig& cfg, const MoeSizes& z, std::size_t cap, 
   // A count message of zeros (the block is zeroed at setup), as long as either path's.
   o.llZeroMsg = carve("llZeroMsg", std::max(z.cntMsgBytes, z.directMsgBytes));
   o.llBarrier = carve("llBarrier", Rs * 4);  // the device barrier's pair counts (Engine::barrier)
+  o.nodeTokens = carve("nodeTokens", throughput && z.nodeAware ? Rs * T * 4 : 0);
+  o.nodeRecords = carve("nodeRecords", throughput && z.nodeAware ? Rs * 4 : 0);
+  o.nodeSeen = carve("nodeSeen", throughput && z.nodeAware ? 2 * Rs * 4 : 0);
   o.combArrive = carve("combArrive", throughput ? Rs * W * 4 : 0);  // the direct combine's block arrivals and flags
   o.combReady = carve("combReady", throughput ? Rs * W * 4 : 0);
   constexpr std::size_t kStamps = kMoeStampWords * static_cast<std::size_t>(MoeKernel::kCount);

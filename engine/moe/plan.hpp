@@ -30,11 +30,14 @@ inline std::size_t moeExchangeTableWords(std::size_t R) { return 4 * R + 2 * (2 
 // Whether a config fits the latency path's kernels (routing held in shared memory).
 bool latencyFits(const MoeConfig& c, int R);
 
-// Byte sizes of one config's records and messages.
+// Byte sizes of one config's records and messages. The node-aware dispatch (docs/DESIGN.md §5.10)
+// needs room in every record for the hop record's [R] forward indices, and a word in the count
+// message for the hop records.
 struct MoeSizes {
   std::size_t R, T, rowBytes, payloadBytes, recBytes, cntMsgBytes, directMsgBytes;
+  bool nodeAware;
 };
-MoeSizes moeSizes(const MoeConfig& cfg, int R);
+MoeSizes moeSizes(const MoeConfig& cfg, int R, bool nodeAware = false);
 
 // The path whose heap createAll sizes first: latency when the config fits it (peer classes may
 // still send it to the throughput path).
@@ -50,6 +53,9 @@ struct PathHeap {
   std::size_t llRec = 0, llCnt = 0, llComb = 0, llFlag = 0, llArrive = 0, llCombArrive = 0, llBlock = 0;
   std::size_t llCombBlock = 0, llDispAck = 0, llCombAck = 0, llCombVal = 0, llCombW = 0, llCombWFlag = 0;
   std::size_t llBarrier = 0;  // the device barrier's [R] pair counts (Engine::barrier), both paths
+  // The node-aware dispatch (sizes.nodeAware): [R][T] forwarded records, the [R] counters of its
+  // node peers' readiness and forwards (MoeNodeParams).
+  std::size_t fwdRecv = 0, nodeReady = 0, nodeForwarded = 0;
   HeapConfig heap;
 };
 PathHeap pathHeap(MoePath path, const MoeSizes& z, const MoeConfig& cfg);
@@ -70,6 +76,7 @@ struct LocalCarve {
   std::size_t llSteps, llDone, combArrive, combReady, timeline;
   std::size_t llMask, llExpected, llShrink, llZeroMsg;  // the active-rank mask; latency: expected arrivals, direct: steps shared; zero message
   std::size_t llBarrier;   // the device barrier's pair counts [R] (Engine::barrier)
+  std::size_t nodeTokens, nodeRecords, nodeSeen;  // the node-aware dispatch: hop lists [R][T], counts [R], seen [2][R]
   std::size_t routeWords;  // moeRouteWords(maxTokensPerRank)
   std::size_t routeZero;   // bytes of the routing words zeroed per dispatch (throughput path)
   std::size_t bytes;       // the whole allocation

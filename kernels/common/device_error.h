@@ -46,6 +46,8 @@ enum class WaitSite : std::uint32_t {
                           // partials of the previous combine
   kMoeCombineWeights = 16,  // MoE latency combine: waiting for a source's top-k weights (CombineArgs.topkWeights)
   kMoeBarrier = 17,         // MoE device barrier (Engine::barrier): waiting for the peer to reach it
+  kMoeNodeReady = 18,       // MoE node-aware dispatch: a landing rank waiting for a rank of its node to be ready for its forwards
+  kMoeNodeForwarded = 19,   // MoE node-aware dispatch: waiting for a landing rank of this node to forward the records it received
 };
 
 struct DeviceErrorRecord {
@@ -94,6 +96,8 @@ __host__ __device__ inline const char* waitSiteName(std::uint32_t site) {
       return "moe combine send: waiting for the peer to finish summing this rank's partials of the previous combine";
     case WaitSite::kMoeCombineWeights: return "moe combine: waiting for a source's top-k weights";
     case WaitSite::kMoeBarrier: return "moe barrier: waiting for the peer to reach the barrier";
+    case WaitSite::kMoeNodeReady: return "moe node-aware dispatch: waiting for a rank of this node to be ready for the forwarded records";
+    case WaitSite::kMoeNodeForwarded: return "moe node-aware dispatch: waiting for a landing rank of this node to forward its records";
   }
   return "unknown wait site";
 }

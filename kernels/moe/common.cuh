@@ -455,8 +455,12 @@ __device__ inline void moeQuantizeRow(const MoeParams& p, const char* row, char*
   }
 }
 
+// The destination "rank" of a hop record (MoeNodeParams): every routed slot, global expert ids.
+inline constexpr int kMoeHopRecord = -1;
+
 // The metadata of token t's record in each of the n destinations dst[d] (rank dstRank[d]): the
-// header, and one slot per top-k entry whose expert lives on that rank, in slot order. A whole warp
+// header, and one slot per top-k entry whose expert lives on that rank, in slot order (a hop
+// record, dstRank kMoeHopRecord: every routed slot, with its global expert id). A whole warp
 // calls it, lane k < topK holding slot k's expert id (-1 or out of range: none) and weight.
 // entryIndex(k): slot k's index within its expert's rows from this rank.
 template <class EntryIndex>
@@ -465,11 +469,13 @@ __device__ inline void moeWriteRecordMeta(const MoeParams& p, int t, char* const
   const bool valid = k < p.shape.topK && moeValidId(p, id);
   const std::int32_t index = valid ? entryIndex(k) : 0;
   for (int d = 0; d < n; ++d) {
-    const bool here = valid && id / p.shape.localExperts == dstRank[d];
+    const bool hop = dstRank[d] == kMoeHopRecord;
+    const bool here = valid && (hop || id / p.shape.localExperts == dstRank[d]);
     const unsigned m = __ballot_sync(0xffffffffu, here);
     if (here) {
       auto* slots = reinterpret_cast<MoeRecordSlot*>(dst[d] + p.shape.payloadBytes + sizeof(MoeRecordHeader));
-      slots[__popc(m & ((1u << k) - 1u))] = MoeRecordSlot{static_cast<std::int32_t>(id % p.shape.localExperts), index, w, k};
+      const long long expert = hop ? id : id % p.shape.localExperts;
+      slots[__popc(m & ((1u << k) - 1u))] = MoeRecordSlot{static_cast<std::int32_t>(expert), index, w, k};
     }
     if (k == 0) *reinterpret_cast<MoeRecordHeader*>(dst[d] + p.shape.payloadBytes) = MoeRecordHeader{t, __popc(m), {0, 0}};
   }

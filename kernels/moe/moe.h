@@ -119,6 +119,7 @@ inline constexpr int kMoeMaxValues = 16;
 // layout beside the send's records).
 enum class MoeKernel : int {
   kRoute = 0, kPack, kOffsets, kExpand,
+  kForward,  // the node-aware dispatch's forwards of the hop records (kernels/moe/movers.cu)
   // The throughput path's direct dispatch (kernels/moe/direct.cu), after route: quantise (fp8),
   // send, receive (layout + expand), and the receive's two phases: this rank's own rows, the
   // peers' records.
@@ -187,10 +188,10 @@ struct MoeRouting {
   std::int32_t* entryIndex;      // [maxTokens, K]: index within the expert's entries from this rank
   std::uint32_t* expertEntries;  // [E]: this rank's entries per expert
   std::uint32_t* rankRecords;    // [R]: this rank's records per destination
-  std::uint32_t* bits;           // [E + R][W]: a bit per token holding the expert / going to the rank
+  std::uint32_t* bits;           // [E + 2R][W]: a bit per token holding the expert / going to the rank / node
   std::uint32_t* blockCounts;    // [E][W]: entries per expert per 32 tokens
   std::uint32_t* duplicate;      // [1]: some token holds an expert twice
-  std::uint32_t* blockPrefix;    // [E + R][W]: entries (tokens) before each 32-token block
+  std::uint32_t* blockPrefix;    // [E + 2R][W]: entries (tokens) before each 32-token block
   std::uint64_t zeroBytes;       // bytes from `bits` zeroed before each dispatch (throughput path)
 };
 
@@ -270,6 +271,31 @@ struct MoeMoverParams {
   std::uint64_t* partialRecvBytes;
   std::int32_t chunks;              // 1 .. kMoeMaxChunks
   std::int32_t chunkRecords;        // list indices (and, in final, tokens) per chunk
+};
+
+// The node-aware dispatch over the movers (docs/DESIGN.md §5.10; aware 0: the flat scheme). A
+// record for a rank on another node crosses the network once per (token, node), to this rank's
+// landing rank there, as a hop record: the record with every routed slot (global expert ids in
+// MoeRecordSlot::localExpert), then [R] int32, each rank's index of the token in its list from
+// this rank (-1: the token does not go there). It travels in the records exchange in the landing
+// rank's slot, counted in the count message's word 1 + E_local. The landing rank forwards it by
+// load/store into the fwdRecv slot [source][index] of each destination on its node (itself
+// included), where expand and the combine's reduce read the records of a source on another node.
+// Two counters per node peer order it: a rank is ready for its node's forwards once its dispatch
+// starts (its previous combine has read its fwdRecv), and a landing rank announces its forwards
+// when they are written.
+struct MoeNodeParams {
+  std::int32_t aware;
+  std::int32_t numNodes;
+  std::uint32_t nodeMask;         // the ranks of this rank's node (bit q), itself included
+  std::int8_t nodeOf[kMaxRanks];  // each rank's node
+  std::int8_t landing[kMaxRanks]; // [node]: this rank's landing rank on it (itself on its own)
+  std::int32_t* nodeTokens;       // [N][maxTokens]: the token of each index of a node's hop list
+  std::uint32_t* nodeRecords;     // [N]: this dispatch's hop records for each node
+  std::uint64_t fwdRecvOff;       // [R][maxTokens][recordBytes]: forwarded records of other nodes' sources
+  std::uint64_t readyOff;         // u32 [R]: node peer q is ready for this rank's forwards (a count)
+  std::uint64_t forwardedOff;     // u32 [R]: node peer q forwarded this rank's records (a count)
+  std::uint32_t* seen;            // local [2][R]: readies, then forwards, seen from each node peer
 };
 
 // A range [first, end) of record-list indices (pack, expand, reduce) or tokens (final).
@@ -367,6 +393,7 @@ struct MoeParams {
   MoeGrid grid;
   MoeStaging staging;
   MoeMoverParams movers;
+  MoeNodeParams node;
   MoePeers peers;
   MoeDirectParams direct;
   MoeLatencyParams latency;
@@ -401,6 +428,16 @@ cudaError_t launchMoeOffsets(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeExpand(const MoeParams& p, MoeSources sources, MoeRange range, cudaStream_t stream);
 cudaError_t launchMoeCombineReduce(const MoeParams& p, MoeSources sources, MoeRange range, cudaStream_t stream);
 cudaError_t launchMoeCombineFinal(const MoeParams& p, MoeRange range, cudaStream_t stream);
+// The node-aware dispatch (MoeNodeParams): one CTA posts this rank's readiness for its node's
+// forwards (kMoeNodeReady) or its forwards (kMoeNodeForwarded) to every other rank of its node, or
+// waits, bounded, for theirs; forward writes the hop records that landed here (every source on
+// another node whose landing rank this is) into the fwdRecv slots of their destinations on this
+// node, on grid.epilogueCtas CTAs.
+inline constexpr int kMoeNodeReady = 0;
+inline constexpr int kMoeNodeForwarded = 1;
+cudaError_t launchMoeNodePost(const MoeParams& p, int which, cudaStream_t stream);
+cudaError_t launchMoeNodeWait(const MoeParams& p, int which, cudaStream_t stream);
+cudaError_t launchMoeForward(const MoeParams& p, cudaStream_t stream);
 cudaError_t preloadMoeMoversKernels();
 // The direct path (kernels/moe/direct.cu; every peer load/store):
 // route, then send (grid.budgetCtas CTAs) and receive (grid.epilogueCtas CTAs).

@@ -10,7 +10,7 @@
 // direct path's quantise, receive, reduce and final do; offsets is one CTA.
 // Launchers below.
 #include "kernels/common/launch.h"
-#include "kernels/moe/common.cuh"
+#include "kernels/moe/peer.cuh"
 
 namespace graphep {
 namespace {
@@ -27,6 +27,26 @@ __device__ inline bool moeTakesSource(MoeSources sources, int s, int rank) {
 __device__ inline int moeInRange(MoeRange range, long long n) {
   const long long hi = n < range.end ? n : range.end;
   return hi > range.first ? static_cast<int>(hi - range.first) : 0;
+}
+
+// Whether rank r is on another node than this rank's, under the node-aware dispatch.
+__device__ inline bool moeOtherNode(const MoeParams& p, int r) {
+  return p.node.aware != 0 && p.node.nodeOf[r] != p.node.nodeOf[p.shape.rank];
+}
+
+// The records this rank's records exchange carries to rank r: its list for r, or, for a rank on
+// another node (node-aware), the hop list of r's node where r is this rank's landing rank there
+// (none to the node's other ranks).
+__device__ inline std::uint32_t moeRecordsTo(const MoeParams& p, int r) {
+  if (!moeOtherNode(p, r)) return p.routing.rankRecords[r];
+  const int m = p.node.nodeOf[r];
+  return p.node.landing[m] == r ? p.node.nodeRecords[m] : 0u;
+}
+
+// A count message's word of hop records (node-aware: after the per-expert counts), clamped.
+__device__ inline int moeHopRecordsIn(const MoeParams& p, const std::uint64_t* msg) {
+  const std::uint64_t n = msg[1 + p.shape.localExperts];
+  return static_cast<int>(n < static_cast<std::uint64_t>(p.shape.maxTokens) ? n : p.shape.maxTokens);
 }
 
 // Chunk j's share of a list of n entries, in bytes of `unit` each (MoeMoverParams: chunk j holds
@@ -46,32 +66,45 @@ __global__ void __launch_bounds__(kThreads) moePackKernel(const __grid_constant_
   if (sources == MoeSources::kPeers && range.first == 0 && blockIdx.x == gridDim.x - 1) {
     const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.shape.hidden) * 2;
     for (int r = tid; r < R; r += kThreads) {
-      const std::uint32_t rows = p.routing.rankRecords[r];
+      const std::uint32_t rows = p.routing.rankRecords[r], sent = moeRecordsTo(p, r);
       for (int j = 0; j < p.movers.chunks; ++j) {
-        p.movers.recordSendBytes[j * R + r] = moeChunkBytes(p, j, rows, p.shape.recordBytes);
+        p.movers.recordSendBytes[j * R + r] = moeChunkBytes(p, j, sent, p.shape.recordBytes);
         p.movers.partialRecvBytes[j * R + r] = moeChunkBytes(p, j, rows, rowBytes);
       }
       auto* msg = reinterpret_cast<std::uint64_t*>(p.movers.countSend + static_cast<std::uint64_t>(r) * p.shape.countMsgBytes);
       msg[0] = rows;
       for (int j = 0; j < p.shape.localExperts; ++j) msg[1 + j] = p.routing.expertEntries[r * p.shape.localExperts + j];
+      if (p.node.aware) msg[1 + p.shape.localExperts] = moeOtherNode(p, r) ? sent : 0u;  // hop records to r
     }
   }
   int total = 0;
   for (int r = 0; r < R; ++r) {
-    if (moeTakesSource(sources, r, p.shape.rank)) total += moeInRange(range, p.routing.rankRecords[r]);
+    if (moeTakesSource(sources, r, p.shape.rank)) total += moeInRange(range, moeRecordsTo(p, r));
   }
   const MoeGroupSlice gs = moeGroupSlice();
   for (int m = gs.first; m < total; m += gs.stride) {
     int r = 0, i = m;  // item m: the destinations' records in rank order
     for (; r < R; ++r) {
       if (!moeTakesSource(sources, r, p.shape.rank)) continue;
-      const int n = moeInRange(range, p.routing.rankRecords[r]);
+      const int n = moeInRange(range, moeRecordsTo(p, r));
       if (i < n) break;
       i -= n;
     }
     i += range.first;
-    const int t = p.routing.rankTokens[static_cast<std::uint64_t>(r) * p.shape.maxTokens + i];
     char* dst = p.staging.recordStage + (static_cast<std::uint64_t>(r) * p.shape.maxTokens + i) * p.shape.recordBytes;
+    if (moeOtherNode(p, r)) {  // hop record i of r's node, for r to forward
+      const int node = p.node.nodeOf[r];
+      const int t = p.node.nodeTokens[static_cast<std::uint64_t>(node) * p.shape.maxTokens + i];
+      const std::int32_t* entryIdx = p.routing.entryIndex + static_cast<std::uint64_t>(t) * p.shape.topK;
+      const int hop = kMoeHopRecord;
+      moeWriteRecords(p, t, &dst, &hop, 1, [&](int k) { return entryIdx[k]; }, gs.g, 1);
+      auto* fwd = reinterpret_cast<std::int32_t*>(dst + p.shape.payloadBytes + moeMetaBytes(p.shape.topK));
+      for (int q = gs.g.tid; q < R; q += gs.g.nthreads) {
+        fwd[q] = p.node.nodeOf[q] == node ? p.routing.tokenRankIndex[static_cast<std::uint64_t>(t) * R + q] : -1;
+      }
+      continue;
+    }
+    const int t = p.routing.rankTokens[static_cast<std::uint64_t>(r) * p.shape.maxTokens + i];
     const std::int32_t* entryIdx = p.routing.entryIndex + static_cast<std::uint64_t>(t) * p.shape.topK;
     moeWriteRecords(p, t, &dst, &r, 1, [&](int k) { return entryIdx[k]; }, gs.g, 1);
   }
@@ -96,17 +129,21 @@ __global__ void __launch_bounds__(kOffsetsThreads) moeOffsetsKernel(const __grid
   const int R = p.shape.numRanks;
   for (int q = tid; q < R; q += kOffsetsThreads) {
     const int rows = p.layout.sourceRecords[q];
+    const int carried = moeOtherNode(p, q) ? moeHopRecordsIn(p, msg(q)) : rows;  // another node's: its hop records
     for (int j = 0; j < p.movers.chunks; ++j) {
-      p.movers.recordRecvBytes[j * R + q] = moeChunkBytes(p, j, rows, p.shape.recordBytes);
+      p.movers.recordRecvBytes[j * R + q] = moeChunkBytes(p, j, carried, p.shape.recordBytes);
       p.movers.partialSendBytes[j * R + q] = moeChunkBytes(p, j, rows, rowBytes);
     }
   }
 }
 
 // Source s's records: a peer's where the record exchange put them, this rank's own where pack wrote
-// them (the exchange does not copy them: AllToAllvArgs::skipOwnBlock).
+// them (the exchange does not copy them: AllToAllvArgs::skipOwnBlock), a source's on another node
+// (node-aware) where its landing rank on this node forwarded them.
 __device__ inline const char* moeSourceRecords(const MoeParams& p, int s) {
-  const char* base = s == p.shape.rank ? p.staging.recordStage : p.staging.recordRecv;
+  const char* base = s == p.shape.rank      ? p.staging.recordStage
+                     : moeOtherNode(p, s) ? p.peers.userRegions[p.shape.rank] + p.node.fwdRecvOff
+                                          : p.staging.recordRecv;
   return base + static_cast<std::uint64_t>(s) * p.shape.maxTokens * p.shape.recordBytes;
 }
 
@@ -130,6 +167,111 @@ __global__ void __launch_bounds__(kThreads) moeExpandKernel(const __grid_constan
                       stage[gs.group], gs.g, p.layout.rankMajor ? rankBase + i : -1);
     }
   }
+}
+
+// ---- the node-aware dispatch's forwards (MoeNodeParams) ----------------------------------------
+
+// One hop record `hop` of source s (on another node) to each destination of this node it names:
+// its payload copied to every one, and each one's metadata (the slots whose experts live there,
+// as moeWriteRecordMeta writes them for a record sent directly). The group's shared arrays hold
+// the destinations.
+__device__ void moeForwardRecord(const MoeParams& p, int s, const char* hop, char** dsts, int* dstRanks, int* ndst,
+                                 const MoeGroup& g) {
+  const int R = p.shape.numRanks, T = p.shape.maxTokens;
+  if (g.tid == 0) {
+    const auto* fwd = reinterpret_cast<const std::int32_t*>(hop + p.shape.payloadBytes + moeMetaBytes(p.shape.topK));
+    int n = 0;
+    for (int q = 0; q < R; ++q) {
+      const int i = fwd[q];
+      if (((p.node.nodeMask >> q) & 1u) == 0 || i < 0 || i >= T) continue;  // not this node's, or not going there
+      dsts[n] = p.peers.userRegions[q] + p.node.fwdRecvOff +
+                (static_cast<std::uint64_t>(s) * T + static_cast<std::uint64_t>(i)) * p.shape.recordBytes;
+      dstRanks[n++] = q;
+    }
+    *ndst = n;
+  }
+  g.sync();
+  const int n = *ndst;
+  const auto* src = reinterpret_cast<const uint4*>(hop);
+  const int vecs = static_cast<int>(p.shape.payloadBytes / 16);
+  for (int c0 = g.tid; c0 < vecs; c0 += g.nthreads * kMoeUnroll) {
+    uint4 v[kMoeUnroll];
+#pragma unroll
+    for (int u = 0; u < kMoeUnroll; ++u) {
+      if (c0 + u * g.nthreads < vecs) v[u] = src[c0 + u * g.nthreads];
+    }
+    for (int d = 0; d < n; ++d) {
+      auto* out = reinterpret_cast<uint4*>(dsts[d]);
+#pragma unroll
+      for (int u = 0; u < kMoeUnroll; ++u) {
+        if (c0 + u * g.nthreads < vecs) out[c0 + u * g.nthreads] = v[u];
+      }
+    }
+  }
+  if (g.tid < 32) {  // lane k: the hop record's slot k
+    const int k = g.tid;
+    const MoeRecordHeader head = *moeRecordHeader(p, hop);
+    const bool has = k < head.nslots && k < p.shape.topK;
+    const MoeRecordSlot slot = has ? moeRecordSlots(p, hop)[k] : MoeRecordSlot{-1, 0, 0.f, 0};
+    for (int d = 0; d < n; ++d) {
+      const bool here = has && slot.localExpert / p.shape.localExperts == dstRanks[d];
+      const unsigned m = __ballot_sync(0xffffffffu, here);
+      if (here) {
+        auto* slots = reinterpret_cast<MoeRecordSlot*>(dsts[d] + p.shape.payloadBytes + sizeof(MoeRecordHeader));
+        slots[__popc(m & ((1u << k) - 1u))] =
+            MoeRecordSlot{slot.localExpert % p.shape.localExperts, slot.index, slot.weight, slot.k};
+      }
+      if (k == 0) *reinterpret_cast<MoeRecordHeader*>(dsts[d] + p.shape.payloadBytes) = MoeRecordHeader{head.token, __popc(m), {0, 0}};
+    }
+  }
+  g.sync();  // the shared destinations are rewritten for the group's next record
+}
+
+// Grid: p.grid.epilogueCtas CTAs; each group forwards one hop record at a time, those of every
+// source on another node whose landing rank this is (their count in its count message), in
+// source order.
+__global__ void __launch_bounds__(kThreads) moeForwardKernel(const __grid_constant__ MoeParams p) {
+  const MoeStamp stamp(p, MoeKernel::kForward);
+  __shared__ char* dsts[kGroups][kMaxRanks];
+  __shared__ int dstRanks[kGroups][kMaxRanks];
+  __shared__ int ndst[kGroups];
+  const MoeGroupSlice gs = moeGroupSlice();
+  const int R = p.shape.numRanks;
+  auto hops = [&](int s) {
+    return moeOtherNode(p, s) ? moeHopRecordsIn(p, reinterpret_cast<const std::uint64_t*>(
+                                                       p.movers.countRecv + static_cast<std::uint64_t>(s) * p.shape.countMsgBytes))
+                              : 0;
+  };
+  int total = 0;
+  for (int s = 0; s < R; ++s) total += hops(s);
+  for (int m = gs.first; m < total; m += gs.stride) {
+    int s = 0, j = m;  // item m: the sources' hop records in rank order
+    for (; s < R; ++s) {
+      const int n = hops(s);
+      if (j < n) break;
+      j -= n;
+    }
+    const char* hop = p.staging.recordRecv + (static_cast<std::uint64_t>(s) * p.shape.maxTokens + j) * p.shape.recordBytes;
+    moeForwardRecord(p, s, hop, dsts[gs.group], dstRanks[gs.group], &ndst[gs.group], gs.g);
+  }
+}
+
+// One CTA of 32 threads: thread q posts (+1, system-scope release) this rank's readiness or its
+// forwards into node peer q's counter for this rank (arriveAtEveryPeer), after everything the
+// stream ran before.
+__global__ void __launch_bounds__(32) moeNodePostKernel(const __grid_constant__ MoeParams p, int which) {
+  arriveAtEveryPeer(p, which == kMoeNodeReady ? p.node.readyOff : p.node.forwardedOff, p.node.nodeMask);
+}
+
+// One CTA of 32 threads: thread q waits, bounded, until node peer q's post of `which` reaches one
+// more than this rank has seen (seen[which][q]), then counts it.
+__global__ void __launch_bounds__(32) moeNodeWaitKernel(const __grid_constant__ MoeParams p, int which) {
+  std::uint32_t* seen = p.node.seen + which * p.shape.numRanks;
+  const WaitSite site = which == kMoeNodeReady ? WaitSite::kMoeNodeReady : WaitSite::kMoeNodeForwarded;
+  const bool ok = waitEveryRank(p, which == kMoeNodeReady ? p.node.readyOff : p.node.forwardedOff, 1u, site, true,
+                                p.node.nodeMask, seen);
+  const int q = static_cast<int>(threadIdx.x);
+  if (ok && q < p.shape.numRanks && q != p.shape.rank && ((p.node.nodeMask >> q) & 1u) != 0) seen[q] += 1u;
 }
 
 // ---- combine ----------------------------------------------------------------------------------
@@ -207,8 +349,25 @@ cudaError_t launchMoeCombineFinal(const MoeParams& p, MoeRange range, cudaStream
                     range);
 }
 
+cudaError_t launchMoeNodePost(const MoeParams& p, int which, cudaStream_t stream) {
+  GRAPHEP_LAUNCH_REQUIRE(p.node.aware != 0, "node.aware %d (the node-aware dispatch only)", p.node.aware);
+  moeNodePostKernel<<<1, 32, 0, stream>>>(p, which);
+  return cudaGetLastError();
+}
+
+cudaError_t launchMoeNodeWait(const MoeParams& p, int which, cudaStream_t stream) {
+  GRAPHEP_LAUNCH_REQUIRE(p.node.aware != 0, "node.aware %d (the node-aware dispatch only)", p.node.aware);
+  moeNodeWaitKernel<<<1, 32, 0, stream>>>(p, which);
+  return cudaGetLastError();
+}
+
+cudaError_t launchMoeForward(const MoeParams& p, cudaStream_t stream) {
+  return launchGrid(__func__, "grid.epilogueCtas", p.grid.epilogueCtas, kThreads, stream, moeForwardKernel, p);
+}
+
 cudaError_t preloadMoeMoversKernels() {
-  return preloadKernels(moePackKernel, moeOffsetsKernel, moeExpandKernel, moeCombineReduceKernel, moeCombineFinalKernel);
+  return preloadKernels(moePackKernel, moeOffsetsKernel, moeExpandKernel, moeCombineReduceKernel, moeCombineFinalKernel,
+                        moeForwardKernel, moeNodePostKernel, moeNodeWaitKernel);
 }
 
 }  // namespace graphep

@@ -14,6 +14,9 @@
 //           rows stay in token order): the block's prefix plus the entries before it in the block
 //           (a popcount, or an exact count when some token holds an expert twice); each token's
 //           index in each destination rank's record list, or -1.
+// The node-aware dispatch (p.node.aware) adds a row per node after the ranks' (a token's bit where
+// it goes to some rank of the node), its prefix and total (nodeRecords), and each node's hop list
+// (nodeTokens): the tokens going there, in token order.
 #include <cub/warp/warp_scan.cuh>
 
 #include "kernels/common/launch.h"
@@ -37,7 +40,10 @@ __global__ void __launch_bounds__(kThreads) moeRouteBitsKernel(const __grid_cons
   if (p.input.tokenInRank != nullptr) {  // the destinations, from the token-in-rank mask
     for (int n = gridThread(); n < T * R; n += gridThreads()) {
       const int t = n / R;
-      if (p.input.tokenInRank[n] != 0 && isLive(live, n % R)) atomicOr(&p.routing.bits[(E + n % R) * W + (t >> 5)], 1u << (t & 31));
+      if (p.input.tokenInRank[n] != 0 && isLive(live, n % R)) {
+        atomicOr(&p.routing.bits[(E + n % R) * W + (t >> 5)], 1u << (t & 31));
+        if (p.node.aware) atomicOr(&p.routing.bits[(E + R + p.node.nodeOf[n % R]) * W + (t >> 5)], 1u << (t & 31));
+      }
     }
   }
   for (int i = gridThread(); i < T * K; i += gridThreads()) {
@@ -55,7 +61,11 @@ __global__ void __launch_bounds__(kThreads) moeRouteBitsKernel(const __grid_cons
     const std::uint32_t bit = 1u << (t & 31);
     if (atomicOr(&p.routing.bits[id * W + w], bit) & bit) atomicExch(p.routing.duplicate, 1u);
     atomicAdd(&p.routing.blockCounts[id * W + w], 1u);
-    if (p.input.tokenInRank == nullptr) atomicOr(&p.routing.bits[(E + id / p.shape.localExperts) * W + w], bit);
+    if (p.input.tokenInRank == nullptr) {
+      const int r = static_cast<int>(id / p.shape.localExperts);
+      atomicOr(&p.routing.bits[(E + r) * W + w], bit);
+      if (p.node.aware) atomicOr(&p.routing.bits[(E + R + p.node.nodeOf[r]) * W + w], bit);
+    }
   }
 }
 
@@ -66,7 +76,8 @@ __global__ void __launch_bounds__(kThreads) moeRoutePrefixKernel(const __grid_co
   const int W = static_cast<int>(moeRouteWords(p.shape.maxTokens)), E = p.shape.numExperts;
   const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) / 32;
   const int firstWarp = static_cast<int>(blockIdx.x) * kWarps + warp;
-  for (int row = firstWarp; row < E + p.shape.numRanks; row += static_cast<int>(gridDim.x) * kWarps) {
+  const int rows = E + p.shape.numRanks + (p.node.aware ? p.node.numNodes : 0);  // experts, ranks, nodes
+  for (int row = firstWarp; row < rows; row += static_cast<int>(gridDim.x) * kWarps) {
     std::uint32_t carry = 0;
     for (int w0 = 0; w0 < W; w0 += 32) {  // the whole warp, every round (W is the same for all)
       const int w = w0 + lane;
@@ -81,8 +92,10 @@ __global__ void __launch_bounds__(kThreads) moeRoutePrefixKernel(const __grid_co
     if (lane == 0) {
       if (row < E) {
         p.routing.expertEntries[row] = carry;
-      } else {
+      } else if (row < E + p.shape.numRanks) {
         p.routing.rankRecords[row - E] = carry;
+      } else {
+        p.node.nodeRecords[row - E - p.shape.numRanks] = carry;
       }
     }
   }
@@ -119,6 +132,15 @@ __global__ void __launch_bounds__(kThreads) moeRouteAssignKernel(const __grid_co
                       : -1;
     p.routing.tokenRankIndex[n] = i;
     if (i >= 0 && p.routing.rankTokens != nullptr) p.routing.rankTokens[static_cast<std::uint64_t>(r) * p.shape.maxTokens + i] = t;
+  }
+  const int N = p.node.aware ? p.node.numNodes : 0;
+  for (int n = gridThread(); n < T * N; n += gridThreads()) {  // each node's hop list
+    const int t = n / N, m = n % N, w = t >> 5;
+    const std::uint32_t bits = p.routing.bits[(E + R + m) * W + w];
+    if ((bits >> (t & 31)) & 1u) {
+      const int j = static_cast<int>(p.routing.blockPrefix[(E + R + m) * W + w]) + __popc(bits & ((1u << (t & 31)) - 1u));
+      p.node.nodeTokens[static_cast<std::uint64_t>(m) * p.shape.maxTokens + j] = t;
+    }
   }
 }
 

@@ -53,6 +53,30 @@ TEST(Unit_NodeMap, EmulatedNodesSplitAMachineIntoConsecutiveRanks) {
   EXPECT_EQ(nodeMap(machinesOf({0, 1, 2}), 3).nodeOf, (std::vector<int>{0, 1, 2}));
 }
 
+TEST(Unit_NodeMap, LandingRanksKeepTheIndexInTheNode) {
+  // 2 nodes of 2 (0 1 | 2 3): rank 1's records for node 1 land on rank 3, rank 2's for node 0 on 0.
+  const NodeMap two = nodeMap(machinesOf({0, 0, 0, 0}), 2);
+  EXPECT_EQ(two.landing(0, 1), 2);
+  EXPECT_EQ(two.landing(1, 1), 3);
+  EXPECT_EQ(two.landing(2, 0), 0);
+  EXPECT_EQ(two.landing(3, 0), 1);
+  EXPECT_EQ(two.landing(3, 1), 3);  // its own node: itself
+  EXPECT_EQ(two.nodeMask(2), 0b1100u);
+  EXPECT_TRUE(two.worthGrouping());
+  // Nodes of unequal size, interleaved (0 2 4 | 1 3 | 5): index modulo the node's size.
+  const NodeMap m = nodeMap(machinesOf({7, 3, 7, 3, 7, 9}), 0);
+  EXPECT_EQ(m.landing(4, 1), 1);  // rank 4 is index 2 of node 0; node 1 has 2 ranks: index 0
+  EXPECT_EQ(m.landing(2, 1), 3);
+  EXPECT_EQ(m.landing(3, 0), 2);
+  EXPECT_EQ(m.landing(0, 2), 5);
+  EXPECT_EQ(m.landing(5, 0), 0);
+  EXPECT_EQ(m.nodeMask(2), 0b010101u);
+  // One rank per node, or one node: nothing to group.
+  EXPECT_FALSE(nodeMap(machinesOf({0, 1, 2}), 0).worthGrouping());
+  EXPECT_FALSE(nodeMap(machinesOf({0, 0, 0}), 0).worthGrouping());
+  test::expectError([&] { (void)two.landing(0, 3); }, Status::kInvalidArgument, "no landing rank for rank 0 on node 3");
+}
+
 TEST(Unit_NodeMap, RefusalsNameTheRanks) {
   using test::expectError;
   // An emulated node across two machines; a count that does not divide the ranks.

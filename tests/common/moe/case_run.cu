@@ -27,20 +27,30 @@ std::uint32_t caseMask(const MoeCase& c, int run, int R) {
 }
 
 // The emulated network (GRAPHEP_EMULATED_NODES: `nodes` nodes of R / nodes consecutive ranks):
-// what one dispatch and combine of rank r over the movers send each rank q on another node in the
-// flat scheme: the count message and one record per token with an expert on q (dispatch), and back
-// one partial per record q sent r (combine). Zero for q on r's node.
-std::vector<std::uint64_t> flatNetworkBytes(const MoeConfig& cfg, const std::vector<Inputs>& all, int r, int nodes) {
+// what one dispatch and combine of rank r over the movers send each rank q on another node. The
+// count message, then in the flat scheme one record per token with an expert on q; node-aware
+// (several ranks per node, GRAPHEP_NODE_AWARE not 0), one record per token with an expert on q's
+// node, to the rank of that node with r's index in its own (none to its other ranks); back one
+// partial per record q's sources sent r (the combine is flat). Zero for q on r's node.
+// Whether R ranks on the emulated nodes run the node-aware dispatch (several nodes of several ranks).
+bool nodeAwareExpected(int R) {
+  const int nodes = static_cast<int>(env::kEmulatedNodes.get());
+  return nodes > 1 && R / nodes > 1 && env::kNodeAware.get() != 0;
+}
+
+std::vector<std::uint64_t> networkBytesOf(const MoeConfig& cfg, const std::vector<Inputs>& all, int r, int nodes) {
   const int R = static_cast<int>(all.size()), size = R / nodes, Lx = cfg.numExperts / R;
-  const moe_setup::MoeSizes z = moe_setup::moeSizes(cfg, R);
-  auto records = [&](int from, int to) {  // tokens of `from` with an expert on `to`
+  const bool aware = nodeAwareExpected(R);
+  const moe_setup::MoeSizes z = moe_setup::moeSizes(cfg, R, aware);
+  // Tokens of `from` with an expert on a rank in [first, first + count).
+  auto tokens = [&](int from, int first, int count) {
     const Inputs& in = all[static_cast<std::size_t>(from)];
     std::uint64_t n = 0;
     for (int t = 0; t < liveCount(cfg, in.T); ++t) {
       bool hit = false;
       for (int k = 0; k < cfg.topK; ++k) {
         const long long id = in.idx[static_cast<std::size_t>(t) * static_cast<std::size_t>(cfg.topK) + static_cast<std::size_t>(k)];
-        hit |= id >= 0 && id < cfg.numExperts && id / Lx == to;
+        hit |= id >= 0 && id < cfg.numExperts && id / Lx >= first && id / Lx < first + count;
       }
       n += hit ? 1 : 0;
     }
@@ -49,7 +59,10 @@ std::vector<std::uint64_t> flatNetworkBytes(const MoeConfig& cfg, const std::vec
   std::vector<std::uint64_t> bytes(static_cast<std::size_t>(R), 0);
   for (int q = 0; q < R; ++q) {
     if (q / size == r / size) continue;
-    bytes[static_cast<std::size_t>(q)] = z.cntMsgBytes + records(r, q) * z.recBytes + records(q, r) * z.rowBytes;
+    const std::uint64_t records = !aware                 ? tokens(r, q, 1)
+                                  : q % size == r % size ? tokens(r, q / size * size, size)
+                                                         : 0;
+    bytes[static_cast<std::size_t>(q)] = z.cntMsgBytes + records * z.recBytes + tokens(q, r, 1) * z.rowBytes;
   }
   return bytes;
 }
@@ -133,7 +146,7 @@ void runMoeCaseInLayout(Communicator& comm, const MoeCase& c) {
                                (masks ? " mask=" + std::to_string(mask) : std::string());
       EXPECT_EQ(f.check(l, seen, refs, what), 0) << what << " rank " << r;
       if (metered) {
-        EXPECT_EQ(f.engine(l).networkBytes(), flatNetworkBytes(c.cfg, seen, r, nodes))
+        EXPECT_EQ(f.engine(l).networkBytes(), networkBytesOf(c.cfg, seen, r, nodes))
             << what << " rank " << r << ": the bytes sent to each rank on another node";
       }
       const unsigned long long invalid = invalidCount(c.cfg, mine);
@@ -185,8 +198,9 @@ void runMoeCaseInLayout(Communicator& comm, const MoeCase& c) {
       const std::vector<MoeKernelSpan> spans = f.engine(l).timeline();
       std::vector<std::string> names;
       for (const MoeKernelSpan& sp : spans) names.push_back(sp.kernel);
-      // Throughput: six kernels, or with the direct dispatch and combine (every peer by load/store,
-      // one rank per GPU) six, seven for fp8 (the quantise kernel), plus the receive's two phases;
+      // Throughput: six kernels over the movers (seven node-aware: the forwards), or with the direct
+      // dispatch and combine (every peer by load/store, one rank per GPU) six, seven for fp8 (the
+      // quantise kernel), plus the receive's two phases;
       // latency: the dispatch's route and records (sender), layout and expand (receiver), the
       // combine's reduce of the peers' records (sender), then its own rows and sums (receiver).
       const std::vector<std::vector<std::string>> want =
@@ -195,7 +209,11 @@ void runMoeCaseInLayout(Communicator& comm, const MoeCase& c) {
                                                        "latency expand", "latency combine", "latency combine own rows",
                                                        "latency combine receive"}}
               : std::vector<std::vector<std::string>>{
-                    {"route", "pack", "offsets", "expand", "combine reduce", "combine final"},
+                    nodeAwareExpected(R)
+                        ? std::vector<std::string>{"route", "pack", "offsets", "expand", "forward", "combine reduce",
+                                                   "combine final"}
+                        : std::vector<std::string>{"route", "pack", "offsets", "expand", "combine reduce",
+                                                   "combine final"},
                     {"route", "direct send", "direct receive", "direct own rows", "direct peers' rows",
                      "direct combine reduce", "direct combine send", "direct combine final"},
                     {"route", "direct quantise", "direct send", "direct receive", "direct own rows",
