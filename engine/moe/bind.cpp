@@ -206,6 +206,10 @@ MoeParams bindParams(const BindPlan& plan, SymmetricHeap& heap, int l, char* blo
     p.node.fwdRecvOff = ph.fwdRecv;
     p.node.readyOff = ph.nodeReady;
     p.node.forwardedOff = ph.nodeForwarded;
+    p.node.nodePartialOff = ph.nodePartial;
+    p.node.reducedOff = ph.nodeReduced;
+    p.node.summedOff = ph.nodeSummed;
+    p.node.tokenNodeIndex = reinterpret_cast<std::int32_t*>(b + o.tokenNodeIndex);
     p.node.seen = reinterpret_cast<std::uint32_t*>(b + o.nodeSeen);
   }
   p.peers.sync = heap.syncHandle(l);
@@ -219,11 +223,13 @@ void startCounters(const BindPlan& plan, const MoeParams& p, char* user) {
   const bool throughput = plan.throughput;
   const std::size_t Rs = plan.sizes.R;
   const int llCtas = plan.latency.send;
-  if (p.node.aware) {  // the node peers' readiness and forwards, counted from counterStart
-    const std::vector<std::uint32_t> start(2 * Rs, cfg.counterStart);
-    GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.nodeReady, start.data(), Rs * 4, cudaMemcpyHostToDevice));
-    GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.nodeForwarded, start.data(), Rs * 4, cudaMemcpyHostToDevice));
-    GRAPHEP_CUDA_CHECK(cudaMemcpy(p.node.seen, start.data(), 2 * Rs * 4, cudaMemcpyHostToDevice));
+  if (p.node.aware) {  // the node peers' signals, counted from counterStart; the sums one ahead
+    const std::vector<std::uint32_t> start(kMoeNodeSignals * Rs, cfg.counterStart), ahead(Rs, cfg.counterStart + 1u);
+    for (const std::size_t off : {ph.nodeReady, ph.nodeForwarded, ph.nodeReduced}) {
+      GRAPHEP_CUDA_CHECK(cudaMemcpy(user + off, start.data(), Rs * 4, cudaMemcpyHostToDevice));
+    }
+    GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.nodeSummed, ahead.data(), Rs * 4, cudaMemcpyHostToDevice));
+    GRAPHEP_CUDA_CHECK(cudaMemcpy(p.node.seen, start.data(), start.size() * 4, cudaMemcpyHostToDevice));
   }
   // Every rank active: the mask and the last dispatch's (the mover path keeps them so).
   const std::uint32_t mask[2] = {allRanksMask(static_cast<int>(Rs)), allRanksMask(static_cast<int>(Rs))};
@@ -308,6 +314,8 @@ void bindExchanges(const BindPlan& plan, const MoeParams& p, char* block, char* 
   AllToAllvArgs partials = exchange(x.partials, p.staging.partialStage, Rs * T * rowBytes, user + ph.combRecv,
                                     Rs * T * rowBytes, T * rowBytes, true);
   partials.skipOwnBlock = true;
+  partials.sendPeers = records.recvPeers;  // node-aware: a partial back per record carried (one per hop record)
+  partials.recvPeers = records.sendPeers;
   // Chunk j of the records and of the partials (moeChunk): a window of each slot
   // (AllToAllvArgs::slotStride) with the counts of row j.
   impl.dispChunks.clear();

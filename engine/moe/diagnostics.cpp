@@ -148,6 +148,7 @@ const char* kernelName(MoeKernel k) {
     case MoeKernel::kOffsets: return "offsets";
     case MoeKernel::kExpand: return "expand";
     case MoeKernel::kForward: return "forward";
+    case MoeKernel::kNodeSum: return "node sum";
     case MoeKernel::kCombineReduce: return "combine reduce";
     case MoeKernel::kCombineFinal: return "combine final";
     case MoeKernel::kLatencyDispatch: return "latency route";

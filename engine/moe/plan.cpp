@@ -63,8 +63,11 @@ PathHeap pathHeap(MoePath path, const MoeSizes& z, const MoeConfig& cfg) {
     h.llCombVal = a.carve("llCombVal", z.R * z.T * kMoeMaxValues, 4, 256);
     if (z.nodeAware) {
       h.fwdRecv = a.carve("fwdRecv", z.R * z.T, z.recBytes, 4096);
+      h.nodePartial = a.carve("nodePartial", z.R * z.T, z.rowBytes, 4096);
       h.nodeReady = a.carve("nodeReady", z.R, 4, 256);
       h.nodeForwarded = a.carve("nodeForwarded", z.R, 4, 256);
+      h.nodeReduced = a.carve("nodeReduced", z.R, 4, 256);
+      h.nodeSummed = a.carve("nodeSummed", z.R, 4, 256);
     }
   }
   h.llBarrier = a.carve("llBarrier", z.R, 4, 256);  // the device barrier's [R] pair counts (both paths)
@@ -144,7 +147,8 @@ LocalCarve carveLocal(const MoeConfig& cfg, const MoeSizes& z, std::size_t cap, 
   o.llBarrier = carve("llBarrier", Rs * 4);  // the device barrier's pair counts (Engine::barrier)
   o.nodeTokens = carve("nodeTokens", throughput && z.nodeAware ? Rs * T * 4 : 0);
   o.nodeRecords = carve("nodeRecords", throughput && z.nodeAware ? Rs * 4 : 0);
-  o.nodeSeen = carve("nodeSeen", throughput && z.nodeAware ? 2 * Rs * 4 : 0);
+  o.tokenNodeIndex = carve("tokenNodeIndex", throughput && z.nodeAware ? T * Rs * 4 : 0);
+  o.nodeSeen = carve("nodeSeen", throughput && z.nodeAware ? kMoeNodeSignals * Rs * 4 : 0);
   o.combArrive = carve("combArrive", throughput ? Rs * W * 4 : 0);  // the direct combine's block arrivals and flags
   o.combReady = carve("combReady", throughput ? Rs * W * 4 : 0);
   constexpr std::size_t kStamps = kMoeStampWords * static_cast<std::size_t>(MoeKernel::kCount);

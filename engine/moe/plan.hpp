@@ -53,9 +53,9 @@ struct PathHeap {
   std::size_t llRec = 0, llCnt = 0, llComb = 0, llFlag = 0, llArrive = 0, llCombArrive = 0, llBlock = 0;
   std::size_t llCombBlock = 0, llDispAck = 0, llCombAck = 0, llCombVal = 0, llCombW = 0, llCombWFlag = 0;
   std::size_t llBarrier = 0;  // the device barrier's [R] pair counts (Engine::barrier), both paths
-  // The node-aware dispatch (sizes.nodeAware): [R][T] forwarded records, the [R] counters of its
-  // node peers' readiness and forwards (MoeNodeParams).
-  std::size_t fwdRecv = 0, nodeReady = 0, nodeForwarded = 0;
+  // The node-aware dispatch and combine (sizes.nodeAware): [R][T] forwarded records, [R][T] partials
+  // of other nodes' sources' records, the [R] counters of its node peers' four signals (MoeNodeParams).
+  std::size_t fwdRecv = 0, nodePartial = 0, nodeReady = 0, nodeForwarded = 0, nodeReduced = 0, nodeSummed = 0;
   HeapConfig heap;
 };
 PathHeap pathHeap(MoePath path, const MoeSizes& z, const MoeConfig& cfg);
@@ -76,7 +76,9 @@ struct LocalCarve {
   std::size_t llSteps, llDone, combArrive, combReady, timeline;
   std::size_t llMask, llExpected, llShrink, llZeroMsg;  // the active-rank mask; latency: expected arrivals, direct: steps shared; zero message
   std::size_t llBarrier;   // the device barrier's pair counts [R] (Engine::barrier)
-  std::size_t nodeTokens, nodeRecords, nodeSeen;  // the node-aware dispatch: hop lists [R][T], counts [R], seen [2][R]
+  // The node-aware dispatch and combine: hop lists [R][T], their counts [R], each token's hop
+  // index [T][R], the node peers' signals seen [4][R].
+  std::size_t nodeTokens, nodeRecords, tokenNodeIndex, nodeSeen;
   std::size_t routeWords;  // moeRouteWords(maxTokensPerRank)
   std::size_t routeZero;   // bytes of the routing words zeroed per dispatch (throughput path)
   std::size_t bytes;       // the whole allocation

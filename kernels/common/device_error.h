@@ -48,6 +48,8 @@ enum class WaitSite : std::uint32_t {
   kMoeBarrier = 17,         // MoE device barrier (Engine::barrier): waiting for the peer to reach it
   kMoeNodeReady = 18,       // MoE node-aware dispatch: a landing rank waiting for a rank of its node to be ready for its forwards
   kMoeNodeForwarded = 19,   // MoE node-aware dispatch: waiting for a landing rank of this node to forward the records it received
+  kMoeNodeReduced = 20,     // MoE node-aware combine: a landing rank waiting for a rank of its node to reduce its partials
+  kMoeNodeSummed = 21,      // MoE node-aware combine: waiting for a landing rank of this node to sum the previous partials
 };
 
 struct DeviceErrorRecord {
@@ -98,6 +100,8 @@ __host__ __device__ inline const char* waitSiteName(std::uint32_t site) {
     case WaitSite::kMoeBarrier: return "moe barrier: waiting for the peer to reach the barrier";
     case WaitSite::kMoeNodeReady: return "moe node-aware dispatch: waiting for a rank of this node to be ready for the forwarded records";
     case WaitSite::kMoeNodeForwarded: return "moe node-aware dispatch: waiting for a landing rank of this node to forward its records";
+    case WaitSite::kMoeNodeReduced: return "moe node-aware combine: waiting for a rank of this node to reduce its partials";
+    case WaitSite::kMoeNodeSummed: return "moe node-aware combine: waiting for a landing rank of this node to sum the last partials";
   }
   return "unknown wait site";
 }

@@ -127,7 +127,9 @@ enum class MoeKernel : int {
   // Its combine: reduce (the peers' partials, staged), send (into the sources' slots), final
   // (own partials + sum).
   kDirectCombineReduce, kDirectCombineSend, kDirectCombineFinal,
-  kCombineReduce, kCombineFinal,
+  kCombineReduce,
+  kNodeSum,  // the node-aware combine's sums of a node's partials (kernels/moe/movers.cu)
+  kCombineFinal,
   // The latency kernels' phases: dispatch (route + count messages, records, layout, expand),
   // combine (the peers' records reduced + sent; the receiver's own records reduced, then the sums).
   kLatencyDispatch, kLatencyRecords, kLatencyReceive, kLatencyExpand, kLatencyCombine,
@@ -281,9 +283,16 @@ struct MoeMoverParams {
 // rank's slot, counted in the count message's word 1 + E_local. The landing rank forwards it by
 // load/store into the fwdRecv slot [source][index] of each destination on its node (itself
 // included), where expand and the combine's reduce read the records of a source on another node.
-// Two counters per node peer order it: a rank is ready for its node's forwards once its dispatch
-// starts (its previous combine has read its fwdRecv), and a landing rank announces its forwards
-// when they are written.
+// The combine in reverse: each rank reduces such a record into its nodePartial slot [source][index]
+// (its heap), the landing rank sums the node's partials of each hop record (fp32 in rank order,
+// bf16 out) into partialStage [source][hop index], and the partials exchange sends those home, one
+// per (token, node); the final sums a remote node's partial from its landing rank, at the token's
+// index in that node's hop list (tokenNodeIndex).
+// Four counters per node peer order it (counts, waited in one-CTA kernels): a rank is ready for
+// its node's forwards once its dispatch starts (its previous combine has read its fwdRecv); a
+// landing rank announces its forwards when written; a rank announces its partials once reduced; a
+// landing rank announces it has summed them (the next combine may then overwrite them; the
+// counters start one ahead, as if a combine before the first had been summed).
 struct MoeNodeParams {
   std::int32_t aware;
   std::int32_t numNodes;
@@ -295,7 +304,11 @@ struct MoeNodeParams {
   std::uint64_t fwdRecvOff;       // [R][maxTokens][recordBytes]: forwarded records of other nodes' sources
   std::uint64_t readyOff;         // u32 [R]: node peer q is ready for this rank's forwards (a count)
   std::uint64_t forwardedOff;     // u32 [R]: node peer q forwarded this rank's records (a count)
-  std::uint32_t* seen;            // local [2][R]: readies, then forwards, seen from each node peer
+  std::uint64_t nodePartialOff;   // [R][maxTokens][H] bf16: partials of other nodes' sources' records
+  std::uint64_t reducedOff;       // u32 [R]: node peer q reduced its partials (a count)
+  std::uint64_t summedOff;        // u32 [R]: node peer q summed this rank's partials (a count)
+  std::int32_t* tokenNodeIndex;   // [maxTokens][R]: a token's index in node m's hop list ([t][m]), or -1
+  std::uint32_t* seen;            // local [4][R]: readies, forwards, reductions, sums seen from each node peer
 };
 
 // A range [first, end) of record-list indices (pack, expand, reduce) or tokens (final).
@@ -428,16 +441,20 @@ cudaError_t launchMoeOffsets(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeExpand(const MoeParams& p, MoeSources sources, MoeRange range, cudaStream_t stream);
 cudaError_t launchMoeCombineReduce(const MoeParams& p, MoeSources sources, MoeRange range, cudaStream_t stream);
 cudaError_t launchMoeCombineFinal(const MoeParams& p, MoeRange range, cudaStream_t stream);
-// The node-aware dispatch (MoeNodeParams): one CTA posts this rank's readiness for its node's
-// forwards (kMoeNodeReady) or its forwards (kMoeNodeForwarded) to every other rank of its node, or
-// waits, bounded, for theirs; forward writes the hop records that landed here (every source on
-// another node whose landing rank this is) into the fwdRecv slots of their destinations on this
-// node, on grid.epilogueCtas CTAs.
+// The node-aware dispatch and combine (MoeNodeParams): one CTA posts one of this rank's four
+// signals to every other rank of its node, or waits, bounded, for theirs; forward writes the hop
+// records that landed here (every source on another node whose landing rank this is) into the
+// fwdRecv slots of their destinations on this node; node-sum sums the node's partials of each of
+// those hop records into partialStage. Both on grid.epilogueCtas CTAs.
 inline constexpr int kMoeNodeReady = 0;
 inline constexpr int kMoeNodeForwarded = 1;
+inline constexpr int kMoeNodeReduced = 2;
+inline constexpr int kMoeNodeSummed = 3;
+inline constexpr int kMoeNodeSignals = 4;
 cudaError_t launchMoeNodePost(const MoeParams& p, int which, cudaStream_t stream);
 cudaError_t launchMoeNodeWait(const MoeParams& p, int which, cudaStream_t stream);
 cudaError_t launchMoeForward(const MoeParams& p, cudaStream_t stream);
+cudaError_t launchMoeNodeSum(const MoeParams& p, cudaStream_t stream);
 cudaError_t preloadMoeMoversKernels();
 // The direct path (kernels/moe/direct.cu; every peer load/store):
 // route, then send (grid.budgetCtas CTAs) and receive (grid.epilogueCtas CTAs).

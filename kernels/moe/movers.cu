@@ -49,6 +49,12 @@ __device__ inline int moeHopRecordsIn(const MoeParams& p, const std::uint64_t* m
   return static_cast<int>(n < static_cast<std::uint64_t>(p.shape.maxTokens) ? n : p.shape.maxTokens);
 }
 
+// The hop records source s sent this rank to forward (none from this node's ranks).
+__device__ inline int moeHopRecordsFrom(const MoeParams& p, int s) {
+  const auto* msg = reinterpret_cast<const std::uint64_t*>(p.movers.countRecv + static_cast<std::uint64_t>(s) * p.shape.countMsgBytes);
+  return moeOtherNode(p, s) ? moeHopRecordsIn(p, msg) : 0;
+}
+
 // Chunk j's share of a list of n entries, in bytes of `unit` each (MoeMoverParams: chunk j holds
 // list indices [j * chunkRecords, (j + 1) * chunkRecords)).
 __device__ inline std::uint64_t moeChunkBytes(const MoeParams& p, int j, long long n, std::uint64_t unit) {
@@ -69,7 +75,7 @@ __global__ void __launch_bounds__(kThreads) moePackKernel(const __grid_constant_
       const std::uint32_t rows = p.routing.rankRecords[r], sent = moeRecordsTo(p, r);
       for (int j = 0; j < p.movers.chunks; ++j) {
         p.movers.recordSendBytes[j * R + r] = moeChunkBytes(p, j, sent, p.shape.recordBytes);
-        p.movers.partialRecvBytes[j * R + r] = moeChunkBytes(p, j, rows, rowBytes);
+        p.movers.partialRecvBytes[j * R + r] = moeChunkBytes(p, j, sent, rowBytes);  // what comes back per record sent
       }
       auto* msg = reinterpret_cast<std::uint64_t*>(p.movers.countSend + static_cast<std::uint64_t>(r) * p.shape.countMsgBytes);
       msg[0] = rows;
@@ -132,7 +138,7 @@ __global__ void __launch_bounds__(kOffsetsThreads) moeOffsetsKernel(const __grid
     const int carried = moeOtherNode(p, q) ? moeHopRecordsIn(p, msg(q)) : rows;  // another node's: its hop records
     for (int j = 0; j < p.movers.chunks; ++j) {
       p.movers.recordRecvBytes[j * R + q] = moeChunkBytes(p, j, carried, p.shape.recordBytes);
-      p.movers.partialSendBytes[j * R + q] = moeChunkBytes(p, j, rows, rowBytes);
+      p.movers.partialSendBytes[j * R + q] = moeChunkBytes(p, j, carried, rowBytes);  // a partial per record carried
     }
   }
 }
@@ -237,11 +243,7 @@ __global__ void __launch_bounds__(kThreads) moeForwardKernel(const __grid_consta
   __shared__ int ndst[kGroups];
   const MoeGroupSlice gs = moeGroupSlice();
   const int R = p.shape.numRanks;
-  auto hops = [&](int s) {
-    return moeOtherNode(p, s) ? moeHopRecordsIn(p, reinterpret_cast<const std::uint64_t*>(
-                                                       p.movers.countRecv + static_cast<std::uint64_t>(s) * p.shape.countMsgBytes))
-                              : 0;
-  };
+  auto hops = [&](int s) { return moeHopRecordsFrom(p, s); };
   int total = 0;
   for (int s = 0; s < R; ++s) total += hops(s);
   for (int m = gs.first; m < total; m += gs.stride) {
@@ -256,28 +258,85 @@ __global__ void __launch_bounds__(kThreads) moeForwardKernel(const __grid_consta
   }
 }
 
-// One CTA of 32 threads: thread q posts (+1, system-scope release) this rank's readiness or its
-// forwards into node peer q's counter for this rank (arriveAtEveryPeer), after everything the
-// stream ran before.
+// Grid: p.grid.epilogueCtas CTAs; each group sums one hop record's partials at a time (those
+// forward wrote), in the forward's order: the partials of the record at each destination q of this
+// node (its nodePartial slot [source][index], read in q's heap), fp32 in rank order, bf16 out into
+// partialStage[source][hop index], for the partials exchange to carry home.
+__global__ void __launch_bounds__(kThreads) moeNodeSumKernel(const __grid_constant__ MoeParams p) {
+  const MoeStamp stamp(p, MoeKernel::kNodeSum);
+  __shared__ const uint4* parts[kGroups][kMaxRanks];
+  const MoeGroupSlice gs = moeGroupSlice();
+  const int R = p.shape.numRanks, T = p.shape.maxTokens;
+  const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.shape.hidden) * 2;
+  auto hops = [&](int s) { return moeHopRecordsFrom(p, s); };
+  int total = 0;
+  for (int s = 0; s < R; ++s) total += hops(s);
+  for (int m = gs.first; m < total; m += gs.stride) {
+    int s = 0, j = m;  // item m: the sources' hop records in rank order
+    for (; s < R; ++s) {
+      const int n = hops(s);
+      if (j < n) break;
+      j -= n;
+    }
+    const char* hop = p.staging.recordRecv + (static_cast<std::uint64_t>(s) * T + j) * p.shape.recordBytes;
+    const auto* fwd = reinterpret_cast<const std::int32_t*>(hop + p.shape.payloadBytes + moeMetaBytes(p.shape.topK));
+    gs.g.sync();  // the group's previous readers of `parts` are done
+    if (gs.g.tid == 0) {
+      int n = 0;
+      for (int q = 0; q < R; ++q) {
+        const int i = fwd[q];
+        if (((p.node.nodeMask >> q) & 1u) == 0 || i < 0 || i >= T) continue;
+        parts[gs.group][n++] = reinterpret_cast<const uint4*>(p.peers.userRegions[q] + p.node.nodePartialOff +
+                                                              (static_cast<std::uint64_t>(s) * T + i) * rowBytes);
+      }
+      for (int q = n; q < R; ++q) parts[gs.group][q] = nullptr;
+    }
+    gs.g.sync();
+    int n = 0;
+    while (n < R && parts[gs.group][n] != nullptr) ++n;
+    moeWeightedSum(
+        p, n, [&](int i) { return parts[gs.group][i]; }, [](int) { return 1.0f; },
+        reinterpret_cast<uint4*>(p.staging.partialStage + (static_cast<std::uint64_t>(s) * T + j) * rowBytes), gs.g);
+  }
+}
+
+// Node peer signal `which`'s counters (MoeNodeParams) and the wait's site.
+__device__ inline std::uint64_t moeNodeSignalOff(const MoeParams& p, int which) {
+  return which == kMoeNodeReady       ? p.node.readyOff
+         : which == kMoeNodeForwarded ? p.node.forwardedOff
+         : which == kMoeNodeReduced   ? p.node.reducedOff
+                                      : p.node.summedOff;
+}
+
+// One CTA of 32 threads: thread q posts (+1, system-scope release) signal `which` into node peer
+// q's counter for this rank (arriveAtEveryPeer), after everything the stream ran before.
 __global__ void __launch_bounds__(32) moeNodePostKernel(const __grid_constant__ MoeParams p, int which) {
-  arriveAtEveryPeer(p, which == kMoeNodeReady ? p.node.readyOff : p.node.forwardedOff, p.node.nodeMask);
+  arriveAtEveryPeer(p, moeNodeSignalOff(p, which), p.node.nodeMask);
 }
 
 // One CTA of 32 threads: thread q waits, bounded, until node peer q's post of `which` reaches one
 // more than this rank has seen (seen[which][q]), then counts it.
 __global__ void __launch_bounds__(32) moeNodeWaitKernel(const __grid_constant__ MoeParams p, int which) {
   std::uint32_t* seen = p.node.seen + which * p.shape.numRanks;
-  const WaitSite site = which == kMoeNodeReady ? WaitSite::kMoeNodeReady : WaitSite::kMoeNodeForwarded;
-  const bool ok = waitEveryRank(p, which == kMoeNodeReady ? p.node.readyOff : p.node.forwardedOff, 1u, site, true,
-                                p.node.nodeMask, seen);
+  const WaitSite site = which == kMoeNodeReady       ? WaitSite::kMoeNodeReady
+                        : which == kMoeNodeForwarded ? WaitSite::kMoeNodeForwarded
+                        : which == kMoeNodeReduced   ? WaitSite::kMoeNodeReduced
+                                                     : WaitSite::kMoeNodeSummed;
+  const bool ok = waitEveryRank(p, moeNodeSignalOff(p, which), 1u, site, true, p.node.nodeMask, seen);
   const int q = static_cast<int>(threadIdx.x);
   if (ok && q < p.shape.numRanks && q != p.shape.rank && ((p.node.nodeMask >> q) & 1u) != 0) seen[q] += 1u;
 }
 
 // ---- combine ----------------------------------------------------------------------------------
 
+// Where this rank's partials of source s's records go: partialStage, or (node-aware) for a source on
+// another node its nodePartial slots, which the landing rank of s on this node sums.
+__device__ inline char* moePartialOf(const MoeParams& p, int s) {
+  return moeOtherNode(p, s) ? p.peers.userRegions[p.shape.rank] + p.node.nodePartialOff : p.staging.partialStage;
+}
+
 // Grid: p.grid.epilogueCtas CTAs; each group reduces one record of `sources` within `range` at a
-// time (source-major), into partialStage[source][record]. The first launch of the peers' records
+// time (source-major), into partialStage[source][record] (moePartialOf). The first launch of the peers' records
 // checks the pairing.
 __global__ void __launch_bounds__(kThreads) moeCombineReduceKernel(const __grid_constant__ MoeParams p,
                                                                    MoeSources sources, MoeRange range) {
@@ -294,7 +353,7 @@ __global__ void __launch_bounds__(kThreads) moeCombineReduceKernel(const __grid_
     for (int i = range.first + gs.first; i < end; i += gs.stride) {
       const std::uint64_t record = static_cast<std::uint64_t>(s) * p.shape.maxTokens + i;
       moeReduceRecord(p, recs + static_cast<std::uint64_t>(i) * p.shape.recordBytes, p.layout.sourceBase + s * p.shape.localExperts,
-                      p.staging.partialStage + record * rowBytes, stage[gs.group], gs.g, p.layout.rankMajor ? rankBase + i : -1);
+                      moePartialOf(p, s) + record * rowBytes, stage[gs.group], gs.g, p.layout.rankMajor ? rankBase + i : -1);
     }
   }
 }
@@ -313,6 +372,11 @@ __global__ void __launch_bounds__(kThreads) moeCombineFinalKernel(const __grid_c
     moeFinalToken(
         p, t,
         [&](int r) -> const char* {
+          if (moeOtherNode(p, r)) {  // node-aware: the node's one partial, from its landing rank, at the hop index
+            const int m = p.node.nodeOf[r];
+            const int j = p.node.landing[m] == r ? p.node.tokenNodeIndex[static_cast<std::uint64_t>(t) * p.shape.numRanks + m] : -1;
+            return j < 0 ? nullptr : p.movers.partialRecv + (static_cast<std::uint64_t>(r) * p.shape.maxTokens + j) * rowBytes;
+          }
           const int i = p.routing.tokenRankIndex[static_cast<std::uint64_t>(t) * p.shape.numRanks + r];
           // This rank's own partials stay where reduce wrote them (the exchange skips the own block).
           const char* base = r == p.shape.rank ? p.staging.partialStage : p.movers.partialRecv;
@@ -351,12 +415,14 @@ cudaError_t launchMoeCombineFinal(const MoeParams& p, MoeRange range, cudaStream
 
 cudaError_t launchMoeNodePost(const MoeParams& p, int which, cudaStream_t stream) {
   GRAPHEP_LAUNCH_REQUIRE(p.node.aware != 0, "node.aware %d (the node-aware dispatch only)", p.node.aware);
+  GRAPHEP_LAUNCH_REQUIRE(which >= 0 && which < kMoeNodeSignals, "signal %d (0 to %d)", which, kMoeNodeSignals - 1);
   moeNodePostKernel<<<1, 32, 0, stream>>>(p, which);
   return cudaGetLastError();
 }
 
 cudaError_t launchMoeNodeWait(const MoeParams& p, int which, cudaStream_t stream) {
   GRAPHEP_LAUNCH_REQUIRE(p.node.aware != 0, "node.aware %d (the node-aware dispatch only)", p.node.aware);
+  GRAPHEP_LAUNCH_REQUIRE(which >= 0 && which < kMoeNodeSignals, "signal %d (0 to %d)", which, kMoeNodeSignals - 1);
   moeNodeWaitKernel<<<1, 32, 0, stream>>>(p, which);
   return cudaGetLastError();
 }
@@ -365,9 +431,13 @@ cudaError_t launchMoeForward(const MoeParams& p, cudaStream_t stream) {
   return launchGrid(__func__, "grid.epilogueCtas", p.grid.epilogueCtas, kThreads, stream, moeForwardKernel, p);
 }
 
+cudaError_t launchMoeNodeSum(const MoeParams& p, cudaStream_t stream) {
+  return launchGrid(__func__, "grid.epilogueCtas", p.grid.epilogueCtas, kThreads, stream, moeNodeSumKernel, p);
+}
+
 cudaError_t preloadMoeMoversKernels() {
   return preloadKernels(moePackKernel, moeOffsetsKernel, moeExpandKernel, moeCombineReduceKernel, moeCombineFinalKernel,
-                        moeForwardKernel, moeNodePostKernel, moeNodeWaitKernel);
+                        moeForwardKernel, moeNodeSumKernel, moeNodePostKernel, moeNodeWaitKernel);
 }
 
 }  // namespace graphep

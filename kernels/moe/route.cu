@@ -16,7 +16,8 @@
 //           index in each destination rank's record list, or -1.
 // The node-aware dispatch (p.node.aware) adds a row per node after the ranks' (a token's bit where
 // it goes to some rank of the node), its prefix and total (nodeRecords), and each node's hop list
-// (nodeTokens): the tokens going there, in token order.
+// (nodeTokens): the tokens going there, in token order, and each token's index there
+// (tokenNodeIndex, for the combine's final).
 #include <cub/warp/warp_scan.cuh>
 
 #include "kernels/common/launch.h"
@@ -137,10 +138,11 @@ __global__ void __launch_bounds__(kThreads) moeRouteAssignKernel(const __grid_co
   for (int n = gridThread(); n < T * N; n += gridThreads()) {  // each node's hop list
     const int t = n / N, m = n % N, w = t >> 5;
     const std::uint32_t bits = p.routing.bits[(E + R + m) * W + w];
-    if ((bits >> (t & 31)) & 1u) {
-      const int j = static_cast<int>(p.routing.blockPrefix[(E + R + m) * W + w]) + __popc(bits & ((1u << (t & 31)) - 1u));
-      p.node.nodeTokens[static_cast<std::uint64_t>(m) * p.shape.maxTokens + j] = t;
-    }
+    const int j = (bits >> (t & 31)) & 1u
+                      ? static_cast<int>(p.routing.blockPrefix[(E + R + m) * W + w]) + __popc(bits & ((1u << (t & 31)) - 1u))
+                      : -1;
+    p.node.tokenNodeIndex[static_cast<std::uint64_t>(t) * R + m] = j;
+    if (j >= 0) p.node.nodeTokens[static_cast<std::uint64_t>(m) * p.shape.maxTokens + j] = t;
   }
 }
 

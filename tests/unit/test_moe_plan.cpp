@@ -66,65 +66,78 @@ void expectLaidOut(const std::vector<std::pair<std::size_t, std::size_t>>& regio
 
 TEST(Unit_MoePlan, LocalRegionsHoldWhatTheKernelsWrite) {
   for (const PlanCase& pc : planCases()) {
-    const MoeConfig& c = pc.cfg;
-    const int R = pc.R;
-    const moe_setup::MoeSizes z = moe_setup::moeSizes(c, R);
-    const bool throughput = moe_setup::preferredPath(c, R) == MoePath::kThroughput;
-    const std::size_t cap = static_cast<std::size_t>(Engine::receiveCapacity(c, R));
-    const LocalCarve o = moe_setup::carveLocal(c, z, cap, throughput);
-    const std::size_t T = static_cast<std::size_t>(c.maxTokensPerRank), Rs = static_cast<std::size_t>(R);
-    const std::size_t H = static_cast<std::size_t>(c.hidden), L = static_cast<std::size_t>(c.numExperts / R);
-    const std::size_t K = static_cast<std::size_t>(c.topK);
-    const bool fp8 = c.dispatchType == DType::kFp8E4m3, rankMajor = c.receiveLayout == ReceiveLayout::kRankMajor;
-    const std::size_t stamps = (kMoeStampWords * static_cast<std::size_t>(MoeKernel::kCount) + kMoeTraceWords) * 8;
-    // In carve order, with the bytes each region must hold (docs/DESIGN.md §5.1, kernels/moe/moe.h).
-    const std::vector<std::pair<std::size_t, std::size_t>> regions = {
-        {o.status, sizeof(MoeDeviceStatus)},
-        {o.live, 4},
-        {o.pending, 4},
-        {o.tokRank, T * Rs * 4},
-        {o.entry, throughput ? T * K * 4 : 0},
-        {o.expertCount, throughput ? static_cast<std::size_t>(c.numExperts) * 4 : 0},
-        {o.rankCount, throughput ? Rs * 4 : 0},
-        {o.routeBits, throughput ? o.routeZero : 0},
-        {o.routePrefix, throughput ? (static_cast<std::size_t>(c.numExperts) + Rs) * o.routeWords * 4 : 0},
-        {o.recSend, throughput ? Rs * T * z.recBytes : 0},
-        {o.cntSend, throughput ? Rs * z.cntMsgBytes : 0},
-        {o.cntRecv, throughput ? Rs * z.cntMsgBytes : 0},
-        {o.arrays, throughput ? 12 * Rs * 8 : 0},
-        {o.recvRows, Rs * 4},
-        {o.srcBase, Rs * L * 4},
-        {o.offsets, (L + 1) * 4},
-        {o.counts, L * 4},
-        {o.dropped, L * 4},
-        {o.numRows, 4},
-        {o.totals, L * 8},
-        {o.recvX, cap * (fp8 ? H : 2 * H)},
-        {o.scales, cap * (H / 128) * 4},  // a bf16 engine keeps fp8 scales too
-        {o.rowRank, cap * 4},
-        {o.rowToken, cap * 4},
-        {o.rowSlot, cap * 4},
-        {o.rowWeight, cap * 4},
-        {o.y, cap * 2 * H},
-        {o.combSend, throughput ? Rs * T * 2 * H : 0},
-        {o.combValSend, throughput ? Rs * T * kMoeMaxValues * 4 : 0},
-        {o.rankOffsets, rankMajor ? (Rs + 1) * 4 : 0},
-        {o.rowExperts, rankMajor ? cap * K * 4 : 0},
-        {o.rowExpertWeights, rankMajor ? cap * K * 4 : 0},
-        {o.sourceRanges, rankMajor ? 0 : L * Rs * 8},
-        {o.llSteps, 8},
-        {o.llDone, 8},
-        {o.llMask, 3 * 4},         // the active-rank mask, the last dispatch's, a latency send half's
-        {o.llExpected, 2 * Rs * 4},  // latency: the arrivals expected; direct: the steps each pair shared
-        {o.llShrink, !throughput && c.shrinkOnTimeout ? 2 * 4 * 4 : 0},  // shrink on timeout: [2 operations][4 words]
-        {o.llZeroMsg, std::max(z.cntMsgBytes, z.directMsgBytes)},  // read as either path's count message
-        {o.llBarrier, Rs * 4},  // the device barrier's pair counts
-        {o.combArrive, throughput ? Rs * o.routeWords * 4 : 0},
-        {o.combReady, throughput ? Rs * o.routeWords * 4 : 0},
-        {o.timeline, c.profile ? stamps : 0},
-    };
-    expectLaidOut(regions, o.bytes, pc.name);
-    EXPECT_EQ(Engine::memoryRequirements(c, R).privateBytes, o.bytes) << pc.name;
+    for (const bool aware : {false, true}) {  // flat, and node-aware (docs/DESIGN.md §5.10)
+      const MoeConfig& c = pc.cfg;
+      const int R = pc.R;
+      const moe_setup::MoeSizes z = moe_setup::moeSizes(c, R, aware);
+      const bool throughput = moe_setup::preferredPath(c, R) == MoePath::kThroughput;
+      const bool node = throughput && aware;
+      const std::size_t cap = static_cast<std::size_t>(Engine::receiveCapacity(c, R));
+      const LocalCarve o = moe_setup::carveLocal(c, z, cap, throughput);
+      const std::size_t T = static_cast<std::size_t>(c.maxTokensPerRank), Rs = static_cast<std::size_t>(R);
+      const std::size_t H = static_cast<std::size_t>(c.hidden), L = static_cast<std::size_t>(c.numExperts / R);
+      const std::size_t K = static_cast<std::size_t>(c.topK);
+      const bool fp8 = c.dispatchType == DType::kFp8E4m3, rankMajor = c.receiveLayout == ReceiveLayout::kRankMajor;
+      const std::size_t stamps = (kMoeStampWords * static_cast<std::size_t>(MoeKernel::kCount) + kMoeTraceWords) * 8;
+      // In carve order, with the bytes each region must hold (docs/DESIGN.md §5.1, kernels/moe/moe.h).
+      const std::vector<std::pair<std::size_t, std::size_t>> regions = {
+          {o.status, sizeof(MoeDeviceStatus)},
+          {o.live, 4},
+          {o.pending, 4},
+          {o.tokRank, T * Rs * 4},
+          {o.entry, throughput ? T * K * 4 : 0},
+          {o.expertCount, throughput ? static_cast<std::size_t>(c.numExperts) * 4 : 0},
+          {o.rankCount, throughput ? Rs * 4 : 0},
+          {o.routeBits, throughput ? o.routeZero : 0},
+          {o.routePrefix, throughput ? (static_cast<std::size_t>(c.numExperts) + 2 * Rs) * o.routeWords * 4 : 0},  // experts, ranks, nodes
+          {o.recSend, throughput ? Rs * T * z.recBytes : 0},
+          {o.cntSend, throughput ? Rs * z.cntMsgBytes : 0},
+          {o.cntRecv, throughput ? Rs * z.cntMsgBytes : 0},
+          {o.arrays, throughput ? 12 * Rs * 8 : 0},
+          {o.recvRows, Rs * 4},
+          {o.srcBase, Rs * L * 4},
+          {o.offsets, (L + 1) * 4},
+          {o.counts, L * 4},
+          {o.dropped, L * 4},
+          {o.numRows, 4},
+          {o.totals, L * 8},
+          {o.recvX, cap * (fp8 ? H : 2 * H)},
+          {o.scales, cap * (H / 128) * 4},  // a bf16 engine keeps fp8 scales too
+          {o.rowRank, cap * 4},
+          {o.rowToken, cap * 4},
+          {o.rowSlot, cap * 4},
+          {o.rowWeight, cap * 4},
+          {o.y, cap * 2 * H},
+          {o.combSend, throughput ? Rs * T * 2 * H : 0},
+          {o.combValSend, throughput ? Rs * T * kMoeMaxValues * 4 : 0},
+          {o.rankOffsets, rankMajor ? (Rs + 1) * 4 : 0},
+          {o.rowExperts, rankMajor ? cap * K * 4 : 0},
+          {o.rowExpertWeights, rankMajor ? cap * K * 4 : 0},
+          {o.sourceRanges, rankMajor ? 0 : L * Rs * 8},
+          {o.llSteps, 8},
+          {o.llDone, 8},
+          {o.llMask, 3 * 4},         // the active-rank mask, the last dispatch's, a latency send half's
+          {o.llExpected, 2 * Rs * 4},  // latency: the arrivals expected; direct: the steps each pair shared
+          {o.llShrink, !throughput && c.shrinkOnTimeout ? 2 * 4 * 4 : 0},  // shrink on timeout: [2 operations][4 words]
+          {o.llZeroMsg, std::max(z.cntMsgBytes, z.directMsgBytes)},  // read as either path's count message
+          {o.llBarrier, Rs * 4},  // the device barrier's pair counts
+          {o.nodeTokens, node ? Rs * T * 4 : 0},  // hop lists, at most one per rank
+          {o.nodeRecords, node ? Rs * 4 : 0},
+          {o.tokenNodeIndex, node ? T * Rs * 4 : 0},
+          {o.nodeSeen, node ? kMoeNodeSignals * Rs * 4 : 0},
+          {o.combArrive, throughput ? Rs * o.routeWords * 4 : 0},
+          {o.combReady, throughput ? Rs * o.routeWords * 4 : 0},
+          {o.timeline, c.profile ? stamps : 0},
+      };
+      expectLaidOut(regions, o.bytes, pc.name + (aware ? " node-aware" : ""));
+      EXPECT_EQ(o.routeZero, ((static_cast<std::size_t>(c.numExperts) + 2 * Rs) * o.routeWords +
+                              static_cast<std::size_t>(c.numExperts) * o.routeWords + 1) * 4) << pc.name;
+      if (!aware) EXPECT_EQ(Engine::memoryRequirements(c, R).privateBytes, o.bytes) << pc.name;
+      if (aware) {  // room for the hop record's [R] indices and the count message's hop word
+        EXPECT_GE(z.recBytes, z.payloadBytes + moeMetaBytes(c.topK) + Rs * 4) << pc.name;
+        EXPECT_GE(z.cntMsgBytes, (2 + L) * 8) << pc.name;
+      }
+    }
   }
 }
 
@@ -164,6 +177,27 @@ TEST(Unit_MoePlan, HeapRegionsHoldWhatThePeersWrite) {
                        {h.llBarrier, Rs * 4}},
                       h.heap.userBytes, where);
         EXPECT_GT(h.heap.moverSlotBytes, 0u) << where;
+        EXPECT_EQ(h.fwdRecv + h.nodePartial + h.nodeSummed, 0u) << where << ": no node-aware regions when flat";
+        // Node-aware: the forwarded records, the node's partials and the four signals' counters too.
+        const moe_setup::MoeSizes za = moe_setup::moeSizes(c, R, true);
+        const PathHeap a = moe_setup::pathHeap(path, za, c);
+        expectLaidOut({{a.recRecv, Rs * T * za.recBytes},
+                       {a.combRecv, Rs * T * za.rowBytes},
+                       {a.llCnt, 2 * Rs * za.directMsgBytes},
+                       {a.llFlag, Rs * 4},
+                       {a.llBlock, Rs * W * 4},
+                       {a.llCombBlock, Rs * W * 4},
+                       {a.llDispAck, Rs * 4},
+                       {a.llCombAck, Rs * 4},
+                       {a.llCombVal, Rs * T * kMoeMaxValues * 4},
+                       {a.fwdRecv, Rs * T * za.recBytes},
+                       {a.nodePartial, Rs * T * za.rowBytes},
+                       {a.nodeReady, Rs * 4},
+                       {a.nodeForwarded, Rs * 4},
+                       {a.nodeReduced, Rs * 4},
+                       {a.nodeSummed, Rs * 4},
+                       {a.llBarrier, Rs * 4}},
+                      a.heap.userBytes, where + " node-aware");
       }
       EXPECT_EQ(h.heap.numRanks, R) << where;
       EXPECT_EQ(h.heap.userBytes % 4096, 0u) << where;

@@ -1,6 +1,8 @@
 // The MoE case suites' harness (harness.cuh): the stand-in expert kernels and the reference.
 #include "common/moe/harness.cuh"
 
+#include "engine/env.hpp"
+
 namespace graphep::test::moe {
 namespace {
 
@@ -261,8 +263,13 @@ unsigned long long invalidCount(const MoeConfig& g, const Inputs& in) {
   return n;
 }
 
+int nodeAwareSize(int R) {
+  const int nodes = static_cast<int>(env::kEmulatedNodes.get());
+  return nodes > 1 && R / nodes > 1 && env::kNodeAware.get() != 0 ? R / nodes : 0;
+}
+
 CombineRef combineRef(const MoeConfig& g, const Inputs& mine, const std::vector<RefLayout>& refs, int r, int t,
-                      int h, float yScale) {
+                      int h, float yScale, int nodeSize) {
   const int K = g.topK, R = static_cast<int>(refs.size()), Lx = g.numExperts / R;
   const std::size_t Tm = static_cast<std::size_t>(g.maxTokensPerRank);
   std::vector<float> partial(static_cast<std::size_t>(R), 0.f);
@@ -282,9 +289,21 @@ CombineRef combineRef(const MoeConfig& g, const Inputs& mine, const std::vector<
   CombineRef c;
   float home = 0.f;
   double mag = 0;
+  auto bf16Of = [](float v) { return bf16Value(bf16Bits(v)); };
   for (int d = 0; d < R; ++d) {
+    const bool remote = nodeSize > 0 && d / nodeSize != r / nodeSize;
+    if (remote && d % nodeSize == r % nodeSize) {  // the landing rank: its node's partials, summed there
+      float node = 0.f;
+      bool any = false;
+      for (int e = d / nodeSize * nodeSize; e < (d / nodeSize + 1) * nodeSize; ++e) {
+        if (!goes[static_cast<std::size_t>(e)]) continue;
+        node += bf16Of(partial[static_cast<std::size_t>(e)]);
+        any = true;
+      }
+      if (any) home += bf16Of(node);
+    }
     if (!goes[static_cast<std::size_t>(d)]) continue;
-    home += bf16Value(bf16Bits(partial[static_cast<std::size_t>(d)]));
+    if (!remote) home += bf16Of(partial[static_cast<std::size_t>(d)]);
     c.sum += exactPart[static_cast<std::size_t>(d)];
     c.bound += std::fabs(exactPart[static_cast<std::size_t>(d)]) / 256.0;
     mag += magPart[static_cast<std::size_t>(d)];

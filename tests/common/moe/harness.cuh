@@ -121,8 +121,17 @@ RefLayout refLayout(const MoeCase& c, const std::vector<Inputs>& all, int r, lon
 
 unsigned long long invalidCount(const MoeConfig& g, const Inputs& in);
 
+// The combine's bit-exact output for rank r's token t, value h: each destination's partial (fp32
+// in slot order, bf16), summed in rank order (fp32, bf16 out). Node-aware (nodeSize ranks per
+// emulated node, consecutive; 0: flat), a remote node's partials are first summed by its landing
+// rank (the one whose index in that node is r's: fp32 in rank order, bf16) and that sum stands at
+// the landing rank's place.
 CombineRef combineRef(const MoeConfig& g, const Inputs& mine, const std::vector<RefLayout>& refs, int r, int t,
-                      int h, float yScale);
+                      int h, float yScale, int nodeSize = 0);
+
+// Ranks per emulated node where R ranks run the node-aware dispatch and combine
+// (GRAPHEP_EMULATED_NODES of several ranks each, GRAPHEP_NODE_AWARE not 0), else 0.
+int nodeAwareSize(int R);
 
 const char* routingName(Routing r);
 
@@ -178,7 +187,10 @@ class MoeFixture {
  public:
   MoeFixture(Communicator& comm, const MoeCase& c) : comm_(comm), c_(c) {
     engines_ = Engine::createAll(comm, c.cfg);
-    for (const auto& e : engines_) layouts_.push_back(e->layout());
+    for (const auto& e : engines_) {
+      layouts_.push_back(e->layout());
+      paths_.push_back(e->path());  // kept for checks after dropEngines
+    }
     const MoeConfig& g = c.cfg;
     const std::size_t Tm = static_cast<std::size_t>(g.maxTokensPerRank);
     for (int l = 0; l < comm.numLocalRanks(); ++l) {
@@ -446,6 +458,8 @@ class MoeFixture {
     const Inputs& mine = all[static_cast<std::size_t>(r)];
     const int T = liveCount(g, mine.T);
     const std::size_t Tm = static_cast<std::size_t>(g.maxTokensPerRank);
+    // Node-aware sums on the throughput path over the movers only (the latency path's are flat).
+    const int nodeSize = paths_[static_cast<std::size_t>(l)] == MoePath::kThroughput ? nodeAwareSize(comm_.worldSize()) : 0;
     std::vector<std::uint16_t> out(Tm * static_cast<std::size_t>(H));
     GRAPHEP_CUDA_CHECK(cudaMemcpy(out.data(), buf(l).out, out.size() * 2, cudaMemcpyDeviceToHost));
     for (int t = 0; t < static_cast<int>(Tm); ++t) {
@@ -465,7 +479,7 @@ class MoeFixture {
           }
           continue;
         }
-        const CombineRef ref = combineRef(g, mine, refs, r, t, h, yScale_);
+        const CombineRef ref = combineRef(g, mine, refs, r, t, h, yScale_, nodeSize);
         const double got = bf16Value(gotBits);
         if (gotBits != ref.bits) {  // within the bound: an order or rounding slip; past it: a wrong value
           fail("out[" + std::to_string(t) + "][" + std::to_string(h) + "] = " + std::to_string(got) +
@@ -486,6 +500,7 @@ class MoeFixture {
   Communicator& comm_;
   MoeCase c_;
   std::vector<std::unique_ptr<Engine>> engines_;
+  std::vector<MoePath> paths_;
   std::vector<DispatchLayout> layouts_;
   std::vector<RankBuffers> bufs_;
   float yScale_ = 1.0f;
