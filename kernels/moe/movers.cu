@@ -55,6 +55,27 @@ __device__ inline int moeHopRecordsFrom(const MoeParams& p, int s) {
   return moeOtherNode(p, s) ? moeHopRecordsIn(p, msg) : 0;
 }
 
+// The hop records that landed here, in source order (forward and node-sum take them alike): how
+// many, and item m's source s, its index j in s's hop list and the record (recordRecv[s][j]).
+__device__ inline int moeHopRecordsHere(const MoeParams& p) {
+  int total = 0;
+  for (int s = 0; s < p.shape.numRanks; ++s) total += moeHopRecordsFrom(p, s);
+  return total;
+}
+struct MoeHopItem {
+  int source, index;
+  const char* record;
+};
+__device__ inline MoeHopItem moeHopItem(const MoeParams& p, int m) {
+  int s = 0, j = m;
+  for (; s < p.shape.numRanks; ++s) {
+    const int n = moeHopRecordsFrom(p, s);
+    if (j < n) break;
+    j -= n;
+  }
+  return MoeHopItem{s, j, p.staging.recordRecv + (static_cast<std::uint64_t>(s) * p.shape.maxTokens + j) * p.shape.recordBytes};
+}
+
 // Chunk j's share of a list of n entries, in bytes of `unit` each (MoeMoverParams: chunk j holds
 // list indices [j * chunkRecords, (j + 1) * chunkRecords)).
 __device__ inline std::uint64_t moeChunkBytes(const MoeParams& p, int j, long long n, std::uint64_t unit) {
@@ -242,19 +263,10 @@ __global__ void __launch_bounds__(kThreads) moeForwardKernel(const __grid_consta
   __shared__ int dstRanks[kGroups][kMaxRanks];
   __shared__ int ndst[kGroups];
   const MoeGroupSlice gs = moeGroupSlice();
-  const int R = p.shape.numRanks;
-  auto hops = [&](int s) { return moeHopRecordsFrom(p, s); };
-  int total = 0;
-  for (int s = 0; s < R; ++s) total += hops(s);
+  const int total = moeHopRecordsHere(p);
   for (int m = gs.first; m < total; m += gs.stride) {
-    int s = 0, j = m;  // item m: the sources' hop records in rank order
-    for (; s < R; ++s) {
-      const int n = hops(s);
-      if (j < n) break;
-      j -= n;
-    }
-    const char* hop = p.staging.recordRecv + (static_cast<std::uint64_t>(s) * p.shape.maxTokens + j) * p.shape.recordBytes;
-    moeForwardRecord(p, s, hop, dsts[gs.group], dstRanks[gs.group], &ndst[gs.group], gs.g);
+    const MoeHopItem hop = moeHopItem(p, m);
+    moeForwardRecord(p, hop.source, hop.record, dsts[gs.group], dstRanks[gs.group], &ndst[gs.group], gs.g);
   }
 }
 
@@ -268,18 +280,11 @@ __global__ void __launch_bounds__(kThreads) moeNodeSumKernel(const __grid_consta
   const MoeGroupSlice gs = moeGroupSlice();
   const int R = p.shape.numRanks, T = p.shape.maxTokens;
   const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.shape.hidden) * 2;
-  auto hops = [&](int s) { return moeHopRecordsFrom(p, s); };
-  int total = 0;
-  for (int s = 0; s < R; ++s) total += hops(s);
+  const int total = moeHopRecordsHere(p);
   for (int m = gs.first; m < total; m += gs.stride) {
-    int s = 0, j = m;  // item m: the sources' hop records in rank order
-    for (; s < R; ++s) {
-      const int n = hops(s);
-      if (j < n) break;
-      j -= n;
-    }
-    const char* hop = p.staging.recordRecv + (static_cast<std::uint64_t>(s) * T + j) * p.shape.recordBytes;
-    const auto* fwd = reinterpret_cast<const std::int32_t*>(hop + p.shape.payloadBytes + moeMetaBytes(p.shape.topK));
+    const MoeHopItem hop = moeHopItem(p, m);
+    const int s = hop.source, j = hop.index;
+    const auto* fwd = reinterpret_cast<const std::int32_t*>(hop.record + p.shape.payloadBytes + moeMetaBytes(p.shape.topK));
     gs.g.sync();  // the group's previous readers of `parts` are done
     if (gs.g.tid == 0) {
       int n = 0;
