@@ -34,6 +34,16 @@ int NodeMap::landing(int rank, int node) const {
   return -1;  // not reached: `node` has `size` ranks
 }
 
+NodeMap::Peers NodeMap::landingPeers(int rank) const {
+  Peers p{nodeMask(rank), nodeMask(rank)};
+  for (int q = 0; q < static_cast<int>(nodeOf.size()); ++q) {
+    if (!apart(rank, q)) continue;
+    if (landing(rank, nodeOf[static_cast<std::size_t>(q)]) == q) p.send |= 1u << q;
+    if (landing(q, nodeOf[static_cast<std::size_t>(rank)]) == rank) p.recv |= 1u << q;
+  }
+  return p;
+}
+
 namespace {
 
 // Reach's classes, refusing an asymmetric or non-transitive reach by name.

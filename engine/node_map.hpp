@@ -26,6 +26,13 @@ struct NodeMap {
   // docs/DESIGN.md §5.10): the one whose index in its node is rank's index in its own, modulo the
   // node's size (nodes may differ in size); `rank` itself on its own node.
   int landing(int rank, int node) const;
+  // The node-aware records exchange of `rank` (bit q): it sends to its node's ranks and to its
+  // landing rank on every other node, and receives from its node's ranks and from every rank
+  // whose landing rank on this node it is. The combine's partials go the other way.
+  struct Peers {
+    std::uint32_t send, recv;
+  };
+  Peers landingPeers(int rank) const;
   // Whether the node-aware dispatch can gain anything: several nodes, and some with several ranks
   // (with one rank per node every record already crosses once per (token, node)).
   bool worthGrouping() const { return numNodes > 1 && numNodes < static_cast<int>(nodeOf.size()); }

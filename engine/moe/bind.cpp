@@ -302,14 +302,9 @@ void bindExchanges(const BindPlan& plan, const MoeParams& p, char* block, char* 
                                    Rs * T * recBytes, T * recBytes, true);
   records.skipOwnBlock = true;
   if (p.node.aware) {  // records to this node's ranks and to the landing ranks on the others; hop records from the ranks landing here
-    const NodeMap& nodes = plan.nodes;
-    const int me = p.shape.rank;
-    records.sendPeers = records.recvPeers = nodes.nodeMask(me);
-    for (int q = 0; q < static_cast<int>(Rs); ++q) {
-      if (!nodes.apart(me, q)) continue;
-      if (nodes.landing(me, nodes.nodeOf[static_cast<std::size_t>(q)]) == q) records.sendPeers |= 1u << q;
-      if (nodes.landing(q, nodes.nodeOf[static_cast<std::size_t>(me)]) == me) records.recvPeers |= 1u << q;
-    }
+    const NodeMap::Peers peers = plan.nodes.landingPeers(p.shape.rank);
+    records.sendPeers = peers.send;
+    records.recvPeers = peers.recv;
   }
   AllToAllvArgs partials = exchange(x.partials, p.staging.partialStage, Rs * T * rowBytes, user + ph.combRecv,
                                     Rs * T * rowBytes, T * rowBytes, true);

@@ -71,6 +71,18 @@ TEST(Unit_NodeMap, LandingRanksKeepTheIndexInTheNode) {
   EXPECT_EQ(m.landing(0, 2), 5);
   EXPECT_EQ(m.landing(5, 0), 0);
   EXPECT_EQ(m.nodeMask(2), 0b010101u);
+  // The records exchange's peers: rank 4 sends to node 1's rank 1 (4's index 2 mod 2 = 0) and to
+  // rank 5; rank 1 receives from ranks 0 and 4 of node 0 (indices 0 and 2, both 0 mod 2) and from
+  // rank 5 (node 2's index 0); every pair agrees.
+  EXPECT_EQ(m.landingPeers(4).send, 0b110111u);
+  EXPECT_EQ(m.landingPeers(1).recv, 0b111011u);
+  for (int a = 0; a < 6; ++a) {
+    for (int b = 0; b < 6; ++b) {
+      EXPECT_EQ((m.landingPeers(a).send >> b) & 1u, (m.landingPeers(b).recv >> a) & 1u) << a << " -> " << b;
+    }
+  }
+  EXPECT_EQ(two.landingPeers(1).send, 0b1011u);  // its node (0, 1) and rank 3
+  EXPECT_EQ(two.landingPeers(1).recv, 0b1011u);
   // One rank per node, or one node: nothing to group.
   EXPECT_FALSE(nodeMap(machinesOf({0, 1, 2}), 0).worthGrouping());
   EXPECT_FALSE(nodeMap(machinesOf({0, 0, 0}), 0).worthGrouping());
