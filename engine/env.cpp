@@ -54,12 +54,14 @@ const IntVar kEmulatedNodes({"GRAPHEP_EMULATED_NODES", Type::kInt, "0",
                               "runs over the movers); 0: the nodes are the machines; read at setup",
                               nullptr, 0, 32});
 
-const IntVar kNodeAware({"GRAPHEP_NODE_AWARE", Type::kInt, "1",
-                          "the MoE throughput path over the movers, with ranks on several nodes (some with "
-                          "several ranks), sends a token once per remote node and forwards it inside the node "
-                          "(1), or once per remote rank (0: the flat scheme); read at engine setup, 0 on any "
-                          "rank makes every rank flat",
-                          nullptr, 0, 1});
+const ChoiceVar kNodeAware({"GRAPHEP_NODE_AWARE", Type::kChoice, "auto",
+                             "the MoE throughput path over the movers, with ranks on several nodes (some with "
+                             "several ranks), sends a token once per remote node and forwards it inside the node "
+                             "(on), or once per remote rank (off: the flat scheme); auto: on for emulated nodes "
+                             "(GRAPHEP_EMULATED_NODES), off across real machines, where its NCCL exchange has not "
+                             "run yet; read at engine setup, off on any rank makes every rank flat, else on on "
+                             "any rank turns it on",
+                             "auto|on|off", 0, 0});
 
 const StringVar kFaultAfterLaunch({"GRAPHEP_FAULT_AFTER_LAUNCH", Type::kString, "",
                                    "tests only: an MoE operation fails right after queuing the named launch "

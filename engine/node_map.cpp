@@ -1,6 +1,7 @@
 #include "engine/node_map.hpp"
 
 #include <algorithm>
+#include <string>
 #include <vector>
 
 #include "engine/env.hpp"
@@ -19,13 +20,13 @@ std::uint32_t NodeMap::networkMask(int rank) const {
 
 int NodeMap::landing(int rank, int node) const {
   const int R = static_cast<int>(nodeOf.size());
+  GRAPHEP_REQUIRE(rank >= 0 && rank < R && node >= 0 && node < numNodes, Status::kInvalidArgument,
+                  "nodes: no landing rank for rank %d on node %d (%d ranks, %d nodes)", rank, node, R, numNodes);
   int index = 0, size = 0;  // rank's index in its own node; the size of `node`
   for (int q = 0; q < R; ++q) {
     if (q < rank && !apart(q, rank)) ++index;
     if (nodeOf[static_cast<std::size_t>(q)] == node) ++size;
   }
-  GRAPHEP_REQUIRE(rank >= 0 && rank < R && size > 0, Status::kInvalidArgument,
-                  "nodes: no landing rank for rank %d on node %d (%d ranks, %d nodes)", rank, node, R, numNodes);
   if (nodeOf[static_cast<std::size_t>(rank)] == node) return rank;
   for (int q = 0, i = 0; q < R; ++q) {
     if (nodeOf[static_cast<std::size_t>(q)] != node) continue;
@@ -84,6 +85,22 @@ NodeMap reachClasses(const std::vector<std::vector<bool>>& reach) {
   return m;
 }
 
+// Whether reach is an equivalence (reflexive, symmetric, transitive): the ranks group into
+// machines. reachClasses refuses the others by name; setup asks first, so as to stay flat quietly.
+bool groupsIntoMachines(const std::vector<std::vector<bool>>& reach) {
+  const std::size_t R = reach.size();
+  for (std::size_t a = 0; a < R; ++a) {
+    if (!reach[a][a]) return false;
+    for (std::size_t b = 0; b < R; ++b) {
+      if (reach[a][b] != reach[b][a]) return false;
+      for (std::size_t c = 0; c < R; ++c) {
+        if (reach[a][b] && reach[b][c] && !reach[a][c]) return false;
+      }
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 NodeMap nodeMap(const std::vector<std::vector<bool>>& reach, int emulatedNodes) {
@@ -118,7 +135,8 @@ NodeMap nodeMapOf(const SymmetricHeap& heap) {
   const int R = heap.worldSize(), L = heap.numLocalRanks();
   const std::size_t row = static_cast<std::size_t>(R) + 2;
   const auto asked = static_cast<std::uint8_t>(env::kEmulatedNodes.get());
-  const auto flat = static_cast<std::uint8_t>(env::kNodeAware.get() == 0 ? 1 : 0);
+  const std::string grouping = env::kNodeAware.get();
+  const auto flat = static_cast<std::uint8_t>(grouping == "off" ? 1 : grouping == "on" ? 2 : 0);
   std::vector<std::uint8_t> mine(static_cast<std::size_t>(L) * row, 0);
   for (int l = 0; l < L; ++l) {
     mine[static_cast<std::size_t>(l) * row] = asked;
@@ -131,10 +149,11 @@ NodeMap nodeMapOf(const SymmetricHeap& heap) {
   std::vector<std::uint8_t> all(static_cast<std::size_t>(R) * row, 0);
   heap.comm().allgather(mine.data(), all.data(), row);
   int emulated = 0;  // the largest any rank asked for, so that every rank builds the same map
-  bool flatAsked = false;
+  bool flatAsked = false, groupAsked = false;
   for (int a = 0; a < R; ++a) {
     emulated = std::max(emulated, static_cast<int>(all[static_cast<std::size_t>(a) * row]));
-    flatAsked = flatAsked || all[static_cast<std::size_t>(a) * row + 1] != 0;
+    flatAsked = flatAsked || all[static_cast<std::size_t>(a) * row + 1] == 1;
+    groupAsked = groupAsked || all[static_cast<std::size_t>(a) * row + 1] == 2;
   }
   std::vector<std::vector<bool>> reach(static_cast<std::size_t>(R), std::vector<bool>(static_cast<std::size_t>(R)));
   for (int a = 0; a < R; ++a) {
@@ -147,15 +166,14 @@ NodeMap nodeMapOf(const SymmetricHeap& heap) {
   if (emulated > 0) {
     m = nodeMap(reach, emulated);
     m.emulated = true;
-  } else {
-    try {
-      m = nodeMap(reach, 0);  // the machines
-    } catch (const Error&) {  // a reach that is no equivalence (the same on every rank: it is gathered)
-      m.nodeOf.assign(static_cast<std::size_t>(R), 0);
-      m.numNodes = 1;
-    }
+  } else if (groupsIntoMachines(reach)) {
+    m = nodeMap(reach, 0);  // the machines
+  } else {  // one node: the engine stays flat (the same on every rank: the reach is gathered)
+    m.nodeOf.assign(static_cast<std::size_t>(R), 0);
+    m.numNodes = 1;
   }
   m.flatAsked = flatAsked;
+  m.groupAsked = groupAsked;
   return m;
 }
 

@@ -15,7 +15,11 @@ struct NodeMap {
   std::vector<int> nodeOf;  // [R]: each rank's node, numbered by their lowest rank, from 0
   int numNodes = 1;
   bool emulated = false;  // GRAPHEP_EMULATED_NODES made these nodes (the movers then meter the network)
-  bool flatAsked = false; // some rank set GRAPHEP_NODE_AWARE=0: the MoE engine stays flat
+  bool flatAsked = false;   // some rank set GRAPHEP_NODE_AWARE=off: the MoE engine stays flat
+  bool groupAsked = false;  // some rank set GRAPHEP_NODE_AWARE=on (real machines included)
+  // Whether the MoE engine's throughput path over the movers groups its exchanges by node
+  // (GRAPHEP_NODE_AWARE auto: on emulated nodes only).
+  bool nodeAware() const { return worthGrouping() && !flatAsked && (emulated || groupAsked); }
   // Whether ranks a and b are on different nodes (their traffic crosses the network).
   bool apart(int a, int b) const { return nodeOf[static_cast<std::size_t>(a)] != nodeOf[static_cast<std::size_t>(b)]; }
   // The ranks on other nodes than `rank`, as a bit mask (R <= 32).
@@ -48,8 +52,8 @@ NodeMap nodeMap(const std::vector<std::vector<bool>>& reach, int emulatedNodes);
 // Setup, collective over the heap's communicator: every rank's load/store reach gathered, then
 // with GRAPHEP_EMULATED_NODES N > 0 on some rank (the largest asked) nodeMap(reach, N), marked
 // emulated; without it, the machines (reach's classes), or one node of every rank where the reach
-// does not group into machines (the engine then stays flat); flatAsked where some rank set
-// GRAPHEP_NODE_AWARE=0. The same map on every rank.
+// does not group into machines (the engine then stays flat); flatAsked / groupAsked where some
+// rank set GRAPHEP_NODE_AWARE off / on. The same map on every rank.
 NodeMap nodeMapOf(const SymmetricHeap& heap);
 
 }  // namespace graphep

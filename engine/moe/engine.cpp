@@ -176,7 +176,7 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
   // Ranks on several nodes: the movers path sends a token once per remote node (docs/DESIGN.md
   // §5.10), with room for it in the records and heap regions of its own (a reallocation).
   const NodeMap nodes = nodeMapOf(*group->heap);  // collective
-  if (throughput && !direct && nodes.worthGrouping() && !nodes.flatAsked) {
+  if (throughput && !direct && nodes.nodeAware()) {
     sizes = moeSizes(cfg, R, true);
     ph = pathHeap(path, sizes, cfg);
     group->heap->reallocate(ph.heap);

@@ -87,6 +87,22 @@ TEST(Unit_NodeMap, LandingRanksKeepTheIndexInTheNode) {
   EXPECT_FALSE(nodeMap(machinesOf({0, 1, 2}), 0).worthGrouping());
   EXPECT_FALSE(nodeMap(machinesOf({0, 0, 0}), 0).worthGrouping());
   test::expectError([&] { (void)two.landing(0, 3); }, Status::kInvalidArgument, "no landing rank for rank 0 on node 3");
+  test::expectError([&] { (void)two.landing(7, 0); }, Status::kInvalidArgument, "no landing rank for rank 7 on node 0");
+}
+
+TEST(Unit_NodeMap, NodeAwareOnEmulatedNodesOrWhenAsked) {
+  NodeMap real = nodeMap(machinesOf({0, 0, 1, 1}), 0);  // 2 machines of 2
+  EXPECT_FALSE(real.nodeAware()) << "real machines: off until asked (GRAPHEP_NODE_AWARE=on)";
+  real.groupAsked = true;
+  EXPECT_TRUE(real.nodeAware());
+  real.flatAsked = true;  // off on some rank wins
+  EXPECT_FALSE(real.nodeAware());
+  NodeMap emulated = nodeMap(machinesOf({0, 0, 0, 0}), 2);
+  emulated.emulated = true;
+  EXPECT_TRUE(emulated.nodeAware());
+  NodeMap singles = nodeMap(machinesOf({0, 1, 2, 3}), 0);  // a rank per node: nothing to group
+  singles.groupAsked = true;
+  EXPECT_FALSE(singles.nodeAware());
 }
 
 TEST(Unit_NodeMap, RefusalsNameTheRanks) {

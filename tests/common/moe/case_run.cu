@@ -30,7 +30,7 @@ std::uint32_t caseMask(const MoeCase& c, int run, int R) {
 // what one dispatch and combine of rank r over the movers send each rank q on another node. The
 // count message, then in the flat scheme one record per token with an expert on q and one partial
 // back per token of q with an expert on r; node-aware (several ranks per node, GRAPHEP_NODE_AWARE
-// not 0), only to q with r's index in its node (r is its landing rank and it is r's): one record
+// not off), only to q with r's index in its node (r is its landing rank and it is r's): one record
 // per token of r with an expert on q's node, and one partial per token of q with an expert on r's
 // node. Zero for q on r's node.
 // Whether R ranks on the emulated nodes run the node-aware dispatch and combine.

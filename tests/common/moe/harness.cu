@@ -265,7 +265,7 @@ unsigned long long invalidCount(const MoeConfig& g, const Inputs& in) {
 
 int nodeAwareSize(int R) {
   const int nodes = static_cast<int>(env::kEmulatedNodes.get());
-  return nodes > 1 && R / nodes > 1 && env::kNodeAware.get() != 0 ? R / nodes : 0;
+  return nodes > 1 && R / nodes > 1 && env::kNodeAware.get() != "off" ? R / nodes : 0;
 }
 
 CombineRef combineRef(const MoeConfig& g, const Inputs& mine, const std::vector<RefLayout>& refs, int r, int t,

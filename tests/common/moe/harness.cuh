@@ -130,7 +130,7 @@ CombineRef combineRef(const MoeConfig& g, const Inputs& mine, const std::vector<
                       int h, float yScale, int nodeSize = 0);
 
 // Ranks per emulated node where R ranks run the node-aware dispatch and combine
-// (GRAPHEP_EMULATED_NODES of several ranks each, GRAPHEP_NODE_AWARE not 0), else 0.
+// (GRAPHEP_EMULATED_NODES of several ranks each, GRAPHEP_NODE_AWARE not off), else 0.
 int nodeAwareSize(int R);
 
 const char* routingName(Routing r);
