@@ -76,6 +76,7 @@ void preloadMoeKernels() {
   GRAPHEP_CUDA_CHECK(preloadMoeLatencyKernels());
   GRAPHEP_CUDA_CHECK(preloadMoeRouteKernels());
   GRAPHEP_CUDA_CHECK(preloadMoeMoversKernels());
+  GRAPHEP_CUDA_CHECK(preloadMoeNodeKernels());
   GRAPHEP_CUDA_CHECK(preloadMoeDirectKernels());
   GRAPHEP_CUDA_CHECK(preloadMoeBarrierKernels());
   GRAPHEP_CUDA_CHECK(preloadMoeTokenLayoutKernels());  // graphep::tokenLayout, beside the engine's

@@ -441,7 +441,7 @@ cudaError_t launchMoeOffsets(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeExpand(const MoeParams& p, MoeSources sources, MoeRange range, cudaStream_t stream);
 cudaError_t launchMoeCombineReduce(const MoeParams& p, MoeSources sources, MoeRange range, cudaStream_t stream);
 cudaError_t launchMoeCombineFinal(const MoeParams& p, MoeRange range, cudaStream_t stream);
-// The node-aware dispatch and combine (MoeNodeParams): one CTA posts one of this rank's four
+// The node-aware dispatch and combine (kernels/moe/node.cu; MoeNodeParams): one CTA posts one of this rank's four
 // signals to every other rank of its node, or waits, bounded, for theirs; forward writes the hop
 // records that landed here (every source on another node whose landing rank this is) into the
 // fwdRecv slots of their destinations on this node; node-sum sums the node's partials of each of
@@ -455,6 +455,7 @@ cudaError_t launchMoeNodePost(const MoeParams& p, int which, cudaStream_t stream
 cudaError_t launchMoeNodeWait(const MoeParams& p, int which, cudaStream_t stream);
 cudaError_t launchMoeForward(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeNodeSum(const MoeParams& p, cudaStream_t stream);
+cudaError_t preloadMoeNodeKernels();
 cudaError_t preloadMoeMoversKernels();
 // The direct path (kernels/moe/direct.cu; every peer load/store):
 // route, then send (grid.budgetCtas CTAs) and receive (grid.epilogueCtas CTAs).

@@ -5,12 +5,17 @@
 //             the received count messages), expand (records into recv_x grouped by local expert);
 //   combine   reduce (per received record, the weighted sum of its expert rows, fp32) and final
 //             (per token, the sum of the partials that came back, fp32), bf16 rounded once.
+// Node-aware (MoeNodeParams, kernels/moe/node.cuh): pack also writes the hop records for the other
+// nodes' landing ranks, expand and reduce read another node's sources' records where a landing
+// rank forwarded them (and reduce writes their partials for it to sum), and final takes a remote
+// node's one partial; the forwards and sums themselves are kernels/moe/node.cu's.
 // Pack, expand, reduce and final only read and write this GPU's memory (the movers carry the bytes),
 // so they run on p.grid.epilogueCtas CTAs, the SMs the communication budget leaves free, as the
 // direct path's quantise, receive, reduce and final do; offsets is one CTA.
 // Launchers below.
 #include "kernels/common/launch.h"
-#include "kernels/moe/peer.cuh"
+#include "kernels/moe/common.cuh"
+#include "kernels/moe/node.cuh"
 
 namespace graphep {
 namespace {
@@ -27,53 +32,6 @@ __device__ inline bool moeTakesSource(MoeSources sources, int s, int rank) {
 __device__ inline int moeInRange(MoeRange range, long long n) {
   const long long hi = n < range.end ? n : range.end;
   return hi > range.first ? static_cast<int>(hi - range.first) : 0;
-}
-
-// Whether rank r is on another node than this rank's, under the node-aware dispatch.
-__device__ inline bool moeOtherNode(const MoeParams& p, int r) {
-  return p.node.aware != 0 && p.node.nodeOf[r] != p.node.nodeOf[p.shape.rank];
-}
-
-// The records this rank's records exchange carries to rank r: its list for r, or, for a rank on
-// another node (node-aware), the hop list of r's node where r is this rank's landing rank there
-// (none to the node's other ranks).
-__device__ inline std::uint32_t moeRecordsTo(const MoeParams& p, int r) {
-  if (!moeOtherNode(p, r)) return p.routing.rankRecords[r];
-  const int m = p.node.nodeOf[r];
-  return p.node.landing[m] == r ? p.node.nodeRecords[m] : 0u;
-}
-
-// A count message's word of hop records (node-aware: after the per-expert counts), clamped.
-__device__ inline int moeHopRecordsIn(const MoeParams& p, const std::uint64_t* msg) {
-  const std::uint64_t n = msg[1 + p.shape.localExperts];
-  return static_cast<int>(n < static_cast<std::uint64_t>(p.shape.maxTokens) ? n : p.shape.maxTokens);
-}
-
-// The hop records source s sent this rank to forward (none from this node's ranks).
-__device__ inline int moeHopRecordsFrom(const MoeParams& p, int s) {
-  const auto* msg = reinterpret_cast<const std::uint64_t*>(p.movers.countRecv + static_cast<std::uint64_t>(s) * p.shape.countMsgBytes);
-  return moeOtherNode(p, s) ? moeHopRecordsIn(p, msg) : 0;
-}
-
-// The hop records that landed here, in source order (forward and node-sum take them alike): how
-// many, and item m's source s, its index j in s's hop list and the record (recordRecv[s][j]).
-__device__ inline int moeHopRecordsHere(const MoeParams& p) {
-  int total = 0;
-  for (int s = 0; s < p.shape.numRanks; ++s) total += moeHopRecordsFrom(p, s);
-  return total;
-}
-struct MoeHopItem {
-  int source, index;
-  const char* record;
-};
-__device__ inline MoeHopItem moeHopItem(const MoeParams& p, int m) {
-  int s = 0, j = m;
-  for (; s < p.shape.numRanks; ++s) {
-    const int n = moeHopRecordsFrom(p, s);
-    if (j < n) break;
-    j -= n;
-  }
-  return MoeHopItem{s, j, p.staging.recordRecv + (static_cast<std::uint64_t>(s) * p.shape.maxTokens + j) * p.shape.recordBytes};
 }
 
 // Chunk j's share of a list of n entries, in bytes of `unit` each (MoeMoverParams: chunk j holds
@@ -196,142 +154,6 @@ __global__ void __launch_bounds__(kThreads) moeExpandKernel(const __grid_constan
   }
 }
 
-// ---- the node-aware dispatch's forwards (MoeNodeParams) ----------------------------------------
-
-// One hop record `hop` of source s (on another node) to each destination of this node it names:
-// its payload copied to every one, and each one's metadata (the slots whose experts live there,
-// as moeWriteRecordMeta writes them for a record sent directly). The group's shared arrays hold
-// the destinations.
-__device__ void moeForwardRecord(const MoeParams& p, int s, const char* hop, char** dsts, int* dstRanks, int* ndst,
-                                 const MoeGroup& g) {
-  const int R = p.shape.numRanks, T = p.shape.maxTokens;
-  if (g.tid == 0) {
-    const auto* fwd = reinterpret_cast<const std::int32_t*>(hop + p.shape.payloadBytes + moeMetaBytes(p.shape.topK));
-    int n = 0;
-    for (int q = 0; q < R; ++q) {
-      const int i = fwd[q];
-      if (((p.node.nodeMask >> q) & 1u) == 0 || i < 0 || i >= T) continue;  // not this node's, or not going there
-      dsts[n] = p.peers.userRegions[q] + p.node.fwdRecvOff +
-                (static_cast<std::uint64_t>(s) * T + static_cast<std::uint64_t>(i)) * p.shape.recordBytes;
-      dstRanks[n++] = q;
-    }
-    *ndst = n;
-  }
-  g.sync();
-  const int n = *ndst;
-  const auto* src = reinterpret_cast<const uint4*>(hop);
-  const int vecs = static_cast<int>(p.shape.payloadBytes / 16);
-  for (int c0 = g.tid; c0 < vecs; c0 += g.nthreads * kMoeUnroll) {
-    uint4 v[kMoeUnroll];
-#pragma unroll
-    for (int u = 0; u < kMoeUnroll; ++u) {
-      if (c0 + u * g.nthreads < vecs) v[u] = src[c0 + u * g.nthreads];
-    }
-    for (int d = 0; d < n; ++d) {
-      auto* out = reinterpret_cast<uint4*>(dsts[d]);
-#pragma unroll
-      for (int u = 0; u < kMoeUnroll; ++u) {
-        if (c0 + u * g.nthreads < vecs) out[c0 + u * g.nthreads] = v[u];
-      }
-    }
-  }
-  if (g.tid < 32) {  // lane k: the hop record's slot k
-    const int k = g.tid;
-    const MoeRecordHeader head = *moeRecordHeader(p, hop);
-    const bool has = k < head.nslots && k < p.shape.topK;
-    const MoeRecordSlot slot = has ? moeRecordSlots(p, hop)[k] : MoeRecordSlot{-1, 0, 0.f, 0};
-    for (int d = 0; d < n; ++d) {
-      const bool here = has && slot.localExpert / p.shape.localExperts == dstRanks[d];
-      const unsigned m = __ballot_sync(0xffffffffu, here);
-      if (here) {
-        auto* slots = reinterpret_cast<MoeRecordSlot*>(dsts[d] + p.shape.payloadBytes + sizeof(MoeRecordHeader));
-        slots[__popc(m & ((1u << k) - 1u))] =
-            MoeRecordSlot{slot.localExpert % p.shape.localExperts, slot.index, slot.weight, slot.k};
-      }
-      if (k == 0) *reinterpret_cast<MoeRecordHeader*>(dsts[d] + p.shape.payloadBytes) = MoeRecordHeader{head.token, __popc(m), {0, 0}};
-    }
-  }
-  g.sync();  // the shared destinations are rewritten for the group's next record
-}
-
-// Grid: p.grid.epilogueCtas CTAs; each group forwards one hop record at a time, those of every
-// source on another node whose landing rank this is (their count in its count message), in
-// source order.
-__global__ void __launch_bounds__(kThreads) moeForwardKernel(const __grid_constant__ MoeParams p) {
-  const MoeStamp stamp(p, MoeKernel::kForward);
-  __shared__ char* dsts[kGroups][kMaxRanks];
-  __shared__ int dstRanks[kGroups][kMaxRanks];
-  __shared__ int ndst[kGroups];
-  const MoeGroupSlice gs = moeGroupSlice();
-  const int total = moeHopRecordsHere(p);
-  for (int m = gs.first; m < total; m += gs.stride) {
-    const MoeHopItem hop = moeHopItem(p, m);
-    moeForwardRecord(p, hop.source, hop.record, dsts[gs.group], dstRanks[gs.group], &ndst[gs.group], gs.g);
-  }
-}
-
-// Grid: p.grid.epilogueCtas CTAs; each group sums one hop record's partials at a time (those
-// forward wrote), in the forward's order: the partials of the record at each destination q of this
-// node (its nodePartial slot [source][index], read in q's heap), fp32 in rank order, bf16 out into
-// partialStage[source][hop index], for the partials exchange to carry home.
-__global__ void __launch_bounds__(kThreads) moeNodeSumKernel(const __grid_constant__ MoeParams p) {
-  const MoeStamp stamp(p, MoeKernel::kNodeSum);
-  __shared__ const uint4* parts[kGroups][kMaxRanks];
-  const MoeGroupSlice gs = moeGroupSlice();
-  const int R = p.shape.numRanks, T = p.shape.maxTokens;
-  const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.shape.hidden) * 2;
-  const int total = moeHopRecordsHere(p);
-  for (int m = gs.first; m < total; m += gs.stride) {
-    const MoeHopItem hop = moeHopItem(p, m);
-    const int s = hop.source, j = hop.index;
-    const auto* fwd = reinterpret_cast<const std::int32_t*>(hop.record + p.shape.payloadBytes + moeMetaBytes(p.shape.topK));
-    gs.g.sync();  // the group's previous readers of `parts` are done
-    if (gs.g.tid == 0) {
-      int n = 0;
-      for (int q = 0; q < R; ++q) {
-        const int i = fwd[q];
-        if (((p.node.nodeMask >> q) & 1u) == 0 || i < 0 || i >= T) continue;
-        parts[gs.group][n++] = reinterpret_cast<const uint4*>(p.peers.userRegions[q] + p.node.nodePartialOff +
-                                                              (static_cast<std::uint64_t>(s) * T + i) * rowBytes);
-      }
-      for (int q = n; q < R; ++q) parts[gs.group][q] = nullptr;
-    }
-    gs.g.sync();
-    int n = 0;
-    while (n < R && parts[gs.group][n] != nullptr) ++n;
-    moeWeightedSum(
-        p, n, [&](int i) { return parts[gs.group][i]; }, [](int) { return 1.0f; },
-        reinterpret_cast<uint4*>(p.staging.partialStage + (static_cast<std::uint64_t>(s) * T + j) * rowBytes), gs.g);
-  }
-}
-
-// Node peer signal `which`'s counters (MoeNodeParams) and the wait's site.
-__device__ inline std::uint64_t moeNodeSignalOff(const MoeParams& p, int which) {
-  return which == kMoeNodeReady       ? p.node.readyOff
-         : which == kMoeNodeForwarded ? p.node.forwardedOff
-         : which == kMoeNodeReduced   ? p.node.reducedOff
-                                      : p.node.summedOff;
-}
-
-// One CTA of 32 threads: thread q posts (+1, system-scope release) signal `which` into node peer
-// q's counter for this rank (arriveAtEveryPeer), after everything the stream ran before.
-__global__ void __launch_bounds__(32) moeNodePostKernel(const __grid_constant__ MoeParams p, int which) {
-  arriveAtEveryPeer(p, moeNodeSignalOff(p, which), p.node.nodeMask);
-}
-
-// One CTA of 32 threads: thread q waits, bounded, until node peer q's post of `which` reaches one
-// more than this rank has seen (seen[which][q]), then counts it.
-__global__ void __launch_bounds__(32) moeNodeWaitKernel(const __grid_constant__ MoeParams p, int which) {
-  std::uint32_t* seen = p.node.seen + which * p.shape.numRanks;
-  const WaitSite site = which == kMoeNodeReady       ? WaitSite::kMoeNodeReady
-                        : which == kMoeNodeForwarded ? WaitSite::kMoeNodeForwarded
-                        : which == kMoeNodeReduced   ? WaitSite::kMoeNodeReduced
-                                                     : WaitSite::kMoeNodeSummed;
-  const bool ok = waitEveryRank(p, moeNodeSignalOff(p, which), 1u, site, true, p.node.nodeMask, seen);
-  const int q = static_cast<int>(threadIdx.x);
-  if (ok && q < p.shape.numRanks && q != p.shape.rank && ((p.node.nodeMask >> q) & 1u) != 0) seen[q] += 1u;
-}
-
 // ---- combine ----------------------------------------------------------------------------------
 
 // Where this rank's partials of source s's records go: partialStage, or (node-aware) for a source on
@@ -418,31 +240,8 @@ cudaError_t launchMoeCombineFinal(const MoeParams& p, MoeRange range, cudaStream
                     range);
 }
 
-cudaError_t launchMoeNodePost(const MoeParams& p, int which, cudaStream_t stream) {
-  GRAPHEP_LAUNCH_REQUIRE(p.node.aware != 0, "node.aware %d (the node-aware dispatch only)", p.node.aware);
-  GRAPHEP_LAUNCH_REQUIRE(which >= 0 && which < kMoeNodeSignals, "signal %d (0 to %d)", which, kMoeNodeSignals - 1);
-  moeNodePostKernel<<<1, 32, 0, stream>>>(p, which);
-  return cudaGetLastError();
-}
-
-cudaError_t launchMoeNodeWait(const MoeParams& p, int which, cudaStream_t stream) {
-  GRAPHEP_LAUNCH_REQUIRE(p.node.aware != 0, "node.aware %d (the node-aware dispatch only)", p.node.aware);
-  GRAPHEP_LAUNCH_REQUIRE(which >= 0 && which < kMoeNodeSignals, "signal %d (0 to %d)", which, kMoeNodeSignals - 1);
-  moeNodeWaitKernel<<<1, 32, 0, stream>>>(p, which);
-  return cudaGetLastError();
-}
-
-cudaError_t launchMoeForward(const MoeParams& p, cudaStream_t stream) {
-  return launchGrid(__func__, "grid.epilogueCtas", p.grid.epilogueCtas, kThreads, stream, moeForwardKernel, p);
-}
-
-cudaError_t launchMoeNodeSum(const MoeParams& p, cudaStream_t stream) {
-  return launchGrid(__func__, "grid.epilogueCtas", p.grid.epilogueCtas, kThreads, stream, moeNodeSumKernel, p);
-}
-
 cudaError_t preloadMoeMoversKernels() {
-  return preloadKernels(moePackKernel, moeOffsetsKernel, moeExpandKernel, moeCombineReduceKernel, moeCombineFinalKernel,
-                        moeForwardKernel, moeNodeSumKernel, moeNodePostKernel, moeNodeWaitKernel);
+  return preloadKernels(moePackKernel, moeOffsetsKernel, moeExpandKernel, moeCombineReduceKernel, moeCombineFinalKernel);
 }
 
 }  // namespace graphep
