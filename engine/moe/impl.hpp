@@ -24,7 +24,7 @@ struct EngineGroup {
 };
 
 // Events one movers-path operation orders its two streams with (engine.cpp, MoversStreams): the
-// fork, a chunk's pack (reduce) and its arrival, the layout, the join.
+// fork, a chunk's pack (reduce) and its arrival, the layout, the node-aware forwards, the join.
 inline constexpr int kMoversEvents = 2 * kMoeMaxChunks + 4;
 
 struct Engine::Impl {
