@@ -518,16 +518,14 @@ const DispatchLayout& Engine::dispatch(const DispatchArgs& a, cudaStream_t strea
 }
 
 namespace {
-// The node-aware combine over the movers (docs/DESIGN.md §5.10): every partial reduced (those of
-// other nodes' sources into this rank's nodePartial slots, once its node peers have summed the last
-// ones), the node peers told; once they have all reduced, this rank sums the node's partials of the
-// hop records it forwarded, then the partials (its node's, and one per hop record) go home chunk
-// by chunk and each chunk's tokens are summed once it arrived.
-void combineNodeAware(Engine::Impl& m, const MoeParams& p, cudaStream_t stream, Launches& launches) {
+// The node-aware combine's first steps (docs/DESIGN.md §5.10), on `stream` before the partials
+// exchange: the peers' records reduced (other nodes' sources' into this rank's nodePartial slots,
+// once its node peers have summed the last ones), the node peers told; once they have all reduced,
+// this rank sums the node's partials of the hop records it forwarded into partialStage.
+void reduceAndSumNode(const MoeParams& p, cudaStream_t stream, Launches& launches) {
   GRAPHEP_CUDA_CHECK(launchMoeNodeWait(p, kMoeNodeSummed, stream));
   launches.queued("node-summed-wait");
-  const MoeRange all{0, p.shape.maxTokens};
-  GRAPHEP_CUDA_CHECK(launchMoeCombineReduce(p, MoeSources::kPeers, all, stream));
+  GRAPHEP_CUDA_CHECK(launchMoeCombineReduce(p, MoeSources::kPeers, MoeRange{0, p.shape.maxTokens}, stream));
   launches.queued("combine-reduce");
   GRAPHEP_CUDA_CHECK(launchMoeNodePost(p, kMoeNodeReduced, stream));
   launches.queued("node-reduced");
@@ -537,20 +535,6 @@ void combineNodeAware(Engine::Impl& m, const MoeParams& p, cudaStream_t stream, 
   launches.queued("node-sum");
   GRAPHEP_CUDA_CHECK(launchMoeNodePost(p, kMoeNodeSummed, stream));
   launches.queued("node-summed");
-  MoversStreams lanes(m, stream);
-  std::array<cudaEvent_t, kMoeMaxChunks> arrived{};
-  for (int j = 0; j < p.movers.chunks; ++j) {
-    m.movers().allToAllv(lanes.comm(), m.combChunks[static_cast<std::size_t>(j)]);
-    launches.queued("partial-exchange");
-    arrived[static_cast<std::size_t>(j)] = lanes.mark(lanes.comm());
-  }
-  GRAPHEP_CUDA_CHECK(launchMoeCombineReduce(p, MoeSources::kOwn, all, stream));
-  launches.queued("combine-reduce-own");
-  for (int j = 0; j < p.movers.chunks; ++j) {
-    lanes.wait(stream, arrived[static_cast<std::size_t>(j)]);
-    GRAPHEP_CUDA_CHECK(launchMoeCombineFinal(p, chunkRange(p, j), stream));
-    launches.queued("combine-final");
-  }
 }
 }  // namespace
 
@@ -626,17 +610,17 @@ void Engine::combine(const CombineArgs& a, cudaStream_t stream) {
   }
   // Over the movers: the peers' partials reduced chunk by chunk on `stream`, each chunk exchanged on
   // the comm stream once reduced, this rank's own reduced meanwhile, then the tokens of chunk j
-  // summed once it arrived: token t's partials sit at list indices <= t.
-  if (p.node.aware) {
-    combineNodeAware(m, p, stream, launches);
-    return;
-  }
+  // summed once it arrived: token t's partials sit at list indices <= t. Node-aware, every peer
+  // partial is reduced and the node's sums made first (the exchange forks after them).
+  if (p.node.aware) reduceAndSumNode(p, stream, launches);
   MoversStreams lanes(m, stream);
   std::array<cudaEvent_t, kMoeMaxChunks> arrived{};
   for (int j = 0; j < p.movers.chunks; ++j) {
-    GRAPHEP_CUDA_CHECK(launchMoeCombineReduce(p, MoeSources::kPeers, chunkRange(p, j), stream));
-    launches.queued("combine-reduce");
-    lanes.order(lanes.comm(), stream);
+    if (!p.node.aware) {
+      GRAPHEP_CUDA_CHECK(launchMoeCombineReduce(p, MoeSources::kPeers, chunkRange(p, j), stream));
+      launches.queued("combine-reduce");
+      lanes.order(lanes.comm(), stream);
+    }
     m.movers().allToAllv(lanes.comm(), m.combChunks[static_cast<std::size_t>(j)]);
     launches.queued("partial-exchange");
     arrived[static_cast<std::size_t>(j)] = lanes.mark(lanes.comm());

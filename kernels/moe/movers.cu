@@ -77,21 +77,20 @@ __global__ void __launch_bounds__(kThreads) moePackKernel(const __grid_constant_
     }
     i += range.first;
     char* dst = p.staging.recordStage + (static_cast<std::uint64_t>(r) * p.shape.maxTokens + i) * p.shape.recordBytes;
-    if (moeOtherNode(p, r)) {  // hop record i of r's node, for r to forward
-      const int node = p.node.nodeOf[r];
-      const int t = p.node.nodeTokens[static_cast<std::uint64_t>(node) * p.shape.maxTokens + i];
-      const std::int32_t* entryIdx = p.routing.entryIndex + static_cast<std::uint64_t>(t) * p.shape.topK;
-      const int hop = kMoeHopRecord;
-      moeWriteRecords(p, t, &dst, &hop, 1, [&](int k) { return entryIdx[k]; }, gs.g, 1);
-      auto* fwd = reinterpret_cast<std::int32_t*>(dst + p.shape.payloadBytes + moeMetaBytes(p.shape.topK));
+    // Index i of r's list, or (another node: r its landing rank there) hop record i of r's node.
+    const bool hop = moeOtherNode(p, r);
+    const int node = p.node.nodeOf[r];
+    const int t = hop ? p.node.nodeTokens[static_cast<std::uint64_t>(node) * p.shape.maxTokens + i]
+                      : p.routing.rankTokens[static_cast<std::uint64_t>(r) * p.shape.maxTokens + i];
+    const int dstRank = hop ? kMoeHopRecord : r;
+    const std::int32_t* entryIdx = p.routing.entryIndex + static_cast<std::uint64_t>(t) * p.shape.topK;
+    moeWriteRecords(p, t, &dst, &dstRank, 1, [&](int k) { return entryIdx[k]; }, gs.g, 1);
+    if (hop) {  // each rank's index of the token, for the landing rank to forward it
+      std::int32_t* fwd = moeHopForwards(p, dst);
       for (int q = gs.g.tid; q < R; q += gs.g.nthreads) {
         fwd[q] = p.node.nodeOf[q] == node ? p.routing.tokenRankIndex[static_cast<std::uint64_t>(t) * R + q] : -1;
       }
-      continue;
     }
-    const int t = p.routing.rankTokens[static_cast<std::uint64_t>(r) * p.shape.maxTokens + i];
-    const std::int32_t* entryIdx = p.routing.entryIndex + static_cast<std::uint64_t>(t) * p.shape.topK;
-    moeWriteRecords(p, t, &dst, &r, 1, [&](int k) { return entryIdx[k]; }, gs.g, 1);
   }
 }
 

@@ -22,7 +22,7 @@ __device__ void moeForwardRecord(const MoeParams& p, int s, const char* hop, cha
                                  const MoeGroup& g) {
   const int R = p.shape.numRanks, T = p.shape.maxTokens;
   if (g.tid == 0) {
-    const auto* fwd = reinterpret_cast<const std::int32_t*>(hop + p.shape.payloadBytes + moeMetaBytes(p.shape.topK));
+    const std::int32_t* fwd = moeHopForwards(p, hop);
     int n = 0;
     for (int q = 0; q < R; ++q) {
       const int i = fwd[q];
@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(kThreads) moeNodeSumKernel(const __grid_consta
   for (int m = gs.first; m < total; m += gs.stride) {
     const MoeHopItem hop = moeHopItem(p, m);
     const int s = hop.source, j = hop.index;
-    const auto* fwd = reinterpret_cast<const std::int32_t*>(hop.record + p.shape.payloadBytes + moeMetaBytes(p.shape.topK));
+    const std::int32_t* fwd = moeHopForwards(p, hop.record);
     gs.g.sync();  // the group's previous readers of `parts` are done
     if (gs.g.tid == 0) {
       int n = 0;

@@ -14,6 +14,15 @@ __device__ inline bool moeOtherNode(const MoeParams& p, int r) {
   return p.node.aware != 0 && p.node.nodeOf[r] != p.node.nodeOf[p.shape.rank];
 }
 
+// A hop record's [R] forward indices (each rank's index of the token in its list from the source,
+// -1 where it does not go), after its payload and its topK slots.
+__device__ inline std::int32_t* moeHopForwards(const MoeParams& p, char* rec) {
+  return reinterpret_cast<std::int32_t*>(rec + p.shape.payloadBytes + moeMetaBytes(p.shape.topK));
+}
+__device__ inline const std::int32_t* moeHopForwards(const MoeParams& p, const char* rec) {
+  return reinterpret_cast<const std::int32_t*>(rec + p.shape.payloadBytes + moeMetaBytes(p.shape.topK));
+}
+
 // The records this rank's records exchange carries to rank r: its list for r, or, for a rank on
 // another node (node-aware), the hop list of r's node where r is this rank's landing rank there
 // (none to the node's other ranks).

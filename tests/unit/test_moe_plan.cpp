@@ -167,39 +167,35 @@ TEST(Unit_MoePlan, HeapRegionsHoldWhatThePeersWrite) {
         EXPECT_EQ(h.heap.moverSlotBytes, 0u) << where << ": the latency path has no movers' staging";
       } else {
         const std::size_t W = static_cast<std::size_t>(moeRouteWords(static_cast<int>(T)));
-        expectLaidOut({{h.recRecv, Rs * T * z.recBytes},
-                       {h.combRecv, Rs * T * z.rowBytes},
-                       {h.llCnt, 2 * Rs * z.directMsgBytes},
-                       {h.llFlag, Rs * 4},
-                       {h.llBlock, Rs * W * 4},
-                       {h.llCombBlock, Rs * W * 4},
-                       {h.llDispAck, Rs * 4},
-                       {h.llCombAck, Rs * 4},
-                       {h.llCombVal, Rs * T * kMoeMaxValues * 4},
-                       {h.llBarrier, Rs * 4}},
-                      h.heap.userBytes, where);
-        EXPECT_GT(h.heap.moverSlotBytes, 0u) << where;
-        EXPECT_EQ(h.fwdRecv + h.nodePartial + h.nodeSummed, 0u) << where << ": no node-aware regions when flat";
-        // Node-aware: the forwarded records, the node's partials and the four signals' counters too.
+        // Flat, then node-aware: the forwarded records, the node's partials and the four signals'
+        // counters too, before the barrier's counts.
         const moe_setup::MoeSizes za = moe_setup::moeSizes(c, R, true);
-        const PathHeap a = moe_setup::pathHeap(path, za, c);
-        expectLaidOut({{a.recRecv, Rs * T * za.recBytes},
-                       {a.combRecv, Rs * T * za.rowBytes},
-                       {a.llCnt, 2 * Rs * za.directMsgBytes},
-                       {a.llFlag, Rs * 4},
-                       {a.llBlock, Rs * W * 4},
-                       {a.llCombBlock, Rs * W * 4},
-                       {a.llDispAck, Rs * 4},
-                       {a.llCombAck, Rs * 4},
-                       {a.llCombVal, Rs * T * kMoeMaxValues * 4},
-                       {a.fwdRecv, Rs * T * za.recBytes},
-                       {a.nodePartial, Rs * T * za.rowBytes},
-                       {a.nodeReady, Rs * 4},
-                       {a.nodeForwarded, Rs * 4},
-                       {a.nodeReduced, Rs * 4},
-                       {a.nodeSummed, Rs * 4},
-                       {a.llBarrier, Rs * 4}},
-                      a.heap.userBytes, where + " node-aware");
+        for (const bool aware : {false, true}) {
+          const moe_setup::MoeSizes& s = aware ? za : z;
+          const PathHeap a = moe_setup::pathHeap(path, s, c);
+          std::vector<std::pair<std::size_t, std::size_t>> regions = {{a.recRecv, Rs * T * s.recBytes},
+                                                                      {a.combRecv, Rs * T * s.rowBytes},
+                                                                      {a.llCnt, 2 * Rs * s.directMsgBytes},
+                                                                      {a.llFlag, Rs * 4},
+                                                                      {a.llBlock, Rs * W * 4},
+                                                                      {a.llCombBlock, Rs * W * 4},
+                                                                      {a.llDispAck, Rs * 4},
+                                                                      {a.llCombAck, Rs * 4},
+                                                                      {a.llCombVal, Rs * T * kMoeMaxValues * 4}};
+          if (aware) {
+            regions.insert(regions.end(), {{a.fwdRecv, Rs * T * s.recBytes},
+                                           {a.nodePartial, Rs * T * s.rowBytes},
+                                           {a.nodeReady, Rs * 4},
+                                           {a.nodeForwarded, Rs * 4},
+                                           {a.nodeReduced, Rs * 4},
+                                           {a.nodeSummed, Rs * 4}});
+          } else {
+            EXPECT_EQ(a.fwdRecv + a.nodePartial + a.nodeSummed, 0u) << where << ": no node-aware regions when flat";
+          }
+          regions.push_back({a.llBarrier, Rs * 4});
+          expectLaidOut(regions, a.heap.userBytes, where + (aware ? " node-aware" : ""));
+        }
+        EXPECT_GT(h.heap.moverSlotBytes, 0u) << where;
       }
       EXPECT_EQ(h.heap.numRanks, R) << where;
       EXPECT_EQ(h.heap.userBytes % 4096, 0u) << where;
