@@ -3,6 +3,7 @@
 #include "engine/moe/cta_plan.hpp"
 
 #include <algorithm>
+#include <cstdlib>
 #include <vector>
 
 #include "engine/device_pointer.hpp"
@@ -249,11 +250,39 @@ int exchangeChunks(int maxTokens, bool anyRemote, int requested) {
   return (std::max(maxTokens, 1) + per - 1) / per;
 }
 
+int moversStreams(int sharing, int queues) {
+  GRAPHEP_REQUIRE(sharing >= 1 && sharing <= queues, Status::kNotSupported,
+                  "%d ranks of this process share one GPU over the movers path, and the GPU runs %d hardware queues "
+                  "(CUDA_DEVICE_MAX_CONNECTIONS): ranks sharing a queue deadlock, one waiting kernel holding the "
+                  "queue another's kernel waits behind. Set CUDA_DEVICE_MAX_CONNECTIONS (up to 32) at least to "
+                  "the ranks per GPU before the process's first CUDA call, or put fewer ranks on a GPU",
+                  sharing, queues);
+  return 2 * sharing <= queues ? 2 : 1;
+}
+
+int hardwareQueues() {
+  const char* v = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  char* end = nullptr;
+  const long n = v != nullptr ? std::strtol(v, &end, 10) : 0;
+  if (v == nullptr || end == v || *end != '\0' || n < 1) return 8;  // the driver's default
+  return static_cast<int>(std::min(n, 32L));
+}
+
 ThroughputCtas throughputCtas(Communicator& comm, const SymmetricHeap& heap, const MoeConfig& cfg, bool direct,
                               std::size_t slotBytes) {
   ThroughputCtas c;
   const int locals = heap.numLocalRanks();
   if (!direct) {  // the same on every rank: the exchanges are collective
+    for (int l = 0; l < locals; ++l) {
+      int sharing = 0;
+      for (int q = 0; q < locals; ++q) sharing += heap.device(q) == heap.device(l) ? 1 : 0;
+      c.streams.push_back(moversStreams(sharing, hardwareQueues()));
+      if (c.streams.back() == 1) {
+        GRAPHEP_LOG_INFO(log::kTune, "rank %d: %d ranks of this process share GPU %d over %d hardware queues: the "
+                         "movers path runs its exchanges on the caller's stream (no comm stream)",
+                         heap.rank(l), sharing, heap.device(l), hardwareQueues());
+      }
+    }
     const bool anyRemote = !everyPeerIs(comm, heap, [](PeerClass k) { return k != PeerClass::kRemote; });
     const std::vector<std::int32_t> want(static_cast<std::size_t>(locals),
                                          -static_cast<std::int32_t>(env::kExchangeChunks.get()));

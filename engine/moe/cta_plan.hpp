@@ -76,6 +76,7 @@ struct ThroughputCtas {
   std::vector<int> epilogue;  // per local rank
   std::vector<int> cluster;   // per local rank; epilogue is a multiple of it
   int chunks = 1;
+  std::vector<int> streams;  // per local rank: the movers path's streams (moversStreams); empty when direct
 };
 
 // The movers path's chunks (MoeMoverParams; docs/DESIGN.md §5.5), pure: `requested`
@@ -90,6 +91,17 @@ struct ThroughputCtas {
 inline constexpr int kExchangeChunkTokens = 2048;
 inline constexpr int kExchangeAutoChunks = 2;
 int exchangeChunks(int maxTokens, bool anyRemote, int requested);
+// The movers path's streams per rank (docs/DESIGN.md §5.5), pure: 2 (the caller's, and a comm
+// stream that carries the exchanges beside the pack and the expansion) while every one of the
+// `sharing` ranks on a GPU keeps both in a hardware queue of its own (2 x sharing <= `queues`,
+// CUDA_DEVICE_MAX_CONNECTIONS); else 1, the caller's alone (the exchanges then run in order with
+// the rest). Ranks sharing a queue hang: a rank's kernel waiting for a peer holds the queue that
+// the peer's kernel waits behind (run 166: 8 ranks, 16 streams, 8 queues). More ranks on a GPU than
+// queues: an error naming both and the setting to raise.
+int moversStreams(int sharing, int queues);
+// The hardware queues the CUDA driver gives each device (CUDA_DEVICE_MAX_CONNECTIONS, read by the
+// driver when the process creates its first context: 8 unset, 1 to 32).
+int hardwareQueues();
 ThroughputCtas throughputCtas(Communicator& comm, const SymmetricHeap& heap, const MoeConfig& cfg, bool direct,
                               std::size_t slotBytes);
 

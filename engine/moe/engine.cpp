@@ -115,7 +115,9 @@ std::unique_ptr<Engine::Impl> buildEngine(const BindPlan& plan, const std::share
   GRAPHEP_CUDA_CHECK(cudaStreamCreateWithFlags(&impl->watchStream, cudaStreamNonBlocking));
   GRAPHEP_CUDA_CHECK(cudaEventCreateWithFlags(&impl->watchEvent, cudaEventDisableTiming));
   if (path == MoePath::kThroughput && !plan.direct) {
-    GRAPHEP_CUDA_CHECK(cudaStreamCreateWithFlags(&impl->commStream, cudaStreamNonBlocking));
+    if (plan.tput.streams[static_cast<std::size_t>(l)] == 2) {  // else the caller's stream carries all
+      GRAPHEP_CUDA_CHECK(cudaStreamCreateWithFlags(&impl->commStream, cudaStreamNonBlocking));
+    }
     for (int i = 0; i < kMoversEvents; ++i) {
       impl->events.push_back(nullptr);
       GRAPHEP_CUDA_CHECK(cudaEventCreateWithFlags(&impl->events.back(), cudaEventDisableTiming));
@@ -303,14 +305,19 @@ void requireCommStreamFree(const Engine::Impl& m, cudaStream_t stream, const cha
 // per operation.
 class MoversStreams {
  public:
-  MoversStreams(Engine::Impl& m, cudaStream_t stream) : m_(m), caller_(stream) { order(m.commStream, stream); }
+  MoversStreams(Engine::Impl& m, cudaStream_t stream)
+      : m_(m), caller_(stream), comm_(m.commStream != nullptr ? m.commStream : stream) {
+    order(comm_, stream);
+  }
   MoversStreams(const MoversStreams&) = delete;
   MoversStreams& operator=(const MoversStreams&) = delete;
   ~MoversStreams() {
     const cudaEvent_t join = m_.events.back();
-    if (cudaEventRecord(join, m_.commStream) == cudaSuccess) cudaStreamWaitEvent(caller_, join, 0);
+    if (cudaEventRecord(join, comm_) == cudaSuccess) cudaStreamWaitEvent(caller_, join, 0);
   }
-  cudaStream_t comm() const { return m_.commStream; }
+  // The exchanges' stream: the engine's comm stream, or the caller's where ranks sharing the GPU
+  // leave no hardware queue for one (moe_setup::moversStreams; the events then order one stream).
+  cudaStream_t comm() const { return comm_; }
   // What `signaller` has queued so far, as an event to wait() on later.
   cudaEvent_t mark(cudaStream_t signaller) {
     GRAPHEP_REQUIRE(used_ + 1 < m_.events.size(), Status::kInternalError,
@@ -327,6 +334,7 @@ class MoversStreams {
  private:
   Engine::Impl& m_;
   cudaStream_t caller_;
+  cudaStream_t comm_;
   std::size_t used_ = 0;
 };
 

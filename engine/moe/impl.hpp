@@ -61,7 +61,9 @@ struct Engine::Impl {
   // the exchanges, chunk by chunk, while the caller's packs, expands and reduces; `events`
   // (kMoversEvents) order the two. One stream, not more: the GPU runs a few hardware queues
   // (CUDA_DEVICE_MAX_CONNECTIONS, 8 by default), and ranks sharing a GPU with three streams each
-  // put two ranks' exchanges in one queue, where one's waiting kernel held the other's back.
+  // put two ranks' exchanges in one queue, where one's waiting kernel held the other's back. None
+  // where the ranks sharing the GPU leave no queue for it (moe_setup::moversStreams): the caller's
+  // stream then carries the exchanges too.
   cudaStream_t commStream = nullptr;
   std::vector<cudaEvent_t> events;
   // pinned: peers.steps[2], pending, flags, arrivals, combine arrivals [R] each, the masks [2], the

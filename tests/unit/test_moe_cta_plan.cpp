@@ -6,7 +6,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <string>
 
+#include "engine/error.hpp"
 #include "engine/moe/cta_plan.hpp"
 #include "kernels/moe/moe.h"
 
@@ -21,6 +23,7 @@ using moe_setup::kDirectSharedParts;
 using moe_setup::kLatencyDefaultCtas;
 using moe_setup::latencyReceiveCtas;
 using moe_setup::latencySendCtas;
+using moe_setup::moversStreams;
 using moe_setup::throughputEpilogueCtas;
 
 TEST(Unit_MoeCtaPlan, LatencyPartsFitTheirShareOfTheGpu) {
@@ -130,6 +133,34 @@ TEST(Unit_MoeCtaPlan, ExchangeChunksFollowTheRequestAndTheTokens) {
   EXPECT_EQ(exchangeChunks(1024, true, 0), 1);
   EXPECT_EQ(exchangeChunks(4096, false, 0), 1);
   EXPECT_EQ(exchangeChunks(32, false, 3), 3);
+}
+
+
+// The movers path's streams per rank: two while every rank on the GPU keeps both in a hardware
+// queue of its own, one (the caller's) when only one each fits, refused by name beyond that.
+TEST(Unit_MoeCtaPlan, MoversStreamsKeepEveryRankInQueuesOfItsOwn) {
+  for (int queues = 1; queues <= 32; ++queues) {
+    for (int sharing = 1; sharing <= 40; ++sharing) {
+      const auto where = ::testing::Message() << sharing << " ranks on a GPU of " << queues << " queues";
+      if (sharing > queues) {
+        EXPECT_THROW(moversStreams(sharing, queues), Error) << where;
+        continue;
+      }
+      const int streams = moversStreams(sharing, queues);
+      EXPECT_LE(streams * sharing, queues) << where;
+      EXPECT_EQ(streams, 2 * sharing <= queues ? 2 : 1) << where << ": the comm stream wherever it fits";
+    }
+  }
+  EXPECT_EQ(moversStreams(4, 8), 2);  // run 158's 4 ranks of one GPU keep their comm streams
+  EXPECT_EQ(moversStreams(8, 8), 1);  // run 166's 8 ranks: 16 streams over 8 queues hung
+  EXPECT_EQ(moversStreams(8, 32), 2);
+  try {
+    moversStreams(9, 8);
+    ADD_FAILURE() << "9 ranks over 8 queues accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("9 ranks"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("CUDA_DEVICE_MAX_CONNECTIONS"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace
