@@ -54,6 +54,13 @@ const IntVar kEmulatedNodes({"GRAPHEP_EMULATED_NODES", Type::kInt, "0",
                               "runs over the movers); 0: the nodes are the machines; read at setup",
                               nullptr, 0, 32});
 
+const IntVar kEmulatedNetworkMbps({"GRAPHEP_EMULATED_NETWORK_MBPS", Type::kInt, "0",
+                                    "tests and benchmarks, with GRAPHEP_EMULATED_NODES: each rank's sending rate to "
+                                    "the other nodes, in MB/s (50000: a 400 Gb/s NIC); each all-to-all-v holds its "
+                                    "exchange until its bytes between nodes would have left at that rate; 0: no "
+                                    "cap; read at setup",
+                                    nullptr, 0, 100'000'000});
+
 const ChoiceVar kNodeAware({"GRAPHEP_NODE_AWARE", Type::kChoice, "auto",
                              "the MoE throughput path over the movers, with ranks on several nodes (some with "
                              "several ranks), sends a token once per remote node and forwards it inside the node "
@@ -77,7 +84,7 @@ const StringVar kSlowCombineFinal({"GRAPHEP_SLOW_COMBINE_FINAL", Type::kString, 
 const std::vector<const Var*>& all() {
   static const std::vector<const Var*> vars = {&kDebug,          &kDebugSubsys,     &kTimeoutMs,       &kTrapOnTimeout,
                                                &kForceTransport, &kEpilogueCluster, &kMoeKernels,     &kExchangeChunks,
-                                               &kEmulatedNodes,  &kNodeAware,       &kFaultAfterLaunch,
+                                               &kEmulatedNodes,  &kEmulatedNetworkMbps, &kNodeAware,       &kFaultAfterLaunch,
                                                &kSlowCombineFinal};
   return vars;
 }

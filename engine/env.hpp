@@ -72,6 +72,7 @@ extern const IntVar kEpilogueCluster;
 extern const ChoiceVar kMoeKernels;
 extern const IntVar kExchangeChunks;
 extern const IntVar kEmulatedNodes;
+extern const IntVar kEmulatedNetworkMbps;
 extern const ChoiceVar kNodeAware;
 extern const StringVar kFaultAfterLaunch;
 extern const StringVar kSlowCombineFinal;

@@ -33,8 +33,10 @@ void logNodes(const SymmetricHeap& heap, const NodeMap& nodes) {
       if (nodes.nodeOf[static_cast<std::size_t>(r)] == n) text.append(" ").append(std::to_string(r));
     }
   }
+  const long long mbps = env::kEmulatedNetworkMbps.get();
+  const std::string rate = mbps > 0 ? " and send them at " + std::to_string(mbps) + " MB/s a rank" : "";
   GRAPHEP_LOG_INFO(log::kTopo, "emulated network (GRAPHEP_EMULATED_NODES=%d): %s; the movers count the bytes between "
-                   "nodes", nodes.numNodes, text.c_str());
+                   "nodes%s", nodes.numNodes, text.c_str(), rate.c_str());
 }
 
 // `count` Ts of device memory on `device` (the current device), zeroed unless `zeroed` is false,
@@ -113,6 +115,7 @@ Movers::Movers(const SymmetricHeap& heap, int local, const MoverOptions& options
   if (options.profile) profile_ = deviceArray<ProfileCounters>(device, 1);
   if (networkMask_ != 0) {
     networkBytes_ = deviceArray<unsigned long long>(device, static_cast<std::size_t>(heap.worldSize()));
+    networkMbps_ = static_cast<std::uint32_t>(env::kEmulatedNetworkMbps.get());
   }
   GRAPHEP_CUDA_CHECK(preloadSendRecvKernels());
   GRAPHEP_CUDA_CHECK(preloadAllToAllvKernels());
@@ -614,7 +617,7 @@ AllToAllvParams Movers::allToAllvParams(const AllToAllvArgs& a) const {
 void Movers::allToAllv(cudaStream_t stream, const AllToAllvArgs& args) const {
   const AllToAllvParams p = allToAllvParams(args);
   if ((networkMask_ & args.sendPeers) != 0) {
-    GRAPHEP_CUDA_CHECK(launchAllToAllvNetworkBytes(p, networkMask_ & args.sendPeers, networkBytes_.get(), stream));
+    GRAPHEP_CUDA_CHECK(launchAllToAllvNetworkBytes(p, networkMask_ & args.sendPeers, networkBytes_.get(), networkMbps_, stream));
   }
   if (p.remoteMask != 0) {
     // Remote peers: fixed-size NCCL messages, straight between the slots of src and dst (fixed

@@ -230,10 +230,11 @@ class Movers {
   std::size_t remoteCap_ = 0;
   std::shared_ptr<char> remoteStage_;  // [2][worldSize][remoteCap_]: send stages, receive stages
   std::shared_ptr<ProfileCounters> profile_;  // device, MoverOptions.profile only
-  // The emulated network: the peers on other nodes (GRAPHEP_EMULATED_NODES only, else 0) and
-  // their byte counters (device, [worldSize]).
+  // The emulated network: the peers on other nodes (GRAPHEP_EMULATED_NODES only, else 0), their
+  // byte counters (device, [worldSize]) and the rate each call's bytes to them leave at.
   std::uint32_t networkMask_ = 0;
   std::shared_ptr<unsigned long long> networkBytes_;
+  std::uint32_t networkMbps_ = 0;  // its rate cap (GRAPHEP_EMULATED_NETWORK_MBPS; 0: none)
 };
 
 }  // namespace graphep

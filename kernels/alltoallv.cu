@@ -154,24 +154,40 @@ __global__ void __launch_bounds__(256) allToAllvGatherKernel(const __grid_consta
                                 end - begin, static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x));
 }
 
-// The emulated network's meter (GRAPHEP_EMULATED_NODES, engine/node_map.hpp): a thread per peer
-// adds the bytes this call sends it to bytes[peer] where the peer is in networkMask (on another
-// node). A count past src is dropped by the exchange (and reported there): it adds nothing.
+// The emulated network's meter and pace (GRAPHEP_EMULATED_NODES, engine/node_map.hpp), queued
+// before the exchange: a thread per peer adds the bytes this call sends it to bytes[peer] where the
+// peer is in networkMask (on another node); a count past src is dropped by the exchange (and
+// reported there): it adds nothing. With a rate (GRAPHEP_EMULATED_NETWORK_MBPS; 0: none) the
+// kernel then holds the exchange until the call's network bytes would have left at that rate
+// (bytes x 1000 / MBps ns), so that no peer on another node sees them sooner.
 __global__ void __launch_bounds__(kMaxRanks) allToAllvNetworkBytesKernel(const __grid_constant__ AllToAllvParams p,
                                                                          std::uint32_t networkMask,
-                                                                         unsigned long long* bytes) {
+                                                                         unsigned long long* bytes,
+                                                                         std::uint32_t mbps) {
+  __shared__ unsigned long long callBytes;
+  const std::uint64_t start = ptx::globalTimerNs();
   const int q = static_cast<int>(threadIdx.x);
-  if (q >= p.sync.numRanks || (networkMask & (1u << q)) == 0) return;
-  const std::uint64_t off = p.sendOffsets[q], n = p.sendCounts[q];
-  if (off <= p.srcBytes && n <= p.srcBytes - off) atomicAdd(bytes + q, static_cast<unsigned long long>(n));
+  if (q == 0) callBytes = 0;
+  __syncthreads();
+  if (q < p.sync.numRanks && (networkMask & (1u << q)) != 0) {
+    const std::uint64_t off = p.sendOffsets[q], n = p.sendCounts[q];
+    if (off <= p.srcBytes && n <= p.srcBytes - off) {
+      atomicAdd(bytes + q, static_cast<unsigned long long>(n));
+      atomicAdd_block(&callBytes, static_cast<unsigned long long>(n));
+    }
+  }
+  __syncthreads();
+  if (mbps == 0 || q != 0) return;
+  const std::uint64_t due = start + callBytes * 1000ull / mbps;
+  while (ptx::globalTimerNs() < due) __nanosleep(256);
 }
 
 }  // namespace
 
 cudaError_t launchAllToAllvNetworkBytes(const AllToAllvParams& p, std::uint32_t networkMask, unsigned long long* bytes,
-                                        cudaStream_t stream) {
+                                        std::uint32_t mbps, cudaStream_t stream) {
   GRAPHEP_LAUNCH_REQUIRE(bytes != nullptr, "no network byte counters for peers 0x%x", networkMask);
-  allToAllvNetworkBytesKernel<<<1, kMaxRanks, 0, stream>>>(p, networkMask, bytes);
+  allToAllvNetworkBytesKernel<<<1, kMaxRanks, 0, stream>>>(p, networkMask, bytes, mbps);
   return cudaGetLastError();
 }
 

@@ -65,10 +65,11 @@ struct AllToAllvParams {
 cudaError_t launchAllToAllv(const AllToAllvParams& p, cudaStream_t stream);
 // Packs each remote peer's segment into its send stage (runs before the NCCL exchange).
 cudaError_t launchAllToAllvGather(const AllToAllvParams& p, cudaStream_t stream);
-// The emulated network's meter: adds the bytes this call sends each peer in networkMask to
-// bytes[peer] (device, [numRanks]; after the exchange in stream order).
+// The emulated network's meter and pace, queued before the exchange: adds the bytes this call
+// sends each peer in networkMask to bytes[peer] (device, [numRanks]); with mbps > 0 it then holds
+// the stream until those bytes would have left at mbps MB/s (the emulated network's rate cap).
 cudaError_t launchAllToAllvNetworkBytes(const AllToAllvParams& p, std::uint32_t networkMask, unsigned long long* bytes,
-                                        cudaStream_t stream);
+                                        std::uint32_t mbps, cudaStream_t stream);
 cudaError_t preloadAllToAllvKernels();
 // CTAs of `threads` threads of the alltoallv kernel resident per SM.
 cudaError_t allToAllvCtasPerSm(int threads, int* ctas);

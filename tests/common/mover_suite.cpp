@@ -9,8 +9,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 #include <random>
 #include <string>
 
@@ -537,6 +539,44 @@ void runAllToAllvNetworkBytes(Communicator& comm, int nodes) {
     EXPECT_EQ(f.movers[static_cast<size_t>(l)].networkBytes(), std::vector<std::uint64_t>(static_cast<size_t>(R), 0))
         << "rank " << me << " after resetNetworkBytes";
     cudaSetDevice(f.heap->device(l));
+    cudaFree(ca[static_cast<size_t>(l)].d);
+  }
+}
+
+void runAllToAllvNetworkPace(Communicator& comm, int nodes, int mbps) {
+  SCOPED_TRACE("emulated network of " + std::to_string(nodes) + " nodes at " + std::to_string(mbps) + " MB/s");
+  const ScopedEnv emulated("GRAPHEP_EMULATED_NODES", std::to_string(nodes).c_str());
+  const ScopedEnv rate("GRAPHEP_EMULATED_NETWORK_MBPS", std::to_string(mbps).c_str());
+  const int R = comm.worldSize(), size = R / nodes;
+  const std::size_t perPeer = std::size_t{1} << 20;
+  const std::size_t cap = perPeer * static_cast<std::size_t>(R);
+  Fixture f(comm, cap, std::size_t{64} << 10, 0);
+  const int L = f.heap->numLocalRanks();
+  std::vector<CountArrays> ca = slotCounts(f, countMatrix(CountPattern::kEqual, R, perPeer, 1), perPeer);
+  std::vector<std::array<cudaEvent_t, 2>> ev(static_cast<size_t>(L));
+  f.syncAll();
+  for (int l = 0; l < L; ++l) {
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+    for (cudaEvent_t& e : ev[static_cast<size_t>(l)]) GRAPHEP_CUDA_CHECK(cudaEventCreate(&e));
+    const cudaStream_t s = f.bufs[static_cast<size_t>(l)].stream;
+    GRAPHEP_CUDA_CHECK(cudaEventRecord(ev[static_cast<size_t>(l)][0], s));
+    f.movers[static_cast<size_t>(l)].allToAllv(s, allToAllvArgs(f, l, ca[static_cast<size_t>(l)], cap, false));
+    GRAPHEP_CUDA_CHECK(cudaEventRecord(ev[static_cast<size_t>(l)][1], s));
+  }
+  f.syncAll();
+  for (int l = 0; l < L; ++l) {
+    const int me = f.heap->rank(l);
+    const std::uint64_t sent = static_cast<std::uint64_t>(R - size) * perPeer;  // every peer of another node
+    const std::vector<std::uint64_t> bytes = f.movers[static_cast<size_t>(l)].networkBytes();
+    EXPECT_EQ(std::accumulate(bytes.begin(), bytes.end(), std::uint64_t{0}), sent) << "rank " << me;
+    float ms = 0;
+    GRAPHEP_CUDA_CHECK(cudaSetDevice(f.heap->device(l)));
+    GRAPHEP_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[static_cast<size_t>(l)][0], ev[static_cast<size_t>(l)][1]));
+    const double due = static_cast<double>(sent) / mbps / 1000.0;  // ms at the cap
+    // The cap is a floor (the pace waits at least that long); the timer's ticks are coarse.
+    EXPECT_GE(ms, 0.95 * due) << "rank " << me << ": " << sent << " bytes between nodes at " << mbps << " MB/s";
+    EXPECT_EQ(f.heap->errorMessage(l), "") << "rank " << me;
+    for (cudaEvent_t e : ev[static_cast<size_t>(l)]) cudaEventDestroy(e);
     cudaFree(ca[static_cast<size_t>(l)].d);
   }
 }

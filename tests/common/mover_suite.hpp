@@ -76,6 +76,11 @@ void runAllToAllvFixedSlotsMisuse(Communicator& comm);
 // resetNetworkBytes().
 void runAllToAllvNetworkBytes(Communicator& comm, int nodes);
 
+// The emulated network's rate cap (GRAPHEP_EMULATED_NETWORK_MBPS=mbps, set here): one alltoallv
+// of 1 MiB to every peer; each rank's call, timed on its stream, takes at least its bytes to the
+// other nodes at `mbps`, and the meter counts exactly those bytes.
+void runAllToAllvNetworkPace(Communicator& comm, int nodes, int mbps);
+
 }  // namespace graphep::test
 
 namespace graphep::test {

@@ -145,6 +145,14 @@ TEST(Gpu1_AllToAllv, EmulatedNodesCountNetworkBytes) {
   }
 }
 
+// The emulated network's rate cap: 4 ranks as 2 nodes at 1 GB/s (2 MiB between nodes a rank:
+// about 2 ms, against some 0.1 ms uncapped).
+TEST(Gpu1_AllToAllv, EmulatedNetworkRateCap) {
+  GRAPHEP_REQUIRE_GPUS(1);
+  auto comm = createLocalGroup({0, 0, 0, 0});
+  runAllToAllvNetworkPace(*comm, 2, 1000);
+}
+
 TEST(Gpu1_AllToAllv, EightEmulatedRanks) {
   GRAPHEP_REQUIRE_GPUS(1);
   runAllToAllvEmulated(8);
