@@ -129,6 +129,12 @@ NodeMap nodeMap(const std::vector<std::vector<bool>>& reach, int emulatedNodes) 
   return m;
 }
 
+bool nodeAwareExpected(int worldSize, int emulatedNodes, const std::string& asked) {
+  if (asked == "off" || worldSize < 2) return false;
+  if (emulatedNodes > 1) return worldSize % emulatedNodes == 0 && worldSize / emulatedNodes > 1;
+  return asked == "on";
+}
+
 NodeMap nodeMapOf(const SymmetricHeap& heap) {
   // Each local rank's row: GRAPHEP_EMULATED_NODES and GRAPHEP_NODE_AWARE as it reads them, then its
   // reach of every rank.

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "engine/heap.hpp"
@@ -48,6 +49,14 @@ struct NodeMap {
 // the ranks split into N nodes of R / N consecutive ranks, refused unless N divides R and each
 // such node lies inside one of reach's classes.
 NodeMap nodeMap(const std::vector<std::vector<bool>>& reach, int emulatedNodes);
+
+// Pure: whether an engine of `worldSize` ranks sends tokens once per node, as far as the settings
+// tell before any communicator (Engine::memoryRequirements): with `emulatedNodes` N > 1
+// (GRAPHEP_EMULATED_NODES) the nodes are known, and it does where N divides the ranks into nodes
+// of several, unless `asked` (GRAPHEP_NODE_AWARE) is "off"; without emulated nodes only "on" makes
+// it, across machines, which are not known here: then assumed (its heap is the larger, an upper
+// bound where the ranks turn out to be one machine or one rank a machine).
+bool nodeAwareExpected(int worldSize, int emulatedNodes, const std::string& asked);
 
 // Setup, collective over the heap's communicator: every rank's load/store reach gathered, then
 // with GRAPHEP_EMULATED_NODES N > 0 on some rank (the largest asked) nodeMap(reach, N), marked

@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <limits>
 
+#include "engine/env.hpp"
 #include "engine/heap_layout.hpp"
+#include "engine/node_map.hpp"
 #include "kernels/moe/moe.h"
 
 namespace graphep {
@@ -187,11 +189,13 @@ long long Engine::receiveCapacity(const MoeConfig& cfg, int worldSize) {
 
 MoeMemory Engine::memoryRequirements(const MoeConfig& cfg, int worldSize) {
   validate(cfg, worldSize);
-  const MoeSizes z = moeSizes(cfg, worldSize);
-  const long long capacity = receiveCapacity(cfg, worldSize);
   MoeMemory m;
   m.path = preferredPath(cfg, worldSize);
   const bool throughput = m.path == MoePath::kThroughput;
+  const bool nodeAware = throughput && nodeAwareExpected(worldSize, static_cast<int>(env::kEmulatedNodes.get()),
+                                                         env::kNodeAware.get());
+  const MoeSizes z = moeSizes(cfg, worldSize, nodeAware);
+  const long long capacity = receiveCapacity(cfg, worldSize);
   m.symmetricHeapBytes = heapBytes(pathHeap(m.path, z, cfg).heap);
   m.privateBytes = carveLocal(cfg, z, static_cast<std::size_t>(capacity), throughput).bytes;
   m.ncclStagingBytes = throughput ? Movers::remoteStageBytes(engineMoverOptions(z), worldSize) : 0;

@@ -426,7 +426,10 @@ class Engine {
   // Device memory per rank of an engine with this config, from the code that sizes createAll's
   // allocations; validates first. cfg.path kAuto: the latency path when the config fits it (what
   // createAll picks when every peer has load/store access, e.g. GPUs of one NVLink node), else the
-  // throughput path; pass kThroughput for a group with peers reached only through NCCL.
+  // throughput path; pass kThroughput for a group with peers reached only through NCCL. The
+  // throughput path's node-aware exchange (GRAPHEP_EMULATED_NODES, GRAPHEP_NODE_AWARE=on) holds
+  // larger records and a forwarding area: counted where the settings ask for it (with
+  // GRAPHEP_NODE_AWARE=on, an upper bound when the ranks turn out to be on one machine).
   static MoeMemory memoryRequirements(const MoeConfig& cfg, int worldSize);
 
   ~Engine();

@@ -128,6 +128,31 @@ TEST(Gpu1_MoeMemory, QueryEqualsAllocation) {
   }
 }
 
+// The same on emulated nodes (4 ranks as 2): the node-aware engine's larger records and
+// forwarding areas counted, and the flat engine's figures where GRAPHEP_NODE_AWARE=off.
+TEST(Gpu1_MoeMemory, QueryEqualsAllocationOnEmulatedNodes) {
+  GRAPHEP_REQUIRE_GPUS(1);
+  ScopedEnv emulated("GRAPHEP_EMULATED_NODES", "2");
+  auto comm = createLocalGroup({0, 0, 0, 0});
+  MoeMemory flat;
+  for (const char* aware : {"off", "auto"}) {
+    ScopedEnv setting("GRAPHEP_NODE_AWARE", aware);
+    const MoeConfig c{.maxTokensPerRank = 128, .hidden = 1024, .numExperts = 16, .topK = 4,
+                      .path = MoePath::kThroughput};
+    const MoeMemory want = Engine::memoryRequirements(c, comm->worldSize());
+    if (std::string(aware) == "off") {
+      flat = want;
+    } else {
+      EXPECT_GT(want.symmetricHeapBytes, flat.symmetricHeapBytes) << "the node-aware heap holds the forwarded records";
+    }
+    auto engines = Engine::createAll(*comm, c);
+    for (const auto& e : engines) {
+      EXPECT_EQ(e->symmetricHeapBytes(), want.symmetricHeapBytes) << "GRAPHEP_NODE_AWARE=" << aware;
+      EXPECT_EQ(e->privateBytes(), want.privateBytes) << "GRAPHEP_NODE_AWARE=" << aware;
+    }
+  }
+}
+
 class Gpu1_Moe : public FourEmulatedRanks {};
 class Gpu1_MoeOverflow : public FourEmulatedRanks {};
 class Gpu1_MoeFaults : public FourEmulatedRanks {};

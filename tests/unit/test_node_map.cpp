@@ -105,6 +105,30 @@ TEST(Unit_NodeMap, NodeAwareOnEmulatedNodesOrWhenAsked) {
   EXPECT_FALSE(singles.nodeAware());
 }
 
+// What Engine::memoryRequirements assumes before any communicator: emulated nodes group where
+// each holds several ranks, unless off; without them only "on" groups (real machines unknown).
+TEST(Unit_NodeMap, NodeAwareExpectedFromTheSettings) {
+  EXPECT_TRUE(nodeAwareExpected(4, 2, "auto"));
+  EXPECT_TRUE(nodeAwareExpected(8, 4, "on"));
+  EXPECT_FALSE(nodeAwareExpected(4, 2, "off"));
+  EXPECT_FALSE(nodeAwareExpected(4, 4, "auto")) << "a rank per node: nothing to group";
+  EXPECT_FALSE(nodeAwareExpected(4, 1, "auto")) << "one node";
+  EXPECT_FALSE(nodeAwareExpected(6, 4, "auto")) << "4 does not divide 6 (createAll refuses it)";
+  EXPECT_FALSE(nodeAwareExpected(4, 0, "auto")) << "real machines: off until asked";
+  EXPECT_TRUE(nodeAwareExpected(4, 0, "on"));
+  EXPECT_FALSE(nodeAwareExpected(1, 0, "on"));
+  // Agrees with the map createAll builds wherever the nodes are known (emulated).
+  for (int R : {2, 4, 6, 8, 12}) {
+    for (int n = 1; n <= R; ++n) {
+      if (R % n != 0) continue;
+      std::vector<int> oneMachine(static_cast<std::size_t>(R), 0);
+      NodeMap m = nodeMap(machinesOf(oneMachine), n);
+      m.emulated = true;
+      EXPECT_EQ(nodeAwareExpected(R, n, "auto"), m.nodeAware()) << R << " ranks as " << n << " nodes";
+    }
+  }
+}
+
 TEST(Unit_NodeMap, RefusalsNameTheRanks) {
   using test::expectError;
   // An emulated node across two machines; a count that does not divide the ranks.
