@@ -138,6 +138,10 @@ if [ -n "${GRAPHEP_SANITIZER:-}" ] && command -v compute-sanitizer >/dev/null; t
         # racecheck is the slowest tool: the mover replay test runs 200 replays per variant under it
         # (GRAPHEP_TEST_REPLAYS), the others their full count.
         reps=""; extra=""; [ "$tool" = racecheck ] && reps=200 extra=${GRAPHEP_RACECHECK_ARGS:-}
+        # 32 hardware queues: the tool adds streams of its own, and emulated ranks whose waiting
+        # kernels share a queue deadlock (run 176: 4 movers-path ranks with 2 streams each on the
+        # default 8 queues hung under memcheck and racecheck).
+        CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32} \
         CUDA_VISIBLE_DEVICES=$gpu GRAPHEP_EXPECT_GPUS=1 GRAPHEP_TIMEOUT_MS=60000 GRAPHEP_TEST_REPLAYS=$reps timeout -s INT $left \
           compute-sanitizer --tool $tool --error-exitcode 86 --print-limit 20 $extra \
           "$build/tests/graphep_gpu_tests" --gtest_filter="$t" >"$log" 2>&1

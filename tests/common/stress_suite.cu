@@ -16,6 +16,7 @@
 
 #include "common/gpu_env.hpp"
 #include "common/graph_util.hpp"
+#include "common/moe/harness.cuh"
 #include "engine/error.hpp"
 #include "kernels/common/ptx.cuh"
 
@@ -173,8 +174,9 @@ struct BucketRing {
 };
 
 // Output row t of replay s: past the live count the poison must be intact; below it every value
-// within the bound of the reference (each slot's weight x expertValue, summed in fp32).
-__device__ void checkRow(const bf16* out, const BucketRing& ring, int rank, int E, std::uint32_t s, int t,
+// within the bound of the reference (each slot's weight x expertValue, summed in fp32): `tol` x
+// the terms' magnitude (rowTolerance).
+__device__ void checkRow(const bf16* out, const BucketRing& ring, int rank, int E, std::uint32_t s, int t, float tol,
                          StressState* st) {
   const auto* bits = reinterpret_cast<const std::uint16_t*>(out) + static_cast<std::size_t>(t) * kHidden;
   if (t >= ring.of(rank, rank)) {
@@ -197,7 +199,7 @@ __device__ void checkRow(const bf16* out, const BucketRing& ring, int rank, int 
       mag += fabsf(term);
     }
     const float got = __bfloat162float(__ushort_as_bfloat16(bits[h]));
-    if (!(fabsf(got - ref) <= mag / 128.f + 1e-6f)) {
+    if (!(fabsf(got - ref) <= mag * tol + 1e-6f)) {
       atomicAdd(&st->badValues, 1ull);
       recordBad(st, s, t, h, got, ref);
     }
@@ -252,14 +254,21 @@ __device__ void checkCounts(const BucketRing& ring, int rank, int R, int E, cons
 }
 
 // Grid: T_max blocks (one per output row); block 0 also checks the layout views.
-__global__ void stressCheck(const bf16* out, BucketRing ring, int rank, int R, int E, DispatchLayout v,
+__global__ void stressCheck(const bf16* out, BucketRing ring, int rank, int R, int E, DispatchLayout v, float tol,
                             StressState* st) {
   const std::uint32_t s = st->step;
-  checkRow(out, ring, rank, E, s, static_cast<int>(blockIdx.x), st);
+  checkRow(out, ring, rank, E, s, static_cast<int>(blockIdx.x), tol, st);
   if (blockIdx.x == 0) checkCounts(ring, rank, R, E, v, s, st);
 }
 
 __global__ void stressAdvance(StressState* st) { st->step += 1; }
+
+// The combine's bound, relative to the terms' magnitude. A bf16 rounding costs at most u = 2^-8 of
+// the value; the flat combine rounds three times (the expert's output, the rank's partial, the final
+// sum), whose errors, of random sign, have stayed within 2u over every replay run. The node-aware
+// combine (docs/DESIGN.md §5.10) rounds once more (the node's sum of partials): one u more. Run 177's
+// node-aware stress met values just past 2u (1 in 10^5), none past 3u.
+float rowTolerance(bool nodeAware) { return (nodeAware ? 3.f : 2.f) / 256.f; }
 
 // Where the first mismatch was: a token's output value, or a layout view (BadCount).
 std::string firstBadWhere(const StressState& st) {
@@ -412,6 +421,7 @@ void runMoeStress(Communicator& comm, const StressCase& sc) {
     BucketRing ring{static_cast<int>(sc.buckets.size()), {}, 0};
     GRAPHEP_REQUIRE(ring.n >= 1 && ring.n <= 8, Status::kInvalidArgument, "stress: %d buckets (1 to 8)", ring.n);
     for (int b = 0; b < ring.n; ++b) ring.T[b] = sc.buckets[static_cast<std::size_t>(b)];
+    const float tol = rowTolerance(e.path() == MoePath::kThroughput && moe::nodeAwareSize(R) > 0);
     for (int T : sc.buckets) {
       cudaGraph_t pre = captureParts(k.stream, [&](cudaStream_t s) {
         GRAPHEP_CUDA_CHECK(cudaMemsetAsync(k.out, 0xff, static_cast<std::size_t>(Tmax) * kHidden * 2, s));
@@ -420,7 +430,7 @@ void runMoeStress(Communicator& comm, const StressCase& sc) {
         GRAPHEP_CUDA_CHECK(cudaGetLastError());
       });
       cudaGraph_t post = captureParts(k.stream, [&](cudaStream_t s) {
-        stressCheck<<<static_cast<unsigned>(Tmax), 128, 0, s>>>(k.out, ring, rank, R, E, v, k.st);
+        stressCheck<<<static_cast<unsigned>(Tmax), 128, 0, s>>>(k.out, ring, rank, R, E, v, tol, k.st);
         stressAdvance<<<1, 1, 0, s>>>(k.st);
         GRAPHEP_CUDA_CHECK(cudaGetLastError());
       });
