@@ -82,10 +82,9 @@ const StringVar kSlowCombineFinal({"GRAPHEP_SLOW_COMBINE_FINAL", Type::kString, 
                                    nullptr, 0, 0});
 
 const std::vector<const Var*>& all() {
-  static const std::vector<const Var*> vars = {&kDebug,          &kDebugSubsys,     &kTimeoutMs,       &kTrapOnTimeout,
-                                               &kForceTransport, &kEpilogueCluster, &kMoeKernels,     &kExchangeChunks,
-                                               &kEmulatedNodes,  &kEmulatedNetworkMbps, &kNodeAware,       &kFaultAfterLaunch,
-                                               &kSlowCombineFinal};
+  static const std::vector<const Var*> vars = {
+      &kDebug, &kDebugSubsys, &kTimeoutMs, &kTrapOnTimeout, &kForceTransport, &kEpilogueCluster, &kMoeKernels,
+      &kExchangeChunks, &kEmulatedNodes, &kEmulatedNetworkMbps, &kNodeAware, &kFaultAfterLaunch, &kSlowCombineFinal};
   return vars;
 }
 

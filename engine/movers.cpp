@@ -617,7 +617,8 @@ AllToAllvParams Movers::allToAllvParams(const AllToAllvArgs& a) const {
 void Movers::allToAllv(cudaStream_t stream, const AllToAllvArgs& args) const {
   const AllToAllvParams p = allToAllvParams(args);
   if ((networkMask_ & args.sendPeers) != 0) {
-    GRAPHEP_CUDA_CHECK(launchAllToAllvNetworkBytes(p, networkMask_ & args.sendPeers, networkBytes_.get(), networkMbps_, stream));
+    GRAPHEP_CUDA_CHECK(
+        launchAllToAllvNetworkBytes(p, networkMask_ & args.sendPeers, networkBytes_.get(), networkMbps_, stream));
   }
   if (p.remoteMask != 0) {
     // Remote peers: fixed-size NCCL messages, straight between the slots of src and dst (fixed

@@ -131,7 +131,7 @@ NodeMap nodeMap(const std::vector<std::vector<bool>>& reach, int emulatedNodes) 
 
 bool nodeAwareExpected(int worldSize, int emulatedNodes, const std::string& asked) {
   if (asked == "off" || worldSize < 2) return false;
-  if (emulatedNodes > 1) return worldSize % emulatedNodes == 0 && worldSize / emulatedNodes > 1;
+  if (emulatedNodes > 0) return emulatedNodes > 1 && worldSize % emulatedNodes == 0 && worldSize / emulatedNodes > 1;
   return asked == "on";
 }
 

@@ -51,9 +51,9 @@ struct NodeMap {
 NodeMap nodeMap(const std::vector<std::vector<bool>>& reach, int emulatedNodes);
 
 // Pure: whether an engine of `worldSize` ranks sends tokens once per node, as far as the settings
-// tell before any communicator (Engine::memoryRequirements): with `emulatedNodes` N > 1
-// (GRAPHEP_EMULATED_NODES) the nodes are known, and it does where N divides the ranks into nodes
-// of several, unless `asked` (GRAPHEP_NODE_AWARE) is "off"; without emulated nodes only "on" makes
+// tell before any communicator (Engine::memoryRequirements): with `emulatedNodes` N > 0
+// (GRAPHEP_EMULATED_NODES) the nodes are known, and it does where N > 1 divides the ranks into
+// nodes of several, unless `asked` (GRAPHEP_NODE_AWARE) is "off"; without emulated nodes only "on" makes
 // it, across machines, which are not known here: then assumed (its heap is the larger, an upper
 // bound where the ranks turn out to be one machine or one rank a machine).
 bool nodeAwareExpected(int worldSize, int emulatedNodes, const std::string& asked);

@@ -261,11 +261,14 @@ int moversStreams(int sharing, int queues) {
 }
 
 int hardwareQueues() {
-  const char* v = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
-  char* end = nullptr;
-  const long n = v != nullptr ? std::strtol(v, &end, 10) : 0;
-  if (v == nullptr || end == v || *end != '\0' || n < 1) return 8;  // the driver's default
-  return static_cast<int>(std::min(n, 32L));
+  static const int queues = [] {  // read once: the driver read it when the process's first context began
+    const char* v = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+    char* end = nullptr;
+    const long n = v != nullptr ? std::strtol(v, &end, 10) : 0;
+    if (v == nullptr || end == v || *end != '\0' || n < 1) return 8;  // the driver's default
+    return static_cast<int>(std::min(n, 32L));
+  }();
+  return queues;
 }
 
 ThroughputCtas throughputCtas(Communicator& comm, const SymmetricHeap& heap, const MoeConfig& cfg, bool direct,
@@ -273,14 +276,27 @@ ThroughputCtas throughputCtas(Communicator& comm, const SymmetricHeap& heap, con
   ThroughputCtas c;
   const int locals = heap.numLocalRanks();
   if (!direct) {  // the same on every rank: the exchanges are collective
+    // The streams of each local rank (moversStreams), refused on every rank together where some
+    // process puts more ranks on a GPU than it has hardware queues (no rank left in a collective).
+    std::vector<int> sharing(static_cast<std::size_t>(locals), 0);
+    std::vector<std::int32_t> fits;
     for (int l = 0; l < locals; ++l) {
-      int sharing = 0;
-      for (int q = 0; q < locals; ++q) sharing += heap.device(q) == heap.device(l) ? 1 : 0;
-      c.streams.push_back(moversStreams(sharing, hardwareQueues()));
-      if (c.streams.back() == 1) {
+      for (int q = 0; q < locals; ++q) sharing[static_cast<std::size_t>(l)] += heap.device(q) == heap.device(l) ? 1 : 0;
+      fits.push_back(sharing[static_cast<std::size_t>(l)] <= hardwareQueues() ? 1 : 0);
+    }
+    const bool allFit = minOverRanks(comm, fits) == 1;
+    for (int l = 0; l < locals; ++l) {  // a misfit here is refused by moversStreams, naming it
+      c.streams.push_back(moversStreams(sharing[static_cast<std::size_t>(l)], hardwareQueues()));
+    }
+    GRAPHEP_REQUIRE(allFit, Status::kNotSupported,
+                    "rank %d: another process puts more ranks of the movers path on one GPU than its hardware queues "
+                    "(CUDA_DEVICE_MAX_CONNECTIONS; its own error names them)",
+                    heap.rank(0));
+    for (int l = 0; l < locals; ++l) {
+      if (c.streams[static_cast<std::size_t>(l)] == 1) {
         GRAPHEP_LOG_INFO(log::kTune, "rank %d: %d ranks of this process share GPU %d over %d hardware queues: the "
                          "movers path runs its exchanges on the caller's stream (no comm stream)",
-                         heap.rank(l), sharing, heap.device(l), hardwareQueues());
+                         heap.rank(l), sharing[static_cast<std::size_t>(l)], heap.device(l), hardwareQueues());
       }
     }
     const bool anyRemote = !everyPeerIs(comm, heap, [](PeerClass k) { return k != PeerClass::kRemote; });

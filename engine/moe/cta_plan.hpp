@@ -92,12 +92,13 @@ inline constexpr int kExchangeChunkTokens = 2048;
 inline constexpr int kExchangeAutoChunks = 2;
 int exchangeChunks(int maxTokens, bool anyRemote, int requested);
 // The movers path's streams per rank (docs/DESIGN.md §5.5), pure: 2 (the caller's, and a comm
-// stream that carries the exchanges beside the pack and the expansion) while every one of the
-// `sharing` ranks on a GPU keeps both in a hardware queue of its own (2 x sharing <= `queues`,
+// stream that carries the exchanges beside the pack and the expansion) while the `sharing` ranks on
+// a GPU have no more busy streams than it has hardware queues (2 x sharing <= `queues`,
 // CUDA_DEVICE_MAX_CONNECTIONS); else 1, the caller's alone (the exchanges then run in order with
-// the rest). Ranks sharing a queue hang: a rank's kernel waiting for a peer holds the queue that
-// the peer's kernel waits behind (run 166: 8 ranks, 16 streams, 8 queues). More ranks on a GPU than
-// queues: an error naming both and the setting to raise.
+// the rest). Ranks whose busy streams meet in one queue hang: a rank's kernel waiting for a peer
+// holds the queue that the peer's kernel waits behind (run 166: 8 ranks, 16 streams, 8 queues). A
+// heuristic, necessary and not sufficient (other streams take places in the queues too). More ranks
+// on a GPU than queues: an error naming both and the setting to raise.
 int moversStreams(int sharing, int queues);
 // The hardware queues the CUDA driver gives each device (CUDA_DEVICE_MAX_CONNECTIONS, read by the
 // driver when the process creates its first context: 8 unset, 1 to 32).

@@ -263,12 +263,12 @@ __global__ void stressCheck(const bf16* out, BucketRing ring, int rank, int R, i
 
 __global__ void stressAdvance(StressState* st) { st->step += 1; }
 
-// The combine's bound, relative to the terms' magnitude. A bf16 rounding costs at most u = 2^-8 of
-// the value; the flat combine rounds three times (the expert's output, the rank's partial, the final
-// sum), whose errors, of random sign, have stayed within 2u over every replay run. The node-aware
-// combine (docs/DESIGN.md §5.10) rounds once more (the node's sum of partials): one u more. Run 176's
-// node-aware stress met values just past 2u (at most 204 a rank in 2,000 replays); run 177, at 3u,
-// none.
+// The combine's bound, relative to the terms' magnitude: a bf16 rounding costs at most u = 2^-8 of
+// the value it rounds, and the reference's expertValue is already the expert's bf16 output, so to
+// first order the flat combine's worst case is 2u (the rank's partial, the final sum) and the
+// node-aware combine's 3u (its node sum of partials is one rounding more, docs/DESIGN.md §5.8).
+// Run 176 checked node-aware values against 2u and met some just past it (at most 204 a rank in
+// 2,000 replays); run 177, at 3u, none.
 float rowTolerance(bool nodeAware) { return (nodeAware ? 3.f : 2.f) / 256.f; }
 
 // Where the first mismatch was: a token's output value, or a layout view (BadCount).

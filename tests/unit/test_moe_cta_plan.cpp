@@ -135,7 +135,6 @@ TEST(Unit_MoeCtaPlan, ExchangeChunksFollowTheRequestAndTheTokens) {
   EXPECT_EQ(exchangeChunks(32, false, 3), 3);
 }
 
-
 // The movers path's streams per rank: two while every rank on the GPU keeps both in a hardware
 // queue of its own, one (the caller's) when only one each fits, refused by name beyond that.
 TEST(Unit_MoeCtaPlan, MoversStreamsKeepEveryRankInQueuesOfItsOwn) {

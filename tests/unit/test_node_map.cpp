@@ -2,6 +2,7 @@
 // (engine/node_map.hpp): against machines built by hand, and the refusals by name.
 #include <gtest/gtest.h>
 
+#include <string>
 #include <vector>
 
 #include "common/expect_error.hpp"
@@ -122,9 +123,13 @@ TEST(Unit_NodeMap, NodeAwareExpectedFromTheSettings) {
     for (int n = 1; n <= R; ++n) {
       if (R % n != 0) continue;
       std::vector<int> oneMachine(static_cast<std::size_t>(R), 0);
-      NodeMap m = nodeMap(machinesOf(oneMachine), n);
-      m.emulated = true;
-      EXPECT_EQ(nodeAwareExpected(R, n, "auto"), m.nodeAware()) << R << " ranks as " << n << " nodes";
+      for (const char* asked : {"auto", "on", "off"}) {
+        NodeMap m = nodeMap(machinesOf(oneMachine), n);
+        m.emulated = true;
+        m.groupAsked = std::string(asked) == "on";
+        m.flatAsked = std::string(asked) == "off";
+        EXPECT_EQ(nodeAwareExpected(R, n, asked), m.nodeAware()) << R << " ranks as " << n << " nodes, " << asked;
+      }
     }
   }
 }
