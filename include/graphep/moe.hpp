@@ -97,7 +97,8 @@ struct MoeConfig {
   // dispatch's fp8 quantise and receive (layout + expansion), the combine's reduce and final;
   // this many, at most the SM count (0: the SMs the send leaves free, or every SM when it leaves
   // fewer than half), rounded down to a multiple of the epilogue cluster size
-  // (GRAPHEP_EPILOGUE_CLUSTER). The movers' throughput path does not use it. Latency path: the
+  // (GRAPHEP_EPILOGUE_CLUSTER). The movers' throughput path: the CTAs of pack, expand, combine
+  // reduce and final, chosen the same way (no clusters). Latency path: the
   // receive part of each dispatch and combine launch; this many (0: one per SM; ranks sharing a
   // GPU: as many as the senders), at most the CTAs the GPU holds at once less the senders (ranks
   // sharing a GPU: half of their share), at least 1.
