@@ -252,7 +252,7 @@ int exchangeChunks(int maxTokens, bool anyRemote, int requested) {
 
 int moversStreams(int sharing, int queues) {
   GRAPHEP_REQUIRE(sharing >= 1 && sharing <= queues, Status::kNotSupported,
-                  "%d ranks of this process share one GPU over the movers path, and the GPU runs %d hardware queues "
+                  "%d ranks share one GPU over the movers path, and the GPU runs %d hardware queues "
                   "(CUDA_DEVICE_MAX_CONNECTIONS): ranks sharing a queue deadlock, one waiting kernel holding the "
                   "queue another's kernel waits behind. Set CUDA_DEVICE_MAX_CONNECTIONS (up to 32) at least to "
                   "the ranks per GPU before the process's first CUDA call, or put fewer ranks on a GPU",
@@ -278,25 +278,21 @@ ThroughputCtas throughputCtas(Communicator& comm, const SymmetricHeap& heap, con
   if (!direct) {  // the same on every rank: the exchanges are collective
     // The streams of each local rank (moversStreams), refused on every rank together where some
     // process puts more ranks on a GPU than it has hardware queues (no rank left in a collective).
-    std::vector<int> sharing(static_cast<std::size_t>(locals), 0);
     std::vector<std::int32_t> fits;
-    for (int l = 0; l < locals; ++l) {
-      for (int q = 0; q < locals; ++q) sharing[static_cast<std::size_t>(l)] += heap.device(q) == heap.device(l) ? 1 : 0;
-      fits.push_back(sharing[static_cast<std::size_t>(l)] <= hardwareQueues() ? 1 : 0);
-    }
+    for (int l = 0; l < locals; ++l) fits.push_back(ranksOnGpu(heap, l) <= hardwareQueues() ? 1 : 0);
     const bool allFit = minOverRanks(comm, fits) == 1;
     for (int l = 0; l < locals; ++l) {  // a misfit here is refused by moversStreams, naming it
-      c.streams.push_back(moversStreams(sharing[static_cast<std::size_t>(l)], hardwareQueues()));
+      c.streams.push_back(moversStreams(ranksOnGpu(heap, l), hardwareQueues()));
     }
     GRAPHEP_REQUIRE(allFit, Status::kNotSupported,
-                    "rank %d: another process puts more ranks of the movers path on one GPU than its hardware queues "
-                    "(CUDA_DEVICE_MAX_CONNECTIONS; its own error names them)",
+                    "rank %d: another process puts more ranks of the movers path on one GPU than it has hardware "
+                    "queues (CUDA_DEVICE_MAX_CONNECTIONS; its own error names them)",
                     heap.rank(0));
     for (int l = 0; l < locals; ++l) {
       if (c.streams[static_cast<std::size_t>(l)] == 1) {
-        GRAPHEP_LOG_INFO(log::kTune, "rank %d: %d ranks of this process share GPU %d over %d hardware queues: the "
-                         "movers path runs its exchanges on the caller's stream (no comm stream)",
-                         heap.rank(l), sharing[static_cast<std::size_t>(l)], heap.device(l), hardwareQueues());
+        GRAPHEP_LOG_INFO(log::kTune, "rank %d: %d ranks share GPU %d over %d hardware queues: the movers path runs "
+                         "its exchanges on the caller's stream (no comm stream)",
+                         heap.rank(l), ranksOnGpu(heap, l), heap.device(l), hardwareQueues());
       }
     }
     const bool anyRemote = !everyPeerIs(comm, heap, [](PeerClass k) { return k != PeerClass::kRemote; });
