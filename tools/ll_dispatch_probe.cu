@@ -19,10 +19,12 @@
 // quantisation); each wrong row is counted.
 //
 //   graphep-ll-probe [--hidden H] [--experts E] [--topk K] [--tokens T] [--team N] [--iters N]
-//                    [--ctas G,G,...] [--pdl]
+//                    [--ctas G,G,...] [--pdl] [--trace]
 //
 // --pdl: each launch is the programmatic dependent of the one before (griddepcontrol), as the
 // engine's graphs launch its operations; without it the launches are plain, in stream order.
+// --trace: one more operation after the timed ones stamps its phases (global timer: when the first
+// CTA started, and when the last CTA finished each step), printed per rank after the row.
 //
 // Needs 2 GPUs with peer access (exit 77 otherwise). One line per CTA count:
 //   ll-probe hidden=7168 experts=256 topk=8 tokens=128 ctas=24 team=128 pdl=0 us=... wrong=0
@@ -72,7 +74,14 @@ struct Rank {                            // one rank's buffers (device pointers,
   std::uint32_t* arrivals;               // [R sources]: CTAs done, cumulative
   std::int32_t* layout;                  // [L]: rows per local expert
   std::uint32_t* error;                  // a wait that timed out: 1 + what it waited for
+  unsigned long long* trace;             // --trace: [kPhases] global-timer stamps (min for the start, max after)
 };
+
+// The phases a traced operation stamps (Rank::trace): the first CTA's start, then when the last CTA
+// finished each step (CTA 0 alone for the last two).
+constexpr int kPhases = 7;
+constexpr const char* kPhaseNames[kPhases] = {"start", "routed", "counts posted", "peer rows stored",
+                                              "peer counts seen", "own rows stored", "arrivals seen"};
 
 struct Params {
   Rank rank[kRanks];
@@ -91,6 +100,17 @@ __device__ bool waitAtLeast(const std::uint32_t* p, std::uint32_t target, std::u
     }
   }
   return true;
+}
+
+// Stamps phase `ph` of a traced operation (thread 0 of each CTA calls it).
+__device__ __forceinline__ void stamp(const Rank& r, int ph) {
+  if (r.trace == nullptr) return;
+  const unsigned long long now = graphep::ptx::globalTimerNs();
+  if (ph == 0) {
+    atomicMin(r.trace, now);
+  } else {
+    atomicMax(r.trace + ph, now);
+  }
 }
 
 __device__ __forceinline__ int popcBelow(const std::uint32_t* bits, int t) {
@@ -138,6 +158,7 @@ __global__ void __launch_bounds__(kThreads) probeDispatch(const __grid_constant_
   // With --pdl each launch is the programmatic dependent of the one before (as the engine's graphs
   // launch): it may be placed early, and waits here until that one has finished.
   graphep::ptx::gridDependencyWait();
+  if (tid == 0) stamp(mine, 0);
   // 1. Routing.
   for (int i = tid; i < p.E * W; i += kThreads) expBits[i] = 0;
   __syncthreads();
@@ -147,6 +168,7 @@ __global__ void __launch_bounds__(kThreads) probeDispatch(const __grid_constant_
     atomicOr(&expBits[e * W + (i / p.K >> 5)], 1u << (i / p.K & 31));
   }
   __syncthreads();
+  if (tid == 0) stamp(mine, 1);
   // 2. This rank's counts to rank r = blockIdx.x (every expert: the receiver sums the sources).
   if (static_cast<int>(blockIdx.x) < kRanks) {
     const Rank& to = p.rank[blockIdx.x];
@@ -156,6 +178,7 @@ __global__ void __launch_bounds__(kThreads) probeDispatch(const __grid_constant_
     if (tid == 0) {
       graphep::ptx::fenceAcqRelSys();
       graphep::ptx::stReleaseSys(to.countFlags + p.me, p.step);
+      stamp(mine, 2);
     }
   }
   // 3. The peer's rows: this rank's rows come first in each of the peer's expert blocks.
@@ -166,7 +189,10 @@ __global__ void __launch_bounds__(kThreads) probeDispatch(const __grid_constant_
   for (int t = team; t < p.T; t += teams) storeRows(p, ids, expBits, base, peer, t, lane);
   // 4. The own rows, after the peer's rows in each block of this rank: their base is the peer's count.
   bool ok = true;
+  __syncthreads();
+  if (tid == 0) stamp(mine, 3);
   if (tid == 0) ok = waitAtLeast(mine.countFlags + peer, p.step, mine.error, 1);
+  if (tid == 0) stamp(mine, 4);
   __syncthreads();
   const std::int32_t* peerCounts = mine.counts + (static_cast<std::uint64_t>(parity) * kRanks + peer) * p.E;
   for (int j = tid; j < L; j += kThreads) base[j] = __ldcg(peerCounts + p.me * L + j);
@@ -175,6 +201,7 @@ __global__ void __launch_bounds__(kThreads) probeDispatch(const __grid_constant_
   // 5. Arrivals, then CTA 0 publishes the layout once every source's CTAs have arrived.
   graphep::ptx::launchDependents();
   __syncthreads();
+  if (tid == 0) stamp(mine, 5);
   if (tid < kRanks) {
     graphep::ptx::fenceAcqRelSys();
     graphep::ptx::redReleaseSysAdd(p.rank[tid].arrivals + p.me, 1u);
@@ -182,6 +209,7 @@ __global__ void __launch_bounds__(kThreads) probeDispatch(const __grid_constant_
   if (blockIdx.x != 0) return;
   if (tid < kRanks) ok = waitAtLeast(mine.arrivals + tid, p.arrivalsTarget, mine.error, 2 + tid) && ok;
   __syncthreads();
+  if (tid == 0) stamp(mine, 6);
   const std::int32_t* own = mine.counts + (static_cast<std::uint64_t>(parity) * kRanks + p.me) * p.E;
   for (int j = tid; j < L; j += kThreads) mine.layout[j] = __ldcg(peerCounts + p.me * L + j) + __ldcg(own + p.me * L + j);
 }
@@ -200,6 +228,7 @@ int main(int argc, char** argv) {
   const int H = intArg(args, "--hidden", 7168), E = intArg(args, "--experts", 256), K = intArg(args, "--topk", 8);
   const int T = intArg(args, "--tokens", 128), team = intArg(args, "--team", 128), iters = intArg(args, "--iters", 200);
   const bool pdl = std::find(args.begin(), args.end(), "--pdl") != args.end();
+  const bool trace = std::find(args.begin(), args.end(), "--trace") != args.end();
   std::vector<int> ctaList = {24, 48, 96, 132};
   for (std::size_t i = 0; i + 1 < args.size(); ++i) {
     if (args[i] != "--ctas") continue;
@@ -266,18 +295,22 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&k.layout, static_cast<std::size_t>(L) * 4));
     CHECK(cudaMalloc(&k.error, 4));
     CHECK(cudaMemset(k.error, 0, 4));
+    CHECK(cudaMalloc(&k.trace, kPhases * sizeof(unsigned long long)));
   }
   for (int r = 0; r < kRanks; ++r) {
     CHECK(cudaSetDevice(r));
     CHECK(cudaDeviceSynchronize());
   }
   std::uint32_t step = 0, arrivals = 0;
-  auto launchBoth = [&](int ctas) {
+  auto launchBoth = [&](int ctas, bool traced = false) {
     ++step;
     arrivals += static_cast<std::uint32_t>(ctas);
     for (int r = 0; r < kRanks; ++r) {
       Params q = p;
       q.me = r, q.step = step, q.arrivalsTarget = arrivals;
+      if (!traced) {
+        for (Rank& k : q.rank) k.trace = nullptr;
+      }
       CHECK(cudaSetDevice(r));
       cudaLaunchAttribute attr{};
       attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -330,6 +363,26 @@ int main(int argc, char** argv) {
       CHECK(cudaEventElapsedTime(&ms, ev[r][0], ev[r][1]));
       worst = std::max(worst, ms);
     }
+    // One more operation, traced (both ranks' stamps zeroed, the start at its maximum).
+    std::vector<unsigned long long> stamps(kPhases, 0);
+    for (int r = 0; r < kRanks; ++r) {
+      stamps[0] = ~0ull;
+      CHECK(cudaSetDevice(r));
+      CHECK(cudaMemcpy(p.rank[r].trace, stamps.data(), kPhases * sizeof(unsigned long long), cudaMemcpyHostToDevice));
+    }
+    launchBoth(ctas, true);
+    std::string phases;
+    for (int r = 0; r < kRanks; ++r) {
+      CHECK(cudaSetDevice(r));
+      CHECK(cudaStreamSynchronize(streams[r]));
+      CHECK(cudaMemcpy(stamps.data(), p.rank[r].trace, kPhases * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+      char line[96];
+      phases += " | rank " + std::to_string(r) + ", us after the start:";
+      for (int ph = 1; ph < kPhases; ++ph) {
+        std::snprintf(line, sizeof line, " %s %.2f", kPhaseNames[ph], (stamps[static_cast<std::size_t>(ph)] - stamps[0]) * 1e-3);
+        phases += line;
+      }
+    }
     // The check: every rank's rows, tags and layout after the last operation.
     long long wrong = 0;
     std::vector<unsigned char> got(rows * rowBytes), want;
@@ -362,6 +415,7 @@ int main(int argc, char** argv) {
     }
     std::printf("ll-probe hidden=%d experts=%d topk=%d tokens=%d ctas=%d team=%d pdl=%d us=%.2f wrong=%lld\n", H, E, K,
                 T, ctas, team, pdl ? 1 : 0, worst * 1e3f / iters, wrong);
+    if (trace) std::printf("#%s\n", phases.c_str());
     std::fflush(stdout);
     if (wrong != 0) status = 1;
     for (int r = 0; r < kRanks; ++r) {
