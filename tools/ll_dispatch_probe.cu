@@ -372,7 +372,9 @@ int main(int argc, char** argv) {
     for (int r = 0; r < kRanks; ++r) {
       stamps[0] = ~0ull;
       CHECK(cudaSetDevice(r));
-      CHECK(cudaMemcpy(p.rank[r].trace, stamps.data(), kPhases * sizeof(unsigned long long), cudaMemcpyHostToDevice));
+      CHECK(cudaMemcpyAsync(p.rank[r].trace, stamps.data(), kPhases * sizeof(unsigned long long), cudaMemcpyHostToDevice,
+                            streams[r]));  // in the launches' stream order
+      CHECK(cudaStreamSynchronize(streams[r]));  // `stamps` is reused for the next rank
     }
     launchBoth(ctas, true);
     std::string phases;
