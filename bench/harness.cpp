@@ -178,7 +178,7 @@ double timeOps(const Options& o, Ranks& r, std::vector<cudaGraphExec_t>& execs) 
   return median / o.opsPerGraph;
 }
 
-MoverBench makeMoverBench(const Options& o, Ranks& r, std::size_t userBytes) {
+MoverBench makeMoverBench(const Options& o, Ranks& r, std::size_t userBytes, std::size_t remoteBytesPerPeer) {
   HeapConfig cfg;
   cfg.numRanks = r.worldSize();
   cfg.userBytes = userBytes;
@@ -191,6 +191,7 @@ MoverBench makeMoverBench(const Options& o, Ranks& r, std::size_t userBytes) {
   b.heap = SymmetricHeap::create(*r.comm, cfg);
   MoverOptions mo;
   mo.profile = o.profile;
+  mo.maxRemoteBytesPerPeer = remoteBytesPerPeer;  // the NCCL stages, made only where some peer is remote
   b.movers = Movers::createAll(*b.heap, mo);
   return b;
 }

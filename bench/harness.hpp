@@ -147,12 +147,15 @@ void freeEach(Ranks& r, const Buffers&... buffers) {
 }
 
 // The heap and movers of a mover benchmark, built from --sms, --warps, --slot, --slots, with a
-// `userBytes` symmetric user region (zero-copy destinations).
+// `userBytes` symmetric user region (zero-copy destinations) and, where some peer is remote
+// (across machines, or GRAPHEP_FORCE_TRANSPORT=remote), NCCL stages of `remoteBytesPerPeer` per
+// peer for the all-to-all-v (MoverOptions::maxRemoteBytesPerPeer; 0: none, and a staged
+// all-to-all-v to a remote peer is refused).
 struct MoverBench {
   std::unique_ptr<SymmetricHeap> heap;
   std::vector<Movers> movers;
 };
-MoverBench makeMoverBench(const Options& o, Ranks& r, std::size_t userBytes);
+MoverBench makeMoverBench(const Options& o, Ranks& r, std::size_t userBytes, std::size_t remoteBytesPerPeer = 0);
 
 // Throws naming the first device error any local rank recorded (a timeout, a dropped count).
 void requireNoDeviceError(const SymmetricHeap& heap);

@@ -19,7 +19,10 @@ namespace graphep::bench {
 
 std::vector<Row> runAllToAllv(const Options& o, Ranks& r) {
   const int R = r.worldSize();
-  MoverBench mb = makeMoverBench(o, r, std::max<std::size_t>(o.maxBytes, 16));  // zero-copy dst
+  // The heap holds the zero-copy destination; a remote peer's segments (at most maxBytes / R)
+  // travel through NCCL stages of that size.
+  const std::size_t most = std::max<std::size_t>(o.maxBytes, 16);
+  MoverBench mb = makeMoverBench(o, r, most, (most + R - 1) / R);
   auto& heap = mb.heap;
   auto& movers = mb.movers;
   std::vector<char*> src(static_cast<size_t>(r.numLocal())), dst(static_cast<size_t>(r.numLocal()));
