@@ -95,15 +95,16 @@ struct Params {
   std::uint32_t arrivalsTarget;   // every source's cumulative arrivals once this step is done
 };
 
-__device__ bool waitAtLeast(const std::uint32_t* p, std::uint32_t target, std::uint32_t* error, std::uint32_t what) {
+// Waits until *p reaches `target` (mod 2^32); after kWaitNs it gives up and records `what` in
+// *error (the first timeout only), which the host reports.
+__device__ void waitAtLeast(const std::uint32_t* p, std::uint32_t target, std::uint32_t* error, std::uint32_t what) {
   const std::uint64_t start = graphep::ptx::globalTimerNs();
   while (static_cast<std::int32_t>(graphep::ptx::ldAcquireSys(p) - target) < 0) {
     if (graphep::ptx::globalTimerNs() - start > kWaitNs) {
       atomicCAS(error, 0u, what);
-      return false;
+      return;
     }
   }
-  return true;
 }
 
 // Stamps phase `ph` of a traced operation (thread 0 of each CTA calls it).
@@ -192,10 +193,9 @@ __global__ void __launch_bounds__(kThreads) probeDispatch(const __grid_constant_
   const int team = static_cast<int>(blockIdx.x) * (kThreads / p.team) + tid / p.team;
   for (int t = team; t < p.T; t += teams) storeRows(p, ids, expBits, base, peer, t, lane);
   // 4. The own rows, after the peer's rows in each block of this rank: their base is the peer's count.
-  bool ok = true;
   __syncthreads();
   if (tid == 0) stamp(mine, 3);
-  if (tid == 0) ok = waitAtLeast(mine.countFlags + peer, p.step, mine.error, 1);
+  if (tid == 0) waitAtLeast(mine.countFlags + peer, p.step, mine.error, 1);
   if (tid == 0) stamp(mine, 4);
   __syncthreads();
   const std::int32_t* peerCounts = mine.counts + (static_cast<std::uint64_t>(parity) * kRanks + peer) * p.E;
@@ -211,7 +211,7 @@ __global__ void __launch_bounds__(kThreads) probeDispatch(const __grid_constant_
     graphep::ptx::redReleaseSysAdd(p.rank[tid].arrivals + p.me, 1u);
   }
   if (blockIdx.x != 0) return;
-  if (tid < kRanks) ok = waitAtLeast(mine.arrivals + tid, p.arrivalsTarget, mine.error, 2 + tid) && ok;
+  if (tid < kRanks) waitAtLeast(mine.arrivals + tid, p.arrivalsTarget, mine.error, 2 + tid);
   __syncthreads();
   if (tid == 0) stamp(mine, 6);
   const std::int32_t* own = mine.counts + (static_cast<std::uint64_t>(parity) * kRanks + p.me) * p.E;
