@@ -29,6 +29,18 @@ __device__ __forceinline__ void stRelaxedSys(std::uint32_t* p, std::uint32_t v) 
   asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+// 8-byte relaxed accesses: single-copy atomic, so a word that carries its own tag beside its value
+// is read whole (the latency path's tagged count messages).
+__device__ __forceinline__ std::uint64_t ldRelaxedSys64(const std::uint64_t* p) {
+  std::uint64_t v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void stRelaxedSys64(std::uint64_t* p, std::uint64_t v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
 __device__ __forceinline__ void redReleaseSysAdd(std::uint32_t* p, std::uint32_t v) {
   asm volatile("red.release.sys.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }

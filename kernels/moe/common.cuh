@@ -195,8 +195,22 @@ struct MoeLayoutScratch {
   };
 };
 
+// A count message's words hold their count in the low 32 bits (the latency path tags the high 32
+// with the step: moeTaggedCount); i = 0 is the source's records, 1 + j its rows for local expert j.
 __device__ __forceinline__ std::int32_t moeCountOf(const std::uint64_t* msg, int i) {
-  return static_cast<std::int32_t>(__ldcg(msg + i));
+  return static_cast<std::int32_t>(static_cast<std::uint32_t>(__ldcg(msg + i)));
+}
+
+// The records of source q's message, at most maxTokens (a source sends one per token).
+__device__ __forceinline__ std::int32_t moeMsgRecords(const MoeParams& p, const std::uint64_t* msg) {
+  const std::uint32_t rows = static_cast<std::uint32_t>(__ldcg(msg));
+  return static_cast<std::int32_t>(rows < static_cast<std::uint32_t>(p.shape.maxTokens) ? rows : p.shape.maxTokens);
+}
+
+// A tagged count word: the count with `tag` (the step + 1) in the high half, stored whole
+// (stRelaxedSys64), so that a reader that sees the tag sees the count (no fence, no flag).
+__device__ __forceinline__ std::uint64_t moeTaggedCount(std::uint32_t tag, std::int64_t count) {
+  return static_cast<std::uint64_t>(tag) << 32 | static_cast<std::uint32_t>(count);
 }
 
 // Every thread of one CTA of kThreads: counts[j] (rows routed to local expert j from every
@@ -303,8 +317,7 @@ __device__ void moePublishLayout(const MoeParams& p, Msg msg, const std::int32_t
     if (tid == 0) {
       std::int32_t row = 0;
       for (int q = 0; q < p.shape.numRanks; ++q) {
-        const std::uint64_t rows = __ldcg(msg(q));
-        const std::int32_t n = static_cast<std::int32_t>(rows < static_cast<std::uint64_t>(p.shape.maxTokens) ? rows : p.shape.maxTokens);
+        const std::int32_t n = moeMsgRecords(p, msg(q));
         p.layout.sourceRecords[q] = n;
         p.layout.rankOffsets[q] = row;
         row += n;
@@ -341,8 +354,7 @@ __device__ void moePublishLayout(const MoeParams& p, Msg msg, const std::int32_t
   }
   for (int q = tid; q < p.shape.numRanks; q += kThreads) {
     // A source sends at most maxTokens records (one per token); its count is trusted to that bound.
-    const std::uint64_t rows = __ldcg(msg(q));
-    p.layout.sourceRecords[q] = static_cast<std::int32_t>(rows < static_cast<std::uint64_t>(p.shape.maxTokens) ? rows : p.shape.maxTokens);
+    p.layout.sourceRecords[q] = moeMsgRecords(p, msg(q));
   }
   const std::int32_t kept = typename MoeLayoutScratch<kThreads>::Reduce(scratch.reduce).Sum(keptHere);
   if (tid == 0) *p.layout.numRecvRows = kept;
@@ -353,10 +365,7 @@ __device__ void moePublishLayout(const MoeParams& p, Msg msg, const std::int32_t
 template <class Msg>
 __device__ inline long long moeRankBase(const MoeParams& p, Msg msg, int s) {
   long long base = 0;
-  for (int q = 0; q < s; ++q) {
-    const std::uint64_t rows = __ldcg(msg(q));
-    base += static_cast<long long>(rows < static_cast<std::uint64_t>(p.shape.maxTokens) ? rows : p.shape.maxTokens);
-  }
+  for (int q = 0; q < s; ++q) base += moeMsgRecords(p, msg(q));
   return base;
 }
 

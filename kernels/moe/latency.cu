@@ -11,14 +11,15 @@
 //
 //   dispatch  send     every send CTA routes all T x K entries in shared memory (a bit per token for
 //                      each expert and each destination: indices are popcounts); the CTAs split
-//                      the destinations' count messages, each posted with its flag (step + 1)
-//                      before any payload; then each CTA writes the metadata of its share of
-//                      the records for this rank (no payload: the receiver reads those rows from
-//                      x) and adds 1 to this rank's arrival counter for itself; then each group
+//                      the destinations' count messages, each word tagged with step + 1 beside
+//                      its count (no fence, no flag), before any payload; then each CTA writes
+//                      the metadata of its share of the records for this rank (no payload: the
+//                      receiver reads those rows from x) and adds 1 to this rank's arrival
+//                      counter for itself; then each group
 //                      writes one token's record, read once, into every peer's slot
 //                      [parity][this rank][index]; each CTA then adds 1 to every peer's arrival
 //                      counter for this rank.
-//            receive  every receive CTA waits for every count flag, derives the layout (CTA 0
+//            receive  every receive CTA waits for every count word's tag, derives the layout (CTA 0
 //                      publishes it) and expands each source's records as soon as that source's G
 //                      send CTAs have arrived (its own rank first, their rows from x); the last
 //                      CTA of the launch advances the step.
@@ -195,15 +196,17 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part, std::uint3
     __syncthreads();
     anyDup = dup != 0;
     // Count messages first (they travel ahead of the payload): CTA c takes ranks c, c + G, ...
+    // Each word carries its count tagged with step + 1 (moeTaggedCount), stored whole, so the
+    // receiver waits on the words themselves: no fence, no flag to order them by. The flag is
+    // still stored after them, for checkHealth's account of a stall alone (nothing waits on it).
     for (int r = part.cta; r < R; r += part.ctas) {
       if (!isLive(live, r)) continue;  // the same r in every thread
       auto* msg = reinterpret_cast<std::uint64_t*>(p.peers.userRegions[r] + p.peers.countMsgsOff +
                                                    (static_cast<std::uint64_t>(parity) * R + p.shape.rank) * p.shape.countMsgBytes);
-      for (int j = tid; j < L; j += kThreads) msg[1 + j] = static_cast<std::uint64_t>(entriesBefore(r * L + j, T, 0));
-      if (tid == 0) msg[0] = static_cast<std::uint64_t>(popcBelow(dstBits + r * W, T));
-      __syncthreads();
+      for (int j = tid; j < L; j += kThreads) ptx::stRelaxedSys64(msg + 1 + j, moeTaggedCount(step + 1u, entriesBefore(r * L + j, T, 0)));
       if (tid == 0) {
-        flagPost(peerCounter(p, r, p.peers.countFlagsOff) + p.shape.rank, step + 1u);
+        ptx::stRelaxedSys64(msg, moeTaggedCount(step + 1u, popcBelow(dstBits + r * W, T)));
+        ptx::stRelaxedSys(peerCounter(p, r, p.peers.countFlagsOff) + p.shape.rank, step + 1u);
         moeTrace(p, 0, step, MoeTraceEvent::kPosted, 0, true);
       }
     }
@@ -276,6 +279,34 @@ __device__ __forceinline__ const std::uint64_t* latencyMsg(const MoeParams& p, i
                                                 (static_cast<std::uint64_t>(parity) * p.shape.numRanks + q) * p.shape.countMsgBytes);
 }
 
+// Every thread of the CTA: waits until each word of every live source's count message of this
+// step carries the tag step + 1 (the sender's moeTaggedCount). A source whose words do not come
+// is masked (shrink on timeout: `masked`, the receive's word) or reported. True when every live
+// source's message came (the same in every thread).
+__device__ bool waitTaggedCounts(const MoeParams& p, int parity, std::uint32_t step, std::uint32_t live, std::uint32_t* masked) {
+  const int words = 1 + p.shape.localExperts, R = p.shape.numRanks;
+  const std::uint32_t tag = step + 1u;
+  bool failed = false;
+  for (int n = static_cast<int>(threadIdx.x); n < R * words; n += kThreads) {
+    const int q = n / words;
+    if (!isLive(live, q)) continue;
+    const std::uint64_t* word = latencyMsg(p, parity, q) + n % words;
+    const bool ok = boundedPoll(
+        p.peers.sync,
+        [&](std::uint32_t* v) {
+          *v = static_cast<std::uint32_t>(ptx::ldRelaxedSys64(word) >> 32);
+          return *v == tag;
+        },
+        tag, q, WaitSite::kMoeDispatch, word, false, masked != nullptr);
+    if (!ok && masked != nullptr) {
+      maskAfterTimeout(p, masked, q);  // shrink on timeout: masked, not an error
+    } else if (!ok) {
+      failed = true;
+    }
+  }
+  return __syncthreads_or(failed) == 0;
+}
+
 __device__ void dispatchReceive(const MoeParams& p, Part part, std::uint32_t live) {
   __shared__ MoeReceiveSmem<kThreads, kGroups> sm;
   const int tid = static_cast<int>(threadIdx.x), R = p.shape.numRanks;
@@ -290,10 +321,10 @@ __device__ void dispatchReceive(const MoeParams& p, Part part, std::uint32_t liv
   bool layoutOk = false;
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyReceive);
-    layoutOk = moeReceiveLayout<kThreads, kGroups>(p, msgOf, step, part.cta == 0, sm, [&] {  // CTA 0 publishes
-      if (part.cta == part.ctas - 1 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kLayout);
-      if (masked != nullptr) live &= ~settleMasked(p, masked, part.ctas, WaitSite::kMoeDispatch);
-    }, live, nullptr, masked);
+    const bool counted = waitTaggedCounts(p, parity, step, live, masked);
+    if (part.cta == part.ctas - 1 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kLayout);
+    if (masked != nullptr) live &= ~settleMasked(p, masked, part.ctas, WaitSite::kMoeDispatch);
+    layoutOk = counted && moeComputeReceiveLayout<kThreads, kGroups>(p, msgOf, part.cta == 0, sm);  // CTA 0 publishes
   }
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyExpand);
@@ -309,10 +340,7 @@ __device__ void dispatchReceive(const MoeParams& p, Part part, std::uint32_t liv
       const int stride = gs.stride, slot = gs.group * part.ctas + part.cta;
       const long long mineAt = (slot + stride - 1) % stride;  // this group's items: mineAt (mod stride)
       long long records = 0;
-      for (int q = 0; q < R; ++q) {
-        const std::uint64_t sent = __ldcg(msgOf(q));
-        records += static_cast<long long>(sent < static_cast<std::uint64_t>(p.shape.maxTokens) ? sent : p.shape.maxTokens);
-      }
+      for (int q = 0; q < R; ++q) records += moeMsgRecords(p, msgOf(q));
       const int C = moeRecordChunks(stride, records, p.shape.hidden);
       long long before = 0;  // items of the sources before this one
       for (int k = 0; k < R; ++k) {
@@ -332,8 +360,7 @@ __device__ void dispatchReceive(const MoeParams& p, Part part, std::uint32_t liv
         if (k == R - 1 && part.cta == part.ctas - 1 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kArrived);
         moeSourceBases<kThreads>(p, msgOf, sm.offsets, s, sm.base);
         __syncthreads();
-        const std::uint64_t sent = __ldcg(msgOf(s));
-        const int rows = static_cast<int>(sent < static_cast<std::uint64_t>(p.shape.maxTokens) ? sent : p.shape.maxTokens);
+        const int rows = moeMsgRecords(p, msgOf(s));
         const long long rankBase = p.layout.rankMajor ? moeRankBase(p, msgOf, s) : -1;  // rank-major: its first row
         // Every group goes round equally (an idle one through the same barriers): base is
         // rewritten for the next source after the __syncthreads below.

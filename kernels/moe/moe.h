@@ -335,7 +335,8 @@ struct MoePeers {
   std::uint64_t recordsOff;      // records from each source
   std::uint64_t countMsgsOff;    // count messages ([2][R], by parity)
   std::uint64_t partialsOff;     // partials from each destination
-  std::uint64_t countFlagsOff;   // u32 [R]: source q's count message of step s landed: s + 1
+  std::uint64_t countFlagsOff;   // u32 [R]: source q's count message of step s landed: s + 1 (the latency
+                                 // path's messages carry that tag in each word; its flags only tell checkHealth)
   std::uint32_t* steps;          // local [2]: dispatch and combine steps (monotonic)
   std::uint32_t* lastCtaCounters;  // local [2]: last-CTA counters of the dispatch's and combine's last kernels
   SyncHandle sync;               // bounded waits (timeout, error record)

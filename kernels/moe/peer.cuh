@@ -139,6 +139,10 @@ struct MoeReceiveSmem {
 // returns (the step trace; with `masked`, shrink on timeout, it also settles the sources msgOf
 // gives: the ranks masked after a timeout read as zeros). False: a wait failed (reported), nothing
 // was computed.
+template <int kThreads, int kGroups, typename Msg>
+__device__ __forceinline__ bool moeComputeReceiveLayout(const MoeParams& p, Msg msgOf, bool publisher,
+                                                        MoeReceiveSmem<kThreads, kGroups>& sm);
+
 template <int kThreads, int kGroups, typename Msg, typename Seen>
 __device__ __forceinline__ bool moeReceiveLayout(const MoeParams& p, Msg msgOf, std::uint32_t step, bool publisher,
                                                  MoeReceiveSmem<kThreads, kGroups>& sm, Seen seen, std::uint32_t live = ~0u,
@@ -146,7 +150,15 @@ __device__ __forceinline__ bool moeReceiveLayout(const MoeParams& p, Msg msgOf, 
   const bool ok = waitEveryRank(p, p.peers.countFlagsOff, pairBase != nullptr ? 1u : step + 1u, WaitSite::kMoeDispatch,
                                 false, live, pairBase, masked);
   seen();
-  if (!ok) return false;
+  return ok && moeComputeReceiveLayout<kThreads, kGroups>(p, msgOf, publisher, sm);
+}
+
+// The layout once every source's count message is in (moeReceiveLayout's wait, or the latency
+// path's tagged words): every CTA derives the expert offsets, the `publisher` CTA writes the
+// per-source bases and publishes the layout. True (for && chains).
+template <int kThreads, int kGroups, typename Msg>
+__device__ __forceinline__ bool moeComputeReceiveLayout(const MoeParams& p, Msg msgOf, bool publisher,
+                                                        MoeReceiveSmem<kThreads, kGroups>& sm) {
   moeComputeOffsets<kThreads>(p, msgOf, sm.counts, sm.offsets, sm.scratch);
   if (publisher) {
     moeComputeSourceBases<kThreads>(p, msgOf, sm.offsets, p.layout.sourceBase);
