@@ -1,8 +1,9 @@
-// graphep-ll-probe: the floor of a low-latency dispatch in which each sender writes every
-// (token, expert) row, quantised to fp8, straight into its final place in the receiver's batched
-// block, so that the receive only waits and publishes the layout (docs/PERFORMANCE.md, "The
-// low-latency target"). It measures whether such a kernel could meet issue 26's low-latency target
-// on 2 GPUs before the engine's latency path is rebuilt around it; it is not the engine's kernel.
+// graphep-ll-probe: what a low-latency dispatch can reach on 2 GPUs, measured with two standalone
+// kernels before the engine's latency path is rebuilt (docs/PERFORMANCE.md, "The low-latency
+// dispatch"); neither is the engine's kernel. By default each sender writes every (token, expert)
+// row, quantised to fp8, straight into its final place in the receiver's batched block, so that the
+// receive only waits and publishes the layout; --records (below) sends one record per token and
+// lets the receiver expand it.
 //
 // One kernel per rank and operation, G CTAs of 512 threads, both GPUs at once, back to back:
 //   1. every CTA routes all T x K entries in shared memory (a bit per token for each expert);
@@ -16,21 +17,34 @@
 //      source's G arrivals and publishes the layout (rows per local expert).
 // Every wait is bounded (2 s) and a timeout is reported. After the timed loop the rows, their
 // scales, their source tags and the layout are checked against a host reference (the same
-// quantisation); each wrong row is counted. Every operation writes the same rows, so the check
-// proves where and what the kernel writes, not its synchronisation; and no sender waits for a
-// receiver to release its buffer (nothing reads it), so the floor is optimistic.
+// quantisation); each wrong row is counted. The operations alternate between two routings per
+// rank, and the checked one writes into poisoned rows, tags and layout, so rows or counts left from
+// the step before are caught; the check runs once both ranks have finished, so it does not test
+// that a receiver waits long enough; and no sender waits for a receiver to release its buffer
+// (nothing reads it), so the floor is optimistic.
 //
 //   graphep-ll-probe [--hidden H] [--experts E] [--topk K] [--tokens T] [--team N] [--iters N]
-//                    [--ctas G,G,...] [--pdl] [--trace]
+//                    [--ctas G,G,...] [--pdl] [--trace] [--ll-counts] [--wide] [--one-pass] [--apart] [--records]
 //
 // --pdl: each launch is the programmatic dependent of the one before (griddepcontrol), as the
 // engine's graphs launch its operations; without it the launches are plain, in stream order.
 // After the timed operations one more runs, launched after a synchronisation, with its phases
 // stamped (global timer: when the first CTA started, and when the last CTA finished each step);
 // --trace prints the stamps per rank after the row. The rows are checked after that operation.
+// --ll-counts: the counts go as flagged 16-byte lines (a step beside each count, no fence and no
+// flag word; the readers poll the lines), as NCCL's LL protocol sends small messages.
+// --wide: 8 lanes quantise a 128-value tile (16 values each, 16-byte stores), not 16 (8-byte stores).
+// --one-pass: the own rows are stored from the tiles quantised for the peer's rows, kept in
+// registers across the wait for the peer's counts (without it they are quantised again).
+// --apart: the two CTAs that post the counts take no tokens (without it they take their share
+// after posting).
+// --records: another kernel (probeRecords, below): the own rows first in each block, written by
+// their sender; one record per token to the peer, expanded by the receiver. With it, --ll-counts
+// sends the routing as flagged lines read before the arrival, --apart stores the own rows after
+// the arrival is signalled; --team, --wide and --one-pass do not apply.
 //
 // Needs 2 GPUs with peer access (exit 77 otherwise). One line per CTA count:
-//   ll-probe hidden=7168 experts=256 topk=8 tokens=128 ctas=24 team=128 pdl=0 us=... wrong=0
+//   ll-probe hidden=7168 experts=256 topk=8 tokens=128 ctas=24 team=128 pdl=0 ll-counts=0 wide=0 one-pass=0 apart=0 us=... wrong=0
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -56,6 +70,7 @@ constexpr int kThreads = 512;
 constexpr int kMaxEntries = 2048;    // T x K
 constexpr int kMaxExperts = 512;
 constexpr int kMaxWords = 8;         // T <= 256
+constexpr int kMaxTilesPerLane = 8;  // --one-pass: the tiles a lane holds
 constexpr unsigned long long kWaitNs = 2000000000ull;
 
 #define CHECK(call)                                                                                     \
@@ -69,13 +84,17 @@ constexpr unsigned long long kWaitNs = 2000000000ull;
 
 struct Rank {                            // one rank's buffers (device pointers, UVA)
   const __nv_bfloat16* x;                // [T][H]
-  const std::int32_t* ids;               // [T][K], distinct experts per token
+  const std::int32_t* ids[2];            // [T][K] each, distinct experts per token: step parity's routing
   char* recv;                            // [L][R x T] rows of rowBytes: e4m3 bytes, then the scales
   std::int32_t* srcTag;                  // [L][R x T]: source << 16 | token
   std::int32_t* counts;                  // [2 parities][R sources][E]
+  uint4* lineCounts;                     // --ll-counts: [2 parities][R sources][E / 2] {count, step, count, step}
   std::uint32_t* countFlags;             // [R sources]: the step whose counts are posted
   std::uint32_t* arrivals;               // [R sources]: CTAs done, cumulative
   std::int32_t* layout;                  // [L]: rows per local expert
+  char* staging;                         // --records: [2 parities][R sources][T] records of rowBytes
+  uint4* idLines;                        // --records --ll-counts: [2 parities][R sources][kMaxEntries / 2] {id, step, id, step}
+  std::int32_t* stagedIds;               // --records: [2 parities][R sources][kMaxEntries] the sources' routing
   std::uint32_t* error;                  // a wait that timed out: 1 + what it waited for
   unsigned long long* trace;             // --trace: [kPhases] global-timer stamps (min for the start, max after)
 };
@@ -93,7 +112,30 @@ struct Params {
   std::uint64_t rowBytes;
   std::uint32_t step;             // this operation's, from 1
   std::uint32_t arrivalsTarget;   // every source's cumulative arrivals once this step is done
+  int lineCounts;                 // the counts travel as flagged lines (no fence, no flag word)
+  int wide;                       // 8 lanes a tile, 16-byte stores (else 16 lanes, 8-byte stores)
+  int onePass;                    // the own rows from the peer rows' quantised tiles, kept in registers
+  int apart;                      // the CTAs that post the counts take no tokens
 };
+
+// --ll-counts: source q's counts of experts 2i and 2i + 1 in one 16-byte line with the step beside
+// each (written with one vector store, so a reader that sees both steps sees both counts, without a
+// fence: NCCL's LL protocol). Count e of source q, once its line carries `step`; on timeout 0, and
+// the timeout recorded in the error word the host reports.
+__device__ void lineCount(const Params& p, int q, int e, int* out) {
+  const uint4* line = p.rank[p.me].lineCounts + (static_cast<std::uint64_t>(p.step & 1u) * kRanks + q) * (p.E / 2) + e / 2;
+  const std::uint64_t start = graphep::ptx::globalTimerNs();
+  uint4 v = graphep::ptx::ldVolatileV4(line);
+  while (v.y != p.step || v.w != p.step) {
+    if (graphep::ptx::globalTimerNs() - start > kWaitNs) {
+      atomicCAS(p.rank[p.me].error, 0u, 1u);
+      *out = 0;
+      return;
+    }
+    v = graphep::ptx::ldVolatileV4(line);
+  }
+  *out = static_cast<int>((e & 1) != 0 ? v.z : v.x);
+}
 
 // Waits until *p reaches `target` (mod 2^32); after kWaitNs it gives up and records `what` in
 // *error (the first timeout only), which the host reports.
@@ -125,14 +167,13 @@ __device__ __forceinline__ int popcBelow(const std::uint32_t* bits, int t) {
   return c;
 }
 
-// Team `team` of the grid stores token t's rows to every slot whose expert lives on rank r, each at
-// base[local expert] + the entry's index among that expert's entries from this rank.
-__device__ void storeRows(const Params& p, const std::int32_t* ids, const std::uint32_t* expBits, const int* base,
-                          int r, int t, int lane) {
-  const int L = p.E / kRanks, W = (p.T + 31) / 32, tiles = p.H / 128;
+// Token t's rows on rank r: each at base[local expert] + the entry's index among that expert's
+// entries from this rank; lane 0 of the team writes their source tags. Returns how many.
+__device__ int rowsOf(const Params& p, const std::int32_t* ids, const std::uint32_t* expBits, const int* base, int r, int t,
+                      int lane, char** rows) {
+  const int L = p.E / kRanks, W = (p.T + 31) / 32;
   const Rank& dst = p.rank[r];
   const std::uint64_t blockRows = static_cast<std::uint64_t>(kRanks) * p.T;
-  char* rows[16];
   int n = 0;
   for (int k = 0; k < p.K; ++k) {
     const int e = ids[t * p.K + k];
@@ -141,21 +182,67 @@ __device__ void storeRows(const Params& p, const std::int32_t* ids, const std::u
     rows[n++] = dst.recv + row * p.rowBytes;
     if (lane == 0) dst.srcTag[row] = p.me << 16 | t;
   }
-  const int half = lane >> 4, l16 = lane & 15, halves = p.team >> 4;
-  const char* src = reinterpret_cast<const char*>(p.rank[p.me].x) + static_cast<std::uint64_t>(t) * p.H * 2;
-  for (int tile = half; tile < tiles; tile += halves) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(src + static_cast<std::uint64_t>(tile) * 256 + l16 * 16);
-    const graphep::ProduceFp8E4m3::Regs q = graphep::ProduceFp8E4m3::quantize(raw);
-    for (int i = 0; i < n; ++i) {
-      *reinterpret_cast<uint2*>(rows[i] + static_cast<std::uint64_t>(tile) * 128 + l16 * 8) = q.q;
-      if (l16 == 0) *reinterpret_cast<float*>(rows[i] + p.H + tile * 4) = q.scale;
+  return n;
+}
+
+// One lane's share of a 128-value tile, quantised: 8 values (16 lanes a tile, `q.x, q.y` used) or,
+// with --wide, 16 values (8 lanes a tile, all of q): the same scale and bytes either way.
+struct Tile {
+  uint4 q;
+  float scale;
+};
+
+__device__ __forceinline__ Tile quantizeTile(const char* src, int tile, int sub, bool wide) {
+  Tile out{};
+  if (!wide) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(src + static_cast<std::uint64_t>(tile) * 256 + sub * 16);
+    const graphep::ProduceFp8E4m3::Regs r = graphep::ProduceFp8E4m3::quantize(raw);
+    out.q = make_uint4(r.q.x, r.q.y, 0, 0);
+    out.scale = r.scale;
+    return out;
+  }
+  const uint4* at = reinterpret_cast<const uint4*>(src + static_cast<std::uint64_t>(tile) * 256 + sub * 32);
+  const uint4 raw[2] = {at[0], at[1]};
+  const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(raw);
+  float v[16];
+  float amax = 0.f;
+#pragma unroll
+  for (int k = 0; k < 16; ++k) {
+    v[k] = __bfloat162float(h[k]);
+    amax = fmaxf(amax, fabsf(v[k]));
+  }
+  const unsigned mask = 0xffu << (threadIdx.x & 24u);  // the tile's 8 lanes, an aligned eighth of the warp
+#pragma unroll
+  for (int o = 4; o >= 1; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, o, 8));
+  out.scale = graphep::ProduceFp8E4m3::fp8Scale(amax);
+  const float inv = 1.0f / out.scale;
+  unsigned w[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    w[j] = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) w[j] |= static_cast<unsigned>(graphep::ProduceFp8E4m3::fp8E4m3(v[4 * j + k] * inv)) << (8 * k);
+  }
+  out.q = make_uint4(w[0], w[1], w[2], w[3]);
+  return out;
+}
+
+__device__ __forceinline__ void storeTile(char* const* rows, int n, const Params& p, int tile, int sub, const Tile& q) {
+  for (int i = 0; i < n; ++i) {
+    char* at = rows[i] + static_cast<std::uint64_t>(tile) * 128;
+    if (p.wide) {
+      *reinterpret_cast<uint4*>(at + sub * 16) = q.q;
+    } else {
+      *reinterpret_cast<uint2*>(at + sub * 8) = make_uint2(q.q.x, q.q.y);
     }
+    if (sub == 0) *reinterpret_cast<float*>(rows[i] + p.H + tile * 4) = q.scale;
   }
 }
 
 __global__ void __launch_bounds__(kThreads) probeDispatch(const __grid_constant__ Params p) {
   __shared__ std::int32_t ids[kMaxEntries];
   __shared__ std::uint32_t expBits[kMaxExperts * kMaxWords];
+  __shared__ int zeros[kMaxExperts / kRanks];
   __shared__ int base[kMaxExperts / kRanks];
   const int tid = static_cast<int>(threadIdx.x), L = p.E / kRanks, W = (p.T + 31) / 32;
   const int parity = static_cast<int>(p.step & 1u), peer = 1 - p.me;
@@ -166,16 +253,25 @@ __global__ void __launch_bounds__(kThreads) probeDispatch(const __grid_constant_
   if (tid == 0) stamp(mine, 0);
   // 1. Routing.
   for (int i = tid; i < p.E * W; i += kThreads) expBits[i] = 0;
+  for (int j = tid; j < L; j += kThreads) zeros[j] = 0;
   __syncthreads();
   for (int i = tid; i < p.T * p.K; i += kThreads) {
-    const int e = mine.ids[i];
+    const int e = mine.ids[parity][i];
     ids[i] = e;
     atomicOr(&expBits[e * W + (i / p.K >> 5)], 1u << (i / p.K & 31));
   }
   __syncthreads();
   if (tid == 0) stamp(mine, 1);
   // 2. This rank's counts to rank r = blockIdx.x (every expert: the receiver sums the sources).
-  if (static_cast<int>(blockIdx.x) < kRanks) {
+  if (static_cast<int>(blockIdx.x) < kRanks && p.lineCounts) {
+    uint4* lines = p.rank[blockIdx.x].lineCounts + (static_cast<std::uint64_t>(parity) * kRanks + p.me) * (p.E / 2);
+    for (int i = tid; i < p.E / 2; i += kThreads) {
+      graphep::ptx::stVolatileV4(lines + i, make_uint4(static_cast<unsigned>(popcBelow(expBits + 2 * i * W, p.T)), p.step,
+                                                       static_cast<unsigned>(popcBelow(expBits + (2 * i + 1) * W, p.T)), p.step));
+    }
+    __syncthreads();
+    if (tid == 0) stamp(mine, 2);
+  } else if (static_cast<int>(blockIdx.x) < kRanks) {
     const Rank& to = p.rank[blockIdx.x];
     std::int32_t* c = to.counts + (static_cast<std::uint64_t>(parity) * kRanks + p.me) * p.E;
     for (int e = tid; e < p.E; e += kThreads) c[e] = popcBelow(expBits + e * W, p.T);
@@ -186,22 +282,75 @@ __global__ void __launch_bounds__(kThreads) probeDispatch(const __grid_constant_
       stamp(mine, 2);
     }
   }
-  // 3. The peer's rows: this rank's rows come first in each of the peer's expert blocks.
-  for (int j = tid; j < L; j += kThreads) base[j] = 0;
-  __syncthreads();
-  const int lane = tid % p.team, teams = static_cast<int>(gridDim.x) * (kThreads / p.team);
-  const int team = static_cast<int>(blockIdx.x) * (kThreads / p.team) + tid / p.team;
-  for (int t = team; t < p.T; t += teams) storeRows(p, ids, expBits, base, peer, t, lane);
-  // 4. The own rows, after the peer's rows in each block of this rank: their base is the peer's count.
-  __syncthreads();
-  if (tid == 0) stamp(mine, 3);
-  if (tid == 0) waitAtLeast(mine.countFlags + peer, p.step, mine.error, 1);
-  if (tid == 0) stamp(mine, 4);
-  __syncthreads();
-  const std::int32_t* peerCounts = mine.counts + (static_cast<std::uint64_t>(parity) * kRanks + peer) * p.E;
-  for (int j = tid; j < L; j += kThreads) base[j] = __ldcg(peerCounts + p.me * L + j);
-  __syncthreads();
-  for (int t = team; t < p.T; t += teams) storeRows(p, ids, expBits, base, p.me, t, lane);
+  // 3-4. The rows. Each team takes tokens team, team + teams, ...: the peer's rows first (this
+  // rank's rows come first in each of the peer's expert blocks: base 0, no wait), then, once the
+  // peer's counts are in (the own rows' base in this rank's blocks), the own rows. --apart: the
+  // counts' CTAs take no tokens. --one-pass: the own rows from the tiles quantised for the peer's
+  // (kept in registers), else quantised again after every peer row is stored.
+  const int first = p.apart ? kRanks : 0;
+  const bool tokens = static_cast<int>(blockIdx.x) >= first;
+  const int perCta = kThreads / p.team, lane = tid % p.team;
+  const int team = (static_cast<int>(blockIdx.x) - first) * perCta + tid / p.team;
+  const int teams = (static_cast<int>(gridDim.x) - first) * perCta;
+  const int rounds = (p.T + teams - 1) / teams;
+  const int lanesPerTile = p.wide ? 8 : 16, sub = lane % lanesPerTile, group = lane / lanesPerTile;
+  const int groups = p.team / lanesPerTile, tiles = p.H / 128;
+  const Rank& self = mine;
+  auto ownBase = [&] {  // every thread of the CTA
+    __syncthreads();
+    if (tid == 0) stamp(mine, 3);
+    if (p.lineCounts) {
+      for (int j = tid; j < L; j += kThreads) lineCount(p, peer, p.me * L + j, &base[j]);
+    } else {
+      if (tid == 0) waitAtLeast(self.countFlags + peer, p.step, self.error, 1);
+      __syncthreads();
+      const std::int32_t* peerCounts = self.counts + (static_cast<std::uint64_t>(parity) * kRanks + peer) * p.E;
+      for (int j = tid; j < L; j += kThreads) base[j] = __ldcg(peerCounts + p.me * L + j);
+    }
+    __syncthreads();
+    if (tid == 0) stamp(mine, 4);
+  };
+  char* rows[16];
+  if (p.onePass) {
+    Tile held[kMaxTilesPerLane];
+    for (int round = 0; round < rounds; ++round) {
+      const int t = team + round * teams;
+      const bool has = tokens && t < p.T;
+      const char* src = reinterpret_cast<const char*>(p.rank[p.me].x) + static_cast<std::uint64_t>(t) * p.H * 2;
+      if (has) {
+        const int n = rowsOf(p, ids, expBits, zeros, peer, t, lane, rows);
+#pragma unroll
+        for (int i = 0; i < kMaxTilesPerLane; ++i) {  // unrolled: `held` stays in registers
+          const int tile = group + i * groups;
+          if (tile < tiles) {
+            held[i] = quantizeTile(src, tile, sub, p.wide);
+            storeTile(rows, n, p, tile, sub, held[i]);
+          }
+        }
+      }
+      if (round == 0 && tokens) ownBase();
+      if (has) {
+        const int n = rowsOf(p, ids, expBits, base, p.me, t, lane, rows);
+#pragma unroll
+        for (int i = 0; i < kMaxTilesPerLane; ++i) {
+          const int tile = group + i * groups;
+          if (tile < tiles) storeTile(rows, n, p, tile, sub, held[i]);
+        }
+      }
+    }
+  } else if (tokens) {
+    for (int pass = 0; pass < 2; ++pass) {
+      const int r = pass == 0 ? peer : p.me;
+      if (pass == 1) ownBase();
+      for (int round = 0; round < rounds; ++round) {
+        const int t = team + round * teams;
+        if (t >= p.T) continue;
+        const char* src = reinterpret_cast<const char*>(p.rank[p.me].x) + static_cast<std::uint64_t>(t) * p.H * 2;
+        const int n = rowsOf(p, ids, expBits, pass == 0 ? zeros : base, r, t, lane, rows);
+        for (int tile = group; tile < tiles; tile += groups) storeTile(rows, n, p, tile, sub, quantizeTile(src, tile, sub, p.wide));
+      }
+    }
+  }
   // 5. Arrivals, then CTA 0 publishes the layout once every source's CTAs have arrived.
   graphep::ptx::launchDependents();
   __syncthreads();
@@ -215,7 +364,184 @@ __global__ void __launch_bounds__(kThreads) probeDispatch(const __grid_constant_
   __syncthreads();
   if (tid == 0) stamp(mine, 6);
   const std::int32_t* own = mine.counts + (static_cast<std::uint64_t>(parity) * kRanks + p.me) * p.E;
-  for (int j = tid; j < L; j += kThreads) mine.layout[j] = __ldcg(peerCounts + p.me * L + j) + __ldcg(own + p.me * L + j);
+  const std::int32_t* peerCounts = mine.counts + (static_cast<std::uint64_t>(parity) * kRanks + peer) * p.E;
+  for (int j = tid; j < L; j += kThreads) {
+    int a = 0, b = 0;
+    if (p.lineCounts) {
+      lineCount(p, peer, p.me * L + j, &a);
+      lineCount(p, p.me, p.me * L + j, &b);
+    } else {
+      a = __ldcg(peerCounts + p.me * L + j);
+      b = __ldcg(own + p.me * L + j);
+    }
+    mine.layout[j] = a + b;
+  }
+}
+
+// --records: the dispatch as records. Each sender writes its own rows straight to their final
+// places in its own expert blocks (each block holds the own rows first, at base 0: no wait), and
+// sends the peer one record per token (the row quantised once, with its scales) into a fixed slot
+// [parity][source][token], plus its routing (T x K ids); then each CTA adds 1 to the peer's
+// arrival counter. The receiver, once every peer CTA has arrived, routes the peer's ids in shared
+// memory and expands each record into the rows of its local experts, after the own rows (base:
+// the own counts, known locally). No count message: the routing travels with the records.
+// A warp takes an item (token, 4 tiles) at a time, 8 lanes to a tile (16 values each).
+constexpr const char* kRecordPhaseNames[kPhases] = {"start", "routed", "ids sent", "sent (arrival next)",
+                                                    "arrivals seen", "peer routed", "peer rows expanded"};
+
+__global__ void __launch_bounds__(kThreads) probeRecords(const __grid_constant__ Params p) {
+  __shared__ std::int32_t ids[kMaxEntries];
+  __shared__ std::uint32_t expBits[kMaxExperts * kMaxWords];   // this rank's tokens per expert
+  __shared__ std::uint32_t peerBits[kMaxExperts / kRanks * kMaxWords];  // the peer's tokens per local expert
+  __shared__ std::uint32_t toPeer[kMaxWords];                  // this rank's tokens with a slot on the peer
+  __shared__ int ownCount[kMaxExperts / kRanks];
+  const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, L = p.E / kRanks, W = (p.T + 31) / 32;
+  const int parity = static_cast<int>(p.step & 1u), peer = 1 - p.me, K = p.K;
+  const Rank& mine = p.rank[p.me];
+  const std::uint64_t blockRows = static_cast<std::uint64_t>(kRanks) * p.T;
+  const std::uint64_t recBytes = p.rowBytes;
+  const int tiles = p.H / 128, chunks = (tiles + 3) / 4;
+  // Items go round the CTAs first (warp w of CTA c is the grid's warp w x G + c), so that few items
+  // still spread over every SM.
+  const int warp = tid / 32 * static_cast<int>(gridDim.x) + static_cast<int>(blockIdx.x), warps = static_cast<int>(gridDim.x) * (kThreads / 32);
+  const int sub = lane & 7;
+  graphep::ptx::gridDependencyWait();
+  if (tid == 0) stamp(mine, 0);
+  // 1. Routing (this rank's tokens).
+  for (int i = tid; i < p.E * W; i += kThreads) expBits[i] = 0;
+  for (int i = tid; i < L * W; i += kThreads) peerBits[i] = 0;
+  for (int i = tid; i < W; i += kThreads) toPeer[i] = 0;
+  __syncthreads();
+  const std::int32_t* myIds = mine.ids[parity];
+  for (int i = tid; i < p.T * K; i += kThreads) {
+    const int e = myIds[i];
+    ids[i] = e;
+    atomicOr(&expBits[e * W + (i / K >> 5)], 1u << (i / K & 31));
+    if (e / L == peer) atomicOr(&toPeer[i / K >> 5], 1u << (i / K & 31));
+  }
+  __syncthreads();
+  if (tid == 0) stamp(mine, 1);
+  // 2. The routing to the peer (CTA 0): plain stores that the arrival orders, or with --ll-counts
+  // flagged lines {id, step, id, step} that the receiver reads as they land, before the arrival.
+  if (blockIdx.x == 0) {
+    if (p.lineCounts) {
+      uint4* lines = p.rank[peer].idLines + (static_cast<std::uint64_t>(parity) * kRanks + p.me) * (kMaxEntries / 2);
+      for (int i = tid; i < (p.T * K + 1) / 2; i += kThreads) {
+        const int b = 2 * i + 1 < p.T * K ? ids[2 * i + 1] : -1;
+        graphep::ptx::stVolatileV4(lines + i, make_uint4(static_cast<unsigned>(ids[2 * i]), p.step, static_cast<unsigned>(b), p.step));
+      }
+    } else {
+      std::int32_t* dst = p.rank[peer].stagedIds + (static_cast<std::uint64_t>(parity) * kRanks + p.me) * kMaxEntries;
+      for (int i = tid; i < p.T * K; i += kThreads) dst[i] = ids[i];
+    }
+    if (tid == 0) stamp(mine, 2);
+  }
+  // 3. The peer's records and the own rows (base 0 in each own block), item = (token, 4 tiles).
+  // With --apart the records go first, the arrival next, and the own rows after it (off the
+  // peer's path); without, each item stores its record and its own rows together.
+  const char* x = reinterpret_cast<const char*>(mine.x);
+  char* staging = p.rank[peer].staging + (static_cast<std::uint64_t>(parity) * kRanks + p.me) * p.T * recBytes;
+  auto sendItems = [&](bool toRecords, bool toOwn) {
+    for (int item = warp; item < p.T * chunks; item += warps) {
+      const int t = item / chunks, tile = (item % chunks) * 4 + (lane >> 3);
+      char* rows[16];
+      int n = 0;
+      if (toOwn) {
+        for (int k = 0; k < K; ++k) {
+          const int e = ids[t * K + k];
+          if (e / L != p.me) continue;
+          const std::uint64_t row = static_cast<std::uint64_t>(e % L) * blockRows + popcBelow(expBits + e * W, t);
+          rows[n++] = mine.recv + row * p.rowBytes;
+          if (lane == 0 && item % chunks == 0) mine.srcTag[row] = p.me << 16 | t;
+        }
+      }
+      if (toRecords && ((toPeer[t >> 5] >> (t & 31)) & 1u)) rows[n++] = staging + static_cast<std::uint64_t>(t) * recBytes;
+      if (n == 0 || tile >= tiles) continue;
+      const Tile q = quantizeTile(x + static_cast<std::uint64_t>(t) * p.H * 2, tile, sub, true);
+      for (int i = 0; i < n; ++i) {
+        *reinterpret_cast<uint4*>(rows[i] + static_cast<std::uint64_t>(tile) * 128 + sub * 16) = q.q;
+        if (sub == 0) *reinterpret_cast<float*>(rows[i] + p.H + tile * 4) = q.scale;
+      }
+    }
+  };
+  sendItems(true, !p.apart);
+  __syncthreads();
+  if (tid == 0) {
+    stamp(mine, 3);
+    graphep::ptx::fenceAcqRelSys();
+    graphep::ptx::redReleaseSysAdd(p.rank[peer].arrivals + p.me, 1u);
+  }
+  if (p.apart) sendItems(false, true);
+  // 4. Every CTA: the peer's routing, the peer's CTAs arrived, then its records expanded after the
+  // own rows. The own ids in shared memory give way to the peer's.
+  for (int j = tid; j < L; j += kThreads) ownCount[j] = popcBelow(expBits + (p.me * L + j) * W, p.T);
+  __syncthreads();
+  if (p.lineCounts) {
+    const uint4* lines = mine.idLines + (static_cast<std::uint64_t>(parity) * kRanks + peer) * (kMaxEntries / 2);
+    for (int i = tid; i < (p.T * K + 1) / 2; i += kThreads) {
+      const std::uint64_t start = graphep::ptx::globalTimerNs();
+      uint4 v = graphep::ptx::ldVolatileV4(lines + i);
+      while (v.y != p.step || v.w != p.step) {
+        if (graphep::ptx::globalTimerNs() - start > kWaitNs) {
+          atomicCAS(mine.error, 0u, 1u);
+          break;
+        }
+        v = graphep::ptx::ldVolatileV4(lines + i);
+      }
+      const int e[2] = {static_cast<int>(v.x), static_cast<int>(v.z)};
+      for (int h = 0; h < 2 && 2 * i + h < p.T * K; ++h) {
+        const int at = 2 * i + h;
+        ids[at] = e[h];
+        if (e[h] >= 0 && e[h] / L == p.me) atomicOr(&peerBits[(e[h] % L) * W + (at / K >> 5)], 1u << (at / K & 31));
+      }
+    }
+    __syncthreads();
+    if (tid == 0) stamp(mine, 5);
+  }
+  if (tid == 0) waitAtLeast(mine.arrivals + peer, p.arrivalsTarget, mine.error, 2 + peer);
+  __syncthreads();
+  graphep::ptx::launchDependents();
+  if (tid == 0) stamp(mine, 4);
+  if (!p.lineCounts) {
+    const std::int32_t* peerIds = mine.stagedIds + (static_cast<std::uint64_t>(parity) * kRanks + peer) * kMaxEntries;
+    for (int i = tid; i < p.T * K; i += kThreads) {
+      const int e = __ldcg(peerIds + i);
+      ids[i] = e;
+      if (e / L == p.me) atomicOr(&peerBits[(e % L) * W + (i / K >> 5)], 1u << (i / K & 31));
+    }
+    __syncthreads();
+    if (tid == 0) stamp(mine, 5);
+  }
+  const char* from = mine.staging + (static_cast<std::uint64_t>(parity) * kRanks + peer) * p.T * recBytes;
+  for (int item = warp; item < p.T * chunks; item += warps) {
+    const int t = item / chunks, tile = (item % chunks) * 4 + (lane >> 3);
+    char* rows[16];
+    int n = 0;
+    for (int k = 0; k < K; ++k) {
+      const int e = ids[t * K + k];
+      if (e / L != p.me) continue;
+      const std::uint64_t row = static_cast<std::uint64_t>(e % L) * blockRows + ownCount[e % L] + popcBelow(peerBits + (e % L) * W, t);
+      rows[n++] = mine.recv + row * p.rowBytes;
+      if (lane == 0 && item % chunks == 0) mine.srcTag[row] = peer << 16 | t;
+    }
+    if (n == 0 || tile >= tiles) continue;
+    const char* rec = from + static_cast<std::uint64_t>(t) * recBytes;
+    const uint4 q = __ldcg(reinterpret_cast<const uint4*>(rec + static_cast<std::uint64_t>(tile) * 128 + sub * 16));
+    const float scale = sub == 0 ? __ldcg(reinterpret_cast<const float*>(rec + p.H + tile * 4)) : 0.f;
+    for (int i = 0; i < n; ++i) {
+      *reinterpret_cast<uint4*>(rows[i] + static_cast<std::uint64_t>(tile) * 128 + sub * 16) = q;
+      if (sub == 0) *reinterpret_cast<float*>(rows[i] + p.H + tile * 4) = scale;
+    }
+  }
+  __syncthreads();
+  if (tid == 0) stamp(mine, 6);
+  if (blockIdx.x == 0) {
+    for (int j = tid; j < L; j += kThreads) {
+      int c = 0;
+      for (int w = 0; w < W; ++w) c += __popc(peerBits[j * W + w]);
+      mine.layout[j] = ownCount[j] + c;
+    }
+  }
 }
 
 int intArg(const std::vector<std::string>& a, const char* name, int dflt) {
@@ -233,6 +559,11 @@ int main(int argc, char** argv) {
   const int T = intArg(args, "--tokens", 128), team = intArg(args, "--team", 128), iters = intArg(args, "--iters", 200);
   const bool pdl = std::find(args.begin(), args.end(), "--pdl") != args.end();
   const bool trace = std::find(args.begin(), args.end(), "--trace") != args.end();
+  const bool llCounts = std::find(args.begin(), args.end(), "--ll-counts") != args.end();
+  const bool wide = std::find(args.begin(), args.end(), "--wide") != args.end();
+  const bool onePass = std::find(args.begin(), args.end(), "--one-pass") != args.end();
+  const bool apart = std::find(args.begin(), args.end(), "--apart") != args.end();
+  const bool records = std::find(args.begin(), args.end(), "--records") != args.end();
   std::vector<int> ctaList = {24, 48, 96, 132};
   for (std::size_t i = 0; i + 1 < args.size(); ++i) {
     if (args[i] != "--ctas") continue;
@@ -262,18 +593,31 @@ int main(int argc, char** argv) {
   std::mt19937 gen(12345);
   std::normal_distribution<float> normal(0.f, 1.f);
   std::vector<std::vector<__nv_bfloat16>> hx(kRanks, std::vector<__nv_bfloat16>(static_cast<std::size_t>(T) * H));
-  std::vector<std::vector<std::int32_t>> hids(kRanks, std::vector<std::int32_t>(static_cast<std::size_t>(T) * K));
+  // Two routings per rank, [parity][rank]: the operations alternate between them, so counts or
+  // rows left from the step before are wrong for this one.
+  std::vector<std::vector<std::int32_t>> hids(2 * kRanks, std::vector<std::int32_t>(static_cast<std::size_t>(T) * K));
   std::vector<int> perm(static_cast<std::size_t>(E));
   for (int r = 0; r < kRanks; ++r) {
     for (auto& v : hx[static_cast<std::size_t>(r)]) v = __float2bfloat16(normal(gen) * 3.f);
-    for (int t = 0; t < T; ++t) {
-      std::iota(perm.begin(), perm.end(), 0);
-      std::shuffle(perm.begin(), perm.end(), gen);
-      for (int k = 0; k < K; ++k) hids[static_cast<std::size_t>(r)][static_cast<std::size_t>(t) * K + k] = perm[static_cast<std::size_t>(k)];
+    for (int par = 0; par < 2; ++par) {
+      for (int t = 0; t < T; ++t) {
+        std::iota(perm.begin(), perm.end(), 0);
+        std::shuffle(perm.begin(), perm.end(), gen);
+        for (int k = 0; k < K; ++k) {
+          hids[static_cast<std::size_t>(par * kRanks + r)][static_cast<std::size_t>(t) * K + k] = perm[static_cast<std::size_t>(k)];
+        }
+      }
     }
   }
   Params p{};
-  p.T = T, p.H = H, p.E = E, p.K = K, p.team = team, p.rowBytes = rowBytes;
+  p.T = T, p.H = H, p.E = E, p.K = K, p.team = team, p.rowBytes = rowBytes, p.lineCounts = llCounts ? 1 : 0;
+  p.wide = wide ? 1 : 0, p.onePass = onePass ? 1 : 0, p.apart = apart ? 1 : 0;
+  const int tilesPerLane = (H / 128 + team / (wide ? 8 : 16) - 1) / (team / (wide ? 8 : 16));
+  if (onePass && tilesPerLane > kMaxTilesPerLane) {
+    std::fprintf(stderr, "graphep-ll-probe: --one-pass holds %d tiles a lane at hidden %d, team %d (at most %d): a larger team\n",
+                 tilesPerLane, H, team, kMaxTilesPerLane);
+    return 2;
+  }
   cudaStream_t streams[kRanks];
   for (int r = 0; r < kRanks; ++r) {
     CHECK(cudaSetDevice(r));
@@ -284,14 +628,19 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&v, hx[static_cast<std::size_t>(r)].size() * 2));
     CHECK(cudaMemcpy(v, hx[static_cast<std::size_t>(r)].data(), hx[static_cast<std::size_t>(r)].size() * 2, cudaMemcpyHostToDevice));
     k.x = static_cast<const __nv_bfloat16*>(v);
-    CHECK(cudaMalloc(&v, hids[static_cast<std::size_t>(r)].size() * 4));
-    CHECK(cudaMemcpy(v, hids[static_cast<std::size_t>(r)].data(), hids[static_cast<std::size_t>(r)].size() * 4, cudaMemcpyHostToDevice));
-    k.ids = static_cast<const std::int32_t*>(v);
+    for (int par = 0; par < 2; ++par) {
+      const std::vector<std::int32_t>& h = hids[static_cast<std::size_t>(par * kRanks + r)];
+      CHECK(cudaMalloc(&v, h.size() * 4));
+      CHECK(cudaMemcpy(v, h.data(), h.size() * 4, cudaMemcpyHostToDevice));
+      k.ids[par] = static_cast<const std::int32_t*>(v);
+    }
     CHECK(cudaMalloc(&k.recv, rows * rowBytes));
     CHECK(cudaMemset(k.recv, 0xff, rows * rowBytes));  // poison
     CHECK(cudaMalloc(&k.srcTag, rows * 4));
     CHECK(cudaMemset(k.srcTag, 0xff, rows * 4));
     CHECK(cudaMalloc(&k.counts, 2ull * kRanks * E * 4));
+    CHECK(cudaMalloc(&k.lineCounts, 2ull * kRanks * (E / 2) * sizeof(uint4)));
+    CHECK(cudaMemset(k.lineCounts, 0, 2ull * kRanks * (E / 2) * sizeof(uint4)));
     CHECK(cudaMalloc(&k.countFlags, kRanks * 4));
     CHECK(cudaMemset(k.countFlags, 0, kRanks * 4));
     CHECK(cudaMalloc(&k.arrivals, kRanks * 4));
@@ -300,6 +649,10 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&k.error, 4));
     CHECK(cudaMemset(k.error, 0, 4));
     CHECK(cudaMalloc(&k.trace, kPhases * sizeof(unsigned long long)));
+    CHECK(cudaMalloc(&k.staging, 2ull * kRanks * T * rowBytes));
+    CHECK(cudaMalloc(&k.stagedIds, 2ull * kRanks * kMaxEntries * 4));
+    CHECK(cudaMalloc(&k.idLines, 2ull * kRanks * kMaxEntries / 2 * sizeof(uint4)));
+    CHECK(cudaMemset(k.idLines, 0, 2ull * kRanks * kMaxEntries / 2 * sizeof(uint4)));
   }
   for (int r = 0; r < kRanks; ++r) {
     CHECK(cudaSetDevice(r));
@@ -325,7 +678,7 @@ int main(int argc, char** argv) {
       cfg.stream = streams[r];
       cfg.attrs = &attr;
       cfg.numAttrs = pdl ? 1 : 0;
-      CHECK(cudaLaunchKernelEx(&cfg, probeDispatch, q));
+      CHECK(records ? cudaLaunchKernelEx(&cfg, probeRecords, q) : cudaLaunchKernelEx(&cfg, probeDispatch, q));
     }
   };
   // Host reference of one row: e4m3 bytes and scales of x[t] as ProduceFp8E4m3 makes them.
@@ -342,11 +695,21 @@ int main(int argc, char** argv) {
   };
   int status = 0;
   for (const int ctas : ctaList) {
-    if (ctas < kRanks) {
-      std::fprintf(stderr, "graphep-ll-probe: ctas=%d (at least %d)\n", ctas, kRanks);
+    if (ctas < kRanks + (apart ? 1 : 0)) {
+      std::fprintf(stderr, "graphep-ll-probe: ctas=%d (at least %d)\n", ctas, kRanks + (apart ? 1 : 0));
       return 2;
     }
     for (int i = 0; i < 20; ++i) launchBoth(ctas);
+    for (int r = 0; r < kRanks; ++r) {  // a wait that timed out in the warm-up ends the run here
+      std::uint32_t err = 0;
+      CHECK(cudaSetDevice(r));
+      CHECK(cudaStreamSynchronize(streams[r]));
+      CHECK(cudaMemcpy(&err, p.rank[r].error, 4, cudaMemcpyDeviceToHost));
+      if (err != 0) {
+        std::printf("ll-probe: rank %d timed out in the warm-up (what %u)\n", r, err);
+        return 1;
+      }
+    }
     cudaEvent_t ev[kRanks][2];
     for (int r = 0; r < kRanks; ++r) {
       CHECK(cudaSetDevice(r));
@@ -367,13 +730,17 @@ int main(int argc, char** argv) {
       CHECK(cudaEventElapsedTime(&ms, ev[r][0], ev[r][1]));
       worst = std::max(worst, ms);
     }
-    // One more operation, traced (both ranks' stamps zeroed, the start at its maximum).
+    // One more operation, traced (both ranks' stamps zeroed, the start at its maximum), into
+    // poisoned rows, tags and layout: the check below sees only what it wrote.
     std::vector<unsigned long long> stamps(kPhases, 0);
     for (int r = 0; r < kRanks; ++r) {
       stamps[0] = ~0ull;
       CHECK(cudaSetDevice(r));
+      CHECK(cudaMemsetAsync(p.rank[r].recv, 0xff, rows * rowBytes, streams[r]));  // in the launches' stream order
+      CHECK(cudaMemsetAsync(p.rank[r].srcTag, 0xff, rows * 4, streams[r]));
+      CHECK(cudaMemsetAsync(p.rank[r].layout, 0xff, static_cast<std::size_t>(L) * 4, streams[r]));
       CHECK(cudaMemcpyAsync(p.rank[r].trace, stamps.data(), kPhases * sizeof(unsigned long long), cudaMemcpyHostToDevice,
-                            streams[r]));  // in the launches' stream order
+                            streams[r]));
       CHECK(cudaStreamSynchronize(streams[r]));  // `stamps` is reused for the next rank
     }
     launchBoth(ctas, true);
@@ -385,7 +752,7 @@ int main(int argc, char** argv) {
       char line[96];
       phases += " | rank " + std::to_string(r) + ", us after the start:";
       for (int ph = 1; ph < kPhases; ++ph) {
-        std::snprintf(line, sizeof line, " %s %.2f", kPhaseNames[ph], (stamps[static_cast<std::size_t>(ph)] - stamps[0]) * 1e-3);
+        std::snprintf(line, sizeof line, " %s %.2f", (records ? kRecordPhaseNames : kPhaseNames)[ph], (stamps[static_cast<std::size_t>(ph)] - stamps[0]) * 1e-3);
         phases += line;
       }
     }
@@ -407,9 +774,11 @@ int main(int argc, char** argv) {
       for (int j = 0; j < L; ++j) {
         const int e = r * L + j;
         std::uint64_t row = static_cast<std::uint64_t>(j) * kRanks * T;
-        for (const int s : {1 - r, r}) {  // the peer's rows first, then the own
+        // The peer's rows first, then the own; --records: the own first.
+        const int order[2] = {records ? r : 1 - r, records ? 1 - r : r};
+        for (const int s : order) {
           for (int t = 0; t < T; ++t) {
-            const std::int32_t* id = hids[static_cast<std::size_t>(s)].data() + static_cast<std::size_t>(t) * K;
+            const std::int32_t* id = hids[static_cast<std::size_t>((step & 1u) * kRanks + s)].data() + static_cast<std::size_t>(t) * K;
             if (std::find(id, id + K, e) == id + K) continue;
             reference(s, t, want);
             if (tags[row] != (s << 16 | t) || std::memcmp(got.data() + row * rowBytes, want.data(), H + H / 128 * 4) != 0) ++wrong;
@@ -419,8 +788,8 @@ int main(int argc, char** argv) {
         if (layout[static_cast<std::size_t>(j)] != static_cast<std::int32_t>(row - static_cast<std::uint64_t>(j) * kRanks * T)) ++wrong;
       }
     }
-    std::printf("ll-probe hidden=%d experts=%d topk=%d tokens=%d ctas=%d team=%d pdl=%d us=%.2f wrong=%lld\n", H, E, K,
-                T, ctas, team, pdl ? 1 : 0, worst * 1e3f / iters, wrong);
+    std::printf("ll-probe hidden=%d experts=%d topk=%d tokens=%d ctas=%d team=%d pdl=%d ll-counts=%d wide=%d one-pass=%d apart=%d records=%d us=%.2f wrong=%lld\n",
+                H, E, K, T, ctas, team, pdl ? 1 : 0, llCounts ? 1 : 0, wide ? 1 : 0, onePass ? 1 : 0, apart ? 1 : 0, records ? 1 : 0, worst * 1e3f / iters, wrong);
     if (trace) std::printf("#%s\n", phases.c_str());
     std::fflush(stdout);
     if (wrong != 0) status = 1;
