@@ -196,16 +196,18 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part, std::uint3
     __syncthreads();
     anyDup = dup != 0;
     // Count messages first (they travel ahead of the payload): CTA c takes ranks c, c + G, ...
-    // Each word carries its count tagged with step + 1 (moeTaggedCount), stored whole, so the
+    // Each word carries its count tagged with the step (moeTaggedCount), stored whole, so the
     // receiver waits on the words themselves: no fence, no flag to order them by. The flag is
-    // still stored after them, for checkHealth's account of a stall alone (nothing waits on it).
+    // still stored after them (the CTA's barrier between), for checkHealth's account of a stall
+    // alone (nothing waits on it).
     for (int r = part.cta; r < R; r += part.ctas) {
       if (!isLive(live, r)) continue;  // the same r in every thread
       auto* msg = reinterpret_cast<std::uint64_t*>(p.peers.userRegions[r] + p.peers.countMsgsOff +
                                                    (static_cast<std::uint64_t>(parity) * R + p.shape.rank) * p.shape.countMsgBytes);
-      for (int j = tid; j < L; j += kThreads) ptx::stRelaxedSys64(msg + 1 + j, moeTaggedCount(step + 1u, entriesBefore(r * L + j, T, 0)));
+      for (int j = tid; j < L; j += kThreads) ptx::stRelaxedSys64(msg + 1 + j, moeTaggedCount(step, entriesBefore(r * L + j, T, 0)));
+      if (tid == 0) ptx::stRelaxedSys64(msg, moeTaggedCount(step, popcBelow(dstBits + r * W, T)));
+      __syncthreads();
       if (tid == 0) {
-        ptx::stRelaxedSys64(msg, moeTaggedCount(step + 1u, popcBelow(dstBits + r * W, T)));
         ptx::stRelaxedSys(peerCounter(p, r, p.peers.countFlagsOff) + p.shape.rank, step + 1u);
         moeTrace(p, 0, step, MoeTraceEvent::kPosted, 0, true);
       }
@@ -280,16 +282,17 @@ __device__ __forceinline__ const std::uint64_t* latencyMsg(const MoeParams& p, i
 }
 
 // Every thread of the CTA: waits until each word of every live source's count message of this
-// step carries the tag step + 1 (the sender's moeTaggedCount). A source whose words do not come
-// is masked (shrink on timeout: `masked`, the receive's word) or reported. True when every live
-// source's message came (the same in every thread).
+// step carries its tag (moeCountTag, the sender's moeTaggedCount). A source whose words do not
+// come is masked (shrink on timeout: `masked`, the receive's word; a thread skips the words of a
+// source already masked, so that a dead source costs one timeout, not one per round of words) or
+// reported. True when every live source's message came (the same in every thread).
 __device__ bool waitTaggedCounts(const MoeParams& p, int parity, std::uint32_t step, std::uint32_t live, std::uint32_t* masked) {
   const int words = 1 + p.shape.localExperts, R = p.shape.numRanks;
-  const std::uint32_t tag = step + 1u;
+  const std::uint32_t tag = moeCountTag(step);
   bool failed = false;
   for (int n = static_cast<int>(threadIdx.x); n < R * words; n += kThreads) {
     const int q = n / words;
-    if (!isLive(live, q)) continue;
+    if (!isLive(live, q) || (masked != nullptr && isLive(ptx::ldRelaxedSys(masked), q))) continue;
     const std::uint64_t* word = latencyMsg(p, parity, q) + n % words;
     const bool ok = boundedPoll(
         p.peers.sync,
