@@ -250,8 +250,10 @@ int exchangeChunks(int maxTokens, bool anyRemote, int requested) {
   return (std::max(maxTokens, 1) + per - 1) / per;
 }
 
+bool queuesHold(int sharing, int queues) { return sharing >= 1 && sharing <= queues; }
+
 int moversStreams(int sharing, int queues) {
-  GRAPHEP_REQUIRE(sharing >= 1 && sharing <= queues, Status::kNotSupported,
+  GRAPHEP_REQUIRE(queuesHold(sharing, queues), Status::kNotSupported,
                   "%d ranks share one GPU over the movers path, and the GPU runs %d hardware queues "
                   "(CUDA_DEVICE_MAX_CONNECTIONS): ranks sharing a queue deadlock, one waiting kernel holding the "
                   "queue another's kernel waits behind. Set CUDA_DEVICE_MAX_CONNECTIONS (up to 32) at least to "
@@ -279,7 +281,7 @@ ThroughputCtas throughputCtas(Communicator& comm, const SymmetricHeap& heap, con
     // The streams of each local rank (moversStreams), refused on every rank together where some
     // process puts more ranks on a GPU than it has hardware queues (no rank left in a collective).
     std::vector<std::int32_t> fits;
-    for (int l = 0; l < locals; ++l) fits.push_back(ranksOnGpu(heap, l) <= hardwareQueues() ? 1 : 0);
+    for (int l = 0; l < locals; ++l) fits.push_back(queuesHold(ranksOnGpu(heap, l), hardwareQueues()) ? 1 : 0);
     const bool allFit = minOverRanks(comm, fits) == 1;
     for (int l = 0; l < locals; ++l) {  // a misfit here is refused by moversStreams, naming it
       c.streams.push_back(moversStreams(ranksOnGpu(heap, l), hardwareQueues()));

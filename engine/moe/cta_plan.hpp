@@ -100,6 +100,9 @@ int exchangeChunks(int maxTokens, bool anyRemote, int requested);
 // heuristic, necessary and not sufficient (other streams take places in the queues too). More ranks
 // on a GPU than queues: an error naming both and the setting to raise.
 int moversStreams(int sharing, int queues);
+// Whether `sharing` ranks of the movers path on one GPU fit its `queues` hardware queues (at most
+// one rank a queue); moversStreams refuses the ranks that do not.
+bool queuesHold(int sharing, int queues);
 // The hardware queues the CUDA driver gives each device (CUDA_DEVICE_MAX_CONNECTIONS, read by the
 // driver when the process creates its first context: 8 unset, 1 to 32).
 int hardwareQueues();

@@ -24,6 +24,7 @@ using moe_setup::kLatencyDefaultCtas;
 using moe_setup::latencyReceiveCtas;
 using moe_setup::latencySendCtas;
 using moe_setup::moversStreams;
+using moe_setup::queuesHold;
 using moe_setup::throughputEpilogueCtas;
 
 TEST(Unit_MoeCtaPlan, LatencyPartsFitTheirShareOfTheGpu) {
@@ -141,6 +142,7 @@ TEST(Unit_MoeCtaPlan, MoversStreamsKeepEveryRankInQueuesOfItsOwn) {
   for (int queues = 1; queues <= 32; ++queues) {
     for (int sharing = 1; sharing <= 40; ++sharing) {
       const auto where = ::testing::Message() << sharing << " ranks on a GPU of " << queues << " queues";
+      EXPECT_EQ(queuesHold(sharing, queues), sharing <= queues) << where << ": the check every rank agrees on";
       if (sharing > queues) {
         EXPECT_THROW(moversStreams(sharing, queues), Error) << where;
         continue;
