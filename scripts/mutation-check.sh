@@ -67,7 +67,7 @@ tests_for() {
     46-*) echo "$gpu --gtest_filter=Moe/Gpu1_Moe4RanksEmulatedNodes.Case/uniform_varying_T_throughput" ;;  # the landing rank's own partial left out of its node's sum
     47-*) echo "$gpu --gtest_filter=Gpu1_AllToAllv.EmulatedNetworkRateCap" ;;  # the emulated network's rate cap never holds the exchange
     48-*) echo "$gpu --gtest_filter=Gpu1_MoeMemory.QueryEqualsAllocationOnEmulatedNodes" ;;  # the memory query sized the flat engine on emulated nodes
-    49-*) echo "$gpu --gtest_filter=Gpu1_MoeStress.LatencyFromTheWrapStep" ;;  # the count words' tag wrapped to 0, the value of words never written
+    49-*) echo "$gpu --gtest_filter=Gpu1_MoeStress.LatencyFromTheWrapStep" ;;  # the count words' tag wrapped to 0, the value of words never written (Unit_MoeCountWords, compiled with the header, also fails on it)
     *) return 1 ;;
   esac
 }

@@ -210,11 +210,11 @@ __device__ __forceinline__ std::int32_t moeMsgRecords(const MoeParams& p, const 
 // The tag of step s's count words: s + 1 with the high bit set, so that no step's tag is 0, the
 // high half of a word never written (the heap starts zeroed; counters may start at 2^32 - 1, whose
 // s + 1 is 0), and the words of step s - 2 (same parity) never carry it.
-__device__ __forceinline__ std::uint32_t moeCountTag(std::uint32_t step) { return (step + 1u) | 0x80000000u; }
+__host__ __device__ __forceinline__ std::uint32_t moeCountTag(std::uint32_t step) { return (step + 1u) | 0x80000000u; }
 
 // A tagged count word: the count with moeCountTag(step) in the high half, stored whole
 // (stRelaxedSys64), so that a reader that sees the tag sees the count (no fence, no flag).
-__device__ __forceinline__ std::uint64_t moeTaggedCount(std::uint32_t step, std::int64_t count) {
+__host__ __device__ __forceinline__ std::uint64_t moeTaggedCount(std::uint32_t step, std::int64_t count) {
   return static_cast<std::uint64_t>(moeCountTag(step)) << 32 | static_cast<std::uint32_t>(count);
 }
 
