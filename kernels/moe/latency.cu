@@ -11,12 +11,12 @@
 //
 //   dispatch  send     every send CTA routes all T x K entries in shared memory (a bit per token for
 //                      each expert and each destination: indices are popcounts); the CTAs split
-//                      the destinations' count messages, each word tagged with step + 1 beside
-//                      its count (no fence, no flag), before any payload; then each CTA writes
-//                      the metadata of its share of the records for this rank (no payload: the
-//                      receiver reads those rows from x) and adds 1 to this rank's arrival
-//                      counter for itself; then each group
-//                      writes one token's record, read once, into every peer's slot
+//                      the destinations' count messages, each word carrying the step's tag
+//                      beside its count (moeTaggedCount: no fence, no flag), before any payload;
+//                      then each CTA writes the metadata of its share of the records for this
+//                      rank (no payload: the receiver reads those rows from x) and adds 1 to
+//                      this rank's arrival counter for itself; then each group writes one
+//                      token's record, read once, into every peer's slot
 //                      [parity][this rank][index]; each CTA then adds 1 to every peer's arrival
 //                      counter for this rank.
 //            receive  every receive CTA waits for every count word's tag, derives the layout (CTA 0
@@ -327,7 +327,8 @@ __device__ void dispatchReceive(const MoeParams& p, Part part, std::uint32_t liv
     const bool counted = waitTaggedCounts(p, parity, step, live, masked);
     if (part.cta == part.ctas - 1 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kLayout);
     if (masked != nullptr) live &= ~settleMasked(p, masked, part.ctas, WaitSite::kMoeDispatch);
-    layoutOk = counted && moeComputeReceiveLayout<kThreads, kGroups>(p, msgOf, part.cta == 0, sm);  // CTA 0 publishes
+    if (counted) moeComputeReceiveLayout<kThreads, kGroups>(p, msgOf, part.cta == 0, sm);  // CTA 0 publishes
+    layoutOk = counted;
   }
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyExpand);

@@ -131,40 +131,31 @@ struct MoeReceiveSmem {
   MoeSlotStage stages[kGroups];
 };
 
-// The dispatch receive's first step, the same on both paths: wait for every source's count message
-// of `step` (peers.countFlagsOff reaching step + 1, or with `pairBase` (the direct path's steps
-// shared with each source) pairBase[q] + 1; the sources in `live` only, msgOf giving zeros for the
-// others), then every CTA derives the expert offsets (its expansion needs them) and the
-// `publisher` CTA writes the per-source bases and publishes the layout. `seen` runs once the wait
-// returns (the step trace; with `masked`, shrink on timeout, it also settles the sources msgOf
-// gives: the ranks masked after a timeout read as zeros). False: a wait failed (reported), nothing
-// was computed.
+// The layout once every source's count message is in (the direct path's moeReceiveLayout below,
+// or the latency path's tagged words): every CTA derives the expert offsets (its expansion needs
+// them), the `publisher` CTA writes the per-source bases and publishes the layout.
 template <int kThreads, int kGroups, typename Msg>
-__device__ __forceinline__ bool moeComputeReceiveLayout(const MoeParams& p, Msg msgOf, bool publisher,
-                                                        MoeReceiveSmem<kThreads, kGroups>& sm);
-
-template <int kThreads, int kGroups, typename Msg, typename Seen>
-__device__ __forceinline__ bool moeReceiveLayout(const MoeParams& p, Msg msgOf, std::uint32_t step, bool publisher,
-                                                 MoeReceiveSmem<kThreads, kGroups>& sm, Seen seen, std::uint32_t live = ~0u,
-                                                 const std::uint32_t* pairBase = nullptr, std::uint32_t* masked = nullptr) {
-  const bool ok = waitEveryRank(p, p.peers.countFlagsOff, pairBase != nullptr ? 1u : step + 1u, WaitSite::kMoeDispatch,
-                                false, live, pairBase, masked);
-  seen();
-  return ok && moeComputeReceiveLayout<kThreads, kGroups>(p, msgOf, publisher, sm);
-}
-
-// The layout once every source's count message is in (moeReceiveLayout's wait, or the latency
-// path's tagged words): every CTA derives the expert offsets, the `publisher` CTA writes the
-// per-source bases and publishes the layout. True (for && chains).
-template <int kThreads, int kGroups, typename Msg>
-__device__ __forceinline__ bool moeComputeReceiveLayout(const MoeParams& p, Msg msgOf, bool publisher,
+__device__ __forceinline__ void moeComputeReceiveLayout(const MoeParams& p, Msg msgOf, bool publisher,
                                                         MoeReceiveSmem<kThreads, kGroups>& sm) {
   moeComputeOffsets<kThreads>(p, msgOf, sm.counts, sm.offsets, sm.scratch);
   if (publisher) {
     moeComputeSourceBases<kThreads>(p, msgOf, sm.offsets, p.layout.sourceBase);
     moePublishLayout<kThreads>(p, msgOf, sm.counts, sm.offsets, p.layout.sourceBase, sm.scratch);
   }
-  return true;
+}
+
+// The direct path's dispatch receive's first step: wait for every source's count message of
+// `step` (peers.countFlagsOff reaching step + 1, or with `pairBase` (the direct path's steps
+// shared with each source) pairBase[q] + 1; the sources in `live` only, msgOf giving zeros for the
+// others), then moeComputeReceiveLayout. False: a wait failed (reported), nothing was computed.
+template <int kThreads, int kGroups, typename Msg>
+__device__ __forceinline__ bool moeReceiveLayout(const MoeParams& p, Msg msgOf, std::uint32_t step, bool publisher,
+                                                 MoeReceiveSmem<kThreads, kGroups>& sm, std::uint32_t live = ~0u,
+                                                 const std::uint32_t* pairBase = nullptr) {
+  const bool ok = waitEveryRank(p, p.peers.countFlagsOff, pairBase != nullptr ? 1u : step + 1u, WaitSite::kMoeDispatch,
+                                false, live, pairBase);
+  if (ok) moeComputeReceiveLayout<kThreads, kGroups>(p, msgOf, publisher, sm);
+  return ok;
 }
 
 }  // namespace graphep
