@@ -42,6 +42,7 @@ struct Options {
   std::string moeLayout = "expert-major";           // --layout expert-major|batched|rank-major (moe)
   bool hostCost = false;                            // --host-cost (moe): launch cost, graph vs eager
   int busyUs = 0;                                   // --microbatches US (moe): two in flight, expert of US
+  int halvesUs = 0;                                 // --halves US (moe, latency path): send half, US idle, receive half
   int ranks = 0;                                    // --ranks N (one process): 0 = one per visible GPU
 };
 

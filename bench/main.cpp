@@ -32,7 +32,7 @@ std::size_t parseSize(const char* s) {
 int usage() {
   std::fprintf(stderr,
                "usage: graphep-bench [pingpong|sendrecv|allgather|alltoallv|moe] [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] "
-               "[-w WARMUP] [-R REPEATS] [-c 0|1] [-G OPS_PER_GRAPH] [--sms N] [--warps N] [--slot BYTES] [--slots N] [--ll BYTES] [--profile] [--host-cost] [--microbatches US] "
+               "[-w WARMUP] [-R REPEATS] [-c 0|1] [-G OPS_PER_GRAPH] [--sms N] [--warps N] [--slot BYTES] [--slots N] [--ll BYTES] [--profile] [--host-cost] [--microbatches US] [--halves US] "
                "[--ranks N] [--json FILE]\n"
                "       in one process: one rank per visible GPU, or --ranks N round-robin over them; under mpirun: one per process\n"
                "       moe: -b/-e are tokens per rank; [--hidden H] [--experts E] [--topk K] [--dtype bf16|fp8|both] [--path auto|latency|throughput]\n"
@@ -103,6 +103,7 @@ int run(int argc, char** argv, bool mpi) {
       else if (a == "--profile") o.profile = true;
       else if (a == "--host-cost") o.hostCost = true;
       else if (a == "--microbatches") o.busyUs = std::atoi(next());
+      else if (a == "--halves") o.halvesUs = std::atoi(next());
       else if (a == "--hidden") o.moeHidden = std::atoi(next());
       else if (a == "--experts") o.moeExperts = std::atoi(next());
       else if (a == "--topk") o.moeTopK = std::atoi(next());
@@ -119,6 +120,8 @@ int run(int argc, char** argv, bool mpi) {
                     "-n %d / -w %d: iterations must be positive", o.iters, o.warmup);
     GRAPHEP_REQUIRE(o.opsPerGraph >= 1, graphep::Status::kInvalidArgument,
                     "-G %d: operations per graph must be at least 1", o.opsPerGraph);
+    GRAPHEP_REQUIRE(o.halvesUs >= 0, graphep::Status::kInvalidArgument, "--halves %d: microseconds must not be negative",
+                    o.halvesUs);
     GRAPHEP_REQUIRE(o.repeats >= 1, graphep::Status::kInvalidArgument,
                     "-R %d: repeats must be at least 1", o.repeats);
     auto ranks = makeRanks(mpi, o.ranks);

@@ -257,6 +257,15 @@ __global__ void busyExpert(unsigned long long ns, unsigned long long* stamps) {
   if (threadIdx.x == 0) atomicMax(stamps + 1, t);
 }
 
+// --halves US: the idle work between an operation's send and receive halves (one CTA spins US).
+__global__ void idleFor(unsigned long long ns) {
+  unsigned long long t0 = 0, t = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < ns);
+}
+
 // --microbatches US: two micro-batches, each its own engine (buffer set), with an expert of US
 // microseconds on half the SMs. Sequential: A then B on one stream. In flight: B's dispatch starts
 // when A's dispatch ends, on its own stream, so it runs during A's expert (and A's combine during
@@ -507,14 +516,32 @@ std::vector<Row> runMoe(const Options& o, Ranks& r) {
         a.numTokens = static_cast<const int*>(n[li]);
         return a;
       };
-      auto dispatch = [&](int i, cudaStream_t s) { engines[static_cast<std::size_t>(i)]->dispatch(argsOf(i), s); };
+      // --halves: each operation as its send half, an idle kernel of halvesUs, then its receive half
+      // (DeepEP's return_recv_hook with other work between); the rows subtract the idle time.
+      const bool halves = o.halvesUs > 0;
+      GRAPHEP_REQUIRE(!halves || engines[0]->path() == MoePath::kLatency, Status::kInvalidArgument,
+                      "--halves %d: the engines are on the %s path; halves are the latency path's (--path latency)",
+                      o.halvesUs, name(engines[0]->path()));
+      auto split = [&](int i, cudaStream_t s) {
+        idleFor<<<1, 32, 0, s>>>(static_cast<unsigned long long>(o.halvesUs) * 1000ull);
+        GRAPHEP_CUDA_CHECK(cudaGetLastError());
+        engines[static_cast<std::size_t>(i)]->receive(s);
+      };
+      auto dispatch = [&](int i, cudaStream_t s) {
+        DispatchArgs a = argsOf(i);
+        a.half = halves ? MoeHalf::kSend : MoeHalf::kWhole;
+        engines[static_cast<std::size_t>(i)]->dispatch(a, s);
+        if (halves) split(i, s);
+      };
       auto combine = [&](int i, cudaStream_t s) {
         CombineArgs c;
         c.out = out[static_cast<std::size_t>(i)];
+        c.half = halves ? MoeHalf::kSend : MoeHalf::kWhole;
         engines[static_cast<std::size_t>(i)]->combine(c, s);
+        if (halves) split(i, s);
       };
       auto execs = captureOps(o, r, dispatch);
-      const double dUs = timeOps(o, r, execs);
+      const double dUs = timeOps(o, r, execs) - o.halvesUs;
       // Dispatch alone ran back to back (defined: each replaces the last): combine the last one, then
       // start the checked phase from a clean status.
       for (int i = 0; i < r.numLocal(); ++i) {
@@ -529,7 +556,7 @@ std::vector<Row> runMoe(const Options& o, Ranks& r) {
       if (o.profile) {  // every phase's mean time per CTA over the graph replays of dispatch + combine
         for (auto& e : engines) e->resetTimeline();
       }
-      const double dcUs = timeOps(o, r, execs);
+      const double dcUs = timeOps(o, r, execs) - 2.0 * o.halvesUs;
       if (o.profile) {
         const std::vector<MoeKernelSpan> spans = engines[0]->timeline();
         for (int i = 1; i < r.numLocal(); ++i) engines[static_cast<std::size_t>(i)]->timeline();  // sync
@@ -562,7 +589,7 @@ std::vector<Row> runMoe(const Options& o, Ranks& r) {
       const std::string heap = "heap " + std::to_string(engines[0]->symmetricHeapBytes() >> 20) + " MiB";
       auto bw = [](double bytes, double us) { return us > 0 ? bytes / (us * 1e3) : 0.0; };
       const std::string path = std::string(" ") + name(engines[0]->path()) +
-                               (o.moeLayout == "expert-major" ? "" : " " + o.moeLayout);
+                               (o.moeLayout == "expert-major" ? "" : " " + o.moeLayout) + (halves ? " halves" : "");
       const double ncclDispatchUs = ncclRowsUs(o, r, records, static_cast<std::size_t>(payload), false);
       Row d{"moe", std::string("dispatch ") + (fp8 ? "fp8" : "bf16") + path, tokens, dUs, bw(logical, dUs),
             bw(nvlink, dUs), wrong, ncclDispatchUs, heap};
