@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""The low-latency halves apart: DeepEP's low_latency_dispatch and low_latency_combine with
+return_recv_hook=True, their send and receive kernels timed by the profiler (kineto, as DeepEP's
+harness times kernels), with other work between each send half and its hook:
+
+    python3 bench/deep_ep_halves.py [--num-processes 2] [--num-tokens 128] [--hidden 7168]
+                                    [--num-experts 288] [--num-topk 8] [--deepep]
+
+    idle    a 100 us spin kernel (torch.cuda._sleep): the caches stay warm
+    flush   a 256 MB zero_: L2 evicted (the kernels' code and data come from memory)
+    gemm    DeepEP's test's 8192 x 8192 fp32 GEMM (as its large_gemm_with_hook)
+
+Each mode runs 5 warm-up and 30 profiled periods (dispatch send, work, hook; combine send, work,
+hook); every rank prints, per mode, the median kernel time of each half in us. The first idle
+pass is repeated at the end (idle again) as a check that nothing drifted. --deepep times DeepEP's
+own `deep_ep` (on PYTHONPATH, built with NVSHMEM) instead of graphep.deep_ep. The profiler tells a
+send kernel from a receive kernel by order: the names hold `::dispatch` or `::combine` (graphep's
+`moe_latency::...::dispatchKernel`, DeepEP's `internode_ll::dispatch<...>`), two of each per
+period. Needs PyTorch and a GPU per process; NCCL_NVLS_ENABLE=0 is set.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+MODES = ("idle", "flush", "gemm", "idle")
+WARMUP, PERIODS = 5, 30
+
+
+def kernel_halves(prof, key: str):
+    """The median durations (us) of the send and the receive kernels whose names hold `key`."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = [e for e in json.load(open(f.name))["traceEvents"] if e.get("cat") == "kernel"]
+    kernels = sorted((e for e in events if key in e["name"]), key=lambda e: e["ts"])
+    if len(kernels) != 2 * PERIODS:
+        raise RuntimeError(f"{len(kernels)} kernels named {key!r} in {PERIODS} periods (expected 2 a period)")
+    return statistics.median(e["dur"] for e in kernels[0::2]), statistics.median(e["dur"] for e in kernels[1::2])
+
+
+def run(local_rank: int, args) -> None:
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{args.port}", world_size=args.num_processes,
+                            rank=local_rank, device_id=torch.device("cuda", local_rank))
+    torch.cuda.set_device(local_rank)
+    if args.deepep:
+        import deep_ep
+    else:
+        import graphep.deep_ep as deep_ep
+    rank, R = dist.get_rank(), dist.get_world_size()
+    T, H, E, K = args.num_tokens, args.hidden, args.num_experts, args.num_topk
+    L = E // R
+    torch.manual_seed(rank)
+    dev = "cuda"
+    x = torch.randn((T, H), dtype=torch.bfloat16, device=dev) * 0.1
+    scores = torch.randn((T, E), dtype=torch.float32, device=dev).abs() + 1
+    topk_idx = torch.topk(scores, K, dim=-1, largest=True, sorted=True)[1].to(deep_ep.topk_idx_t)
+    topk_w = torch.randn((T, K), dtype=torch.float32, device=dev).abs()
+    expert_out = torch.randn((L, R * T, H), dtype=torch.bfloat16, device=dev) * 0.1
+    buffer = deep_ep.Buffer(dist.group.WORLD, num_rdma_bytes=deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, R, E),
+                            low_latency_mode=True, num_qps_per_rank=L, allow_nvlink_for_low_latency_mode=True,
+                            explicitly_destroy=True)
+    cache = torch.empty(int(256e6 // 4), dtype=torch.int, device=dev)
+    a = torch.randn((8192, 8192), dtype=torch.float, device=dev)
+    b = torch.randn((8192, 8192), dtype=torch.float, device=dev)
+
+    def work(mode: str) -> None:
+        if mode == "gemm":
+            a @ b
+        elif mode == "flush":
+            cache.zero_()
+        else:
+            torch.cuda._sleep(200000)  # cycles: about 100 us
+
+    def period(mode: str) -> None:
+        _, _, handle, _, hook = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=True, async_finish=False,
+                                                            return_recv_hook=True)
+        work(mode)
+        hook()
+        _, _, hook = buffer.low_latency_combine(expert_out, topk_idx, topk_w, handle, return_recv_hook=True)
+        work(mode)
+        hook()
+
+    who = "deepep" if args.deepep else "graphep"
+    for mode in MODES:
+        for _ in range(WARMUP):
+            period(mode)
+        torch.cuda.synchronize()
+        dist.barrier()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(PERIODS):
+                period(mode)
+            torch.cuda.synchronize()
+        d_send, d_recv = kernel_halves(prof, "::dispatch")
+        c_send, c_recv = kernel_halves(prof, "::combine")
+        print(f"[rank {rank}] {who} T={T} H={H} E={E} K={K} {mode}: dispatch send {d_send:.1f} recv {d_recv:.1f} | "
+              f"combine send {c_send:.1f} recv {c_recv:.1f}", flush=True)
+        dist.barrier()
+    buffer.destroy()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--num-processes", type=int, default=2)
+    p.add_argument("--num-tokens", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--num-experts", type=int, default=288)
+    p.add_argument("--num-topk", type=int, default=8)
+    p.add_argument("--port", type=int, default=8372)
+    p.add_argument("--deepep", action="store_true", help="DeepEP's deep_ep instead of graphep.deep_ep")
+    args = p.parse_args()
+    torch.multiprocessing.spawn(run, args=(args,), nprocs=args.num_processes)
