@@ -247,23 +247,15 @@ double ncclRowsUs(const Options& o, Ranks& r, const std::vector<std::vector<long
 }
 
 // A stand-in for expert compute: `ctas` CTAs spin for `ns`; the first and last timer readings go to
-// stamps[0] (min) and stamps[1] (max).
+// stamps[0] (min) and stamps[1] (max) unless stamps is null (--halves: the idle work between an
+// operation's send and receive halves).
 __global__ void busyExpert(unsigned long long ns, unsigned long long* stamps) {
   unsigned long long t0 = 0;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-  if (threadIdx.x == 0) atomicMin(stamps, t0);
+  if (stamps != nullptr && threadIdx.x == 0) atomicMin(stamps, t0);
   unsigned long long t = t0;
   while (t - t0 < ns) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  if (threadIdx.x == 0) atomicMax(stamps + 1, t);
-}
-
-// --halves US: the idle work between an operation's send and receive halves (one CTA spins US).
-__global__ void idleFor(unsigned long long ns) {
-  unsigned long long t0 = 0, t = 0;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-  do {
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  } while (t - t0 < ns);
+  if (stamps != nullptr && threadIdx.x == 0) atomicMax(stamps + 1, t);
 }
 
 // --microbatches US: two micro-batches, each its own engine (buffer set), with an expert of US
@@ -523,7 +515,7 @@ std::vector<Row> runMoe(const Options& o, Ranks& r) {
                       "--halves %d: the engines are on the %s path; halves are the latency path's (--path latency)",
                       o.halvesUs, name(engines[0]->path()));
       auto split = [&](int i, cudaStream_t s) {
-        idleFor<<<1, 32, 0, s>>>(static_cast<unsigned long long>(o.halvesUs) * 1000ull);
+        busyExpert<<<1, 32, 0, s>>>(static_cast<unsigned long long>(o.halvesUs) * 1000ull, nullptr);
         GRAPHEP_CUDA_CHECK(cudaGetLastError());
         engines[static_cast<std::size_t>(i)]->receive(s);
       };

@@ -247,7 +247,7 @@ __global__ void __launch_bounds__(kThreads) moeDirectReceiveKernel(const __grid_
   const MoeGroupSlice gs = moeGroupSlice();
   {
     const MoeStamp stamp(p, MoeKernel::kDirectReceive);
-    if (moeReceiveLayout<kThreads, kGroups>(p, msgOf, step, blockIdx.x == 0, sm, live, p.direct.shared)) {
+    if (moeReceiveLayout<kThreads, kGroups>(p, msgOf, blockIdx.x == 0, sm, live, p.direct.shared)) {
       if (blockIdx.x == 0) {  // beside the published layout: the movers' counts, the rank prefix matrix
         __syncthreads();  // layout.sourceRecords is written above
         const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.shape.hidden) * 2;

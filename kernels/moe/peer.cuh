@@ -144,16 +144,15 @@ __device__ __forceinline__ void moeComputeReceiveLayout(const MoeParams& p, Msg 
   }
 }
 
-// The direct path's dispatch receive's first step: wait for every source's count message of
-// `step` (peers.countFlagsOff reaching step + 1, or with `pairBase` (the direct path's steps
-// shared with each source) pairBase[q] + 1; the sources in `live` only, msgOf giving zeros for the
-// others), then moeComputeReceiveLayout. False: a wait failed (reported), nothing was computed.
+// The direct path's dispatch receive's first step: wait for every source's count message
+// (peers.countFlagsOff reaching pairBase[q] + 1, the direct path's steps shared with each source;
+// the sources in `live` only, msgOf giving zeros for the others), then moeComputeReceiveLayout.
+// False: a wait failed (reported), nothing was computed.
 template <int kThreads, int kGroups, typename Msg>
-__device__ __forceinline__ bool moeReceiveLayout(const MoeParams& p, Msg msgOf, std::uint32_t step, bool publisher,
-                                                 MoeReceiveSmem<kThreads, kGroups>& sm, std::uint32_t live = ~0u,
-                                                 const std::uint32_t* pairBase = nullptr) {
-  const bool ok = waitEveryRank(p, p.peers.countFlagsOff, pairBase != nullptr ? 1u : step + 1u, WaitSite::kMoeDispatch,
-                                false, live, pairBase);
+__device__ __forceinline__ bool moeReceiveLayout(const MoeParams& p, Msg msgOf, bool publisher,
+                                                 MoeReceiveSmem<kThreads, kGroups>& sm, std::uint32_t live,
+                                                 const std::uint32_t* pairBase) {
+  const bool ok = waitEveryRank(p, p.peers.countFlagsOff, 1u, WaitSite::kMoeDispatch, false, live, pairBase);
   if (ok) moeComputeReceiveLayout<kThreads, kGroups>(p, msgOf, publisher, sm);
   return ok;
 }
