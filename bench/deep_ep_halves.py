@@ -34,11 +34,15 @@ MODES = ("idle", "flush", "gemm", "idle")
 WARMUP, PERIODS = 5, 30
 
 
-def kernel_halves(prof, key: str):
-    """The median durations (us) of the send and the receive kernels whose names hold `key`."""
+def kernel_events(prof) -> list:
+    """The kernel events of a finished profile (its trace can be exported once only)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = [e for e in json.load(open(f.name))["traceEvents"] if e.get("cat") == "kernel"]
+        return [e for e in json.load(open(f.name))["traceEvents"] if e.get("cat") == "kernel"]
+
+
+def kernel_halves(events: list, key: str):
+    """The median durations (us) of the send and the receive kernels whose names hold `key`."""
     kernels = sorted((e for e in events if key in e["name"]), key=lambda e: e["ts"])
     if len(kernels) != 2 * PERIODS:
         raise RuntimeError(f"{len(kernels)} kernels named {key!r} in {PERIODS} periods (expected 2 a period)")
@@ -97,8 +101,9 @@ def run(local_rank: int, args) -> None:
             for _ in range(PERIODS):
                 period(mode)
             torch.cuda.synchronize()
-        d_send, d_recv = kernel_halves(prof, "::dispatch")
-        c_send, c_recv = kernel_halves(prof, "::combine")
+        events = kernel_events(prof)
+        d_send, d_recv = kernel_halves(events, "::dispatch")
+        c_send, c_recv = kernel_halves(events, "::combine")
         print(f"[rank {rank}] {who} T={T} H={H} E={E} K={K} {mode}: dispatch send {d_send:.1f} recv {d_recv:.1f} | "
               f"combine send {c_send:.1f} recv {c_recv:.1f}", flush=True)
         dist.barrier()
