@@ -186,6 +186,7 @@ MoeParams bindParams(const BindPlan& plan, SymmetricHeap& heap, int l, char* blo
     p.latency.halfLive = reinterpret_cast<std::uint32_t*>(b + o.llMask) + 2;
     p.latency.expected = reinterpret_cast<std::uint32_t*>(b + o.llExpected);
     p.latency.shrink = cfg.shrinkOnTimeout ? reinterpret_cast<std::uint32_t*>(b + o.llShrink) : nullptr;
+    p.latency.deferred = reinterpret_cast<std::uint32_t*>(b + o.llDeferred);
   }
   p.direct.partialArrivals = reinterpret_cast<std::uint32_t*>(b + o.combArrive);
   p.direct.partialReady = reinterpret_cast<std::uint32_t*>(b + o.combReady);

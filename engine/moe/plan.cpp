@@ -7,6 +7,7 @@
 
 #include "engine/env.hpp"
 #include "engine/heap_layout.hpp"
+#include "engine/moe/cta_plan.hpp"
 #include "engine/node_map.hpp"
 #include "kernels/moe/moe.h"
 
@@ -144,6 +145,9 @@ LocalCarve carveLocal(const MoeConfig& cfg, const MoeSizes& z, std::size_t cap, 
   o.llMask = carve("llMask", 3 * 4);  // the active-rank mask, the last dispatch's, a latency send half's
   o.llExpected = carve("llExpected", 2 * Rs * 4);  // latency: the arrivals expected; direct: the steps shared
   o.llShrink = carve("llShrink", !throughput && cfg.shrinkOnTimeout ? 2 * 4 * 4 : 0);  // shrink on timeout
+  // Latency: a combine send half's sources left to its receive half, a word per send CTA (at most
+  // the SM budget, latencySendCtas).
+  o.llDeferred = carve("llDeferred", throughput ? 0 : static_cast<std::size_t>(latencySendCtasBound(cfg)) * 4);
   // A count message of zeros (the block is zeroed at setup), as long as either path's.
   o.llZeroMsg = carve("llZeroMsg", std::max(z.cntMsgBytes, z.directMsgBytes));
   o.llBarrier = carve("llBarrier", Rs * 4);  // the device barrier's pair counts (Engine::barrier)

@@ -74,7 +74,7 @@ struct LocalCarve {
   std::size_t rankOffsets, rowExperts, rowExpertWeights;  // rank-major layout only
   std::size_t sourceRanges;                             // expert-major and batched only
   std::size_t llSteps, llDone, combArrive, combReady, timeline;
-  std::size_t llMask, llExpected, llShrink, llZeroMsg;  // the active-rank mask; latency: expected arrivals, direct: steps shared; zero message
+  std::size_t llMask, llExpected, llShrink, llDeferred, llZeroMsg;  // the active-rank mask; latency: expected arrivals, direct: steps shared; zero message
   std::size_t llBarrier;   // the device barrier's pair counts [R] (Engine::barrier)
   // The node-aware dispatch and combine: hop lists [R][T], their counts [R], each token's hop
   // index [T][R], the node peers' signals seen [4][R].

@@ -448,18 +448,42 @@ __device__ __forceinline__ const float* combineWeightsOf(const MoeParams& p, int
          ((static_cast<std::uint64_t>(parity) * p.shape.numRanks + q) * p.shape.maxTokens + i) * p.shape.topK;
 }
 
+// Thread 0 waits (bounded, its own timeout even after another wait of this rank failed) for
+// source s's combine-time weights of combine step cstep. False (in every thread) when they never
+// came: s is then masked (shrink on timeout, `masked` non-null) or the timeout recorded.
+__device__ bool waitCombineWeights(const MoeParams& p, int s, std::uint32_t cstep, std::uint32_t* masked) {
+  const bool failed = threadIdx.x == 0 && !flagWait(p.peers.sync, peerCounter(p, p.shape.rank, p.latency.weightFlagsOff) + s,
+                                                    cstep + 1u, s, WaitSite::kMoeCombineWeights, nullptr, true,
+                                                    masked != nullptr);
+  if (failed && masked != nullptr) maskAfterTimeout(p, masked, s);  // shrink on timeout: masked, not an error
+  return __syncthreads_or(failed) == 0;
+}
+
+// The records of the last dispatch from peer source s that slice gs (a send CTA's groups) takes,
+// each reduced (sum of weight x y over its slots; the source's combine-time weights when
+// `weighted`, else the dispatch's) straight into s's partial slot [cparity][this rank][index].
+__device__ void reduceSourceShare(const MoeParams& p, int s, const MoeGroupSlice& gs, MoeSlotStage& stage, bool weighted,
+                                  int cparity, int dparity) {
+  const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.shape.hidden) * 2;
+  const int rows = p.layout.sourceRecords[s];
+  const long long rankBase = p.layout.rankMajor ? p.layout.rankOffsets[s] : -1;  // rank-major: the source's first row
+  for (int i = gs.first; i < rows; i += gs.stride) {
+    moeReduceRecord(p, p.peers.userRegions[p.shape.rank] + p.peers.recordsOff + llSlot(p, dparity, s, i, p.shape.recordBytes),
+                    p.layout.sourceBase + s * p.shape.localExperts,
+                    p.peers.userRegions[s] + p.peers.partialsOff + llSlot(p, cparity, p.shape.rank, i, rowBytes), stage, gs.g,
+                    p.layout.rankMajor ? rankBase + i : -1, weighted ? combineWeightsOf(p, cparity, s, i) : nullptr);
+  }
+}
+
 __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live) {
   __shared__ MoeSlotStage stages[kGroups];
   const int tid = static_cast<int>(threadIdx.x);
   const MoeGroupSlice gs = moeGroupSlice(part.cta, part.ctas);
-  const int group = gs.group, firstItem = gs.first, items = gs.stride;
-  const MoeGroup g = gs.g;
   const int R = p.shape.numRanks, K = p.shape.topK;
   const std::uint32_t cstep = p.peers.steps[1];
   const int cparity = static_cast<int>(cstep & 1u);
   // The records of the last dispatch (whose receive advanced the dispatch step past them).
   const int dparity = static_cast<int>((p.peers.steps[0] - 1u) & 1u);
-  const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.shape.hidden) * 2;
   const MoeStamp stamp(p, MoeKernel::kLatencyCombine);
   if (part.cta == 0 && tid == 0) moeCheckPairing(p, false);
   const bool weighted = p.combine.topkWeights != nullptr;
@@ -481,40 +505,64 @@ __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live) {
     if (tid == 0) moeTrace(p, 1, cstep, MoeTraceEvent::kPosted, 0, true);
   }
   // The peers' records only (their partials cross the link): the receive part reduces this rank's
-  // own records.
+  // own records. A send half alone (DeepEP's return_recv_hook) never waits for a peer: the records
+  // of a source whose weights are not there yet are left to the receive half (combineDeferred).
+  const bool alone = (p.latency.phase & kMoeLatencyReceive) == 0;
   std::uint32_t unserved = 0;  // sources whose weights never came (the same in every thread)
+  std::uint32_t deferred = 0;  // sources left to the receive half (the same in every thread)
   std::uint32_t* words = shrinkWords(p, 1);  // shrink on timeout: this part's ranks in words[3]
   std::uint32_t* masked = words != nullptr ? words + 3 : nullptr;
   for (int k = 1; k < R; ++k) {
     const int s = (p.shape.rank + k) % R;
     if (!isLive(live, s)) continue;  // outside the mask: no records to reduce, nothing to send it
-    if (weighted) {
-      // Its own full timeout, even after another wait of this rank failed: a source marked
-      // unserved below gets no arrival from this CTA, so only one that never posted may be.
-      const bool failed = tid == 0 && !flagWait(p.peers.sync, peerCounter(p, p.shape.rank, p.latency.weightFlagsOff) + s, cstep + 1u, s,
-                                                WaitSite::kMoeCombineWeights, nullptr, true, masked != nullptr);
-      if (failed && masked != nullptr) maskAfterTimeout(p, masked, s);  // shrink on timeout: masked, not an error
+    if (weighted && alone) {
+      // One look at the source's weights flag, no wait.
+      const std::uint32_t* flag = peerCounter(p, p.shape.rank, p.latency.weightFlagsOff) + s;
+      if (__syncthreads_or(tid == 0 && ptx::counterReached(ptx::ldAcquireSys(flag), cstep + 1u)) == 0) {
+        deferred |= 1u << s;
+        continue;
+      }
+    } else if (weighted && !waitCombineWeights(p, s, cstep, masked)) {
       // Recorded (the engine enters its failed state), or masked. The other sources' records are still
       // reduced and announced, so the survivors' counters stay in step with each other once the
       // failed source is masked (Engine::recover); the failed source gets no arrival from this
       // CTA (its partials were not written), so its own wait fails and reports instead of
       // summing an old slot.
-      if (__syncthreads_or(failed) != 0) {
-        unserved |= 1u << s;
-        continue;
-      }
+      unserved |= 1u << s;
+      continue;
     }
-    const int rows = p.layout.sourceRecords[s];
-    const long long rankBase = p.layout.rankMajor ? p.layout.rankOffsets[s] : -1;  // rank-major: the source's first row
-    for (int i = firstItem; i < rows; i += items) {
-      moeReduceRecord(p, p.peers.userRegions[p.shape.rank] + p.peers.recordsOff + llSlot(p, dparity, s, i, p.shape.recordBytes),
-                      p.layout.sourceBase + s * p.shape.localExperts,
-                      p.peers.userRegions[s] + p.peers.partialsOff + llSlot(p, cparity, p.shape.rank, i, rowBytes), stages[group], g,
-                      p.layout.rankMajor ? rankBase + i : -1, weighted ? combineWeightsOf(p, cparity, s, i) : nullptr);
+    reduceSourceShare(p, s, gs, stages[gs.group], weighted, cparity, dparity);
+  }
+  if (alone && tid == 0) p.latency.deferred[part.cta] = deferred;  // read by the receive half (the next kernel)
+  arriveAtEveryPeer(p, p.latency.partialArrivalsOff, live & ~unserved & ~deferred);
+  if (tid == lastArriver(p)) moeTrace(p, 1, cstep, MoeTraceEvent::kSent, 0, true);
+}
+
+// A receive half after a combine send half that left sources to it (latency.deferred[c]: the
+// sources send CTA c found without their weights). Receive CTA j takes send CTAs c = j, j + E, ...:
+// for each source c left, it waits for the source's weights, reduces c's share of its records
+// with c's group slice, as c would have, and arrives at the source for c (the source counts G
+// arrivals a step either way). Before any wait on the peers' partials: a peer's receive may be
+// waiting for these while doing the same for this rank.
+__device__ void combineDeferred(const MoeParams& p, Part part, MoeSlotStage* stages) {
+  const int G = p.grid.budgetCtas, R = p.shape.numRanks;
+  const std::uint32_t cstep = p.peers.steps[1];
+  const int cparity = static_cast<int>(cstep & 1u);
+  const int dparity = static_cast<int>((p.peers.steps[0] - 1u) & 1u);
+  std::uint32_t* words = shrinkWords(p, 1);
+  std::uint32_t* masked = words != nullptr ? words + 3 : nullptr;  // the send part's (combineSend)
+  for (int c = part.cta; c < G; c += part.ctas) {
+    const std::uint32_t left = p.latency.deferred[c];  // the send half's (the stream's last kernel)
+    if (left == 0) continue;
+    const MoeGroupSlice gs = moeGroupSlice(c, G);
+    for (int k = 1; k < R; ++k) {
+      const int s = (p.shape.rank + k) % R;
+      if (((left >> s) & 1u) == 0 || !waitCombineWeights(p, s, cstep, masked)) continue;  // never came: no arrival
+      reduceSourceShare(p, s, gs, stages[gs.group], true, cparity, dparity);
+      arriveAtPeer(p, p.latency.partialArrivalsOff, s);
     }
   }
-  arriveAtEveryPeer(p, p.latency.partialArrivalsOff, live & ~unserved);
-  if (tid == lastArriver(p)) moeTrace(p, 1, cstep, MoeTraceEvent::kSent, 0, true);
+  __syncthreads();  // the groups' stages, reused by the own records
 }
 
 __device__ void combineReceive(const MoeParams& p, Part part, std::uint32_t live) {
@@ -527,6 +575,7 @@ __device__ void combineReceive(const MoeParams& p, Part part, std::uint32_t live
   const int dparity = static_cast<int>((p.peers.steps[0] - 1u) & 1u);  // the last dispatch's records
   const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.shape.hidden) * 2;
   const int T = *p.routing.liveTokens;
+  if ((p.latency.phase & kMoeLatencySend) == 0 && p.combine.topkWeights != nullptr) combineDeferred(p, part, stages);
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyCombineOwn);
     // This rank's own records, reduced into its own partial slots while the send part reduces the

@@ -381,6 +381,9 @@ struct MoeLatencyParams {
   std::uint64_t weightFlagsOff;      // u32 [R]: combine step + 1
   std::int32_t phase;                // kMoeLatencySend | kMoeLatencyReceive
   std::uint32_t* halfLive;           // local: a dispatch send half's mask (peers.live), for its receive half
+  // Local [G]: per send CTA of a combine send half, the sources whose combine-time weights it
+  // found missing and left to the receive half (bit q), rewritten by every combine send half.
+  std::uint32_t* deferred;
   // Local [2][R]: the arrivals expected so far from each rank (dispatch records, combine partials):
   // they grow by G only in the steps both ranks took part in, as the counters they are waited on do.
   std::uint32_t* expected;
