@@ -21,16 +21,20 @@
 #include <graphep/graphep.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <numeric>
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -884,6 +888,90 @@ TEST_F(Gpu2_MoeLatencyCapabilities, CombineTimeWeights) {
 
 TEST_F(Gpu2_MoeLatencyCapabilities, CombineTimeWeightsExpertMajorHidden7168) {
   runCombineTimeWeights(latencyConfig(7168, ReceiveLayout::kExpertMajor), 400);
+}
+
+// A stream held by the host: hold(s) enqueues a host function that returns only once open() is
+// called (or after 60 s, so that a failed test cannot hang the suite).
+class HostGate {
+ public:
+  void hold(cudaStream_t s) { GRAPHEP_CUDA_CHECK(cudaLaunchHostFunc(s, &HostGate::wait, this)); }
+  void open() {
+    std::lock_guard<std::mutex> lock(mu_);
+    open_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  static void CUDART_CB wait(void* self) {
+    auto* g = static_cast<HostGate*>(self);
+    std::unique_lock<std::mutex> lock(g->mu_);
+    g->cv_.wait_for(lock, std::chrono::seconds(60), [g] { return g->open_; });
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool open_ = false;
+};
+
+// True once `e` completed, false if it did not within `ms` milliseconds (the current device's).
+bool completesWithin(cudaEvent_t e, int ms) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+  for (;;) {
+    const cudaError_t st = cudaEventQuery(e);
+    if (st == cudaSuccess) return true;
+    if (st != cudaErrorNotReady) GRAPHEP_CUDA_CHECK(st);
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+// A combine send half waits for no peer (DeepEP's return_recv_hook): in the even steps rank 1's
+// stream is held by the host before its combine send half, so that rank 1's combine-time weights
+// are not there while rank 0's send half runs. Rank 0's send half must still finish while rank 1
+// is held (it leaves rank 1's records to its receive half), and both receive halves then give the
+// exact weighted sums. The odd steps run the halves unheld (either way, as the ranks meet), and
+// every step ends with the whole operation on the same inputs, exact too.
+TEST_F(Gpu2_MoeLatencyCapabilities, CombineSendHalfWaitsForNoPeer) {
+  Rig rig(latencyConfig(2048, ReceiveLayout::kBatched));
+  std::uint64_t seed = 1300;
+  cudaEvent_t sent = nullptr;
+  rig.select(0);
+  GRAPHEP_CUDA_CHECK(cudaEventCreateWithFlags(&sent, cudaEventDisableTiming));
+  for (int step = 0; step < 6; ++step) {
+    const Inputs in = rig.newInputs(++seed, step);
+    const std::vector<RefLayout> refs = rig.reference(in);
+    const bool held = step % 2 == 0;
+    const std::string what = stepName(step, in) + (held ? ", rank 1 held" : ", not held");
+    DispatchOptions d;
+    d.weighted = step % 3 != 0;
+    rig.dispatchAll(d);
+    EXPECT_EQ(checkDispatch(rig, in, refs, d, what), 0);
+    const auto y = rig.newExpertOutputs(++seed);
+    CombineOptions c;
+    c.weighted = true;
+    c.half = MoeHalf::kSend;
+    rig.poisonCombineOutputs();
+    HostGate gate;
+    rig.select(1);
+    if (held) gate.hold(rig.stream(1));
+    rig.engine(1).combine(rig.combineArgs(1, c), rig.stream(1));
+    rig.select(0);
+    rig.engine(0).combine(rig.combineArgs(0, c), rig.stream(0));
+    GRAPHEP_CUDA_CHECK(cudaEventRecord(sent, rig.stream(0)));
+    if (held) {
+      EXPECT_TRUE(completesWithin(sent, 3000))
+          << what << ": rank 0's combine send half did not finish in 3 s while rank 1 was held before its own";
+    }
+    gate.open();
+    for (int r = 0; r < kRanks; ++r) rig.receiveAfterOtherWork(r, rig.stream(r));
+    rig.syncAll();
+    EXPECT_EQ(checkCombine(rig, in, refs, y, Weights::kCombine, what + ", halves"), 0);
+    c.half = MoeHalf::kWhole;
+    rig.combineAll(c);
+    EXPECT_EQ(checkCombine(rig, in, refs, y, Weights::kCombine, what + ", whole"), 0);
+    expectStatusOk(rig, what);
+  }
+  rig.select(0);
+  GRAPHEP_CUDA_CHECK(cudaEventDestroy(sent));
 }
 
 // fp8 dispatches of a bf16 engine (the engine quantises x) in each scale format: e4m3 bytes at row

@@ -24,6 +24,7 @@ import gc
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 
@@ -529,6 +530,17 @@ def worker() -> int:
     count("hook.combine.callable", not callable(hook))
     hook()
     check_combined("hook.combine", combined, me, shape)
+    # The hook holds what its receive half may read (the combine's x: a peer's records whose weights
+    # came late are reduced there) until it is called: a caller that drops x after the send half,
+    # whose memory the other micro-batch's tensors may then take, still gets the right sums.
+    y_late = y.clone()
+    held = weakref.ref(y_late)
+    combined, event, hook = buffer.low_latency_combine(y_late, me.ids, me.w, handle, return_recv_hook=True)
+    del y_late
+    count("hook.holds_x", held() is None)
+    hook()
+    count("hook.releases_x", held() is not None)
+    check_combined("hook.combine_after_x_dropped", combined, me, shape)
 
     # async_finish: the work on the comm stream, an event to wait for.
     all_in = inputs(shape, 11)

@@ -248,16 +248,21 @@ class LowLatencyMode:
         return self._begin(None, async_finish)
 
     @staticmethod
-    def _receive_hook(st: _LowLatencyState, what: str, stream: int) -> Callable[[], None]:
-        """The hook of a send half: enqueues its receive half on `stream`, a cudaStream_t (once)."""
+    def _receive_hook(st: _LowLatencyState, what: str, stream: int, inputs: tuple) -> Callable[[], None]:
+        """The hook of a send half: enqueues its receive half on `stream`, a cudaStream_t (once).
+        It holds `inputs`, the tensors the receive half reads, until then: a caller that drops
+        them after the send half cannot have their memory taken by other tensors first (after the
+        hook, the stream orders any new use after the receive half)."""
         token = object()
         st.pending = (f"the receive hook of {what}", token)
+        held = list(inputs)
 
         def hook() -> None:
             if st.pending is None or st.pending[1] is not token:
                 raise invalid_argument(f"the receive hook of {what} was called already")
             st.pending = None
             st.core.receive(stream)
+            held.clear()
 
         return hook
 
@@ -369,7 +374,8 @@ class LowLatencyMode:
                          raw, **kwargs)
         st.seq += 1
         handle = LowLatencyHandle((st.src_info, st.layout_range, T, H, E), self, st, st.seq, n, k)
-        hook = self._receive_hook(st, f"low_latency_dispatch {st.seq}", raw) if return_recv_hook else None
+        # The receive half reads this rank's own rows from x.
+        hook = self._receive_hook(st, f"low_latency_dispatch {st.seq}", raw, (xs, ids)) if return_recv_hook else None
         event = self._low_latency_event(stream, async_finish, (x, topk_idx, stats))
         if use_fp8:
             recv = (st.recv_x_fp8, st.scales_ue8m0 if use_ue8m0 else st.scales)
@@ -390,7 +396,9 @@ class LowLatencyMode:
         hidden], rows as the handle's dispatch laid them out; zero_copy: the rows are in
         get_next_low_latency_combine_buffer(handle) already (x is checked, not read). topk_idx
         [num_tokens, k] is checked, not read (graphep combines the dispatch's routing);
-        topk_weights float32 [num_tokens, k]."""
+        topk_weights float32 [num_tokens, k]. With return_recv_hook the send half waits for no
+        peer (a peer's records whose weights are late are reduced by the receive half); the hook
+        holds x and topk_weights until it is called."""
         what = "low_latency_combine"
         self._require_low_latency(what)
         if use_logfmt:
@@ -423,8 +431,10 @@ class LowLatencyMode:
         if return_recv_hook:
             kwargs["half"] = MoeHalf.SEND
         st.core.combine(0 if zero_copy else x.data_ptr(), target.data_ptr(), raw, **kwargs)
-        hook = self._receive_hook(st, f"low_latency_combine of dispatch {head.seq}", raw) if return_recv_hook \
-            else None
+        # The receive half reads x (a peer's records whose weights came after the send half's look)
+        # and this rank's weights.
+        hook = self._receive_hook(st, f"low_latency_combine of dispatch {head.seq}", raw, (x, weights, combined)) \
+            if return_recv_hook else None
         event = self._low_latency_event(stream, async_finish, (x, topk_idx, topk_weights, combined))
         return combined, event, hook
 
