@@ -451,7 +451,7 @@ __device__ __forceinline__ const float* combineWeightsOf(const MoeParams& p, int
 // Thread 0 waits (bounded, its own timeout even after another wait of this rank failed) for
 // source s's combine-time weights of combine step cstep. False (in every thread) when they never
 // came: s is then masked (shrink on timeout, `masked` non-null) or the timeout recorded.
-__device__ bool waitCombineWeights(const MoeParams& p, int s, std::uint32_t cstep, std::uint32_t* masked) {
+__device__ __forceinline__ bool waitCombineWeights(const MoeParams& p, int s, std::uint32_t cstep, std::uint32_t* masked) {
   const bool failed = threadIdx.x == 0 && !flagWait(p.peers.sync, peerCounter(p, p.shape.rank, p.latency.weightFlagsOff) + s,
                                                     cstep + 1u, s, WaitSite::kMoeCombineWeights, nullptr, true,
                                                     masked != nullptr);
@@ -462,7 +462,7 @@ __device__ bool waitCombineWeights(const MoeParams& p, int s, std::uint32_t cste
 // The records of the last dispatch from peer source s that slice gs (a send CTA's groups) takes,
 // each reduced (sum of weight x y over its slots; the source's combine-time weights when
 // `weighted`, else the dispatch's) straight into s's partial slot [cparity][this rank][index].
-__device__ void reduceSourceShare(const MoeParams& p, int s, const MoeGroupSlice& gs, MoeSlotStage& stage, bool weighted,
+__device__ __forceinline__ void reduceSourceShare(const MoeParams& p, int s, const MoeGroupSlice& gs, MoeSlotStage& stage, bool weighted,
                                   int cparity, int dparity) {
   const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.shape.hidden) * 2;
   const int rows = p.layout.sourceRecords[s];
@@ -544,7 +544,8 @@ __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live) {
 // with c's group slice, as c would have, and arrives at the source for c (the source counts G
 // arrivals a step either way). Before any wait on the peers' partials: a peer's receive may be
 // waiting for these while doing the same for this rank.
-__device__ void combineDeferred(const MoeParams& p, Part part, MoeSlotStage* stages) {
+__device__ __forceinline__ void combineDeferred(const MoeParams& p, Part part) {
+  __shared__ MoeSlotStage stages[kGroups];
   const int G = p.grid.budgetCtas, R = p.shape.numRanks;
   const std::uint32_t cstep = p.peers.steps[1];
   const int cparity = static_cast<int>(cstep & 1u);
@@ -562,7 +563,6 @@ __device__ void combineDeferred(const MoeParams& p, Part part, MoeSlotStage* sta
       arriveAtPeer(p, p.latency.partialArrivalsOff, s);
     }
   }
-  __syncthreads();  // the groups' stages, reused by the own records
 }
 
 __device__ void combineReceive(const MoeParams& p, Part part, std::uint32_t live) {
@@ -575,7 +575,6 @@ __device__ void combineReceive(const MoeParams& p, Part part, std::uint32_t live
   const int dparity = static_cast<int>((p.peers.steps[0] - 1u) & 1u);  // the last dispatch's records
   const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.shape.hidden) * 2;
   const int T = *p.routing.liveTokens;
-  if ((p.latency.phase & kMoeLatencySend) == 0 && p.combine.topkWeights != nullptr) combineDeferred(p, part, stages);
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyCombineOwn);
     // This rank's own records, reduced into its own partial slots while the send part reduces the
@@ -622,6 +621,11 @@ __device__ void combineReceive(const MoeParams& p, Part part, std::uint32_t live
   if (threadIdx.x == 0) moeTrace(p, 1, cstep, MoeTraceEvent::kReceived, 0, true);
 }
 
+// kDeferred: the receive half of a combine send half with combine-time weights, the one launch
+// that may find sources left to it (combineDeferred). An instantiation of its own, so that the
+// deferred reductions' registers do not weigh on every other launch's (they spilled the whole
+// operation's receive: 1.1-1.5 us a combine).
+template <bool kDeferred>
 __global__ void __launch_bounds__(kThreads) combineKernel(const __grid_constant__ MoeParams p) {
   const std::uint64_t entered = p.state.timeline != nullptr ? ptx::globalTimerNs() : 0;
   ptx::gridDependencyWait();  // as the dispatch: the stream's last kernel has finished
@@ -629,6 +633,7 @@ __global__ void __launch_bounds__(kThreads) combineKernel(const __grid_constant_
   const std::uint32_t live = *p.peers.dispatchLive;  // the mask of the dispatch it combines
   traceStart(p, 1, send, entered);
   if (send.cta >= 0) combineSend(p, send, live);
+  if constexpr (kDeferred) combineDeferred(p, receive);  // a receive-only launch: every CTA receives
   if (receive.cta >= 0) combineReceive(p, receive, live);
   if ((p.latency.phase & kMoeLatencyReceive) != 0 && lastBlock(&p.peers.lastCtaCounters[1]) && threadIdx.x == 0) {
     moeTrace(p, 1, p.peers.steps[1], MoeTraceEvent::kDone);
@@ -680,13 +685,14 @@ cudaError_t launchMoeLatencyCombine(const MoeParams& p, cudaStream_t stream) {
   if (const cudaError_t e = checkLaunch(__func__, p); e != cudaSuccess) return e;
   cudaLaunchAttribute attrs[2];
   const cudaLaunchConfig_t cfg = moeLaunchConfig(launchCtas(p), kThreads, 1, true, stream, attrs);
-  return cudaLaunchKernelEx(&cfg, combineKernel, p);
+  const bool deferred = p.latency.phase == kMoeLatencyReceive && p.combine.topkWeights != nullptr;
+  return cudaLaunchKernelEx(&cfg, deferred ? combineKernel<true> : combineKernel<false>, p);
 }
 
 cudaError_t preloadMoeLatencyKernels() {
   cudaError_t e = cudaFuncSetAttribute(moe_latency::dispatchKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(kMoeLatencyMaxSmem));
-  return e != cudaSuccess ? e : preloadKernels(moe_latency::combineKernel);
+  return e != cudaSuccess ? e : preloadKernels(moe_latency::combineKernel<false>, moe_latency::combineKernel<true>);
 }
 
 cudaError_t moeLatencyCtasPerSm(std::uint32_t smemBytes, int* ctas) {
@@ -694,8 +700,12 @@ cudaError_t moeLatencyCtasPerSm(std::uint32_t smemBytes, int* ctas) {
   cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&dispatch, moe_latency::dispatchKernel,
                                                                 moe_latency::kThreads, smemBytes);
   if (e != cudaSuccess) return e;
-  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&combine, moe_latency::combineKernel, moe_latency::kThreads, 0);
-  if (e != cudaSuccess) return e;
+  for (auto* kernel : {moe_latency::combineKernel<false>, moe_latency::combineKernel<true>}) {
+    int n = 0;
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, moe_latency::kThreads, 0);
+    if (e != cudaSuccess) return e;
+    combine = combine == 0 || n < combine ? n : combine;
+  }
   *ctas = dispatch < combine ? dispatch : combine;
   return cudaSuccess;
 }
