@@ -475,7 +475,11 @@ __device__ __forceinline__ void reduceSourceShare(const MoeParams& p, int s, con
   }
 }
 
-__device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live) {
+// Send CTA part.cta's work of a combine. `standIn`: a receive CTA of the receive half after a send
+// half, standing in for send CTA part.cta, which left sources to it (latency.deferred[part.cta]):
+// their records only, waiting for their weights, and its arrivals at them (each source counts G
+// arrivals a step either way); no weights are posted again.
+__device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live, bool standIn) {
   __shared__ MoeSlotStage stages[kGroups];
   const int tid = static_cast<int>(threadIdx.x);
   const MoeGroupSlice gs = moeGroupSlice(part.cta, part.ctas);
@@ -484,10 +488,12 @@ __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live) {
   const int cparity = static_cast<int>(cstep & 1u);
   // The records of the last dispatch (whose receive advanced the dispatch step past them).
   const int dparity = static_cast<int>((p.peers.steps[0] - 1u) & 1u);
+  const std::uint32_t left = standIn ? p.latency.deferred[part.cta] : live;  // the sources to reduce (uniform)
+  if (standIn && left == 0) return;
   const MoeStamp stamp(p, MoeKernel::kLatencyCombine);
-  if (part.cta == 0 && tid == 0) moeCheckPairing(p, false);
+  if (part.cta == 0 && tid == 0 && !standIn) moeCheckPairing(p, false);
   const bool weighted = p.combine.topkWeights != nullptr;
-  if (weighted) {
+  if (weighted && !standIn) {
     // This rank's tokens' weights to each destination, at the token's record index there, before
     // any wait: CTA c takes destinations c, c + G, ...
     const int T = *p.routing.liveTokens;
@@ -506,7 +512,7 @@ __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live) {
   }
   // The peers' records only (their partials cross the link): the receive part reduces this rank's
   // own records. A send half alone (DeepEP's return_recv_hook) never waits for a peer: the records
-  // of a source whose weights are not there yet are left to the receive half (combineDeferred).
+  // of a source whose weights are not there yet are left to the receive half (standIn).
   const bool alone = (p.latency.phase & kMoeLatencyReceive) == 0;
   std::uint32_t unserved = 0;  // sources whose weights never came (the same in every thread)
   std::uint32_t deferred = 0;  // sources left to the receive half (the same in every thread)
@@ -514,7 +520,7 @@ __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live) {
   std::uint32_t* masked = words != nullptr ? words + 3 : nullptr;
   for (int k = 1; k < R; ++k) {
     const int s = (p.shape.rank + k) % R;
-    if (!isLive(live, s)) continue;  // outside the mask: no records to reduce, nothing to send it
+    if (!isLive(left, s)) continue;  // outside the mask: no records to reduce, nothing to send it
     if (weighted && alone) {
       // One look at the source's weights flag, no wait.
       const std::uint32_t* flag = peerCounter(p, p.shape.rank, p.latency.weightFlagsOff) + s;
@@ -534,35 +540,8 @@ __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live) {
     reduceSourceShare(p, s, gs, stages[gs.group], weighted, cparity, dparity);
   }
   if (alone && tid == 0) p.latency.deferred[part.cta] = deferred;  // read by the receive half (the next kernel)
-  arriveAtEveryPeer(p, p.latency.partialArrivalsOff, live & ~unserved & ~deferred);
-  if (tid == lastArriver(p)) moeTrace(p, 1, cstep, MoeTraceEvent::kSent, 0, true);
-}
-
-// A receive half after a combine send half that left sources to it (latency.deferred[c]: the
-// sources send CTA c found without their weights). Receive CTA j takes send CTAs c = j, j + E, ...:
-// for each source c left, it waits for the source's weights, reduces c's share of its records
-// with c's group slice, as c would have, and arrives at the source for c (the source counts G
-// arrivals a step either way). Before any wait on the peers' partials: a peer's receive may be
-// waiting for these while doing the same for this rank.
-__device__ __forceinline__ void combineDeferred(const MoeParams& p, Part part) {
-  __shared__ MoeSlotStage stages[kGroups];
-  const int G = p.grid.budgetCtas, R = p.shape.numRanks;
-  const std::uint32_t cstep = p.peers.steps[1];
-  const int cparity = static_cast<int>(cstep & 1u);
-  const int dparity = static_cast<int>((p.peers.steps[0] - 1u) & 1u);
-  std::uint32_t* words = shrinkWords(p, 1);
-  std::uint32_t* masked = words != nullptr ? words + 3 : nullptr;  // the send part's (combineSend)
-  for (int c = part.cta; c < G; c += part.ctas) {
-    const std::uint32_t left = p.latency.deferred[c];  // the send half's (the stream's last kernel)
-    if (left == 0) continue;
-    const MoeGroupSlice gs = moeGroupSlice(c, G);
-    for (int k = 1; k < R; ++k) {
-      const int s = (p.shape.rank + k) % R;
-      if (((left >> s) & 1u) == 0 || !waitCombineWeights(p, s, cstep, masked)) continue;  // never came: no arrival
-      reduceSourceShare(p, s, gs, stages[gs.group], true, cparity, dparity);
-      arriveAtPeer(p, p.latency.partialArrivalsOff, s);
-    }
-  }
+  arriveAtEveryPeer(p, p.latency.partialArrivalsOff, left & ~unserved & ~deferred);
+  if (!standIn && tid == lastArriver(p)) moeTrace(p, 1, cstep, MoeTraceEvent::kSent, 0, true);
 }
 
 __device__ void combineReceive(const MoeParams& p, Part part, std::uint32_t live) {
@@ -621,19 +600,21 @@ __device__ void combineReceive(const MoeParams& p, Part part, std::uint32_t live
   if (threadIdx.x == 0) moeTrace(p, 1, cstep, MoeTraceEvent::kReceived, 0, true);
 }
 
-// kDeferred: the receive half of a combine send half with combine-time weights, the one launch
-// that may find sources left to it (combineDeferred). An instantiation of its own, so that the
-// deferred reductions' registers do not weigh on every other launch's (they spilled the whole
-// operation's receive: 1.1-1.5 us a combine).
-template <bool kDeferred>
 __global__ void __launch_bounds__(kThreads) combineKernel(const __grid_constant__ MoeParams p) {
   const std::uint64_t entered = p.state.timeline != nullptr ? ptx::globalTimerNs() : 0;
   ptx::gridDependencyWait();  // as the dispatch: the stream's last kernel has finished
   const Part send = sendPart(p), receive = receivePart(p);
   const std::uint32_t live = *p.peers.dispatchLive;  // the mask of the dispatch it combines
   traceStart(p, 1, send, entered);
-  if (send.cta >= 0) combineSend(p, send, live);
-  if constexpr (kDeferred) combineDeferred(p, receive);  // a receive-only launch: every CTA receives
+  // The send part; or, in the receive half after a send half with combine-time weights, receive
+  // CTA j stands in for send CTAs j, j + E, ... (the sources they left to it), before any wait on
+  // the peers' partials (a peer's receive may be doing the same for this rank). One call site:
+  // a second inlined copy of the send spilled the whole operation's receive (1.1-1.5 us a combine).
+  const bool standIn = send.cta < 0 && (p.latency.phase & kMoeLatencySend) == 0 && p.combine.topkWeights != nullptr;
+  for (Part as{standIn ? receive.cta : send.cta, p.grid.budgetCtas}; as.cta >= 0 && as.cta < as.ctas;
+       as.cta += standIn ? receive.ctas : as.ctas) {
+    combineSend(p, as, live, standIn);
+  }
   if (receive.cta >= 0) combineReceive(p, receive, live);
   if ((p.latency.phase & kMoeLatencyReceive) != 0 && lastBlock(&p.peers.lastCtaCounters[1]) && threadIdx.x == 0) {
     moeTrace(p, 1, p.peers.steps[1], MoeTraceEvent::kDone);
@@ -685,14 +666,13 @@ cudaError_t launchMoeLatencyCombine(const MoeParams& p, cudaStream_t stream) {
   if (const cudaError_t e = checkLaunch(__func__, p); e != cudaSuccess) return e;
   cudaLaunchAttribute attrs[2];
   const cudaLaunchConfig_t cfg = moeLaunchConfig(launchCtas(p), kThreads, 1, true, stream, attrs);
-  const bool deferred = p.latency.phase == kMoeLatencyReceive && p.combine.topkWeights != nullptr;
-  return cudaLaunchKernelEx(&cfg, deferred ? combineKernel<true> : combineKernel<false>, p);
+  return cudaLaunchKernelEx(&cfg, combineKernel, p);
 }
 
 cudaError_t preloadMoeLatencyKernels() {
   cudaError_t e = cudaFuncSetAttribute(moe_latency::dispatchKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(kMoeLatencyMaxSmem));
-  return e != cudaSuccess ? e : preloadKernels(moe_latency::combineKernel<false>, moe_latency::combineKernel<true>);
+  return e != cudaSuccess ? e : preloadKernels(moe_latency::combineKernel);
 }
 
 cudaError_t moeLatencyCtasPerSm(std::uint32_t smemBytes, int* ctas) {
@@ -700,12 +680,8 @@ cudaError_t moeLatencyCtasPerSm(std::uint32_t smemBytes, int* ctas) {
   cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&dispatch, moe_latency::dispatchKernel,
                                                                 moe_latency::kThreads, smemBytes);
   if (e != cudaSuccess) return e;
-  for (auto* kernel : {moe_latency::combineKernel<false>, moe_latency::combineKernel<true>}) {
-    int n = 0;
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, moe_latency::kThreads, 0);
-    if (e != cudaSuccess) return e;
-    combine = combine == 0 || n < combine ? n : combine;
-  }
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&combine, moe_latency::combineKernel, moe_latency::kThreads, 0);
+  if (e != cudaSuccess) return e;
   *ctas = dispatch < combine ? dispatch : combine;
   return cudaSuccess;
 }

@@ -89,16 +89,6 @@ __device__ inline void arriveAtEveryPeer(const MoeParams& p, std::uint64_t count
   }
 }
 
-// After the barrier, thread 0 makes the CTA's stores visible at system scope and adds 1 to peer
-// q's counter for this rank, as arriveAtEveryPeer does for every peer (q != this rank).
-__device__ inline void arriveAtPeer(const MoeParams& p, std::uint64_t counterOff, int q) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    ptx::fenceAcqRelSys();
-    ptx::redReleaseSysAdd(peerCounter(p, q, counterOff) + p.shape.rank, 1u);
-  }
-}
-
 // MoeConfig::shrinkOnTimeout: rank q, which a wait of this operation timed out on, is masked: in
 // the operation's word `masked` (the ranks this operation leaves out from here on), in the
 // engine's active-rank mask (the next operations'; Engine::activeRanksDevice) and in the status
