@@ -186,7 +186,9 @@ typedef struct graphep_combine_args {
   const float* topk_weights;   /* [T, K] (K: the dispatch's top_k) or NULL: the weights to reduce with in
                                 * place of the dispatch's (DeepEP's low-latency combine). Latency path,
                                 * expert-major or batched */
-  int half;                    /* graphep_half_t; SEND: latency path, graphep_receive completes it */
+  int half;                    /* graphep_half_t; SEND: latency path, graphep_receive completes it; with
+                                * topk_weights the send half waits for no peer and the receive half may
+                                * read expert_output and topk_weights: keep them until it has run */
 } graphep_combine_args_t;
 #define GRAPHEP_COMBINE_ARGS_INIT \
   { sizeof(graphep_combine_args_t), NULL, NULL, 0, NULL, NULL, 0, NULL, GRAPHEP_HALF_WHOLE }

@@ -326,6 +326,9 @@ struct CombineArgs {
   // the dispatch's (DeepEP's low-latency combine takes them here). Latency path, expert-major or
   // batched; each home rank sends its tokens' weights to their destinations ahead of the sums.
   const float* topkWeights = nullptr;
+  // kSend with topkWeights: the send half waits for no peer; a peer's records whose weights are not
+  // there yet are reduced by the receive half (Engine::receive), which then reads expertOutput and
+  // topkWeights: keep both unchanged until the receive half has run.
   MoeHalf half = MoeHalf::kWhole;
 };
 
