@@ -890,11 +890,19 @@ TEST_F(Gpu2_MoeLatencyCapabilities, CombineTimeWeightsExpertMajorHidden7168) {
   runCombineTimeWeights(latencyConfig(7168, ReceiveLayout::kExpertMajor), 400);
 }
 
-// A stream held by the host: hold(s) enqueues a host function that returns only once open() is
-// called (or after 60 s, so that a failed test cannot hang the suite).
+// A stream held by the host: hold(s) closes the gate and enqueues a host function that returns
+// only once open() is called (or after 60 s, so that a failed test cannot hang the suite). Declare
+// it before the streams' owner, so that their synchronisation on the way out (an exception
+// between hold and open) comes before the gate goes.
 class HostGate {
  public:
-  void hold(cudaStream_t s) { GRAPHEP_CUDA_CHECK(cudaLaunchHostFunc(s, &HostGate::wait, this)); }
+  void hold(cudaStream_t s) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      open_ = false;
+    }
+    GRAPHEP_CUDA_CHECK(cudaLaunchHostFunc(s, &HostGate::wait, this));
+  }
   void open() {
     std::lock_guard<std::mutex> lock(mu_);
     open_ = true;
@@ -931,6 +939,7 @@ bool completesWithin(cudaEvent_t e, int ms) {
 // exact weighted sums. The odd steps run the halves unheld (either way, as the ranks meet), and
 // every step ends with the whole operation on the same inputs, exact too.
 TEST_F(Gpu2_MoeLatencyCapabilities, CombineSendHalfWaitsForNoPeer) {
+  HostGate gate;
   Rig rig(latencyConfig(2048, ReceiveLayout::kBatched));
   std::uint64_t seed = 1300;
   cudaEvent_t sent = nullptr;
@@ -950,7 +959,6 @@ TEST_F(Gpu2_MoeLatencyCapabilities, CombineSendHalfWaitsForNoPeer) {
     c.weighted = true;
     c.half = MoeHalf::kSend;
     rig.poisonCombineOutputs();
-    HostGate gate;
     rig.select(1);
     if (held) gate.hold(rig.stream(1));
     rig.engine(1).combine(rig.combineArgs(1, c), rig.stream(1));
