@@ -479,7 +479,10 @@ __device__ __forceinline__ void reduceSourceShare(const MoeParams& p, int s, con
 // half, standing in for send CTA part.cta, which left sources to it (latency.deferred[part.cta]):
 // their records only, waiting for their weights, and its arrivals at them (each source counts G
 // arrivals a step either way); no weights are posted again.
-__device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live, bool standIn) {
+// `gaveUp` (a stand-in's, carried over the send CTAs it stands in for; uniform): the sources whose
+// weights it waited for in vain, not waited for again (one timeout per dead source, not one per
+// send CTA), and left out of its receive's wait for their partials.
+__device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live, bool standIn, std::uint32_t& gaveUp) {
   __shared__ MoeSlotStage stages[kGroups];
   const int tid = static_cast<int>(threadIdx.x);
   const MoeGroupSlice gs = moeGroupSlice(part.cta, part.ctas);
@@ -516,11 +519,18 @@ __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live, b
   const bool alone = (p.latency.phase & kMoeLatencyReceive) == 0;
   std::uint32_t unserved = 0;  // sources whose weights never came (the same in every thread)
   std::uint32_t deferred = 0;  // sources left to the receive half (the same in every thread)
-  std::uint32_t* words = shrinkWords(p, 1);  // shrink on timeout: this part's ranks in words[3]
-  std::uint32_t* masked = words != nullptr ? words + 3 : nullptr;
+  // Shrink on timeout: the send part's ranks in words[3]; a stand-in is a receive CTA and masks in
+  // the receive's words[0], before the receive CTAs' meeting, so that every receive CTA leaves out
+  // the same ranks.
+  std::uint32_t* words = shrinkWords(p, 1);
+  std::uint32_t* masked = words != nullptr ? words + (standIn ? 0 : 3) : nullptr;
   for (int k = 1; k < R; ++k) {
     const int s = (p.shape.rank + k) % R;
     if (!isLive(left, s)) continue;  // outside the mask: no records to reduce, nothing to send it
+    if (isLive(gaveUp, s)) {  // a stand-in that waited for its weights in vain already
+      unserved |= 1u << s;
+      continue;
+    }
     if (weighted && alone) {
       // One look at the source's weights flag, no wait.
       const std::uint32_t* flag = peerCounter(p, p.shape.rank, p.latency.weightFlagsOff) + s;
@@ -535,6 +545,7 @@ __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live, b
       // CTA (its partials were not written), so its own wait fails and reports instead of
       // summing an old slot.
       unserved |= 1u << s;
+      if (standIn) gaveUp |= 1u << s;
       continue;
     }
     reduceSourceShare(p, s, gs, stages[gs.group], weighted, cparity, dparity);
@@ -544,7 +555,10 @@ __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live, b
   if (!standIn && tid == lastArriver(p)) moeTrace(p, 1, cstep, MoeTraceEvent::kSent, 0, true);
 }
 
-__device__ void combineReceive(const MoeParams& p, Part part, std::uint32_t live) {
+// `skip`: with shrink on timeout, the peers this CTA does not wait for (its stand-in gave up on
+// their weights and masked them in words[0]: every receive CTA leaves them out after the meeting).
+// Without it a stand-in's failure is recorded and the waits below return at once.
+__device__ void combineReceive(const MoeParams& p, Part part, std::uint32_t live, std::uint32_t skip) {
   __shared__ const uint4* parts[kGroups][kMaxRanks];
   __shared__ MoeSlotStage stages[kGroups];
   const MoeGroupSlice gs = moeGroupSlice(part.cta, part.ctas);
@@ -578,7 +592,8 @@ __device__ void combineReceive(const MoeParams& p, Part part, std::uint32_t live
     // leaves the same ranks out of the sums.
     std::uint32_t* masked = shrinkWords(p, 1);
     const bool arrived = waitEveryRank(p, p.latency.partialArrivalsOff, static_cast<std::uint32_t>(p.grid.budgetCtas),
-                                       WaitSite::kMoeCombine, true, live, p.latency.expected + R, masked);
+                                       WaitSite::kMoeCombine, true, masked != nullptr ? live & ~skip : live, p.latency.expected + R,
+                                       masked);
     if (masked != nullptr) live &= ~settleMasked(p, masked, part.ctas, WaitSite::kMoeCombine);
     if (arrived) {
       ptx::launchDependents();  // after the last wait on another rank, as in the dispatch receive
@@ -611,11 +626,12 @@ __global__ void __launch_bounds__(kThreads) combineKernel(const __grid_constant_
   // the peers' partials (a peer's receive may be doing the same for this rank). One call site:
   // a second inlined copy of the send spilled the whole operation's receive (1.1-1.5 us a combine).
   const bool standIn = send.cta < 0 && (p.latency.phase & kMoeLatencySend) == 0 && p.combine.topkWeights != nullptr;
+  std::uint32_t gaveUp = 0;
   for (Part as{standIn ? receive.cta : send.cta, p.grid.budgetCtas}; as.cta >= 0 && as.cta < as.ctas;
        as.cta += standIn ? receive.ctas : as.ctas) {
-    combineSend(p, as, live, standIn);
+    combineSend(p, as, live, standIn, gaveUp);
   }
-  if (receive.cta >= 0) combineReceive(p, receive, live);
+  if (receive.cta >= 0) combineReceive(p, receive, live, gaveUp);
   if ((p.latency.phase & kMoeLatencyReceive) != 0 && lastBlock(&p.peers.lastCtaCounters[1]) && threadIdx.x == 0) {
     moeTrace(p, 1, p.peers.steps[1], MoeTraceEvent::kDone);
     p.peers.steps[1] = p.peers.steps[1] + 1u;

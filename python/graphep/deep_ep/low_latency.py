@@ -261,8 +261,10 @@ class LowLatencyMode:
             if st.pending is None or st.pending[1] is not token:
                 raise invalid_argument(f"the receive hook of {what} was called already")
             st.pending = None
-            st.core.receive(stream)
-            held.clear()
+            try:
+                st.core.receive(stream)
+            finally:
+                held.clear()
 
         return hook
 
@@ -374,8 +376,9 @@ class LowLatencyMode:
                          raw, **kwargs)
         st.seq += 1
         handle = LowLatencyHandle((st.src_info, st.layout_range, T, H, E), self, st, st.seq, n, k)
-        # The receive half reads this rank's own rows from x.
-        hook = self._receive_hook(st, f"low_latency_dispatch {st.seq}", raw, (xs, ids)) if return_recv_hook else None
+        # The receive half reads this rank's own rows from x and adds to the stats.
+        hook = self._receive_hook(st, f"low_latency_dispatch {st.seq}", raw, (xs, ids, stats)) \
+            if return_recv_hook else None
         event = self._low_latency_event(stream, async_finish, (x, topk_idx, stats))
         if use_fp8:
             recv = (st.recv_x_fp8, st.scales_ue8m0 if use_ue8m0 else st.scales)
