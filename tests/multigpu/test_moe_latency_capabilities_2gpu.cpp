@@ -982,6 +982,47 @@ TEST_F(Gpu2_MoeLatencyCapabilities, CombineSendHalfWaitsForNoPeer) {
   GRAPHEP_CUDA_CHECK(cudaEventDestroy(sent));
 }
 
+// Shrink on timeout with the combine's halves: after a good step, rank 1 stops before its combine
+// send half (it enqueues nothing more, as a dead process would), so its combine-time weights never
+// come. Rank 0's send half leaves rank 1's records to its receive half, whose stand-ins wait for
+// the weights in vain and mask rank 1 for every receive CTA: rank 0's combine completes without a
+// failure, rank 1 in MoeStatus::shrunkRanks, its sums those of rank 0's own experts, exact.
+TEST_F(Gpu2_MoeLatencyCapabilities, CombineHalvesShrinkWhenAPeerStopsBeforeItsWeights) {
+  const ScopedEnv timeout("GRAPHEP_TIMEOUT_MS", "500");  // read at setup
+  MoeConfig cfg = latencyConfig(2048, ReceiveLayout::kBatched);
+  cfg.shrinkOnTimeout = true;
+  Rig rig(cfg);
+  std::uint64_t seed = 1400;
+  CombineOptions c;
+  c.weighted = true;
+  c.half = MoeHalf::kSend;
+  for (int step = 0; step < 2; ++step) {
+    const Inputs in = rig.newInputs(++seed, step);
+    const std::vector<RefLayout> refs = rig.reference(in);
+    const std::string what = stepName(step, in) + (step == 0 ? ", every rank" : ", rank 1 stopped");
+    const DispatchOptions d;
+    rig.dispatchAll(d);
+    EXPECT_EQ(checkDispatch(rig, in, refs, d, what), 0);
+    const auto y = rig.newExpertOutputs(++seed);
+    rig.poisonCombineOutputs();
+    const int ranks = step == 0 ? kRanks : 1;
+    for (int r = 0; r < ranks; ++r) rig.enqueueCombine(r, c, rig.stream(r));
+    rig.syncAll();
+    if (step == 0) {
+      EXPECT_EQ(checkCombine(rig, in, refs, y, Weights::kCombine, what), 0);
+      expectStatusOk(rig, what);
+      continue;
+    }
+    std::vector<std::vector<unsigned long long>> masked(kRanks, std::vector<unsigned long long>(kRanks, 0));
+    const Inputs seen = underMask(in, 1u, masked);  // rank 1's experts add nothing
+    EXPECT_EQ(checkCombine(rig, seen, refs, y, Weights::kCombine, what, 1u), 0);
+    const MoeStatus st = rig.engine(0).status();
+    EXPECT_TRUE(st.ok()) << what << ": " << st.describe();
+    EXPECT_FALSE(rig.engine(0).failed()) << what;
+    EXPECT_EQ(st.shrunkRanks, 2u) << what << ": " << st.describe();
+  }
+}
+
 // fp8 dispatches of a bf16 engine (the engine quantises x) in each scale format: e4m3 bytes at row
 // stride H, the scales (fp32, or UE8M0 bytes) in recvScales == scalesBuffer, bit for bit; then a
 // bf16 dispatch on the same engine (recvScales back to nullptr).
