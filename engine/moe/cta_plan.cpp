@@ -165,11 +165,10 @@ int epilogueClusterFor(const SymmetricHeap& heap, int l, int ctas) {
 
 }  // namespace
 
-int latencySendCtasBound(const MoeConfig& cfg) { return cfg.smBudget > 0 ? cfg.smBudget : kLatencyDefaultCtas; }
+int latencySendCtasBound(int smBudget) { return smBudget > 0 ? smBudget : kLatencyDefaultCtas; }
 
 int latencySendCtas(int smBudget, int resident, int sharing) {
-  const int budget = smBudget > 0 ? smBudget : kLatencyDefaultCtas;
-  return std::min(budget, sharing > 1 ? resident / 2 : resident - 1);
+  return std::min(latencySendCtasBound(smBudget), sharing > 1 ? resident / 2 : resident - 1);
 }
 
 int latencyReceiveCtas(int send, int epilogueSms, int resident, int sharing, int sms) {

@@ -54,8 +54,8 @@ int directSharedCtas(int want, int share);
 // half of them, else one per SM.
 inline constexpr int kLatencyDefaultCtas = 24;
 int latencySendCtas(int smBudget, int resident, int sharing);
-// The most latency send CTAs any rank of this config takes (its smBudget, or the default).
-int latencySendCtasBound(const MoeConfig& cfg);
+// The most latency send CTAs any rank takes under MoeConfig::smBudget `smBudget` (it, or the default).
+int latencySendCtasBound(int smBudget);
 int latencyReceiveCtas(int send, int epilogueSms, int resident, int sharing, int sms);
 int throughputEpilogueCtas(int comm, int epilogueSms, int sms);
 

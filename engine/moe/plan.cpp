@@ -147,7 +147,7 @@ LocalCarve carveLocal(const MoeConfig& cfg, const MoeSizes& z, std::size_t cap, 
   o.llShrink = carve("llShrink", !throughput && cfg.shrinkOnTimeout ? 2 * 4 * 4 : 0);  // shrink on timeout
   // Latency: a combine send half's sources left to its receive half, a word per send CTA (at most
   // the SM budget, latencySendCtas).
-  o.llDeferred = carve("llDeferred", throughput ? 0 : static_cast<std::size_t>(latencySendCtasBound(cfg)) * 4);
+  o.llDeferred = carve("llDeferred", throughput ? 0 : static_cast<std::size_t>(latencySendCtasBound(cfg.smBudget)) * 4);
   // A count message of zeros (the block is zeroed at setup), as long as either path's.
   o.llZeroMsg = carve("llZeroMsg", std::max(z.cntMsgBytes, z.directMsgBytes));
   o.llBarrier = carve("llBarrier", Rs * 4);  // the device barrier's pair counts (Engine::barrier)
