@@ -156,7 +156,7 @@ if [ -n "${GRAPHEP_SANITIZER:-}" ] && command -v compute-sanitizer >/dev/null; t
     wait
     # Then the 2-GPU latency suite (its halves, the combine's stand-ins) on both GPUs, each tool
     # in turn. Its shrink tests are left out: they set a 500 ms device wait, which a rank slowed
-    # by the tool overruns. memcheck does not report API errors here: the heap enables peer
+    # by the tool may overrun (they passed under each tool when run by hand). memcheck does not report API errors here: the heap enables peer
     # access per engine and takes the runtime's "already enabled" as done (engine/heap.cpp).
     san2=${GRAPHEP_SANITIZER_TESTS_2GPU:-'Gpu2_MoeLatencyCapabilities.*:-*Shrink*:*RecoverAfterAPeerStops*'}
     for tool in memcheck racecheck synccheck; do
