@@ -5,11 +5,15 @@
 
 #include <cstring>
 #include <fstream>
+#include <mutex>
+#include <set>
+#include <utility>
 
 #include "engine/env.hpp"
 #include "engine/error.hpp"
 #include "engine/log.hpp"
 #include "engine/nvtx.hpp"
+#include "engine/platform.hpp"
 #include "engine/topology.hpp"
 
 namespace graphep {
@@ -64,6 +68,30 @@ int ordinalOfUuid(const unsigned char uuid[16]) {
     if (std::memcmp(u, uuid, 16) == 0) return d;
   }
   return -1;
+}
+
+// Load/store access from the current device's context to device peerOrdinal, asked for once per
+// (context, peer) in the process. Asking again answers cudaErrorPeerAccessAlreadyEnabled, a
+// handled error that compute-sanitizer still reports (each engine of a process builds a heap);
+// the context's unique id keys the record, so a context made anew (a device reset) is asked
+// again. Access enabled outside graphep answers "already enabled", taken as done.
+void enablePeerAccessOnce(int peerOrdinal) {
+  static std::mutex mu;
+  static std::set<std::pair<unsigned long long, int>> enabled;
+  CUcontext ctx = nullptr;
+  GRAPHEP_CU_CHECK(detail::driver().ctxGetCurrent(&ctx));
+  GRAPHEP_REQUIRE(ctx != nullptr, Status::kCudaError, "no current CUDA context to enable peer access to device %d from", peerOrdinal);
+  unsigned long long id = 0;
+  GRAPHEP_CU_CHECK(detail::driver().ctxGetId(ctx, &id));
+  const std::lock_guard<std::mutex> lock(mu);
+  if (enabled.count({id, peerOrdinal}) != 0) return;
+  const cudaError_t e = cudaDeviceEnablePeerAccess(peerOrdinal, 0);
+  if (e == cudaErrorPeerAccessAlreadyEnabled) {
+    cudaGetLastError();
+  } else {
+    GRAPHEP_CUDA_CHECK(e);
+  }
+  enabled.insert({id, peerOrdinal});
 }
 
 }  // namespace
@@ -208,14 +236,7 @@ void SymmetricHeap::build() {
         r.peers[static_cast<size_t>(p)] = r.base;
       } else if (c != PeerClass::kRemote) {
         if (f.sameProcess) {
-          if (!f.sameDevice) {
-            cudaError_t e = cudaDeviceEnablePeerAccess(peerOrdinal, 0);
-            if (e == cudaErrorPeerAccessAlreadyEnabled) {
-              cudaGetLastError();
-            } else {
-              GRAPHEP_CUDA_CHECK(e);
-            }
-          }
+          if (!f.sameDevice) enablePeerAccessOnce(peerOrdinal);
           r.peers[static_cast<size_t>(p)] = reinterpret_cast<char*>(peer.basePtr);
         } else {
           void* mapped = nullptr;

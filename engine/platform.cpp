@@ -64,6 +64,8 @@ const DriverApi& driver() {
       resolve("cuStreamWriteValue32", api.streamWriteValue32, 12000);
       resolve("cuGetErrorName", api.getErrorName, 6000);
       resolve("cuDeviceGetAttribute", api.deviceGetAttribute, 2000);
+      resolve("cuCtxGetCurrent", api.ctxGetCurrent, 4000);
+      resolve("cuCtxGetId", api.ctxGetId, 12000);
       ok = true;
     } catch (const Error&) {
       ok = false;

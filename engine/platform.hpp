@@ -16,6 +16,8 @@ struct DriverApi {
   PFN_cuStreamWriteValue32_v11070 streamWriteValue32 = nullptr;
   PFN_cuGetErrorName_v6000 getErrorName = nullptr;
   PFN_cuDeviceGetAttribute_v2000 deviceGetAttribute = nullptr;
+  PFN_cuCtxGetCurrent_v4000 ctxGetCurrent = nullptr;
+  PFN_cuCtxGetId_v12000 ctxGetId = nullptr;
 };
 
 // Resolved once on first use; throws graphep::Error(kNoDevice) when the driver is missing.
