@@ -54,10 +54,12 @@ def test_low_latency_engine_config(tokens, hidden, experts, world):
 def test_low_latency_sm_budget_from_the_environment():
     rule = dconfig.low_latency_sm_budget
     assert rule(None) == 0 and rule("") == 0 and rule(" ") == 0  # unset: the engine's default
-    assert rule("96") == 96 and rule(" 32 ") == 32
+    assert rule("64") == 64 and rule(" 32 ") == 32
     assert dconfig.low_latency_engine_config(128, 7168, 288, 2, rule("64")).sm_budget == 64
     expect_error(graphep.Status.INVALID_ARGUMENT, "GRAPHEP_DEEPEP_LL_SMS='all' is not an integer", rule, "all")
     expect_error(graphep.Status.INVALID_ARGUMENT, "GRAPHEP_DEEPEP_LL_SMS=-1 is out of range", rule, "-1")
+    # Past the engines' limit: refused here, naming the value, not later when an engine is made.
+    expect_error(graphep.Status.INVALID_ARGUMENT, "GRAPHEP_DEEPEP_LL_SMS=65 is out of range [0, 64]", rule, "65")
 
 
 def test_low_latency_size_hint_names_what_the_latency_path_refuses():

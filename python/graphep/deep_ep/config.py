@@ -45,6 +45,7 @@ MAX_TOP_K = 16  # graphep's kMoeMaxTopK: the engines' top_k is min(this, E)
 MAX_LOCAL_EXPERTS = 1024  # graphep's kMoeMaxLocalExperts
 HINT_TOKENS = 4096  # what Config.get_nvl_buffer_size_hint sizes for
 LATENCY_SLOTS = 4096  # graphep's latency path: max_tokens_per_rank x top_k at most
+MAX_SM_BUDGET = 64  # graphep's MoeConfig.sm_budget limit (Engine::validate)
 
 
 @dataclass
@@ -95,7 +96,7 @@ def combine_config(num_ranks: int, num_sms: int) -> Config:
 
 def sm_budget(num_sms: int) -> int:
     """Config.num_sms as MoeConfig.sm_budget: clamped to [1, 64]."""
-    return min(max(int(num_sms), 1), 64)
+    return min(max(int(num_sms), 1), MAX_SM_BUDGET)
 
 
 def engine_config(max_tokens: int, hidden: int, num_experts: int, budget: int) -> _graphep.MoeConfig:
@@ -138,8 +139,9 @@ def low_latency_sm_budget(env: Optional[str]) -> int:
         budget = int(env.strip())
     except ValueError:
         raise invalid_argument(f"{LOW_LATENCY_SMS_ENV}={env!r} is not an integer") from None
-    if not 0 <= budget <= 1024:
-        raise invalid_argument(f"{LOW_LATENCY_SMS_ENV}={budget} is out of range [0, 1024]")
+    if not 0 <= budget <= MAX_SM_BUDGET:
+        raise invalid_argument(f"{LOW_LATENCY_SMS_ENV}={budget} is out of range [0, {MAX_SM_BUDGET}] (the engines' "
+                               f"sm_budget)")
     return budget
 
 
