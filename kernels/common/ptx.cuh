@@ -1,6 +1,8 @@
-// Memory-ordered accesses, spelled out. Every flag, counter and semaphore access in graphep goes
-// through one of these, so the scope (.sys: visible to peer GPUs and the host) and the order
-// (acquire/release/relaxed) are explicit at each use.
+// Memory-ordered accesses, spelled out. Every flag, counter and semaphore access that another GPU
+// or the host reads or writes goes through one of these, so the scope (.sys: visible to peer GPUs
+// and the host) and the order (acquire/release/relaxed) are explicit at each use. Words only this
+// GPU touches (a launch's last-CTA counter, its own arrival slot, the shrink words) may use CUDA's
+// atomics after a fence, as their comments say.
 #pragma once
 
 #include <cstdint>

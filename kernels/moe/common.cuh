@@ -83,8 +83,9 @@ __device__ __forceinline__ bool isLive(std::uint32_t live, int r) { return ((liv
 
 // This dispatch's mask: the caller's (Engine::setActiveRanks; bits past the ranks dropped), or no
 // rank at all while this rank is outside it (it then sends, receives and waits for nothing).
-// Every rank on the mover path. Read by each kernel of the dispatch: the word changes only in
-// stream order between operations.
+// Every rank on the mover path. Read by each CTA of each kernel of the dispatch: the word changes
+// in stream order between operations, and under shrink on timeout when a wait times out
+// (maskAfterTimeout), in practice a timeout after every CTA of the launch read it (DESIGN §5.6).
 __device__ __forceinline__ std::uint32_t dispatchMask(const MoeParams& p) {
   const int R = p.shape.numRanks;
   const std::uint32_t m = *p.peers.live & (R >= 32 ? ~0u : (1u << R) - 1u);

@@ -28,11 +28,16 @@
 //                      record index) and posts their flag; each group then reduces one record
 //                      received from a peer (sum of weight x y over its slots; the weights of the
 //                      record's source, waited for, or the dispatch's) straight into the
-//                      source's slot [parity][this rank][index]; each CTA then adds 1 to every
-//                      peer's combine arrival counter for this rank.
-//            receive  each group reduces this rank's own records into its own partial slots (no
-//                      wait), then every CTA waits for G arrivals from every peer and each group
-//                      sums one token's partials in rank order; the last CTA advances the step.
+//                      source's slot [parity][this rank][index]; each CTA then adds 1 to the
+//                      combine arrival counter for this rank of every peer it reduced. A send
+//                      half alone waits for no weights: it looks once, and leaves a source whose
+//                      weights are not there to the receive half (latency.deferred[cta]).
+//            receive  in a receive half after such a send half, receive CTA j first stands in
+//                      for send CTAs j, j + E, ...: it waits for each deferred source's weights,
+//                      reduces that share and arrives for it (combineSend, standIn); then each
+//                      group reduces this rank's own records into its own partial slots (no
+//                      wait), every CTA waits for G arrivals from every peer and each group sums
+//                      one token's partials in rank order; the last CTA advances the step.
 //
 // Buffers alternate by the step's parity. A rank can only start dispatch s + 2 after its combine
 // s + 1 received every destination's partials, which each destination sends after its own
@@ -86,7 +91,7 @@ __device__ __forceinline__ int lastArriver(const MoeParams& p) {
 
 // The launch's last CTA, once the operation's receive is done: the arrivals the next step waits
 // for grow by G from each rank that took part in this one (op 0: the dispatch, whose own records
-// this rank always counts; 1: the combine, the peers only).
+// this rank always counts; 1: the combine, whose own entry nothing arrives at or waits on).
 __device__ __forceinline__ void advanceExpected(const MoeParams& p, int op, std::uint32_t live) {
   std::uint32_t* expected = p.latency.expected + op * p.shape.numRanks;
   for (int q = 0; q < p.shape.numRanks; ++q) {

@@ -341,10 +341,12 @@ struct MoePeers {
   std::uint32_t* lastCtaCounters;  // local [2]: last-CTA counters of the dispatch's and combine's last kernels
   SyncHandle sync;               // bounded waits (timeout, error record)
   // The active-rank mask (Engine::setActiveRanks; the latency path and the direct throughput
-  // path): bit r, rank r takes part. A dispatch reads it once and leaves the mask it used in
-  // dispatchLive for its combine; a rank outside the mask is sent nothing and waited for by no
-  // one, and a rank outside its own mask takes part in nothing. Every rank on the mover path.
-  const std::uint32_t* live;     // local, written in stream order by the caller
+  // path): bit r, rank r takes part. Each CTA of a dispatch reads it (dispatchMask), and the
+  // dispatch leaves the mask it used in dispatchLive for its combine; a rank outside the mask is
+  // sent nothing and waited for by no one, and a rank outside its own mask takes part in
+  // nothing. Every rank on the mover path. Written in stream order by the caller, and under
+  // shrink on timeout cleared bit by bit by a wait that timed out (maskAfterTimeout).
+  const std::uint32_t* live;     // local
   std::uint32_t* dispatchLive;   // local: the last dispatch's mask (0 when this rank was out)
   const std::uint64_t* zeroMsg;  // local: a count message of zeros (a rank outside the mask)
   // The device barrier (Engine::barrier, kernels/moe/barrier.cu): u32 [R] in every user region,
