@@ -415,7 +415,8 @@ graphep_status_t graphep_graph_create(graphep_engine_t engine, const graphep_dis
     a.dispatch = dispatchArgs(dispatch);
     const graphep::CombineArgs c = combineArgs(combine);
     // A MoeGraph runs whole operations and its combine takes only expert_output and out: refuse what
-    // it would otherwise drop (capture graphep_dispatch / graphep_receive / graphep_combine instead).
+    // it would otherwise drop (capture graphep_dispatch / graphep_receive / graphep_combine instead),
+    // before the engine is looked at.
     GRAPHEP_REQUIRE(a.dispatch.half == graphep::MoeHalf::kWhole && c.half == graphep::MoeHalf::kWhole,
                     graphep::Status::kInvalidArgument,
                     "graphep_graph_create: dispatch half=%d, combine half=%d: a MoeGraph runs whole operations",
@@ -423,6 +424,14 @@ graphep_status_t graphep_graph_create(graphep_engine_t engine, const graphep_dis
     GRAPHEP_REQUIRE(c.topkWeights == nullptr, graphep::Status::kInvalidArgument,
                     "graphep_graph_create: combine topk_weights=%p: a MoeGraph's combine takes the dispatch's weights",
                     static_cast<const void*>(c.topkWeights));
+    GRAPHEP_REQUIRE(c.expertOutputRows == 0, graphep::Status::kInvalidArgument,
+                    "graphep_graph_create: combine expert_output_rows=%lld: a MoeGraph's combine reads the whole "
+                    "receive capacity of expert_output (0)", c.expertOutputRows);
+    GRAPHEP_REQUIRE(c.rowValues == nullptr && c.outValues == nullptr && c.numValues == 0,
+                    graphep::Status::kInvalidArgument,
+                    "graphep_graph_create: combine row_values=%p, out_values=%p, num_values=%d: a MoeGraph's combine "
+                    "carries no per-row values",
+                    static_cast<const void*>(c.rowValues), static_cast<const void*>(c.outValues), c.numValues);
     a.expertOutput = c.expertOutput;
     a.out = c.out;
     auto h = std::make_unique<graphep_graph>();

@@ -373,7 +373,10 @@ graphep_status_t graphep_token_layout(const void* topk_idx, int index_type, int 
                                       int num_experts, int num_ranks, int* tokens_per_rank,
                                       int* tokens_per_expert, unsigned char* token_in_rank, cudaStream_t stream);
 
-/* MoeGraph with an expert child graph (copied; swap it with graphep_graph_set_experts). */
+/* MoeGraph with an expert child graph (copied; swap it with graphep_graph_set_experts). Its combine
+ * takes expert_output and out only: combine args with expert_output_rows, row_values, out_values,
+ * num_values or topk_weights set, or either half other than WHOLE, are refused (INVALID_ARGUMENT)
+ * rather than dropped. */
 graphep_status_t graphep_graph_create(graphep_engine_t engine, const graphep_dispatch_args_t* dispatch,
                                       const graphep_combine_args_t* combine, cudaGraph_t experts,
                                       graphep_graph_t* graph);

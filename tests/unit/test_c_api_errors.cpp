@@ -52,6 +52,28 @@ TEST(Unit_CApi, ErrorsAreNamedStatusesPerThread) {
   EXPECT_EQ(graphep_engine_layout(nullptr, &layout), GRAPHEP_INVALID_ARGUMENT);
   EXPECT_NE(std::string(graphep_last_error()).find("engine is NULL"), std::string::npos);
 
+  // graphep_graph_create refuses the combine fields a MoeGraph would drop, each named, before it
+  // looks at the engine.
+  {
+    graphep_dispatch_args_t d = GRAPHEP_DISPATCH_ARGS_INIT;
+    graphep_combine_args_t c = GRAPHEP_COMBINE_ARGS_INIT;
+    graphep_graph_t g = nullptr;
+    c.expert_output_rows = 5;
+    EXPECT_EQ(graphep_graph_create(nullptr, &d, &c, nullptr, &g), GRAPHEP_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(graphep_last_error()).find("expert_output_rows=5"), std::string::npos) << graphep_last_error();
+    c = GRAPHEP_COMBINE_ARGS_INIT;
+    float values[4] = {0.f, 0.f, 0.f, 0.f};
+    c.row_values = values;
+    c.out_values = values;
+    c.num_values = 3;
+    EXPECT_EQ(graphep_graph_create(nullptr, &d, &c, nullptr, &g), GRAPHEP_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(graphep_last_error()).find("num_values=3"), std::string::npos) << graphep_last_error();
+    c = GRAPHEP_COMBINE_ARGS_INIT;
+    EXPECT_EQ(graphep_graph_create(nullptr, &d, &c, nullptr, &g), GRAPHEP_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(graphep_last_error()).find("engine is NULL"), std::string::npos) << graphep_last_error();
+    EXPECT_EQ(g, nullptr);
+  }
+
   // The last error belongs to the thread that failed.
   std::string other = "unset";
   std::thread([&] { other = graphep_last_error(); }).join();
