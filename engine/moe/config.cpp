@@ -30,23 +30,27 @@ namespace moe_setup {
 using detail::DeviceGuard;
 
 void requireSameConfig(Communicator& comm, const MoeConfig& cfg) {
+  // Every field of MoeConfig, and the world size: the binding stops compiling when a field is
+  // added to MoeConfig or removed, until it is compared here too.
+  const auto& [maxTokensPerRank, hidden, numExperts, topK, dispatchType, recvCapacity, expertAlignment, receiveLayout,
+               rowsPerExpert, smBudget, epilogueSms, strict, path, profile, counterStart, shrinkOnTimeout] = cfg;
+  constexpr int kFields = 17;
   struct Fields {
-    long long v[16];
+    long long v[kFields];
   };
-  const Fields mine{{cfg.maxTokensPerRank, cfg.hidden, cfg.numExperts, cfg.topK, static_cast<long long>(cfg.dispatchType),
-                     cfg.recvCapacity, cfg.expertAlignment, static_cast<long long>(cfg.receiveLayout),
-                     cfg.rowsPerExpert, cfg.smBudget, cfg.epilogueSms, cfg.strict ? 1 : 0,
-                     static_cast<long long>(cfg.path), cfg.profile ? 1 : 0, static_cast<long long>(cfg.counterStart),
-                     comm.worldSize()}};
-  static const char* const names[16] = {"maxTokensPerRank", "hidden", "numExperts", "topK", "dispatchType",
-                                        "recvCapacity", "expertAlignment", "receiveLayout", "rowsPerExpert",
-                                        "smBudget", "epilogueSms", "strict", "path", "profile", "counterStart",
-                                        "world size"};
+  const Fields mine{{maxTokensPerRank, hidden, numExperts, topK, static_cast<long long>(dispatchType), recvCapacity,
+                     expertAlignment, static_cast<long long>(receiveLayout), rowsPerExpert, smBudget, epilogueSms,
+                     strict ? 1 : 0, static_cast<long long>(path), profile ? 1 : 0,
+                     static_cast<long long>(counterStart), shrinkOnTimeout ? 1 : 0, comm.worldSize()}};
+  static const char* const names[kFields] = {"maxTokensPerRank", "hidden", "numExperts", "topK", "dispatchType",
+                                             "recvCapacity", "expertAlignment", "receiveLayout", "rowsPerExpert",
+                                             "smBudget", "epilogueSms", "strict", "path", "profile", "counterStart",
+                                             "shrinkOnTimeout", "world size"};
   std::vector<Fields> local(static_cast<std::size_t>(comm.numLocalRanks()), mine);
   std::vector<Fields> all(static_cast<std::size_t>(comm.worldSize()));
   comm.allgather(local.data(), all.data(), sizeof(Fields));
   for (std::size_t q = 0; q < all.size(); ++q) {
-    for (int k = 0; k < 16; ++k) {
+    for (int k = 0; k < kFields; ++k) {
       GRAPHEP_REQUIRE(all[q].v[k] == mine.v[k], Status::kInvalidArgument,
                       "MoeConfig differs across ranks: %s is %lld on rank %d but %lld on rank %zu (every rank "
                       "must pass the same config)",

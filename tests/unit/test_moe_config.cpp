@@ -2,14 +2,16 @@
 // diagnosis of a stalled latency-path rank.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <limits>
-
 #include <string>
+#include <vector>
 
 #include <graphep/graphep.hpp>
 
 #include "common/expect_error.hpp"
 #include "engine/moe/health.hpp"
+#include "engine/moe/plan.hpp"
 #include "engine/semaphore.hpp"
 #include "kernels/moe/moe.h"
 
@@ -74,6 +76,51 @@ TEST(Unit_MoeConfig, ValidationNamesTheValue) {
     expectRejected(c, 8, "exceed 2^31 - 1 rows (lower rowsPerExpert)");
   }
   expectRejected(good(), 33, "world size 33");
+}
+
+// Rank 0 of a world of 2, whose peer's setup block is given: the allgather returns this rank's
+// block and the peer's (or this rank's twice, recording it, when none is given).
+class TwoRankComm : public Communicator {
+ public:
+  std::vector<char> peer;  // the peer's block; empty: the same as this rank's
+  std::vector<char> sent;  // this rank's last block
+  int worldSize() const override { return 2; }
+  int numLocalRanks() const override { return 1; }
+  int globalRank(int) const override { return 0; }
+  int device(int) const override { return 0; }
+  const char* kind() const override { return "test"; }
+  void allgather(const void* send, void* recv, std::size_t bytes) override {
+    sent.assign(static_cast<const char*>(send), static_cast<const char*>(send) + bytes);
+    std::memcpy(recv, send, bytes);
+    std::memcpy(static_cast<char*>(recv) + bytes, peer.empty() ? send : peer.data(), bytes);
+  }
+  void barrier() override {}
+};
+
+TEST(Unit_MoeConfig, EveryFieldComparedAcrossRanks) {
+  // Each field changed on the peer alone is refused, named with both values.
+  struct Change {
+    const char* name;
+    void (*apply)(MoeConfig&);
+  };
+  const Change changes[] = {
+      {"hidden", [](MoeConfig& c) { c.hidden = 2048; }},
+      {"smBudget", [](MoeConfig& c) { c.smBudget = 32; }},
+      {"counterStart", [](MoeConfig& c) { c.counterStart = 7; }},
+      {"shrinkOnTimeout", [](MoeConfig& c) { c.shrinkOnTimeout = true; }},
+  };
+  for (const Change& change : changes) {
+    MoeConfig theirs = good();
+    change.apply(theirs);
+    TwoRankComm recorder;
+    moe_setup::requireSameConfig(recorder, theirs);  // the same on both ranks: accepted
+    TwoRankComm comm;
+    comm.peer = recorder.sent;
+    test::expectError([&] { moe_setup::requireSameConfig(comm, good()); }, Status::kInvalidArgument,
+                      std::string("MoeConfig differs across ranks: ") + change.name);
+  }
+  TwoRankComm same;
+  moe_setup::requireSameConfig(same, good());
 }
 
 TEST(Unit_MoeConfig, WorstCaseCapacity) {
