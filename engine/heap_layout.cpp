@@ -16,7 +16,7 @@ void HeapConfig::validate() const {
                   "HeapConfig.numFlagChannels=%d is out of range [1, 64]", numFlagChannels);
   GRAPHEP_REQUIRE(numEpochs >= 1 && numEpochs <= 64, Status::kInvalidArgument,
                   "HeapConfig.numEpochs=%d is out of range [1, 64]", numEpochs);
-  GRAPHEP_REQUIRE(userBytes <= (std::size_t{1} << 40), Status::kInvalidArgument,
+  GRAPHEP_REQUIRE(userBytes <= kMaxUserBytes, Status::kInvalidArgument,
                   "HeapConfig.userBytes=%zu exceeds 1 TiB", userBytes);
   GRAPHEP_REQUIRE(moverBlocks >= 1 && moverBlocks <= 64, Status::kInvalidArgument,
                   "HeapConfig.moverBlocks=%d is out of range [1, 64]", moverBlocks);

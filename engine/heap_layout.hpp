@@ -11,6 +11,9 @@
 
 namespace graphep {
 
+// The largest user region a heap takes (HeapConfig::validate).
+inline constexpr std::size_t kMaxUserBytes = std::size_t{1} << 40;
+
 struct HeapConfig {
   int numRanks = 0;
   int numSemChannels = 8;   // counting-semaphore channels (one word per channel per source rank)

@@ -112,6 +112,8 @@ void Engine::validate(const MoeConfig& c, int R) {
                   "MoeConfig.maxTokensPerRank=%d is out of range [1, 1048576]", c.maxTokensPerRank);
   GRAPHEP_REQUIRE(c.hidden > 0 && c.hidden % 8 == 0, Status::kInvalidArgument,
                   "MoeConfig.hidden=%d is not a positive multiple of 8", c.hidden);
+  GRAPHEP_REQUIRE(c.hidden <= kMoeMaxHidden, Status::kInvalidArgument,
+                  "MoeConfig.hidden=%d exceeds the supported %d", c.hidden, kMoeMaxHidden);
   GRAPHEP_REQUIRE(c.dispatchType == DType::kBf16 || c.dispatchType == DType::kFp8E4m3,
                   Status::kInvalidArgument, "MoeConfig.dispatchType=%d is not a DType",
                   static_cast<int>(c.dispatchType));

@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "engine/env.hpp"
+#include "engine/error.hpp"
 #include "engine/heap_layout.hpp"
 #include "engine/moe/cta_plan.hpp"
 #include "engine/node_map.hpp"
@@ -76,6 +77,11 @@ PathHeap pathHeap(MoePath path, const MoeSizes& z, const MoeConfig& cfg) {
   h.llBarrier = a.carve("llBarrier", z.R, 4, 256);  // the device barrier's [R] pair counts (both paths)
   h.heap.numRanks = static_cast<int>(z.R);
   h.heap.userBytes = alignUp(a.used(), 4096);
+  GRAPHEP_REQUIRE(h.heap.userBytes <= kMaxUserBytes, Status::kInvalidArgument,
+                  "MoeConfig needs a %zu-byte symmetric heap (maxTokensPerRank=%lld, hidden=%d, topK=%d, world size "
+                  "%lld), past the heap's limit of %zu bytes: lower maxTokensPerRank or hidden",
+                  h.heap.userBytes, static_cast<long long>(z.T), cfg.hidden, cfg.topK, static_cast<long long>(z.R),
+                  kMaxUserBytes);
   h.heap.moverSlotBytes = path == MoePath::kThroughput ? kEngineSlotBytes : 0;
   if (cfg.smBudget > 0) h.heap.moverBlocks = cfg.smBudget;
   h.heap.counterStart = cfg.counterStart;

@@ -66,7 +66,7 @@ const char* name(ReceiveLayout layout);
 
 struct MoeConfig {
   int maxTokensPerRank = 0;  // T_max: rows of x per dispatch at most
-  int hidden = 0;            // H: a multiple of 8 (of 128 for fp8)
+  int hidden = 0;            // H: a multiple of 8 (of 128 for fp8), at most 65536
   int numExperts = 0;        // E: a multiple of the world size
   int topK = 0;              // K: 1 .. min(E, 16)
   DType dispatchType = DType::kBf16;

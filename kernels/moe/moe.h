@@ -37,6 +37,7 @@ namespace graphep {
 
 inline constexpr int kMoeMaxTopK = 16;
 inline constexpr int kMoeMaxLocalExperts = 1024;
+inline constexpr int kMoeMaxHidden = 65536;  // H: bounds every region's bytes far below 2^64
 
 // Per-rank device status word (engine-owned device memory; Engine::status() reads it).
 struct MoeDeviceStatus {

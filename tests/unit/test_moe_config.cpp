@@ -35,6 +35,7 @@ TEST(Unit_MoeConfig, ValidationNamesTheValue) {
       {[](MoeConfig& c) { c.hidden = 7000 + 4; }, "hidden=7004 is not a positive multiple of 8"},
       {[](MoeConfig& c) { c.hidden = 7168 + 8; c.dispatchType = DType::kFp8E4m3; },
        "hidden=7176 is not a multiple of 128"},
+      {[](MoeConfig& c) { c.hidden = 65536 + 128; }, "hidden=65664 exceeds the supported 65536"},
       {[](MoeConfig& c) { c.numExperts = 250; }, "numExperts=250 is not divisible by the 8 ranks"},
       {[](MoeConfig& c) { c.topK = 9; c.numExperts = 8; }, "topK=9 exceeds numExperts=8"},
       {[](MoeConfig& c) { c.topK = 0; }, "topK=0"},
@@ -121,6 +122,19 @@ TEST(Unit_MoeConfig, EveryFieldComparedAcrossRanks) {
   }
   TwoRankComm same;
   moe_setup::requireSameConfig(same, good());
+}
+
+// A config whose symmetric heap passes the heap's limit is refused naming the caller's fields, not
+// the heap's internal ones; and the largest hidden with the largest capacity is refused by name,
+// not as an internal error of the sizes.
+TEST(Unit_MoeConfig, HugeConfigsNamedByTheirFields) {
+  MoeConfig big{.maxTokensPerRank = 1 << 20, .hidden = 16384, .numExperts = 256, .topK = 8};
+  test::expectError([&] { Engine::memoryRequirements(big, 32); }, Status::kInvalidArgument,
+                    "maxTokensPerRank=1048576, hidden=16384, topK=8, world size 32), past the heap's limit");
+  MoeConfig wide{.maxTokensPerRank = 1, .hidden = 2147483520, .numExperts = 1, .topK = 1};
+  wide.recvCapacity = (1ll << 31) - 1;
+  test::expectError([&] { Engine::memoryRequirements(wide, 1); }, Status::kInvalidArgument,
+                    "hidden=2147483520 exceeds the supported 65536");
 }
 
 TEST(Unit_MoeConfig, WorstCaseCapacity) {
