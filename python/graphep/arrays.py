@@ -44,6 +44,9 @@ def _cai_info(cai: dict, name: str) -> ArrayInfo:
         raise invalid_argument(f"{name} has __cuda_array_interface__ typestr {typestr!r}, which names no "
                                "numeric type (bfloat16 arrays must come through DLPack)")
     itemsize = int(typestr[2:])
+    if itemsize > 1 and typestr[0] not in ("=", "<" if sys.byteorder == "little" else ">"):
+        raise invalid_argument(f"{name} has __cuda_array_interface__ typestr {typestr!r}, whose byte order is not "
+                               "this machine's")
     dtype = f"{kind}{8 * itemsize}"
     shape = tuple(cai["shape"])
     if cai.get("strides") is None:
@@ -53,7 +56,11 @@ def _cai_info(cai: dict, name: str) -> ArrayInfo:
             step *= extent
         strides = tuple(strides)
     else:
-        strides = tuple(s // itemsize for s in cai["strides"])
+        byte_strides = tuple(cai["strides"])
+        if any(b % itemsize for b in byte_strides):
+            raise invalid_argument(f"{name} has __cuda_array_interface__ strides {list(byte_strides)} (bytes), not "
+                                   f"multiples of its {itemsize}-byte elements")
+        strides = tuple(b // itemsize for b in byte_strides)
     ptr = cai["data"][0]
     device = _graphep.pointer_device(ptr) if ptr else -1
     return ArrayInfo(ptr, shape, strides, dtype, _CUDA, device)

@@ -67,6 +67,23 @@ def test_cuda_array_interface_without_a_numeric_type():
     expect("x has __cuda_array_interface__ typestr '<V2'", describe, Opaque(), "x")
 
 
+def test_cuda_array_interface_strides_and_byte_order():
+    def cai(**fields):
+        class Exported:
+            __cuda_array_interface__ = dict({"shape": (4, 8), "typestr": "<f4", "data": (0, False), "version": 3},
+                                            **fields)
+        return Exported()
+
+    m = dict(cols=8, dtypes=("float32",), device=-1)
+    assert require_matrix(describe(cai(strides=(32, 4)), "w"), "w", **m) == 4
+    # Byte strides that split an element are refused, not rounded down to a row-major layout.
+    expect("w has __cuda_array_interface__ strides [34, 4] (bytes), not multiples of its 4-byte elements",
+           describe, cai(strides=(34, 4)), "w")
+    expect("strides [32, 5] (bytes)", describe, cai(strides=(32, 5)), "w")
+    expect("w has __cuda_array_interface__ typestr '>f4', whose byte order is not this machine's", describe,
+           cai(typestr=">f4"), "w")
+
+
 def test_streams_from_ints_and_stream_objects():
     class TorchLike:
         cuda_stream = 1234
