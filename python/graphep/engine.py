@@ -36,6 +36,7 @@ and each operation split into its send and receive halves:
     engine.combine(out, stream, y, topk_weights=w)                             # weights [T, K] here
 """
 
+import operator
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
@@ -101,14 +102,29 @@ def _require_strided(info: ArrayInfo, name: str, *, rows: int, cols: int, dtypes
 
 
 def _rank_mask(ranks, world_size: int) -> int:
-    """An active-rank mask from an int mask or an iterable of ranks (each in [0, world_size))."""
+    """An active-rank mask from an int mask (bit r: rank r) or an iterable of int ranks, each in
+    [0, world_size); anything else is a graphep.Error naming it."""
+    if isinstance(ranks, bool):
+        raise invalid_argument(f"ranks={ranks!r}: pass an int mask or the ranks, not a bool")
     if isinstance(ranks, int):
+        if not 0 <= ranks < 1 << 32:
+            raise invalid_argument(f"ranks={ranks:#x} is not a 32-bit mask")
         return ranks
+    try:
+        members = list(ranks)
+    except TypeError:
+        raise invalid_argument(f"ranks is a {type(ranks).__name__}: pass an int mask or an iterable of ranks") from None
     mask = 0
-    for r in ranks:
-        if not 0 <= int(r) < world_size:
-            raise ValueError(f"rank {r} is outside [0, {world_size})")
-        mask |= 1 << int(r)
+    for r in members:
+        try:
+            if isinstance(r, bool):
+                raise TypeError
+            r = operator.index(r)  # ints, NumPy integers, integer 0-d tensors
+        except TypeError:
+            raise invalid_argument(f"rank {r!r} is a {type(r).__name__}, not an int") from None
+        if not 0 <= r < world_size:
+            raise invalid_argument(f"rank {r} is outside [0, {world_size})")
+        mask |= 1 << r
     return mask
 
 

@@ -298,7 +298,7 @@ def test_active_ranks_as_a_mask_or_a_list(lat):
     assert last(lat) == ("set_active_ranks", (0b11, 5), {})
     lat.recover((0,), 7)
     assert last(lat) == ("recover", (0b01, 7), {})
-    with pytest.raises(ValueError, match=r"rank 2 is outside \[0, 2\)"):
+    with pytest.raises(graphep.Error, match=r"rank 2 is outside \[0, 2\)"):
         lat.set_active_ranks([0, 2], 5)
 
 

@@ -181,3 +181,24 @@ def test_type_information_ships_with_the_package():
     for declaration in ("class EngineCore", "def dispatch(", "def combine(", "def receive(", "class Fp8Scales",
                         "class MoeHalf", "class MoeConfig"):
         assert declaration in stub, f"_graphep.pyi lacks {declaration!r}"
+
+
+def test_rank_masks_are_checked_by_name():
+    from graphep.engine import _rank_mask
+
+    assert _rank_mask(0b101, 4) == 5 and _rank_mask([0, 2], 4) == 5 and _rank_mask((r for r in [3]), 4) == 8
+
+    class IndexLike:  # a NumPy integer or an integer 0-d tensor: an int through __index__
+        def __index__(self):
+            return 1
+
+    assert _rank_mask([IndexLike()], 4) == 2
+    for ranks, needle in [([4], "rank 4 is outside [0, 4)"), ([-1], "rank -1 is outside [0, 4)"),
+                          ([0.9], "rank 0.9 is a float, not an int"), ([True], "rank True is a bool, not an int"),
+                          (True, "ranks=True: pass an int mask or the ranks, not a bool"),
+                          (-1, "ranks=-0x1 is not a 32-bit mask"), (1 << 32, "ranks=0x100000000 is not a 32-bit mask"),
+                          (None, "ranks is a NoneType")]:
+        with pytest.raises(graphep.Error) as e:
+            _rank_mask(ranks, 4)
+        assert e.value.status == graphep.Status.INVALID_ARGUMENT and needle in e.value.message, e.value.message
+
