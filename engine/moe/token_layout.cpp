@@ -14,9 +14,13 @@ void tokenLayout(const TokenLayoutArgs& a, cudaStream_t stream) {
                   "tokenLayout: numRanks=%d is outside [1, %d]", a.numRanks, kMaxRanks);
   GRAPHEP_REQUIRE(a.numExperts >= 1 && a.numExperts % a.numRanks == 0, Status::kInvalidArgument,
                   "tokenLayout: numExperts=%d is not a positive multiple of numRanks=%d", a.numExperts, a.numRanks);
+  GRAPHEP_REQUIRE(a.numExperts / a.numRanks <= kMoeMaxLocalExperts, Status::kInvalidArgument,
+                  "tokenLayout: numExperts=%d is more than %d per rank", a.numExperts, kMoeMaxLocalExperts);
   GRAPHEP_REQUIRE(a.topK >= 1 && a.topK <= kMoeMaxTopK, Status::kInvalidArgument,
                   "tokenLayout: topK=%d is outside [1, %d]", a.topK, kMoeMaxTopK);
-  GRAPHEP_REQUIRE(a.numTokens >= 0, Status::kInvalidArgument, "tokenLayout: numTokens=%d is negative", a.numTokens);
+  // The kernel's token loop steps by its grid in int: keep it far from INT_MAX.
+  GRAPHEP_REQUIRE(a.numTokens >= 0 && a.numTokens <= (1 << 30), Status::kInvalidArgument,
+                  "tokenLayout: numTokens=%d is outside [0, %d]", a.numTokens, 1 << 30);
   GRAPHEP_REQUIRE(a.indexType == IndexType::kInt32 || a.indexType == IndexType::kInt64, Status::kInvalidArgument,
                   "tokenLayout: indexType=%d is not an IndexType", static_cast<int>(a.indexType));
   int device = 0;

@@ -368,7 +368,7 @@ graphep_status_t graphep_engine_barrier(graphep_engine_t engine, cudaStream_t st
 graphep_status_t graphep_engine_status(graphep_engine_t engine, graphep_moe_status_t* status);
 /* graphep::tokenLayout (DeepEP's get_dispatch_layout): per-rank and per-expert counts and the
  * token-in-rank mask [num_tokens, num_ranks] of a top-k routing, on the current device. Capturable,
- * not collective, no engine. Version 4. */
+ * not collective, no engine. num_tokens 0 .. 2^30, at most 1024 experts per rank. Version 4. */
 graphep_status_t graphep_token_layout(const void* topk_idx, int index_type, int num_tokens, int top_k,
                                       int num_experts, int num_ranks, int* tokens_per_rank,
                                       int* tokens_per_expert, unsigned char* token_in_rank, cudaStream_t stream);

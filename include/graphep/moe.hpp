@@ -397,9 +397,9 @@ struct HealthReport {
 struct TokenLayoutArgs {
   const void* topkIdx = nullptr;       // [numTokens, topK] global expert ids, -1 = none
   IndexType indexType = IndexType::kInt32;
-  int numTokens = 0;
+  int numTokens = 0;                   // 0 .. 2^30
   int topK = 0;                        // 1 .. 16
-  int numExperts = 0;                  // a multiple of numRanks: expert e lives on rank e / (E / R)
+  int numExperts = 0;                  // a multiple of numRanks, at most 1024 per rank: expert e lives on rank e / (E / R)
   int numRanks = 0;                    // 1 .. 32
   int* tokensPerRank = nullptr;        // [numRanks]: tokens with an expert on each rank
   int* tokensPerExpert = nullptr;      // [numExperts]: entries naming each expert

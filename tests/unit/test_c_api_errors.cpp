@@ -74,6 +74,21 @@ TEST(Unit_CApi, ErrorsAreNamedStatusesPerThread) {
     EXPECT_EQ(g, nullptr);
   }
 
+  // graphep_token_layout names out-of-range counts before it touches a device.
+  {
+    int perRank[2], perExpert[8];
+    unsigned char inRank[4];
+    const int ids[2] = {0, 1};
+    EXPECT_EQ(graphep_token_layout(ids, GRAPHEP_INDEX_INT32, 2147483647, 1, 8, 2, perRank, perExpert, inRank, nullptr),
+              GRAPHEP_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(graphep_last_error()).find("numTokens=2147483647 is outside [0, 1073741824]"),
+              std::string::npos) << graphep_last_error();
+    EXPECT_EQ(graphep_token_layout(ids, GRAPHEP_INDEX_INT32, 2, 1, 2147483616, 2, perRank, perExpert, inRank, nullptr),
+              GRAPHEP_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(graphep_last_error()).find("numExperts=2147483616 is more than 1024 per rank"),
+              std::string::npos) << graphep_last_error();
+  }
+
   // The last error belongs to the thread that failed.
   std::string other = "unset";
   std::thread([&] { other = graphep_last_error(); }).join();
