@@ -13,7 +13,7 @@ import sys
 from typing import NamedTuple, Optional, Sequence, Tuple
 
 from graphep import _graphep
-from graphep.errors import invalid_argument
+from graphep.errors import Error, invalid_argument
 
 # DLPack device types.
 _CPU, _CUDA, _CUDA_HOST, _CUDA_MANAGED = 1, 2, 3, 13
@@ -73,8 +73,10 @@ def describe(array, name: str) -> ArrayInfo:
     if hasattr(array, "__dlpack__"):
         try:
             return ArrayInfo(*_graphep.dlpack_info(array))
-        except TypeError as e:
-            raise invalid_argument(f"{name}: its DLPack export failed ({e})") from None
+        except (TypeError, BufferError) as e:
+            raise invalid_argument(f"{name}: its DLPack export failed ({type(e).__name__}: {e})") from None
+        except Error as e:
+            raise invalid_argument(f"{name}: {e.message}") from None
     cai = getattr(array, "__cuda_array_interface__", None)
     if cai is not None:
         return _cai_info(cai, name)

@@ -32,6 +32,7 @@ std::string dtypeName(nb::dlpack::dtype t) {
     case Code::Float: return "float" + bits;
     case Code::Bfloat: return "bfloat" + bits;
     case Code::Float8_E4M3FN: return "float8_e4m3fn";
+    case Code::Bool: return t.bits == 8 ? "bool" : "bool" + bits;  // one byte per entry, as torch.bool
     default: return "dlpack type code " + std::to_string(t.code) + " of " + bits + " bits";
   }
 }

@@ -1,5 +1,7 @@
 """CPU: the one place arrays are checked names the argument and the bad value."""
 
+import ctypes
+
 import pytest
 
 import graphep
@@ -82,6 +84,57 @@ def test_cuda_array_interface_strides_and_byte_order():
     expect("strides [32, 5] (bytes)", describe, cai(strides=(32, 5)), "w")
     expect("w has __cuda_array_interface__ typestr '>f4', whose byte order is not this machine's", describe,
            cai(typestr=">f4"), "w")
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32), ("dtype", _DLDataType),
+                ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.POINTER(ctypes.c_int64)),
+                ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+
+class DLPackLike:
+    """A DLPack producer built by hand (no NumPy here): its capsule's tensor, kept alive by the object."""
+
+    def __init__(self, shape, code, bits, device_type=CUDA, data=0x1000):
+        self.shape = (ctypes.c_int64 * len(shape))(*shape)
+        self.tensor = _DLManagedTensor(_DLTensor(data, _DLDevice(device_type, 0), len(shape),
+                                                 _DLDataType(code, bits, 1), self.shape, None, 0), None, None)
+
+    def __dlpack__(self, stream=None):
+        new = ctypes.pythonapi.PyCapsule_New
+        new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+        return new(ctypes.addressof(self.tensor), b"dltensor", None)
+
+
+def test_dlpack_dtypes_and_export_failures():
+    a = describe(DLPackLike((4, 2), code=6, bits=8), "token_in_rank")  # DLPack's bool: CuPy's, JAX's
+    assert (a.dtype, a.shape, a.strides, a.ptr) == ("bool", (4, 2), (2, 1), 0x1000)
+    assert describe(DLPackLike((3,), code=0, bits=32), "n").dtype == "int32"
+    assert describe(DLPackLike((3,), code=4, bits=16), "x").dtype == "bfloat16"
+
+    class Refuses:
+        def __dlpack__(self, stream=None):
+            raise BufferError("the array is read-only")
+
+    expect("x: its DLPack export failed (BufferError: the array is read-only)", describe, Refuses(), "x")
+
+    class NotACapsule:
+        def __dlpack__(self, stream=None):
+            return 42
+
+    expect("x: the array does not export a DLPack tensor", describe, NotACapsule(), "x")
 
 
 def test_streams_from_ints_and_stream_objects():
