@@ -99,6 +99,12 @@ T readVersioned(const T* in, const char* what) {
                   "%s->struct_size=%zu is smaller than the first version's %zu bytes (initialise it with "
                   "the GRAPHEP_*_INIT macro)",
                   what, in->struct_size, kFirstVersionSize<T>);
+  // Every version's size is a sizeof, so a multiple of the struct's alignment: any other size would
+  // cut a field in two (read half from the caller, half as 0).
+  GRAPHEP_REQUIRE(in->struct_size % alignof(T) == 0, graphep::Status::kInvalidArgument,
+                  "%s->struct_size=%zu is not a multiple of %zu, so no version's size (initialise it with "
+                  "the GRAPHEP_*_INIT macro)",
+                  what, in->struct_size, alignof(T));
   T out{};
   std::memcpy(&out, in, std::min(in->struct_size, sizeof(T)));
   return out;

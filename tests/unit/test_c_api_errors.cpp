@@ -196,6 +196,21 @@ graphep_moe_config_t cConfig(int tokens, int hidden, int experts, int topK) {
 
 // The memory query through the C ABI: the same figures as Engine::memoryRequirements, no GPU
 // needed, the bad field named.
+TEST(Unit_CApi, StructSizesThatCutAFieldAreRefused) {
+  graphep_moe_config_t c = cConfig(128, 2048, 128, 8);
+  graphep_moe_memory_t m = GRAPHEP_MOE_MEMORY_INIT;
+  c.struct_size = 58;  // past the first version's size, inside a field
+  EXPECT_EQ(graphep_memory_requirements(&c, 2, &m), GRAPHEP_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(graphep_last_error()).find("config->struct_size=58 is not a multiple of 8"), std::string::npos)
+      << graphep_last_error();
+  c.struct_size = sizeof(graphep_moe_config_t);
+  m.struct_size = sizeof(graphep_moe_memory_t) - 4;
+  EXPECT_EQ(graphep_memory_requirements(&c, 2, &m), GRAPHEP_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(graphep_last_error()).find("memory->struct_size="), std::string::npos) << graphep_last_error();
+  m.struct_size = sizeof(graphep_moe_memory_t);
+  EXPECT_EQ(graphep_memory_requirements(&c, 2, &m), GRAPHEP_SUCCESS) << graphep_last_error();
+}
+
 TEST(Unit_CApi, MemoryRequirementsMatchTheCppQuery) {
   for (int path : {GRAPHEP_PATH_AUTO, GRAPHEP_PATH_THROUGHPUT}) {
     for (int dtype : {GRAPHEP_DTYPE_BF16, GRAPHEP_DTYPE_FP8_E4M3}) {
