@@ -115,7 +115,7 @@ void bindConfig(nb::module_& m) {
           nb::arg("epilogue_sms") = 0, nb::arg("receive_layout") = ReceiveLayout::kExpertMajor,
           nb::arg("rows_per_expert") = 0, nb::arg("shrink_on_timeout") = false)
       .def_rw("max_tokens_per_rank", &MoeConfig::maxTokensPerRank, "T_max: rows of x per dispatch at most")
-      .def_rw("hidden", &MoeConfig::hidden, "H: a multiple of 8 (of 128 for fp8)")
+      .def_rw("hidden", &MoeConfig::hidden, "H: a multiple of 8 (of 128 for fp8), at most 65536")
       .def_rw("num_experts", &MoeConfig::numExperts, "E: a multiple of the world size")
       .def_rw("top_k", &MoeConfig::topK, "K: 1 .. min(E, 16)")
       .def_rw("dispatch_type", &MoeConfig::dispatchType)
