@@ -1,10 +1,13 @@
 // MoeConfig and the static memory query. Python spells every field in snake_case (the rule
 // errors.cpp applies to messages: MoeConfig.topK -> MoeConfig.top_k).
 #include <graphep/moe.hpp>
+#include <graphep/status.hpp>
 
 #include <nanobind/stl/string.h>
 
 #include <cstddef>
+#include <cstdint>
+#include <limits>
 #include <string>
 
 #include "bindings.hpp"
@@ -62,6 +65,26 @@ std::string describe(const MoeConfig& c) {
          ", shrink_on_timeout=" + (c.shrinkOnTimeout ? "True" : "False") + ")";
 }
 
+// A Python int for an int field of MoeConfig: a value past the field's C type is refused naming the
+// field, as Engine::validate names the others (nanobind would refuse it as a TypeError naming none).
+template <typename T>
+T fieldValue(long long v, const char* field) {
+  using Limits = std::numeric_limits<T>;
+  if (v < static_cast<long long>(Limits::min()) || v > static_cast<long long>(Limits::max())) {
+    throw Error(Status::kInvalidArgument, std::string("MoeConfig.") + field + "=" + std::to_string(v) +
+                                              " does not fit its " + std::to_string(8 * sizeof(T)) + "-bit field");
+  }
+  return static_cast<T>(v);
+}
+
+// An int field read and written from Python through fieldValue.
+template <typename T>
+void intField(nb::class_<MoeConfig>& c, const char* python, T MoeConfig::*member, const char* field, const char* doc) {
+  c.def_prop_rw(
+      python, [member](const MoeConfig& m) { return static_cast<long long>(m.*member); },
+      [member, field](MoeConfig& m, long long v) { m.*member = fieldValue<T>(v, field); }, doc);
+}
+
 }  // namespace
 
 void bindConfig(nb::module_& m) {
@@ -83,55 +106,60 @@ void bindConfig(nb::module_& m) {
   bindEnum(m, "ReceiveLayout", "How dispatch lays out the rows a rank receives (graphep.layouts; DESIGN.md section 5.4).",
            kReceiveLayouts);
 
-  nb::class_<MoeConfig>(m, "MoeConfig", "graphep::MoeConfig (include/graphep/moe.hpp); every rank passes the same.")
-      .def(
-          "__init__",
-          [](MoeConfig* c, int maxTokensPerRank, int hidden, int numExperts, int topK, DType dispatchType,
-             long long recvCapacity, int expertAlignment, int smBudget, bool strict, MoePath path, bool profile,
-             std::uint32_t counterStart, int epilogueSms, ReceiveLayout receiveLayout, long long rowsPerExpert,
-             bool shrinkOnTimeout) {
-            new (c) MoeConfig{};
-            c->maxTokensPerRank = maxTokensPerRank;
-            c->hidden = hidden;
-            c->numExperts = numExperts;
-            c->topK = topK;
-            c->dispatchType = dispatchType;
-            c->recvCapacity = recvCapacity;
-            c->expertAlignment = expertAlignment;
-            c->smBudget = smBudget;
-            c->epilogueSms = epilogueSms;
-            c->receiveLayout = receiveLayout;
-            c->rowsPerExpert = rowsPerExpert;
-            c->strict = strict;
-            c->path = path;
-            c->profile = profile;
-            c->counterStart = counterStart;
-            c->shrinkOnTimeout = shrinkOnTimeout;
-          },
-          nb::kw_only(), nb::arg("max_tokens_per_rank") = 0, nb::arg("hidden") = 0, nb::arg("num_experts") = 0,
-          nb::arg("top_k") = 0, nb::arg("dispatch_type") = DType::kBf16, nb::arg("recv_capacity") = 0,
-          nb::arg("expert_alignment") = 1, nb::arg("sm_budget") = 0, nb::arg("strict") = false,
-          nb::arg("path") = MoePath::kAuto, nb::arg("profile") = false, nb::arg("counter_start") = 0,
-          nb::arg("epilogue_sms") = 0, nb::arg("receive_layout") = ReceiveLayout::kExpertMajor,
-          nb::arg("rows_per_expert") = 0, nb::arg("shrink_on_timeout") = false)
-      .def_rw("max_tokens_per_rank", &MoeConfig::maxTokensPerRank, "T_max: rows of x per dispatch at most")
-      .def_rw("hidden", &MoeConfig::hidden, "H: a multiple of 8 (of 128 for fp8), at most 65536")
-      .def_rw("num_experts", &MoeConfig::numExperts, "E: a multiple of the world size")
-      .def_rw("top_k", &MoeConfig::topK, "K: 1 .. min(E, 16)")
-      .def_rw("dispatch_type", &MoeConfig::dispatchType)
+  nb::class_<MoeConfig> config(m, "MoeConfig",
+                               "graphep::MoeConfig (include/graphep/moe.hpp); every rank passes the same.");
+  config.def(
+      "__init__",
+      [](MoeConfig* c, long long maxTokensPerRank, long long hidden, long long numExperts, long long topK,
+         DType dispatchType, long long recvCapacity, long long expertAlignment, long long smBudget, bool strict,
+         MoePath path, bool profile, long long counterStart, long long epilogueSms, ReceiveLayout receiveLayout,
+         long long rowsPerExpert, bool shrinkOnTimeout) {
+        new (c) MoeConfig{};
+        c->maxTokensPerRank = fieldValue<int>(maxTokensPerRank, "maxTokensPerRank");
+        c->hidden = fieldValue<int>(hidden, "hidden");
+        c->numExperts = fieldValue<int>(numExperts, "numExperts");
+        c->topK = fieldValue<int>(topK, "topK");
+        c->dispatchType = dispatchType;
+        c->recvCapacity = recvCapacity;
+        c->expertAlignment = fieldValue<int>(expertAlignment, "expertAlignment");
+        c->smBudget = fieldValue<int>(smBudget, "smBudget");
+        c->epilogueSms = fieldValue<int>(epilogueSms, "epilogueSms");
+        c->receiveLayout = receiveLayout;
+        c->rowsPerExpert = rowsPerExpert;
+        c->strict = strict;
+        c->path = path;
+        c->profile = profile;
+        c->counterStart = fieldValue<std::uint32_t>(counterStart, "counterStart");
+        c->shrinkOnTimeout = shrinkOnTimeout;
+      },
+      nb::kw_only(), nb::arg("max_tokens_per_rank") = 0, nb::arg("hidden") = 0, nb::arg("num_experts") = 0,
+      nb::arg("top_k") = 0, nb::arg("dispatch_type") = DType::kBf16, nb::arg("recv_capacity") = 0,
+      nb::arg("expert_alignment") = 1, nb::arg("sm_budget") = 0, nb::arg("strict") = false,
+      nb::arg("path") = MoePath::kAuto, nb::arg("profile") = false, nb::arg("counter_start") = 0,
+      nb::arg("epilogue_sms") = 0, nb::arg("receive_layout") = ReceiveLayout::kExpertMajor,
+      nb::arg("rows_per_expert") = 0, nb::arg("shrink_on_timeout") = false);
+  intField(config, "max_tokens_per_rank", &MoeConfig::maxTokensPerRank, "maxTokensPerRank",
+           "T_max: rows of x per dispatch at most");
+  intField(config, "hidden", &MoeConfig::hidden, "hidden", "H: a multiple of 8 (of 128 for fp8), at most 65536");
+  intField(config, "num_experts", &MoeConfig::numExperts, "numExperts", "E: a multiple of the world size");
+  intField(config, "top_k", &MoeConfig::topK, "topK", "K: 1 .. min(E, 16)");
+  intField(config, "expert_alignment", &MoeConfig::expertAlignment, "expertAlignment",
+           "each local expert's rows start at a multiple of this");
+  intField(config, "sm_budget", &MoeConfig::smBudget, "smBudget",
+           "CTAs each engine kernel may use (0: the engine's default)");
+  intField(config, "epilogue_sms", &MoeConfig::epilogueSms, "epilogueSms",
+           "SMs of the throughput path's epilogues where the direct dispatch applies (0: the SMs sm_budget "
+           "leaves free, or every SM)");
+  intField(config, "counter_start", &MoeConfig::counterStart, "counterStart",
+           "the device counters' first value (tests cross the 32-bit wrap with it)");
+  config.def_rw("dispatch_type", &MoeConfig::dispatchType)
       .def_rw("recv_capacity", &MoeConfig::recvCapacity, "rows of recv_x per rank; 0: the worst case")
-      .def_rw("expert_alignment", &MoeConfig::expertAlignment, "each local expert's rows start at a multiple of this")
-      .def_rw("sm_budget", &MoeConfig::smBudget, "CTAs each engine kernel may use (0: the engine's default)")
-      .def_rw("epilogue_sms", &MoeConfig::epilogueSms,
-              "SMs of the throughput path's epilogues where the direct dispatch applies (0: the SMs sm_budget "
-              "leaves free, or every SM)")
       .def_rw("receive_layout", &MoeConfig::receiveLayout, "EXPERT_MAJOR (default), BATCHED or RANK_MAJOR")
       .def_rw("rows_per_expert", &MoeConfig::rowsPerExpert,
               "BATCHED: rows per local expert (0: world size x max_tokens_per_rank); rows past it dropped, counted")
       .def_rw("strict", &MoeConfig::strict, "trap on bad input instead of counting it")
       .def_rw("path", &MoeConfig::path)
       .def_rw("profile", &MoeConfig::profile)
-      .def_rw("counter_start", &MoeConfig::counterStart)
       .def_rw("shrink_on_timeout", &MoeConfig::shrinkOnTimeout,
               "latency path: a wait that times out masks its peer instead of failing the engine (DeepEP's shrink mode)")
       .def("__repr__", &describe);

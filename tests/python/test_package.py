@@ -202,3 +202,19 @@ def test_rank_masks_are_checked_by_name():
             _rank_mask(ranks, 4)
         assert e.value.status == graphep.Status.INVALID_ARGUMENT and needle in e.value.message, e.value.message
 
+
+def test_config_ints_past_their_field_are_named():
+    c = good(counter_start=2**32 - 1)
+    assert c.counter_start == 2**32 - 1
+    for changes, needle in [(dict(hidden=2**31), "MoeConfig.hidden=2147483648 does not fit its 32-bit field"),
+                            (dict(top_k=-2**40), "MoeConfig.top_k=-1099511627776 does not fit"),
+                            (dict(counter_start=-1), "MoeConfig.counter_start=-1 does not fit")]:
+        with pytest.raises(graphep.Error) as e:
+            good(**changes)
+        assert e.value.status == graphep.Status.INVALID_ARGUMENT and needle in e.value.message, e.value.message
+    with pytest.raises(graphep.Error) as e:
+        c.sm_budget = 2**33
+    assert "MoeConfig.sm_budget=8589934592 does not fit" in e.value.message
+    c.sm_budget = 32
+    assert c.sm_budget == 32
+
