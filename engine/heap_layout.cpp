@@ -106,7 +106,7 @@ HeapLayout carveHeap(const HeapConfig& cfg, std::size_t capacity) {
   l.flagInbox = a.carve("flagInbox", F * R, kU32, 256);
   // flagStep: F channels x R peers x u32. Local monotonic step last used with each peer.
   l.flagStep = a.carve("flagStep", F * R, kU32, 256);
-  // epochs: E x u32. Local monotonic per-operation epochs, advanced by the graphs themselves.
+  // epochs: E x u32. Local monotonic per-operation epochs: reserved, no kernel advances them yet.
   l.epochs = a.carve("epochs", E, kU32, 256);
   // Data-mover channels (kernels/common/pipe.h), B = moverBlocks channels per peer:
   // moverHead: R source peers x B x u32. The peer's sender posts chunks written (monotonic).

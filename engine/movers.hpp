@@ -148,8 +148,9 @@ struct MoverOptions {
 int moverLinkChannels(int residentCtas, int ranksOnGpu, int linkPeers, int sameDevicePeers, int maxChannels);
 
 // Peers are routed by MeshTransport (engine/transport.hpp): those classified remote (no load/store)
-// are reached through NcclTransport (NCCL send/recv) on the same stream, after the kernel that
-// serves the load/store roles: the communicator must carry NCCL comms. A
+// are reached through NcclTransport (NCCL send/recv) on the same stream, after the sendRecv kernel
+// that serves the load/store roles (alltoallv: between its gather kernel and the kernel that
+// unpacks the stages): the communicator must carry NCCL comms. A
 // thread that drives several local ranks wraps its per-rank calls in ncclGroupStart/ncclGroupEnd
 // (NCCL's rule for several GPUs per thread); each call's own group nests inside it.
 class Movers {

@@ -37,7 +37,7 @@ struct SyncHandle {
   std::uint32_t* peerFlagInbox[kMaxRanks];
   // Local monotonic step counters, [channel][peer]: the step this rank last used with that peer.
   std::uint32_t* flagStep;
-  // Local monotonic epochs, one per operation kind: the graph's first kernel advances them.
+  // Local monotonic epochs, one per operation kind: reserved, no kernel advances them yet.
   std::uint32_t* epochs;
 
   DeviceErrorSink error;  // this rank's error record (host-mapped) and its device words
