@@ -80,7 +80,8 @@ void enablePeerAccessOnce(int peerOrdinal) {
   static std::set<std::pair<unsigned long long, int>> enabled;
   CUcontext ctx = nullptr;
   GRAPHEP_CU_CHECK(detail::driver().ctxGetCurrent(&ctx));
-  GRAPHEP_REQUIRE(ctx != nullptr, Status::kCudaError, "no current CUDA context to enable peer access to device %d from", peerOrdinal);
+  GRAPHEP_REQUIRE(ctx != nullptr, Status::kCudaError, "no current CUDA context to enable peer access to device %d from",
+                  peerOrdinal);
   unsigned long long id = 0;
   GRAPHEP_CU_CHECK(detail::driver().ctxGetId(ctx, &id));
   const std::lock_guard<std::mutex> lock(mu);

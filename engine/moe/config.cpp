@@ -42,10 +42,11 @@ void requireSameConfig(Communicator& comm, const MoeConfig& cfg) {
                      expertAlignment, static_cast<long long>(receiveLayout), rowsPerExpert, smBudget, epilogueSms,
                      strict ? 1 : 0, static_cast<long long>(path), profile ? 1 : 0,
                      static_cast<long long>(counterStart), shrinkOnTimeout ? 1 : 0, comm.worldSize()}};
-  static const char* const names[kFields] = {"maxTokensPerRank", "hidden", "numExperts", "topK", "dispatchType",
-                                             "recvCapacity", "expertAlignment", "receiveLayout", "rowsPerExpert",
-                                             "smBudget", "epilogueSms", "strict", "path", "profile", "counterStart",
-                                             "shrinkOnTimeout", "world size"};
+  static constexpr const char* names[] = {"maxTokensPerRank", "hidden", "numExperts", "topK", "dispatchType",
+                                          "recvCapacity", "expertAlignment", "receiveLayout", "rowsPerExpert",
+                                          "smBudget", "epilogueSms", "strict", "path", "profile", "counterStart",
+                                          "shrinkOnTimeout", "world size"};
+  static_assert(std::size(names) == kFields, "a name for every compared field");
   std::vector<Fields> local(static_cast<std::size_t>(comm.numLocalRanks()), mine);
   std::vector<Fields> all(static_cast<std::size_t>(comm.worldSize()));
   comm.allgather(local.data(), all.data(), sizeof(Fields));

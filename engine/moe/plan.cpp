@@ -77,6 +77,7 @@ PathHeap pathHeap(MoePath path, const MoeSizes& z, const MoeConfig& cfg) {
   h.llBarrier = a.carve("llBarrier", z.R, 4, 256);  // the device barrier's [R] pair counts (both paths)
   h.heap.numRanks = static_cast<int>(z.R);
   h.heap.userBytes = alignUp(a.used(), 4096);
+  // HeapConfig::validate's limit, met here first so that the refusal names the caller's fields.
   GRAPHEP_REQUIRE(h.heap.userBytes <= kMaxUserBytes, Status::kInvalidArgument,
                   "MoeConfig needs a %zu-byte symmetric heap (maxTokensPerRank=%lld, hidden=%d, topK=%d, world size "
                   "%lld), past the heap's limit of %zu bytes: lower maxTokensPerRank or hidden",

@@ -101,30 +101,39 @@ def _require_strided(info: ArrayInfo, name: str, *, rows: int, cols: int, dtypes
         raise invalid_argument(f"{name} has strides [0, 0] (one broadcast value); pass a materialised array")
 
 
+def _index(value) -> Optional[int]:
+    """value as an int (ints, NumPy integers, integer 0-d tensors: anything with __index__), or None
+    (a bool is not taken for a number here)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def _rank_mask(ranks, world_size: int) -> int:
     """An active-rank mask from an int mask (bit r: rank r) or an iterable of int ranks, each in
     [0, world_size); anything else is a graphep.Error naming it."""
     if isinstance(ranks, bool):
         raise invalid_argument(f"ranks={ranks!r}: pass an int mask or the ranks, not a bool")
-    if isinstance(ranks, int):
-        if not 0 <= ranks < 1 << 32:
-            raise invalid_argument(f"ranks={ranks:#x} is not a 32-bit mask")
-        return ranks
+    mask = _index(ranks)
+    if mask is not None:
+        if not 0 <= mask < 1 << 32:
+            raise invalid_argument(f"ranks={mask:#x} is not a 32-bit mask")
+        return mask
     try:
         members = list(ranks)
     except TypeError:
         raise invalid_argument(f"ranks is a {type(ranks).__name__}: pass an int mask or an iterable of ranks") from None
     mask = 0
     for r in members:
-        try:
-            if isinstance(r, bool):
-                raise TypeError
-            r = operator.index(r)  # ints, NumPy integers, integer 0-d tensors
-        except TypeError:
-            raise invalid_argument(f"rank {r!r} is a {type(r).__name__}, not an int") from None
-        if not 0 <= r < world_size:
-            raise invalid_argument(f"rank {r} is outside [0, {world_size})")
-        mask |= 1 << r
+        rank = _index(r)
+        if rank is None:
+            raise invalid_argument(f"rank {r!r} is a {type(r).__name__}, not an int")
+        if not 0 <= rank < world_size:
+            raise invalid_argument(f"rank {rank} is outside [0, {world_size})")
+        mask |= 1 << rank
     return mask
 
 

@@ -192,7 +192,7 @@ def test_rank_masks_are_checked_by_name():
         def __index__(self):
             return 1
 
-    assert _rank_mask([IndexLike()], 4) == 2
+    assert _rank_mask([IndexLike()], 4) == 2 and _rank_mask(IndexLike(), 4) == 1  # a rank, or a mask
     for ranks, needle in [([4], "rank 4 is outside [0, 4)"), ([-1], "rank -1 is outside [0, 4)"),
                           ([0.9], "rank 0.9 is a float, not an int"), ([True], "rank True is a bool, not an int"),
                           (True, "ranks=True: pass an int mask or the ranks, not a bool"),
