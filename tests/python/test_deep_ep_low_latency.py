@@ -13,6 +13,9 @@ every rank's inputs (per-rank seeds, fresh data each round, outputs poisoned fir
     more      the hinted shape's engine made by the constructor, a rank with no tokens, a second
               engine shape (made on its first call), capture in a CUDA graph and replays with new
               inputs, the errors (each names the value), Buffer.status().ok at the end
+    two       two micro-batches in flight (a shape's second engine): send halves and hooks
+              interleaved, eagerly and captured in one graph replayed with new inputs; a third
+              dispatch refused while both wait for hooks, a stale handle refused
     shrink    a shrink-mode Buffer whose last rank stops after the constructor: the others' two
               rounds exact without it, the query and MoeStatus.shrunk_ranks naming it
 
@@ -111,6 +114,15 @@ def test_buffer_refuses_shrink_mode_without_low_latency_by_name():
                  group=object(), enable_shrink=True)
 
 
+def _fake_state(**attrs):
+    """A stand-in for a low-latency engine's state: `attrs`, no second engine, not busy."""
+    import types
+
+    st = types.SimpleNamespace(second=None, pending=None, combined=True, seq=0, **attrs)
+    st.engines = lambda: [st] if st.second is None else [st, st.second]
+    return st
+
+
 def _bare_buffer(low_latency_mode=True, enable_shrink=False):
     """A Buffer with the state the low-latency checks read and no engine (they refuse before one)."""
     from graphep.deep_ep import Buffer
@@ -174,7 +186,7 @@ def test_shrink_mode_masks_every_low_latency_engine():
     import torch
 
     def engine():  # the mask word (int32 [1]) as the engine's view holds it: every rank in
-        return types.SimpleNamespace(active=torch.full((1,), 0b11, dtype=torch.int32), pending=None)
+        return _fake_state(active=torch.full((1,), 0b11, dtype=torch.int32))
 
     def words(b):
         return {k: int(st.active[0]) for k, st in b._ll_engines.items()}
@@ -202,6 +214,16 @@ def test_shrink_mode_masks_every_low_latency_engine():
     b._ll_engines["b"].active.fill_(0b10)  # engine b's kernels masked rank 0
     b.low_latency_clean_mask_buffer()  # every rank back, as DeepEP's clean does
     assert words(b) == {"a": 0b11, "b": 0b11} and b._masked_ranks == set()
+    b._ll_engines["a"].second = engine()  # a shape's second engine (two operations in flight) is masked too
+    b.low_latency_update_mask_buffer(0, True)
+    assert int(b._ll_engines["a"].second.active[0]) == 0b10 and words(b) == {"a": 0b10, "b": 0b10}
+    b._ll_engines["a"].second.pending = ("the receive hook of low_latency_dispatch 9", object())
+    expect_error(graphep.Status.INVALID_ARGUMENT, "the receive hook of low_latency_dispatch 9 has not been called",
+                 b.low_latency_update_mask_buffer, 0, False)
+    assert int(b._ll_engines["a"].second.active[0]) == 0b10 and b._masked_ranks == {0}, "a refusal changes nothing"
+    b._ll_engines["a"].second.pending = None
+    b.low_latency_clean_mask_buffer()
+    assert int(b._ll_engines["a"].second.active[0]) == 0b11 and words(b) == {"a": 0b11, "b": 0b11}
     expect_error(graphep.Status.INVALID_ARGUMENT, "mask_status must be an int32 CUDA tensor of [2]",
                  b.low_latency_query_mask_buffer, torch.zeros(2, dtype=torch.int32))
 
@@ -219,8 +241,7 @@ def test_clean_is_the_barrier_in_shrink_mode(monkeypatch):
     calls = []
 
     def engine(key):
-        return types.SimpleNamespace(engine=types.SimpleNamespace(barrier=lambda s: calls.append((key, s))),
-                                     pending=None)
+        return _fake_state(engine=types.SimpleNamespace(barrier=lambda s: calls.append((key, s))))
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: "the current stream")
     for shrink in (True, False):
@@ -237,6 +258,73 @@ def test_clean_is_the_barrier_in_shrink_mode(monkeypatch):
     expect_error(graphep.Status.INVALID_ARGUMENT, "clean_low_latency_buffer: the receive hook of low_latency_dispatch "
                  "has not been called", b.clean_low_latency_buffer, 8, 128, 16)
     assert calls == []
+    first = b._ll_engines[(8, 128, 16)]
+    first.pending, first.second = None, engine("second")  # the shape's second engine holds a send half
+    first.second.pending = ("the receive hook of low_latency_dispatch 4", object())
+    expect_error(graphep.Status.INVALID_ARGUMENT, "clean_low_latency_buffer: the receive hook of low_latency_dispatch 4 "
+                 "has not been called", b.clean_low_latency_buffer, 8, 128, 16)
+    first.second.pending = None
+    b.clean_low_latency_buffer(8, 128, 16)
+    assert calls == [((8, 128, 16), "the current stream")], "one barrier, on the shape's first engine"
+
+
+@requires_torch
+def test_pick_engine_alternates_as_deepeps_two_buffers():
+    """pick_engine (no GPU): the first free engine (combined, or never used, and no hook waiting);
+    with one engine held, None (make the second); with two held, the older dispatch's engine among
+    those with no hook waiting; with both waiting for a hook, None (refused)."""
+    from graphep.deep_ep.low_latency import pick_engine
+
+    a, b = _fake_state(name="a"), _fake_state(name="b")
+    assert pick_engine([a]) is a and pick_engine([a, b]) is a
+    a.combined, a.seq = False, 5  # a dispatch not yet combined
+    assert pick_engine([a]) is None, "one engine, held: the caller makes the second"
+    assert pick_engine([a, b]) is b
+    b.combined, b.seq = False, 6
+    assert pick_engine([a, b]) is a, "both held: the older dispatch's engine (its handle goes stale)"
+    a.seq = 7
+    assert pick_engine([a, b]) is b
+    b.pending = ("the receive hook of low_latency_dispatch 6", object())
+    assert pick_engine([a, b]) is a, "an engine whose send half waits for its hook is never taken"
+    a.pending = ("the receive hook of low_latency_dispatch 7", object())
+    assert pick_engine([a, b]) is None, "both wait for a hook: refused"
+    a.pending, a.combined = None, True  # a's hook called and its combine enqueued
+    assert pick_engine([a, b]) is a
+    a.combined, b.pending, b.combined = False, None, True
+    assert pick_engine([a, b]) is b
+
+
+@requires_torch
+def test_a_second_engine_for_a_second_operation_in_flight(monkeypatch):
+    """_dispatch_engine (no GPU): a dispatch while the shape's one engine holds an earlier dispatch
+    or a send half makes the second engine (once; named in the call it is made for), then the
+    engines alternate; a dispatch while both hold a send half is refused by name, making nothing."""
+    made = []
+
+    def make(self, key, what):
+        made.append((key, what))
+        return _fake_state(name=f"made {len(made)}")
+
+    from graphep.deep_ep.low_latency import LowLatencyMode
+
+    monkeypatch.setattr(LowLatencyMode, "_make_low_latency_engine", make)
+    b = _bare_buffer()
+    first = b._ll_engines[(8, 128, 16)] = _fake_state(name="first", shape=(8, 128, 16))
+    assert b._dispatch_engine(first, "low_latency_dispatch") is first and made == []
+    first.combined, first.seq = False, 1
+    second = b._dispatch_engine(first, "low_latency_dispatch")
+    assert second is first.second and made == [((8, 128, 16), "low_latency_dispatch while an earlier one is in "
+                                                              "flight")]
+    assert [s.name for s in b._ll_states()] == ["first", "made 1"]
+    second.combined, second.seq = False, 2
+    assert b._dispatch_engine(first, "low_latency_dispatch") is first and len(made) == 1, "the older, reused"
+    first.pending = ("the receive hook of low_latency_dispatch 3", object())
+    second.pending = ("the receive hook of low_latency_dispatch 2", object())
+    expect_error(graphep.Status.INVALID_ARGUMENT,
+                 "low_latency_dispatch: two operations of num_max_dispatch_tokens_per_rank=8, hidden=128, "
+                 "num_experts=16 are in flight (the receive hook of low_latency_dispatch 3 and the receive hook of "
+                 "low_latency_dispatch 2 have not been called)", b._dispatch_engine, first, "low_latency_dispatch")
+    assert len(made) == 1
 
 
 @requires_torch
@@ -439,14 +527,14 @@ def worker() -> int:
         return None
 
     def poison_views(st_shape):
-        """Poison what a dispatch writes (through the Buffer's own views of the engine)."""
-        st = buffer._ll_engines[(st_shape[0], st_shape[1], st_shape[2])]
-        st.recv_x.fill_(POISON)
-        st.recv_count.fill_(-7)
-        st.src_info.fill_(-7)
-        st.layout_range.fill_(-7)
-        if st.scales is not None:
-            st.scales.fill_(POISON)
+        """Poison what a dispatch writes (through the Buffer's own views of the shape's engines)."""
+        for st in buffer._ll_engines[(st_shape[0], st_shape[1], st_shape[2])].engines():
+            st.recv_x.fill_(POISON)
+            st.recv_count.fill_(-7)
+            st.src_info.fill_(-7)
+            st.layout_range.fill_(-7)
+            if st.scales is not None:
+                st.scales.fill_(POISON)
 
     shape = SHAPES["main"]
     T, H, E, k = shape
@@ -521,17 +609,32 @@ def worker() -> int:
     recv, recv_count, handle, event, hook = buffer.low_latency_dispatch(
         me.x, me.ids, T, E, cumulative_local_expert_recv_stats=stats, use_fp8=False, return_recv_hook=True)
     count("hook.dispatch.callable", not callable(hook) or event.event is not None)
-    expect_error("hook.pending", graphep.Status.INVALID_ARGUMENT, ["receive hook of low_latency_dispatch",
-                                                                    "has not been called"],
+    # Two micro-batches in flight (vLLM's dual-batch overlap, SGLang's two-batch overlap): a second
+    # send half while the first waits for its hook runs on the shape's other engine; a third is
+    # refused naming both hooks. The hooks come in the other order, and the combines interleave.
+    all_b = inputs(shape, 14)
+    me_b = all_b[rank]
+    stats_b = torch.zeros(L, dtype=torch.int32, device=device)
+    recv_b, recv_count_b, handle_b, _, hook_b = buffer.low_latency_dispatch(
+        me_b.x, me_b.ids, T, E, cumulative_local_expert_recv_stats=stats_b, use_fp8=True, return_recv_hook=True)
+    count("two.engines", handle.state is handle_b.state or recv_count.data_ptr() == recv_count_b.data_ptr())
+    expect_error("two.third_refused", graphep.Status.INVALID_ARGUMENT,
+                 ["two operations of", "are in flight", "receive hook of low_latency_dispatch", "call a hook first"],
                  buffer.low_latency_dispatch, me.x, me.ids, T, E)
+    hook_b()
     hook()
     expect_error("hook.twice", graphep.Status.INVALID_ARGUMENT, ["was called already"], hook)
     rows = check_dispatch("hook.dispatch", all_in, shape, recv, recv_count, handle, None, stats)
+    rows_b = check_dispatch("two.dispatch_b", all_b, shape, recv_b, recv_count_b, handle_b, "float", stats_b)
     y = experts(rows, shape, torch.empty(L, R * T, H, dtype=torch.bfloat16, device=device), all_x(all_in, shape))
+    y_b = experts(rows_b, shape, torch.empty(L, R * T, H, dtype=torch.bfloat16, device=device), all_x(all_b, shape))
     combined, event, hook = buffer.low_latency_combine(y, me.ids, me.w, handle, return_recv_hook=True)
     count("hook.combine.callable", not callable(hook))
+    combined_b, _, hook_b = buffer.low_latency_combine(y_b, me_b.ids, me_b.w, handle_b, return_recv_hook=True)
     hook()
+    hook_b()
     check_combined("hook.combine", combined, me, shape)
+    check_combined("two.combine_b", combined_b, me_b, shape)
     # The hook holds what its receive half may read (the combine's x: a peer's records whose weights
     # came late are reduced there) until it is called: a caller that drops x after the send half,
     # whose memory the other micro-batch's tensors may then take, still gets the right sums.
@@ -629,15 +732,62 @@ def worker() -> int:
         check_combined("graph.combine", out_s, me, shape)
     del graph
 
+    # Two micro-batches captured in one graph (as a stack's decode step with two-batch overlap is),
+    # send halves and hooks interleaved, replayed with new inputs for both. The shape's second
+    # engine exists already (made eagerly above: a capture cannot make one).
+    pair = [inputs(shape, 31 + m)[rank] for m in range(2)]
+    xs2 = [p.x.clone() for p in pair]
+    ids2 = [p.ids.clone() for p in pair]
+    ws2 = [p.w.clone() for p in pair]
+    outs2 = [torch.empty(p.n, H, dtype=torch.bfloat16, device=device) for p in pair]
+    ys2 = [torch.empty(L, R * T, H, dtype=torch.bfloat16, device=device) for _ in pair]
+
+    def two_batches():
+        got = [buffer.low_latency_dispatch(xs2[m], ids2[m], T, E, use_fp8=False, return_recv_hook=True)
+               for m in range(2)]
+        for m in (1, 0):
+            got[m][4]()
+        for m in range(2):
+            torch.mul(got[m][0].float(), scale, out=ys2[m])
+        hooks = [buffer.low_latency_combine(ys2[m], ids2[m], ws2[m], got[m][2], return_recv_hook=True, out=outs2[m])[2]
+                 for m in range(2)]
+        for m in (0, 1):
+            hooks[m]()
+        return got
+
+    got = two_batches()  # warm-up, eager
+    count("graph2.two_engines", got[0][2].state is got[1][2].state)
+    torch.cuda.synchronize()
+    graph2 = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph2):
+        two_batches()
+    for replay in range(4):
+        both = [inputs(shape, 70 + 2 * replay + m) for m in range(2)]
+        for m in range(2):
+            xs2[m].copy_(both[m][rank].x), ids2[m].copy_(both[m][rank].ids), ws2[m].copy_(both[m][rank].w)
+            outs2[m].fill_(POISON)
+        dist.barrier()
+        graph2.replay()
+        torch.cuda.synchronize()
+        for m in range(2):
+            check_combined(f"graph2.combine.{m}", outs2[m], both[m][rank], shape)
+    del graph2
+
     # Errors, named: every rank makes the same bad call, so no rank is left waiting.
     all_in = inputs(shape, 50)
     me = all_in[rank]
+    # A shape holds its last two dispatches not yet combined (DeepEP's two buffers): a third reuses
+    # the older one's engine, whose handle is then refused; the other two are served.
     _, _, handle_a, _, _ = buffer.low_latency_dispatch(me.x, me.ids, T, E, use_fp8=False)
+    _, _, handle_c, _, _ = buffer.low_latency_dispatch(me.x, me.ids, T, E, use_fp8=False)
     _, _, handle_b, _, _ = buffer.low_latency_dispatch(me.x, me.ids, T, E, use_fp8=False)
+    count("error.third_reuses_the_older", handle_b.state is not handle_a.state or handle_c.state is handle_a.state)
     y = torch.zeros(L, R * T, H, dtype=torch.bfloat16, device=device)
     expect_error("error.stale_handle", graphep.Status.INVALID_ARGUMENT,
-                 ["the handle is of low_latency_dispatch", "combines the engine's last dispatch"],
+                 ["the handle is of low_latency_dispatch", "combines the engine's last dispatch",
+                  "its last two dispatches"],
                  buffer.low_latency_combine, y, me.ids, me.w, handle_a)
+    buffer.low_latency_combine(y, me.ids, me.w, handle_c)  # the other in-flight dispatch is still served
     expect_error("error.logfmt", graphep.Status.NOT_SUPPORTED, ["use_logfmt=True"],
                  buffer.low_latency_combine, y, me.ids, me.w, handle_b, use_logfmt=True)
     big = torch.zeros(T + 1, H, dtype=torch.bfloat16, device=device)
@@ -708,7 +858,8 @@ def worker() -> int:
 
     torch.cuda.synchronize()
     status = buffer.status()
-    return finish("test_deep_ep_low_latency", buffer, wrong, status.ok and len(status.low_latency) == 2, rank, R, device)
+    two = (T, H, E, 1) in status.low_latency and len(status.low_latency) == 3  # main, its second, the second shape
+    return finish("test_deep_ep_low_latency", buffer, wrong, status.ok and two, rank, R, device)
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:

@@ -102,8 +102,9 @@ class BufferStatus:
     """Buffer.status(): each engine's MoeStatus, by (hidden, num_experts)."""
 
     engines: Dict[Tuple[int, int], MoeStatus]
-    # The low-latency mode's engines, by (num_max_dispatch_tokens_per_rank, hidden, num_experts).
-    low_latency: Dict[Tuple[int, int, int], MoeStatus] = field(default_factory=dict)
+    # The low-latency mode's engines, by (num_max_dispatch_tokens_per_rank, hidden, num_experts); a
+    # shape's second engine (two operations in flight) by (..., num_experts, 1).
+    low_latency: Dict[Tuple[int, ...], MoeStatus] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -113,8 +114,9 @@ class BufferStatus:
         if not self.engines and not self.low_latency:
             return "ok (no engine yet)"
         return "; ".join([f"hidden={h}, num_experts={e}: {s.describe()}" for (h, e), s in self.engines.items()] +
-                         [f"low-latency num_max_dispatch_tokens_per_rank={t}, hidden={h}, num_experts={e}: "
-                          f"{s.describe()}" for (t, h, e), s in self.low_latency.items()])
+                         [f"low-latency num_max_dispatch_tokens_per_rank={k[0]}, hidden={k[1]}, num_experts={k[2]}"
+                          f"{' (second engine)' if len(k) > 3 else ''}: {s.describe()}"
+                          for k, s in self.low_latency.items()])
 
 
 def _align(n: int, alignment: int) -> int:
@@ -176,7 +178,8 @@ class Buffer(LowLatencyMode):
         self._group = group_from_process_group(group, device=self._device)  # collective
         self._comm_stream = torch.cuda.Stream(device=self._device)
         self._engines: Dict[Tuple[int, int], _EngineState] = {}
-        self._ll_engines: Dict[Tuple[int, int, int], _LowLatencyState] = {}  # (T, hidden, num_experts)
+        # (T, hidden, num_experts) -> the shape's first low-latency engine (its second: .second)
+        self._ll_engines: Dict[Tuple[int, int, int], _LowLatencyState] = {}
         self._sm_budget: Optional[int] = None
         self._warned_sms = False
         self._destroyed = False

@@ -39,9 +39,18 @@ How it maps (DeepEP's argument -> graphep):
   Buffer's comm stream (after the current stream) and returns an EventOverlap recorded there.
   return_recv_hook: the call enqueues its send half (MoeHalf.SEND) and returns a hook that
   enqueues the receive half (Engine.receive) on the stream of the call.
-- The engine combines its last dispatch: a handle of an older dispatch is refused by name, and
-  between a send half and its hook the engine takes no other operation (DeepEP's two buffers let
-  a second send start first; graphep's one engine per shape does not).
+- Two operations in flight (DeepEP's two low-latency buffers; vLLM's dual-batch overlap, SGLang's
+  two-batch overlap): a shape has up to two engines. A dispatch runs on the first free one (its
+  last dispatch combined, or none yet, and no receive hook waiting: pick_engine). When none is
+  free and the shape has one engine, the dispatch makes the second (setup: collective, and
+  refused during a CUDA graph capture, so a stack's eager warm-up step makes it); with two, it
+  reuses the one whose dispatch is older and has no hook waiting (that dispatch's handle goes
+  stale and is refused by name, as DeepEP's older buffer is overwritten); when both hold a send
+  half waiting for its hook, it is refused. A handle names its engine: combine, the hook and
+  get_next_low_latency_combine_buffer act on that engine alone, so micro-batch A's combine may
+  come while B's dispatch hook waits. An engine combines its last dispatch, and between a send
+  half and its hook it takes no other operation. Every rank makes the same calls in the same
+  order (as DeepEP requires), so every rank picks the same engine.
 - clean_low_latency_buffer zeroes nothing: graphep's counters only grow. In shrink mode it is
   DeepEP's barrier (Engine.barrier on that shape's engine, a rank that does not come masked);
   otherwise it does nothing.
@@ -95,6 +104,20 @@ def hinted_by_any_rank(per_rank: List[List[Tuple[int, int, int]]]) -> List[Tuple
     for rank_shapes in per_rank:
         shapes += [tuple(s) for s in rank_shapes if tuple(s) not in shapes]
     return shapes
+
+
+def pick_engine(states: List["_LowLatencyState"]) -> Optional["_LowLatencyState"]:
+    """The engine of a shape that its next low_latency_dispatch runs on, among the shape's engines
+    `states` (first made first), as DeepEP's two low-latency buffers alternate: the first free
+    one (its last dispatch combined, or none yet, and no receive hook waiting); else, with two
+    engines, the one whose last dispatch is older among those with no hook waiting (that
+    dispatch's handle goes stale). None: one engine, held (the caller makes the second), or two,
+    each holding a send half until its hook (refused)."""
+    for st in states:
+        if st.pending is None and st.combined:
+            return st
+    idle = [st for st in states if st.pending is None]
+    return min(idle, key=lambda st: st.seq) if len(states) > 1 and idle else None
 
 
 def _signed32(bits: int) -> int:
@@ -171,14 +194,23 @@ class _LowLatencyState:
         self.active = torch.from_dlpack(engine.active_ranks)
         self.rank_ids = torch.arange(world, dtype=torch.int32, device=device)
         self.live = torch.empty(1, dtype=torch.int32, device=device)
-        self.seq = 0  # dispatches so far: a handle names its own
+        self.seq = 0  # the Buffer's number of this engine's last dispatch (0: none): a handle names its own
+        self.combined = True  # its last dispatch was combined (or there was none): free for the next
         # (what, token) while a send half waits for its hook: the engine takes nothing in between.
         self.pending: Optional[Tuple[str, object]] = None
+        self.second: Optional["_LowLatencyState"] = None  # the shape's second engine (two in flight), once made
+        self.shape = (T, H, num_experts)
+
+    def engines(self) -> List["_LowLatencyState"]:
+        """The shape's engines (this first one, and its second once made)."""
+        return [self] if self.second is None else [self, self.second]
 
 
 class LowLatencyMode:
     """Buffer's low-latency methods (mixed into graphep.deep_ep.Buffer, whose constructor sets
     low_latency_mode, _ll_engines and the rest these read)."""
+
+    _ll_seq = 0  # low-latency dispatches of this Buffer so far (a handle's and an engine's seq)
 
     # ---- checks and engines --------------------------------------------------------------------
     def _require_low_latency(self, what: str) -> None:
@@ -203,29 +235,58 @@ class LowLatencyMode:
                                    "ranks")
         return values[0], values[1], values[2]
 
+    def _ll_states(self) -> List[_LowLatencyState]:
+        """Every low-latency engine of this Buffer, the shapes' second engines too."""
+        return [s for st in self._ll_engines.values() for s in st.engines()]
+
     def _low_latency_engine(self, max_tokens: int, hidden: int, num_experts: int) -> _LowLatencyState:
-        """The engine for (T, hidden, num_experts): made by the constructor when hinted, else here
-        on first use (collective)."""
+        """The first engine of (T, hidden, num_experts): made by the constructor when hinted, else
+        here on first use (collective)."""
         key = (max_tokens, hidden, num_experts)
         st = self._ll_engines.get(key)
         if st is None:
-            cfg = low_latency_engine_config(max_tokens, hidden, num_experts, self.group_size,
-                                            low_latency_sm_budget(os.environ.get(LOW_LATENCY_SMS_ENV)),
-                                            shrink=self.enable_shrink)
-            try:  # every rank refuses the same config here, before the collective creation
-                validate(cfg, self.group_size)
-            except Error as e:
-                raise Error(e.status, f"low_latency_dispatch: num_max_dispatch_tokens_per_rank={max_tokens}, "
-                                      f"hidden={hidden}, num_experts={num_experts} over {self.group_size} ranks: "
-                                      f"{e.message}") from None
-            engine = create_engine(self._group, cfg)
-            others = list(self._ll_engines.values())
-            st = self._ll_engines[key] = _LowLatencyState(engine, max_tokens, hidden, num_experts, self.group_size)
-            if getattr(self, "_masked_ranks", None):  # shrink mode: the ranks masked so far
-                engine.set_active_ranks(self._active_ranks(), torch.cuda.current_stream())
-            for other in others if self.enable_shrink else ():  # and those the other engines' kernels masked
-                st.active.bitwise_and_(other.active)
+            st = self._ll_engines[key] = self._make_low_latency_engine(key, "low_latency_dispatch")
         return st
+
+    def _make_low_latency_engine(self, key: Tuple[int, int, int], what: str) -> _LowLatencyState:
+        """A new engine of shape `key` (setup: collective, host syncs; refused during a CUDA graph
+        capture), with the active-rank mask the Buffer's other engines have in shrink mode."""
+        max_tokens, hidden, num_experts = key
+        cfg = low_latency_engine_config(max_tokens, hidden, num_experts, self.group_size,
+                                        low_latency_sm_budget(os.environ.get(LOW_LATENCY_SMS_ENV)),
+                                        shrink=self.enable_shrink)
+        try:  # every rank refuses the same config here, before the collective creation
+            validate(cfg, self.group_size)
+        except Error as e:
+            raise Error(e.status, f"{what}: num_max_dispatch_tokens_per_rank={max_tokens}, hidden={hidden}, "
+                                  f"num_experts={num_experts} over {self.group_size} ranks: {e.message}") from None
+        if torch.cuda.is_current_stream_capturing():
+            raise invalid_argument(f"{what}: it needs a new low-latency engine (num_max_dispatch_tokens_per_rank="
+                                   f"{max_tokens}, hidden={hidden}, num_experts={num_experts}), which is made "
+                                   "collectively with host syncs and cannot be made during a CUDA graph capture: "
+                                   "run the same calls once eagerly first (a warm-up step)")
+        others = self._ll_states()
+        st = _LowLatencyState(create_engine(self._group, cfg), max_tokens, hidden, num_experts, self.group_size)
+        if getattr(self, "_masked_ranks", None):  # shrink mode: the ranks masked so far
+            st.engine.set_active_ranks(self._active_ranks(), torch.cuda.current_stream())
+        for other in others if self.enable_shrink else ():  # and those the other engines' kernels masked
+            st.active.bitwise_and_(other.active)
+        return st
+
+    def _dispatch_engine(self, first: _LowLatencyState, what: str) -> _LowLatencyState:
+        """The engine of first's shape this dispatch runs on (pick_engine), the shape's second made
+        when the first is held and there is none yet."""
+        st = pick_engine(first.engines())
+        if st is not None:
+            return st
+        if first.second is None:
+            first.second = self._make_low_latency_engine(first.shape, f"{what} while an earlier one is in flight")
+            return first.second
+        T, H, E = first.shape
+        raise invalid_argument(f"{what}: two operations of num_max_dispatch_tokens_per_rank={T}, hidden={H}, "
+                               f"num_experts={E} are in flight ({first.pending[0]} and {first.second.pending[0]} "
+                               "have not been called); graphep holds at most two per shape, as DeepEP's two "
+                               "low-latency buffers: call a hook first")
 
     def _low_latency_head(self, handle, what: str) -> LowLatencyHandle:
         if not isinstance(handle, LowLatencyHandle) or handle.buffer is not self:
@@ -239,12 +300,16 @@ class LowLatencyMode:
             raise invalid_argument(f"{what}: {st.pending[0]} has not been called; graphep's engine takes no other "
                                    "operation between a send (return_recv_hook=True) and its receive hook")
 
-    def _launch_stream(self, async_finish: bool, return_recv_hook: bool, what: str):
-        """The stream the work runs on, as the normal mode's (Buffer._begin, no previous event):
-        for async_finish the comm stream, after the current one; else None, the current stream."""
+    @staticmethod
+    def _check_stream_args(async_finish: bool, return_recv_hook: bool, what: str) -> None:
         if async_finish and return_recv_hook:
             raise invalid_argument(f"{what}: async_finish=True and return_recv_hook=True together; pass one, as "
                                    "in DeepEP")
+
+    def _launch_stream(self, async_finish: bool, return_recv_hook: bool, what: str):
+        """The stream the work runs on, as the normal mode's (Buffer._begin, no previous event):
+        for async_finish the comm stream, after the current one; else None, the current stream."""
+        self._check_stream_args(async_finish, return_recv_hook, what)
         return self._begin(None, async_finish)
 
     @staticmethod
@@ -301,8 +366,9 @@ class LowLatencyMode:
         key = self._check_low_latency_shape(what, num_max_dispatch_tokens_per_rank, hidden, num_experts)
         st = self._ll_engines.get(tuple(key)) if self.enable_shrink else None
         if st is not None:
-            self._check_pending(st, what)
-            st.engine.barrier(torch.cuda.current_stream())
+            for each in st.engines():
+                self._check_pending(each, what)
+            st.engine.barrier(torch.cuda.current_stream())  # one barrier among the ranks: the first engine's
 
     @as_extension
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
@@ -353,14 +419,15 @@ class LowLatencyMode:
                 raise invalid_argument(f"{what}: use_ue8m0=True needs hidden a multiple of 512 (four exponent "
                                        f"bytes per int32 scale); hidden={H}")
             scale_format = Fp8Scales.UE8M0 if use_ue8m0 else (Fp8Scales.POW2 if round_scale else Fp8Scales.FLOAT)
-        st = self._low_latency_engine(T, H, E)
-        if not 1 <= k <= st.top_k:
+        first = self._low_latency_engine(T, H, E)
+        if not 1 <= k <= first.top_k:
             raise invalid_argument(f"{what}: topk_idx has {k} columns (num_topk); graphep's latency path takes 1 to "
-                                   f"{st.top_k} with num_max_dispatch_tokens_per_rank={T} and num_experts={E}")
+                                   f"{first.top_k} with num_max_dispatch_tokens_per_rank={T} and num_experts={E}")
         stats = cumulative_local_expert_recv_stats
         if stats is not None:
-            check_tensor(stats, f"{what}: cumulative_local_expert_recv_stats", (torch.int32,), (st.num_local,), dev)
-        self._check_pending(st, what)
+            check_tensor(stats, f"{what}: cumulative_local_expert_recv_stats", (torch.int32,), (first.num_local,), dev)
+        self._check_stream_args(async_finish, return_recv_hook, what)  # before a second engine is made for it
+        st = self._dispatch_engine(first, what)
         stream = self._launch_stream(async_finish, return_recv_hook, what)
         raw = self._raw(stream)
         xs, ids = (x, topk_idx) if n > 0 else (st.idle_x, st.idle_ids)
@@ -374,7 +441,8 @@ class LowLatencyMode:
         # No weights: the latency path takes weight 1 here; combine brings the caller's.
         st.core.dispatch(xs.data_ptr(), ids.data_ptr(), ID_TYPES[ids.dtype], 0, st.counts_ptr + 4 * n,
                          raw, **kwargs)
-        st.seq += 1
+        self._ll_seq += 1
+        st.seq, st.combined = self._ll_seq, False
         handle = LowLatencyHandle((st.src_info, st.layout_range, T, H, E), self, st, st.seq, n, k)
         # The receive half reads this rank's own rows from x and adds to the stats.
         hook = self._receive_hook(st, f"low_latency_dispatch {st.seq}", raw, (xs, ids, stats)) \
@@ -415,8 +483,9 @@ class LowLatencyMode:
         if head.seq != st.seq:
             raise invalid_argument(f"{what}: the handle is of low_latency_dispatch {head.seq}, but graphep combines "
                                    f"the engine's last dispatch ({st.seq}) of num_max_dispatch_tokens_per_rank="
-                                   f"{st.max_tokens}, hidden={st.hidden}, num_experts={st.num_experts}; combine "
-                                   "before the next low_latency_dispatch of that shape")
+                                   f"{st.max_tokens}, hidden={st.hidden}, num_experts={st.num_experts}: a shape holds "
+                                   "the results of its last two dispatches not yet combined (as DeepEP's two "
+                                   "low-latency buffers); combine before a third dispatch of that shape")
         n, k, H = head.num_tokens, head.top_k, st.hidden
         check_tensor(x, f"{what}: x", (torch.bfloat16,), tuple(st.expert_output.shape), dev)
         check_tensor(topk_idx, f"{what}: topk_idx", (torch.int64, torch.int32), (n, k), dev)
@@ -434,6 +503,7 @@ class LowLatencyMode:
         if return_recv_hook:
             kwargs["half"] = MoeHalf.SEND
         st.core.combine(0 if zero_copy else x.data_ptr(), target.data_ptr(), raw, **kwargs)
+        st.combined = True  # free for the next dispatch (once the hook, if any, is called)
         # The receive half reads x (a peer's records whose weights came after the send half's look)
         # and this rank's weights.
         hook = self._receive_hook(st, f"low_latency_combine of dispatch {head.seq}", raw, (x, weights, combined)) \
@@ -464,12 +534,12 @@ class LowLatencyMode:
         bits stay: a rank the kernels masked after a timeout stays masked, unless in `unmask` (the
         ranks unmasked by name: their bits set in every engine). On a refusal (a send half
         waiting) no engine changes."""
-        for st in self._ll_engines.values():
+        for st in self._ll_states():
             self._check_pending(st, what)
         clear = _signed32(sum(1 << r for r in masked - self._masked_ranks))
         set_ = _signed32(sum(1 << r for r in (self._masked_ranks | unmask) - masked))
         self._masked_ranks = masked
-        for st in self._ll_engines.values():
+        for st in self._ll_states():
             st.active.bitwise_and_(~clear).bitwise_or_(set_)
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False):
@@ -508,7 +578,7 @@ class LowLatencyMode:
             for r in sorted(self._masked_ranks):
                 mask_status[r] = 1
             return
-        _masked_by_words(list(self._ll_engines.values()), mask_status)
+        _masked_by_words(self._ll_states(), mask_status)
 
     def low_latency_clean_mask_buffer(self):
         """Unmasks every rank, those the kernels masked after a timeout too (as DeepEP's)."""
@@ -516,4 +586,11 @@ class LowLatencyMode:
         self._set_masked(set(), "low_latency_clean_mask_buffer", frozenset(range(self.group_size)))
 
     def _low_latency_status(self) -> Dict[Tuple[int, int, int], MoeStatus]:
-        return {key: st.engine.status() for key, st in self._ll_engines.items()}
+        """Each engine's status by its shape (T, hidden, num_experts); a shape's second engine by
+        (T, hidden, num_experts, 1)."""
+        out = {}
+        for key, st in self._ll_engines.items():
+            out[key] = st.engine.status()
+            if st.second is not None:
+                out[key + (1,)] = st.second.engine.status()
+        return out
