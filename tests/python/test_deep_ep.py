@@ -8,7 +8,8 @@ processes, a Buffer over the world group) checks get_dispatch_layout, dispatch (
 with and without top-k, cached, num_worst_tokens, a rank with no tokens, async with
 previous_event), combine and its top-k weights against a reference every rank builds from every
 rank's inputs (per-rank seeds), repeated dispatches and combines, the errors, and
-Buffer.status().ok at the end.
+Buffer.status().ok at the end; two micro-batches in flight (a shape's second engine: dispatches
+before combines, combines in either order, a third dispatch reusing the older engine).
 
     torchrun --nproc_per_node 2 tests/python/test_deep_ep.py --worker
 """
@@ -262,6 +263,39 @@ def test_missing_modes_raise_not_supported_by_name(method, args):
     assert "later" in err.message or "raw communication buffer" in err.message
 
 
+@requires_torch
+def test_a_second_engine_for_a_second_dispatch_in_flight(monkeypatch):
+    """Buffer._dispatch_engine (no GPU): a dispatch while the shape's one engine holds a dispatch
+    not yet combined makes the second engine (once, named for the call it is made for); a combined
+    engine is free again; with both held, the older dispatch's engine is reused."""
+    from graphep.deep_ep import Buffer
+    from graphep.deep_ep.in_flight import InFlight
+
+    made = []
+
+    def make(self, hidden, num_experts, budget, what):
+        made.append((hidden, num_experts, budget, what))
+        st = InFlight()
+        st.name = f"made {len(made)}"
+        return st
+
+    monkeypatch.setattr(Buffer, "_make_engine", make)
+    b = Buffer.__new__(Buffer)
+    b._sm_budget = 24
+    first = InFlight()
+    first.name, first.hidden, first.num_experts = "first", 256, 16
+    assert b._dispatch_engine(first) is first and made == []
+    first.combined, first.seq = False, 1  # a dispatch not yet combined
+    second = b._dispatch_engine(first)
+    assert second is first.second and made == [(256, 16, 24, "dispatch while an earlier one is not yet combined")]
+    second.combined, second.seq = False, 2
+    assert b._dispatch_engine(first) is first and len(made) == 1, "both held: the older dispatch's engine"
+    first.seq = 3
+    assert b._dispatch_engine(first) is second
+    second.combined = True  # its combine came
+    assert b._dispatch_engine(first) is second and len(made) == 1
+
+
 # ---- 2 GPUs: the worker under torchrun ----------------------------------------------------------
 
 @requires_torch
@@ -492,6 +526,56 @@ def worker() -> int:
         r_comb, r_comb_w, _ = buffer.combine(y_a, handle_r, topk_weights=recv_w, config=cfg)
         count("repeat.combine", not (torch.equal(r_comb, combined) and torch.equal(r_comb_w, combined_w)))
 
+    # Two micro-batches in flight (SGLang's two-batch overlap in prefill): B's dispatch (fp8, async
+    # after an event) before A's combine runs on the shape's second engine; the combines come in
+    # either order, each checked against its own inputs; a third dispatch reuses the older one's
+    # engine, whose handle is then refused, while the other is still served.
+    for order in ((0, 1), (1, 0)):
+        pair = [inputs(40 + 2 * order[0] + m) for m in range(2)]
+        mine = [p[rank] for p in pair]
+        args = [dict(num_tokens_per_rank=m.per_rank, is_token_in_rank=m.mask, num_tokens_per_expert=m.per_expert,
+                     config=cfg) for m in mine]
+        poison()
+        a_x, a_ids, a_w, a_list, handle_a2, _ = buffer.dispatch(mine[0].x, topk_idx=mine[0].ids,
+                                                                topk_weights=mine[0].w, **args[0])
+        prev = buffer.capture()
+        (b_x, b_s), b_ids, b_w, b_list, handle_b2, ev = buffer.dispatch(
+            (mine[1].x_fp8, mine[1].scales), topk_idx=mine[1].ids, topk_weights=mine[1].w, previous_event=prev,
+            async_finish=True, **args[1])
+        ev.current_stream_wait()
+        count("two.engines", handle_a2[5].state is handle_b2[5].state)
+        check_dispatch(f"two.{order}.a", pair[0], topk_mask, a_x, a_ids, a_w, a_list, handle_a2)
+        check_dispatch(f"two.{order}.b", pair[1], topk_mask, (b_x, b_s), b_ids, b_w, b_list, handle_b2, fp8=True)
+        ys = {0: (expert(a_x), handle_a2, a_w), 1: (expert(b_x.float().view(-1, H // 128, 128).mul(
+            b_s.unsqueeze(-1)).view(-1, H).to(torch.bfloat16)), handle_b2, b_w)}
+        got = {}
+        for m in order:
+            poison()
+            got[m] = buffer.combine(ys[m][0], ys[m][1], topk_weights=ys[m][2], config=cfg)[0]
+        check_combined(f"two.{order}.combine_a", got[0], combined_ref(pair[0], topk_mask))
+        # B's rows came as fp8: its experts' outputs are the dequantised rows, so its reference is
+        # B's combine of those rows (each source's dequantised row times (1 + q / 4))
+        ref_b = torch.zeros(mine[1].x.shape, dtype=torch.float32, device=device)
+        deq = (mine[1].x_fp8.float().view(-1, H // 128, 128) * mine[1].scales.unsqueeze(-1)).view(-1, H)
+        for q in range(R):
+            yq = (deq.to(torch.bfloat16).float() * (1 + q / 4)).to(torch.bfloat16).float()
+            ref_b += torch.where(mine[1].mask[:, q:q + 1], yq, torch.zeros_like(yq))
+        check_combined(f"two.{order}.combine_b", got[1], ref_b)
+    # A third non-cached dispatch while two are held: the older one's engine; its handle refused.
+    # (The third's inputs and mask are their own: handle_e's engine must not end on its routing.)
+    third = inputs(45)[rank]
+    third_args = dict(num_tokens_per_rank=third.per_rank, is_token_in_rank=third.mask,
+                      num_tokens_per_expert=third.per_expert, config=cfg)
+    _, _, _, _, h1, _ = buffer.dispatch(me.x, topk_idx=me.ids, topk_weights=me.w, **common)
+    x2, _, _, _, h2, _ = buffer.dispatch(third.x, **third_args)
+    x3, _, _, _, h3, _ = buffer.dispatch(third.x, **third_args)
+    count("two.third_reuses_the_older", h3[5].state is not h1[5].state or h2[5].state is h1[5].state)
+    expect_error("two.stale_handle", graphep.Status.INVALID_ARGUMENT,
+                 ["the handle is of dispatch", "routed other tokens", "its last two dispatches"],
+                 buffer.combine, y_a, h1, topk_weights=recv_w, config=cfg)
+    buffer.combine(expert(x2), h2, config=cfg)  # the other dispatch in flight is still served
+    buffer.combine(expert(x3), h3, config=cfg)
+
     # Under a Python function mode (DeepEP's tests install one with torch.set_default_device): no
     # torch call of the Buffer's reaches it, and the results are the same.
     mode = counting_mode()
@@ -581,7 +665,8 @@ def worker() -> int:
 
     torch.cuda.synchronize()
     status = buffer.status()
-    return finish("test_deep_ep", buffer, wrong, status.ok, rank, R, device)
+    two = (H, E, 1) in status.engines and len(status.engines) == 2  # the shape's engine and its second
+    return finish("test_deep_ep", buffer, wrong, status.ok and two, rank, R, device)
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:

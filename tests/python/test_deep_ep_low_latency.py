@@ -273,7 +273,7 @@ def test_pick_engine_alternates_as_deepeps_two_buffers():
     """pick_engine (no GPU): the first free engine (combined, or never used, and no hook waiting);
     with one engine held, None (make the second); with two held, the older dispatch's engine among
     those with no hook waiting; with both waiting for a hook, None (refused)."""
-    from graphep.deep_ep.low_latency import pick_engine
+    from graphep.deep_ep.in_flight import pick_engine
 
     a, b = _fake_state(name="a"), _fake_state(name="b")
     assert pick_engine([a]) is a and pick_engine([a, b]) is a
@@ -296,7 +296,7 @@ def test_pick_engine_alternates_as_deepeps_two_buffers():
 
 @requires_torch
 def test_a_second_engine_for_a_second_operation_in_flight(monkeypatch):
-    """_dispatch_engine (no GPU): a dispatch while the shape's one engine holds an earlier dispatch
+    """_ll_dispatch_engine (no GPU): a dispatch while the shape's one engine holds an earlier dispatch
     or a send half makes the second engine (once; named in the call it is made for), then the
     engines alternate; a dispatch while both hold a send half is refused by name, making nothing."""
     made = []
@@ -310,20 +310,20 @@ def test_a_second_engine_for_a_second_operation_in_flight(monkeypatch):
     monkeypatch.setattr(LowLatencyMode, "_make_low_latency_engine", make)
     b = _bare_buffer()
     first = b._ll_engines[(8, 128, 16)] = _fake_state(name="first", shape=(8, 128, 16))
-    assert b._dispatch_engine(first, "low_latency_dispatch") is first and made == []
+    assert b._ll_dispatch_engine(first, "low_latency_dispatch") is first and made == []
     first.combined, first.seq = False, 1
-    second = b._dispatch_engine(first, "low_latency_dispatch")
+    second = b._ll_dispatch_engine(first, "low_latency_dispatch")
     assert second is first.second and made == [((8, 128, 16), "low_latency_dispatch while an earlier one is in "
                                                               "flight")]
     assert [s.name for s in b._ll_states()] == ["first", "made 1"]
     second.combined, second.seq = False, 2
-    assert b._dispatch_engine(first, "low_latency_dispatch") is first and len(made) == 1, "the older, reused"
+    assert b._ll_dispatch_engine(first, "low_latency_dispatch") is first and len(made) == 1, "the older, reused"
     first.pending = ("the receive hook of low_latency_dispatch 3", object())
     second.pending = ("the receive hook of low_latency_dispatch 2", object())
     expect_error(graphep.Status.INVALID_ARGUMENT,
                  "low_latency_dispatch: two operations of num_max_dispatch_tokens_per_rank=8, hidden=128, "
                  "num_experts=16 are in flight (the receive hook of low_latency_dispatch 3 and the receive hook of "
-                 "low_latency_dispatch 2 have not been called)", b._dispatch_engine, first, "low_latency_dispatch")
+                 "low_latency_dispatch 2 have not been called)", b._ll_dispatch_engine, first, "low_latency_dispatch")
     assert len(made) == 1
 
 

@@ -27,6 +27,11 @@ How it maps (docs: README "Serving stacks: DeepEP's API on graphep"):
   added after it (on the comm stream, not fused). graphep combines an engine's last dispatch: a
   handle is accepted when its dispatch is that one, or routed the same tokens (the same
   is_token_in_rank tensor and token count).
+- Two dispatches in flight (SGLang's two-batch overlap and vLLM's dual-batch overlap in prefill;
+  graphep/deep_ep/in_flight.py): a non-cached dispatch while the shape's engine holds a dispatch
+  not yet combined runs on the shape's second engine, made then (collective; refused during a
+  CUDA graph capture; it doubles the shape's memory); with both held, on the older one's (its
+  handle goes stale). A handle carries its engine: its combine and cached dispatches run there.
 - Not in this version (graphep.Error NOT_SUPPORTED, naming it): internode (RDMA) groups, shrink
   mode without low_latency_mode, mpi4py communicators, packed int32 fp8 scales in the normal mode.
 """
@@ -45,6 +50,7 @@ from graphep._graphep import DispatchInput, MoeStatus, Status, token_layout
 from graphep.deep_ep.config import (MAX_TOKENS_ENV, TOKENS_CAP, TOKENS_STEP, Config, combine_config, dispatch_config,
                                     engine_config, heap_bytes_for, max_tokens_per_rank, sm_budget)
 from graphep.deep_ep.events import EventOverlap
+from graphep.deep_ep.in_flight import InFlight, pick_engine
 from graphep.deep_ep.low_latency import HINTED, LowLatencyMode, _LowLatencyState, hinted_by_any_rank, hinted_shapes
 from graphep.deep_ep.tensors import ID_TYPES as _ID_TYPES
 from graphep.deep_ep.tensors import as_extension, current_raw_stream
@@ -74,10 +80,11 @@ class SendHead:
                 f"num_experts={self.state.num_experts}: {self.num_tokens} tokens, {self.num_recv_tokens} rows)")
 
 
-class _EngineState:
-    """One engine of a Buffer and what its last dispatch routed."""
+class _EngineState(InFlight):
+    """One engine of a Buffer and what its last dispatch routed (InFlight: whether it was combined)."""
 
     def __init__(self, engine: Engine, hidden: int, num_experts: int, max_tokens: int):
+        super().__init__()
         self.engine, self.hidden, self.num_experts, self.max_tokens = engine, hidden, num_experts, max_tokens
         # Views of the engine's layout counts (each dispatch writes them), read back by a
         # synchronous dispatch.
@@ -88,7 +95,6 @@ class _EngineState:
         device = self.num_recv_rows.device
         self.counts = torch.arange(max_tokens + 1, dtype=torch.int32, device=device)
         torch.cuda.current_stream(device).synchronize()
-        self.seq = 0  # dispatches so far
         self.last_tokens: Optional[int] = None
         self.last_mask = None
 
@@ -99,9 +105,10 @@ class _EngineState:
 
 @dataclass(frozen=True)
 class BufferStatus:
-    """Buffer.status(): each engine's MoeStatus, by (hidden, num_experts)."""
+    """Buffer.status(): each engine's MoeStatus, by (hidden, num_experts); a shape's second engine
+    (two operations in flight) by (hidden, num_experts, 1)."""
 
-    engines: Dict[Tuple[int, int], MoeStatus]
+    engines: Dict[Tuple[int, ...], MoeStatus]
     # The low-latency mode's engines, by (num_max_dispatch_tokens_per_rank, hidden, num_experts); a
     # shape's second engine (two operations in flight) by (..., num_experts, 1).
     low_latency: Dict[Tuple[int, ...], MoeStatus] = field(default_factory=dict)
@@ -113,7 +120,8 @@ class BufferStatus:
     def describe(self) -> str:
         if not self.engines and not self.low_latency:
             return "ok (no engine yet)"
-        return "; ".join([f"hidden={h}, num_experts={e}: {s.describe()}" for (h, e), s in self.engines.items()] +
+        return "; ".join([f"hidden={k[0]}, num_experts={k[1]}{' (second engine)' if len(k) > 2 else ''}: "
+                          f"{s.describe()}" for k, s in self.engines.items()] +
                          [f"low-latency num_max_dispatch_tokens_per_rank={k[0]}, hidden={k[1]}, num_experts={k[2]}"
                           f"{' (second engine)' if len(k) > 3 else ''}: {s.describe()}"
                           for k, s in self.low_latency.items()])
@@ -250,7 +258,12 @@ class Buffer(LowLatencyMode):
 
     def status(self) -> BufferStatus:
         """graphep extra: each engine's MoeStatus (what the device counted); synchronises the device."""
-        return BufferStatus({key: st.engine.status() for key, st in self._engines.items()}, self._low_latency_status())
+        engines = {}
+        for key, st in self._engines.items():
+            engines[key] = st.engine.status()
+            if st.second is not None:
+                engines[key + (1,)] = st.second.engine.status()
+        return BufferStatus(engines, self._low_latency_status())
 
     # ---- engines -----------------------------------------------------------------------------
     def _budget(self, config: Config) -> int:
@@ -266,14 +279,33 @@ class Buffer(LowLatencyMode):
         return self._sm_budget
 
     def _engine(self, hidden: int, num_experts: int, config: Config) -> _EngineState:
-        """The engine for (hidden, num_experts), made on first use (collective)."""
+        """The first engine for (hidden, num_experts), made on first use (collective)."""
         budget = self._budget(config)
         st = self._engines.get((hidden, num_experts))
         if st is None:
-            heap = heap_bytes_for(hidden, num_experts, self.group_size, budget)
-            tokens = max_tokens_per_rank(self.num_nvl_bytes, heap, os.environ.get(MAX_TOKENS_ENV))
-            engine = create_engine(self._group, engine_config(tokens, hidden, num_experts, budget))
-            st = self._engines[(hidden, num_experts)] = _EngineState(engine, hidden, num_experts, tokens)
+            st = self._engines[(hidden, num_experts)] = self._make_engine(hidden, num_experts, budget, "dispatch")
+        return st
+
+    def _make_engine(self, hidden: int, num_experts: int, budget: int, what: str) -> _EngineState:
+        """A new engine for (hidden, num_experts) (setup: collective, host syncs; refused during a
+        CUDA graph capture)."""
+        if torch.cuda.is_current_stream_capturing():
+            raise invalid_argument(f"{what}: it needs a new engine (hidden={hidden}, num_experts={num_experts}), which "
+                                   "is made collectively with host syncs and cannot be made during a CUDA graph "
+                                   "capture: run the same calls once eagerly first (a warm-up step)")
+        heap = heap_bytes_for(hidden, num_experts, self.group_size, budget)
+        tokens = max_tokens_per_rank(self.num_nvl_bytes, heap, os.environ.get(MAX_TOKENS_ENV))
+        engine = create_engine(self._group, engine_config(tokens, hidden, num_experts, budget))
+        return _EngineState(engine, hidden, num_experts, tokens)
+
+    def _dispatch_engine(self, first: _EngineState) -> _EngineState:
+        """The engine of first's shape a non-cached dispatch runs on (graphep/deep_ep/in_flight.py):
+        the first free one; the shape's second, made now, while the first holds a dispatch not yet
+        combined; with two held, the older dispatch's (its handle goes stale)."""
+        st = pick_engine(first.engines())  # never None with two: the normal mode has no hooks
+        if st is None:
+            first.second = st = self._make_engine(first.hidden, first.num_experts, self._sm_budget,
+                                                  "dispatch while an earlier one is not yet combined")
         return st
 
     def _check_tokens(self, st: _EngineState, num_tokens: int) -> None:
@@ -454,7 +486,9 @@ class Buffer(LowLatencyMode):
                 raise invalid_argument(f"dispatch: topk_idx has shape {list(topk_idx.shape)}, expected "
                                        "[num_tokens, num_topk]")
             _check_tensor(is_token_in_rank, "dispatch: is_token_in_rank", (torch.bool,), (T, R), dev)
-            st, mask, n = self._engine(H, num_tokens_per_expert.numel(), config), is_token_in_rank, None
+            first = self._engine(H, num_tokens_per_expert.numel(), config)
+            self._check_tokens(first, T)  # before a second engine is made for it
+            st, mask, n = self._dispatch_engine(first), is_token_in_rank, None
         self._check_tokens(st, T)
         k = 0 if topk_idx is None else topk_idx.shape[1]
         sync = not cached and num_worst_tokens == 0
@@ -486,8 +520,8 @@ class Buffer(LowLatencyMode):
             xs, ss, ms, ids, ws = x, x_scales, mask, topk_idx, topk_weights
         self._engine_dispatch(st, xs, ss, ms, ids, ws, st.count_ptr(T),
                               self._raw(work), k, outputs)
-        st.seq += 1
-        st.last_tokens, st.last_mask = T, mask
+        self._dispatch_seq += 1
+        st.seq, st.combined, st.last_tokens, st.last_mask = self._dispatch_seq, False, T, mask
         if sync:
             with self._on(work):
                 n, counts = self._read_counts(st, k > 0, num_tokens_per_expert)
@@ -571,8 +605,9 @@ class Buffer(LowLatencyMode):
         self._budget(config)
         if head.seq != st.seq and (head.num_tokens != st.last_tokens or head.is_token_in_rank is not st.last_mask):
             raise invalid_argument(f"combine: the handle is of dispatch {head.seq}, but graphep combines the last "
-                                   f"dispatch of the engine (dispatch {st.seq}), which routed other tokens; combine "
-                                   "before the next dispatch, or dispatch again with this handle")
+                                   f"dispatch of the engine (dispatch {st.seq}), which routed other tokens: a shape "
+                                   "holds its last two dispatches not yet combined (as DeepEP's buffers); combine "
+                                   "before a third dispatch, or dispatch again with this handle")
         n, H, T = head.num_recv_tokens, st.hidden, head.num_tokens
         _check_tensor(x, "combine: x (a row per row the handle's dispatch received)", (torch.bfloat16,), (n, H),
                       self._device)
@@ -606,6 +641,7 @@ class Buffer(LowLatencyMode):
         st.engine._core.combine(y.data_ptr(), combined_x.data_ptr(), self._raw(work), expert_output_rows=y.shape[0],
                                 row_values=0 if w is None else w.data_ptr(),
                                 out_values=0 if combined_w is None else combined_w.data_ptr(), num_values=k)
+        st.combined = True  # free for the next dispatch
         if T > 0 and any(b is not None for b in biases):
             with self._on(work):
                 total = combined_x.float()

@@ -40,17 +40,15 @@ How it maps (DeepEP's argument -> graphep):
   return_recv_hook: the call enqueues its send half (MoeHalf.SEND) and returns a hook that
   enqueues the receive half (Engine.receive) on the stream of the call.
 - Two operations in flight (DeepEP's two low-latency buffers; vLLM's dual-batch overlap, SGLang's
-  two-batch overlap): a shape has up to two engines. A dispatch runs on the first free one (its
-  last dispatch combined, or none yet, and no receive hook waiting: pick_engine). When none is
-  free and the shape has one engine, the dispatch makes the second (setup: collective, and
-  refused during a CUDA graph capture, so a stack's eager warm-up step makes it); with two, it
-  reuses the one whose dispatch is older and has no hook waiting (that dispatch's handle goes
-  stale and is refused by name, as DeepEP's older buffer is overwritten); when both hold a send
-  half waiting for its hook, it is refused. A handle names its engine: combine, the hook and
-  get_next_low_latency_combine_buffer act on that engine alone, so micro-batch A's combine may
-  come while B's dispatch hook waits. An engine combines its last dispatch, and between a send
-  half and its hook it takes no other operation. Every rank makes the same calls in the same
-  order (as DeepEP requires), so every rank picks the same engine.
+  two-batch overlap; graphep/deep_ep/in_flight.py): a shape has up to two engines. A dispatch
+  runs on the first free one (its last dispatch combined, or none yet, and no receive hook
+  waiting). When none is free and the shape has one engine, the dispatch makes the second
+  (setup: collective, and refused during a CUDA graph capture, so a stack's eager warm-up step
+  makes it); with two, it reuses the one whose dispatch is older and has no hook waiting (that
+  dispatch's handle goes stale and is refused by name, as DeepEP's older buffer is
+  overwritten); when both hold a send half waiting for its hook, it is refused. A handle names
+  its engine: combine, the hook and get_next_low_latency_combine_buffer act on that engine
+  alone, so micro-batch A's combine may come while B's dispatch hook waits.
 - clean_low_latency_buffer zeroes nothing: graphep's counters only grow. In shrink mode it is
   DeepEP's barrier (Engine.barrier on that shape's engine, a rank that does not come masked);
   otherwise it does nothing.
@@ -78,6 +76,7 @@ from graphep._graphep import DispatchInput, Fp8Scales, MoeHalf, MoeStatus, valid
 from graphep.deep_ep.config import (LOW_LATENCY_SMS_ENV, low_latency_engine_config, low_latency_rdma_size_hint,
                                     low_latency_sm_budget)
 from graphep.deep_ep.events import EventOverlap
+from graphep.deep_ep.in_flight import InFlight, pick_engine
 from graphep.deep_ep.tensors import ID_TYPES, as_extension, check_tensor
 from graphep.engine import Engine, create_engine
 from graphep.errors import Error, invalid_argument, not_supported
@@ -104,20 +103,6 @@ def hinted_by_any_rank(per_rank: List[List[Tuple[int, int, int]]]) -> List[Tuple
     for rank_shapes in per_rank:
         shapes += [tuple(s) for s in rank_shapes if tuple(s) not in shapes]
     return shapes
-
-
-def pick_engine(states: List["_LowLatencyState"]) -> Optional["_LowLatencyState"]:
-    """The engine of a shape that its next low_latency_dispatch runs on, among the shape's engines
-    `states` (first made first), as DeepEP's two low-latency buffers alternate: the first free
-    one (its last dispatch combined, or none yet, and no receive hook waiting); else, with two
-    engines, the one whose last dispatch is older among those with no hook waiting (that
-    dispatch's handle goes stale). None: one engine, held (the caller makes the second), or two,
-    each holding a send half until its hook (refused)."""
-    for st in states:
-        if st.pending is None and st.combined:
-            return st
-    idle = [st for st in states if st.pending is None]
-    return min(idle, key=lambda st: st.seq) if len(states) > 1 and idle else None
 
 
 def _signed32(bits: int) -> int:
@@ -155,12 +140,13 @@ class LowLatencyHandle(tuple):
                 f"top-{self.top_k})")
 
 
-class _LowLatencyState:
+class _LowLatencyState(InFlight):
     """One low-latency engine of a Buffer, its views as DeepEP shapes them, and what its last
-    dispatch was. Everything a call needs besides its own tensors is made here, at engine
-    creation (setup, outside any CUDA graph capture): a call allocates nothing."""
+    dispatch was (InFlight). Everything a call needs besides its own tensors is made here, at
+    engine creation (setup, outside any CUDA graph capture): a call allocates nothing."""
 
     def __init__(self, engine: Engine, max_tokens: int, hidden: int, num_experts: int, world: int):
+        super().__init__()
         T, H, L = max_tokens, hidden, num_experts // world
         rows = world * T  # DeepEP's R x T rows per local expert: the batched layout's rows_per_expert
         self.engine, self.core = engine, engine._core
@@ -194,23 +180,14 @@ class _LowLatencyState:
         self.active = torch.from_dlpack(engine.active_ranks)
         self.rank_ids = torch.arange(world, dtype=torch.int32, device=device)
         self.live = torch.empty(1, dtype=torch.int32, device=device)
-        self.seq = 0  # the Buffer's number of this engine's last dispatch (0: none): a handle names its own
-        self.combined = True  # its last dispatch was combined (or there was none): free for the next
-        # (what, token) while a send half waits for its hook: the engine takes nothing in between.
-        self.pending: Optional[Tuple[str, object]] = None
-        self.second: Optional["_LowLatencyState"] = None  # the shape's second engine (two in flight), once made
         self.shape = (T, H, num_experts)
-
-    def engines(self) -> List["_LowLatencyState"]:
-        """The shape's engines (this first one, and its second once made)."""
-        return [self] if self.second is None else [self, self.second]
 
 
 class LowLatencyMode:
     """Buffer's low-latency methods (mixed into graphep.deep_ep.Buffer, whose constructor sets
     low_latency_mode, _ll_engines and the rest these read)."""
 
-    _ll_seq = 0  # low-latency dispatches of this Buffer so far (a handle's and an engine's seq)
+    _dispatch_seq = 0  # dispatches of this Buffer so far, both modes' (a handle's and an engine's seq)
 
     # ---- checks and engines --------------------------------------------------------------------
     def _require_low_latency(self, what: str) -> None:
@@ -273,7 +250,7 @@ class LowLatencyMode:
             st.active.bitwise_and_(other.active)
         return st
 
-    def _dispatch_engine(self, first: _LowLatencyState, what: str) -> _LowLatencyState:
+    def _ll_dispatch_engine(self, first: _LowLatencyState, what: str) -> _LowLatencyState:
         """The engine of first's shape this dispatch runs on (pick_engine), the shape's second made
         when the first is held and there is none yet."""
         st = pick_engine(first.engines())
@@ -427,7 +404,7 @@ class LowLatencyMode:
         if stats is not None:
             check_tensor(stats, f"{what}: cumulative_local_expert_recv_stats", (torch.int32,), (first.num_local,), dev)
         self._check_stream_args(async_finish, return_recv_hook, what)  # before a second engine is made for it
-        st = self._dispatch_engine(first, what)
+        st = self._ll_dispatch_engine(first, what)
         stream = self._launch_stream(async_finish, return_recv_hook, what)
         raw = self._raw(stream)
         xs, ids = (x, topk_idx) if n > 0 else (st.idle_x, st.idle_ids)
@@ -441,8 +418,8 @@ class LowLatencyMode:
         # No weights: the latency path takes weight 1 here; combine brings the caller's.
         st.core.dispatch(xs.data_ptr(), ids.data_ptr(), ID_TYPES[ids.dtype], 0, st.counts_ptr + 4 * n,
                          raw, **kwargs)
-        self._ll_seq += 1
-        st.seq, st.combined = self._ll_seq, False
+        self._dispatch_seq += 1
+        st.seq, st.combined = self._dispatch_seq, False
         handle = LowLatencyHandle((st.src_info, st.layout_range, T, H, E), self, st, st.seq, n, k)
         # The receive half reads this rank's own rows from x and adds to the stats.
         hook = self._receive_hook(st, f"low_latency_dispatch {st.seq}", raw, (xs, ids, stats)) \

@@ -1,0 +1,42 @@
+"""Two operations in flight per engine shape, as DeepEP's double buffering allows.
+
+DeepEP's buffers let a second micro-batch's dispatch start before the first one's combine (vLLM's
+dual-batch overlap, SGLang's two-batch overlap: normal mode in prefill, low-latency mode in decode,
+where a send half may also wait for its receive hook). A graphep engine holds one operation: it
+combines its last dispatch, and between a send half and its hook it takes nothing else. So a
+Buffer keeps up to two engines per shape, the first made as before and the second on the first
+dispatch that finds the first one held, and chooses per dispatch (pick_engine). The choice
+depends only on the calls made, so every rank, making the same calls in the same order as DeepEP
+requires, picks the same engine. A handle carries its engine: its combine and hooks act on it.
+"""
+
+from typing import List, Optional
+
+
+class InFlight:
+    """What an engine of a Buffer holds, as pick_engine reads it."""
+
+    def __init__(self) -> None:
+        self.seq = 0  # the Buffer's number (Buffer._dispatch_seq) of this engine's last dispatch; 0: none
+        self.combined = True  # its last dispatch was combined (or there was none)
+        # (what, token) while a send half waits for its receive hook (low-latency mode only).
+        self.pending: Optional[tuple] = None
+        self.second: Optional["InFlight"] = None  # the shape's second engine, on the first engine only
+
+    def engines(self) -> List["InFlight"]:
+        """The shape's engines: this first one, and its second once made."""
+        return [self] if self.second is None else [self, self.second]
+
+
+def pick_engine(states: List[InFlight]) -> Optional[InFlight]:
+    """The engine of a shape that its next dispatch runs on, among the shape's engines `states`
+    (first made first), as DeepEP's two buffers alternate: the first free one (its last dispatch
+    combined, or none yet, and no receive hook waiting); else, with two engines, the one whose
+    last dispatch is older among those with no hook waiting (that dispatch's handle goes stale).
+    None: one engine, held (the caller makes the second), or two, each holding a send half until
+    its hook (refused)."""
+    for st in states:
+        if st.pending is None and st.combined:
+            return st
+    idle = [st for st in states if st.pending is None]
+    return min(idle, key=lambda st: st.seq) if len(states) > 1 and idle else None
