@@ -265,35 +265,46 @@ def test_missing_modes_raise_not_supported_by_name(method, args):
 
 @requires_torch
 def test_a_second_engine_for_a_second_dispatch_in_flight(monkeypatch):
-    """Buffer._dispatch_engine (no GPU): a dispatch while the shape's one engine holds a dispatch
-    not yet combined makes the second engine (once, named for the call it is made for); a combined
-    engine is free again; with both held, the older dispatch's engine is reused."""
+    """Buffer._dispatch_engine (no GPU): a free engine first; a re-dispatch of the routing an engine
+    holds (the same mask tensor and token count) stays on it with no second engine; a dispatch of
+    other tokens while the shape's one engine holds one not yet combined makes the second (once,
+    named for the call it is made for); with both held, the older dispatch's engine is reused."""
     from graphep.deep_ep import Buffer
     from graphep.deep_ep.in_flight import InFlight
 
     made = []
 
+    def state(name):
+        st = InFlight()
+        st.name, st.hidden, st.num_experts, st.last_mask, st.last_tokens = name, 256, 16, None, None
+        return st
+
     def make(self, hidden, num_experts, budget, what):
         made.append((hidden, num_experts, budget, what))
-        st = InFlight()
-        st.name = f"made {len(made)}"
-        return st
+        return state(f"made {len(made)}")
 
     monkeypatch.setattr(Buffer, "_make_engine", make)
     b = Buffer.__new__(Buffer)
     b._sm_budget = 24
-    first = InFlight()
-    first.name, first.hidden, first.num_experts = "first", 256, 16
-    assert b._dispatch_engine(first) is first and made == []
-    first.combined, first.seq = False, 1  # a dispatch not yet combined
-    second = b._dispatch_engine(first)
+    first = state("first")
+    m1, m2, m3 = object(), object(), object()  # three routings (is_token_in_rank tensors)
+
+    def held(st, seq, mask):
+        st.combined, st.seq, st.last_mask, st.last_tokens = False, seq, mask, 8
+
+    assert b._dispatch_engine(first, 8, m1) is first and made == []
+    held(first, 1, m1)
+    assert b._dispatch_engine(first, 8, m1) is first and made == [], "the same routing again: no second engine"
+    second = b._dispatch_engine(first, 8, m2)
     assert second is first.second and made == [(256, 16, 24, "dispatch while an earlier one is not yet combined")]
-    second.combined, second.seq = False, 2
-    assert b._dispatch_engine(first) is first and len(made) == 1, "both held: the older dispatch's engine"
-    first.seq = 3
-    assert b._dispatch_engine(first) is second
+    held(second, 2, m2)
+    assert b._dispatch_engine(first, 8, m3) is first and len(made) == 1, "both held: the older dispatch's engine"
+    held(first, 3, m3)
+    assert b._dispatch_engine(first, 8, m1) is second
+    assert b._dispatch_engine(first, 8, m3) is first and b._dispatch_engine(first, 9, m3) is second, \
+        "the same mask with another token count is another routing"
     second.combined = True  # its combine came
-    assert b._dispatch_engine(first) is second and len(made) == 1
+    assert b._dispatch_engine(first, 8, m3) is second and len(made) == 1, "a free engine before the same routing"
 
 
 # ---- 2 GPUs: the worker under torchrun ----------------------------------------------------------
@@ -575,6 +586,25 @@ def worker() -> int:
                  buffer.combine, y_a, h1, topk_weights=recv_w, config=cfg)
     buffer.combine(expert(x2), h2, config=cfg)  # the other dispatch in flight is still served
     buffer.combine(expert(x3), h3, config=cfg)
+    # A cached dispatch whose handle's engine now holds another micro-batch's dispatch (A combined,
+    # then B on A's free engine) moves to the other engine, the handle with it: both combines served.
+    pair = [inputs(46 + m) for m in range(2)]
+    pargs = [dict(num_tokens_per_rank=p[rank].per_rank, is_token_in_rank=p[rank].mask,
+                  num_tokens_per_expert=p[rank].per_expert, config=cfg) for p in pair]
+    xa, _, _, _, ha, _ = buffer.dispatch(pair[0][rank].x, **pargs[0])
+    buffer.combine(expert(xa), ha, config=cfg)
+    xb, _, _, _, hb, _ = buffer.dispatch(pair[1][rank].x, **pargs[1])
+    count("cached_move.b_on_a_engine", hb[5].state is not ha[5].state)
+    poison()
+    xa2, *_ = buffer.dispatch(pair[0][rank].x, handle=ha, config=cfg)
+    count("cached_move.moved", ha[5].state is hb[5].state)
+    check_dispatch("cached_move.dispatch_a", pair[0], topk_mask, xa2)
+    poison()
+    cb = buffer.combine(expert(xb), hb, config=cfg)[0]
+    poison()
+    ca = buffer.combine(expert(xa2), ha, config=cfg)[0]
+    check_combined("cached_move.combine_b", cb, combined_ref(pair[1], topk_mask))
+    check_combined("cached_move.combine_a", ca, combined_ref(pair[0], topk_mask))
 
     # Under a Python function mode (DeepEP's tests install one with torch.set_default_device): no
     # torch call of the Buffer's reaches it, and the results are the same.

@@ -241,7 +241,8 @@ def test_clean_is_the_barrier_in_shrink_mode(monkeypatch):
     calls = []
 
     def engine(key):
-        return _fake_state(engine=types.SimpleNamespace(barrier=lambda s: calls.append((key, s))))
+        return _fake_state(engine=types.SimpleNamespace(barrier=lambda s: calls.append((key, s))),
+                           active=torch.full((1,), 0b11, dtype=torch.int32))
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: "the current stream")
     for shrink in (True, False):
@@ -264,8 +265,10 @@ def test_clean_is_the_barrier_in_shrink_mode(monkeypatch):
     expect_error(graphep.Status.INVALID_ARGUMENT, "clean_low_latency_buffer: the receive hook of low_latency_dispatch 4 "
                  "has not been called", b.clean_low_latency_buffer, 8, 128, 16)
     first.second.pending = None
+    first.active.fill_(0b01)  # as the first engine's barrier leaves it when rank 1 did not come
     b.clean_low_latency_buffer(8, 128, 16)
     assert calls == [((8, 128, 16), "the current stream")], "one barrier, on the shape's first engine"
+    assert int(first.second.active[0]) == 0b01, "the rank the barrier masked, masked in the second engine too"
 
 
 @requires_torch
@@ -325,6 +328,25 @@ def test_a_second_engine_for_a_second_operation_in_flight(monkeypatch):
                  "num_experts=16 are in flight (the receive hook of low_latency_dispatch 3 and the receive hook of "
                  "low_latency_dispatch 2 have not been called)", b._ll_dispatch_engine, first, "low_latency_dispatch")
     assert len(made) == 1
+
+
+@requires_torch
+def test_shrink_mode_engines_share_what_their_kernels_masked():
+    """_ll_dispatch_engine in shrink mode (no GPU): the engine a dispatch runs on first clears, in its
+    mask word, the ranks the shape's other engine's kernels masked (so a dead rank costs one
+    timeout, not one per engine); without shrink mode the words are left alone."""
+    import torch
+
+    for shrink in (True, False):
+        b = _bare_buffer(enable_shrink=shrink)
+        first = _fake_state(name="first", shape=(8, 128, 16), active=torch.tensor([0b111], dtype=torch.int32))
+        first.second = _fake_state(name="second", active=torch.tensor([0b101], dtype=torch.int32))  # rank 1 masked
+        assert b._ll_dispatch_engine(first, "low_latency_dispatch") is first
+        assert int(first.active[0]) == (0b101 if shrink else 0b111)
+        first.combined, first.seq = False, 1
+        first.active.fill_(0b011)  # first's kernels masked rank 2
+        assert b._ll_dispatch_engine(first, "low_latency_dispatch") is first.second
+        assert int(first.second.active[0]) == (0b001 if shrink else 0b101)
 
 
 @requires_torch
@@ -788,6 +810,9 @@ def worker() -> int:
                   "its last two dispatches"],
                  buffer.low_latency_combine, y, me.ids, me.w, handle_a)
     buffer.low_latency_combine(y, me.ids, me.w, handle_c)  # the other in-flight dispatch is still served
+    expect_error("error.stale_next_buffer", graphep.Status.INVALID_ARGUMENT,
+                 ["get_next_low_latency_combine_buffer: the handle is of low_latency_dispatch", "belongs to that"],
+                 buffer.get_next_low_latency_combine_buffer, handle_a)
     expect_error("error.logfmt", graphep.Status.NOT_SUPPORTED, ["use_logfmt=True"],
                  buffer.low_latency_combine, y, me.ids, me.w, handle_b, use_logfmt=True)
     big = torch.zeros(T + 1, H, dtype=torch.bfloat16, device=device)
@@ -832,6 +857,10 @@ def worker() -> int:
         live.ids = torch.where(me.ids // (E3 // R) == gone, -1, me.ids)
         mask = torch.full((R,), -7, dtype=torch.int32, device=device)
         for round_ in range(2):
+            if round_ == 0:  # dispatch -> dispatch (DeepEP's test does): the first masks the stopped rank after
+                # a timeout on the first engine; the second runs on the shape's second engine, which the
+                # constructor made (no collective now) and which the first's mask word tells of the rank
+                shrink.low_latency_dispatch(me.x, me.ids, T3, E3, use_fp8=False)
             recv, recv_count, handle, _, _ = shrink.low_latency_dispatch(me.x, me.ids, T3, E3, use_fp8=False)
             rows = check_dispatch(f"shrink.dispatch.{round_}", all_in, shape3, recv, recv_count, handle, None)
             y = experts(rows, shape3, torch.empty(E3 // R, R * T3, H3, dtype=torch.bfloat16, device=device),
@@ -848,7 +877,7 @@ def worker() -> int:
 
     shrink = deep_ep.Buffer(dist.group.WORLD, num_rdma_bytes=deep_ep.Buffer.get_low_latency_rdma_size_hint(
         T3, H3, R, E3), low_latency_mode=True, explicitly_destroy=True, enable_shrink=True)
-    count("shrink.engine_made", (T3, H3, E3) not in shrink._ll_engines)
+    count("shrink.engines_made", (T3, H3, E3) not in shrink._ll_engines or shrink._ll_engines[(T3, H3, E3)].second is None)
     if rank != gone:
         survive(shrink)
     gc.collect()  # nothing left that views the engine

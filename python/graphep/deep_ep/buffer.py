@@ -12,7 +12,8 @@ here, the low-latency mode in graphep/deep_ep/low_latency.py (its mapping is tol
 
 How it maps (docs: README "Serving stacks: DeepEP's API on graphep"):
 
-- One graphep engine per (hidden, num_experts), made on the first dispatch that needs it (a
+- A graphep engine per (hidden, num_experts) (and a second for two dispatches in flight, below),
+  made on the first dispatch that needs it (a
   collective setup: every rank makes the same calls in the same order, as DeepEP requires):
   rank-major receive layout (DeepEP's receive order: sources in rank order, each source's tokens
   in order), throughput path, bf16 records; fp8 dispatches send the caller's e4m3 rows and
@@ -28,10 +29,12 @@ How it maps (docs: README "Serving stacks: DeepEP's API on graphep"):
   handle is accepted when its dispatch is that one, or routed the same tokens (the same
   is_token_in_rank tensor and token count).
 - Two dispatches in flight (SGLang's two-batch overlap and vLLM's dual-batch overlap in prefill;
-  graphep/deep_ep/in_flight.py): a non-cached dispatch while the shape's engine holds a dispatch
-  not yet combined runs on the shape's second engine, made then (collective; refused during a
-  CUDA graph capture; it doubles the shape's memory); with both held, on the older one's (its
-  handle goes stale). A handle carries its engine: its combine and cached dispatches run there.
+  graphep/deep_ep/in_flight.py): a dispatch while the shape's engine holds one not yet combined
+  that routed other tokens runs on the shape's second engine, made then (collective; refused
+  during a CUDA graph capture; it doubles the shape's memory); with both held, on the older
+  one's (its handle goes stale). A handle carries its engine: its combine and cached dispatches
+  run there, unless that engine now holds another micro-batch's dispatch, when a cached
+  dispatch moves the handle to the engine the policy gives.
 - Not in this version (graphep.Error NOT_SUPPORTED, naming it): internode (RDMA) groups, shrink
   mode without low_latency_mode, mpi4py communicators, packed int32 fp8 scales in the normal mode.
 """
@@ -298,11 +301,17 @@ class Buffer(LowLatencyMode):
         engine = create_engine(self._group, engine_config(tokens, hidden, num_experts, budget))
         return _EngineState(engine, hidden, num_experts, tokens)
 
-    def _dispatch_engine(self, first: _EngineState) -> _EngineState:
-        """The engine of first's shape a non-cached dispatch runs on (graphep/deep_ep/in_flight.py):
-        the first free one; the shape's second, made now, while the first holds a dispatch not yet
-        combined; with two held, the older dispatch's (its handle goes stale)."""
-        st = pick_engine(first.engines())  # never None with two: the normal mode has no hooks
+    def _dispatch_engine(self, first: _EngineState, num_tokens: int, mask) -> _EngineState:
+        """The engine of first's shape a dispatch of `mask` over num_tokens tokens runs on
+        (graphep/deep_ep/in_flight.py): the first free one; else one whose last dispatch routed the
+        same tokens (the same mask tensor and count: its handle stays served, as a re-dispatch such
+        as num_worst_tokens' needs no second engine); else the shape's second, made now, while the
+        first holds a dispatch not yet combined; with two held, the older dispatch's (its handle
+        goes stale)."""
+        engines = first.engines()
+        st = next((e for e in engines if e.combined), None) or \
+            next((e for e in engines if e.last_mask is mask and e.last_tokens == num_tokens), None) or \
+            pick_engine(engines)  # never None with two: the normal mode has no hooks
         if st is None:
             first.second = st = self._make_engine(first.hidden, first.num_experts, self._sm_budget,
                                                   "dispatch while an earlier one is not yet combined")
@@ -468,11 +477,16 @@ class Buffer(LowLatencyMode):
                 raise invalid_argument("dispatch: a cached dispatch (handle given) takes no topk_idx / topk_weights, "
                                        "as in DeepEP")
             head = self._head(handle)
-            st, mask, n = head.state, head.is_token_in_rank, head.num_recv_tokens
+            mask, n = head.is_token_in_rank, head.num_recv_tokens
             if T != head.num_tokens:
                 raise invalid_argument(f"dispatch: x has {T} rows, but the handle's dispatch had {head.num_tokens} "
                                        "tokens")
             self._budget(config)
+            st = head.state
+            if not st.combined and (st.last_mask is not mask or st.last_tokens != T):
+                # Its engine holds another dispatch not yet combined (another micro-batch's): the
+                # handle's routing moves to the engine the policy gives, and the handle with it.
+                st = head.state = self._dispatch_engine(self._engines[(st.hidden, st.num_experts)], T, mask)
         else:
             if is_token_in_rank is None or num_tokens_per_expert is None:
                 missing = "is_token_in_rank" if is_token_in_rank is None else "num_tokens_per_expert"
@@ -488,7 +502,7 @@ class Buffer(LowLatencyMode):
             _check_tensor(is_token_in_rank, "dispatch: is_token_in_rank", (torch.bool,), (T, R), dev)
             first = self._engine(H, num_tokens_per_expert.numel(), config)
             self._check_tokens(first, T)  # before a second engine is made for it
-            st, mask, n = self._dispatch_engine(first), is_token_in_rank, None
+            st, mask, n = self._dispatch_engine(first, T, is_token_in_rank), is_token_in_rank, None
         self._check_tokens(st, T)
         k = 0 if topk_idx is None else topk_idx.shape[1]
         sync = not cached and num_worst_tokens == 0
@@ -605,9 +619,10 @@ class Buffer(LowLatencyMode):
         self._budget(config)
         if head.seq != st.seq and (head.num_tokens != st.last_tokens or head.is_token_in_rank is not st.last_mask):
             raise invalid_argument(f"combine: the handle is of dispatch {head.seq}, but graphep combines the last "
-                                   f"dispatch of the engine (dispatch {st.seq}), which routed other tokens: a shape "
-                                   "holds its last two dispatches not yet combined (as DeepEP's buffers); combine "
-                                   "before a third dispatch, or dispatch again with this handle")
+                                   f"dispatch of the engine (dispatch {st.seq}), which routed other tokens: a later "
+                                   "dispatch reused the engine (a shape holds its last two dispatches not yet "
+                                   "combined, and reuses an engine whose dispatch was combined); combine before "
+                                   "that, or dispatch again with this handle")
         n, H, T = head.num_recv_tokens, st.hidden, head.num_tokens
         _check_tensor(x, "combine: x (a row per row the handle's dispatch received)", (torch.bfloat16,), (n, H),
                       self._device)

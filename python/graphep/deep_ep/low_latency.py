@@ -8,19 +8,21 @@
 
 How it maps (DeepEP's argument -> graphep):
 
-- One engine per (num_max_dispatch_tokens_per_rank T, hidden, num_experts): the latency path,
+- An engine per (num_max_dispatch_tokens_per_rank T, hidden, num_experts), and a second one for
+  two operations in flight (below): the latency path,
   batched receive layout with R x T rows per local expert, bf16 records
   (graphep.deep_ep.config.low_latency_engine_config). DeepEP's [E_local, R x T, H] receive tensor
   is that layout's recv_x. Where DeepEP allocates its RDMA buffer, in the Buffer's constructor,
   graphep makes the engines of the shapes get_low_latency_rdma_size_hint was asked for in this
   process (for the group's rank count, each hint within num_rdma_bytes; the shapes of every rank,
-  gathered, so that the ranks make the same engines): so a rank that stops before its first dispatch (shrink
-  mode) leaves no collective waiting, and the first dispatch can be captured. A shape no hint
-  named gets its engine on its first low_latency_dispatch (collective: every rank makes the same
-  calls in the same order, as DeepEP requires).
+  gathered, so that the ranks make the same engines), in shrink mode both engines of each: so a
+  rank that stops before its first dispatch leaves no collective waiting, and the first dispatch
+  can be captured. A shape no hint named gets its engine (in shrink mode both) on its first
+  low_latency_dispatch (collective: every rank makes the same calls in the same order, as DeepEP
+  requires).
 - recv_x, recv_count, the handle's src_info / layout_range and get_next_low_latency_combine_buffer
-  are views of the engine's own buffers (no copy, nothing allocated per call): each dispatch
-  rewrites them, as DeepEP's buffers are reused. recv_count is the engine's expert_counts,
+  are views of the engine's own buffers (no copy, nothing allocated per call): each dispatch on
+  that engine rewrites them, as DeepEP's buffers are reused. recv_count is the engine's expert_counts,
   src_info its row_src_token (the source token of each row), layout_range its
   expert_source_ranges (begin << 32 | count per expert and source rank).
 - Capturable (torch.cuda.graph); the first low_latency_dispatch of a shape whose engine the
@@ -44,22 +46,27 @@ How it maps (DeepEP's argument -> graphep):
   runs on the first free one (its last dispatch combined, or none yet, and no receive hook
   waiting). When none is free and the shape has one engine, the dispatch makes the second
   (setup: collective, and refused during a CUDA graph capture, so a stack's eager warm-up step
-  makes it); with two, it reuses the one whose dispatch is older and has no hook waiting (that
+  makes it; a capture refused so leaves its send halves' hooks uncalled, and the Buffer must be
+  made again); with two, it reuses the one whose dispatch is older and has no hook waiting (that
   dispatch's handle goes stale and is refused by name, as DeepEP's older buffer is
   overwritten); when both hold a send half waiting for its hook, it is refused. A handle names
   its engine: combine, the hook and get_next_low_latency_combine_buffer act on that engine
-  alone, so micro-batch A's combine may come while B's dispatch hook waits.
+  alone (a stale handle refused by name), so micro-batch A's combine may come while B's dispatch
+  hook waits.
 - clean_low_latency_buffer zeroes nothing: graphep's counters only grow. In shrink mode it is
-  DeepEP's barrier (Engine.barrier on that shape's engine, a rank that does not come masked);
-  otherwise it does nothing.
+  DeepEP's barrier (Engine.barrier on that shape's first engine, a rank that does not come
+  masked, the second engine's word then cleared of it too); otherwise it does nothing.
 - Shrink mode (enable_shrink=True): the low-latency engines are made with
   MoeConfig.shrink_on_timeout, so that, as DeepEP's, their kernels mask a rank whose count message,
   combine weights or partials do not come within GRAPHEP_TIMEOUT_MS, and the operation completes
   among the others. low_latency_update_mask_buffer and low_latency_clean_mask_buffer set and clear
   the bits of the ranks they name in every engine's active-rank mask word (Engine.active_ranks) on
   the current stream, leaving the bits the kernels cleared; low_latency_query_mask_buffer reads
-  the words (a rank out of any engine's word is masked). A rank whose records came in part still
-  fails the engine, naming it (Engine.recover brings the survivors back).
+  the words (a rank out of any engine's word is masked). A shape's two engines share what their
+  kernels masked: each dispatch first clears, in its engine's word, the ranks the other engine's
+  word has cleared (on the stream: one small device op), so a dead rank costs one timeout, not
+  one per engine. A rank whose records came in part still fails the engine, naming it
+  (Engine.recover on each of the shape's engines brings the survivors back).
   Across a mask change each low_latency_dispatch is followed by its low_latency_combine before the
   next dispatch (the engine's rule, graphep::Engine::setActiveRanks).
 - Not supported (graphep.Error NOT_SUPPORTED, naming it): use_logfmt, dispatch_wait_recv_cost_stats
@@ -218,11 +225,13 @@ class LowLatencyMode:
 
     def _low_latency_engine(self, max_tokens: int, hidden: int, num_experts: int) -> _LowLatencyState:
         """The first engine of (T, hidden, num_experts): made by the constructor when hinted, else
-        here on first use (collective)."""
+        here on first use (collective); in shrink mode its second with it."""
         key = (max_tokens, hidden, num_experts)
         st = self._ll_engines.get(key)
         if st is None:
             st = self._ll_engines[key] = self._make_low_latency_engine(key, "low_latency_dispatch")
+            if self.enable_shrink:  # both now: a lazy, collective second could wait for a dead rank
+                st.second = self._make_low_latency_engine(key, "low_latency_dispatch (the shape's second engine)")
         return st
 
     def _make_low_latency_engine(self, key: Tuple[int, int, int], what: str) -> _LowLatencyState:
@@ -241,7 +250,9 @@ class LowLatencyMode:
             raise invalid_argument(f"{what}: it needs a new low-latency engine (num_max_dispatch_tokens_per_rank="
                                    f"{max_tokens}, hidden={hidden}, num_experts={num_experts}), which is made "
                                    "collectively with host syncs and cannot be made during a CUDA graph capture: "
-                                   "run the same calls once eagerly first (a warm-up step)")
+                                   "run the same calls once eagerly first (a warm-up step); a send half captured "
+                                   "before this call waits for a hook the failed capture lost, so make the Buffer "
+                                   "again")
         others = self._ll_states()
         st = _LowLatencyState(create_engine(self._group, cfg), max_tokens, hidden, num_experts, self.group_size)
         if getattr(self, "_masked_ranks", None):  # shrink mode: the ranks masked so far
@@ -254,11 +265,12 @@ class LowLatencyMode:
         """The engine of first's shape this dispatch runs on (pick_engine), the shape's second made
         when the first is held and there is none yet."""
         st = pick_engine(first.engines())
+        if st is None and first.second is None:
+            st = first.second = self._make_low_latency_engine(first.shape, f"{what} while an earlier one is in flight")
         if st is not None:
+            if self.enable_shrink and first.second is not None:  # the ranks the other engine's kernels masked
+                st.active.bitwise_and_((first.second if st is first else first).active)
             return st
-        if first.second is None:
-            first.second = self._make_low_latency_engine(first.shape, f"{what} while an earlier one is in flight")
-            return first.second
         T, H, E = first.shape
         raise invalid_argument(f"{what}: two operations of num_max_dispatch_tokens_per_rank={T}, hidden={H}, "
                                f"num_experts={E} are in flight ({first.pending[0]} and {first.second.pending[0]} "
@@ -346,6 +358,8 @@ class LowLatencyMode:
             for each in st.engines():
                 self._check_pending(each, what)
             st.engine.barrier(torch.cuda.current_stream())  # one barrier among the ranks: the first engine's
+            if st.second is not None:  # a rank it masked, masked in the second engine's word too
+                st.second.active.bitwise_and_(st.active)
 
     @as_extension
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
@@ -460,9 +474,10 @@ class LowLatencyMode:
         if head.seq != st.seq:
             raise invalid_argument(f"{what}: the handle is of low_latency_dispatch {head.seq}, but graphep combines "
                                    f"the engine's last dispatch ({st.seq}) of num_max_dispatch_tokens_per_rank="
-                                   f"{st.max_tokens}, hidden={st.hidden}, num_experts={st.num_experts}: a shape holds "
-                                   "the results of its last two dispatches not yet combined (as DeepEP's two "
-                                   "low-latency buffers); combine before a third dispatch of that shape")
+                                   f"{st.max_tokens}, hidden={st.hidden}, num_experts={st.num_experts}: a later "
+                                   "dispatch of that shape reused the engine (a shape holds its last two dispatches "
+                                   "not yet combined, as DeepEP's two low-latency buffers, and reuses an engine whose "
+                                   "dispatch was combined); combine before that")
         n, k, H = head.num_tokens, head.top_k, st.hidden
         check_tensor(x, f"{what}: x", (torch.bfloat16,), tuple(st.expert_output.shape), dev)
         check_tensor(topk_idx, f"{what}: topk_idx", (torch.int64, torch.int32), (n, k), dev)
@@ -492,8 +507,13 @@ class LowLatencyMode:
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """The engine's expert-output buffer as bfloat16 [E_local, R x T, hidden] (a view): rows
         written here are what low_latency_combine(..., zero_copy=True) sends."""
-        self._require_low_latency("get_next_low_latency_combine_buffer")
-        return self._low_latency_head(handle, "get_next_low_latency_combine_buffer").state.expert_output
+        what = "get_next_low_latency_combine_buffer"
+        self._require_low_latency(what)
+        head = self._low_latency_head(handle, what)
+        if head.seq != head.state.seq:
+            raise invalid_argument(f"{what}: the handle is of low_latency_dispatch {head.seq}, but its engine's last "
+                                   f"dispatch is {head.state.seq}: its combine buffer now belongs to that dispatch")
+        return head.state.expert_output
 
     # ---- shrink mode: DeepEP's mask buffer as the engines' active-rank mask ----------------------
     def _require_shrink(self, what: str) -> None:
