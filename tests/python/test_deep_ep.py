@@ -573,13 +573,15 @@ def worker() -> int:
             ref_b += torch.where(mine[1].mask[:, q:q + 1], yq, torch.zeros_like(yq))
         check_combined(f"two.{order}.combine_b", got[1], ref_b)
     # A third non-cached dispatch while two are held: the older one's engine; its handle refused.
-    # (The third's inputs and mask are their own: handle_e's engine must not end on its routing.)
+    # (The third's inputs and mask are their own: handle_e's engine must not end on its routing. h2
+    # and h3 route the same tokens through two mask tensors: the same tensor again would be a
+    # re-dispatch of h2's routing, which stays on h2's engine.)
     third = inputs(45)[rank]
     third_args = dict(num_tokens_per_rank=third.per_rank, is_token_in_rank=third.mask,
                       num_tokens_per_expert=third.per_expert, config=cfg)
     _, _, _, _, h1, _ = buffer.dispatch(me.x, topk_idx=me.ids, topk_weights=me.w, **common)
     x2, _, _, _, h2, _ = buffer.dispatch(third.x, **third_args)
-    x3, _, _, _, h3, _ = buffer.dispatch(third.x, **third_args)
+    x3, _, _, _, h3, _ = buffer.dispatch(third.x, **dict(third_args, is_token_in_rank=third.mask.clone()))
     count("two.third_reuses_the_older", h3[5].state is not h1[5].state or h2[5].state is h1[5].state)
     expect_error("two.stale_handle", graphep.Status.INVALID_ARGUMENT,
                  ["the handle is of dispatch", "routed other tokens", "its last two dispatches"],

@@ -332,21 +332,26 @@ def test_a_second_engine_for_a_second_operation_in_flight(monkeypatch):
 
 @requires_torch
 def test_shrink_mode_engines_share_what_their_kernels_masked():
-    """_ll_dispatch_engine in shrink mode (no GPU): the engine a dispatch runs on first clears, in its
-    mask word, the ranks the shape's other engine's kernels masked (so a dead rank costs one
-    timeout, not one per engine); without shrink mode the words are left alone."""
+    """_take_masked in shrink mode (no GPU): the engine a dispatch runs on first clears, in its mask
+    word, the ranks the shape's other engine's kernels masked (so a dead rank costs one timeout,
+    not one per engine); without shrink mode the words are left alone."""
     import torch
 
     for shrink in (True, False):
         b = _bare_buffer(enable_shrink=shrink)
         first = _fake_state(name="first", shape=(8, 128, 16), active=torch.tensor([0b111], dtype=torch.int32))
         first.second = _fake_state(name="second", active=torch.tensor([0b101], dtype=torch.int32))  # rank 1 masked
-        assert b._ll_dispatch_engine(first, "low_latency_dispatch") is first
+        st = b._ll_dispatch_engine(first, "low_latency_dispatch")
+        assert st is first
+        b._take_masked(first, st)
         assert int(first.active[0]) == (0b101 if shrink else 0b111)
         first.combined, first.seq = False, 1
         first.active.fill_(0b011)  # first's kernels masked rank 2
-        assert b._ll_dispatch_engine(first, "low_latency_dispatch") is first.second
+        st = b._ll_dispatch_engine(first, "low_latency_dispatch")
+        assert st is first.second
+        b._take_masked(first, st)
         assert int(first.second.active[0]) == (0b001 if shrink else 0b101)
+        assert int(first.active[0]) == 0b011, "the other engine's word is read, not written"
 
 
 @requires_torch

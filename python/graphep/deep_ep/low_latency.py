@@ -64,8 +64,9 @@ How it maps (DeepEP's argument -> graphep):
   the current stream, leaving the bits the kernels cleared; low_latency_query_mask_buffer reads
   the words (a rank out of any engine's word is masked). A shape's two engines share what their
   kernels masked: each dispatch first clears, in its engine's word, the ranks the other engine's
-  word has cleared (on the stream: one small device op), so a dead rank costs one timeout, not
-  one per engine. A rank whose records came in part still fails the engine, naming it
+  word has cleared (on the dispatch's stream: one small device op; it only removes ranks), so a
+  dead rank costs one timeout, not one per engine (a combine already pending on the other engine
+  uses its dispatch's mask and may still wait one timeout for it). A rank whose records came in part still fails the engine, naming it
   (Engine.recover on each of the shape's engines brings the survivors back).
   Across a mask change each low_latency_dispatch is followed by its low_latency_combine before the
   next dispatch (the engine's rule, graphep::Engine::setActiveRanks).
@@ -261,6 +262,14 @@ class LowLatencyMode:
             st.active.bitwise_and_(other.active)
         return st
 
+    def _take_masked(self, first: _LowLatencyState, st: _LowLatencyState) -> None:
+        """Shrink mode: clears in st's mask word the ranks the shape's other engine's word has
+        cleared (what its kernels masked after a timeout), on the current stream, so that a dead
+        rank costs one timeout, not one per engine. It only removes ranks (the engine's rule on
+        mask changes concerns ranks put back)."""
+        if self.enable_shrink and first.second is not None:
+            st.active.bitwise_and_((first.second if st is first else first).active)
+
     def _ll_dispatch_engine(self, first: _LowLatencyState, what: str) -> _LowLatencyState:
         """The engine of first's shape this dispatch runs on (pick_engine), the shape's second made
         when the first is held and there is none yet."""
@@ -268,8 +277,6 @@ class LowLatencyMode:
         if st is None and first.second is None:
             st = first.second = self._make_low_latency_engine(first.shape, f"{what} while an earlier one is in flight")
         if st is not None:
-            if self.enable_shrink and first.second is not None:  # the ranks the other engine's kernels masked
-                st.active.bitwise_and_((first.second if st is first else first).active)
             return st
         T, H, E = first.shape
         raise invalid_argument(f"{what}: two operations of num_max_dispatch_tokens_per_rank={T}, hidden={H}, "
@@ -420,6 +427,8 @@ class LowLatencyMode:
         self._check_stream_args(async_finish, return_recv_hook, what)  # before a second engine is made for it
         st = self._ll_dispatch_engine(first, what)
         stream = self._launch_stream(async_finish, return_recv_hook, what)
+        with self._on(stream):  # in order with the dispatch, on its stream
+            self._take_masked(first, st)
         raw = self._raw(stream)
         xs, ids = (x, topk_idx) if n > 0 else (st.idle_x, st.idle_ids)
         kwargs = {"top_k": k, "input": DispatchInput.FP8_QUANTIZE if use_fp8 else DispatchInput.BF16}
