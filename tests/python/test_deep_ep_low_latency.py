@@ -271,12 +271,23 @@ def test_clean_is_the_barrier_in_shrink_mode(monkeypatch):
     assert int(first.second.active[0]) == 0b01, "the rank the barrier masked, masked in the second engine too"
 
 
-@requires_torch
+def _in_flight_module():
+    """graphep/deep_ep/in_flight.py loaded by its path: it needs no PyTorch, while importing it as
+    graphep.deep_ep.in_flight runs the package's __init__, which does (so this runs in CI too)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(graphep.__file__), "deep_ep", "in_flight.py")
+    spec = importlib.util.spec_from_file_location("graphep_in_flight", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_pick_engine_alternates_as_deepeps_two_buffers():
-    """pick_engine (no GPU): the first free engine (combined, or never used, and no hook waiting);
-    with one engine held, None (make the second); with two held, the older dispatch's engine among
-    those with no hook waiting; with both waiting for a hook, None (refused)."""
-    from graphep.deep_ep.in_flight import pick_engine
+    """pick_engine (no GPU, no PyTorch): the first free engine (combined, or never used, and no hook
+    waiting); with one engine held, None (make the second); with two held, the older dispatch's
+    engine among those with no hook waiting; with both waiting for a hook, None (refused)."""
+    pick_engine = _in_flight_module().pick_engine
 
     a, b = _fake_state(name="a"), _fake_state(name="b")
     assert pick_engine([a]) is a and pick_engine([a, b]) is a
@@ -295,6 +306,9 @@ def test_pick_engine_alternates_as_deepeps_two_buffers():
     assert pick_engine([a, b]) is a
     a.combined, b.pending, b.combined = False, None, True
     assert pick_engine([a, b]) is b
+    b.pending = ("the receive hook of low_latency_combine of dispatch 6", object())  # its combine's send half
+    assert pick_engine([a, b]) is a, "combined, but its combine's send half waits for its hook: held"
+    assert pick_engine([b]) is None
 
 
 @requires_torch
