@@ -309,6 +309,17 @@ def test_pick_engine_alternates_as_deepeps_two_buffers():
     b.pending = ("the receive hook of low_latency_combine of dispatch 6", object())  # its combine's send half
     assert pick_engine([a, b]) is a, "combined, but its combine's send half waits for its hook: held"
     assert pick_engine([b]) is None
+    # The normal mode's re-dispatch (routes_it: the engine's last dispatch routed the same tokens):
+    # after the free ones, before the older one; never one whose hook waits.
+    b.pending, b.combined, b.route, a.route = None, False, "m1", "m2"
+    same = lambda route: lambda st: st.route == route  # noqa: E731
+    assert pick_engine([a, b], same("m1")) is b and pick_engine([a, b], same("m2")) is a
+    assert pick_engine([a, b], same("m3")) is b, "no engine routes it: the older dispatch's"
+    assert pick_engine([a], same("m2")) is a and pick_engine([a], same("m1")) is None
+    b.pending = ("the receive hook of low_latency_dispatch 6", object())
+    assert pick_engine([a, b], same("m1")) is a
+    b.pending, a.combined = None, True
+    assert pick_engine([a, b], same("m1")) is a, "a free engine before one that routes the same tokens"
 
 
 @requires_torch

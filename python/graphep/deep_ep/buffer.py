@@ -308,10 +308,8 @@ class Buffer(LowLatencyMode):
         as num_worst_tokens' needs no second engine); else the shape's second, made now, while the
         first holds a dispatch not yet combined; with two held, the older dispatch's (its handle
         goes stale)."""
-        engines = first.engines()
-        st = next((e for e in engines if e.combined), None) or \
-            next((e for e in engines if e.last_mask is mask and e.last_tokens == num_tokens), None) or \
-            pick_engine(engines)  # never None with two: the normal mode has no hooks
+        # Never None with two engines: the normal mode has no hooks.
+        st = pick_engine(first.engines(), lambda e: e.last_mask is mask and e.last_tokens == num_tokens)
         if st is None:
             first.second = st = self._make_engine(first.hidden, first.num_experts, self._sm_budget,
                                                   "dispatch while an earlier one is not yet combined")

@@ -10,7 +10,7 @@ depends only on the calls made, so every rank, making the same calls in the same
 requires, picks the same engine. A handle carries its engine: its combine and hooks act on it.
 """
 
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 
 class InFlight:
@@ -28,15 +28,20 @@ class InFlight:
         return [self] if self.second is None else [self, self.second]
 
 
-def pick_engine(states: List[InFlight]) -> Optional[InFlight]:
+def pick_engine(states: List[InFlight], routes_it: Optional[Callable[[InFlight], bool]] = None) -> Optional[InFlight]:
     """The engine of a shape that its next dispatch runs on, among the shape's engines `states`
     (first made first), as DeepEP's two buffers alternate: the first free one (its last dispatch
-    combined, or none yet, and no receive hook waiting); else, with two engines, the one whose
+    combined, or none yet, and no receive hook waiting); else, given routes_it, the first with no
+    hook waiting whose last dispatch routed the same tokens (the normal mode's re-dispatch: its
+    handle stays served, so it needs no second engine); else, with two engines, the one whose
     last dispatch is older among those with no hook waiting (that dispatch's handle goes stale).
     None: one engine, held (the caller makes the second), or two, each holding a send half until
     its hook (refused)."""
     for st in states:
         if st.pending is None and st.combined:
+            return st
+    for st in states if routes_it is not None else ():
+        if st.pending is None and routes_it(st):
             return st
     idle = [st for st in states if st.pending is None]
     return min(idle, key=lambda st: st.seq) if len(states) > 1 and idle else None
