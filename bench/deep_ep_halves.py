@@ -19,16 +19,14 @@ send kernel from a receive kernel by order: the names hold `::dispatch` or `::co
 period. Needs PyTorch and a GPU per process; NCCL_NVLS_ENABLE=0 is set.
 """
 
-import argparse
 import json
-import os
 import statistics
 import tempfile
 
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+from deep_ep_common import decode_batch, finish, low_latency_buffer, parser, spawn, start
 
 MODES = ("idle", "flush", "gemm", "idle")
 WARMUP, PERIODS = 5, 30
@@ -50,26 +48,12 @@ def kernel_halves(events: list, key: str):
 
 
 def run(local_rank: int, args) -> None:
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{args.port}", world_size=args.num_processes,
-                            rank=local_rank, device_id=torch.device("cuda", local_rank))
-    torch.cuda.set_device(local_rank)
-    if args.deepep:
-        import deep_ep
-    else:
-        import graphep.deep_ep as deep_ep
-    rank, R = dist.get_rank(), dist.get_world_size()
+    deep_ep, rank, R = start(local_rank, args)
     T, H, E, K = args.num_tokens, args.hidden, args.num_experts, args.num_topk
-    L = E // R
     torch.manual_seed(rank)
     dev = "cuda"
-    x = torch.randn((T, H), dtype=torch.bfloat16, device=dev) * 0.1
-    scores = torch.randn((T, E), dtype=torch.float32, device=dev).abs() + 1
-    topk_idx = torch.topk(scores, K, dim=-1, largest=True, sorted=True)[1].to(deep_ep.topk_idx_t)
-    topk_w = torch.randn((T, K), dtype=torch.float32, device=dev).abs()
-    expert_out = torch.randn((L, R * T, H), dtype=torch.bfloat16, device=dev) * 0.1
-    buffer = deep_ep.Buffer(dist.group.WORLD, num_rdma_bytes=deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, R, E),
-                            low_latency_mode=True, num_qps_per_rank=L, allow_nvlink_for_low_latency_mode=True,
-                            explicitly_destroy=True)
+    x, topk_idx, topk_w, expert_out = decode_batch(deep_ep, T, H, E, K, R)
+    buffer = low_latency_buffer(deep_ep, T, H, R, E)
     cache = torch.empty(int(256e6 // 4), dtype=torch.int, device=dev)
     a = torch.randn((8192, 8192), dtype=torch.float, device=dev)
     b = torch.randn((8192, 8192), dtype=torch.float, device=dev)
@@ -107,19 +91,8 @@ def run(local_rank: int, args) -> None:
         print(f"[rank {rank}] {who} T={T} H={H} E={E} K={K} {mode}: dispatch send {d_send:.1f} recv {d_recv:.1f} | "
               f"combine send {c_send:.1f} recv {c_recv:.1f}", flush=True)
         dist.barrier()
-    buffer.destroy()
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(buffer)
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--num-processes", type=int, default=2)
-    p.add_argument("--num-tokens", type=int, default=128)
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--num-experts", type=int, default=288)
-    p.add_argument("--num-topk", type=int, default=8)
-    p.add_argument("--port", type=int, default=8372)
-    p.add_argument("--deepep", action="store_true", help="DeepEP's deep_ep instead of graphep.deep_ep")
-    args = p.parse_args()
-    torch.multiprocessing.spawn(run, args=(args,), nprocs=args.num_processes)
+    spawn(run, parser(__doc__, tokens=128, experts=288, port=8372).parse_args())

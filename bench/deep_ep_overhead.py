@@ -23,7 +23,6 @@ costly functions (own time) of N adapter calls of each case under cProfile. Need
 GPU per process; NCCL_NVLS_ENABLE=0 is set.
 """
 
-import argparse
 import os
 import time
 
@@ -31,6 +30,8 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+from deep_ep_common import parser  # noqa: E402
 
 WARMUP, TIMED = 50, 50
 
@@ -234,14 +235,8 @@ def run(local_rank: int, args) -> None:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--num-processes", type=int, default=2)
-    p.add_argument("--num-tokens", type=int, default=4096)
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--num-experts", type=int, default=256)
-    p.add_argument("--num-topk", type=int, default=8)
+    p = parser(__doc__, tokens=4096, experts=256, port=8371, deepep=False)
     p.add_argument("--num-sms", type=int, default=24)
-    p.add_argument("--port", type=int, default=8371)
     p.add_argument("--low-latency", action="store_true", help="the low-latency calls (T = --num-tokens)")
     p.add_argument("--default-device", action="store_true",
                    help="torch.set_default_device('cuda') and bf16 default dtype, as DeepEP's tests")

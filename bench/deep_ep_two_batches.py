@@ -18,49 +18,26 @@ stream, after 10 warm-up steps, the ranks started together by a barrier), eagerl
 once in a CUDA graph and replayed (as serving stacks run decode), and the GEMMs alone; the eager
 sequential schedule runs again last, a check that nothing drifted.
 --deepep runs DeepEP's own `deep_ep` (on PYTHONPATH, built with NVSHMEM) instead of
-graphep.deep_ep. Needs PyTorch and a GPU per process; NCCL_NVLS_ENABLE=0 is set.
+graphep.deep_ep. Needs PyTorch and a GPU per process (bench/deep_ep_common.py: NCCL_NVLS_ENABLE=0 is set).
 """
 
-import argparse
-import os
+import torch
 
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+from deep_ep_common import decode_batch, finish, low_latency_buffer, parser, spawn, start
 
 WARMUP, STEPS = 10, 50
 
 
 def run(local_rank: int, args) -> None:
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{args.port}", world_size=args.num_processes,
-                            rank=local_rank, device_id=torch.device("cuda", local_rank))
-    torch.cuda.set_device(local_rank)
-    if args.deepep:
-        import deep_ep
-    else:
-        import graphep.deep_ep as deep_ep
-    rank, R = dist.get_rank(), dist.get_world_size()
+    deep_ep, rank, R = start(local_rank, args)
     T, H, E, K = args.num_tokens, args.hidden, args.num_experts, args.num_topk
-    L = E // R
     torch.manual_seed(rank)
     dev = "cuda"
-
-    def batch():
-        x = torch.randn((T, H), dtype=torch.bfloat16, device=dev) * 0.1
-        scores = torch.randn((T, E), dtype=torch.float32, device=dev).abs() + 1
-        ids = torch.topk(scores, K, dim=-1, largest=True, sorted=True)[1].to(deep_ep.topk_idx_t)
-        w = torch.rand((T, K), dtype=torch.float32, device=dev)
-        y = torch.randn((L, R * T, H), dtype=torch.bfloat16, device=dev) * 0.1  # the experts' outputs
-        return x, ids, w, y
-
-    mb = [batch(), batch()]
+    mb = [decode_batch(deep_ep, T, H, E, K, R) for _ in range(2)]  # (x, ids, weights, experts' outputs)
     g = args.gemm
     mats = [(torch.randn((g, g), dtype=torch.bfloat16, device=dev), torch.randn((g, g), dtype=torch.bfloat16,
                                                                                  device=dev)) for _ in mb] if g else []
-    buffer = deep_ep.Buffer(dist.group.WORLD, num_rdma_bytes=deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, R, E),
-                            low_latency_mode=True, num_qps_per_rank=L, allow_nvlink_for_low_latency_mode=True,
-                            explicitly_destroy=True)
+    buffer = low_latency_buffer(deep_ep, T, H, R, E)
 
     def experts(m: int) -> None:
         if g:
@@ -112,30 +89,20 @@ def run(local_rank: int, args) -> None:
         for _ in range(WARMUP):
             step()
         torch.cuda.synchronize()
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        torch.distributed.barrier()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
         for _ in range(STEPS):
             step()
         end.record()
         torch.cuda.synchronize()
         print(f"[rank {rank}] {who} T={T} H={H} E={E} K={K} gemm={g} {name}: "
-              f"{start.elapsed_time(end) * 1e3 / STEPS:.1f} us a step", flush=True)
-        dist.barrier()
-    buffer.destroy()
-    dist.barrier()
-    dist.destroy_process_group()
+              f"{begin.elapsed_time(end) * 1e3 / STEPS:.1f} us a step", flush=True)
+        torch.distributed.barrier()
+    finish(buffer)
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--num-processes", type=int, default=2)
-    p.add_argument("--num-tokens", type=int, default=128)
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--num-experts", type=int, default=288)
-    p.add_argument("--num-topk", type=int, default=8)
+    p = parser(__doc__, tokens=128, experts=288, port=8373)
     p.add_argument("--gemm", type=int, default=4096, help="the side of each micro-batch's bf16 GEMM (0: none)")
-    p.add_argument("--port", type=int, default=8373)
-    p.add_argument("--deepep", action="store_true", help="DeepEP's deep_ep instead of graphep.deep_ep")
-    args = p.parse_args()
-    torch.multiprocessing.spawn(run, args=(args,), nprocs=args.num_processes)
+    spawn(run, p.parse_args())

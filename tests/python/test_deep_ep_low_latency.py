@@ -181,8 +181,6 @@ def test_shrink_mode_masks_every_low_latency_engine():
     kernels masked after a timeout stays masked until unmasked by name or clean); a mask that would leave no
     rank and a bad rank are refused by name and change nothing; query refuses a tensor that is not
     int32 [num_ranks] on a GPU."""
-    import types
-
     import torch
 
     def engine():  # the mask word (int32 [1]) as the engine's view holds it: every rank in
