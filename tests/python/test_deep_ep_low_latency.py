@@ -320,6 +320,30 @@ def test_pick_engine_alternates_as_deepeps_two_buffers():
     assert pick_engine([a, b], same("m1")) is a, "a free engine before one that routes the same tokens"
 
 
+def test_engine_for_dispatch_makes_the_second_once_and_statuses_name_it():
+    """in_flight (no GPU, no PyTorch): engine_for_dispatch makes the shape's second engine when the
+    first is held and there is none (once), returns None when both hold a send half; statuses
+    lists a second engine under its shape's key + (1,)."""
+    m = _in_flight_module()
+    first, made = _fake_state(name="first"), []
+
+    def make():
+        made.append(_fake_state(name="second"))
+        return made[-1]
+
+    assert m.engine_for_dispatch(first, make) is first and made == []
+    first.combined, first.seq = False, 1
+    second = m.engine_for_dispatch(first, make)
+    assert second is first.second and made == [second]
+    second.combined, second.seq = False, 2
+    assert m.engine_for_dispatch(first, make) is first and len(made) == 1, "both held: the older, nothing made"
+    first.pending = second.pending = ("a hook", object())
+    assert m.engine_for_dispatch(first, make) is None and len(made) == 1
+    other = _fake_state(name="other")
+    assert m.statuses({(8, 128, 16): first, (4, 64, 8): other}, lambda st: st.name) == \
+        {(8, 128, 16): "first", (8, 128, 16, 1): "second", (4, 64, 8): "other"}
+
+
 @requires_torch
 def test_a_second_engine_for_a_second_operation_in_flight(monkeypatch):
     """_ll_dispatch_engine (no GPU): a dispatch while the shape's one engine holds an earlier dispatch
@@ -366,13 +390,13 @@ def test_shrink_mode_engines_share_what_their_kernels_masked():
         first.second = _fake_state(name="second", active=torch.tensor([0b101], dtype=torch.int32))  # rank 1 masked
         st = b._ll_dispatch_engine(first, "low_latency_dispatch")
         assert st is first
-        b._take_masked(first, st)
+        b._take_masked(first, st, None)
         assert int(first.active[0]) == (0b101 if shrink else 0b111)
         first.combined, first.seq = False, 1
         first.active.fill_(0b011)  # first's kernels masked rank 2
         st = b._ll_dispatch_engine(first, "low_latency_dispatch")
         assert st is first.second
-        b._take_masked(first, st)
+        b._take_masked(first, st, None)
         assert int(first.second.active[0]) == (0b001 if shrink else 0b101)
         assert int(first.active[0]) == 0b011, "the other engine's word is read, not written"
 

@@ -53,10 +53,10 @@ from graphep._graphep import DispatchInput, MoeStatus, Status, token_layout
 from graphep.deep_ep.config import (MAX_TOKENS_ENV, TOKENS_CAP, TOKENS_STEP, Config, combine_config, dispatch_config,
                                     engine_config, heap_bytes_for, max_tokens_per_rank, sm_budget)
 from graphep.deep_ep.events import EventOverlap
-from graphep.deep_ep.in_flight import InFlight, pick_engine
+from graphep.deep_ep.in_flight import InFlight, engine_for_dispatch, statuses
 from graphep.deep_ep.low_latency import HINTED, LowLatencyMode, _LowLatencyState, hinted_by_any_rank, hinted_shapes
 from graphep.deep_ep.tensors import ID_TYPES as _ID_TYPES
-from graphep.deep_ep.tensors import as_extension, current_raw_stream
+from graphep.deep_ep.tensors import as_extension, current_raw_stream, refuse_during_capture
 from graphep.deep_ep.tensors import check_tensor as _check_tensor
 from graphep.engine import _INDEX_TYPES, DispatchOutputs, Engine, create_engine, memory_requirements
 from graphep.errors import Error, invalid_argument, not_supported
@@ -261,12 +261,7 @@ class Buffer(LowLatencyMode):
 
     def status(self) -> BufferStatus:
         """graphep extra: each engine's MoeStatus (what the device counted); synchronises the device."""
-        engines = {}
-        for key, st in self._engines.items():
-            engines[key] = st.engine.status()
-            if st.second is not None:
-                engines[key + (1,)] = st.second.engine.status()
-        return BufferStatus(engines, self._low_latency_status())
+        return BufferStatus(statuses(self._engines, lambda st: st.engine.status()), self._low_latency_status())
 
     # ---- engines -----------------------------------------------------------------------------
     def _budget(self, config: Config) -> int:
@@ -292,10 +287,7 @@ class Buffer(LowLatencyMode):
     def _make_engine(self, hidden: int, num_experts: int, budget: int, what: str) -> _EngineState:
         """A new engine for (hidden, num_experts) (setup: collective, host syncs; refused during a
         CUDA graph capture)."""
-        if torch.cuda.is_current_stream_capturing():
-            raise invalid_argument(f"{what}: it needs a new engine (hidden={hidden}, num_experts={num_experts}), which "
-                                   "is made collectively with host syncs and cannot be made during a CUDA graph "
-                                   "capture: run the same calls once eagerly first (a warm-up step)")
+        refuse_during_capture(what, f"engine (hidden={hidden}, num_experts={num_experts})")
         heap = heap_bytes_for(hidden, num_experts, self.group_size, budget)
         tokens = max_tokens_per_rank(self.num_nvl_bytes, heap, os.environ.get(MAX_TOKENS_ENV))
         engine = create_engine(self._group, engine_config(tokens, hidden, num_experts, budget))
@@ -308,12 +300,10 @@ class Buffer(LowLatencyMode):
         as num_worst_tokens' needs no second engine); else the shape's second, made now, while the
         first holds a dispatch not yet combined; with two held, the older dispatch's (its handle
         goes stale)."""
-        # Never None with two engines: the normal mode has no hooks.
-        st = pick_engine(first.engines(), lambda e: e.last_mask is mask and e.last_tokens == num_tokens)
-        if st is None:
-            first.second = st = self._make_engine(first.hidden, first.num_experts, self._sm_budget,
-                                                  "dispatch while an earlier one is not yet combined")
-        return st
+        return engine_for_dispatch(  # never None: the normal mode has no hooks
+            first, lambda: self._make_engine(first.hidden, first.num_experts, self._sm_budget,
+                                             "dispatch while an earlier one is not yet combined"),
+            lambda e: e.last_mask is mask and e.last_tokens == num_tokens)
 
     def _check_tokens(self, st: _EngineState, num_tokens: int) -> None:
         if num_tokens <= st.max_tokens:

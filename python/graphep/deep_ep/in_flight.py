@@ -10,7 +10,7 @@ depends only on the calls made, so every rank, making the same calls in the same
 requires, picks the same engine. A handle carries its engine: its combine and hooks act on it.
 """
 
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 
 class InFlight:
@@ -45,3 +45,23 @@ def pick_engine(states: List[InFlight], routes_it: Optional[Callable[[InFlight],
             return st
     idle = [st for st in states if st.pending is None]
     return min(idle, key=lambda st: st.seq) if len(states) > 1 and idle else None
+
+
+def engine_for_dispatch(first: InFlight, make_second: Callable[[], InFlight],
+                        routes_it: Optional[Callable[[InFlight], bool]] = None) -> Optional[InFlight]:
+    """pick_engine over first's shape, the shape's second engine made (make_second) and taken when
+    the first is held and there is none yet. None: both engines hold a send half (refused)."""
+    st = pick_engine(first.engines(), routes_it)
+    if st is None and first.second is None:
+        st = first.second = make_second()
+    return st
+
+
+def statuses(engines: Dict[Tuple[int, ...], InFlight], status: Callable[[InFlight], object]) -> Dict[Tuple[int, ...], object]:
+    """status(engine) of every engine, by its shape's key; a shape's second engine by key + (1,)."""
+    out = {}
+    for key, st in engines.items():
+        out[key] = status(st)
+        if st.second is not None:
+            out[key + (1,)] = status(st.second)
+    return out

@@ -84,8 +84,8 @@ from graphep._graphep import DispatchInput, Fp8Scales, MoeHalf, MoeStatus, valid
 from graphep.deep_ep.config import (LOW_LATENCY_SMS_ENV, low_latency_engine_config, low_latency_rdma_size_hint,
                                     low_latency_sm_budget)
 from graphep.deep_ep.events import EventOverlap
-from graphep.deep_ep.in_flight import InFlight, pick_engine
-from graphep.deep_ep.tensors import ID_TYPES, as_extension, check_tensor
+from graphep.deep_ep.in_flight import InFlight, engine_for_dispatch, statuses
+from graphep.deep_ep.tensors import ID_TYPES, as_extension, check_tensor, refuse_during_capture
 from graphep.engine import Engine, create_engine
 from graphep.errors import Error, invalid_argument, not_supported
 
@@ -247,13 +247,9 @@ class LowLatencyMode:
         except Error as e:
             raise Error(e.status, f"{what}: num_max_dispatch_tokens_per_rank={max_tokens}, hidden={hidden}, "
                                   f"num_experts={num_experts} over {self.group_size} ranks: {e.message}") from None
-        if torch.cuda.is_current_stream_capturing():
-            raise invalid_argument(f"{what}: it needs a new low-latency engine (num_max_dispatch_tokens_per_rank="
-                                   f"{max_tokens}, hidden={hidden}, num_experts={num_experts}), which is made "
-                                   "collectively with host syncs and cannot be made during a CUDA graph capture: "
-                                   "run the same calls once eagerly first (a warm-up step); a send half captured "
-                                   "before this call waits for a hook the failed capture lost, so make the Buffer "
-                                   "again")
+        refuse_during_capture(what, f"low-latency engine (num_max_dispatch_tokens_per_rank={max_tokens}, hidden="
+                                    f"{hidden}, num_experts={num_experts})", "; a send half captured before this call "
+                                    "waits for a hook the failed capture lost, so make the Buffer again")
         others = self._ll_states()
         st = _LowLatencyState(create_engine(self._group, cfg), max_tokens, hidden, num_experts, self.group_size)
         if getattr(self, "_masked_ranks", None):  # shrink mode: the ranks masked so far
@@ -262,20 +258,20 @@ class LowLatencyMode:
             st.active.bitwise_and_(other.active)
         return st
 
-    def _take_masked(self, first: _LowLatencyState, st: _LowLatencyState) -> None:
+    def _take_masked(self, first: _LowLatencyState, st: _LowLatencyState, stream) -> None:
         """Shrink mode: clears in st's mask word the ranks the shape's other engine's word has
-        cleared (what its kernels masked after a timeout), on the current stream, so that a dead
-        rank costs one timeout, not one per engine. It only removes ranks (the engine's rule on
-        mask changes concerns ranks put back)."""
+        cleared (what its kernels masked after a timeout), on `stream` (None: the current one), so
+        that a dead rank costs one timeout, not one per engine. It only removes ranks (the engine's
+        rule on mask changes concerns ranks put back). Otherwise nothing, not even a stream switch."""
         if self.enable_shrink and first.second is not None:
-            st.active.bitwise_and_((first.second if st is first else first).active)
+            with self._on(stream):
+                st.active.bitwise_and_((first.second if st is first else first).active)
 
     def _ll_dispatch_engine(self, first: _LowLatencyState, what: str) -> _LowLatencyState:
         """The engine of first's shape this dispatch runs on (pick_engine), the shape's second made
         when the first is held and there is none yet."""
-        st = pick_engine(first.engines())
-        if st is None and first.second is None:
-            st = first.second = self._make_low_latency_engine(first.shape, f"{what} while an earlier one is in flight")
+        st = engine_for_dispatch(first, lambda: self._make_low_latency_engine(first.shape,
+                                                                             f"{what} while an earlier one is in flight"))
         if st is not None:
             return st
         T, H, E = first.shape
@@ -427,8 +423,7 @@ class LowLatencyMode:
         self._check_stream_args(async_finish, return_recv_hook, what)  # before a second engine is made for it
         st = self._ll_dispatch_engine(first, what)
         stream = self._launch_stream(async_finish, return_recv_hook, what)
-        with self._on(stream):  # in order with the dispatch, on its stream
-            self._take_masked(first, st)
+        self._take_masked(first, st, stream)  # in order with the dispatch, on its stream
         raw = self._raw(stream)
         xs, ids = (x, topk_idx) if n > 0 else (st.idle_x, st.idle_ids)
         kwargs = {"top_k": k, "input": DispatchInput.FP8_QUANTIZE if use_fp8 else DispatchInput.BF16}
@@ -594,9 +589,4 @@ class LowLatencyMode:
     def _low_latency_status(self) -> Dict[Tuple[int, int, int], MoeStatus]:
         """Each engine's status by its shape (T, hidden, num_experts); a shape's second engine by
         (T, hidden, num_experts, 1)."""
-        out = {}
-        for key, st in self._ll_engines.items():
-            out[key] = st.engine.status()
-            if st.second is not None:
-                out[key + (1,)] = st.second.engine.status()
-        return out
+        return statuses(self._ll_engines, lambda st: st.engine.status())

@@ -58,3 +58,12 @@ def check_tensor(t, name: str, dtypes, shape, device: int, contiguous: bool = Tr
         raise invalid_argument(f"{name} is on {t.device}, expected cuda:{device}")
     if contiguous and not t.is_contiguous():
         raise invalid_argument(f"{name} is not contiguous (strides {list(t.stride())})")
+
+
+def refuse_during_capture(what: str, engine: str, after: str = "") -> None:
+    """Engines are made collectively with host syncs: refused by name while the current stream is
+    being captured into a CUDA graph. `engine` describes the one needed; `after`, more to say."""
+    if torch.cuda.is_current_stream_capturing():
+        raise invalid_argument(f"{what}: it needs a new {engine}, which is made collectively with host syncs and "
+                               "cannot be made during a CUDA graph capture: run the same calls once eagerly first "
+                               f"(a warm-up step){after}")
