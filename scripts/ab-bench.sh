@@ -14,6 +14,7 @@
 #
 # Several row sets: separate them with ';' inside one argument, e.g.
 #   scripts/ab-bench.sh run $OUT/ab 3 "moe -b 128 -e 128 --sms 24 --dtype both; moe -b 1 -e 1 --sms 24"
+# (each row of the summary opens with its set's number, [0], [1], ...)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:?usage: scripts/ab-bench.sh prepare REF... | run LOG_DIR ROUNDS BENCH_ARGS...}
@@ -25,9 +26,10 @@ summary() {  # LOG_DIR TREE...
   local out=$1 t
   shift
   for t in "$@"; do
-    awk -v tree="$t" '/^  [a-z]/ {
-        n = split($0, f, /  +/); key = ""; time = ""
-        for (i = 2; i <= n; ++i) if (f[i] ~ /^[0-9]+(\.[0-9]+)?$/ && f[i - 1] ~ /^[0-9]+$/) { time = f[i]; break } else key = key (key == "" ? "" : " ") f[i]
+    awk -v tree="$t" '/^#set / { set = "[" $2 "] " }
+      /^  [a-z]/ {
+        n = split($0, f, /  +/); key = set; time = ""
+        for (i = 2; i <= n; ++i) if (f[i] ~ /^[0-9]+(\.[0-9]+)?$/ && f[i - 1] ~ /^[0-9]+$/) { time = f[i]; break } else key = key (key == set ? "" : " ") f[i]
         if (time != "") print tree "\t" key "\t" time
       }' "$out/rows_$t.log"
     done | sort -t$'\t' -k2,2 -k1,1 -s | awk -F'\t' '
@@ -87,7 +89,9 @@ done
 for ((r = 1; r <= rounds; ++r)); do
   for t in "${trees[@]}"; do
     IFS=';' read -ra sets <<<"$rowSets"
-    for s in "${sets[@]}"; do
+    for i in "${!sets[@]}"; do
+      s=${sets[$i]}
+      echo "#set $i $s" >>"$out/rows_$t.log"  # the summary keeps the sets' rows apart (same row text, other shapes)
       # shellcheck disable=SC2086  # each set is a word list of bench arguments
       timeout -s KILL ${GRAPHEP_BENCH_BUDGET:-90} "build-ab/$t/bench/graphep-bench" $s >>"$out/rows_$t.log" 2>&1 || status=1
     done
