@@ -58,6 +58,23 @@ def low_latency_buffer(deep_ep, T: int, H: int, R: int, E: int):
                           explicitly_destroy=True)
 
 
+def back_to_back(fn, calls: int, warmup: int = 5, together: bool = False) -> float:
+    """fn() `warmup` times, then `calls` times back to back between two events: the device time
+    per call, in us. `together`: every rank starts the timed calls after the same barrier."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    if together:
+        dist.barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / calls
+
+
 def finish(buffer) -> None:
     """Destroys the Buffer, then the process group, every rank together."""
     buffer.destroy()

@@ -31,7 +31,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from deep_ep_common import parser  # noqa: E402
+from deep_ep_common import back_to_back, parser  # noqa: E402
 
 WARMUP, TIMED = 50, 50
 
@@ -50,20 +50,6 @@ def event_mean(fn) -> float:
     torch.cuda.synchronize()
     times = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)][1:]
     return sum(times) / len(times)
-
-
-def back_to_back(fn) -> float:
-    """The calls enqueued back to back between two events: the device time per call, in us."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(TIMED):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / TIMED
 
 
 def host_time(fn) -> float:
@@ -107,7 +93,7 @@ def report(rank: int, head: str, cases) -> None:
         rounds = [(event_mean(adapter), event_mean(engine)) for _ in range(ROUNDS)]
         a = sorted(r[0] for r in rounds)[ROUNDS // 2]
         e = sorted(r[1] for r in rounds)[ROUNDS // 2]
-        g, h, he = back_to_back(engine), host_time(adapter), host_time(engine)
+        g, h, he = back_to_back(engine, TIMED), host_time(adapter), host_time(engine)
         if rank == 0:
             print(f"[rank 0] {head} {name}: adapter {a:.1f} us, engine {e:.1f} us, gpu {g:.1f} us, host {h:.1f} us "
                   f"(engine's {he:.1f}), adapter / engine {a / e:.3f}", flush=True)

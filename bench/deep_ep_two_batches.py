@@ -23,7 +23,7 @@ graphep.deep_ep. Needs PyTorch and a GPU per process (bench/deep_ep_common.py: N
 
 import torch
 
-from deep_ep_common import decode_batch, finish, low_latency_buffer, parser, spawn, start
+from deep_ep_common import back_to_back, decode_batch, finish, low_latency_buffer, parser, spawn, start
 
 WARMUP, STEPS = 10, 50
 
@@ -86,18 +86,8 @@ def run(local_rank: int, args) -> None:
     for name, step in (("sequential", sequential), ("overlapped", overlapped), ("gemm alone", gemms),
                        ("sequential, graph", captured(sequential)), ("overlapped, graph", captured(overlapped)),
                        ("sequential", sequential)):
-        for _ in range(WARMUP):
-            step()
-        torch.cuda.synchronize()
-        torch.distributed.barrier()
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        for _ in range(STEPS):
-            step()
-        end.record()
-        torch.cuda.synchronize()
-        print(f"[rank {rank}] {who} T={T} H={H} E={E} K={K} gemm={g} {name}: "
-              f"{begin.elapsed_time(end) * 1e3 / STEPS:.1f} us a step", flush=True)
+        us = back_to_back(step, STEPS, WARMUP, together=True)
+        print(f"[rank {rank}] {who} T={T} H={H} E={E} K={K} gemm={g} {name}: {us:.1f} us a step", flush=True)
         torch.distributed.barrier()
     finish(buffer)
 
