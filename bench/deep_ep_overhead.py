@@ -5,7 +5,7 @@ timed, the first timed one dropped, the mean), on one rank per GPU:
 
     python3 bench/deep_ep_overhead.py [--num-processes 2] [--num-tokens 4096] [--hidden 7168]
                                       [--num-experts 256] [--num-topk 8] [--num-sms 24] [--low-latency]
-                                      [--default-device] [--profile N]
+                                      [--default-device] [--profile N] [--deepep]
 
 For the cached dispatch (bf16 and fp8, as DeepEP's tuning loop times it) and the combine, or with
 --low-latency for low_latency_dispatch (fp8, bf16) and low_latency_combine (T = --num-tokens tokens
@@ -16,11 +16,21 @@ per rank, the batched latency engine), rank 0 prints one line each:
               with the host ahead of the device (kernels only)
     host      the adapter's host time per call (perf_counter around 50 calls, no sync between),
               and the engine's call's beside it
-and adapter / engine (adapter and engine each timed 3 times in turn: the medians). --default-device runs everything as DeepEP's tests do, after
-torch.set_default_dtype(torch.bfloat16) and torch.set_default_device('cuda') (the second puts a
-Python function mode in front of every torch call). --profile N: rank 0 also prints the 12 most
-costly functions (own time) of N adapter calls of each case under cProfile. Needs PyTorch and a
-GPU per process; NCCL_NVLS_ENABLE=0 is set.
+    host in the events' loop
+              the host's time per call of the events' timed loop itself, events included: when it
+              nears the events' mean, the device waited for the host, and the figure holds host time
+    host ahead
+              the same events, the device first spinning (torch.cuda._sleep) until the host has
+              enqueued every timed call: the device's time per call alone, adapter and engine
+and adapter / engine (adapter and engine each timed 3 times in turn: the medians). With
+--low-latency the dispatches also print "two engines in turn": the engine's call alternating
+over the shape's two engines, as the adapter's dispatch -> dispatch does. --default-device runs
+everything as DeepEP's tests do, after torch.set_default_dtype(torch.bfloat16) and
+torch.set_default_device('cuda') (the second puts a Python function mode in front of every torch
+call). --profile N: rank 0 also prints the 12 most costly functions (own time) of N adapter calls
+of each case under cProfile. --deepep (with --low-latency): DeepEP's own deep_ep times its
+low_latency_dispatch the same ways, for comparison. Needs PyTorch and a GPU per process;
+NCCL_NVLS_ENABLE=0 is set.
 """
 
 import os
@@ -36,20 +46,32 @@ from deep_ep_common import back_to_back, parser  # noqa: E402
 WARMUP, TIMED = 50, 50
 
 
-def event_mean(fn) -> float:
-    """DeepEP's bench: events around each call on the current stream, the mean in us."""
+AHEAD_CYCLES = 20_000_000  # ~10 ms of GPU clock: longer than the host takes to enqueue the timed calls
+
+
+def event_mean(fn, ahead: bool = False):
+    """DeepEP's bench: events around each call on the current stream, the mean in us; and the
+    host's time per call of that loop (events included), in us. When the host's is not well
+    below the events' mean, the device waited for the host: the figure then holds host time.
+    ahead: the device first spins (torch.cuda._sleep) while the host enqueues every timed call,
+    so that the events time the device's work alone."""
     torch.cuda.synchronize()
     for _ in range(WARMUP):
         fn()
+    if ahead:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(AHEAD_CYCLES)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(TIMED)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(TIMED)]
+    t0 = time.perf_counter()
     for s, e in zip(starts, ends):
         s.record()
         fn()
         e.record()
+    t1 = time.perf_counter()
     torch.cuda.synchronize()
     times = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)][1:]
-    return sum(times) / len(times)
+    return sum(times) / len(times), (t1 - t0) * 1e6 / TIMED
 
 
 def host_time(fn) -> float:
@@ -88,17 +110,52 @@ ROUNDS = 3  # adapter and engine timed in turn this many times; the medians are 
 
 
 def report(rank: int, head: str, cases) -> None:
-    for name, adapter, engine in cases:
-        # In turn, so that a drift of the machine (or of the peer's pace) falls on both alike.
-        rounds = [(event_mean(adapter), event_mean(engine)) for _ in range(ROUNDS)]
-        a = sorted(r[0] for r in rounds)[ROUNDS // 2]
-        e = sorted(r[1] for r in rounds)[ROUNDS // 2]
+    """cases: (name, adapter, engine) or (name, adapter, engine, engines): `engines` is the engine's
+    call alternating over the shape's two engines, as the adapter's dispatch -> dispatch does."""
+    for name, adapter, engine, *alt in cases:
+        calls = [adapter, engine] + alt
+        # In turn, so that a drift of the machine (or of the peer's pace) falls on each alike.
+        rounds = [[event_mean(fn) for fn in calls] + [event_mean(fn, True) for fn in calls[:2]]
+                  for _ in range(ROUNDS)]
+        us, loop = [[sorted(r[i][j] for r in rounds)[ROUNDS // 2] for i in range(len(rounds[0]))] for j in (0, 1)]
+        a, e, *two = us[:len(calls)]
+        la, le = loop[0], loop[1]
+        aa, ea = us[-2], us[-1]
         g, h, he = back_to_back(engine, TIMED), host_time(adapter), host_time(engine)
         if rank == 0:
-            print(f"[rank 0] {head} {name}: adapter {a:.1f} us, engine {e:.1f} us, gpu {g:.1f} us, host {h:.1f} us "
-                  f"(engine's {he:.1f}), adapter / engine {a / e:.3f}", flush=True)
+            both = f", two engines in turn {two[0]:.1f} us (/ engine {two[0] / e:.3f})" if two else ""
+            print(f"[rank 0] {head} {name}: adapter {a:.1f} us, engine {e:.1f} us{both}, host in the events' loop "
+                  f"{la:.1f} us (engine's {le:.1f}), adapter / engine {a / e:.3f}; host ahead: adapter {aa:.1f} us, "
+                  f"engine {ea:.1f} us, adapter / engine {aa / ea:.3f}; gpu {g:.1f} us, host {h:.1f} us (engine's "
+                  f"{he:.1f})", flush=True)
         if PROFILE:
             profile(rank, f"{head} {name}", adapter)
+
+
+def run_deepep_low_latency(rank: int, args) -> None:
+    """--deepep: DeepEP's own low_latency_dispatch timed the same ways (no engine to compare with):
+    what its Buffer costs the host per call, and whether its events' loop is host-bound too."""
+    import deep_ep
+
+    from deep_ep_common import decode_batch, low_latency_buffer
+
+    T, H, E, K, R = args.num_tokens, args.hidden, args.num_experts, args.num_topk, args.num_processes
+    buffer = low_latency_buffer(deep_ep, T, H, R, E)
+    x, topk_idx, _, _ = decode_batch(deep_ep, T, H, E, K, R)
+    for name, fp8 in (("dispatch fp8", True), ("dispatch bf16", False)):
+        def call():
+            buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=fp8)
+
+        rounds = [(event_mean(call), event_mean(call, True)) for _ in range(ROUNDS)]
+        a, la = [sorted(r[0][j] for r in rounds)[ROUNDS // 2] for j in (0, 1)]
+        aa = sorted(r[1][0] for r in rounds)[ROUNDS // 2]
+        g, h = back_to_back(call, TIMED), host_time(call)
+        if rank == 0:
+            print(f"[rank 0] DeepEP low-latency T={T} H={H} E={E} K={K} {name}: events {a:.1f} us, host in the events' "
+                  f"loop {la:.1f} us; host ahead {aa:.1f} us; gpu {g:.1f} us, host {h:.1f} us", flush=True)
+    torch.cuda.synchronize()
+    dist.barrier()
+    buffer.destroy()
 
 
 def run_low_latency(rank: int, args) -> None:
@@ -115,16 +172,22 @@ def run_low_latency(rank: int, args) -> None:
     topk_idx = torch.topk(scores, K, dim=-1, sorted=True)[1]
     topk_w = torch.rand((T, K), dtype=torch.float32, device="cuda")
     _, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False)
+    buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False)  # uncombined: makes the shape's second engine
     y = torch.randn_like(buffer.get_next_low_latency_combine_buffer(handle))
     out = torch.empty((T, H), dtype=torch.bfloat16, device="cuda")
     st = handle.state
     core, stream = st.core, torch.cuda.current_stream()
+    assert st.second is not None
 
-    def engine_dispatch(fp8: bool):
+    def engine_dispatch(fp8: bool, states=(st,)):
+        turn = [0]
+
         def call():
-            core.dispatch(x.data_ptr(), topk_idx.data_ptr(), IndexType.INT64, 0, st.counts_ptr + 4 * T,
-                          stream.cuda_stream, top_k=K,
-                          input=DispatchInput.FP8_QUANTIZE if fp8 else DispatchInput.BF16)
+            s = states[turn[0]]
+            turn[0] = (turn[0] + 1) % len(states)
+            s.core.dispatch(x.data_ptr(), topk_idx.data_ptr(), IndexType.INT64, 0, s.counts_ptr + 4 * T,
+                            stream.cuda_stream, top_k=K,
+                            input=DispatchInput.FP8_QUANTIZE if fp8 else DispatchInput.BF16)
         return call
 
     def engine_combine():
@@ -137,8 +200,8 @@ def run_low_latency(rank: int, args) -> None:
         return call
 
     report(rank, f"low-latency T={T} H={H} E={E} K={K}", [
-        ("dispatch fp8", ll_dispatch(True), engine_dispatch(True)),
-        ("dispatch bf16", ll_dispatch(False), engine_dispatch(False)),
+        ("dispatch fp8", ll_dispatch(True), engine_dispatch(True), engine_dispatch(True, (st, st.second))),
+        ("dispatch bf16", ll_dispatch(False), engine_dispatch(False), engine_dispatch(False, (st, st.second))),
     ])
     # low_latency_combine takes the handle of the shape's last dispatch.
     last = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False)[2]
@@ -162,7 +225,7 @@ def run(local_rank: int, args) -> None:
         torch.set_default_dtype(torch.bfloat16)
         torch.set_default_device("cuda")
     if args.low_latency:
-        run_low_latency(dist.get_rank(), args)
+        (run_deepep_low_latency if args.deepep else run_low_latency)(dist.get_rank(), args)
         dist.destroy_process_group()
         return
     import graphep.deep_ep as deep_ep
@@ -221,11 +284,13 @@ def run(local_rank: int, args) -> None:
 
 
 if __name__ == "__main__":
-    p = parser(__doc__, tokens=4096, experts=256, port=8371, deepep=False)
+    p = parser(__doc__, tokens=4096, experts=256, port=8371)
     p.add_argument("--num-sms", type=int, default=24)
     p.add_argument("--low-latency", action="store_true", help="the low-latency calls (T = --num-tokens)")
     p.add_argument("--default-device", action="store_true",
                    help="torch.set_default_device('cuda') and bf16 default dtype, as DeepEP's tests")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile N adapter calls of each case")
     args = p.parse_args()
+    if args.deepep and not args.low_latency:
+        p.error("--deepep times DeepEP's low-latency calls only: add --low-latency")
     torch.multiprocessing.spawn(run, args=(args,), nprocs=args.num_processes)

@@ -29,15 +29,18 @@ const char* driverErrorName(CUresult err) noexcept;
 // Makes `device` current and restores the caller's current device when it goes out of scope.
 class DeviceGuard {
  public:
-  explicit DeviceGuard(int device) {
+  explicit DeviceGuard(int device) : device_(device) {
     GRAPHEP_CUDA_CHECK(cudaGetDevice(&saved_));
     if (saved_ != device) GRAPHEP_CUDA_CHECK(cudaSetDevice(device));
   }
-  ~DeviceGuard() { cudaSetDevice(saved_); }
+  ~DeviceGuard() {
+    if (saved_ != device_) cudaSetDevice(saved_);
+  }
   DeviceGuard(const DeviceGuard&) = delete;
   DeviceGuard& operator=(const DeviceGuard&) = delete;
 
  private:
+  int device_;
   int saved_ = 0;
 };
 

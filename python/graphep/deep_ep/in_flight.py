@@ -40,11 +40,17 @@ def pick_engine(states: List[InFlight], routes_it: Optional[Callable[[InFlight],
     for st in states:
         if st.pending is None and st.combined:
             return st
-    for st in states if routes_it is not None else ():
-        if st.pending is None and routes_it(st):
-            return st
-    idle = [st for st in states if st.pending is None]
-    return min(idle, key=lambda st: st.seq) if len(states) > 1 and idle else None
+    if routes_it is not None:
+        for st in states:
+            if st.pending is None and routes_it(st):
+                return st
+    if len(states) < 2:
+        return None
+    oldest = None  # plain loops: this runs ahead of every low-latency dispatch's launch
+    for st in states:
+        if st.pending is None and (oldest is None or st.seq < oldest.seq):
+            oldest = st
+    return oldest
 
 
 def engine_for_dispatch(first: InFlight, make_second: Callable[[], InFlight],

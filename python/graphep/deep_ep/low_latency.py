@@ -163,6 +163,7 @@ class _LowLatencyState(InFlight):
         v = engine.layout
         self.recv_x = torch.from_dlpack(v.recv_x).view(L, rows, H)
         self.expert_output = torch.from_dlpack(v.expert_output).view(L, rows, H)
+        self.expert_output_shape, self.expert_output_rows = (L, rows, H), L * rows
         self.recv_count = torch.from_dlpack(v.expert_counts)
         self.src_info = torch.from_dlpack(v.row_src_token).view(L, rows)
         self.layout_range = torch.from_dlpack(v.expert_source_ranges)  # [L, R] int64
@@ -189,6 +190,7 @@ class _LowLatencyState(InFlight):
         self.rank_ids = torch.arange(world, dtype=torch.int32, device=device)
         self.live = torch.empty(1, dtype=torch.int32, device=device)
         self.shape = (T, H, num_experts)
+        self.handle_items = (self.src_info, self.layout_range, T, H, num_experts)  # a handle's tuple
 
 
 class LowLatencyMode:
@@ -205,6 +207,9 @@ class LowLatencyMode:
 
     def _check_low_latency_shape(self, what: str, max_tokens, hidden, num_experts) -> Tuple[int, int, int]:
         """(T, hidden, num_experts) as ints, each positive, num_experts a multiple of the ranks."""
+        if type(max_tokens) is int and type(hidden) is int and type(num_experts) is int and max_tokens > 0 \
+                and hidden > 0 and num_experts > 0 and num_experts % self.group_size == 0:
+            return max_tokens, hidden, num_experts  # the common case, in one look
         values = []
         for name, value in (("num_max_dispatch_tokens_per_rank", max_tokens), ("hidden", hidden),
                             ("num_experts", num_experts)):
@@ -389,21 +394,25 @@ class LowLatencyMode:
         if use_ue8m0 and not round_scale:
             raise invalid_argument(f"{what}: use_ue8m0=True needs round_scale=True (UE8M0 holds powers of two), as "
                                    "in DeepEP")
+        # Each tensor property is read once here: this is host time ahead of the launch (an eager
+        # caller whose host is slower than the kernel waits for it).
         dev = self._device
-        if not isinstance(x, torch.Tensor) or x.dim() != 2:
-            shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise invalid_argument(f"{what}: x is {shape}, expected a [num_tokens, hidden] torch.bfloat16 tensor")
-        n = x.shape[0]
-        T, H, E = self._check_low_latency_shape(what, num_max_dispatch_tokens_per_rank, x.shape[1], num_experts)
+        xs = x.shape if isinstance(x, torch.Tensor) else None
+        if xs is None or len(xs) != 2:
+            raise invalid_argument(f"{what}: x is {type(x).__name__ if xs is None else list(xs)}, expected a "
+                                   "[num_tokens, hidden] torch.bfloat16 tensor")
+        n, H = xs
+        T, H, E = self._check_low_latency_shape(what, num_max_dispatch_tokens_per_rank, H, num_experts)
         if n > T:
             raise invalid_argument(f"{what}: x has {n} rows (num_tokens), more than "
                                    f"num_max_dispatch_tokens_per_rank={T}")
-        check_tensor(x, f"{what}: x", (torch.bfloat16,), (n, H), dev)
-        if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2:
-            shape = list(topk_idx.shape) if isinstance(topk_idx, torch.Tensor) else type(topk_idx).__name__
-            raise invalid_argument(f"{what}: topk_idx is {shape}, expected a [num_tokens, num_topk] tensor")
-        k = topk_idx.shape[1]
-        check_tensor(topk_idx, f"{what}: topk_idx", (torch.int64, torch.int32), (n, k), dev)
+        check_tensor(x, "low_latency_dispatch: x", (torch.bfloat16,), xs, dev)
+        ks = topk_idx.shape if isinstance(topk_idx, torch.Tensor) else None
+        if ks is None or len(ks) != 2:
+            raise invalid_argument(f"{what}: topk_idx is {type(topk_idx).__name__ if ks is None else list(ks)}, "
+                                   "expected a [num_tokens, num_topk] tensor")
+        k = ks[1]
+        check_tensor(topk_idx, "low_latency_dispatch: topk_idx", (torch.int64, torch.int32), (n, k), dev)
         scale_format = Fp8Scales.FLOAT
         if use_fp8:
             if H % 128 != 0:
@@ -422,7 +431,7 @@ class LowLatencyMode:
             check_tensor(stats, f"{what}: cumulative_local_expert_recv_stats", (torch.int32,), (first.num_local,), dev)
         self._check_stream_args(async_finish, return_recv_hook, what)  # before a second engine is made for it
         st = self._ll_dispatch_engine(first, what)
-        stream = self._launch_stream(async_finish, return_recv_hook, what)
+        stream = self._begin(None, async_finish)  # the stream arguments were checked above
         self._take_masked(first, st, stream)  # in order with the dispatch, on its stream
         raw = self._raw(stream)
         xs, ids = (x, topk_idx) if n > 0 else (st.idle_x, st.idle_ids)
@@ -438,7 +447,7 @@ class LowLatencyMode:
                          raw, **kwargs)
         self._dispatch_seq += 1
         st.seq, st.combined = self._dispatch_seq, False
-        handle = LowLatencyHandle((st.src_info, st.layout_range, T, H, E), self, st, st.seq, n, k)
+        handle = LowLatencyHandle(st.handle_items, self, st, st.seq, n, k)
         # The receive half reads this rank's own rows from x and adds to the stats.
         hook = self._receive_hook(st, f"low_latency_dispatch {st.seq}", raw, (xs, ids, stats)) \
             if return_recv_hook else None
@@ -483,11 +492,11 @@ class LowLatencyMode:
                                    "not yet combined, as DeepEP's two low-latency buffers, and reuses an engine whose "
                                    "dispatch was combined); combine before that")
         n, k, H = head.num_tokens, head.top_k, st.hidden
-        check_tensor(x, f"{what}: x", (torch.bfloat16,), tuple(st.expert_output.shape), dev)
-        check_tensor(topk_idx, f"{what}: topk_idx", (torch.int64, torch.int32), (n, k), dev)
-        check_tensor(topk_weights, f"{what}: topk_weights", (torch.float32,), (n, k), dev)
+        check_tensor(x, "low_latency_combine: x", (torch.bfloat16,), st.expert_output_shape, dev)
+        check_tensor(topk_idx, "low_latency_combine: topk_idx", (torch.int64, torch.int32), (n, k), dev)
+        check_tensor(topk_weights, "low_latency_combine: topk_weights", (torch.float32,), (n, k), dev)
         if out is not None:
-            check_tensor(out, f"{what}: out", (torch.bfloat16,), (n, H), dev)
+            check_tensor(out, "low_latency_combine: out", (torch.bfloat16,), (n, H), dev)
         self._check_pending(st, what)
         stream = self._launch_stream(async_finish, return_recv_hook, what)
         raw = self._raw(stream)
@@ -495,7 +504,7 @@ class LowLatencyMode:
         target, weights = (combined, topk_weights) if n > 0 else (st.idle_out, st.idle_weights)
         kwargs = {"topk_weights": weights.data_ptr()}
         if not zero_copy:
-            kwargs["expert_output_rows"] = st.expert_output.shape[0] * st.expert_output.shape[1]
+            kwargs["expert_output_rows"] = st.expert_output_rows
         if return_recv_hook:
             kwargs["half"] = MoeHalf.SEND
         st.core.combine(0 if zero_copy else x.data_ptr(), target.data_ptr(), raw, **kwargs)

@@ -47,7 +47,15 @@ def current_raw_stream(device: int) -> int:
 
 
 def check_tensor(t, name: str, dtypes, shape, device: int, contiguous: bool = True) -> None:
-    """A torch tensor of one of `dtypes`, of `shape`, on cuda:`device`, contiguous unless told."""
+    """A torch tensor of one of `dtypes`, of `shape`, on cuda:`device`, contiguous unless told.
+    Each property is read once on the way that passes (a low-latency call makes two to four of
+    these checks ahead of its launch); a failure looks again to name what is wrong."""
+    try:
+        if (t.dtype in dtypes and t.shape == shape and t.get_device() == device
+                and (not contiguous or t.is_contiguous()) and isinstance(t, torch.Tensor)):
+            return
+    except (AttributeError, TypeError):  # not a tensor: named below
+        pass
     if not isinstance(t, torch.Tensor):
         raise invalid_argument(f"{name} is a {type(t).__name__}, expected a torch.Tensor")
     if t.dtype not in dtypes:
