@@ -108,6 +108,56 @@ __device__ __forceinline__ Fp8WireRegs loadFp8Wire(const char* wire, int lane) {
   return r;
 }
 
+// The same tiles handled by 8 lanes, 16 values each (16-byte loads and stores, three shuffles):
+// the same scale and bytes as ProduceFp8E4m3 and loadFp8Wire, in the same wire record, with half
+// the stores to a peer (the MoE records' writers and readers, kernels/moe/common.cuh). The 8 lanes
+// of a tile are an aligned eighth of a warp, and all of them take part.
+struct Fp8TileWide {
+  static constexpr int kLanes = 8;
+  uint4 q;      // this lane's 16 e4m3 values (tile bytes [lane x 16, lane x 16 + 16))
+  float scale;  // the tile's scale (every lane holds it)
+
+  // The lane's 16 bf16 values of a tile (32 bytes, already loaded: lo then hi).
+  __device__ __forceinline__ static Fp8TileWide quantize(const uint4 lo, const uint4 hi, bool pow2) {
+    const uint4 raw[2] = {lo, hi};
+    const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(raw);
+    float v[16];
+    float amax = 0.f;
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {
+      v[k] = __bfloat162float(h[k]);
+      amax = fmaxf(amax, fabsf(v[k]));
+    }
+    const unsigned mask = 0xffu << (threadIdx.x & 24u);
+#pragma unroll
+    for (int o = 4; o >= 1; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, o, kLanes));
+    Fp8TileWide r;
+    r.scale = pow2 ? ProduceFp8E4m3::fp8ScalePow2(ProduceFp8E4m3::fp8Scale(amax)) : ProduceFp8E4m3::fp8Scale(amax);
+    const float inv = 1.0f / r.scale;
+    unsigned w[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      w[j] = 0;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) w[j] |= static_cast<unsigned>(ProduceFp8E4m3::fp8E4m3(v[4 * j + k] * inv)) << (8 * k);
+    }
+    r.q = make_uint4(w[0], w[1], w[2], w[3]);
+    return r;
+  }
+  // Writes the lane's part of the wire record (lane 0 also the scale and its zeros).
+  __device__ __forceinline__ void emit(char* wire, int lane) const {
+    *reinterpret_cast<uint4*>(wire + lane * 16) = q;
+    if (lane == 0) *reinterpret_cast<uint4*>(wire + kFp8TileValues) = make_uint4(__float_as_uint(scale), 0, 0, 0);
+  }
+  // Reads the lane's part of a wire record (ld.global.cg: a peer wrote it).
+  __device__ __forceinline__ static Fp8TileWide load(const char* wire, int lane) {
+    Fp8TileWide r;
+    r.q = __ldcg(reinterpret_cast<const uint4*>(wire + lane * 16));
+    r.scale = __ldcg(reinterpret_cast<const float*>(wire + kFp8TileValues));
+    return r;
+  }
+};
+
 // Keeps the fp8 record as received (the destination holds Fp8 records, kFp8TileWireBytes each).
 struct ConsumeWire {
   static constexpr int kThreads = ProduceFp8E4m3::kThreads;

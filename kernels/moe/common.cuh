@@ -446,26 +446,30 @@ __device__ __forceinline__ const MoeRecordSlot* moeRecordSlots(const MoeParams& 
   return reinterpret_cast<const MoeRecordSlot*>(rec + p.shape.payloadBytes + sizeof(MoeRecordHeader));
 }
 
-// The produce hook over one bf16 row of H values: each aligned half-warp quantises one 128-value
-// tile, kMoeUnroll at a time, and writes its wire tile to each of the n rows out[d].
+// One bf16 row of H values quantised to its wire tiles: each aligned eighth of a warp quantises
+// one 128-value tile (Fp8TileWide: 16-byte stores), half of kMoeUnroll at a time (the same bytes
+// in flight as a 16-lane tile's kMoeUnroll), and writes it to each of the n rows out[d].
 __device__ inline void moeQuantizeRow(const MoeParams& p, const char* row, char* const* out, int n, const MoeGroup& g) {
-  constexpr int kLanes = ProduceFp8E4m3::kThreads;
+  constexpr int kLanes = Fp8TileWide::kLanes, kUnroll = kMoeUnroll / 2;
   const int tiles = p.shape.hidden / kFp8TileValues, lane = g.tid % kLanes, step = g.nthreads / kLanes;
-  for (int t0 = g.tid / kLanes; t0 < tiles; t0 += step * kMoeUnroll) {
-    uint4 raw[kMoeUnroll];
+  const bool pow2 = p.input.scaleFormat != kMoeScaleFloat;
+  for (int t0 = g.tid / kLanes; t0 < tiles; t0 += step * kUnroll) {
+    uint4 raw[kUnroll][2];
 #pragma unroll
-    for (int u = 0; u < kMoeUnroll; ++u) {
+    for (int u = 0; u < kUnroll; ++u) {
       const int tile = t0 + u * step;
       if (tile < tiles) {
-        raw[u] = *reinterpret_cast<const uint4*>(row + static_cast<std::uint64_t>(tile) * kFp8TileSrcBytes + lane * 16);
+        const auto* at = reinterpret_cast<const uint4*>(row + static_cast<std::uint64_t>(tile) * kFp8TileSrcBytes + lane * 32);
+        raw[u][0] = at[0];
+        raw[u][1] = at[1];
       }
     }
 #pragma unroll
-    for (int u = 0; u < kMoeUnroll; ++u) {
+    for (int u = 0; u < kUnroll; ++u) {
       const int tile = t0 + u * step;
-      if (tile >= tiles) break;  // uniform across the half-warp (its shuffles stay converged)
-      const ProduceFp8E4m3::Regs q = ProduceFp8E4m3::quantize(raw[u], p.input.scaleFormat != kMoeScaleFloat);
-      for (int d = 0; d < n; ++d) ProduceFp8E4m3::emit(out[d] + static_cast<std::uint64_t>(tile) * kFp8TileWireBytes, lane, q);
+      if (tile >= tiles) break;  // uniform across the tile's 8 lanes (their shuffles stay converged)
+      const Fp8TileWide q = Fp8TileWide::quantize(raw[u][0], raw[u][1], pow2);
+      for (int d = 0; d < n; ++d) q.emit(out[d] + static_cast<std::uint64_t>(tile) * kFp8TileWireBytes, lane);
     }
   }
 }
@@ -760,24 +764,24 @@ __device__ inline void moeExpandRow(const MoeParams& p, const char* row, bool fr
   const int ctid = chunk.index * g.nthreads + g.tid, cthreads = chunk.count * g.nthreads;
   // Each pass loads kMoeUnroll pieces per thread, then stores them to every row.
   if (p.shape.fp8) {
-    constexpr int kLanes = ProduceFp8E4m3::kThreads;
+    // A tile per aligned eighth of a warp (Fp8TileWide: 16-byte loads and stores), half of
+    // kMoeUnroll tiles at a time: the same bytes in flight as the bf16 rows' pass below.
+    constexpr int kLanes = Fp8TileWide::kLanes, kUnroll = kMoeUnroll / 2;
     const int tiles = static_cast<int>(H / kFp8TileValues), lane = ctid % kLanes, step = cthreads / kLanes;
-    Fp8WireRegs w[kMoeUnroll];
+    Fp8TileWide w[kUnroll];
     auto load = [&](int t0) {
 #pragma unroll
-      for (int u = 0; u < kMoeUnroll; ++u) {
+      for (int u = 0; u < kUnroll; ++u) {
         const int tile = t0 + u * step;
-        if (tile >= tiles) break;  // uniform across the half-warp (the quantiser's shuffles)
+        if (tile >= tiles) break;  // uniform across the tile's 8 lanes (the quantiser's shuffles)
         if (fromX && xScales != nullptr) {
-          w[u] = Fp8WireRegs{*reinterpret_cast<const uint2*>(row + static_cast<std::uint64_t>(tile) * kFp8TileValues + lane * 8),
-                             xScales[static_cast<std::int64_t>(tile) * p.input.scaleHiddenStride]};
+          w[u].q = *reinterpret_cast<const uint4*>(row + static_cast<std::uint64_t>(tile) * kFp8TileValues + lane * 16);
+          w[u].scale = xScales[static_cast<std::int64_t>(tile) * p.input.scaleHiddenStride];
         } else if (fromX) {
-          const ProduceFp8E4m3::Regs q = ProduceFp8E4m3::quantize(
-              *reinterpret_cast<const uint4*>(row + static_cast<std::uint64_t>(tile) * kFp8TileSrcBytes + lane * 16),
-              p.input.scaleFormat != kMoeScaleFloat);
-          w[u] = Fp8WireRegs{q.q, q.scale};
+          const auto* at = reinterpret_cast<const uint4*>(row + static_cast<std::uint64_t>(tile) * kFp8TileSrcBytes + lane * 32);
+          w[u] = Fp8TileWide::quantize(at[0], at[1], p.input.scaleFormat != kMoeScaleFloat);
         } else {
-          w[u] = loadFp8Wire(row + static_cast<std::uint64_t>(tile) * kFp8TileWireBytes, lane);
+          w[u] = Fp8TileWide::load(row + static_cast<std::uint64_t>(tile) * kFp8TileWireBytes, lane);
         }
       }
     };
@@ -789,14 +793,14 @@ __device__ inline void moeExpandRow(const MoeParams& p, const char* row, bool fr
       for (int d = 0; d < n; ++d) {
         const std::uint64_t r = static_cast<std::uint64_t>(stage.row[d]);
 #pragma unroll
-        for (int u = 0; u < kMoeUnroll; ++u) {
+        for (int u = 0; u < kUnroll; ++u) {
           const int tile = t0 + u * step;
           if (tile >= tiles) break;
-          *reinterpret_cast<uint2*>(p.layout.recvX + r * H + static_cast<std::uint64_t>(tile) * kFp8TileValues + lane * 8) = w[u].q;
+          *reinterpret_cast<uint4*>(p.layout.recvX + r * H + static_cast<std::uint64_t>(tile) * kFp8TileValues + lane * 16) = w[u].q;
           if (lane == 0) moeStoreScale(p, r * (H / kFp8TileValues) + tile, w[u].scale);
         }
       }
-      t0 += step * kMoeUnroll;
+      t0 += step * kUnroll;
       if (t0 < tiles) load(t0);
     }
   } else {
