@@ -202,28 +202,9 @@ __device__ __forceinline__ Tile quantizeTile(const char* src, int tile, int sub,
     return out;
   }
   const uint4* at = reinterpret_cast<const uint4*>(src + static_cast<std::uint64_t>(tile) * 256 + sub * 32);
-  const uint4 raw[2] = {at[0], at[1]};
-  const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(raw);
-  float v[16];
-  float amax = 0.f;
-#pragma unroll
-  for (int k = 0; k < 16; ++k) {
-    v[k] = __bfloat162float(h[k]);
-    amax = fmaxf(amax, fabsf(v[k]));
-  }
-  const unsigned mask = 0xffu << (threadIdx.x & 24u);  // the tile's 8 lanes, an aligned eighth of the warp
-#pragma unroll
-  for (int o = 4; o >= 1; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, o, 8));
-  out.scale = graphep::ProduceFp8E4m3::fp8Scale(amax);
-  const float inv = 1.0f / out.scale;
-  unsigned w[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    w[j] = 0;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) w[j] |= static_cast<unsigned>(graphep::ProduceFp8E4m3::fp8E4m3(v[4 * j + k] * inv)) << (8 * k);
-  }
-  out.q = make_uint4(w[0], w[1], w[2], w[3]);
+  const graphep::Fp8TileWide r = graphep::Fp8TileWide::quantize(at[0], at[1], false);
+  out.q = r.q;
+  out.scale = r.scale;
   return out;
 }
 

@@ -49,27 +49,36 @@ struct ProduceFp8E4m3 {
   // The lane's 8 bf16 values of a tile (16 bytes, already loaded) -> e4m3 + the tile's scale.
   // pow2: the scale rounded up to a power of two (DeepEP's round_scale; q stays within e4m3's range).
   __device__ __forceinline__ static Regs quantize(const uint4 raw, bool pow2 = false) {
-    const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&raw);
+    const uint4 pieces[1] = {raw};
     float v[8];
+    Regs r;
+    r.scale = laneScale<kThreads, 8>(pieces, v, pow2);
+    const float inv = 1.0f / r.scale;
+    r.q = make_uint2(pack4(v, inv), pack4(v + 4, inv));
+    return r;
+  }
+  // One lane's share of a tile handled by kLanes lanes (an aligned kLanes-th of the warp, every
+  // lane taking part): its N bf16 values (raw: N / 8 pieces of 16 bytes) as floats into v, and
+  // the tile's scale from the amax over the tile's lanes (pow2: rounded up to a power of two).
+  template <int kLanes, int N>
+  __device__ __forceinline__ static float laneScale(const uint4 (&raw)[N / 8], float (&v)[N], bool pow2) {
+    static_assert(kLanes * N == kFp8TileValues && kLanes < 32, "a tile's lanes hold its 128 values");
+    const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(raw);
     float amax = 0.f;
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
+    for (int k = 0; k < N; ++k) {
       v[k] = __bfloat162float(h[k]);
       amax = fmaxf(amax, fabsf(v[k]));
     }
-    // The 16 lanes of a tile are one aligned half-warp; reduce within it.
-    const unsigned mask = 0xffffu << (threadIdx.x & 16u);
+    const unsigned mask = ((1u << kLanes) - 1u) << (threadIdx.x & (32u - kLanes));
 #pragma unroll
-    for (int o = 8; o >= 1; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, o, 16));
-    Regs r;
-    r.scale = pow2 ? fp8ScalePow2(fp8Scale(amax)) : fp8Scale(amax);
-    const float inv = 1.0f / r.scale;
-    unsigned char b[8];
-#pragma unroll
-    for (int k = 0; k < 8; ++k) b[k] = fp8E4m3(v[k] * inv);
-    r.q = make_uint2(b[0] | (b[1] << 8) | (b[2] << 16) | (static_cast<unsigned>(b[3]) << 24),
-                     b[4] | (b[5] << 8) | (b[6] << 16) | (static_cast<unsigned>(b[7]) << 24));
-    return r;
+    for (int o = kLanes / 2; o >= 1; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, o, kLanes));
+    return pow2 ? fp8ScalePow2(fp8Scale(amax)) : fp8Scale(amax);
+  }
+  // v[0, 4) x inv as e4m3 bytes, the first in the low byte.
+  __device__ __forceinline__ static unsigned pack4(const float* v, float inv) {
+    return fp8E4m3(v[0] * inv) | (fp8E4m3(v[1] * inv) << 8) | (fp8E4m3(v[2] * inv) << 16) |
+           (static_cast<unsigned>(fp8E4m3(v[3] * inv)) << 24);
   }
   // Writes the lane's part of the record (the wire tile).
   __device__ __forceinline__ static void emit(char* wire, int lane, const Regs& r) {
@@ -120,28 +129,12 @@ struct Fp8TileWide {
   // The lane's 16 bf16 values of a tile (32 bytes, already loaded: lo then hi).
   __device__ __forceinline__ static Fp8TileWide quantize(const uint4 lo, const uint4 hi, bool pow2) {
     const uint4 raw[2] = {lo, hi};
-    const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(raw);
     float v[16];
-    float amax = 0.f;
-#pragma unroll
-    for (int k = 0; k < 16; ++k) {
-      v[k] = __bfloat162float(h[k]);
-      amax = fmaxf(amax, fabsf(v[k]));
-    }
-    const unsigned mask = 0xffu << (threadIdx.x & 24u);
-#pragma unroll
-    for (int o = 4; o >= 1; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, o, kLanes));
     Fp8TileWide r;
-    r.scale = pow2 ? ProduceFp8E4m3::fp8ScalePow2(ProduceFp8E4m3::fp8Scale(amax)) : ProduceFp8E4m3::fp8Scale(amax);
+    r.scale = ProduceFp8E4m3::laneScale<kLanes, 16>(raw, v, pow2);
     const float inv = 1.0f / r.scale;
-    unsigned w[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      w[j] = 0;
-#pragma unroll
-      for (int k = 0; k < 4; ++k) w[j] |= static_cast<unsigned>(ProduceFp8E4m3::fp8E4m3(v[4 * j + k] * inv)) << (8 * k);
-    }
-    r.q = make_uint4(w[0], w[1], w[2], w[3]);
+    r.q = make_uint4(ProduceFp8E4m3::pack4(v, inv), ProduceFp8E4m3::pack4(v + 4, inv),
+                     ProduceFp8E4m3::pack4(v + 8, inv), ProduceFp8E4m3::pack4(v + 12, inv));
     return r;
   }
   // Writes the lane's part of the wire record (lane 0 also the scale and its zeros).
