@@ -41,7 +41,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from deep_ep_common import back_to_back, parser  # noqa: E402
+from deep_ep_common import back_to_back, decode_batch, finish, low_latency_buffer, parser  # noqa: E402
 
 WARMUP, TIMED = 50, 50
 
@@ -109,6 +109,11 @@ def profile(rank: int, name: str, fn) -> None:
 ROUNDS = 3  # adapter and engine timed in turn this many times; the medians are reported
 
 
+def median(values) -> float:
+    """The median of ROUNDS figures."""
+    return sorted(values)[ROUNDS // 2]
+
+
 def report(rank: int, head: str, cases) -> None:
     """cases: (name, adapter, engine) or (name, adapter, engine, engines): `engines` is the engine's
     call alternating over the shape's two engines, as the adapter's dispatch -> dispatch does."""
@@ -117,7 +122,7 @@ def report(rank: int, head: str, cases) -> None:
         # In turn, so that a drift of the machine (or of the peer's pace) falls on each alike.
         rounds = [[event_mean(fn) for fn in calls] + [event_mean(fn, True) for fn in calls[:2]]
                   for _ in range(ROUNDS)]
-        us, loop = [[sorted(r[i][j] for r in rounds)[ROUNDS // 2] for i in range(len(rounds[0]))] for j in (0, 1)]
+        us, loop = [[median(r[i][j] for r in rounds) for i in range(len(rounds[0]))] for j in (0, 1)]
         a, e, *two = us[:len(calls)]
         la, le = loop[0], loop[1]
         aa, ea = us[-2], us[-1]
@@ -137,8 +142,6 @@ def run_deepep_low_latency(rank: int, args) -> None:
     what its Buffer costs the host per call, and whether its events' loop is host-bound too."""
     import deep_ep
 
-    from deep_ep_common import decode_batch, low_latency_buffer
-
     T, H, E, K, R = args.num_tokens, args.hidden, args.num_experts, args.num_topk, args.num_processes
     buffer = low_latency_buffer(deep_ep, T, H, R, E)
     x, topk_idx, _, _ = decode_batch(deep_ep, T, H, E, K, R)
@@ -147,15 +150,13 @@ def run_deepep_low_latency(rank: int, args) -> None:
             buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=fp8)
 
         rounds = [(event_mean(call), event_mean(call, True)) for _ in range(ROUNDS)]
-        a, la = [sorted(r[0][j] for r in rounds)[ROUNDS // 2] for j in (0, 1)]
-        aa = sorted(r[1][0] for r in rounds)[ROUNDS // 2]
+        a, la = [median(r[0][j] for r in rounds) for j in (0, 1)]
+        aa = median(r[1][0] for r in rounds)
         g, h = back_to_back(call, TIMED), host_time(call)
         if rank == 0:
             print(f"[rank 0] DeepEP low-latency T={T} H={H} E={E} K={K} {name}: events {a:.1f} us, host in the events' "
                   f"loop {la:.1f} us; host ahead {aa:.1f} us; gpu {g:.1f} us, host {h:.1f} us", flush=True)
-    torch.cuda.synchronize()
-    dist.barrier()
-    buffer.destroy()
+    finish(buffer)
 
 
 def run_low_latency(rank: int, args) -> None:
@@ -165,8 +166,7 @@ def run_low_latency(rank: int, args) -> None:
 
     T, H, E, K = args.num_tokens, args.hidden, args.num_experts, args.num_topk
     R = args.num_processes
-    buffer = deep_ep.Buffer(dist.group.WORLD, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, R, E),
-                            low_latency_mode=True, num_qps_per_rank=E // R, explicitly_destroy=True)
+    buffer = low_latency_buffer(deep_ep, T, H, R, E)
     x = torch.randn((T, H), dtype=torch.bfloat16, device="cuda")
     scores = torch.randn((T, E), dtype=torch.float32, device="cuda").abs() + 1
     topk_idx = torch.topk(scores, K, dim=-1, sorted=True)[1]
@@ -212,7 +212,7 @@ def run_low_latency(rank: int, args) -> None:
     report(rank, f"low-latency T={T} H={H} E={E} K={K}", [("combine bf16", ll_combine, engine_combine)])
     st_all = buffer.status()
     assert st_all.ok, st_all.describe()
-    buffer.destroy()
+    finish(buffer)
 
 
 def run(local_rank: int, args) -> None:
@@ -226,7 +226,6 @@ def run(local_rank: int, args) -> None:
         torch.set_default_device("cuda")
     if args.low_latency:
         (run_deepep_low_latency if args.deepep else run_low_latency)(dist.get_rank(), args)
-        dist.destroy_process_group()
         return
     import graphep.deep_ep as deep_ep
     from graphep._graphep import DispatchInput, IndexType
@@ -279,8 +278,7 @@ def run(local_rank: int, args) -> None:
     report(rank, f"T={T} H={H} E={E} K={K} SMs={args.num_sms}", cases)
     st_all = buffer.status()
     assert st_all.ok, st_all.describe()
-    buffer.destroy()
-    dist.destroy_process_group()
+    finish(buffer)
 
 
 if __name__ == "__main__":
