@@ -24,7 +24,7 @@
 // (nothing reads it), so the floor is optimistic.
 //
 //   graphep-ll-probe [--hidden H] [--experts E] [--topk K] [--tokens T] [--team N] [--iters N]
-//                    [--ctas G,G,...] [--pdl] [--trace] [--ll-counts] [--wide] [--one-pass] [--apart] [--records]
+//                    [--ctas G,G,...] [--pdl] [--trace] [--ll-counts] [--wide] [--one-pass] [--apart] [--records] [--ll-payload]
 //
 // --pdl: each launch is the programmatic dependent of the one before (griddepcontrol), as the
 // engine's graphs launch its operations; without it the launches are plain, in stream order.
@@ -42,6 +42,9 @@
 // their sender; one record per token to the peer, expanded by the receiver. With it, --ll-counts
 // sends the routing as flagged lines read before the arrival, --apart stores the own rows after
 // the arrival is signalled; --team, --wide and --one-pass do not apply.
+// --ll-payload (with --records --ll-counts): the peer's records go as flagged lines too (each 8 bytes
+// of payload beside the step, NCCL's LL protocol: twice the bytes), so the sender needs no fence
+// and no arrival, and the receiver polls each line it expands instead of waiting for the peer's CTAs.
 //
 // Needs 2 GPUs with peer access (exit 77 otherwise). One line per CTA count:
 //   ll-probe hidden=7168 experts=256 topk=8 tokens=128 ctas=24 team=128 pdl=0 ll-counts=0 wide=0 one-pass=0 apart=0 us=... wrong=0
@@ -116,6 +119,8 @@ struct Params {
   int wide;                       // 8 lanes a tile, 16-byte stores (else 16 lanes, 8-byte stores)
   int onePass;                    // the own rows from the peer rows' quantised tiles, kept in registers
   int apart;                      // the CTAs that post the counts take no tokens
+  int llPayload;                  // --records: the peer's records as flagged lines (no fence, no arrival)
+  std::uint64_t stageBytes;       // --records: a staged record's bytes (rowBytes, or its lines)
 };
 
 // --ll-counts: source q's counts of experts 2i and 2i + 1 in one 16-byte line with the step beside
@@ -380,7 +385,7 @@ __global__ void __launch_bounds__(kThreads) probeRecords(const __grid_constant__
   const int parity = static_cast<int>(p.step & 1u), peer = 1 - p.me, K = p.K;
   const Rank& mine = p.rank[p.me];
   const std::uint64_t blockRows = static_cast<std::uint64_t>(kRanks) * p.T;
-  const std::uint64_t recBytes = p.rowBytes;
+  const std::uint64_t recBytes = p.stageBytes;
   const int tiles = p.H / 128, chunks = (tiles + 3) / 4;
   // Items go round the CTAs first (warp w of CTA c is the grid's warp w x G + c), so that few items
   // still spread over every SM.
@@ -436,9 +441,16 @@ __global__ void __launch_bounds__(kThreads) probeRecords(const __grid_constant__
           if (lane == 0 && item % chunks == 0) mine.srcTag[row] = p.me << 16 | t;
         }
       }
-      if (toRecords && ((toPeer[t >> 5] >> (t & 31)) & 1u)) rows[n++] = staging + static_cast<std::uint64_t>(t) * recBytes;
-      if (n == 0 || tile >= tiles) continue;
+      const bool toLines = toRecords && p.llPayload && ((toPeer[t >> 5] >> (t & 31)) & 1u);
+      if (toRecords && !p.llPayload && ((toPeer[t >> 5] >> (t & 31)) & 1u)) rows[n++] = staging + static_cast<std::uint64_t>(t) * recBytes;
+      if ((n == 0 && !toLines) || tile >= tiles) continue;
       const Tile q = quantizeTile(x + static_cast<std::uint64_t>(t) * p.H * 2, tile, sub, true);
+      if (toLines) {  // each 16-byte piece as two lines {a, step, b, step}, the scale as one more
+        uint4* lines = reinterpret_cast<uint4*>(staging + static_cast<std::uint64_t>(t) * recBytes);
+        graphep::ptx::stVolatileV4(lines + 2 * (tile * 8 + sub), make_uint4(q.q.x, p.step, q.q.y, p.step));
+        graphep::ptx::stVolatileV4(lines + 2 * (tile * 8 + sub) + 1, make_uint4(q.q.z, p.step, q.q.w, p.step));
+        if (sub == 0) graphep::ptx::stVolatileV4(lines + tiles * 16 + tile, make_uint4(__float_as_uint(q.scale), p.step, 0u, p.step));
+      }
       for (int i = 0; i < n; ++i) {
         *reinterpret_cast<uint4*>(rows[i] + static_cast<std::uint64_t>(tile) * 128 + sub * 16) = q.q;
         if (sub == 0) *reinterpret_cast<float*>(rows[i] + p.H + tile * 4) = q.scale;
@@ -449,8 +461,10 @@ __global__ void __launch_bounds__(kThreads) probeRecords(const __grid_constant__
   __syncthreads();
   if (tid == 0) {
     stamp(mine, 3);
-    graphep::ptx::fenceAcqRelSys();
-    graphep::ptx::redReleaseSysAdd(p.rank[peer].arrivals + p.me, 1u);
+    if (!p.llPayload) {  // flagged lines need no arrival
+      graphep::ptx::fenceAcqRelSys();
+      graphep::ptx::redReleaseSysAdd(p.rank[peer].arrivals + p.me, 1u);
+    }
   }
   if (p.apart) sendItems(false, true);
   // 4. Every CTA: the peer's routing, the peer's CTAs arrived, then its records expanded after the
@@ -479,7 +493,7 @@ __global__ void __launch_bounds__(kThreads) probeRecords(const __grid_constant__
     __syncthreads();
     if (tid == 0) stamp(mine, 5);
   }
-  if (tid == 0) waitAtLeast(mine.arrivals + peer, p.arrivalsTarget, mine.error, 2 + peer);
+  if (tid == 0 && !p.llPayload) waitAtLeast(mine.arrivals + peer, p.arrivalsTarget, mine.error, 2 + peer);
   __syncthreads();
   graphep::ptx::launchDependents();
   if (tid == 0) stamp(mine, 4);
@@ -507,8 +521,28 @@ __global__ void __launch_bounds__(kThreads) probeRecords(const __grid_constant__
     }
     if (n == 0 || tile >= tiles) continue;
     const char* rec = from + static_cast<std::uint64_t>(t) * recBytes;
-    const uint4 q = __ldcg(reinterpret_cast<const uint4*>(rec + static_cast<std::uint64_t>(tile) * 128 + sub * 16));
-    const float scale = sub == 0 ? __ldcg(reinterpret_cast<const float*>(rec + p.H + tile * 4)) : 0.f;
+    uint4 q;
+    float scale = 0.f;
+    if (p.llPayload) {  // poll the piece's two lines (and the scale's) until they carry this step
+      const uint4* lines = reinterpret_cast<const uint4*>(rec);
+      const std::uint64_t start = graphep::ptx::globalTimerNs();
+      uint4 a, b, c = make_uint4(0u, p.step, 0u, p.step);
+      for (;;) {
+        a = graphep::ptx::ldVolatileV4(lines + 2 * (tile * 8 + sub));
+        b = graphep::ptx::ldVolatileV4(lines + 2 * (tile * 8 + sub) + 1);
+        if (sub == 0) c = graphep::ptx::ldVolatileV4(lines + tiles * 16 + tile);
+        if (a.y == p.step && a.w == p.step && b.y == p.step && b.w == p.step && c.y == p.step && c.w == p.step) break;
+        if (graphep::ptx::globalTimerNs() - start > kWaitNs) {
+          atomicCAS(mine.error, 0u, 4u);
+          break;
+        }
+      }
+      q = make_uint4(a.x, a.z, b.x, b.z);
+      scale = __uint_as_float(c.x);
+    } else {
+      q = __ldcg(reinterpret_cast<const uint4*>(rec + static_cast<std::uint64_t>(tile) * 128 + sub * 16));
+      scale = sub == 0 ? __ldcg(reinterpret_cast<const float*>(rec + p.H + tile * 4)) : 0.f;
+    }
     for (int i = 0; i < n; ++i) {
       *reinterpret_cast<uint4*>(rows[i] + static_cast<std::uint64_t>(tile) * 128 + sub * 16) = q;
       if (sub == 0) *reinterpret_cast<float*>(rows[i] + p.H + tile * 4) = scale;
@@ -545,6 +579,11 @@ int main(int argc, char** argv) {
   const bool onePass = std::find(args.begin(), args.end(), "--one-pass") != args.end();
   const bool apart = std::find(args.begin(), args.end(), "--apart") != args.end();
   const bool records = std::find(args.begin(), args.end(), "--records") != args.end();
+  const bool llPayload = std::find(args.begin(), args.end(), "--ll-payload") != args.end();
+  if (llPayload && (!records || !llCounts)) {
+    std::fprintf(stderr, "graphep-ll-probe: --ll-payload needs --records and --ll-counts\n");
+    return 2;
+  }
   std::vector<int> ctaList = {24, 48, 96, 132};
   for (std::size_t i = 0; i + 1 < args.size(); ++i) {
     if (args[i] != "--ctas") continue;
@@ -592,7 +631,8 @@ int main(int argc, char** argv) {
   }
   Params p{};
   p.T = T, p.H = H, p.E = E, p.K = K, p.team = team, p.rowBytes = rowBytes, p.lineCounts = llCounts ? 1 : 0;
-  p.wide = wide ? 1 : 0, p.onePass = onePass ? 1 : 0, p.apart = apart ? 1 : 0;
+  p.wide = wide ? 1 : 0, p.onePass = onePass ? 1 : 0, p.apart = apart ? 1 : 0, p.llPayload = llPayload ? 1 : 0;
+  p.stageBytes = llPayload ? static_cast<std::uint64_t>(H / 128) * 272 : rowBytes;  // per tile: 16 pieces' lines, a scale line
   const int tilesPerLane = (H / 128 + team / (wide ? 8 : 16) - 1) / (team / (wide ? 8 : 16));
   if (onePass && tilesPerLane > kMaxTilesPerLane) {
     std::fprintf(stderr, "graphep-ll-probe: --one-pass holds %d tiles a lane at hidden %d, team %d (at most %d): a larger team\n",
@@ -630,7 +670,8 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&k.error, 4));
     CHECK(cudaMemset(k.error, 0, 4));
     CHECK(cudaMalloc(&k.trace, kPhases * sizeof(unsigned long long)));
-    CHECK(cudaMalloc(&k.staging, 2ull * kRanks * T * rowBytes));
+    CHECK(cudaMalloc(&k.staging, 2ull * kRanks * T * p.stageBytes));
+    CHECK(cudaMemset(k.staging, 0, 2ull * kRanks * T * p.stageBytes));
     CHECK(cudaMalloc(&k.stagedIds, 2ull * kRanks * kMaxEntries * 4));
     CHECK(cudaMalloc(&k.idLines, 2ull * kRanks * kMaxEntries / 2 * sizeof(uint4)));
     CHECK(cudaMemset(k.idLines, 0, 2ull * kRanks * kMaxEntries / 2 * sizeof(uint4)));
@@ -746,7 +787,7 @@ int main(int argc, char** argv) {
       CHECK(cudaMemcpy(&err, p.rank[r].error, 4, cudaMemcpyDeviceToHost));
       if (err != 0) {
         std::printf("ll-probe: rank %d timed out waiting for %s\n", r,
-                    err == 1 ? "the peer's counts" : err == 2 ? "rank 0's arrivals" : "rank 1's arrivals");
+                    err == 1 ? "the peer's counts" : err == 2 ? "rank 0's arrivals" : err == 3 ? "rank 1's arrivals" : "the peer's record lines");
         return 1;
       }
       CHECK(cudaMemcpy(got.data(), p.rank[r].recv, got.size(), cudaMemcpyDeviceToHost));
@@ -769,8 +810,8 @@ int main(int argc, char** argv) {
         if (layout[static_cast<std::size_t>(j)] != static_cast<std::int32_t>(row - static_cast<std::uint64_t>(j) * kRanks * T)) ++wrong;
       }
     }
-    std::printf("ll-probe hidden=%d experts=%d topk=%d tokens=%d ctas=%d team=%d pdl=%d ll-counts=%d wide=%d one-pass=%d apart=%d records=%d us=%.2f wrong=%lld\n",
-                H, E, K, T, ctas, team, pdl ? 1 : 0, llCounts ? 1 : 0, wide ? 1 : 0, onePass ? 1 : 0, apart ? 1 : 0, records ? 1 : 0, worst * 1e3f / iters, wrong);
+    std::printf("ll-probe hidden=%d experts=%d topk=%d tokens=%d ctas=%d team=%d pdl=%d ll-counts=%d wide=%d one-pass=%d apart=%d records=%d ll-payload=%d us=%.2f wrong=%lld\n",
+                H, E, K, T, ctas, team, pdl ? 1 : 0, llCounts ? 1 : 0, wide ? 1 : 0, onePass ? 1 : 0, apart ? 1 : 0, records ? 1 : 0, llPayload ? 1 : 0, worst * 1e3f / iters, wrong);
     if (trace) std::printf("#%s\n", phases.c_str());
     std::fflush(stdout);
     if (wrong != 0) status = 1;
