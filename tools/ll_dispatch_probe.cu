@@ -123,23 +123,29 @@ struct Params {
   std::uint64_t stageBytes;       // --records: a staged record's bytes (rowBytes, or its lines)
 };
 
-// --ll-counts: source q's counts of experts 2i and 2i + 1 in one 16-byte line with the step beside
-// each (written with one vector store, so a reader that sees both steps sees both counts, without a
-// fence: NCCL's LL protocol). Count e of source q, once its line carries `step`; on timeout 0, and
-// the timeout recorded in the error word the host reports.
-__device__ void lineCount(const Params& p, int q, int e, int* out) {
-  const uint4* line = p.rank[p.me].lineCounts + (static_cast<std::uint64_t>(p.step & 1u) * kRanks + q) * (p.E / 2) + e / 2;
+// A flagged line {a, step, b, step} (written with one vector store, each 8-byte half whole, so a
+// reader that sees the step in both halves sees both values, without a fence: NCCL's LL protocol),
+// read once both halves carry `step`. After kWaitNs it gives up, records `what` in *error (the
+// first timeout only, which the host reports) and returns false, v holding what it last read.
+__device__ bool waitLine(const uint4* line, std::uint32_t step, std::uint32_t* error, std::uint32_t what, uint4& v) {
   const std::uint64_t start = graphep::ptx::globalTimerNs();
-  uint4 v = graphep::ptx::ldVolatileV4(line);
-  while (v.y != p.step || v.w != p.step) {
+  v = graphep::ptx::ldVolatileV4(line);
+  while (v.y != step || v.w != step) {
     if (graphep::ptx::globalTimerNs() - start > kWaitNs) {
-      atomicCAS(p.rank[p.me].error, 0u, 1u);
-      *out = 0;
-      return;
+      atomicCAS(error, 0u, what);
+      return false;
     }
     v = graphep::ptx::ldVolatileV4(line);
   }
-  *out = static_cast<int>((e & 1) != 0 ? v.z : v.x);
+  return true;
+}
+
+// --ll-counts: source q's counts of experts 2i and 2i + 1 in one flagged line. Count e of source
+// q, once its line carries `step`; on timeout 0 (waitLine records it).
+__device__ void lineCount(const Params& p, int q, int e, int* out) {
+  const uint4* line = p.rank[p.me].lineCounts + (static_cast<std::uint64_t>(p.step & 1u) * kRanks + q) * (p.E / 2) + e / 2;
+  uint4 v;
+  *out = !waitLine(line, p.step, p.rank[p.me].error, 1u, v) ? 0 : static_cast<int>((e & 1) != 0 ? v.z : v.x);
 }
 
 // Waits until *p reaches `target` (mod 2^32); after kWaitNs it gives up and records `what` in
@@ -474,15 +480,8 @@ __global__ void __launch_bounds__(kThreads) probeRecords(const __grid_constant__
   if (p.lineCounts) {
     const uint4* lines = mine.idLines + (static_cast<std::uint64_t>(parity) * kRanks + peer) * (kMaxEntries / 2);
     for (int i = tid; i < (p.T * K + 1) / 2; i += kThreads) {
-      const std::uint64_t start = graphep::ptx::globalTimerNs();
-      uint4 v = graphep::ptx::ldVolatileV4(lines + i);
-      while (v.y != p.step || v.w != p.step) {
-        if (graphep::ptx::globalTimerNs() - start > kWaitNs) {
-          atomicCAS(mine.error, 0u, 1u);
-          break;
-        }
-        v = graphep::ptx::ldVolatileV4(lines + i);
-      }
+      uint4 v;
+      waitLine(lines + i, p.step, mine.error, 1u, v);
       const int e[2] = {static_cast<int>(v.x), static_cast<int>(v.z)};
       for (int h = 0; h < 2 && 2 * i + h < p.T * K; ++h) {
         const int at = 2 * i + h;
@@ -523,20 +522,12 @@ __global__ void __launch_bounds__(kThreads) probeRecords(const __grid_constant__
     const char* rec = from + static_cast<std::uint64_t>(t) * recBytes;
     uint4 q;
     float scale = 0.f;
-    if (p.llPayload) {  // poll the piece's two lines (and the scale's) until they carry this step
+    if (p.llPayload) {  // the piece's two lines (and the scale's), once they carry this step
       const uint4* lines = reinterpret_cast<const uint4*>(rec);
-      const std::uint64_t start = graphep::ptx::globalTimerNs();
-      uint4 a, b, c = make_uint4(0u, p.step, 0u, p.step);
-      for (;;) {
-        a = graphep::ptx::ldVolatileV4(lines + 2 * (tile * 8 + sub));
-        b = graphep::ptx::ldVolatileV4(lines + 2 * (tile * 8 + sub) + 1);
-        if (sub == 0) c = graphep::ptx::ldVolatileV4(lines + tiles * 16 + tile);
-        if (a.y == p.step && a.w == p.step && b.y == p.step && b.w == p.step && c.y == p.step && c.w == p.step) break;
-        if (graphep::ptx::globalTimerNs() - start > kWaitNs) {
-          atomicCAS(mine.error, 0u, 4u);
-          break;
-        }
-      }
+      uint4 a, b, c = make_uint4(0u, 0u, 0u, 0u);
+      waitLine(lines + 2 * (tile * 8 + sub), p.step, mine.error, 4u, a);
+      waitLine(lines + 2 * (tile * 8 + sub) + 1, p.step, mine.error, 4u, b);
+      if (sub == 0) waitLine(lines + tiles * 16 + tile, p.step, mine.error, 4u, c);
       q = make_uint4(a.x, a.z, b.x, b.z);
       scale = __uint_as_float(c.x);
     } else {
