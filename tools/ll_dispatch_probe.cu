@@ -127,10 +127,11 @@ struct Params {
 // reader that sees the step in both halves sees both values, without a fence: NCCL's LL protocol),
 // read once both halves carry `step`. After kWaitNs it gives up, records `what` in *error (the
 // first timeout only, which the host reports) and returns false, v holding what it last read.
+__device__ __forceinline__ bool lineReady(const uint4& v, std::uint32_t step) { return v.y == step && v.w == step; }
 __device__ bool waitLine(const uint4* line, std::uint32_t step, std::uint32_t* error, std::uint32_t what, uint4& v) {
   const std::uint64_t start = graphep::ptx::globalTimerNs();
   v = graphep::ptx::ldVolatileV4(line);
-  while (v.y != step || v.w != step) {
+  while (!lineReady(v, step)) {
     if (graphep::ptx::globalTimerNs() - start > kWaitNs) {
       atomicCAS(error, 0u, what);
       return false;
@@ -524,10 +525,15 @@ __global__ void __launch_bounds__(kThreads) probeRecords(const __grid_constant__
     float scale = 0.f;
     if (p.llPayload) {  // the piece's two lines (and the scale's), once they carry this step
       const uint4* lines = reinterpret_cast<const uint4*>(rec);
-      uint4 a, b, c = make_uint4(0u, 0u, 0u, 0u);
-      waitLine(lines + 2 * (tile * 8 + sub), p.step, mine.error, 4u, a);
-      waitLine(lines + 2 * (tile * 8 + sub) + 1, p.step, mine.error, 4u, b);
-      if (sub == 0) waitLine(lines + tiles * 16 + tile, p.step, mine.error, 4u, c);
+      const uint4* at[3] = {lines + 2 * (tile * 8 + sub), lines + 2 * (tile * 8 + sub) + 1, lines + tiles * 16 + tile};
+      // All loaded before any is checked (one round trip when they have landed), then waited for.
+      uint4 a = graphep::ptx::ldVolatileV4(at[0]), b = graphep::ptx::ldVolatileV4(at[1]);
+      uint4 c = sub == 0 ? graphep::ptx::ldVolatileV4(at[2]) : make_uint4(0u, p.step, 0u, p.step);
+      if (!lineReady(a, p.step) || !lineReady(b, p.step) || !lineReady(c, p.step)) {
+        waitLine(at[0], p.step, mine.error, 4u, a);
+        waitLine(at[1], p.step, mine.error, 4u, b);
+        if (sub == 0) waitLine(at[2], p.step, mine.error, 4u, c);
+      }
       q = make_uint4(a.x, a.z, b.x, b.z);
       scale = __uint_as_float(c.x);
     } else {
