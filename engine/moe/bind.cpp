@@ -106,7 +106,8 @@ MoeParams bindParams(const BindPlan& plan, SymmetricHeap& heap, int l, char* blo
   p.layout.rowExpertWeights = p.layout.rankMajor ? reinterpret_cast<float*>(b + o.rowExpertWeights) : nullptr;
   p.layout.outputRows = capacity;  // a dispatch's own outputs may lower it (DispatchOutputs.rows)
   p.combine.expertOutputRows = capacity;    // a combine's own input may lower it (CombineArgs.expertOutputRows)
-  p.shape.recordBytes = recBytes;
+  p.shape.recordBytes = throughput ? recBytes : sizes.llRecBytes;
+  p.latency.metaOff = sizes.llMetaOff;
   p.shape.payloadBytes = sizes.payloadBytes;
   p.shape.countMsgBytes = cntMsgBytes;
   p.direct.msgBytes = sizes.directMsgBytes;
@@ -164,7 +165,6 @@ MoeParams bindParams(const BindPlan& plan, SymmetricHeap& heap, int l, char* blo
   p.peers.countMsgsOff = ph.llCnt;
   p.peers.partialsOff = throughput ? ph.combRecv : ph.llComb;
   p.peers.countFlagsOff = ph.llFlag;
-  p.latency.recordArrivalsOff = ph.llArrive;
   p.latency.partialArrivalsOff = ph.llCombArrive;
   p.direct.recordFlagsOff = ph.llBlock;
   p.direct.partialFlagsOff = ph.llCombBlock;
@@ -259,11 +259,10 @@ void startCounters(const BindPlan& plan, const MoeParams& p, char* user) {
       const std::vector<std::uint32_t> shared(2 * Rs, S);
       GRAPHEP_CUDA_CHECK(cudaMemcpy(p.direct.shared, shared.data(), shared.size() * 4, cudaMemcpyHostToDevice));
     } else {
-      GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llArrive, arrivals.data(), Rs * 4, cudaMemcpyHostToDevice));
       GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llCombArrive, arrivals.data(), Rs * 4, cudaMemcpyHostToDevice));
       GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llCombWFlag, flags.data(), Rs * 4, cudaMemcpyHostToDevice));
-      // The arrivals expected so far match the counters' start.
-      const std::vector<std::uint32_t> expected(2 * Rs, SG);
+      // The partial arrivals expected so far match the counter's start.
+      const std::vector<std::uint32_t> expected(Rs, SG);
       GRAPHEP_CUDA_CHECK(cudaMemcpy(p.latency.expected, expected.data(), expected.size() * 4, cudaMemcpyHostToDevice));
     }
   }

@@ -64,15 +64,14 @@ HealthReport Engine::checkHealth(cudaStream_t stream, std::chrono::milliseconds 
     GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h, m.p.peers.steps, 2 * 4, cudaMemcpyDeviceToHost, m.watchStream));
     GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h + 2, m.p.state.pending, 4, cudaMemcpyDeviceToHost, m.watchStream));
     GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h + 3, user + m.p.peers.countFlagsOff, R * 4, cudaMemcpyDeviceToHost, m.watchStream));
-    GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h + 3 + R, user + m.p.latency.recordArrivalsOff, R * 4, cudaMemcpyDeviceToHost, m.watchStream));
     GRAPHEP_CUDA_CHECK(
-        cudaMemcpyAsync(h + 3 + 2 * R, user + m.p.latency.partialArrivalsOff, R * 4, cudaMemcpyDeviceToHost, m.watchStream));
-    // The masks (the caller's, the last dispatch's) and the expected arrivals.
-    GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h + 3 + 3 * R, m.p.peers.live, 2 * 4, cudaMemcpyDeviceToHost, m.watchStream));
-    GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h + 5 + 3 * R, m.p.latency.expected, 2 * R * 4, cudaMemcpyDeviceToHost, m.watchStream));
+        cudaMemcpyAsync(h + 3 + R, user + m.p.latency.partialArrivalsOff, R * 4, cudaMemcpyDeviceToHost, m.watchStream));
+    // The masks (the caller's, the last dispatch's) and the combine's expected arrivals.
+    GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h + 3 + 2 * R, m.p.peers.live, 2 * 4, cudaMemcpyDeviceToHost, m.watchStream));
+    GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h + 5 + 2 * R, m.p.latency.expected, R * 4, cudaMemcpyDeviceToHost, m.watchStream));
     // The device barrier's pair counts and the peers' posts of them.
-    GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h + 5 + 5 * R, m.p.peers.barrierPairs, R * 4, cudaMemcpyDeviceToHost, m.watchStream));
-    GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h + 5 + 6 * R, user + m.p.peers.barrierOff, R * 4, cudaMemcpyDeviceToHost, m.watchStream));
+    GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h + 5 + 3 * R, m.p.peers.barrierPairs, R * 4, cudaMemcpyDeviceToHost, m.watchStream));
+    GRAPHEP_CUDA_CHECK(cudaMemcpyAsync(h + 5 + 4 * R, user + m.p.peers.barrierOff, R * 4, cudaMemcpyDeviceToHost, m.watchStream));
     GRAPHEP_CUDA_CHECK(cudaStreamSynchronize(m.watchStream));
     detail::LatencyCounters c;
     c.dispatchStep = h[0];
@@ -81,15 +80,13 @@ HealthReport Engine::checkHealth(cudaStream_t stream, std::chrono::milliseconds 
     c.ctas = static_cast<std::uint32_t>(m.p.grid.budgetCtas);
     c.rank = m.p.shape.rank;
     c.flags.assign(h + 3, h + 3 + R);
-    c.arrivals.assign(h + 3 + R, h + 3 + 2 * R);
-    c.combineArrivals.assign(h + 3 + 2 * R, h + 3 + 3 * R);
-    const std::uint32_t live = h[3 + 3 * R] & allRanksMask(R);
+    c.combineArrivals.assign(h + 3 + R, h + 3 + 2 * R);
+    const std::uint32_t live = h[3 + 2 * R] & allRanksMask(R);
     c.dispatchLive = ((live >> c.rank) & 1u) != 0 ? live : 0u;  // as the dispatch reads it
-    c.combineLive = h[4 + 3 * R];
-    c.expected.assign(h + 5 + 3 * R, h + 5 + 4 * R);
-    c.combineExpected.assign(h + 5 + 4 * R, h + 5 + 5 * R);
-    c.barrierPairs.assign(h + 5 + 5 * R, h + 5 + 6 * R);
-    c.barrierPosts.assign(h + 5 + 6 * R, h + 5 + 7 * R);
+    c.combineLive = h[4 + 2 * R];
+    c.combineExpected.assign(h + 5 + 2 * R, h + 5 + 3 * R);
+    c.barrierPairs.assign(h + 5 + 3 * R, h + 5 + 4 * R);
+    c.barrierPosts.assign(h + 5 + 4 * R, h + 5 + 5 * R);
     return detail::describeLatencyStall(c);
   });
   if (!r.ok && m.failure.empty()) m.failure = r.message;
@@ -109,15 +106,11 @@ std::string detail::describeLatencyStall(const LatencyCounters& c) {
   }
   if (!missing.empty()) return missing;
   for (std::size_t peer = 0; peer < c.flags.size(); ++peer) {
-    const std::uint32_t flag = c.flags[peer], arrive = c.arrivals[peer], comb = c.combineArrivals[peer];
-    const std::uint32_t base = c.expected.empty() ? step * G : c.expected[peer];
+    const std::uint32_t flag = c.flags[peer], comb = c.combineArrivals[peer];
     const std::uint32_t cbase = c.combineExpected.empty() ? cstep * G : c.combineExpected[peer];
     const bool live = ((c.dispatchLive >> (peer & 31)) & 1u) != 0, clive = ((c.combineLive >> (peer & 31)) & 1u) != 0;
     if (!inCombine && live && !counterReached(flag, step + 1u)) {
       missing += format("; rank %zu's count message for dispatch step %u has not arrived (flag %u)", peer, step, flag);
-    } else if (!inCombine && live && !counterReached(arrive, base + G)) {
-      missing += format("; %u of rank %zu's %u CTAs have delivered their records for dispatch step %u",
-                        arrive - base, peer, G, step);
     } else if (inCombine && clive && static_cast<int>(peer) != c.rank && !counterReached(comb, cbase + G)) {
       missing += format("; %u of rank %zu's %u CTAs have delivered their partials for combine step %u",
                         comb - cbase, peer, G, cstep);
@@ -125,8 +118,12 @@ std::string detail::describeLatencyStall(const LatencyCounters& c) {
   }
   if (!missing.empty()) return missing;
   const bool outside = c.rank >= 0 && (inCombine ? ((c.combineLive >> (c.rank & 31)) & 1u) == 0 : c.dispatchLive == 0);
-  return outside ? " (this rank is outside the active-rank mask and waits for no peer: its own kernels are behind)"
-                 : " (every peer's counters are complete: this rank's own kernels are behind)";
+  if (outside) return " (this rank is outside the active-rank mask and waits for no peer: its own kernels are behind)";
+  // The dispatch's records carry their step in every line and no counter: once every count
+  // message is in, a record still missing shows only in the device error of the wait that timed out.
+  return inCombine ? " (every peer's counters are complete: this rank's own kernels are behind)"
+                   : " (every peer's count message is in: a peer's records not yet landed, or this rank's own kernels "
+                     "behind; a wait that timed out names the record's peer in the device error)";
 }
 
 void Engine::clearStatus() {

@@ -124,7 +124,7 @@ std::unique_ptr<Engine::Impl> buildEngine(const BindPlan& plan, const std::share
     }
   }
   GRAPHEP_CUDA_CHECK(
-      cudaHostAlloc(&impl->snapshot, (5 + 7 * plan.sizes.R) * sizeof(std::uint32_t), cudaHostAllocDefault));
+      cudaHostAlloc(&impl->snapshot, (5 + 5 * plan.sizes.R) * sizeof(std::uint32_t), cudaHostAllocDefault));
   GRAPHEP_CUDA_CHECK(cudaMemset(impl->block, 0, plan.carve.bytes));
   char* user = group->heap->user(l);
   impl->p = bindParams(plan, *group->heap, l, impl->block);

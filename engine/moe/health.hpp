@@ -14,12 +14,12 @@ struct LatencyCounters {
   std::uint32_t pending = 0;       // 1: a dispatch finished, so the combine is what is running
   std::uint32_t ctas = 0;          // G: CTAs of each latency kernel on every rank
   int rank = -1;                   // this rank: its own partials are reduced by its own receiver (no counter)
-  std::vector<std::uint32_t> flags, arrivals, combineArrivals;  // [R] each, this rank's inbox (combine: peers only)
+  std::vector<std::uint32_t> flags, combineArrivals;  // [R] each, this rank's inbox (combine: peers only)
   // The active-rank masks of the dispatch and of the combine (the last dispatch's); ranks outside
-  // them are waited for by no one. The arrivals expected before this step from each rank
+  // them are waited for by no one. The combine's arrivals expected before this step from each rank
   // (latency.expected); empty: step x G (every rank took part in every step).
   std::uint32_t dispatchLive = ~0u, combineLive = ~0u;
-  std::vector<std::uint32_t> expected, combineExpected;
+  std::vector<std::uint32_t> combineExpected;
   // The device barrier (Engine::barrier): this rank's count of barriers with each rank, and each
   // rank's post of it in this rank's slot; empty: not snapshot.
   std::vector<std::uint32_t> barrierPairs, barrierPosts;

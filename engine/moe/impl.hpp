@@ -66,8 +66,8 @@ struct Engine::Impl {
   // stream then carries the exchanges too.
   cudaStream_t commStream = nullptr;
   std::vector<cudaEvent_t> events;
-  // pinned: peers.steps[2], pending, flags, arrivals, combine arrivals [R] each, the masks [2], the
-  // expected arrivals [2][R], the barrier's pair counts and posts [R] each
+  // pinned: peers.steps[2], pending, flags, combine arrivals [R] each, the masks [2], the combine's
+  // expected arrivals [R], the barrier's pair counts and posts [R] each
   std::uint32_t* snapshot = nullptr;
   Impl();  // joins the registry of this process's live engines (engine.cpp)
   ~Impl();

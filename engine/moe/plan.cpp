@@ -30,7 +30,8 @@ MoeSizes moeSizes(const MoeConfig& cfg, int R, bool nodeAware) {
   return MoeSizes{static_cast<std::size_t>(R), static_cast<std::size_t>(cfg.maxTokensPerRank),
                   static_cast<std::size_t>(cfg.hidden) * 2, payloadBytes,
                   alignUp(payloadBytes + moeMetaBytes(cfg.topK) + forwardBytes, 16),
-                  moeCountMsgBytes(nodeAware ? L + 1 : L), moeDirectMsgBytes(L, cfg.maxTokensPerRank, R), nodeAware};
+                  moeCountMsgBytes(nodeAware ? L + 1 : L), moeDirectMsgBytes(L, cfg.maxTokensPerRank, R),
+                  moeLatencyRecordBytes(payloadBytes, cfg.topK), moeLatencyMetaOff(payloadBytes, cfg.topK), nodeAware};
 }
 
 MoePath preferredPath(const MoeConfig& cfg, int R) {
@@ -42,11 +43,10 @@ PathHeap pathHeap(MoePath path, const MoeSizes& z, const MoeConfig& cfg) {
   BumpAllocator a(SIZE_MAX);  // offsets in the user region, the same on every rank
   const std::size_t W = moeRouteWords(static_cast<int>(z.T));
   if (path == MoePath::kLatency) {
-    h.llRec = a.carve("llRec", 2 * z.R * z.T, z.recBytes, 256);
+    h.llRec = a.carve("llRec", 2 * z.R * z.T, z.llRecBytes, 256);
     h.llCnt = a.carve("llCnt", 2 * z.R, z.cntMsgBytes, 256);
     h.llComb = a.carve("llComb", 2 * z.R * z.T, z.rowBytes, 256);
     h.llFlag = a.carve("llFlag", z.R, 4, 256);
-    h.llArrive = a.carve("llArrive", z.R, 4, 256);
     h.llCombArrive = a.carve("llCombArrive", z.R, 4, 256);
     // The combine's top-k weights from each source ([2][R][T][K] fp32) and their flags [R].
     h.llCombW = a.carve("llCombW", 2 * z.R * z.T * static_cast<std::size_t>(cfg.topK), 4, 256);
@@ -150,7 +150,7 @@ LocalCarve carveLocal(const MoeConfig& cfg, const MoeSizes& z, std::size_t cap, 
   o.llSteps = carve("llSteps", 2 * 4);  // dispatch and combine steps and last-CTA counters (latency and direct kernels)
   o.llDone = carve("llDone", 2 * 4);
   o.llMask = carve("llMask", 3 * 4);  // the active-rank mask, the last dispatch's, a latency send half's
-  o.llExpected = carve("llExpected", 2 * Rs * 4);  // latency: the arrivals expected; direct: the steps shared
+  o.llExpected = carve("llExpected", 2 * Rs * 4);  // latency: the partial arrivals expected [R]; direct: the steps shared [2][R]
   o.llShrink = carve("llShrink", !throughput && cfg.shrinkOnTimeout ? 2 * 4 * 4 : 0);  // shrink on timeout
   // Latency: a combine send half's sources left to its receive half, a word per send CTA (at most
   // the SM budget, latencySendCtas).

@@ -35,6 +35,7 @@ bool latencyFits(const MoeConfig& c, int R);
 // message for the hop records.
 struct MoeSizes {
   std::size_t R, T, rowBytes, payloadBytes, recBytes, cntMsgBytes, directMsgBytes;
+  std::size_t llRecBytes, llMetaOff;  // the latency path's record slot and its plain metadata (moeLatencyRecordBytes)
   bool nodeAware;
 };
 MoeSizes moeSizes(const MoeConfig& cfg, int R, bool nodeAware = false);
@@ -50,7 +51,7 @@ struct PathHeap {
   // Throughput: [R][T] records and partials. Latency: [2][R][T] records, [2][R] count messages,
   // [2][R][T] partials and the three [R] counter arrays (kernels/moe/moe.h, MoeParams).
   std::size_t recRecv = 0, combRecv = 0;
-  std::size_t llRec = 0, llCnt = 0, llComb = 0, llFlag = 0, llArrive = 0, llCombArrive = 0, llBlock = 0;
+  std::size_t llRec = 0, llCnt = 0, llComb = 0, llFlag = 0, llCombArrive = 0, llBlock = 0;
   std::size_t llCombBlock = 0, llDispAck = 0, llCombAck = 0, llCombVal = 0, llCombW = 0, llCombWFlag = 0;
   std::size_t llBarrier = 0;  // the device barrier's [R] pair counts (Engine::barrier), both paths
   // The node-aware dispatch and combine (sizes.nodeAware): [R][T] forwarded records, [R][T] partials

@@ -89,13 +89,12 @@ __device__ __forceinline__ int lastArriver(const MoeParams& p) {
   return p.shape.rank == p.shape.numRanks - 1 ? p.shape.numRanks - 2 : p.shape.numRanks - 1;
 }
 
-// The launch's last CTA, once the operation's receive is done: the arrivals the next step waits
-// for grow by G from each rank that took part in this one (op 0: the dispatch, whose own records
-// this rank always counts; 1: the combine, whose own entry nothing arrives at or waits on).
-__device__ __forceinline__ void advanceExpected(const MoeParams& p, int op, std::uint32_t live) {
-  std::uint32_t* expected = p.latency.expected + op * p.shape.numRanks;
+// The combine's last CTA, once its receive is done: the partial arrivals the next step waits for
+// grow by G from each rank that took part in this one (this rank's own entry: nothing arrives at
+// it or waits on it).
+__device__ __forceinline__ void advanceExpected(const MoeParams& p, std::uint32_t live) {
   for (int q = 0; q < p.shape.numRanks; ++q) {
-    if (isLive(live, q) || (op == 0 && q == p.shape.rank)) expected[q] += static_cast<std::uint32_t>(p.grid.budgetCtas);
+    if (isLive(live, q)) p.latency.expected[q] += static_cast<std::uint32_t>(p.grid.budgetCtas);
   }
 }
 
@@ -140,31 +139,230 @@ __device__ __forceinline__ std::uint32_t settledLive(const MoeParams& p, int op,
 }
 
 // --- dispatch ---------------------------------------------------------------------------------
+//
+// Every CTA of a launch sends, then receives (a send half sends, a receive half receives). The
+// payload of a record and its metadata travel as flagged lines (moeLatencyRecordBytes): a line is
+// stored whole (st.volatile.v4) and each of its 8-byte halves carries the step's tag beside 4 bytes,
+// so a reader that sees the tag in both halves holds the line's data: no fence, no arrival
+// counter, and each record is expanded as soon as its own lines are there. The receiver keeps the
+// plain metadata at the slot's metaOff for the combine. Work goes in warp items of kChunkValues
+// values of one record, dealt over every warp of the launch (the CTAs first).
 
-__device__ void dispatchSend(const MoeParams& p, char* sm, Part part, std::uint32_t live) {
-  const MoeLatencySmem lay = moeLatencySmem(p.shape.maxTokens, p.shape.topK, p.shape.numExperts, p.shape.numRanks);
-  auto* ids = reinterpret_cast<std::int32_t*>(sm + lay.ids);         // [T_max * K], -1: none
-  auto* weights = reinterpret_cast<float*>(sm + lay.weights);        // [T_max * K]
-  auto* expBits = reinterpret_cast<std::uint32_t*>(sm + lay.expBits);  // [E][W]: tokens per expert
-  auto* dstBits = reinterpret_cast<std::uint32_t*>(sm + lay.dstBits);  // [R][W]: tokens per rank
-  __shared__ int dup;
-  __shared__ char* dsts[kGroups][kMaxRanks];
-  __shared__ int dstRanks[kGroups][kMaxRanks];
-  __shared__ int ndst[kGroups];
+constexpr int kWarps = kThreads / 32;
+constexpr int kChunkValues = 512;  // bf16: two 16-byte pieces a lane; fp8: four tiles, 8 lanes each
+constexpr unsigned kFullMask = 0xffffffffu;
 
-  const int tid = static_cast<int>(threadIdx.x);
-  const int K = p.shape.topK, R = p.shape.numRanks, L = p.shape.localExperts, E = p.shape.numExperts;
-  const int W = (p.shape.maxTokens + 31) / 32;
-  const MoeGroupSlice gs = moeGroupSlice(part.cta, part.ctas);
-  const int group = gs.group, firstItem = gs.first, items = gs.stride;
-  const MoeGroup g = gs.g;
-  const std::uint32_t step = p.peers.steps[0];
-  const int parity = static_cast<int>(step & 1u);
-  const int T = moeLiveTokens(p, part.cta == 0 && tid == 0);
-  bool anyDup = false;
+__device__ __forceinline__ int rowChunks(const MoeParams& p) { return (p.shape.hidden + kChunkValues - 1) / kChunkValues; }
+
+// Record slot i of source `src` at `parity` in rank r's heap.
+__device__ __forceinline__ char* recordSlot(const MoeParams& p, int r, int parity, int src, int i) {
+  return p.peers.userRegions[r] + p.peers.recordsOff + llSlot(p, parity, src, i, p.shape.recordBytes);
+}
+// A slot seen as a record whose header moeRecordHeader finds at the slot's plain metadata: what
+// moeWriteRecordMeta writes and the combine's record helpers read.
+__device__ __forceinline__ char* recordView(const MoeParams& p, char* slot) {
+  return slot + p.latency.metaOff - p.shape.payloadBytes;
+}
+__device__ __forceinline__ uint4* metaLines(const MoeParams& p, char* slot) {
+  return reinterpret_cast<uint4*>(slot + 2 * p.shape.payloadBytes);
+}
+__device__ __forceinline__ uint4 line(std::uint32_t a, std::uint32_t b, std::uint32_t tag) { return make_uint4(a, tag, b, tag); }
+__device__ __forceinline__ bool lineReady(const uint4& v, std::uint32_t tag) { return v.y == tag && v.w == tag; }
+
+// Polls `at` until it carries `tag`, bounded, and returns the line (not ready: it never came, and
+// the timeout is recorded: a record that never lands fails the operation, as a missing count word
+// does). Out of line: called only for a line that had not landed when first read.
+__device__ __noinline__ uint4 waitLine(const MoeParams& p, const uint4* at, std::uint32_t tag, int src) {
+  uint4 v;
+  boundedPoll(
+      p.peers.sync,
+      [&](std::uint32_t* o) {
+        v = ptx::ldVolatileV4(at);
+        *o = v.y;
+        return lineReady(v, tag);
+      },
+      tag, src, WaitSite::kMoeDispatch, at);
+  return v;
+}
+// `v` (read from `at`) once it carries `tag`; false when it never came.
+__device__ __forceinline__ bool landed(const MoeParams& p, const uint4* at, std::uint32_t tag, int src, uint4& v) {
+  if (!lineReady(v, tag)) v = waitLine(p, at, tag, src);
+  return lineReady(v, tag);
+}
+
+// This lane's share of chunk c of a row: bf16, pieces 64c + lane and 64c + 32 + lane (16 bytes, 8
+// values each); fp8, tile 4c + lane / 8: its e4m3 bytes [16 sub, 16 sub + 16) (sub = lane % 8) and
+// its scale. has[j]: piece j exists (fp8: piece 0 alone; uniform across a tile's 8 lanes).
+struct Share {
+  uint4 v[2];
+  float scale;
+  bool has[2];
+};
+__device__ __forceinline__ Share emptyShare(const MoeParams& p, int c, int lane) {
+  Share s{};
+  if (p.shape.fp8) {
+    s.has[0] = 4 * c + lane / 8 < p.shape.hidden / static_cast<int>(kFp8TileValues);
+  } else {
+    s.has[0] = 64 * c + lane < p.shape.hidden / 8;
+    s.has[1] = 64 * c + 32 + lane < p.shape.hidden / 8;
+  }
+  return s;
+}
+// The wire piece of fp8 tile `tile`'s lane `sub` (9 pieces a tile: 8 of e4m3 bytes, its scale's).
+__device__ __forceinline__ int fp8Piece(int tile, int sub) { return tile * 9 + sub; }
+
+// Token t's share from x: bf16 as it is, quantised to fp8 (the engine's tiles), or the caller's
+// e4m3 bytes and scales (input.xIsFp8).
+__device__ __forceinline__ Share shareFromX(const MoeParams& p, int t, int c, int lane) {
+  Share s = emptyShare(p, c, lane);
+  const std::uint64_t H = static_cast<std::uint64_t>(p.shape.hidden);
+  if (p.shape.fp8) {
+    const int tile = 4 * c + lane / 8, sub = lane % 8;
+    if (!s.has[0]) return s;
+    if (p.input.xIsFp8) {
+      s.v[0] = *reinterpret_cast<const uint4*>(moeCallerFp8Row(p, t) + static_cast<std::uint64_t>(tile) * kFp8TileValues + sub * 16);
+      s.scale = moeCallerFp8Scales(p, t)[static_cast<std::int64_t>(tile) * p.input.scaleHiddenStride];
+    } else {
+      const auto* at = reinterpret_cast<const uint4*>(static_cast<const char*>(p.input.x) + static_cast<std::uint64_t>(t) * H * 2 +
+                                                      static_cast<std::uint64_t>(tile) * kFp8TileSrcBytes + sub * 32);
+      const Fp8TileWide q = Fp8TileWide::quantize(at[0], at[1], p.input.scaleFormat != kMoeScaleFloat);
+      s.v[0] = q.q;
+      s.scale = q.scale;
+    }
+    return s;
+  }
+  const auto* row = reinterpret_cast<const uint4*>(p.input.x) + static_cast<std::uint64_t>(t) * (H / 8);
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    if (s.has[j]) s.v[j] = row[64 * c + 32 * j + lane];
+  }
+  return s;
+}
+
+// The share as flagged lines of a record slot: a 16-byte piece n as lines 2n and 2n + 1, an fp8
+// tile's scale as the first line of its scale piece.
+__device__ __forceinline__ void putLines(const MoeParams& p, uint4* lines, int c, int lane, const Share& s, std::uint32_t tag) {
+  if (p.shape.fp8) {
+    if (!s.has[0]) return;
+    const int tile = 4 * c + lane / 8, n = fp8Piece(tile, lane % 8);
+    ptx::stVolatileV4(lines + 2 * n, line(s.v[0].x, s.v[0].y, tag));
+    ptx::stVolatileV4(lines + 2 * n + 1, line(s.v[0].z, s.v[0].w, tag));
+    if (lane % 8 == 0) ptx::stVolatileV4(lines + 2 * fp8Piece(tile, 8), line(__float_as_uint(s.scale), 0u, tag));
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    if (!s.has[j]) continue;
+    const int n = 64 * c + 32 * j + lane;
+    ptx::stVolatileV4(lines + 2 * n, line(s.v[j].x, s.v[j].y, tag));
+    ptx::stVolatileV4(lines + 2 * n + 1, line(s.v[j].z, s.v[j].w, tag));
+  }
+}
+
+// The share from a record slot's lines once they carry `tag`: every line loaded before any is
+// checked (one round trip once they have landed), then each missing one waited for. False: one
+// never came (recorded).
+__device__ __forceinline__ bool shareFromLines(const MoeParams& p, const uint4* lines, int c, int lane, std::uint32_t tag, int src,
+                                               Share& s) {
+  s = emptyShare(p, c, lane);
+  uint4 a[2], b[2], sc = line(0u, 0u, tag);
+  const int tile = 4 * c + lane / 8;
+  int n[2] = {0, 0};
+  if (p.shape.fp8) {
+    n[0] = fp8Piece(tile, lane % 8);
+  } else {
+    n[0] = 64 * c + lane;
+    n[1] = 64 * c + 32 + lane;
+  }
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    if (!s.has[j]) continue;
+    a[j] = ptx::ldVolatileV4(lines + 2 * n[j]);
+    b[j] = ptx::ldVolatileV4(lines + 2 * n[j] + 1);
+  }
+  const bool scaled = p.shape.fp8 && s.has[0] && lane % 8 == 0;
+  if (scaled) sc = ptx::ldVolatileV4(lines + 2 * fp8Piece(tile, 8));
+  bool ok = true;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    if (!s.has[j]) continue;
+    ok = ok && landed(p, lines + 2 * n[j], tag, src, a[j]) && landed(p, lines + 2 * n[j] + 1, tag, src, b[j]);
+    s.v[j] = make_uint4(a[j].x, a[j].z, b[j].x, b[j].z);
+  }
+  if (scaled) ok = ok && landed(p, lines + 2 * fp8Piece(tile, 8), tag, src, sc);
+  s.scale = __shfl_sync(kFullMask, __uint_as_float(sc.x), lane & ~7);  // the tile's scale, from its lane 0
+  return ok;
+}
+
+// The share into recv_x at the row of every lane in `kept` (its `row`).
+__device__ __forceinline__ void storeRows(const MoeParams& p, unsigned kept, long long row, int c, int lane, const Share& s) {
+  const std::uint64_t H = static_cast<std::uint64_t>(p.shape.hidden);
+  for (unsigned m = kept; m != 0; m &= m - 1u) {
+    const std::uint64_t r = static_cast<std::uint64_t>(__shfl_sync(kFullMask, row, __ffs(m) - 1));
+    if (p.shape.fp8) {
+      const int tile = 4 * c + lane / 8;
+      if (!s.has[0]) continue;
+      *reinterpret_cast<uint4*>(p.layout.recvX + r * H + static_cast<std::uint64_t>(tile) * kFp8TileValues + (lane % 8) * 16) = s.v[0];
+      if (lane % 8 == 0) moeStoreScale(p, r * (H / kFp8TileValues) + tile, s.scale);
+    } else {
+      auto* out = reinterpret_cast<uint4*>(p.layout.recvX) + r * (H / 8);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        if (s.has[j]) out[64 * c + 32 * j + lane] = s.v[j];
+      }
+    }
+  }
+}
+
+// The recv_x rows of a record from source s (token `token`; lane k < topK holding its slot k, expert
+// -1: none), as the lanes holding one (`row`) and their ballot. `meta` (one item per record): each
+// row's metadata, the rows past the capacity counted; rank-major (rankRow >= 0): the record's one
+// row (lane 0's) and each top-k slot's local expert and weight.
+struct Rows {
+  unsigned kept;
+  long long row;
+};
+__device__ __forceinline__ Rows recordRows(const MoeParams& p, int s, int token, const MoeRecordSlot& slot, const std::int32_t* srcBase,
+                                           long long rankRow, bool meta, int lane) {
+  const bool valid = slot.localExpert >= 0 && slot.localExpert < p.shape.localExperts;
+  if (rankRow >= 0) {
+    const bool exists = moeRankRowExists(p, rankRow, true, meta ? lane : 1);
+    if (meta && exists) {
+      if (lane < p.shape.topK) moeStoreRowSlot(p, rankRow, lane, -1, 0.f);
+      __syncwarp();
+      if (valid && slot.k >= 0 && slot.k < p.shape.topK) moeStoreRowSlot(p, rankRow, slot.k, slot.localExpert, slot.weight);
+      if (lane == 0) {
+        p.layout.rowSrcRank[rankRow] = s;
+        p.layout.rowSrcToken[rankRow] = token;
+        p.layout.rowTopkSlot[rankRow] = -1;
+        p.layout.rowWeight[rankRow] = 0.f;
+      }
+    }
+    return Rows{exists ? 1u : 0u, rankRow};
+  }
+  const long long pos = valid ? moeSlotRow(p, srcBase, slot) : -1;
+  if (meta && pos >= 0) {
+    p.layout.rowSrcRank[pos] = s;
+    p.layout.rowSrcToken[pos] = token;
+    p.layout.rowTopkSlot[pos] = slot.k;
+    p.layout.rowWeight[pos] = slot.weight;
+  } else if (meta && valid) {
+    moeReportDroppedRow(p, static_cast<long long>(srcBase[slot.localExpert]) + slot.index);
+  }
+  return Rows{__ballot_sync(kFullMask, pos >= 0), pos};
+}
+
+// The routing of this rank's tokens in shared memory (every sending CTA holds all of it).
+struct Routing {
+  std::int32_t* ids;       // [T_max * K], -1: none
+  float* weights;          // [T_max * K]
+  std::uint32_t* expBits;  // [E][W]: tokens per expert
+  std::uint32_t* dstBits;  // [R][W]: tokens per rank
+  int T, W;
+  bool anyDup;
   // Entries of expert e before token t (and before slot k of t): a popcount unless some token
   // holds an expert twice, then an exact count over the tokens holding e.
-  auto entriesBefore = [&](int e, int t, int k) {
+  __device__ int entriesBefore(int e, int t, int k, int K) const {
     const std::uint32_t* bits = expBits + e * W;
     if (!anyDup) return popcBelow(bits, t);
     int c = 0;
@@ -175,109 +373,128 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part, std::uint3
     }
     for (int kk = 0; kk < k; ++kk) c += ids[t * K + kk] == e;
     return c;
-  };
-  {
-    const MoeStamp stamp(p, MoeKernel::kLatencyDispatch);
-    if (part.cta == 0 && tid == 0) moeCheckPairing(p, true);
-    for (int w = tid; w < (E + R) * W; w += kThreads) expBits[w] = 0;  // and dstBits
-    if (tid == 0) dup = 0;
-    __syncthreads();
-    // Route every entry (invalid ids: -1 here, counted by CTA 0).
-    for (int e = tid; e < T * K; e += kThreads) {
-      const long long id = moeReadId(p, static_cast<std::uint64_t>(e));
-      const bool known = moeValidId(p, id);
-      if (!known && id != -1 && part.cta == 0) moeReportInvalidId(p, id, e / K, e % K);
-      const bool valid = known && isLive(live, static_cast<int>(id / L));  // its rank takes part
-      if (known && !valid && part.cta == 0) atomicAdd(&p.state.status->maskedEntries[id / L], 1ull);
-      ids[e] = valid ? static_cast<std::int32_t>(id) : -1;
-      weights[e] = moeWeightOf(p, static_cast<std::uint64_t>(e));
-      if (valid) {
-        const int t = e / K;
-        const std::uint32_t bit = 1u << (t & 31);
-        if (atomicOr(&expBits[id * W + (t >> 5)], bit) & bit) dup = 1;  // the token holds it twice
-        atomicOr(&dstBits[(id / L) * W + (t >> 5)], bit);
-      }
-    }
-    __syncthreads();
-    anyDup = dup != 0;
-    // Count messages first (they travel ahead of the payload): CTA c takes ranks c, c + G, ...
-    // Each word carries its count tagged with the step (moeTaggedCount), stored whole, so the
-    // receiver waits on the words themselves: no fence, no flag to order them by. The flag is
-    // still stored after them (the CTA's barrier between), for checkHealth's account of a stall
-    // alone (nothing waits on it).
-    for (int r = part.cta; r < R; r += part.ctas) {
-      if (!isLive(live, r)) continue;  // the same r in every thread
-      auto* msg = reinterpret_cast<std::uint64_t*>(p.peers.userRegions[r] + p.peers.countMsgsOff +
-                                                   (static_cast<std::uint64_t>(parity) * R + p.shape.rank) * p.shape.countMsgBytes);
-      for (int j = tid; j < L; j += kThreads) ptx::stRelaxedSys64(msg + 1 + j, moeTaggedCount(step, entriesBefore(r * L + j, T, 0)));
-      if (tid == 0) ptx::stRelaxedSys64(msg, moeTaggedCount(step, popcBelow(dstBits + r * W, T)));
-      __syncthreads();
-      if (tid == 0) {
-        ptx::stRelaxedSys(peerCounter(p, r, p.peers.countFlagsOff) + p.shape.rank, step + 1u);
-        moeTrace(p, 0, step, MoeTraceEvent::kPosted, 0, true);
-      }
-    }
-    // Each token's index in each destination's list, for the combine of this dispatch.
-    if (part.cta == part.ctas - 1) {
-      for (int n = tid; n < T * R; n += kThreads) {
-        const int t = n / R, r = n % R;
-        const bool goes = (dstBits[r * W + (t >> 5)] >> (t & 31)) & 1u;
-        p.routing.tokenRankIndex[n] = goes ? popcBelow(dstBits + r * W, t) : -1;
-      }
+  }
+  __device__ bool goesTo(int r, int t) const { return (dstBits[r * W + (t >> 5)] >> (t & 31)) & 1u; }
+};
+
+// Every thread of the CTA: routes every entry (invalid ids: -1, counted by CTA 0; entries of a rank
+// outside the mask: -1, counted per rank). Ends with the CTA synchronised.
+__device__ Routing routeTokens(const MoeParams& p, char* sm, Part part, std::uint32_t live) {
+  const MoeLatencySmem lay = moeLatencySmem(p.shape.maxTokens, p.shape.topK, p.shape.numExperts, p.shape.numRanks);
+  __shared__ int dup;
+  const int tid = static_cast<int>(threadIdx.x), K = p.shape.topK, R = p.shape.numRanks, L = p.shape.localExperts;
+  Routing rt{reinterpret_cast<std::int32_t*>(sm + lay.ids), reinterpret_cast<float*>(sm + lay.weights),
+             reinterpret_cast<std::uint32_t*>(sm + lay.expBits), reinterpret_cast<std::uint32_t*>(sm + lay.dstBits),
+             moeLiveTokens(p, part.cta == 0 && tid == 0), (p.shape.maxTokens + 31) / 32, false};
+  for (int w = tid; w < (p.shape.numExperts + R) * rt.W; w += kThreads) rt.expBits[w] = 0;  // and dstBits
+  if (tid == 0) dup = 0;
+  __syncthreads();
+  for (int e = tid; e < rt.T * K; e += kThreads) {
+    const long long id = moeReadId(p, static_cast<std::uint64_t>(e));
+    const bool known = moeValidId(p, id);
+    if (!known && id != -1 && part.cta == 0) moeReportInvalidId(p, id, e / K, e % K);
+    const bool valid = known && isLive(live, static_cast<int>(id / L));  // its rank takes part
+    if (known && !valid && part.cta == 0) atomicAdd(&p.state.status->maskedEntries[id / L], 1ull);
+    rt.ids[e] = valid ? static_cast<std::int32_t>(id) : -1;
+    rt.weights[e] = moeWeightOf(p, static_cast<std::uint64_t>(e));
+    if (valid) {
+      const int t = e / K;
+      const std::uint32_t bit = 1u << (t & 31);
+      if (atomicOr(&rt.expBits[id * rt.W + (t >> 5)], bit) & bit) dup = 1;  // the token holds it twice
+      atomicOr(&rt.dstBits[(id / L) * rt.W + (t >> 5)], bit);
     }
   }
-  {
-    const MoeStamp stamp(p, MoeKernel::kLatencyRecords);
-    // This rank's own records first, their metadata alone (the receiver reads their rows from x),
-    // a warp per token from the routing in shared memory; then this CTA's arrival at this rank
-    // (GPU scope: its receiver runs on this GPU), so that the receiver expands them while the
-    // peers' records are written below.
-    {
-      const int warp = tid / 32, lane = tid % 32, warps = kThreads / 32, me = p.shape.rank;
-      for (int t = part.cta * warps + warp; t < T; t += part.ctas * warps) {
-        if (!((dstBits[me * W + (t >> 5)] >> (t & 31)) & 1u)) continue;  // uniform across the warp
-        char* rec = p.peers.userRegions[me] + p.peers.recordsOff + llSlot(p, parity, me, popcBelow(dstBits + me * W, t), p.shape.recordBytes);
-        moeWriteRecordMeta(
-            p, t, &rec, &me, 1, [&](int k) { return entriesBefore(ids[t * K + k], t, k); },
-            lane < K ? ids[t * K + lane] : -1, lane < K ? weights[t * K + lane] : 0.f, lane);
-      }
-      __syncthreads();
-      if (tid == 0) {
-        __threadfence();  // the CTA's metadata (ordered before by the barrier), then the count
-        atomicAdd(peerCounter(p, me, p.latency.recordArrivalsOff) + me, 1u);
-      }
-    }
-    // The peers' records: one token per group, its row read once for every peer. Every group of
-    // the CTA goes round the same number of times (one past the last token idles through its
-    // barriers): compute-sanitizer racecheck mis-orders a CTA-wide shared-memory exchange whose
-    // writer's group has passed its named barrier more often than the reader's (a false RAW
-    // hazard; tools/racecheck_probe.cu, docs/RELIABILITY.md); the receiver keeps the same rule.
-    // At few tokens the groups left over share a token's row: item t x C + c is chunk c of token
-    // t, the C groups of a token acting as one group of C x kMoeGroupThreads threads over its row
-    // (moeWriteRecords synchronises none of them; chunk 0 writes the metadata).
-    const int C = moeRecordChunks(items, T, p.shape.hidden);
-    for (int base = firstItem - group; base < T * C; base += items) {
-      const int item = base + group, t = item / C, c = item % C;
-      if (g.tid == 0 && item < T * C) {
-        int n = 0;
-        for (int r = 0; r < R; ++r) {
-          if (r == p.shape.rank || !((dstBits[r * W + (t >> 5)] >> (t & 31)) & 1u)) continue;
-          dsts[group][n] = p.peers.userRegions[r] + p.peers.recordsOff + llSlot(p, parity, p.shape.rank, popcBelow(dstBits + r * W, t), p.shape.recordBytes);
-          dstRanks[group][n++] = r;
-        }
-        ndst[group] = n;
-      }
-      g.sync();
-      if (item < T * C && ndst[group] > 0) {
-        const MoeGroup chunk{c * g.nthreads + g.tid, C * g.nthreads, g.barrier};  // never synchronised
-        moeWriteRecords(p, t, dsts[group], dstRanks[group], ndst[group],
-                        [&](int k) { return entriesBefore(ids[t * K + k], t, k); }, chunk, ndst[group]);
-      }
-      g.sync();  // dsts is rewritten for the next item
+  __syncthreads();
+  rt.anyDup = dup != 0;
+  return rt;
+}
+
+// Token t's metadata as flagged lines into the slot of rank r (a warp; lane k < K its slot k):
+// the header {token, slots}, then each position's {local expert, index}, {weight, k}, the slots
+// whose experts live on r first in slot order, the positions after them empty (expert -1), so
+// that the reader polls K fixed positions.
+__device__ __forceinline__ void putMetaLines(const MoeParams& p, const Routing& rt, uint4* lines, int r, int t, int lane,
+                                             std::uint32_t tag) {
+  const int K = p.shape.topK, L = p.shape.localExperts;
+  const int id = lane < K ? rt.ids[t * K + lane] : -1;
+  const bool here = id >= 0 && id / L == r;
+  const unsigned m = __ballot_sync(kFullMask, here);
+  const int n = __popc(m);
+  if (here) {
+    const int at = 1 + 2 * __popc(m & ((1u << lane) - 1u));
+    ptx::stVolatileV4(lines + at, line(static_cast<std::uint32_t>(id % L), static_cast<std::uint32_t>(rt.entriesBefore(id, t, lane, K)), tag));
+    ptx::stVolatileV4(lines + at + 1, line(__float_as_uint(rt.weights[t * K + lane]), static_cast<std::uint32_t>(lane), tag));
+  }
+  if (lane >= n && lane < K) {
+    ptx::stVolatileV4(lines + 1 + 2 * lane, line(~0u, 0u, tag));
+    ptx::stVolatileV4(lines + 2 + 2 * lane, line(0u, ~0u, tag));
+  }
+  if (lane == 31) ptx::stVolatileV4(lines, line(static_cast<std::uint32_t>(t), static_cast<std::uint32_t>(n), tag));
+}
+
+// The send: routing, count messages, this rank's own records' metadata, the peers' records.
+__device__ void dispatchSend(const MoeParams& p, char* sm, Part part, std::uint32_t live) {
+  const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32;
+  const int K = p.shape.topK, R = p.shape.numRanks, L = p.shape.localExperts, me = p.shape.rank;
+  const std::uint32_t step = p.peers.steps[0], tag = moeCountTag(step);
+  const int parity = static_cast<int>(step & 1u);
+  const MoeStamp stamp(p, MoeKernel::kLatencyDispatch);
+  if (part.cta == 0 && tid == 0) moeCheckPairing(p, true);
+  const Routing rt = routeTokens(p, sm, part, live);
+  const int T = rt.T, W = rt.W;
+  // Count messages first (they travel ahead of the payload): CTA c takes ranks c, c + ctas, ...
+  // Each word carries its count tagged with the step (moeTaggedCount), stored whole, so the
+  // receiver waits on the words themselves: no fence, no flag to order them by. The flag is
+  // still stored after them (the CTA's barrier between), for checkHealth's account of a stall
+  // alone (nothing waits on it).
+  for (int r = part.cta; r < R; r += part.ctas) {
+    if (!isLive(live, r)) continue;  // the same r in every thread
+    auto* msg = reinterpret_cast<std::uint64_t*>(p.peers.userRegions[r] + p.peers.countMsgsOff +
+                                                 (static_cast<std::uint64_t>(parity) * R + me) * p.shape.countMsgBytes);
+    for (int j = tid; j < L; j += kThreads) ptx::stRelaxedSys64(msg + 1 + j, moeTaggedCount(step, rt.entriesBefore(r * L + j, T, 0, K)));
+    if (tid == 0) ptx::stRelaxedSys64(msg, moeTaggedCount(step, popcBelow(rt.dstBits + r * W, T)));
+    __syncthreads();
+    if (tid == 0) {
+      ptx::stRelaxedSys(peerCounter(p, r, p.peers.countFlagsOff) + me, step + 1u);
+      moeTrace(p, 0, step, MoeTraceEvent::kPosted, 0, true);
     }
   }
-  arriveAtEveryPeer(p, p.latency.recordArrivalsOff, live);  // this CTA's records, to every peer taking part
-  if (tid == lastArriver(p)) moeTrace(p, 0, step, MoeTraceEvent::kSent, 0, true);
+  // Each token's index in each destination's list, for the combine of this dispatch.
+  if (part.cta == part.ctas - 1) {
+    for (int n = tid; n < T * R; n += kThreads) {
+      const int t = n / R, r = n % R;
+      p.routing.tokenRankIndex[n] = rt.goesTo(r, t) ? popcBelow(rt.dstBits + r * W, t) : -1;
+    }
+  }
+  const MoeStamp records(p, MoeKernel::kLatencyRecords);
+  // This rank's own records, their metadata alone (their rows come from x), plain: record i by CTA
+  // i mod ctas, the CTA whose receive expands it (in a whole launch, after its barriers).
+  for (int t = warp; t < T; t += kWarps) {
+    if (!rt.goesTo(me, t)) continue;  // uniform across the warp
+    const int i = popcBelow(rt.dstBits + me * W, t);
+    if (i % part.ctas != part.cta) continue;
+    char* view = recordView(p, recordSlot(p, me, parity, me, i));
+    moeWriteRecordMeta(
+        p, t, &view, &me, 1, [&](int k) { return rt.entriesBefore(rt.ids[t * K + k], t, k, K); },
+        lane < K ? rt.ids[t * K + lane] : -1, lane < K ? rt.weights[t * K + lane] : 0.f, lane);
+  }
+  // The peers' records: item (token, chunk) over every warp of the launch, the CTAs first; the
+  // share read once for every peer that takes the token; chunk 0 also writes its metadata lines.
+  const int chunks = rowChunks(p), gw = warp * part.ctas + part.cta, warps = part.ctas * kWarps;
+  for (int item = gw; item < T * chunks; item += warps) {
+    const int t = item / chunks, c = item % chunks;
+    bool any = false;
+    for (int r = 0; r < R; ++r) any = any || (r != me && rt.goesTo(r, t));
+    if (!any) continue;  // uniform across the warp
+    const Share s = shareFromX(p, t, c, lane);
+    for (int r = 0; r < R; ++r) {
+      if (r == me || !rt.goesTo(r, t)) continue;
+      char* slot = recordSlot(p, r, parity, me, popcBelow(rt.dstBits + r * W, t));
+      putLines(p, reinterpret_cast<uint4*>(slot), c, lane, s, tag);
+      if (c == 0) putMetaLines(p, rt, metaLines(p, slot), r, t, lane, tag);
+    }
+  }
+  if (tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kSent, 0, true);
 }
 
 // Source q's count message of the step's parity in this rank's heap.
@@ -315,86 +532,122 @@ __device__ bool waitTaggedCounts(const MoeParams& p, int parity, std::uint32_t s
   return __syncthreads_or(failed) == 0;
 }
 
-__device__ void dispatchReceive(const MoeParams& p, Part part, std::uint32_t live) {
-  __shared__ MoeReceiveSmem<kThreads, kGroups> sm;
-  const int tid = static_cast<int>(threadIdx.x), R = p.shape.numRanks;
-  const MoeGroupSlice gs = moeGroupSlice(part.cta, part.ctas);
-  const std::uint32_t step = p.peers.steps[0];
+// One warp item of the receive: chunk c of record i from source s (this rank's own: its metadata
+// plain in the slot, its row from x; a peer's: both as lines, waited for). Chunk 0 writes the
+// rows' metadata (and a peer record's plain metadata, for the combine). False: a line never came.
+__device__ bool expandItem(const MoeParams& p, int parity, std::uint32_t tag, int s, int i, int c, const std::int32_t* srcBase,
+                           long long rankRow, int lane) {
+  const int K = p.shape.topK;
+  char* slot = recordSlot(p, p.shape.rank, parity, s, i);
+  char* view = recordView(p, slot);
+  auto* plainSlots = reinterpret_cast<MoeRecordSlot*>(view + p.shape.payloadBytes + sizeof(MoeRecordHeader));
+  MoeRecordSlot slot_{-1, 0, 0.f, 0};
+  int token = 0, nslots = 0;
+  Share share;
+  bool ok = true;
+  if (s == p.shape.rank) {
+    const int4 h = __ldcg(reinterpret_cast<const int4*>(moeRecordHeader(p, view)));  // this rank's send wrote it
+    token = h.x;
+    nslots = min(h.y, K);
+    if (lane < nslots) {
+      const int4 v = __ldcg(reinterpret_cast<const int4*>(plainSlots) + lane);
+      slot_ = MoeRecordSlot{v.x, v.y, __int_as_float(v.z), v.w};
+    }
+    share = shareFromX(p, token, c, lane);
+  } else {
+    const uint4* ml = metaLines(p, slot);
+    uint4 h = make_uint4(0u, 0u, 0u, 0u), a = h, b = h;
+    const int at = lane == 31 ? 0 : 1 + 2 * lane;
+    if (lane < K || lane == 31) {
+      a = ptx::ldVolatileV4(ml + at);
+      if (lane < K) b = ptx::ldVolatileV4(ml + at + 1);
+    }
+    ok = shareFromLines(p, reinterpret_cast<const uint4*>(slot), c, lane, tag, s, share);
+    if (lane < K || lane == 31) ok = ok && landed(p, ml + at, tag, s, a);
+    if (lane < K) ok = ok && landed(p, ml + at + 1, tag, s, b);
+    h = make_uint4(__shfl_sync(kFullMask, a.x, 31), 0u, __shfl_sync(kFullMask, a.z, 31), 0u);
+    token = static_cast<int>(h.x);
+    nslots = min(static_cast<int>(h.z), K);
+    if (lane < nslots) slot_ = MoeRecordSlot{static_cast<std::int32_t>(a.x), static_cast<std::int32_t>(a.z), __uint_as_float(b.x),
+                                             static_cast<std::int32_t>(b.z)};
+    if (__all_sync(kFullMask, ok) && c == 0) {  // the combine's copy
+      if (lane < nslots) plainSlots[lane] = slot_;
+      if (lane == 0) *reinterpret_cast<MoeRecordHeader*>(view + p.shape.payloadBytes) = MoeRecordHeader{token, nslots, {0, 0}};
+    }
+  }
+  if (!__all_sync(kFullMask, ok)) return false;
+  const Rows rows = recordRows(p, s, token, slot_, srcBase, rankRow, c == 0, lane);
+  storeRows(p, rows.kept, rows.row, c, lane, share);
+  return true;
+}
+
+// The receive: the layout once every source's count words are in, then every record's chunks.
+__device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part part, std::uint32_t live) {
+  __shared__ std::int32_t counts[kMoeMaxLocalExperts];
+  __shared__ std::int32_t offsets[kMoeMaxLocalExperts + 1];
+  __shared__ MoeLayoutScratch<kThreads> scratch;
+  const MoeLatencySmem lay = moeLatencySmem(p.shape.maxTokens, p.shape.topK, p.shape.numExperts, p.shape.numRanks);
+  auto* srcBase = reinterpret_cast<std::int32_t*>(smRaw + lay.srcBase);  // [R][E_local]
+  const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32;
+  const int R = p.shape.numRanks, L = p.shape.localExperts, me = p.shape.rank;
+  const std::uint32_t step = p.peers.steps[0], tag = moeCountTag(step);
   const int parity = static_cast<int>(step & 1u);
-  const std::uint32_t G = static_cast<std::uint32_t>(p.grid.budgetCtas);  // every send CTA, this step
   // A source outside the mask sent nothing: its message reads as zeros, so the layout leaves it out.
   // Shrink on timeout: a source whose count message never came is left out like one outside the mask.
   auto msgOf = [&](int q) { return isLive(live, q) ? latencyMsg(p, parity, q) : p.peers.zeroMsg; };
   std::uint32_t* masked = shrinkWords(p, 0);  // the dispatch's (the receive part's ranks first), or nullptr
-  bool layoutOk = false;
+  bool counted = false;
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyReceive);
-    const bool counted = waitTaggedCounts(p, parity, step, live, masked);
+    counted = waitTaggedCounts(p, parity, step, live, masked);
     if (part.cta == part.ctas - 1 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kLayout);
     if (masked != nullptr) live &= ~settleMasked(p, masked, part.ctas, WaitSite::kMoeDispatch);
-    if (counted) moeComputeReceiveLayout<kThreads, kGroups>(p, msgOf, part.cta == 0, sm);  // CTA 0 publishes
-    layoutOk = counted;
-  }
-  {
-    const MoeStamp stamp(p, MoeKernel::kLatencyExpand);
-    if (layoutOk) {
-      // Each source's records once its G send CTAs have arrived, this rank's own first. The
-      // records of every source, in this order, are dealt to the receive groups one per CTA in
-      // turn (group-major: consecutive records on different SMs), from CTA 1 (CTA 0 publishes the
-      // layout): group slot n takes records n - 1, n - 1 + stride, ... So a source's records do
-      // not queue behind the earlier sources' in the same groups: at few tokens this rank's own
-      // records and each peer's are expanded side by side.
-      // At few records, the groups left over share each record's row (C chunks per record,
-      // moeRecordChunks): item j x C + c is chunk c of record j.
-      const int stride = gs.stride, slot = gs.group * part.ctas + part.cta;
-      const long long mineAt = (slot + stride - 1) % stride;  // this group's items: mineAt (mod stride)
-      long long records = 0;
-      for (int q = 0; q < R; ++q) records += moeMsgRecords(p, msgOf(q));
-      const int C = moeRecordChunks(stride, records, p.shape.hidden);
-      long long before = 0;  // items of the sources before this one
-      for (int k = 0; k < R; ++k) {
-        const int s = (p.shape.rank + k) % R;
-        const bool failed = tid == 0 && isLive(live, s) &&
-                            !flagWait(p.peers.sync, peerCounter(p, p.shape.rank, p.latency.recordArrivalsOff) + s,
-                                      p.latency.expected[s] + G, s, WaitSite::kMoeDispatch);
-        if (__syncthreads_or(failed) != 0) break;  // thread 0's verdict, to every thread
-        if (part.cta == 0 && tid == 0) {
-          moeTrace(p, 0, step, k == R - 1 ? MoeTraceEvent::kArrived0 : MoeTraceEvent::kOwnArrived0);
-        }
-        // After this CTA's last wait on another rank, not before: the stream's next kernel (the
-        // next operation, or a caller's programmatic dependent) may then be placed while this one
-        // only expands. Placed earlier, it could hold the SMs that another engine's or another
-        // rank's send part needs while this receive waits for it (a cycle across GPUs).
-        if (k == R - 1) ptx::launchDependents();
-        if (k == R - 1 && part.cta == part.ctas - 1 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kArrived);
-        moeSourceBases<kThreads>(p, msgOf, sm.offsets, s, sm.base);
-        __syncthreads();
-        const int rows = moeMsgRecords(p, msgOf(s));
-        const long long rankBase = p.layout.rankMajor ? moeRankBase(p, msgOf, s) : -1;  // rank-major: its first row
-        // Every group goes round equally (an idle one through the same barriers): base is
-        // rewritten for the next source after the __syncthreads below.
-        const long long items = static_cast<long long>(rows) * C;
-        for (long long round = before / stride * stride; round < before + items; round += stride) {
-          const long long item = round + mineAt;
-          const bool mine = item >= before && item < before + items;
-          const int i = mine ? static_cast<int>((item - before) / C) : rows;
-          const MoeChunk chunk{mine ? static_cast<int>((item - before) % C) : 0, C};
-          const char* rec = p.peers.userRegions[p.shape.rank] + p.peers.recordsOff + llSlot(p, parity, s, i, p.shape.recordBytes);
-          if (i < rows && s == p.shape.rank) {  // its metadata alone: the row comes from x
-            moeExpandOwnRecord(p, rec, sm.base, sm.stages[gs.group], gs.g, p.layout.rankMajor ? rankBase + i : -1, chunk);
-          } else if (i < rows) {
-            moeExpandRecord(p, s, rec, sm.base, sm.stages[gs.group], gs.g, p.layout.rankMajor ? rankBase + i : -1, chunk);
-          } else {
-            moeIdleRecord(gs.g);
-          }
-        }
-        __syncthreads();
-        before += items;
-        if (k == 0 && part.cta == 0 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kOwnDone0);
-      }
+    if (counted) {
+      moeComputeOffsets<kThreads>(p, msgOf, counts, offsets, scratch);
+      moeComputeSourceBases<kThreads>(p, msgOf, offsets, srcBase);
+      if (part.cta == 0) moePublishLayout<kThreads>(p, msgOf, counts, offsets, srcBase, scratch);  // copies srcBase out
     }
   }
-  if (tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kReceived, 0, true);
+  bool ok = counted;
+  if (counted) {
+    const MoeStamp stamp(p, MoeKernel::kLatencyExpand);
+    const int chunks = rowChunks(p);
+    // This rank's own records: record i by CTA i mod ctas (whose send wrote its metadata), its
+    // chunks over the CTA's warps.
+    const int own = moeMsgRecords(p, msgOf(me));
+    const long long ownBase = p.layout.rankMajor ? moeRankBase(p, msgOf, me) : -1;
+    for (int n = warp; n < ((own - part.cta + part.ctas - 1) / part.ctas) * chunks; n += kWarps) {
+      const int i = part.cta + (n / chunks) * part.ctas, c = n % chunks;
+      ok = expandItem(p, parity, tag, me, i, c, srcBase + me * L, p.layout.rankMajor ? ownBase + i : -1, lane) && ok;
+    }
+    if (part.cta == 0 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kOwnDone0);
+    // The peers' records, source by source from the next rank on: item (record, chunk) over every
+    // warp of the launch, the CTAs first.
+    const long long gw = static_cast<long long>(warp) * part.ctas + part.cta, warps = static_cast<long long>(part.ctas) * kWarps;
+    long long before = 0;  // items of the sources before this one
+    for (int k = 1; k < R && ok; ++k) {
+      const int s = (me + k) % R;
+      if (!isLive(live, s)) continue;
+      const long long items = static_cast<long long>(moeMsgRecords(p, msgOf(s))) * chunks;
+      const long long rankBase = p.layout.rankMajor ? moeRankBase(p, msgOf, s) : -1;
+      for (long long item = (gw - before % warps + warps) % warps; item < items && ok; item += warps) {
+        const int i = static_cast<int>(item / chunks), c = static_cast<int>(item % chunks);
+        ok = expandItem(p, parity, tag, s, i, c, srcBase + s * L, p.layout.rankMajor ? rankBase + i : -1, lane);
+      }
+      before += items;
+    }
+  }
+  // After this CTA's last wait on another rank, not before: the stream's next kernel (the next
+  // operation, or a caller's programmatic dependent) may then be placed while this one ends.
+  // Placed earlier, it could hold the SMs that another engine's or another rank's send needs while
+  // this receive waits for it (a cycle across GPUs).
+  __syncthreads();
+  ptx::launchDependents();
+  if (tid == 0) {
+    moeTrace(p, 0, step, MoeTraceEvent::kArrived, 0, true);
+    if (part.cta == 0) moeTrace(p, 0, step, MoeTraceEvent::kArrived0);
+    moeTrace(p, 0, step, MoeTraceEvent::kReceived, 0, true);
+  }
 }
 
 // The send part's first CTA: its start and the end of its wait for the stream's last kernel.
@@ -408,7 +661,7 @@ __device__ __forceinline__ void traceStart(const MoeParams& p, int op, Part send
 
 // The part of this launch that this CTA runs (cta -1: none). Both parts: CTAs [0, G) send and
 // CTAs [G, G + E) receive, as two kernels would (the receive starts at once, on its own SMs);
-// one part: every CTA runs it.
+// one part: every CTA runs it. (The combine's parts.)
 __device__ __forceinline__ Part sendPart(const MoeParams& p) {
   const bool sends = (p.latency.phase & kMoeLatencySend) != 0 && static_cast<int>(blockIdx.x) < p.grid.budgetCtas;
   return Part{sends ? static_cast<int>(blockIdx.x) : -1, p.grid.budgetCtas};
@@ -421,26 +674,28 @@ __device__ __forceinline__ Part receivePart(const MoeParams& p) {
 
 __global__ void __launch_bounds__(kThreads) dispatchKernel(const __grid_constant__ MoeParams p) {
   extern __shared__ int4 smemRaw[];
+  char* sm = reinterpret_cast<char*>(smemRaw);
   const std::uint64_t entered = p.state.timeline != nullptr ? ptx::globalTimerNs() : 0;
   // The stream's last kernel (often the last operation, which lets it be placed early) has
   // finished and its memory is visible: nothing of this step is read before.
   ptx::gridDependencyWait();
-  const Part send = sendPart(p), receive = receivePart(p);
+  // Every CTA of the launch runs each part it holds: the send, then the receive.
+  const Part all{static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x)};
   // A receive half uses its send half's mask (a caller's kernel may have changed the mask word
   // between the halves); the send half leaves it.
-  const bool sends = (p.latency.phase & kMoeLatencySend) != 0;
+  const bool sends = (p.latency.phase & kMoeLatencySend) != 0, receives = (p.latency.phase & kMoeLatencyReceive) != 0;
   const std::uint32_t live = sends ? dispatchMask(p) : *p.latency.halfLive;
-  if (sends && (p.latency.phase & kMoeLatencyReceive) == 0 && blockIdx.x == 0 && threadIdx.x == 0) *p.latency.halfLive = live;
-  traceStart(p, 0, send, entered);
-  if (send.cta >= 0) dispatchSend(p, reinterpret_cast<char*>(smemRaw), send, live);
-  if (receive.cta >= 0) dispatchReceive(p, receive, live);
-  if ((p.latency.phase & kMoeLatencyReceive) != 0 && lastBlock(&p.peers.lastCtaCounters[0]) && threadIdx.x == 0) {
+  if (sends && !receives && blockIdx.x == 0 && threadIdx.x == 0) *p.latency.halfLive = live;
+  if (sends) {
+    traceStart(p, 0, all, entered);
+    dispatchSend(p, sm, all, live);
+  }
+  if (receives) dispatchReceive(p, sm, all, live);
+  if (receives && lastBlock(&p.peers.lastCtaCounters[0]) && threadIdx.x == 0) {
     moeTrace(p, 0, p.peers.steps[0], MoeTraceEvent::kDone);
-    // Every CTA read the step and the expected arrivals before lastBlock's barrier.
+    // Every CTA read the step before lastBlock's barrier.
     p.peers.steps[0] = p.peers.steps[0] + 1u;
-    const std::uint32_t settled = settledLive(p, 0, live);  // less the ranks masked after a timeout
-    advanceExpected(p, 0, settled);
-    *p.peers.dispatchLive = settled;  // its combine's mask
+    *p.peers.dispatchLive = settledLive(p, 0, live);  // its combine's mask, less the ranks masked after a timeout
     *p.state.pending = kMoeDispatched | kMoePendingCombine;
   }
 }
@@ -473,7 +728,7 @@ __device__ __forceinline__ void reduceSourceShare(const MoeParams& p, int s, con
   const int rows = p.layout.sourceRecords[s];
   const long long rankBase = p.layout.rankMajor ? p.layout.rankOffsets[s] : -1;  // rank-major: the source's first row
   for (int i = gs.first; i < rows; i += gs.stride) {
-    moeReduceRecord(p, p.peers.userRegions[p.shape.rank] + p.peers.recordsOff + llSlot(p, dparity, s, i, p.shape.recordBytes),
+    moeReduceRecord(p, recordView(p, recordSlot(p, p.shape.rank, dparity, s, i)),
                     p.layout.sourceBase + s * p.shape.localExperts,
                     p.peers.userRegions[s] + p.peers.partialsOff + llSlot(p, cparity, p.shape.rank, i, rowBytes), stage, gs.g,
                     p.layout.rankMajor ? rankBase + i : -1, weighted ? combineWeightsOf(p, cparity, s, i) : nullptr);
@@ -581,7 +836,7 @@ __device__ void combineReceive(const MoeParams& p, Part part, std::uint32_t live
     for (int t = gs.first; t < T; t += gs.stride) {
       const int i = p.routing.tokenRankIndex[static_cast<std::uint64_t>(t) * R + p.shape.rank];
       if (i >= 0) {
-        moeReduceRecord(p, p.peers.userRegions[p.shape.rank] + p.peers.recordsOff + llSlot(p, dparity, p.shape.rank, i, p.shape.recordBytes),
+        moeReduceRecord(p, recordView(p, recordSlot(p, p.shape.rank, dparity, p.shape.rank, i)),
                         p.layout.sourceBase + p.shape.rank * p.shape.localExperts,
                         p.peers.userRegions[p.shape.rank] + p.peers.partialsOff + llSlot(p, cparity, p.shape.rank, i, rowBytes), stages[gs.group],
                         gs.g, p.layout.rankMajor ? p.layout.rankOffsets[p.shape.rank] + i : -1,
@@ -597,7 +852,7 @@ __device__ void combineReceive(const MoeParams& p, Part part, std::uint32_t live
     // leaves the same ranks out of the sums.
     std::uint32_t* masked = shrinkWords(p, 1);
     const bool arrived = waitEveryRank(p, p.latency.partialArrivalsOff, static_cast<std::uint32_t>(p.grid.budgetCtas),
-                                       WaitSite::kMoeCombine, true, masked != nullptr ? live & ~skip : live, p.latency.expected + R,
+                                       WaitSite::kMoeCombine, true, masked != nullptr ? live & ~skip : live, p.latency.expected,
                                        masked);
     if (masked != nullptr) live &= ~settleMasked(p, masked, part.ctas, WaitSite::kMoeCombine);
     if (arrived) {
@@ -640,7 +895,7 @@ __global__ void __launch_bounds__(kThreads) combineKernel(const __grid_constant_
   if ((p.latency.phase & kMoeLatencyReceive) != 0 && lastBlock(&p.peers.lastCtaCounters[1]) && threadIdx.x == 0) {
     moeTrace(p, 1, p.peers.steps[1], MoeTraceEvent::kDone);
     p.peers.steps[1] = p.peers.steps[1] + 1u;
-    advanceExpected(p, 1, settledLive(p, 1, live));  // less the ranks masked after a timeout
+    advanceExpected(p, settledLive(p, 1, live));  // less the ranks masked after a timeout
     *p.state.pending &= kMoeDispatched;
   }
 }
@@ -678,7 +933,7 @@ cudaError_t launchMoeLatencyDispatch(const MoeParams& p, cudaStream_t stream) {
                          lay.bytes, kMoeLatencyMaxSmem);
   cudaLaunchAttribute attrs[2];
   cudaLaunchConfig_t cfg = moeLaunchConfig(launchCtas(p), kThreads, 1, true, stream, attrs);
-  cfg.dynamicSmemBytes = (p.latency.phase & kMoeLatencySend) != 0 ? lay.bytes : 0;
+  cfg.dynamicSmemBytes = lay.bytes;
   return cudaLaunchKernelEx(&cfg, dispatchKernel, p);
 }
 

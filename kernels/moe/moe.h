@@ -90,6 +90,20 @@ __host__ __device__ inline std::uint64_t moePayloadBytes(int hidden, bool fp8) {
   return fp8 ? static_cast<std::uint64_t>(hidden) / kFp8TileValues * kFp8TileWireBytes
              : static_cast<std::uint64_t>(hidden) * 2;
 }
+// The latency path's record slot (kernels/moe/latency.cu): the payload, then the metadata, as
+// flagged lines (every 8 bytes of them as a 16-byte line {4 bytes, tag, 4 bytes, tag}: the header
+// {token, slots}, then per top-k position {local expert, index}, {weight, k}), written by the
+// source; then at metaOff the plain metadata (MoeRecordHeader and its slots) the combine reads,
+// written by the receiver. `payloadBytes`: the config's largest payload, `topK` its top-k.
+__host__ __device__ inline std::uint64_t moeLatencyMetaLineBytes(int topK) {
+  return 16 * (1 + 2 * static_cast<std::uint64_t>(topK));
+}
+__host__ __device__ inline std::uint64_t moeLatencyMetaOff(std::uint64_t payloadBytes, int topK) {
+  return (2 * payloadBytes + moeLatencyMetaLineBytes(topK) + 15) & ~std::uint64_t{15};
+}
+__host__ __device__ inline std::uint64_t moeLatencyRecordBytes(std::uint64_t payloadBytes, int topK) {
+  return (moeLatencyMetaOff(payloadBytes, topK) + moeMetaBytes(topK) + 127) & ~std::uint64_t{127};
+}
 // Count message per destination: {rows, count of expert 0 .. E_local-1} as u64, 16-byte multiple.
 __host__ __device__ inline std::uint64_t moeCountMsgBytes(int localExperts) {
   return ((1 + static_cast<std::uint64_t>(localExperts)) * 8 + 15) & ~std::uint64_t{15};
@@ -378,7 +392,7 @@ struct MoeDirectParams {
 
 // The latency path (kernels/moe/latency.cu) alone.
 struct MoeLatencyParams {
-  std::uint64_t recordArrivalsOff;   // u32 [R]: CTAs of source q whose records landed (G per step)
+  std::uint64_t metaOff;             // a record slot's plain metadata (moeLatencyMetaOff)
   std::uint64_t partialArrivalsOff;  // u32 [R]: CTAs of destination q whose partials landed
   std::uint64_t weightsOff;          // [2][R][maxTokens][topK] fp32 combine weights
   std::uint64_t weightFlagsOff;      // u32 [R]: combine step + 1
@@ -387,8 +401,8 @@ struct MoeLatencyParams {
   // Local [G]: per send CTA of a combine send half, the sources whose combine-time weights it
   // found missing and left to the receive half (bit q), rewritten by every combine send half.
   std::uint32_t* deferred;
-  // Local [2][R]: the arrivals expected so far from each rank (dispatch records, combine partials):
-  // they grow by G only in the steps both ranks took part in, as the counters they are waited on do.
+  // Local [R]: the combine's partial arrivals expected so far from each rank: they grow by G only
+  // in the steps both ranks took part in, as the counters they are waited on do.
   std::uint32_t* expected;
   // Local [2][4], MoeConfig::shrinkOnTimeout (else nullptr): per operation, the ranks its receive
   // part masked after a timeout, its receive CTAs' meeting (count, generation), and the ranks its
@@ -509,11 +523,12 @@ inline constexpr std::int32_t kMoeScaleFloat = 0;
 inline constexpr std::int32_t kMoeScalePow2 = 1;
 inline constexpr std::int32_t kMoeScaleUe8m0 = 2;
 
-// Byte offsets of the latency dispatch sender's dynamic shared memory: the routing (ids, their
-// weights, a bit per token for each expert and for each destination rank). The receive layout is
-// in static shared memory.
+// Byte offsets of the latency dispatch's dynamic shared memory: the send's routing (ids, their
+// weights, a bit per token for each expert and for each destination rank) and the receive's first
+// row of each (source, local expert) ([R][E_local] = E ints). The layout's scan is in static
+// shared memory.
 struct MoeLatencySmem {
-  std::uint32_t ids, weights, expBits, dstBits, bytes;
+  std::uint32_t ids, weights, expBits, dstBits, srcBase, bytes;
 };
 __host__ __device__ inline MoeLatencySmem moeLatencySmem(int maxTokens, int topK, int numExperts, int numRanks) {
   const std::uint32_t W = (static_cast<std::uint32_t>(maxTokens) + 31u) / 32u;
@@ -524,7 +539,8 @@ __host__ __device__ inline MoeLatencySmem moeLatencySmem(int maxTokens, int topK
   o.weights = o.ids + entries * 4u;
   o.expBits = o.weights + entries * 4u;
   o.dstBits = o.expBits + E * W * 4u;  // dstBits follows expBits (one zeroing pass clears both)
-  o.bytes = (o.dstBits + R * W * 4u + 15u) & ~15u;
+  o.srcBase = o.dstBits + R * W * 4u;
+  o.bytes = (o.srcBase + E * 4u + 15u) & ~15u;
   return o;
 }
 

@@ -117,7 +117,7 @@ TEST(Unit_MoePlan, LocalRegionsHoldWhatTheKernelsWrite) {
           {o.llSteps, 8},
           {o.llDone, 8},
           {o.llMask, 3 * 4},         // the active-rank mask, the last dispatch's, a latency send half's
-          {o.llExpected, 2 * Rs * 4},  // latency: the arrivals expected; direct: the steps each pair shared
+          {o.llExpected, 2 * Rs * 4},  // latency: the partial arrivals expected; direct: the steps each pair shared
           {o.llShrink, !throughput && c.shrinkOnTimeout ? 2 * 4 * 4 : 0},  // shrink on timeout: [2 operations][4 words]
           {o.llZeroMsg, std::max(z.cntMsgBytes, z.directMsgBytes)},  // read as either path's count message
           {o.llBarrier, Rs * 4},  // the device barrier's pair counts
@@ -154,11 +154,10 @@ TEST(Unit_MoePlan, HeapRegionsHoldWhatThePeersWrite) {
       const PathHeap h = moe_setup::pathHeap(path, z, c);
       const std::string where = pc.name + " " + name(path);
       if (path == MoePath::kLatency) {
-        expectLaidOut({{h.llRec, 2 * Rs * T * z.recBytes},
+        expectLaidOut({{h.llRec, 2 * Rs * T * z.llRecBytes},
                        {h.llCnt, 2 * Rs * z.cntMsgBytes},
                        {h.llComb, 2 * Rs * T * z.rowBytes},
                        {h.llFlag, Rs * 4},
-                       {h.llArrive, Rs * 4},
                        {h.llCombArrive, Rs * 4},
                        {h.llCombW, 2 * Rs * T * K * 4},
                        {h.llCombWFlag, Rs * 4},
