@@ -31,7 +31,7 @@ MoeSizes moeSizes(const MoeConfig& cfg, int R, bool nodeAware) {
                   static_cast<std::size_t>(cfg.hidden) * 2, payloadBytes,
                   alignUp(payloadBytes + moeMetaBytes(cfg.topK) + forwardBytes, 16),
                   moeCountMsgBytes(nodeAware ? L + 1 : L), moeDirectMsgBytes(L, cfg.maxTokensPerRank, R),
-                  moeLatencyRecordBytes(payloadBytes, cfg.topK), moeLatencyMetaOff(payloadBytes, cfg.topK), nodeAware};
+                  moeLatencyRecordBytes(cfg.hidden, fp8, cfg.topK), moeLatencyMetaOff(cfg.hidden, fp8, cfg.topK), nodeAware};
 }
 
 MoePath preferredPath(const MoeConfig& cfg, int R) {

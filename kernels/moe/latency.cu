@@ -149,7 +149,7 @@ __device__ __forceinline__ std::uint32_t settledLive(const MoeParams& p, int op,
 // values of one record, dealt over every warp of the launch (the CTAs first).
 
 constexpr int kWarps = kThreads / 32;
-constexpr int kChunkValues = 512;  // bf16: two 16-byte pieces a lane; fp8: four tiles, 8 lanes each
+constexpr int kChunkValues = kMoeLatencyChunkValues;  // bf16: two 16-byte pieces a lane; fp8: four tiles, 8 lanes each
 constexpr unsigned kFullMask = 0xffffffffu;
 
 __device__ __forceinline__ int rowChunks(const MoeParams& p) { return (p.shape.hidden + kChunkValues - 1) / kChunkValues; }
@@ -164,7 +164,13 @@ __device__ __forceinline__ char* recordView(const MoeParams& p, char* slot) {
   return slot + p.latency.metaOff - p.shape.payloadBytes;
 }
 __device__ __forceinline__ uint4* metaLines(const MoeParams& p, char* slot) {
-  return reinterpret_cast<uint4*>(slot + 2 * p.shape.payloadBytes);
+  return reinterpret_cast<uint4*>(slot + moeLatencyPayloadLineBytes(p.shape.hidden, p.shape.fp8 != 0));
+}
+// Chunk c's lines in a slot (moeLatencyChunkLines): each store of a warp covers 32 consecutive
+// lines. bf16: piece j's halves at 64 j + lane and 64 j + 32 + lane; fp8: the piece's halves at lane
+// and 32 + lane, the scale of the chunk's tile lane / 8 at 64 + lane / 8.
+__device__ __forceinline__ uint4* chunkLines(const MoeParams& p, char* slot, int c) {
+  return reinterpret_cast<uint4*>(slot) + static_cast<std::uint64_t>(c) * moeLatencyChunkLines(p.shape.fp8 != 0);
 }
 __device__ __forceinline__ uint4 line(std::uint32_t a, std::uint32_t b, std::uint32_t tag) { return make_uint4(a, tag, b, tag); }
 __device__ __forceinline__ bool lineReady(const uint4& v, std::uint32_t tag) { return v.y == tag && v.w == tag; }
@@ -208,9 +214,6 @@ __device__ __forceinline__ Share emptyShare(const MoeParams& p, int c, int lane)
   }
   return s;
 }
-// The wire piece of fp8 tile `tile`'s lane `sub` (9 pieces a tile: 8 of e4m3 bytes, its scale's).
-__device__ __forceinline__ int fp8Piece(int tile, int sub) { return tile * 9 + sub; }
-
 // Token t's share from x: bf16 as it is, quantised to fp8 (the engine's tiles), or the caller's
 // e4m3 bytes and scales (input.xIsFp8).
 __device__ __forceinline__ Share shareFromX(const MoeParams& p, int t, int c, int lane) {
@@ -239,57 +242,41 @@ __device__ __forceinline__ Share shareFromX(const MoeParams& p, int t, int c, in
   return s;
 }
 
-// The share as flagged lines of a record slot: a 16-byte piece n as lines 2n and 2n + 1, an fp8
-// tile's scale as the first line of its scale piece.
-__device__ __forceinline__ void putLines(const MoeParams& p, uint4* lines, int c, int lane, const Share& s, std::uint32_t tag) {
-  if (p.shape.fp8) {
-    if (!s.has[0]) return;
-    const int tile = 4 * c + lane / 8, n = fp8Piece(tile, lane % 8);
-    ptx::stVolatileV4(lines + 2 * n, line(s.v[0].x, s.v[0].y, tag));
-    ptx::stVolatileV4(lines + 2 * n + 1, line(s.v[0].z, s.v[0].w, tag));
-    if (lane % 8 == 0) ptx::stVolatileV4(lines + 2 * fp8Piece(tile, 8), line(__float_as_uint(s.scale), 0u, tag));
-    return;
-  }
+// The share as flagged lines of chunk c of a record slot (chunkLines).
+__device__ __forceinline__ void putLines(const MoeParams& p, char* slot, int c, int lane, const Share& s, std::uint32_t tag) {
+  uint4* cl = chunkLines(p, slot, c);
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     if (!s.has[j]) continue;
-    const int n = 64 * c + 32 * j + lane;
-    ptx::stVolatileV4(lines + 2 * n, line(s.v[j].x, s.v[j].y, tag));
-    ptx::stVolatileV4(lines + 2 * n + 1, line(s.v[j].z, s.v[j].w, tag));
+    ptx::stVolatileV4(cl + 64 * j + lane, line(s.v[j].x, s.v[j].y, tag));
+    ptx::stVolatileV4(cl + 64 * j + 32 + lane, line(s.v[j].z, s.v[j].w, tag));
   }
+  if (p.shape.fp8 && s.has[0] && lane % 8 == 0) ptx::stVolatileV4(cl + 64 + lane / 8, line(__float_as_uint(s.scale), 0u, tag));
 }
 
-// The share from a record slot's lines once they carry `tag`: every line loaded before any is
-// checked (one round trip once they have landed), then each missing one waited for. False: one
-// never came (recorded).
-__device__ __forceinline__ bool shareFromLines(const MoeParams& p, const uint4* lines, int c, int lane, std::uint32_t tag, int src,
-                                               Share& s) {
+// The share from chunk c's lines once they carry `tag`: every line loaded before any is checked
+// (one round trip once they have landed), then each missing one waited for. False: one never came
+// (recorded).
+__device__ __forceinline__ bool shareFromLines(const MoeParams& p, char* slot, int c, int lane, std::uint32_t tag, int src, Share& s) {
   s = emptyShare(p, c, lane);
+  const uint4* cl = chunkLines(p, slot, c);
   uint4 a[2], b[2], sc = line(0u, 0u, tag);
-  const int tile = 4 * c + lane / 8;
-  int n[2] = {0, 0};
-  if (p.shape.fp8) {
-    n[0] = fp8Piece(tile, lane % 8);
-  } else {
-    n[0] = 64 * c + lane;
-    n[1] = 64 * c + 32 + lane;
-  }
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     if (!s.has[j]) continue;
-    a[j] = ptx::ldVolatileV4(lines + 2 * n[j]);
-    b[j] = ptx::ldVolatileV4(lines + 2 * n[j] + 1);
+    a[j] = ptx::ldVolatileV4(cl + 64 * j + lane);
+    b[j] = ptx::ldVolatileV4(cl + 64 * j + 32 + lane);
   }
   const bool scaled = p.shape.fp8 && s.has[0] && lane % 8 == 0;
-  if (scaled) sc = ptx::ldVolatileV4(lines + 2 * fp8Piece(tile, 8));
+  if (scaled) sc = ptx::ldVolatileV4(cl + 64 + lane / 8);
   bool ok = true;
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     if (!s.has[j]) continue;
-    ok = ok && landed(p, lines + 2 * n[j], tag, src, a[j]) && landed(p, lines + 2 * n[j] + 1, tag, src, b[j]);
+    ok = ok && landed(p, cl + 64 * j + lane, tag, src, a[j]) && landed(p, cl + 64 * j + 32 + lane, tag, src, b[j]);
     s.v[j] = make_uint4(a[j].x, a[j].z, b[j].x, b[j].z);
   }
-  if (scaled) ok = ok && landed(p, lines + 2 * fp8Piece(tile, 8), tag, src, sc);
+  if (scaled) ok = ok && landed(p, cl + 64 + lane / 8, tag, src, sc);
   s.scale = __shfl_sync(kFullMask, __uint_as_float(sc.x), lane & ~7);  // the tile's scale, from its lane 0
   return ok;
 }
@@ -350,6 +337,12 @@ __device__ __forceinline__ Rows recordRows(const MoeParams& p, int s, int token,
     moeReportDroppedRow(p, static_cast<long long>(srcBase[slot.localExpert]) + slot.index);
   }
   return Rows{__ballot_sync(kFullMask, pos >= 0), pos};
+}
+
+// The CTAs of a part that expand records: every one but CTA 0, which publishes the layout (all of
+// them when there is one); cta -1: none.
+__device__ __forceinline__ Part itemPart(Part part) {
+  return part.ctas == 1 ? part : Part{part.cta - 1, part.ctas - 1};
 }
 
 // The routing of this rank's tokens in shared memory (every sending CTA holds all of it).
@@ -467,17 +460,6 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part, std::uint3
     }
   }
   const MoeStamp records(p, MoeKernel::kLatencyRecords);
-  // This rank's own records, their metadata alone (their rows come from x), plain: record i by CTA
-  // i mod ctas, the CTA whose receive expands it (in a whole launch, after its barriers).
-  for (int t = warp; t < T; t += kWarps) {
-    if (!rt.goesTo(me, t)) continue;  // uniform across the warp
-    const int i = popcBelow(rt.dstBits + me * W, t);
-    if (i % part.ctas != part.cta) continue;
-    char* view = recordView(p, recordSlot(p, me, parity, me, i));
-    moeWriteRecordMeta(
-        p, t, &view, &me, 1, [&](int k) { return rt.entriesBefore(rt.ids[t * K + k], t, k, K); },
-        lane < K ? rt.ids[t * K + lane] : -1, lane < K ? rt.weights[t * K + lane] : 0.f, lane);
-  }
   // The peers' records: item (token, chunk) over every warp of the launch, the CTAs first; the
   // share read once for every peer that takes the token; chunk 0 also writes its metadata lines.
   const int chunks = rowChunks(p), gw = warp * part.ctas + part.cta, warps = part.ctas * kWarps;
@@ -490,9 +472,21 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part, std::uint3
     for (int r = 0; r < R; ++r) {
       if (r == me || !rt.goesTo(r, t)) continue;
       char* slot = recordSlot(p, r, parity, me, popcBelow(rt.dstBits + r * W, t));
-      putLines(p, reinterpret_cast<uint4*>(slot), c, lane, s, tag);
+      putLines(p, slot, c, lane, s, tag);
       if (c == 0) putMetaLines(p, rt, metaLines(p, slot), r, t, lane, tag);
     }
+  }
+  // This rank's own records, their metadata alone (their rows come from x), plain: record i by the
+  // CTA whose receive expands it (itemPart; in a whole launch, after its barriers).
+  const Part mine = itemPart(part);
+  for (int t = warp; t < T && mine.cta >= 0; t += kWarps) {
+    if (!rt.goesTo(me, t)) continue;  // uniform across the warp
+    const int i = popcBelow(rt.dstBits + me * W, t);
+    if (i % mine.ctas != mine.cta) continue;
+    char* view = recordView(p, recordSlot(p, me, parity, me, i));
+    moeWriteRecordMeta(
+        p, t, &view, &me, 1, [&](int k) { return rt.entriesBefore(rt.ids[t * K + k], t, k, K); },
+        lane < K ? rt.ids[t * K + lane] : -1, lane < K ? rt.weights[t * K + lane] : 0.f, lane);
   }
   if (tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kSent, 0, true);
 }
@@ -507,8 +501,10 @@ __device__ __forceinline__ const std::uint64_t* latencyMsg(const MoeParams& p, i
 // step carries its tag (moeCountTag, the sender's moeTaggedCount). A source whose words do not
 // come is masked (shrink on timeout: `masked`, the receive's word; a thread skips the words of a
 // source already masked, so that a dead source costs one timeout, not one per round of words) or
-// reported. True when every live source's message came (the same in every thread).
-__device__ bool waitTaggedCounts(const MoeParams& p, int parity, std::uint32_t step, std::uint32_t live, std::uint32_t* masked) {
+// reported. Each word read goes to copy[q * (1 + E_local) + j] (the receive's layout reads those).
+// True when every live source's message came (the same in every thread).
+__device__ bool waitTaggedCounts(const MoeParams& p, int parity, std::uint32_t step, std::uint32_t live, std::uint32_t* masked,
+                                 std::uint64_t* copy) {
   const int words = 1 + p.shape.localExperts, R = p.shape.numRanks;
   const std::uint32_t tag = moeCountTag(step);
   bool failed = false;
@@ -519,7 +515,8 @@ __device__ bool waitTaggedCounts(const MoeParams& p, int parity, std::uint32_t s
     const bool ok = boundedPoll(
         p.peers.sync,
         [&](std::uint32_t* v) {
-          *v = static_cast<std::uint32_t>(ptx::ldRelaxedSys64(word) >> 32);
+          copy[n] = ptx::ldRelaxedSys64(word);
+          *v = static_cast<std::uint32_t>(copy[n] >> 32);
           return *v == tag;
         },
         tag, q, WaitSite::kMoeDispatch, word, false, masked != nullptr);
@@ -562,7 +559,7 @@ __device__ bool expandItem(const MoeParams& p, int parity, std::uint32_t tag, in
       a = ptx::ldVolatileV4(ml + at);
       if (lane < K) b = ptx::ldVolatileV4(ml + at + 1);
     }
-    ok = shareFromLines(p, reinterpret_cast<const uint4*>(slot), c, lane, tag, s, share);
+    ok = shareFromLines(p, slot, c, lane, tag, s, share);
     if (lane < K || lane == 31) ok = ok && landed(p, ml + at, tag, s, a);
     if (lane < K) ok = ok && landed(p, ml + at + 1, tag, s, b);
     h = make_uint4(__shfl_sync(kFullMask, a.x, 31), 0u, __shfl_sync(kFullMask, a.z, 31), 0u);
@@ -588,18 +585,19 @@ __device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part part, std:
   __shared__ MoeLayoutScratch<kThreads> scratch;
   const MoeLatencySmem lay = moeLatencySmem(p.shape.maxTokens, p.shape.topK, p.shape.numExperts, p.shape.numRanks);
   auto* srcBase = reinterpret_cast<std::int32_t*>(smRaw + lay.srcBase);  // [R][E_local]
+  auto* msgs = reinterpret_cast<std::uint64_t*>(smRaw + lay.msgs);         // [R][1 + E_local]: the count words
   const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32;
   const int R = p.shape.numRanks, L = p.shape.localExperts, me = p.shape.rank;
   const std::uint32_t step = p.peers.steps[0], tag = moeCountTag(step);
   const int parity = static_cast<int>(step & 1u);
   // A source outside the mask sent nothing: its message reads as zeros, so the layout leaves it out.
   // Shrink on timeout: a source whose count message never came is left out like one outside the mask.
-  auto msgOf = [&](int q) { return isLive(live, q) ? latencyMsg(p, parity, q) : p.peers.zeroMsg; };
+  auto msgOf = [&](int q) -> const std::uint64_t* { return isLive(live, q) ? msgs + q * (1 + L) : p.peers.zeroMsg; };
   std::uint32_t* masked = shrinkWords(p, 0);  // the dispatch's (the receive part's ranks first), or nullptr
   bool counted = false;
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyReceive);
-    counted = waitTaggedCounts(p, parity, step, live, masked);
+    counted = waitTaggedCounts(p, parity, step, live, masked, msgs);
     if (part.cta == part.ctas - 1 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kLayout);
     if (masked != nullptr) live &= ~settleMasked(p, masked, part.ctas, WaitSite::kMoeDispatch);
     if (counted) {
@@ -612,20 +610,23 @@ __device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part part, std:
   if (counted) {
     const MoeStamp stamp(p, MoeKernel::kLatencyExpand);
     const int chunks = rowChunks(p);
-    // This rank's own records: record i by CTA i mod ctas (whose send wrote its metadata), its
-    // chunks over the CTA's warps.
+    const Part items = itemPart(part);  // CTA 0 publishes the layout and expands nothing
+    // This rank's own records: record i by CTA i mod ctas among the items' CTAs (whose send wrote
+    // its metadata), its chunks over the CTA's warps from the last one (the peers' items start
+    // from the first).
     const int own = moeMsgRecords(p, msgOf(me));
     const long long ownBase = p.layout.rankMajor ? moeRankBase(p, msgOf, me) : -1;
-    for (int n = warp; n < ((own - part.cta + part.ctas - 1) / part.ctas) * chunks; n += kWarps) {
-      const int i = part.cta + (n / chunks) * part.ctas, c = n % chunks;
+    const int ownItems = items.cta < 0 ? 0 : (own - items.cta + items.ctas - 1) / items.ctas * chunks;
+    for (int n = kWarps - 1 - warp; n < ownItems; n += kWarps) {
+      const int i = items.cta + (n / chunks) * items.ctas, c = n % chunks;
       ok = expandItem(p, parity, tag, me, i, c, srcBase + me * L, p.layout.rankMajor ? ownBase + i : -1, lane) && ok;
     }
-    if (part.cta == 0 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kOwnDone0);
+    if (items.cta == 0 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kOwnDone0);
     // The peers' records, source by source from the next rank on: item (record, chunk) over every
-    // warp of the launch, the CTAs first.
-    const long long gw = static_cast<long long>(warp) * part.ctas + part.cta, warps = static_cast<long long>(part.ctas) * kWarps;
+    // warp of the items' CTAs, the CTAs first.
+    const long long gw = static_cast<long long>(warp) * items.ctas + items.cta, warps = static_cast<long long>(items.ctas) * kWarps;
     long long before = 0;  // items of the sources before this one
-    for (int k = 1; k < R && ok; ++k) {
+    for (int k = 1; k < R && ok && items.cta >= 0; ++k) {
       const int s = (me + k) % R;
       if (!isLive(live, s)) continue;
       const long long items = static_cast<long long>(moeMsgRecords(p, msgOf(s))) * chunks;

@@ -91,18 +91,26 @@ __host__ __device__ inline std::uint64_t moePayloadBytes(int hidden, bool fp8) {
              : static_cast<std::uint64_t>(hidden) * 2;
 }
 // The latency path's record slot (kernels/moe/latency.cu): the payload, then the metadata, as
-// flagged lines (every 8 bytes of them as a 16-byte line {4 bytes, tag, 4 bytes, tag}: the header
-// {token, slots}, then per top-k position {local expert, index}, {weight, k}), written by the
-// source; then at metaOff the plain metadata (MoeRecordHeader and its slots) the combine reads,
-// written by the receiver. `payloadBytes`: the config's largest payload, `topK` its top-k.
+// flagged lines (every 8 bytes of them as a 16-byte line {4 bytes, tag, 4 bytes, tag}), written by
+// the source; then at metaOff the plain metadata (MoeRecordHeader and its slots) the combine reads,
+// written by the receiver. The payload's lines go by chunks of kMoeLatencyChunkValues values, each
+// chunk's lines in the order a warp stores them (moeLatencyChunkLines each: bf16, the 64 pieces'
+// halves; fp8, the four tiles' 32 pieces' halves, then their scales and room to 72); the metadata's:
+// the header {token, slots}, then per top-k position {local expert, index}, {weight, k}.
+inline constexpr int kMoeLatencyChunkValues = 512;
+__host__ __device__ inline int moeLatencyChunkLines(bool fp8) { return fp8 ? 72 : 128; }
+__host__ __device__ inline std::uint64_t moeLatencyPayloadLineBytes(int hidden, bool fp8) {
+  return static_cast<std::uint64_t>((hidden + kMoeLatencyChunkValues - 1) / kMoeLatencyChunkValues) * moeLatencyChunkLines(fp8) * 16;
+}
 __host__ __device__ inline std::uint64_t moeLatencyMetaLineBytes(int topK) {
   return 16 * (1 + 2 * static_cast<std::uint64_t>(topK));
 }
-__host__ __device__ inline std::uint64_t moeLatencyMetaOff(std::uint64_t payloadBytes, int topK) {
-  return (2 * payloadBytes + moeLatencyMetaLineBytes(topK) + 15) & ~std::uint64_t{15};
+// The config's largest record (bf16 unless the engine is fp8's alone) and its top-k.
+__host__ __device__ inline std::uint64_t moeLatencyMetaOff(int hidden, bool fp8, int topK) {
+  return moeLatencyPayloadLineBytes(hidden, fp8) + moeLatencyMetaLineBytes(topK);
 }
-__host__ __device__ inline std::uint64_t moeLatencyRecordBytes(std::uint64_t payloadBytes, int topK) {
-  return (moeLatencyMetaOff(payloadBytes, topK) + moeMetaBytes(topK) + 127) & ~std::uint64_t{127};
+__host__ __device__ inline std::uint64_t moeLatencyRecordBytes(int hidden, bool fp8, int topK) {
+  return (moeLatencyMetaOff(hidden, fp8, topK) + moeMetaBytes(topK) + 127) & ~std::uint64_t{127};
 }
 // Count message per destination: {rows, count of expert 0 .. E_local-1} as u64, 16-byte multiple.
 __host__ __device__ inline std::uint64_t moeCountMsgBytes(int localExperts) {
@@ -524,11 +532,11 @@ inline constexpr std::int32_t kMoeScalePow2 = 1;
 inline constexpr std::int32_t kMoeScaleUe8m0 = 2;
 
 // Byte offsets of the latency dispatch's dynamic shared memory: the send's routing (ids, their
-// weights, a bit per token for each expert and for each destination rank) and the receive's first
-// row of each (source, local expert) ([R][E_local] = E ints). The layout's scan is in static
-// shared memory.
+// weights, a bit per token for each expert and for each destination rank), the receive's copy of
+// every source's count message ([R][1 + E_local] u64) and the first row of each (source, local
+// expert) ([R][E_local] = E ints). The layout's scan is in static shared memory.
 struct MoeLatencySmem {
-  std::uint32_t ids, weights, expBits, dstBits, srcBase, bytes;
+  std::uint32_t ids, weights, expBits, dstBits, msgs, srcBase, bytes;
 };
 __host__ __device__ inline MoeLatencySmem moeLatencySmem(int maxTokens, int topK, int numExperts, int numRanks) {
   const std::uint32_t W = (static_cast<std::uint32_t>(maxTokens) + 31u) / 32u;
@@ -539,7 +547,8 @@ __host__ __device__ inline MoeLatencySmem moeLatencySmem(int maxTokens, int topK
   o.weights = o.ids + entries * 4u;
   o.expBits = o.weights + entries * 4u;
   o.dstBits = o.expBits + E * W * 4u;  // dstBits follows expBits (one zeroing pass clears both)
-  o.srcBase = o.dstBits + R * W * 4u;
+  o.msgs = (o.dstBits + R * W * 4u + 7u) & ~7u;
+  o.srcBase = o.msgs + (R + E) * 8u;
   o.bytes = (o.srcBase + E * 4u + 15u) & ~15u;
   return o;
 }
