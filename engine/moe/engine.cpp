@@ -770,6 +770,10 @@ void launchLatency(Engine::Impl& m, MoeParams p, Engine::Impl::Half op, std::opt
   p.latency.phase = !half ? kMoeLatencyReceive
               : *half == MoeHalf::kSend ? kMoeLatencySend
                                         : kMoeLatencySend | kMoeLatencyReceive;
+  // The programmatic early start only where the kernels run back to back: in a captured graph.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  GRAPHEP_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  p.grid.programmatic = capture == cudaStreamCaptureStatusActive ? 1 : 0;
   GRAPHEP_CUDA_CHECK(op == Engine::Impl::Half::kDispatch ? launchMoeLatencyDispatch(p, stream)
                                                            : launchMoeLatencyCombine(p, stream));
   if (half == MoeHalf::kSend) {

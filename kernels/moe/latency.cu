@@ -933,7 +933,7 @@ cudaError_t launchMoeLatencyDispatch(const MoeParams& p, cudaStream_t stream) {
   GRAPHEP_LAUNCH_REQUIRE(lay.bytes <= kMoeLatencyMaxSmem, "the send's routing needs %u bytes of shared memory (at most %u)",
                          lay.bytes, kMoeLatencyMaxSmem);
   cudaLaunchAttribute attrs[2];
-  cudaLaunchConfig_t cfg = moeLaunchConfig(launchCtas(p), kThreads, 1, true, stream, attrs);
+  cudaLaunchConfig_t cfg = moeLaunchConfig(launchCtas(p), kThreads, 1, p.grid.programmatic != 0, stream, attrs);
   cfg.dynamicSmemBytes = lay.bytes;
   return cudaLaunchKernelEx(&cfg, dispatchKernel, p);
 }
@@ -942,7 +942,7 @@ cudaError_t launchMoeLatencyCombine(const MoeParams& p, cudaStream_t stream) {
   using namespace moe_latency;
   if (const cudaError_t e = checkLaunch(__func__, p); e != cudaSuccess) return e;
   cudaLaunchAttribute attrs[2];
-  const cudaLaunchConfig_t cfg = moeLaunchConfig(launchCtas(p), kThreads, 1, true, stream, attrs);
+  const cudaLaunchConfig_t cfg = moeLaunchConfig(launchCtas(p), kThreads, 1, p.grid.programmatic != 0, stream, attrs);
   return cudaLaunchKernelEx(&cfg, combineKernel, p);
 }
 

@@ -271,6 +271,11 @@ struct MoeGrid {
   std::int32_t budgetCtas;
   std::int32_t epilogueCtas;
   std::int32_t epilogueCluster;
+  // The latency kernels: launched as the programmatic dependent of the stream's last kernel (set
+  // while the stream is being captured: a graph's kernels run back to back, so each starts while
+  // the one before ends; an eager launch is paced by the host, and an early start would only hold
+  // its SMs waiting, inside the kernel's own span).
+  std::int32_t programmatic;
 };
 
 // The throughput path's local staging and this rank's record slots (movers and direct).
