@@ -420,22 +420,6 @@ __device__ __forceinline__ MoeGroupSlice moeGroupSlice() {
   return moeGroupSlice(static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x));
 }
 
-// One of `count` groups that share a record's row (at few records, the groups left over): each
-// resolves the record's slots itself, copies its share of the row (its threads numbered after
-// the earlier chunks' groups), and only chunk 0 writes the rows' metadata and counts drops.
-struct MoeChunk {
-  int index = 0, count = 1;
-};
-
-// Chunks per record when `records` records go to `groups` groups: the groups left over share a
-// record's row, up to one per 1,024 values of it (so that every half-warp of a chunk has a
-// 128-value tile at least); 1 once there are as many records as groups.
-__device__ __forceinline__ int moeRecordChunks(long long groups, long long records, int hidden) {
-  const long long byGroups = records > 0 ? groups / records : 1;
-  const long long byRow = hidden / 1024;
-  return static_cast<int>(max(1ll, min(byGroups, byRow)));
-}
-
 // A record's slots resolved to recv_x rows, in slot order (deterministic sums); one per group, in
 // shared memory.
 struct MoeSlotStage {
@@ -638,7 +622,7 @@ __device__ inline void moeStageRankRow(const MoeParams& p, long long rankRow, bo
 // Synchronises the group before and after.
 __device__ inline void moeResolveSlots(const MoeParams& p, int s, const char* rec, const std::int32_t* srcBase,
                                        MoeSlotStage& stage, bool expand, const MoeGroup& g, long long rankRow = -1,
-                                       const float* slotWeights = nullptr, bool writeMeta = true) {
+                                       const float* slotWeights = nullptr) {
   g.sync();  // the previous user of `stage` is done
   if (g.tid < 32) {  // topK <= 16: the group's first warp, one lane per slot
     // The header and every slot at once (a record has room for topK slots).
@@ -649,8 +633,8 @@ __device__ inline void moeResolveSlots(const MoeParams& p, int s, const char* re
     MoeRecordSlot slot{-1, 0, 0.f, 0};
     if (g.tid < nslots) slot = MoeRecordSlot{v.x, v.y, __int_as_float(v.z), v.w};
     if (rankRow >= 0) {
-      const bool exists = moeRankRowExists(p, rankRow, expand, writeMeta ? g.tid : 1);
-      if (expand && writeMeta && exists) {  // every slot -1, then the record's (compacted) slots at their top-k positions
+      const bool exists = moeRankRowExists(p, rankRow, expand, g.tid);
+      if (expand && exists) {  // every slot -1, then the record's (compacted) slots at their top-k positions
         if (g.tid < p.shape.topK) moeStoreRowSlot(p, rankRow, g.tid, -1, 0.f);
         __syncwarp();
         if (g.tid < nslots && slot.k >= 0 && slot.k < p.shape.topK && slot.localExpert >= 0 &&
@@ -658,7 +642,7 @@ __device__ inline void moeResolveSlots(const MoeParams& p, int s, const char* re
           moeStoreRowSlot(p, rankRow, slot.k, slot.localExpert, slot.weight);
         }
       }
-      moeStageRankRow(p, rankRow, exists, s, h.x, expand && writeMeta, stage, g.tid);
+      moeStageRankRow(p, rankRow, exists, s, h.x, expand, stage, g.tid);
       __syncwarp();
     } else {
     long long pos = g.tid < nslots ? moeSlotRow(p, srcBase, slot) : -1;
@@ -672,13 +656,13 @@ __device__ inline void moeResolveSlots(const MoeParams& p, int s, const char* re
       stage.row[at] = pos;
       stage.weight[at] = slotWeights == nullptr ? slot.weight
                          : slot.k >= 0 && slot.k < p.shape.topK ? __ldcg(slotWeights + slot.k) : 0.f;
-      if (expand && writeMeta) {
+      if (expand) {
         p.layout.rowSrcRank[pos] = s;
         p.layout.rowSrcToken[pos] = h.x;
         p.layout.rowTopkSlot[pos] = slot.k;
         p.layout.rowWeight[pos] = slot.weight;
       }
-    } else if (expand && writeMeta && g.tid < nslots && slot.localExpert >= 0 && slot.localExpert < p.shape.localExperts) {
+    } else if (expand && g.tid < nslots && slot.localExpert >= 0 && slot.localExpert < p.shape.localExperts) {
       moeReportDroppedRow(p, static_cast<long long>(srcBase[slot.localExpert]) + slot.index);
     }
     if (g.tid == 0) {
@@ -687,15 +671,6 @@ __device__ inline void moeResolveSlots(const MoeParams& p, int s, const char* re
     }
     }
   }
-  g.sync();
-}
-
-// A group with no record in a round that its CTA's other groups spend on moeExpandRecord or
-// moeReduceRecord: the same named barriers as moeResolveSlots (one before, one after), so that
-// every group of the CTA passes its barrier equally often before a CTA-wide shared-memory
-// exchange (compute-sanitizer racecheck mis-orders one after unequal counts; docs/RELIABILITY.md).
-__device__ __forceinline__ void moeIdleRecord(const MoeGroup& g) {
-  g.sync();
   g.sync();
 }
 
@@ -763,17 +738,15 @@ __device__ __forceinline__ void moeStoreScale(const MoeParams& p, std::uint64_t 
 // (input.xIsFp8) and xScales[tile * input.scaleHiddenStride] their scales.
 template <class Resolve>
 __device__ inline void moeExpandRow(const MoeParams& p, const char* row, bool fromX, Resolve resolve,
-                                    const MoeSlotStage& stage, const MoeGroup& g, MoeChunk chunk = {},
+                                    const MoeSlotStage& stage, const MoeGroup& g,
                                     const float* xScales = nullptr) {
   const std::uint64_t H = static_cast<std::uint64_t>(p.shape.hidden);
-  // This thread among the chunks' threads (one group's without chunks).
-  const int ctid = chunk.index * g.nthreads + g.tid, cthreads = chunk.count * g.nthreads;
   // Each pass loads kMoeUnroll pieces per thread, then stores them to every row.
   if (p.shape.fp8) {
     // A tile per aligned eighth of a warp (Fp8TileWide: 16-byte loads and stores), half of
     // kMoeUnroll tiles at a time: the same bytes in flight as the bf16 rows' pass below.
     constexpr int kLanes = Fp8TileWide::kLanes, kUnroll = kMoeUnroll / 2;
-    const int tiles = static_cast<int>(H / kFp8TileValues), lane = ctid % kLanes, step = cthreads / kLanes;
+    const int tiles = static_cast<int>(H / kFp8TileValues), lane = g.tid % kLanes, step = g.nthreads / kLanes;
     Fp8TileWide w[kUnroll];
     auto load = [&](int t0) {
 #pragma unroll
@@ -791,7 +764,7 @@ __device__ inline void moeExpandRow(const MoeParams& p, const char* row, bool fr
         }
       }
     };
-    int t0 = ctid / kLanes;
+    int t0 = g.tid / kLanes;
     load(t0);
     resolve();
     const int n = stage.n;
@@ -816,10 +789,10 @@ __device__ inline void moeExpandRow(const MoeParams& p, const char* row, bool fr
     auto load = [&](int c0) {
 #pragma unroll
       for (int u = 0; u < kMoeUnroll; ++u) {
-        if (c0 + u * cthreads < vecs) v[u] = __ldcg(src + c0 + u * cthreads);
+        if (c0 + u * g.nthreads < vecs) v[u] = __ldcg(src + c0 + u * g.nthreads);
       }
     };
-    int c0 = ctid;
+    int c0 = g.tid;
     load(c0);
     resolve();
     const int n = stage.n;
@@ -828,10 +801,10 @@ __device__ inline void moeExpandRow(const MoeParams& p, const char* row, bool fr
         auto* out = reinterpret_cast<uint4*>(p.layout.recvX) + static_cast<std::uint64_t>(stage.row[d]) * vecs;
 #pragma unroll
         for (int u = 0; u < kMoeUnroll; ++u) {
-          if (c0 + u * cthreads < vecs) out[c0 + u * cthreads] = v[u];
+          if (c0 + u * g.nthreads < vecs) out[c0 + u * g.nthreads] = v[u];
         }
       }
-      c0 += cthreads * kMoeUnroll;
+      c0 += g.nthreads * kMoeUnroll;
       if (c0 < vecs) load(c0);
     }
   }
@@ -841,26 +814,10 @@ __device__ inline void moeExpandRow(const MoeParams& p, const char* row, bool fr
 // capacity are dropped and counted) with the per-row metadata. srcBase: [E_local] of source s.
 // Rank-major (rankRow >= 0): its one row at rankRow.
 __device__ inline void moeExpandRecord(const MoeParams& p, int s, const char* rec, const std::int32_t* srcBase,
-                                       MoeSlotStage& stage, const MoeGroup& g, long long rankRow = -1,
-                                       MoeChunk chunk = {}) {
+                                       MoeSlotStage& stage, const MoeGroup& g, long long rankRow = -1) {
   moeExpandRow(
       p, rec, false,
-      [&] { moeResolveSlots(p, s, rec, srcBase, stage, true, g, rankRow, nullptr, chunk.index == 0); }, stage, g,
-      chunk);
-}
-
-// A record of this rank's own token, written with its metadata alone (the latency sender stores
-// no payload to its own rank): its row straight from x (quantised here for fp8), its slots from
-// the record, as moeExpandRecord does for a received one.
-__device__ inline void moeExpandOwnRecord(const MoeParams& p, const char* rec, const std::int32_t* srcBase,
-                                          MoeSlotStage& stage, const MoeGroup& g, long long rankRow = -1,
-                                          MoeChunk chunk = {}) {
-  const int t = __ldcg(&moeRecordHeader(p, rec)->token);  // written by this rank's sender: t < maxTokens
-  const char* row = static_cast<const char*>(p.input.x) + static_cast<std::uint64_t>(t) * p.shape.hidden * 2;
-  moeExpandRow(
-      p, row, true,
-      [&] { moeResolveSlots(p, p.shape.rank, rec, srcBase, stage, true, g, rankRow, nullptr, chunk.index == 0); }, stage,
-      g, chunk);
+      [&] { moeResolveSlots(p, s, rec, srcBase, stage, true, g, rankRow); }, stage, g);
 }
 
 // This rank's own token t (index i in its own list) into recv_x straight from x (bf16, or the
@@ -875,7 +832,7 @@ __device__ inline void moeExpandOwnToken(const MoeParams& p, int t, char* rec, c
                     : callerFp8     ? moeCallerFp8Row(p, t)
                                     : static_cast<const char*>(p.input.x) + static_cast<std::uint64_t>(t) * p.shape.hidden * 2;
   const float* scales = callerFp8 ? moeCallerFp8Scales(p, t) : nullptr;
-  moeExpandRow(p, row, wire == nullptr, [&] { moeResolveOwnSlots(p, t, rec, srcBase, stage, g, rankRow); }, stage, g, {},
+  moeExpandRow(p, row, wire == nullptr, [&] { moeResolveOwnSlots(p, t, rec, srcBase, stage, g, rankRow); }, stage, g,
                scales);
 }
 

@@ -1,28 +1,30 @@
 // MoE latency-path kernel family (see kernels/moe/moe.h), launchers below: one kernel per operation,
-// graphep::moe_latency::dispatchKernel and combineKernel, each a send part on G = grid.budgetCtas CTAs (the
-// SM budget) and a receive part on E = epilogueCtas CTAs beside them (CTAs [G, G + E)), so the
-// receive starts at once on SMs of its own and the expansion is not held to the budget. A launch
-// runs both parts (no launch gap and no completion wait between them), or one of them: the send
-// half, and later the receive half (Engine::receive; DeepEP's return_recv_hook), the same kernel. No count round trip before the payload. A CTA of kMoeLatencyThreads works on kGroups
-// records (or tokens) at once, one per group of kMoeGroupThreads. Every CTA first waits for the
-// stream's last kernel (griddepcontrol.wait: each launch is that kernel's programmatic dependent);
-// only the receive part waits for other ranks, and the send part never waits for anything of its
-// own operation but the combine weights (below), posted by every source before it reduces.
+// graphep::moe_latency::dispatchKernel and combineKernel, on G + E CTAs (G = grid.budgetCtas, the
+// SM budget; E = epilogueCtas). A launch runs both parts (no launch gap and no completion wait
+// between them), or one of them: the send half, and later the receive half (Engine::receive;
+// DeepEP's return_recv_hook), the same kernel. The dispatch's every CTA sends, then receives; the
+// combine's send part is CTAs [0, G) and its receive part CTAs [G, G + E), so that its receive
+// starts at once on SMs of its own. No count round trip before the payload. Every CTA first waits
+// for the stream's last kernel (griddepcontrol.wait; in a captured graph each launch is that
+// kernel's programmatic dependent); only the receive waits for other ranks, and the send never
+// waits for anything of its own operation but the combine weights (below), posted by every source
+// before it reduces.
 //
-//   dispatch  send     every send CTA routes all T x K entries in shared memory (a bit per token for
-//                      each expert and each destination: indices are popcounts); the CTAs split
-//                      the destinations' count messages, each word carrying the step's tag
-//                      beside its count (moeTaggedCount: no fence, no flag), before any payload;
-//                      then each CTA writes the metadata of its share of the records for this
-//                      rank (no payload: the receiver reads those rows from x) and adds 1 to
-//                      this rank's arrival counter for itself; then each group writes one
-//                      token's record, read once, into every peer's slot
-//                      [parity][this rank][index]; each CTA then adds 1 to every peer's arrival
-//                      counter for this rank.
-//            receive  every receive CTA waits for every count word's tag, derives the layout (CTA 0
-//                      publishes it) and expands each source's records as soon as that source's G
-//                      send CTAs have arrived (its own rank first, their rows from x); the last
-//                      CTA of the launch advances the step.
+//   dispatch  send     every CTA routes all T x K entries in shared memory (a bit per token for each
+//                      expert and each destination: indices are popcounts); the CTAs split the
+//                      destinations' count messages, each word carrying the step's tag beside its
+//                      count (moeTaggedCount: no fence, no flag), before any payload; then warp
+//                      items (token, 512 values) over every warp of the launch write each token's
+//                      record, read once, into every peer's slot [parity][this rank][index] as
+//                      flagged lines (its payload, then its metadata: each 8 bytes beside the
+//                      step's tag, no fence, no arrival counter); then each CTA writes the plain
+//                      metadata of this rank's own records it will expand (their rows come from x).
+//            receive  every CTA waits for every count word's tag (kept in shared memory) and
+//                      derives the layout (CTA 0 publishes it and expands nothing); warp items
+//                      expand this rank's own records (a CTA's own, on its last warps) and every
+//                      peer's records (over every warp, the CTAs first), each item as soon as its
+//                      own lines carry the step's tag, and keep each peer record's plain metadata
+//                      for the combine; the last CTA of the launch advances the step.
 //   combine   send     with combine-time weights, each send CTA first writes its share of the
 //                      destinations' weights (this rank's tokens' top-k weights at each token's
 //                      record index) and posts their flag; each group then reduces one record
@@ -45,8 +47,10 @@
 // (in any order of operations: each send starts after its previous receive, which waited for
 // every peer's previous send, which started after that peer's receive before it). A send half
 // and its receive half keep the order: no operation of the engine comes between them
-// (Engine::receive). Counters only grow (mod 2^32): flags reach step + 1, arrival counters grow
-// by G in each step both ranks take part in (latency.expected keeps that count per rank).
+// (Engine::receive). The dispatch's lines and count words carry moeCountTag(step), which the
+// same parity's last step never carried. Counters only grow (mod 2^32): flags reach step + 1, the
+// combine's arrival counters grow by G in each step both ranks take part in (latency.expected
+// keeps that count per rank).
 //
 // The active-rank mask (peers.live, the same on every rank in each step: the caller's promise):
 // every rank still runs every operation and advances its steps, so steps and parities stay in
