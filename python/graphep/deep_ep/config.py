@@ -35,8 +35,8 @@ from graphep.engine import memory_requirements
 from graphep.errors import invalid_argument
 
 MAX_TOKENS_ENV = "GRAPHEP_DEEPEP_MAX_TOKENS"
-# The low-latency engines' SM budget (MoeConfig.sm_budget: the send CTAs of each operation; the
-# receive takes the SMs left). DeepEP's low-latency kernels have no Config; unset or 0: graphep's
+# The low-latency engines' SM budget (MoeConfig.sm_budget: the combine's send CTAs, the receive
+# taking the SMs left; a dispatch sends and receives on all of them). DeepEP's low-latency kernels have no Config; unset or 0: graphep's
 # default.
 LOW_LATENCY_SMS_ENV = "GRAPHEP_DEEPEP_LL_SMS"
 TOKENS_STEP = 128  # T_max from num_nvl_bytes is a multiple of this ...
