@@ -29,14 +29,17 @@ enum class MoeTraceEvent : int {
   kEnter = 0,  // the send part's first CTA started, before its wait for the stream's last kernel
   kReady,      // that wait returned
   kPosted,     // the last count message (dispatch) or combine weights posted
-  kSent,       // the last send CTA announced its records (partials) to every peer
-  kLayout,     // the receive part's last CTA (no records of its own at up to 128 tokens) saw every
-               // source's counts (dispatch only)
-  kArrived,    // that CTA saw every peer's send CTAs arrive
+  kSent,       // dispatch: the last CTA stored its records' lines; combine: the last send CTA
+               // announced its partials to every peer
+  kLayout,     // the receive's last CTA saw every source's counts (dispatch only)
+  kArrived,    // dispatch: the last CTA saw every line it expands; combine: a receive CTA saw
+               // every peer's send CTAs arrive
   kReceived,   // the last receive CTA finished its share
   kDone,       // the launch's last CTA advanced the step
-  // The receive part's first CTA (the first records' expander): the wait for this rank's own
-  // send CTAs returned (dispatch), it finished this rank's own records, it saw every peer arrive.
+  // The receive's first CTA (the dispatch's first expanding CTA): the wait for this rank's own
+  // send CTAs returned (no longer stamped: the rebuilt dispatch has no such wait; the value is
+  // kept so that the others keep theirs), it finished this rank's own records, it saw every peer
+  // arrive (dispatch: every line it expands).
   kOwnArrived0,
   kOwnDone0,
   kArrived0,

@@ -542,7 +542,7 @@ __device__ bool expandItem(const MoeParams& p, int parity, std::uint32_t tag, in
   char* slot = recordSlot(p, p.shape.rank, parity, s, i);
   char* view = recordView(p, slot);
   auto* plainSlots = reinterpret_cast<MoeRecordSlot*>(view + p.shape.payloadBytes + sizeof(MoeRecordHeader));
-  MoeRecordSlot slot_{-1, 0, 0.f, 0};
+  MoeRecordSlot laneSlot{-1, 0, 0.f, 0};
   int token = 0, nslots = 0;
   Share share;
   bool ok = true;
@@ -552,7 +552,7 @@ __device__ bool expandItem(const MoeParams& p, int parity, std::uint32_t tag, in
     nslots = min(h.y, K);
     if (lane < nslots) {
       const int4 v = __ldcg(reinterpret_cast<const int4*>(plainSlots) + lane);
-      slot_ = MoeRecordSlot{v.x, v.y, __int_as_float(v.z), v.w};
+      laneSlot = MoeRecordSlot{v.x, v.y, __int_as_float(v.z), v.w};
     }
     share = shareFromX(p, token, c, lane);
   } else {
@@ -569,15 +569,15 @@ __device__ bool expandItem(const MoeParams& p, int parity, std::uint32_t tag, in
     h = make_uint4(__shfl_sync(kFullMask, a.x, 31), 0u, __shfl_sync(kFullMask, a.z, 31), 0u);
     token = static_cast<int>(h.x);
     nslots = min(static_cast<int>(h.z), K);
-    if (lane < nslots) slot_ = MoeRecordSlot{static_cast<std::int32_t>(a.x), static_cast<std::int32_t>(a.z), __uint_as_float(b.x),
+    if (lane < nslots) laneSlot = MoeRecordSlot{static_cast<std::int32_t>(a.x), static_cast<std::int32_t>(a.z), __uint_as_float(b.x),
                                              static_cast<std::int32_t>(b.z)};
     if (__all_sync(kFullMask, ok) && c == 0) {  // the combine's copy
-      if (lane < nslots) plainSlots[lane] = slot_;
+      if (lane < nslots) plainSlots[lane] = laneSlot;
       if (lane == 0) *reinterpret_cast<MoeRecordHeader*>(view + p.shape.payloadBytes) = MoeRecordHeader{token, nslots, {0, 0}};
     }
   }
   if (!__all_sync(kFullMask, ok)) return false;
-  const Rows rows = recordRows(p, s, token, slot_, srcBase, rankRow, c == 0, lane);
+  const Rows rows = recordRows(p, s, token, laneSlot, srcBase, rankRow, c == 0, lane);
   storeRows(p, rows.kept, rows.row, c, lane, share);
   return true;
 }
