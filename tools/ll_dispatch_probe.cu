@@ -63,6 +63,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/common/flags.cuh"
 #include "kernels/common/hooks.cuh"
 #include "kernels/common/ptx.cuh"
 
@@ -127,11 +128,10 @@ struct Params {
 // reader that sees the step in both halves sees both values, without a fence: NCCL's LL protocol),
 // read once both halves carry `step`. After kWaitNs it gives up, records `what` in *error (the
 // first timeout only, which the host reports) and returns false, v holding what it last read.
-__device__ __forceinline__ bool lineReady(const uint4& v, std::uint32_t step) { return v.y == step && v.w == step; }
 __device__ bool waitLine(const uint4* line, std::uint32_t step, std::uint32_t* error, std::uint32_t what, uint4& v) {
   const std::uint64_t start = graphep::ptx::globalTimerNs();
   v = graphep::ptx::ldVolatileV4(line);
-  while (!lineReady(v, step)) {
+  while (!graphep::flaggedLineReady(v, step)) {
     if (graphep::ptx::globalTimerNs() - start > kWaitNs) {
       atomicCAS(error, 0u, what);
       return false;
@@ -259,8 +259,8 @@ __global__ void __launch_bounds__(kThreads) probeDispatch(const __grid_constant_
   if (static_cast<int>(blockIdx.x) < kRanks && p.lineCounts) {
     uint4* lines = p.rank[blockIdx.x].lineCounts + (static_cast<std::uint64_t>(parity) * kRanks + p.me) * (p.E / 2);
     for (int i = tid; i < p.E / 2; i += kThreads) {
-      graphep::ptx::stVolatileV4(lines + i, make_uint4(static_cast<unsigned>(popcBelow(expBits + 2 * i * W, p.T)), p.step,
-                                                       static_cast<unsigned>(popcBelow(expBits + (2 * i + 1) * W, p.T)), p.step));
+      graphep::ptx::stVolatileV4(lines + i, graphep::flaggedLine(static_cast<unsigned>(popcBelow(expBits + 2 * i * W, p.T)),
+                                                                 static_cast<unsigned>(popcBelow(expBits + (2 * i + 1) * W, p.T)), p.step));
     }
     __syncthreads();
     if (tid == 0) stamp(mine, 2);
@@ -421,7 +421,7 @@ __global__ void __launch_bounds__(kThreads) probeRecords(const __grid_constant__
       uint4* lines = p.rank[peer].idLines + (static_cast<std::uint64_t>(parity) * kRanks + p.me) * (kMaxEntries / 2);
       for (int i = tid; i < (p.T * K + 1) / 2; i += kThreads) {
         const int b = 2 * i + 1 < p.T * K ? ids[2 * i + 1] : -1;
-        graphep::ptx::stVolatileV4(lines + i, make_uint4(static_cast<unsigned>(ids[2 * i]), p.step, static_cast<unsigned>(b), p.step));
+        graphep::ptx::stVolatileV4(lines + i, graphep::flaggedLine(static_cast<unsigned>(ids[2 * i]), static_cast<unsigned>(b), p.step));
       }
     } else {
       std::int32_t* dst = p.rank[peer].stagedIds + (static_cast<std::uint64_t>(parity) * kRanks + p.me) * kMaxEntries;
@@ -454,9 +454,9 @@ __global__ void __launch_bounds__(kThreads) probeRecords(const __grid_constant__
       const Tile q = quantizeTile(x + static_cast<std::uint64_t>(t) * p.H * 2, tile, sub, true);
       if (toLines) {  // each 16-byte piece as two lines {a, step, b, step}, the scale as one more
         uint4* lines = reinterpret_cast<uint4*>(staging + static_cast<std::uint64_t>(t) * recBytes);
-        graphep::ptx::stVolatileV4(lines + 2 * (tile * 8 + sub), make_uint4(q.q.x, p.step, q.q.y, p.step));
-        graphep::ptx::stVolatileV4(lines + 2 * (tile * 8 + sub) + 1, make_uint4(q.q.z, p.step, q.q.w, p.step));
-        if (sub == 0) graphep::ptx::stVolatileV4(lines + tiles * 16 + tile, make_uint4(__float_as_uint(q.scale), p.step, 0u, p.step));
+        graphep::ptx::stVolatileV4(lines + 2 * (tile * 8 + sub), graphep::flaggedLine(q.q.x, q.q.y, p.step));
+        graphep::ptx::stVolatileV4(lines + 2 * (tile * 8 + sub) + 1, graphep::flaggedLine(q.q.z, q.q.w, p.step));
+        if (sub == 0) graphep::ptx::stVolatileV4(lines + tiles * 16 + tile, graphep::flaggedLine(__float_as_uint(q.scale), 0u, p.step));
       }
       for (int i = 0; i < n; ++i) {
         *reinterpret_cast<uint4*>(rows[i] + static_cast<std::uint64_t>(tile) * 128 + sub * 16) = q.q;
@@ -528,8 +528,8 @@ __global__ void __launch_bounds__(kThreads) probeRecords(const __grid_constant__
       const uint4* at[3] = {lines + 2 * (tile * 8 + sub), lines + 2 * (tile * 8 + sub) + 1, lines + tiles * 16 + tile};
       // All loaded before any is checked (one round trip when they have landed), then waited for.
       uint4 a = graphep::ptx::ldVolatileV4(at[0]), b = graphep::ptx::ldVolatileV4(at[1]);
-      uint4 c = sub == 0 ? graphep::ptx::ldVolatileV4(at[2]) : make_uint4(0u, p.step, 0u, p.step);
-      if (!lineReady(a, p.step) || !lineReady(b, p.step) || !lineReady(c, p.step)) {
+      uint4 c = sub == 0 ? graphep::ptx::ldVolatileV4(at[2]) : graphep::flaggedLine(0u, 0u, p.step);
+      if (!graphep::flaggedLineReady(a, p.step) || !graphep::flaggedLineReady(b, p.step) || !graphep::flaggedLineReady(c, p.step)) {
         waitLine(at[0], p.step, mine.error, 4u, a);
         waitLine(at[1], p.step, mine.error, 4u, b);
         if (sub == 0) waitLine(at[2], p.step, mine.error, 4u, c);

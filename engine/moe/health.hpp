@@ -12,7 +12,7 @@ struct LatencyCounters {
   std::uint32_t dispatchStep = 0;  // llSteps[0]: the dispatch step in progress (or the next one)
   std::uint32_t combineStep = 0;   // llSteps[1]
   std::uint32_t pending = 0;       // 1: a dispatch finished, so the combine is what is running
-  std::uint32_t ctas = 0;          // G: CTAs of each latency kernel on every rank
+  std::uint32_t ctas = 0;          // G: the combine's send CTAs on every rank (each adds one arrival)
   int rank = -1;                   // this rank: its own partials are reduced by its own receiver (no counter)
   std::vector<std::uint32_t> flags, combineArrivals;  // [R] each, this rank's inbox (combine: peers only)
   // The active-rank masks of the dispatch and of the combine (the last dispatch's); ranks outside

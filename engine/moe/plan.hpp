@@ -49,7 +49,7 @@ MoePath preferredPath(const MoeConfig& cfg, int R);
 // path's movers.
 struct PathHeap {
   // Throughput: [R][T] records and partials. Latency: [2][R][T] records, [2][R] count messages,
-  // [2][R][T] partials and the three [R] counter arrays (kernels/moe/moe.h, MoeParams).
+  // [2][R][T] partials and the [R] count flags and partial arrivals (kernels/moe/moe.h, MoeParams).
   std::size_t recRecv = 0, combRecv = 0;
   std::size_t llRec = 0, llCnt = 0, llComb = 0, llFlag = 0, llCombArrive = 0, llBlock = 0;
   std::size_t llCombBlock = 0, llDispAck = 0, llCombAck = 0, llCombVal = 0, llCombW = 0, llCombWFlag = 0;

@@ -15,6 +15,14 @@
 
 namespace graphep {
 
+// A flagged line (NCCL's LL protocol): 16 bytes {a, tag, b, tag}, stored and loaded whole
+// (ptx::stVolatileV4 / ldVolatileV4), each 8-byte half single-copy atomic, so a reader that sees
+// `tag` in both halves holds a and b of the same store, with no fence and no flag word.
+__device__ __forceinline__ uint4 flaggedLine(std::uint32_t a, std::uint32_t b, std::uint32_t tag) {
+  return make_uint4(a, tag, b, tag);
+}
+__device__ __forceinline__ bool flaggedLineReady(const uint4& v, std::uint32_t tag) { return v.y == tag && v.w == tag; }
+
 __device__ __forceinline__ void flagPost(std::uint32_t* slot, std::uint32_t value) {
   ptx::fenceAcqRelSys();  // everything this thread wrote before is visible before the flag
   ptx::stReleaseSys(slot, value);

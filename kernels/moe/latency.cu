@@ -82,8 +82,9 @@ __device__ __forceinline__ int popcBelow(const std::uint32_t* bits, int t) {
   return c;
 }
 
-// The CTAs of one part of a launch: this CTA's index among them and their number (the send part
-// is CTAs [0, G), the receive part CTAs [0, epilogueCtas)).
+// The CTAs of one part of a launch: this CTA's index among them and their number (the combine's
+// send part is CTAs [0, G), its receive part CTAs [G, G + epilogueCtas); each of the dispatch's
+// parts is every CTA of the launch).
 struct Part {
   int cta, ctas;
 };
@@ -154,6 +155,7 @@ __device__ __forceinline__ std::uint32_t settledLive(const MoeParams& p, int op,
 
 constexpr int kWarps = kThreads / 32;
 constexpr int kChunkValues = kMoeLatencyChunkValues;  // bf16: two 16-byte pieces a lane; fp8: four tiles, 8 lanes each
+static_assert(kChunkValues == 512, "Share, putLines and shareFromLines hold a chunk as two bf16 pieces or one fp8 tile a lane");
 constexpr unsigned kFullMask = 0xffffffffu;
 
 __device__ __forceinline__ int rowChunks(const MoeParams& p) { return (p.shape.hidden + kChunkValues - 1) / kChunkValues; }
@@ -176,8 +178,6 @@ __device__ __forceinline__ uint4* metaLines(const MoeParams& p, char* slot) {
 __device__ __forceinline__ uint4* chunkLines(const MoeParams& p, char* slot, int c) {
   return reinterpret_cast<uint4*>(slot) + static_cast<std::uint64_t>(c) * moeLatencyChunkLines(p.shape.fp8 != 0);
 }
-__device__ __forceinline__ uint4 line(std::uint32_t a, std::uint32_t b, std::uint32_t tag) { return make_uint4(a, tag, b, tag); }
-__device__ __forceinline__ bool lineReady(const uint4& v, std::uint32_t tag) { return v.y == tag && v.w == tag; }
 
 // Polls `at` until it carries `tag`, bounded, and returns the line (not ready: it never came, and
 // the timeout is recorded: a record that never lands fails the operation, as a missing count word
@@ -189,15 +189,15 @@ __device__ __noinline__ uint4 waitLine(const MoeParams& p, const uint4* at, std:
       [&](std::uint32_t* o) {
         v = ptx::ldVolatileV4(at);
         *o = v.y;
-        return lineReady(v, tag);
+        return flaggedLineReady(v, tag);
       },
       tag, src, WaitSite::kMoeDispatch, at);
   return v;
 }
 // `v` (read from `at`) once it carries `tag`; false when it never came.
 __device__ __forceinline__ bool landed(const MoeParams& p, const uint4* at, std::uint32_t tag, int src, uint4& v) {
-  if (!lineReady(v, tag)) v = waitLine(p, at, tag, src);
-  return lineReady(v, tag);
+  if (!flaggedLineReady(v, tag)) v = waitLine(p, at, tag, src);
+  return flaggedLineReady(v, tag);
 }
 
 // This lane's share of chunk c of a row: bf16, pieces 64c + lane and 64c + 32 + lane (16 bytes, 8
@@ -252,10 +252,10 @@ __device__ __forceinline__ void putLines(const MoeParams& p, char* slot, int c, 
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     if (!s.has[j]) continue;
-    ptx::stVolatileV4(cl + 64 * j + lane, line(s.v[j].x, s.v[j].y, tag));
-    ptx::stVolatileV4(cl + 64 * j + 32 + lane, line(s.v[j].z, s.v[j].w, tag));
+    ptx::stVolatileV4(cl + 64 * j + lane, flaggedLine(s.v[j].x, s.v[j].y, tag));
+    ptx::stVolatileV4(cl + 64 * j + 32 + lane, flaggedLine(s.v[j].z, s.v[j].w, tag));
   }
-  if (p.shape.fp8 && s.has[0] && lane % 8 == 0) ptx::stVolatileV4(cl + 64 + lane / 8, line(__float_as_uint(s.scale), 0u, tag));
+  if (p.shape.fp8 && s.has[0] && lane % 8 == 0) ptx::stVolatileV4(cl + 64 + lane / 8, flaggedLine(__float_as_uint(s.scale), 0u, tag));
 }
 
 // The share from chunk c's lines once they carry `tag`: every line loaded before any is checked
@@ -264,7 +264,7 @@ __device__ __forceinline__ void putLines(const MoeParams& p, char* slot, int c, 
 __device__ __forceinline__ bool shareFromLines(const MoeParams& p, char* slot, int c, int lane, std::uint32_t tag, int src, Share& s) {
   s = emptyShare(p, c, lane);
   const uint4* cl = chunkLines(p, slot, c);
-  uint4 a[2], b[2], sc = line(0u, 0u, tag);
+  uint4 a[2], b[2], sc = flaggedLine(0u, 0u, tag);
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     if (!s.has[j]) continue;
@@ -419,14 +419,14 @@ __device__ __forceinline__ void putMetaLines(const MoeParams& p, const Routing& 
   const int n = __popc(m);
   if (here) {
     const int at = 1 + 2 * __popc(m & ((1u << lane) - 1u));
-    ptx::stVolatileV4(lines + at, line(static_cast<std::uint32_t>(id % L), static_cast<std::uint32_t>(rt.entriesBefore(id, t, lane, K)), tag));
-    ptx::stVolatileV4(lines + at + 1, line(__float_as_uint(rt.weights[t * K + lane]), static_cast<std::uint32_t>(lane), tag));
+    ptx::stVolatileV4(lines + at, flaggedLine(static_cast<std::uint32_t>(id % L), static_cast<std::uint32_t>(rt.entriesBefore(id, t, lane, K)), tag));
+    ptx::stVolatileV4(lines + at + 1, flaggedLine(__float_as_uint(rt.weights[t * K + lane]), static_cast<std::uint32_t>(lane), tag));
   }
   if (lane >= n && lane < K) {
-    ptx::stVolatileV4(lines + 1 + 2 * lane, line(~0u, 0u, tag));
-    ptx::stVolatileV4(lines + 2 + 2 * lane, line(0u, ~0u, tag));
+    ptx::stVolatileV4(lines + 1 + 2 * lane, flaggedLine(~0u, 0u, tag));
+    ptx::stVolatileV4(lines + 2 + 2 * lane, flaggedLine(0u, ~0u, tag));
   }
-  if (lane == 31) ptx::stVolatileV4(lines, line(static_cast<std::uint32_t>(t), static_cast<std::uint32_t>(n), tag));
+  if (lane == 31) ptx::stVolatileV4(lines, flaggedLine(static_cast<std::uint32_t>(t), static_cast<std::uint32_t>(n), tag));
 }
 
 // The send: routing, count messages, this rank's own records' metadata, the peers' records.
@@ -557,8 +557,8 @@ __device__ bool expandItem(const MoeParams& p, int parity, std::uint32_t tag, in
     share = shareFromX(p, token, c, lane);
   } else {
     const uint4* ml = metaLines(p, slot);
-    uint4 h = make_uint4(0u, 0u, 0u, 0u), a = h, b = h;
-    const int at = lane == 31 ? 0 : 1 + 2 * lane;
+    uint4 a = make_uint4(0u, 0u, 0u, 0u), b = a;
+    const int at = lane == 31 ? 0 : 1 + 2 * lane;  // lane 31: the header {token, slots}
     if (lane < K || lane == 31) {
       a = ptx::ldVolatileV4(ml + at);
       if (lane < K) b = ptx::ldVolatileV4(ml + at + 1);
@@ -566,9 +566,8 @@ __device__ bool expandItem(const MoeParams& p, int parity, std::uint32_t tag, in
     ok = shareFromLines(p, slot, c, lane, tag, s, share);
     if (lane < K || lane == 31) ok = ok && landed(p, ml + at, tag, s, a);
     if (lane < K) ok = ok && landed(p, ml + at + 1, tag, s, b);
-    h = make_uint4(__shfl_sync(kFullMask, a.x, 31), 0u, __shfl_sync(kFullMask, a.z, 31), 0u);
-    token = static_cast<int>(h.x);
-    nslots = min(static_cast<int>(h.z), K);
+    token = static_cast<int>(__shfl_sync(kFullMask, a.x, 31));
+    nslots = min(static_cast<int>(__shfl_sync(kFullMask, a.z, 31)), K);
     if (lane < nslots) laneSlot = MoeRecordSlot{static_cast<std::int32_t>(a.x), static_cast<std::int32_t>(a.z), __uint_as_float(b.x),
                                              static_cast<std::int32_t>(b.z)};
     if (__all_sync(kFullMask, ok) && c == 0) {  // the combine's copy
@@ -633,13 +632,13 @@ __device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part part, std:
     for (int k = 1; k < R && ok && items.cta >= 0; ++k) {
       const int s = (me + k) % R;
       if (!isLive(live, s)) continue;
-      const long long items = static_cast<long long>(moeMsgRecords(p, msgOf(s))) * chunks;
+      const long long n = static_cast<long long>(moeMsgRecords(p, msgOf(s))) * chunks;  // s's items
       const long long rankBase = p.layout.rankMajor ? moeRankBase(p, msgOf, s) : -1;
-      for (long long item = (gw - before % warps + warps) % warps; item < items && ok; item += warps) {
+      for (long long item = (gw - before % warps + warps) % warps; item < n && ok; item += warps) {
         const int i = static_cast<int>(item / chunks), c = static_cast<int>(item % chunks);
         ok = expandItem(p, parity, tag, s, i, c, srcBase + s * L, p.layout.rankMajor ? rankBase + i : -1, lane);
       }
-      before += items;
+      before += n;
     }
   }
   // After this CTA's last wait on another rank, not before: the stream's next kernel (the next
@@ -650,7 +649,7 @@ __device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part part, std:
   ptx::launchDependents();
   if (tid == 0) {
     moeTrace(p, 0, step, MoeTraceEvent::kArrived, 0, true);
-    if (part.cta == 0) moeTrace(p, 0, step, MoeTraceEvent::kArrived0);
+    if (itemPart(part).cta == 0) moeTrace(p, 0, step, MoeTraceEvent::kArrived0);  // the first expanding CTA
     moeTrace(p, 0, step, MoeTraceEvent::kReceived, 0, true);
   }
 }

@@ -94,11 +94,14 @@ __host__ __device__ inline std::uint64_t moePayloadBytes(int hidden, bool fp8) {
 // flagged lines (every 8 bytes of them as a 16-byte line {4 bytes, tag, 4 bytes, tag}), written by
 // the source; then at metaOff the plain metadata (MoeRecordHeader and its slots) the combine reads,
 // written by the receiver. The payload's lines go by chunks of kMoeLatencyChunkValues values, each
-// chunk's lines in the order a warp stores them (moeLatencyChunkLines each: bf16, the 64 pieces'
-// halves; fp8, the four tiles' 32 pieces' halves, then their scales and room to 72); the metadata's:
+// chunk's lines in the order a warp stores them (moeLatencyChunkLines each: bf16, its pieces'
+// halves; fp8, its tiles' pieces' halves, then their scales, in room for two lines a wire piece);
+// the metadata's:
 // the header {token, slots}, then per top-k position {local expert, index}, {weight, k}.
 inline constexpr int kMoeLatencyChunkValues = 512;
-__host__ __device__ inline int moeLatencyChunkLines(bool fp8) { return fp8 ? 72 : 128; }
+__host__ __device__ inline int moeLatencyChunkLines(bool fp8) {
+  return fp8 ? 2 * 9 * (kMoeLatencyChunkValues / 128) : kMoeLatencyChunkValues / 4;
+}
 __host__ __device__ inline std::uint64_t moeLatencyPayloadLineBytes(int hidden, bool fp8) {
   return static_cast<std::uint64_t>((hidden + kMoeLatencyChunkValues - 1) / kMoeLatencyChunkValues) * moeLatencyChunkLines(fp8) * 16;
 }

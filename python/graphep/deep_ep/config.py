@@ -36,8 +36,8 @@ from graphep.errors import invalid_argument
 
 MAX_TOKENS_ENV = "GRAPHEP_DEEPEP_MAX_TOKENS"
 # The low-latency engines' SM budget (MoeConfig.sm_budget: the combine's send CTAs, the receive
-# taking the SMs left; a dispatch sends and receives on all of them). DeepEP's low-latency kernels have no Config; unset or 0: graphep's
-# default.
+# taking the SMs left; a dispatch sends and receives on all of them). DeepEP's low-latency kernels
+# have no Config; unset or 0: graphep's default.
 LOW_LATENCY_SMS_ENV = "GRAPHEP_DEEPEP_LL_SMS"
 TOKENS_STEP = 128  # T_max from num_nvl_bytes is a multiple of this ...
 TOKENS_CAP = 8192  # ... and at most this
