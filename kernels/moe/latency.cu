@@ -27,21 +27,19 @@
 //                      for the combine; the last CTA of the launch advances the step.
 //   combine   send     with combine-time weights, each send CTA first writes its share of the
 //                      destinations' weights (this rank's tokens' top-k weights at each token's
-//                      record index) and posts their flag; then warp items (record, 512 values)
-//                      over the send CTAs' warps reduce the records received from the peers (sum
-//                      of weight x y over a record's slots; the weights of the record's source,
-//                      waited for, or the dispatch's) straight into the source's slot
-//                      [parity][this rank][index]; each CTA then adds 1 to the
+//                      record index) and posts their flag; each group then reduces one record
+//                      received from a peer (sum of weight x y over its slots; the weights of the
+//                      record's source, waited for, or the dispatch's) straight into the
+//                      source's slot [parity][this rank][index]; each CTA then adds 1 to the
 //                      combine arrival counter for this rank of every peer it reduced. A send
 //                      half alone waits for no weights: it looks once, and leaves a source whose
 //                      weights are not there to the receive half (latency.deferred[cta]).
 //            receive  in a receive half after such a send half, receive CTA j first stands in
 //                      for send CTAs j, j + E, ...: it waits for each deferred source's weights,
-//                      reduces that share and arrives for it (combineSend, standIn); then warp
-//                      items (token, 512 values) reduce this rank's own records into its own
-//                      partial slots (no wait), every CTA waits for G arrivals from every peer and
-//                      the same items sum each token's partials in rank order; the last CTA
-//                      advances the step.
+//                      reduces that share and arrives for it (combineSend, standIn); then each
+//                      group reduces this rank's own records into its own partial slots (no
+//                      wait), every CTA waits for G arrivals from every peer and each group sums
+//                      one token's partials in rank order; the last CTA advances the step.
 //
 // Buffers alternate by the step's parity. A rank can only start dispatch s + 2 after its combine
 // s + 1 received every destination's partials, which each destination sends after its own
@@ -69,6 +67,7 @@ namespace moe_latency {
 namespace {
 
 constexpr int kThreads = kMoeLatencyThreads;
+constexpr int kGroups = kThreads / kMoeGroupThreads;
 
 __device__ __forceinline__ std::uint64_t llSlot(const MoeParams& p, int parity, int src, int i,
                                                 std::uint64_t bytes) {
@@ -762,114 +761,19 @@ __device__ __forceinline__ bool waitCombineWeights(const MoeParams& p, int s, st
   return __syncthreads_or(failed) == 0;
 }
 
-// The combine's work goes in warp items of kChunkValues bf16 values of one row (uint4 pieces
-// 64 c + lane and 64 c + 32 + lane of chunk c, as the dispatch's bf16 share), dealt over the warps
-// of a part, the CTAs first: each lane's loads of every source of its item are in flight together.
-
-// A record's slots as a warp holds them: lane j holds slot j's y row and weight, kept (bit j of
-// `kept`) unless the slot adds nothing.
-struct WarpSlots {
-  long long row;
-  float weight;
-  unsigned kept;
-};
-
-// The slots of the record at `rec` (recordView), resolved as moeResolveSlots resolves them for the
-// combine: rows past the capacity add nothing; rows past the caller's expert outputs add nothing
-// and are counted once per record (`report`: the record's chunk-0 item). Weights: the source's
-// combine-time weights (slotWeights[k]) or the dispatch's. Rank-major (rankRow >= 0): its one row,
-// weight 1 (the experts summed the row's slots).
-__device__ __forceinline__ WarpSlots warpRecordSlots(const MoeParams& p, const char* rec, const std::int32_t* srcBase,
-                                                     long long rankRow, const float* slotWeights, bool report, int lane) {
-  if (rankRow >= 0) {
-    const bool exists = moeRankRowExists(p, rankRow, false, report ? lane : 1);
-    return WarpSlots{rankRow, 1.f, exists ? 1u : 0u};
-  }
-  const int K = p.shape.topK;
-  const int4 h = __ldcg(reinterpret_cast<const int4*>(moeRecordHeader(p, rec)));
-  int4 v = make_int4(-1, 0, 0, 0);
-  if (lane < K) v = __ldcg(reinterpret_cast<const int4*>(moeRecordSlots(p, rec)) + lane);
-  const int nslots = min(h.y, K);
-  MoeRecordSlot slot{-1, 0, 0.f, 0};
-  if (lane < nslots) slot = MoeRecordSlot{v.x, v.y, __int_as_float(v.z), v.w};
-  long long pos = lane < nslots ? moeSlotRow(p, srcBase, slot) : -1;
-  if (pos >= p.combine.expertOutputRows) {  // the caller's expert outputs end before this row
-    if (report) moeReportMissingRow(p, pos);
-    pos = -1;
-  }
-  const float w = slotWeights == nullptr ? slot.weight : slot.k >= 0 && slot.k < K ? __ldcg(slotWeights + slot.k) : 0.f;
-  return WarpSlots{pos, w, __ballot_sync(kFullMask, pos >= 0)};
-}
-
-// out's chunk c = sum over the sources (the lanes l of `from`, lowest first) of weight(l) x
-// src(l)'s chunk, fp32, bf16 out (moeWeightedSum's sums, chunk by chunk). src(l): a row of H bf16
-// values; src and weight are called by every lane alike (they shuffle from lane l). Four sources'
-// loads in flight at a time.
-template <class Src, class Weight>
-__device__ __forceinline__ void warpChunkSum(const MoeParams& p, unsigned from, int c, int lane, Src src, Weight weight, uint4* out) {
-  constexpr int kBatch = 4;
-  const int vecs = p.shape.hidden / 8, at[2] = {64 * c + lane, 64 * c + 32 + lane};
-  float acc[2][8];
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-#pragma unroll
-    for (int k = 0; k < 8; ++k) acc[j][k] = 0.f;
-  }
-  for (unsigned m = from; m != 0;) {
-    uint4 v[kBatch][2];
-    float w[kBatch];
-    bool in[kBatch];
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      in[b] = m != 0;  // uniform across the warp
-      const int l = in[b] ? __ffs(m) - 1 : 0;
-      m &= m - 1u;
-      const uint4* row = src(l);
-      w[b] = weight(l);
-#pragma unroll
-      for (int j = 0; j < 2; ++j) v[b][j] = in[b] && at[j] < vecs ? __ldcg(row + at[j]) : make_uint4(0u, 0u, 0u, 0u);
-    }
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      if (!in[b]) break;
-#pragma unroll
-      for (int j = 0; j < 2; ++j) moeAddBf16x8(acc[j], v[b][j], w[b]);
-    }
-  }
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    if (at[j] < vecs) out[at[j]] = moeToBf16x8(acc[j]);
-  }
-}
-
-// Chunk c of a record's partial: sum over its kept slots of weight x y[row] into `out` (H values;
-// local or the source's memory).
-__device__ __forceinline__ void reduceRecordChunk(const MoeParams& p, const char* rec, const std::int32_t* srcBase, long long rankRow,
-                                                  const float* slotWeights, int c, int lane, uint4* out) {
-  const WarpSlots ws = warpRecordSlots(p, rec, srcBase, rankRow, slotWeights, c == 0, lane);
-  const auto* y = reinterpret_cast<const uint4*>(p.combine.expertOutput);
-  const std::uint64_t vecs = static_cast<std::uint64_t>(p.shape.hidden) / 8;
-  warpChunkSum(
-      p, ws.kept, c, lane, [&](int l) { return y + static_cast<std::uint64_t>(__shfl_sync(kFullMask, ws.row, l)) * vecs; },
-      [&](int l) { return __shfl_sync(kFullMask, ws.weight, l); }, out);
-}
-
-// The items (record, chunk) of the last dispatch's records from peer source s that send CTA
-// part.cta takes (its warps' share, the items of the sources before s counted in `before`), each
-// reduced (the source's combine-time weights when `weighted`, else the dispatch's) straight into
-// s's partial slot [cparity][this rank][index].
-__device__ __forceinline__ void reduceSourceShare(const MoeParams& p, int s, Part part, long long before, bool weighted, int cparity,
-                                                  int dparity) {
-  const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32, chunks = rowChunks(p);
+// The records of the last dispatch from peer source s that slice gs (a send CTA's groups) takes,
+// each reduced (sum of weight x y over its slots; the source's combine-time weights when
+// `weighted`, else the dispatch's) straight into s's partial slot [cparity][this rank][index].
+__device__ __forceinline__ void reduceSourceShare(const MoeParams& p, int s, const MoeGroupSlice& gs, MoeSlotStage& stage, bool weighted,
+                                  int cparity, int dparity) {
   const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.shape.hidden) * 2;
-  const long long n = static_cast<long long>(p.layout.sourceRecords[s]) * chunks;
-  const long long gw = static_cast<long long>(warp) * part.ctas + part.cta, warps = static_cast<long long>(part.ctas) * kWarps;
+  const int rows = p.layout.sourceRecords[s];
   const long long rankBase = p.layout.rankMajor ? p.layout.rankOffsets[s] : -1;  // rank-major: the source's first row
-  for (long long item = (gw - before % warps + warps) % warps; item < n; item += warps) {
-    const int i = static_cast<int>(item / chunks), c = static_cast<int>(item % chunks);
-    reduceRecordChunk(p, recordView(p, recordSlot(p, p.shape.rank, dparity, s, i)), p.layout.sourceBase + s * p.shape.localExperts,
-                      p.layout.rankMajor ? rankBase + i : -1, weighted ? combineWeightsOf(p, cparity, s, i) : nullptr, c, lane,
-                      reinterpret_cast<uint4*>(p.peers.userRegions[s] + p.peers.partialsOff + llSlot(p, cparity, p.shape.rank, i, rowBytes)));
+  for (int i = gs.first; i < rows; i += gs.stride) {
+    moeReduceRecord(p, recordView(p, recordSlot(p, p.shape.rank, dparity, s, i)),
+                    p.layout.sourceBase + s * p.shape.localExperts,
+                    p.peers.userRegions[s] + p.peers.partialsOff + llSlot(p, cparity, p.shape.rank, i, rowBytes), stage, gs.g,
+                    p.layout.rankMajor ? rankBase + i : -1, weighted ? combineWeightsOf(p, cparity, s, i) : nullptr);
   }
 }
 
@@ -881,7 +785,9 @@ __device__ __forceinline__ void reduceSourceShare(const MoeParams& p, int s, Par
 // weights it waited for in vain, not waited for again (one timeout per dead source, not one per
 // send CTA), and left out of its receive's wait for their partials.
 __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live, bool standIn, std::uint32_t& gaveUp) {
+  __shared__ MoeSlotStage stages[kGroups];
   const int tid = static_cast<int>(threadIdx.x);
+  const MoeGroupSlice gs = moeGroupSlice(part.cta, part.ctas);
   const int R = p.shape.numRanks, K = p.shape.topK;
   const std::uint32_t cstep = p.peers.steps[1];
   const int cparity = static_cast<int>(cstep & 1u);
@@ -920,11 +826,8 @@ __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live, b
   // the same ranks.
   std::uint32_t* words = shrinkWords(p, 1);
   std::uint32_t* masked = words != nullptr ? words + (standIn ? 0 : 3) : nullptr;
-  long long before = 0;  // items of the sources before s (the same whichever this CTA reduces)
   for (int k = 1; k < R; ++k) {
     const int s = (p.shape.rank + k) % R;
-    const long long first = before;
-    if (isLive(live, s)) before += static_cast<long long>(p.layout.sourceRecords[s]) * rowChunks(p);
     if (!isLive(left, s)) continue;  // outside the mask: no records to reduce, nothing to send it
     if (isLive(gaveUp, s)) {  // a stand-in that waited for its weights in vain already
       unserved |= 1u << s;
@@ -947,7 +850,7 @@ __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live, b
       if (standIn) gaveUp |= 1u << s;
       continue;
     }
-    reduceSourceShare(p, s, part, first, weighted, cparity, dparity);
+    reduceSourceShare(p, s, gs, stages[gs.group], weighted, cparity, dparity);
   }
   if (alone && tid == 0) p.latency.deferred[part.cta] = deferred;  // read by the receive half (the next kernel)
   arriveAtEveryPeer(p, p.latency.partialArrivalsOff, left & ~unserved & ~deferred);
@@ -958,28 +861,30 @@ __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live, b
 // their weights and masked them in words[0]: every receive CTA leaves them out after the meeting).
 // Without it a stand-in's failure is recorded and the waits below return at once.
 __device__ void combineReceive(const MoeParams& p, Part part, std::uint32_t live, std::uint32_t skip) {
-  const int R = p.shape.numRanks, me = p.shape.rank, lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
+  __shared__ const uint4* parts[kGroups][kMaxRanks];
+  __shared__ MoeSlotStage stages[kGroups];
+  const MoeGroupSlice gs = moeGroupSlice(part.cta, part.ctas);
+  const int R = p.shape.numRanks;
   const std::uint32_t cstep = p.peers.steps[1];
   const int cparity = static_cast<int>(cstep & 1u);
   const int dparity = static_cast<int>((p.peers.steps[0] - 1u) & 1u);  // the last dispatch's records
   const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.shape.hidden) * 2;
-  const char* partials = p.peers.userRegions[me] + p.peers.partialsOff;
-  const int T = *p.routing.liveTokens, chunks = rowChunks(p);
-  // Items (token, chunk) over the part's warps, the CTAs first; a warp takes the same items in
-  // both loops below, so each lane reads back the own partial it wrote (program order).
-  const int gw = warp * part.ctas + part.cta, warps = part.ctas * kWarps;
+  const int T = *p.routing.liveTokens;
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyCombineOwn);
     // This rank's own records, reduced into its own partial slots while the send part reduces the
-    // peers' (no wait: the records, y and the weights are this rank's).
-    for (int item = gw; item < T * chunks; item += warps) {
-      const int t = item / chunks, c = item % chunks;
-      const int i = p.routing.tokenRankIndex[static_cast<std::uint64_t>(t) * R + me];
-      if (i < 0) continue;  // uniform across the warp
-      reduceRecordChunk(p, recordView(p, recordSlot(p, me, dparity, me, i)), p.layout.sourceBase + me * p.shape.localExperts,
-                        p.layout.rankMajor ? p.layout.rankOffsets[me] + i : -1,
-                        p.combine.topkWeights != nullptr ? p.combine.topkWeights + static_cast<std::uint64_t>(t) * p.shape.topK : nullptr,
-                        c, lane, reinterpret_cast<uint4*>(const_cast<char*>(partials) + llSlot(p, cparity, me, i, rowBytes)));
+    // peers' (no wait: the records, y and the weights are this rank's). Each group takes the same
+    // tokens below, so its own barrier orders these partials before its sums.
+    for (int t = gs.first; t < T; t += gs.stride) {
+      const int i = p.routing.tokenRankIndex[static_cast<std::uint64_t>(t) * R + p.shape.rank];
+      if (i >= 0) {
+        moeReduceRecord(p, recordView(p, recordSlot(p, p.shape.rank, dparity, p.shape.rank, i)),
+                        p.layout.sourceBase + p.shape.rank * p.shape.localExperts,
+                        p.peers.userRegions[p.shape.rank] + p.peers.partialsOff + llSlot(p, cparity, p.shape.rank, i, rowBytes), stages[gs.group],
+                        gs.g, p.layout.rankMajor ? p.layout.rankOffsets[p.shape.rank] + i : -1,
+                        p.combine.topkWeights != nullptr ? p.combine.topkWeights + static_cast<std::uint64_t>(t) * p.shape.topK
+                                                    : nullptr);
+      }
     }
   }
   {
@@ -996,18 +901,16 @@ __device__ void combineReceive(const MoeParams& p, Part part, std::uint32_t live
       ptx::launchDependents();  // after the last wait on another rank, as in the dispatch receive
       if (part.cta == part.ctas - 1 && threadIdx.x == 0) moeTrace(p, 1, cstep, MoeTraceEvent::kArrived);
       if (part.cta == 0 && threadIdx.x == 0) moeTrace(p, 1, cstep, MoeTraceEvent::kArrived0);
-      // Token t's row = the sum of its partials in rank order (fp32, bf16 out); lane r < R holds
-      // rank r's partial, if any (a rank outside the mask, which recover may shrink after the
-      // dispatch, adds nothing).
-      for (int item = gw; item < T * chunks; item += warps) {
-        const int t = item / chunks, c = item % chunks;
-        const int i = lane < R ? p.routing.tokenRankIndex[static_cast<std::uint64_t>(t) * R + lane] : -1;
-        const bool has = i >= 0 && isLive(live, lane);
-        const unsigned from = __ballot_sync(kFullMask, has);
-        const auto at = reinterpret_cast<unsigned long long>(has ? partials + llSlot(p, cparity, lane, i, rowBytes) : nullptr);
-        warpChunkSum(
-            p, from, c, lane, [&](int l) { return reinterpret_cast<const uint4*>(__shfl_sync(kFullMask, at, l)); },
-            [](int) { return 1.0f; }, reinterpret_cast<uint4*>(p.combine.out) + static_cast<std::uint64_t>(t) * (p.shape.hidden / 8));
+      for (int t = gs.first; t < T; t += gs.stride) {
+        moeFinalToken(
+            p, t,
+            [&](int r) -> const char* {
+              const int i = p.routing.tokenRankIndex[static_cast<std::uint64_t>(t) * R + r];
+              // A rank outside the mask (recover may shrink it after the dispatch) adds nothing.
+              return i < 0 || !isLive(live, r) ? nullptr
+                                               : p.peers.userRegions[p.shape.rank] + p.peers.partialsOff + llSlot(p, cparity, r, i, rowBytes);
+            },
+            parts[gs.group], gs.g);
       }
     }
   }
