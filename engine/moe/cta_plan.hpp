@@ -52,7 +52,11 @@ int directSharedCtas(int want, int share);
 // two engines in flight fit), at least 1. The throughput epilogues' CTAs on a GPU of `sms` SMs:
 // epilogueSms (at most one per SM), or the SMs the `comm` CTAs leave free when that is at least
 // half of them, else one per SM.
-inline constexpr int kLatencyDefaultCtas = 24;
+// 64: the dispatch runs on every CTA of its launch whatever the split; the combine reduces one
+// received record per group of 128 threads, so that 64 send CTAs (256 groups) reduce 128 records
+// in one round where 24 took two (graph replay, 2 GPUs: combine 25.8 -> 21.2 us at H 7168, 15.3 ->
+// 13.5 at H 2048; docs/PERFORMANCE.md).
+inline constexpr int kLatencyDefaultCtas = 64;
 int latencySendCtas(int smBudget, int resident, int sharing);
 // The most latency send CTAs any rank takes under MoeConfig::smBudget `smBudget` (it, or the default).
 int latencySendCtasBound(int smBudget);

@@ -117,8 +117,8 @@ __device__ inline void moeReportInvalidId(const MoeParams& p, long long id, int 
 // The live token count of a dispatch, clamped to [0, maxTokens]. The caller that passes `record`
 // (one thread of the grid) publishes it to liveTokens and counts an out-of-range value (strict mode
 // traps); every thread may call it for the value.
-__device__ inline int moeLiveTokens(const MoeParams& p, bool record) {
-  const int raw = *p.input.numTokens;
+// moeClampTokens: the same from `raw`, the count as read (a caller that loads it early).
+__device__ inline int moeClampTokens(const MoeParams& p, int raw, bool record) {
   const int T = raw < 0 ? 0 : (raw > p.shape.maxTokens ? p.shape.maxTokens : raw);
   if (record) {
     *p.routing.liveTokens = T;
@@ -134,6 +134,7 @@ __device__ inline int moeLiveTokens(const MoeParams& p, bool record) {
   }
   return T;
 }
+__device__ inline int moeLiveTokens(const MoeParams& p, bool record) { return moeClampTokens(p, *p.input.numTokens, record); }
 
 // Operation order (one thread of the operation's first kernel). Dispatch -> dispatch and combine
 // -> combine are defined: a dispatch replaces the last one's layout, a combine serves the last

@@ -218,9 +218,10 @@ __device__ __forceinline__ Share emptyShare(const MoeParams& p, int c, int lane)
   }
   return s;
 }
-// Token t's share from x: bf16 as it is, quantised to fp8 (the engine's tiles), or the caller's
-// e4m3 bytes and scales (input.xIsFp8).
-__device__ __forceinline__ Share shareFromX(const MoeParams& p, int t, int c, int lane) {
+// Token t's share as loaded from x: bf16 as it is, the caller's e4m3 bytes and scales
+// (input.xIsFp8), or the bf16 values of the lane's 16 values that finishShare quantises to fp8 (the
+// engine's tiles). Apart from finishShare so that a warp can issue the load early and use it later.
+__device__ __forceinline__ Share loadShare(const MoeParams& p, int t, int c, int lane) {
   Share s = emptyShare(p, c, lane);
   const std::uint64_t H = static_cast<std::uint64_t>(p.shape.hidden);
   if (p.shape.fp8) {
@@ -232,9 +233,8 @@ __device__ __forceinline__ Share shareFromX(const MoeParams& p, int t, int c, in
     } else {
       const auto* at = reinterpret_cast<const uint4*>(static_cast<const char*>(p.input.x) + static_cast<std::uint64_t>(t) * H * 2 +
                                                       static_cast<std::uint64_t>(tile) * kFp8TileSrcBytes + sub * 32);
-      const Fp8TileWide q = Fp8TileWide::quantize(at[0], at[1], p.input.scaleFormat != kMoeScaleFloat);
-      s.v[0] = q.q;
-      s.scale = q.scale;
+      s.v[0] = at[0];
+      s.v[1] = at[1];  // has[1] stays false: the fp8 share is v[0] alone once quantised
     }
     return s;
   }
@@ -245,6 +245,16 @@ __device__ __forceinline__ Share shareFromX(const MoeParams& p, int t, int c, in
   }
   return s;
 }
+// The loaded share ready to send: the engine's fp8 tile quantised (8 lanes a tile).
+__device__ __forceinline__ Share finishShare(const MoeParams& p, Share s) {
+  if (p.shape.fp8 && !p.input.xIsFp8 && s.has[0]) {
+    const Fp8TileWide q = Fp8TileWide::quantize(s.v[0], s.v[1], p.input.scaleFormat != kMoeScaleFloat);
+    s.v[0] = q.q;
+    s.scale = q.scale;
+  }
+  return s;
+}
+__device__ __forceinline__ Share shareFromX(const MoeParams& p, int t, int c, int lane) { return finishShare(p, loadShare(p, t, c, lane)); }
 
 // The share as flagged lines of chunk c of a record slot (chunkLines).
 __device__ __forceinline__ void putLines(const MoeParams& p, char* slot, int c, int lane, const Share& s, std::uint32_t tag) {
@@ -374,31 +384,47 @@ struct Routing {
   __device__ bool goesTo(int r, int t) const { return (dstBits[r * W + (t >> 5)] >> (t & 31)) & 1u; }
 };
 
-// Every thread of the CTA: routes every entry (invalid ids: -1, counted by CTA 0; entries of a rank
-// outside the mask: -1, counted per rank). Ends with the CTA synchronised.
-__device__ Routing routeTokens(const MoeParams& p, char* sm, Part part, std::uint32_t live) {
+// Every thread of the CTA: routes the T live tokens' entries (invalid ids: -1, counted by CTA 0;
+// entries of a rank outside the mask: -1, counted per rank). Ends with the CTA synchronised.
+__device__ Routing routeTokens(const MoeParams& p, char* sm, Part part, std::uint32_t live, int T) {
   const MoeLatencySmem lay = moeLatencySmem(p.shape.maxTokens, p.shape.topK, p.shape.numExperts, p.shape.numRanks);
   __shared__ int dup;
   const int tid = static_cast<int>(threadIdx.x), K = p.shape.topK, R = p.shape.numRanks, L = p.shape.localExperts;
   Routing rt{reinterpret_cast<std::int32_t*>(sm + lay.ids), reinterpret_cast<float*>(sm + lay.weights),
              reinterpret_cast<std::uint32_t*>(sm + lay.expBits), reinterpret_cast<std::uint32_t*>(sm + lay.dstBits),
-             moeLiveTokens(p, part.cta == 0 && tid == 0), (p.shape.maxTokens + 31) / 32, false};
+             T, (p.shape.maxTokens + 31) / 32, false};
   for (int w = tid; w < (p.shape.numExperts + R) * rt.W; w += kThreads) rt.expBits[w] = 0;  // and dstBits
   if (tid == 0) dup = 0;
   __syncthreads();
-  for (int e = tid; e < rt.T * K; e += kThreads) {
-    const long long id = moeReadId(p, static_cast<std::uint64_t>(e));
-    const bool known = moeValidId(p, id);
-    if (!known && id != -1 && part.cta == 0) moeReportInvalidId(p, id, e / K, e % K);
-    const bool valid = known && isLive(live, static_cast<int>(id / L));  // its rank takes part
-    if (known && !valid && part.cta == 0) atomicAdd(&p.state.status->maskedEntries[id / L], 1ull);
-    rt.ids[e] = valid ? static_cast<std::int32_t>(id) : -1;
-    rt.weights[e] = moeWeightOf(p, static_cast<std::uint64_t>(e));
-    if (valid) {
-      const int t = e / K;
-      const std::uint32_t bit = 1u << (t & 31);
-      if (atomicOr(&rt.expBits[id * rt.W + (t >> 5)], bit) & bit) dup = 1;  // the token holds it twice
-      atomicOr(&rt.dstBits[(id / L) * rt.W + (t >> 5)], bit);
+  // kBatch entries a thread at a time, every load issued before any is used (one round trip for
+  // up to kBatch x kThreads entries; 4 spilled more of the kernel).
+  constexpr int kBatch = 2;
+  for (int e0 = tid; e0 < T * K; e0 += kBatch * kThreads) {
+    long long ids[kBatch];
+    float weights[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int e = e0 + b * kThreads;
+      ids[b] = e < T * K ? moeReadId(p, static_cast<std::uint64_t>(e)) : -1;
+      weights[b] = e < T * K ? moeWeightOf(p, static_cast<std::uint64_t>(e)) : 0.f;
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int e = e0 + b * kThreads;
+      if (e >= T * K) break;
+      const long long id = ids[b];
+      const bool known = moeValidId(p, id);
+      if (!known && id != -1 && part.cta == 0) moeReportInvalidId(p, id, e / K, e % K);
+      const bool valid = known && isLive(live, static_cast<int>(id / L));  // its rank takes part
+      if (known && !valid && part.cta == 0) atomicAdd(&p.state.status->maskedEntries[id / L], 1ull);
+      rt.ids[e] = valid ? static_cast<std::int32_t>(id) : -1;
+      rt.weights[e] = weights[b];
+      if (valid) {
+        const int t = e / K;
+        const std::uint32_t bit = 1u << (t & 31);
+        if (atomicOr(&rt.expBits[id * rt.W + (t >> 5)], bit) & bit) dup = 1;  // the token holds it twice
+        atomicOr(&rt.dstBits[(id / L) * rt.W + (t >> 5)], bit);
+      }
     }
   }
   __syncthreads();
@@ -430,15 +456,26 @@ __device__ __forceinline__ void putMetaLines(const MoeParams& p, const Routing& 
 }
 
 // The send: routing, count messages, this rank's own records' metadata, the peers' records.
-__device__ void dispatchSend(const MoeParams& p, char* sm, Part part, std::uint32_t live) {
+// `start`: the words the send starts from, loaded together at the kernel's start.
+struct SendStart {
+  std::uint32_t live;  // the operation's ranks (dispatchMask)
+  std::uint32_t step;
+  int rawTokens;  // *input.numTokens as read (moeClampTokens)
+};
+__device__ void dispatchSend(const MoeParams& p, char* sm, Part part, const SendStart& start) {
   const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32;
   const int K = p.shape.topK, R = p.shape.numRanks, L = p.shape.localExperts, me = p.shape.rank;
-  const std::uint32_t step = p.peers.steps[0], tag = moeCountTag(step);
+  const std::uint32_t live = start.live, step = start.step, tag = moeCountTag(step);
   const int parity = static_cast<int>(step & 1u);
   const MoeStamp stamp(p, MoeKernel::kLatencyDispatch);
   if (part.cta == 0 && tid == 0) moeCheckPairing(p, true);
-  const Routing rt = routeTokens(p, sm, part, live);
-  const int T = rt.T, W = rt.W;
+  const int T = moeClampTokens(p, start.rawTokens, part.cta == 0 && tid == 0);
+  // The warp's first item (below) loaded from x now, used after the routing: its round trip runs
+  // beside the routing's loads.
+  const int chunks = rowChunks(p), gw = warp * part.ctas + part.cta, warps = part.ctas * kWarps;
+  const Share first = gw < T * chunks ? loadShare(p, gw / chunks, gw % chunks, lane) : emptyShare(p, 0, lane);
+  const Routing rt = routeTokens(p, sm, part, live, T);
+  const int W = rt.W;
   // Count messages first (they travel ahead of the payload): CTA c takes ranks c, c + ctas, ...
   // Each word carries its count tagged with the step (moeTaggedCount), stored whole, so the
   // receiver waits on the words themselves: no fence, no flag to order them by. The flag is
@@ -466,13 +503,12 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part, std::uint3
   const MoeStamp records(p, MoeKernel::kLatencyRecords);
   // The peers' records: item (token, chunk) over every warp of the launch, the CTAs first; the
   // share read once for every peer that takes the token; chunk 0 also writes its metadata lines.
-  const int chunks = rowChunks(p), gw = warp * part.ctas + part.cta, warps = part.ctas * kWarps;
   for (int item = gw; item < T * chunks; item += warps) {
     const int t = item / chunks, c = item % chunks;
     bool any = false;
     for (int r = 0; r < R; ++r) any = any || (r != me && rt.goesTo(r, t));
     if (!any) continue;  // uniform across the warp
-    const Share s = shareFromX(p, t, c, lane);
+    const Share s = item == gw ? finishShare(p, first) : shareFromX(p, t, c, lane);
     for (int r = 0; r < R; ++r) {
       if (r == me || !rt.goesTo(r, t)) continue;
       char* slot = recordSlot(p, r, parity, me, popcBelow(rt.dstBits + r * W, t));
@@ -688,11 +724,13 @@ __global__ void __launch_bounds__(kThreads) dispatchKernel(const __grid_constant
   // A receive half uses its send half's mask (a caller's kernel may have changed the mask word
   // between the halves); the send half leaves it.
   const bool sends = (p.latency.phase & kMoeLatencySend) != 0, receives = (p.latency.phase & kMoeLatencyReceive) != 0;
-  const std::uint32_t live = sends ? dispatchMask(p) : *p.latency.halfLive;
+  // The send's words, loaded together before anything is stored (one round trip).
+  const SendStart start{sends ? dispatchMask(p) : *p.latency.halfLive, p.peers.steps[0], sends ? *p.input.numTokens : 0};
+  const std::uint32_t live = start.live;
   if (sends && !receives && blockIdx.x == 0 && threadIdx.x == 0) *p.latency.halfLive = live;
   if (sends) {
     traceStart(p, 0, all, entered);
-    dispatchSend(p, sm, all, live);
+    dispatchSend(p, sm, all, start);
   }
   if (receives) dispatchReceive(p, sm, all, live);
   if (receives && lastBlock(&p.peers.lastCtaCounters[0]) && threadIdx.x == 0) {
