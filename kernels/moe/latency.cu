@@ -660,7 +660,8 @@ __device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part part, std:
       const int i = items.cta + (n / chunks) * items.ctas, c = n % chunks;
       ok = expandItem(p, parity, tag, me, i, c, srcBase + me * L, p.layout.rankMajor ? ownBase + i : -1, lane) && ok;
     }
-    if (items.cta == 0 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kOwnDone0);
+    // Its last warp's own items done (the latest of its warps: the own items sit on the last warps).
+    if (items.cta == 0 && lane == 0) moeTrace(p, 0, step, MoeTraceEvent::kOwnDone0, 0, true);
     // The peers' records, source by source from the next rank on: item (record, chunk) over every
     // warp of the items' CTAs, the CTAs first.
     const long long gw = static_cast<long long>(warp) * items.ctas + items.cta, warps = static_cast<long long>(items.ctas) * kWarps;
