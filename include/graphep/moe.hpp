@@ -88,9 +88,9 @@ struct MoeConfig {
   // the CTAs of each routing / layout / reduce / send kernel and the data movers' channels per
   // peer (0: on the direct dispatch the CTAs that carry the link as measured at setup, or with
   // ranks sharing a GPU a sixth of each rank's share of it, which also caps a budget; else one
-  // per SM; the movers' channels by message size, at most 32); on the latency path the senders of
-  // each kernel (0: 24; lowered when ranks share a GPU, so that all their CTAs are resident at
-  // once).
+  // per SM; the movers' channels by message size, at most 32); on the latency path the combine's
+  // send CTAs (the dispatch sends on every CTA of its launch) (0: 64; lowered when ranks share a
+  // GPU, so that all their CTAs are resident at once).
   int smBudget = 0;
   // CTAs of the receiving side, which runs beside the senders (smBudget).
   // Throughput path with the direct dispatch (every peer by load/store): the

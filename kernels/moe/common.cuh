@@ -114,10 +114,10 @@ __device__ inline void moeReportInvalidId(const MoeParams& p, long long id, int 
   }
 }
 
-// The live token count of a dispatch, clamped to [0, maxTokens]. The caller that passes `record`
-// (one thread of the grid) publishes it to liveTokens and counts an out-of-range value (strict mode
-// traps); every thread may call it for the value.
-// moeClampTokens: the same from `raw`, the count as read (a caller that loads it early).
+// The live token count of a dispatch, `raw` as read from input.numTokens (a caller that loads it
+// early), clamped to [0, maxTokens]. The caller that passes `record` (one thread of the grid)
+// publishes it to liveTokens and counts an out-of-range value (strict mode traps); every thread
+// may call it for the value.
 __device__ inline int moeClampTokens(const MoeParams& p, int raw, bool record) {
   const int T = raw < 0 ? 0 : (raw > p.shape.maxTokens ? p.shape.maxTokens : raw);
   if (record) {
@@ -134,6 +134,7 @@ __device__ inline int moeClampTokens(const MoeParams& p, int raw, bool record) {
   }
   return T;
 }
+// moeClampTokens of the count read now.
 __device__ inline int moeLiveTokens(const MoeParams& p, bool record) { return moeClampTokens(p, *p.input.numTokens, record); }
 
 // Operation order (one thread of the operation's first kernel). Dispatch -> dispatch and combine

@@ -399,19 +399,20 @@ __device__ Routing routeTokens(const MoeParams& p, char* sm, Part part, std::uin
   // kBatch entries a thread at a time, every load issued before any is used (one round trip for
   // up to kBatch x kThreads entries; 4 spilled more of the kernel).
   constexpr int kBatch = 2;
-  for (int e0 = tid; e0 < T * K; e0 += kBatch * kThreads) {
+  const int entries = T * K;
+  for (int e0 = tid; e0 < entries; e0 += kBatch * kThreads) {
     long long ids[kBatch];
     float weights[kBatch];
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       const int e = e0 + b * kThreads;
-      ids[b] = e < T * K ? moeReadId(p, static_cast<std::uint64_t>(e)) : -1;
-      weights[b] = e < T * K ? moeWeightOf(p, static_cast<std::uint64_t>(e)) : 0.f;
+      ids[b] = e < entries ? moeReadId(p, static_cast<std::uint64_t>(e)) : -1;
+      weights[b] = e < entries ? moeWeightOf(p, static_cast<std::uint64_t>(e)) : 0.f;
     }
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       const int e = e0 + b * kThreads;
-      if (e >= T * K) break;
+      if (e >= entries) break;
       const long long id = ids[b];
       const bool known = moeValidId(p, id);
       if (!known && id != -1 && part.cta == 0) moeReportInvalidId(p, id, e / K, e % K);
@@ -725,7 +726,8 @@ __global__ void __launch_bounds__(kThreads) dispatchKernel(const __grid_constant
   // A receive half uses its send half's mask (a caller's kernel may have changed the mask word
   // between the halves); the send half leaves it.
   const bool sends = (p.latency.phase & kMoeLatencySend) != 0, receives = (p.latency.phase & kMoeLatencyReceive) != 0;
-  // The send's words, loaded together before anything is stored (one round trip).
+  // The send's words, loaded together before anything is stored (one round trip); a receive half
+  // reads neither the mask nor the live count (its send half's mask, in halfLive).
   const SendStart start{sends ? dispatchMask(p) : *p.latency.halfLive, p.peers.steps[0], sends ? *p.input.numTokens : 0};
   const std::uint32_t live = start.live;
   if (sends && !receives && blockIdx.x == 0 && threadIdx.x == 0) *p.latency.halfLive = live;
