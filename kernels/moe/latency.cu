@@ -365,7 +365,7 @@ struct Routing {
   float* weights;          // [T_max * K]
   std::uint32_t* expBits;  // [E][W]: tokens per expert
   std::uint32_t* dstBits;  // [R][W]: tokens per rank
-  int T, W;
+  int W;                   // words of a bit row: ceil(T_max / 32)
   bool anyDup;
   // Entries of expert e before token t (and before slot k of t): a popcount unless some token
   // holds an expert twice, then an exact count over the tokens holding e.
@@ -392,7 +392,7 @@ __device__ Routing routeTokens(const MoeParams& p, char* sm, Part part, std::uin
   const int tid = static_cast<int>(threadIdx.x), K = p.shape.topK, R = p.shape.numRanks, L = p.shape.localExperts;
   Routing rt{reinterpret_cast<std::int32_t*>(sm + lay.ids), reinterpret_cast<float*>(sm + lay.weights),
              reinterpret_cast<std::uint32_t*>(sm + lay.expBits), reinterpret_cast<std::uint32_t*>(sm + lay.dstBits),
-             T, (p.shape.maxTokens + 31) / 32, false};
+             (p.shape.maxTokens + 31) / 32, false};
   for (int w = tid; w < (p.shape.numExperts + R) * rt.W; w += kThreads) rt.expBits[w] = 0;  // and dstBits
   if (tid == 0) dup = 0;
   __syncthreads();
