@@ -100,7 +100,7 @@ __device__ __forceinline__ bool moeEntryRouted(const MoeParams& p, int t, long l
 }
 
 // An id outside [-1, E): counted, the first one recorded; strict mode traps after counting.
-__device__ inline void moeReportInvalidId(const MoeParams& p, long long id, int token, int slot) {
+__device__ __noinline__ inline void moeReportInvalidId(const MoeParams& p, long long id, int token, int slot) {
   atomicAdd(&p.state.status->invalidIds, 1ull);
   if (atomicCAS(&p.state.status->firstInvalidSet, 0, 1) == 0) {
     p.state.status->firstInvalidId = id;
@@ -151,7 +151,7 @@ __device__ inline void moeCheckPairing(const MoeParams& p, bool dispatch) {
 }
 
 // A combine input row the layout needs past CombineArgs.expertOutputRows: it adds nothing, counted.
-__device__ inline void moeReportMissingRow(const MoeParams& p, long long row) {
+__device__ __noinline__ inline void moeReportMissingRow(const MoeParams& p, long long row) {
   atomicAdd(&p.state.status->missingCombineRows, 1ull);
   if (p.state.strict) {
     printf("graphep: rank %d: combine needs expert output row %lld, past the %lld rows given (strict mode)\n",
@@ -161,7 +161,7 @@ __device__ inline void moeReportMissingRow(const MoeParams& p, long long row) {
 }
 
 // A received row whose place is past the capacity: counted (strict mode traps).
-__device__ inline void moeReportDroppedRow(const MoeParams& p, long long pos) {
+__device__ __noinline__ inline void moeReportDroppedRow(const MoeParams& p, long long pos) {
   atomicAdd(&p.state.status->droppedRows, 1ull);
   if (p.state.strict) {
     if (p.layout.rowsPerExpert > 0) {

@@ -665,15 +665,16 @@ __device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part part, std:
     if (items.cta == 0 && lane == 0) moeTrace(p, 0, step, MoeTraceEvent::kOwnDone0, 0, true);
     // The peers' records, source by source from the next rank on: item (record, chunk) over every
     // warp of the items' CTAs, the CTAs first.
-    const long long gw = static_cast<long long>(warp) * items.ctas + items.cta, warps = static_cast<long long>(items.ctas) * kWarps;
-    long long before = 0;  // items of the sources before this one
+    // 32-bit: a source's items are at most maxTokens x chunks, every source's at most R times that.
+    const int gw = warp * items.ctas + items.cta, warps = items.ctas * kWarps;
+    int before = 0;  // items of the sources before this one
     for (int k = 1; k < R && ok && items.cta >= 0; ++k) {
       const int s = (me + k) % R;
       if (!isLive(live, s)) continue;
-      const long long n = static_cast<long long>(moeMsgRecords(p, msgOf(s))) * chunks;  // s's items
+      const int n = moeMsgRecords(p, msgOf(s)) * chunks;  // s's items
       const long long rankBase = p.layout.rankMajor ? moeRankBase(p, msgOf, s) : -1;
-      for (long long item = (gw - before % warps + warps) % warps; item < n && ok; item += warps) {
-        const int i = static_cast<int>(item / chunks), c = static_cast<int>(item % chunks);
+      for (int item = (gw - before % warps + warps) % warps; item < n && ok; item += warps) {
+        const int i = item / chunks, c = item % chunks;
         ok = expandItem(p, parity, tag, s, i, c, srcBase + s * L, p.layout.rankMajor ? rankBase + i : -1, lane);
       }
       before += n;
