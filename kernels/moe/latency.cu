@@ -542,7 +542,8 @@ __device__ __forceinline__ const std::uint64_t* latencyMsg(const MoeParams& p, i
 // step carries its tag (moeCountTag, the sender's moeTaggedCount). A source whose words do not
 // come is masked (shrink on timeout: `masked`, the receive's word; a thread skips the words of a
 // source already masked, so that a dead source costs one timeout, not one per round of words) or
-// reported. Each word read goes to copy[q * (1 + E_local) + j] (the receive's layout reads those).
+// reported. Each word read goes to copy[q * (1 + E_local) + j] (the receive's layout reads those;
+// a source outside the mask or already masked: zeros).
 // True when every live source's message came (the same in every thread).
 __device__ bool waitTaggedCounts(const MoeParams& p, int parity, std::uint32_t step, std::uint32_t live, std::uint32_t* masked,
                                  std::uint64_t* copy) {
@@ -551,7 +552,10 @@ __device__ bool waitTaggedCounts(const MoeParams& p, int parity, std::uint32_t s
   bool failed = false;
   for (int n = static_cast<int>(threadIdx.x); n < R * words; n += kThreads) {
     const int q = n / words;
-    if (!isLive(live, q) || (masked != nullptr && isLive(ptx::ldRelaxedSys(masked), q))) continue;
+    if (!isLive(live, q) || (masked != nullptr && isLive(ptx::ldRelaxedSys(masked), q))) {
+      copy[n] = 0;  // a source left out sent nothing: zeros, so the layout leaves it out
+      continue;
+    }
     const std::uint64_t* word = latencyMsg(p, parity, q) + n % words;
     const bool ok = boundedPoll(
         p.peers.sync,
@@ -630,16 +634,24 @@ __device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part part, std:
   const int R = p.shape.numRanks, L = p.shape.localExperts, me = p.shape.rank;
   const std::uint32_t step = p.peers.steps[0], tag = moeCountTag(step);
   const int parity = static_cast<int>(step & 1u);
-  // A source outside the mask sent nothing: its message reads as zeros, so the layout leaves it out.
-  // Shrink on timeout: a source whose count message never came is left out like one outside the mask.
-  auto msgOf = [&](int q) -> const std::uint64_t* { return isLive(live, q) ? msgs + q * (1 + L) : p.peers.zeroMsg; };
+  // Every message from the copy in shared memory: a source outside the mask sent nothing, and its
+  // words read as zeros there (waitTaggedCounts), so the layout leaves it out.
+  auto msgOf = [&](int q) { return MoeSharedMsg{msgs + q * (1 + L)}; };
   std::uint32_t* masked = shrinkWords(p, 0);  // the dispatch's (the receive part's ranks first), or nullptr
   bool counted = false;
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyReceive);
     counted = waitTaggedCounts(p, parity, step, live, masked, msgs);
     if (part.cta == part.ctas - 1 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kLayout);
-    if (masked != nullptr) live &= ~settleMasked(p, masked, part.ctas, WaitSite::kMoeDispatch);
+    if (masked != nullptr) {
+      // Shrink on timeout: a source whose count message never came is left out like one outside
+      // the mask (its words zeroed: a thread may have read some before the timeout).
+      live &= ~settleMasked(p, masked, part.ctas, WaitSite::kMoeDispatch);
+      for (int n = tid; n < R * (1 + L); n += kThreads) {
+        if (!isLive(live, n / (1 + L))) msgs[n] = 0;
+      }
+      __syncthreads();
+    }
     if (counted) {
       moeComputeOffsets<kThreads>(p, msgOf, counts, offsets, scratch);
       moeComputeSourceBases<kThreads>(p, msgOf, offsets, srcBase);
