@@ -16,7 +16,7 @@ __device__ __forceinline__ bool deviceErrorRaised(const DeviceErrorSink& sink) {
 }
 
 // Records the first error in full and prints one line; later errors only count.
-__device__ inline void reportDeviceError(const DeviceErrorSink& sink, DeviceErrorKind kind,
+__device__ __noinline__ inline void reportDeviceError(const DeviceErrorSink& sink, DeviceErrorKind kind,
                                          std::int32_t rank, std::int32_t peer, WaitSite site,
                                          std::uint32_t expected, std::uint32_t observed,
                                          std::uint64_t elapsedNs, const void* address) {

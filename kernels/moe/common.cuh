@@ -100,7 +100,7 @@ __device__ __forceinline__ bool moeEntryRouted(const MoeParams& p, int t, long l
 }
 
 // An id outside [-1, E): counted, the first one recorded; strict mode traps after counting.
-__device__ inline void moeReportInvalidId(const MoeParams& p, long long id, int token, int slot) {
+__device__ __noinline__ inline void moeReportInvalidId(const MoeParams& p, long long id, int token, int slot) {
   atomicAdd(&p.state.status->invalidIds, 1ull);
   if (atomicCAS(&p.state.status->firstInvalidSet, 0, 1) == 0) {
     p.state.status->firstInvalidId = id;
@@ -151,7 +151,7 @@ __device__ inline void moeCheckPairing(const MoeParams& p, bool dispatch) {
 }
 
 // A combine input row the layout needs past CombineArgs.expertOutputRows: it adds nothing, counted.
-__device__ inline void moeReportMissingRow(const MoeParams& p, long long row) {
+__device__ __noinline__ inline void moeReportMissingRow(const MoeParams& p, long long row) {
   atomicAdd(&p.state.status->missingCombineRows, 1ull);
   if (p.state.strict) {
     printf("graphep: rank %d: combine needs expert output row %lld, past the %lld rows given (strict mode)\n",
@@ -161,7 +161,7 @@ __device__ inline void moeReportMissingRow(const MoeParams& p, long long row) {
 }
 
 // A received row whose place is past the capacity: counted (strict mode traps).
-__device__ inline void moeReportDroppedRow(const MoeParams& p, long long pos) {
+__device__ __noinline__ inline void moeReportDroppedRow(const MoeParams& p, long long pos) {
   atomicAdd(&p.state.status->droppedRows, 1ull);
   if (p.state.strict) {
     if (p.layout.rowsPerExpert > 0) {
@@ -198,20 +198,24 @@ struct MoeLayoutScratch {
   };
 };
 
-// Word i of a count message: in global memory written by a peer or another kernel (read through
-// L2), or a copy in shared memory (the latency receive's).
-__device__ __forceinline__ std::uint64_t moeMsgWord(const std::uint64_t* msg, int i) {
-  return __isShared(msg) ? msg[i] : __ldcg(msg + i);
-}
+// A count message copied to shared memory (the latency receive's), read as it is; a plain pointer
+// is a message in global memory, written by a peer or another kernel and read through L2.
+struct MoeSharedMsg {
+  const std::uint64_t* words;
+};
+__device__ __forceinline__ std::uint64_t moeMsgWord(const std::uint64_t* msg, int i) { return __ldcg(msg + i); }
+__device__ __forceinline__ std::uint64_t moeMsgWord(MoeSharedMsg msg, int i) { return msg.words[i]; }
 
 // A count message's words hold their count in the low 32 bits (the latency path tags the high 32
 // with the step: moeTaggedCount); i = 0 is the source's records, 1 + j its rows for local expert j.
-__device__ __forceinline__ std::int32_t moeCountOf(const std::uint64_t* msg, int i) {
+template <class M>
+__device__ __forceinline__ std::int32_t moeCountOf(M msg, int i) {
   return static_cast<std::int32_t>(static_cast<std::uint32_t>(moeMsgWord(msg, i)));
 }
 
 // The records of source q's message, at most maxTokens (a source sends one per token).
-__device__ __forceinline__ std::int32_t moeMsgRecords(const MoeParams& p, const std::uint64_t* msg) {
+template <class M>
+__device__ __forceinline__ std::int32_t moeMsgRecords(const MoeParams& p, M msg) {
   const std::uint32_t rows = static_cast<std::uint32_t>(moeMsgWord(msg, 0));
   return static_cast<std::int32_t>(rows < static_cast<std::uint32_t>(p.shape.maxTokens) ? rows : p.shape.maxTokens);
 }

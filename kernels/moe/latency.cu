@@ -17,14 +17,13 @@
 //                      items (token, 512 values) over every warp of the launch write each token's
 //                      record, read once, into every peer's slot [parity][this rank][index] as
 //                      flagged lines (its payload, then its metadata: each 8 bytes beside the
-//                      step's tag, no fence, no arrival counter); then each CTA writes the plain
-//                      metadata of this rank's own records it will expand (their rows come from x).
+//                      step's tag, no fence, no arrival counter), this rank's own slot among them.
 //            receive  every CTA waits for every count word's tag (kept in shared memory) and
 //                      derives the layout (CTA 0 publishes it and expands nothing); warp items
-//                      expand this rank's own records (a CTA's own, on its last warps) and every
-//                      peer's records (over every warp, the CTAs first), each item as soon as its
-//                      own lines carry the step's tag, and keep each peer record's plain metadata
-//                      for the combine; the last CTA of the launch advances the step.
+//                      over every warp (the CTAs first) expand every source's records, this
+//                      rank's own first, each item as soon as its own lines carry the step's tag,
+//                      and keep each record's plain metadata for the combine; the last CTA of the
+//                      launch advances the step.
 //   combine   send     with combine-time weights, each send CTA first writes its share of the
 //                      destinations' weights (this rank's tokens' top-k weights at each token's
 //                      record index) and posts their flag; each group then reduces one record
@@ -456,7 +455,7 @@ __device__ __forceinline__ void putMetaLines(const MoeParams& p, const Routing& 
   if (lane == 31) ptx::stVolatileV4(lines, flaggedLine(static_cast<std::uint32_t>(t), static_cast<std::uint32_t>(n), tag));
 }
 
-// The send: routing, count messages, this rank's own records' metadata, the peers' records.
+// The send: routing, count messages, then every record (this rank's own among them).
 // `start`: the words the send starts from, loaded together at the kernel's start.
 struct SendStart {
   std::uint32_t live;  // the operation's ranks (dispatchMask)
@@ -502,32 +501,22 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part, const Send
     }
   }
   const MoeStamp records(p, MoeKernel::kLatencyRecords);
-  // The peers' records: item (token, chunk) over every warp of the launch, the CTAs first; the
-  // share read once for every peer that takes the token; chunk 0 also writes its metadata lines.
+  // Every record: item (token, chunk) over every warp of the launch, the CTAs first; the share
+  // read once (fp8: quantised once) for every rank that takes the token, this one included (its
+  // own slot, as lines like a peer's: its receive reads every source's records one way); chunk 0
+  // also writes the record's metadata lines.
   for (int item = gw; item < T * chunks; item += warps) {
     const int t = item / chunks, c = item % chunks;
     bool any = false;
-    for (int r = 0; r < R; ++r) any = any || (r != me && rt.goesTo(r, t));
+    for (int r = 0; r < R; ++r) any = any || rt.goesTo(r, t);
     if (!any) continue;  // uniform across the warp
     const Share s = item == gw ? finishShare(p, first) : shareFromX(p, t, c, lane);
     for (int r = 0; r < R; ++r) {
-      if (r == me || !rt.goesTo(r, t)) continue;
+      if (!rt.goesTo(r, t)) continue;
       char* slot = recordSlot(p, r, parity, me, popcBelow(rt.dstBits + r * W, t));
       putLines(p, slot, c, lane, s, tag);
       if (c == 0) putMetaLines(p, rt, metaLines(p, slot), r, t, lane, tag);
     }
-  }
-  // This rank's own records, their metadata alone (their rows come from x), plain: record i by the
-  // CTA whose receive expands it (itemPart; in a whole launch, after its barriers).
-  const Part mine = itemPart(part);
-  for (int t = warp; t < T && mine.cta >= 0; t += kWarps) {
-    if (!rt.goesTo(me, t)) continue;  // uniform across the warp
-    const int i = popcBelow(rt.dstBits + me * W, t);
-    if (i % mine.ctas != mine.cta) continue;
-    char* view = recordView(p, recordSlot(p, me, parity, me, i));
-    moeWriteRecordMeta(
-        p, t, &view, &me, 1, [&](int k) { return rt.entriesBefore(rt.ids[t * K + k], t, k, K); },
-        lane < K ? rt.ids[t * K + lane] : -1, lane < K ? rt.weights[t * K + lane] : 0.f, lane);
   }
   if (tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kSent, 0, true);
 }
@@ -542,7 +531,8 @@ __device__ __forceinline__ const std::uint64_t* latencyMsg(const MoeParams& p, i
 // step carries its tag (moeCountTag, the sender's moeTaggedCount). A source whose words do not
 // come is masked (shrink on timeout: `masked`, the receive's word; a thread skips the words of a
 // source already masked, so that a dead source costs one timeout, not one per round of words) or
-// reported. Each word read goes to copy[q * (1 + E_local) + j] (the receive's layout reads those).
+// reported. Each word read goes to copy[q * (1 + E_local) + j] (the receive's layout reads those;
+// a source outside the mask or already masked: zeros).
 // True when every live source's message came (the same in every thread).
 __device__ bool waitTaggedCounts(const MoeParams& p, int parity, std::uint32_t step, std::uint32_t live, std::uint32_t* masked,
                                  std::uint64_t* copy) {
@@ -551,7 +541,10 @@ __device__ bool waitTaggedCounts(const MoeParams& p, int parity, std::uint32_t s
   bool failed = false;
   for (int n = static_cast<int>(threadIdx.x); n < R * words; n += kThreads) {
     const int q = n / words;
-    if (!isLive(live, q) || (masked != nullptr && isLive(ptx::ldRelaxedSys(masked), q))) continue;
+    if (!isLive(live, q) || (masked != nullptr && isLive(ptx::ldRelaxedSys(masked), q))) {
+      copy[n] = 0;  // a source left out sent nothing: zeros, so the layout leaves it out
+      continue;
+    }
     const std::uint64_t* word = latencyMsg(p, parity, q) + n % words;
     const bool ok = boundedPoll(
         p.peers.sync,
@@ -570,49 +563,37 @@ __device__ bool waitTaggedCounts(const MoeParams& p, int parity, std::uint32_t s
   return __syncthreads_or(failed) == 0;
 }
 
-// One warp item of the receive: chunk c of record i from source s (this rank's own: its metadata
-// plain in the slot, its row from x; a peer's: both as lines, waited for). Chunk 0 writes the
-// rows' metadata (and a peer record's plain metadata, for the combine). False: a line never came.
+// One warp item of the receive: chunk c of record i from source s (this rank's own or a peer's:
+// payload and metadata as lines, waited for). Chunk 0 writes the rows' metadata and the record's
+// plain metadata, for the combine. False: a line never came.
 __device__ bool expandItem(const MoeParams& p, int parity, std::uint32_t tag, int s, int i, int c, const std::int32_t* srcBase,
                            long long rankRow, int lane) {
   const int K = p.shape.topK;
   char* slot = recordSlot(p, p.shape.rank, parity, s, i);
   char* view = recordView(p, slot);
-  auto* plainSlots = reinterpret_cast<MoeRecordSlot*>(view + p.shape.payloadBytes + sizeof(MoeRecordHeader));
-  MoeRecordSlot laneSlot{-1, 0, 0.f, 0};
-  int token = 0, nslots = 0;
-  Share share;
-  bool ok = true;
-  if (s == p.shape.rank) {
-    const int4 h = __ldcg(reinterpret_cast<const int4*>(moeRecordHeader(p, view)));  // this rank's send wrote it
-    token = h.x;
-    nslots = min(h.y, K);
-    if (lane < nslots) {
-      const int4 v = __ldcg(reinterpret_cast<const int4*>(plainSlots) + lane);
-      laneSlot = MoeRecordSlot{v.x, v.y, __int_as_float(v.z), v.w};
-    }
-    share = shareFromX(p, token, c, lane);
-  } else {
-    const uint4* ml = metaLines(p, slot);
-    uint4 a = make_uint4(0u, 0u, 0u, 0u), b = a;
-    const int at = lane == 31 ? 0 : 1 + 2 * lane;  // lane 31: the header {token, slots}
-    if (lane < K || lane == 31) {
-      a = ptx::ldVolatileV4(ml + at);
-      if (lane < K) b = ptx::ldVolatileV4(ml + at + 1);
-    }
-    ok = shareFromLines(p, slot, c, lane, tag, s, share);
-    if (lane < K || lane == 31) ok = ok && landed(p, ml + at, tag, s, a);
-    if (lane < K) ok = ok && landed(p, ml + at + 1, tag, s, b);
-    token = static_cast<int>(__shfl_sync(kFullMask, a.x, 31));
-    nslots = min(static_cast<int>(__shfl_sync(kFullMask, a.z, 31)), K);
-    if (lane < nslots) laneSlot = MoeRecordSlot{static_cast<std::int32_t>(a.x), static_cast<std::int32_t>(a.z), __uint_as_float(b.x),
-                                             static_cast<std::int32_t>(b.z)};
-    if (__all_sync(kFullMask, ok) && c == 0) {  // the combine's copy
-      if (lane < nslots) plainSlots[lane] = laneSlot;
-      if (lane == 0) *reinterpret_cast<MoeRecordHeader*>(view + p.shape.payloadBytes) = MoeRecordHeader{token, nslots, {0, 0}};
-    }
+  const uint4* ml = metaLines(p, slot);
+  uint4 a = make_uint4(0u, 0u, 0u, 0u), b = a;
+  const int at = lane == 31 ? 0 : 1 + 2 * lane;  // lane 31: the header {token, slots}
+  if (lane < K || lane == 31) {
+    a = ptx::ldVolatileV4(ml + at);
+    if (lane < K) b = ptx::ldVolatileV4(ml + at + 1);
   }
+  Share share;
+  bool ok = shareFromLines(p, slot, c, lane, tag, s, share);
+  if (lane < K || lane == 31) ok = ok && landed(p, ml + at, tag, s, a);
+  if (lane < K) ok = ok && landed(p, ml + at + 1, tag, s, b);
   if (!__all_sync(kFullMask, ok)) return false;
+  const int token = static_cast<int>(__shfl_sync(kFullMask, a.x, 31));
+  const int nslots = min(static_cast<int>(__shfl_sync(kFullMask, a.z, 31)), K);
+  MoeRecordSlot laneSlot{-1, 0, 0.f, 0};
+  if (lane < nslots) {
+    laneSlot = MoeRecordSlot{static_cast<std::int32_t>(a.x), static_cast<std::int32_t>(a.z), __uint_as_float(b.x), static_cast<std::int32_t>(b.z)};
+  }
+  if (c == 0) {  // the combine's copy
+    auto* plainSlots = reinterpret_cast<MoeRecordSlot*>(view + p.shape.payloadBytes + sizeof(MoeRecordHeader));
+    if (lane < nslots) plainSlots[lane] = laneSlot;
+    if (lane == 0) *reinterpret_cast<MoeRecordHeader*>(view + p.shape.payloadBytes) = MoeRecordHeader{token, nslots, {0, 0}};
+  }
   const Rows rows = recordRows(p, s, token, laneSlot, srcBase, rankRow, c == 0, lane);
   storeRows(p, rows.kept, rows.row, c, lane, share);
   return true;
@@ -630,16 +611,24 @@ __device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part part, std:
   const int R = p.shape.numRanks, L = p.shape.localExperts, me = p.shape.rank;
   const std::uint32_t step = p.peers.steps[0], tag = moeCountTag(step);
   const int parity = static_cast<int>(step & 1u);
-  // A source outside the mask sent nothing: its message reads as zeros, so the layout leaves it out.
-  // Shrink on timeout: a source whose count message never came is left out like one outside the mask.
-  auto msgOf = [&](int q) -> const std::uint64_t* { return isLive(live, q) ? msgs + q * (1 + L) : p.peers.zeroMsg; };
+  // Every message from the copy in shared memory: a source outside the mask sent nothing, and its
+  // words read as zeros there (waitTaggedCounts), so the layout leaves it out.
+  auto msgOf = [&](int q) { return MoeSharedMsg{msgs + q * (1 + L)}; };
   std::uint32_t* masked = shrinkWords(p, 0);  // the dispatch's (the receive part's ranks first), or nullptr
   bool counted = false;
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyReceive);
     counted = waitTaggedCounts(p, parity, step, live, masked, msgs);
     if (part.cta == part.ctas - 1 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kLayout);
-    if (masked != nullptr) live &= ~settleMasked(p, masked, part.ctas, WaitSite::kMoeDispatch);
+    if (masked != nullptr) {
+      // Shrink on timeout: a source whose count message never came is left out like one outside
+      // the mask (its words zeroed: a thread may have read some before the timeout).
+      live &= ~settleMasked(p, masked, part.ctas, WaitSite::kMoeDispatch);
+      for (int n = tid; n < R * (1 + L); n += kThreads) {
+        if (!isLive(live, n / (1 + L))) msgs[n] = 0;
+      }
+      __syncthreads();
+    }
     if (counted) {
       moeComputeOffsets<kThreads>(p, msgOf, counts, offsets, scratch);
       moeComputeSourceBases<kThreads>(p, msgOf, offsets, srcBase);
@@ -651,32 +640,24 @@ __device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part part, std:
     const MoeStamp stamp(p, MoeKernel::kLatencyExpand);
     const int chunks = rowChunks(p);
     const Part items = itemPart(part);  // CTA 0 publishes the layout and expands nothing
-    // This rank's own records: record i by CTA i mod ctas among the items' CTAs (whose send wrote
-    // its metadata), its chunks over the CTA's warps from the last one (the peers' items start
-    // from the first).
-    const int own = moeMsgRecords(p, msgOf(me));
-    const long long ownBase = p.layout.rankMajor ? moeRankBase(p, msgOf, me) : -1;
-    const int ownItems = items.cta < 0 ? 0 : (own - items.cta + items.ctas - 1) / items.ctas * chunks;
-    for (int n = kWarps - 1 - warp; n < ownItems; n += kWarps) {
-      const int i = items.cta + (n / chunks) * items.ctas, c = n % chunks;
-      ok = expandItem(p, parity, tag, me, i, c, srcBase + me * L, p.layout.rankMajor ? ownBase + i : -1, lane) && ok;
-    }
-    // Its last warp's own items done (the latest of its warps: the own items sit on the last warps).
-    if (items.cta == 0 && lane == 0) moeTrace(p, 0, step, MoeTraceEvent::kOwnDone0, 0, true);
-    // The peers' records, source by source from the next rank on: item (record, chunk) over every
-    // warp of the items' CTAs, the CTAs first.
-    const long long gw = static_cast<long long>(warp) * items.ctas + items.cta, warps = static_cast<long long>(items.ctas) * kWarps;
-    long long before = 0;  // items of the sources before this one
-    for (int k = 1; k < R && ok && items.cta >= 0; ++k) {
+    // Every source's records, this rank's own first (its send wrote them: they are there first),
+    // then source by source from the next rank on: item (record, chunk) over every warp of the
+    // items' CTAs, the CTAs first.
+    // 32-bit: a source's items are at most maxTokens x chunks, every source's at most R times that.
+    const int gw = warp * items.ctas + items.cta, warps = items.ctas * kWarps;
+    int before = 0;  // items of the sources before this one
+    for (int k = 0; k < R && ok && items.cta >= 0; ++k) {
       const int s = (me + k) % R;
       if (!isLive(live, s)) continue;
-      const long long n = static_cast<long long>(moeMsgRecords(p, msgOf(s))) * chunks;  // s's items
+      const int n = moeMsgRecords(p, msgOf(s)) * chunks;  // s's items
       const long long rankBase = p.layout.rankMajor ? moeRankBase(p, msgOf, s) : -1;
-      for (long long item = (gw - before % warps + warps) % warps; item < n && ok; item += warps) {
-        const int i = static_cast<int>(item / chunks), c = static_cast<int>(item % chunks);
+      for (int item = (gw - before % warps + warps) % warps; item < n && ok; item += warps) {
+        const int i = item / chunks, c = item % chunks;
         ok = expandItem(p, parity, tag, s, i, c, srcBase + s * L, p.layout.rankMajor ? rankBase + i : -1, lane);
       }
       before += n;
+      // The first expanding CTA's own items done (the latest of its warps).
+      if (k == 0 && items.cta == 0 && lane == 0) moeTrace(p, 0, step, MoeTraceEvent::kOwnDone0, 0, true);
     }
   }
   // After this CTA's last wait on another rank, not before: the stream's next kernel (the next

@@ -93,7 +93,7 @@ __device__ inline void arriveAtEveryPeer(const MoeParams& p, std::uint64_t count
 // the operation's word `masked` (the ranks this operation leaves out from here on), in the
 // engine's active-rank mask (the next operations'; Engine::activeRanksDevice) and in the status
 // (MoeStatus::shrunkRanks). Not an error: the operation goes on among the others.
-__device__ inline void maskAfterTimeout(const MoeParams& p, std::uint32_t* masked, int q) {
+__device__ __noinline__ inline void maskAfterTimeout(const MoeParams& p, std::uint32_t* masked, int q) {
   const std::uint32_t bit = 1u << q;
   atomicOr(masked, bit);
   atomicAnd(const_cast<std::uint32_t*>(p.peers.live), ~bit);  // the engine's mask word (stream writes between operations)
