@@ -11,7 +11,7 @@ samples by stall reason, then the source lines with the most samples, two ways: 
 (where the instruction comes from) and the call site in the kernel's own file nearest the kernel
 (which phase of the kernel it belongs to; nvdisasm's inlining chains do not always reach that far,
 and then the outermost line it gives), each with the distinct instructions executed there (the
-code a cold SM has to fetch). scripts/ncu-latency.sh runs it.
+code a cold SM has to fetch; NCU_TOP lines of each, 15 unless set). scripts/ncu-latency.sh runs it.
 """
 import collections
 import csv
@@ -95,7 +95,7 @@ def report(name, rows, lines):
           ", ".join(f"{s} {total[s]} ({100.0 * total[s] / max(total['samples'], 1):.0f}%)" for s in STALLS if total[s]))
     for title, agg in (("innermost line", inner), ("call site in the kernel's file", phase)):
         print(f"   by {title}:")
-        for key, c in sorted(agg.items(), key=lambda kv: -kv[1]["samples"])[:15]:
+        for key, c in sorted(agg.items(), key=lambda kv: -kv[1]["samples"])[:int(os.environ.get("NCU_TOP", "15"))]:
             if c["samples"] == 0:
                 break
             print(f"     {key[0]}:{key[1]:<5} {c['samples']:6} samples {c['distinct']:5} instrs  " +
