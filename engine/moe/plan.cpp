@@ -155,7 +155,9 @@ LocalCarve carveLocal(const MoeConfig& cfg, const MoeSizes& z, std::size_t cap, 
   // Latency: a combine send half's sources left to its receive half, a word per send CTA (at most
   // the SM budget, latencySendCtas).
   o.llDeferred = carve("llDeferred", throughput ? 0 : static_cast<std::size_t>(latencySendCtasBound(cfg.smBudget)) * 4);
-  // A count message of zeros (the block is zeroed at setup), as long as either path's.
+  // A count message of zeros (the block is zeroed at setup) for a rank outside the mask: the direct
+  // path reads it (the latency receive zeroes its shared copy of the words instead); sized as
+  // either path's message, so that the plan does not depend on the path.
   o.llZeroMsg = carve("llZeroMsg", std::max(z.cntMsgBytes, z.directMsgBytes));
   o.llBarrier = carve("llBarrier", Rs * 4);  // the device barrier's pair counts (Engine::barrier)
   o.nodeTokens = carve("nodeTokens", throughput && z.nodeAware ? Rs * T * 4 : 0);

@@ -203,6 +203,7 @@ struct MoeLayoutScratch {
 struct MoeSharedMsg {
   const std::uint64_t* words;
 };
+// (A plain pointer must address global memory: a copy in shared memory goes as MoeSharedMsg.)
 __device__ __forceinline__ std::uint64_t moeMsgWord(const std::uint64_t* msg, int i) { return __ldcg(msg + i); }
 __device__ __forceinline__ std::uint64_t moeMsgWord(MoeSharedMsg msg, int i) { return msg.words[i]; }
 

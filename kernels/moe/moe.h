@@ -379,7 +379,7 @@ struct MoePeers {
   // shrink on timeout cleared bit by bit by a wait that timed out (maskAfterTimeout).
   const std::uint32_t* live;     // local
   std::uint32_t* dispatchLive;   // local: the last dispatch's mask (0 when this rank was out)
-  const std::uint64_t* zeroMsg;  // local: a count message of zeros (a rank outside the mask)
+  const std::uint64_t* zeroMsg;  // local: a count message of zeros (a rank outside the mask; the direct path's)
   // The device barrier (Engine::barrier, kernels/moe/barrier.cu): u32 [R] in every user region,
   // slot q: the barriers rank q and this rank took part in together, as q posted it; and this
   // rank's count of them per peer (local [R]).

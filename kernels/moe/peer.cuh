@@ -120,7 +120,7 @@ __device__ inline bool waitEveryRank(const MoeParams& p, std::uint64_t counterOf
   return __syncthreads_or(failed) == 0;
 }
 
-// The dispatch receives' shared memory (the direct and latency paths): the layout's per-expert
+// The direct dispatch receive's shared memory: the layout's per-expert
 // counts and offsets, one source's bases, the layout scratch and each group's slot stage.
 template <int kThreads, int kGroups>
 struct MoeReceiveSmem {
@@ -131,9 +131,10 @@ struct MoeReceiveSmem {
   MoeSlotStage stages[kGroups];
 };
 
-// The layout once every source's count message is in (the direct path's moeReceiveLayout below,
-// or the latency path's tagged words): every CTA derives the expert offsets (its expansion needs
-// them), the `publisher` CTA writes the per-source bases and publishes the layout.
+// The layout once every source's count message is in (the direct path's moeReceiveLayout below;
+// the latency receive computes its own from its shared copy of the words): every CTA derives the
+// expert offsets (its expansion needs them), the `publisher` CTA writes the per-source bases and
+// publishes the layout.
 template <int kThreads, int kGroups, typename Msg>
 __device__ __forceinline__ void moeComputeReceiveLayout(const MoeParams& p, Msg msgOf, bool publisher,
                                                         MoeReceiveSmem<kThreads, kGroups>& sm) {

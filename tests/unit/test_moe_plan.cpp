@@ -119,7 +119,7 @@ TEST(Unit_MoePlan, LocalRegionsHoldWhatTheKernelsWrite) {
           {o.llMask, 3 * 4},         // the active-rank mask, the last dispatch's, a latency send half's
           {o.llExpected, 2 * Rs * 4},  // latency: the partial arrivals expected; direct: the steps each pair shared
           {o.llShrink, !throughput && c.shrinkOnTimeout ? 2 * 4 * 4 : 0},  // shrink on timeout: [2 operations][4 words]
-          {o.llZeroMsg, std::max(z.cntMsgBytes, z.directMsgBytes)},  // read as either path's count message
+          {o.llZeroMsg, std::max(z.cntMsgBytes, z.directMsgBytes)},  // the direct path's zero count message, sized as either path's
           {o.llBarrier, Rs * 4},  // the device barrier's pair counts
           {o.nodeTokens, node ? Rs * T * 4 : 0},  // hop lists, at most one per rank
           {o.nodeRecords, node ? Rs * 4 : 0},
