@@ -43,6 +43,7 @@ struct Options {
   bool hostCost = false;                            // --host-cost (moe): launch cost, graph vs eager
   int busyUs = 0;                                   // --microbatches US (moe): two in flight, expert of US
   int halvesUs = 0;                                 // --halves US (moe, latency path): send half, US idle, receive half
+  bool combineWeights = false;                      // --combine-weights (moe, latency path): weights with the combine
   int ranks = 0;                                    // --ranks N (one process): 0 = one per visible GPU
 };
 

@@ -32,7 +32,7 @@ std::size_t parseSize(const char* s) {
 int usage() {
   std::fprintf(stderr,
                "usage: graphep-bench [pingpong|sendrecv|allgather|alltoallv|moe] [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] "
-               "[-w WARMUP] [-R REPEATS] [-c 0|1] [-G OPS_PER_GRAPH] [--sms N] [--warps N] [--slot BYTES] [--slots N] [--ll BYTES] [--profile] [--host-cost] [--microbatches US] [--halves US] "
+               "[-w WARMUP] [-R REPEATS] [-c 0|1] [-G OPS_PER_GRAPH] [--sms N] [--warps N] [--slot BYTES] [--slots N] [--ll BYTES] [--profile] [--host-cost] [--microbatches US] [--halves US] [--combine-weights] "
                "[--ranks N] [--json FILE]\n"
                "       in one process: one rank per visible GPU, or --ranks N round-robin over them; under mpirun: one per process\n"
                "       moe: -b/-e are tokens per rank; [--hidden H] [--experts E] [--topk K] [--dtype bf16|fp8|both] [--path auto|latency|throughput]\n"
@@ -104,6 +104,7 @@ int run(int argc, char** argv, bool mpi) {
       else if (a == "--host-cost") o.hostCost = true;
       else if (a == "--microbatches") o.busyUs = std::atoi(next());
       else if (a == "--halves") o.halvesUs = std::atoi(next());
+      else if (a == "--combine-weights") o.combineWeights = true;
       else if (a == "--hidden") o.moeHidden = std::atoi(next());
       else if (a == "--experts") o.moeExperts = std::atoi(next());
       else if (a == "--topk") o.moeTopK = std::atoi(next());

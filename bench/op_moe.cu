@@ -504,7 +504,9 @@ std::vector<Row> runMoe(const Options& o, Ranks& r) {
         DispatchArgs a;
         a.x = x[li];
         a.topkIdx = ids[li];
-        a.topkWeights = static_cast<const float*>(w[li]);
+        // --combine-weights: the weights go with each combine (CombineArgs.topkWeights, as DeepEP's
+        // low_latency_combine passes them), not with the dispatch.
+        a.topkWeights = o.combineWeights ? nullptr : static_cast<const float*>(w[li]);
         a.numTokens = static_cast<const int*>(n[li]);
         return a;
       };
@@ -514,6 +516,11 @@ std::vector<Row> runMoe(const Options& o, Ranks& r) {
       GRAPHEP_REQUIRE(!halves || engines[0]->path() == MoePath::kLatency, Status::kInvalidArgument,
                       "--halves %d: the engines are on the %s path; halves are the latency path's (--path latency)",
                       o.halvesUs, name(engines[0]->path()));
+      GRAPHEP_REQUIRE(!o.combineWeights || (engines[0]->path() == MoePath::kLatency && o.moeLayout != "rank-major"),
+                      Status::kInvalidArgument,
+                      "--combine-weights: the engines are on the %s path with the %s layout; combine-time weights are "
+                      "the latency path's, not rank-major's",
+                      name(engines[0]->path()), o.moeLayout.c_str());
       auto split = [&](int i, cudaStream_t s) {
         busyExpert<<<1, 32, 0, s>>>(static_cast<unsigned long long>(o.halvesUs) * 1000ull, nullptr);
         GRAPHEP_CUDA_CHECK(cudaGetLastError());
@@ -529,6 +536,7 @@ std::vector<Row> runMoe(const Options& o, Ranks& r) {
         CombineArgs c;
         c.out = out[static_cast<std::size_t>(i)];
         c.half = halves ? MoeHalf::kSend : MoeHalf::kWhole;
+        if (o.combineWeights) c.topkWeights = static_cast<const float*>(w[static_cast<std::size_t>(i)]);
         engines[static_cast<std::size_t>(i)]->combine(c, s);
         if (halves) split(i, s);
       };
@@ -581,7 +589,8 @@ std::vector<Row> runMoe(const Options& o, Ranks& r) {
       const std::string heap = "heap " + std::to_string(engines[0]->symmetricHeapBytes() >> 20) + " MiB";
       auto bw = [](double bytes, double us) { return us > 0 ? bytes / (us * 1e3) : 0.0; };
       const std::string path = std::string(" ") + name(engines[0]->path()) +
-                               (o.moeLayout == "expert-major" ? "" : " " + o.moeLayout) + (halves ? " halves" : "");
+                               (o.moeLayout == "expert-major" ? "" : " " + o.moeLayout) + (halves ? " halves" : "") +
+                               (o.combineWeights ? " cw" : "");
       const double ncclDispatchUs = ncclRowsUs(o, r, records, static_cast<std::size_t>(payload), false);
       Row d{"moe", std::string("dispatch ") + (fp8 ? "fp8" : "bf16") + path, tokens, dUs, bw(logical, dUs),
             bw(nvlink, dUs), wrong, ncclDispatchUs, heap};
