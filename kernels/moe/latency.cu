@@ -640,10 +640,9 @@ __device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part part, std:
     const MoeStamp stamp(p, MoeKernel::kLatencyExpand);
     const int chunks = rowChunks(p);
     const Part items = itemPart(part);  // CTA 0 publishes the layout and expands nothing
-    // Every source's records, this rank's own first (its send wrote them: usually there first; each
-    // item waits for its lines' tags either way),
-    // then source by source from the next rank on: item (record, chunk) over every warp of the
-    // items' CTAs, the CTAs first.
+    // Every source's records, this rank's own first (its send wrote them: usually there first;
+    // each item waits for its lines' tags either way), then source by source from the next rank
+    // on: item (record, chunk) over every warp of the items' CTAs, the CTAs first.
     // 32-bit: a source's items are at most maxTokens x chunks, every source's at most R times that.
     const int gw = warp * items.ctas + items.cta, warps = items.ctas * kWarps;
     int before = 0;  // items of the sources before this one
