@@ -244,6 +244,7 @@ __device__ void moeComputeOffsets(const MoeParams& p, Msg msg, std::int32_t* cou
     for (int j = tid; j <= L; j += kThreads) {
       if (j < L) {
         std::int32_t c = 0;
+#pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
         for (int q = 0; q < p.shape.numRanks; ++q) c += moeCountOf(msg(q), 1 + j);
         counts[j] = c;
       }
@@ -258,6 +259,7 @@ __device__ void moeComputeOffsets(const MoeParams& p, Msg msg, std::int32_t* cou
     const int j = tid * kItems + i;
     std::int32_t c = 0;
     if (j < L) {
+#pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
       for (int q = 0; q < p.shape.numRanks; ++q) c += moeCountOf(msg(q), 1 + j);
       counts[j] = c;
     }
@@ -280,6 +282,7 @@ template <int kThreads, class Msg>
 __device__ void moeSourceBases(const MoeParams& p, Msg msg, const std::int32_t* offsets, int q, std::int32_t* base) {
   for (int j = static_cast<int>(threadIdx.x); j < p.shape.localExperts; j += kThreads) {
     std::int32_t b = offsets[j];
+#pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
     for (int r = 0; r < q; ++r) b += moeCountOf(msg(r), 1 + j);
     base[j] = b;
   }
@@ -291,6 +294,7 @@ template <int kThreads, class Msg>
 __device__ void moeComputeSourceBases(const MoeParams& p, Msg msg, const std::int32_t* offsets, std::int32_t* srcBase) {
   for (int j = static_cast<int>(threadIdx.x); j < p.shape.localExperts; j += kThreads) {
     std::int32_t base = offsets[j];
+#pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
     for (int q = 0; q < p.shape.numRanks; ++q) {
       srcBase[q * p.shape.localExperts + j] = base;
       base += moeCountOf(msg(q), 1 + j);
@@ -335,6 +339,7 @@ __device__ void moePublishLayout(const MoeParams& p, Msg msg, const std::int32_t
     }
     if (tid == 0) {
       std::int32_t row = 0;
+#pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
       for (int q = 0; q < p.shape.numRanks; ++q) {
         const std::int32_t n = moeMsgRecords(p, msg(q));
         p.layout.sourceRecords[q] = n;
@@ -360,6 +365,7 @@ __device__ void moePublishLayout(const MoeParams& p, Msg msg, const std::int32_t
     if (p.layout.expertSourceRanges != nullptr) {
       // Each source's rows of expert j: from srcBase (the sources' rows follow each other), the
       // kept part only.
+#pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
       for (int q = 0; q < p.shape.numRanks; ++q) {
         const long long begin = srcBase[q * L + j] - offsets[j];
         const long long sent = moeCountOf(msg(q), 1 + j);
@@ -384,6 +390,7 @@ __device__ void moePublishLayout(const MoeParams& p, Msg msg, const std::int32_t
 template <class Msg>
 __device__ inline long long moeRankBase(const MoeParams& p, Msg msg, int s) {
   long long base = 0;
+#pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
   for (int q = 0; q < s; ++q) base += moeMsgRecords(p, msg(q));
   return base;
 }

@@ -76,6 +76,7 @@ __device__ __forceinline__ std::uint64_t llSlot(const MoeParams& p, int parity, 
 // Set bits of bits[0 .. W) below bit t.
 __device__ __forceinline__ int popcBelow(const std::uint32_t* bits, int t) {
   int c = 0;
+#pragma unroll 1  // at most 8 words: no copies of the body
   for (int w = 0; w < (t >> 5); ++w) c += __popc(bits[w]);
   if ((t & 31) != 0) c += __popc(bits[t >> 5] & ((1u << (t & 31)) - 1u));
   return c;
@@ -97,6 +98,7 @@ __device__ __forceinline__ int lastArriver(const MoeParams& p) {
 // grow by G from each rank that took part in this one (this rank's own entry: nothing arrives at
 // it or waits on it).
 __device__ __forceinline__ void advanceExpected(const MoeParams& p, std::uint32_t live) {
+#pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
   for (int q = 0; q < p.shape.numRanks; ++q) {
     if (isLive(live, q)) p.latency.expected[q] += static_cast<std::uint32_t>(p.grid.budgetCtas);
   }
@@ -372,11 +374,14 @@ struct Routing {
     const std::uint32_t* bits = expBits + e * W;
     if (!anyDup) return popcBelow(bits, t);
     int c = 0;
+#pragma unroll 1  // the rare path (a token holding an expert twice): no copies of the body
     for (int u = 0; u < t; ++u) {
       if ((bits[u >> 5] >> (u & 31)) & 1u) {
+#pragma unroll 1
         for (int kk = 0; kk < K; ++kk) c += ids[u * K + kk] == e;
       }
     }
+#pragma unroll 1
     for (int kk = 0; kk < k; ++kk) c += ids[t * K + kk] == e;
     return c;
   }
@@ -481,6 +486,7 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part, const Send
   // receiver waits on the words themselves: no fence, no flag to order them by. The flag is
   // still stored after them (the CTA's barrier between), for checkHealth's account of a stall
   // alone (nothing waits on it).
+#pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
   for (int r = part.cta; r < R; r += part.ctas) {
     if (!isLive(live, r)) continue;  // the same r in every thread
     auto* msg = reinterpret_cast<std::uint64_t*>(p.peers.userRegions[r] + p.peers.countMsgsOff +
@@ -508,9 +514,11 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part, const Send
   for (int item = gw; item < T * chunks; item += warps) {
     const int t = item / chunks, c = item % chunks;
     bool any = false;
+#pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
     for (int r = 0; r < R; ++r) any = any || rt.goesTo(r, t);
     if (!any) continue;  // uniform across the warp
     const Share s = item == gw ? finishShare(p, first) : shareFromX(p, t, c, lane);
+#pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
     for (int r = 0; r < R; ++r) {
       if (!rt.goesTo(r, t)) continue;
       char* slot = recordSlot(p, r, parity, me, popcBelow(rt.dstBits + r * W, t));
@@ -647,6 +655,7 @@ __device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part part, std:
     // 32-bit: a source's items are at most maxTokens x chunks, every source's at most R times that.
     const int gw = warp * items.ctas + items.cta, warps = items.ctas * kWarps;
     int before = 0;  // items of the sources before this one
+#pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
     for (int k = 0; k < R && ok && items.cta >= 0; ++k) {
       const int s = (me + k) % R;
       if (!isLive(live, s)) continue;
@@ -787,6 +796,7 @@ __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live, b
     // This rank's tokens' weights to each destination, at the token's record index there, before
     // any wait: CTA c takes destinations c, c + G, ...
     const int T = *p.routing.liveTokens;
+#pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
     for (int r = part.cta; r < R; r += part.ctas) {
       if (r == p.shape.rank || !isLive(live, r)) continue;  // the same r in every thread
       auto* dst = reinterpret_cast<float*>(p.peers.userRegions[r] + p.latency.weightsOff) +
@@ -811,6 +821,7 @@ __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live, b
   // the same ranks.
   std::uint32_t* words = shrinkWords(p, 1);
   std::uint32_t* masked = words != nullptr ? words + (standIn ? 0 : 3) : nullptr;
+#pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
   for (int k = 1; k < R; ++k) {
     const int s = (p.shape.rank + k) % R;
     if (!isLive(left, s)) continue;  // outside the mask: no records to reduce, nothing to send it
