@@ -87,6 +87,9 @@ __device__ __forceinline__ void stVolatileV4(uint4* p, uint4 v) {
                : "memory");
 }
 
+// Asks for the 128-byte line at p in L2 (no register written, no wait): a later load finds it there.
+__device__ __forceinline__ void prefetchL2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 // Orders all prior memory accesses of this thread before all later ones, at system scope.
 __device__ __forceinline__ void fenceAcqRelSys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 

@@ -639,13 +639,21 @@ __device__ inline void moeResolveSlots(const MoeParams& p, int s, const char* re
                                        const float* slotWeights = nullptr) {
   g.sync();  // the previous user of `stage` is done
   if (g.tid < 32) {  // topK <= 16: the group's first warp, one lane per slot
-    // The header and every slot at once (a record has room for topK slots).
+    // The header, every slot and every top-k weight at once (a record has room for topK slots;
+    // lane k loads weight k, and each slot takes its own from lane slot.k: no round trip after the
+    // slots').
     const int4 h = __ldcg(reinterpret_cast<const int4*>(moeRecordHeader(p, rec)));
     int4 v = make_int4(-1, 0, 0, 0);
-    if (g.tid < p.shape.topK) v = __ldcg(reinterpret_cast<const int4*>(moeRecordSlots(p, rec)) + g.tid);
+    float laneWeight = 0.f;
+    if (g.tid < p.shape.topK) {
+      v = __ldcg(reinterpret_cast<const int4*>(moeRecordSlots(p, rec)) + g.tid);
+      if (slotWeights != nullptr) laneWeight = __ldcg(slotWeights + g.tid);
+    }
     const int nslots = h.y < p.shape.topK ? h.y : p.shape.topK;
     MoeRecordSlot slot{-1, 0, 0.f, 0};
     if (g.tid < nslots) slot = MoeRecordSlot{v.x, v.y, __int_as_float(v.z), v.w};
+    const bool knownK = slot.k >= 0 && slot.k < p.shape.topK;
+    const float slotWeight = __shfl_sync(0xffffffffu, laneWeight, knownK ? slot.k : 0);  // every lane of the warp
     if (rankRow >= 0) {
       const bool exists = moeRankRowExists(p, rankRow, expand, g.tid);
       if (expand && exists) {  // every slot -1, then the record's (compacted) slots at their top-k positions
@@ -668,8 +676,7 @@ __device__ inline void moeResolveSlots(const MoeParams& p, int s, const char* re
     if (pos >= 0) {
       const int at = __popc(kept & ((1u << g.tid) - 1u));
       stage.row[at] = pos;
-      stage.weight[at] = slotWeights == nullptr ? slot.weight
-                         : slot.k >= 0 && slot.k < p.shape.topK ? __ldcg(slotWeights + slot.k) : 0.f;
+      stage.weight[at] = slotWeights == nullptr ? slot.weight : knownK ? slotWeight : 0.f;
       if (expand) {
         p.layout.rowSrcRank[pos] = s;
         p.layout.rowSrcToken[pos] = h.x;

@@ -771,6 +771,32 @@ __device__ __forceinline__ void reduceSourceShare(const MoeParams& p, int s, con
   }
 }
 
+// Before a wait for source s's weights: the rows of y that slice gs's records of s will read, into
+// L2 (the records' plain metadata with them), so that the wait hides their first loads from
+// memory. The first warp of each group, one record at a time: lane k resolves slot k's row, then
+// the warp asks for each row's lines. Only rows below combine.expertOutputRows (the reduce counts
+// the others); expanded layouts only (combine-time weights are refused with rank-major).
+__device__ void prefetchSourceRows(const MoeParams& p, int s, const MoeGroupSlice& gs, int dparity) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  if (static_cast<int>(threadIdx.x) % kMoeGroupThreads >= 32) return;  // the group's first warp
+  const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.shape.hidden) * 2;
+  const char* y = static_cast<const char*>(p.combine.expertOutput);
+  const std::int32_t* srcBase = p.layout.sourceBase + s * p.shape.localExperts;
+  const int rows = p.layout.sourceRecords[s];
+  for (int i = gs.first; i < rows; i += gs.stride) {
+    const char* rec = recordView(p, recordSlot(p, p.shape.rank, dparity, s, i));
+    const int4 h = __ldcg(reinterpret_cast<const int4*>(moeRecordHeader(p, rec)));
+    int4 v = make_int4(-1, 0, 0, 0);
+    if (lane < p.shape.topK) v = __ldcg(reinterpret_cast<const int4*>(moeRecordSlots(p, rec)) + lane);
+    const MoeRecordSlot slot = lane < min(h.y, p.shape.topK) ? MoeRecordSlot{v.x, v.y, __int_as_float(v.z), v.w} : MoeRecordSlot{-1, 0, 0.f, 0};
+    const long long row = moeSlotRow(p, srcBase, slot);
+    for (unsigned m = __ballot_sync(kFullMask, row >= 0 && row < p.combine.expertOutputRows); m != 0; m &= m - 1u) {
+      const char* at = y + static_cast<std::uint64_t>(__shfl_sync(kFullMask, row, __ffs(m) - 1)) * rowBytes;
+      for (std::uint64_t off = static_cast<std::uint64_t>(lane) * 128; off < rowBytes; off += 32 * 128) ptx::prefetchL2(at + off);
+    }
+  }
+}
+
 // Send CTA part.cta's work of a combine. `standIn`: a receive CTA of the receive half after a send
 // half, standing in for send CTA part.cta, which left sources to it (latency.deferred[part.cta]):
 // their records only, waiting for their weights, and its arrivals at them (each source counts G
@@ -836,15 +862,18 @@ __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live, b
         deferred |= 1u << s;
         continue;
       }
-    } else if (weighted && !waitCombineWeights(p, s, cstep, masked)) {
-      // Recorded (the engine enters its failed state), or masked. The other sources' records are still
-      // reduced and announced, so the survivors' counters stay in step with each other once the
-      // failed source is masked (Engine::recover); the failed source gets no arrival from this
-      // CTA (its partials were not written), so its own wait fails and reports instead of
-      // summing an old slot.
-      unserved |= 1u << s;
-      if (standIn) gaveUp |= 1u << s;
-      continue;
+    } else if (weighted) {
+      prefetchSourceRows(p, s, gs, dparity);  // while the weights cross
+      if (!waitCombineWeights(p, s, cstep, masked)) {
+        // Recorded (the engine enters its failed state), or masked. The other sources' records are still
+        // reduced and announced, so the survivors' counters stay in step with each other once the
+        // failed source is masked (Engine::recover); the failed source gets no arrival from this
+        // CTA (its partials were not written), so its own wait fails and reports instead of
+        // summing an old slot.
+        unserved |= 1u << s;
+        if (standIn) gaveUp |= 1u << s;
+        continue;
+      }
     }
     reduceSourceShare(p, s, gs, stages[gs.group], weighted, cparity, dparity);
   }
