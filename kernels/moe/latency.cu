@@ -296,6 +296,15 @@ __device__ __forceinline__ bool shareFromLines(const MoeParams& p, char* slot, i
   return ok;
 }
 
+// Chunk c's lines and the record's metadata lines of a slot, asked for in L2 (no register, no
+// wait): a later load of them (shareFromLines, expandItem) finds them there.
+__device__ __forceinline__ void prefetchItemLines(const MoeParams& p, const char* slot, int c, int lane) {
+  const auto* cl = chunkLines(p, const_cast<char*>(slot), c);
+  for (int n = lane; n < moeLatencyChunkLines(p.shape.fp8 != 0); n += 32) ptx::prefetchL2(cl + n);
+  const uint4* ml = metaLines(p, const_cast<char*>(slot));
+  if (lane <= 2 * p.shape.topK) ptx::prefetchL2(ml + lane);
+}
+
 // The share into recv_x at the row of every lane in `kept` (its `row`).
 __device__ __forceinline__ void storeRows(const MoeParams& p, unsigned kept, long long row, int c, int lane, const Share& s) {
   const std::uint64_t H = static_cast<std::uint64_t>(p.shape.hidden);
@@ -623,6 +632,16 @@ __device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part part, std:
   // words read as zeros there (waitTaggedCounts), so the layout leaves it out.
   auto msgOf = [&](int q) { return MoeSharedMsg{msgs + q * (1 + L)}; };
   std::uint32_t* masked = shrinkWords(p, 0);  // the dispatch's (the receive part's ranks first), or nullptr
+  const int chunks = rowChunks(p);
+  const Part items = itemPart(part);  // CTA 0 publishes the layout and expands nothing
+  // 32-bit: a source's items are at most maxTokens x chunks, every source's at most R times that.
+  const int gw = warp * items.ctas + items.cta, warps = items.ctas * kWarps;
+  // This warp's first item (this rank's own record gw / chunks, its chunk gw % chunks: the first it
+  // expands) asked for in L2 before the count words, so that its lines come from memory while
+  // they do (a record past this step's count is asked for and never read: nothing else).
+  if (items.cta >= 0 && isLive(live, me) && gw < p.shape.maxTokens * chunks) {
+    prefetchItemLines(p, recordSlot(p, me, parity, me, gw / chunks), gw % chunks, lane);
+  }
   bool counted = false;
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyReceive);
@@ -646,14 +665,10 @@ __device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part part, std:
   bool ok = counted;
   if (counted) {
     const MoeStamp stamp(p, MoeKernel::kLatencyExpand);
-    const int chunks = rowChunks(p);
-    const Part items = itemPart(part);  // CTA 0 publishes the layout and expands nothing
     // Every source's records, this rank's own first (its send wrote them: usually there first; each
     // item waits for its lines' tags either way),
     // then source by source from the next rank on: item (record, chunk) over every warp of the
     // items' CTAs, the CTAs first.
-    // 32-bit: a source's items are at most maxTokens x chunks, every source's at most R times that.
-    const int gw = warp * items.ctas + items.cta, warps = items.ctas * kWarps;
     int before = 0;  // items of the sources before this one
 #pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
     for (int k = 0; k < R && ok && items.cta >= 0; ++k) {
