@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <type_traits>
 
 #include "kernels/common/hooks.cuh"
 #include "kernels/common/ptx.cuh"
@@ -207,6 +208,13 @@ struct MoeSharedMsg {
 __device__ __forceinline__ std::uint64_t moeMsgWord(const std::uint64_t* msg, int i) { return __ldcg(msg + i); }
 __device__ __forceinline__ std::uint64_t moeMsgWord(MoeSharedMsg msg, int i) { return msg.words[i]; }
 
+// The unroll of a loop over ranks that reads count messages of type M (what msg(q) returns): a
+// copy in shared memory, rolled (its reads are cheap, and every copy of the body is code that a
+// cold SM fetches); a message in global memory, 4 at a time (their loads go out together, as
+// the compiler's own unroll had them on the direct path).
+template <class M>
+inline constexpr int kMoeRankUnroll = std::is_same_v<M, MoeSharedMsg> ? 1 : 4;
+
 // A count message's words hold their count in the low 32 bits (the latency path tags the high 32
 // with the step: moeTaggedCount); i = 0 is the source's records, 1 + j its rows for local expert j.
 template <class M>
@@ -244,7 +252,7 @@ __device__ void moeComputeOffsets(const MoeParams& p, Msg msg, std::int32_t* cou
     for (int j = tid; j <= L; j += kThreads) {
       if (j < L) {
         std::int32_t c = 0;
-#pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
+#pragma unroll kMoeRankUnroll<decltype(msg(0))>
         for (int q = 0; q < p.shape.numRanks; ++q) c += moeCountOf(msg(q), 1 + j);
         counts[j] = c;
       }
@@ -259,7 +267,7 @@ __device__ void moeComputeOffsets(const MoeParams& p, Msg msg, std::int32_t* cou
     const int j = tid * kItems + i;
     std::int32_t c = 0;
     if (j < L) {
-#pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
+#pragma unroll kMoeRankUnroll<decltype(msg(0))>
       for (int q = 0; q < p.shape.numRanks; ++q) c += moeCountOf(msg(q), 1 + j);
       counts[j] = c;
     }
@@ -282,7 +290,7 @@ template <int kThreads, class Msg>
 __device__ void moeSourceBases(const MoeParams& p, Msg msg, const std::int32_t* offsets, int q, std::int32_t* base) {
   for (int j = static_cast<int>(threadIdx.x); j < p.shape.localExperts; j += kThreads) {
     std::int32_t b = offsets[j];
-#pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
+#pragma unroll kMoeRankUnroll<decltype(msg(0))>
     for (int r = 0; r < q; ++r) b += moeCountOf(msg(r), 1 + j);
     base[j] = b;
   }
@@ -294,7 +302,7 @@ template <int kThreads, class Msg>
 __device__ void moeComputeSourceBases(const MoeParams& p, Msg msg, const std::int32_t* offsets, std::int32_t* srcBase) {
   for (int j = static_cast<int>(threadIdx.x); j < p.shape.localExperts; j += kThreads) {
     std::int32_t base = offsets[j];
-#pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
+#pragma unroll kMoeRankUnroll<decltype(msg(0))>
     for (int q = 0; q < p.shape.numRanks; ++q) {
       srcBase[q * p.shape.localExperts + j] = base;
       base += moeCountOf(msg(q), 1 + j);
@@ -339,7 +347,7 @@ __device__ void moePublishLayout(const MoeParams& p, Msg msg, const std::int32_t
     }
     if (tid == 0) {
       std::int32_t row = 0;
-#pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
+#pragma unroll kMoeRankUnroll<decltype(msg(0))>
       for (int q = 0; q < p.shape.numRanks; ++q) {
         const std::int32_t n = moeMsgRecords(p, msg(q));
         p.layout.sourceRecords[q] = n;
@@ -365,7 +373,7 @@ __device__ void moePublishLayout(const MoeParams& p, Msg msg, const std::int32_t
     if (p.layout.expertSourceRanges != nullptr) {
       // Each source's rows of expert j: from srcBase (the sources' rows follow each other), the
       // kept part only.
-#pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
+#pragma unroll kMoeRankUnroll<decltype(msg(0))>
       for (int q = 0; q < p.shape.numRanks; ++q) {
         const long long begin = srcBase[q * L + j] - offsets[j];
         const long long sent = moeCountOf(msg(q), 1 + j);
@@ -390,7 +398,7 @@ __device__ void moePublishLayout(const MoeParams& p, Msg msg, const std::int32_t
 template <class Msg>
 __device__ inline long long moeRankBase(const MoeParams& p, Msg msg, int s) {
   long long base = 0;
-#pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
+#pragma unroll kMoeRankUnroll<decltype(msg(0))>
   for (int q = 0; q < s; ++q) base += moeMsgRecords(p, msg(q));
   return base;
 }

@@ -786,14 +786,17 @@ __device__ __forceinline__ void reduceSourceShare(const MoeParams& p, int s, con
   }
 }
 
-// Before a wait for source s's weights: the rows of y that slice gs's records of s will read, into
-// L2 (the records' plain metadata with them), so that the wait hides their first loads from
-// memory. The first warp of each group, one record at a time: lane k resolves slot k's row, then
-// the warp asks for each row's lines. Only rows below combine.expertOutputRows (the reduce counts
-// the others); expanded layouts only (combine-time weights are refused with rank-major).
-__device__ void prefetchSourceRows(const MoeParams& p, int s, const MoeGroupSlice& gs, int dparity) {
+// Before a wait for source s's weights, when they are not there yet: the rows of y that slice gs's
+// records of s will read, into L2 (the records' plain metadata with them), so that the wait hides
+// their first loads from memory. The first warp of each group, one record at a time: lane k
+// resolves slot k's row and asks for it whole. Only rows below combine.expertOutputRows (the
+// reduce counts the others); expanded layouts only (combine-time weights are refused with
+// rank-major).
+__device__ void prefetchSourceRows(const MoeParams& p, int s, const MoeGroupSlice& gs, int dparity, std::uint32_t cstep) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
   if (static_cast<int>(threadIdx.x) % kMoeGroupThreads >= 32) return;  // the group's first warp
+  const std::uint32_t* flag = peerCounter(p, p.shape.rank, p.latency.weightFlagsOff) + s;
+  if (__shfl_sync(kFullMask, lane == 0 && ptx::counterReached(ptx::ldAcquireSys(flag), cstep + 1u), 0)) return;  // there
   const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.shape.hidden) * 2;
   const char* y = static_cast<const char*>(p.combine.expertOutput);
   const std::int32_t* srcBase = p.layout.sourceBase + s * p.shape.localExperts;
@@ -805,10 +808,7 @@ __device__ void prefetchSourceRows(const MoeParams& p, int s, const MoeGroupSlic
     if (lane < p.shape.topK) v = __ldcg(reinterpret_cast<const int4*>(moeRecordSlots(p, rec)) + lane);
     const MoeRecordSlot slot = lane < min(h.y, p.shape.topK) ? MoeRecordSlot{v.x, v.y, __int_as_float(v.z), v.w} : MoeRecordSlot{-1, 0, 0.f, 0};
     const long long row = moeSlotRow(p, srcBase, slot);
-    for (unsigned m = __ballot_sync(kFullMask, row >= 0 && row < p.combine.expertOutputRows); m != 0; m &= m - 1u) {
-      const char* at = y + static_cast<std::uint64_t>(__shfl_sync(kFullMask, row, __ffs(m) - 1)) * rowBytes;
-      for (std::uint64_t off = static_cast<std::uint64_t>(lane) * 128; off < rowBytes; off += 32 * 128) ptx::prefetchL2(at + off);
-    }
+    if (row >= 0 && row < p.combine.expertOutputRows) ptx::prefetchL2(y + static_cast<std::uint64_t>(row) * rowBytes, static_cast<std::uint32_t>(rowBytes));
   }
 }
 
@@ -878,7 +878,7 @@ __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live, b
         continue;
       }
     } else if (weighted) {
-      prefetchSourceRows(p, s, gs, dparity);  // while the weights cross
+      prefetchSourceRows(p, s, gs, dparity, cstep);  // while the weights cross
       if (!waitCombineWeights(p, s, cstep, masked)) {
         // Recorded (the engine enters its failed state), or masked. The other sources' records are still
         // reduced and announced, so the survivors' counters stay in step with each other once the
