@@ -296,13 +296,11 @@ __device__ __forceinline__ bool shareFromLines(const MoeParams& p, char* slot, i
   return ok;
 }
 
-// Chunk c's lines and the record's metadata lines of a slot, asked for in L2 (no register, no
-// wait): a later load of them (shareFromLines, expandItem) finds them there.
-__device__ __forceinline__ void prefetchItemLines(const MoeParams& p, const char* slot, int c, int lane) {
-  const auto* cl = chunkLines(p, const_cast<char*>(slot), c);
-  for (int n = lane; n < moeLatencyChunkLines(p.shape.fp8 != 0); n += 32) ptx::prefetchL2(cl + n);
-  const uint4* ml = metaLines(p, const_cast<char*>(slot));
-  if (lane <= 2 * p.shape.topK) ptx::prefetchL2(ml + lane);
+// Chunk c's lines and the record's metadata lines of a slot, asked for in L2 (lanes 0 and 1: no
+// register, no wait): a later load of them (shareFromLines, expandItem) finds them there.
+__device__ __forceinline__ void prefetchItemLines(const MoeParams& p, char* slot, int c, int lane) {
+  if (lane == 0) ptx::prefetchL2(chunkLines(p, slot, c), static_cast<std::uint32_t>(moeLatencyChunkLines(p.shape.fp8 != 0)) * 16u);
+  if (lane == 1) ptx::prefetchL2(metaLines(p, slot), static_cast<std::uint32_t>(1 + 2 * p.shape.topK) * 16u);
 }
 
 // The share into recv_x at the row of every lane in `kept` (its `row`).
