@@ -718,10 +718,41 @@ __device__ __forceinline__ Part receivePart(const MoeParams& p) {
   return Part{receives ? static_cast<int>(blockIdx.x) - first : -1, p.grid.epilogueCtas};
 }
 
+// A receiving launch asks L2 at its start for the words its receive reads whatever the step: both
+// parities' count messages and the end counter (lastBlock's). A receive half runs after other work
+// (DeepEP's hook after a GEMM) that has evicted them: their loads then find them in L2, not
+// memory, and the step's own load goes out beside these requests (hints: no register, no wait).
+__device__ __forceinline__ void askForReceiveWords(const MoeParams& p) {
+  if (blockIdx.x != 0 || threadIdx.x >= 32) return;
+  if (threadIdx.x == 0) {
+    ptx::prefetchL2(p.peers.userRegions[p.shape.rank] + p.peers.countMsgsOff,
+                    static_cast<std::uint32_t>(2 * p.shape.numRanks * p.shape.countMsgBytes));
+  } else if (threadIdx.x == 1) {
+    const auto at = reinterpret_cast<std::uintptr_t>(&p.peers.lastCtaCounters[0]) & ~std::uintptr_t{15};
+    ptx::prefetchL2(reinterpret_cast<const void*>(at), 16u);
+  }
+}
+
+// A receive half alone (its records landed while other work ran) asks L2 for this rank's record
+// slots of the step's parity, every source's, before it waits for the count words: the launch's
+// warps split them, one request a warp. Slots past a source's count are asked for and never read.
+__device__ __forceinline__ void askForRecords(const MoeParams& p, int parity) {
+  if (threadIdx.x % 32 != 0) return;
+  const std::uint64_t bytes = static_cast<std::uint64_t>(p.shape.numRanks) * p.shape.maxTokens * p.shape.recordBytes;
+  const std::uint64_t warps = static_cast<std::uint64_t>(gridDim.x) * kWarps;
+  const std::uint64_t share = ((bytes + warps - 1) / warps + 15) & ~std::uint64_t{15};
+  const std::uint64_t from = (static_cast<std::uint64_t>(blockIdx.x) * kWarps + threadIdx.x / 32) * share;
+  if (from >= bytes) return;
+  const std::uint64_t n = bytes - from < share ? bytes - from : share;
+  ptx::prefetchL2(recordSlot(p, p.shape.rank, parity, 0, 0) + from, static_cast<std::uint32_t>(n));
+}
+
 __global__ void __launch_bounds__(kThreads) dispatchKernel(const __grid_constant__ MoeParams p) {
   extern __shared__ int4 smemRaw[];
   char* sm = reinterpret_cast<char*>(smemRaw);
   const std::uint64_t entered = p.state.timeline != nullptr ? ptx::globalTimerNs() : 0;
+  const bool sends = (p.latency.phase & kMoeLatencySend) != 0, receives = (p.latency.phase & kMoeLatencyReceive) != 0;
+  if (receives) askForReceiveWords(p);  // hints, before the wait below: nothing is read
   // The stream's last kernel (often the last operation, which lets it be placed early) has
   // finished and its memory is visible: nothing of this step is read before.
   ptx::gridDependencyWait();
@@ -729,11 +760,11 @@ __global__ void __launch_bounds__(kThreads) dispatchKernel(const __grid_constant
   const Part all{static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x)};
   // A receive half uses its send half's mask (a caller's kernel may have changed the mask word
   // between the halves); the send half leaves it.
-  const bool sends = (p.latency.phase & kMoeLatencySend) != 0, receives = (p.latency.phase & kMoeLatencyReceive) != 0;
   // The send's words, loaded together before anything is stored (one round trip); a receive half
   // reads neither the mask nor the live count (its send half's mask, in halfLive).
   const SendStart start{sends ? dispatchMask(p) : *p.latency.halfLive, p.peers.steps[0], sends ? *p.input.numTokens : 0};
   const std::uint32_t live = start.live;
+  if (receives && !sends) askForRecords(p, static_cast<int>(start.step & 1u));
   if (sends && !receives && blockIdx.x == 0 && threadIdx.x == 0) *p.latency.halfLive = live;
   if (sends) {
     traceStart(p, 0, all, entered);
