@@ -170,14 +170,16 @@ __device__ __forceinline__ char* recordSlot(const MoeParams& p, int r, int parit
 __device__ __forceinline__ char* recordView(const MoeParams& p, char* slot) {
   return slot + p.latency.metaOff - p.shape.payloadBytes;
 }
+template <bool kFp8>
 __device__ __forceinline__ uint4* metaLines(const MoeParams& p, char* slot) {
-  return reinterpret_cast<uint4*>(slot + moeLatencyPayloadLineBytes(p.shape.hidden, p.shape.fp8 != 0));
+  return reinterpret_cast<uint4*>(slot + moeLatencyPayloadLineBytes(p.shape.hidden, kFp8));
 }
 // Chunk c's lines in a slot (moeLatencyChunkLines): each store of a warp covers 32 consecutive
 // lines. bf16: piece j's halves at 64 j + lane and 64 j + 32 + lane; fp8: the piece's halves at lane
 // and 32 + lane, the scale of the chunk's tile lane / 8 at 64 + lane / 8.
+template <bool kFp8>
 __device__ __forceinline__ uint4* chunkLines(const MoeParams& p, char* slot, int c) {
-  return reinterpret_cast<uint4*>(slot) + static_cast<std::uint64_t>(c) * moeLatencyChunkLines(p.shape.fp8 != 0);
+  return reinterpret_cast<uint4*>(slot) + static_cast<std::uint64_t>(c) * moeLatencyChunkLines(kFp8);
 }
 
 // Polls `at` until it carries `tag`, bounded, and returns the line (not ready: it never came, and
@@ -209,9 +211,10 @@ struct Share {
   float scale;
   bool has[2];
 };
+template <bool kFp8>
 __device__ __forceinline__ Share emptyShare(const MoeParams& p, int c, int lane) {
   Share s{};
-  if (p.shape.fp8) {
+  if (kFp8) {
     s.has[0] = 4 * c + lane / 8 < p.shape.hidden / static_cast<int>(kFp8TileValues);
   } else {
     s.has[0] = 64 * c + lane < p.shape.hidden / 8;
@@ -222,10 +225,11 @@ __device__ __forceinline__ Share emptyShare(const MoeParams& p, int c, int lane)
 // Token t's share as loaded from x: bf16 as it is, the caller's e4m3 bytes and scales
 // (input.xIsFp8), or the bf16 values of the lane's 16 values that finishShare quantises to fp8 (the
 // engine's tiles). Apart from finishShare so that a warp can issue the load early and use it later.
+template <bool kFp8>
 __device__ __forceinline__ Share loadShare(const MoeParams& p, int t, int c, int lane) {
-  Share s = emptyShare(p, c, lane);
+  Share s = emptyShare<kFp8>(p, c, lane);
   const std::uint64_t H = static_cast<std::uint64_t>(p.shape.hidden);
-  if (p.shape.fp8) {
+  if (kFp8) {
     const int tile = 4 * c + lane / 8, sub = lane % 8;
     if (!s.has[0]) return s;
     if (p.input.xIsFp8) {
@@ -247,34 +251,38 @@ __device__ __forceinline__ Share loadShare(const MoeParams& p, int t, int c, int
   return s;
 }
 // The loaded share ready to send: the engine's fp8 tile quantised (8 lanes a tile).
+template <bool kFp8>
 __device__ __forceinline__ Share finishShare(const MoeParams& p, Share s) {
-  if (p.shape.fp8 && !p.input.xIsFp8 && s.has[0]) {
+  if (kFp8 && !p.input.xIsFp8 && s.has[0]) {
     const Fp8TileWide q = Fp8TileWide::quantize(s.v[0], s.v[1], p.input.scaleFormat != kMoeScaleFloat);
     s.v[0] = q.q;
     s.scale = q.scale;
   }
   return s;
 }
-__device__ __forceinline__ Share shareFromX(const MoeParams& p, int t, int c, int lane) { return finishShare(p, loadShare(p, t, c, lane)); }
+template <bool kFp8>
+__device__ __forceinline__ Share shareFromX(const MoeParams& p, int t, int c, int lane) { return finishShare<kFp8>(p, loadShare<kFp8>(p, t, c, lane)); }
 
 // The share as flagged lines of chunk c of a record slot (chunkLines).
+template <bool kFp8>
 __device__ __forceinline__ void putLines(const MoeParams& p, char* slot, int c, int lane, const Share& s, std::uint32_t tag) {
-  uint4* cl = chunkLines(p, slot, c);
+  uint4* cl = chunkLines<kFp8>(p, slot, c);
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     if (!s.has[j]) continue;
     ptx::stVolatileV4(cl + 64 * j + lane, flaggedLine(s.v[j].x, s.v[j].y, tag));
     ptx::stVolatileV4(cl + 64 * j + 32 + lane, flaggedLine(s.v[j].z, s.v[j].w, tag));
   }
-  if (p.shape.fp8 && s.has[0] && lane % 8 == 0) ptx::stVolatileV4(cl + 64 + lane / 8, flaggedLine(__float_as_uint(s.scale), 0u, tag));
+  if (kFp8 && s.has[0] && lane % 8 == 0) ptx::stVolatileV4(cl + 64 + lane / 8, flaggedLine(__float_as_uint(s.scale), 0u, tag));
 }
 
 // The share from chunk c's lines once they carry `tag`: every line loaded before any is checked
 // (one round trip once they have landed), then each missing one waited for. False: one never came
 // (recorded).
+template <bool kFp8>
 __device__ __forceinline__ bool shareFromLines(const MoeParams& p, char* slot, int c, int lane, std::uint32_t tag, int src, Share& s) {
-  s = emptyShare(p, c, lane);
-  const uint4* cl = chunkLines(p, slot, c);
+  s = emptyShare<kFp8>(p, c, lane);
+  const uint4* cl = chunkLines<kFp8>(p, slot, c);
   uint4 a[2], b[2], sc = flaggedLine(0u, 0u, tag);
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
@@ -282,7 +290,7 @@ __device__ __forceinline__ bool shareFromLines(const MoeParams& p, char* slot, i
     a[j] = ptx::ldVolatileV4(cl + 64 * j + lane);
     b[j] = ptx::ldVolatileV4(cl + 64 * j + 32 + lane);
   }
-  const bool scaled = p.shape.fp8 && s.has[0] && lane % 8 == 0;
+  const bool scaled = kFp8 && s.has[0] && lane % 8 == 0;
   if (scaled) sc = ptx::ldVolatileV4(cl + 64 + lane / 8);
   bool ok = true;
 #pragma unroll
@@ -298,17 +306,19 @@ __device__ __forceinline__ bool shareFromLines(const MoeParams& p, char* slot, i
 
 // Chunk c's lines and the record's metadata lines of a slot, asked for in L2 (lanes 0 and 1: no
 // register, no wait): a later load of them (shareFromLines, expandItem) finds them there.
+template <bool kFp8>
 __device__ __forceinline__ void prefetchItemLines(const MoeParams& p, char* slot, int c, int lane) {
-  if (lane == 0) ptx::prefetchL2(chunkLines(p, slot, c), static_cast<std::uint32_t>(moeLatencyChunkLines(p.shape.fp8 != 0)) * 16u);
-  if (lane == 1) ptx::prefetchL2(metaLines(p, slot), static_cast<std::uint32_t>(1 + 2 * p.shape.topK) * 16u);
+  if (lane == 0) ptx::prefetchL2(chunkLines<kFp8>(p, slot, c), static_cast<std::uint32_t>(moeLatencyChunkLines(kFp8)) * 16u);
+  if (lane == 1) ptx::prefetchL2(metaLines<kFp8>(p, slot), static_cast<std::uint32_t>(1 + 2 * p.shape.topK) * 16u);
 }
 
 // The share into recv_x at the row of every lane in `kept` (its `row`).
+template <bool kFp8>
 __device__ __forceinline__ void storeRows(const MoeParams& p, unsigned kept, long long row, int c, int lane, const Share& s) {
   const std::uint64_t H = static_cast<std::uint64_t>(p.shape.hidden);
   for (unsigned m = kept; m != 0; m &= m - 1u) {
     const std::uint64_t r = static_cast<std::uint64_t>(__shfl_sync(kFullMask, row, __ffs(m) - 1));
-    if (p.shape.fp8) {
+    if (kFp8) {
       const int tile = 4 * c + lane / 8;
       if (!s.has[0]) continue;
       *reinterpret_cast<uint4*>(p.layout.recvX + r * H + static_cast<std::uint64_t>(tile) * kFp8TileValues + (lane % 8) * 16) = s.v[0];
@@ -474,6 +484,7 @@ struct SendStart {
   std::uint32_t step;
   int rawTokens;  // *input.numTokens as read (moeClampTokens)
 };
+template <bool kFp8>
 __device__ void dispatchSend(const MoeParams& p, char* sm, Part part, const SendStart& start) {
   const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32;
   const int K = p.shape.topK, R = p.shape.numRanks, L = p.shape.localExperts, me = p.shape.rank;
@@ -485,7 +496,7 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part, const Send
   // The warp's first item (below) loaded from x now, used after the routing: its round trip runs
   // beside the routing's loads.
   const int chunks = rowChunks(p), gw = warp * part.ctas + part.cta, warps = part.ctas * kWarps;
-  const Share first = gw < T * chunks ? loadShare(p, gw / chunks, gw % chunks, lane) : emptyShare(p, 0, lane);
+  const Share first = gw < T * chunks ? loadShare<kFp8>(p, gw / chunks, gw % chunks, lane) : emptyShare<kFp8>(p, 0, lane);
   const Routing rt = routeTokens(p, sm, part, live, T);
   const int W = rt.W;
   // Count messages first (they travel ahead of the payload): CTA c takes ranks c, c + ctas, ...
@@ -524,13 +535,13 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part, const Send
 #pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
     for (int r = 0; r < R; ++r) any = any || rt.goesTo(r, t);
     if (!any) continue;  // uniform across the warp
-    const Share s = item == gw ? finishShare(p, first) : shareFromX(p, t, c, lane);
+    const Share s = item == gw ? finishShare<kFp8>(p, first) : shareFromX<kFp8>(p, t, c, lane);
 #pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
     for (int r = 0; r < R; ++r) {
       if (!rt.goesTo(r, t)) continue;
       char* slot = recordSlot(p, r, parity, me, popcBelow(rt.dstBits + r * W, t));
-      putLines(p, slot, c, lane, s, tag);
-      if (c == 0) putMetaLines(p, rt, metaLines(p, slot), r, t, lane, tag);
+      putLines<kFp8>(p, slot, c, lane, s, tag);
+      if (c == 0) putMetaLines(p, rt, metaLines<kFp8>(p, slot), r, t, lane, tag);
     }
   }
   if (tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kSent, 0, true);
@@ -581,12 +592,13 @@ __device__ bool waitTaggedCounts(const MoeParams& p, int parity, std::uint32_t s
 // One warp item of the receive: chunk c of record i from source s (this rank's own or a peer's:
 // payload and metadata as lines, waited for). Chunk 0 writes the rows' metadata and the record's
 // plain metadata, for the combine. False: a line never came.
+template <bool kFp8>
 __device__ bool expandItem(const MoeParams& p, int parity, std::uint32_t tag, int s, int i, int c, const std::int32_t* srcBase,
                            long long rankRow, int lane) {
   const int K = p.shape.topK;
   char* slot = recordSlot(p, p.shape.rank, parity, s, i);
   char* view = recordView(p, slot);
-  const uint4* ml = metaLines(p, slot);
+  const uint4* ml = metaLines<kFp8>(p, slot);
   uint4 a = make_uint4(0u, 0u, 0u, 0u), b = a;
   const int at = lane == 31 ? 0 : 1 + 2 * lane;  // lane 31: the header {token, slots}
   if (lane < K || lane == 31) {
@@ -594,7 +606,7 @@ __device__ bool expandItem(const MoeParams& p, int parity, std::uint32_t tag, in
     if (lane < K) b = ptx::ldVolatileV4(ml + at + 1);
   }
   Share share;
-  bool ok = shareFromLines(p, slot, c, lane, tag, s, share);
+  bool ok = shareFromLines<kFp8>(p, slot, c, lane, tag, s, share);
   if (lane < K || lane == 31) ok = ok && landed(p, ml + at, tag, s, a);
   if (lane < K) ok = ok && landed(p, ml + at + 1, tag, s, b);
   if (!__all_sync(kFullMask, ok)) return false;
@@ -610,11 +622,12 @@ __device__ bool expandItem(const MoeParams& p, int parity, std::uint32_t tag, in
     if (lane == 0) *reinterpret_cast<MoeRecordHeader*>(view + p.shape.payloadBytes) = MoeRecordHeader{token, nslots, {0, 0}};
   }
   const Rows rows = recordRows(p, s, token, laneSlot, srcBase, rankRow, c == 0, lane);
-  storeRows(p, rows.kept, rows.row, c, lane, share);
+  storeRows<kFp8>(p, rows.kept, rows.row, c, lane, share);
   return true;
 }
 
 // The receive: the layout once every source's count words are in, then every record's chunks.
+template <bool kFp8>
 __device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part part, std::uint32_t live) {
   __shared__ std::int32_t counts[kMoeMaxLocalExperts];
   __shared__ std::int32_t offsets[kMoeMaxLocalExperts + 1];
@@ -638,7 +651,7 @@ __device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part part, std:
   // expands) asked for in L2 before the count words, so that its lines come from memory while
   // they do (a record past this step's count is asked for and never read: nothing else).
   if (items.cta >= 0 && isLive(live, me) && gw < p.shape.maxTokens * chunks) {
-    prefetchItemLines(p, recordSlot(p, me, parity, me, gw / chunks), gw % chunks, lane);
+    prefetchItemLines<kFp8>(p, recordSlot(p, me, parity, me, gw / chunks), gw % chunks, lane);
   }
   bool counted = false;
   {
@@ -676,7 +689,7 @@ __device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part part, std:
       const long long rankBase = p.layout.rankMajor ? moeRankBase(p, msgOf, s) : -1;
       for (int item = (gw - before % warps + warps) % warps; item < n && ok; item += warps) {
         const int i = item / chunks, c = item % chunks;
-        ok = expandItem(p, parity, tag, s, i, c, srcBase + s * L, p.layout.rankMajor ? rankBase + i : -1, lane);
+        ok = expandItem<kFp8>(p, parity, tag, s, i, c, srcBase + s * L, p.layout.rankMajor ? rankBase + i : -1, lane);
       }
       before += n;
       // The first expanding CTA's own items done (the latest of its warps).
@@ -747,6 +760,9 @@ __device__ __forceinline__ void askForRecords(const MoeParams& p, int parity) {
   ptx::prefetchL2(recordSlot(p, p.shape.rank, parity, 0, 0) + from, static_cast<std::uint32_t>(n));
 }
 
+// kFp8: p.shape.fp8 (the wire format), fixed at compile time: one kernel per format, so that
+// neither carries the other's code (an SM fetches this kernel's code cold on every launch).
+template <bool kFp8>
 __global__ void __launch_bounds__(kThreads) dispatchKernel(const __grid_constant__ MoeParams p) {
   extern __shared__ int4 smemRaw[];
   char* sm = reinterpret_cast<char*>(smemRaw);
@@ -768,9 +784,9 @@ __global__ void __launch_bounds__(kThreads) dispatchKernel(const __grid_constant
   if (sends && !receives && blockIdx.x == 0 && threadIdx.x == 0) *p.latency.halfLive = live;
   if (sends) {
     traceStart(p, 0, all, entered);
-    dispatchSend(p, sm, all, start);
+    dispatchSend<kFp8>(p, sm, all, start);
   }
-  if (receives) dispatchReceive(p, sm, all, live);
+  if (receives) dispatchReceive<kFp8>(p, sm, all, live);
   if (receives && lastBlock(&p.peers.lastCtaCounters[0]) && threadIdx.x == 0) {
     moeTrace(p, 0, p.peers.steps[0], MoeTraceEvent::kDone);
     // Every CTA read the step before lastBlock's barrier.
@@ -1045,7 +1061,7 @@ cudaError_t launchMoeLatencyDispatch(const MoeParams& p, cudaStream_t stream) {
   cudaLaunchAttribute attrs[2];
   cudaLaunchConfig_t cfg = moeLaunchConfig(launchCtas(p), kThreads, 1, p.grid.programmatic != 0, stream, attrs);
   cfg.dynamicSmemBytes = lay.bytes;
-  return cudaLaunchKernelEx(&cfg, dispatchKernel, p);
+  return p.shape.fp8 ? cudaLaunchKernelEx(&cfg, dispatchKernel<true>, p) : cudaLaunchKernelEx(&cfg, dispatchKernel<false>, p);
 }
 
 cudaError_t launchMoeLatencyCombine(const MoeParams& p, cudaStream_t stream) {
@@ -1057,19 +1073,23 @@ cudaError_t launchMoeLatencyCombine(const MoeParams& p, cudaStream_t stream) {
 }
 
 cudaError_t preloadMoeLatencyKernels() {
-  cudaError_t e = cudaFuncSetAttribute(moe_latency::dispatchKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(kMoeLatencyMaxSmem));
-  return e != cudaSuccess ? e : preloadKernels(moe_latency::combineKernel);
+  for (const auto kernel : {moe_latency::dispatchKernel<true>, moe_latency::dispatchKernel<false>}) {
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kMoeLatencyMaxSmem));
+    if (e != cudaSuccess) return e;
+  }
+  return preloadKernels(moe_latency::combineKernel);
 }
 
 cudaError_t moeLatencyCtasPerSm(std::uint32_t smemBytes, int* ctas) {
-  int dispatch = 0, combine = 0;
-  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&dispatch, moe_latency::dispatchKernel,
-                                                                moe_latency::kThreads, smemBytes);
+  int fp8 = 0, bf16 = 0, combine = 0;  // the fewest of the three kernels
+  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fp8, moe_latency::dispatchKernel<true>, moe_latency::kThreads, smemBytes);
+  if (e == cudaSuccess) {
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&bf16, moe_latency::dispatchKernel<false>, moe_latency::kThreads, smemBytes);
+  }
+  if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&combine, moe_latency::combineKernel, moe_latency::kThreads, 0);
   if (e != cudaSuccess) return e;
-  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&combine, moe_latency::combineKernel, moe_latency::kThreads, 0);
-  if (e != cudaSuccess) return e;
-  *ctas = dispatch < combine ? dispatch : combine;
+  *ctas = fp8 < bf16 ? fp8 : bf16;
+  if (combine < *ctas) *ctas = combine;
   return cudaSuccess;
 }
 
