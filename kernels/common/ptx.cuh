@@ -87,6 +87,12 @@ __device__ __forceinline__ void stVolatileV4(uint4* p, uint4 v) {
                : "memory");
 }
 
+// Asks for [p, p + bytes) in L2 (sm_90 bulk prefetch: no register written, no wait): a later load
+// finds it there. p and bytes multiples of 16.
+__device__ __forceinline__ void prefetchL2(const void* p, std::uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+
 // Orders all prior memory accesses of this thread before all later ones, at system scope.
 __device__ __forceinline__ void fenceAcqRelSys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <type_traits>
 
 #include "kernels/common/hooks.cuh"
 #include "kernels/common/ptx.cuh"
@@ -207,6 +208,13 @@ struct MoeSharedMsg {
 __device__ __forceinline__ std::uint64_t moeMsgWord(const std::uint64_t* msg, int i) { return __ldcg(msg + i); }
 __device__ __forceinline__ std::uint64_t moeMsgWord(MoeSharedMsg msg, int i) { return msg.words[i]; }
 
+// The unroll of a loop over ranks that reads count messages of type M (what msg(q) returns): a
+// copy in shared memory, rolled (its reads are cheap, and every copy of the body is code that a
+// cold SM fetches); a message in global memory, 4 at a time (their loads go out together, as
+// the compiler's own unroll had them on the direct path).
+template <class M>
+inline constexpr int kMoeRankUnroll = std::is_same_v<M, MoeSharedMsg> ? 1 : 4;
+
 // A count message's words hold their count in the low 32 bits (the latency path tags the high 32
 // with the step: moeTaggedCount); i = 0 is the source's records, 1 + j its rows for local expert j.
 template <class M>
@@ -244,6 +252,7 @@ __device__ void moeComputeOffsets(const MoeParams& p, Msg msg, std::int32_t* cou
     for (int j = tid; j <= L; j += kThreads) {
       if (j < L) {
         std::int32_t c = 0;
+#pragma unroll kMoeRankUnroll<decltype(msg(0))>
         for (int q = 0; q < p.shape.numRanks; ++q) c += moeCountOf(msg(q), 1 + j);
         counts[j] = c;
       }
@@ -258,6 +267,7 @@ __device__ void moeComputeOffsets(const MoeParams& p, Msg msg, std::int32_t* cou
     const int j = tid * kItems + i;
     std::int32_t c = 0;
     if (j < L) {
+#pragma unroll kMoeRankUnroll<decltype(msg(0))>
       for (int q = 0; q < p.shape.numRanks; ++q) c += moeCountOf(msg(q), 1 + j);
       counts[j] = c;
     }
@@ -280,6 +290,7 @@ template <int kThreads, class Msg>
 __device__ void moeSourceBases(const MoeParams& p, Msg msg, const std::int32_t* offsets, int q, std::int32_t* base) {
   for (int j = static_cast<int>(threadIdx.x); j < p.shape.localExperts; j += kThreads) {
     std::int32_t b = offsets[j];
+#pragma unroll kMoeRankUnroll<decltype(msg(0))>
     for (int r = 0; r < q; ++r) b += moeCountOf(msg(r), 1 + j);
     base[j] = b;
   }
@@ -291,6 +302,7 @@ template <int kThreads, class Msg>
 __device__ void moeComputeSourceBases(const MoeParams& p, Msg msg, const std::int32_t* offsets, std::int32_t* srcBase) {
   for (int j = static_cast<int>(threadIdx.x); j < p.shape.localExperts; j += kThreads) {
     std::int32_t base = offsets[j];
+#pragma unroll kMoeRankUnroll<decltype(msg(0))>
     for (int q = 0; q < p.shape.numRanks; ++q) {
       srcBase[q * p.shape.localExperts + j] = base;
       base += moeCountOf(msg(q), 1 + j);
@@ -335,6 +347,7 @@ __device__ void moePublishLayout(const MoeParams& p, Msg msg, const std::int32_t
     }
     if (tid == 0) {
       std::int32_t row = 0;
+#pragma unroll kMoeRankUnroll<decltype(msg(0))>
       for (int q = 0; q < p.shape.numRanks; ++q) {
         const std::int32_t n = moeMsgRecords(p, msg(q));
         p.layout.sourceRecords[q] = n;
@@ -360,6 +373,7 @@ __device__ void moePublishLayout(const MoeParams& p, Msg msg, const std::int32_t
     if (p.layout.expertSourceRanges != nullptr) {
       // Each source's rows of expert j: from srcBase (the sources' rows follow each other), the
       // kept part only.
+#pragma unroll kMoeRankUnroll<decltype(msg(0))>
       for (int q = 0; q < p.shape.numRanks; ++q) {
         const long long begin = srcBase[q * L + j] - offsets[j];
         const long long sent = moeCountOf(msg(q), 1 + j);
@@ -384,6 +398,7 @@ __device__ void moePublishLayout(const MoeParams& p, Msg msg, const std::int32_t
 template <class Msg>
 __device__ inline long long moeRankBase(const MoeParams& p, Msg msg, int s) {
   long long base = 0;
+#pragma unroll kMoeRankUnroll<decltype(msg(0))>
   for (int q = 0; q < s; ++q) base += moeMsgRecords(p, msg(q));
   return base;
 }
@@ -632,13 +647,21 @@ __device__ inline void moeResolveSlots(const MoeParams& p, int s, const char* re
                                        const float* slotWeights = nullptr) {
   g.sync();  // the previous user of `stage` is done
   if (g.tid < 32) {  // topK <= 16: the group's first warp, one lane per slot
-    // The header and every slot at once (a record has room for topK slots).
+    // The header, every slot and every top-k weight at once (a record has room for topK slots;
+    // lane k loads weight k, and each slot takes its own from lane slot.k: no round trip after the
+    // slots').
     const int4 h = __ldcg(reinterpret_cast<const int4*>(moeRecordHeader(p, rec)));
     int4 v = make_int4(-1, 0, 0, 0);
-    if (g.tid < p.shape.topK) v = __ldcg(reinterpret_cast<const int4*>(moeRecordSlots(p, rec)) + g.tid);
+    float laneWeight = 0.f;
+    if (g.tid < p.shape.topK) {
+      v = __ldcg(reinterpret_cast<const int4*>(moeRecordSlots(p, rec)) + g.tid);
+      if (slotWeights != nullptr) laneWeight = __ldcg(slotWeights + g.tid);
+    }
     const int nslots = h.y < p.shape.topK ? h.y : p.shape.topK;
     MoeRecordSlot slot{-1, 0, 0.f, 0};
     if (g.tid < nslots) slot = MoeRecordSlot{v.x, v.y, __int_as_float(v.z), v.w};
+    const bool knownK = slot.k >= 0 && slot.k < p.shape.topK;
+    const float slotWeight = __shfl_sync(0xffffffffu, laneWeight, knownK ? slot.k : 0);  // every lane of the warp
     if (rankRow >= 0) {
       const bool exists = moeRankRowExists(p, rankRow, expand, g.tid);
       if (expand && exists) {  // every slot -1, then the record's (compacted) slots at their top-k positions
@@ -661,8 +684,7 @@ __device__ inline void moeResolveSlots(const MoeParams& p, int s, const char* re
     if (pos >= 0) {
       const int at = __popc(kept & ((1u << g.tid) - 1u));
       stage.row[at] = pos;
-      stage.weight[at] = slotWeights == nullptr ? slot.weight
-                         : slot.k >= 0 && slot.k < p.shape.topK ? __ldcg(slotWeights + slot.k) : 0.f;
+      stage.weight[at] = slotWeights == nullptr ? slot.weight : knownK ? slotWeight : 0.f;
       if (expand) {
         p.layout.rowSrcRank[pos] = s;
         p.layout.rowSrcToken[pos] = h.x;

@@ -76,6 +76,7 @@ __device__ __forceinline__ std::uint64_t llSlot(const MoeParams& p, int parity, 
 // Set bits of bits[0 .. W) below bit t.
 __device__ __forceinline__ int popcBelow(const std::uint32_t* bits, int t) {
   int c = 0;
+#pragma unroll 1  // at most 8 words: no copies of the body
   for (int w = 0; w < (t >> 5); ++w) c += __popc(bits[w]);
   if ((t & 31) != 0) c += __popc(bits[t >> 5] & ((1u << (t & 31)) - 1u));
   return c;
@@ -97,6 +98,7 @@ __device__ __forceinline__ int lastArriver(const MoeParams& p) {
 // grow by G from each rank that took part in this one (this rank's own entry: nothing arrives at
 // it or waits on it).
 __device__ __forceinline__ void advanceExpected(const MoeParams& p, std::uint32_t live) {
+#pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
   for (int q = 0; q < p.shape.numRanks; ++q) {
     if (isLive(live, q)) p.latency.expected[q] += static_cast<std::uint32_t>(p.grid.budgetCtas);
   }
@@ -168,14 +170,16 @@ __device__ __forceinline__ char* recordSlot(const MoeParams& p, int r, int parit
 __device__ __forceinline__ char* recordView(const MoeParams& p, char* slot) {
   return slot + p.latency.metaOff - p.shape.payloadBytes;
 }
+template <bool kFp8>
 __device__ __forceinline__ uint4* metaLines(const MoeParams& p, char* slot) {
-  return reinterpret_cast<uint4*>(slot + moeLatencyPayloadLineBytes(p.shape.hidden, p.shape.fp8 != 0));
+  return reinterpret_cast<uint4*>(slot + moeLatencyPayloadLineBytes(p.shape.hidden, kFp8));
 }
 // Chunk c's lines in a slot (moeLatencyChunkLines): each store of a warp covers 32 consecutive
 // lines. bf16: piece j's halves at 64 j + lane and 64 j + 32 + lane; fp8: the piece's halves at lane
 // and 32 + lane, the scale of the chunk's tile lane / 8 at 64 + lane / 8.
+template <bool kFp8>
 __device__ __forceinline__ uint4* chunkLines(const MoeParams& p, char* slot, int c) {
-  return reinterpret_cast<uint4*>(slot) + static_cast<std::uint64_t>(c) * moeLatencyChunkLines(p.shape.fp8 != 0);
+  return reinterpret_cast<uint4*>(slot) + static_cast<std::uint64_t>(c) * moeLatencyChunkLines(kFp8);
 }
 
 // Polls `at` until it carries `tag`, bounded, and returns the line (not ready: it never came, and
@@ -207,9 +211,10 @@ struct Share {
   float scale;
   bool has[2];
 };
+template <bool kFp8>
 __device__ __forceinline__ Share emptyShare(const MoeParams& p, int c, int lane) {
   Share s{};
-  if (p.shape.fp8) {
+  if (kFp8) {
     s.has[0] = 4 * c + lane / 8 < p.shape.hidden / static_cast<int>(kFp8TileValues);
   } else {
     s.has[0] = 64 * c + lane < p.shape.hidden / 8;
@@ -220,10 +225,11 @@ __device__ __forceinline__ Share emptyShare(const MoeParams& p, int c, int lane)
 // Token t's share as loaded from x: bf16 as it is, the caller's e4m3 bytes and scales
 // (input.xIsFp8), or the bf16 values of the lane's 16 values that finishShare quantises to fp8 (the
 // engine's tiles). Apart from finishShare so that a warp can issue the load early and use it later.
+template <bool kFp8>
 __device__ __forceinline__ Share loadShare(const MoeParams& p, int t, int c, int lane) {
-  Share s = emptyShare(p, c, lane);
+  Share s = emptyShare<kFp8>(p, c, lane);
   const std::uint64_t H = static_cast<std::uint64_t>(p.shape.hidden);
-  if (p.shape.fp8) {
+  if (kFp8) {
     const int tile = 4 * c + lane / 8, sub = lane % 8;
     if (!s.has[0]) return s;
     if (p.input.xIsFp8) {
@@ -245,34 +251,38 @@ __device__ __forceinline__ Share loadShare(const MoeParams& p, int t, int c, int
   return s;
 }
 // The loaded share ready to send: the engine's fp8 tile quantised (8 lanes a tile).
+template <bool kFp8>
 __device__ __forceinline__ Share finishShare(const MoeParams& p, Share s) {
-  if (p.shape.fp8 && !p.input.xIsFp8 && s.has[0]) {
+  if (kFp8 && !p.input.xIsFp8 && s.has[0]) {
     const Fp8TileWide q = Fp8TileWide::quantize(s.v[0], s.v[1], p.input.scaleFormat != kMoeScaleFloat);
     s.v[0] = q.q;
     s.scale = q.scale;
   }
   return s;
 }
-__device__ __forceinline__ Share shareFromX(const MoeParams& p, int t, int c, int lane) { return finishShare(p, loadShare(p, t, c, lane)); }
+template <bool kFp8>
+__device__ __forceinline__ Share shareFromX(const MoeParams& p, int t, int c, int lane) { return finishShare<kFp8>(p, loadShare<kFp8>(p, t, c, lane)); }
 
 // The share as flagged lines of chunk c of a record slot (chunkLines).
+template <bool kFp8>
 __device__ __forceinline__ void putLines(const MoeParams& p, char* slot, int c, int lane, const Share& s, std::uint32_t tag) {
-  uint4* cl = chunkLines(p, slot, c);
+  uint4* cl = chunkLines<kFp8>(p, slot, c);
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     if (!s.has[j]) continue;
     ptx::stVolatileV4(cl + 64 * j + lane, flaggedLine(s.v[j].x, s.v[j].y, tag));
     ptx::stVolatileV4(cl + 64 * j + 32 + lane, flaggedLine(s.v[j].z, s.v[j].w, tag));
   }
-  if (p.shape.fp8 && s.has[0] && lane % 8 == 0) ptx::stVolatileV4(cl + 64 + lane / 8, flaggedLine(__float_as_uint(s.scale), 0u, tag));
+  if (kFp8 && s.has[0] && lane % 8 == 0) ptx::stVolatileV4(cl + 64 + lane / 8, flaggedLine(__float_as_uint(s.scale), 0u, tag));
 }
 
 // The share from chunk c's lines once they carry `tag`: every line loaded before any is checked
 // (one round trip once they have landed), then each missing one waited for. False: one never came
 // (recorded).
+template <bool kFp8>
 __device__ __forceinline__ bool shareFromLines(const MoeParams& p, char* slot, int c, int lane, std::uint32_t tag, int src, Share& s) {
-  s = emptyShare(p, c, lane);
-  const uint4* cl = chunkLines(p, slot, c);
+  s = emptyShare<kFp8>(p, c, lane);
+  const uint4* cl = chunkLines<kFp8>(p, slot, c);
   uint4 a[2], b[2], sc = flaggedLine(0u, 0u, tag);
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
@@ -280,7 +290,7 @@ __device__ __forceinline__ bool shareFromLines(const MoeParams& p, char* slot, i
     a[j] = ptx::ldVolatileV4(cl + 64 * j + lane);
     b[j] = ptx::ldVolatileV4(cl + 64 * j + 32 + lane);
   }
-  const bool scaled = p.shape.fp8 && s.has[0] && lane % 8 == 0;
+  const bool scaled = kFp8 && s.has[0] && lane % 8 == 0;
   if (scaled) sc = ptx::ldVolatileV4(cl + 64 + lane / 8);
   bool ok = true;
 #pragma unroll
@@ -294,12 +304,21 @@ __device__ __forceinline__ bool shareFromLines(const MoeParams& p, char* slot, i
   return ok;
 }
 
+// Chunk c's lines and the record's metadata lines of a slot, asked for in L2 (lanes 0 and 1: no
+// register, no wait): a later load of them (shareFromLines, expandItem) finds them there.
+template <bool kFp8>
+__device__ __forceinline__ void prefetchItemLines(const MoeParams& p, char* slot, int c, int lane) {
+  if (lane == 0) ptx::prefetchL2(chunkLines<kFp8>(p, slot, c), static_cast<std::uint32_t>(moeLatencyChunkLines(kFp8)) * 16u);
+  if (lane == 1) ptx::prefetchL2(metaLines<kFp8>(p, slot), static_cast<std::uint32_t>(1 + 2 * p.shape.topK) * 16u);
+}
+
 // The share into recv_x at the row of every lane in `kept` (its `row`).
+template <bool kFp8>
 __device__ __forceinline__ void storeRows(const MoeParams& p, unsigned kept, long long row, int c, int lane, const Share& s) {
   const std::uint64_t H = static_cast<std::uint64_t>(p.shape.hidden);
   for (unsigned m = kept; m != 0; m &= m - 1u) {
     const std::uint64_t r = static_cast<std::uint64_t>(__shfl_sync(kFullMask, row, __ffs(m) - 1));
-    if (p.shape.fp8) {
+    if (kFp8) {
       const int tile = 4 * c + lane / 8;
       if (!s.has[0]) continue;
       *reinterpret_cast<uint4*>(p.layout.recvX + r * H + static_cast<std::uint64_t>(tile) * kFp8TileValues + (lane % 8) * 16) = s.v[0];
@@ -372,11 +391,14 @@ struct Routing {
     const std::uint32_t* bits = expBits + e * W;
     if (!anyDup) return popcBelow(bits, t);
     int c = 0;
+#pragma unroll 1  // the rare path (a token holding an expert twice): no copies of the body
     for (int u = 0; u < t; ++u) {
       if ((bits[u >> 5] >> (u & 31)) & 1u) {
+#pragma unroll 1
         for (int kk = 0; kk < K; ++kk) c += ids[u * K + kk] == e;
       }
     }
+#pragma unroll 1
     for (int kk = 0; kk < k; ++kk) c += ids[t * K + kk] == e;
     return c;
   }
@@ -462,6 +484,7 @@ struct SendStart {
   std::uint32_t step;
   int rawTokens;  // *input.numTokens as read (moeClampTokens)
 };
+template <bool kFp8>
 __device__ void dispatchSend(const MoeParams& p, char* sm, Part part, const SendStart& start) {
   const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32;
   const int K = p.shape.topK, R = p.shape.numRanks, L = p.shape.localExperts, me = p.shape.rank;
@@ -473,7 +496,7 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part, const Send
   // The warp's first item (below) loaded from x now, used after the routing: its round trip runs
   // beside the routing's loads.
   const int chunks = rowChunks(p), gw = warp * part.ctas + part.cta, warps = part.ctas * kWarps;
-  const Share first = gw < T * chunks ? loadShare(p, gw / chunks, gw % chunks, lane) : emptyShare(p, 0, lane);
+  const Share first = gw < T * chunks ? loadShare<kFp8>(p, gw / chunks, gw % chunks, lane) : emptyShare<kFp8>(p, 0, lane);
   const Routing rt = routeTokens(p, sm, part, live, T);
   const int W = rt.W;
   // Count messages first (they travel ahead of the payload): CTA c takes ranks c, c + ctas, ...
@@ -481,6 +504,7 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part, const Send
   // receiver waits on the words themselves: no fence, no flag to order them by. The flag is
   // still stored after them (the CTA's barrier between), for checkHealth's account of a stall
   // alone (nothing waits on it).
+#pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
   for (int r = part.cta; r < R; r += part.ctas) {
     if (!isLive(live, r)) continue;  // the same r in every thread
     auto* msg = reinterpret_cast<std::uint64_t*>(p.peers.userRegions[r] + p.peers.countMsgsOff +
@@ -508,14 +532,16 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part, const Send
   for (int item = gw; item < T * chunks; item += warps) {
     const int t = item / chunks, c = item % chunks;
     bool any = false;
+#pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
     for (int r = 0; r < R; ++r) any = any || rt.goesTo(r, t);
     if (!any) continue;  // uniform across the warp
-    const Share s = item == gw ? finishShare(p, first) : shareFromX(p, t, c, lane);
+    const Share s = item == gw ? finishShare<kFp8>(p, first) : shareFromX<kFp8>(p, t, c, lane);
+#pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
     for (int r = 0; r < R; ++r) {
       if (!rt.goesTo(r, t)) continue;
       char* slot = recordSlot(p, r, parity, me, popcBelow(rt.dstBits + r * W, t));
-      putLines(p, slot, c, lane, s, tag);
-      if (c == 0) putMetaLines(p, rt, metaLines(p, slot), r, t, lane, tag);
+      putLines<kFp8>(p, slot, c, lane, s, tag);
+      if (c == 0) putMetaLines(p, rt, metaLines<kFp8>(p, slot), r, t, lane, tag);
     }
   }
   if (tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kSent, 0, true);
@@ -566,12 +592,13 @@ __device__ bool waitTaggedCounts(const MoeParams& p, int parity, std::uint32_t s
 // One warp item of the receive: chunk c of record i from source s (this rank's own or a peer's:
 // payload and metadata as lines, waited for). Chunk 0 writes the rows' metadata and the record's
 // plain metadata, for the combine. False: a line never came.
+template <bool kFp8>
 __device__ bool expandItem(const MoeParams& p, int parity, std::uint32_t tag, int s, int i, int c, const std::int32_t* srcBase,
                            long long rankRow, int lane) {
   const int K = p.shape.topK;
   char* slot = recordSlot(p, p.shape.rank, parity, s, i);
   char* view = recordView(p, slot);
-  const uint4* ml = metaLines(p, slot);
+  const uint4* ml = metaLines<kFp8>(p, slot);
   uint4 a = make_uint4(0u, 0u, 0u, 0u), b = a;
   const int at = lane == 31 ? 0 : 1 + 2 * lane;  // lane 31: the header {token, slots}
   if (lane < K || lane == 31) {
@@ -579,7 +606,7 @@ __device__ bool expandItem(const MoeParams& p, int parity, std::uint32_t tag, in
     if (lane < K) b = ptx::ldVolatileV4(ml + at + 1);
   }
   Share share;
-  bool ok = shareFromLines(p, slot, c, lane, tag, s, share);
+  bool ok = shareFromLines<kFp8>(p, slot, c, lane, tag, s, share);
   if (lane < K || lane == 31) ok = ok && landed(p, ml + at, tag, s, a);
   if (lane < K) ok = ok && landed(p, ml + at + 1, tag, s, b);
   if (!__all_sync(kFullMask, ok)) return false;
@@ -595,11 +622,12 @@ __device__ bool expandItem(const MoeParams& p, int parity, std::uint32_t tag, in
     if (lane == 0) *reinterpret_cast<MoeRecordHeader*>(view + p.shape.payloadBytes) = MoeRecordHeader{token, nslots, {0, 0}};
   }
   const Rows rows = recordRows(p, s, token, laneSlot, srcBase, rankRow, c == 0, lane);
-  storeRows(p, rows.kept, rows.row, c, lane, share);
+  storeRows<kFp8>(p, rows.kept, rows.row, c, lane, share);
   return true;
 }
 
 // The receive: the layout once every source's count words are in, then every record's chunks.
+template <bool kFp8>
 __device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part part, std::uint32_t live) {
   __shared__ std::int32_t counts[kMoeMaxLocalExperts];
   __shared__ std::int32_t offsets[kMoeMaxLocalExperts + 1];
@@ -615,6 +643,16 @@ __device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part part, std:
   // words read as zeros there (waitTaggedCounts), so the layout leaves it out.
   auto msgOf = [&](int q) { return MoeSharedMsg{msgs + q * (1 + L)}; };
   std::uint32_t* masked = shrinkWords(p, 0);  // the dispatch's (the receive part's ranks first), or nullptr
+  const int chunks = rowChunks(p);
+  const Part items = itemPart(part);  // CTA 0 publishes the layout and expands nothing
+  // 32-bit: a source's items are at most maxTokens x chunks, every source's at most R times that.
+  const int gw = warp * items.ctas + items.cta, warps = items.ctas * kWarps;
+  // This warp's first item (this rank's own record gw / chunks, its chunk gw % chunks: the first it
+  // expands) asked for in L2 before the count words, so that its lines come from memory while
+  // they do (a record past this step's count is asked for and never read: nothing else).
+  if (items.cta >= 0 && isLive(live, me) && gw < p.shape.maxTokens * chunks) {
+    prefetchItemLines<kFp8>(p, recordSlot(p, me, parity, me, gw / chunks), gw % chunks, lane);
+  }
   bool counted = false;
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyReceive);
@@ -638,14 +676,11 @@ __device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part part, std:
   bool ok = counted;
   if (counted) {
     const MoeStamp stamp(p, MoeKernel::kLatencyExpand);
-    const int chunks = rowChunks(p);
-    const Part items = itemPart(part);  // CTA 0 publishes the layout and expands nothing
     // Every source's records, this rank's own first (its send wrote them: usually there first;
     // each item waits for its lines' tags either way), then source by source from the next rank
     // on: item (record, chunk) over every warp of the items' CTAs, the CTAs first.
-    // 32-bit: a source's items are at most maxTokens x chunks, every source's at most R times that.
-    const int gw = warp * items.ctas + items.cta, warps = items.ctas * kWarps;
     int before = 0;  // items of the sources before this one
+#pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
     for (int k = 0; k < R && ok && items.cta >= 0; ++k) {
       const int s = (me + k) % R;
       if (!isLive(live, s)) continue;
@@ -653,7 +688,7 @@ __device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part part, std:
       const long long rankBase = p.layout.rankMajor ? moeRankBase(p, msgOf, s) : -1;
       for (int item = (gw - before % warps + warps) % warps; item < n && ok; item += warps) {
         const int i = item / chunks, c = item % chunks;
-        ok = expandItem(p, parity, tag, s, i, c, srcBase + s * L, p.layout.rankMajor ? rankBase + i : -1, lane);
+        ok = expandItem<kFp8>(p, parity, tag, s, i, c, srcBase + s * L, p.layout.rankMajor ? rankBase + i : -1, lane);
       }
       before += n;
       // The first expanding CTA's own items done (the latest of its warps).
@@ -695,10 +730,44 @@ __device__ __forceinline__ Part receivePart(const MoeParams& p) {
   return Part{receives ? static_cast<int>(blockIdx.x) - first : -1, p.grid.epilogueCtas};
 }
 
+// A receiving launch asks L2 at its start for the words its receive reads whatever the step: both
+// parities' count messages and the end counter (lastBlock's). A receive half runs after other work
+// (DeepEP's hook after a GEMM) that has evicted them: their loads then find them in L2, not
+// memory, and the step's own load goes out beside these requests (hints: no register, no wait).
+__device__ __forceinline__ void askForReceiveWords(const MoeParams& p) {
+  if (blockIdx.x != 0 || threadIdx.x >= 32) return;
+  if (threadIdx.x == 0) {
+    ptx::prefetchL2(p.peers.userRegions[p.shape.rank] + p.peers.countMsgsOff,
+                    static_cast<std::uint32_t>(2 * p.shape.numRanks * p.shape.countMsgBytes));
+  } else if (threadIdx.x == 1) {
+    const auto at = reinterpret_cast<std::uintptr_t>(&p.peers.lastCtaCounters[0]) & ~std::uintptr_t{15};
+    ptx::prefetchL2(reinterpret_cast<const void*>(at), 16u);
+  }
+}
+
+// A receive half alone (its records landed while other work ran) asks L2 for this rank's record
+// slots of the step's parity, every source's, before it waits for the count words: the launch's
+// warps split them, one request a warp. Slots past a source's count are asked for and never read.
+__device__ __forceinline__ void askForRecords(const MoeParams& p, int parity) {
+  if (threadIdx.x % 32 != 0) return;
+  const std::uint64_t bytes = static_cast<std::uint64_t>(p.shape.numRanks) * p.shape.maxTokens * p.shape.recordBytes;
+  const std::uint64_t warps = static_cast<std::uint64_t>(gridDim.x) * kWarps;
+  const std::uint64_t share = ((bytes + warps - 1) / warps + 15) & ~std::uint64_t{15};
+  const std::uint64_t from = (static_cast<std::uint64_t>(blockIdx.x) * kWarps + threadIdx.x / 32) * share;
+  if (from >= bytes) return;
+  const std::uint64_t n = bytes - from < share ? bytes - from : share;
+  ptx::prefetchL2(recordSlot(p, p.shape.rank, parity, 0, 0) + from, static_cast<std::uint32_t>(n));
+}
+
+// kFp8: p.shape.fp8 (the wire format), fixed at compile time: one kernel per format, so that
+// neither carries the other's code (an SM fetches this kernel's code cold on every launch).
+template <bool kFp8>
 __global__ void __launch_bounds__(kThreads) dispatchKernel(const __grid_constant__ MoeParams p) {
   extern __shared__ int4 smemRaw[];
   char* sm = reinterpret_cast<char*>(smemRaw);
   const std::uint64_t entered = p.state.timeline != nullptr ? ptx::globalTimerNs() : 0;
+  const bool sends = (p.latency.phase & kMoeLatencySend) != 0, receives = (p.latency.phase & kMoeLatencyReceive) != 0;
+  if (receives) askForReceiveWords(p);  // hints, before the wait below: nothing is read
   // The stream's last kernel (often the last operation, which lets it be placed early) has
   // finished and its memory is visible: nothing of this step is read before.
   ptx::gridDependencyWait();
@@ -706,17 +775,17 @@ __global__ void __launch_bounds__(kThreads) dispatchKernel(const __grid_constant
   const Part all{static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x)};
   // A receive half uses its send half's mask (a caller's kernel may have changed the mask word
   // between the halves); the send half leaves it.
-  const bool sends = (p.latency.phase & kMoeLatencySend) != 0, receives = (p.latency.phase & kMoeLatencyReceive) != 0;
   // The send's words, loaded together before anything is stored (one round trip); a receive half
   // reads neither the mask nor the live count (its send half's mask, in halfLive).
   const SendStart start{sends ? dispatchMask(p) : *p.latency.halfLive, p.peers.steps[0], sends ? *p.input.numTokens : 0};
   const std::uint32_t live = start.live;
+  if (receives && !sends) askForRecords(p, static_cast<int>(start.step & 1u));
   if (sends && !receives && blockIdx.x == 0 && threadIdx.x == 0) *p.latency.halfLive = live;
   if (sends) {
     traceStart(p, 0, all, entered);
-    dispatchSend(p, sm, all, start);
+    dispatchSend<kFp8>(p, sm, all, start);
   }
-  if (receives) dispatchReceive(p, sm, all, live);
+  if (receives) dispatchReceive<kFp8>(p, sm, all, live);
   if (receives && lastBlock(&p.peers.lastCtaCounters[0]) && threadIdx.x == 0) {
     moeTrace(p, 0, p.peers.steps[0], MoeTraceEvent::kDone);
     // Every CTA read the step before lastBlock's barrier.
@@ -761,6 +830,32 @@ __device__ __forceinline__ void reduceSourceShare(const MoeParams& p, int s, con
   }
 }
 
+// Before a wait for source s's weights, when they are not there yet: the rows of y that slice gs's
+// records of s will read, into L2 (the records' plain metadata with them), so that the wait hides
+// their first loads from memory. The first warp of each group, one record at a time: lane k
+// resolves slot k's row and asks for it whole. Only rows below combine.expertOutputRows (the
+// reduce counts the others); expanded layouts only (combine-time weights are refused with
+// rank-major).
+__device__ void prefetchSourceRows(const MoeParams& p, int s, const MoeGroupSlice& gs, int dparity, std::uint32_t cstep) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  if (static_cast<int>(threadIdx.x) % kMoeGroupThreads >= 32) return;  // the group's first warp
+  const std::uint32_t* flag = peerCounter(p, p.shape.rank, p.latency.weightFlagsOff) + s;
+  if (__shfl_sync(kFullMask, lane == 0 && ptx::counterReached(ptx::ldAcquireSys(flag), cstep + 1u), 0)) return;  // there
+  const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.shape.hidden) * 2;
+  const char* y = static_cast<const char*>(p.combine.expertOutput);
+  const std::int32_t* srcBase = p.layout.sourceBase + s * p.shape.localExperts;
+  const int rows = p.layout.sourceRecords[s];
+  for (int i = gs.first; i < rows; i += gs.stride) {
+    const char* rec = recordView(p, recordSlot(p, p.shape.rank, dparity, s, i));
+    const int4 h = __ldcg(reinterpret_cast<const int4*>(moeRecordHeader(p, rec)));
+    int4 v = make_int4(-1, 0, 0, 0);
+    if (lane < p.shape.topK) v = __ldcg(reinterpret_cast<const int4*>(moeRecordSlots(p, rec)) + lane);
+    const MoeRecordSlot slot = lane < min(h.y, p.shape.topK) ? MoeRecordSlot{v.x, v.y, __int_as_float(v.z), v.w} : MoeRecordSlot{-1, 0, 0.f, 0};
+    const long long row = moeSlotRow(p, srcBase, slot);
+    if (row >= 0 && row < p.combine.expertOutputRows) ptx::prefetchL2(y + static_cast<std::uint64_t>(row) * rowBytes, static_cast<std::uint32_t>(rowBytes));
+  }
+}
+
 // Send CTA part.cta's work of a combine. `standIn`: a receive CTA of the receive half after a send
 // half, standing in for send CTA part.cta, which left sources to it (latency.deferred[part.cta]):
 // their records only, waiting for their weights, and its arrivals at them (each source counts G
@@ -786,6 +881,7 @@ __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live, b
     // This rank's tokens' weights to each destination, at the token's record index there, before
     // any wait: CTA c takes destinations c, c + G, ...
     const int T = *p.routing.liveTokens;
+#pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
     for (int r = part.cta; r < R; r += part.ctas) {
       if (r == p.shape.rank || !isLive(live, r)) continue;  // the same r in every thread
       auto* dst = reinterpret_cast<float*>(p.peers.userRegions[r] + p.latency.weightsOff) +
@@ -810,6 +906,7 @@ __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live, b
   // the same ranks.
   std::uint32_t* words = shrinkWords(p, 1);
   std::uint32_t* masked = words != nullptr ? words + (standIn ? 0 : 3) : nullptr;
+#pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
   for (int k = 1; k < R; ++k) {
     const int s = (p.shape.rank + k) % R;
     if (!isLive(left, s)) continue;  // outside the mask: no records to reduce, nothing to send it
@@ -824,15 +921,18 @@ __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live, b
         deferred |= 1u << s;
         continue;
       }
-    } else if (weighted && !waitCombineWeights(p, s, cstep, masked)) {
-      // Recorded (the engine enters its failed state), or masked. The other sources' records are still
-      // reduced and announced, so the survivors' counters stay in step with each other once the
-      // failed source is masked (Engine::recover); the failed source gets no arrival from this
-      // CTA (its partials were not written), so its own wait fails and reports instead of
-      // summing an old slot.
-      unserved |= 1u << s;
-      if (standIn) gaveUp |= 1u << s;
-      continue;
+    } else if (weighted) {
+      prefetchSourceRows(p, s, gs, dparity, cstep);  // while the weights cross
+      if (!waitCombineWeights(p, s, cstep, masked)) {
+        // Recorded (the engine enters its failed state), or masked. The other sources' records are still
+        // reduced and announced, so the survivors' counters stay in step with each other once the
+        // failed source is masked (Engine::recover); the failed source gets no arrival from this
+        // CTA (its partials were not written), so its own wait fails and reports instead of
+        // summing an old slot.
+        unserved |= 1u << s;
+        if (standIn) gaveUp |= 1u << s;
+        continue;
+      }
     }
     reduceSourceShare(p, s, gs, stages[gs.group], weighted, cparity, dparity);
   }
@@ -960,7 +1060,7 @@ cudaError_t launchMoeLatencyDispatch(const MoeParams& p, cudaStream_t stream) {
   cudaLaunchAttribute attrs[2];
   cudaLaunchConfig_t cfg = moeLaunchConfig(launchCtas(p), kThreads, 1, p.grid.programmatic != 0, stream, attrs);
   cfg.dynamicSmemBytes = lay.bytes;
-  return cudaLaunchKernelEx(&cfg, dispatchKernel, p);
+  return p.shape.fp8 ? cudaLaunchKernelEx(&cfg, dispatchKernel<true>, p) : cudaLaunchKernelEx(&cfg, dispatchKernel<false>, p);
 }
 
 cudaError_t launchMoeLatencyCombine(const MoeParams& p, cudaStream_t stream) {
@@ -972,19 +1072,23 @@ cudaError_t launchMoeLatencyCombine(const MoeParams& p, cudaStream_t stream) {
 }
 
 cudaError_t preloadMoeLatencyKernels() {
-  cudaError_t e = cudaFuncSetAttribute(moe_latency::dispatchKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(kMoeLatencyMaxSmem));
-  return e != cudaSuccess ? e : preloadKernels(moe_latency::combineKernel);
+  for (const auto kernel : {moe_latency::dispatchKernel<true>, moe_latency::dispatchKernel<false>}) {
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kMoeLatencyMaxSmem));
+    if (e != cudaSuccess) return e;
+  }
+  return preloadKernels(moe_latency::combineKernel);
 }
 
 cudaError_t moeLatencyCtasPerSm(std::uint32_t smemBytes, int* ctas) {
-  int dispatch = 0, combine = 0;
-  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&dispatch, moe_latency::dispatchKernel,
-                                                                moe_latency::kThreads, smemBytes);
+  int fp8 = 0, bf16 = 0, combine = 0;  // the fewest of the three kernels
+  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fp8, moe_latency::dispatchKernel<true>, moe_latency::kThreads, smemBytes);
+  if (e == cudaSuccess) {
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&bf16, moe_latency::dispatchKernel<false>, moe_latency::kThreads, smemBytes);
+  }
+  if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&combine, moe_latency::combineKernel, moe_latency::kThreads, 0);
   if (e != cudaSuccess) return e;
-  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&combine, moe_latency::combineKernel, moe_latency::kThreads, 0);
-  if (e != cudaSuccess) return e;
-  *ctas = dispatch < combine ? dispatch : combine;
+  *ctas = fp8 < bf16 ? fp8 : bf16;
+  if (combine < *ctas) *ctas = combine;
   return cudaSuccess;
 }
 
