@@ -2,8 +2,7 @@
 // graphep::moe_latency::dispatchKernel and combineKernel, on G + E CTAs (G = grid.budgetCtas, the
 // SM budget; E = epilogueCtas). A launch runs both parts (no launch gap and no completion wait
 // between them), or one of them: the send half, and later the receive half (Engine::receive;
-// DeepEP's return_recv_hook), the same kernel. The dispatch's every CTA sends, then receives (a
-// receive half alone runs on G + E CTAs too, a send half on G: dispatchCtas); the
+// DeepEP's return_recv_hook), the same kernel. The dispatch's every CTA sends, then receives; the
 // combine's send part is CTAs [0, G) and its receive part CTAs [G, G + E), so that its receive
 // starts at once on SMs of its own. No count round trip before the payload. Every CTA first waits
 // for the stream's last kernel (griddepcontrol.wait; in a captured graph each launch is that
@@ -1031,13 +1030,6 @@ __global__ void __launch_bounds__(kThreads) combineKernel(const __grid_constant_
 int launchCtas(const MoeParams& p) {
   return ((p.latency.phase & kMoeLatencySend) != 0 ? p.grid.budgetCtas : 0) + ((p.latency.phase & kMoeLatencyReceive) != 0 ? p.grid.epilogueCtas : 0);
 }
-// The dispatch runs every part it holds on every CTA of its launch, so a launch with its receive
-// part takes G + E CTAs, the whole launch's (the rank's share of the GPU: the CTA plan's bound),
-// not E alone: a receive half alone expands over as many warps as a whole launch does. A send
-// half takes G.
-int dispatchCtas(const MoeParams& p) {
-  return p.grid.budgetCtas + ((p.latency.phase & kMoeLatencyReceive) != 0 ? p.grid.epilogueCtas : 0);
-}
 
 // The parts, their CTAs and the paths' limits, refused for `launcher`.
 cudaError_t checkLaunch(const char* launcher, const MoeParams& p) {
@@ -1066,7 +1058,7 @@ cudaError_t launchMoeLatencyDispatch(const MoeParams& p, cudaStream_t stream) {
   GRAPHEP_LAUNCH_REQUIRE(lay.bytes <= kMoeLatencyMaxSmem, "the send's routing needs %u bytes of shared memory (at most %u)",
                          lay.bytes, kMoeLatencyMaxSmem);
   cudaLaunchAttribute attrs[2];
-  cudaLaunchConfig_t cfg = moeLaunchConfig(dispatchCtas(p), kThreads, 1, p.grid.programmatic != 0, stream, attrs);
+  cudaLaunchConfig_t cfg = moeLaunchConfig(launchCtas(p), kThreads, 1, p.grid.programmatic != 0, stream, attrs);
   cfg.dynamicSmemBytes = lay.bytes;
   return p.shape.fp8 ? cudaLaunchKernelEx(&cfg, dispatchKernel<true>, p) : cudaLaunchKernelEx(&cfg, dispatchKernel<false>, p);
 }
