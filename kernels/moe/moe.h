@@ -524,9 +524,11 @@ struct MoeTokenLayoutParams {
 cudaError_t launchMoeTokenLayout(const MoeTokenLayoutParams& p, cudaStream_t stream);
 cudaError_t preloadMoeTokenLayoutKernels();
 
-// Latency path: one kernel per operation (kernels/moe/latency.cu): G = grid.budgetCtas CTAs send and
-// epilogueCtas CTAs beside them receive; a launch runs the send, the receive or both
-// (MoeParams::latency.phase). Dynamic shared memory moeLatencySmem(...).bytes when it sends.
+// Latency path: one kernel per operation (kernels/moe/latency.cu; the dispatch's, one per wire
+// format): a launch runs the send (G = grid.budgetCtas CTAs), the receive (E = epilogueCtas) or
+// both (G + E; MoeParams::latency.phase). The combine's send is CTAs [0, G) and its receive
+// [G, G + E) of a whole launch; the dispatch's every CTA runs each part it holds. Dynamic shared
+// memory moeLatencySmem(...).bytes for the dispatch.
 inline constexpr int kMoeLatencyMaxTokens = 256;
 inline constexpr int kMoeLatencyMaxEntries = 4096;  // tokens x top-k
 inline constexpr int kMoeLatencyThreads = 512;
@@ -565,10 +567,11 @@ __host__ __device__ inline MoeLatencySmem moeLatencySmem(int maxTokens, int topK
 // programmatic dependent of the stream's last kernel.
 cudaError_t launchMoeLatencyDispatch(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeLatencyCombine(const MoeParams& p, cudaStream_t stream);
-// Loads the two kernels and allows them the largest dynamic shared memory.
+// Loads the three kernels (the dispatch's, one per wire format, and the combine) and allows the
+// dispatch's the largest dynamic shared memory.
 cudaError_t preloadMoeLatencyKernels();
 
-// CTAs of the latency kernels (the lower of the two) that fit on one SM.
+// CTAs of the latency kernels (the lowest of the three) that fit on one SM.
 cudaError_t moeLatencyCtasPerSm(std::uint32_t smemBytes, int* ctas);
 
 // kernels/moe/barrier.cu: the device barrier among the ranks of the active-rank mask (one CTA;
