@@ -2,7 +2,9 @@
 // graphep::moe_latency::dispatchKernel and combineKernel, on G + E CTAs (G = grid.budgetCtas, the
 // SM budget; E = epilogueCtas). A launch runs both parts (no launch gap and no completion wait
 // between them), or one of them: the send half, and later the receive half (Engine::receive;
-// DeepEP's return_recv_hook), the same kernel. The dispatch's every CTA sends, then receives; the
+// DeepEP's return_recv_hook), the same kernel. The dispatch's every CTA sends, then receives (a
+// receive half alone: E receivers and G helpers that take part only once every count word is in,
+// dispatchReceive); the
 // combine's send part is CTAs [0, G) and its receive part CTAs [G, G + E), so that its receive
 // starts at once on SMs of its own. No count round trip before the payload. Every CTA first waits
 // for the stream's last kernel (griddepcontrol.wait; in a captured graph each launch is that
@@ -559,9 +561,11 @@ __device__ __forceinline__ const std::uint64_t* latencyMsg(const MoeParams& p, i
 // source already masked, so that a dead source costs one timeout, not one per round of words) or
 // reported. Each word read goes to copy[q * (1 + E_local) + j] (the receive's layout reads those;
 // a source outside the mask or already masked: zeros).
-// True when every live source's message came (the same in every thread).
+// True when every live source's message came (the same in every thread). `once` (a helper of a
+// receive half, masked nullptr): each word read once, nothing waited for or reported; true when
+// every word carried its tag.
 __device__ bool waitTaggedCounts(const MoeParams& p, int parity, std::uint32_t step, std::uint32_t live, std::uint32_t* masked,
-                                 std::uint64_t* copy) {
+                                 std::uint64_t* copy, bool once = false) {
   const int words = 1 + p.shape.localExperts, R = p.shape.numRanks;
   const std::uint32_t tag = moeCountTag(step);
   bool failed = false;
@@ -572,6 +576,11 @@ __device__ bool waitTaggedCounts(const MoeParams& p, int parity, std::uint32_t s
       continue;
     }
     const std::uint64_t* word = latencyMsg(p, parity, q) + n % words;
+    if (once) {
+      copy[n] = ptx::ldRelaxedSys64(word);
+      failed = failed || static_cast<std::uint32_t>(copy[n] >> 32) != tag;
+      continue;
+    }
     const bool ok = boundedPoll(
         p.peers.sync,
         [&](std::uint32_t* v) {
@@ -626,9 +635,40 @@ __device__ bool expandItem(const MoeParams& p, int parity, std::uint32_t tag, in
   return true;
 }
 
+// Source s's items in the receive (its records x chunks; none from a source left out).
+template <class MsgOf>
+__device__ __forceinline__ int sourceItems(const MoeParams& p, MsgOf msgOf, std::uint32_t live, int chunks, int s) {
+  return isLive(live, s) ? moeMsgRecords(p, msgOf(s)) * chunks : 0;
+}
+
+// Item g of the receive's order (every source's items, this rank's own first, then source by
+// source from the next rank on): its source s (-1 past the last item) and g made its index among
+// s's items.
+template <class MsgOf>
+__device__ __forceinline__ int itemSource(const MoeParams& p, MsgOf msgOf, std::uint32_t live, int chunks, int& g) {
+#pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
+  for (int k = 0; k < p.shape.numRanks; ++k) {
+    const int s = (p.shape.rank + k) % p.shape.numRanks;
+    const int n = sourceItems(p, msgOf, live, chunks, s);
+    if (g < n) return s;
+    g -= n;
+  }
+  return -1;
+}
+
 // The receive: the layout once every source's count words are in, then every record's chunks.
+// Its CTAs: a launch that also sends, every CTA (receivers); a receive half alone, G + E CTAs, of
+// which CTAs [0, E) are the receivers and the G others helpers. A receiver waits for the senders.
+// A helper looks once at the count words and takes part only if every one is in (every sender's
+// send has then run its count phase and stores its records without waiting for anything, so the
+// helper's waits for their lines end without any other kernel's room), else it leaves at once: so
+// a receive half that waits for a peer holds no more than E CTAs, and another engine's send half
+// on another stream keeps its room (the CTA plan's E + G). Items: the receivers' expanding warps
+// take one each first (item gw, the CTAs first; this rank's own items come first), then every
+// expanding warp claims the next item from the launch's counter (kMoeItemClaims) until none is
+// left, the next claim asked for beside the current item's loads.
 template <bool kFp8>
-__device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part part, std::uint32_t live) {
+__device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part all, std::uint32_t live) {
   __shared__ std::int32_t counts[kMoeMaxLocalExperts];
   __shared__ std::int32_t offsets[kMoeMaxLocalExperts + 1];
   __shared__ MoeLayoutScratch<kThreads> scratch;
@@ -643,20 +683,28 @@ __device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part part, std:
   // words read as zeros there (waitTaggedCounts), so the layout leaves it out.
   auto msgOf = [&](int q) { return MoeSharedMsg{msgs + q * (1 + L)}; };
   std::uint32_t* masked = shrinkWords(p, 0);  // the dispatch's (the receive part's ranks first), or nullptr
+  const bool alone = (p.latency.phase & kMoeLatencySend) == 0;
+  const Part part = alone ? Part{all.cta < p.grid.epilogueCtas ? all.cta : -1, p.grid.epilogueCtas} : all;  // the receivers
+  const bool helper = part.cta < 0;
+  // A helper in shrink mode leaves at once: a source masked after a timeout is settled among the
+  // receivers only.
+  if (helper && masked != nullptr) return;
   const int chunks = rowChunks(p);
-  const Part items = itemPart(part);  // CTA 0 publishes the layout and expands nothing
+  const Part items = helper ? Part{-1, 0} : itemPart(part);  // CTA 0 publishes the layout and expands nothing
   // 32-bit: a source's items are at most maxTokens x chunks, every source's at most R times that.
-  const int gw = warp * items.ctas + items.cta, warps = items.ctas * kWarps;
+  const int gw = items.cta >= 0 ? warp * items.ctas + items.cta : -1;
+  const int firstClaimed = itemPart(Part{0, part.ctas}).ctas * kWarps;  // the receivers' first items
   // This warp's first item (this rank's own record gw / chunks, its chunk gw % chunks: the first it
   // expands) asked for in L2 before the count words, so that its lines come from memory while
   // they do (a record past this step's count is asked for and never read: nothing else).
-  if (items.cta >= 0 && isLive(live, me) && gw < p.shape.maxTokens * chunks) {
+  if (gw >= 0 && isLive(live, me) && gw < p.shape.maxTokens * chunks) {
     prefetchItemLines<kFp8>(p, recordSlot(p, me, parity, me, gw / chunks), gw % chunks, lane);
   }
   bool counted = false;
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyReceive);
-    counted = waitTaggedCounts(p, parity, step, live, masked, msgs);
+    counted = waitTaggedCounts(p, parity, step, live, masked, msgs, helper);
+    if (helper && !counted) return;  // a sender has not run yet: not this CTA's to wait for
     if (part.cta == part.ctas - 1 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kLayout);
     if (masked != nullptr) {
       // Shrink on timeout: a source whose count message never came is left out like one outside
@@ -674,25 +722,30 @@ __device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part part, std:
     }
   }
   bool ok = counted;
-  if (counted) {
+  if (counted && (helper || items.cta >= 0)) {
     const MoeStamp stamp(p, MoeKernel::kLatencyExpand);
-    // Every source's records, this rank's own first (its send wrote them: usually there first;
-    // each item waits for its lines' tags either way), then source by source from the next rank
-    // on: item (record, chunk) over every warp of the items' CTAs, the CTAs first.
-    int before = 0;  // items of the sources before this one
+    std::uint32_t* claims = p.peers.lastCtaCounters + kMoeItemClaims;
+    int total = 0;  // every live source's items
 #pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
-    for (int k = 0; k < R && ok && items.cta >= 0; ++k) {
-      const int s = (me + k) % R;
-      if (!isLive(live, s)) continue;
-      const int n = moeMsgRecords(p, msgOf(s)) * chunks;  // s's items
-      const long long rankBase = p.layout.rankMajor ? moeRankBase(p, msgOf, s) : -1;
-      for (int item = (gw - before % warps + warps) % warps; item < n && ok; item += warps) {
-        const int i = item / chunks, c = item % chunks;
-        ok = expandItem<kFp8>(p, parity, tag, s, i, c, srcBase + s * L, p.layout.rankMajor ? rankBase + i : -1, lane);
-      }
-      before += n;
-      // The first expanding CTA's own items done (the latest of its warps).
-      if (k == 0 && items.cta == 0 && lane == 0) moeTrace(p, 0, step, MoeTraceEvent::kOwnDone0, 0, true);
+    for (int q = 0; q < R; ++q) total += sourceItems(p, msgOf, live, chunks, q);
+    int g = gw;
+    if (helper) {  // a helper's first item is claimed
+      unsigned first = 0;
+      if (lane == 0) first = atomicAdd(claims, 1u);
+      g = firstClaimed + static_cast<int>(__shfl_sync(kFullMask, first, 0));
+    }
+    for (bool own = true; g < total && ok; own = false) {
+      unsigned next = 0;
+      if (lane == 0) next = atomicAdd(claims, 1u);  // relaxed: it only hands out items
+      int idx = g;
+      const int s = itemSource(p, msgOf, live, chunks, idx);
+      if (s < 0) break;  // (g < total: not reached)
+      const int i = idx / chunks, c = idx % chunks;
+      const long long rankRow = p.layout.rankMajor ? moeRankBase(p, msgOf, s) + i : -1;
+      ok = expandItem<kFp8>(p, parity, tag, s, i, c, srcBase + s * L, rankRow, lane);
+      // The first expanding CTA's first own item done (the latest of its warps).
+      if (own && s == me && items.cta == 0 && lane == 0) moeTrace(p, 0, step, MoeTraceEvent::kOwnDone0, 0, true);
+      g = firstClaimed + static_cast<int>(__shfl_sync(kFullMask, next, 0));
     }
   }
   // After this CTA's last wait on another rank, not before: the stream's next kernel (the next
@@ -788,8 +841,9 @@ __global__ void __launch_bounds__(kThreads) dispatchKernel(const __grid_constant
   if (receives) dispatchReceive<kFp8>(p, sm, all, live);
   if (receives && lastBlock(&p.peers.lastCtaCounters[0]) && threadIdx.x == 0) {
     moeTrace(p, 0, p.peers.steps[0], MoeTraceEvent::kDone);
-    // Every CTA read the step before lastBlock's barrier.
+    // Every CTA read the step before lastBlock's barrier, and made its last claim.
     p.peers.steps[0] = p.peers.steps[0] + 1u;
+    p.peers.lastCtaCounters[kMoeItemClaims] = 0;
     *p.peers.dispatchLive = settledLive(p, 0, live);  // its combine's mask, less the ranks masked after a timeout
     *p.state.pending = kMoeDispatched | kMoePendingCombine;
   }
@@ -1030,6 +1084,11 @@ __global__ void __launch_bounds__(kThreads) combineKernel(const __grid_constant_
 int launchCtas(const MoeParams& p) {
   return ((p.latency.phase & kMoeLatencySend) != 0 ? p.grid.budgetCtas : 0) + ((p.latency.phase & kMoeLatencyReceive) != 0 ? p.grid.epilogueCtas : 0);
 }
+// The dispatch's: a launch with its receive part takes G + E CTAs (a receive half alone: E
+// receivers and G helpers, dispatchReceive), a send half G.
+int dispatchCtas(const MoeParams& p) {
+  return p.grid.budgetCtas + ((p.latency.phase & kMoeLatencyReceive) != 0 ? p.grid.epilogueCtas : 0);
+}
 
 // The parts, their CTAs and the paths' limits, refused for `launcher`.
 cudaError_t checkLaunch(const char* launcher, const MoeParams& p) {
@@ -1058,7 +1117,7 @@ cudaError_t launchMoeLatencyDispatch(const MoeParams& p, cudaStream_t stream) {
   GRAPHEP_LAUNCH_REQUIRE(lay.bytes <= kMoeLatencyMaxSmem, "the send's routing needs %u bytes of shared memory (at most %u)",
                          lay.bytes, kMoeLatencyMaxSmem);
   cudaLaunchAttribute attrs[2];
-  cudaLaunchConfig_t cfg = moeLaunchConfig(launchCtas(p), kThreads, 1, p.grid.programmatic != 0, stream, attrs);
+  cudaLaunchConfig_t cfg = moeLaunchConfig(dispatchCtas(p), kThreads, 1, p.grid.programmatic != 0, stream, attrs);
   cfg.dynamicSmemBytes = lay.bytes;
   return p.shape.fp8 ? cudaLaunchKernelEx(&cfg, dispatchKernel<true>, p) : cudaLaunchKernelEx(&cfg, dispatchKernel<false>, p);
 }

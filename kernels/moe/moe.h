@@ -369,7 +369,9 @@ struct MoePeers {
   std::uint64_t countFlagsOff;   // u32 [R]: source q's count message of step s landed: s + 1 (the latency
                                  // path's messages carry that tag in each word; its flags only tell checkHealth)
   std::uint32_t* steps;          // local [2]: dispatch and combine steps (monotonic)
-  std::uint32_t* lastCtaCounters;  // local [2]: last-CTA counters of the dispatch's and combine's last kernels
+  // local [3]: last-CTA counters of the dispatch's and combine's last kernels, then the latency
+  // dispatch receive's item claims (kMoeItemClaims; its last CTA resets them)
+  std::uint32_t* lastCtaCounters;
   SyncHandle sync;               // bounded waits (timeout, error record)
   // The active-rank mask (Engine::setActiveRanks; the latency path and the direct throughput
   // path): bit r, rank r takes part. Each CTA of a dispatch reads it (dispatchMask), and the
@@ -535,6 +537,8 @@ inline constexpr int kMoeLatencyThreads = 512;
 inline constexpr std::uint32_t kMoeLatencyMaxSmem = 96u << 10;
 inline constexpr std::int32_t kMoeLatencySend = 1;
 inline constexpr std::int32_t kMoeLatencyReceive = 2;
+// MoePeers::lastCtaCounters[kMoeItemClaims]: the latency dispatch receive's item claims.
+inline constexpr int kMoeItemClaims = 2;
 
 // MoeParams::input.scaleFormat (graphep::Fp8Scales).
 inline constexpr std::int32_t kMoeScaleFloat = 0;
