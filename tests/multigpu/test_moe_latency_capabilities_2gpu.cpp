@@ -982,6 +982,62 @@ TEST_F(Gpu2_MoeLatencyCapabilities, CombineSendHalfWaitsForNoPeer) {
   GRAPHEP_CUDA_CHECK(cudaEventDestroy(sent));
 }
 
+// Two micro-batches in flight, each on an engine and a stream of its own (DeepEP's double buffering
+// with return_recv_hook): rank 1 is held before micro-batch A's dispatch send half, so rank 0's
+// receive half of A waits for it. Meanwhile rank 0 runs micro-batch B's send half on B's stream: it
+// must finish, since a waiting receive half holds no more than its E receivers (its G helpers, which
+// find a count word missing, leave) and B's G send CTAs fit beside them. Then rank 1 goes on, and
+// both micro-batches' dispatches and combines are exact.
+TEST_F(Gpu2_MoeLatencyCapabilities, DispatchReceiveHalfLeavesRoomForAnotherEngine) {
+  HostGate gate;
+  Rig a(latencyConfig(2048, ReceiveLayout::kBatched)), b(latencyConfig(2048, ReceiveLayout::kBatched));
+  std::uint64_t seed = 2700;
+  cudaEvent_t sent = nullptr;
+  b.select(0);
+  GRAPHEP_CUDA_CHECK(cudaEventCreateWithFlags(&sent, cudaEventDisableTiming));
+  for (int step = 0; step < 3; ++step) {
+    const Inputs inA = a.newInputs(++seed, step), inB = b.newInputs(++seed, step + 1);
+    const std::vector<RefLayout> refsA = a.reference(inA), refsB = b.reference(inB);
+    const std::string what = "step " + std::to_string(step);
+    DispatchOptions d;
+    d.half = MoeHalf::kSend;
+    a.poisonDispatchOutputs();
+    b.poisonDispatchOutputs();
+    a.select(1);
+    gate.hold(a.stream(1));
+    a.engine(1).dispatch(a.dispatchArgs(1, d), a.stream(1));
+    a.receiveAfterOtherWork(1, a.stream(1));
+    a.select(0);
+    a.engine(0).dispatch(a.dispatchArgs(0, d), a.stream(0));
+    a.receiveAfterOtherWork(0, a.stream(0));
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // rank 0's receive half of A waiting
+    b.select(0);
+    b.engine(0).dispatch(b.dispatchArgs(0, d), b.stream(0));
+    GRAPHEP_CUDA_CHECK(cudaEventRecord(sent, b.stream(0)));
+    EXPECT_TRUE(completesWithin(sent, 3000))
+        << what << ": rank 0's send half of micro-batch B did not finish in 3 s beside its receive half of A, "
+                   "which waits for rank 1";
+    gate.open();
+    b.receiveAfterOtherWork(0, b.stream(0));
+    b.select(1);
+    b.engine(1).dispatch(b.dispatchArgs(1, d), b.stream(1));
+    b.receiveAfterOtherWork(1, b.stream(1));
+    a.syncAll();
+    b.syncAll();
+    EXPECT_EQ(checkDispatch(a, inA, refsA, d, what + ", micro-batch A"), 0);
+    EXPECT_EQ(checkDispatch(b, inB, refsB, d, what + ", micro-batch B"), 0);
+    const auto yA = a.newExpertOutputs(++seed), yB = b.newExpertOutputs(++seed);
+    a.combineAll(CombineOptions{});
+    b.combineAll(CombineOptions{});
+    EXPECT_EQ(checkCombine(a, inA, refsA, yA, Weights::kDispatch, what + ", micro-batch A"), 0);
+    EXPECT_EQ(checkCombine(b, inB, refsB, yB, Weights::kDispatch, what + ", micro-batch B"), 0);
+    expectStatusOk(a, what + ", micro-batch A");
+    expectStatusOk(b, what + ", micro-batch B");
+  }
+  b.select(0);
+  GRAPHEP_CUDA_CHECK(cudaEventDestroy(sent));
+}
+
 // Shrink on timeout with the combine's halves: after a good step, rank 1 stops before its combine
 // send half (it enqueues nothing more, as a dead process would), so its combine-time weights never
 // come. Rank 0's send half leaves rank 1's records to its receive half, whose stand-ins wait for
