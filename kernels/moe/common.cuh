@@ -243,12 +243,15 @@ __host__ __device__ __forceinline__ std::uint64_t moeTaggedCount(std::uint32_t s
 // Every thread of one CTA of kThreads: counts[j] (rows routed to local expert j from every
 // source) and offsets[j] (its first row: the exclusive prefix sum of the aligned counts; offsets[L]
 // the end, before any clamping to the capacity), both block-shared. Ends with the CTA synchronised.
-template <int kThreads, class Msg>
+// kBatched: whether the layout is batched (p.layout.rowsPerExpert > 0), known to a caller built for
+// one layout (1 or 0: the other branch's code is not compiled in), or -1: read from p.
+template <int kThreads, class Msg, int kBatched = -1>
 __device__ void moeComputeOffsets(const MoeParams& p, Msg msg, std::int32_t* counts, std::int32_t* offsets,
                                   MoeLayoutScratch<kThreads>& scratch) {
   constexpr int kItems = MoeLayoutScratch<kThreads>::kItems;
   const int tid = static_cast<int>(threadIdx.x), L = p.shape.localExperts;
-  if (p.layout.rowsPerExpert > 0) {  // batched: expert j's block starts at j x rowsPerExpert, whatever arrives
+  const bool batched = kBatched < 0 ? p.layout.rowsPerExpert > 0 : kBatched != 0;
+  if (batched) {  // batched: expert j's block starts at j x rowsPerExpert, whatever arrives
     for (int j = tid; j <= L; j += kThreads) {
       if (j < L) {
         std::int32_t c = 0;

@@ -84,6 +84,15 @@ __device__ __forceinline__ int popcBelow(const std::uint32_t* bits, int t) {
   return c;
 }
 
+// The receive layout a dispatch kernel is built for (p.layout says which: rankMajor; batched,
+// rowsPerExpert > 0; else expert-major): one kernel each, so that a layout's branches in the
+// receive's item loop are not code the others fetch.
+enum class MoeRecvLayout : int { kExpertMajor = 0, kBatched = 1, kRankMajor = 2 };
+inline constexpr int kMoeRecvLayouts = 3;
+__host__ __device__ __forceinline__ MoeRecvLayout recvLayoutOf(const MoeParams& p) {
+  return p.layout.rankMajor ? MoeRecvLayout::kRankMajor : p.layout.rowsPerExpert > 0 ? MoeRecvLayout::kBatched : MoeRecvLayout::kExpertMajor;
+}
+
 // The CTAs of one part of a launch: this CTA's index among them and their number (the combine's
 // send part is CTAs [0, G), its receive part CTAs [G, G + epilogueCtas); each of the dispatch's
 // parts is every CTA of the launch).
@@ -337,16 +346,17 @@ __device__ __forceinline__ void storeRows(const MoeParams& p, unsigned kept, lon
 
 // The recv_x rows of a record from source s (token `token`; lane k < topK holding its slot k, expert
 // -1: none), as the lanes holding one (`row`) and their ballot. `meta` (one item per record): each
-// row's metadata, the rows past the capacity counted; rank-major (rankRow >= 0): the record's one
-// row (lane 0's) and each top-k slot's local expert and weight.
+// row's metadata, the rows past the capacity counted; rank-major: the record's one row (`rankRow`,
+// lane 0's) and each top-k slot's local expert and weight.
 struct Rows {
   unsigned kept;
   long long row;
 };
+template <MoeRecvLayout kLayout>
 __device__ __forceinline__ Rows recordRows(const MoeParams& p, int s, int token, const MoeRecordSlot& slot, const std::int32_t* srcBase,
                                            long long rankRow, bool meta, int lane) {
   const bool valid = slot.localExpert >= 0 && slot.localExpert < p.shape.localExperts;
-  if (rankRow >= 0) {
+  if constexpr (kLayout == MoeRecvLayout::kRankMajor) {
     const bool exists = moeRankRowExists(p, rankRow, true, meta ? lane : 1);
     if (meta && exists) {
       if (lane < p.shape.topK) moeStoreRowSlot(p, rankRow, lane, -1, 0.f);
@@ -360,17 +370,18 @@ __device__ __forceinline__ Rows recordRows(const MoeParams& p, int s, int token,
       }
     }
     return Rows{exists ? 1u : 0u, rankRow};
+  } else {
+    const long long pos = valid ? moeSlotRow(p, srcBase, slot) : -1;
+    if (meta && pos >= 0) {
+      p.layout.rowSrcRank[pos] = s;
+      p.layout.rowSrcToken[pos] = token;
+      p.layout.rowTopkSlot[pos] = slot.k;
+      p.layout.rowWeight[pos] = slot.weight;
+    } else if (meta && valid) {
+      moeReportDroppedRow(p, static_cast<long long>(srcBase[slot.localExpert]) + slot.index);
+    }
+    return Rows{__ballot_sync(kFullMask, pos >= 0), pos};
   }
-  const long long pos = valid ? moeSlotRow(p, srcBase, slot) : -1;
-  if (meta && pos >= 0) {
-    p.layout.rowSrcRank[pos] = s;
-    p.layout.rowSrcToken[pos] = token;
-    p.layout.rowTopkSlot[pos] = slot.k;
-    p.layout.rowWeight[pos] = slot.weight;
-  } else if (meta && valid) {
-    moeReportDroppedRow(p, static_cast<long long>(srcBase[slot.localExpert]) + slot.index);
-  }
-  return Rows{__ballot_sync(kFullMask, pos >= 0), pos};
 }
 
 // The CTAs of a part that expand records: every one but CTA 0, which publishes the layout (all of
@@ -601,7 +612,7 @@ __device__ bool waitTaggedCounts(const MoeParams& p, int parity, std::uint32_t s
 // One warp item of the receive: chunk c of record i from source s (this rank's own or a peer's:
 // payload and metadata as lines, waited for). Chunk 0 writes the rows' metadata and the record's
 // plain metadata, for the combine. False: a line never came.
-template <bool kFp8>
+template <bool kFp8, MoeRecvLayout kLayout>
 __device__ bool expandItem(const MoeParams& p, int parity, std::uint32_t tag, int s, int i, int c, const std::int32_t* srcBase,
                            long long rankRow, int lane) {
   const int K = p.shape.topK;
@@ -630,7 +641,7 @@ __device__ bool expandItem(const MoeParams& p, int parity, std::uint32_t tag, in
     if (lane < nslots) plainSlots[lane] = laneSlot;
     if (lane == 0) *reinterpret_cast<MoeRecordHeader*>(view + p.shape.payloadBytes) = MoeRecordHeader{token, nslots, {0, 0}};
   }
-  const Rows rows = recordRows(p, s, token, laneSlot, srcBase, rankRow, c == 0, lane);
+  const Rows rows = recordRows<kLayout>(p, s, token, laneSlot, srcBase, rankRow, c == 0, lane);
   storeRows<kFp8>(p, rows.kept, rows.row, c, lane, share);
   return true;
 }
@@ -667,7 +678,7 @@ __device__ __forceinline__ int itemSource(const MoeParams& p, MsgOf msgOf, std::
 // take one each first (item gw, the CTAs first; this rank's own items come first), then every
 // expanding warp claims the next item from the launch's counter (kMoeItemClaims) until none is
 // left, the next claim asked for beside the current item's loads.
-template <bool kFp8>
+template <bool kFp8, MoeRecvLayout kLayout>
 __device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part all, std::uint32_t live) {
   __shared__ std::int32_t counts[kMoeMaxLocalExperts];
   __shared__ std::int32_t offsets[kMoeMaxLocalExperts + 1];
@@ -716,7 +727,7 @@ __device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part all, std::
       __syncthreads();
     }
     if (counted) {
-      moeComputeOffsets<kThreads>(p, msgOf, counts, offsets, scratch);
+      moeComputeOffsets<kThreads, decltype(msgOf), kLayout == MoeRecvLayout::kBatched ? 1 : 0>(p, msgOf, counts, offsets, scratch);
       moeComputeSourceBases<kThreads>(p, msgOf, offsets, srcBase);
       if (part.cta == 0) moePublishLayout<kThreads>(p, msgOf, counts, offsets, srcBase, scratch);  // copies srcBase out
     }
@@ -741,8 +752,8 @@ __device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part all, std::
       const int s = itemSource(p, msgOf, live, chunks, idx);
       if (s < 0) break;  // (g < total: not reached)
       const int i = idx / chunks, c = idx % chunks;
-      const long long rankRow = p.layout.rankMajor ? moeRankBase(p, msgOf, s) + i : -1;
-      ok = expandItem<kFp8>(p, parity, tag, s, i, c, srcBase + s * L, rankRow, lane);
+      const long long rankRow = kLayout == MoeRecvLayout::kRankMajor ? moeRankBase(p, msgOf, s) + i : -1;
+      ok = expandItem<kFp8, kLayout>(p, parity, tag, s, i, c, srcBase + s * L, rankRow, lane);
       // The first expanding CTA's first own item done (the latest of its warps).
       if (own && s == me && items.cta == 0 && lane == 0) moeTrace(p, 0, step, MoeTraceEvent::kOwnDone0, 0, true);
       g = firstClaimed + static_cast<int>(__shfl_sync(kFullMask, next, 0));
@@ -812,9 +823,10 @@ __device__ __forceinline__ void askForRecords(const MoeParams& p, int parity) {
   ptx::prefetchL2(recordSlot(p, p.shape.rank, parity, 0, 0) + from, static_cast<std::uint32_t>(n));
 }
 
-// kFp8: p.shape.fp8 (the wire format), fixed at compile time: one kernel per format, so that
-// neither carries the other's code (an SM fetches this kernel's code cold on every launch).
-template <bool kFp8>
+// kFp8: p.shape.fp8 (the wire format), and kLayout: recvLayoutOf(p), fixed at compile time: one
+// kernel per format and layout, so that none carries another's code (an SM fetches this kernel's
+// code cold on every launch).
+template <bool kFp8, MoeRecvLayout kLayout>
 __global__ void __launch_bounds__(kThreads) dispatchKernel(const __grid_constant__ MoeParams p) {
   extern __shared__ int4 smemRaw[];
   char* sm = reinterpret_cast<char*>(smemRaw);
@@ -838,7 +850,7 @@ __global__ void __launch_bounds__(kThreads) dispatchKernel(const __grid_constant
     traceStart(p, 0, all, entered);
     dispatchSend<kFp8>(p, sm, all, start);
   }
-  if (receives) dispatchReceive<kFp8>(p, sm, all, live);
+  if (receives) dispatchReceive<kFp8, kLayout>(p, sm, all, live);
   if (receives && lastBlock(&p.peers.lastCtaCounters[0]) && threadIdx.x == 0) {
     moeTrace(p, 0, p.peers.steps[0], MoeTraceEvent::kDone);
     // Every CTA read the step before lastBlock's barrier, and made its last claim.
@@ -1080,6 +1092,14 @@ __global__ void __launch_bounds__(kThreads) combineKernel(const __grid_constant_
   }
 }
 
+// The dispatch kernels, [fp8][recvLayoutOf], each the one a launch of that format and layout runs.
+using DispatchKernelFn = void (*)(MoeParams);
+constexpr DispatchKernelFn kDispatchKernels[2][kMoeRecvLayouts] = {
+    {dispatchKernel<false, MoeRecvLayout::kExpertMajor>, dispatchKernel<false, MoeRecvLayout::kBatched>,
+     dispatchKernel<false, MoeRecvLayout::kRankMajor>},
+    {dispatchKernel<true, MoeRecvLayout::kExpertMajor>, dispatchKernel<true, MoeRecvLayout::kBatched>,
+     dispatchKernel<true, MoeRecvLayout::kRankMajor>}};
+
 // CTAs of one launch: the parts it runs, side by side.
 int launchCtas(const MoeParams& p) {
   return ((p.latency.phase & kMoeLatencySend) != 0 ? p.grid.budgetCtas : 0) + ((p.latency.phase & kMoeLatencyReceive) != 0 ? p.grid.epilogueCtas : 0);
@@ -1119,7 +1139,7 @@ cudaError_t launchMoeLatencyDispatch(const MoeParams& p, cudaStream_t stream) {
   cudaLaunchAttribute attrs[2];
   cudaLaunchConfig_t cfg = moeLaunchConfig(dispatchCtas(p), kThreads, 1, p.grid.programmatic != 0, stream, attrs);
   cfg.dynamicSmemBytes = lay.bytes;
-  return p.shape.fp8 ? cudaLaunchKernelEx(&cfg, dispatchKernel<true>, p) : cudaLaunchKernelEx(&cfg, dispatchKernel<false>, p);
+  return cudaLaunchKernelEx(&cfg, kDispatchKernels[p.shape.fp8 ? 1 : 0][static_cast<int>(recvLayoutOf(p))], p);
 }
 
 cudaError_t launchMoeLatencyCombine(const MoeParams& p, cudaStream_t stream) {
@@ -1131,23 +1151,27 @@ cudaError_t launchMoeLatencyCombine(const MoeParams& p, cudaStream_t stream) {
 }
 
 cudaError_t preloadMoeLatencyKernels() {
-  for (const auto kernel : {moe_latency::dispatchKernel<true>, moe_latency::dispatchKernel<false>}) {
-    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kMoeLatencyMaxSmem));
-    if (e != cudaSuccess) return e;
+  for (const auto& format : moe_latency::kDispatchKernels) {
+    for (const auto kernel : format) {
+      const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kMoeLatencyMaxSmem));
+      if (e != cudaSuccess) return e;
+    }
   }
   return preloadKernels(moe_latency::combineKernel);
 }
 
 cudaError_t moeLatencyCtasPerSm(std::uint32_t smemBytes, int* ctas) {
-  int fp8 = 0, bf16 = 0, combine = 0;  // the fewest of the three kernels
-  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fp8, moe_latency::dispatchKernel<true>, moe_latency::kThreads, smemBytes);
-  if (e == cudaSuccess) {
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&bf16, moe_latency::dispatchKernel<false>, moe_latency::kThreads, smemBytes);
+  int fewest = 0;  // over every dispatch kernel and the combine's
+  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fewest, moe_latency::combineKernel, moe_latency::kThreads, 0);
+  for (const auto& format : moe_latency::kDispatchKernels) {
+    for (const auto kernel : format) {
+      int n = 0;
+      if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, moe_latency::kThreads, smemBytes);
+      if (n < fewest) fewest = n;
+    }
   }
-  if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&combine, moe_latency::combineKernel, moe_latency::kThreads, 0);
   if (e != cudaSuccess) return e;
-  *ctas = fp8 < bf16 ? fp8 : bf16;
-  if (combine < *ctas) *ctas = combine;
+  *ctas = fewest;
   return cudaSuccess;
 }
 
