@@ -173,6 +173,7 @@ MoeParams bindParams(const BindPlan& plan, SymmetricHeap& heap, int l, char* blo
   p.direct.valuesOff = ph.llCombVal;
   p.latency.weightsOff = ph.llCombW;
   p.latency.weightFlagsOff = ph.llCombWFlag;
+  p.latency.placedOff = ph.llPlaced;
   p.peers.steps = reinterpret_cast<std::uint32_t*>(b + o.llSteps);
   p.peers.lastCtaCounters = reinterpret_cast<std::uint32_t*>(b + o.llDone);
   p.peers.live = reinterpret_cast<const std::uint32_t*>(b + o.llMask);

@@ -51,6 +51,8 @@ PathHeap pathHeap(MoePath path, const MoeSizes& z, const MoeConfig& cfg) {
     // The combine's top-k weights from each source ([2][R][T][K] fp32) and their flags [R].
     h.llCombW = a.carve("llCombW", 2 * z.R * z.T * static_cast<std::size_t>(cfg.topK), 4, 256);
     h.llCombWFlag = a.carve("llCombWFlag", z.R, 4, 256);
+    // The dispatch's send CTAs' starts from each source ([2][R][kMoeMaxPlacedCtas] u64).
+    h.llPlaced = a.carve("llPlaced", 2 * z.R * kMoeMaxPlacedCtas, 8, 256);
   } else {
     // The records and partials, then the direct dispatch's [2][R] count messages, [R] flags and
     // [R][W] block flags for the records and for the partials, its [R] acknowledgements of the

@@ -38,8 +38,9 @@ enum class MoeTraceEvent : int {
   kDone,       // the launch's last CTA advanced the step
   // The receive's first CTA (the dispatch's first expanding CTA): the wait for this rank's own
   // send CTAs returned (no longer stamped: the rebuilt dispatch has no such wait; the value is
-  // kept so that the others keep theirs), it finished this rank's own records, it saw every peer
-  // arrive (dispatch: every line it expands).
+  // kept so that the others keep theirs), it finished this rank's own records (dispatch: the latest
+  // of its warps' first items, when that item is an own record; later items are claimed), it saw
+  // every peer arrive (dispatch: every line it expands).
   kOwnArrived0,
   kOwnDone0,
   kArrived0,

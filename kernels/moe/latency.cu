@@ -22,10 +22,12 @@
 //                      step's tag, no fence, no arrival counter), this rank's own slot among them.
 //            receive  every CTA waits for every count word's tag (kept in shared memory) and
 //                      derives the layout (CTA 0 publishes it and expands nothing); warp items
-//                      over every warp (the CTAs first) expand every source's records, this
-//                      rank's own first, each item as soon as its own lines carry the step's tag,
-//                      and keep each record's plain metadata for the combine; the last CTA of the
-//                      launch advances the step.
+//                      (record, chunk; this rank's own first), one per expanding warp and then
+//                      claimed from a counter, expand every source's records, each item as soon
+//                      as its own lines carry the step's tag, and keep each record's plain
+//                      metadata for the combine; the last CTA of the launch advances the step. A
+//                      receive half alone runs on G + E CTAs: E receivers as above and G helpers
+//                      that take part only once every sender has started (dispatchReceive).
 //   combine   send     with combine-time weights, each send CTA first writes its share of the
 //                      destinations' weights (this rank's tokens' top-k weights at each token's
 //                      record index) and posts their flag; each group then reduces one record
@@ -609,6 +611,40 @@ __device__ bool waitTaggedCounts(const MoeParams& p, int parity, std::uint32_t s
   return __syncthreads_or(failed) == 0;
 }
 
+// Source q's send CTA c in step `step` (parity) has started: its word, in this rank's heap.
+__device__ __forceinline__ std::uint64_t* placedWord(const MoeParams& p, int r, int parity, int q, int c) {
+  return reinterpret_cast<std::uint64_t*>(p.peers.userRegions[r] + p.latency.placedOff) +
+         (static_cast<std::uint64_t>(parity) * p.shape.numRanks + q) * kMoeMaxPlacedCtas + c;
+}
+
+// Every thread of a send CTA, at the send's start: this CTA has started, told to every rank taking
+// part (its word for this rank and this CTA: the step's tag beside the launch's CTAs). Relaxed: it
+// orders nothing, it only says the CTA runs.
+__device__ __forceinline__ void postPlaced(const MoeParams& p, std::uint32_t step, std::uint32_t live) {
+  const int r = static_cast<int>(threadIdx.x), c = static_cast<int>(blockIdx.x);
+  if (r < p.shape.numRanks && c < kMoeMaxPlacedCtas && isLive(live, r)) {
+    ptx::stRelaxedSys64(placedWord(p, r, static_cast<int>(step & 1u), p.shape.rank, c), moeTaggedCount(step, gridDim.x));
+  }
+}
+
+// Every thread of a helper CTA (dispatchReceive), after every count word came: whether every send
+// CTA of every live source has started, each word read once (none waited for). Then every line
+// this receive waits for comes from a send that runs, and a send waits for nothing.
+__device__ bool sendersPlaced(const MoeParams& p, int parity, std::uint32_t step, std::uint32_t live) {
+  const std::uint32_t tag = moeCountTag(step);
+  bool missing = false;
+  for (int n = static_cast<int>(threadIdx.x); n < p.shape.numRanks * kMoeMaxPlacedCtas; n += kThreads) {
+    const int q = n / kMoeMaxPlacedCtas, c = n % kMoeMaxPlacedCtas;
+    if (!isLive(live, q)) continue;
+    const std::uint64_t first = ptx::ldRelaxedSys64(placedWord(p, p.shape.rank, parity, q, 0));
+    const std::uint64_t mine = ptx::ldRelaxedSys64(placedWord(p, p.shape.rank, parity, q, c));
+    const std::uint32_t ctas = static_cast<std::uint32_t>(first);
+    const bool known = static_cast<std::uint32_t>(first >> 32) == tag && ctas <= static_cast<std::uint32_t>(kMoeMaxPlacedCtas);
+    missing = missing || !known || (static_cast<std::uint32_t>(c) < ctas && static_cast<std::uint32_t>(mine >> 32) != tag);
+  }
+  return __syncthreads_or(missing) == 0;
+}
+
 // One warp item of the receive: chunk c of record i from source s (this rank's own or a peer's:
 // payload and metadata as lines, waited for). Chunk 0 writes the rows' metadata and the record's
 // plain metadata, for the combine. False: a line never came.
@@ -670,11 +706,12 @@ __device__ __forceinline__ int itemSource(const MoeParams& p, MsgOf msgOf, std::
 // The receive: the layout once every source's count words are in, then every record's chunks.
 // Its CTAs: a launch that also sends, every CTA (receivers); a receive half alone, G + E CTAs, of
 // which CTAs [0, E) are the receivers and the G others helpers. A receiver waits for the senders.
-// A helper looks once at the count words and takes part only if every one is in (every sender's
-// send has then run its count phase and stores its records without waiting for anything, so the
-// helper's waits for their lines end without any other kernel's room), else it leaves at once: so
-// a receive half that waits for a peer holds no more than E CTAs, and another engine's send half
-// on another stream keeps its room (the CTA plan's E + G). Items: the receivers' expanding warps
+// A helper looks once at the count words and at every send CTA's start (postPlaced) and takes part
+// only if every one is in: every CTA of every sender's launch has then started, and a send waits
+// for nothing, so every line the helper waits for comes without any other kernel's room (a count
+// word alone proves only that the one CTA that posts it started). Else it leaves at once: so a
+// receive half that waits for a peer holds no more than E CTAs, and another engine's send half on
+// another stream keeps its room (the CTA plan's E + G). Items: the receivers' expanding warps
 // take one each first (item gw, the CTAs first; this rank's own items come first), then every
 // expanding warp claims the next item from the launch's counter (kMoeItemClaims) until none is
 // left, the next claim asked for beside the current item's loads.
@@ -715,7 +752,8 @@ __device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part all, std::
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyReceive);
     counted = waitTaggedCounts(p, parity, step, live, masked, msgs, helper);
-    if (helper && !counted) return;  // a sender has not run yet: not this CTA's to wait for
+    if (helper) counted = counted && sendersPlaced(p, parity, step, live);
+    if (helper && !counted) return;  // a sender has not started yet: not this CTA's to wait for
     if (part.cta == part.ctas - 1 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kLayout);
     if (masked != nullptr) {
       // Shrink on timeout: a source whose count message never came is left out like one outside
@@ -848,6 +886,7 @@ __global__ void __launch_bounds__(kThreads) dispatchKernel(const __grid_constant
   if (sends && !receives && blockIdx.x == 0 && threadIdx.x == 0) *p.latency.halfLive = live;
   if (sends) {
     traceStart(p, 0, all, entered);
+    postPlaced(p, start.step, live);
     dispatchSend<kFp8>(p, sm, all, start);
   }
   if (receives) dispatchReceive<kFp8, kLayout>(p, sm, all, live);

@@ -414,6 +414,9 @@ struct MoeLatencyParams {
   std::uint64_t partialArrivalsOff;  // u32 [R]: CTAs of destination q whose partials landed
   std::uint64_t weightsOff;          // [2][R][maxTokens][topK] fp32 combine weights
   std::uint64_t weightFlagsOff;      // u32 [R]: combine step + 1
+  // u64 [2][R][kMoeMaxPlacedCtas]: send CTA c of source q in step s (parity s & 1) has started:
+  // moeTaggedCount(s, the CTAs of q's launch) (a receive half's helpers read them, dispatchReceive)
+  std::uint64_t placedOff;
   std::int32_t phase;                // kMoeLatencySend | kMoeLatencyReceive
   std::uint32_t* halfLive;           // local: a dispatch send half's mask (peers.live), for its receive half
   // Local [G]: per send CTA of a combine send half, the sources whose combine-time weights it
@@ -539,6 +542,9 @@ inline constexpr std::int32_t kMoeLatencySend = 1;
 inline constexpr std::int32_t kMoeLatencyReceive = 2;
 // MoePeers::lastCtaCounters[kMoeItemClaims]: the latency dispatch receive's item claims.
 inline constexpr int kMoeItemClaims = 2;
+// The send CTAs of a latency dispatch launch that post their start (MoeLatencyParams::placedOff);
+// a launch of more posts none past it, and no receive half's helper then takes part.
+inline constexpr int kMoeMaxPlacedCtas = 256;
 
 // MoeParams::input.scaleFormat (graphep::Fp8Scales).
 inline constexpr std::int32_t kMoeScaleFloat = 0;

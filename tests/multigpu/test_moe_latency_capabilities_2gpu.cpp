@@ -987,10 +987,22 @@ TEST_F(Gpu2_MoeLatencyCapabilities, CombineSendHalfWaitsForNoPeer) {
 // receive half of A waits for it. Meanwhile rank 0 runs micro-batch B's send half on B's stream: it
 // must finish, since a waiting receive half holds no more than its E receivers (its G helpers, which
 // find a count word missing, leave) and B's G send CTAs fit beside them. Then rank 1 goes on, and
-// both micro-batches' dispatches and combines are exact.
+// both micro-batches' dispatches and combines are exact. G = 64 senders and E = the SMs left
+// receivers, so that G + E CTAs of the dispatch kernel (512 threads, one CTA an SM) fill each GPU:
+// a receive half whose every CTA waited would leave B's send half no room (mutant 53).
 TEST_F(Gpu2_MoeLatencyCapabilities, DispatchReceiveHalfLeavesRoomForAnotherEngine) {
+  int sms = 0;
+  for (int d = 0; d < kRanks; ++d) {
+    cudaDeviceProp prop{};
+    GRAPHEP_CUDA_CHECK(cudaGetDeviceProperties(&prop, d));
+    sms = d == 0 ? prop.multiProcessorCount : std::min(sms, prop.multiProcessorCount);
+  }
+  if (sms < 2 * 64) GTEST_SKIP() << sms << " SMs: the test fills a GPU with 64 senders and at least as many receivers";
+  MoeConfig cfg = latencyConfig(2048, ReceiveLayout::kBatched);
+  cfg.smBudget = 64;
+  cfg.epilogueSms = sms - 64;
   HostGate gate;
-  Rig a(latencyConfig(2048, ReceiveLayout::kBatched)), b(latencyConfig(2048, ReceiveLayout::kBatched));
+  Rig a(cfg), b(cfg);
   std::uint64_t seed = 2700;
   cudaEvent_t sent = nullptr;
   b.select(0);
