@@ -1026,8 +1026,10 @@ TEST_F(Gpu2_MoeLatencyCapabilities, DispatchReceiveHalfLeavesRoomForAnotherEngin
     b.select(0);
     b.engine(0).dispatch(b.dispatchArgs(0, d), b.stream(0));
     GRAPHEP_CUDA_CHECK(cudaEventRecord(sent, b.stream(0)));
-    EXPECT_TRUE(completesWithin(sent, 3000))
-        << what << ": rank 0's send half of micro-batch B did not finish in 3 s beside its receive half of A, "
+    // 1 s: less than any timeout the suites run under (2 s and more), so that a send half left no
+    // room fails here, not later as a timed-out receive.
+    EXPECT_TRUE(completesWithin(sent, 1000))
+        << what << ": rank 0's send half of micro-batch B did not finish in 1 s beside its receive half of A, "
                    "which waits for rank 1";
     gate.open();
     b.receiveAfterOtherWork(0, b.stream(0));

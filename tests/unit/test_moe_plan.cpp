@@ -115,7 +115,7 @@ TEST(Unit_MoePlan, LocalRegionsHoldWhatTheKernelsWrite) {
           {o.rowExpertWeights, rankMajor ? cap * K * 4 : 0},
           {o.sourceRanges, rankMajor ? 0 : L * Rs * 8},
           {o.llSteps, 8},
-          {o.llDone, 8},
+          {o.llDone, 3 * 4},  // the last-CTA counters, then the latency dispatch receive's item claims
           {o.llMask, 3 * 4},         // the active-rank mask, the last dispatch's, a latency send half's
           {o.llExpected, 2 * Rs * 4},  // latency: the partial arrivals expected; direct: the steps each pair shared
           {o.llShrink, !throughput && c.shrinkOnTimeout ? 2 * 4 * 4 : 0},  // shrink on timeout: [2 operations][4 words]
@@ -161,6 +161,7 @@ TEST(Unit_MoePlan, HeapRegionsHoldWhatThePeersWrite) {
                        {h.llCombArrive, Rs * 4},
                        {h.llCombW, 2 * Rs * T * K * 4},
                        {h.llCombWFlag, Rs * 4},
+                       {h.llPlaced, 2 * Rs * kMoeMaxPlacedCtas * 8},
                        {h.llBarrier, Rs * 4}},
                       h.heap.userBytes, where);
         EXPECT_EQ(h.heap.moverSlotBytes, 0u) << where << ": the latency path has no movers' staging";
