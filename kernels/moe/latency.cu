@@ -939,11 +939,8 @@ __device__ void prefetchSourceRows(const MoeParams& p, int s, const MoeGroupSlic
   const std::int32_t* srcBase = p.layout.sourceBase + s * p.shape.localExperts;
   const int rows = p.layout.sourceRecords[s];
   for (int i = gs.first; i < rows; i += gs.stride) {
-    const char* rec = recordView(p, recordSlot(p, p.shape.rank, dparity, s, i));
-    const int4 h = __ldcg(reinterpret_cast<const int4*>(moeRecordHeader(p, rec)));
-    int4 v = make_int4(-1, 0, 0, 0);
-    if (lane < p.shape.topK) v = __ldcg(reinterpret_cast<const int4*>(moeRecordSlots(p, rec)) + lane);
-    const MoeRecordSlot slot = lane < min(h.y, p.shape.topK) ? MoeRecordSlot{v.x, v.y, __int_as_float(v.z), v.w} : MoeRecordSlot{-1, 0, 0.f, 0};
+    int4 h;
+    const MoeRecordSlot slot = moeLoadLaneSlot(p, recordView(p, recordSlot(p, p.shape.rank, dparity, s, i)), lane, h);
     const long long row = moeSlotRow(p, srcBase, slot);
     if (row >= 0 && row < p.combine.expertOutputRows) ptx::prefetchL2(y + static_cast<std::uint64_t>(row) * rowBytes, static_cast<std::uint32_t>(rowBytes));
   }
@@ -1119,6 +1116,11 @@ __global__ void __launch_bounds__(kThreads) combineKernel(const __grid_constant_
   }
 }
 
+// The dispatch kernels, [p.shape.fp8]: the one place that names the instances (launch, preload,
+// occupancy).
+using DispatchKernelFn = void (*)(MoeParams);
+constexpr DispatchKernelFn kDispatchKernels[2] = {dispatchKernel<false>, dispatchKernel<true>};
+
 // CTAs of one launch: the parts it runs, side by side.
 int launchCtas(const MoeParams& p) {
   return ((p.latency.phase & kMoeLatencySend) != 0 ? p.grid.budgetCtas : 0) + ((p.latency.phase & kMoeLatencyReceive) != 0 ? p.grid.epilogueCtas : 0);
@@ -1158,7 +1160,7 @@ cudaError_t launchMoeLatencyDispatch(const MoeParams& p, cudaStream_t stream) {
   cudaLaunchAttribute attrs[2];
   cudaLaunchConfig_t cfg = moeLaunchConfig(dispatchCtas(p), kThreads, 1, p.grid.programmatic != 0, stream, attrs);
   cfg.dynamicSmemBytes = lay.bytes;
-  return p.shape.fp8 ? cudaLaunchKernelEx(&cfg, dispatchKernel<true>, p) : cudaLaunchKernelEx(&cfg, dispatchKernel<false>, p);
+  return cudaLaunchKernelEx(&cfg, kDispatchKernels[p.shape.fp8 ? 1 : 0], p);
 }
 
 cudaError_t launchMoeLatencyCombine(const MoeParams& p, cudaStream_t stream) {
@@ -1170,7 +1172,7 @@ cudaError_t launchMoeLatencyCombine(const MoeParams& p, cudaStream_t stream) {
 }
 
 cudaError_t preloadMoeLatencyKernels() {
-  for (const auto kernel : {moe_latency::dispatchKernel<true>, moe_latency::dispatchKernel<false>}) {
+  for (const auto kernel : moe_latency::kDispatchKernels) {
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kMoeLatencyMaxSmem));
     if (e != cudaSuccess) return e;
   }
@@ -1178,15 +1180,15 @@ cudaError_t preloadMoeLatencyKernels() {
 }
 
 cudaError_t moeLatencyCtasPerSm(std::uint32_t smemBytes, int* ctas) {
-  int fp8 = 0, bf16 = 0, combine = 0;  // the fewest of the three kernels
-  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fp8, moe_latency::dispatchKernel<true>, moe_latency::kThreads, smemBytes);
-  if (e == cudaSuccess) {
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&bf16, moe_latency::dispatchKernel<false>, moe_latency::kThreads, smemBytes);
+  int fewest = 0;  // over the combine and every dispatch kernel
+  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fewest, moe_latency::combineKernel, moe_latency::kThreads, 0);
+  for (const auto kernel : moe_latency::kDispatchKernels) {
+    int n = 0;
+    if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, moe_latency::kThreads, smemBytes);
+    if (n < fewest) fewest = n;
   }
-  if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&combine, moe_latency::combineKernel, moe_latency::kThreads, 0);
   if (e != cudaSuccess) return e;
-  *ctas = fp8 < bf16 ? fp8 : bf16;
-  if (combine < *ctas) *ctas = combine;
+  *ctas = fewest;
   return cudaSuccess;
 }
 
