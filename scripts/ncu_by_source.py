@@ -59,10 +59,47 @@ def functions(cubins, nvdisasm):
     return out
 
 
+def template_args(name):
+    """The kernel name without its template arguments, and those arguments' top-level texts."""
+    out, args, depth, cur = [], [], 0, ""
+    for ch in name:
+        if ch == "<":
+            depth += 1
+            if depth == 1:
+                cur = ""
+                continue
+        elif ch == ">":
+            depth -= 1
+            if depth == 0:
+                args.append(cur)
+                continue
+        if depth == 0:
+            out.append(ch)
+        elif depth == 1 and ch == ",":
+            args.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return "".join(out), [a.strip() for a in args]
+
+
+def arg_code(arg):
+    """How a bool or integral (enum) template argument reads in an Itanium mangled name."""
+    if arg in ("true", "false"):
+        return "Lb1E" if arg == "true" else "Lb0E"
+    m = re.fullmatch(r"(?:\([^()]*\))?\s*(-?\d+)[uUlL]*", arg)
+    return f"E{m.group(1)}E" if m else None
+
+
 def matching(funcs, kernel_name):
-    """The mangled function whose name holds every identifier of the demangled kernel name."""
-    ids = [w for w in re.findall(r"[A-Za-z_]\w*", kernel_name.split("(")[0]) if w != "unnamed"]
+    """The mangled function whose name holds every identifier of the demangled kernel name (its
+    template arguments apart: bools and integers, enums included, pick the instance)."""
+    base, args = template_args(kernel_name.replace("(anonymous namespace)", ""))
+    ids = [w for w in re.findall(r"[A-Za-z_]\w*", base.split("(")[0]) if w not in ("unnamed", "void")]
     hits = [f for f in funcs if all(f"{len(w)}{w}" in f for w in ids)]
+    codes = [c for c in (arg_code(a) for a in args) if c]
+    picked = [f for f in hits if all(c in f for c in codes)]
+    hits = picked or hits
     return min(hits, key=len) if hits else None
 
 

@@ -640,6 +640,22 @@ __device__ inline void moeStageRankRow(const MoeParams& p, long long rankRow, bo
   stage.weight[0] = 1.f;
 }
 
+// A received record's header `h` and lane `lane`'s slot ({-1, ...} past the record's slots), read
+// through L2 (another CTA or GPU wrote it), with lane k's top-k weight from `weights` (when given)
+// into `laneWeight`: the loads go out together. Lanes below topK load a slot.
+__device__ __forceinline__ MoeRecordSlot moeLoadLaneSlot(const MoeParams& p, const char* rec, int lane, int4& h,
+                                                         const float* weights = nullptr, float* laneWeight = nullptr) {
+  h = __ldcg(reinterpret_cast<const int4*>(moeRecordHeader(p, rec)));
+  int4 v = make_int4(-1, 0, 0, 0);
+  if (lane < p.shape.topK) {
+    v = __ldcg(reinterpret_cast<const int4*>(moeRecordSlots(p, rec)) + lane);
+    if (weights != nullptr) *laneWeight = __ldcg(weights + lane);
+  }
+  MoeRecordSlot slot{-1, 0, 0.f, 0};
+  if (lane < (h.y < p.shape.topK ? h.y : p.shape.topK)) slot = MoeRecordSlot{v.x, v.y, __int_as_float(v.z), v.w};
+  return slot;
+}
+
 // Resolves a received record's slots into `stage` (rows past the capacity left out). With
 // `expand`, also writes each row's metadata and counts the dropped rows. Rank-major (rankRow >= 0):
 // the record's one row, and with `expand` each top-k slot's local expert (-1: not here) and weight
@@ -653,16 +669,10 @@ __device__ inline void moeResolveSlots(const MoeParams& p, int s, const char* re
     // The header, every slot and every top-k weight at once (a record has room for topK slots;
     // lane k loads weight k, and each slot takes its own from lane slot.k: no round trip after the
     // slots').
-    const int4 h = __ldcg(reinterpret_cast<const int4*>(moeRecordHeader(p, rec)));
-    int4 v = make_int4(-1, 0, 0, 0);
+    int4 h;
     float laneWeight = 0.f;
-    if (g.tid < p.shape.topK) {
-      v = __ldcg(reinterpret_cast<const int4*>(moeRecordSlots(p, rec)) + g.tid);
-      if (slotWeights != nullptr) laneWeight = __ldcg(slotWeights + g.tid);
-    }
+    const MoeRecordSlot slot = moeLoadLaneSlot(p, rec, g.tid, h, slotWeights, &laneWeight);
     const int nslots = h.y < p.shape.topK ? h.y : p.shape.topK;
-    MoeRecordSlot slot{-1, 0, 0.f, 0};
-    if (g.tid < nslots) slot = MoeRecordSlot{v.x, v.y, __int_as_float(v.z), v.w};
     const bool knownK = slot.k >= 0 && slot.k < p.shape.topK;
     const float slotWeight = __shfl_sync(0xffffffffu, laneWeight, knownK ? slot.k : 0);  // every lane of the warp
     if (rankRow >= 0) {

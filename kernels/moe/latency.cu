@@ -858,11 +858,8 @@ __device__ void prefetchSourceRows(const MoeParams& p, int s, const MoeGroupSlic
   const std::int32_t* srcBase = p.layout.sourceBase + s * p.shape.localExperts;
   const int rows = p.layout.sourceRecords[s];
   for (int i = gs.first; i < rows; i += gs.stride) {
-    const char* rec = recordView(p, recordSlot(p, p.shape.rank, dparity, s, i));
-    const int4 h = __ldcg(reinterpret_cast<const int4*>(moeRecordHeader(p, rec)));
-    int4 v = make_int4(-1, 0, 0, 0);
-    if (lane < p.shape.topK) v = __ldcg(reinterpret_cast<const int4*>(moeRecordSlots(p, rec)) + lane);
-    const MoeRecordSlot slot = lane < min(h.y, p.shape.topK) ? MoeRecordSlot{v.x, v.y, __int_as_float(v.z), v.w} : MoeRecordSlot{-1, 0, 0.f, 0};
+    int4 h;
+    const MoeRecordSlot slot = moeLoadLaneSlot(p, recordView(p, recordSlot(p, p.shape.rank, dparity, s, i)), lane, h);
     const long long row = moeSlotRow(p, srcBase, slot);
     if (row >= 0 && row < p.combine.expertOutputRows) ptx::prefetchL2(y + static_cast<std::uint64_t>(row) * rowBytes, static_cast<std::uint32_t>(rowBytes));
   }
