@@ -30,9 +30,10 @@
 //                      that take part only once every sender has started (dispatchReceive).
 //   combine   send     with combine-time weights, each send CTA first writes its share of the
 //                      destinations' weights (this rank's tokens' top-k weights at each token's
-//                      record index) and posts their flag; each group then reduces one record
-//                      received from a peer (sum of weight x y over its slots; the weights of the
-//                      record's source, waited for, or the dispatch's) straight into the
+//                      record index), each a word carrying the step's tag beside the weight (no
+//                      fence, no flag); each group then reduces one record received from a peer
+//                      (sum of weight x y over its slots; the weights of the record's source,
+//                      its words waited for, or the dispatch's) straight into the
 //                      source's slot [parity][this rank][index]; each CTA then adds 1 to the
 //                      combine arrival counter for this rank of every peer it reduced. A send
 //                      half alone waits for no weights: it looks once, and leaves a source whose
@@ -1021,7 +1022,7 @@ __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live, b
         if (i >= 0) ptx::stRelaxedSys64(dst + static_cast<std::uint64_t>(i) * K + e % K, moeTaggedCount(cstep, __float_as_uint(p.combine.topkWeights[e])));
       }
     }
-    if (tid == 0) moeTrace(p, 1, cstep, MoeTraceEvent::kPosted, 0, true);
+    if (tid == 0) moeTrace(p, 1, cstep, MoeTraceEvent::kPosted, 0, true);  // thread 0's stores issued
   }
   // The peers' records only (their partials cross the link): the receive part reduces this rank's
   // own records. A send half alone (DeepEP's return_recv_hook) never waits for a peer: the records
