@@ -261,29 +261,28 @@ __device__ void moeComputeOffsets(const MoeParams& p, Msg msg, std::int32_t* cou
       }
       offsets[j] = static_cast<std::int32_t>(static_cast<long long>(j) * p.layout.rowsPerExpert);
     }
-    __syncthreads();
-    return;
-  }
-  std::int32_t aligned[kItems];
+  } else {
+    std::int32_t aligned[kItems];
 #pragma unroll
-  for (int i = 0; i < kItems; ++i) {  // blocked: thread t holds experts t * kItems + i
-    const int j = tid * kItems + i;
-    std::int32_t c = 0;
-    if (j < L) {
+    for (int i = 0; i < kItems; ++i) {  // blocked: thread t holds experts t * kItems + i
+      const int j = tid * kItems + i;
+      std::int32_t c = 0;
+      if (j < L) {
 #pragma unroll kMoeRankUnroll<decltype(msg(0))>
-      for (int q = 0; q < p.shape.numRanks; ++q) c += moeCountOf(msg(q), 1 + j);
-      counts[j] = c;
+        for (int q = 0; q < p.shape.numRanks; ++q) c += moeCountOf(msg(q), 1 + j);
+        counts[j] = c;
+      }
+      aligned[i] = (c + p.layout.alignment - 1) / p.layout.alignment * p.layout.alignment;
     }
-    aligned[i] = (c + p.layout.alignment - 1) / p.layout.alignment * p.layout.alignment;
-  }
-  std::int32_t total = 0;
-  typename MoeLayoutScratch<kThreads>::Scan(scratch.scan).ExclusiveSum(aligned, aligned, total);
+    std::int32_t total = 0;
+    typename MoeLayoutScratch<kThreads>::Scan(scratch.scan).ExclusiveSum(aligned, aligned, total);
 #pragma unroll
-  for (int i = 0; i < kItems; ++i) {
-    const int j = tid * kItems + i;
-    if (j < L) offsets[j] = aligned[i];
+    for (int i = 0; i < kItems; ++i) {
+      const int j = tid * kItems + i;
+      if (j < L) offsets[j] = aligned[i];
+    }
+    if (tid == 0) offsets[L] = total;
   }
-  if (tid == 0) offsets[L] = total;
   __syncthreads();
 }
 

@@ -916,7 +916,7 @@ __device__ __forceinline__ const std::uint64_t* combineWeightsOf(const MoeParams
 // its own timeout even after another wait of this rank failed); a word that never comes masks s
 // (shrink on timeout, `masked` non-null) or records the timeout. Else one look, nothing waited
 // for. The same answer in every thread.
-__device__ bool combineWeightsIn(const MoeParams& p, int s, const MoeGroupSlice& gs, std::uint32_t cstep, std::uint32_t* masked,
+__device__ __noinline__ bool combineWeightsIn(const MoeParams& p, int s, const MoeGroupSlice& gs, std::uint32_t cstep, std::uint32_t* masked,
                                  bool wait) {
   const std::uint32_t tag = moeCountTag(cstep);
   const int cparity = static_cast<int>(cstep & 1u), K = p.shape.topK, rows = p.layout.sourceRecords[s];
