@@ -172,7 +172,6 @@ MoeParams bindParams(const BindPlan& plan, SymmetricHeap& heap, int l, char* blo
   p.direct.combineAcksOff = ph.llCombAck;
   p.direct.valuesOff = ph.llCombVal;
   p.latency.weightsOff = ph.llCombW;
-  p.latency.weightFlagsOff = ph.llCombWFlag;
   p.latency.placedOff = ph.llPlaced;
   p.peers.steps = reinterpret_cast<std::uint32_t*>(b + o.llSteps);
   p.peers.lastCtaCounters = reinterpret_cast<std::uint32_t*>(b + o.llDone);
@@ -261,7 +260,6 @@ void startCounters(const BindPlan& plan, const MoeParams& p, char* user) {
       GRAPHEP_CUDA_CHECK(cudaMemcpy(p.direct.shared, shared.data(), shared.size() * 4, cudaMemcpyHostToDevice));
     } else {
       GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llCombArrive, arrivals.data(), Rs * 4, cudaMemcpyHostToDevice));
-      GRAPHEP_CUDA_CHECK(cudaMemcpy(user + ph.llCombWFlag, flags.data(), Rs * 4, cudaMemcpyHostToDevice));
       // The partial arrivals expected so far match the counter's start.
       const std::vector<std::uint32_t> expected(Rs, SG);
       GRAPHEP_CUDA_CHECK(cudaMemcpy(p.latency.expected, expected.data(), expected.size() * 4, cudaMemcpyHostToDevice));

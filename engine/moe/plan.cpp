@@ -48,9 +48,9 @@ PathHeap pathHeap(MoePath path, const MoeSizes& z, const MoeConfig& cfg) {
     h.llComb = a.carve("llComb", 2 * z.R * z.T, z.rowBytes, 256);
     h.llFlag = a.carve("llFlag", z.R, 4, 256);
     h.llCombArrive = a.carve("llCombArrive", z.R, 4, 256);
-    // The combine's top-k weights from each source ([2][R][T][K] fp32) and their flags [R].
-    h.llCombW = a.carve("llCombW", 2 * z.R * z.T * static_cast<std::size_t>(cfg.topK), 4, 256);
-    h.llCombWFlag = a.carve("llCombWFlag", z.R, 4, 256);
+    // The combine's top-k weights from each source ([2][R][T][K] tagged u64 words: the fp32 weight
+    // and its step's tag, kernels/moe/latency.cu combineWeightsOf).
+    h.llCombW = a.carve("llCombW", 2 * z.R * z.T * static_cast<std::size_t>(cfg.topK), 8, 256);
     // The dispatch's send CTAs' starts from each source ([2][R][kMoeMaxPlacedCtas] u64).
     h.llPlaced = a.carve("llPlaced", 2 * z.R * kMoeMaxPlacedCtas, 8, 256);
   } else {

@@ -52,7 +52,7 @@ struct PathHeap {
   // [2][R][T] partials and the [R] count flags and partial arrivals (kernels/moe/moe.h, MoeParams).
   std::size_t recRecv = 0, combRecv = 0;
   std::size_t llRec = 0, llCnt = 0, llComb = 0, llFlag = 0, llCombArrive = 0, llBlock = 0;
-  std::size_t llCombBlock = 0, llDispAck = 0, llCombAck = 0, llCombVal = 0, llCombW = 0, llCombWFlag = 0;
+  std::size_t llCombBlock = 0, llDispAck = 0, llCombAck = 0, llCombVal = 0, llCombW = 0;
   std::size_t llPlaced = 0;  // latency: [2][R][kMoeMaxPlacedCtas] u64, the send CTAs' starts
   std::size_t llBarrier = 0;  // the device barrier's [R] pair counts (Engine::barrier), both paths
   // The node-aware dispatch and combine (sizes.nodeAware): [R][T] forwarded records, [R][T] partials

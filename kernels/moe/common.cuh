@@ -261,29 +261,28 @@ __device__ void moeComputeOffsets(const MoeParams& p, Msg msg, std::int32_t* cou
       }
       offsets[j] = static_cast<std::int32_t>(static_cast<long long>(j) * p.layout.rowsPerExpert);
     }
-    __syncthreads();
-    return;
-  }
-  std::int32_t aligned[kItems];
+  } else {
+    std::int32_t aligned[kItems];
 #pragma unroll
-  for (int i = 0; i < kItems; ++i) {  // blocked: thread t holds experts t * kItems + i
-    const int j = tid * kItems + i;
-    std::int32_t c = 0;
-    if (j < L) {
+    for (int i = 0; i < kItems; ++i) {  // blocked: thread t holds experts t * kItems + i
+      const int j = tid * kItems + i;
+      std::int32_t c = 0;
+      if (j < L) {
 #pragma unroll kMoeRankUnroll<decltype(msg(0))>
-      for (int q = 0; q < p.shape.numRanks; ++q) c += moeCountOf(msg(q), 1 + j);
-      counts[j] = c;
+        for (int q = 0; q < p.shape.numRanks; ++q) c += moeCountOf(msg(q), 1 + j);
+        counts[j] = c;
+      }
+      aligned[i] = (c + p.layout.alignment - 1) / p.layout.alignment * p.layout.alignment;
     }
-    aligned[i] = (c + p.layout.alignment - 1) / p.layout.alignment * p.layout.alignment;
-  }
-  std::int32_t total = 0;
-  typename MoeLayoutScratch<kThreads>::Scan(scratch.scan).ExclusiveSum(aligned, aligned, total);
+    std::int32_t total = 0;
+    typename MoeLayoutScratch<kThreads>::Scan(scratch.scan).ExclusiveSum(aligned, aligned, total);
 #pragma unroll
-  for (int i = 0; i < kItems; ++i) {
-    const int j = tid * kItems + i;
-    if (j < L) offsets[j] = aligned[i];
+    for (int i = 0; i < kItems; ++i) {
+      const int j = tid * kItems + i;
+      if (j < L) offsets[j] = aligned[i];
+    }
+    if (tid == 0) offsets[L] = total;
   }
-  if (tid == 0) offsets[L] = total;
   __syncthreads();
 }
 
@@ -640,16 +639,38 @@ __device__ inline void moeStageRankRow(const MoeParams& p, long long rankRow, bo
   stage.weight[0] = 1.f;
 }
 
+// The top-k weights a reduce takes instead of the dispatch's (none: `at` null): fp32 [topK] (the
+// caller's, as they are), or the latency combine's tagged words [topK] (`tagged`: each weight's
+// bits in the low half of a u64 whose high half is the step's tag, moeTaggedCount), read with a
+// strong load once a wait saw every tag (the words hold no other step's weights until this one's
+// partials have arrived).
+struct MoeSlotWeights {
+  const void* at = nullptr;
+  bool tagged = false;
+  __device__ MoeSlotWeights(const float* weights = nullptr) : at(weights) {}  // a plain fp32 pointer converts
+  __device__ static MoeSlotWeights taggedWords(const std::uint64_t* words) {
+    MoeSlotWeights w;
+    w.at = words;
+    w.tagged = true;
+    return w;
+  }
+  __device__ bool given() const { return at != nullptr; }
+  __device__ float load(int k) const {
+    return tagged ? __uint_as_float(static_cast<std::uint32_t>(ptx::ldRelaxedSys64(static_cast<const std::uint64_t*>(at) + k)))
+                  : __ldcg(static_cast<const float*>(at) + k);
+  }
+};
+
 // A received record's header `h` and lane `lane`'s slot ({-1, ...} past the record's slots), read
 // through L2 (another CTA or GPU wrote it), with lane k's top-k weight from `weights` (when given)
 // into `laneWeight`: the loads go out together. Lanes below topK load a slot.
 __device__ __forceinline__ MoeRecordSlot moeLoadLaneSlot(const MoeParams& p, const char* rec, int lane, int4& h,
-                                                         const float* weights = nullptr, float* laneWeight = nullptr) {
+                                                         MoeSlotWeights weights = {}, float* laneWeight = nullptr) {
   h = __ldcg(reinterpret_cast<const int4*>(moeRecordHeader(p, rec)));
   int4 v = make_int4(-1, 0, 0, 0);
   if (lane < p.shape.topK) {
     v = __ldcg(reinterpret_cast<const int4*>(moeRecordSlots(p, rec)) + lane);
-    if (weights != nullptr) *laneWeight = __ldcg(weights + lane);
+    if (weights.given()) *laneWeight = weights.load(lane);
   }
   MoeRecordSlot slot{-1, 0, 0.f, 0};
   if (lane < (h.y < p.shape.topK ? h.y : p.shape.topK)) slot = MoeRecordSlot{v.x, v.y, __int_as_float(v.z), v.w};
@@ -663,7 +684,7 @@ __device__ __forceinline__ MoeRecordSlot moeLoadLaneSlot(const MoeParams& p, con
 // Synchronises the group before and after.
 __device__ inline void moeResolveSlots(const MoeParams& p, int s, const char* rec, const std::int32_t* srcBase,
                                        MoeSlotStage& stage, bool expand, const MoeGroup& g, long long rankRow = -1,
-                                       const float* slotWeights = nullptr) {
+                                       MoeSlotWeights slotWeights = {}) {
   g.sync();  // the previous user of `stage` is done
   if (g.tid < 32) {  // topK <= 16: the group's first warp, one lane per slot
     // The header, every slot and every top-k weight at once (a record has room for topK slots;
@@ -697,7 +718,7 @@ __device__ inline void moeResolveSlots(const MoeParams& p, int s, const char* re
     if (pos >= 0) {
       const int at = __popc(kept & ((1u << g.tid) - 1u));
       stage.row[at] = pos;
-      stage.weight[at] = slotWeights == nullptr ? slot.weight : knownK ? slotWeight : 0.f;
+      stage.weight[at] = !slotWeights.given() ? slot.weight : knownK ? slotWeight : 0.f;
       if (expand) {
         p.layout.rowSrcRank[pos] = s;
         p.layout.rowSrcToken[pos] = h.x;
@@ -943,7 +964,7 @@ __device__ inline void moeWeightedSum(const MoeParams& p, int n, Src src, Weight
 // Rank-major (rankRow >= 0): the partial is y[rankRow] as it is (the experts summed the row's slots).
 __device__ inline void moeReduceRecord(const MoeParams& p, const char* rec, const std::int32_t* srcBase,
                                        char* out, MoeSlotStage& stage, const MoeGroup& g, long long rankRow = -1,
-                                       const float* slotWeights = nullptr) {
+                                       MoeSlotWeights slotWeights = {}) {
   moeResolveSlots(p, -1, rec, srcBase, stage, false, g, rankRow, slotWeights);
   const std::uint64_t vecs = static_cast<std::uint64_t>(p.shape.hidden) / 8;
   const auto* y = reinterpret_cast<const uint4*>(p.combine.expertOutput);

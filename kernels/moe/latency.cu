@@ -30,9 +30,10 @@
 //                      that take part only once every sender has started (dispatchReceive).
 //   combine   send     with combine-time weights, each send CTA first writes its share of the
 //                      destinations' weights (this rank's tokens' top-k weights at each token's
-//                      record index) and posts their flag; each group then reduces one record
-//                      received from a peer (sum of weight x y over its slots; the weights of the
-//                      record's source, waited for, or the dispatch's) straight into the
+//                      record index), each a word carrying the step's tag beside the weight (no
+//                      fence, no flag); each group then reduces one record received from a peer
+//                      (sum of weight x y over its slots; the weights of the record's source,
+//                      its words waited for, or the dispatch's) straight into the
 //                      source's slot [parity][this rank][index]; each CTA then adds 1 to the
 //                      combine arrival counter for this rank of every peer it reduced. A send
 //                      half alone waits for no weights: it looks once, and leaves a source whose
@@ -902,21 +903,43 @@ __global__ void __launch_bounds__(kThreads) dispatchKernel(const __grid_constant
 
 // --- combine ----------------------------------------------------------------------------------
 
-// Source q's top-k weights of its record i, in this rank's heap (CombineArgs.topkWeights).
-__device__ __forceinline__ const float* combineWeightsOf(const MoeParams& p, int parity, int q, int i) {
-  return reinterpret_cast<const float*>(p.peers.userRegions[p.shape.rank] + p.latency.weightsOff) +
+// Source q's top-k weights of its record i, in this rank's heap (CombineArgs.topkWeights): topK
+// tagged words (the weight's bits low, moeCountTag of the combine step high), each stored whole
+// by q, so that a reader that sees a word's tag sees its weight (no fence, no flag).
+__device__ __forceinline__ const std::uint64_t* combineWeightsOf(const MoeParams& p, int parity, int q, int i) {
+  return reinterpret_cast<const std::uint64_t*>(p.peers.userRegions[p.shape.rank] + p.latency.weightsOff) +
          ((static_cast<std::uint64_t>(parity) * p.shape.numRanks + q) * p.shape.maxTokens + i) * p.shape.topK;
 }
 
-// Thread 0 waits (bounded, its own timeout even after another wait of this rank failed) for
-// source s's combine-time weights of combine step cstep. False (in every thread) when they never
-// came: s is then masked (shrink on timeout, `masked` non-null) or the timeout recorded.
-__device__ __forceinline__ bool waitCombineWeights(const MoeParams& p, int s, std::uint32_t cstep, std::uint32_t* masked) {
-  const bool failed = threadIdx.x == 0 && !flagWait(p.peers.sync, peerCounter(p, p.shape.rank, p.latency.weightFlagsOff) + s,
-                                                    cstep + 1u, s, WaitSite::kMoeCombineWeights, nullptr, true,
-                                                    masked != nullptr);
-  if (failed && masked != nullptr) maskAfterTimeout(p, masked, s);  // shrink on timeout: masked, not an error
-  return __syncthreads_or(failed) == 0;
+// Every thread of the CTA: whether every weight word that its group's records of source s will
+// read carries the tag of combine step cstep. `wait`: each thread waits for its words (bounded,
+// its own timeout even after another wait of this rank failed); a word that never comes masks s
+// (shrink on timeout, `masked` non-null) or records the timeout. Else one look, nothing waited
+// for. The same answer in every thread.
+__device__ __noinline__ bool combineWeightsIn(const MoeParams& p, int s, const MoeGroupSlice& gs, std::uint32_t cstep, std::uint32_t* masked,
+                                 bool wait) {
+  const std::uint32_t tag = moeCountTag(cstep);
+  const int cparity = static_cast<int>(cstep & 1u), K = p.shape.topK, rows = p.layout.sourceRecords[s];
+  bool missing = false;
+  // Word n of the group's: weight n % K of its record gs.first + (n / K) x gs.stride.
+  for (int n = gs.g.tid; !missing; n += gs.g.nthreads) {
+    const int i = gs.first + (n / K) * gs.stride;
+    if (i >= rows) break;
+    const std::uint64_t* word = combineWeightsOf(p, cparity, s, i) + n % K;
+    if (!wait) {
+      missing = static_cast<std::uint32_t>(ptx::ldRelaxedSys64(word) >> 32) != tag;
+      continue;
+    }
+    missing = !boundedPoll(
+        p.peers.sync,
+        [&](std::uint32_t* v) {
+          *v = static_cast<std::uint32_t>(ptx::ldRelaxedSys64(word) >> 32);
+          return *v == tag;
+        },
+        tag, s, WaitSite::kMoeCombineWeights, word, true, masked != nullptr);
+    if (missing && masked != nullptr) maskAfterTimeout(p, masked, s);  // shrink on timeout: masked, not an error
+  }
+  return __syncthreads_or(missing) == 0;
 }
 
 // The records of the last dispatch from peer source s that slice gs (a send CTA's groups) takes,
@@ -931,7 +954,8 @@ __device__ __forceinline__ void reduceSourceShare(const MoeParams& p, int s, con
     moeReduceRecord(p, recordView(p, recordSlot(p, p.shape.rank, dparity, s, i)),
                     p.layout.sourceBase + s * p.shape.localExperts,
                     p.peers.userRegions[s] + p.peers.partialsOff + llSlot(p, cparity, p.shape.rank, i, rowBytes), stage, gs.g,
-                    p.layout.rankMajor ? rankBase + i : -1, weighted ? combineWeightsOf(p, cparity, s, i) : nullptr);
+                    p.layout.rankMajor ? rankBase + i : -1,
+                    weighted ? MoeSlotWeights::taggedWords(combineWeightsOf(p, cparity, s, i)) : MoeSlotWeights{});
   }
 }
 
@@ -944,8 +968,11 @@ __device__ __forceinline__ void reduceSourceShare(const MoeParams& p, int s, con
 __device__ void prefetchSourceRows(const MoeParams& p, int s, const MoeGroupSlice& gs, int dparity, std::uint32_t cstep) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
   if (static_cast<int>(threadIdx.x) % kMoeGroupThreads >= 32) return;  // the group's first warp
-  const std::uint32_t* flag = peerCounter(p, p.shape.rank, p.latency.weightFlagsOff) + s;
-  if (__shfl_sync(kFullMask, lane == 0 && ptx::counterReached(ptx::ldAcquireSys(flag), cstep + 1u), 0)) return;  // there
+  // One look at the slice's first weight word (a hint: the wait after reads them all): there, the
+  // weights have most likely come, and the rows are read at once.
+  if (gs.first >= p.layout.sourceRecords[s]) return;  // no record of s in the slice
+  const std::uint64_t* first = combineWeightsOf(p, static_cast<int>(cstep & 1u), s, gs.first);
+  if (static_cast<std::uint32_t>(ptx::ldRelaxedSys64(first) >> 32) == moeCountTag(cstep)) return;
   const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.shape.hidden) * 2;
   const char* y = static_cast<const char*>(p.combine.expertOutput);
   const std::int32_t* srcBase = p.layout.sourceBase + s * p.shape.localExperts;
@@ -981,21 +1008,21 @@ __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live, b
   const bool weighted = p.combine.topkWeights != nullptr;
   if (weighted && !standIn) {
     // This rank's tokens' weights to each destination, at the token's record index there, before
-    // any wait: CTA c takes destinations c, c + G, ...
+    // any wait: CTA c takes destinations c, c + G, ... Each weight goes as a tagged word
+    // (combineWeightsOf), stored whole: the reader waits on the words themselves, so no fence
+    // waits here for the stores to land.
     const int T = *p.routing.liveTokens;
 #pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
     for (int r = part.cta; r < R; r += part.ctas) {
       if (r == p.shape.rank || !isLive(live, r)) continue;  // the same r in every thread
-      auto* dst = reinterpret_cast<float*>(p.peers.userRegions[r] + p.latency.weightsOff) +
+      auto* dst = reinterpret_cast<std::uint64_t*>(p.peers.userRegions[r] + p.latency.weightsOff) +
                   (static_cast<std::uint64_t>(cparity) * R + p.shape.rank) * p.shape.maxTokens * K;
       for (int e = tid; e < T * K; e += kThreads) {
         const int t = e / K, i = p.routing.tokenRankIndex[static_cast<std::uint64_t>(t) * R + r];
-        if (i >= 0) dst[static_cast<std::uint64_t>(i) * K + e % K] = p.combine.topkWeights[e];
+        if (i >= 0) ptx::stRelaxedSys64(dst + static_cast<std::uint64_t>(i) * K + e % K, moeTaggedCount(cstep, __float_as_uint(p.combine.topkWeights[e])));
       }
-      __syncthreads();
-      if (tid == 0) flagPost(peerCounter(p, r, p.latency.weightFlagsOff) + p.shape.rank, cstep + 1u);
     }
-    if (tid == 0) moeTrace(p, 1, cstep, MoeTraceEvent::kPosted, 0, true);
+    if (tid == 0) moeTrace(p, 1, cstep, MoeTraceEvent::kPosted, 0, true);  // thread 0's stores issued
   }
   // The peers' records only (their partials cross the link): the receive part reduces this rank's
   // own records. A send half alone (DeepEP's return_recv_hook) never waits for a peer: the records
@@ -1017,15 +1044,14 @@ __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live, b
       continue;
     }
     if (weighted && alone) {
-      // One look at the source's weights flag, no wait.
-      const std::uint32_t* flag = peerCounter(p, p.shape.rank, p.latency.weightFlagsOff) + s;
-      if (__syncthreads_or(tid == 0 && ptx::counterReached(ptx::ldAcquireSys(flag), cstep + 1u)) == 0) {
+      // One look at the source's weights (this CTA's records' words), no wait.
+      if (!combineWeightsIn(p, s, gs, cstep, nullptr, false)) {
         deferred |= 1u << s;
         continue;
       }
     } else if (weighted) {
       prefetchSourceRows(p, s, gs, dparity, cstep);  // while the weights cross
-      if (!waitCombineWeights(p, s, cstep, masked)) {
+      if (!combineWeightsIn(p, s, gs, cstep, masked, true)) {
         // Recorded (the engine enters its failed state), or masked. The other sources' records are still
         // reduced and announced, so the survivors' counters stay in step with each other once the
         // failed source is masked (Engine::recover); the failed source gets no arrival from this

@@ -412,8 +412,7 @@ struct MoeDirectParams {
 struct MoeLatencyParams {
   std::uint64_t metaOff;             // a record slot's plain metadata (moeLatencyMetaOff)
   std::uint64_t partialArrivalsOff;  // u32 [R]: CTAs of destination q whose partials landed
-  std::uint64_t weightsOff;          // [2][R][maxTokens][topK] fp32 combine weights
-  std::uint64_t weightFlagsOff;      // u32 [R]: combine step + 1
+  std::uint64_t weightsOff;          // u64 [2][R][maxTokens][topK]: combine weights, tagged (moeTaggedCount)
   // u64 [2][R][kMoeMaxPlacedCtas]: send CTA c of source q in step s (parity s & 1) has started:
   // moeTaggedCount(s, the CTAs of q's launch) (a receive half's helpers read them, dispatchReceive)
   std::uint64_t placedOff;

@@ -159,8 +159,7 @@ TEST(Unit_MoePlan, HeapRegionsHoldWhatThePeersWrite) {
                        {h.llComb, 2 * Rs * T * z.rowBytes},
                        {h.llFlag, Rs * 4},
                        {h.llCombArrive, Rs * 4},
-                       {h.llCombW, 2 * Rs * T * K * 4},
-                       {h.llCombWFlag, Rs * 4},
+                       {h.llCombW, 2 * Rs * T * K * 8},
                        {h.llPlaced, 2 * Rs * kMoeMaxPlacedCtas * 8},
                        {h.llBarrier, Rs * 4}},
                       h.heap.userBytes, where);
