@@ -2,20 +2,26 @@
 """The first low-latency calls of a profiled window: what DeepEP's harness (bench_kineto) averages.
 
     python3 bench/deep_ep_first_call.py [--num-processes 2] [--num-tokens 128] [--hidden 7168]
-                                        [--num-experts 288] [--num-topk 8] [--deepep]
+                                        [--num-experts 288] [--num-topk 8] [--port 8373] [--deepep]
 
 DeepEP's bench_kineto opens a profiler, runs its 8192 x 8192 fp32 GEMM and an all-reduce, then 30
 periods (low_latency_dispatch fp8, low_latency_combine), and prints each kernel's mean time over
-the 30. This script opens one profiler per window and, in each, runs ROUNDS rounds of: the lead-in
-work, an all-reduce, PERIODS periods. Lead-ins:
+the 30. This script runs 5 unprofiled warm-up periods, then four windows (gemm, sleep, none, gemm:
+WINDOWS), each under a profiler of its own, each 2 rounds (ROUNDS) of: the lead-in work, an
+all-reduce, 4 periods (PERIODS). Lead-ins:
 
     gemm    the harness's fp32 GEMM (about 21 ms on an H200)
     sleep   a spin kernel of about the GEMM's length (torch.cuda._sleep): the device idle, caches kept
     none    nothing: the host paces the periods (its calls take longer than the kernels)
 
 Every rank prints, per window and round, the kernel times in us of the periods' dispatches (D) and
-combines (C) in order. A cost of the first call in a window shows as a first D far above the
-others in round 1 only; one of the lead-in shows in every round. --deepep runs DeepEP's own
+combines (C) in order:
+
+    [rank R] graphep|deepep H=<hidden> window <w> <lead-in> round <n>: D<us> C<us> D<us> C<us> ...
+
+A cost of the first call in a window shows as a first D far above the others in round 1 only; one
+of the lead-in shows in every round (run 290 of docs/VALIDATION.md: only round 1 of the first
+window, on both systems). --deepep runs DeepEP's own
 `deep_ep` (on PYTHONPATH, built with NVSHMEM) instead of graphep.deep_ep. Needs PyTorch and a GPU
 per process; NCCL_NVLS_ENABLE=0 is set.
 """
