@@ -569,6 +569,23 @@ __device__ __forceinline__ const std::uint64_t* latencyMsg(const MoeParams& p, i
                                                 (static_cast<std::uint64_t>(parity) * p.shape.numRanks + q) * p.shape.countMsgBytes);
 }
 
+// Whether a tagged word (moeTaggedCount: the tag in the high half beside a value) carries `tag`,
+// its last read in `seen`. `wait`: polled until it does, bounded (boundedPoll: `peer` and `site`
+// name the wait; ownTimeout and quiet as there); else one look, nothing waited for or reported.
+__device__ __forceinline__ bool taggedWordIn(const MoeParams& p, const std::uint64_t* word, std::uint32_t tag, bool wait, int peer,
+                                             WaitSite site, bool ownTimeout, bool quiet, std::uint64_t& seen) {
+  const auto poll = [&](std::uint32_t* v) {
+    seen = ptx::ldRelaxedSys64(word);
+    *v = static_cast<std::uint32_t>(seen >> 32);
+    return *v == tag;
+  };
+  if (!wait) {
+    std::uint32_t v = 0;
+    return poll(&v);
+  }
+  return boundedPoll(p.peers.sync, poll, tag, peer, site, word, ownTimeout, quiet);
+}
+
 // Every thread of the CTA: waits until each word of every live source's count message of this
 // step carries its tag (moeCountTag, the sender's moeTaggedCount). A source whose words do not
 // come is masked (shrink on timeout: `masked`, the receive's word; a thread skips the words of a
@@ -589,20 +606,8 @@ __device__ bool waitTaggedCounts(const MoeParams& p, int parity, std::uint32_t s
       copy[n] = 0;  // a source left out sent nothing: zeros, so the layout leaves it out
       continue;
     }
-    const std::uint64_t* word = latencyMsg(p, parity, q) + n % words;
-    if (once) {
-      copy[n] = ptx::ldRelaxedSys64(word);
-      failed = failed || static_cast<std::uint32_t>(copy[n] >> 32) != tag;
-      continue;
-    }
-    const bool ok = boundedPoll(
-        p.peers.sync,
-        [&](std::uint32_t* v) {
-          copy[n] = ptx::ldRelaxedSys64(word);
-          *v = static_cast<std::uint32_t>(copy[n] >> 32);
-          return *v == tag;
-        },
-        tag, q, WaitSite::kMoeDispatch, word, false, masked != nullptr);
+    const bool ok = taggedWordIn(p, latencyMsg(p, parity, q) + n % words, tag, !once, q, WaitSite::kMoeDispatch, false,
+                                 masked != nullptr, copy[n]);
     if (!ok && masked != nullptr) {
       maskAfterTimeout(p, masked, q);  // shrink on timeout: masked, not an error
     } else if (!ok) {
@@ -925,18 +930,9 @@ __device__ __noinline__ bool combineWeightsIn(const MoeParams& p, int s, const M
   for (int n = gs.g.tid; !missing; n += gs.g.nthreads) {
     const int i = gs.first + (n / K) * gs.stride;
     if (i >= rows) break;
-    const std::uint64_t* word = combineWeightsOf(p, cparity, s, i) + n % K;
-    if (!wait) {
-      missing = static_cast<std::uint32_t>(ptx::ldRelaxedSys64(word) >> 32) != tag;
-      continue;
-    }
-    missing = !boundedPoll(
-        p.peers.sync,
-        [&](std::uint32_t* v) {
-          *v = static_cast<std::uint32_t>(ptx::ldRelaxedSys64(word) >> 32);
-          return *v == tag;
-        },
-        tag, s, WaitSite::kMoeCombineWeights, word, true, masked != nullptr);
+    std::uint64_t seen = 0;
+    missing = !taggedWordIn(p, combineWeightsOf(p, cparity, s, i) + n % K, tag, wait, s, WaitSite::kMoeCombineWeights, true,
+                            masked != nullptr, seen);
     if (missing && masked != nullptr) maskAfterTimeout(p, masked, s);  // shrink on timeout: masked, not an error
   }
   return __syncthreads_or(missing) == 0;
@@ -970,13 +966,13 @@ __device__ void prefetchSourceRows(const MoeParams& p, int s, const MoeGroupSlic
   if (static_cast<int>(threadIdx.x) % kMoeGroupThreads >= 32) return;  // the group's first warp
   // One look at the slice's first weight word (a hint: the wait after reads them all): there, the
   // weights have most likely come, and the rows are read at once.
-  if (gs.first >= p.layout.sourceRecords[s]) return;  // no record of s in the slice
+  const int rows = p.layout.sourceRecords[s];
+  if (gs.first >= rows) return;  // no record of s in the slice
   const std::uint64_t* first = combineWeightsOf(p, static_cast<int>(cstep & 1u), s, gs.first);
   if (static_cast<std::uint32_t>(ptx::ldRelaxedSys64(first) >> 32) == moeCountTag(cstep)) return;
   const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.shape.hidden) * 2;
   const char* y = static_cast<const char*>(p.combine.expertOutput);
   const std::int32_t* srcBase = p.layout.sourceBase + s * p.shape.localExperts;
-  const int rows = p.layout.sourceRecords[s];
   for (int i = gs.first; i < rows; i += gs.stride) {
     int4 h;
     const MoeRecordSlot slot = moeLoadLaneSlot(p, recordView(p, recordSlot(p, p.shape.rank, dparity, s, i)), lane, h);

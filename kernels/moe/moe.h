@@ -529,10 +529,11 @@ cudaError_t launchMoeTokenLayout(const MoeTokenLayoutParams& p, cudaStream_t str
 cudaError_t preloadMoeTokenLayoutKernels();
 
 // Latency path: one kernel per operation (kernels/moe/latency.cu; the dispatch's, one per wire
-// format): a launch runs the send (G = grid.budgetCtas CTAs), the receive (E = epilogueCtas) or
-// both (G + E; MoeParams::latency.phase). The combine's send is CTAs [0, G) and its receive
-// [G, G + E) of a whole launch; the dispatch's every CTA runs each part it holds. Dynamic shared
-// memory moeLatencySmem(...).bytes for the dispatch.
+// format and receive layout): a launch runs the send (G = grid.budgetCtas CTAs), the receive or
+// both (MoeParams::latency.phase). The combine's send is CTAs [0, G) and its receive
+// [G, G + E) of a whole launch (E = epilogueCtas; a receive half alone, E CTAs); the dispatch's
+// every CTA runs each part it holds (a launch with the receive, G + E CTAs; a receive half alone:
+// E receivers and G helpers). Dynamic shared memory moeLatencySmem(...).bytes for the dispatch.
 inline constexpr int kMoeLatencyMaxTokens = 256;
 inline constexpr int kMoeLatencyMaxEntries = 4096;  // tokens x top-k
 inline constexpr int kMoeLatencyThreads = 512;
@@ -576,11 +577,11 @@ __host__ __device__ inline MoeLatencySmem moeLatencySmem(int maxTokens, int topK
 // programmatic dependent of the stream's last kernel.
 cudaError_t launchMoeLatencyDispatch(const MoeParams& p, cudaStream_t stream);
 cudaError_t launchMoeLatencyCombine(const MoeParams& p, cudaStream_t stream);
-// Loads the three kernels (the dispatch's, one per wire format, and the combine) and allows the
-// dispatch's the largest dynamic shared memory.
+// Loads the seven kernels (the dispatch's six, one per wire format and receive layout, and the
+// combine) and allows the dispatch's the largest dynamic shared memory.
 cudaError_t preloadMoeLatencyKernels();
 
-// CTAs of the latency kernels (the lowest of the three) that fit on one SM.
+// CTAs of the latency kernels (the lowest of the seven) that fit on one SM.
 cudaError_t moeLatencyCtasPerSm(std::uint32_t smemBytes, int* ctas);
 
 // kernels/moe/barrier.cu: the device barrier among the ranks of the active-rank mask (one CTA;
