@@ -896,9 +896,11 @@ __global__ void __launch_bounds__(kThreads) dispatchKernel(const __grid_constant
     dispatchSend<kFp8>(p, sm, all, start);
   }
   if (receives) dispatchReceive<kFp8, kLayout>(p, sm, all, live);
-  if (receives && lastBlock(&p.peers.lastCtaCounters[0]) && threadIdx.x == 0) {
+  if (receives && lastBlock(&p.peers.lastCtaCounters[0], p.latency.shrink != nullptr) && threadIdx.x == 0) {
     moeTrace(p, 0, p.peers.steps[0], MoeTraceEvent::kDone);
-    // Every CTA read the step before lastBlock's barrier, and made its last claim.
+    // Every CTA read the step before lastBlock's barrier, and made its last claim (each value used
+    // before it counted: no fence needed for these). With shrink on timeout lastBlock fences: the
+    // ranks masked in other CTAs are read below.
     p.peers.steps[0] = p.peers.steps[0] + 1u;
     p.peers.lastCtaCounters[kMoeItemClaims] = 0;
     *p.peers.dispatchLive = settledLive(p, 0, live);  // its combine's mask, less the ranks masked after a timeout
@@ -1142,8 +1144,10 @@ __global__ void __launch_bounds__(kThreads) combineKernel(const __grid_constant_
     combineSend(p, as, live, standIn, gaveUp);
   }
   if (receive.cta >= 0) combineReceive(p, receive, live, gaveUp);
-  if ((p.latency.phase & kMoeLatencyReceive) != 0 && lastBlock(&p.peers.lastCtaCounters[1]) && threadIdx.x == 0) {
+  if ((p.latency.phase & kMoeLatencyReceive) != 0 && lastBlock(&p.peers.lastCtaCounters[1], p.latency.shrink != nullptr) && threadIdx.x == 0) {
     moeTrace(p, 1, p.peers.steps[1], MoeTraceEvent::kDone);
+    // As the dispatch's: every CTA read the step and the expected arrivals before it counted; the
+    // fence only with shrink on timeout (the masked ranks' words).
     p.peers.steps[1] = p.peers.steps[1] + 1u;
     advanceExpected(p, settledLive(p, 1, live));  // less the ranks masked after a timeout
     *p.state.pending &= kMoeDispatched;

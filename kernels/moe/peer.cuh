@@ -60,15 +60,20 @@ __device__ __forceinline__ std::uint32_t* peerCounter(const MoeParams& p, int ra
 // that form cost the direct combine's reduce 17% at 4096 tokens (run 84). Verdicts reach the CTA
 // through __syncthreads_or, not a shared word: nothing for a later exchange to race with, and
 // racecheck-clean after the groups' uneven loops (see the latency records loop).
-__device__ inline bool lastBlock(std::uint32_t* counter) {
+// `ordered` false: no fence, for a last CTA that reads nothing the other CTAs wrote (the latency
+// kernels without shrink on timeout: it only advances the launch's own words, which every CTA read,
+// and used, before it counted). Its fence waited for the CTA's last stores (rows, partials) to
+// land before it counted; the kernel's end waits for them anyway, and the count goes out beside
+// them (run 293: 0.55 us off each latency dispatch in graph replay).
+__device__ inline bool lastBlock(std::uint32_t* counter, bool ordered = true) {
   __syncthreads();  // every thread's writes, ordered before thread 0's fence
   bool last = false;
   if (threadIdx.x == 0) {
-    __threadfence();
+    if (ordered) __threadfence();
     last = atomicAdd(counter, 1u) == gridDim.x - 1u;
     if (last) {
       *counter = 0;  // every CTA counted: ready for the next launch
-      __threadfence();
+      if (ordered) __threadfence();
     }
   }
   return __syncthreads_or(last) != 0;  // thread 0's answer, to every thread
