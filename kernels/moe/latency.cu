@@ -898,9 +898,10 @@ __global__ void __launch_bounds__(kThreads) dispatchKernel(const __grid_constant
   if (receives) dispatchReceive<kFp8, kLayout>(p, sm, all, live);
   if (receives && lastBlock(&p.peers.lastCtaCounters[0], p.latency.shrink != nullptr) && threadIdx.x == 0) {
     moeTrace(p, 0, p.peers.steps[0], MoeTraceEvent::kDone);
-    // Every CTA read the step before lastBlock's barrier, and made its last claim (each value used
-    // before it counted: no fence needed for these). With shrink on timeout lastBlock fences: the
-    // ranks masked in other CTAs are read below.
+    // Every CTA read the step before lastBlock's barrier, and made its last claim, each value used
+    // before it counted (unfenced: lastBlock's `ordered`; the claims reset below rests on that
+    // too). With shrink on timeout lastBlock fences: a receive half's helpers leave before the
+    // receivers' meeting, and the ranks masked in other CTAs are read below.
     p.peers.steps[0] = p.peers.steps[0] + 1u;
     p.peers.lastCtaCounters[kMoeItemClaims] = 0;
     *p.peers.dispatchLive = settledLive(p, 0, live);  // its combine's mask, less the ranks masked after a timeout
@@ -1146,8 +1147,9 @@ __global__ void __launch_bounds__(kThreads) combineKernel(const __grid_constant_
   if (receive.cta >= 0) combineReceive(p, receive, live, gaveUp);
   if ((p.latency.phase & kMoeLatencyReceive) != 0 && lastBlock(&p.peers.lastCtaCounters[1], p.latency.shrink != nullptr) && threadIdx.x == 0) {
     moeTrace(p, 1, p.peers.steps[1], MoeTraceEvent::kDone);
-    // As the dispatch's: every CTA read the step and the expected arrivals before it counted; the
-    // fence only with shrink on timeout (the masked ranks' words).
+    // As the dispatch's: every CTA read the step, and the receive CTAs the expected arrivals (threads
+    // q < R), each used before it counted; the fence only with shrink on timeout (the ranks the
+    // send CTAs masked, words[3]).
     p.peers.steps[1] = p.peers.steps[1] + 1u;
     advanceExpected(p, settledLive(p, 1, live));  // less the ranks masked after a timeout
     *p.state.pending &= kMoeDispatched;

@@ -51,20 +51,25 @@ __device__ __forceinline__ std::uint32_t* peerCounter(const MoeParams& p, int ra
   return reinterpret_cast<std::uint32_t*>(p.peers.userRegions[rank] + off);
 }
 
-// Block-wide "am I the last of the grid's CTAs to get here": after the barrier, thread 0 fences at
-// GPU scope (cumulative over the CTA's writes the barrier ordered before it) and counts; returns
-// the same answer in every thread, and the last one resets the counter for the next launch (its
-// writes and those of every CTA counted before it are then visible to whatever it publishes). GPU
-// scope: every caller's counted writes (expanded rows, layouts, outputs) are read on this GPU only,
-// by later kernels of the stream. One fence in thread 0, not one in every thread at system scope:
-// that form cost the direct combine's reduce 17% at 4096 tokens (run 84). Verdicts reach the CTA
-// through __syncthreads_or, not a shared word: nothing for a later exchange to race with, and
-// racecheck-clean after the groups' uneven loops (see the latency records loop).
-// `ordered` false: no fence, for a last CTA that reads nothing the other CTAs wrote (the latency
-// kernels without shrink on timeout: it only advances the launch's own words, which every CTA read,
-// and used, before it counted). Its fence waited for the CTA's last stores (rows, partials) to
-// land before it counted; the kernel's end waits for them anyway, and the count goes out beside
-// them (run 293: 0.55 us off each latency dispatch in graph replay).
+// Block-wide "am I the last of the grid's CTAs to get here": after the barrier, thread 0 counts
+// the CTA; returns the same answer in every thread, and the last one resets the counter for the
+// next launch. `ordered` (the default): thread 0 fences at GPU scope before it counts
+// (cumulative over the CTA's writes the barrier ordered before it) and the last CTA after it
+// reset the counter, a release / acquire pair: every counted CTA's writes are visible to whatever
+// the last one publishes. GPU scope: every caller's counted writes (expanded rows, layouts,
+// outputs) are read on this GPU only, by later kernels of the stream. One fence in thread 0, not
+// one in every thread at system scope: that form cost the direct combine's reduce 17% at 4096
+// tokens (run 84). Verdicts reach the CTA through __syncthreads_or, not a shared word: nothing for
+// a later exchange to race with, and racecheck-clean after the groups' uneven loops (see the
+// latency records loop).
+// `ordered` false: no fence (the latency kernels without shrink on timeout), for a last CTA that
+// reads nothing the other CTAs wrote and writes only words (the step, the item claims, the
+// expected arrivals) that each other CTA read, and used, before it counted. That order holds as
+// the hardware executes it (a used value has been read before the count is issued; the last CTA
+// stores after its own count returns), not by the PTX memory model, which orders relaxed counts
+// by nothing: the ordered form is the one the model proves. The fence waited for the CTA's last
+// stores (rows, partials) to land before it counted; the kernel's end waits for them anyway, and
+// the count goes out beside them (run 293: 0.55 us off each latency dispatch in graph replay).
 __device__ inline bool lastBlock(std::uint32_t* counter, bool ordered = true) {
   __syncthreads();  // every thread's writes, ordered before thread 0's fence
   bool last = false;
