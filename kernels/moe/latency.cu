@@ -188,9 +188,10 @@ template <bool kFp8>
 __device__ __forceinline__ uint4* metaLines(const MoeParams& p, char* slot) {
   return reinterpret_cast<uint4*>(slot + moeLatencyPayloadLineBytes(p.shape.hidden, kFp8));
 }
-// Chunk c's lines in a slot (moeLatencyChunkLines): each store of a warp covers 32 consecutive
-// lines. bf16: piece j's halves at 64 j + lane and 64 j + 32 + lane; fp8: the piece's halves at lane
-// and 32 + lane, the scale of the chunk's tile lane / 8 at 64 + lane / 8.
+// Chunk c's 128-byte lines in a slot, as 16-byte pieces (moeLatencyChunkLines): piece q (line
+// q / 8, its 16 bytes q % 8) carries data words 15 (q / 8) + 2 (q % 8) and the next, the last
+// piece of a line one data word and the line's tag word. A warp's store (or load) of 32 pieces
+// covers four whole lines, eight lanes each.
 template <bool kFp8>
 __device__ __forceinline__ uint4* chunkLines(const MoeParams& p, char* slot, int c) {
   return reinterpret_cast<uint4*>(slot) + static_cast<std::uint64_t>(c) * moeLatencyChunkLines(kFp8);
@@ -277,45 +278,139 @@ __device__ __forceinline__ Share finishShare(const MoeParams& p, Share s) {
 template <bool kFp8>
 __device__ __forceinline__ Share shareFromX(const MoeParams& p, int t, int c, int lane) { return finishShare<kFp8>(p, loadShare<kFp8>(p, t, c, lane)); }
 
-// The share as flagged lines of chunk c of a record slot (chunkLines).
+// --- the payload's 128-byte lines ---------------------------------------------------------------
+// A chunk's data words in a warp's Share (its natural order): fp8, lane L's v[0] holds words 2L
+// and 2L + 1 (its tile L / 8's bytes 16 (L % 8) ..), and words 64 and 65 the four tiles' scales
+// (from lanes 0, 8 | 16, 24); bf16, lane L's v[j] holds words 64 j + 2L and 64 j + 2L + 1. A line
+// piece takes its words from whichever lane holds them (warp shuffles, every lane at once), and a
+// reader gives each lane its words back the same way.
+template <bool kFp8>
+constexpr int kChunkRounds = (moeLatencyChunkLines(kFp8) + 31) / 32;  // a warp's stores (or loads) of a chunk
+__device__ __forceinline__ std::uint64_t lineTagWord(std::uint32_t tag) { return static_cast<std::uint64_t>(tag) << 32 | tag; }
+__device__ __forceinline__ std::uint64_t wordOf(std::uint32_t lo, std::uint32_t hi) { return static_cast<std::uint64_t>(hi) << 32 | lo; }
+
+// Data word n of the chunk (every lane of the warp, each with its own n; past the chunk's words: 0).
+template <bool kFp8>
+__device__ __forceinline__ std::uint64_t gatherWord(const Share& s, int n) {
+  const int owner = (n & 63) >> 1, odd = n & 1;
+  const std::uint32_t x0 = __shfl_sync(kFullMask, s.v[0].x, owner), y0 = __shfl_sync(kFullMask, s.v[0].y, owner);
+  const std::uint32_t z0 = __shfl_sync(kFullMask, s.v[0].z, owner), w0 = __shfl_sync(kFullMask, s.v[0].w, owner);
+  if (kFp8) {
+    const float a = __shfl_sync(kFullMask, s.scale, 16 * odd), b = __shfl_sync(kFullMask, s.scale, 16 * odd + 8);
+    if (n < 64) return odd ? wordOf(z0, w0) : wordOf(x0, y0);
+    return n < 66 ? wordOf(__float_as_uint(a), __float_as_uint(b)) : 0;
+  }
+  const std::uint32_t x1 = __shfl_sync(kFullMask, s.v[1].x, owner), y1 = __shfl_sync(kFullMask, s.v[1].y, owner);
+  const std::uint32_t z1 = __shfl_sync(kFullMask, s.v[1].z, owner), w1 = __shfl_sync(kFullMask, s.v[1].w, owner);
+  if (n >= 128) return 0;
+  if (n >= 64) return odd ? wordOf(z1, w1) : wordOf(x1, y1);
+  return odd ? wordOf(z0, w0) : wordOf(x0, y0);
+}
+
+// The share as chunk c's 128-byte lines of a record slot (every lane of the warp): piece
+// 32 r + lane in round r, each line's tag word in its last piece. Every piece is stored (a
+// partial last chunk's words past the row too): the reader polls every line's tag.
 template <bool kFp8>
 __device__ __forceinline__ void putLines(const MoeParams& p, char* slot, int c, int lane, const Share& s, std::uint32_t tag) {
   uint4* cl = chunkLines<kFp8>(p, slot, c);
 #pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    if (!s.has[j]) continue;
-    ptx::stVolatileV4(cl + 64 * j + lane, flaggedLine(s.v[j].x, s.v[j].y, tag));
-    ptx::stVolatileV4(cl + 64 * j + 32 + lane, flaggedLine(s.v[j].z, s.v[j].w, tag));
+  for (int r = 0; r < kChunkRounds<kFp8>; ++r) {
+    const int q = 32 * r + lane, l = q >> 3, w = q & 7, n = kMoeLineWords * l + 2 * w;
+    const std::uint64_t lo = gatherWord<kFp8>(s, n);
+    const std::uint64_t next = gatherWord<kFp8>(s, n + 1);  // every lane shuffles, the line's last piece too
+    const std::uint64_t hi = w == 7 ? lineTagWord(tag) : next;
+    if (q < moeLatencyChunkLines(kFp8)) {
+      ptx::stVolatileV4(cl + q, make_uint4(static_cast<std::uint32_t>(lo), static_cast<std::uint32_t>(lo >> 32),
+                                           static_cast<std::uint32_t>(hi), static_cast<std::uint32_t>(hi >> 32)));
+    }
   }
-  if (kFp8 && s.has[0] && lane % 8 == 0) ptx::stVolatileV4(cl + 64 + lane / 8, flaggedLine(__float_as_uint(s.scale), 0u, tag));
 }
 
-// The share from chunk c's lines once they carry `tag`: every line loaded before any is checked
-// (one round trip once they have landed), then each missing one waited for. False: one never came
+// Whether every line of a chunk (its pieces as loaded, round by round) carries `tag`: the warp's
+// answer (each line's last piece looks at its tag word).
+template <bool kFp8>
+__device__ __forceinline__ bool chunkLanded(const uint4 (&v)[kChunkRounds<kFp8>], int lane, std::uint32_t tag) {
+  bool ok = true;
+#pragma unroll
+  for (int r = 0; r < kChunkRounds<kFp8>; ++r) {
+    const int q = 32 * r + lane;
+    if (q < moeLatencyChunkLines(kFp8) && (q & 7) == 7) ok = ok && wordOf(v[r].z, v[r].w) == lineTagWord(tag);
+  }
+  return __all_sync(kFullMask, ok);
+}
+template <bool kFp8>
+__device__ __forceinline__ void loadChunk(const uint4* cl, int lane, uint4 (&v)[kChunkRounds<kFp8>]) {
+#pragma unroll
+  for (int r = 0; r < kChunkRounds<kFp8>; ++r) {
+    const int q = 32 * r + lane;
+    v[r] = q < moeLatencyChunkLines(kFp8) ? ptx::ldVolatileV4(cl + q) : make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+// Reloads the chunk's lines until every one carries `tag` (the warp together: a line is read
+// whole, eight lanes at once), bounded as boundedPoll (lane 0 keeps the time and reports). Out of
+// line: called only for a chunk not all there at its first load. False: a line never came.
+template <bool kFp8>
+__device__ __noinline__ bool waitChunk(const MoeParams& p, const uint4* cl, int lane, std::uint32_t tag, int src,
+                                       uint4 (&v)[kChunkRounds<kFp8>]) {
+  const SyncHandle& h = p.peers.sync;
+  const std::uint64_t start = ptx::globalTimerNs();
+  for (std::uint32_t iter = 1;; ++iter) {
+    loadChunk<kFp8>(cl, lane, v);
+    if (chunkLanded<kFp8>(v, lane, tag)) return true;
+    if ((iter & 255u) != 0u) continue;
+    int verdict = 0;  // lane 0's: 1 timed out (reported), 2 another wait of this rank failed
+    if (lane == 0) {
+      const std::uint64_t elapsed = ptx::globalTimerNs() - start;
+      if (elapsed > h.timeoutNs) {
+        reportDeviceError(h.error, DeviceErrorKind::kTimeout, h.rank, src, WaitSite::kMoeDispatch, tag, v[0].w, elapsed, cl);
+        if (h.trapOnTimeout) __trap();
+        verdict = 1;
+      } else if (deviceErrorRaised(h.error)) {
+        verdict = 2;
+      }
+    }
+    if (__shfl_sync(kFullMask, verdict, 0) != 0) return false;
+  }
+}
+
+// Data word n of the chunk from its loaded pieces (every lane, each with its own n): piece
+// 8 (n / 15) + (n % 15) / 2, its low or high word.
+template <bool kFp8>
+__device__ __forceinline__ std::uint64_t scatterWord(const uint4 (&v)[kChunkRounds<kFp8>], int n) {
+  const int i = n % kMoeLineWords, q = 8 * (n / kMoeLineWords) + (i >> 1), high = i & 1;
+  std::uint64_t out = 0;
+#pragma unroll
+  for (int r = 0; r < kChunkRounds<kFp8>; ++r) {
+    const std::uint32_t a = __shfl_sync(kFullMask, high ? v[r].z : v[r].x, q & 31);
+    const std::uint32_t b = __shfl_sync(kFullMask, high ? v[r].w : v[r].y, q & 31);
+    if ((q >> 5) == r) out = wordOf(a, b);
+  }
+  return out;
+}
+
+// The share from chunk c's lines once every one carries `tag`: every piece loaded before any is
+// checked (one round trip once they have landed), the chunk waited for whole if a line is
+// missing, then each lane's words taken from the pieces holding them. False: a line never came
 // (recorded).
 template <bool kFp8>
 __device__ __forceinline__ bool shareFromLines(const MoeParams& p, char* slot, int c, int lane, std::uint32_t tag, int src, Share& s) {
   s = emptyShare<kFp8>(p, c, lane);
   const uint4* cl = chunkLines<kFp8>(p, slot, c);
-  uint4 a[2], b[2], sc = flaggedLine(0u, 0u, tag);
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    if (!s.has[j]) continue;
-    a[j] = ptx::ldVolatileV4(cl + 64 * j + lane);
-    b[j] = ptx::ldVolatileV4(cl + 64 * j + 32 + lane);
+  uint4 v[kChunkRounds<kFp8>];
+  loadChunk<kFp8>(cl, lane, v);
+  if (!chunkLanded<kFp8>(v, lane, tag) && !waitChunk<kFp8>(p, cl, lane, tag, src, v)) return false;
+  const std::uint64_t a = scatterWord<kFp8>(v, 2 * lane), b = scatterWord<kFp8>(v, 2 * lane + 1);
+  s.v[0] = make_uint4(static_cast<std::uint32_t>(a), static_cast<std::uint32_t>(a >> 32), static_cast<std::uint32_t>(b),
+                      static_cast<std::uint32_t>(b >> 32));
+  if (kFp8) {
+    const std::uint64_t sc = scatterWord<kFp8>(v, 64 + (lane >> 4));  // tile lane / 8's scale: words 64 | 65, low | high
+    s.scale = __uint_as_float(static_cast<std::uint32_t>(((lane >> 3) & 1) ? sc >> 32 : sc));
+  } else {
+    const std::uint64_t d = scatterWord<kFp8>(v, 64 + 2 * lane), e = scatterWord<kFp8>(v, 65 + 2 * lane);
+    s.v[1] = make_uint4(static_cast<std::uint32_t>(d), static_cast<std::uint32_t>(d >> 32), static_cast<std::uint32_t>(e),
+                        static_cast<std::uint32_t>(e >> 32));
   }
-  const bool scaled = kFp8 && s.has[0] && lane % 8 == 0;
-  if (scaled) sc = ptx::ldVolatileV4(cl + 64 + lane / 8);
-  bool ok = true;
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    if (!s.has[j]) continue;
-    ok = ok && landed(p, cl + 64 * j + lane, tag, src, a[j]) && landed(p, cl + 64 * j + 32 + lane, tag, src, b[j]);
-    s.v[j] = make_uint4(a[j].x, a[j].z, b[j].x, b[j].z);
-  }
-  if (scaled) ok = ok && landed(p, cl + 64 + lane / 8, tag, src, sc);
-  s.scale = __shfl_sync(kFullMask, __uint_as_float(sc.x), lane & ~7);  // the tile's scale, from its lane 0
-  return ok;
+  return true;
 }
 
 // Chunk c's lines and the record's metadata lines of a slot, asked for in L2 (lanes 0 and 1: no

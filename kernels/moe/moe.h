@@ -90,17 +90,21 @@ __host__ __device__ inline std::uint64_t moePayloadBytes(int hidden, bool fp8) {
   return fp8 ? static_cast<std::uint64_t>(hidden) / kFp8TileValues * kFp8TileWireBytes
              : static_cast<std::uint64_t>(hidden) * 2;
 }
-// The latency path's record slot (kernels/moe/latency.cu): the payload, then the metadata, as
-// flagged lines (every 8 bytes of them as a 16-byte line {4 bytes, tag, 4 bytes, tag}), written by
-// the source; then at metaOff the plain metadata (MoeRecordHeader and its slots) the combine reads,
-// written by the receiver. The payload's lines go by chunks of kMoeLatencyChunkValues values, each
-// chunk's lines in the order a warp stores them (moeLatencyChunkLines each: bf16, its pieces'
-// halves; fp8, its tiles' pieces' halves, then their scales, in room for two lines a wire piece);
-// the metadata's:
-// the header {token, slots}, then per top-k position {local expert, index}, {weight, k}.
+// The latency path's record slot (kernels/moe/latency.cu): the payload as 128-byte lines, the
+// metadata as flagged lines (every 8 bytes of them as a 16-byte line {4 bytes, tag, 4 bytes, tag}),
+// both written by the source; then at metaOff the plain metadata (MoeRecordHeader and its slots)
+// the combine reads, written by the receiver. The payload goes by chunks of
+// kMoeLatencyChunkValues values, each chunk's data words (u64: fp8, its 512 e4m3 bytes, then its
+// four tiles' fp32 scales; bf16, its 1 KB) 15 to a 128-byte line, whose 16th word is the tag
+// (NCCL's LL128 layout: a warp stores and loads a line 16 bytes a lane, eight lanes together, and
+// a reader that sees a line's tag word sees the line); moeLatencyChunkLines counts a chunk's
+// 16-byte pieces (8 a line). The metadata's lines: the header {token, slots}, then per top-k
+// position {local expert, index}, {weight, k}.
 inline constexpr int kMoeLatencyChunkValues = 512;
-__host__ __device__ inline int moeLatencyChunkLines(bool fp8) {
-  return fp8 ? 2 * 9 * (kMoeLatencyChunkValues / 128) : kMoeLatencyChunkValues / 4;
+inline constexpr int kMoeLineWords = 15;  // data words (u64) a 128-byte payload line carries
+__host__ __device__ constexpr int moeLatencyChunkWords(bool fp8) { return fp8 ? 64 + 2 : 128; }
+__host__ __device__ constexpr int moeLatencyChunkLines(bool fp8) {
+  return 8 * ((moeLatencyChunkWords(fp8) + kMoeLineWords - 1) / kMoeLineWords);
 }
 __host__ __device__ inline std::uint64_t moeLatencyPayloadLineBytes(int hidden, bool fp8) {
   return static_cast<std::uint64_t>((hidden + kMoeLatencyChunkValues - 1) / kMoeLatencyChunkValues) * moeLatencyChunkLines(fp8) * 16;
