@@ -18,8 +18,9 @@
 //                      count (moeTaggedCount: no fence, no flag), before any payload; then warp
 //                      items (token, 512 values) over every warp of the launch write each token's
 //                      record, read once, into every peer's slot [parity][this rank][index] as
-//                      flagged lines (its payload, then its metadata: each 8 bytes beside the
-//                      step's tag, no fence, no arrival counter), this rank's own slot among them.
+//                      tagged lines (its payload as 128-byte lines, 15 data words and the step's
+//                      tag word; its metadata as flagged lines, each 8 bytes beside the tag: no
+//                      fence, no arrival counter), this rank's own slot among them.
 //            receive  every CTA waits for every count word's tag (kept in shared memory) and
 //                      derives the layout (CTA 0 publishes it and expands nothing); warp items
 //                      (record, chunk; this rank's own first), one per expanding warp and then
@@ -161,10 +162,11 @@ __device__ __forceinline__ std::uint32_t settledLive(const MoeParams& p, int op,
 // --- dispatch ---------------------------------------------------------------------------------
 //
 // Every CTA of a launch sends, then receives (a send half sends, a receive half receives). The
-// payload of a record and its metadata travel as flagged lines (moeLatencyRecordBytes): a line is
-// stored whole (st.volatile.v4) and each of its 8-byte halves carries the step's tag beside 4 bytes,
-// so a reader that sees the tag in both halves holds the line's data: no fence, no arrival
-// counter, and each record is expanded as soon as its own lines are there. The receiver keeps the
+// payload of a record travels as 128-byte lines, 15 data words and the step's tag word, each line
+// stored and loaded by eight lanes of one warp instruction (a reader that sees its tag word holds
+// the line: NCCL's LL128 layout, docs/DESIGN.md); its metadata as flagged lines, each stored whole
+// (st.volatile.v4) with the step's tag beside 4 bytes in each 8-byte half (moeLatencyRecordBytes).
+// No fence, no arrival counter: each record is expanded as soon as its own lines are there. The receiver keeps the
 // plain metadata at the slot's metaOff for the combine. Work goes in warp items of kChunkValues
 // values of one record, dealt over every warp of the launch (the CTAs first).
 
@@ -347,22 +349,25 @@ __device__ __forceinline__ void loadChunk(const uint4* cl, int lane, uint4 (&v)[
   }
 }
 // Reloads the chunk's lines until every one carries `tag` (the warp together: a line is read
-// whole, eight lanes at once), bounded as boundedPoll (lane 0 keeps the time and reports). Out of
-// line: called only for a chunk not all there at its first load. False: a line never came.
+// whole, eight lanes at once), bounded as boundedPoll (lane 0 keeps the time and reports the tag
+// word of line 0 as observed). Out of line, its lines in its own registers (the caller loads them
+// again once they are all there: they do not change before the parity's next step): called only
+// for a chunk not all there at its first load. False: a line never came.
 template <bool kFp8>
-__device__ __noinline__ bool waitChunk(const MoeParams& p, const uint4* cl, int lane, std::uint32_t tag, int src,
-                                       uint4 (&v)[kChunkRounds<kFp8>]) {
+__device__ __noinline__ bool waitChunk(const MoeParams& p, const uint4* cl, int lane, std::uint32_t tag, int src) {
   const SyncHandle& h = p.peers.sync;
   const std::uint64_t start = ptx::globalTimerNs();
+  uint4 v[kChunkRounds<kFp8>];
   for (std::uint32_t iter = 1;; ++iter) {
     loadChunk<kFp8>(cl, lane, v);
     if (chunkLanded<kFp8>(v, lane, tag)) return true;
     if ((iter & 255u) != 0u) continue;
+    const std::uint32_t seen = __shfl_sync(kFullMask, v[0].w, 7);  // line 0's tag word, its high half
     int verdict = 0;  // lane 0's: 1 timed out (reported), 2 another wait of this rank failed
     if (lane == 0) {
       const std::uint64_t elapsed = ptx::globalTimerNs() - start;
       if (elapsed > h.timeoutNs) {
-        reportDeviceError(h.error, DeviceErrorKind::kTimeout, h.rank, src, WaitSite::kMoeDispatch, tag, v[0].w, elapsed, cl);
+        reportDeviceError(h.error, DeviceErrorKind::kTimeout, h.rank, src, WaitSite::kMoeDispatch, tag, seen, elapsed, cl);
         if (h.trapOnTimeout) __trap();
         verdict = 1;
       } else if (deviceErrorRaised(h.error)) {
@@ -381,9 +386,11 @@ __device__ __forceinline__ std::uint64_t scatterWord(const uint4 (&v)[kChunkRoun
   std::uint64_t out = 0;
 #pragma unroll
   for (int r = 0; r < kChunkRounds<kFp8>; ++r) {
-    const std::uint32_t a = __shfl_sync(kFullMask, high ? v[r].z : v[r].x, q & 31);
-    const std::uint32_t b = __shfl_sync(kFullMask, high ? v[r].w : v[r].y, q & 31);
-    if ((q >> 5) == r) out = wordOf(a, b);
+    // The whole piece from its lane, the half chosen here: the source lane's own `high` is its
+    // own word's, not this lane's.
+    const std::uint32_t x = __shfl_sync(kFullMask, v[r].x, q & 31), y = __shfl_sync(kFullMask, v[r].y, q & 31);
+    const std::uint32_t z = __shfl_sync(kFullMask, v[r].z, q & 31), w = __shfl_sync(kFullMask, v[r].w, q & 31);
+    if ((q >> 5) == r) out = high ? wordOf(z, w) : wordOf(x, y);
   }
   return out;
 }
@@ -398,7 +405,10 @@ __device__ __forceinline__ bool shareFromLines(const MoeParams& p, char* slot, i
   const uint4* cl = chunkLines<kFp8>(p, slot, c);
   uint4 v[kChunkRounds<kFp8>];
   loadChunk<kFp8>(cl, lane, v);
-  if (!chunkLanded<kFp8>(v, lane, tag) && !waitChunk<kFp8>(p, cl, lane, tag, src, v)) return false;
+  if (!chunkLanded<kFp8>(v, lane, tag)) {
+    if (!waitChunk<kFp8>(p, cl, lane, tag, src)) return false;
+    loadChunk<kFp8>(cl, lane, v);
+  }
   const std::uint64_t a = scatterWord<kFp8>(v, 2 * lane), b = scatterWord<kFp8>(v, 2 * lane + 1);
   s.v[0] = make_uint4(static_cast<std::uint32_t>(a), static_cast<std::uint32_t>(a >> 32), static_cast<std::uint32_t>(b),
                       static_cast<std::uint32_t>(b >> 32));
