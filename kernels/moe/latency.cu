@@ -971,8 +971,11 @@ __device__ void prefetchSourceRows(const MoeParams& p, int s, const MoeGroupSlic
   // weights have most likely come, and the rows are read at once.
   const int rows = p.layout.sourceRecords[s];
   if (gs.first >= rows) return;  // no record of s in the slice
-  const std::uint64_t* first = combineWeightsOf(p, static_cast<int>(cstep & 1u), s, gs.first);
-  if (static_cast<std::uint32_t>(ptx::ldRelaxedSys64(first) >> 32) == moeCountTag(cstep)) return;
+  std::uint64_t seen = 0;
+  if (taggedWordIn(p, combineWeightsOf(p, static_cast<int>(cstep & 1u), s, gs.first), moeCountTag(cstep), false, s,
+                   WaitSite::kMoeCombineWeights, true, true, seen)) {
+    return;
+  }
   const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.shape.hidden) * 2;
   const char* y = static_cast<const char*>(p.combine.expertOutput);
   const std::int32_t* srcBase = p.layout.sourceBase + s * p.shape.localExperts;
