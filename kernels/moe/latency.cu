@@ -997,7 +997,7 @@ __device__ void prefetchSourceRows(const MoeParams& p, int s, const MoeGroupSlic
 __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live, bool standIn, std::uint32_t& gaveUp) {
   __shared__ MoeSlotStage stages[kGroups];
   const int tid = static_cast<int>(threadIdx.x);
-  const MoeGroupSlice gs = moeGroupSlice(part.cta, part.ctas);
+  const MoeGroupSlice gs = moeGroupSlice(part.cta, part.ctas, true);  // the CTAs first
   const int R = p.shape.numRanks, K = p.shape.topK;
   const std::uint32_t cstep = p.peers.steps[1];
   const int cparity = static_cast<int>(cstep & 1u);
@@ -1077,7 +1077,7 @@ __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live, b
 __device__ void combineReceive(const MoeParams& p, Part part, std::uint32_t live, std::uint32_t skip) {
   __shared__ const uint4* parts[kGroups][kMaxRanks];
   __shared__ MoeSlotStage stages[kGroups];
-  const MoeGroupSlice gs = moeGroupSlice(part.cta, part.ctas);
+  const MoeGroupSlice gs = moeGroupSlice(part.cta, part.ctas, true);  // the CTAs first
   const int R = p.shape.numRanks;
   const std::uint32_t cstep = p.peers.steps[1];
   const int cparity = static_cast<int>(cstep & 1u);
