@@ -150,7 +150,7 @@ LocalCarve carveLocal(const MoeConfig& cfg, const MoeSizes& z, std::size_t cap, 
   o.rowExpertWeights = carve("rowExpertWeights", rankMajor ? cap * K * 4 : 0);
   o.sourceRanges = carve("sourceRanges", rankMajor ? 0 : L * Rs * 8);
   o.llSteps = carve("llSteps", 2 * 4);  // dispatch and combine steps and last-CTA counters (latency and direct kernels)
-  o.llDone = carve("llDone", 3 * 4);  // the last-CTA counters, then the dispatch receive's item claims
+  o.llDone = carve("llDone", 4 * 4);  // the last-CTA counters, then the dispatch receive's item claims (one per step parity)
   o.llMask = carve("llMask", 3 * 4);  // the active-rank mask, the last dispatch's, a latency send half's
   o.llExpected = carve("llExpected", 2 * Rs * 4);  // latency: the partial arrivals expected [R]; direct: the steps shared [2][R]
   o.llShrink = carve("llShrink", !throughput && cfg.shrinkOnTimeout ? 2 * 4 * 4 : 0);  // shrink on timeout

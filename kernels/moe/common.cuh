@@ -429,15 +429,18 @@ struct MoeGroup {
 // This thread's group of kMoeGroupThreads in `ctas` CTAs (this one the cta-th) working on items
 // (records, tokens) one per group at a time: the group's index in its CTA, its first item and the
 // stride over items. A kernel whose CTAs split into parts (kernels/moe/latency.cu) slices each
-// part; the others slice the grid.
+// part; the others slice the grid. `ctasFirst`: item n goes to group n / ctas of CTA n % ctas, so
+// that items fewer than the groups spread over every CTA (SM) before any CTA takes a second (the
+// latency kernels: 128 records on 64 CTAs of 4 groups went to the first 32 CTAs); else to CTA
+// n / perCta, group n % perCta.
 struct MoeGroupSlice {
   int group, first, stride;
   MoeGroup g;
 };
-__device__ __forceinline__ MoeGroupSlice moeGroupSlice(int cta, int ctas) {
+__device__ __forceinline__ MoeGroupSlice moeGroupSlice(int cta, int ctas, bool ctasFirst = false) {
   const int tid = static_cast<int>(threadIdx.x), group = tid / kMoeGroupThreads;
   const int perCta = static_cast<int>(blockDim.x) / kMoeGroupThreads;
-  return MoeGroupSlice{group, cta * perCta + group, ctas * perCta,
+  return MoeGroupSlice{group, ctasFirst ? group * ctas + cta : cta * perCta + group, ctas * perCta,
                        MoeGroup{tid % kMoeGroupThreads, kMoeGroupThreads, 1 + group}};
 }
 __device__ __forceinline__ MoeGroupSlice moeGroupSlice() {

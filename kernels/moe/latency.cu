@@ -884,7 +884,7 @@ __device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part all, std::
   bool ok = counted;
   if (counted && (helper || items.cta >= 0)) {
     const MoeStamp stamp(p, MoeKernel::kLatencyExpand);
-    std::uint32_t* claims = p.peers.lastCtaCounters + kMoeItemClaims;
+    std::uint32_t* claims = p.peers.lastCtaCounters + kMoeItemClaims + parity;  // this parity's (kMoeItemClaims)
     int total = 0;  // every live source's items
 #pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
     for (int q = 0; q < R; ++q) total += sourceItems(p, msgOf, live, chunks, q);
@@ -1003,12 +1003,15 @@ __global__ void __launch_bounds__(kThreads) dispatchKernel(const __grid_constant
   if (receives) dispatchReceive<kFp8, kLayout>(p, sm, all, live);
   if (receives && lastBlock(&p.peers.lastCtaCounters[0], p.latency.shrink != nullptr) && threadIdx.x == 0) {
     moeTrace(p, 0, p.peers.steps[0], MoeTraceEvent::kDone);
-    // Every CTA read the step before lastBlock's barrier, and made its last claim, each value used
-    // before it counted (unfenced: lastBlock's `ordered`; the claims reset below rests on that
-    // too). With shrink on timeout lastBlock fences: a receive half's helpers leave before the
-    // receivers' meeting, and the ranks masked in other CTAs are read below.
-    p.peers.steps[0] = p.peers.steps[0] + 1u;
-    p.peers.lastCtaCounters[kMoeItemClaims] = 0;
+    // Every CTA read the step before lastBlock's barrier, each value used before it counted
+    // (unfenced: lastBlock's `ordered`). The claims reset is the other parity's counter, whose last
+    // claims were made in the step before (a kernel boundary ago), so that the next step finds it
+    // at 0 with no reset racing a claim of this one. With shrink on timeout lastBlock fences: a
+    // receive half's helpers leave before the receivers' meeting, and the ranks masked in other
+    // CTAs are read below.
+    const std::uint32_t step = p.peers.steps[0];
+    p.peers.steps[0] = step + 1u;
+    p.peers.lastCtaCounters[kMoeItemClaims + ((step + 1u) & 1u)] = 0;
     *p.peers.dispatchLive = settledLive(p, 0, live);  // its combine's mask, less the ranks masked after a timeout
     *p.state.pending = kMoeDispatched | kMoePendingCombine;
   }
@@ -1076,8 +1079,11 @@ __device__ void prefetchSourceRows(const MoeParams& p, int s, const MoeGroupSlic
   // weights have most likely come, and the rows are read at once.
   const int rows = p.layout.sourceRecords[s];
   if (gs.first >= rows) return;  // no record of s in the slice
-  const std::uint64_t* first = combineWeightsOf(p, static_cast<int>(cstep & 1u), s, gs.first);
-  if (static_cast<std::uint32_t>(ptx::ldRelaxedSys64(first) >> 32) == moeCountTag(cstep)) return;
+  std::uint64_t seen = 0;
+  if (taggedWordIn(p, combineWeightsOf(p, static_cast<int>(cstep & 1u), s, gs.first), moeCountTag(cstep), false, s,
+                   WaitSite::kMoeCombineWeights, true, true, seen)) {
+    return;
+  }
   const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.shape.hidden) * 2;
   const char* y = static_cast<const char*>(p.combine.expertOutput);
   const std::int32_t* srcBase = p.layout.sourceBase + s * p.shape.localExperts;
@@ -1099,7 +1105,7 @@ __device__ void prefetchSourceRows(const MoeParams& p, int s, const MoeGroupSlic
 __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live, bool standIn, std::uint32_t& gaveUp) {
   __shared__ MoeSlotStage stages[kGroups];
   const int tid = static_cast<int>(threadIdx.x);
-  const MoeGroupSlice gs = moeGroupSlice(part.cta, part.ctas);
+  const MoeGroupSlice gs = moeGroupSlice(part.cta, part.ctas, true);  // the CTAs first
   const int R = p.shape.numRanks, K = p.shape.topK;
   const std::uint32_t cstep = p.peers.steps[1];
   const int cparity = static_cast<int>(cstep & 1u);
@@ -1179,7 +1185,7 @@ __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live, b
 __device__ void combineReceive(const MoeParams& p, Part part, std::uint32_t live, std::uint32_t skip) {
   __shared__ const uint4* parts[kGroups][kMaxRanks];
   __shared__ MoeSlotStage stages[kGroups];
-  const MoeGroupSlice gs = moeGroupSlice(part.cta, part.ctas);
+  const MoeGroupSlice gs = moeGroupSlice(part.cta, part.ctas, true);  // the CTAs first
   const int R = p.shape.numRanks;
   const std::uint32_t cstep = p.peers.steps[1];
   const int cparity = static_cast<int>(cstep & 1u);

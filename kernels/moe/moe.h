@@ -374,7 +374,7 @@ struct MoePeers {
                                  // path's messages carry that tag in each word; its flags only tell checkHealth)
   std::uint32_t* steps;          // local [2]: dispatch and combine steps (monotonic)
   // local [3]: last-CTA counters of the dispatch's and combine's last kernels, then the latency
-  // dispatch receive's item claims (kMoeItemClaims; its last CTA resets them)
+  // dispatch receive's item claims (kMoeItemClaims, one per step parity)
   std::uint32_t* lastCtaCounters;
   SyncHandle sync;               // bounded waits (timeout, error record)
   // The active-rank mask (Engine::setActiveRanks; the latency path and the direct throughput
@@ -544,7 +544,9 @@ inline constexpr int kMoeLatencyThreads = 512;
 inline constexpr std::uint32_t kMoeLatencyMaxSmem = 96u << 10;
 inline constexpr std::int32_t kMoeLatencySend = 1;
 inline constexpr std::int32_t kMoeLatencyReceive = 2;
-// MoePeers::lastCtaCounters[kMoeItemClaims]: the latency dispatch receive's item claims.
+// MoePeers::lastCtaCounters[kMoeItemClaims + P]: the latency dispatch receive's item claims in the
+// steps of parity P; the last CTA of a step resets the other parity's (claimed in the step
+// before, whose kernel has ended), so that no reset races a claim.
 inline constexpr int kMoeItemClaims = 2;
 // The send CTAs of a latency dispatch launch that post their start (MoeLatencyParams::placedOff);
 // a launch of more posts none past it, and no receive half's helper then takes part.

@@ -115,7 +115,7 @@ TEST(Unit_MoePlan, LocalRegionsHoldWhatTheKernelsWrite) {
           {o.rowExpertWeights, rankMajor ? cap * K * 4 : 0},
           {o.sourceRanges, rankMajor ? 0 : L * Rs * 8},
           {o.llSteps, 8},
-          {o.llDone, 3 * 4},  // the last-CTA counters, then the latency dispatch receive's item claims
+          {o.llDone, 4 * 4},  // the last-CTA counters, then the latency dispatch receive's item claims (one per parity)
           {o.llMask, 3 * 4},         // the active-rank mask, the last dispatch's, a latency send half's
           {o.llExpected, 2 * Rs * 4},  // latency: the partial arrivals expected; direct: the steps each pair shared
           {o.llShrink, !throughput && c.shrinkOnTimeout ? 2 * 4 * 4 : 0},  // shrink on timeout: [2 operations][4 words]
