@@ -190,10 +190,8 @@ template <bool kFp8>
 __device__ __forceinline__ uint4* metaLines(const MoeParams& p, char* slot) {
   return reinterpret_cast<uint4*>(slot + moeLatencyPayloadLineBytes(p.shape.hidden, kFp8));
 }
-// Chunk c's 128-byte lines in a slot, as 16-byte pieces (moeLatencyChunkLines): piece q (line
-// q / 8, its 16 bytes q % 8) carries data words 15 (q / 8) + 2 (q % 8) and the next, the last
-// piece of a line one data word and the line's tag word. A warp's store (or load) of 32 pieces
-// covers four whole lines, eight lanes each.
+// Chunk c's 128-byte lines in a slot, as 16-byte pieces (moeLatencyChunkLines; the pieces' order
+// is under "the payload's 128-byte lines" below).
 template <bool kFp8>
 __device__ __forceinline__ uint4* chunkLines(const MoeParams& p, char* slot, int c) {
   return reinterpret_cast<uint4*>(slot) + static_cast<std::uint64_t>(c) * moeLatencyChunkLines(kFp8);
@@ -281,69 +279,64 @@ template <bool kFp8>
 __device__ __forceinline__ Share shareFromX(const MoeParams& p, int t, int c, int lane) { return finishShare<kFp8>(p, loadShare<kFp8>(p, t, c, lane)); }
 
 // --- the payload's 128-byte lines ---------------------------------------------------------------
-// A chunk's data words in a warp's Share (its natural order): fp8, lane L's v[0] holds words 2L
-// and 2L + 1 (its tile L / 8's bytes 16 (L % 8) ..), and words 64 and 65 the four tiles' scales
-// (from lanes 0, 8 | 16, 24); bf16, lane L's v[j] holds words 64 j + 2L and 64 j + 2L + 1. A line
-// piece takes its words from whichever lane holds them (warp shuffles, every lane at once), and a
-// reader gives each lane its words back the same way.
+// A chunk as a warp holds it (Share): fp8, lane L's v[0] the bytes 16 (L % 8) .. of tile L / 8 and
+// its scale; bf16, lane L's v[j] piece 64 c + 32 j + L. Round r of the chunk's lines is every
+// lane's v[r] stored as piece 32 r + L, so that four lines go in one warp store with no shuffle;
+// the last lane of a line (L % 8 == 7) stores its first 8 bytes and the tag word, and its last 8
+// bytes go to the spill line (moeLatencyChunkLines): its piece k holds the cut halves of lanes
+// 16 (k % 2) + 7 and 16 (k % 2) + 15 of round k / 2; fp8, its piece 2 the four tiles' scales. A
+// reader loads the pieces as they were stored and hands the cut halves and scales back.
 template <bool kFp8>
-constexpr int kChunkRounds = (moeLatencyChunkLines(kFp8) + 31) / 32;  // a warp's stores (or loads) of a chunk
-__device__ __forceinline__ std::uint64_t lineTagWord(std::uint32_t tag) { return static_cast<std::uint64_t>(tag) << 32 | tag; }
-__device__ __forceinline__ std::uint64_t wordOf(std::uint32_t lo, std::uint32_t hi) { return static_cast<std::uint64_t>(hi) << 32 | lo; }
+constexpr int kChunkRounds = moeLatencyChunkRounds(kFp8);  // warp stores of a chunk's shares
+template <bool kFp8>
+constexpr int kChunkLoads = kChunkRounds<kFp8> + 1;  // and of its spill line (lanes 0-7)
+__device__ __forceinline__ bool lineEnd(int lane) { return (lane & 7) == 7; }
 
-// Data word n of the chunk (every lane of the warp, each with its own n; past the chunk's words: 0).
+// Piece `lane` (0-7) of chunk's spill line from the warp's shares (every lane shuffles; pieces
+// past the halves and scales are zero).
 template <bool kFp8>
-__device__ __forceinline__ std::uint64_t gatherWord(const Share& s, int n) {
-  const int owner = (n & 63) >> 1, odd = n & 1;
-  const std::uint32_t x0 = __shfl_sync(kFullMask, s.v[0].x, owner), y0 = __shfl_sync(kFullMask, s.v[0].y, owner);
-  const std::uint32_t z0 = __shfl_sync(kFullMask, s.v[0].z, owner), w0 = __shfl_sync(kFullMask, s.v[0].w, owner);
+__device__ __forceinline__ uint4 spillPiece(const Share& s, int lane) {
+  const int k = lane & 7, a = 16 * (k & 1) + 7;
+  const uint4 r0 = make_uint4(__shfl_sync(kFullMask, s.v[0].z, a), __shfl_sync(kFullMask, s.v[0].w, a),
+                              __shfl_sync(kFullMask, s.v[0].z, a + 8), __shfl_sync(kFullMask, s.v[0].w, a + 8));
   if (kFp8) {
-    const float a = __shfl_sync(kFullMask, s.scale, 16 * odd), b = __shfl_sync(kFullMask, s.scale, 16 * odd + 8);
-    if (n < 64) return odd ? wordOf(z0, w0) : wordOf(x0, y0);
-    return n < 66 ? wordOf(__float_as_uint(a), __float_as_uint(b)) : 0;
+    const uint4 sc = make_uint4(__float_as_uint(__shfl_sync(kFullMask, s.scale, 0)), __float_as_uint(__shfl_sync(kFullMask, s.scale, 8)),
+                                __float_as_uint(__shfl_sync(kFullMask, s.scale, 16)), __float_as_uint(__shfl_sync(kFullMask, s.scale, 24)));
+    return k < 2 ? r0 : k == 2 ? sc : make_uint4(0u, 0u, 0u, 0u);
   }
-  const std::uint32_t x1 = __shfl_sync(kFullMask, s.v[1].x, owner), y1 = __shfl_sync(kFullMask, s.v[1].y, owner);
-  const std::uint32_t z1 = __shfl_sync(kFullMask, s.v[1].z, owner), w1 = __shfl_sync(kFullMask, s.v[1].w, owner);
-  if (n >= 128) return 0;
-  if (n >= 64) return odd ? wordOf(z1, w1) : wordOf(x1, y1);
-  return odd ? wordOf(z0, w0) : wordOf(x0, y0);
+  const uint4 r1 = make_uint4(__shfl_sync(kFullMask, s.v[1].z, a), __shfl_sync(kFullMask, s.v[1].w, a),
+                              __shfl_sync(kFullMask, s.v[1].z, a + 8), __shfl_sync(kFullMask, s.v[1].w, a + 8));
+  return k < 2 ? r0 : k < 4 ? r1 : make_uint4(0u, 0u, 0u, 0u);
 }
 
-// The share as chunk c's 128-byte lines of a record slot (every lane of the warp): piece
-// 32 r + lane in round r, each line's tag word in its last piece. Every piece is stored (a
-// partial last chunk's words past the row too): the reader polls every line's tag.
+// The share as chunk c's 128-byte lines of a record slot (every lane of the warp). Every piece is
+// stored (a partial last chunk's zeros too): the reader polls every line's tag.
 template <bool kFp8>
 __device__ __forceinline__ void putLines(const MoeParams& p, char* slot, int c, int lane, const Share& s, std::uint32_t tag) {
   uint4* cl = chunkLines<kFp8>(p, slot, c);
 #pragma unroll
   for (int r = 0; r < kChunkRounds<kFp8>; ++r) {
-    const int q = 32 * r + lane, l = q >> 3, w = q & 7, n = kMoeLineWords * l + 2 * w;
-    const std::uint64_t lo = gatherWord<kFp8>(s, n);
-    const std::uint64_t next = gatherWord<kFp8>(s, n + 1);  // every lane shuffles, the line's last piece too
-    const std::uint64_t hi = w == 7 ? lineTagWord(tag) : next;
-    if (q < moeLatencyChunkLines(kFp8)) {
-      ptx::stVolatileV4(cl + q, make_uint4(static_cast<std::uint32_t>(lo), static_cast<std::uint32_t>(lo >> 32),
-                                           static_cast<std::uint32_t>(hi), static_cast<std::uint32_t>(hi >> 32)));
-    }
+    ptx::stVolatileV4(cl + 32 * r + lane, lineEnd(lane) ? make_uint4(s.v[r].x, s.v[r].y, tag, tag) : s.v[r]);
   }
+  const uint4 spill = spillPiece<kFp8>(s, lane);
+  if (lane < 8) ptx::stVolatileV4(cl + 32 * kChunkRounds<kFp8> + lane, lineEnd(lane) ? make_uint4(spill.x, spill.y, tag, tag) : spill);
 }
 
-// Whether every line of a chunk (its pieces as loaded, round by round) carries `tag`: the warp's
+// Whether every line of a chunk (its pieces as loaded, load by load) carries `tag`: the warp's
 // answer (each line's last piece looks at its tag word).
 template <bool kFp8>
-__device__ __forceinline__ bool chunkLanded(const uint4 (&v)[kChunkRounds<kFp8>], int lane, std::uint32_t tag) {
+__device__ __forceinline__ bool chunkLanded(const uint4 (&v)[kChunkLoads<kFp8>], int lane, std::uint32_t tag) {
   bool ok = true;
 #pragma unroll
-  for (int r = 0; r < kChunkRounds<kFp8>; ++r) {
-    const int q = 32 * r + lane;
-    if (q < moeLatencyChunkLines(kFp8) && (q & 7) == 7) ok = ok && wordOf(v[r].z, v[r].w) == lineTagWord(tag);
+  for (int r = 0; r < kChunkLoads<kFp8>; ++r) {
+    if (32 * r + lane < moeLatencyChunkLines(kFp8) && lineEnd(lane)) ok = ok && v[r].z == tag && v[r].w == tag;
   }
   return __all_sync(kFullMask, ok);
 }
 template <bool kFp8>
-__device__ __forceinline__ void loadChunk(const uint4* cl, int lane, uint4 (&v)[kChunkRounds<kFp8>]) {
+__device__ __forceinline__ void loadChunk(const uint4* cl, int lane, uint4 (&v)[kChunkLoads<kFp8>]) {
 #pragma unroll
-  for (int r = 0; r < kChunkRounds<kFp8>; ++r) {
+  for (int r = 0; r < kChunkLoads<kFp8>; ++r) {
     const int q = 32 * r + lane;
     v[r] = q < moeLatencyChunkLines(kFp8) ? ptx::ldVolatileV4(cl + q) : make_uint4(0u, 0u, 0u, 0u);
   }
@@ -357,7 +350,7 @@ template <bool kFp8>
 __device__ __noinline__ bool waitChunk(const MoeParams& p, const uint4* cl, int lane, std::uint32_t tag, int src) {
   const SyncHandle& h = p.peers.sync;
   const std::uint64_t start = ptx::globalTimerNs();
-  uint4 v[kChunkRounds<kFp8>];
+  uint4 v[kChunkLoads<kFp8>];
   for (std::uint32_t iter = 1;; ++iter) {
     loadChunk<kFp8>(cl, lane, v);
     if (chunkLanded<kFp8>(v, lane, tag)) return true;
@@ -378,47 +371,34 @@ __device__ __noinline__ bool waitChunk(const MoeParams& p, const uint4* cl, int 
   }
 }
 
-// Data word n of the chunk from its loaded pieces (every lane, each with its own n): piece
-// 8 (n / 15) + (n % 15) / 2, its low or high word.
-template <bool kFp8>
-__device__ __forceinline__ std::uint64_t scatterWord(const uint4 (&v)[kChunkRounds<kFp8>], int n) {
-  const int i = n % kMoeLineWords, q = 8 * (n / kMoeLineWords) + (i >> 1), high = i & 1;
-  std::uint64_t out = 0;
-#pragma unroll
-  for (int r = 0; r < kChunkRounds<kFp8>; ++r) {
-    // The whole piece from its lane, the half chosen here: the source lane's own `high` is its
-    // own word's, not this lane's.
-    const std::uint32_t x = __shfl_sync(kFullMask, v[r].x, q & 31), y = __shfl_sync(kFullMask, v[r].y, q & 31);
-    const std::uint32_t z = __shfl_sync(kFullMask, v[r].z, q & 31), w = __shfl_sync(kFullMask, v[r].w, q & 31);
-    if ((q >> 5) == r) out = high ? wordOf(z, w) : wordOf(x, y);
-  }
-  return out;
-}
-
 // The share from chunk c's lines once every one carries `tag`: every piece loaded before any is
 // checked (one round trip once they have landed), the chunk waited for whole if a line is
-// missing, then each lane's words taken from the pieces holding them. False: a line never came
-// (recorded).
+// missing, then each line's last lane given its cut half (and fp8 every lane its tile's scale)
+// from the spill line. False: a line never came (recorded).
 template <bool kFp8>
 __device__ __forceinline__ bool shareFromLines(const MoeParams& p, char* slot, int c, int lane, std::uint32_t tag, int src, Share& s) {
   s = emptyShare<kFp8>(p, c, lane);
   const uint4* cl = chunkLines<kFp8>(p, slot, c);
-  uint4 v[kChunkRounds<kFp8>];
+  uint4 v[kChunkLoads<kFp8>];
   loadChunk<kFp8>(cl, lane, v);
   if (!chunkLanded<kFp8>(v, lane, tag)) {
     if (!waitChunk<kFp8>(p, cl, lane, tag, src)) return false;
     loadChunk<kFp8>(cl, lane, v);
   }
-  const std::uint64_t a = scatterWord<kFp8>(v, 2 * lane), b = scatterWord<kFp8>(v, 2 * lane + 1);
-  s.v[0] = make_uint4(static_cast<std::uint32_t>(a), static_cast<std::uint32_t>(a >> 32), static_cast<std::uint32_t>(b),
-                      static_cast<std::uint32_t>(b >> 32));
+  const uint4& spill = v[kChunkRounds<kFp8>];  // on lanes 0-7
+  const bool high = (lane >> 3) & 1;           // which half of its spill piece a line's last lane takes
+#pragma unroll
+  for (int r = 0; r < kChunkRounds<kFp8>; ++r) {
+    const int k = 2 * r + (lane >> 4);
+    const std::uint32_t x = __shfl_sync(kFullMask, spill.x, k), y = __shfl_sync(kFullMask, spill.y, k);
+    const std::uint32_t z = __shfl_sync(kFullMask, spill.z, k), w = __shfl_sync(kFullMask, spill.w, k);
+    s.v[r] = lineEnd(lane) ? make_uint4(v[r].x, v[r].y, high ? z : x, high ? w : y) : v[r];
+  }
   if (kFp8) {
-    const std::uint64_t sc = scatterWord<kFp8>(v, 64 + (lane >> 4));  // tile lane / 8's scale: words 64 | 65, low | high
-    s.scale = __uint_as_float(static_cast<std::uint32_t>(((lane >> 3) & 1) ? sc >> 32 : sc));
-  } else {
-    const std::uint64_t d = scatterWord<kFp8>(v, 64 + 2 * lane), e = scatterWord<kFp8>(v, 65 + 2 * lane);
-    s.v[1] = make_uint4(static_cast<std::uint32_t>(d), static_cast<std::uint32_t>(d >> 32), static_cast<std::uint32_t>(e),
-                        static_cast<std::uint32_t>(e >> 32));
+    const std::uint32_t x = __shfl_sync(kFullMask, spill.x, 2), y = __shfl_sync(kFullMask, spill.y, 2);
+    const std::uint32_t z = __shfl_sync(kFullMask, spill.z, 2), w = __shfl_sync(kFullMask, spill.w, 2);
+    const int tile = lane >> 3;
+    s.scale = __uint_as_float(tile == 0 ? x : tile == 1 ? y : tile == 2 ? z : w);
   }
   return true;
 }

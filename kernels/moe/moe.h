@@ -94,18 +94,17 @@ __host__ __device__ inline std::uint64_t moePayloadBytes(int hidden, bool fp8) {
 // metadata as flagged lines (every 8 bytes of them as a 16-byte line {4 bytes, tag, 4 bytes, tag}),
 // both written by the source; then at metaOff the plain metadata (MoeRecordHeader and its slots)
 // the combine reads, written by the receiver. The payload goes by chunks of
-// kMoeLatencyChunkValues values, each chunk's data words (u64: fp8, its 512 e4m3 bytes, then its
-// four tiles' fp32 scales; bf16, its 1 KB) 15 to a 128-byte line, whose 16th word is the tag
-// (NCCL's LL128 layout: a warp stores and loads a line 16 bytes a lane, eight lanes together, and
-// a reader that sees a line's tag word sees the line); moeLatencyChunkLines counts a chunk's
-// 16-byte pieces (8 a line). The metadata's lines: the header {token, slots}, then per top-k
-// position {local expert, index}, {weight, k}.
+// kMoeLatencyChunkValues values. A 128-byte line is 8 pieces of 16 bytes, stored and loaded by
+// eight lanes of one warp instruction, its last 8 bytes the step's tag (NCCL's LL128 layout: a
+// reader that sees a line's tag word sees the line). A chunk is moeLatencyChunkRounds rounds of
+// four lines, lane L's 16-byte share as piece L of its round (fp8: one round, the e4m3 bytes;
+// bf16: two), the share of each line's last lane cut to its first 8 bytes; then a spill line
+// holding those cut halves in order (4 a round) and, fp8, the four tiles' fp32 scales.
+// moeLatencyChunkLines counts a chunk's 16-byte pieces. The metadata's lines: the header {token,
+// slots}, then per top-k position {local expert, index}, {weight, k}.
 inline constexpr int kMoeLatencyChunkValues = 512;
-inline constexpr int kMoeLineWords = 15;  // data words (u64) a 128-byte payload line carries
-__host__ __device__ constexpr int moeLatencyChunkWords(bool fp8) { return fp8 ? 64 + 2 : 128; }
-__host__ __device__ constexpr int moeLatencyChunkLines(bool fp8) {
-  return 8 * ((moeLatencyChunkWords(fp8) + kMoeLineWords - 1) / kMoeLineWords);
-}
+__host__ __device__ constexpr int moeLatencyChunkRounds(bool fp8) { return fp8 ? 1 : 2; }
+__host__ __device__ constexpr int moeLatencyChunkLines(bool fp8) { return 32 * moeLatencyChunkRounds(fp8) + 8; }
 __host__ __device__ inline std::uint64_t moeLatencyPayloadLineBytes(int hidden, bool fp8) {
   return static_cast<std::uint64_t>((hidden + kMoeLatencyChunkValues - 1) / kMoeLatencyChunkValues) * moeLatencyChunkLines(fp8) * 16;
 }
