@@ -27,5 +27,8 @@ ForceTransport forceTransportFromEnv();
 
 // True when the class allows plain load/store (and thus direct pointers).
 inline bool isLoadStore(PeerClass c) { return c != PeerClass::kRemote; }
+// True when a warp's 128-byte store to the peer lands whole for a 128-byte load (NCCL's LL128
+// premise: this GPU or an NVLink peer, not PCIe): the latency path's payload lines need it.
+inline bool takesWholeLines(PeerClass c) { return c == PeerClass::kSelf || c == PeerClass::kSameDevice || c == PeerClass::kNvLink; }
 
 }  // namespace graphep

@@ -187,6 +187,10 @@ bool everyPeerLoadStore(Communicator& comm, const SymmetricHeap& heap) {
   return everyPeerIs(comm, heap, [](PeerClass c) { return isLoadStore(c); });
 }
 
+bool everyPeerTakesWholeLines(Communicator& comm, const SymmetricHeap& heap) {
+  return everyPeerIs(comm, heap, [](PeerClass c) { return takesWholeLines(c); });
+}
+
 int directSharedCtas(int want, int share) {
   const int most = share / kDirectSharedParts;
   return want > 0 ? std::min(want, most) : most;

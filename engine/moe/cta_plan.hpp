@@ -18,6 +18,9 @@ namespace graphep::moe_setup {
 // Collective: whether every local rank of every process reaches every peer by load/store (the
 // latency path writes peers' memory directly). Every rank gets the same answer.
 bool everyPeerLoadStore(Communicator& comm, const SymmetricHeap& heap);
+// Collective: whether every peer takes the latency path's 128-byte payload lines whole
+// (takesWholeLines: this GPU or NVLink, no PCIe peer). Every rank gets the same answer.
+bool everyPeerTakesWholeLines(Communicator& comm, const SymmetricHeap& heap);
 
 // Collective: whether the throughput path runs its direct kernels (kernels/moe/direct.cu): every
 // peer by load/store, GRAPHEP_MOE_KERNELS not "movers" on any rank, and on a GPU that ranks share,

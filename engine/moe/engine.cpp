@@ -159,11 +159,14 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
   PathHeap ph = pathHeap(latencyCandidate ? MoePath::kLatency : MoePath::kThroughput, sizes, cfg);
   auto group = std::make_shared<EngineGroup>();
   group->heap = SymmetricHeap::create(comm, ph.heap);
-  const bool allLoadStore = everyPeerLoadStore(comm, *group->heap);
-  GRAPHEP_REQUIRE(cfg.path != MoePath::kLatency || allLoadStore, Status::kNotSupported,
-                  "MoeConfig.path=kLatency needs load/store access to every peer; some are reached "
-                  "only through NCCL (use kAuto or kThroughput)");
-  const MoePath path = latencyCandidate && allLoadStore ? MoePath::kLatency : MoePath::kThroughput;
+  // The latency path writes peers directly, its payload as 128-byte lines that must land whole:
+  // every peer on this GPU or over NVLink (a PCIe peer goes to the throughput path).
+  const bool linesPeers = everyPeerTakesWholeLines(comm, *group->heap);
+  GRAPHEP_REQUIRE(cfg.path != MoePath::kLatency || linesPeers, Status::kNotSupported,
+                  "MoeConfig.path=kLatency needs every peer on this GPU or over NVLink (its 128-byte payload "
+                  "lines land whole only there); some are reached over PCIe or only through NCCL (use kAuto or "
+                  "kThroughput)");
+  const MoePath path = latencyCandidate && linesPeers ? MoePath::kLatency : MoePath::kThroughput;
   if (latencyCandidate && path == MoePath::kThroughput) {
     ph = pathHeap(path, sizes, cfg);
     group->heap->reallocate(ph.heap);

@@ -169,6 +169,16 @@ TEST(Unit_Topology, Classification) {
   EXPECT_EQ(classifyPeer(sameGpu, ForceTransport::kRemote), PeerClass::kRemote);
 }
 
+// The latency path's 128-byte payload lines: whole on this GPU and over NVLink only.
+TEST(Unit_Topology, WholeLinesOnlyOnThisGpuAndNvLink) {
+  EXPECT_TRUE(takesWholeLines(PeerClass::kSelf));
+  EXPECT_TRUE(takesWholeLines(PeerClass::kSameDevice));
+  EXPECT_TRUE(takesWholeLines(PeerClass::kNvLink));
+  EXPECT_FALSE(takesWholeLines(PeerClass::kPcie));
+  EXPECT_FALSE(takesWholeLines(PeerClass::kRemote));
+  EXPECT_TRUE(isLoadStore(PeerClass::kPcie));  // the throughput path's direct kernels still reach it
+}
+
 TEST(Unit_Topology, ForceTransportParsing) {
   EXPECT_EQ(parseForceTransport("auto"), ForceTransport::kAuto);
   EXPECT_EQ(parseForceTransport("Remote"), ForceTransport::kRemote);
