@@ -174,7 +174,8 @@ std::vector<std::unique_ptr<Engine>> Engine::createAll(Communicator& comm, const
   const bool throughput = path == MoePath::kThroughput;
   GRAPHEP_REQUIRE(!throughput || !cfg.shrinkOnTimeout, Status::kNotSupported,
                   "MoeConfig.shrinkOnTimeout needs the latency path; this engine is on the throughput path "
-                  "(MoeConfig.path, the sizes, or a peer reached only through NCCL): use recover after a timeout");
+                  "(MoeConfig.path, the sizes, or a peer over PCIe or reached only through NCCL): use recover after a "
+                  "timeout");
 
   // The CTA plan, the movers, and room for every rank's local buffers (before any is allocated).
   const LatencyCtas lctas = throughput ? LatencyCtas{} : latencyCtas(comm, *group->heap, cfg);
@@ -758,7 +759,7 @@ void requireNoHalf(const Engine::Impl& m, const char* op) {
 void requireLatency(const Engine::Impl& m, const char* what) {
   GRAPHEP_REQUIRE(m.path == MoePath::kLatency, Status::kNotSupported,
                   "%s applies to the latency path; this engine is on the throughput path (MoeConfig.path, "
-                  "maxTokensPerRank <= %d and load/store peers choose the latency path)",
+                  "maxTokensPerRank <= %d and every peer on this GPU or over NVLink choose the latency path)",
                   what, kMoeLatencyMaxTokens);
 }
 

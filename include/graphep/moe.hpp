@@ -39,10 +39,11 @@ enum class IndexType : std::uint8_t { kInt32 = 0, kInt64 = 1 };
 
 // How dispatch and combine move data (docs/DESIGN.md §5).
 enum class MoePath : std::uint8_t {
-  kAuto = 0,        // latency when maxTokensPerRank <= 256 and every peer has load/store access
+  kAuto = 0,        // latency when maxTokensPerRank <= 256 and every peer is on this GPU or over NVLink
   kLatency = 1,     // decode: records written straight into per-source slots, their counts ahead
                     // of them, a sender and a receiver per operation (maxTokensPerRank <= 256,
-                    // maxTokensPerRank * topK <= 4096, load/store peers only)
+                    // maxTokensPerRank * topK <= 4096, peers on this GPU or over NVLink only:
+                    // its 128-byte payload lines need stores that land whole, not PCIe)
   kThroughput = 2,  // prefill: counts first, then the pipelined alltoallv movers
 };
 

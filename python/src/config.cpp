@@ -180,7 +180,8 @@ void bindConfig(nb::module_& m) {
   m.def("memory_requirements", &Engine::memoryRequirements, nb::arg("config"), nb::arg("world_size"),
         "Device bytes per rank of an engine with this config, before anything is allocated (no GPU needed). "
         "Validates the config first. path AUTO: the latency path when the config fits it (every peer "
-        "with load/store access), else throughput; set path=THROUGHPUT for groups with NCCL-only peers.");
+        "on the same GPU or over NVLink), else throughput; set path=THROUGHPUT for groups with PCIe or "
+        "NCCL-only peers.");
   m.def("validate", &Engine::validate, nb::arg("config"), nb::arg("world_size"),
         "Raises graphep.Error naming the first bad field.");
   m.def("worst_case_capacity", &Engine::worstCaseCapacity, nb::arg("config"), nb::arg("world_size"),

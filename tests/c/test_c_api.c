@@ -976,7 +976,7 @@ static void mask_step(run_t* run, const graphep_dispatch_args_t* da, const graph
   }
 }
 
-static void run_config(graphep_comm_t comm, const char* comm_name, int peers_load_store, const run_cfg_t* c,
+static void run_config(graphep_comm_t comm, const char* comm_name, int latency_peers, const run_cfg_t* c,
                        int abi) {
   int world = 0, local = 0;
   CHECK_G(graphep_comm_world_size(comm, &world));
@@ -1040,7 +1040,7 @@ static void run_config(graphep_comm_t comm, const char* comm_name, int peers_loa
     int path = -1;
     CHECK_G(graphep_engine_path(q->engine, &path));
     const int expected = c->path != GRAPHEP_PATH_AUTO ? c->path
-                         : peers_load_store         ? GRAPHEP_PATH_LATENCY /* T_max <= 256 */
+                         : latency_peers         ? GRAPHEP_PATH_LATENCY /* T_max <= 256 */
                                                     : GRAPHEP_PATH_THROUGHPUT;
     EXPECT(path == expected, "%s: rank %d path %d, expected %d", run.label, i, path, expected);
     if (abi && i == 0) abi_checks(q->engine, &lay);
@@ -1159,14 +1159,14 @@ static double now_s(void) {
   return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-static void run_all(graphep_comm_t comm, const char* comm_name, int peers_load_store) {
+static void run_all(graphep_comm_t comm, const char* comm_name, int latency_peers) {
   for (size_t i = 0; i < sizeof kRuns / sizeof kRuns[0]; ++i) {
-    if (kRuns[i].path == GRAPHEP_PATH_LATENCY && !peers_load_store) {
-      printf("%s / %s: skipped (the latency path needs load/store peers)\n", comm_name, kRuns[i].name);
+    if (kRuns[i].path == GRAPHEP_PATH_LATENCY && !latency_peers) {
+      printf("%s / %s: skipped (the latency path needs every peer on one GPU or over NVLink)\n", comm_name, kRuns[i].name);
       continue;
     }
     const double t0 = now_s();
-    run_config(comm, comm_name, peers_load_store, &kRuns[i], i == 0);
+    run_config(comm, comm_name, latency_peers, &kRuns[i], i == 0);
     printf("%s / %s: %.2f s\n", comm_name, kRuns[i].name, now_s() - t0);
   }
 }
@@ -1391,8 +1391,10 @@ int main(int argc, char** argv) {
   for (int i = 0; i < n; ++i) {
     devlist[i] = i;
     for (int j = 0; j < n; ++j) {
+      /* The latency path's peers: P2P with native atomics (NVLink), not PCIe (its 128-byte lines). */
       int can = 1;
       if (i != j) CHECK_CUDA(cudaDeviceCanAccessPeer(&can, i, j));
+      if (i != j && can) CHECK_CUDA(cudaDeviceGetP2PAttribute(&can, cudaDevP2PAttrNativeAtomicSupported, i, j));
       peers &= can != 0;
     }
   }

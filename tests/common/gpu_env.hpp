@@ -14,6 +14,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cuda_runtime.h>
+
 #include <cerrno>
 #include <cstdlib>
 #include <graphep/graphep.hpp>
@@ -88,6 +90,23 @@ inline std::vector<int> visibleGpus() {
   std::vector<int> d(static_cast<std::size_t>(::graphep::cudaDeviceCountOrZero(nullptr)));
   for (std::size_t i = 0; i < d.size(); ++i) d[i] = static_cast<int>(i);
   return d;
+}
+
+// Whether every two of `devices` take the latency path's 128-byte lines whole (the engine's
+// takesWholeLines): the same GPU, or P2P with native atomics (NVLink), not PCIe. The engine
+// refuses the latency path across other peers, and its kAuto takes the throughput path.
+inline bool gpusTakeWholeLines(const std::vector<int>& devices) {
+  for (int i : devices) {
+    for (int j : devices) {
+      if (i == j) continue;
+      int can = 0, atomics = 0;
+      if (cudaDeviceCanAccessPeer(&can, i, j) != cudaSuccess || can == 0) return false;
+      if (cudaDeviceGetP2PAttribute(&atomics, cudaDevP2PAttrNativeAtomicSupported, i, j) != cudaSuccess || atomics == 0) {
+        return false;
+      }
+    }
+  }
+  return true;
 }
 
 // `perGpu` ranks on each visible GPU, in GPU order (0, 0, ..., 1, 1, ...): ranks with both

@@ -52,8 +52,10 @@ void runMoeCase(Communicator& comm, const MoeCase& c);
 // The case's name for a test instance (letters, digits and '_'): its name and its path.
 std::string moeCaseName(const MoeCase& c);
 // The path Engine::createAll must choose for `cfg` (kAuto: latency when the config fits its
-// kernels and GRAPHEP_FORCE_TRANSPORT is not "remote").
-MoePath expectedPath(const MoeConfig& cfg, int worldSize);
+// kernels, GRAPHEP_FORCE_TRANSPORT is not "remote" and linePeers).
+MoePath expectedPath(const MoeConfig& cfg, Communicator& comm);
+// Whether comm's ranks reach each other as the latency path needs (gpusTakeWholeLines).
+bool linePeers(Communicator& comm);
 // Whether the throughput path is expected to run its direct kernels: every peer is reached by
 // load/store on the machines the tests run on (ranks sharing a GPU included) unless
 // GRAPHEP_FORCE_TRANSPORT=remote, and GRAPHEP_MOE_KERNELS=movers or GRAPHEP_EMULATED_NODES keeps

@@ -5,7 +5,9 @@
 // so it is tested here on the machine's GPUs: a writer rewrites every line round after round
 // while a reader checks each line it sees against the round its tag word names. A control writer
 // stores the tag word alone, then the data after a pause: the reader must see those lines torn,
-// which shows that the check can see tearing at all.
+// which shows that the check can see tearing at all. Lines are stored and loaded by whole warps
+// (8 lanes a line, four lines an instruction, as a chunk's rounds) and by 8 active lanes alone
+// (one line an instruction, as a chunk's spill line: kernels/moe/lines.cuh).
 #include <gtest/gtest.h>
 
 #include <cuda_runtime.h>
@@ -37,30 +39,42 @@ __device__ inline uint4 pieceOf(std::uint64_t lo, std::uint64_t hi) {
                     static_cast<std::uint32_t>(hi >> 32));
 }
 
-// Rounds 1 .. rounds of every line: lanes 8k .. 8k + 7 of a warp store line 4 w + k, piece
-// lane % 8 (piece 7's high word: the tag, the round). tagFirst (the control): the tag word alone
-// first, then every piece's data after a pause.
-__global__ void writeLines(uint4* lines, unsigned rounds, bool tagFirst) {
+// How a warp covers its group of four lines: whole (lanes 8k .. 8k + 7 store or load line k,
+// piece lane % 8: four lines an instruction), or by 8 active lanes (lanes 0-7 line k in pass k,
+// the other lanes idle: one line an instruction).
+__device__ inline int passes(bool eightLanes) { return eightLanes ? 4 : 1; }
+__device__ inline bool laneActive(bool eightLanes, int lane) { return !eightLanes || lane < 8; }
+__device__ inline unsigned lineOf(bool eightLanes, int group, int pass, int lane) {
+  return 4u * static_cast<unsigned>(group) + static_cast<unsigned>(eightLanes ? pass : lane / 8);
+}
+
+// Rounds 1 .. rounds of every line, each piece lane % 8 of its line (piece 7's high word: the
+// tag, the round). tagFirst (the control): the tag word alone first, then every piece's data
+// after a pause.
+__global__ void writeLines(uint4* lines, unsigned rounds, bool tagFirst, bool eightLanes) {
   const int lane = static_cast<int>(threadIdx.x % 32), piece = lane % 8;
   const int warp = static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) / 32), warps = static_cast<int>(gridDim.x * blockDim.x / 32);
   for (unsigned r = 1; r <= rounds; ++r) {
     for (int group = warp; group < kLines / 4; group += warps) {
-      const unsigned line = 4u * static_cast<unsigned>(group) + static_cast<unsigned>(lane / 8);
-      uint4* at = lines + 8u * line + static_cast<unsigned>(piece);
-      const std::uint64_t lo = lineWord(line, r, 2 * piece);
-      const std::uint64_t hi = piece == 7 ? r : lineWord(line, r, 2 * piece + 1);
-      if (!tagFirst) {
-        ptx::stVolatileV4(at, pieceOf(lo, hi));  // the line: one instruction of 8 lanes
-        continue;
+      for (int pass = 0; pass < passes(eightLanes); ++pass) {
+        if (!laneActive(eightLanes, lane)) continue;
+        const unsigned line = lineOf(eightLanes, group, pass, lane);
+        uint4* at = lines + 8u * line + static_cast<unsigned>(piece);
+        const std::uint64_t lo = lineWord(line, r, 2 * piece);
+        const std::uint64_t hi = piece == 7 ? r : lineWord(line, r, 2 * piece + 1);
+        if (!tagFirst) {
+          ptx::stVolatileV4(at, pieceOf(lo, hi));  // the line: one instruction of 8 lanes
+          continue;
+        }
+        if (piece == 7) {
+          auto* tag = reinterpret_cast<volatile std::uint64_t*>(at) + 1;
+          *tag = hi;
+        }
+        __nanosleep(2000);
+        auto* words = reinterpret_cast<volatile std::uint64_t*>(at);
+        words[0] = lo;
+        if (piece != 7) words[1] = hi;
       }
-      if (piece == 7) {
-        auto* tag = reinterpret_cast<volatile std::uint64_t*>(at) + 1;
-        *tag = hi;
-      }
-      __nanosleep(2000);
-      auto* words = reinterpret_cast<volatile std::uint64_t*>(at);
-      words[0] = lo;
-      if (piece != 7) words[1] = hi;
     }
   }
 }
@@ -68,7 +82,7 @@ __global__ void writeLines(uint4* lines, unsigned rounds, bool tagFirst) {
 // Reads every line again and again (one instruction of 8 lanes a line) until each has shown the
 // last round or the budget is spent: counts the lines seen with a round's tag, those seen before
 // the last round, and those torn (a word not the round's its tag names).
-__global__ void readLines(const uint4* lines, unsigned rounds, unsigned long long* counts) {
+__global__ void readLines(const uint4* lines, unsigned rounds, bool eightLanes, unsigned long long* counts) {
   const int lane = static_cast<int>(threadIdx.x % 32), piece = lane % 8;
   const int warp = static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) / 32), warps = static_cast<int>(gridDim.x * blockDim.x / 32);
   const std::uint64_t start = ptx::globalTimerNs();
@@ -78,25 +92,30 @@ __global__ void readLines(const uint4* lines, unsigned rounds, unsigned long lon
   while (!done && __shfl_sync(0xffffffffu, ptx::globalTimerNs() - start < kReaderBudgetNs, 0)) {
     done = true;
     for (int group = warp; group < kLines / 4; group += warps) {
-      const unsigned line = 4u * static_cast<unsigned>(group) + static_cast<unsigned>(lane / 8);
-      const uint4 v = ptx::ldVolatileV4(lines + 8u * line + static_cast<unsigned>(piece));
+     for (int pass = 0; pass < passes(eightLanes); ++pass) {
+      const bool active = laneActive(eightLanes, lane);
+      const unsigned line = lineOf(eightLanes, group, pass, lane);
+      const uint4 v = active ? ptx::ldVolatileV4(lines + 8u * line + static_cast<unsigned>(piece)) : make_uint4(0u, 0u, 0u, 0u);
       const std::uint64_t lo = static_cast<std::uint64_t>(v.y) << 32 | v.x, hi = static_cast<std::uint64_t>(v.w) << 32 | v.z;
       const std::uint64_t tag = __shfl_sync(0xffffffffu, hi, (lane & ~7) + 7);  // the line's tag word
       bool bad = false;
-      if (tag != 0 && tag <= rounds) {
+      if (!active) {
+        // an idle lane of an 8-lane pass: nothing loaded, nothing to check
+      } else if (tag != 0 && tag <= rounds) {
         const unsigned r = static_cast<unsigned>(tag);
         bad = lo != lineWord(line, r, 2 * piece) || (piece != 7 && hi != lineWord(line, r, 2 * piece + 1));
       } else if (tag != 0) {
         bad = true;  // not a round at all
       }
       const unsigned tornLanes = __ballot_sync(0xffffffffu, bad);
-      if (piece == 0) {
+      if (piece == 0 && active) {
         const bool lineTorn = ((tornLanes >> (lane & ~7)) & 0xffu) != 0;
         if (tag != 0) ++seen;
         if (tag != 0 && tag < rounds) ++early;
         if (lineTorn) ++torn;
       }
-      done = done && __all_sync(0xffffffffu, tag == rounds);
+      done = done && __all_sync(0xffffffffu, !active || tag == rounds);
+     }
     }
   }
   if (piece == 0) {
@@ -114,7 +133,7 @@ struct Counts {
 // reads them; each kernel on its own stream. Everything a launch could wait for is done first
 // (peer access, streams, both kernels loaded: a kernel loaded lazily while the reader spins may
 // wait for it), then the reader starts, then the writer.
-void race(int home, int writer, bool tagFirst, Counts& c) {
+void race(int home, int writer, bool tagFirst, bool eightLanes, Counts& c) {
   ASSERT_EQ(cudaSetDevice(writer), cudaSuccess);
   if (writer != home) {
     const cudaError_t e = cudaDeviceEnablePeerAccess(home, 0);
@@ -135,10 +154,10 @@ void race(int home, int writer, bool tagFirst, Counts& c) {
   ASSERT_EQ(cudaMemset(lines, 0, kLines * 128), cudaSuccess);
   ASSERT_EQ(cudaMemset(counts, 0, 3 * sizeof(unsigned long long)), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  readLines<<<kCtas, kThreads, 0, readStream>>>(lines, kRounds, counts);
+  readLines<<<kCtas, kThreads, 0, readStream>>>(lines, kRounds, eightLanes, counts);
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
   ASSERT_EQ(cudaSetDevice(writer), cudaSuccess);
-  writeLines<<<kCtas, kThreads, 0, writeStream>>>(lines, kRounds, tagFirst);
+  writeLines<<<kCtas, kThreads, 0, writeStream>>>(lines, kRounds, tagFirst, eightLanes);
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
   ASSERT_EQ(cudaStreamSynchronize(writeStream), cudaSuccess);
   ASSERT_EQ(cudaStreamDestroy(writeStream), cudaSuccess);
@@ -153,23 +172,25 @@ void race(int home, int writer, bool tagFirst, Counts& c) {
 }
 
 // The reader saw the writer's rounds go by (early lines: the race took place), and no line torn;
-// the control writer's lines were seen torn.
+// the control writer's lines were seen torn. Whole warps, then 8 active lanes.
 void checkPremise(int home, int writer) {
-  if (writer != home) {
-    int can = 0;
-    ASSERT_EQ(cudaDeviceCanAccessPeer(&can, writer, home), cudaSuccess);
-    if (can == 0) GTEST_SKIP() << "GPU " << writer << " cannot store into GPU " << home << "'s memory";
+  if (writer != home && !gpusTakeWholeLines({writer, home})) {
+    GTEST_SKIP() << "GPUs " << writer << " and " << home << " are not joined with native P2P atomics (PCIe or no P2P): "
+                 << "the latency path, whose lines this checks, takes no such peer";
   }
-  Counts control{};
-  ASSERT_NO_FATAL_FAILURE(race(home, writer, true, control));
-  EXPECT_GT(control.early, 100u) << "the control's reader saw too few rounds before the last: no race";
-  EXPECT_GT(control.torn, 0u) << "the control writer's lines (tag first, data after a pause) were never seen torn: "
-                                 "the check cannot see tearing";
-  Counts lines{};
-  ASSERT_NO_FATAL_FAILURE(race(home, writer, false, lines));
-  EXPECT_GT(lines.early, 100u) << "the reader saw too few rounds before the last (" << lines.early << "): no race";
-  EXPECT_EQ(lines.torn, 0u) << lines.torn << " of " << lines.seen << " lines seen torn: a 128-byte line stored by one warp "
-                            << "instruction did not land whole";
+  for (const bool eightLanes : {false, true}) {
+    SCOPED_TRACE(eightLanes ? "8 active lanes a line, one line an instruction" : "whole warps, four lines an instruction");
+    Counts control{};
+    ASSERT_NO_FATAL_FAILURE(race(home, writer, true, eightLanes, control));
+    EXPECT_GT(control.early, 100u) << "the control's reader saw too few rounds before the last: no race";
+    EXPECT_GT(control.torn, 0u) << "the control writer's lines (tag first, data after a pause) were never seen torn: "
+                                   "the check cannot see tearing";
+    Counts lines{};
+    ASSERT_NO_FATAL_FAILURE(race(home, writer, false, eightLanes, lines));
+    EXPECT_GT(lines.early, 100u) << "the reader saw too few rounds before the last (" << lines.early << "): no race";
+    EXPECT_EQ(lines.torn, 0u) << lines.torn << " of " << lines.seen << " lines seen torn: a 128-byte line stored by one "
+                              << "warp instruction did not land whole";
+  }
 }
 
 TEST(Gpu2_LinePremise, LinesFromAPeerLandWhole) {

@@ -794,7 +794,12 @@ FreshStep freshStep(const Rig& rig, std::uint64_t& seed, int i, std::uint32_t ma
 // Every test here needs GPUs 0 and 1: the fixture skips (or fails) the test without them.
 class Gpu2_MoeLatencyCapabilities : public ::testing::Test {
  protected:
-  void SetUp() override { GRAPHEP_REQUIRE_GPUS(2); }
+  void SetUp() override {
+    GRAPHEP_REQUIRE_GPUS(2);
+    if (!gpusTakeWholeLines({0, 1})) {
+      GTEST_SKIP() << "GPUs 0 and 1 are joined without native P2P atomics (PCIe): the latency path takes no such peer";
+    }
+  }
 };
 
 // Dispatch and combine enqueued as their send halves, a memset on the stream, then Engine::receive:

@@ -146,8 +146,10 @@ class Buffer(LowLatencyMode):
     num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl and use_fabric are accepted
     and not read. enable_shrink=True (with low_latency_mode) maps DeepEP's mask buffer onto
     the low-latency engines' active-rank mask (graphep/deep_ep/low_latency.py). num_rdma_bytes > 0
-    without low_latency_mode (internode), enable_shrink without low_latency_mode, comm (mpi4py) and
-    groups that span nodes raise graphep.Error NOT_SUPPORTED.
+    without low_latency_mode (internode), enable_shrink without low_latency_mode, comm (mpi4py),
+    groups that span nodes, and low_latency_mode on GPUs joined by PCIe alone (the low-latency
+    engines need every peer on the same GPU or over NVLink: their payload crosses as 128-byte
+    lines that must land whole) raise graphep.Error NOT_SUPPORTED.
     """
 
     num_sms: int = 20

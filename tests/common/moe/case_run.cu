@@ -78,7 +78,7 @@ void runMoeCaseInLayout(Communicator& comm, const MoeCase& c) {
   const int R = comm.worldSize();
   MoeFixture f(comm, c);
   for (int l = 0; l < f.L(); ++l) {
-    EXPECT_EQ(f.engine(l).path(), expectedPath(c.cfg, R)) << "rank " << comm.globalRank(l);
+    EXPECT_EQ(f.engine(l).path(), expectedPath(c.cfg, comm)) << "rank " << comm.globalRank(l);
   }
   // GRAPHEP_MASK_REPLAYS: the replays of a graph case with masks (the mask flipped every replay).
   const int replays = c.replays > 0 && !c.masks.empty()

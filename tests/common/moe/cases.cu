@@ -8,11 +8,21 @@ namespace graphep::test {
 using namespace moe;
 
 
-MoePath expectedPath(const MoeConfig& cfg, int worldSize) {
+bool linePeers(Communicator& comm) {
+  std::vector<int> devices;
+  if (comm.numLocalRanks() == comm.worldSize()) {
+    for (int l = 0; l < comm.numLocalRanks(); ++l) devices.push_back(comm.device(l));
+  } else {
+    devices = visibleGpus();  // other processes' ranks: on this machine's GPUs
+  }
+  return gpusTakeWholeLines(devices);
+}
+
+MoePath expectedPath(const MoeConfig& cfg, Communicator& comm) {
   if (cfg.path != MoePath::kAuto) return cfg.path;
   const bool remote = envIs("GRAPHEP_FORCE_TRANSPORT", "remote");
   const bool fits = cfg.maxTokensPerRank <= 256 && cfg.maxTokensPerRank * cfg.topK <= 4096;
-  return fits && !remote ? MoePath::kLatency : MoePath::kThroughput;
+  return fits && !remote && linePeers(comm) ? MoePath::kLatency : MoePath::kThroughput;
 }
 
 bool expectedDirect() {

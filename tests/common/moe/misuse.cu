@@ -242,7 +242,7 @@ void missingRankInLayout(Communicator& comm, const MoeCase& c, bool expectRecove
   SCOPED_TRACE("a rank that never launches, " + describeCase(c));
   const int missing = comm.worldSize() - 1;
   MoeFixture f(comm, c);
-  ASSERT_EQ(f.engine(0).path(), expectedPath(c.cfg, comm.worldSize()));  // a fallback would skip the recovery
+  ASSERT_EQ(f.engine(0).path(), expectedPath(c.cfg, comm));  // a fallback would skip the recovery
   // The engines with an active-rank mask recover (the latency path, the direct throughput path):
   // each rank's graph, captured before the failure, is replayed after.
   const bool recovers = f.engine(0).activeRanksDevice() != nullptr;
@@ -442,7 +442,7 @@ void runMoeBarrier(Communicator& comm, MoePath path) {
   SCOPED_TRACE("device barrier, " + describeCase(c));
   {
     MoeFixture f(comm, c);
-    ASSERT_EQ(f.engine(0).path(), expectedPath(c.cfg, comm.worldSize()));
+    ASSERT_EQ(f.engine(0).path(), expectedPath(c.cfg, comm));
     if (f.engine(0).activeRanksDevice() == nullptr) {  // the throughput path over the movers
       for (int l = 0; l < f.L(); ++l) {
         expectError([&] { f.engine(l).barrier(f.buf(l).stream); }, Status::kNotSupported, "no load/store barrier");
@@ -469,7 +469,7 @@ void runMoeBarrier(Communicator& comm, MoePath path) {
     for (cudaGraphExec_t e : execs) GRAPHEP_CUDA_CHECK(cudaGraphExecDestroy(e));
   }
   if (comm.worldSize() < 2) return;
-  if (expectedPath(c.cfg, comm.worldSize()) == MoePath::kLatency) barrierWithoutTheLastRank(comm, c, true);
+  if (expectedPath(c.cfg, comm) == MoePath::kLatency) barrierWithoutTheLastRank(comm, c, true);
   barrierWithoutTheLastRank(comm, c, false);
 }
 
