@@ -951,19 +951,45 @@ __device__ bool sumPartialLines(const MoeParams& p, int t, std::uint32_t live, i
   if (!go) return false;
   int n = 0;
   while (n < R && parts[n] != nullptr) ++n;
+  constexpr int kU = 2;  // chunks a warp holds at once (their loads in flight together; 4 spill at 512 threads)
   const int vecs = p.shape.hidden / 8, lane = g.tid % 32;
   auto* out = reinterpret_cast<uint4*>(p.combine.out) + static_cast<std::uint64_t>(t) * vecs;
   bool ok = true;
-  for (int c = g.tid; ok && c - lane < vecs; c += g.nthreads) {  // a warp's 32 vectors: one chunk
-    const std::uint64_t chunk = static_cast<std::uint64_t>(c >> 5) * moeLinePieces(1);
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int i = 0; ok && i < n; ++i) {  // warp-uniform
-      uint4 v[1];
-      float unused = 0.f;
-      ok = moe_lines::readLines<1, false>(p.peers.sync, parts[i] + chunk, lane, tag, ranks[i], WaitSite::kMoeCombine, v, unused);
-      if (ok) moeAddBf16x8(acc, v[0], 1.0f);
+  for (int c0 = g.tid; ok && c0 - lane < vecs; c0 += g.nthreads * kU) {  // a warp's 32 vectors: one chunk
+    float acc[kU][8];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) acc[u][k] = 0.f;
     }
-    if (ok && c < vecs) out[c] = moeToBf16x8(acc);
+    for (int i = 0; ok && i < n; ++i) {  // rank order; warp-uniform
+      uint4 v[kU][moe_lines::kLoads<1>];
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int c = c0 + u * g.nthreads;
+        if (c - lane < vecs) moe_lines::loadLines<1>(parts[i] + static_cast<std::uint64_t>(c >> 5) * moeLinePieces(1), lane, v[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int c = c0 + u * g.nthreads;
+        if (!ok || c - lane >= vecs) continue;
+        const uint4* cl = parts[i] + static_cast<std::uint64_t>(c >> 5) * moeLinePieces(1);
+        if (!moe_lines::linesLanded<1>(v[u], lane, tag)) {
+          ok = moe_lines::waitLines<1>(p.peers.sync, cl, lane, tag, ranks[i], WaitSite::kMoeCombine);
+          if (ok) moe_lines::loadLines<1>(cl, lane, v[u]);
+        }
+        if (!ok) continue;
+        uint4 share[1];
+        float unused = 0.f;
+        moe_lines::takeLines<1, false>(v[u], lane, share, unused);
+        moeAddBf16x8(acc[u], share[0], 1.0f);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int c = c0 + u * g.nthreads;
+      if (ok && c < vecs) out[c] = moeToBf16x8(acc[u]);
+    }
   }
   return ok;
 }
