@@ -35,22 +35,28 @@
 //                      fence, no flag); each group then reduces one record received from a peer
 //                      (sum of weight x y over its slots; the weights of the record's source,
 //                      its words waited for, or the dispatch's) straight into the
-//                      source's slot [parity][this rank][index]; each CTA then adds 1 to the
-//                      combine arrival counter for this rank of every peer it reduced. A send
+//                      source's slot [parity][this rank][index], as 128-byte lines carrying the
+//                      step's tag (kernels/moe/lines.cuh: no fence, no flag); each CTA then adds
+//                      1 (relaxed: the lines carry their own order) to the combine arrival counter
+//                      for this rank of every peer it reduced. A send
 //                      half alone waits for no weights: it looks once, and leaves a source whose
 //                      weights are not there to the receive half (latency.deferred[cta]).
 //            receive  in a receive half after such a send half, receive CTA j first stands in
 //                      for send CTAs j, j + E, ...: it waits for each deferred source's weights,
 //                      reduces that share and arrives for it (combineSend, standIn); then each
 //                      group reduces this rank's own records into its own partial slots (no
-//                      wait), every CTA waits for G arrivals from every peer and each group sums
-//                      one token's partials in rank order; the last CTA advances the step.
+//                      wait); each group sums one token's partials in rank order, a warp a chunk,
+//                      each chunk once its lines from every rank carry the step's tag; every CTA
+//                      waits for G arrivals from every peer (after the sums; with shrink on
+//                      timeout before them, masking a peer that never comes); the last CTA
+//                      advances the step.
 //
 // Buffers alternate by the step's parity. A rank can only start dispatch s + 2 after its combine
-// s + 1 received every destination's partials, which each destination sends after its own
+// s + 1 received every destination's arrivals, which each destination posts after its own
 // combine s: so a destination has finished with slot parity s before any source writes it again
 // (in any order of operations: each send starts after its previous receive, which waited for
-// every peer's previous send, which started after that peer's receive before it). A send half
+// every peer's previous send (the dispatch: its count words; the combine: its arrivals), which
+// started after that peer's receive before it). A send half
 // and its receive half keep the order: no operation of the engine comes between them
 // (Engine::receive). The dispatch's lines and count words carry moeCountTag(step), which the
 // same parity's last step never carried. Counters only grow (mod 2^32): flags reach step + 1, the
@@ -910,7 +916,7 @@ __global__ void __launch_bounds__(kThreads) dispatchKernel(const __grid_constant
 // Source src's partial of its record i at `parity` in rank r's heap: H bf16 values as chunks of
 // 128-byte lines of one round (kernels/moe/lines.cuh; moeLatencyPartialBytes), each carrying the
 // combine step's tag (moeCountTag), so that the home sums each chunk once its lines are there: no
-// fence, no arrival (the arrivals count only for shrink on timeout).
+// fence (the arrivals, relaxed, count the peers' send CTAs only: combineReceive).
 __device__ __forceinline__ uint4* partialLines(const MoeParams& p, int r, int parity, int src, int i) {
   return reinterpret_cast<uint4*>(p.peers.userRegions[r] + p.peers.partialsOff +
                                   llSlot(p, parity, src, i, moeLatencyPartialBytes(p.shape.hidden)));
@@ -1138,8 +1144,8 @@ __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live, b
         // Recorded (the engine enters its failed state), or masked. The other sources' records are still
         // reduced and announced, so the survivors' counters stay in step with each other once the
         // failed source is masked (Engine::recover); the failed source gets no arrival from this
-        // CTA (its partials were not written), so its own wait fails and reports instead of
-        // summing an old slot.
+        // CTA and its partials are not written (their lines keep an older step's tag), so its
+        // own wait fails and reports instead of summing an old slot.
         unserved |= 1u << s;
         if (standIn) gaveUp |= 1u << s;
         continue;
@@ -1148,13 +1154,10 @@ __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live, b
     reduceSourceShare(p, s, gs, stages[gs.group], weighted, cstep, dparity);
   }
   if (alone && tid == 0) p.latency.deferred[part.cta] = deferred;  // read by the receive half (the next kernel)
-  // The partials' lines carry their own order; the arrivals tell only shrink on timeout's waits
-  // which ranks sent (no fence: the lines that follow them are waited for by their tags).
-  if (words != nullptr) {
-    arriveAtEveryPeer(p, p.latency.partialArrivalsOff, left & ~unserved & ~deferred, false);
-  } else {
-    __syncthreads();  // every thread's stores issued: the trace's "sent"
-  }
+  // The partials' lines carry their own order, so no fence: an arrival says only that this CTA
+  // sent (what shrink on timeout masks by, and what keeps a peer's later step off a slot parity
+  // this rank still reads: combineReceive).
+  arriveAtEveryPeer(p, p.latency.partialArrivalsOff, left & ~unserved & ~deferred, false);
   if (!standIn && tid == lastArriver(p)) moeTrace(p, 1, cstep, MoeTraceEvent::kSent, 0, true);
 }
 
@@ -1192,25 +1195,34 @@ __device__ void combineReceive(const MoeParams& p, Part part, std::uint32_t live
   }
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyCombineReceive);
-    // Shrink on timeout: every peer destination's G send CTAs first, this step (the destinations
-    // taking part): a destination whose CTAs never all arrived is masked, and every CTA leaves the
-    // same ranks out of the sums. Without it nothing is waited for here: each chunk of the sums
-    // waits for its own lines (a destination that never sends times out there, by name).
+    // Every peer destination's G send CTAs of this step (the destinations taking part) arrive:
+    // with shrink on timeout before the sums (a destination whose CTAs never all arrived is
+    // masked, and every CTA leaves the same ranks out of the sums); without it after them, so
+    // that the sums start as the first lines land. Either way no operation of this rank ends
+    // before every peer's send of it did, which keeps each peer's next step on this slot parity
+    // after this rank's reads (the buffer reuse above; a peer that sent this rank nothing counts
+    // too). Each chunk of the sums waits for its own lines (bounded, naming the rank).
     std::uint32_t* masked = shrinkWords(p, 1);
+    const std::uint32_t G = static_cast<std::uint32_t>(p.grid.budgetCtas);
     bool arrived = true;
     if (masked != nullptr) {
-      arrived = waitEveryRank(p, p.latency.partialArrivalsOff, static_cast<std::uint32_t>(p.grid.budgetCtas), WaitSite::kMoeCombine,
-                              true, live & ~skip, p.latency.expected, masked);
+      arrived = waitEveryRank(p, p.latency.partialArrivalsOff, G, WaitSite::kMoeCombine, true, live & ~skip, p.latency.expected, masked);
       live &= ~settleMasked(p, masked, part.ctas, WaitSite::kMoeCombine);
     }
     if (arrived) {
-      ptx::launchDependents();  // after the last wait on another rank's arrivals, as in the dispatch receive
-      if (part.cta == part.ctas - 1 && threadIdx.x == 0) moeTrace(p, 1, cstep, MoeTraceEvent::kArrived);
-      if (part.cta == 0 && threadIdx.x == 0) moeTrace(p, 1, cstep, MoeTraceEvent::kArrived0);
       bool go = true;
       for (int t = gs.first; t < T; t += gs.stride) {
         go = sumPartialLines(p, t, live, cparity, tag, parts[gs.group], partRanks[gs.group], gs.g, go);
       }
+      const bool summed = __syncthreads_or(!go) == 0;  // a chunk that never came is recorded: no second wait
+      if (masked == nullptr) {
+        arrived = summed && waitEveryRank(p, p.latency.partialArrivalsOff, G, WaitSite::kMoeCombine, true, live, p.latency.expected);
+      }
+    }
+    if (arrived) {
+      ptx::launchDependents();  // after the last wait on another rank, as in the dispatch receive
+      if (part.cta == part.ctas - 1 && threadIdx.x == 0) moeTrace(p, 1, cstep, MoeTraceEvent::kArrived);
+      if (part.cta == 0 && threadIdx.x == 0) moeTrace(p, 1, cstep, MoeTraceEvent::kArrived0);
     }
   }
   if (threadIdx.x == 0) moeTrace(p, 1, cstep, MoeTraceEvent::kReceived, 0, true);

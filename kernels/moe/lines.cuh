@@ -90,13 +90,17 @@ __device__ __forceinline__ bool linesLanded(const uint4 (&v)[kLoads<kRounds>], i
 // The high half of the first missing line's tag word (the warp's answer; `tag` when none is).
 template <int kRounds>
 __device__ __forceinline__ std::uint32_t missingTag(const uint4 (&v)[kLoads<kRounds>], int lane, std::uint32_t tag) {
+  std::uint32_t seen = tag;
+  bool found = false;
 #pragma unroll
-  for (int r = 0; r < kLoads<kRounds>; ++r) {
+  for (int r = 0; r < kLoads<kRounds>; ++r) {  // no early return: v stays in registers
     const bool missing = (r < kRounds || lane < 8) && lineEnd(lane) && !(v[r].z == tag && v[r].w == tag);
     const unsigned m = __ballot_sync(kFullMask, missing);
-    if (m != 0u) return __shfl_sync(kFullMask, v[r].w, __ffs(m) - 1);  // m is the warp's: every lane here
+    const std::uint32_t w = __shfl_sync(kFullMask, v[r].w, m != 0u ? __ffs(m) - 1 : 0);
+    if (!found && m != 0u) seen = w;
+    found = found || m != 0u;
   }
-  return tag;
+  return seen;
 }
 
 // Reloads a chunk's lines until every one carries `tag` (the warp together), bounded as
