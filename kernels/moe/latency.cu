@@ -292,14 +292,26 @@ __device__ __forceinline__ Share shareFromX(const MoeParams& p, int t, int c, in
 template <bool kFp8>
 constexpr int kChunkRounds = moeLatencyChunkRounds(kFp8);
 
+// The share's rounds and its spill piece (moe_lines::spillPiece), made once for every rank
+// that takes the chunk.
+template <bool kFp8>
+struct ShareLines {
+  uint4 v[kChunkRounds<kFp8>];
+  uint4 spill;
+};
+template <bool kFp8>
+__device__ __forceinline__ ShareLines<kFp8> shareLines(const Share& s, int lane) {
+  ShareLines<kFp8> l;
+#pragma unroll
+  for (int r = 0; r < kChunkRounds<kFp8>; ++r) l.v[r] = s.v[r];
+  l.spill = moe_lines::spillPiece<kChunkRounds<kFp8>, kFp8>(l.v, s.scale, lane);
+  return l;
+}
 // The share as chunk c's lines of a record slot (every lane of the warp; a partial last chunk's
 // zeros too: the reader checks every line's tag).
 template <bool kFp8>
-__device__ __forceinline__ void putLines(const MoeParams& p, char* slot, int c, int lane, const Share& s, std::uint32_t tag) {
-  uint4 v[kChunkRounds<kFp8>];
-#pragma unroll
-  for (int r = 0; r < kChunkRounds<kFp8>; ++r) v[r] = s.v[r];
-  moe_lines::storeLines<kChunkRounds<kFp8>, kFp8>(chunkLines<kFp8>(p, slot, c), lane, v, s.scale, tag);
+__device__ __forceinline__ void putLines(const MoeParams& p, char* slot, int c, int lane, const ShareLines<kFp8>& l, std::uint32_t tag) {
+  moe_lines::storeLines<kChunkRounds<kFp8>>(chunkLines<kFp8>(p, slot, c), lane, l.v, l.spill, tag);
 }
 
 // The share from chunk c's lines once every one carries `tag` (moe_lines::readLines). False: a
@@ -550,7 +562,7 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part, const Send
 #pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
     for (int r = 0; r < R; ++r) any = any || rt.goesTo(r, t);
     if (!any) continue;  // uniform across the warp
-    const Share s = item == gw ? finishShare<kFp8>(p, first) : shareFromX<kFp8>(p, t, c, lane);
+    const ShareLines<kFp8> s = shareLines<kFp8>(item == gw ? finishShare<kFp8>(p, first) : shareFromX<kFp8>(p, t, c, lane), lane);
 #pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
     for (int r = 0; r < R; ++r) {
       if (!rt.goesTo(r, t)) continue;

@@ -56,15 +56,20 @@ __device__ __forceinline__ uint4 spillPiece(const uint4 (&v)[kRounds], float sca
   return out;
 }
 
-// The warp's shares v (and scales) as a chunk's lines at `cl`, carrying `tag` (every lane).
-template <int kRounds, bool kScales>
-__device__ __forceinline__ void storeLines(uint4* cl, int lane, const uint4 (&v)[kRounds], float scale, std::uint32_t tag) {
+// The warp's shares v as a chunk's lines at `cl`, carrying `tag` (every lane), with its spill
+// piece made already (spillPiece: a share sent to several ranks shuffles once).
+template <int kRounds>
+__device__ __forceinline__ void storeLines(uint4* cl, int lane, const uint4 (&v)[kRounds], uint4 spill, std::uint32_t tag) {
 #pragma unroll
   for (int r = 0; r < kRounds; ++r) {
     ptx::stVolatileV4(cl + 32 * r + lane, lineEnd(lane) ? make_uint4(v[r].x, v[r].y, tag, tag) : v[r]);
   }
-  const uint4 spill = spillPiece<kRounds, kScales>(v, scale, lane);
   if (lane < 8) ptx::stVolatileV4(cl + 32 * kRounds + lane, lineEnd(lane) ? make_uint4(spill.x, spill.y, tag, tag) : spill);
+}
+// The same, the spill piece made here (and with kScales the scales in it).
+template <int kRounds, bool kScales>
+__device__ __forceinline__ void storeLines(uint4* cl, int lane, const uint4 (&v)[kRounds], float scale, std::uint32_t tag) {
+  storeLines<kRounds>(cl, lane, v, spillPiece<kRounds, kScales>(v, scale, lane), tag);
 }
 
 // A chunk's pieces as a warp loads them: load r, piece 32 r + lane (the spill line's on lanes 0-7).
