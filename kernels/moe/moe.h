@@ -420,7 +420,7 @@ struct MoeDirectParams {
 // The latency path (kernels/moe/latency.cu) alone.
 struct MoeLatencyParams {
   std::uint64_t metaOff;             // a record slot's plain metadata (moeLatencyMetaOff)
-  std::uint64_t partialArrivalsOff;  // u32 [R]: CTAs of destination q whose partials landed
+  std::uint64_t partialArrivalsOff;  // u32 [R]: CTAs of destination q that sent their partials (the lines say when they landed)
   std::uint64_t weightsOff;          // u64 [2][R][maxTokens][topK]: combine weights, tagged (moeTaggedCount)
   // u64 [2][R][kMoeMaxPlacedCtas]: send CTA c of source q in step s (parity s & 1) has started:
   // moeTaggedCount(s, the CTAs of q's launch) (a receive half's helpers read them, dispatchReceive)
