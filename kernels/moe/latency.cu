@@ -1050,7 +1050,7 @@ __device__ __forceinline__ void reduceSourceShare(const MoeParams& p, int s, con
   const int cparity = static_cast<int>(cstep & 1u), rows = p.layout.sourceRecords[s];
   const long long rankBase = p.layout.rankMajor ? p.layout.rankOffsets[s] : -1;  // rank-major: the source's first row
   for (int i = gs.first; i < rows; i += gs.stride) {
-    moeReduceRecordTo(p, recordView(p, recordSlot(p, p.shape.rank, dparity, s, i)), p.layout.sourceBase + s * p.shape.localExperts,
+    moeReduceRecordTo<true>(p, recordView(p, recordSlot(p, p.shape.rank, dparity, s, i)), p.layout.sourceBase + s * p.shape.localExperts,
                       stage, gs.g, p.layout.rankMajor ? rankBase + i : -1,
                       weighted ? MoeSlotWeights::taggedWords(combineWeightsOf(p, cparity, s, i)) : MoeSlotWeights{},
                       PartialLinesStore{partialLines(p, s, cparity, p.shape.rank, i), moeCountTag(cstep)});
@@ -1196,7 +1196,7 @@ __device__ void combineReceive(const MoeParams& p, Part part, std::uint32_t live
     for (int t = gs.first; t < T; t += gs.stride) {
       const int i = p.routing.tokenRankIndex[static_cast<std::uint64_t>(t) * R + p.shape.rank];
       if (i >= 0) {
-        moeReduceRecordTo(p, recordView(p, recordSlot(p, p.shape.rank, dparity, p.shape.rank, i)),
+        moeReduceRecordTo<true>(p, recordView(p, recordSlot(p, p.shape.rank, dparity, p.shape.rank, i)),
                           p.layout.sourceBase + p.shape.rank * p.shape.localExperts, stages[gs.group], gs.g,
                           p.layout.rankMajor ? p.layout.rankOffsets[p.shape.rank] + i : -1,
                           p.combine.topkWeights != nullptr ? p.combine.topkWeights + static_cast<std::uint64_t>(t) * p.shape.topK
@@ -1227,9 +1227,8 @@ __device__ void combineReceive(const MoeParams& p, Part part, std::uint32_t live
         go = sumPartialLines(p, t, live, cparity, tag, parts[gs.group], partRanks[gs.group], gs.g, go);
       }
       const bool summed = __syncthreads_or(!go) == 0;  // a chunk that never came is recorded: no second wait
-      if (masked == nullptr) {
-        arrived = summed && waitEveryRank(p, p.latency.partialArrivalsOff, G, WaitSite::kMoeCombine, true, live, p.latency.expected);
-      }
+      arrived = summed && (masked != nullptr ||
+                           waitEveryRank(p, p.latency.partialArrivalsOff, G, WaitSite::kMoeCombine, true, live, p.latency.expected));
     }
     if (arrived) {
       ptx::launchDependents();  // after the last wait on another rank, as in the dispatch receive

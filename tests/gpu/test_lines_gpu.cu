@@ -104,7 +104,10 @@ Result run(std::uint64_t seed, int poisonLine, std::uint32_t waitTag, const Sink
   EXPECT_EQ(cudaMemcpy(dScales, scales.data(), 4 * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
   EXPECT_EQ(cudaMemset(dLines, 0xa5, kPieces * sizeof(uint4)), cudaSuccess);  // poison: no tag, no data
   EXPECT_EQ(cudaMemset(dOut, 0x5a, in.size() * sizeof(uint4)), cudaSuccess);
+  EXPECT_EQ(cudaMemset(dScalesOut, 0x5a, 32 * sizeof(float)), cudaSuccess);
+  EXPECT_EQ(cudaMemset(dLanded, 0xff, sizeof(int)), cudaSuccess);  // -1: the kernel never said
   storeThenRead<kRounds, kScales><<<1, 32>>>(dIn, dScales, dLines, poisonLine, waitTag, sink.handle, dOut, dScalesOut, dLanded);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   res.lines.resize(kPieces);
   res.out.resize(in.size());
