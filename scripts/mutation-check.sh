@@ -74,7 +74,7 @@ tests_for() {
     54-*) echo "$gpu --gtest_filter=Gpu2_MoeLatencyCapabilities.CombineSendHalfWaitsForNoPeer" ;;  # the combine weights' tags never looked at: a send half reduces a held peer's records with old weights
     55-*) echo "$gpu --gtest_filter=Gpu1_Lines.*:Gpu2_MoeLatencyCapabilities.CombineTimeWeights*:Gpu2_MoeLatencyCapabilities.Fp8ScaleFormats" ;;  # the payload lines' cut halves handed to the wrong lanes
     56-*|57-*) echo "$gpu --gtest_filter=Gpu1_Lines.*:Gpu2_MoeLatencyCapabilities.CombineTimeWeights*:Gpu2_MoeLatencyCapabilities.GraphReplayOfHalves:Gpu2_MoeLatencyCapabilities.Fp8ScaleFormats" ;;  # a chunk read before its lines (or its spill line) have landed
-    58-*) echo "$gpu --gtest_filter=Gpu2_MoeLatencyCapabilities.CombineTimeWeights*:Gpu2_MoeLatencyCapabilities.GraphReplayOfHalves" ;;  # the combine's sums read the partials' lines before they land
+    58-*) echo "$gpu --gtest_filter=Gpu2_MoeLatencyCapabilities.CombineSumsWaitForAHeldPeersPartials:Gpu2_MoeLatencyCapabilities.CombineTimeWeights*" ;;  # the combine's sums read the partials' lines before they land
     *) return 1 ;;
   esac
 }
