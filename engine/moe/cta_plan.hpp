@@ -16,7 +16,8 @@
 namespace graphep::moe_setup {
 
 // Collective: whether every local rank of every process reaches every peer by load/store (the
-// latency path writes peers' memory directly). Every rank gets the same answer.
+// direct throughput path writes peers' memory directly; the latency path also needs
+// everyPeerTakesWholeLines). Every rank gets the same answer.
 bool everyPeerLoadStore(Communicator& comm, const SymmetricHeap& heap);
 // Collective: whether every peer takes the latency path's 128-byte payload lines whole
 // (takesWholeLines: this GPU or NVLink, no PCIe peer). Every rank gets the same answer.

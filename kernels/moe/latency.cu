@@ -18,9 +18,10 @@
 //                      count (moeTaggedCount: no fence, no flag), before any payload; then warp
 //                      items (token, 512 values) over every warp of the launch write each token's
 //                      record, read once, into every peer's slot [parity][this rank][index] as
-//                      tagged lines (its payload as 128-byte lines, 15 data words and the step's
-//                      tag word; its metadata as flagged lines, each 8 bytes beside the tag: no
-//                      fence, no arrival counter), this rank's own slot among them.
+//                      tagged lines (its payload as 128-byte lines, each lane's 16 bytes a piece
+//                      and the step's tag word last; its metadata as flagged lines, each 8 bytes
+//                      beside the tag: no fence, no arrival counter), this rank's own slot among
+//                      them.
 //            receive  every CTA waits for every count word's tag (kept in shared memory) and
 //                      derives the layout (CTA 0 publishes it and expands nothing); warp items
 //                      (record, chunk; this rank's own first), one per expanding warp and then
@@ -169,8 +170,9 @@ __device__ __forceinline__ std::uint32_t settledLive(const MoeParams& p, int op,
 // --- dispatch ---------------------------------------------------------------------------------
 //
 // Every CTA of a launch sends, then receives (a send half sends, a receive half receives). The
-// payload of a record travels as 128-byte lines, 15 data words and the step's tag word, each line
-// stored and loaded by eight lanes of one warp instruction (a reader that sees its tag word holds
+// payload of a record travels as 128-byte lines, the step's tag word last (the pieces' order under
+// "the payload's 128-byte lines" below), each line stored and loaded by eight lanes of one warp
+// instruction (a reader that sees its tag word holds
 // the line: NCCL's LL128 layout, docs/DESIGN.md); its metadata as flagged lines, each stored whole
 // (st.volatile.v4) with the step's tag beside 4 bytes in each 8-byte half (moeLatencyRecordBytes).
 // No fence, no arrival counter: each record is expanded as soon as its own lines are there. The receiver keeps the

@@ -92,30 +92,28 @@ __global__ void readLines(const uint4* lines, unsigned rounds, bool eightLanes, 
   while (!done && __shfl_sync(0xffffffffu, ptx::globalTimerNs() - start < kReaderBudgetNs, 0)) {
     done = true;
     for (int group = warp; group < kLines / 4; group += warps) {
-     for (int pass = 0; pass < passes(eightLanes); ++pass) {
-      const bool active = laneActive(eightLanes, lane);
-      const unsigned line = lineOf(eightLanes, group, pass, lane);
-      const uint4 v = active ? ptx::ldVolatileV4(lines + 8u * line + static_cast<unsigned>(piece)) : make_uint4(0u, 0u, 0u, 0u);
-      const std::uint64_t lo = static_cast<std::uint64_t>(v.y) << 32 | v.x, hi = static_cast<std::uint64_t>(v.w) << 32 | v.z;
-      const std::uint64_t tag = __shfl_sync(0xffffffffu, hi, (lane & ~7) + 7);  // the line's tag word
-      bool bad = false;
-      if (!active) {
-        // an idle lane of an 8-lane pass: nothing loaded, nothing to check
-      } else if (tag != 0 && tag <= rounds) {
-        const unsigned r = static_cast<unsigned>(tag);
-        bad = lo != lineWord(line, r, 2 * piece) || (piece != 7 && hi != lineWord(line, r, 2 * piece + 1));
-      } else if (tag != 0) {
-        bad = true;  // not a round at all
+      for (int pass = 0; pass < passes(eightLanes); ++pass) {
+        const bool active = laneActive(eightLanes, lane);
+        const unsigned line = lineOf(eightLanes, group, pass, lane);
+        const uint4 v = active ? ptx::ldVolatileV4(lines + 8u * line + static_cast<unsigned>(piece)) : make_uint4(0u, 0u, 0u, 0u);
+        const std::uint64_t lo = static_cast<std::uint64_t>(v.y) << 32 | v.x, hi = static_cast<std::uint64_t>(v.w) << 32 | v.z;
+        const std::uint64_t tag = __shfl_sync(0xffffffffu, hi, (lane & ~7) + 7);  // the line's tag word
+        bool bad = false;  // an idle lane of an 8-lane pass loaded nothing: nothing to check
+        if (active && tag != 0 && tag <= rounds) {
+          const unsigned r = static_cast<unsigned>(tag);
+          bad = lo != lineWord(line, r, 2 * piece) || (piece != 7 && hi != lineWord(line, r, 2 * piece + 1));
+        } else if (active && tag != 0) {
+          bad = true;  // not a round at all
+        }
+        const unsigned tornLanes = __ballot_sync(0xffffffffu, bad);
+        if (piece == 0 && active) {
+          const bool lineTorn = ((tornLanes >> (lane & ~7)) & 0xffu) != 0;
+          if (tag != 0) ++seen;
+          if (tag != 0 && tag < rounds) ++early;
+          if (lineTorn) ++torn;
+        }
+        done = done && __all_sync(0xffffffffu, !active || tag == rounds);
       }
-      const unsigned tornLanes = __ballot_sync(0xffffffffu, bad);
-      if (piece == 0 && active) {
-        const bool lineTorn = ((tornLanes >> (lane & ~7)) & 0xffu) != 0;
-        if (tag != 0) ++seen;
-        if (tag != 0 && tag < rounds) ++early;
-        if (lineTorn) ++torn;
-      }
-      done = done && __all_sync(0xffffffffu, !active || tag == rounds);
-     }
     }
   }
   if (piece == 0) {
