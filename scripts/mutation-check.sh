@@ -67,12 +67,14 @@ tests_for() {
     47-*) echo "$gpu --gtest_filter=Gpu1_AllToAllv.EmulatedNetworkRateCap" ;;  # the emulated network's rate cap never holds the exchange
     48-*) echo "$gpu --gtest_filter=Gpu1_MoeMemory.QueryEqualsAllocationOnEmulatedNodes" ;;  # the memory query sized the flat engine on emulated nodes
     49-*) echo "$gpu --gtest_filter=Gpu1_MoeStress.LatencyFromTheWrapStep" ;;  # the count words' tag wrapped to 0, the value of words never written (Unit_MoeCountWords, compiled with the header, also fails on it)
-    50-*|51-*) echo "$gpu --gtest_filter=Gpu2_MoeLatencyCapabilities.CombineSendHalfWaitsForNoPeer" ;;  # the combine send half waits for the peers' weights; the receive half, standing in for a send CTA, arrives at no peer
+    50-*) echo "$gpu --gtest_filter=Gpu2_MoeLatencyCapabilities.CombineSendHalfWaitsForNoPeer" ;;  # the combine send half waits for the peers' weights
+    51-*) echo "$gpu --gtest_filter=Gpu2_MoeLatencyCapabilities.CombineSendHalfWaitsForNoPeer:Gpu2_MoeLatencyCapabilities.CombineHalvesShrinkWhenAPeerStopsBeforeItsWeights" ;;  # the receive half, standing in for a send CTA, arrives at no peer (the peers' wait for arrivals after their sums, or before them with shrink on timeout, times out)
     52-*) echo "$gpu --gtest_filter=Gpu2_MoeLatencyCapabilities.CombineHalvesShrinkWhenAPeerStopsBeforeItsWeights" ;;  # a stand-in that gave up on a source's weights still waits for its partials (the meeting times out)
     53-*) echo "$gpu --gtest_filter=Gpu2_MoeLatencyCapabilities.DispatchReceiveHalfLeavesRoomForAnotherEngine" ;;  # a receive half's helpers wait for the senders like its receivers (no room for another engine's send half)
     54-*) echo "$gpu --gtest_filter=Gpu2_MoeLatencyCapabilities.CombineSendHalfWaitsForNoPeer" ;;  # the combine weights' tags never looked at: a send half reduces a held peer's records with old weights
-    55-*) echo "$gpu --gtest_filter=Gpu2_MoeLatencyCapabilities.CombineTimeWeights*:Gpu2_MoeLatencyCapabilities.Fp8ScaleFormats" ;;  # the payload lines' cut halves handed to the wrong lanes
-    56-*|57-*) echo "$gpu --gtest_filter=Gpu2_MoeLatencyCapabilities.CombineTimeWeights*:Gpu2_MoeLatencyCapabilities.GraphReplayOfHalves:Gpu2_MoeLatencyCapabilities.Fp8ScaleFormats" ;;  # a chunk read before its lines (or its spill line) have landed
+    55-*) echo "$gpu --gtest_filter=Gpu1_Lines.*:Gpu2_MoeLatencyCapabilities.CombineTimeWeights*:Gpu2_MoeLatencyCapabilities.Fp8ScaleFormats" ;;  # the payload lines' cut halves handed to the wrong lanes
+    56-*|57-*) echo "$gpu --gtest_filter=Gpu1_Lines.*:Gpu2_MoeLatencyCapabilities.CombineTimeWeights*:Gpu2_MoeLatencyCapabilities.GraphReplayOfHalves:Gpu2_MoeLatencyCapabilities.Fp8ScaleFormats" ;;  # a chunk read before its lines (or its spill line) have landed
+    58-*) echo "$gpu --gtest_filter=Gpu2_MoeLatencyCapabilities.CombineSumsWaitForAHeldPeersPartials:Gpu2_MoeLatencyCapabilities.CombineTimeWeights*" ;;  # the combine's sums read the partials' lines before they land
     *) return 1 ;;
   esac
 }

@@ -45,7 +45,9 @@ PathHeap pathHeap(MoePath path, const MoeSizes& z, const MoeConfig& cfg) {
   if (path == MoePath::kLatency) {
     h.llRec = a.carve("llRec", 2 * z.R * z.T, z.llRecBytes, 256);
     h.llCnt = a.carve("llCnt", 2 * z.R, z.cntMsgBytes, 256);
-    h.llComb = a.carve("llComb", 2 * z.R * z.T, z.rowBytes, 256);
+    // The combine's partials as 128-byte tagged lines ([2][R][T] slots, kernels/moe/latency.cu
+    // partialLines): a quarter more than their bf16 rows.
+    h.llComb = a.carve("llComb", 2 * z.R * z.T, moeLatencyPartialBytes(cfg.hidden), 256);
     h.llFlag = a.carve("llFlag", z.R, 4, 256);
     h.llCombArrive = a.carve("llCombArrive", z.R, 4, 256);
     // The combine's top-k weights from each source ([2][R][T][K] tagged u64 words: the fp32 weight

@@ -33,7 +33,8 @@ enum class MoeTraceEvent : int {
                // announced its partials to every peer
   kLayout,     // the receive's last CTA saw every source's counts (dispatch only)
   kArrived,    // dispatch: the last CTA saw every line it expands; combine: a receive CTA saw
-               // every peer's send CTAs arrive
+               // every peer's send CTAs arrive (after its sums of the partials' lines, unless
+               // shrink on timeout waits for the arrivals first)
   kReceived,   // the last receive CTA finished its share
   kDone,       // the launch's last CTA advanced the step
   // The receive's first CTA (the dispatch's first expanding CTA): the wait for this rank's own

@@ -917,7 +917,10 @@ __device__ __forceinline__ uint4 moeToBf16x8(const float (&acc)[8]) {
 }
 
 // Adds kS sources' kU vectors (weights w) into acc: every load issued before the first add.
-template <int kS, int kU, class Src, class Weight>
+// Past the row a lane's sum is not stored; kZeroPast: it sums zeros there (for whole-warp
+// stores; as ptxas allocates, this keeps the latency combine off the stack and costs the
+// movers' final kernel registers, so each path picks its form).
+template <int kS, int kU, bool kZeroPast, class Src, class Weight>
 __device__ __forceinline__ void moeAccumulate(float (&acc)[kU][8], int i, int c0, int stride, int vecs, Src src,
                                               Weight weight) {
   uint4 v[kS][kU];
@@ -926,7 +929,11 @@ __device__ __forceinline__ void moeAccumulate(float (&acc)[kU][8], int i, int c0
     const uint4* a = src(i + j);
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
-      if (c0 + u * stride < vecs) v[j][u] = __ldcg(a + c0 + u * stride);
+      if (kZeroPast) {
+        v[j][u] = c0 + u * stride < vecs ? __ldcg(a + c0 + u * stride) : make_uint4(0u, 0u, 0u, 0u);
+      } else if (c0 + u * stride < vecs) {
+        v[j][u] = __ldcg(a + c0 + u * stride);
+      }
     }
   }
 #pragma unroll
@@ -937,15 +944,17 @@ __device__ __forceinline__ void moeAccumulate(float (&acc)[kU][8], int i, int c0
   }
 }
 
-// out = sum over i < n of weight(i) * src(i) (rows of H bf16 values), fp32 in source order, bf16
-// out. Two sources' kU vectors in flight per thread (four spill registers at 512 threads per CTA,
-// measured slower).
-template <class Src, class Weight>
-__device__ inline void moeWeightedSum(const MoeParams& p, int n, Src src, Weight weight, uint4* out,
-                                      const MoeGroup& g) {
+// The sum over i < n of weight(i) * src(i) (rows of H bf16 values), fp32 in source order, as
+// bf16: store(c, v, valid) for vector c (8 values) of the row, called by every lane of a warp whose
+// 32 vectors hold one of the row (`valid`: c is in the row), so that a store may work by whole
+// warps (the latency combine's 128-byte lines, kernels/moe/lines.cuh). Two sources' kU vectors in
+// flight per thread (four spill registers at 512 threads per CTA, measured slower). kWholeWarps:
+// the store works by whole warps (moeAccumulate's kZeroPast).
+template <bool kWholeWarps = false, class Src, class Weight, class Store>
+__device__ inline void moeWeightedSumTo(const MoeParams& p, int n, Src src, Weight weight, const MoeGroup& g, Store store) {
   constexpr int kU = kMoeUnroll / 2;
-  const int vecs = p.shape.hidden / 8;
-  for (int c0 = g.tid; c0 < vecs; c0 += g.nthreads * kU) {
+  const int vecs = p.shape.hidden / 8, lane = g.tid % 32;  // a group is whole warps
+  for (int c0 = g.tid; c0 - lane < vecs; c0 += g.nthreads * kU) {
     float acc[kU][8];
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
@@ -953,27 +962,45 @@ __device__ inline void moeWeightedSum(const MoeParams& p, int n, Src src, Weight
       for (int k = 0; k < 8; ++k) acc[u][k] = 0.f;
     }
     int i = 0;
-    for (; i + 1 < n; i += 2) moeAccumulate<2, kU>(acc, i, c0, g.nthreads, vecs, src, weight);
-    if (i < n) moeAccumulate<1, kU>(acc, i, c0, g.nthreads, vecs, src, weight);
+    for (; i + 1 < n; i += 2) moeAccumulate<2, kU, kWholeWarps>(acc, i, c0, g.nthreads, vecs, src, weight);
+    if (i < n) moeAccumulate<1, kU, kWholeWarps>(acc, i, c0, g.nthreads, vecs, src, weight);
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
-      if (c0 + u * g.nthreads < vecs) out[c0 + u * g.nthreads] = moeToBf16x8(acc[u]);
+      const int c = c0 + u * g.nthreads;
+      if (c - lane < vecs) store(c, moeToBf16x8(acc[u]), c < vecs);
     }
   }
 }
+// out = the weighted sum above, vector by vector.
+template <class Src, class Weight>
+__device__ inline void moeWeightedSum(const MoeParams& p, int n, Src src, Weight weight, uint4* out,
+                                      const MoeGroup& g) {
+  moeWeightedSumTo(p, n, src, weight, g, [&](int c, uint4 v, bool valid) {
+    if (valid) out[c] = v;
+  });
+}
 
 // The combine partial of a received record from source s: sum over its slots of weight * y[row]
-// in fp32, written as bf16 to `out` (H values; local or the source's memory). Dropped rows add 0.
-// Rank-major (rankRow >= 0): the partial is y[rankRow] as it is (the experts summed the row's slots).
-__device__ inline void moeReduceRecord(const MoeParams& p, const char* rec, const std::int32_t* srcBase,
-                                       char* out, MoeSlotStage& stage, const MoeGroup& g, long long rankRow = -1,
-                                       MoeSlotWeights slotWeights = {}) {
+// in fp32, as bf16 through store (moeWeightedSumTo). Dropped rows add 0. Rank-major (rankRow >= 0):
+// the partial is y[rankRow] as it is (the experts summed the row's slots).
+template <bool kWholeWarps = false, class Store>
+__device__ inline void moeReduceRecordTo(const MoeParams& p, const char* rec, const std::int32_t* srcBase, MoeSlotStage& stage,
+                                         const MoeGroup& g, long long rankRow, MoeSlotWeights slotWeights, Store store) {
   moeResolveSlots(p, -1, rec, srcBase, stage, false, g, rankRow, slotWeights);
   const std::uint64_t vecs = static_cast<std::uint64_t>(p.shape.hidden) / 8;
   const auto* y = reinterpret_cast<const uint4*>(p.combine.expertOutput);
-  moeWeightedSum(
+  moeWeightedSumTo<kWholeWarps>(
       p, stage.n, [&](int i) { return y + static_cast<std::uint64_t>(stage.row[i]) * vecs; },
-      [&](int i) { return stage.weight[i]; }, reinterpret_cast<uint4*>(out), g);
+      [&](int i) { return stage.weight[i]; }, g, store);
+}
+// The partial written as bf16 to `out` (H values; local or the source's memory).
+__device__ inline void moeReduceRecord(const MoeParams& p, const char* rec, const std::int32_t* srcBase,
+                                       char* out, MoeSlotStage& stage, const MoeGroup& g, long long rankRow = -1,
+                                       MoeSlotWeights slotWeights = {}) {
+  auto* o = reinterpret_cast<uint4*>(out);
+  moeReduceRecordTo(p, rec, srcBase, stage, g, rankRow, slotWeights, [&](int c, uint4 v, bool valid) {
+    if (valid) o[c] = v;
+  });
 }
 
 // out[t] = sum over destination ranks r of the partial partial(r) (nullptr: none), fp32 in rank

@@ -36,22 +36,28 @@
 //                      fence, no flag); each group then reduces one record received from a peer
 //                      (sum of weight x y over its slots; the weights of the record's source,
 //                      its words waited for, or the dispatch's) straight into the
-//                      source's slot [parity][this rank][index]; each CTA then adds 1 to the
-//                      combine arrival counter for this rank of every peer it reduced. A send
+//                      source's slot [parity][this rank][index], as 128-byte lines carrying the
+//                      step's tag (kernels/moe/lines.cuh: no fence, no flag); each CTA then adds
+//                      1 (relaxed: the lines carry their own order) to the combine arrival counter
+//                      for this rank of every peer it reduced. A send
 //                      half alone waits for no weights: it looks once, and leaves a source whose
 //                      weights are not there to the receive half (latency.deferred[cta]).
 //            receive  in a receive half after such a send half, receive CTA j first stands in
 //                      for send CTAs j, j + E, ...: it waits for each deferred source's weights,
 //                      reduces that share and arrives for it (combineSend, standIn); then each
 //                      group reduces this rank's own records into its own partial slots (no
-//                      wait), every CTA waits for G arrivals from every peer and each group sums
-//                      one token's partials in rank order; the last CTA advances the step.
+//                      wait); each group sums one token's partials in rank order, a warp a chunk,
+//                      each chunk once its lines from every rank carry the step's tag; every CTA
+//                      waits for G arrivals from every peer (after the sums; with shrink on
+//                      timeout before them, masking a peer that never comes); the last CTA
+//                      advances the step.
 //
 // Buffers alternate by the step's parity. A rank can only start dispatch s + 2 after its combine
-// s + 1 received every destination's partials, which each destination sends after its own
+// s + 1 received every destination's arrivals, which each destination posts after its own
 // combine s: so a destination has finished with slot parity s before any source writes it again
 // (in any order of operations: each send starts after its previous receive, which waited for
-// every peer's previous send, which started after that peer's receive before it). A send half
+// every peer's previous send (the dispatch: its count words; the combine: its arrivals), which
+// started after that peer's receive before it). A send half
 // and its receive half keep the order: no operation of the engine comes between them
 // (Engine::receive). The dispatch's lines and count words carry moeCountTag(step), which the
 // same parity's last step never carried. Counters only grow (mod 2^32): flags reach step + 1, the
@@ -66,6 +72,7 @@
 // only in steps it takes part in, and each such step's send starts after the writer's previous
 // receive among the ranks of that step.
 #include "kernels/common/launch.h"
+#include "kernels/moe/lines.cuh"
 #include "kernels/moe/peer.cuh"
 
 namespace graphep {
@@ -281,127 +288,46 @@ template <bool kFp8>
 __device__ __forceinline__ Share shareFromX(const MoeParams& p, int t, int c, int lane) { return finishShare<kFp8>(p, loadShare<kFp8>(p, t, c, lane)); }
 
 // --- the payload's 128-byte lines ---------------------------------------------------------------
-// A chunk as a warp holds it (Share): fp8, lane L's v[0] the bytes 16 (L % 8) .. of tile L / 8 and
-// its scale; bf16, lane L's v[j] piece 64 c + 32 j + L. Round r of the chunk's lines is every
-// lane's v[r] stored as piece 32 r + L, so that four lines go in one warp store with no shuffle;
-// the last lane of a line (L % 8 == 7) stores its first 8 bytes and the tag word, and its last 8
-// bytes go to the spill line (moeLatencyChunkLines): its piece k holds the cut halves of lanes
-// 16 (k % 2) + 7 and 16 (k % 2) + 15 of round k / 2; fp8, its piece 2 the four tiles' scales. A
-// reader loads the pieces as they were stored and hands the cut halves and scales back.
+// A chunk as a warp holds it (Share) is a chunk of lines (kernels/moe/lines.cuh): fp8, one round
+// (lane L's v[0], the bytes 16 (L % 8) .. of tile L / 8) and the tiles' scales; bf16, two rounds
+// (lane L's v[j], piece 64 c + 32 j + L).
 template <bool kFp8>
-constexpr int kChunkRounds = moeLatencyChunkRounds(kFp8);  // warp stores of a chunk's shares
-template <bool kFp8>
-constexpr int kChunkLoads = kChunkRounds<kFp8> + 1;  // and of its spill line (lanes 0-7)
-__device__ __forceinline__ bool lineEnd(int lane) { return (lane & 7) == 7; }
+constexpr int kChunkRounds = moeLatencyChunkRounds(kFp8);
 
-// Piece `lane` (0-7) of chunk's spill line from the warp's shares (every lane shuffles; pieces
-// past the halves and scales are zero).
+// The share's rounds and its spill piece (moe_lines::spillPiece), made once for every rank
+// that takes the chunk.
 template <bool kFp8>
-__device__ __forceinline__ uint4 spillPiece(const Share& s, int lane) {
-  const int k = lane & 7, a = 16 * (k & 1) + 7;
-  const uint4 r0 = make_uint4(__shfl_sync(kFullMask, s.v[0].z, a), __shfl_sync(kFullMask, s.v[0].w, a),
-                              __shfl_sync(kFullMask, s.v[0].z, a + 8), __shfl_sync(kFullMask, s.v[0].w, a + 8));
-  if (kFp8) {
-    const uint4 sc = make_uint4(__float_as_uint(__shfl_sync(kFullMask, s.scale, 0)), __float_as_uint(__shfl_sync(kFullMask, s.scale, 8)),
-                                __float_as_uint(__shfl_sync(kFullMask, s.scale, 16)), __float_as_uint(__shfl_sync(kFullMask, s.scale, 24)));
-    return k < 2 ? r0 : k == 2 ? sc : make_uint4(0u, 0u, 0u, 0u);
-  }
-  const uint4 r1 = make_uint4(__shfl_sync(kFullMask, s.v[1].z, a), __shfl_sync(kFullMask, s.v[1].w, a),
-                              __shfl_sync(kFullMask, s.v[1].z, a + 8), __shfl_sync(kFullMask, s.v[1].w, a + 8));
-  return k < 2 ? r0 : k < 4 ? r1 : make_uint4(0u, 0u, 0u, 0u);
-}
-
-// The share as chunk c's 128-byte lines of a record slot (every lane of the warp). Every piece is
-// stored (a partial last chunk's zeros too): the reader polls every line's tag.
+struct ShareLines {
+  uint4 v[kChunkRounds<kFp8>];
+  uint4 spill;
+};
 template <bool kFp8>
-__device__ __forceinline__ void putLines(const MoeParams& p, char* slot, int c, int lane, const Share& s, std::uint32_t tag) {
-  uint4* cl = chunkLines<kFp8>(p, slot, c);
+__device__ __forceinline__ ShareLines<kFp8> shareLines(const Share& s, int lane) {
+  ShareLines<kFp8> l;
 #pragma unroll
-  for (int r = 0; r < kChunkRounds<kFp8>; ++r) {
-    ptx::stVolatileV4(cl + 32 * r + lane, lineEnd(lane) ? make_uint4(s.v[r].x, s.v[r].y, tag, tag) : s.v[r]);
-  }
-  const uint4 spill = spillPiece<kFp8>(s, lane);
-  if (lane < 8) ptx::stVolatileV4(cl + 32 * kChunkRounds<kFp8> + lane, lineEnd(lane) ? make_uint4(spill.x, spill.y, tag, tag) : spill);
+  for (int r = 0; r < kChunkRounds<kFp8>; ++r) l.v[r] = s.v[r];
+  l.spill = moe_lines::spillPiece<kChunkRounds<kFp8>, kFp8>(l.v, s.scale, lane);
+  return l;
+}
+// The share as chunk c's lines of a record slot (every lane of the warp; a partial last chunk's
+// zeros too: the reader checks every line's tag).
+template <bool kFp8>
+__device__ __forceinline__ void putLines(const MoeParams& p, char* slot, int c, int lane, const ShareLines<kFp8>& l, std::uint32_t tag) {
+  moe_lines::storeLines<kChunkRounds<kFp8>>(chunkLines<kFp8>(p, slot, c), lane, l.v, l.spill, tag);
 }
 
-// Whether every line of a chunk (its pieces as loaded, load by load) carries `tag`: the warp's
-// answer (each line's last piece looks at its tag word).
-template <bool kFp8>
-__device__ __forceinline__ bool chunkLanded(const uint4 (&v)[kChunkLoads<kFp8>], int lane, std::uint32_t tag) {
-  bool ok = true;
-#pragma unroll
-  for (int r = 0; r < kChunkLoads<kFp8>; ++r) {
-    if (32 * r + lane < moeLatencyChunkLines(kFp8) && lineEnd(lane)) ok = ok && v[r].z == tag && v[r].w == tag;
-  }
-  return __all_sync(kFullMask, ok);
-}
-template <bool kFp8>
-__device__ __forceinline__ void loadChunk(const uint4* cl, int lane, uint4 (&v)[kChunkLoads<kFp8>]) {
-#pragma unroll
-  for (int r = 0; r < kChunkLoads<kFp8>; ++r) {
-    const int q = 32 * r + lane;
-    v[r] = q < moeLatencyChunkLines(kFp8) ? ptx::ldVolatileV4(cl + q) : make_uint4(0u, 0u, 0u, 0u);
-  }
-}
-// Reloads the chunk's lines until every one carries `tag` (the warp together: a line is read
-// whole, eight lanes at once), bounded as boundedPoll (lane 0 keeps the time and reports the tag
-// word of line 0 as observed). Out of line, its lines in its own registers (the caller loads them
-// again once they are all there: they do not change before the parity's next step): called only
-// for a chunk not all there at its first load. False: a line never came.
-template <bool kFp8>
-__device__ __noinline__ bool waitChunk(const MoeParams& p, const uint4* cl, int lane, std::uint32_t tag, int src) {
-  const SyncHandle& h = p.peers.sync;
-  const std::uint64_t start = ptx::globalTimerNs();
-  uint4 v[kChunkLoads<kFp8>];
-  for (std::uint32_t iter = 1;; ++iter) {
-    loadChunk<kFp8>(cl, lane, v);
-    if (chunkLanded<kFp8>(v, lane, tag)) return true;
-    if ((iter & 255u) != 0u) continue;
-    const std::uint32_t seen = __shfl_sync(kFullMask, v[0].w, 7);  // line 0's tag word, its high half
-    int verdict = 0;  // lane 0's: 1 timed out (reported), 2 another wait of this rank failed
-    if (lane == 0) {
-      const std::uint64_t elapsed = ptx::globalTimerNs() - start;
-      if (elapsed > h.timeoutNs) {
-        reportDeviceError(h.error, DeviceErrorKind::kTimeout, h.rank, src, WaitSite::kMoeDispatch, tag, seen, elapsed, cl);
-        if (h.trapOnTimeout) __trap();
-        verdict = 1;
-      } else if (deviceErrorRaised(h.error)) {
-        verdict = 2;
-      }
-    }
-    if (__shfl_sync(kFullMask, verdict, 0) != 0) return false;
-  }
-}
-
-// The share from chunk c's lines once every one carries `tag`: every piece loaded before any is
-// checked (one round trip once they have landed), the chunk waited for whole if a line is
-// missing, then each line's last lane given its cut half (and fp8 every lane its tile's scale)
-// from the spill line. False: a line never came (recorded).
+// The share from chunk c's lines once every one carries `tag` (moe_lines::readLines). False: a
+// line never came (recorded).
 template <bool kFp8>
 __device__ __forceinline__ bool shareFromLines(const MoeParams& p, char* slot, int c, int lane, std::uint32_t tag, int src, Share& s) {
   s = emptyShare<kFp8>(p, c, lane);
-  const uint4* cl = chunkLines<kFp8>(p, slot, c);
-  uint4 v[kChunkLoads<kFp8>];
-  loadChunk<kFp8>(cl, lane, v);
-  if (!chunkLanded<kFp8>(v, lane, tag)) {
-    if (!waitChunk<kFp8>(p, cl, lane, tag, src)) return false;
-    loadChunk<kFp8>(cl, lane, v);
+  uint4 v[kChunkRounds<kFp8>];
+  if (!moe_lines::readLines<kChunkRounds<kFp8>, kFp8>(p.peers.sync, chunkLines<kFp8>(p, slot, c), lane, tag, src,
+                                                       WaitSite::kMoeDispatch, v, s.scale)) {
+    return false;
   }
-  const uint4& spill = v[kChunkRounds<kFp8>];  // on lanes 0-7
-  const bool high = (lane >> 3) & 1;           // which half of its spill piece a line's last lane takes
 #pragma unroll
-  for (int r = 0; r < kChunkRounds<kFp8>; ++r) {
-    const int k = 2 * r + (lane >> 4);
-    const std::uint32_t x = __shfl_sync(kFullMask, spill.x, k), y = __shfl_sync(kFullMask, spill.y, k);
-    const std::uint32_t z = __shfl_sync(kFullMask, spill.z, k), w = __shfl_sync(kFullMask, spill.w, k);
-    s.v[r] = lineEnd(lane) ? make_uint4(v[r].x, v[r].y, high ? z : x, high ? w : y) : v[r];
-  }
-  if (kFp8) {
-    const std::uint32_t x = __shfl_sync(kFullMask, spill.x, 2), y = __shfl_sync(kFullMask, spill.y, 2);
-    const std::uint32_t z = __shfl_sync(kFullMask, spill.z, 2), w = __shfl_sync(kFullMask, spill.w, 2);
-    const int tile = lane >> 3;
-    s.scale = __uint_as_float(tile == 0 ? x : tile == 1 ? y : tile == 2 ? z : w);
-  }
+  for (int r = 0; r < kChunkRounds<kFp8>; ++r) s.v[r] = v[r];
   return true;
 }
 
@@ -638,7 +564,7 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part, const Send
 #pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
     for (int r = 0; r < R; ++r) any = any || rt.goesTo(r, t);
     if (!any) continue;  // uniform across the warp
-    const Share s = item == gw ? finishShare<kFp8>(p, first) : shareFromX<kFp8>(p, t, c, lane);
+    const ShareLines<kFp8> s = shareLines<kFp8>(item == gw ? finishShare<kFp8>(p, first) : shareFromX<kFp8>(p, t, c, lane), lane);
 #pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
     for (int r = 0; r < R; ++r) {
       if (!rt.goesTo(r, t)) continue;
@@ -1001,6 +927,93 @@ __global__ void __launch_bounds__(kThreads) dispatchKernel(const __grid_constant
 
 // --- combine ----------------------------------------------------------------------------------
 
+// Source src's partial of its record i at `parity` in rank r's heap: H bf16 values as chunks of
+// 128-byte lines of one round (kernels/moe/lines.cuh; moeLatencyPartialBytes), each carrying the
+// combine step's tag (moeCountTag), so that the home sums each chunk once its lines are there: no
+// fence (the arrivals, relaxed, count the peers' send CTAs only: combineReceive).
+__device__ __forceinline__ uint4* partialLines(const MoeParams& p, int r, int parity, int src, int i) {
+  return reinterpret_cast<uint4*>(p.peers.userRegions[r] + p.peers.partialsOff +
+                                  llSlot(p, parity, src, i, moeLatencyPartialBytes(p.shape.hidden)));
+}
+// A partial's store (moeReduceRecordTo): vector c into chunk c / 32's lines, every lane of the warp.
+struct PartialLinesStore {
+  uint4* lines;
+  std::uint32_t tag;
+  __device__ __forceinline__ void operator()(int c, uint4 v, bool valid) const {
+    const uint4 share[1] = {valid ? v : make_uint4(0u, 0u, 0u, 0u)};
+    moe_lines::storeLines<1, false>(lines + static_cast<std::uint64_t>(c >> 5) * moeLinePieces(1), static_cast<int>(threadIdx.x % 32),
+                                    share, 0.f, tag);
+  }
+};
+
+// out[t] = the sum over ranks r of token t's partial from r (those with a record of t, in `live`),
+// fp32 in rank order, bf16 out, each chunk summed once its lines from every rank carry `tag`.
+// `parts` and `ranks`: the group's shared scratch. Every thread of the group calls it for every
+// token (it meets the group); `go` false (a chunk of an earlier token never came): it only meets.
+// False: a chunk never came (recorded), or `go` was.
+__device__ bool sumPartialLines(const MoeParams& p, int t, std::uint32_t live, int cparity, std::uint32_t tag, const uint4** parts,
+                                int* ranks, const MoeGroup& g, bool go) {
+  const int R = p.shape.numRanks;
+  g.sync();  // the previous token's readers of `parts` are done
+  if (g.tid == 0) {
+    int n = 0;
+    for (int r = 0; r < R; ++r) {
+      const int i = p.routing.tokenRankIndex[static_cast<std::uint64_t>(t) * R + r];
+      // A rank outside the mask (recover may shrink it after the dispatch) adds nothing.
+      if (i >= 0 && isLive(live, r)) {
+        parts[n] = partialLines(p, p.shape.rank, cparity, r, i);
+        ranks[n++] = r;
+      }
+    }
+    for (int r = n; r < R; ++r) parts[r] = nullptr;
+  }
+  g.sync();
+  if (!go) return false;
+  int n = 0;
+  while (n < R && parts[n] != nullptr) ++n;
+  constexpr int kU = 2;  // chunks a warp holds at once (their loads in flight together; 4 spill at 512 threads)
+  const int vecs = p.shape.hidden / 8, lane = g.tid % 32;
+  auto* out = reinterpret_cast<uint4*>(p.combine.out) + static_cast<std::uint64_t>(t) * vecs;
+  bool ok = true;
+  for (int c0 = g.tid; ok && c0 - lane < vecs; c0 += g.nthreads * kU) {  // a warp's 32 vectors: one chunk
+    float acc[kU][8];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) acc[u][k] = 0.f;
+    }
+    for (int i = 0; ok && i < n; ++i) {  // rank order; warp-uniform
+      uint4 v[kU][moe_lines::kLoads<1>];
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int c = c0 + u * g.nthreads;
+        if (c - lane < vecs) moe_lines::loadLines<1>(parts[i] + static_cast<std::uint64_t>(c >> 5) * moeLinePieces(1), lane, v[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int c = c0 + u * g.nthreads;
+        if (!ok || c - lane >= vecs) continue;
+        const uint4* cl = parts[i] + static_cast<std::uint64_t>(c >> 5) * moeLinePieces(1);
+        if (!moe_lines::linesLanded<1>(v[u], lane, tag)) {
+          ok = moe_lines::waitLines<1>(p.peers.sync, cl, lane, tag, ranks[i], WaitSite::kMoeCombine);
+          if (ok) moe_lines::loadLines<1>(cl, lane, v[u]);
+        }
+        if (!ok) continue;
+        uint4 share[1];
+        float unused = 0.f;
+        moe_lines::takeLines<1, false>(v[u], lane, share, unused);
+        moeAddBf16x8(acc[u], share[0], 1.0f);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int c = c0 + u * g.nthreads;
+      if (ok && c < vecs) out[c] = moeToBf16x8(acc[u]);
+    }
+  }
+  return ok;
+}
+
 // Source q's top-k weights of its record i, in this rank's heap (CombineArgs.topkWeights): topK
 // tagged words (the weight's bits low, moeCountTag of the combine step high), each stored whole
 // by q, so that a reader that sees a word's tag sees its weight (no fence, no flag).
@@ -1035,16 +1048,14 @@ __device__ __noinline__ bool combineWeightsIn(const MoeParams& p, int s, const M
 // each reduced (sum of weight x y over its slots; the source's combine-time weights when
 // `weighted`, else the dispatch's) straight into s's partial slot [cparity][this rank][index].
 __device__ __forceinline__ void reduceSourceShare(const MoeParams& p, int s, const MoeGroupSlice& gs, MoeSlotStage& stage, bool weighted,
-                                  int cparity, int dparity) {
-  const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.shape.hidden) * 2;
-  const int rows = p.layout.sourceRecords[s];
+                                  std::uint32_t cstep, int dparity) {
+  const int cparity = static_cast<int>(cstep & 1u), rows = p.layout.sourceRecords[s];
   const long long rankBase = p.layout.rankMajor ? p.layout.rankOffsets[s] : -1;  // rank-major: the source's first row
   for (int i = gs.first; i < rows; i += gs.stride) {
-    moeReduceRecord(p, recordView(p, recordSlot(p, p.shape.rank, dparity, s, i)),
-                    p.layout.sourceBase + s * p.shape.localExperts,
-                    p.peers.userRegions[s] + p.peers.partialsOff + llSlot(p, cparity, p.shape.rank, i, rowBytes), stage, gs.g,
-                    p.layout.rankMajor ? rankBase + i : -1,
-                    weighted ? MoeSlotWeights::taggedWords(combineWeightsOf(p, cparity, s, i)) : MoeSlotWeights{});
+    moeReduceRecordTo<true>(p, recordView(p, recordSlot(p, p.shape.rank, dparity, s, i)), p.layout.sourceBase + s * p.shape.localExperts,
+                      stage, gs.g, p.layout.rankMajor ? rankBase + i : -1,
+                      weighted ? MoeSlotWeights::taggedWords(combineWeightsOf(p, cparity, s, i)) : MoeSlotWeights{},
+                      PartialLinesStore{partialLines(p, s, cparity, p.shape.rank, i), moeCountTag(cstep)});
   }
 }
 
@@ -1147,17 +1158,20 @@ __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live, b
         // Recorded (the engine enters its failed state), or masked. The other sources' records are still
         // reduced and announced, so the survivors' counters stay in step with each other once the
         // failed source is masked (Engine::recover); the failed source gets no arrival from this
-        // CTA (its partials were not written), so its own wait fails and reports instead of
-        // summing an old slot.
+        // CTA and its partials are not written (their lines keep an older step's tag), so its
+        // own wait fails and reports instead of summing an old slot.
         unserved |= 1u << s;
         if (standIn) gaveUp |= 1u << s;
         continue;
       }
     }
-    reduceSourceShare(p, s, gs, stages[gs.group], weighted, cparity, dparity);
+    reduceSourceShare(p, s, gs, stages[gs.group], weighted, cstep, dparity);
   }
   if (alone && tid == 0) p.latency.deferred[part.cta] = deferred;  // read by the receive half (the next kernel)
-  arriveAtEveryPeer(p, p.latency.partialArrivalsOff, left & ~unserved & ~deferred);
+  // The partials' lines carry their own order, so no fence: an arrival says only that this CTA
+  // sent (what shrink on timeout masks by, and what keeps a peer's later step off a slot parity
+  // this rank still reads: combineReceive).
+  arriveAtEveryPeer(p, p.latency.partialArrivalsOff, left & ~unserved & ~deferred, false);
   if (!standIn && tid == lastArriver(p)) moeTrace(p, 1, cstep, MoeTraceEvent::kSent, 0, true);
 }
 
@@ -1166,56 +1180,62 @@ __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live, b
 // Without it a stand-in's failure is recorded and the waits below return at once.
 __device__ void combineReceive(const MoeParams& p, Part part, std::uint32_t live, std::uint32_t skip) {
   __shared__ const uint4* parts[kGroups][kMaxRanks];
+  __shared__ int partRanks[kGroups][kMaxRanks];
   __shared__ MoeSlotStage stages[kGroups];
   const MoeGroupSlice gs = moeGroupSlice(part.cta, part.ctas, true);  // the CTAs first
   const int R = p.shape.numRanks;
   const std::uint32_t cstep = p.peers.steps[1];
   const int cparity = static_cast<int>(cstep & 1u);
   const int dparity = static_cast<int>((p.peers.steps[0] - 1u) & 1u);  // the last dispatch's records
-  const std::uint64_t rowBytes = static_cast<std::uint64_t>(p.shape.hidden) * 2;
+  const std::uint32_t tag = moeCountTag(cstep);
   const int T = *p.routing.liveTokens;
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyCombineOwn);
-    // This rank's own records, reduced into its own partial slots while the send part reduces the
-    // peers' (no wait: the records, y and the weights are this rank's). Each group takes the same
-    // tokens below, so its own barrier orders these partials before its sums.
+    // This rank's own records, reduced into its own partial slots (as lines, the peers' way) while
+    // the send part reduces the peers' (no wait: the records, y and the weights are this rank's).
+    // Each group takes the same tokens below, so its own barrier orders these partials before its
+    // sums.
     for (int t = gs.first; t < T; t += gs.stride) {
       const int i = p.routing.tokenRankIndex[static_cast<std::uint64_t>(t) * R + p.shape.rank];
       if (i >= 0) {
-        moeReduceRecord(p, recordView(p, recordSlot(p, p.shape.rank, dparity, p.shape.rank, i)),
-                        p.layout.sourceBase + p.shape.rank * p.shape.localExperts,
-                        p.peers.userRegions[p.shape.rank] + p.peers.partialsOff + llSlot(p, cparity, p.shape.rank, i, rowBytes), stages[gs.group],
-                        gs.g, p.layout.rankMajor ? p.layout.rankOffsets[p.shape.rank] + i : -1,
-                        p.combine.topkWeights != nullptr ? p.combine.topkWeights + static_cast<std::uint64_t>(t) * p.shape.topK
-                                                    : nullptr);
+        moeReduceRecordTo<true>(p, recordView(p, recordSlot(p, p.shape.rank, dparity, p.shape.rank, i)),
+                          p.layout.sourceBase + p.shape.rank * p.shape.localExperts, stages[gs.group], gs.g,
+                          p.layout.rankMajor ? p.layout.rankOffsets[p.shape.rank] + i : -1,
+                          p.combine.topkWeights != nullptr ? p.combine.topkWeights + static_cast<std::uint64_t>(t) * p.shape.topK
+                                                           : nullptr,
+                          PartialLinesStore{partialLines(p, p.shape.rank, cparity, p.shape.rank, i), tag});
       }
     }
   }
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyCombineReceive);
-    // Every peer destination's G send CTAs, this step (the destinations taking part).
-    // Shrink on timeout: a destination whose partials never came all is masked, and every CTA
-    // leaves the same ranks out of the sums.
+    // Every peer destination's G send CTAs of this step (the destinations taking part) arrive:
+    // with shrink on timeout before the sums (a destination whose CTAs never all arrived is
+    // masked, and every CTA leaves the same ranks out of the sums); without it after them, so
+    // that the sums start as the first lines land. Either way no operation of this rank ends
+    // before every peer's send of it did, which keeps each peer's next step on this slot parity
+    // after this rank's reads (the buffer reuse above; a peer that sent this rank nothing counts
+    // too). Each chunk of the sums waits for its own lines (bounded, naming the rank).
     std::uint32_t* masked = shrinkWords(p, 1);
-    const bool arrived = waitEveryRank(p, p.latency.partialArrivalsOff, static_cast<std::uint32_t>(p.grid.budgetCtas),
-                                       WaitSite::kMoeCombine, true, masked != nullptr ? live & ~skip : live, p.latency.expected,
-                                       masked);
-    if (masked != nullptr) live &= ~settleMasked(p, masked, part.ctas, WaitSite::kMoeCombine);
+    const std::uint32_t G = static_cast<std::uint32_t>(p.grid.budgetCtas);
+    bool arrived = true;
+    if (masked != nullptr) {
+      arrived = waitEveryRank(p, p.latency.partialArrivalsOff, G, WaitSite::kMoeCombine, true, live & ~skip, p.latency.expected, masked);
+      live &= ~settleMasked(p, masked, part.ctas, WaitSite::kMoeCombine);
+    }
+    if (arrived) {
+      bool go = true;
+      for (int t = gs.first; t < T; t += gs.stride) {
+        go = sumPartialLines(p, t, live, cparity, tag, parts[gs.group], partRanks[gs.group], gs.g, go);
+      }
+      const bool summed = __syncthreads_or(!go) == 0;  // a chunk that never came is recorded: no second wait
+      arrived = summed && (masked != nullptr ||
+                           waitEveryRank(p, p.latency.partialArrivalsOff, G, WaitSite::kMoeCombine, true, live, p.latency.expected));
+    }
     if (arrived) {
       ptx::launchDependents();  // after the last wait on another rank, as in the dispatch receive
       if (part.cta == part.ctas - 1 && threadIdx.x == 0) moeTrace(p, 1, cstep, MoeTraceEvent::kArrived);
       if (part.cta == 0 && threadIdx.x == 0) moeTrace(p, 1, cstep, MoeTraceEvent::kArrived0);
-      for (int t = gs.first; t < T; t += gs.stride) {
-        moeFinalToken(
-            p, t,
-            [&](int r) -> const char* {
-              const int i = p.routing.tokenRankIndex[static_cast<std::uint64_t>(t) * R + r];
-              // A rank outside the mask (recover may shrink it after the dispatch) adds nothing.
-              return i < 0 || !isLive(live, r) ? nullptr
-                                               : p.peers.userRegions[p.shape.rank] + p.peers.partialsOff + llSlot(p, cparity, r, i, rowBytes);
-            },
-            parts[gs.group], gs.g);
-      }
     }
   }
   if (threadIdx.x == 0) moeTrace(p, 1, cstep, MoeTraceEvent::kReceived, 0, true);

@@ -90,21 +90,27 @@ __host__ __device__ inline std::uint64_t moePayloadBytes(int hidden, bool fp8) {
   return fp8 ? static_cast<std::uint64_t>(hidden) / kFp8TileValues * kFp8TileWireBytes
              : static_cast<std::uint64_t>(hidden) * 2;
 }
+// 16-byte pieces of a chunk of 128-byte tagged lines (kernels/moe/lines.cuh) that a warp stores
+// in `rounds` rounds of four lines, then a spill line.
+__host__ __device__ constexpr int moeLinePieces(int rounds) { return 32 * rounds + 8; }
 // The latency path's record slot (kernels/moe/latency.cu): the payload as 128-byte lines, the
 // metadata as flagged lines (every 8 bytes of them as a 16-byte line {4 bytes, tag, 4 bytes, tag}),
 // both written by the source; then at metaOff the plain metadata (MoeRecordHeader and its slots)
 // the combine reads, written by the receiver. The payload goes by chunks of
-// kMoeLatencyChunkValues values. A 128-byte line is 8 pieces of 16 bytes, stored and loaded by
-// eight lanes of one warp instruction, its last 8 bytes the step's tag (NCCL's LL128 layout: a
-// reader that sees a line's tag word sees the line). A chunk is moeLatencyChunkRounds rounds of
-// four lines, lane L's 16-byte share as piece L of its round (fp8: one round, the e4m3 bytes;
-// bf16: two), the share of each line's last lane cut to its first 8 bytes; then a spill line
-// holding those cut halves in order (4 a round) and, fp8, the four tiles' fp32 scales.
-// moeLatencyChunkLines counts a chunk's 16-byte pieces. The metadata's lines: the header {token,
-// slots}, then per top-k position {local expert, index}, {weight, k}.
+// kMoeLatencyChunkValues values, each a chunk of lines (kernels/moe/lines.cuh) of
+// moeLatencyChunkRounds rounds, lane L's 16-byte share as piece L of its round (fp8: one round,
+// the e4m3 bytes, the tiles' scales in the spill line; bf16: two); moeLatencyChunkLines counts
+// its 16-byte pieces. The metadata's lines: the header {token, slots}, then per top-k position
+// {local expert, index}, {weight, k}.
 inline constexpr int kMoeLatencyChunkValues = 512;
 __host__ __device__ constexpr int moeLatencyChunkRounds(bool fp8) { return fp8 ? 1 : 2; }
-__host__ __device__ constexpr int moeLatencyChunkLines(bool fp8) { return 32 * moeLatencyChunkRounds(fp8) + 8; }
+__host__ __device__ constexpr int moeLatencyChunkLines(bool fp8) { return moeLinePieces(moeLatencyChunkRounds(fp8)); }
+// The latency combine's partial slot: H bf16 values as chunks of lines of one round (256 values,
+// a warp's 16 bytes a lane), 640 bytes a chunk.
+inline constexpr int kMoePartialChunkValues = 256;
+__host__ __device__ inline std::uint64_t moeLatencyPartialBytes(int hidden) {
+  return static_cast<std::uint64_t>((hidden + kMoePartialChunkValues - 1) / kMoePartialChunkValues) * moeLinePieces(1) * 16;
+}
 __host__ __device__ inline std::uint64_t moeLatencyPayloadLineBytes(int hidden, bool fp8) {
   return static_cast<std::uint64_t>((hidden + kMoeLatencyChunkValues - 1) / kMoeLatencyChunkValues) * moeLatencyChunkLines(fp8) * 16;
 }
@@ -414,7 +420,7 @@ struct MoeDirectParams {
 // The latency path (kernels/moe/latency.cu) alone.
 struct MoeLatencyParams {
   std::uint64_t metaOff;             // a record slot's plain metadata (moeLatencyMetaOff)
-  std::uint64_t partialArrivalsOff;  // u32 [R]: CTAs of destination q whose partials landed
+  std::uint64_t partialArrivalsOff;  // u32 [R]: CTAs of destination q that sent their partials (the lines say when they landed)
   std::uint64_t weightsOff;          // u64 [2][R][maxTokens][topK]: combine weights, tagged (moeTaggedCount)
   // u64 [2][R][kMoeMaxPlacedCtas]: send CTA c of source q in step s (parity s & 1) has started:
   // moeTaggedCount(s, the CTAs of q's launch) (a receive half's helpers read them, dispatchReceive)

@@ -89,13 +89,20 @@ __device__ inline bool lastBlock(std::uint32_t* counter, bool ordered = true) {
 // (kernels/common/flags.cuh), a release cumulative over the writes the barrier ordered before it,
 // instead of a system fence in every thread. (A rank's own records and partials are its own
 // receiver's: nothing to announce to itself.)
-// `live`: the ranks taking part (bit r); the others are sent nothing.
-__device__ inline void arriveAtEveryPeer(const MoeParams& p, std::uint64_t counterOff, std::uint32_t live = ~0u) {
+// `live`: the ranks taking part (bit r); the others are sent nothing. `ordered` false: a relaxed
+// add, no fence, for stores that carry their own order (the latency combine's tagged lines): the
+// count says only that the CTA sent.
+__device__ inline void arriveAtEveryPeer(const MoeParams& p, std::uint64_t counterOff, std::uint32_t live = ~0u, bool ordered = true) {
   __syncthreads();
   if (static_cast<int>(threadIdx.x) < p.shape.numRanks && static_cast<int>(threadIdx.x) != p.shape.rank &&
       ((live >> threadIdx.x) & 1u) != 0) {
-    ptx::fenceAcqRelSys();
-    ptx::redReleaseSysAdd(peerCounter(p, static_cast<int>(threadIdx.x), counterOff) + p.shape.rank, 1u);
+    std::uint32_t* counter = peerCounter(p, static_cast<int>(threadIdx.x), counterOff) + p.shape.rank;
+    if (ordered) {
+      ptx::fenceAcqRelSys();
+      ptx::redReleaseSysAdd(counter, 1u);
+    } else {
+      ptx::redRelaxedSysAdd(counter, 1u);
+    }
   }
 }
 

@@ -987,6 +987,39 @@ TEST_F(Gpu2_MoeLatencyCapabilities, CombineSendHalfWaitsForNoPeer) {
   GRAPHEP_CUDA_CHECK(cudaEventDestroy(sent));
 }
 
+// Rank 1 is held before its whole combine while rank 0's runs: rank 0's sums must wait for rank
+// 1's partials, whose lines carry the step (kernels/moe/lines.cuh), instead of summing the slot as
+// it stands (an older step's partials, or nothing yet). Both combines exact once rank 1 goes on;
+// the dispatch's weights and combine-time weights in turn.
+TEST_F(Gpu2_MoeLatencyCapabilities, CombineSumsWaitForAHeldPeersPartials) {
+  HostGate gate;
+  Rig rig(latencyConfig(2048, ReceiveLayout::kBatched));
+  std::uint64_t seed = 1500;
+  for (int step = 0; step < 4; ++step) {
+    const Inputs in = rig.newInputs(++seed, step);
+    const std::vector<RefLayout> refs = rig.reference(in);
+    CombineOptions c;
+    c.weighted = step % 2 == 1;
+    const std::string what = stepName(step, in) + ", rank 1 held before its combine" + (c.weighted ? ", combine-time weights" : "");
+    DispatchOptions d;  // the dispatch's top-k weights (what an unweighted combine applies)
+    rig.dispatchAll(d);
+    EXPECT_EQ(checkDispatch(rig, in, refs, d, what), 0);
+    const auto y = rig.newExpertOutputs(++seed);
+    rig.poisonCombineOutputs();
+    rig.select(1);
+    gate.hold(rig.stream(1));
+    rig.engine(1).combine(rig.combineArgs(1, c), rig.stream(1));
+    rig.select(0);
+    rig.engine(0).combine(rig.combineArgs(0, c), rig.stream(0));
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // rank 0's sums reach rank 1's partials
+    gate.open();
+    rig.syncAll();
+    EXPECT_EQ(checkCombine(rig, in, refs, y, c.weighted ? Weights::kCombine : Weights::kDispatch, what), 0);
+    expectStatusOk(rig, what);
+  }
+  rig.select(0);
+}
+
 // Two micro-batches in flight, each on an engine and a stream of its own (DeepEP's double buffering
 // with return_recv_hook): rank 1 is held before micro-batch A's dispatch send half, so rank 0's
 // receive half of A waits for it. Meanwhile rank 0 runs micro-batch B's send half on B's stream: it

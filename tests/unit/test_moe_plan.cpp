@@ -156,7 +156,8 @@ TEST(Unit_MoePlan, HeapRegionsHoldWhatThePeersWrite) {
       if (path == MoePath::kLatency) {
         expectLaidOut({{h.llRec, 2 * Rs * T * z.llRecBytes},
                        {h.llCnt, 2 * Rs * z.cntMsgBytes},
-                       {h.llComb, 2 * Rs * T * z.rowBytes},
+                       // partials as 128-byte lines: 5 lines (640 bytes) a 256 values
+                       {h.llComb, 2 * Rs * T * ((static_cast<std::size_t>(c.hidden) + 255) / 256 * 640)},
                        {h.llFlag, Rs * 4},
                        {h.llCombArrive, Rs * 4},
                        {h.llCombW, 2 * Rs * T * K * 8},
