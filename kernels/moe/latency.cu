@@ -723,19 +723,23 @@ __device__ __forceinline__ int itemSource(const MoeParams& p, MsgOf msgOf, std::
 }
 
 // The receive: the layout once every source's count words are in, then every record's chunks.
-// Its CTAs: a launch that also sends, every CTA (receivers); a receive half alone, G + E CTAs, of
-// which CTAs [0, E) are the receivers and the G others helpers. A receiver waits for the senders.
-// A helper looks once at the count words and at every send CTA's start (postPlaced) and takes part
-// only if every one is in: every CTA of every sender's launch has then started, and a send waits
-// for nothing, so every line the helper waits for comes without any other kernel's room (a count
-// word alone proves only that the one CTA that posts it started). Else it leaves at once: so a
-// receive half that waits for a peer holds no more than E CTAs, and another engine's send half on
-// another stream keeps its room (the CTA plan's E + G). Items: the receivers' expanding warps
-// take one each first (item gw, the CTAs first; this rank's own items come first), then every
-// expanding warp claims the next item from the launch's counter (kMoeItemClaims) until none is
-// left, the next claim asked for beside the current item's loads.
+// `part`: this CTA among the receivers (cta -1: a helper). A whole launch's receivers are CTAs
+// [G, G + E): they wait for the count words from the launch's start, while CTAs [0, G) send; each
+// send CTA then helps, waiting for the words like a receiver (the whole launch is resident: the CTA
+// plan's G + E). A receive half alone runs on G + E CTAs, of which CTAs [0, E) are the receivers
+// and the G others helpers that look once (`lookOnce`): at the count words and at every send CTA's
+// start (postPlaced), and take part only if every one is in: every CTA of every sender's launch
+// has then started, and a send waits for nothing, so every line the helper waits for comes
+// without any other kernel's room (a count word alone proves only that the one CTA that posts it
+// started). Else it leaves at once: so a receive half that waits for a peer holds no more than E
+// CTAs, and another engine's send half on another stream keeps its room (the CTA plan's E + G).
+// With shrink on timeout every helper leaves at once: a source masked after a timeout is settled
+// among the receivers only. Items: the receivers' expanding warps take one each first (item gw,
+// the CTAs first; this rank's own items come first), then every expanding warp claims the next
+// item from the launch's counter (kMoeItemClaims) until none is left, the next claim asked for
+// beside the current item's loads.
 template <bool kFp8, MoeRecvLayout kLayout>
-__device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part all, std::uint32_t live) {
+__device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part part, bool lookOnce, std::uint32_t live) {
   __shared__ std::int32_t counts[kMoeMaxLocalExperts];
   __shared__ std::int32_t offsets[kMoeMaxLocalExperts + 1];
   __shared__ MoeLayoutScratch<kThreads> scratch;
@@ -750,12 +754,8 @@ __device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part all, std::
   // words read as zeros there (waitTaggedCounts), so the layout leaves it out.
   auto msgOf = [&](int q) { return MoeSharedMsg{msgs + q * (1 + L)}; };
   std::uint32_t* masked = shrinkWords(p, 0);  // the dispatch's (the receive part's ranks first), or nullptr
-  const bool alone = (p.latency.phase & kMoeLatencySend) == 0;
-  const Part part = alone ? Part{all.cta < p.grid.epilogueCtas ? all.cta : -1, p.grid.epilogueCtas} : all;  // the receivers
   const bool helper = part.cta < 0;
-  // A helper in shrink mode leaves at once: a source masked after a timeout is settled among the
-  // receivers only.
-  if (helper && masked != nullptr) return;
+  if (helper && masked != nullptr) return;  // shrink on timeout: the receivers settle a masked source
   const int chunks = rowChunks(p);
   const Part items = helper ? Part{-1, 0} : itemPart(part);  // CTA 0 publishes the layout and expands nothing
   // 32-bit: a source's items are at most maxTokens x chunks, every source's at most R times that.
@@ -770,9 +770,9 @@ __device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part all, std::
   bool counted = false;
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyReceive);
-    counted = waitTaggedCounts(p, parity, step, live, masked, msgs, helper);
-    if (helper) counted = counted && sendersPlaced(p, parity, step, live);
-    if (helper && !counted) return;  // a sender has not started yet: not this CTA's to wait for
+    counted = waitTaggedCounts(p, parity, step, live, masked, msgs, lookOnce);
+    if (lookOnce) counted = counted && sendersPlaced(p, parity, step, live);
+    if (helper && !counted) return;  // a sender has not started yet (or a word never came: reported)
     if (part.cta == part.ctas - 1 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kLayout);
     if (masked != nullptr) {
       // Shrink on timeout: a source whose count message never came is left out like one outside
@@ -893,8 +893,14 @@ __global__ void __launch_bounds__(kThreads) dispatchKernel(const __grid_constant
   // The stream's last kernel (often the last operation, which lets it be placed early) has
   // finished and its memory is visible: nothing of this step is read before.
   ptx::gridDependencyWait();
-  // Every CTA of the launch runs each part it holds: the send, then the receive.
-  const Part all{static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x)};
+  // A whole launch: CTAs [0, G) send, then help the receive; CTAs [G, G + E) receive from the
+  // start (dispatchReceive). A send half alone: every CTA sends. A receive half alone: CTAs [0, E)
+  // receive, the others help, looking once.
+  const int b = static_cast<int>(blockIdx.x), G = p.grid.budgetCtas, E = p.grid.epilogueCtas;
+  const Part all{b, static_cast<int>(gridDim.x)};
+  const Part send = sends && receives ? Part{b < G ? b : -1, G} : all;
+  const int firstReceiver = sends ? G : 0;
+  const Part receivers{b >= firstReceiver && b < firstReceiver + E ? b - firstReceiver : -1, E};
   // A receive half uses its send half's mask (a caller's kernel may have changed the mask word
   // between the halves); the send half leaves it.
   // The send's words, loaded together before anything is stored (one round trip); a receive half
@@ -906,9 +912,9 @@ __global__ void __launch_bounds__(kThreads) dispatchKernel(const __grid_constant
   if (sends) {
     traceStart(p, 0, all, entered);
     postPlaced(p, start.step, live);
-    dispatchSend<kFp8>(p, sm, all, start);
+    if (send.cta >= 0) dispatchSend<kFp8>(p, sm, send, start);
   }
-  if (receives) dispatchReceive<kFp8, kLayout>(p, sm, all, live);
+  if (receives) dispatchReceive<kFp8, kLayout>(p, sm, receivers, !sends && receivers.cta < 0, live);
   if (receives && lastBlock(&p.peers.lastCtaCounters[0], p.latency.shrink != nullptr) && threadIdx.x == 0) {
     moeTrace(p, 0, p.peers.steps[0], MoeTraceEvent::kDone);
     // Every CTA read the step before lastBlock's barrier, each value used before it counted
