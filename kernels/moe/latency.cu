@@ -796,15 +796,18 @@ __device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part part, bool
     int total = 0;  // every live source's items
 #pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
     for (int q = 0; q < R; ++q) total += sourceItems(p, msgOf, live, chunks, q);
-    int g = gw;
-    if (helper) {  // a helper's first item is claimed
+    // Claims only where the receivers' first items leave some over: a claim is an atomic on one
+    // word that every expanding warp would otherwise add to at once (L2 serialises them).
+    const bool claimable = total > firstClaimed;
+    int g = claimable || !helper ? gw : total;
+    if (helper && claimable) {  // a helper's first item is claimed
       unsigned first = 0;
       if (lane == 0) first = atomicAdd(claims, 1u);
       g = firstClaimed + static_cast<int>(__shfl_sync(kFullMask, first, 0));
     }
     for (bool own = true; g < total && ok; own = false) {
       unsigned next = 0;
-      if (lane == 0) next = atomicAdd(claims, 1u);  // relaxed: it only hands out items
+      if (claimable && lane == 0) next = atomicAdd(claims, 1u);  // relaxed: it only hands out items
       int idx = g;
       const int s = itemSource(p, msgOf, live, chunks, idx);
       if (s < 0) break;  // (g < total: not reached)
@@ -813,7 +816,7 @@ __device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part part, bool
       ok = expandItem<kFp8, kLayout>(p, parity, tag, s, i, c, srcBase + s * L, rankRow, lane);
       // The first expanding CTA's first own item done (the latest of its warps).
       if (own && s == me && items.cta == 0 && lane == 0) moeTrace(p, 0, step, MoeTraceEvent::kOwnDone0, 0, true);
-      g = firstClaimed + static_cast<int>(__shfl_sync(kFullMask, next, 0));
+      g = claimable ? firstClaimed + static_cast<int>(__shfl_sync(kFullMask, next, 0)) : total;
     }
   }
   // After this CTA's last wait on another rank, not before: the stream's next kernel (the next
