@@ -901,9 +901,11 @@ __global__ void __launch_bounds__(kThreads) dispatchKernel(const __grid_constant
   // receive, the others help, looking once.
   const int b = static_cast<int>(blockIdx.x), G = p.grid.budgetCtas, E = p.grid.epilogueCtas;
   const Part all{b, static_cast<int>(gridDim.x)};
-  const Part send = sends && receives ? Part{b < G ? b : -1, G} : all;
-  const int firstReceiver = sends ? G : 0;
-  const Part receivers{b >= firstReceiver && b < firstReceiver + E ? b - firstReceiver : -1, E};
+  // The split only where the receivers' first items take every item the capacity allows: else
+  // every CTA sends, then receives (the sends' items over every warp, the receive's after them).
+  const bool split = sends && receives && p.shape.maxTokens * rowChunks(p) * p.shape.numRanks <= itemPart(Part{0, E}).ctas * kWarps;
+  const Part send = split ? Part{b < G ? b : -1, G} : all;
+  const Part receivers = !sends ? Part{b < E ? b : -1, E} : split ? Part{b >= G ? b - G : -1, E} : all;
   // A receive half uses its send half's mask (a caller's kernel may have changed the mask word
   // between the halves); the send half leaves it.
   // The send's words, loaded together before anything is stored (one round trip); a receive half
