@@ -2,32 +2,35 @@
 // graphep::moe_latency::dispatchKernel and combineKernel, on G + E CTAs (G = grid.budgetCtas, the
 // SM budget; E = epilogueCtas). A launch runs both parts (no launch gap and no completion wait
 // between them), or one of them: the send half, and later the receive half (Engine::receive;
-// DeepEP's return_recv_hook), the same kernel. The dispatch's every CTA sends, then receives (a
-// receive half alone: E receivers and G helpers that take part only once every count word is in,
-// dispatchReceive); the
-// combine's send part is CTAs [0, G) and its receive part CTAs [G, G + E), so that its receive
-// starts at once on SMs of its own. No count round trip before the payload. Every CTA first waits
+// DeepEP's return_recv_hook), the same kernel. The dispatch's send part is CTAs [0, G) and its
+// receive part CTAs [G, G + E) where the receivers' first items take every item the capacity
+// allows (the send CTAs then help), else every CTA sends, then receives (a receive half alone: E
+// receivers and G helpers that take part only once every count word is in, dispatchReceive); the
+// combine's send part is CTAs [0, G) and its receive part CTAs [G, G + E). Either way a receive
+// that has its own CTAs starts at once on SMs of its own. No count round trip before the payload. Every CTA first waits
 // for the stream's last kernel (griddepcontrol.wait; in a captured graph each launch is that
 // kernel's programmatic dependent); only the receive waits for other ranks, and the send never
 // waits for anything of its own operation but the combine weights (below), posted by every source
 // before it reduces.
 //
-//   dispatch  send     every CTA routes all T x K entries in shared memory (a bit per token for each
+//   dispatch  send     every send CTA routes all T x K entries in shared memory (a bit per token for each
 //                      expert and each destination: indices are popcounts); the CTAs split the
 //                      destinations' count messages, each word carrying the step's tag beside its
 //                      count (moeTaggedCount: no fence, no flag), before any payload; then warp
-//                      items (token, 512 values) over every warp of the launch write each token's
+//                      items (token, 512 values) over every sending warp write each token's
 //                      record, read once, into every peer's slot [parity][this rank][index] as
 //                      tagged lines (its payload as 128-byte lines, each lane's 16 bytes a piece
 //                      and the step's tag word last; its metadata as flagged lines, each 8 bytes
 //                      beside the tag: no fence, no arrival counter), this rank's own slot among
 //                      them.
-//            receive  every CTA waits for every count word's tag (kept in shared memory) and
-//                      derives the layout (CTA 0 publishes it and expands nothing); warp items
-//                      (record, chunk; this rank's own first), one per expanding warp and then
-//                      claimed from a counter, expand every source's records, each item as soon
-//                      as its own lines carry the step's tag, and keep each record's plain
-//                      metadata for the combine; the last CTA of the launch advances the step. A
+//            receive  every receiving CTA waits for every count word's tag (kept in shared
+//                      memory) and derives the layout (the first publishes it and expands
+//                      nothing); warp items (record, chunk; this rank's own first), one per
+//                      expanding warp and then, where some are left over, claimed from a
+//                      counter (the send CTAs of a split launch helping), expand every
+//                      source's records, each item as soon as its own lines carry the step's
+//                      tag, and keep each record's plain metadata for the combine; the last CTA
+//                      of the launch advances the step. A
 //                      receive half alone runs on G + E CTAs: E receivers as above and G helpers
 //                      that take part only once every sender has started (dispatchReceive).
 //   combine   send     with combine-time weights, each send CTA first writes its share of the
@@ -169,7 +172,9 @@ __device__ __forceinline__ std::uint32_t settledLive(const MoeParams& p, int op,
 
 // --- dispatch ---------------------------------------------------------------------------------
 //
-// Every CTA of a launch sends, then receives (a send half sends, a receive half receives). The
+// A whole launch's CTAs [0, G) send and its CTAs [G, G + E) receive from the start, where the
+// receivers' first items cover the capacity (the send CTAs then help); else every CTA sends, then
+// receives (dispatchKernel; a send half sends, a receive half receives). The
 // payload of a record travels as 128-byte lines, the step's tag word last (the pieces' order under
 // "the payload's 128-byte lines" below), each line stored and loaded by eight lanes of one warp
 // instruction (a reader that sees its tag word holds
@@ -177,7 +182,7 @@ __device__ __forceinline__ std::uint32_t settledLive(const MoeParams& p, int op,
 // (st.volatile.v4) with the step's tag beside 4 bytes in each 8-byte half (moeLatencyRecordBytes).
 // No fence, no arrival counter: each record is expanded as soon as its own lines are there. The receiver keeps the
 // plain metadata at the slot's metaOff for the combine. Work goes in warp items of kChunkValues
-// values of one record, dealt over every warp of the launch (the CTAs first).
+// values of one record, dealt over the sending warps (the CTAs first), and over the receivers'.
 
 constexpr int kWarps = kThreads / 32;
 constexpr int kChunkValues = kMoeLatencyChunkValues;  // bf16: two 16-byte pieces a lane; fp8: four tiles, 8 lanes each
@@ -554,7 +559,7 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part, const Send
     }
   }
   const MoeStamp records(p, MoeKernel::kLatencyRecords);
-  // Every record: item (token, chunk) over every warp of the launch, the CTAs first; the share
+  // Every record: item (token, chunk) over every warp of the send part, the CTAs first; the share
   // read once (fp8: quantised once) for every rank that takes the token, this one included (its
   // own slot, as lines like a peer's: its receive reads every source's records one way); chunk 0
   // also writes the record's metadata lines.
