@@ -4,35 +4,33 @@
 // between them), or one of them: the send half, and later the receive half (Engine::receive;
 // DeepEP's return_recv_hook), the same kernel. The dispatch's send part is CTAs [0, G) and its
 // receive part CTAs [G, G + E) where the receivers' first items take every item the capacity
-// allows (the send CTAs then help), else every CTA sends, then receives (a receive half alone: E
-// receivers and G helpers that take part only once every count word is in, dispatchReceive); the
-// combine's send part is CTAs [0, G) and its receive part CTAs [G, G + E). Either way a receive
-// that has its own CTAs starts at once on SMs of its own. No count round trip before the payload. Every CTA first waits
+// allows, else every CTA sends, then receives (a receive half alone: E receivers and G helpers
+// that take part only once every count word is in, dispatchReceive); the combine's send part is
+// CTAs [0, G) and its receive part CTAs [G, G + E). Either way a receive that has its own CTAs
+// starts at once on SMs of its own. No count round trip before the payload. Every CTA first waits
 // for the stream's last kernel (griddepcontrol.wait; in a captured graph each launch is that
 // kernel's programmatic dependent); only the receive waits for other ranks, and the send never
 // waits for anything of its own operation but the combine weights (below), posted by every source
 // before it reduces.
 //
-//   dispatch  send     every send CTA routes all T x K entries in shared memory (a bit per token for each
-//                      expert and each destination: indices are popcounts); the CTAs split the
-//                      destinations' count messages, each word carrying the step's tag beside its
-//                      count (moeTaggedCount: no fence, no flag), before any payload; then warp
-//                      items (token, 512 values) over every sending warp write each token's
-//                      record, read once, into every peer's slot [parity][this rank][index] as
-//                      tagged lines (its payload as 128-byte lines, each lane's 16 bytes a piece
-//                      and the step's tag word last; its metadata as flagged lines, each 8 bytes
-//                      beside the tag: no fence, no arrival counter), this rank's own slot among
-//                      them.
-//            receive  every receiving CTA waits for every count word's tag (kept in shared
-//                      memory) and derives the layout (the first publishes it and expands
-//                      nothing); warp items (record, chunk; this rank's own first), one per
-//                      expanding warp and then, where some are left over, claimed from a
-//                      counter (the send CTAs of a split launch helping), expand every
-//                      source's records, each item as soon as its own lines carry the step's
-//                      tag, and keep each record's plain metadata for the combine; the last CTA
-//                      of the launch advances the step. A
-//                      receive half alone runs on G + E CTAs: E receivers as above and G helpers
-//                      that take part only once every sender has started (dispatchReceive).
+//   dispatch  send     every send CTA routes all T x K entries in shared memory (a bit per token
+//                      for each expert and each destination: indices are popcounts); the CTAs split
+//                      the destinations' count messages, each word carrying the step's tag beside
+//                      its count (moeTaggedCount: no fence, no flag), before any payload; then warp
+//                      items (token, 512 values) over every sending warp write each token's record,
+//                      read once, into every peer's slot [parity][this rank][index] as tagged lines
+//                      (its payload as 128-byte lines, each lane's 16 bytes a piece and the step's
+//                      tag word last; its metadata as flagged lines, each 8 bytes beside the tag:
+//                      no fence, no arrival counter), this rank's own slot among them.
+//            receive  every receiving CTA waits for every count word's tag (kept in shared memory)
+//                      and derives the layout (the first publishes it and expands nothing); warp
+//                      items (record, chunk; this rank's own first), one per expanding warp and
+//                      then, where some are left over, claimed from a counter, expand every
+//                      source's records, each item as soon as its own lines carry the step's tag,
+//                      and keep each record's plain metadata for the combine; the last CTA of the
+//                      launch advances the step. A receive half alone runs on G + E CTAs: E
+//                      receivers as above and G helpers that take part only once every sender has
+//                      started (dispatchReceive).
 //   combine   send     with combine-time weights, each send CTA first writes its share of the
 //                      destinations' weights (this rank's tokens' top-k weights at each token's
 //                      record index), each a word carrying the step's tag beside the weight (no
@@ -109,8 +107,8 @@ __host__ __device__ __forceinline__ MoeRecvLayout recvLayoutOf(const MoeParams& 
 }
 
 // The CTAs of one part of a launch: this CTA's index among them and their number (the combine's
-// send part is CTAs [0, G), its receive part CTAs [G, G + epilogueCtas); each of the dispatch's
-// parts is every CTA of the launch).
+// send part is CTAs [0, G), its receive part CTAs [G, G + epilogueCtas); the dispatch's the same
+// where it splits, else each of its parts is every CTA of the launch: dispatchKernel).
 struct Part {
   int cta, ctas;
 };
@@ -173,7 +171,7 @@ __device__ __forceinline__ std::uint32_t settledLive(const MoeParams& p, int op,
 // --- dispatch ---------------------------------------------------------------------------------
 //
 // A whole launch's CTAs [0, G) send and its CTAs [G, G + E) receive from the start, where the
-// receivers' first items cover the capacity (the send CTAs then help); else every CTA sends, then
+// receivers' first items cover the capacity; else every CTA sends, then
 // receives (dispatchKernel; a send half sends, a receive half receives). The
 // payload of a record travels as 128-byte lines, the step's tag word last (the pieces' order under
 // "the payload's 128-byte lines" below), each line stored and loaded by eight lanes of one warp
@@ -641,7 +639,8 @@ __device__ __forceinline__ std::uint64_t* placedWord(const MoeParams& p, int r, 
          (static_cast<std::uint64_t>(parity) * p.shape.numRanks + q) * kMoeMaxPlacedCtas + c;
 }
 
-// Every thread of a send CTA, at the send's start: this CTA has started, told to every rank taking
+// Every thread of every CTA of a sending launch (a split launch's receivers too: a peer's receive
+// half checks every CTA below gridDim), at its start: this CTA has started, told to every rank taking
 // part (its word for this rank and this CTA: the step's tag beside the launch's CTAs). Relaxed: it
 // orders nothing, it only says the CTA runs.
 __device__ __forceinline__ void postPlaced(const MoeParams& p, std::uint32_t step, std::uint32_t live) {
@@ -651,9 +650,9 @@ __device__ __forceinline__ void postPlaced(const MoeParams& p, std::uint32_t ste
   }
 }
 
-// Every thread of a helper CTA (dispatchReceive), after every count word came: whether every send
-// CTA of every live source has started, each word read once (none waited for). Then every line
-// this receive waits for comes from a send that runs, and a send waits for nothing.
+// Every thread of a receive half's helper CTA (dispatchReceive), after every count word came:
+// whether every send CTA of every live source has started, each word read once (none waited for).
+// Then every line this receive waits for comes from a send that runs, and a send waits for nothing.
 __device__ bool sendersPlaced(const MoeParams& p, int parity, std::uint32_t step, std::uint32_t live) {
   const std::uint32_t tag = moeCountTag(step);
   bool missing = false;
@@ -728,21 +727,23 @@ __device__ __forceinline__ int itemSource(const MoeParams& p, MsgOf msgOf, std::
 }
 
 // The receive: the layout once every source's count words are in, then every record's chunks.
-// `part`: this CTA among the receivers (cta -1: a helper). A whole launch's receivers are CTAs
-// [G, G + E): they wait for the count words from the launch's start, while CTAs [0, G) send; each
-// send CTA then helps, waiting for the words like a receiver (the whole launch is resident: the CTA
-// plan's G + E). A receive half alone runs on G + E CTAs, of which CTAs [0, E) are the receivers
-// and the G others helpers that look once (`lookOnce`): at the count words and at every send CTA's
-// start (postPlaced), and take part only if every one is in: every CTA of every sender's launch
-// has then started, and a send waits for nothing, so every line the helper waits for comes
-// without any other kernel's room (a count word alone proves only that the one CTA that posts it
-// started). Else it leaves at once: so a receive half that waits for a peer holds no more than E
-// CTAs, and another engine's send half on another stream keeps its room (the CTA plan's E + G).
-// With shrink on timeout every helper leaves at once: a source masked after a timeout is settled
-// among the receivers only. Items: the receivers' expanding warps take one each first (item gw,
-// the CTAs first; this rank's own items come first), then every expanding warp claims the next
-// item from the launch's counter (kMoeItemClaims) until none is left, the next claim asked for
-// beside the current item's loads.
+// `part`: this CTA among the receivers (cta -1: a helper). A split launch's receivers are CTAs [G,
+// G + E): they wait for the count words from the launch's start, while CTAs [0, G) send; each send
+// CTA then passes through as a helper that waits for the words like a receiver (the whole launch is
+// resident: the CTA plan's G + E) and, the receivers' first items taking every item there, finds
+// none left. A whole launch that does not split receives on every CTA. A receive half alone runs on
+// G + E CTAs, of which CTAs [0, E) are the receivers and the G others helpers that look once
+// (`lookOnce`): at the count words and at every send CTA's start (postPlaced), and take part only
+// if every one is in: every CTA of every sender's launch has then started, and a send waits for
+// nothing, so every line the helper waits for comes without any other kernel's room (a count word
+// alone proves only that the one CTA that posts it started). Else it leaves at once: so a receive
+// half that waits for a peer holds no more than E CTAs, and another engine's send half on another
+// stream keeps its room (the CTA plan's E + G). With shrink on timeout every helper leaves at once:
+// a source masked after a timeout is settled among the receivers only. Items: the receivers'
+// expanding warps take one each first (item gw, the CTAs first; this rank's own items come first);
+// where items are left past those, every expanding warp then claims the next from the launch's
+// counter (kMoeItemClaims) until none is left, the next claim asked for beside the current item's
+// loads.
 template <bool kFp8, MoeRecvLayout kLayout>
 __device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part part, bool lookOnce, std::uint32_t live) {
   __shared__ std::int32_t counts[kMoeMaxLocalExperts];
@@ -901,9 +902,10 @@ __global__ void __launch_bounds__(kThreads) dispatchKernel(const __grid_constant
   // The stream's last kernel (often the last operation, which lets it be placed early) has
   // finished and its memory is visible: nothing of this step is read before.
   ptx::gridDependencyWait();
-  // A whole launch: CTAs [0, G) send, then help the receive; CTAs [G, G + E) receive from the
-  // start (dispatchReceive). A send half alone: every CTA sends. A receive half alone: CTAs [0, E)
-  // receive, the others help, looking once.
+  // A split launch: CTAs [0, G) send, then pass through the receive as helpers; CTAs [G, G + E)
+  // receive from the start (dispatchReceive). A whole launch that does not split: every CTA sends,
+  // then receives. A send half alone: every CTA sends. A receive half alone: CTAs [0, E) receive,
+  // the others help, looking once.
   const int b = static_cast<int>(blockIdx.x), G = p.grid.budgetCtas, E = p.grid.epilogueCtas;
   const Part all{b, static_cast<int>(gridDim.x)};
   // The split only where the receivers' first items take every item the capacity allows: else
@@ -930,9 +932,9 @@ __global__ void __launch_bounds__(kThreads) dispatchKernel(const __grid_constant
     // Every CTA read the step before lastBlock's barrier, each value used before it counted
     // (unfenced: lastBlock's `ordered`). The claims reset is the other parity's counter, whose last
     // claims were made in the step before (a kernel boundary ago), so that the next step finds it
-    // at 0 with no reset racing a claim of this one. With shrink on timeout lastBlock fences: a
-    // receive half's helpers leave before the receivers' meeting, and the ranks masked in other
-    // CTAs are read below.
+    // at 0 with no reset racing a claim of this one. With shrink on timeout lastBlock fences:
+    // helpers (a receive half's, a split launch's send CTAs) leave before the receivers' meeting,
+    // and the ranks masked in other CTAs are read below.
     const std::uint32_t step = p.peers.steps[0];
     p.peers.steps[0] = step + 1u;
     p.peers.lastCtaCounters[kMoeItemClaims + ((step + 1u) & 1u)] = 0;
