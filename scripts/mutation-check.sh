@@ -75,6 +75,7 @@ tests_for() {
     55-*) echo "$gpu --gtest_filter=Gpu1_Lines.*:Gpu2_MoeLatencyCapabilities.CombineTimeWeights*:Gpu2_MoeLatencyCapabilities.Fp8ScaleFormats" ;;  # the payload lines' cut halves handed to the wrong lanes
     56-*|57-*) echo "$gpu --gtest_filter=Gpu1_Lines.*:Gpu2_MoeLatencyCapabilities.CombineTimeWeights*:Gpu2_MoeLatencyCapabilities.GraphReplayOfHalves:Gpu2_MoeLatencyCapabilities.Fp8ScaleFormats" ;;  # a chunk read before its lines (or its spill line) have landed
     58-*) echo "$gpu --gtest_filter=Gpu2_MoeLatencyCapabilities.CombineSumsWaitForAHeldPeersPartials:Gpu2_MoeLatencyCapabilities.CombineTimeWeights*" ;;  # the combine's sums read the partials' lines before they land
+    59-*) echo "$gpu --gtest_filter=Gpu2_MoeLatencyCapabilities.CombineTimeWeightsExpertMajorHidden7168:Mixed/Gpu2_MoeFourRanksPerGpu.Case/decode_h2048_e128_top8_auto" ;;  # the receive's items past the receivers' first ones never claimed (rows left unwritten)
     *) return 1 ;;
   esac
 }

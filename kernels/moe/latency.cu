@@ -2,34 +2,35 @@
 // graphep::moe_latency::dispatchKernel and combineKernel, on G + E CTAs (G = grid.budgetCtas, the
 // SM budget; E = epilogueCtas). A launch runs both parts (no launch gap and no completion wait
 // between them), or one of them: the send half, and later the receive half (Engine::receive;
-// DeepEP's return_recv_hook), the same kernel. The dispatch's every CTA sends, then receives (a
-// receive half alone: E receivers and G helpers that take part only once every count word is in,
-// dispatchReceive); the
-// combine's send part is CTAs [0, G) and its receive part CTAs [G, G + E), so that its receive
+// DeepEP's return_recv_hook), the same kernel. The dispatch's send part is CTAs [0, G) and its
+// receive part CTAs [G, G + E) where the receivers' first items take every item the capacity
+// allows, else every CTA sends, then receives (a receive half alone: E receivers and G helpers
+// that take part only once every count word is in, dispatchReceive); the combine's send part is
+// CTAs [0, G) and its receive part CTAs [G, G + E). Either way a receive that has its own CTAs
 // starts at once on SMs of its own. No count round trip before the payload. Every CTA first waits
 // for the stream's last kernel (griddepcontrol.wait; in a captured graph each launch is that
 // kernel's programmatic dependent); only the receive waits for other ranks, and the send never
 // waits for anything of its own operation but the combine weights (below), posted by every source
 // before it reduces.
 //
-//   dispatch  send     every CTA routes all T x K entries in shared memory (a bit per token for each
-//                      expert and each destination: indices are popcounts); the CTAs split the
-//                      destinations' count messages, each word carrying the step's tag beside its
-//                      count (moeTaggedCount: no fence, no flag), before any payload; then warp
-//                      items (token, 512 values) over every warp of the launch write each token's
-//                      record, read once, into every peer's slot [parity][this rank][index] as
-//                      tagged lines (its payload as 128-byte lines, each lane's 16 bytes a piece
-//                      and the step's tag word last; its metadata as flagged lines, each 8 bytes
-//                      beside the tag: no fence, no arrival counter), this rank's own slot among
-//                      them.
-//            receive  every CTA waits for every count word's tag (kept in shared memory) and
-//                      derives the layout (CTA 0 publishes it and expands nothing); warp items
-//                      (record, chunk; this rank's own first), one per expanding warp and then
-//                      claimed from a counter, expand every source's records, each item as soon
-//                      as its own lines carry the step's tag, and keep each record's plain
-//                      metadata for the combine; the last CTA of the launch advances the step. A
-//                      receive half alone runs on G + E CTAs: E receivers as above and G helpers
-//                      that take part only once every sender has started (dispatchReceive).
+//   dispatch  send     every send CTA routes all T x K entries in shared memory (a bit per token
+//                      for each expert and each destination: indices are popcounts); the CTAs split
+//                      the destinations' count messages, each word carrying the step's tag beside
+//                      its count (moeTaggedCount: no fence, no flag), before any payload; then warp
+//                      items (token, 512 values) over every sending warp write each token's record,
+//                      read once, into every peer's slot [parity][this rank][index] as tagged lines
+//                      (its payload as 128-byte lines, each lane's 16 bytes a piece and the step's
+//                      tag word last; its metadata as flagged lines, each 8 bytes beside the tag:
+//                      no fence, no arrival counter), this rank's own slot among them.
+//            receive  every receiving CTA waits for every count word's tag (kept in shared memory)
+//                      and derives the layout (the first publishes it and expands nothing); warp
+//                      items (record, chunk; this rank's own first), one per expanding warp and
+//                      then, where some are left over, claimed from a counter, expand every
+//                      source's records, each item as soon as its own lines carry the step's tag,
+//                      and keep each record's plain metadata for the combine; the last CTA of the
+//                      launch advances the step. A receive half alone runs on G + E CTAs: E
+//                      receivers as above and G helpers that take part only once every sender has
+//                      started (dispatchReceive).
 //   combine   send     with combine-time weights, each send CTA first writes its share of the
 //                      destinations' weights (this rank's tokens' top-k weights at each token's
 //                      record index), each a word carrying the step's tag beside the weight (no
@@ -106,8 +107,8 @@ __host__ __device__ __forceinline__ MoeRecvLayout recvLayoutOf(const MoeParams& 
 }
 
 // The CTAs of one part of a launch: this CTA's index among them and their number (the combine's
-// send part is CTAs [0, G), its receive part CTAs [G, G + epilogueCtas); each of the dispatch's
-// parts is every CTA of the launch).
+// send part is CTAs [0, G), its receive part CTAs [G, G + epilogueCtas); the dispatch's the same
+// where it splits, else each of its parts is every CTA of the launch: dispatchKernel).
 struct Part {
   int cta, ctas;
 };
@@ -169,7 +170,9 @@ __device__ __forceinline__ std::uint32_t settledLive(const MoeParams& p, int op,
 
 // --- dispatch ---------------------------------------------------------------------------------
 //
-// Every CTA of a launch sends, then receives (a send half sends, a receive half receives). The
+// A whole launch's CTAs [0, G) send and its CTAs [G, G + E) receive from the start, where the
+// receivers' first items cover the capacity; else every CTA sends, then
+// receives (dispatchKernel; a send half sends, a receive half receives). The
 // payload of a record travels as 128-byte lines, the step's tag word last (the pieces' order under
 // "the payload's 128-byte lines" below), each line stored and loaded by eight lanes of one warp
 // instruction (a reader that sees its tag word holds
@@ -177,7 +180,7 @@ __device__ __forceinline__ std::uint32_t settledLive(const MoeParams& p, int op,
 // (st.volatile.v4) with the step's tag beside 4 bytes in each 8-byte half (moeLatencyRecordBytes).
 // No fence, no arrival counter: each record is expanded as soon as its own lines are there. The receiver keeps the
 // plain metadata at the slot's metaOff for the combine. Work goes in warp items of kChunkValues
-// values of one record, dealt over every warp of the launch (the CTAs first).
+// values of one record, dealt over the sending warps (the CTAs first), and over the receivers'.
 
 constexpr int kWarps = kThreads / 32;
 constexpr int kChunkValues = kMoeLatencyChunkValues;  // bf16: two 16-byte pieces a lane; fp8: four tiles, 8 lanes each
@@ -554,7 +557,7 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part, const Send
     }
   }
   const MoeStamp records(p, MoeKernel::kLatencyRecords);
-  // Every record: item (token, chunk) over every warp of the launch, the CTAs first; the share
+  // Every record: item (token, chunk) over every warp of the send part, the CTAs first; the share
   // read once (fp8: quantised once) for every rank that takes the token, this one included (its
   // own slot, as lines like a peer's: its receive reads every source's records one way); chunk 0
   // also writes the record's metadata lines.
@@ -636,7 +639,8 @@ __device__ __forceinline__ std::uint64_t* placedWord(const MoeParams& p, int r, 
          (static_cast<std::uint64_t>(parity) * p.shape.numRanks + q) * kMoeMaxPlacedCtas + c;
 }
 
-// Every thread of a send CTA, at the send's start: this CTA has started, told to every rank taking
+// Every thread of every CTA of a sending launch (a split launch's receivers too: a peer's receive
+// half checks every CTA below gridDim), at its start: this CTA has started, told to every rank taking
 // part (its word for this rank and this CTA: the step's tag beside the launch's CTAs). Relaxed: it
 // orders nothing, it only says the CTA runs.
 __device__ __forceinline__ void postPlaced(const MoeParams& p, std::uint32_t step, std::uint32_t live) {
@@ -646,9 +650,9 @@ __device__ __forceinline__ void postPlaced(const MoeParams& p, std::uint32_t ste
   }
 }
 
-// Every thread of a helper CTA (dispatchReceive), after every count word came: whether every send
-// CTA of every live source has started, each word read once (none waited for). Then every line
-// this receive waits for comes from a send that runs, and a send waits for nothing.
+// Every thread of a receive half's helper CTA (dispatchReceive), after every count word came:
+// whether every send CTA of every live source has started, each word read once (none waited for).
+// Then every line this receive waits for comes from a send that runs, and a send waits for nothing.
 __device__ bool sendersPlaced(const MoeParams& p, int parity, std::uint32_t step, std::uint32_t live) {
   const std::uint32_t tag = moeCountTag(step);
   bool missing = false;
@@ -723,19 +727,25 @@ __device__ __forceinline__ int itemSource(const MoeParams& p, MsgOf msgOf, std::
 }
 
 // The receive: the layout once every source's count words are in, then every record's chunks.
-// Its CTAs: a launch that also sends, every CTA (receivers); a receive half alone, G + E CTAs, of
-// which CTAs [0, E) are the receivers and the G others helpers. A receiver waits for the senders.
-// A helper looks once at the count words and at every send CTA's start (postPlaced) and takes part
-// only if every one is in: every CTA of every sender's launch has then started, and a send waits
-// for nothing, so every line the helper waits for comes without any other kernel's room (a count
-// word alone proves only that the one CTA that posts it started). Else it leaves at once: so a
-// receive half that waits for a peer holds no more than E CTAs, and another engine's send half on
-// another stream keeps its room (the CTA plan's E + G). Items: the receivers' expanding warps
-// take one each first (item gw, the CTAs first; this rank's own items come first), then every
-// expanding warp claims the next item from the launch's counter (kMoeItemClaims) until none is
-// left, the next claim asked for beside the current item's loads.
+// `part`: this CTA among the receivers (cta -1: a helper). A split launch's receivers are CTAs [G,
+// G + E): they wait for the count words from the launch's start, while CTAs [0, G) send; each send
+// CTA then passes through as a helper that waits for the words like a receiver (the whole launch is
+// resident: the CTA plan's G + E) and, the receivers' first items taking every item there, finds
+// none left. A whole launch that does not split receives on every CTA. A receive half alone runs on
+// G + E CTAs, of which CTAs [0, E) are the receivers and the G others helpers that look once
+// (`lookOnce`): at the count words and at every send CTA's start (postPlaced), and take part only
+// if every one is in: every CTA of every sender's launch has then started, and a send waits for
+// nothing, so every line the helper waits for comes without any other kernel's room (a count word
+// alone proves only that the one CTA that posts it started). Else it leaves at once: so a receive
+// half that waits for a peer holds no more than E CTAs, and another engine's send half on another
+// stream keeps its room (the CTA plan's E + G). With shrink on timeout every helper leaves at once:
+// a source masked after a timeout is settled among the receivers only. Items: the receivers'
+// expanding warps take one each first (item gw, the CTAs first; this rank's own items come first);
+// where items are left past those, every expanding warp then claims the next from the launch's
+// counter (kMoeItemClaims) until none is left, the next claim asked for beside the current item's
+// loads.
 template <bool kFp8, MoeRecvLayout kLayout>
-__device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part all, std::uint32_t live) {
+__device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part part, bool lookOnce, std::uint32_t live) {
   __shared__ std::int32_t counts[kMoeMaxLocalExperts];
   __shared__ std::int32_t offsets[kMoeMaxLocalExperts + 1];
   __shared__ MoeLayoutScratch<kThreads> scratch;
@@ -750,12 +760,8 @@ __device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part all, std::
   // words read as zeros there (waitTaggedCounts), so the layout leaves it out.
   auto msgOf = [&](int q) { return MoeSharedMsg{msgs + q * (1 + L)}; };
   std::uint32_t* masked = shrinkWords(p, 0);  // the dispatch's (the receive part's ranks first), or nullptr
-  const bool alone = (p.latency.phase & kMoeLatencySend) == 0;
-  const Part part = alone ? Part{all.cta < p.grid.epilogueCtas ? all.cta : -1, p.grid.epilogueCtas} : all;  // the receivers
   const bool helper = part.cta < 0;
-  // A helper in shrink mode leaves at once: a source masked after a timeout is settled among the
-  // receivers only.
-  if (helper && masked != nullptr) return;
+  if (helper && masked != nullptr) return;  // shrink on timeout: the receivers settle a masked source
   const int chunks = rowChunks(p);
   const Part items = helper ? Part{-1, 0} : itemPart(part);  // CTA 0 publishes the layout and expands nothing
   // 32-bit: a source's items are at most maxTokens x chunks, every source's at most R times that.
@@ -770,9 +776,9 @@ __device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part all, std::
   bool counted = false;
   {
     const MoeStamp stamp(p, MoeKernel::kLatencyReceive);
-    counted = waitTaggedCounts(p, parity, step, live, masked, msgs, helper);
-    if (helper) counted = counted && sendersPlaced(p, parity, step, live);
-    if (helper && !counted) return;  // a sender has not started yet: not this CTA's to wait for
+    counted = waitTaggedCounts(p, parity, step, live, masked, msgs, lookOnce);
+    if (lookOnce) counted = counted && sendersPlaced(p, parity, step, live);
+    if (helper && !counted) return;  // a sender has not started yet (or a word never came: reported)
     if (part.cta == part.ctas - 1 && tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kLayout);
     if (masked != nullptr) {
       // Shrink on timeout: a source whose count message never came is left out like one outside
@@ -796,15 +802,18 @@ __device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part all, std::
     int total = 0;  // every live source's items
 #pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
     for (int q = 0; q < R; ++q) total += sourceItems(p, msgOf, live, chunks, q);
-    int g = gw;
-    if (helper) {  // a helper's first item is claimed
+    // Claims only where the receivers' first items leave some over: a claim is an atomic on one
+    // word that every expanding warp would otherwise add to at once (L2 serialises them).
+    const bool claimable = total > firstClaimed;
+    int g = claimable || !helper ? gw : total;
+    if (helper && claimable) {  // a helper's first item is claimed
       unsigned first = 0;
       if (lane == 0) first = atomicAdd(claims, 1u);
       g = firstClaimed + static_cast<int>(__shfl_sync(kFullMask, first, 0));
     }
     for (bool own = true; g < total && ok; own = false) {
       unsigned next = 0;
-      if (lane == 0) next = atomicAdd(claims, 1u);  // relaxed: it only hands out items
+      if (claimable && lane == 0) next = atomicAdd(claims, 1u);  // relaxed: it only hands out items
       int idx = g;
       const int s = itemSource(p, msgOf, live, chunks, idx);
       if (s < 0) break;  // (g < total: not reached)
@@ -813,7 +822,7 @@ __device__ void dispatchReceive(const MoeParams& p, char* smRaw, Part all, std::
       ok = expandItem<kFp8, kLayout>(p, parity, tag, s, i, c, srcBase + s * L, rankRow, lane);
       // The first expanding CTA's first own item done (the latest of its warps).
       if (own && s == me && items.cta == 0 && lane == 0) moeTrace(p, 0, step, MoeTraceEvent::kOwnDone0, 0, true);
-      g = firstClaimed + static_cast<int>(__shfl_sync(kFullMask, next, 0));
+      g = claimable ? firstClaimed + static_cast<int>(__shfl_sync(kFullMask, next, 0)) : total;
     }
   }
   // After this CTA's last wait on another rank, not before: the stream's next kernel (the next
@@ -893,8 +902,17 @@ __global__ void __launch_bounds__(kThreads) dispatchKernel(const __grid_constant
   // The stream's last kernel (often the last operation, which lets it be placed early) has
   // finished and its memory is visible: nothing of this step is read before.
   ptx::gridDependencyWait();
-  // Every CTA of the launch runs each part it holds: the send, then the receive.
-  const Part all{static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x)};
+  // A split launch: CTAs [0, G) send, then pass through the receive as helpers; CTAs [G, G + E)
+  // receive from the start (dispatchReceive). A whole launch that does not split: every CTA sends,
+  // then receives. A send half alone: every CTA sends. A receive half alone: CTAs [0, E) receive,
+  // the others help, looking once.
+  const int b = static_cast<int>(blockIdx.x), G = p.grid.budgetCtas, E = p.grid.epilogueCtas;
+  const Part all{b, static_cast<int>(gridDim.x)};
+  // The split only where the receivers' first items take every item the capacity allows: else
+  // every CTA sends, then receives (the sends' items over every warp, the receive's after them).
+  const bool split = sends && receives && p.shape.maxTokens * rowChunks(p) * p.shape.numRanks <= itemPart(Part{0, E}).ctas * kWarps;
+  const Part send = split ? Part{b < G ? b : -1, G} : all;
+  const Part receivers = !sends ? Part{b < E ? b : -1, E} : split ? Part{b >= G ? b - G : -1, E} : all;
   // A receive half uses its send half's mask (a caller's kernel may have changed the mask word
   // between the halves); the send half leaves it.
   // The send's words, loaded together before anything is stored (one round trip); a receive half
@@ -906,17 +924,17 @@ __global__ void __launch_bounds__(kThreads) dispatchKernel(const __grid_constant
   if (sends) {
     traceStart(p, 0, all, entered);
     postPlaced(p, start.step, live);
-    dispatchSend<kFp8>(p, sm, all, start);
+    if (send.cta >= 0) dispatchSend<kFp8>(p, sm, send, start);
   }
-  if (receives) dispatchReceive<kFp8, kLayout>(p, sm, all, live);
+  if (receives) dispatchReceive<kFp8, kLayout>(p, sm, receivers, !sends && receivers.cta < 0, live);
   if (receives && lastBlock(&p.peers.lastCtaCounters[0], p.latency.shrink != nullptr) && threadIdx.x == 0) {
     moeTrace(p, 0, p.peers.steps[0], MoeTraceEvent::kDone);
     // Every CTA read the step before lastBlock's barrier, each value used before it counted
     // (unfenced: lastBlock's `ordered`). The claims reset is the other parity's counter, whose last
     // claims were made in the step before (a kernel boundary ago), so that the next step finds it
-    // at 0 with no reset racing a claim of this one. With shrink on timeout lastBlock fences: a
-    // receive half's helpers leave before the receivers' meeting, and the ranks masked in other
-    // CTAs are read below.
+    // at 0 with no reset racing a claim of this one. With shrink on timeout lastBlock fences:
+    // helpers (a receive half's, a split launch's send CTAs) leave before the receivers' meeting,
+    // and the ranks masked in other CTAs are read below.
     const std::uint32_t step = p.peers.steps[0];
     p.peers.steps[0] = step + 1u;
     p.peers.lastCtaCounters[kMoeItemClaims + ((step + 1u) & 1u)] = 0;

@@ -541,8 +541,9 @@ cudaError_t preloadMoeTokenLayoutKernels();
 // format and receive layout): a launch runs the send (G = grid.budgetCtas CTAs), the receive or
 // both (MoeParams::latency.phase). The combine's send is CTAs [0, G) and its receive
 // [G, G + E) of a whole launch (E = epilogueCtas; a receive half alone, E CTAs); the dispatch's
-// every CTA runs each part it holds (a launch with the receive, G + E CTAs; a receive half alone:
-// E receivers and G helpers). Dynamic shared memory moeLatencySmem(...).bytes for the dispatch.
+// too where its receivers' first items cover the capacity, else every
+// CTA runs each part it holds (a launch with the receive, G + E CTAs; a receive half alone: E
+// receivers and G helpers). Dynamic shared memory moeLatencySmem(...).bytes for the dispatch.
 inline constexpr int kMoeLatencyMaxTokens = 256;
 inline constexpr int kMoeLatencyMaxEntries = 4096;  // tokens x top-k
 inline constexpr int kMoeLatencyThreads = 512;
