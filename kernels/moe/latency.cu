@@ -525,10 +525,15 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part, const Send
   const MoeStamp stamp(p, MoeKernel::kLatencyDispatch);
   if (part.cta == 0 && tid == 0) moeCheckPairing(p, true);
   const int T = moeClampTokens(p, start.rawTokens, part.cta == 0 && tid == 0);
-  // The warp's first item (below) loaded from x now, used after the routing: its round trip runs
-  // beside the routing's loads.
+  // The items (below): a token's metadata lines are an item of their own, warps [0, T), where every
+  // item then has a warp (metaItems T), else chunk 0's item writes them too (metaItems 0); the
+  // payload items (token, chunk) follow. The warp's first payload item loaded from x now, used
+  // after the routing: its round trip runs beside the routing's loads.
   const int chunks = rowChunks(p), gw = warp * part.ctas + part.cta, warps = part.ctas * kWarps;
-  const Share first = gw < T * chunks ? loadShare<kFp8>(p, gw / chunks, gw % chunks, lane) : emptyShare<kFp8>(p, 0, lane);
+  const int items = T * chunks, metaItems = T + items <= warps ? T : 0;
+  const int firstPayload = gw < metaItems ? items : gw - metaItems;
+  const Share first = firstPayload < items ? loadShare<kFp8>(p, firstPayload / chunks, firstPayload % chunks, lane)
+                                           : emptyShare<kFp8>(p, 0, lane);
   const Routing rt = routeTokens(p, sm, part, live, T);
   const int W = rt.W;
   // Count messages first (they travel ahead of the payload): CTA c takes ranks c, c + ctas, ...
@@ -557,23 +562,33 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part, const Send
     }
   }
   const MoeStamp records(p, MoeKernel::kLatencyRecords);
-  // Every record: item (token, chunk) over every warp of the send part, the CTAs first; the share
-  // read once (fp8: quantised once) for every rank that takes the token, this one included (its
-  // own slot, as lines like a peer's: its receive reads every source's records one way); chunk 0
-  // also writes the record's metadata lines.
-  for (int item = gw; item < T * chunks; item += warps) {
+  // Every record: a metadata item writes token t's metadata lines into each destination's slot;
+  // a payload item (token, chunk) reads its share once (fp8: quantised once) for every rank that
+  // takes the token, this one included (its own slot, as lines like a peer's: its receive reads
+  // every source's records one way); with no metadata items chunk 0's also writes the metadata.
+  // Items go over every warp of the send part, the CTAs first. Apart, the metadata no longer
+  // follows chunk 0's payload in the chunk-0 CTAs (every chunks-th CTA where the chunks divide the
+  // CTAs), which then ended last while every reader of a record waits for its metadata.
+  if (gw < metaItems) {
+    const int t = gw;
+#pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
+    for (int r = 0; r < R; ++r) {
+      if (rt.goesTo(r, t)) putMetaLines(p, rt, metaLines<kFp8>(p, recordSlot(p, r, parity, me, popcBelow(rt.dstBits + r * W, t))), r, t, lane, tag);
+    }
+  }
+  for (int item = firstPayload; item < items; item += warps) {
     const int t = item / chunks, c = item % chunks;
     bool any = false;
 #pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
     for (int r = 0; r < R; ++r) any = any || rt.goesTo(r, t);
     if (!any) continue;  // uniform across the warp
-    const ShareLines<kFp8> s = shareLines<kFp8>(item == gw ? finishShare<kFp8>(p, first) : shareFromX<kFp8>(p, t, c, lane), lane);
+    const ShareLines<kFp8> s = shareLines<kFp8>(item == firstPayload ? finishShare<kFp8>(p, first) : shareFromX<kFp8>(p, t, c, lane), lane);
 #pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
     for (int r = 0; r < R; ++r) {
       if (!rt.goesTo(r, t)) continue;
       char* slot = recordSlot(p, r, parity, me, popcBelow(rt.dstBits + r * W, t));
       putLines<kFp8>(p, slot, c, lane, s, tag);
-      if (c == 0) putMetaLines(p, rt, metaLines<kFp8>(p, slot), r, t, lane, tag);
+      if (c == 0 && metaItems == 0) putMetaLines(p, rt, metaLines<kFp8>(p, slot), r, t, lane, tag);
     }
   }
   if (tid == 0) moeTrace(p, 0, step, MoeTraceEvent::kSent, 0, true);
