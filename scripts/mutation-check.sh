@@ -76,6 +76,7 @@ tests_for() {
     56-*|57-*) echo "$gpu --gtest_filter=Gpu1_Lines.*:Gpu2_MoeLatencyCapabilities.CombineTimeWeights*:Gpu2_MoeLatencyCapabilities.GraphReplayOfHalves:Gpu2_MoeLatencyCapabilities.Fp8ScaleFormats" ;;  # a chunk read before its lines (or its spill line) have landed
     58-*) echo "$gpu --gtest_filter=Gpu2_MoeLatencyCapabilities.CombineSumsWaitForAHeldPeersPartials:Gpu2_MoeLatencyCapabilities.CombineTimeWeights*" ;;  # the combine's sums read the partials' lines before they land
     59-*) echo "$gpu --gtest_filter=Gpu2_MoeLatencyCapabilities.CombineTimeWeightsExpertMajorHidden7168:Mixed/Gpu2_MoeFourRanksPerGpu.Case/decode_h2048_e128_top8_auto" ;;  # the receive's items past the receivers' first ones never claimed (rows left unwritten)
+    64-*) echo "$gpu --gtest_filter=Moe/Gpu1_Moe4Ranks.Case/uniform_varying_T_auto:Moe/Gpu2_Moe.Case/uniform_varying_T_auto" ;;  # the metadata items one short: the last token's metadata lines never sent
     *) return 1 ;;
   esac
 }
