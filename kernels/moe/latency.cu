@@ -17,11 +17,12 @@
 //                      for each expert and each destination: indices are popcounts); the CTAs split
 //                      the destinations' count messages, each word carrying the step's tag beside
 //                      its count (moeTaggedCount: no fence, no flag), before any payload; then warp
-//                      items (token, 512 values) over every sending warp write each token's record,
-//                      read once, into every peer's slot [parity][this rank][index] as tagged lines
-//                      (its payload as 128-byte lines, each lane's 16 bytes a piece and the step's
-//                      tag word last; its metadata as flagged lines, each 8 bytes beside the tag:
-//                      no fence, no arrival counter), this rank's own slot among them.
+//                      items over every sending warp write each token's record into every peer's
+//                      slot [parity][this rank][index] as tagged lines: (token, 512 values), read
+//                      once, its payload as 128-byte lines (each lane's 16 bytes a piece, the
+//                      step's tag word last); its metadata as flagged lines, each 8 bytes beside the
+//                      tag, an item of its own where every item has a warp, else chunk 0's (no
+//                      fence, no arrival counter); this rank's own slot among them.
 //            receive  every receiving CTA waits for every count word's tag (kept in shared memory)
 //                      and derives the layout (the first publishes it and expands nothing); warp
 //                      items (record, chunk; this rank's own first), one per expanding warp and
