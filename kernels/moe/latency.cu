@@ -83,6 +83,10 @@ namespace {
 
 constexpr int kThreads = kMoeLatencyThreads;
 constexpr int kGroups = kThreads / kMoeGroupThreads;
+// The combine sums' wide groups (combineReceive): two per CTA, their named barriers after the
+// kGroups reduce groups' (ids 1 + kGroups on; 16 in all).
+constexpr int kSumThreads = 2 * kMoeGroupThreads;
+static_assert(kThreads % kSumThreads == 0 && 1 + kGroups + kThreads / kSumThreads <= 16, "wide sum groups: whole CTAs, named barriers left");
 
 __device__ __forceinline__ std::uint64_t llSlot(const MoeParams& p, int parity, int src, int i,
                                                 std::uint64_t bytes) {
@@ -1005,44 +1009,51 @@ __device__ bool sumPartialLines(const MoeParams& p, int t, std::uint32_t live, i
   if (!go) return false;
   int n = 0;
   while (n < R && parts[n] != nullptr) ++n;
-  constexpr int kU = 2;  // chunks a warp holds at once (their loads in flight together; 4 spill at 512 threads)
-  const int vecs = p.shape.hidden / 8, lane = g.tid % 32;
+  const int vecs = p.shape.hidden / 8, lane = g.tid % 32, first = g.tid - lane;  // a warp's 32 vectors: one chunk
   auto* out = reinterpret_cast<uint4*>(p.combine.out) + static_cast<std::uint64_t>(t) * vecs;
+  const int chunks = first < vecs ? (vecs - first + g.nthreads - 1) / g.nthreads : 0;  // the warp's: j x nthreads on
+  if (n == 0) {  // a token sent nowhere: zeros
+    for (int j = 0; j < chunks; ++j) {
+      if (g.tid + j * g.nthreads < vecs) out[g.tid + j * g.nthreads] = make_uint4(0u, 0u, 0u, 0u);
+    }
+    return true;
+  }
+  // The warp's entries (chunk j, rank i), chunk after chunk and the ranks in order within one, two
+  // at a time with their loads in flight together (4 spilled at 512 threads): a chunk's lines
+  // from two ranks cross in one round trip, and one accumulator holds the chunk under way (an
+  // entry that ends its chunk stores it before the next entry starts the next chunk).
+  constexpr int kInFlight = 2;
+  float acc[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) acc[k] = 0.f;
   bool ok = true;
-  for (int c0 = g.tid; ok && c0 - lane < vecs; c0 += g.nthreads * kU) {  // a warp's 32 vectors: one chunk
-    float acc[kU][8];
+  for (int e = 0; ok && e < chunks * n; e += kInFlight) {
+    uint4 v[kInFlight][moe_lines::kLoads<1>];
+    const uint4* cl[kInFlight];
 #pragma unroll
-    for (int u = 0; u < kU; ++u) {
-#pragma unroll
-      for (int k = 0; k < 8; ++k) acc[u][k] = 0.f;
-    }
-    for (int i = 0; ok && i < n; ++i) {  // rank order; warp-uniform
-      uint4 v[kU][moe_lines::kLoads<1>];
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const int c = c0 + u * g.nthreads;
-        if (c - lane < vecs) moe_lines::loadLines<1>(parts[i] + static_cast<std::uint64_t>(c >> 5) * moeLinePieces(1), lane, v[u]);
-      }
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const int c = c0 + u * g.nthreads;
-        if (!ok || c - lane >= vecs) continue;
-        const uint4* cl = parts[i] + static_cast<std::uint64_t>(c >> 5) * moeLinePieces(1);
-        if (!moe_lines::linesLanded<1>(v[u], lane, tag)) {
-          ok = moe_lines::waitLines<1>(p.peers.sync, cl, lane, tag, ranks[i], WaitSite::kMoeCombine);
-          if (ok) moe_lines::loadLines<1>(cl, lane, v[u]);
-        }
-        if (!ok) continue;
-        uint4 share[1];
-        float unused = 0.f;
-        moe_lines::takeLines<1, false>(v[u], lane, share, unused);
-        moeAddBf16x8(acc[u], share[0], 1.0f);
-      }
+    for (int u = 0; u < kInFlight; ++u) {
+      const int f = e + u, j = f / n;
+      cl[u] = parts[f % n] + static_cast<std::uint64_t>((first + j * g.nthreads) >> 5) * moeLinePieces(1);
+      if (f < chunks * n) moe_lines::loadLines<1>(cl[u], lane, v[u]);
     }
 #pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int c = c0 + u * g.nthreads;
-      if (ok && c < vecs) out[c] = moeToBf16x8(acc[u]);
+    for (int u = 0; u < kInFlight; ++u) {
+      const int f = e + u, j = f / n, i = f % n, c = g.tid + j * g.nthreads;
+      if (!ok || f >= chunks * n) continue;
+      if (!moe_lines::linesLanded<1>(v[u], lane, tag)) {
+        ok = moe_lines::waitLines<1>(p.peers.sync, cl[u], lane, tag, ranks[i], WaitSite::kMoeCombine);
+        if (ok) moe_lines::loadLines<1>(cl[u], lane, v[u]);
+      }
+      if (!ok) continue;
+      uint4 share[1];
+      float unused = 0.f;
+      moe_lines::takeLines<1, false>(v[u], lane, share, unused);
+      moeAddBf16x8(acc, share[0], 1.0f);
+      if (i == n - 1) {  // the chunk's last rank: stored, the accumulator free for the next chunk
+        if (c < vecs) out[c] = moeToBf16x8(acc);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) acc[k] = 0.f;
+      }
     }
   }
   return ok;
@@ -1258,9 +1269,14 @@ __device__ void combineReceive(const MoeParams& p, Part part, std::uint32_t live
       live &= ~settleMasked(p, masked, part.ctas, WaitSite::kMoeCombine);
     }
     if (arrived) {
+      // A token a group: where every token then has one, groups of kSumThreads (a token's chunks
+      // over twice the warps: at H 2048 a warp's one chunk, both ranks' lines in one round trip),
+      // their barriers past the reduce groups'; else the reduce's groups.
+      const bool wide = T <= (kThreads / kSumThreads) * part.ctas;
+      const MoeGroupSlice ss = wide ? moeGroupSlice(part.cta, part.ctas, true, kSumThreads, 1 + kGroups) : gs;
       bool go = true;
-      for (int t = gs.first; t < T; t += gs.stride) {
-        go = sumPartialLines(p, t, live, cparity, tag, parts[gs.group], partRanks[gs.group], gs.g, go);
+      for (int t = ss.first; t < T; t += ss.stride) {
+        go = sumPartialLines(p, t, live, cparity, tag, parts[ss.group], partRanks[ss.group], ss.g, go);
       }
       const bool summed = __syncthreads_or(!go) == 0;  // a chunk that never came is recorded: no second wait
       arrived = summed && (masked != nullptr ||
