@@ -125,6 +125,12 @@ std::vector<MoeCase> standardMoeCases(int R, bool large) {
     c.tokens = {64, 31};
     cases.push_back(c);
   }
+  {  // few tokens at a row past 2,048 values: the latency combine's sums take a token a group of 8
+     // warps (every token has one) and each warp sums two chunks or more
+    MoeCase c = base("few_wide_rows", 16, 4096, 4 * R, 4);
+    c.tokens = {16, 5};
+    cases.push_back(c);
+  }
   {  // one captured graph (dispatch -> expert -> combine) replayed with new data and counts
     MoeCase c = base("graph_replays", 64, 256, 2 * R, 2);
     c.tokens = {64, 3, 0, 50, 64, 1};
