@@ -318,7 +318,6 @@ void runMicroBatches(const Options& o, Ranks& r, std::size_t tokens) {
     a.topkIdx = q.ids;
     a.topkWeights = static_cast<const float*>(q.w);
     a.numTokens = static_cast<const int*>(q.n);
-    a.inputRows = T;
     eng[static_cast<std::size_t>(i)]->dispatch(a, s);
     if (&eng == &engA) GRAPHEP_CUDA_CHECK(cudaEventRecord(q.dispatched, s));
     busyExpert<<<busyCtas, 128, 0, s>>>(busyNs, stamps);
@@ -509,7 +508,6 @@ std::vector<Row> runMoe(const Options& o, Ranks& r) {
         // low_latency_combine passes them), not with the dispatch.
         a.topkWeights = o.combineWeights ? nullptr : static_cast<const float*>(w[li]);
         a.numTokens = static_cast<const int*>(n[li]);
-        a.inputRows = T;  // the buffers' rows: T_max
         return a;
       };
       // --halves: each operation as its send half, an idle kernel of halvesUs, then its receive half

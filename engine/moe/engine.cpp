@@ -370,8 +370,6 @@ DispatchChoice checkDispatch(const Engine::Impl& m, const DispatchArgs& a) {
     }
   }
   requireDevicePointer(a.numTokens, m.device, "dispatch: numTokens");
-  GRAPHEP_REQUIRE(a.inputRows >= 0, Status::kInvalidArgument,
-                  "dispatch: inputRows=%lld is negative (0: only the live count's rows are read)", a.inputRows);
   GRAPHEP_REQUIRE((reinterpret_cast<std::uintptr_t>(a.x) & 15u) == 0, Status::kInvalidArgument,
                   "dispatch: x (%p) is not 16-byte aligned", a.x);
   GRAPHEP_REQUIRE(a.indexType == IndexType::kInt32 || a.indexType == IndexType::kInt64,
@@ -440,7 +438,6 @@ const DispatchLayout& Engine::dispatch(const DispatchArgs& a, cudaStream_t strea
   p.input.int64Ids = a.indexType == IndexType::kInt64 ? 1 : 0;
   p.input.topkWeights = a.topkWeights;
   p.input.numTokens = a.numTokens;
-  p.input.readableRows = static_cast<std::int32_t>(std::min<long long>(a.inputRows, c.maxTokensPerRank));
   p.shape.topK = topK;
   p.input.tokenInRank = reinterpret_cast<const std::uint8_t*>(a.tokenInRank);
   p.shape.fp8 = fp8 ? 1 : 0;

@@ -216,11 +216,6 @@ struct DispatchArgs {
   IndexType indexType = IndexType::kInt32;
   const float* topkWeights = nullptr;  // [T, K]
   const int* numTokens = nullptr;      // device scalar: the live T (clamped to [0, T_max])
-  // Rows of topkIdx and topkWeights that may be read whatever the live T (their allocation's, at
-  // most T_max counted; 0: the live T's only). The latency dispatch then loads the routing's first
-  // entries together with the live count instead of after it (one round trip fewer before the
-  // count messages); entries past the live T are read and never used.
-  long long inputRows = 0;
   // Columns of topkIdx / topkWeights in this dispatch, at most MoeConfig.topK (0: MoeConfig.topK;
   // with tokenInRank, 0 and topkIdx nullptr: no slots), the same on every rank of one dispatch (a
   // record's slots, and the combine's weights, are read with the receiving rank's). The

@@ -442,35 +442,9 @@ struct Routing {
   __device__ bool goesTo(int r, int t) const { return (dstBits[r * W + (t >> 5)] >> (t & 31)) & 1u; }
 };
 
-// The routing's entries loaded kBatch a thread at a time, every load issued before any is used (one
-// round trip for up to kBatch x kThreads entries; 4 spilled more of the kernel).
-constexpr int kRouteBatch = 2;
-struct RouteEntries {
-  long long ids[kRouteBatch];
-  float weights[kRouteBatch];
-  int n;  // entries [0, n) loaded (the batch of thread tid: entries tid + b x kThreads)
-};
-// The first batch of this thread's entries where the caller's rows are readable whatever the live
-// count (input.readableRows: at most maxTokens rows), loaded with the step's words at the launch's
-// start rather than after the live count is known: its round trip no longer follows that count's.
-// Entries past the live count are loaded and never used.
-__device__ __forceinline__ RouteEntries loadEarlyEntries(const MoeParams& p) {
-  RouteEntries r{};
-  const int rows = p.input.readableRows < p.shape.maxTokens ? p.input.readableRows : p.shape.maxTokens;
-  r.n = rows * p.shape.topK;
-#pragma unroll
-  for (int b = 0; b < kRouteBatch; ++b) {
-    const int e = static_cast<int>(threadIdx.x) + b * kThreads;
-    r.ids[b] = e < r.n ? moeReadId(p, static_cast<std::uint64_t>(e)) : -1;
-    r.weights[b] = e < r.n ? moeWeightOf(p, static_cast<std::uint64_t>(e)) : 0.f;
-  }
-  return r;
-}
-
 // Every thread of the CTA: routes the T live tokens' entries (invalid ids: -1, counted by CTA 0;
-// entries of a rank outside the mask: -1, counted per rank), the first batch from `early` where it
-// holds them. Ends with the CTA synchronised.
-__device__ Routing routeTokens(const MoeParams& p, char* sm, Part part, std::uint32_t live, int T, const RouteEntries& early) {
+// entries of a rank outside the mask: -1, counted per rank). Ends with the CTA synchronised.
+__device__ Routing routeTokens(const MoeParams& p, char* sm, Part part, std::uint32_t live, int T) {
   const MoeLatencySmem lay = moeLatencySmem(p.shape.maxTokens, p.shape.topK, p.shape.numExperts, p.shape.numRanks);
   __shared__ int dup;
   const int tid = static_cast<int>(threadIdx.x), K = p.shape.topK, R = p.shape.numRanks, L = p.shape.localExperts;
@@ -480,7 +454,9 @@ __device__ Routing routeTokens(const MoeParams& p, char* sm, Part part, std::uin
   for (int w = tid; w < (p.shape.numExperts + R) * rt.W; w += kThreads) rt.expBits[w] = 0;  // and dstBits
   if (tid == 0) dup = 0;
   __syncthreads();
-  constexpr int kBatch = kRouteBatch;
+  // kBatch entries a thread at a time, every load issued before any is used (one round trip for
+  // up to kBatch x kThreads entries; 4 spilled more of the kernel).
+  constexpr int kBatch = 2;
   const int entries = T * K;
   for (int e0 = tid; e0 < entries; e0 += kBatch * kThreads) {
     long long ids[kBatch];
@@ -488,9 +464,8 @@ __device__ Routing routeTokens(const MoeParams& p, char* sm, Part part, std::uin
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       const int e = e0 + b * kThreads;
-      const bool loaded = e0 == tid && e < early.n;
-      ids[b] = e >= entries ? -1 : loaded ? early.ids[b] : moeReadId(p, static_cast<std::uint64_t>(e));
-      weights[b] = e >= entries ? 0.f : loaded ? early.weights[b] : moeWeightOf(p, static_cast<std::uint64_t>(e));
+      ids[b] = e < entries ? moeReadId(p, static_cast<std::uint64_t>(e)) : -1;
+      weights[b] = e < entries ? moeWeightOf(p, static_cast<std::uint64_t>(e)) : 0.f;
     }
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
@@ -547,7 +522,7 @@ struct SendStart {
   int rawTokens;  // *input.numTokens as read (moeClampTokens)
 };
 template <bool kFp8>
-__device__ void dispatchSend(const MoeParams& p, char* sm, Part part, const SendStart& start, const RouteEntries& early) {
+__device__ void dispatchSend(const MoeParams& p, char* sm, Part part, const SendStart& start) {
   const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32;
   const int K = p.shape.topK, R = p.shape.numRanks, L = p.shape.localExperts, me = p.shape.rank;
   const std::uint32_t live = start.live, step = start.step, tag = moeCountTag(step);
@@ -564,7 +539,7 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part, const Send
   const int firstPayload = gw < metaItems ? items : gw - metaItems;
   const Share first = firstPayload < items ? loadShare<kFp8>(p, firstPayload / chunks, firstPayload % chunks, lane)
                                            : emptyShare<kFp8>(p, 0, lane);
-  const Routing rt = routeTokens(p, sm, part, live, T, early);
+  const Routing rt = routeTokens(p, sm, part, live, T);
   const int W = rt.W;
   // Count messages first (they travel ahead of the payload): CTA c takes ranks c, c + ctas, ...
   // Each word carries its count tagged with the step (moeTaggedCount), stored whole, so the
@@ -967,10 +942,9 @@ __global__ void __launch_bounds__(kThreads) dispatchKernel(const __grid_constant
   if (receives && !sends) askForRecords(p, static_cast<int>(start.step & 1u));
   if (sends && !receives && blockIdx.x == 0 && threadIdx.x == 0) *p.latency.halfLive = live;
   if (sends) {
-    const RouteEntries early = send.cta >= 0 ? loadEarlyEntries(p) : RouteEntries{};
     traceStart(p, 0, all, entered);
     postPlaced(p, start.step, live);
-    if (send.cta >= 0) dispatchSend<kFp8>(p, sm, send, start, early);
+    if (send.cta >= 0) dispatchSend<kFp8>(p, sm, send, start);
   }
   if (receives) dispatchReceive<kFp8, kLayout>(p, sm, receivers, !sends && receivers.cta < 0, live);
   if (receives && lastBlock(&p.peers.lastCtaCounters[0], p.latency.shrink != nullptr) && threadIdx.x == 0) {

@@ -213,8 +213,6 @@ struct MoeDispatchInput {
   std::int32_t int64Ids;           // topkIdx holds int64
   std::int32_t xIsFp8;             // x holds caller-quantised e4m3 bytes (direct dispatch)
   std::int32_t scaleFormat;        // MoeScaleFormat of engine-quantised fp8 (latency path)
-  std::int32_t readableRows;       // rows of topkIdx and topkWeights readable whatever the live count
-                                   // (DispatchArgs.inputRows; 0: the live count's only)
 };
 
 // Routing scratch (local): written by route (kernels/moe/route.cu) or the latency send, read by

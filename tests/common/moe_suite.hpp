@@ -46,9 +46,6 @@ struct MoeCase {
   // a mask left empty by that means every rank); set only when the engine is on the latency path.
   // Empty: every rank, never set.
   std::vector<std::uint32_t> masks;
-  // DispatchArgs.inputRows: every input row readable (T_max; the rows past the live count hold
-  // valid ids that must not be routed), or 0 (the live count's rows only).
-  bool readAllRows = true;
 };
 
 void runMoeCase(Communicator& comm, const MoeCase& c);

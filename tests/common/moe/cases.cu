@@ -54,9 +54,7 @@ std::vector<MoeCase> standardMoeCases(int R, bool large) {
   {  // uniform, T varying between calls and across ranks (0, T_max, a negative and a clamped count)
     MoeCase c = base("uniform_varying_T", 64, 128, 2 * R, 2);
     c.tokens = {64, 17, 0, 64, 70, -5};
-    c.readAllRows = false;  // the live count's rows only (DispatchArgs.inputRows 0); the others read all
     cases.push_back(c);
-    c.readAllRows = true;
     c.name = "fp8_int64";
     c.indexType = IndexType::kInt64;
     c.cfg.dispatchType = DType::kFp8E4m3;

@@ -320,7 +320,6 @@ class MoeFixture {
     a.indexType = c_.indexType;
     a.topkWeights = b.w;
     a.numTokens = numTokens != nullptr ? numTokens : b.numTokens;
-    a.inputRows = c_.readAllRows ? c_.cfg.maxTokensPerRank : 0;  // the buffers hold T_max rows
     return a;
   }
 
