@@ -48,7 +48,8 @@
 //                      for send CTAs j, j + E, ...: it waits for each deferred source's weights,
 //                      reduces that share and arrives for it (combineSend, standIn); then each
 //                      group reduces this rank's own records into its own partial slots (no
-//                      wait); each group sums one token's partials in rank order, a warp a chunk,
+//                      wait); each group (8 warps where every token has one) sums one token's
+//                      partials in rank order, a warp a chunk, two (chunk, rank) loads in flight,
 //                      each chunk once its lines from every rank carry the step's tag; every CTA
 //                      waits for G arrivals from every peer (after the sums; with shrink on
 //                      timeout before them, masking a peer that never comes); the last CTA
