@@ -84,8 +84,8 @@ namespace {
 
 constexpr int kThreads = kMoeLatencyThreads;
 constexpr int kGroups = kThreads / kMoeGroupThreads;
-// The combine sums' wide groups (combineReceive): two per CTA, their named barriers after the
-// kGroups reduce groups' (ids 1 + kGroups on; 16 in all).
+// The combine sums' wide groups (combineReceive): two per CTA. They meet no barrier; their named
+// barriers, were one ever added, would follow the kGroups reduce groups' (ids 1 + kGroups on).
 constexpr int kSumThreads = 2 * kMoeGroupThreads;
 static_assert(kThreads % kSumThreads == 0 && 1 + kGroups + kThreads / kSumThreads <= 16, "wide sum groups: whole CTAs, named barriers left");
 
@@ -987,30 +987,16 @@ struct PartialLinesStore {
 
 // out[t] = the sum over ranks r of token t's partial from r (those with a record of t, in `live`),
 // fp32 in rank order, bf16 out, each chunk summed once its lines from every rank carry `tag`.
-// `parts` and `ranks`: the group's shared scratch. Every thread of the group calls it for every
-// token (it meets the group); `go` false (a chunk of an earlier token never came): it only meets.
-// False: a chunk never came (recorded), or `go` was.
-__device__ bool sumPartialLines(const MoeParams& p, int t, std::uint32_t live, int cparity, std::uint32_t tag, const uint4** parts,
-                                int* ranks, const MoeGroup& g, bool go) {
-  const int R = p.shape.numRanks;
-  g.sync();  // the previous token's readers of `parts` are done
-  if (g.tid == 0) {
-    int n = 0;
-    for (int r = 0; r < R; ++r) {
-      const int i = p.routing.tokenRankIndex[static_cast<std::uint64_t>(t) * R + r];
-      // A rank outside the mask (recover may shrink it after the dispatch) adds nothing.
-      if (i >= 0 && isLive(live, r)) {
-        parts[n] = partialLines(p, p.shape.rank, cparity, r, i);
-        ranks[n++] = r;
-      }
-    }
-    for (int r = n; r < R; ++r) parts[r] = nullptr;
-  }
-  g.sync();
-  if (!go) return false;
-  int n = 0;
-  while (n < R && parts[n] != nullptr) ++n;
-  const int vecs = p.shape.hidden / 8, lane = g.tid % 32, first = g.tid - lane;  // a warp's 32 vectors: one chunk
+// Every lane of a warp calls it with the same t; the warp's chunks are j x g.nthreads on from its
+// own in the group. Warp-local: lane r < R holds rank r's record index of t (no shared table, no
+// barrier). False: a chunk never came (recorded).
+__device__ bool sumPartialLines(const MoeParams& p, int t, std::uint32_t live, int cparity, std::uint32_t tag, const MoeGroup& g) {
+  const int R = p.shape.numRanks, lane = g.tid % 32;
+  const int index = lane < R ? p.routing.tokenRankIndex[static_cast<std::uint64_t>(t) * R + lane] : -1;
+  // A rank outside the mask (recover may shrink it after the dispatch) adds nothing.
+  const unsigned ranks = __ballot_sync(kFullMask, index >= 0 && isLive(live, lane));
+  const int n = __popc(ranks);
+  const int vecs = p.shape.hidden / 8, first = g.tid - lane;  // a warp's 32 vectors: one chunk
   auto* out = reinterpret_cast<uint4*>(p.combine.out) + static_cast<std::uint64_t>(t) * vecs;
   const int chunks = first < vecs ? (vecs - first + g.nthreads - 1) / g.nthreads : 0;  // the warp's: j x nthreads on
   if (n == 0) {  // a token sent nowhere: zeros
@@ -1030,19 +1016,26 @@ __device__ bool sumPartialLines(const MoeParams& p, int t, std::uint32_t live, i
   bool ok = true;
   for (int e = 0; ok && e < chunks * n; e += kInFlight) {
     uint4 v[kInFlight][moe_lines::kLoads<1>];
-    const uint4* cl[kInFlight];
+    const uint4* cl[kInFlight] = {};
+    int rank[kInFlight] = {};
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u) {
-      const int f = e + u, j = f / n;
-      cl[u] = parts[f % n] + static_cast<std::uint64_t>((first + j * g.nthreads) >> 5) * moeLinePieces(1);
-      if (f < chunks * n) moe_lines::loadLines<1>(cl[u], lane, v[u]);
+      const int f = e + u;
+      if (f >= chunks * n) continue;  // uniform across the warp
+      unsigned m = ranks;  // the (f % n)-th rank with a record of t
+#pragma unroll 1
+      for (int k = f % n; k > 0; --k) m &= m - 1u;
+      rank[u] = __ffs(m) - 1;
+      const int i = __shfl_sync(kFullMask, index, rank[u]);
+      cl[u] = partialLines(p, p.shape.rank, cparity, rank[u], i) + static_cast<std::uint64_t>((first + f / n * g.nthreads) >> 5) * moeLinePieces(1);
+      moe_lines::loadLines<1>(cl[u], lane, v[u]);
     }
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u) {
       const int f = e + u, j = f / n, i = f % n, c = g.tid + j * g.nthreads;
       if (!ok || f >= chunks * n) continue;
       if (!moe_lines::linesLanded<1>(v[u], lane, tag)) {
-        ok = moe_lines::waitLines<1>(p.peers.sync, cl[u], lane, tag, ranks[i], WaitSite::kMoeCombine);
+        ok = moe_lines::waitLines<1>(p.peers.sync, cl[u], lane, tag, rank[u], WaitSite::kMoeCombine);
         if (ok) moe_lines::loadLines<1>(cl[u], lane, v[u]);
       }
       if (!ok) continue;
@@ -1225,8 +1218,6 @@ __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live, b
 // their weights and masked them in words[0]: every receive CTA leaves them out after the meeting).
 // Without it a stand-in's failure is recorded and the waits below return at once.
 __device__ void combineReceive(const MoeParams& p, Part part, std::uint32_t live, std::uint32_t skip) {
-  __shared__ const uint4* parts[kGroups][kMaxRanks];
-  __shared__ int partRanks[kGroups][kMaxRanks];
   __shared__ MoeSlotStage stages[kGroups];
   const MoeGroupSlice gs = moeGroupSlice(part.cta, part.ctas, true);  // the CTAs first
   const int R = p.shape.numRanks;
@@ -1272,13 +1263,11 @@ __device__ void combineReceive(const MoeParams& p, Part part, std::uint32_t live
     if (arrived) {
       // A token a group: where every token then has one, groups of kSumThreads (a token's chunks
       // over twice the warps: at H 2048 a warp's one chunk, both ranks' lines in one round trip),
-      // their barriers past the reduce groups'; else the reduce's groups.
+      // else the reduce's groups. The sums' warps meet no barrier (sumPartialLines).
       const bool wide = T <= (kThreads / kSumThreads) * part.ctas;
       const MoeGroupSlice ss = wide ? moeGroupSlice(part.cta, part.ctas, true, kSumThreads, 1 + kGroups) : gs;
       bool go = true;
-      for (int t = ss.first; t < T; t += ss.stride) {
-        go = sumPartialLines(p, t, live, cparity, tag, parts[ss.group], partRanks[ss.group], ss.g, go);
-      }
+      for (int t = ss.first; go && t < T; t += ss.stride) go = sumPartialLines(p, t, live, cparity, tag, ss.g);
       const bool summed = __syncthreads_or(!go) == 0;  // a chunk that never came is recorded: no second wait
       arrived = summed && (masked != nullptr ||
                            waitEveryRank(p, p.latency.partialArrivalsOff, G, WaitSite::kMoeCombine, true, live, p.latency.expected));
