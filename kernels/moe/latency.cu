@@ -988,14 +988,22 @@ struct PartialLinesStore {
 // out[t] = the sum over ranks r of token t's partial from r (those with a record of t, in `live`),
 // fp32 in rank order, bf16 out, each chunk summed once its lines from every rank carry `tag`.
 // Every lane of a warp calls it with the same t; the warp's chunks are j x g.nthreads on from its
-// own in the group. Warp-local: lane r < R holds rank r's record index of t (no shared table, no
-// barrier). False: a chunk never came (recorded).
+// own in the group. Warp-local: lane r < R loads rank r's record index of t, lane k the k-th
+// rank's lines (no shared table, no barrier). False: a chunk never came (recorded).
 __device__ bool sumPartialLines(const MoeParams& p, int t, std::uint32_t live, int cparity, std::uint32_t tag, const MoeGroup& g) {
   const int R = p.shape.numRanks, lane = g.tid % 32;
   const int index = lane < R ? p.routing.tokenRankIndex[static_cast<std::uint64_t>(t) * R + lane] : -1;
   // A rank outside the mask (recover may shrink it after the dispatch) adds nothing.
   const unsigned ranks = __ballot_sync(kFullMask, index >= 0 && isLive(live, lane));
   const int n = __popc(ranks);
+  // Lane k < n: the k-th of those ranks (in rank order) and its partial's lines, taken by each
+  // entry with a shuffle.
+  unsigned m = ranks;
+#pragma unroll 1
+  for (int k = lane; k > 0 && m != 0u; --k) m &= m - 1u;
+  const int myRank = m != 0u ? __ffs(m) - 1 : 0;
+  const int myIndex = __shfl_sync(kFullMask, index, myRank);
+  const uint4* myLines = lane < n ? partialLines(p, p.shape.rank, cparity, myRank, myIndex) : nullptr;
   const int vecs = p.shape.hidden / 8, first = g.tid - lane;  // a warp's 32 vectors: one chunk
   auto* out = reinterpret_cast<uint4*>(p.combine.out) + static_cast<std::uint64_t>(t) * vecs;
   const int chunks = first < vecs ? (vecs - first + g.nthreads - 1) / g.nthreads : 0;  // the warp's: j x nthreads on
@@ -1022,12 +1030,9 @@ __device__ bool sumPartialLines(const MoeParams& p, int t, std::uint32_t live, i
     for (int u = 0; u < kInFlight; ++u) {
       const int f = e + u;
       if (f >= chunks * n) continue;  // uniform across the warp
-      unsigned m = ranks;  // the (f % n)-th rank with a record of t
-#pragma unroll 1
-      for (int k = f % n; k > 0; --k) m &= m - 1u;
-      rank[u] = __ffs(m) - 1;
-      const int i = __shfl_sync(kFullMask, index, rank[u]);
-      cl[u] = partialLines(p, p.shape.rank, cparity, rank[u], i) + static_cast<std::uint64_t>((first + f / n * g.nthreads) >> 5) * moeLinePieces(1);
+      rank[u] = __shfl_sync(kFullMask, myRank, f % n);
+      cl[u] = reinterpret_cast<const uint4*>(__shfl_sync(kFullMask, reinterpret_cast<std::uintptr_t>(myLines), f % n)) +
+              static_cast<std::uint64_t>((first + f / n * g.nthreads) >> 5) * moeLinePieces(1);
       moe_lines::loadLines<1>(cl[u], lane, v[u]);
     }
 #pragma unroll
