@@ -1271,6 +1271,10 @@ __device__ void combineReceive(const MoeParams& p, Part part, std::uint32_t live
       // else the reduce's groups. The sums' warps meet no barrier (sumPartialLines).
       const bool wide = T <= (kThreads / kSumThreads) * part.ctas;
       const MoeGroupSlice ss = wide ? moeGroupSlice(part.cta, part.ctas, true, kSumThreads, 1 + kGroups) : gs;
+      // Every warp of the CTA done with its own records first: a warp that polls for lines while
+      // others still reduce takes their issue slots (the group barrier the sums met until 9931e6c
+      // did this per group).
+      __syncthreads();
       bool go = true;
       for (int t = ss.first; go && t < T; t += ss.stride) go = sumPartialLines(p, t, live, cparity, tag, ss.g);
       const bool summed = __syncthreads_or(!go) == 0;  // a chunk that never came is recorded: no second wait
