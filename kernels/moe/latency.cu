@@ -988,22 +988,30 @@ struct PartialLinesStore {
 // out[t] = the sum over ranks r of token t's partial from r (those with a record of t, in `live`),
 // fp32 in rank order, bf16 out, each chunk summed once its lines from every rank carry `tag`.
 // Every lane of a warp calls it with the same t; the warp's chunks are j x g.nthreads on from its
-// own in the group. Warp-local: lane r < R loads rank r's record index of t, lane k the k-th
-// rank's lines (no shared table, no barrier). False: a chunk never came (recorded).
-__device__ bool sumPartialLines(const MoeParams& p, int t, std::uint32_t live, int cparity, std::uint32_t tag, const MoeGroup& g) {
+// own in the group. Warp-local: lane r < R loads rank r's record index of t, lane k writes the
+// k-th rank's lines into the warp's own table (no barrier but the warp's: a group's table read
+// across a named barrier by warps that had passed their reduce groups' barriers unequal times
+// drew racecheck's false hazards, run 320). False: a chunk never came (recorded).
+__device__ bool sumPartialLines(const MoeParams& p, int t, std::uint32_t live, int cparity, std::uint32_t tag, const MoeGroup& g,
+                                const uint4** lines, int* ranksOf) {
   const int R = p.shape.numRanks, lane = g.tid % 32;
   const int index = lane < R ? p.routing.tokenRankIndex[static_cast<std::uint64_t>(t) * R + lane] : -1;
   // A rank outside the mask (recover may shrink it after the dispatch) adds nothing.
   const unsigned ranks = __ballot_sync(kFullMask, index >= 0 && isLive(live, lane));
   const int n = __popc(ranks);
-  // Lane k < n: the k-th of those ranks (in rank order) and its partial's lines, taken by each
-  // entry with a shuffle.
+  // The warp's table (lines, ranksOf: its own in shared memory): entry k < n, the k-th of those
+  // ranks in rank order and its partial's lines, written by lane k.
   unsigned m = ranks;
 #pragma unroll 1
   for (int k = lane; k > 0 && m != 0u; --k) m &= m - 1u;
   const int myRank = m != 0u ? __ffs(m) - 1 : 0;
   const int myIndex = __shfl_sync(kFullMask, index, myRank);
-  const uint4* myLines = lane < n ? partialLines(p, p.shape.rank, cparity, myRank, myIndex) : nullptr;
+  __syncwarp();  // the warp's reads of the last token's table are done
+  if (lane < n) {
+    lines[lane] = partialLines(p, p.shape.rank, cparity, myRank, myIndex);
+    ranksOf[lane] = myRank;
+  }
+  __syncwarp();
   const int vecs = p.shape.hidden / 8, first = g.tid - lane;  // a warp's 32 vectors: one chunk
   auto* out = reinterpret_cast<uint4*>(p.combine.out) + static_cast<std::uint64_t>(t) * vecs;
   const int chunks = first < vecs ? (vecs - first + g.nthreads - 1) / g.nthreads : 0;  // the warp's: j x nthreads on
@@ -1030,9 +1038,8 @@ __device__ bool sumPartialLines(const MoeParams& p, int t, std::uint32_t live, i
     for (int u = 0; u < kInFlight; ++u) {
       const int f = e + u;
       if (f >= chunks * n) continue;  // uniform across the warp
-      rank[u] = __shfl_sync(kFullMask, myRank, f % n);
-      cl[u] = reinterpret_cast<const uint4*>(__shfl_sync(kFullMask, reinterpret_cast<std::uintptr_t>(myLines), f % n)) +
-              static_cast<std::uint64_t>((first + f / n * g.nthreads) >> 5) * moeLinePieces(1);
+      rank[u] = ranksOf[f % n];
+      cl[u] = lines[f % n] + static_cast<std::uint64_t>((first + f / n * g.nthreads) >> 5) * moeLinePieces(1);
       moe_lines::loadLines<1>(cl[u], lane, v[u]);
     }
 #pragma unroll
@@ -1224,6 +1231,8 @@ __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live, b
 // Without it a stand-in's failure is recorded and the waits below return at once.
 __device__ void combineReceive(const MoeParams& p, Part part, std::uint32_t live, std::uint32_t skip) {
   __shared__ MoeSlotStage stages[kGroups];
+  __shared__ const uint4* sumLines[kWarps][kMaxRanks];  // each warp's table (sumPartialLines)
+  __shared__ int sumRanks[kWarps][kMaxRanks];
   const MoeGroupSlice gs = moeGroupSlice(part.cta, part.ctas, true);  // the CTAs first
   const int R = p.shape.numRanks;
   const std::uint32_t cstep = p.peers.steps[1];
@@ -1272,11 +1281,14 @@ __device__ void combineReceive(const MoeParams& p, Part part, std::uint32_t live
       const bool wide = T <= (kThreads / kSumThreads) * part.ctas;
       const MoeGroupSlice ss = wide ? moeGroupSlice(part.cta, part.ctas, true, kSumThreads, 1 + kGroups) : gs;
       // Every warp of the CTA done with its own records first: a warp that polls for lines while
-      // others still reduce takes their issue slots (the group barrier the sums met until 9931e6c
-      // did this per group).
+      // others still reduce takes their issue slots (run 323: 2.7% off the combine at H 2048 on
+      // emulated ranks; the group barrier the sums met until 9931e6c did this per group).
       __syncthreads();
       bool go = true;
-      for (int t = ss.first; go && t < T; t += ss.stride) go = sumPartialLines(p, t, live, cparity, tag, ss.g);
+      const int warp = static_cast<int>(threadIdx.x) / 32;
+      for (int t = ss.first; go && t < T; t += ss.stride) {
+        go = sumPartialLines(p, t, live, cparity, tag, ss.g, sumLines[warp], sumRanks[warp]);
+      }
       const bool summed = __syncthreads_or(!go) == 0;  // a chunk that never came is recorded: no second wait
       arrived = summed && (masked != nullptr ||
                            waitEveryRank(p, p.latency.partialArrivalsOff, G, WaitSite::kMoeCombine, true, live, p.latency.expected));
