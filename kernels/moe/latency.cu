@@ -84,10 +84,10 @@ namespace {
 
 constexpr int kThreads = kMoeLatencyThreads;
 constexpr int kGroups = kThreads / kMoeGroupThreads;
-// The combine sums' wide groups (combineReceive): two per CTA. They meet no barrier; their named
-// barriers, were one ever added, would follow the kGroups reduce groups' (ids 1 + kGroups on).
+// The combine sums' wide groups (combineReceive): two per CTA, each two reduce groups, which
+// keep their own barriers (no barrier of the wide group's own).
 constexpr int kSumThreads = 2 * kMoeGroupThreads;
-static_assert(kThreads % kSumThreads == 0 && 1 + kGroups + kThreads / kSumThreads <= 16, "wide sum groups: whole CTAs, named barriers left");
+static_assert(kThreads % kSumThreads == 0 && kSumThreads % kMoeGroupThreads == 0, "wide sum groups: whole reduce groups, whole CTAs");
 
 __device__ __forceinline__ std::uint64_t llSlot(const MoeParams& p, int parity, int src, int i,
                                                 std::uint64_t bytes) {
@@ -987,32 +987,34 @@ struct PartialLinesStore {
 
 // out[t] = the sum over ranks r of token t's partial from r (those with a record of t, in `live`),
 // fp32 in rank order, bf16 out, each chunk summed once its lines from every rank carry `tag`.
-// Every lane of a warp calls it with the same t; the warp's chunks are j x g.nthreads on from its
-// own in the group. Warp-local: lane r < R loads rank r's record index of t, lane k writes the
-// k-th rank's lines into the warp's own table (no barrier but the warp's: a group's table read
-// across a named barrier by warps that had passed their reduce groups' barriers unequal times
-// drew racecheck's false hazards, run 320). False: a chunk never came (recorded).
-__device__ bool sumPartialLines(const MoeParams& p, int t, std::uint32_t live, int cparity, std::uint32_t tag, const MoeGroup& g,
-                                const uint4** lines, int* ranksOf) {
-  const int R = p.shape.numRanks, lane = g.tid % 32;
-  const int index = lane < R ? p.routing.tokenRankIndex[static_cast<std::uint64_t>(t) * R + lane] : -1;
-  // A rank outside the mask (recover may shrink it after the dispatch) adds nothing.
-  const unsigned ranks = __ballot_sync(kFullMask, index >= 0 && isLive(live, lane));
-  const int n = __popc(ranks);
-  // The warp's table (lines, ranksOf: its own in shared memory): entry k < n, the k-th of those
-  // ranks in rank order and its partial's lines, written by lane k.
-  unsigned m = ranks;
-#pragma unroll 1
-  for (int k = lane; k > 0 && m != 0u; --k) m &= m - 1u;
-  const int myRank = m != 0u ? __ffs(m) - 1 : 0;
-  const int myIndex = __shfl_sync(kFullMask, index, myRank);
-  __syncwarp();  // the warp's reads of the last token's table are done
-  if (lane < n) {
-    lines[lane] = partialLines(p, p.shape.rank, cparity, myRank, myIndex);
-    ranksOf[lane] = myRank;
+// `parts` and `ranks`: the shared scratch of `own`, the reduce group of this thread, which builds
+// it between two of its own barriers; `g`: the group whose warps split the token's chunks (`own`
+// itself, or a wide group of two reduce groups, each with its own copy of the scratch: a group's
+// scratch read only by warps that pass its barrier, as in the reduce, keeps racecheck's barrier
+// bookkeeping even: run 320). Every thread of `own` calls it for every token (it meets `own`);
+// `go` false (a chunk of an earlier token never came): it only meets. False: a chunk never came
+// (recorded), or `go` was.
+__device__ bool sumPartialLines(const MoeParams& p, int t, std::uint32_t live, int cparity, std::uint32_t tag, const uint4** parts,
+                                int* ranks, const MoeGroup& own, const MoeGroup& g, bool go) {
+  const int R = p.shape.numRanks;
+  own.sync();  // the previous token's readers of `parts` are done
+  if (own.tid == 0) {
+    int n = 0;
+    for (int r = 0; r < R; ++r) {
+      const int i = p.routing.tokenRankIndex[static_cast<std::uint64_t>(t) * R + r];
+      // A rank outside the mask (recover may shrink it after the dispatch) adds nothing.
+      if (i >= 0 && isLive(live, r)) {
+        parts[n] = partialLines(p, p.shape.rank, cparity, r, i);
+        ranks[n++] = r;
+      }
+    }
+    for (int r = n; r < R; ++r) parts[r] = nullptr;
   }
-  __syncwarp();
-  const int vecs = p.shape.hidden / 8, first = g.tid - lane;  // a warp's 32 vectors: one chunk
+  own.sync();
+  if (!go) return false;
+  int n = 0;
+  while (n < R && parts[n] != nullptr) ++n;
+  const int vecs = p.shape.hidden / 8, lane = g.tid % 32, first = g.tid - lane;  // a warp's 32 vectors: one chunk
   auto* out = reinterpret_cast<uint4*>(p.combine.out) + static_cast<std::uint64_t>(t) * vecs;
   const int chunks = first < vecs ? (vecs - first + g.nthreads - 1) / g.nthreads : 0;  // the warp's: j x nthreads on
   if (n == 0) {  // a token sent nowhere: zeros
@@ -1032,22 +1034,19 @@ __device__ bool sumPartialLines(const MoeParams& p, int t, std::uint32_t live, i
   bool ok = true;
   for (int e = 0; ok && e < chunks * n; e += kInFlight) {
     uint4 v[kInFlight][moe_lines::kLoads<1>];
-    const uint4* cl[kInFlight] = {};
-    int rank[kInFlight] = {};
+    const uint4* cl[kInFlight];
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u) {
-      const int f = e + u;
-      if (f >= chunks * n) continue;  // uniform across the warp
-      rank[u] = ranksOf[f % n];
-      cl[u] = lines[f % n] + static_cast<std::uint64_t>((first + f / n * g.nthreads) >> 5) * moeLinePieces(1);
-      moe_lines::loadLines<1>(cl[u], lane, v[u]);
+      const int f = e + u, j = f / n;
+      cl[u] = parts[f % n] + static_cast<std::uint64_t>((first + j * g.nthreads) >> 5) * moeLinePieces(1);
+      if (f < chunks * n) moe_lines::loadLines<1>(cl[u], lane, v[u]);
     }
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u) {
       const int f = e + u, j = f / n, i = f % n, c = g.tid + j * g.nthreads;
       if (!ok || f >= chunks * n) continue;
       if (!moe_lines::linesLanded<1>(v[u], lane, tag)) {
-        ok = moe_lines::waitLines<1>(p.peers.sync, cl[u], lane, tag, rank[u], WaitSite::kMoeCombine);
+        ok = moe_lines::waitLines<1>(p.peers.sync, cl[u], lane, tag, ranks[i], WaitSite::kMoeCombine);
         if (ok) moe_lines::loadLines<1>(cl[u], lane, v[u]);
       }
       if (!ok) continue;
@@ -1230,9 +1229,9 @@ __device__ void combineSend(const MoeParams& p, Part part, std::uint32_t live, b
 // their weights and masked them in words[0]: every receive CTA leaves them out after the meeting).
 // Without it a stand-in's failure is recorded and the waits below return at once.
 __device__ void combineReceive(const MoeParams& p, Part part, std::uint32_t live, std::uint32_t skip) {
+  __shared__ const uint4* parts[kGroups][kMaxRanks];
+  __shared__ int partRanks[kGroups][kMaxRanks];
   __shared__ MoeSlotStage stages[kGroups];
-  __shared__ const uint4* sumLines[kWarps][kMaxRanks];  // each warp's table (sumPartialLines)
-  __shared__ int sumRanks[kWarps][kMaxRanks];
   const MoeGroupSlice gs = moeGroupSlice(part.cta, part.ctas, true);  // the CTAs first
   const int R = p.shape.numRanks;
   const std::uint32_t cstep = p.peers.steps[1];
@@ -1277,17 +1276,12 @@ __device__ void combineReceive(const MoeParams& p, Part part, std::uint32_t live
     if (arrived) {
       // A token a group: where every token then has one, groups of kSumThreads (a token's chunks
       // over twice the warps: at H 2048 a warp's one chunk, both ranks' lines in one round trip),
-      // else the reduce's groups. The sums' warps meet no barrier (sumPartialLines).
+      // each half of one a reduce group with its own scratch and barrier; else the reduce's groups.
       const bool wide = T <= (kThreads / kSumThreads) * part.ctas;
-      const MoeGroupSlice ss = wide ? moeGroupSlice(part.cta, part.ctas, true, kSumThreads, 1 + kGroups) : gs;
-      // Every warp of the CTA done with its own records first: a warp that polls for lines while
-      // others still reduce takes their issue slots (run 323: 2.7% off the combine at H 2048 on
-      // emulated ranks; the group barrier the sums met until 9931e6c did this per group).
-      __syncthreads();
+      const MoeGroupSlice ss = wide ? moeGroupSlice(part.cta, part.ctas, true, kSumThreads) : gs;
       bool go = true;
-      const int warp = static_cast<int>(threadIdx.x) / 32;
-      for (int t = ss.first; go && t < T; t += ss.stride) {
-        go = sumPartialLines(p, t, live, cparity, tag, ss.g, sumLines[warp], sumRanks[warp]);
+      for (int t = ss.first; t < T; t += ss.stride) {
+        go = sumPartialLines(p, t, live, cparity, tag, parts[gs.group], partRanks[gs.group], gs.g, ss.g, go);
       }
       const bool summed = __syncthreads_or(!go) == 0;  // a chunk that never came is recorded: no second wait
       arrived = summed && (masked != nullptr ||
