@@ -432,20 +432,19 @@ struct MoeGroup {
 // part; the others slice the grid. `ctasFirst`: item n goes to group n / ctas of CTA n % ctas, so
 // that items fewer than the groups spread over every CTA (SM) before any CTA takes a second (the
 // latency kernels: 128 records on 64 CTAs of 4 groups went to the first 32 CTAs); else to CTA
-// n / perCta, group n % perCta. `threads`: a group's threads (a multiple of 32 dividing the CTA's);
-// `barrier`: the named barrier of the CTA's first group, the others' following it (a slice of
-// other groups than an earlier phase's takes barriers past that phase's, so that no warp still in
-// it meets a barrier of another count).
+// n / perCta, group n % perCta. `threads`: a group's threads (a multiple of 32 dividing the CTA's).
+// Group g's named barrier is 1 + g: a slice of another size than the kernel's barrier groups only
+// splits work (its sync() would meet another count at the same barrier; combineReceive's wide
+// sums).
 struct MoeGroupSlice {
   int group, first, stride;
   MoeGroup g;
 };
-__device__ __forceinline__ MoeGroupSlice moeGroupSlice(int cta, int ctas, bool ctasFirst = false, int threads = kMoeGroupThreads,
-                                                       int barrier = 1) {
+__device__ __forceinline__ MoeGroupSlice moeGroupSlice(int cta, int ctas, bool ctasFirst = false, int threads = kMoeGroupThreads) {
   const int tid = static_cast<int>(threadIdx.x), group = tid / threads;
   const int perCta = static_cast<int>(blockDim.x) / threads;
   return MoeGroupSlice{group, ctasFirst ? group * ctas + cta : cta * perCta + group, ctas * perCta,
-                       MoeGroup{tid % threads, threads, barrier + group}};
+                       MoeGroup{tid % threads, threads, 1 + group}};
 }
 __device__ __forceinline__ MoeGroupSlice moeGroupSlice() {
   return moeGroupSlice(static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x));
