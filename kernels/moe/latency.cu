@@ -1243,8 +1243,9 @@ __device__ void combineReceive(const MoeParams& p, Part part, std::uint32_t live
     const MoeStamp stamp(p, MoeKernel::kLatencyCombineOwn);
     // This rank's own records, reduced into its own partial slots (as lines, the peers' way) while
     // the send part reduces the peers' (no wait: the records, y and the weights are this rank's).
-    // Each group takes the same tokens below, so its own barrier orders these partials before its
-    // sums.
+    // The sums below read these partials' lines like a peer's, each waited for by its tag: where
+    // the sums' groups are wide, a token's own partial is written by one reduce group and summed by
+    // warps of another, with no barrier between (each writer ends this phase before it waits).
     for (int t = gs.first; t < T; t += gs.stride) {
       const int i = p.routing.tokenRankIndex[static_cast<std::uint64_t>(t) * R + p.shape.rank];
       if (i >= 0) {
