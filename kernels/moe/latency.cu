@@ -575,11 +575,13 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part, const Send
   // Items go over every warp of the send part, the CTAs first. Apart, the metadata no longer
   // follows chunk 0's payload in the chunk-0 CTAs (every chunks-th CTA where the chunks divide the
   // CTAs), which then ended last while every reader of a record waits for its metadata.
+  // Token t's record slot in rank r's heap (its index in r's list).
+  const auto slotOf = [&](int r, int t) { return recordSlot(p, r, parity, me, popcBelow(rt.dstBits + r * W, t)); };
   if (gw < metaItems) {
     const int t = gw;
 #pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
     for (int r = 0; r < R; ++r) {
-      if (rt.goesTo(r, t)) putMetaLines(p, rt, metaLines<kFp8>(p, recordSlot(p, r, parity, me, popcBelow(rt.dstBits + r * W, t))), r, t, lane, tag);
+      if (rt.goesTo(r, t)) putMetaLines(p, rt, metaLines<kFp8>(p, slotOf(r, t)), r, t, lane, tag);
     }
   }
   for (int item = firstPayload; item < items; item += warps) {
@@ -592,7 +594,7 @@ __device__ void dispatchSend(const MoeParams& p, char* sm, Part part, const Send
 #pragma unroll 1  // over ranks: no copies of the body (code a cold SM fetches)
     for (int r = 0; r < R; ++r) {
       if (!rt.goesTo(r, t)) continue;
-      char* slot = recordSlot(p, r, parity, me, popcBelow(rt.dstBits + r * W, t));
+      char* slot = slotOf(r, t);
       putLines<kFp8>(p, slot, c, lane, s, tag);
       if (c == 0 && metaItems == 0) putMetaLines(p, rt, metaLines<kFp8>(p, slot), r, t, lane, tag);
     }
